@@ -1,0 +1,117 @@
+// The named allocator and the activation stack arena.
+//
+// Every byte the core takes from a device is recorded with a context (what kind
+// of state it is) and a name (which tensor), so that memory can be reported per
+// context and an out-of-memory error can name the tensor that did not fit.
+// Short-lived temporaries of the backward pass come from a StackArena: one
+// allocation sized up front, used last-in-first-out, with its high-water mark.
+#pragma once
+
+#include <cstddef>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include "tensor.h"
+
+namespace nanoq {
+
+class Backend;
+
+enum class Context : int {
+    Weights = 0,
+    Master,
+    Gradients,
+    AdamM,
+    AdamV,
+    Activations,
+    Workspace,
+    Stack,
+    Count
+};
+const char* context_name(Context context);
+
+enum class MemoryKind : int { Device = 0, Pinned, Host };
+const char* memory_kind_name(MemoryKind kind);
+
+struct Segment {
+    Context context;
+    std::string name;
+    std::size_t bytes;
+    MemoryKind kind;
+    void* data;
+};
+
+class NamedAllocator {
+public:
+    NamedAllocator(Backend& backend, int device);
+    ~NamedAllocator();
+    NamedAllocator(const NamedAllocator&) = delete;
+    NamedAllocator& operator=(const NamedAllocator&) = delete;
+
+    // Allocates a tensor that lives until the allocator is destroyed.
+    // Throws OutOfMemory naming the tensor when the backend refuses.
+    Tensor allocate(Context context, const std::string& name, DType dtype,
+                    std::initializer_list<std::int64_t> dims, MemoryKind kind = MemoryKind::Device);
+
+    const std::vector<Segment>& segments() const { return segments_; }
+    std::size_t total_bytes(Context context) const;
+
+private:
+    Backend& backend_;
+    int device_;
+    std::vector<Segment> segments_;
+};
+
+struct StackEntry {
+    std::string name;
+    std::size_t offset;
+    std::size_t bytes;
+};
+
+class StackArena {
+public:
+    StackArena(NamedAllocator& allocator, std::size_t capacity_bytes);
+
+    Tensor push(const std::string& name, DType dtype, std::initializer_list<std::int64_t> dims);
+    // Releases the most recent push; `tensor` must be it (checked).
+    void pop(const Tensor& tensor);
+
+    std::size_t capacity() const { return capacity_; }
+    std::size_t used() const { return used_; }
+    std::size_t high_water() const { return high_water_; }
+    const std::vector<StackEntry>& live_at_high_water() const { return live_at_high_water_; }
+
+    static constexpr std::size_t kAlignment = 256;
+    static std::size_t aligned(std::size_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
+
+private:
+    char* base_ = nullptr;
+    std::size_t capacity_ = 0;
+    std::size_t used_ = 0;
+    std::size_t high_water_ = 0;
+    std::vector<StackEntry> live_;
+    std::vector<StackEntry> live_at_high_water_;
+};
+
+// A scope guard that pops what it pushed, in reverse order, even on exceptions.
+class StackFrame {
+public:
+    explicit StackFrame(StackArena& arena) : arena_(arena) {}
+    ~StackFrame() {
+        for (auto it = pushed_.rbegin(); it != pushed_.rend(); ++it) arena_.pop(*it);
+    }
+    StackFrame(const StackFrame&) = delete;
+    StackFrame& operator=(const StackFrame&) = delete;
+
+    Tensor push(const std::string& name, DType dtype, std::initializer_list<std::int64_t> dims) {
+        pushed_.push_back(arena_.push(name, dtype, dims));
+        return pushed_.back();
+    }
+
+private:
+    StackArena& arena_;
+    std::vector<Tensor> pushed_;
+};
+
+}  // namespace nanoq

@@ -1,0 +1,420 @@
+// The CPU backend: every op in fp32, OpenMP loops and OpenBLAS sgemm.
+//
+// This is the reference backend that every test runs on. Each device is a
+// worker thread over host memory; `threads` OpenMP/OpenBLAS threads serve it.
+// Reductions that feed weights (weight/bias/norm gradients, sums of squares,
+// loss statistics) run in a fixed order independent of the thread count, so
+// results are bitwise reproducible for a given device count.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <new>
+#include <vector>
+
+#include "backend.h"
+#include "nanoq/errors.h"
+#include "cblas.h"
+
+namespace nanoq {
+namespace {
+
+constexpr int kIgnoreIndex = -100;
+
+class CpuBackend final : public Backend {
+public:
+    explicit CpuBackend(int threads) : threads_(std::max(1, threads)) {
+        // OpenBLAS's thread count is process-wide (this build has no per-thread
+        // setting): every device of a trainer asks for the same value.
+        scipy_openblas_set_num_threads(threads_);
+    }
+
+    std::string name() const override { return "cpu"; }
+
+    void* raw_alloc(std::size_t bytes, MemoryKind) override {
+        return std::aligned_alloc(StackArena::kAlignment, StackArena::aligned(bytes));
+    }
+    void raw_free(void* data, MemoryKind) override { std::free(data); }
+    void copy_from_host(const Tensor& dst, const void* src) override { std::memcpy(dst.data, src, dst.bytes()); }
+    void copy_to_host(void* dst, const Tensor& src) override { std::memcpy(dst, src.data, src.bytes()); }
+    void copy(const Tensor& dst, const Tensor& src) override {
+        if (dst.bytes() != src.bytes()) throw InternalError("copy between tensors of different sizes");
+        std::memcpy(dst.data, src.data, src.bytes());
+    }
+    void fill(const Tensor& t, float value) override {
+        float* p = t.f32();
+        const std::int64_t n = t.numel();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+        for (std::int64_t i = 0; i < n; ++i) p[i] = value;
+    }
+    void synchronize() override {}
+
+    void matmul(const Tensor& out, const Tensor& a, const Tensor& b, int M, int N, int K, bool trans_a,
+                bool trans_b, bool accumulate) override {
+        gemm(out.f32(), a.f32(), b.f32(), M, N, K, trans_a ? M : K, trans_b ? K : N, N, trans_a, trans_b, 1.0f,
+             accumulate ? 1.0f : 0.0f);
+    }
+
+    void add_bias(const Tensor& out, const Tensor& bias, int rows, int cols) override {
+        float* o = out.f32();
+        const float* bb = bias.f32();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+        for (int r = 0; r < rows; ++r)
+            for (int c = 0; c < cols; ++c) o[static_cast<std::int64_t>(r) * cols + c] += bb[c];
+    }
+
+    void bias_backward(const Tensor& dbias, const Tensor& dout, int rows, int cols) override {
+        column_sums(dbias.f32(), dout.f32(), rows, cols);
+    }
+
+    void add(const Tensor& out, const Tensor& a, const Tensor& b) override {
+        float* o = out.f32();
+        const float* x = a.f32();
+        const float* y = b.f32();
+        const std::int64_t n = out.numel();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+        for (std::int64_t i = 0; i < n; ++i) o[i] = x[i] + y[i];
+    }
+
+    void accumulate(const Tensor& out, const Tensor& a) override {
+        float* o = out.f32();
+        const float* x = a.f32();
+        const std::int64_t n = out.numel();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+        for (std::int64_t i = 0; i < n; ++i) o[i] += x[i];
+    }
+
+    void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& table, int rows,
+                           int channels) override {
+        float* o = out.f32();
+        const std::int32_t* tok = tokens.i32();
+        const float* t = table.f32();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+        for (int r = 0; r < rows; ++r)
+            std::memcpy(o + static_cast<std::int64_t>(r) * channels, t + static_cast<std::int64_t>(tok[r]) * channels,
+                        sizeof(float) * channels);
+    }
+
+    void embedding_backward(const Tensor& table_grad, const Tensor& dout, const Tensor& tokens, int rows,
+                            int channels) override {
+        // Parallel over channels, rows in order: each table entry sums its rows
+        // in the same order whatever the thread count.
+        float* g = table_grad.f32();
+        const float* d = dout.f32();
+        const std::int32_t* tok = tokens.i32();
+        const int block = 16;
+#pragma omp parallel for num_threads(threads_) schedule(static)
+        for (int c0 = 0; c0 < channels; c0 += block) {
+            const int c1 = std::min(channels, c0 + block);
+            for (int r = 0; r < rows; ++r) {
+                float* gr = g + static_cast<std::int64_t>(tok[r]) * channels;
+                const float* dr = d + static_cast<std::int64_t>(r) * channels;
+                for (int c = c0; c < c1; ++c) gr[c] += dr[c];
+            }
+        }
+    }
+
+    void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight, int rows,
+                         int channels, float eps) override {
+        float* o = out.f32();
+        float* rs = rstd.f32();
+        const float* x = inp.f32();
+        const float* w = weight.f32();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+        for (int r = 0; r < rows; ++r) {
+            const float* xr = x + static_cast<std::int64_t>(r) * channels;
+            float* orow = o + static_cast<std::int64_t>(r) * channels;
+            float sum = 0.0f;
+            for (int c = 0; c < channels; ++c) sum += xr[c] * xr[c];
+            const float s = 1.0f / std::sqrt(sum / channels + eps);
+            rs[r] = s;
+            for (int c = 0; c < channels; ++c) orow[c] = w[c] * (xr[c] * s);
+        }
+    }
+
+    void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                          const Tensor& weight, const Tensor& rstd, int rows, int channels,
+                          bool accumulate) override {
+        float* dx = dinp.f32();
+        const float* dy = dout.f32();
+        const float* x = inp.f32();
+        const float* w = weight.f32();
+        const float* rs = rstd.f32();
+        // dweight first: it reads dout, which dinp may alias.
+        column_sums(dweight.f32(), dy, rows, channels, x, rs);
+#pragma omp parallel for num_threads(threads_) schedule(static)
+        for (int r = 0; r < rows; ++r) {
+            const std::int64_t off = static_cast<std::int64_t>(r) * channels;
+            const float s = rs[r];
+            float dot = 0.0f;
+            for (int c = 0; c < channels; ++c) dot += dy[off + c] * w[c] * x[off + c] * s;
+            dot /= channels;
+            for (int c = 0; c < channels; ++c) {
+                const float g = s * (dy[off + c] * w[c] - x[off + c] * s * dot);
+                dx[off + c] = accumulate ? dx[off + c] + g : g;
+            }
+        }
+    }
+
+    void rope_forward(const Tensor& x, const Tensor& cos_sin, int batch, int time, int heads,
+                      int head_dim) override {
+        rotate(x.f32(), cos_sin.f32(), batch, time, heads, head_dim, 1.0f);
+    }
+    void rope_backward(const Tensor& dx, const Tensor& cos_sin, int batch, int time, int heads,
+                       int head_dim) override {
+        // The rotation is orthogonal: its gradient is the inverse rotation.
+        rotate(dx.f32(), cos_sin.f32(), batch, time, heads, head_dim, -1.0f);
+    }
+
+    void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
+                           const AttentionShape& s, StackArena& stack) override {
+        StackFrame frame(stack);
+        const int T = s.time, D = s.head_dim, group = s.heads / s.kv_heads;
+        const int ldq = s.heads * D, ldk = s.kv_heads * D;
+        const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+        float* probs = frame.push("attention-probs", DType::F32, {T, T}).f32();
+        for (int b = 0; b < s.batch; ++b) {
+            for (int h = 0; h < s.heads; ++h) {
+                const std::int64_t qoff = static_cast<std::int64_t>(b) * T * ldq + h * D;
+                const std::int64_t koff = static_cast<std::int64_t>(b) * T * ldk + (h / group) * D;
+                gemm(probs, q.f32() + qoff, k.f32() + koff, T, T, D, ldq, ldk, T, false, true, scale, 0.0f);
+                float* l = lse.f32() + (static_cast<std::int64_t>(b) * s.heads + h) * T;
+#pragma omp parallel for num_threads(threads_) schedule(static)
+                for (int t = 0; t < T; ++t) {
+                    float* row = probs + static_cast<std::int64_t>(t) * T;
+                    float m = -std::numeric_limits<float>::infinity();
+                    for (int u = 0; u <= t; ++u) m = std::max(m, row[u]);
+                    float sum = 0.0f;
+                    for (int u = 0; u <= t; ++u) {
+                        row[u] = std::exp(row[u] - m);
+                        sum += row[u];
+                    }
+                    const float inv = 1.0f / sum;
+                    for (int u = 0; u <= t; ++u) row[u] *= inv;
+                    for (int u = t + 1; u < T; ++u) row[u] = 0.0f;
+                    l[t] = m + std::log(sum);
+                }
+                gemm(out.f32() + qoff, probs, v.f32() + koff, T, D, T, T, ldk, ldq, false, false, 1.0f, 0.0f);
+            }
+        }
+    }
+
+    std::size_t attention_stack_bytes(const AttentionShape& s) const override {
+        return 2 * StackArena::aligned(sizeof(float) * s.time * s.time);
+    }
+
+    void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
+                            const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
+                            const AttentionShape& s, StackArena& stack) override {
+        StackFrame frame(stack);
+        const int T = s.time, D = s.head_dim, group = s.heads / s.kv_heads;
+        const int ldq = s.heads * D, ldk = s.kv_heads * D;
+        const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+        float* probs = frame.push("attention-probs", DType::F32, {T, T}).f32();
+        float* dscores = frame.push("attention-dscores", DType::F32, {T, T}).f32();
+        fill(dk, 0.0f);
+        fill(dv, 0.0f);
+        for (int b = 0; b < s.batch; ++b) {
+            for (int h = 0; h < s.heads; ++h) {
+                const std::int64_t qoff = static_cast<std::int64_t>(b) * T * ldq + h * D;
+                const std::int64_t koff = static_cast<std::int64_t>(b) * T * ldk + (h / group) * D;
+                const float* l = lse.f32() + (static_cast<std::int64_t>(b) * s.heads + h) * T;
+                const float* o = out.f32() + qoff;
+                const float* dO = dout.f32() + qoff;
+                // Recompute the probabilities from the saved log-sum-exp.
+                gemm(probs, q.f32() + qoff, k.f32() + koff, T, T, D, ldq, ldk, T, false, true, scale, 0.0f);
+                gemm(dscores, dO, v.f32() + koff, T, T, D, ldq, ldk, T, false, true, 1.0f, 0.0f);
+#pragma omp parallel for num_threads(threads_) schedule(static)
+                for (int t = 0; t < T; ++t) {
+                    float* p = probs + static_cast<std::int64_t>(t) * T;
+                    float* ds = dscores + static_cast<std::int64_t>(t) * T;
+                    float delta = 0.0f;  // sum_u p[u] dp[u] == dot(dO_t, O_t)
+                    for (int d = 0; d < D; ++d)
+                        delta += dO[static_cast<std::int64_t>(t) * ldq + d] * o[static_cast<std::int64_t>(t) * ldq + d];
+                    for (int u = 0; u <= t; ++u) {
+                        p[u] = std::exp(p[u] - l[t]);
+                        ds[u] = p[u] * (ds[u] - delta) * scale;
+                    }
+                    for (int u = t + 1; u < T; ++u) p[u] = ds[u] = 0.0f;
+                }
+                gemm(dq.f32() + qoff, dscores, k.f32() + koff, T, D, T, T, ldk, ldq, false, false, 1.0f, 0.0f);
+                gemm(dk.f32() + koff, dscores, q.f32() + qoff, T, D, T, T, ldq, ldk, true, false, 1.0f, 1.0f);
+                gemm(dv.f32() + koff, probs, dO, T, D, T, T, ldq, ldk, true, false, 1.0f, 1.0f);
+            }
+        }
+    }
+
+    void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) override {
+        float* o = out.f32();
+        const float* g = gate.f32();
+        const float* u = up.f32();
+        const std::int64_t n = out.numel();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+        for (std::int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    }
+
+    void swiglu_backward(const Tensor& dgate, const Tensor& dup, const Tensor& dout, const Tensor& gate,
+                         const Tensor& up) override {
+        float* dg = dgate.f32();
+        float* du = dup.f32();
+        const float* d = dout.f32();
+        const float* g = gate.f32();
+        const float* u = up.f32();
+        const std::int64_t n = dout.numel();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+        for (std::int64_t i = 0; i < n; ++i) {
+            const float sig = 1.0f / (1.0f + std::exp(-g[i]));
+            const float silu = g[i] * sig;
+            const float di = d[i];
+            du[i] = di * silu;
+            dg[i] = di * u[i] * (sig + silu * (1.0f - sig));
+        }
+    }
+
+    void cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& stats, int rows, int vocab,
+                       int first_position, int time, float z_loss, bool with_grad) override {
+        float* lg = logits.f32();
+        const std::int32_t* tg = targets.i32();
+        std::vector<float> row_lse(rows), row_loss(rows);
+#pragma omp parallel for num_threads(threads_) schedule(static)
+        for (int r = 0; r < rows; ++r) {
+            float* row = lg + static_cast<std::int64_t>(r) * vocab;
+            const int target = tg[r];
+            if (target == kIgnoreIndex) {
+                if (with_grad) std::memset(row, 0, sizeof(float) * vocab);
+                continue;
+            }
+            float m = -std::numeric_limits<float>::infinity();
+            for (int j = 0; j < vocab; ++j) m = std::max(m, row[j]);
+            float sum = 0.0f;
+            for (int j = 0; j < vocab; ++j) sum += std::exp(row[j] - m);
+            const float lse = m + std::log(sum);
+            row_lse[r] = lse;
+            row_loss[r] = lse - row[target];
+            if (with_grad) {
+                const float factor = 1.0f + 2.0f * z_loss * lse;
+                for (int j = 0; j < vocab; ++j) row[j] = std::exp(row[j] - lse) * factor;
+                row[target] -= 1.0f;
+            }
+        }
+        // Sum in row order so the statistics do not depend on the thread count.
+        float* st = stats.f32();
+        double loss = 0, loss1k = 0, lse_sum = 0, z = 0;
+        std::int64_t tokens = 0, tokens1k = 0;
+        float lse_max = st[kLseMax];
+        for (int r = 0; r < rows; ++r) {
+            if (tg[r] == kIgnoreIndex) continue;
+            ++tokens;
+            loss += row_loss[r];
+            lse_sum += row_lse[r];
+            lse_max = std::max(lse_max, row_lse[r]);
+            z += static_cast<double>(z_loss) * row_lse[r] * row_lse[r];
+            if ((first_position + r) % time < 1024) {
+                ++tokens1k;
+                loss1k += row_loss[r];
+            }
+        }
+        st[kLossSum] += static_cast<float>(loss);
+        st[kTokens] += static_cast<float>(tokens);
+        st[kLoss1kSum] += static_cast<float>(loss1k);
+        st[kTokens1k] += static_cast<float>(tokens1k);
+        st[kLseSum] += static_cast<float>(lse_sum);
+        st[kLseMax] = lse_max;
+        st[kZLossSum] += static_cast<float>(z);
+    }
+
+    void adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+               const AdamWStep& s) override {
+        float* p = param.f32();
+        const float* g = grad.f32();
+        float* mm = m.f32();
+        float* vv = v.f32();
+        const std::int64_t n = param.numel();
+        const float bias1 = 1.0f - std::pow(s.beta1, static_cast<float>(s.step));
+        const float bias2_sqrt = std::sqrt(1.0f - std::pow(s.beta2, static_cast<float>(s.step)));
+        const float step_size = s.lr / bias1;
+        const float decay = 1.0f - s.lr * s.weight_decay;
+#pragma omp parallel for num_threads(threads_) schedule(static)
+        for (std::int64_t i = 0; i < n; ++i) {
+            const float gi = g[i] * s.grad_scale;
+            mm[i] = s.beta1 * mm[i] + (1.0f - s.beta1) * gi;
+            vv[i] = s.beta2 * vv[i] + (1.0f - s.beta2) * gi * gi;
+            p[i] = p[i] * decay - step_size * mm[i] / (std::sqrt(vv[i]) / bias2_sqrt + s.eps);
+        }
+    }
+
+    void sum_squares(const Tensor& out, const Tensor& x) override {
+        // Fixed blocks summed in order: the result does not depend on threads.
+        const float* p = x.f32();
+        const std::int64_t n = x.numel();
+        const std::int64_t block = 1 << 14;
+        const std::int64_t blocks = (n + block - 1) / block;
+        std::vector<double> partial(blocks);
+#pragma omp parallel for num_threads(threads_) schedule(static)
+        for (std::int64_t b = 0; b < blocks; ++b) {
+            double acc = 0.0;
+            for (std::int64_t i = b * block; i < std::min(n, (b + 1) * block); ++i) acc += double(p[i]) * p[i];
+            partial[b] = acc;
+        }
+        double total = 0.0;
+        for (double v : partial) total += v;
+        out.f32()[0] += static_cast<float>(total);
+    }
+
+private:
+    void gemm(float* c, const float* a, const float* b, int M, int N, int K, int lda, int ldb, int ldc, bool trans_a,
+              bool trans_b, float alpha, float beta) {
+        scipy_cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M,
+                          N, K, alpha, a, lda, b, ldb, beta, c, ldc);
+    }
+
+    // out[c] += a sum over rows, parallel over columns with rows in
+    // order: sums of dout, or with `inp`, the rmsnorm weight gradient
+    // dout * inp * rstd.
+    void column_sums(float* out, const float* dout, int rows, int cols, const float* inp = nullptr,
+                     const float* rstd = nullptr) {
+        const int block = 16;
+#pragma omp parallel for num_threads(threads_) schedule(static)
+        for (int c0 = 0; c0 < cols; c0 += block) {
+            const int c1 = std::min(cols, c0 + block);
+            float acc[block] = {};
+            for (int r = 0; r < rows; ++r) {
+                const std::int64_t off = static_cast<std::int64_t>(r) * cols;
+                for (int c = c0; c < c1; ++c)
+                    acc[c - c0] += inp ? dout[off + c] * inp[off + c] * rstd[r] : dout[off + c];
+            }
+            for (int c = c0; c < c1; ++c) out[c] += acc[c - c0];
+        }
+    }
+
+    void rotate(float* x, const float* cos_sin, int batch, int time, int heads, int head_dim, float direction) {
+        const int half = head_dim / 2;
+        const std::int64_t rows = static_cast<std::int64_t>(batch) * time;
+#pragma omp parallel for num_threads(threads_) schedule(static)
+        for (std::int64_t r = 0; r < rows; ++r) {
+            const float* cs = cos_sin + static_cast<std::int64_t>(r % time) * half * 2;
+            for (int h = 0; h < heads; ++h) {
+                float* xh = x + (r * heads + h) * head_dim;
+                for (int i = 0; i < half; ++i) {
+                    const float c = cs[2 * i], sn = direction * cs[2 * i + 1];
+                    const float a = xh[i], b = xh[i + half];
+                    xh[i] = a * c - b * sn;
+                    xh[i + half] = b * c + a * sn;
+                }
+            }
+        }
+    }
+
+    int threads_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> create_cpu_backend(int /*device*/, int threads) {
+    return std::make_unique<CpuBackend>(threads);
+}
+
+}  // namespace nanoq

@@ -1,0 +1,137 @@
+// Shared-memory collectives for worker threads over host memory.
+//
+// Each collective publishes every rank's buffer pointer, meets at a barrier,
+// lets each rank work on the part it owns (reading the others' buffers), and
+// meets again before anyone may touch its buffer. In-place reduce-scatter is
+// safe because rank r writes only chunk r of its own buffer, which no other
+// rank reads; all-gather because each rank writes only its own buffer.
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include "comm.h"
+#include "nanoq/errors.h"
+
+namespace nanoq {
+
+class SharedMemoryGroup {
+public:
+    explicit SharedMemoryGroup(int size) : size_(size), buffers_(size, nullptr) {}
+
+    int size() const { return size_; }
+
+    void barrier() {
+        std::unique_lock<std::mutex> lock(mutex_);
+        if (aborted_) throw WorkerAborted("collective abandoned: another worker failed");
+        const long generation = generation_;
+        if (++arrived_ == size_) {
+            arrived_ = 0;
+            ++generation_;
+            cv_.notify_all();
+            return;
+        }
+        cv_.wait(lock, [&] { return generation_ != generation || aborted_; });
+        if (aborted_) throw WorkerAborted("collective abandoned: another worker failed");
+    }
+
+    void abort() {
+        std::lock_guard<std::mutex> lock(mutex_);
+        aborted_ = true;
+        cv_.notify_all();
+    }
+
+    void publish(int rank, void* data) { buffers_[rank] = data; }
+    float* buffer(int rank) const { return static_cast<float*>(buffers_[rank]); }
+
+private:
+    int size_;
+    std::vector<void*> buffers_;
+    std::mutex mutex_;
+    std::condition_variable cv_;
+    int arrived_ = 0;
+    long generation_ = 0;
+    bool aborted_ = false;
+};
+
+namespace {
+
+class SharedMemoryCommunicator final : public Communicator {
+public:
+    SharedMemoryCommunicator(std::shared_ptr<SharedMemoryGroup> group, int rank)
+        : group_(std::move(group)), rank_(rank) {}
+
+    int rank() const override { return rank_; }
+    int size() const override { return group_->size(); }
+
+    void all_reduce_sum(const Tensor& buffer) override {
+        if (size() == 1) return;
+        // Sum chunk by chunk into a private copy, then publish: two barriers.
+        const std::int64_t n = buffer.numel();
+        std::vector<float> sum(n, 0.0f);
+        begin(buffer);
+        for (int r = 0; r < size(); ++r) {
+            const float* src = group_->buffer(r);
+            for (std::int64_t i = 0; i < n; ++i) sum[i] += src[i];
+        }
+        group_->barrier();
+        std::memcpy(buffer.data, sum.data(), sizeof(float) * n);
+    }
+
+    void reduce_scatter_sum(const Tensor& buffer) override {
+        if (size() == 1) return;
+        const std::int64_t chunk = chunk_size(buffer);
+        begin(buffer);
+        float* own = buffer.f32() + rank_ * chunk;
+        for (std::int64_t i = 0; i < chunk; ++i) {
+            float acc = 0.0f;
+            for (int r = 0; r < size(); ++r) acc += group_->buffer(r)[rank_ * chunk + i];
+            own[i] = acc;
+        }
+        group_->barrier();
+    }
+
+    void all_gather(const Tensor& buffer) override {
+        if (size() == 1) return;
+        const std::int64_t chunk = chunk_size(buffer);
+        begin(buffer);
+        for (int r = 0; r < size(); ++r)
+            if (r != rank_)
+                std::memcpy(buffer.f32() + r * chunk, group_->buffer(r) + r * chunk, sizeof(float) * chunk);
+        group_->barrier();
+    }
+
+    void barrier() override { group_->barrier(); }
+    void abort() override { group_->abort(); }
+
+private:
+    void begin(const Tensor& buffer) {
+        buffer.f32();  // the shared-memory collectives move float32 only
+        group_->publish(rank_, buffer.data);
+        group_->barrier();
+    }
+
+    std::int64_t chunk_size(const Tensor& buffer) const {
+        if (buffer.numel() % size() != 0)
+            throw InternalError("collective on " + std::to_string(buffer.numel()) + " elements, not divisible by " +
+                                std::to_string(size()) + " ranks");
+        return buffer.numel() / size();
+    }
+
+    std::shared_ptr<SharedMemoryGroup> group_;
+    int rank_;
+};
+
+}  // namespace
+
+std::shared_ptr<SharedMemoryGroup> make_shared_memory_group(int size) {
+    return std::make_shared<SharedMemoryGroup>(size);
+}
+
+std::unique_ptr<Communicator> make_shared_memory_communicator(std::shared_ptr<SharedMemoryGroup> group, int rank) {
+    return std::make_unique<SharedMemoryCommunicator>(std::move(group), rank);
+}
+
+void abort_shared_memory_group(SharedMemoryGroup& group) { group.abort(); }
+
+}  // namespace nanoq

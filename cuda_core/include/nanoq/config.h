@@ -1,0 +1,90 @@
+// Plain configuration and result types shared by the core and its binding.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace nanoq {
+
+// One config for the Llama family (Llama 2/3, Qwen2/2.5, Qwen3, Nano-style).
+struct ModelConfig {
+    int vocab_size = 0;
+    int hidden_size = 0;
+    int intermediate_size = 0;
+    int num_layers = 0;
+    int num_heads = 0;
+    int num_kv_heads = 0;
+    int head_dim = 0;
+    double rope_theta = 10000.0;
+    // Llama-3 frequency scaling; off when rope_llama3 is false.
+    bool rope_llama3 = false;
+    double rope_factor = 1.0;
+    double rope_low_freq_factor = 1.0;
+    double rope_high_freq_factor = 4.0;
+    int rope_original_max_position = 8192;
+    float rms_norm_eps = 1e-6f;
+    bool tie_embeddings = false;
+    bool qkv_bias = false;  // Qwen2
+    bool o_bias = false;    // Llama with attention_bias
+    bool qk_norm = false;   // Qwen3
+};
+
+struct TrainOptions {
+    std::string backend = "cpu";
+    int devices = 1;
+    int batch_size = 1;  // per device
+    int seq_len = 0;
+    int grad_accum = 1;
+    int threads = 0;     // per device, cpu backend; 0 = all cores shared out
+    float z_loss = 0.0f;
+};
+
+struct UpdateParams {
+    float lr = 0.0f;
+    float beta1 = 0.9f;
+    float beta2 = 0.95f;
+    float weight_decay = 0.1f;
+    float grad_clip = 1.0f;  // 0 disables clipping
+    float eps = 1e-8f;
+};
+
+struct StepStats {
+    double loss = 0.0;       // mean cross-entropy over counted tokens
+    double loss_1k = 0.0;    // the same over positions < 1024
+    double z_loss = 0.0;     // mean z_loss * lse^2 (in the gradient, not in `loss`)
+    double grad_norm = 0.0;  // of the mean-loss gradient, before clipping
+    double lse_max = 0.0;
+    double lse_mean = 0.0;
+    std::int64_t tokens = 0;
+};
+
+struct ParameterInfo {
+    std::string name;  // Hugging Face name
+    std::vector<std::int64_t> shape;
+    bool weight_decay = false;
+    std::int64_t offset = 0;  // in the flat parameter buffer
+    std::int64_t numel() const {
+        std::int64_t n = 1;
+        for (auto d : shape) n *= d;
+        return n;
+    }
+};
+
+struct AllocationInfo {
+    std::string context;
+    std::string name;
+    std::size_t bytes;
+    std::string kind;
+};
+
+struct StackInfo {
+    std::size_t capacity = 0;
+    std::size_t high_water = 0;
+    std::vector<std::pair<std::string, std::size_t>> live_at_high_water;
+};
+
+// The parameters of a config, in flat-buffer order, with Hugging Face names.
+std::vector<ParameterInfo> parameter_layout(const ModelConfig& config);
+
+}  // namespace nanoq

@@ -1,0 +1,61 @@
+// The public face of the core: a data-parallel trainer over N devices.
+//
+// Every call blocks until all device workers have finished it; callers may
+// release their language's global lock around them. Arguments are validated
+// by the binding; the core re-checks what it must to stay memory safe and
+// throws InvalidArgument (bad call) or NanoqError (failure inside the core).
+// After a worker failure the trainer refuses further work; close() it and
+// build a new one.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "nanoq/config.h"
+#include "nanoq/errors.h"
+
+namespace nanoq {
+
+class Trainer {
+public:
+    Trainer(const ModelConfig& config, const TrainOptions& options);
+    ~Trainer();
+    Trainer(const Trainer&) = delete;
+    Trainer& operator=(const Trainer&) = delete;
+
+    int world_size() const;
+    const std::vector<ParameterInfo>& parameters() const;
+
+    // Copies a full parameter (float32, parameters()[index].shape) to every device.
+    void set_parameter(int index, const float* data);
+    // Copies a full parameter out (from device 0; weights are replicated).
+    void get_parameter(int index, float* out);
+    // The gradient of the mean loss over the tokens counted so far in this
+    // optimizer step, summed over devices, before clipping.
+    void get_gradient(int index, float* out);
+
+    // Forward + backward of one micro-batch per device. inputs, targets:
+    // int32 [devices * batch_size, seq_len], C-contiguous, host memory.
+    void step(const std::int32_t* inputs, const std::int32_t* targets);
+    StepStats validate(const std::int32_t* inputs, const std::int32_t* targets);
+    StepStats update(const UpdateParams& params);
+
+    int micro_steps() const;   // step() calls since the last update()
+    int optimizer_steps() const;
+
+    std::vector<AllocationInfo> allocations(int device) const;
+    StackInfo stack_info(int device) const;
+
+    // Test hook: the next step() throws inside worker `rank`.
+    void inject_fault(int rank);
+
+private:
+    struct Impl;
+    std::unique_ptr<Impl> impl_;
+};
+
+// Whether a backend is compiled into this build ("cpu" always is).
+bool has_backend(const std::string& name);
+
+}  // namespace nanoq

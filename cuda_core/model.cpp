@@ -1,0 +1,322 @@
+#include "model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "nanoq/errors.h"
+
+namespace nanoq {
+
+std::vector<ParameterInfo> parameter_layout(const ModelConfig& c) {
+    std::vector<ParameterInfo> params;
+    std::int64_t offset = 0;
+    auto add = [&](const std::string& name, std::vector<std::int64_t> shape) {
+        ParameterInfo p{name, std::move(shape), false, offset};
+        p.weight_decay = p.shape.size() >= 2;  // matrices decay; norms and biases do not
+        offset += p.numel();
+        params.push_back(std::move(p));
+    };
+    const std::int64_t C = c.hidden_size, I = c.intermediate_size, V = c.vocab_size;
+    const std::int64_t q_out = std::int64_t(c.num_heads) * c.head_dim, kv_out = std::int64_t(c.num_kv_heads) * c.head_dim;
+    add("model.embed_tokens.weight", {V, C});
+    for (int l = 0; l < c.num_layers; ++l) {
+        const std::string p = "model.layers." + std::to_string(l) + ".";
+        add(p + "input_layernorm.weight", {C});
+        add(p + "self_attn.q_proj.weight", {q_out, C});
+        if (c.qkv_bias) add(p + "self_attn.q_proj.bias", {q_out});
+        add(p + "self_attn.k_proj.weight", {kv_out, C});
+        if (c.qkv_bias) add(p + "self_attn.k_proj.bias", {kv_out});
+        add(p + "self_attn.v_proj.weight", {kv_out, C});
+        if (c.qkv_bias) add(p + "self_attn.v_proj.bias", {kv_out});
+        add(p + "self_attn.o_proj.weight", {C, q_out});
+        if (c.o_bias) add(p + "self_attn.o_proj.bias", {C});
+        if (c.qk_norm) {
+            add(p + "self_attn.q_norm.weight", {c.head_dim});
+            add(p + "self_attn.k_norm.weight", {c.head_dim});
+        }
+        add(p + "post_attention_layernorm.weight", {C});
+        add(p + "mlp.gate_proj.weight", {I, C});
+        add(p + "mlp.up_proj.weight", {I, C});
+        add(p + "mlp.down_proj.weight", {C, I});
+    }
+    add("model.norm.weight", {C});
+    if (!c.tie_embeddings) add("lm_head.weight", {V, C});
+    return params;
+}
+
+ModelWeights bind_weights(const ModelConfig& c, const Tensor& flat) {
+    // Walks the same layout as parameter_layout(), in the same order.
+    const auto layout = parameter_layout(c);
+    std::size_t next = 0;
+    auto take = [&](bool present) -> Tensor {
+        if (!present) return Tensor();
+        const ParameterInfo& p = layout.at(next++);
+        Tensor t = flat.slice(p.offset, p.numel());
+        t.ndim = static_cast<int>(p.shape.size());
+        for (int i = 0; i < t.ndim; ++i) t.shape[i] = p.shape[i];
+        return t;
+    };
+    ModelWeights w;
+    w.embed = take(true);
+    w.layers.resize(c.num_layers);
+    for (LayerWeights& l : w.layers) {
+        l.input_norm = take(true);
+        l.q = take(true);
+        l.q_bias = take(c.qkv_bias);
+        l.k = take(true);
+        l.k_bias = take(c.qkv_bias);
+        l.v = take(true);
+        l.v_bias = take(c.qkv_bias);
+        l.o = take(true);
+        l.o_bias = take(c.o_bias);
+        l.q_norm = take(c.qk_norm);
+        l.k_norm = take(c.qk_norm);
+        l.post_norm = take(true);
+        l.gate = take(true);
+        l.up = take(true);
+        l.down = take(true);
+    }
+    w.final_norm = take(true);
+    w.lm_head = c.tie_embeddings ? w.embed : take(true);
+    if (next != layout.size()) throw InternalError("parameter layout and weight binding disagree");
+    return w;
+}
+
+namespace {
+
+// cos/sin of position * inverse frequency, with Llama-3 scaling when asked.
+std::vector<float> rope_table(const ModelConfig& c, int time) {
+    const int half = c.head_dim / 2;
+    std::vector<double> inv_freq(half);
+    for (int i = 0; i < half; ++i) {
+        double f = 1.0 / std::pow(c.rope_theta, (2.0 * i) / c.head_dim);
+        if (c.rope_llama3) {
+            const double two_pi = 2.0 * 3.14159265358979323846;
+            const double old = c.rope_original_max_position;
+            const double low_wavelen = old / c.rope_low_freq_factor;
+            const double high_wavelen = old / c.rope_high_freq_factor;
+            const double wavelen = two_pi / f;
+            if (wavelen > low_wavelen) {
+                f = f / c.rope_factor;
+            } else if (wavelen >= high_wavelen) {
+                const double smooth =
+                    (old / wavelen - c.rope_low_freq_factor) / (c.rope_high_freq_factor - c.rope_low_freq_factor);
+                f = (1.0 - smooth) * f / c.rope_factor + smooth * f;
+            }
+        }
+        inv_freq[i] = f;
+    }
+    std::vector<float> table(static_cast<std::size_t>(time) * half * 2);
+    for (int t = 0; t < time; ++t)
+        for (int i = 0; i < half; ++i) {
+            const double angle = t * static_cast<double>(static_cast<float>(inv_freq[i]));
+            table[(static_cast<std::size_t>(t) * half + i) * 2] = static_cast<float>(std::cos(angle));
+            table[(static_cast<std::size_t>(t) * half + i) * 2 + 1] = static_cast<float>(std::sin(angle));
+        }
+    return table;
+}
+
+constexpr std::int64_t kClassifierChunkElements = std::int64_t(1) << 22;
+
+std::size_t aligned_f32(std::int64_t elements) { return StackArena::aligned(sizeof(float) * elements); }
+
+}  // namespace
+
+LlamaModel::LlamaModel(const ModelConfig& config, int batch, int time, Backend& backend, NamedAllocator& alloc)
+    : config_(config), B_(batch), T_(time), rows_(batch * time), backend_(backend) {
+    const ModelConfig& c = config_;
+    const std::int64_t rows = rows_, C = c.hidden_size, I = c.intermediate_size;
+    const std::int64_t HD = std::int64_t(c.num_heads) * c.head_dim, KD = std::int64_t(c.num_kv_heads) * c.head_dim;
+    attention_shape_ = AttentionShape{B_, T_, c.num_heads, c.num_kv_heads, c.head_dim};
+
+    const auto table = rope_table(c, T_);
+    cos_sin_ = alloc.allocate(Context::Workspace, "rope-cos-sin", DType::F32, {T_, c.head_dim / 2, 2});
+    backend_.copy_from_host(cos_sin_, table.data());
+
+    for (int l = 0; l <= c.num_layers; ++l)
+        residual_.push_back(
+            alloc.allocate(Context::Activations, "residual." + std::to_string(l), DType::F32, {rows, C}));
+    layers_.resize(c.num_layers);
+    for (int l = 0; l < c.num_layers; ++l) {
+        LayerActivations& a = layers_[l];
+        const std::string p = "layer." + std::to_string(l) + ".";
+        auto act = [&](const std::string& name, std::initializer_list<std::int64_t> dims) {
+            return alloc.allocate(Context::Activations, p + name, DType::F32, dims);
+        };
+        a.input_norm = act("input-norm", {rows, C});
+        a.input_rstd = act("input-rstd", {rows});
+        if (c.qk_norm) {
+            a.q_raw = act("q-raw", {rows, HD});
+            a.k_raw = act("k-raw", {rows, KD});
+            a.q_rstd = act("q-rstd", {rows * c.num_heads});
+            a.k_rstd = act("k-rstd", {rows * c.num_kv_heads});
+        }
+        a.q = act("q", {rows, HD});
+        a.k = act("k", {rows, KD});
+        a.v = act("v", {rows, KD});
+        a.attention = act("attention", {rows, HD});
+        a.lse = act("attention-lse", {B_, c.num_heads, T_});
+        a.residual_mid = act("residual-mid", {rows, C});
+        a.post_norm = act("post-norm", {rows, C});
+        a.post_rstd = act("post-rstd", {rows});
+        a.gate = act("gate", {rows, I});
+        a.up = act("up", {rows, I});
+        a.swiglu = act("swiglu", {rows, I});
+    }
+    final_norm_ = alloc.allocate(Context::Activations, "final-norm", DType::F32, {rows, C});
+    final_rstd_ = alloc.allocate(Context::Activations, "final-rstd", DType::F32, {rows});
+}
+
+int LlamaModel::classifier_chunk_rows() const {
+    const std::int64_t chunk = std::max<std::int64_t>(1, kClassifierChunkElements / config_.vocab_size);
+    return static_cast<int>(std::min<std::int64_t>(chunk, rows_));
+}
+
+std::size_t LlamaModel::stack_bytes() const {
+    // Mirrors the pushes of forward_backward; the stack throws if this is short.
+    const ModelConfig& c = config_;
+    const std::int64_t rows = rows_, C = c.hidden_size, I = c.intermediate_size;
+    const std::int64_t HD = std::int64_t(c.num_heads) * c.head_dim, KD = std::int64_t(c.num_kv_heads) * c.head_dim;
+    const std::size_t attention = backend_.attention_stack_bytes(attention_shape_);
+    const std::size_t classifier = aligned_f32(rows * C) + aligned_f32(std::int64_t(classifier_chunk_rows()) * c.vocab_size);
+    const std::size_t mlp = 2 * aligned_f32(rows * I) + aligned_f32(rows * C);
+    const std::size_t attn = 2 * aligned_f32(rows * HD) + 2 * aligned_f32(rows * KD) +
+                             std::max(attention, aligned_f32(rows * C));
+    const std::size_t backward = aligned_f32(rows * C) + std::max({classifier, mlp, attn});
+    return std::max(attention, backward);
+}
+
+void LlamaModel::forward(const ModelWeights& w, const Tensor& tokens, StackArena& stack) {
+    const ModelConfig& c = config_;
+    backend_.embedding_forward(residual_[0], tokens, w.embed, rows_, c.hidden_size);
+    for (int l = 0; l < c.num_layers; ++l) layer_forward(w.layers[l], layers_[l], residual_[l], residual_[l + 1], stack);
+    backend_.rmsnorm_forward(final_norm_, final_rstd_, residual_[c.num_layers], w.final_norm, rows_, c.hidden_size,
+                             c.rms_norm_eps);
+}
+
+void LlamaModel::layer_forward(const LayerWeights& w, LayerActivations& a, const Tensor& input,
+                               const Tensor& output, StackArena& stack) {
+    const ModelConfig& c = config_;
+    const int C = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
+    const int HD = c.num_heads * D, KD = c.num_kv_heads * D;
+    Backend& be = backend_;
+
+    be.rmsnorm_forward(a.input_norm, a.input_rstd, input, w.input_norm, rows_, C, c.rms_norm_eps);
+    auto project = [&](const Tensor& out, const Tensor& weight, const Tensor& bias, const Tensor& x, int n, int k) {
+        be.matmul(out, x, weight, rows_, n, k, false, true, false);
+        if (bias.data) be.add_bias(out, bias, rows_, n);
+    };
+    project(c.qk_norm ? a.q_raw : a.q, w.q, w.q_bias, a.input_norm, HD, C);
+    project(c.qk_norm ? a.k_raw : a.k, w.k, w.k_bias, a.input_norm, KD, C);
+    project(a.v, w.v, w.v_bias, a.input_norm, KD, C);
+    if (c.qk_norm) {
+        be.rmsnorm_forward(a.q, a.q_rstd, a.q_raw, w.q_norm, rows_ * c.num_heads, D, c.rms_norm_eps);
+        be.rmsnorm_forward(a.k, a.k_rstd, a.k_raw, w.k_norm, rows_ * c.num_kv_heads, D, c.rms_norm_eps);
+    }
+    be.rope_forward(a.q, cos_sin_, B_, T_, c.num_heads, D);
+    be.rope_forward(a.k, cos_sin_, B_, T_, c.num_kv_heads, D);
+    be.attention_forward(a.attention, a.lse, a.q, a.k, a.v, attention_shape_, stack);
+    project(a.residual_mid, w.o, w.o_bias, a.attention, C, HD);
+    be.accumulate(a.residual_mid, input);
+
+    be.rmsnorm_forward(a.post_norm, a.post_rstd, a.residual_mid, w.post_norm, rows_, C, c.rms_norm_eps);
+    project(a.gate, w.gate, Tensor(), a.post_norm, I, C);
+    project(a.up, w.up, Tensor(), a.post_norm, I, C);
+    be.swiglu_forward(a.swiglu, a.gate, a.up);
+    project(output, w.down, Tensor(), a.swiglu, C, I);
+    be.accumulate(output, a.residual_mid);
+}
+
+void LlamaModel::layer_backward(const LayerWeights& w, const LayerWeights& g, LayerActivations& a,
+                                const Tensor& input, const Tensor& dresidual, StackArena& stack) {
+    // On entry dresidual is d(loss)/d(layer output); on exit d/d(layer input).
+    const ModelConfig& c = config_;
+    const int C = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
+    const int HD = c.num_heads * D, KD = c.num_kv_heads * D;
+    Backend& be = backend_;
+    // dx = dy @ W (overwrite or accumulate), dW += dy^T x, dbias += colsum(dy).
+    auto project_backward = [&](const Tensor& dx, bool accumulate, const Tensor& dweight, const Tensor& dbias,
+                                const Tensor& dy, const Tensor& weight, const Tensor& x, int n, int k) {
+        be.matmul(dx, dy, weight, rows_, k, n, false, false, accumulate);
+        be.matmul(dweight, dy, x, n, k, rows_, true, false, true);
+        if (dbias.data) be.bias_backward(dbias, dy, rows_, n);
+    };
+    {
+        StackFrame frame(stack);
+        Tensor dgate = frame.push("d-gate", DType::F32, {rows_, I});
+        Tensor dup = frame.push("d-up", DType::F32, {rows_, I});
+        project_backward(dgate, false, g.down, Tensor(), dresidual, w.down, a.swiglu, C, I);
+        be.swiglu_backward(dgate, dup, dgate, a.gate, a.up);
+        Tensor dnorm = frame.push("d-post-norm", DType::F32, {rows_, C});
+        project_backward(dnorm, false, g.gate, Tensor(), dgate, w.gate, a.post_norm, I, C);
+        project_backward(dnorm, true, g.up, Tensor(), dup, w.up, a.post_norm, I, C);
+        be.rmsnorm_backward(dresidual, g.post_norm, dnorm, a.residual_mid, w.post_norm, a.post_rstd, rows_, C, true);
+    }
+    {
+        StackFrame frame(stack);
+        Tensor datt = frame.push("d-attention", DType::F32, {rows_, HD});
+        project_backward(datt, false, g.o, g.o_bias, dresidual, w.o, a.attention, C, HD);
+        Tensor dq = frame.push("d-q", DType::F32, {rows_, HD});
+        Tensor dk = frame.push("d-k", DType::F32, {rows_, KD});
+        Tensor dv = frame.push("d-v", DType::F32, {rows_, KD});
+        be.attention_backward(dq, dk, dv, datt, a.attention, a.lse, a.q, a.k, a.v, attention_shape_, stack);
+        be.rope_backward(dq, cos_sin_, B_, T_, c.num_heads, D);
+        be.rope_backward(dk, cos_sin_, B_, T_, c.num_kv_heads, D);
+        if (c.qk_norm) {
+            be.rmsnorm_backward(dq, g.q_norm, dq, a.q_raw, w.q_norm, a.q_rstd, rows_ * c.num_heads, D, false);
+            be.rmsnorm_backward(dk, g.k_norm, dk, a.k_raw, w.k_norm, a.k_rstd, rows_ * c.num_kv_heads, D, false);
+        }
+        Tensor dnorm = frame.push("d-input-norm", DType::F32, {rows_, C});
+        project_backward(dnorm, false, g.q, g.q_bias, dq, w.q, a.input_norm, HD, C);
+        project_backward(dnorm, true, g.k, g.k_bias, dk, w.k, a.input_norm, KD, C);
+        project_backward(dnorm, true, g.v, g.v_bias, dv, w.v, a.input_norm, KD, C);
+        be.rmsnorm_backward(dresidual, g.input_norm, dnorm, input, w.input_norm, a.input_rstd, rows_, C, true);
+    }
+}
+
+void LlamaModel::classifier(const ModelWeights& w, const ModelWeights* g, const Tensor& targets,
+                            const Tensor& stats, float z_loss, const Tensor* dhidden, StackArena& stack) {
+    const int C = config_.hidden_size, V = config_.vocab_size;
+    const int chunk = classifier_chunk_rows();
+    StackFrame frame(stack);
+    Tensor logits_storage = frame.push("logits", DType::F32, {chunk, V});
+    for (int r0 = 0; r0 < rows_; r0 += chunk) {
+        const int rows = std::min(chunk, rows_ - r0);
+        Tensor logits = logits_storage.slice(0, std::int64_t(rows) * V);
+        Tensor hidden = final_norm_.slice(std::int64_t(r0) * C, std::int64_t(rows) * C);
+        backend_.matmul(logits, hidden, w.lm_head, rows, V, C, false, true, false);
+        backend_.cross_entropy(logits, targets.slice(r0, rows), stats, rows, V, r0 % T_, T_, z_loss, dhidden != nullptr);
+        if (dhidden) {
+            backend_.matmul(dhidden->slice(std::int64_t(r0) * C, std::int64_t(rows) * C), logits, w.lm_head, rows, C, V,
+                            false, false, false);
+            backend_.matmul(g->lm_head, logits, hidden, V, C, rows, true, false, true);
+        }
+    }
+}
+
+void LlamaModel::forward_backward(const ModelWeights& w, const ModelWeights& g, const Tensor& tokens,
+                                  const Tensor& targets, const Tensor& stats, float z_loss, StackArena& stack) {
+    const ModelConfig& c = config_;
+    forward(w, tokens, stack);
+    StackFrame frame(stack);
+    Tensor dresidual = frame.push("d-residual", DType::F32, {rows_, c.hidden_size});
+    {
+        StackFrame head(stack);
+        Tensor dhidden = head.push("d-final-norm", DType::F32, {rows_, c.hidden_size});
+        classifier(w, &g, targets, stats, z_loss, &dhidden, stack);
+        backend_.rmsnorm_backward(dresidual, g.final_norm, dhidden, residual_[c.num_layers], w.final_norm,
+                                  final_rstd_, rows_, c.hidden_size, false);
+    }
+    for (int l = c.num_layers - 1; l >= 0; --l)
+        layer_backward(w.layers[l], g.layers[l], layers_[l], residual_[l], dresidual, stack);
+    backend_.embedding_backward(g.embed, dresidual, tokens, rows_, c.hidden_size);
+}
+
+void LlamaModel::forward_loss(const ModelWeights& w, const Tensor& tokens, const Tensor& targets,
+                              const Tensor& stats, float z_loss, StackArena& stack) {
+    forward(w, tokens, stack);
+    classifier(w, nullptr, targets, stats, z_loss, nullptr, stack);
+}
+
+}  // namespace nanoq

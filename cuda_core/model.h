@@ -1,0 +1,80 @@
+// The Llama-family transformer, written once against the op interface.
+//
+// Shape legend: B batch (per device), T time, C hidden, H heads, K kv heads,
+// D head dim, I intermediate, V vocab; "rows" = B*T.
+// The model owns its activations (saved for backward) and the RoPE table; the
+// parameters and their gradients are views into flat buffers owned by the
+// trainer, so that sharding and the optimizer see one contiguous range.
+// Backward computes gradients of the SUM of per-token losses; the trainer
+// divides by the number of counted tokens of the whole optimizer step.
+#pragma once
+
+#include <vector>
+
+#include "allocator.h"
+#include "backend.h"
+#include "nanoq/config.h"
+
+namespace nanoq {
+
+struct LayerWeights {
+    Tensor input_norm, q, q_bias, k, k_bias, v, v_bias, o, o_bias, q_norm, k_norm, post_norm, gate, up, down;
+};
+
+struct ModelWeights {
+    Tensor embed, final_norm, lm_head;
+    std::vector<LayerWeights> layers;
+};
+
+// Views of each parameter inside a flat buffer laid out by parameter_layout().
+ModelWeights bind_weights(const ModelConfig& config, const Tensor& flat);
+
+struct LayerActivations {
+    Tensor input_norm, input_rstd;   // [rows, C], [rows]
+    Tensor q_raw, k_raw;             // before q/k norm (qk_norm only)
+    Tensor q_rstd, k_rstd;           // [rows*H], [rows*K] (qk_norm only)
+    Tensor q, k, v;                  // after RoPE: [rows, H*D], [rows, K*D], [rows, K*D]
+    Tensor attention, lse;           // [rows, H*D], [B, H, T]
+    Tensor residual_mid;             // residual after attention [rows, C]
+    Tensor post_norm, post_rstd;
+    Tensor gate, up, swiglu;         // [rows, I]
+};
+
+class LlamaModel {
+public:
+    LlamaModel(const ModelConfig& config, int batch, int time, Backend& backend, NamedAllocator& allocator);
+
+    // Forward, fused classifier and backward of one micro-batch: adds the
+    // gradients of the summed loss into `grads` and the loss statistics into
+    // `stats`. tokens/targets: int32 [B, T] on the device.
+    void forward_backward(const ModelWeights& weights, const ModelWeights& grads, const Tensor& tokens,
+                          const Tensor& targets, const Tensor& stats, float z_loss, StackArena& stack);
+    // Forward and loss statistics only.
+    void forward_loss(const ModelWeights& weights, const Tensor& tokens, const Tensor& targets, const Tensor& stats,
+                      float z_loss, StackArena& stack);
+
+    // Bytes of activation stack that forward_backward needs at most.
+    std::size_t stack_bytes() const;
+
+private:
+    void forward(const ModelWeights& w, const Tensor& tokens, StackArena& stack);
+    void layer_forward(const LayerWeights& w, LayerActivations& a, const Tensor& input, const Tensor& output,
+                       StackArena& stack);
+    void layer_backward(const LayerWeights& w, const LayerWeights& g, LayerActivations& a, const Tensor& input,
+                        const Tensor& dresidual, StackArena& stack);
+    // Loss over row chunks; with `dhidden` also its gradient (and lm_head's).
+    void classifier(const ModelWeights& w, const ModelWeights* g, const Tensor& targets, const Tensor& stats,
+                    float z_loss, const Tensor* dhidden, StackArena& stack);
+    int classifier_chunk_rows() const;
+
+    ModelConfig config_;
+    int B_, T_, rows_;
+    Backend& backend_;
+    AttentionShape attention_shape_;
+    Tensor cos_sin_;                   // [T, D/2, 2]
+    std::vector<Tensor> residual_;     // L+1 tensors [rows, C]: residual stream before each layer, and after the last
+    std::vector<LayerActivations> layers_;
+    Tensor final_norm_, final_rstd_;
+};
+
+}  // namespace nanoq

@@ -1,0 +1,48 @@
+#include "tensor.h"
+
+#include "nanoq/errors.h"
+
+namespace nanoq {
+
+Tensor::Tensor(void* data_, DType dtype_, std::initializer_list<std::int64_t> dims)
+    : data(data_), dtype(dtype_) {
+    if (dims.size() > kMaxDims) throw InternalError("tensor with more than 4 dimensions");
+    for (std::int64_t d : dims) shape[ndim++] = d;
+}
+
+std::int64_t Tensor::numel() const {
+    std::int64_t n = 1;
+    for (int i = 0; i < ndim; ++i) n *= shape[i];
+    return n;
+}
+
+std::string Tensor::shape_string() const {
+    std::string s = "[";
+    for (int i = 0; i < ndim; ++i) {
+        if (i) s += ", ";
+        s += std::to_string(shape[i]);
+    }
+    return s + "]";
+}
+
+Tensor Tensor::slice(std::int64_t offset, std::int64_t count) const {
+    if (offset < 0 || count < 0 || offset + count > numel())
+        throw InternalError("slice [" + std::to_string(offset) + ", +" + std::to_string(count) +
+                            ") out of a tensor of " + std::to_string(numel()) + " elements");
+    char* base = static_cast<char*>(data) + static_cast<std::size_t>(offset) * dtype_size(dtype);
+    return Tensor(base, dtype, {count});
+}
+
+float* Tensor::f32() const {
+    if (dtype != DType::F32)
+        throw InternalError(std::string("expected a float32 tensor, got ") + dtype_name(dtype));
+    return static_cast<float*>(data);
+}
+
+std::int32_t* Tensor::i32() const {
+    if (dtype != DType::I32)
+        throw InternalError(std::string("expected an int32 tensor, got ") + dtype_name(dtype));
+    return static_cast<std::int32_t*>(data);
+}
+
+}  // namespace nanoq

@@ -1,0 +1,33 @@
+"""nanoq: train Llama-family language models from Python on a standalone C++ core.
+
+    import nanoq
+    config = nanoq.ModelConfig.from_pretrained("path/to/hf-model")
+    options = nanoq.TrainOptions(backend="cpu", devices=2, batch_size=4, seq_len=256)
+    with nanoq.Trainer(config, options) as trainer:
+        trainer.import_weights("path/to/hf-model")
+        trainer.step(inputs, targets)          # int32 [devices*batch_size, seq_len]
+        stats = trainer.update(lr=3e-4)
+"""
+import ctypes as _ctypes
+import os as _os
+
+import scipy_openblas32 as _openblas
+
+# The core links libscipy_openblas.so; load it globally first so the extension
+# finds it wherever pip put the two packages.
+_ctypes.CDLL(_os.path.join(_openblas.get_lib_dir(), "libscipy_openblas.so"), mode=_ctypes.RTLD_GLOBAL)
+
+from nanoq._core import NanoqError, OutOfMemoryError, backend_available  # noqa: E402
+from nanoq.config import ModelConfig, TrainOptions  # noqa: E402
+from nanoq.trainer import StepStats, Trainer  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = [
+    "ModelConfig",
+    "NanoqError",
+    "OutOfMemoryError",
+    "StepStats",
+    "TrainOptions",
+    "Trainer",
+    "backend_available",
+]

@@ -1,0 +1,218 @@
+"""Model configuration (the Llama family) and trainer options."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Optional
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _finite_positive(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite positive number, got {value!r}")
+    return float(value)
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """Shape and flavour of a Llama-family model.
+
+    One config covers Llama 2/3 (optional Llama-3 ``rope_scaling``, ``o_bias``
+    and ``qkv_bias`` for ``attention_bias``), Qwen2/2.5 (``qkv_bias``) and Qwen3
+    (``qk_norm``: RMSNorm over each head's ``head_dim`` on q and k).
+    ``head_dim`` defaults to ``hidden_size // num_attention_heads``.
+    ``rope_scaling`` is None or a dict with ``factor``, ``low_freq_factor``,
+    ``high_freq_factor`` and ``original_max_position_embeddings`` (Llama-3 rules).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            _positive_int(name, getattr(self, name))
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        _positive_int("num_key_value_heads", self.num_key_value_heads)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
+                    f"({self.num_attention_heads}); give head_dim explicitly")
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        _positive_int("head_dim", self.head_dim)
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        _finite_positive("rope_theta", self.rope_theta)
+        _finite_positive("rms_norm_eps", self.rms_norm_eps)
+        if self.rope_scaling is not None:
+            self.rope_scaling = _llama3_scaling(self.rope_scaling)
+        for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
+        """Reads a Hugging Face ``config.json`` (a model directory or the file).
+
+        Both transformers 4.x (``rope_theta``/``rope_scaling``, ``torch_dtype``)
+        and 5.x (``rope_parameters``, ``dtype``) styles are understood. Raises
+        ValueError for architectures or options nanoq does not implement.
+        """
+        path = os.fspath(path)
+        file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        try:
+            with open(file, encoding="utf-8") as f:
+                raw = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no config.json at {file}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{file} is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{file} must hold a JSON object")
+        return cls.from_hf_dict(raw, source=file)
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict, source: str = "config") -> "ModelConfig":
+        """Builds a config from the dict of a Hugging Face ``config.json``."""
+        architectures = raw.get("architectures") or []
+        model_type = raw.get("model_type")
+        known = [SUPPORTED_ARCHITECTURES[a] for a in architectures if a in SUPPORTED_ARCHITECTURES]
+        if known:
+            family = known[0]
+        elif not architectures and model_type in SUPPORTED_ARCHITECTURES.values():
+            family = model_type
+        else:
+            raise ValueError(
+                f"{source}: unsupported architecture {architectures or model_type!r}; nanoq trains "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+        if raw.get("mlp_bias"):
+            raise ValueError(f"{source}: mlp_bias is not supported")
+        if raw.get("use_sliding_window"):
+            raise ValueError(f"{source}: sliding-window attention is not supported")
+
+        rope = raw.get("rope_parameters")
+        if isinstance(rope, dict) and "rope_theta" in rope:  # transformers 5.x
+            theta = rope["rope_theta"]
+            scaling = rope if rope.get("rope_type", "default") != "default" else None
+        else:  # transformers 4.x
+            theta = raw.get("rope_theta", 10000.0)
+            scaling = raw.get("rope_scaling")
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind == "default":
+                scaling = None
+            elif kind != "llama3":
+                raise ValueError(f"{source}: rope scaling {kind!r} is not supported (only llama3)")
+
+        attention_bias = bool(raw.get("attention_bias", False))
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        missing = [k for k in required if k not in raw]
+        if missing:
+            raise ValueError(f"{source}: missing {', '.join(missing)}")
+        try:
+            return cls(
+                vocab_size=raw["vocab_size"],
+                hidden_size=raw["hidden_size"],
+                intermediate_size=raw["intermediate_size"],
+                num_hidden_layers=raw["num_hidden_layers"],
+                num_attention_heads=raw["num_attention_heads"],
+                num_key_value_heads=raw.get("num_key_value_heads"),
+                head_dim=raw.get("head_dim"),
+                rope_theta=theta,
+                rope_scaling=scaling,
+                rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                qkv_bias=attention_bias or family == "qwen2",
+                o_bias=attention_bias and family in ("llama", "qwen3"),
+                qk_norm=family == "qwen3",
+            )
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{source}: {e}") from None
+
+    def to_core(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _llama3_scaling(scaling: dict) -> dict:
+    if not isinstance(scaling, dict):
+        raise TypeError(f"rope_scaling must be a dict or None, got {scaling!r}")
+    kind = scaling.get("rope_type", scaling.get("type", "llama3"))
+    if kind != "llama3":
+        raise ValueError(f"rope scaling {kind!r} is not supported (only llama3)")
+    missing = [k for k in LLAMA3_SCALING_KEYS if k not in scaling]
+    if missing:
+        raise ValueError(f"llama3 rope_scaling lacks {', '.join(missing)}")
+    out = {k: _finite_positive(f"rope_scaling.{k}", scaling[k]) for k in LLAMA3_SCALING_KEYS}
+    if out["high_freq_factor"] <= out["low_freq_factor"]:
+        raise ValueError("rope_scaling.high_freq_factor must exceed low_freq_factor")
+    out["original_max_position_embeddings"] = int(out["original_max_position_embeddings"])
+    return dict(rope_type="llama3", **out)
+
+
+BACKENDS = ("auto", "cpu", "cuda")
+
+
+@dataclasses.dataclass
+class TrainOptions:
+    """How to train: where, how many devices, and the shape of a micro-batch.
+
+    ``batch_size`` is per device: a ``step()`` takes ``devices * batch_size``
+    rows of ``seq_len`` tokens. ``grad_accum`` is the number of ``step()``
+    calls allowed per ``update()``. ``z_loss`` adds ``z_loss * lse**2`` per
+    token to the gradient (reported separately). ``threads`` is per device on
+    the cpu backend (0: the machine's cores shared out).
+    """
+
+    backend: str = "auto"
+    devices: int = 1
+    batch_size: int = 1
+    seq_len: int = 256
+    grad_accum: int = 1
+    seed: int = 0
+    z_loss: float = 0.0
+    threads: int = 0
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        for name in ("devices", "batch_size", "seq_len", "grad_accum"):
+            _positive_int(name, getattr(self, name))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
+            raise ValueError(f"threads must be a non-negative integer, got {self.threads!r}")
+        if not isinstance(self.z_loss, (int, float)) or not math.isfinite(self.z_loss) or self.z_loss < 0:
+            raise ValueError(f"z_loss must be a finite non-negative number, got {self.z_loss!r}")

@@ -1,0 +1,113 @@
+"""Reading Hugging Face weights: safetensors files and sharded index files.
+
+The safetensors reader is our own so that bf16 tensors (which numpy lacks)
+can be widened to float32 and every header field is checked against the file
+before any data is touched.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Iterator, Tuple
+
+import numpy as np
+
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+_DTYPES = {
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"),  # widened to float32 on read
+}
+
+
+def _bf16_to_f32(raw: np.ndarray) -> np.ndarray:
+    return (raw.astype(np.uint32) << 16).view(np.float32)
+
+
+def read_safetensors(path: str | os.PathLike) -> Iterator[Tuple[str, np.ndarray]]:
+    """Yields (name, float32 array) for every tensor of one .safetensors file.
+
+    Raises ValueError if the header is malformed or disagrees with the file.
+    """
+    path = os.fspath(path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: too short to be a safetensors file")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > min(size - 8, _MAX_HEADER_BYTES):
+            raise ValueError(f"{path}: header length {header_len} exceeds the file")
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: header is not a JSON object")
+    data_start = 8 + header_len
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start, shape=(size - data_start,)) \
+        if size > data_start else np.zeros(0, np.uint8)
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(entry, dict):
+            raise ValueError(f"{path}: entry {name!r} is not an object")
+        dtype = _DTYPES.get(entry.get("dtype"))
+        if dtype is None:
+            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {entry.get('dtype')!r}")
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
+                or not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) for o in offsets)):
+            raise ValueError(f"{path}: tensor {name!r} has a malformed shape or data_offsets")
+        begin, end = offsets
+        expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if not 0 <= begin <= end <= data.shape[0] or end - begin != expected:
+            raise ValueError(f"{path}: tensor {name!r} data_offsets {offsets} do not fit its shape {shape} "
+                             f"or the file")
+        array = data[begin:end].view(dtype).reshape(shape)
+        if entry["dtype"] == "BF16":
+            array = _bf16_to_f32(array)
+        yield name, np.ascontiguousarray(array, dtype=np.float32)
+
+
+def weight_files(path: str | os.PathLike) -> list[str]:
+    """The safetensors files of a model: a directory, a file, or an index JSON."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        index = os.path.join(path, "model.safetensors.index.json")
+        single = os.path.join(path, "model.safetensors")
+        if os.path.exists(index):
+            path = index
+        elif os.path.exists(single):
+            return [single]
+        else:
+            raise FileNotFoundError(f"{path} holds neither model.safetensors nor model.safetensors.index.json")
+    if path.endswith(".json"):
+        with open(path, encoding="utf-8") as f:
+            try:
+                weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"{path}: not a safetensors index (no weight_map)") from None
+        base = os.path.dirname(path)
+        files = sorted(set(weight_map.values()))
+        for file in files:
+            if os.path.basename(file) != file:
+                raise ValueError(f"{path}: shard name {file!r} must be a plain file name")
+        return [os.path.join(base, file) for file in files]
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no such weights file: {path}")
+    return [path]
+
+
+def iter_weights(path: str | os.PathLike) -> Iterator[Tuple[str, np.ndarray]]:
+    """Yields (name, float32 array) for every tensor of a model, one at a time."""
+    seen = set()
+    for file in weight_files(path):
+        for name, array in read_safetensors(file):
+            if name in seen:
+                raise ValueError(f"tensor {name!r} appears in more than one shard")
+            seen.add(name)
+            yield name, array

@@ -1,0 +1,445 @@
+"""Shared helpers for the nanoq tests.
+
+Everything that compares nanoq against PyTorch goes through the helpers here so
+that the reference semantics (shifted labels, -100 masking, global token mean,
+z-loss, AdamW with decay only on matrices, clipping) live in one place.
+
+Models are tiny and fp32 so that the whole suite runs in well under a few
+minutes on two CPU cores.
+"""
+
+import copy
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import nanoq
+
+IGNORE = -100
+VOCAB = 128
+SEQ = 16
+
+# Shapes shared by all variants: GQA (4 query heads, 2 kv heads), 2 layers.
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+# name -> (config class, model class, config kwargs, nanoq flags expected from the config)
+MODEL_VARIANTS = {
+    "llama": (LlamaConfig, LlamaForCausalLM, dict(TINY)),
+    "llama_tied": (LlamaConfig, LlamaForCausalLM, dict(TINY, tie_word_embeddings=True)),
+    # head_dim 16 with theta 1e4 and original_max 64 puts rotary frequencies in
+    # all three llama3 regimes (kept, smoothed, divided by `factor`).
+    "llama3_rope": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        dict(
+            TINY,
+            hidden_size=64,
+            intermediate_size=96,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
+    # attention_bias=True: q/k/v/o all have biases; also a non-default theta and eps.
+    "llama_attn_bias": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        dict(
+            TINY,
+            attention_bias=True,
+            rms_norm_eps=1e-5,
+            rope_parameters=dict(rope_type="default", rope_theta=500000.0),
+        ),
+    ),
+    # Qwen2: q/k/v bias, no o bias.
+    "qwen2": (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        dict(TINY, rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
+    ),
+    # Qwen3: per-head q/k RMSNorm and head_dim (16) != hidden / heads (8).
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(TINY, head_dim=16)),
+}
+VARIANTS = list(MODEL_VARIANTS)
+
+# What nanoq.ModelConfig should hold for each variant (constructor kwargs).
+_BASE_CFG = dict(
+    TINY,
+    head_dim=8,
+    rope_theta=10000.0,
+    rope_scaling=None,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    qkv_bias=False,
+    o_bias=False,
+    qk_norm=False,
+)
+NANOQ_CONFIG = {
+    "llama": dict(_BASE_CFG),
+    "llama_tied": dict(_BASE_CFG, tie_word_embeddings=True),
+    "llama3_rope": dict(
+        _BASE_CFG,
+        hidden_size=64,
+        intermediate_size=96,
+        head_dim=16,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+    ),
+    "llama_attn_bias": dict(_BASE_CFG, qkv_bias=True, o_bias=True, rms_norm_eps=1e-5, rope_theta=500000.0),
+    "qwen2": dict(_BASE_CFG, qkv_bias=True, rope_theta=1000000.0),
+    "qwen3": dict(_BASE_CFG, head_dim=16, qk_norm=True),
+}
+
+
+# --------------------------------------------------------------------------
+# Hugging Face reference models
+# --------------------------------------------------------------------------
+
+
+def hf_config(variant, **overrides):
+    cfg_cls, _, kwargs = MODEL_VARIANTS[variant]
+    kwargs = dict(kwargs, **overrides)
+    cfg = cfg_cls(**kwargs)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def randomize_(model, seed):
+    """Replace HF's near-zero init with O(1) random weights.
+
+    Norm weights get noise around 1 and biases are nonzero so that their
+    gradients are meaningful (an implementation that ignored them, or
+    mis-routed them, would visibly change the loss), and logits have a spread
+    of a few units so that the lse / z-loss statistics are non-trivial.
+    """
+    gen = torch.Generator().manual_seed(seed + 1000)
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * noise)
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * noise)
+            elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+                p.copy_(noise * (1.5 / math.sqrt(hidden)))
+            else:
+                p.copy_(noise / math.sqrt(p.shape[1]))
+
+
+def build_hf_model(variant, seed=0, **overrides):
+    """A tiny fp32 HF causal LM with randomized weights (deterministic in seed)."""
+    _, model_cls, _ = MODEL_VARIANTS[variant]
+    torch.manual_seed(seed)
+    model = model_cls(hf_config(variant, **overrides)).float()
+    randomize_(model, seed)
+    model.train()  # no dropout in these models; train() just to be explicit
+    return model
+
+
+def save_hf_model(model, path, **kwargs):
+    model.save_pretrained(str(path), **kwargs)
+    return str(path)
+
+
+class Checkpoints:
+    """Lazily built, session-cached checkpoints; one per variant."""
+
+    def __init__(self, root):
+        self.root = root
+        self._models = {}
+        self._paths = {}
+
+    def path(self, variant):
+        if variant not in self._paths:
+            model = build_hf_model(variant)
+            self._models[variant] = model
+            self._paths[variant] = save_hf_model(model, self.root / variant)
+        return self._paths[variant]
+
+    def model(self, variant):
+        """A fresh copy of the HF model stored at path(variant) (safe to train)."""
+        self.path(variant)
+        return copy.deepcopy(self._models[variant])
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    return Checkpoints(tmp_path_factory.mktemp("checkpoints"))
+
+
+# --------------------------------------------------------------------------
+# Batches
+# --------------------------------------------------------------------------
+
+
+def random_batch(rng, rows, seq_len=SEQ, vocab=VOCAB, mask_frac=0.0):
+    """Next-token batch: int32 C-contiguous inputs and already-shifted targets.
+
+    A fraction `mask_frac` of the targets is set to -100 (ignored).
+    """
+    tokens = rng.integers(0, vocab, size=(rows, seq_len + 1), dtype=np.int64)
+    inputs = np.ascontiguousarray(tokens[:, :-1], dtype=np.int32)
+    targets = np.ascontiguousarray(tokens[:, 1:], dtype=np.int32)
+    if mask_frac > 0:
+        targets[rng.random(targets.shape) < mask_frac] = IGNORE
+    return inputs, targets
+
+
+def split_rows(inputs, targets, parts):
+    """Split a [parts*B, T] batch into `parts` contiguous micro-batches."""
+    return [
+        (np.ascontiguousarray(i), np.ascontiguousarray(t))
+        for i, t in zip(np.split(inputs, parts), np.split(targets, parts))
+    ]
+
+
+# --------------------------------------------------------------------------
+# PyTorch reference
+# --------------------------------------------------------------------------
+
+
+def token_terms(model, inputs, targets):
+    """Per-token cross-entropy and logsumexp, plus the counted-token mask.
+
+    Labels are already shifted: targets[b, t] is the target of position t,
+    so HF's internal label shifting is deliberately not used.
+    """
+    logits = model(input_ids=torch.from_numpy(inputs).long()).logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    tgt = torch.from_numpy(targets).long()
+    mask = tgt != IGNORE
+    picked = logits.gather(-1, tgt.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return lse - picked, lse, mask
+
+
+@dataclass
+class RefStats:
+    loss: float
+    z_loss: float
+    tokens: int
+    lse_max: float
+    lse_mean: float
+    loss_1k: float
+    grad_norm: float = float("nan")
+    clipped: bool = False
+    grads: dict = field(default_factory=dict, repr=False)
+
+
+def param_grads(model):
+    return {n: p.grad.detach().numpy().copy() for n, p in model.named_parameters()}
+
+
+def model_weights(model):
+    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+
+
+def torch_backward(model, micro_batches, z_loss=0.0):
+    """Backprop CE_mean + z_loss * mean(lse^2) over all counted tokens of all
+    micro-batches (one global mean, not a mean of per-micro-batch means).
+
+    Leaves the gradients in model's .grad and returns the statistics nanoq
+    reports for the same optimizer step.
+    """
+    model.zero_grad(set_to_none=True)
+    n = int(sum((t != IGNORE).sum() for _, t in micro_batches))
+    ce_sum = lse2_sum = lse_sum = 0.0
+    lse_max = -math.inf
+    ce_1k = 0.0
+    n_1k = 0
+    for inputs, targets in micro_batches:
+        ce, lse, mask = token_terms(model, inputs, targets)
+        objective = (ce[mask].sum() + z_loss * (lse[mask] ** 2).sum()) / n
+        objective.backward()
+        with torch.no_grad():
+            m = mask.double()
+            ce_sum += float((ce.double() * m).sum())
+            lse2_sum += float((lse.double() ** 2 * m).sum())
+            lse_sum += float((lse.double() * m).sum())
+            if mask.any():
+                lse_max = max(lse_max, float(lse[mask].max()))
+            m1k = m[:, :1024]
+            ce_1k += float((ce.double()[:, :1024] * m1k).sum())
+            n_1k += int(m1k.sum())
+    grads = param_grads(model)
+    norm = math.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads.values()))
+    return RefStats(
+        loss=ce_sum / n,
+        z_loss=z_loss * lse2_sum / n,
+        tokens=n,
+        lse_max=lse_max,
+        lse_mean=lse_sum / n,
+        loss_1k=ce_1k / max(n_1k, 1),
+        grad_norm=norm,
+        grads=grads,
+    )
+
+
+class TorchTrainer:
+    """Mirror of nanoq.Trainer's step/update protocol on a HF model.
+
+    AdamW (torch.optim.AdamW) with weight decay only on parameters with
+    ndim >= 2; gradient clipping by global norm with scale clip/norm when
+    norm > clip (clip 0 disables it).
+    """
+
+    def __init__(self, model, z_loss=0.0):
+        self.model = model
+        self.z_loss = z_loss
+        params = list(model.parameters())  # tied weights appear once
+        decay = [p for p in params if p.ndim >= 2]
+        no_decay = [p for p in params if p.ndim < 2]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay}, {"params": no_decay}], lr=0.0, foreach=False
+        )
+        self.micro = []
+
+    def step(self, inputs, targets):
+        self.micro.append((inputs, targets))
+
+    def update(self, lr, beta1=0.9, beta2=0.95, weight_decay=0.1, grad_clip=1.0, eps=1e-8):
+        stats = torch_backward(self.model, self.micro, self.z_loss)
+        self.micro = []
+        if grad_clip > 0 and stats.grad_norm > grad_clip:
+            stats.clipped = True
+            scale = grad_clip / stats.grad_norm
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.grad.mul_(scale)
+        for group, wd in zip(self.opt.param_groups, (weight_decay, 0.0)):
+            group.update(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=wd)
+        self.opt.step()
+        self.model.zero_grad(set_to_none=True)
+        return stats
+
+    def weights(self):
+        return model_weights(self.model)
+
+
+# --------------------------------------------------------------------------
+# nanoq side
+# --------------------------------------------------------------------------
+
+
+def train_options(devices=1, batch_size=2, seq_len=SEQ, grad_accum=1, seed=0, z_loss=0.0):
+    return nanoq.TrainOptions(
+        backend="cpu",
+        devices=devices,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        grad_accum=grad_accum,
+        seed=seed,
+        z_loss=z_loss,
+    )
+
+
+def open_trainer(checkpoint, **opts):
+    """A CPU trainer with the checkpoint's config and weights imported."""
+    cfg = nanoq.ModelConfig.from_pretrained(checkpoint)
+    tr = nanoq.Trainer(cfg, train_options(**opts))
+    tr.import_weights(checkpoint)
+    return tr
+
+
+def run_steps(tr, micro_batches, **update_kwargs):
+    for inputs, targets in micro_batches:
+        tr.step(inputs, targets)
+    return tr.update(**update_kwargs)
+
+
+# --------------------------------------------------------------------------
+# Comparisons
+# --------------------------------------------------------------------------
+
+
+def assert_tensors_close(actual, expected, rel, what="tensor"):
+    """Every tensor present on both sides, same shape, and max abs error
+    within rel * max|expected| of that tensor (a per-tensor scale, so tensors
+    with small gradients such as biases are held to their own magnitude)."""
+    assert sorted(actual) == sorted(expected), f"{what}: names differ"
+    for name, e in expected.items():
+        a = actual[name]
+        assert isinstance(a, np.ndarray) and a.dtype == np.float32, f"{what} {name}: {type(a)} {getattr(a, 'dtype', None)}"
+        assert a.shape == e.shape, f"{what} {name}: shape {a.shape} != {e.shape}"
+        assert np.all(np.isfinite(a)), f"{what} {name}: non-finite values"
+        scale = float(np.abs(e).max())
+        err = float(np.abs(a.astype(np.float64) - e).max())
+        assert err <= rel * scale + 1e-30, (
+            f"{what} {name}: max abs err {err:.3e} > {rel:g} * max|ref| {scale:.3e}"
+        )
+
+
+def assert_same_tensors(a, b, what="tensor"):
+    """Bitwise equality of two name->array dicts."""
+    assert sorted(a) == sorted(b), f"{what}: names differ"
+    for name in a:
+        assert np.array_equal(a[name], b[name]), (
+            f"{what} {name}: max diff {np.abs(a[name].astype(np.float64) - b[name]).max():.3e}"
+        )
+
+
+def config_summary(cfg):
+    """nanoq.ModelConfig as a plain dict comparable with NANOQ_CONFIG entries.
+
+    head_dim=None means hidden_size // num_attention_heads; rope_scaling is
+    reduced to the llama3 keys (floats/ints) so representation details don't matter.
+    """
+    out = {k: getattr(cfg, k) for k in _BASE_CFG}
+    if out["head_dim"] is None:
+        out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
+    if out["rope_scaling"] is not None:
+        rs = out["rope_scaling"]
+        out["rope_scaling"] = {k: rs[k] for k in NANOQ_CONFIG["llama3_rope"]["rope_scaling"]}
+    return out
+
+
+def assert_config_matches(cfg, expected):
+    """Field-by-field comparison (floats approximately: nanoq may store fp32)."""
+    got = config_summary(cfg)
+    for key, want in expected.items():
+        have = got[key]
+        if isinstance(want, dict):
+            assert isinstance(have, dict) and sorted(have) == sorted(want), f"{key}: {have!r} != {want!r}"
+            for k, v in want.items():
+                assert have[k] == (v if isinstance(v, str) else pytest.approx(v, rel=1e-6)), f"{key}[{k}]: {have[k]!r} != {v!r}"
+        elif isinstance(want, float):
+            assert have == pytest.approx(want, rel=1e-6), f"{key}: {have!r} != {want!r}"
+        else:
+            assert have == want, f"{key}: {have!r} != {want!r}"
+
+
+def write_config(directory, config):
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return str(directory)

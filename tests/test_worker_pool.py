@@ -1,0 +1,144 @@
+"""Per-device workers: failures surface as nanoq.NanoqError without hangs or
+leaked threads, and the memory bookkeeping reports what lives on a device."""
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import nanoq
+from conftest import open_trainer, random_batch, run_steps
+
+BATCH = random_batch(np.random.default_rng(40), rows=4)
+
+
+def call_with_timeout(fn, timeout=30.0):
+    """Run fn in a helper thread; fail (instead of hanging the suite) if it
+    does not return in time. Re-raises fn's exception."""
+    result = {}
+
+    def target():
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            result["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"call did not return within {timeout}s"
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")
+
+
+def os_thread_count():
+    """All OS threads of this process (C++ workers included)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def wait_for_thread_count(at_most, timeout=5.0):
+    """Exiting threads can linger in /proc for a moment after being joined."""
+    deadline = time.monotonic() + timeout
+    while os_thread_count() > at_most and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return os_thread_count()
+
+
+@pytest.fixture(scope="module")
+def clean_loss(checkpoints):
+    with open_trainer(checkpoints.path("llama"), devices=2, batch_size=2) as tr:
+        return run_steps(tr, [BATCH], lr=1e-3).loss
+
+
+def test_nanoq_error_is_a_runtime_error():
+    assert issubclass(nanoq.NanoqError, RuntimeError)
+
+
+@pytest.mark.parametrize("devices, rank", [(1, 0), (2, 0), (2, 1), (4, 3)])
+def test_worker_fault_raises_promptly_and_process_recovers(checkpoints, clean_loss, devices, rank):
+    path = checkpoints.path("llama")
+    tr = open_trainer(path, devices=devices, batch_size=4 // devices)
+    tr._inject_fault(rank)
+    start = time.monotonic()
+    with pytest.raises(nanoq.NanoqError) as info:
+        call_with_timeout(lambda: tr.step(*BATCH))
+    assert time.monotonic() - start < 10.0
+    assert str(info.value)
+    call_with_timeout(tr.close)
+    # A new trainer in the same process trains exactly like one that never saw a fault.
+    with open_trainer(path, devices=2, batch_size=2) as fresh:
+        assert run_steps(fresh, [BATCH], lr=1e-3).loss == clean_loss
+
+
+def test_trainers_do_not_leak_threads(checkpoints):
+    path = checkpoints.path("llama")
+    # Warm-up: anything created once per process (pools, timers) is counted
+    # in the baseline and is not a leak.
+    with open_trainer(path, devices=4, batch_size=1) as tr:
+        run_steps(tr, [BATCH], lr=1e-3)
+    baseline = wait_for_thread_count(0, timeout=0.2)
+    for _ in range(3):
+        with open_trainer(path, devices=4, batch_size=1) as tr:
+            run_steps(tr, [BATCH], lr=1e-3)
+            assert os_thread_count() >= baseline
+    tr = open_trainer(path, devices=2, batch_size=2)
+    tr._inject_fault(1)
+    with pytest.raises(nanoq.NanoqError):
+        call_with_timeout(lambda: tr.step(*BATCH))
+    call_with_timeout(tr.close)
+    assert wait_for_thread_count(baseline) <= baseline
+
+
+CONTEXTS = {"weights", "gradients", "adam-m", "adam-v", "activations"}
+
+
+def _bytes_by_context(allocations):
+    out = {}
+    for a in allocations:
+        out[a["context"]] = out.get(a["context"], 0) + a["bytes"]
+    return out
+
+
+def _allocations_after_one_update(path, devices):
+    tr = open_trainer(path, devices=devices, batch_size=4 // devices)
+    with tr:
+        run_steps(tr, [BATCH], lr=1e-3)
+        return [tr.get_allocations(d) for d in range(devices)], tr.get_weights()
+
+
+def test_allocations_list_every_context_with_positive_bytes(checkpoints):
+    (allocs,), weights = _allocations_after_one_update(checkpoints.path("llama"), 1)
+    assert CONTEXTS <= {a["context"] for a in allocs}
+    for a in allocs:
+        assert set(a) >= {"context", "name", "bytes", "kind"}
+        assert isinstance(a["name"], str) and a["name"]
+        assert isinstance(a["bytes"], int) and a["bytes"] > 0, a
+    by_context = _bytes_by_context(allocs)
+    n_params = sum(w.size for w in weights.values())
+    assert by_context["weights"] >= 4 * n_params  # fp32 master weights
+    assert by_context["gradients"] > 0 and by_context["activations"] > 0
+
+
+def test_adam_state_is_sharded_across_devices(checkpoints):
+    path = checkpoints.path("llama")
+    (one,), _ = _allocations_after_one_update(path, 1)
+    two, _ = _allocations_after_one_update(path, 2)
+    single = _bytes_by_context(one)
+    for device, allocs in enumerate(two):
+        assert CONTEXTS <= {a["context"] for a in allocs}, device
+        per_device = _bytes_by_context(allocs)
+        for ctx in ("adam-m", "adam-v"):
+            ratio = per_device[ctx] / single[ctx]
+            assert 0.4 <= ratio <= 0.6, f"device {device} {ctx}: {per_device[ctx]} vs {single[ctx]} on 1 device"
+
+
+def test_stack_high_water_is_positive_and_within_capacity(checkpoints):
+    with open_trainer(checkpoints.path("llama"), devices=2, batch_size=2) as tr:
+        tr.step(*BATCH)
+        for device in range(2):
+            info = tr.get_stack_info(device)
+            assert {"capacity", "high_water", "live_at_high_water"} <= set(info)
+            assert 0 < info["high_water"] <= info["capacity"], info
