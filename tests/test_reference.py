@@ -447,7 +447,7 @@ def test_from_pretrained_rejects_unsupported_architecture(tmp_path):
 )
 def test_from_pretrained_rejects_inconsistent_shapes(tmp_path, change):
     cfg = _llama3_4x_config()
-    cfg.update(hidden_size=32, rope_scaling=None, **change)
+    cfg.update({"hidden_size": 32, "rope_scaling": None, **change})
     with pytest.raises(ValueError):
         nanoq.ModelConfig.from_pretrained(write_config(tmp_path, cfg))
 

@@ -83,7 +83,8 @@ def test_trainers_do_not_leak_threads(checkpoints):
     for _ in range(3):
         with open_trainer(path, devices=4, batch_size=1) as tr:
             run_steps(tr, [BATCH], lr=1e-3)
-            assert os_thread_count() >= baseline
+            # workers exist while open, so the final count is a real check
+            assert os_thread_count() > baseline
     tr = open_trainer(path, devices=2, batch_size=2)
     tr._inject_fault(1)
     with pytest.raises(nanoq.NanoqError):

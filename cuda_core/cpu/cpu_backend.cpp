@@ -1,7 +1,8 @@
 // The CPU backend: every op in fp32, OpenMP loops and OpenBLAS sgemm.
 //
 // This is the reference backend that every test runs on. Each device is a
-// worker thread over host memory; `threads` OpenMP/OpenBLAS threads serve it.
+// worker thread over host memory; `threads` OpenMP threads serve it, each
+// calling single-threaded OpenBLAS on its own block of a matmul.
 // Reductions that feed weights (weight/bias/norm gradients, sums of squares,
 // loss statistics) run in a fixed order independent of the thread count, so
 // results are bitwise reproducible for a given device count.
@@ -27,9 +28,10 @@ constexpr int kIgnoreIndex = -100;
 class CpuBackend final : public Backend {
 public:
     explicit CpuBackend(int threads) : threads_(std::max(1, threads)) {
-        // OpenBLAS's thread count is process-wide (this build has no per-thread
-        // setting): every device of a trainer asks for the same value.
-        scipy_openblas_set_num_threads(threads_);
+        // One thread pool only: OpenBLAS runs single-threaded inside our
+        // OpenMP regions. Its own pool would spin against OpenMP's for the
+        // same cores (measured: >60% of cycles lost to spinning).
+        scipy_openblas_set_num_threads(1);
     }
 
     std::string name() const override { return "cpu"; }
@@ -169,41 +171,45 @@ public:
         rotate(dx.f32(), cos_sin.f32(), batch, time, heads, head_dim, -1.0f);
     }
 
+    // Attention runs one (batch, head) pair per thread, each with its own
+    // [T, T] scratch and single-threaded sgemm calls. Backward goes by kv head
+    // so that the heads sharing a kv head accumulate dk/dv in one thread.
+    std::size_t attention_stack_bytes(const AttentionShape& s) const override {
+        return 2 * StackArena::aligned(sizeof(float) * threads_ * s.time * s.time);
+    }
+
     void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                            const AttentionShape& s, StackArena& stack) override {
         StackFrame frame(stack);
         const int T = s.time, D = s.head_dim, group = s.heads / s.kv_heads;
         const int ldq = s.heads * D, ldk = s.kv_heads * D;
         const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-        float* probs = frame.push("attention-probs", DType::F32, {T, T}).f32();
-        for (int b = 0; b < s.batch; ++b) {
-            for (int h = 0; h < s.heads; ++h) {
-                const std::int64_t qoff = static_cast<std::int64_t>(b) * T * ldq + h * D;
-                const std::int64_t koff = static_cast<std::int64_t>(b) * T * ldk + (h / group) * D;
-                gemm(probs, q.f32() + qoff, k.f32() + koff, T, T, D, ldq, ldk, T, false, true, scale, 0.0f);
-                float* l = lse.f32() + (static_cast<std::int64_t>(b) * s.heads + h) * T;
-#pragma omp parallel for num_threads(threads_) schedule(static)
-                for (int t = 0; t < T; ++t) {
-                    float* row = probs + static_cast<std::int64_t>(t) * T;
-                    float m = -std::numeric_limits<float>::infinity();
-                    for (int u = 0; u <= t; ++u) m = std::max(m, row[u]);
-                    float sum = 0.0f;
-                    for (int u = 0; u <= t; ++u) {
-                        row[u] = std::exp(row[u] - m);
-                        sum += row[u];
-                    }
-                    const float inv = 1.0f / sum;
-                    for (int u = 0; u <= t; ++u) row[u] *= inv;
-                    for (int u = t + 1; u < T; ++u) row[u] = 0.0f;
-                    l[t] = m + std::log(sum);
+        float* scratch = frame.push("attention-probs", DType::F32, {threads_, T, T}).f32();
+        const int pairs = s.batch * s.heads;
+#pragma omp parallel for num_threads(threads_) schedule(dynamic)
+        for (int pair = 0; pair < pairs; ++pair) {
+            const int b = pair / s.heads, h = pair % s.heads;
+            float* probs = scratch + std::int64_t(omp_get_thread_num()) * T * T;
+            const std::int64_t qoff = std::int64_t(b) * T * ldq + h * D;
+            const std::int64_t koff = std::int64_t(b) * T * ldk + (h / group) * D;
+            gemm_serial(probs, q.f32() + qoff, k.f32() + koff, T, T, D, ldq, ldk, T, false, true, scale, 0.0f);
+            float* l = lse.f32() + (std::int64_t(b) * s.heads + h) * T;
+            for (int t = 0; t < T; ++t) {
+                float* row = probs + std::int64_t(t) * T;
+                float m = -std::numeric_limits<float>::infinity();
+                for (int u = 0; u <= t; ++u) m = std::max(m, row[u]);
+                float sum = 0.0f;
+                for (int u = 0; u <= t; ++u) {
+                    row[u] = std::exp(row[u] - m);
+                    sum += row[u];
                 }
-                gemm(out.f32() + qoff, probs, v.f32() + koff, T, D, T, T, ldk, ldq, false, false, 1.0f, 0.0f);
+                const float inv = 1.0f / sum;
+                for (int u = 0; u <= t; ++u) row[u] *= inv;
+                for (int u = t + 1; u < T; ++u) row[u] = 0.0f;
+                l[t] = m + std::log(sum);
             }
+            gemm_serial(out.f32() + qoff, probs, v.f32() + koff, T, D, T, T, ldk, ldq, false, false, 1.0f, 0.0f);
         }
-    }
-
-    std::size_t attention_stack_bytes(const AttentionShape& s) const override {
-        return 2 * StackArena::aligned(sizeof(float) * s.time * s.time);
     }
 
     void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
@@ -213,36 +219,38 @@ public:
         const int T = s.time, D = s.head_dim, group = s.heads / s.kv_heads;
         const int ldq = s.heads * D, ldk = s.kv_heads * D;
         const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-        float* probs = frame.push("attention-probs", DType::F32, {T, T}).f32();
-        float* dscores = frame.push("attention-dscores", DType::F32, {T, T}).f32();
-        fill(dk, 0.0f);
-        fill(dv, 0.0f);
-        for (int b = 0; b < s.batch; ++b) {
-            for (int h = 0; h < s.heads; ++h) {
-                const std::int64_t qoff = static_cast<std::int64_t>(b) * T * ldq + h * D;
-                const std::int64_t koff = static_cast<std::int64_t>(b) * T * ldk + (h / group) * D;
-                const float* l = lse.f32() + (static_cast<std::int64_t>(b) * s.heads + h) * T;
+        float* probs_all = frame.push("attention-probs", DType::F32, {threads_, T, T}).f32();
+        float* dscores_all = frame.push("attention-dscores", DType::F32, {threads_, T, T}).f32();
+        const int pairs = s.batch * s.kv_heads;
+#pragma omp parallel for num_threads(threads_) schedule(dynamic)
+        for (int pair = 0; pair < pairs; ++pair) {
+            const int b = pair / s.kv_heads, kv = pair % s.kv_heads;
+            float* probs = probs_all + std::int64_t(omp_get_thread_num()) * T * T;
+            float* dscores = dscores_all + std::int64_t(omp_get_thread_num()) * T * T;
+            const std::int64_t koff = std::int64_t(b) * T * ldk + kv * D;
+            for (int h = kv * group; h < (kv + 1) * group; ++h) {
+                const std::int64_t qoff = std::int64_t(b) * T * ldq + h * D;
+                const float* l = lse.f32() + (std::int64_t(b) * s.heads + h) * T;
                 const float* o = out.f32() + qoff;
                 const float* dO = dout.f32() + qoff;
                 // Recompute the probabilities from the saved log-sum-exp.
-                gemm(probs, q.f32() + qoff, k.f32() + koff, T, T, D, ldq, ldk, T, false, true, scale, 0.0f);
-                gemm(dscores, dO, v.f32() + koff, T, T, D, ldq, ldk, T, false, true, 1.0f, 0.0f);
-#pragma omp parallel for num_threads(threads_) schedule(static)
+                gemm_serial(probs, q.f32() + qoff, k.f32() + koff, T, T, D, ldq, ldk, T, false, true, scale, 0.0f);
+                gemm_serial(dscores, dO, v.f32() + koff, T, T, D, ldq, ldk, T, false, true, 1.0f, 0.0f);
                 for (int t = 0; t < T; ++t) {
-                    float* p = probs + static_cast<std::int64_t>(t) * T;
-                    float* ds = dscores + static_cast<std::int64_t>(t) * T;
+                    float* p = probs + std::int64_t(t) * T;
+                    float* ds = dscores + std::int64_t(t) * T;
                     float delta = 0.0f;  // sum_u p[u] dp[u] == dot(dO_t, O_t)
-                    for (int d = 0; d < D; ++d)
-                        delta += dO[static_cast<std::int64_t>(t) * ldq + d] * o[static_cast<std::int64_t>(t) * ldq + d];
+                    for (int d = 0; d < D; ++d) delta += dO[std::int64_t(t) * ldq + d] * o[std::int64_t(t) * ldq + d];
                     for (int u = 0; u <= t; ++u) {
                         p[u] = std::exp(p[u] - l[t]);
                         ds[u] = p[u] * (ds[u] - delta) * scale;
                     }
                     for (int u = t + 1; u < T; ++u) p[u] = ds[u] = 0.0f;
                 }
-                gemm(dq.f32() + qoff, dscores, k.f32() + koff, T, D, T, T, ldk, ldq, false, false, 1.0f, 0.0f);
-                gemm(dk.f32() + koff, dscores, q.f32() + qoff, T, D, T, T, ldq, ldk, true, false, 1.0f, 1.0f);
-                gemm(dv.f32() + koff, probs, dO, T, D, T, T, ldq, ldk, true, false, 1.0f, 1.0f);
+                const float first = h == kv * group ? 0.0f : 1.0f;  // overwrite dk/dv on the group's first head
+                gemm_serial(dq.f32() + qoff, dscores, k.f32() + koff, T, D, T, T, ldk, ldq, false, false, 1.0f, 0.0f);
+                gemm_serial(dk.f32() + koff, dscores, q.f32() + qoff, T, D, T, T, ldq, ldk, true, false, 1.0f, first);
+                gemm_serial(dv.f32() + koff, probs, dO, T, D, T, T, ldq, ldk, true, false, 1.0f, first);
             }
         }
     }
@@ -365,8 +373,29 @@ public:
     }
 
 private:
+    // Row-major C[M,N] = alpha * op(A) @ op(B) + beta * C, split into one
+    // block per thread along the larger of M and N.
     void gemm(float* c, const float* a, const float* b, int M, int N, int K, int lda, int ldb, int ldc, bool trans_a,
               bool trans_b, float alpha, float beta) {
+        const int parts = std::min(threads_, std::max(M, N) >= 64 ? threads_ : 1);
+        const bool split_m = M >= N;
+#pragma omp parallel for num_threads(parts) schedule(static) if (parts > 1)
+        for (int part = 0; part < parts; ++part) {
+            const int extent = split_m ? M : N;
+            const int begin = static_cast<int>(std::int64_t(extent) * part / parts);
+            const int end = static_cast<int>(std::int64_t(extent) * (part + 1) / parts);
+            if (begin == end) continue;
+            if (split_m)
+                gemm_serial(c + std::int64_t(begin) * ldc, a + (trans_a ? begin : std::int64_t(begin) * lda), b,
+                            end - begin, N, K, lda, ldb, ldc, trans_a, trans_b, alpha, beta);
+            else
+                gemm_serial(c + begin, a, b + (trans_b ? std::int64_t(begin) * ldb : begin), M, end - begin, K, lda,
+                            ldb, ldc, trans_a, trans_b, alpha, beta);
+        }
+    }
+
+    static void gemm_serial(float* c, const float* a, const float* b, int M, int N, int K, int lda, int ldb, int ldc,
+                            bool trans_a, bool trans_b, float alpha, float beta) {
         scipy_cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M,
                           N, K, alpha, a, lda, b, ldb, beta, c, ldc);
     }
