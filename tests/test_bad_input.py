@@ -16,7 +16,6 @@ from conftest import (
     assert_same_tensors,
     open_trainer,
     random_batch,
-    train_options,
 )
 
 BATCH = 2

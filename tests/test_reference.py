@@ -6,7 +6,6 @@ steps by ~1e-4 of max |w| (Adam turns tiny gradient differences of near-zero
 elements into O(lr) updates).  The bounds below leave ~10x margin on that.
 """
 
-import copy
 import json
 import math
 import os
@@ -14,7 +13,6 @@ import shutil
 
 import numpy as np
 import pytest
-import torch
 
 import nanoq
 from conftest import (
