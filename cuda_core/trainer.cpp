@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -68,6 +69,7 @@ struct Trainer::Impl {
     int micro_steps = 0;
     int optimizer_steps = 0;
     bool failed = false;
+    std::mutex call_mutex;  // public calls from several threads run one at a time
     std::atomic<int> fault_rank{-1};
 
     // Runs task(rank, device) on every worker; a failure poisons the trainer.
@@ -179,6 +181,7 @@ static const ParameterInfo& parameter_at(const std::vector<ParameterInfo>& layou
 }
 
 void Trainer::set_parameter(int index, const float* data) {
+    std::lock_guard<std::mutex> serial(impl_->call_mutex);
     const ParameterInfo& p = parameter_at(impl_->layout, index);
     impl_->run([&](int, DeviceState& d) {
         d.backend->copy_from_host(d.weights.slice(p.offset, p.numel()), data);
@@ -187,6 +190,7 @@ void Trainer::set_parameter(int index, const float* data) {
 }
 
 void Trainer::get_parameter(int index, float* out) {
+    std::lock_guard<std::mutex> serial(impl_->call_mutex);
     const ParameterInfo& p = parameter_at(impl_->layout, index);
     impl_->run([&](int rank, DeviceState& d) {
         if (rank != 0) return;
@@ -196,6 +200,7 @@ void Trainer::get_parameter(int index, float* out) {
 }
 
 void Trainer::get_gradient(int index, float* out) {
+    std::lock_guard<std::mutex> serial(impl_->call_mutex);
     Impl& m = *impl_;
     const ParameterInfo& p = parameter_at(m.layout, index);
     if (m.micro_steps == 0) throw InvalidArgument("no gradients yet: call step() before reading gradients");
@@ -218,6 +223,7 @@ void Trainer::get_gradient(int index, float* out) {
 }
 
 void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets) {
+    std::lock_guard<std::mutex> serial(impl_->call_mutex);
     Impl& m = *impl_;
     if (m.micro_steps >= m.options.grad_accum)
         throw InvalidArgument("step() called " + std::to_string(m.micro_steps + 1) + " times without update(), but grad_accum is " +
@@ -236,6 +242,7 @@ void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets) {
 }
 
 StepStats Trainer::validate(const std::int32_t* inputs, const std::int32_t* targets) {
+    std::lock_guard<std::mutex> serial(impl_->call_mutex);
     Impl& m = *impl_;
     const std::int64_t per_device = std::int64_t(m.options.batch_size) * m.options.seq_len;
     std::vector<float> stats;
@@ -251,6 +258,7 @@ StepStats Trainer::validate(const std::int32_t* inputs, const std::int32_t* targ
 }
 
 StepStats Trainer::update(const UpdateParams& params) {
+    std::lock_guard<std::mutex> serial(impl_->call_mutex);
     Impl& m = *impl_;
     if (m.micro_steps == 0) throw InvalidArgument("update() called before any step(): there are no gradients");
     const int n = world_size();

@@ -18,6 +18,7 @@ WorkerPool::~WorkerPool() {
 }
 
 void WorkerPool::run(const std::function<void(int)>& task, const std::function<void()>& on_failure) {
+    std::lock_guard<std::mutex> one_call(call_mutex_);
     std::unique_lock<std::mutex> lock(mutex_);
     task_ = &task;
     on_failure_ = &on_failure;

@@ -3,7 +3,8 @@
 // run() hands the same task to every worker and blocks (on a condition
 // variable, never spinning) until all have finished. A worker that throws
 // calls `on_failure` at once, so that ranks blocked in a collective are
-// released, and run() rethrows the root cause to the caller.
+// released, and run() rethrows the root cause to the caller. Calls from
+// several threads are served one after the other.
 #pragma once
 
 #include <condition_variable>
@@ -29,6 +30,7 @@ private:
     void loop(int rank);
 
     std::vector<std::thread> threads_;
+    std::mutex call_mutex_;  // one run() at a time, whichever thread calls
     std::mutex mutex_;
     std::condition_variable work_ready_;
     std::condition_variable work_done_;
