@@ -1,10 +1,13 @@
 // The op interface: everything the model and the trainer ask of a device.
 //
 // The model and trainer are written once against this interface; a backend
-// (cpu/, later cuda/) implements it. Ops are issued in order on the device's
-// queue and may run asynchronously: results meant for the host (loss sums,
-// norms) are written into device tensors and read only after synchronize().
+// (cpu/, cuda/) implements it. Ops are issued in order on the device's queue
+// and may run asynchronously: results meant for the host (loss sums, norms)
+// are written into device tensors and read only after synchronize().
 // Shapes are row-major; "rows" is always batch*time unless said otherwise.
+// Tensors carry their dtype: activations and weights are float32 or bf16,
+// gradients, statistics, rstd and lse are float32, tokens int32. A backend
+// dispatches on dtype in one place and throws for combinations it lacks.
 // Weight gradients are accumulated (+=) because they sum over micro-batches;
 // activation gradients are overwritten unless `accumulate` says otherwise.
 #pragma once
@@ -14,6 +17,7 @@
 #include <string>
 
 #include "allocator.h"
+#include "comm.h"
 #include "tensor.h"
 
 namespace nanoq {
@@ -29,6 +33,10 @@ enum StatSlot : int {
     kZLossSum,      // sum of z_loss * lse^2 over counted tokens
     kStatCount
 };
+// Each rank's row of the gathered optimizer statistics: its StatSlots, then
+// the sum of squares of its (summed-loss) gradient shard.
+constexpr int kSumSquaresSlot = kStatCount;
+constexpr int kGatherStride = kStatCount + 1;
 
 struct AdamWStep {
     float lr;
@@ -36,12 +44,23 @@ struct AdamWStep {
     float beta2;
     float eps;
     float weight_decay;
-    int step;           // 1-based, for bias correction
-    float grad_scale;   // multiplies the stored gradient (mean normalisation and clipping)
+    int step;            // 1-based, for bias correction
+    std::uint64_t seed;  // for stochastic rounding of bf16 outputs
 };
 
 struct AttentionShape {
     int batch, time, heads, kv_heads, head_dim;
+};
+
+// The largest shapes a backend's ops will see, so that it can reserve its
+// scratch memory once, through the named allocator.
+struct ScratchShapes {
+    AttentionShape attention;  // batch and time give rows = batch * time
+    int hidden;
+    int intermediate;
+    int vocab;
+    int classifier_rows;       // rows per classifier chunk
+    std::int64_t max_reduce;   // longest sum_squares input
 };
 
 class Backend {
@@ -52,13 +71,17 @@ public:
     // Memory. raw_alloc returns nullptr when the memory is not available.
     virtual void* raw_alloc(std::size_t bytes, MemoryKind kind) = 0;
     virtual void raw_free(void* data, MemoryKind kind) = 0;
+    virtual void reserve_scratch(NamedAllocator& allocator, const ScratchShapes& shapes) = 0;
     virtual void copy_from_host(const Tensor& dst, const void* src) = 0;
+    // From memory of device `source_device` of this backend (a peer copy).
+    virtual void copy_from_device(const Tensor& dst, const void* src, int source_device) = 0;
     virtual void copy_to_host(void* dst, const Tensor& src) = 0;
+    // Elementwise copy of equal element counts, converting the dtype.
     virtual void copy(const Tensor& dst, const Tensor& src) = 0;
     virtual void fill(const Tensor& t, float value) = 0;
     virtual void synchronize() = 0;
 
-    // out[M,N] (+)= alpha * op(a) @ op(b), op(a) is [M,K], op(b) is [K,N];
+    // out[M,N] (+)= op(a) @ op(b), op(a) is [M,K], op(b) is [K,N];
     // trans_a means a is stored [K,M], trans_b means b is stored [N,K].
     virtual void matmul(const Tensor& out, const Tensor& a, const Tensor& b, int M, int N, int K, bool trans_a,
                         bool trans_b, bool accumulate) = 0;
@@ -89,15 +112,13 @@ public:
                                int head_dim) = 0;
 
     // Causal attention with grouped kv heads. q/out: [B,T,H,D]; k/v: [B,T,Hkv,D];
-    // lse: [B,H,T] saved for backward. Scratch comes from `stack`.
+    // lse: [B,H,T] saved for backward.
     virtual void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
-                                   const Tensor& v, const AttentionShape& shape, StackArena& stack) = 0;
-    // Stack bytes attention_forward/backward push at most (on top of the caller's).
-    virtual std::size_t attention_stack_bytes(const AttentionShape& shape) const = 0;
+                                   const Tensor& v, const AttentionShape& shape) = 0;
     // dq, dk, dv are overwritten.
     virtual void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
                                     const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
-                                    const Tensor& v, const AttentionShape& shape, StackArena& stack) = 0;
+                                    const Tensor& v, const AttentionShape& shape) = 0;
 
     // out = silu(gate) * up, elementwise. dgate may alias dout.
     virtual void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) = 0;
@@ -112,18 +133,33 @@ public:
     virtual void cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& stats, int rows,
                                int vocab, int first_position, int time, float z_loss, bool with_grad) = 0;
 
-    // AdamW on a contiguous range; param is the master copy.
-    virtual void adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
-                       const AdamWStep& step) = 0;
-    // out[0] += sum(x^2)
+    // out[0] += sum(x^2) of a float32 tensor, in a fixed order.
     virtual void sum_squares(const Tensor& out, const Tensor& x) = 0;
+    // From the gathered rows [ranks, kGatherStride]: out[0] = clip / tokens,
+    // the factor applied to the stored (summed-loss) gradients, and out[1] =
+    // the mean-loss gradient norm, where norm = sqrt(sum squares) / tokens and
+    // clip = grad_clip / norm when 0 < grad_clip < norm, else 1. Stays on the
+    // device so that update() needs no host round trip.
+    virtual void optimizer_scale(const Tensor& out, const Tensor& gathered, int ranks, float grad_clip) = 0;
+    // AdamW on a contiguous range of the master copy `param`; the gradient
+    // used is grad * scale[0].
+    virtual void adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                       const Tensor& scale, const AdamWStep& step) = 0;
 };
 
-// Registry of backends; the cpu backend is always there, others register
-// themselves when their library is built in.
-using BackendFactory = std::unique_ptr<Backend> (*)(int device, int threads);
-void register_backend(const std::string& name, BackendFactory factory);
-bool backend_available(const std::string& name);
-std::unique_ptr<Backend> create_backend(const std::string& name, int device, int threads);
+// A backend implementation: how to make a device's backend and a group of
+// communicators for N devices. Optional backends live in their own shared
+// library, loaded on first use, which registers itself when loaded.
+struct BackendPlugin {
+    std::unique_ptr<Backend> (*create_backend)(int device, int threads);
+    std::shared_ptr<CommGroup> (*create_group)(int size);
+    int (*device_count)();  // devices usable now (0 when none or no driver)
+};
+void register_backend(const std::string& name, const BackendPlugin& plugin);
+// Loads the backend's library if needed; throws InvalidArgument when it is
+// not built into this install and NanoqError when it cannot be loaded.
+const BackendPlugin& find_backend(const std::string& name);
+// Whether the backend is compiled into this install (without loading it).
+bool backend_built(const std::string& name);
 
 }  // namespace nanoq

@@ -1,7 +1,15 @@
-// Which backends this build has. The cpu backend is always compiled in; an
-// optional backend library calls register_backend() from a static initializer.
+// Which backends this install has. The cpu backend is compiled into the core;
+// an optional backend (cuda) is a shared library beside the core's
+// (libnanoq_<name>.so), loaded the first time it is asked for. Loading it runs
+// its static initializer, which calls register_backend(). A CPU-only install
+// thus never needs CUDA libraries, and one with the cuda library still runs
+// on machines without a driver until the cuda backend is requested.
+#include <dlfcn.h>
+#include <sys/stat.h>
+
 #include <map>
 #include <mutex>
+#include <thread>
 
 #include "backend.h"
 #include "nanoq/errors.h"
@@ -11,32 +19,60 @@ namespace nanoq {
 std::unique_ptr<Backend> create_cpu_backend(int device, int threads);
 
 namespace {
-std::mutex registry_mutex;
-std::map<std::string, BackendFactory>& registry() {
-    static std::map<std::string, BackendFactory> factories{{"cpu", &create_cpu_backend}};
-    return factories;
+
+std::recursive_mutex registry_mutex;  // recursive: a loaded library registers while we hold it
+
+std::map<std::string, BackendPlugin>& registry() {
+    static std::map<std::string, BackendPlugin> plugins{
+        {"cpu", BackendPlugin{&create_cpu_backend, &make_shared_memory_group,
+                              [] { return static_cast<int>(std::thread::hardware_concurrency()); }}}};
+    return plugins;
 }
+
+std::string plugin_path(const std::string& name) {
+    Dl_info info{};
+    if (!dladdr(reinterpret_cast<void*>(&plugin_path), &info) || !info.dli_fname)
+        throw NanoqError("cannot locate the nanoq core library to find backend '" + name + "'");
+    std::string core = info.dli_fname;
+    const auto slash = core.rfind('/');
+    const std::string dir = slash == std::string::npos ? "." : core.substr(0, slash);
+    return dir + "/libnanoq_" + name + ".so";
+}
+
+bool file_exists(const std::string& path) {
+    struct stat st {};
+    return stat(path.c_str(), &st) == 0;
+}
+
 }  // namespace
 
-void register_backend(const std::string& name, BackendFactory factory) {
-    std::lock_guard<std::mutex> lock(registry_mutex);
-    registry()[name] = factory;
+void register_backend(const std::string& name, const BackendPlugin& plugin) {
+    std::lock_guard<std::recursive_mutex> lock(registry_mutex);
+    registry()[name] = plugin;
 }
 
-bool backend_available(const std::string& name) {
-    std::lock_guard<std::mutex> lock(registry_mutex);
-    return registry().count(name) > 0;
-}
-
-std::unique_ptr<Backend> create_backend(const std::string& name, int device, int threads) {
-    BackendFactory factory;
+bool backend_built(const std::string& name) {
     {
-        std::lock_guard<std::mutex> lock(registry_mutex);
-        auto it = registry().find(name);
-        if (it == registry().end()) throw InvalidArgument("backend '" + name + "' is not available in this build");
-        factory = it->second;
+        std::lock_guard<std::recursive_mutex> lock(registry_mutex);
+        if (registry().count(name)) return true;
     }
-    return factory(device, threads);
+    return name.find('/') == std::string::npos && file_exists(plugin_path(name));
+}
+
+const BackendPlugin& find_backend(const std::string& name) {
+    std::lock_guard<std::recursive_mutex> lock(registry_mutex);
+    auto it = registry().find(name);
+    if (it != registry().end()) return it->second;
+    if (!backend_built(name))
+        throw InvalidArgument("backend '" + name + "' is not built into this install of nanoq" +
+                              (name == "cuda" ? " (build it with NANOQ_CUDA=ON)" : ""));
+    const std::string path = plugin_path(name);
+    // The library stays loaded for the life of the process, like its code.
+    if (!dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL))
+        throw NanoqError("cannot load the " + name + " backend (" + path + "): " + dlerror());
+    it = registry().find(name);
+    if (it == registry().end()) throw NanoqError(path + " loaded but did not register backend '" + name + "'");
+    return it->second;
 }
 
 }  // namespace nanoq

@@ -119,12 +119,12 @@ std::vector<float> rope_table(const ModelConfig& c, int time) {
 
 constexpr std::int64_t kClassifierChunkElements = std::int64_t(1) << 22;
 
-std::size_t aligned_f32(std::int64_t elements) { return StackArena::aligned(sizeof(float) * elements); }
 
 }  // namespace
 
-LlamaModel::LlamaModel(const ModelConfig& config, int batch, int time, Backend& backend, NamedAllocator& alloc)
-    : config_(config), B_(batch), T_(time), rows_(batch * time), backend_(backend) {
+LlamaModel::LlamaModel(const ModelConfig& config, int batch, int time, DType dtype, Backend& backend,
+                       NamedAllocator& alloc)
+    : config_(config), B_(batch), T_(time), rows_(batch * time), dtype_(dtype), backend_(backend) {
     const ModelConfig& c = config_;
     const std::int64_t rows = rows_, C = c.hidden_size, I = c.intermediate_size;
     const std::int64_t HD = std::int64_t(c.num_heads) * c.head_dim, KD = std::int64_t(c.num_kv_heads) * c.head_dim;
@@ -136,35 +136,38 @@ LlamaModel::LlamaModel(const ModelConfig& config, int batch, int time, Backend& 
 
     for (int l = 0; l <= c.num_layers; ++l)
         residual_.push_back(
-            alloc.allocate(Context::Activations, "residual." + std::to_string(l), DType::F32, {rows, C}));
+            alloc.allocate(Context::Activations, "residual." + std::to_string(l), dtype_, {rows, C}));
     layers_.resize(c.num_layers);
     for (int l = 0; l < c.num_layers; ++l) {
         LayerActivations& a = layers_[l];
         const std::string p = "layer." + std::to_string(l) + ".";
         auto act = [&](const std::string& name, std::initializer_list<std::int64_t> dims) {
+            return alloc.allocate(Context::Activations, p + name, dtype_, dims);
+        };
+        auto f32 = [&](const std::string& name, std::initializer_list<std::int64_t> dims) {
             return alloc.allocate(Context::Activations, p + name, DType::F32, dims);
         };
         a.input_norm = act("input-norm", {rows, C});
-        a.input_rstd = act("input-rstd", {rows});
+        a.input_rstd = f32("input-rstd", {rows});
         if (c.qk_norm) {
             a.q_raw = act("q-raw", {rows, HD});
             a.k_raw = act("k-raw", {rows, KD});
-            a.q_rstd = act("q-rstd", {rows * c.num_heads});
-            a.k_rstd = act("k-rstd", {rows * c.num_kv_heads});
+            a.q_rstd = f32("q-rstd", {rows * c.num_heads});
+            a.k_rstd = f32("k-rstd", {rows * c.num_kv_heads});
         }
         a.q = act("q", {rows, HD});
         a.k = act("k", {rows, KD});
         a.v = act("v", {rows, KD});
         a.attention = act("attention", {rows, HD});
-        a.lse = act("attention-lse", {B_, c.num_heads, T_});
+        a.lse = f32("attention-lse", {B_, c.num_heads, T_});
         a.residual_mid = act("residual-mid", {rows, C});
         a.post_norm = act("post-norm", {rows, C});
-        a.post_rstd = act("post-rstd", {rows});
+        a.post_rstd = f32("post-rstd", {rows});
         a.gate = act("gate", {rows, I});
         a.up = act("up", {rows, I});
         a.swiglu = act("swiglu", {rows, I});
     }
-    final_norm_ = alloc.allocate(Context::Activations, "final-norm", DType::F32, {rows, C});
+    final_norm_ = alloc.allocate(Context::Activations, "final-norm", dtype_, {rows, C});
     final_rstd_ = alloc.allocate(Context::Activations, "final-rstd", DType::F32, {rows});
 }
 
@@ -178,13 +181,16 @@ std::size_t LlamaModel::stack_bytes() const {
     const ModelConfig& c = config_;
     const std::int64_t rows = rows_, C = c.hidden_size, I = c.intermediate_size;
     const std::int64_t HD = std::int64_t(c.num_heads) * c.head_dim, KD = std::int64_t(c.num_kv_heads) * c.head_dim;
-    const std::size_t attention = backend_.attention_stack_bytes(attention_shape_);
-    const std::size_t classifier = aligned_f32(rows * C) + aligned_f32(std::int64_t(classifier_chunk_rows()) * c.vocab_size);
-    const std::size_t mlp = 2 * aligned_f32(rows * I) + aligned_f32(rows * C);
-    const std::size_t attn = 2 * aligned_f32(rows * HD) + 2 * aligned_f32(rows * KD) +
-                             std::max(attention, aligned_f32(rows * C));
-    const std::size_t backward = aligned_f32(rows * C) + std::max({classifier, mlp, attn});
-    return std::max(attention, backward);
+    auto bytes = [&](std::int64_t elements) { return StackArena::aligned(dtype_size(dtype_) * elements); };
+    const std::size_t classifier = bytes(rows * C) + bytes(std::int64_t(classifier_chunk_rows()) * c.vocab_size);
+    const std::size_t mlp = 2 * bytes(rows * I) + bytes(rows * C);
+    const std::size_t attention = 2 * bytes(rows * HD) + 2 * bytes(rows * KD) + bytes(rows * C);
+    return bytes(rows * C) + std::max({classifier, mlp, attention});
+}
+
+ScratchShapes LlamaModel::scratch_shapes() const {
+    return ScratchShapes{attention_shape_, config_.hidden_size, config_.intermediate_size, config_.vocab_size,
+                         classifier_chunk_rows(), 0};
 }
 
 void LlamaModel::forward(const ModelWeights& w, const Tensor& tokens, StackArena& stack) {
@@ -216,7 +222,7 @@ void LlamaModel::layer_forward(const LayerWeights& w, LayerActivations& a, const
     }
     be.rope_forward(a.q, cos_sin_, B_, T_, c.num_heads, D);
     be.rope_forward(a.k, cos_sin_, B_, T_, c.num_kv_heads, D);
-    be.attention_forward(a.attention, a.lse, a.q, a.k, a.v, attention_shape_, stack);
+    be.attention_forward(a.attention, a.lse, a.q, a.k, a.v, attention_shape_);
     project(a.residual_mid, w.o, w.o_bias, a.attention, C, HD);
     be.accumulate(a.residual_mid, input);
 
@@ -244,30 +250,30 @@ void LlamaModel::layer_backward(const LayerWeights& w, const LayerWeights& g, La
     };
     {
         StackFrame frame(stack);
-        Tensor dgate = frame.push("d-gate", DType::F32, {rows_, I});
-        Tensor dup = frame.push("d-up", DType::F32, {rows_, I});
+        Tensor dgate = frame.push("d-gate", dtype_, {rows_, I});
+        Tensor dup = frame.push("d-up", dtype_, {rows_, I});
         project_backward(dgate, false, g.down, Tensor(), dresidual, w.down, a.swiglu, C, I);
         be.swiglu_backward(dgate, dup, dgate, a.gate, a.up);
-        Tensor dnorm = frame.push("d-post-norm", DType::F32, {rows_, C});
+        Tensor dnorm = frame.push("d-post-norm", dtype_, {rows_, C});
         project_backward(dnorm, false, g.gate, Tensor(), dgate, w.gate, a.post_norm, I, C);
         project_backward(dnorm, true, g.up, Tensor(), dup, w.up, a.post_norm, I, C);
         be.rmsnorm_backward(dresidual, g.post_norm, dnorm, a.residual_mid, w.post_norm, a.post_rstd, rows_, C, true);
     }
     {
         StackFrame frame(stack);
-        Tensor datt = frame.push("d-attention", DType::F32, {rows_, HD});
+        Tensor datt = frame.push("d-attention", dtype_, {rows_, HD});
         project_backward(datt, false, g.o, g.o_bias, dresidual, w.o, a.attention, C, HD);
-        Tensor dq = frame.push("d-q", DType::F32, {rows_, HD});
-        Tensor dk = frame.push("d-k", DType::F32, {rows_, KD});
-        Tensor dv = frame.push("d-v", DType::F32, {rows_, KD});
-        be.attention_backward(dq, dk, dv, datt, a.attention, a.lse, a.q, a.k, a.v, attention_shape_, stack);
+        Tensor dq = frame.push("d-q", dtype_, {rows_, HD});
+        Tensor dk = frame.push("d-k", dtype_, {rows_, KD});
+        Tensor dv = frame.push("d-v", dtype_, {rows_, KD});
+        be.attention_backward(dq, dk, dv, datt, a.attention, a.lse, a.q, a.k, a.v, attention_shape_);
         be.rope_backward(dq, cos_sin_, B_, T_, c.num_heads, D);
         be.rope_backward(dk, cos_sin_, B_, T_, c.num_kv_heads, D);
         if (c.qk_norm) {
             be.rmsnorm_backward(dq, g.q_norm, dq, a.q_raw, w.q_norm, a.q_rstd, rows_ * c.num_heads, D, false);
             be.rmsnorm_backward(dk, g.k_norm, dk, a.k_raw, w.k_norm, a.k_rstd, rows_ * c.num_kv_heads, D, false);
         }
-        Tensor dnorm = frame.push("d-input-norm", DType::F32, {rows_, C});
+        Tensor dnorm = frame.push("d-input-norm", dtype_, {rows_, C});
         project_backward(dnorm, false, g.q, g.q_bias, dq, w.q, a.input_norm, HD, C);
         project_backward(dnorm, true, g.k, g.k_bias, dk, w.k, a.input_norm, KD, C);
         project_backward(dnorm, true, g.v, g.v_bias, dv, w.v, a.input_norm, KD, C);
@@ -280,7 +286,7 @@ void LlamaModel::classifier(const ModelWeights& w, const ModelWeights* g, const 
     const int C = config_.hidden_size, V = config_.vocab_size;
     const int chunk = classifier_chunk_rows();
     StackFrame frame(stack);
-    Tensor logits_storage = frame.push("logits", DType::F32, {chunk, V});
+    Tensor logits_storage = frame.push("logits", dtype_, {chunk, V});
     for (int r0 = 0; r0 < rows_; r0 += chunk) {
         const int rows = std::min(chunk, rows_ - r0);
         Tensor logits = logits_storage.slice(0, std::int64_t(rows) * V);
@@ -300,10 +306,10 @@ void LlamaModel::forward_backward(const ModelWeights& w, const ModelWeights& g, 
     const ModelConfig& c = config_;
     forward(w, tokens, stack);
     StackFrame frame(stack);
-    Tensor dresidual = frame.push("d-residual", DType::F32, {rows_, c.hidden_size});
+    Tensor dresidual = frame.push("d-residual", dtype_, {rows_, c.hidden_size});
     {
         StackFrame head(stack);
-        Tensor dhidden = head.push("d-final-norm", DType::F32, {rows_, c.hidden_size});
+        Tensor dhidden = head.push("d-final-norm", dtype_, {rows_, c.hidden_size});
         classifier(w, &g, targets, stats, z_loss, &dhidden, stack);
         backend_.rmsnorm_backward(dresidual, g.final_norm, dhidden, residual_[c.num_layers], w.final_norm,
                                   final_rstd_, rows_, c.hidden_size, false);

@@ -42,7 +42,9 @@ struct LayerActivations {
 
 class LlamaModel {
 public:
-    LlamaModel(const ModelConfig& config, int batch, int time, Backend& backend, NamedAllocator& allocator);
+    // Activations (and the stack's tensors) are `dtype`; statistics float32.
+    LlamaModel(const ModelConfig& config, int batch, int time, DType dtype, Backend& backend,
+               NamedAllocator& allocator);
 
     // Forward, fused classifier and backward of one micro-batch: adds the
     // gradients of the summed loss into `grads` and the loss statistics into
@@ -55,6 +57,8 @@ public:
 
     // Bytes of activation stack that forward_backward needs at most.
     std::size_t stack_bytes() const;
+    // The shapes the backend's ops will see (max_reduce left for the caller).
+    ScratchShapes scratch_shapes() const;
 
 private:
     void forward(const ModelWeights& w, const Tensor& tokens, StackArena& stack);
@@ -69,6 +73,7 @@ private:
 
     ModelConfig config_;
     int B_, T_, rows_;
+    DType dtype_;
     Backend& backend_;
     AttentionShape attention_shape_;
     Tensor cos_sin_;                   // [T, D/2, 2]

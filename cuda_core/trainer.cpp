@@ -1,11 +1,13 @@
 // The data-parallel trainer with ZeRO-1 sharding.
 //
-// Each device keeps a full replica of the weights and a full gradient buffer,
-// both flat in parameter_layout() order and padded to a multiple of the device
-// count. At update() the gradients are reduce-scattered so that device r owns
-// the summed gradient of shard r; it updates the master weights and AdamW
-// moments of that shard only, and the updated shards are all-gathered. While
-// weights are float32 the master shard is a view into the weights buffer.
+// Each device keeps a full replica of the weights and a full float32 gradient
+// buffer, both flat in parameter_layout() order and padded to a multiple of
+// the device count. At update() the gradients are reduce-scattered so that
+// device r owns the summed gradient of shard r; it updates the master weights
+// and AdamW moments of that shard only, and the updated shards are
+// all-gathered. When weights and master weights share a dtype, the master
+// shard is a view into the weights buffer; otherwise it is its own tensor and
+// the updated master shard is cast into the weights before the gather.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -25,11 +27,21 @@ namespace nanoq {
 
 namespace {
 
+// Host<->device parameter copies go through a float32 buffer of this many elements.
+constexpr std::int64_t kStagingElements = std::int64_t(1) << 22;
+
+DType parse_dtype(const std::string& name, const char* option) {
+    if (name == "fp32") return DType::F32;
+    if (name == "bf16") return DType::BF16;
+    throw InvalidArgument(std::string(option) + " must be \"fp32\" or \"bf16\", got \"" + name + "\"");
+}
+
 void check_config(const ModelConfig& c, const TrainOptions& o) {
     auto require = [](bool ok, const std::string& what) {
         if (!ok) throw InvalidArgument(what);
     };
-    require(c.vocab_size > 0 && c.hidden_size > 0 && c.intermediate_size > 0 && c.num_layers > 0, "model sizes must be positive");
+    require(c.vocab_size > 0 && c.hidden_size > 0 && c.intermediate_size > 0 && c.num_layers > 0,
+            "model sizes must be positive");
     require(c.num_heads > 0 && c.num_kv_heads > 0 && c.num_heads % c.num_kv_heads == 0,
             "num_heads must be a positive multiple of num_kv_heads");
     require(c.head_dim > 0 && c.head_dim % 2 == 0, "head_dim must be positive and even");
@@ -52,10 +64,13 @@ struct DeviceState {
     std::unique_ptr<StackArena> stack;
     Tensor weights, grads;           // [padded]
     Tensor master, adam_m, adam_v;   // [shard]
+    bool master_is_weights = false;  // master is this rank's shard of `weights`
     ModelWeights weight_views, grad_views;
     Tensor tokens, targets;          // [B, T]
     Tensor stats, eval_stats;        // [kStatCount]
-    Tensor gathered;                 // [devices * kStatCount] for host-side combination
+    Tensor gathered;                 // [devices, kGatherStride]
+    Tensor optimizer_scale;          // [2]: gradient factor, gradient norm
+    Tensor staging;                  // float32 bounce buffer for parameters
 };
 
 struct Trainer::Impl {
@@ -64,7 +79,7 @@ struct Trainer::Impl {
     std::vector<ParameterInfo> layout;
     std::int64_t shard = 0;
     std::vector<DeviceState> devices;
-    std::shared_ptr<SharedMemoryGroup> group;
+    std::shared_ptr<CommGroup> group;
     std::unique_ptr<WorkerPool> pool;
     int micro_steps = 0;
     int optimizer_steps = 0;
@@ -72,12 +87,13 @@ struct Trainer::Impl {
     std::mutex call_mutex;  // public calls from several threads run one at a time
     std::atomic<int> fault_rank{-1};
 
+    int size() const { return static_cast<int>(devices.size()); }
+
     // Runs task(rank, device) on every worker; a failure poisons the trainer.
     void run(const std::function<void(int, DeviceState&)>& task) {
-        if (failed)
-            throw NanoqError("this trainer stopped after a worker failure; close it and create a new one");
+        if (failed) throw NanoqError("this trainer stopped after a worker failure; close it and create a new one");
         std::function<void(int)> body = [&](int rank) { task(rank, devices[rank]); };
-        std::function<void()> abort = [&] { abort_shared_memory_group(*group); };
+        std::function<void()> abort = [&] { group->abort(); };
         try {
             pool->run(body, abort);
         } catch (...) {
@@ -86,12 +102,12 @@ struct Trainer::Impl {
         }
     }
 
-    // Per-rank statistics combined on the host in rank order.
-    StepStats combine(const std::vector<float>& per_rank, int ranks) const {
+    // Statistics of all ranks (rows of kGatherStride) combined in rank order.
+    StepStats combine(const std::vector<float>& rows) const {
         double sums[kStatCount] = {};
         double lse_max = -std::numeric_limits<double>::infinity();
-        for (int r = 0; r < ranks; ++r) {
-            const float* s = &per_rank[static_cast<std::size_t>(r) * kStatCount];
+        for (int r = 0; r < size(); ++r) {
+            const float* s = &rows[static_cast<std::size_t>(r) * kGatherStride];
             for (int i = 0; i < kStatCount; ++i) sums[i] += s[i];
             lse_max = std::max(lse_max, double(s[kLseMax]));
         }
@@ -107,22 +123,57 @@ struct Trainer::Impl {
         return out;
     }
 
-    // Gathers `stats` of every rank into every rank's `gathered` and reads it.
-    std::vector<float> gather_stats(DeviceState& d, const Tensor& stats) {
-        const int ranks = static_cast<int>(devices.size());
-        d.backend->copy(d.gathered.slice(std::int64_t(d.comm->rank()) * kStatCount, kStatCount), stats);
+    // Puts this rank's `stats` into its row of `gathered` and gathers all rows.
+    void gather_stats(DeviceState& d, const Tensor& stats) {
+        d.backend->copy(d.gathered.slice(std::int64_t(d.comm->rank()) * kGatherStride, kStatCount), stats);
         d.comm->all_gather(d.gathered);
-        std::vector<float> host(static_cast<std::size_t>(ranks) * kStatCount);
+    }
+
+    std::vector<float> read_gathered(DeviceState& d) {
+        std::vector<float> host(static_cast<std::size_t>(size()) * kGatherStride);
         d.backend->copy_to_host(host.data(), d.gathered);
         d.backend->synchronize();
         return host;
+    }
+
+    // This device's views of the micro-batch: in place when the caller's
+    // memory is on this device, else copied into the device's buffers.
+    std::pair<Tensor, Tensor> load_batch(int rank, DeviceState& d, const std::int32_t* inputs,
+                                         const std::int32_t* targets, int source_device) {
+        const std::int64_t offset = std::int64_t(rank) * options.batch_size * options.seq_len;
+        if (source_device == rank) {
+            auto view = [&](const std::int32_t* p) {
+                return Tensor(const_cast<std::int32_t*>(p + offset), DType::I32, {options.batch_size, options.seq_len});
+            };
+            return {view(inputs), view(targets)};
+        }
+        if (source_device < 0) {
+            d.backend->copy_from_host(d.tokens, inputs + offset);
+            d.backend->copy_from_host(d.targets, targets + offset);
+        } else {
+            d.backend->copy_from_device(d.tokens, inputs + offset, source_device);
+            d.backend->copy_from_device(d.targets, targets + offset, source_device);
+        }
+        return {d.tokens, d.targets};
+    }
+
+    void check_source(int source_device) const {
+        if (source_device < -1 || source_device >= size())
+            throw InvalidArgument("batch is on device " + std::to_string(source_device) + ", but this trainer uses devices 0.." +
+                                  std::to_string(size() - 1));
     }
 };
 
 Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_(std::make_unique<Impl>()) {
     check_config(config, options);
-    if (!backend_available(options.backend))
-        throw InvalidArgument("backend '" + options.backend + "' is not available in this build of nanoq");
+    const DType weight_dtype = parse_dtype(options.dtype, "dtype");
+    const DType master_dtype = parse_dtype(options.master_dtype, "master_dtype");
+    const DType optimizer_dtype = parse_dtype(options.optimizer_dtype, "optimizer_dtype");
+    const BackendPlugin& plugin = find_backend(options.backend);
+    const int available = plugin.device_count();
+    if (options.backend != "cpu" && options.devices > available)
+        throw InvalidArgument("asked for " + std::to_string(options.devices) + " " + options.backend +
+                              " device(s), but " + std::to_string(available) + " are available");
     Impl& m = *impl_;
     m.config = config;
     m.options = options;
@@ -131,36 +182,43 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_
     const std::int64_t total = m.layout.back().offset + m.layout.back().numel();
     m.shard = (total + n - 1) / n;
     const std::int64_t padded = m.shard * n;
+    std::int64_t largest = 0;
+    for (const ParameterInfo& p : m.layout) largest = std::max(largest, p.numel());
     int threads = options.threads;
     if (threads <= 0) threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / n);
 
-    m.group = make_shared_memory_group(n);
+    m.group = plugin.create_group(n);
     m.devices.resize(n);
     m.pool = std::make_unique<WorkerPool>(n);
     const int B = options.batch_size, T = options.seq_len;
     m.run([&](int rank, DeviceState& d) {
-        d.backend = create_backend(options.backend, rank, threads);
+        d.backend = plugin.create_backend(rank, threads);
         d.allocator = std::make_unique<NamedAllocator>(*d.backend, rank);
-        d.comm = make_shared_memory_communicator(m.group, rank);
+        d.comm = m.group->connect(rank);
         NamedAllocator& a = *d.allocator;
-        d.weights = a.allocate(Context::Weights, "weights", DType::F32, {padded});
+        d.weights = a.allocate(Context::Weights, "weights", weight_dtype, {padded});
         d.grads = a.allocate(Context::Gradients, "gradients", DType::F32, {padded});
-        d.master = d.weights.slice(rank * m.shard, m.shard);
-        d.adam_m = a.allocate(Context::AdamM, "adam-m", DType::F32, {m.shard});
-        d.adam_v = a.allocate(Context::AdamV, "adam-v", DType::F32, {m.shard});
+        d.master_is_weights = master_dtype == weight_dtype;
+        d.master = d.master_is_weights ? d.weights.slice(rank * m.shard, m.shard)
+                                       : a.allocate(Context::Master, "master", master_dtype, {m.shard});
+        d.adam_m = a.allocate(Context::AdamM, "adam-m", optimizer_dtype, {m.shard});
+        d.adam_v = a.allocate(Context::AdamV, "adam-v", optimizer_dtype, {m.shard});
         d.tokens = a.allocate(Context::Workspace, "tokens", DType::I32, {B, T});
         d.targets = a.allocate(Context::Workspace, "targets", DType::I32, {B, T});
         d.stats = a.allocate(Context::Workspace, "loss-stats", DType::F32, {kStatCount});
         d.eval_stats = a.allocate(Context::Workspace, "eval-stats", DType::F32, {kStatCount});
-        d.gathered = a.allocate(Context::Workspace, "gathered-stats", DType::F32, {std::int64_t(n) * kStatCount});
-        d.model = std::make_unique<LlamaModel>(config, B, T, *d.backend, a);
+        d.gathered = a.allocate(Context::Workspace, "gathered-stats", DType::F32, {n, kGatherStride});
+        d.optimizer_scale = a.allocate(Context::Workspace, "optimizer-scale", DType::F32, {2});
+        d.staging = a.allocate(Context::Workspace, "parameter-staging", DType::F32,
+                               {std::min(largest, kStagingElements)});
+        d.model = std::make_unique<LlamaModel>(config, B, T, weight_dtype, *d.backend, a);
         d.stack = std::make_unique<StackArena>(a, d.model->stack_bytes());
+        ScratchShapes scratch = d.model->scratch_shapes();
+        scratch.max_reduce = m.shard;
+        d.backend->reserve_scratch(a, scratch);
         d.weight_views = bind_weights(config, d.weights);
         d.grad_views = bind_weights(config, d.grads);
-        d.backend->fill(d.weights, 0.0f);
-        d.backend->fill(d.grads, 0.0f);
-        d.backend->fill(d.adam_m, 0.0f);
-        d.backend->fill(d.adam_v, 0.0f);
+        for (const Tensor& t : {d.weights, d.grads, d.adam_m, d.adam_v, d.master}) d.backend->fill(t, 0.0f);
         reset_stats(*d.backend, d.stats);
         d.backend->synchronize();
     });
@@ -182,9 +240,22 @@ static const ParameterInfo& parameter_at(const std::vector<ParameterInfo>& layou
 
 void Trainer::set_parameter(int index, const float* data) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
-    const ParameterInfo& p = parameter_at(impl_->layout, index);
-    impl_->run([&](int, DeviceState& d) {
-        d.backend->copy_from_host(d.weights.slice(p.offset, p.numel()), data);
+    Impl& m = *impl_;
+    const ParameterInfo& p = parameter_at(m.layout, index);
+    m.run([&](int rank, DeviceState& d) {
+        const std::int64_t shard_begin = rank * m.shard;
+        for (std::int64_t done = 0; done < p.numel(); done += d.staging.numel()) {
+            const std::int64_t count = std::min(d.staging.numel(), p.numel() - done);
+            const Tensor staged = d.staging.slice(0, count);
+            d.backend->copy_from_host(staged, data + done);
+            d.backend->copy(d.weights.slice(p.offset + done, count), staged);
+            // The part of this chunk inside this rank's shard also goes to the master copy.
+            const std::int64_t begin = std::max(p.offset + done, shard_begin);
+            const std::int64_t end = std::min(p.offset + done + count, shard_begin + m.shard);
+            if (!d.master_is_weights && begin < end)
+                d.backend->copy(d.master.slice(begin - shard_begin, end - begin),
+                                staged.slice(begin - p.offset - done, end - begin));
+        }
         d.backend->synchronize();
     });
 }
@@ -194,7 +265,12 @@ void Trainer::get_parameter(int index, float* out) {
     const ParameterInfo& p = parameter_at(impl_->layout, index);
     impl_->run([&](int rank, DeviceState& d) {
         if (rank != 0) return;
-        d.backend->copy_to_host(out, d.weights.slice(p.offset, p.numel()));
+        for (std::int64_t done = 0; done < p.numel(); done += d.staging.numel()) {
+            const std::int64_t count = std::min(d.staging.numel(), p.numel() - done);
+            const Tensor staged = d.staging.slice(0, count);
+            d.backend->copy(staged, d.weights.slice(p.offset + done, count));
+            d.backend->copy_to_host(out + done, staged);
+        }
         d.backend->synchronize();
     });
 }
@@ -206,14 +282,15 @@ void Trainer::get_gradient(int index, float* out) {
     if (m.micro_steps == 0) throw InvalidArgument("no gradients yet: call step() before reading gradients");
     const int n = world_size();
     std::vector<std::vector<float>> per_rank(n, std::vector<float>(p.numel()));
-    std::vector<float> stats;
+    std::vector<float> rows;
     m.run([&](int rank, DeviceState& d) {
-        std::vector<float> s = m.gather_stats(d, d.stats);
-        if (rank == 0) stats = std::move(s);
+        m.gather_stats(d, d.stats);
+        std::vector<float> gathered = m.read_gathered(d);
+        if (rank == 0) rows = std::move(gathered);
         d.backend->copy_to_host(per_rank[rank].data(), d.grads.slice(p.offset, p.numel()));
         d.backend->synchronize();
     });
-    const StepStats totals = m.combine(stats, n);
+    const StepStats totals = m.combine(rows);
     const float scale = totals.tokens ? 1.0f / static_cast<float>(totals.tokens) : 0.0f;
     for (std::int64_t i = 0; i < p.numel(); ++i) {
         float sum = 0.0f;
@@ -222,39 +299,37 @@ void Trainer::get_gradient(int index, float* out) {
     }
 }
 
-void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets) {
+void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int source_device) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
     Impl& m = *impl_;
+    m.check_source(source_device);
     if (m.micro_steps >= m.options.grad_accum)
-        throw InvalidArgument("step() called " + std::to_string(m.micro_steps + 1) + " times without update(), but grad_accum is " +
-                              std::to_string(m.options.grad_accum));
-    const std::int64_t per_device = std::int64_t(m.options.batch_size) * m.options.seq_len;
+        throw InvalidArgument("step() called " + std::to_string(m.micro_steps + 1) +
+                              " times without update(), but grad_accum is " + std::to_string(m.options.grad_accum));
     const int fault = m.fault_rank.exchange(-1);
     m.run([&](int rank, DeviceState& d) {
         if (rank == fault) throw NanoqError("injected fault in worker " + std::to_string(rank));
-        d.backend->copy_from_host(d.tokens, inputs + rank * per_device);
-        d.backend->copy_from_host(d.targets, targets + rank * per_device);
-        d.model->forward_backward(d.weight_views, d.grad_views, d.tokens, d.targets, d.stats, m.options.z_loss,
-                                  *d.stack);
+        const auto [tokens, labels] = m.load_batch(rank, d, inputs, targets, source_device);
+        d.model->forward_backward(d.weight_views, d.grad_views, tokens, labels, d.stats, m.options.z_loss, *d.stack);
         d.backend->synchronize();
     });
     ++m.micro_steps;
 }
 
-StepStats Trainer::validate(const std::int32_t* inputs, const std::int32_t* targets) {
+StepStats Trainer::validate(const std::int32_t* inputs, const std::int32_t* targets, int source_device) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
     Impl& m = *impl_;
-    const std::int64_t per_device = std::int64_t(m.options.batch_size) * m.options.seq_len;
-    std::vector<float> stats;
+    m.check_source(source_device);
+    std::vector<float> rows;
     m.run([&](int rank, DeviceState& d) {
-        d.backend->copy_from_host(d.tokens, inputs + rank * per_device);
-        d.backend->copy_from_host(d.targets, targets + rank * per_device);
+        const auto [tokens, labels] = m.load_batch(rank, d, inputs, targets, source_device);
         reset_stats(*d.backend, d.eval_stats);
-        d.model->forward_loss(d.weight_views, d.tokens, d.targets, d.eval_stats, m.options.z_loss, *d.stack);
-        std::vector<float> s = m.gather_stats(d, d.eval_stats);
-        if (rank == 0) stats = std::move(s);
+        d.model->forward_loss(d.weight_views, tokens, labels, d.eval_stats, m.options.z_loss, *d.stack);
+        m.gather_stats(d, d.eval_stats);
+        std::vector<float> gathered = m.read_gathered(d);
+        if (rank == 0) rows = std::move(gathered);
     });
-    return m.combine(stats, world_size());
+    return m.combine(rows);
 }
 
 StepStats Trainer::update(const UpdateParams& params) {
@@ -263,51 +338,44 @@ StepStats Trainer::update(const UpdateParams& params) {
     if (m.micro_steps == 0) throw InvalidArgument("update() called before any step(): there are no gradients");
     const int n = world_size();
     const int step_number = m.optimizer_steps + 1;
-    StepStats result;
+    std::vector<float> rows;
+    float scale_and_norm[2] = {0.0f, 0.0f};
     m.run([&](int rank, DeviceState& d) {
         Backend& be = *d.backend;
-        const StepStats totals = m.combine(m.gather_stats(d, d.stats), n);
         d.comm->reduce_scatter_sum(d.grads);
-        const Tensor grad_shard = d.grads.slice(rank * m.shard, m.shard);
-
-        // Global norm of the summed gradient: each rank squares its shard,
-        // the partial sums are gathered and added in rank order.
-        Tensor partial = d.gathered.slice(0, n);
-        be.fill(partial, 0.0f);
-        be.sum_squares(partial.slice(rank, 1), grad_shard);
-        d.comm->all_gather(partial);
-        std::vector<float> squares(n);
-        be.copy_to_host(squares.data(), partial);
-        be.synchronize();
-        double sum_squares = 0.0;
-        for (float s : squares) sum_squares += s;
-
-        const double inv_tokens = totals.tokens ? 1.0 / totals.tokens : 0.0;
-        const double norm = std::sqrt(sum_squares) * inv_tokens;
-        double clip = 1.0;
-        if (params.grad_clip > 0 && norm > params.grad_clip) clip = params.grad_clip / norm;
+        const std::int64_t lo = rank * m.shard, hi = lo + m.shard;
+        // This rank's row of `gathered`: its loss statistics and the sum of
+        // squares of its gradient shard; the scale is computed on the device.
+        const Tensor squares = d.gathered.slice(std::int64_t(rank) * kGatherStride + kSumSquaresSlot, 1);
+        be.fill(squares, 0.0f);
+        be.sum_squares(squares, d.grads.slice(lo, m.shard));
+        m.gather_stats(d, d.stats);
+        be.optimizer_scale(d.optimizer_scale, d.gathered, n, params.grad_clip);
 
         AdamWStep step{params.lr, params.beta1, params.beta2, params.eps, 0.0f, step_number,
-                       static_cast<float>(inv_tokens * clip)};
-        const std::int64_t lo = rank * m.shard, hi = lo + m.shard;
+                       m.options.seed * 1000003ULL + static_cast<std::uint64_t>(rank)};
         for (const ParameterInfo& p : m.layout) {
             const std::int64_t begin = std::max(lo, p.offset), end = std::min(hi, p.offset + p.numel());
             if (begin >= end) continue;
             step.weight_decay = p.weight_decay ? params.weight_decay : 0.0f;
             be.adamw(d.master.slice(begin - lo, end - begin), d.grads.slice(begin, end - begin),
-                     d.adam_m.slice(begin - lo, end - begin), d.adam_v.slice(begin - lo, end - begin), step);
+                     d.adam_m.slice(begin - lo, end - begin), d.adam_v.slice(begin - lo, end - begin),
+                     d.optimizer_scale, step);
         }
+        if (!d.master_is_weights) be.copy(d.weights.slice(lo, m.shard), d.master);
         d.comm->all_gather(d.weights);
         be.fill(d.grads, 0.0f);
         reset_stats(be, d.stats);
-        be.synchronize();
         if (rank == 0) {
-            result = totals;
-            result.grad_norm = norm;
+            rows = m.read_gathered(d);
+            be.copy_to_host(scale_and_norm, d.optimizer_scale);
         }
+        be.synchronize();
     });
     m.micro_steps = 0;
     m.optimizer_steps = step_number;
+    StepStats result = m.combine(rows);
+    result.grad_norm = scale_and_norm[1];
     return result;
 }
 
@@ -327,6 +395,8 @@ StackInfo Trainer::stack_info(int device) const {
     return info;
 }
 
-bool has_backend(const std::string& name) { return backend_available(name); }
+bool has_backend(const std::string& name) { return backend_built(name); }
+
+int backend_device_count(const std::string& name) { return find_backend(name).device_count(); }
 
 }  // namespace nanoq

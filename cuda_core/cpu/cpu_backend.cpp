@@ -14,7 +14,6 @@
 #include <cstring>
 #include <limits>
 #include <new>
-#include <vector>
 
 #include "backend.h"
 #include "nanoq/errors.h"
@@ -42,9 +41,22 @@ public:
     void raw_free(void* data, MemoryKind) override { std::free(data); }
     void copy_from_host(const Tensor& dst, const void* src) override { std::memcpy(dst.data, src, dst.bytes()); }
     void copy_to_host(void* dst, const Tensor& src) override { std::memcpy(dst, src.data, src.bytes()); }
+    void copy_from_device(const Tensor&, const void*, int) override {
+        throw InvalidArgument("the cpu backend has no device memory to copy from; pass host (numpy) arrays");
+    }
     void copy(const Tensor& dst, const Tensor& src) override {
-        if (dst.bytes() != src.bytes()) throw InternalError("copy between tensors of different sizes");
-        std::memcpy(dst.data, src.data, src.bytes());
+        if (dst.numel() != src.numel()) throw InternalError("copy between tensors of different sizes");
+        std::memcpy(dst.f32(), src.f32(), src.bytes());  // the cpu backend computes in float32 only
+    }
+
+    void reserve_scratch(NamedAllocator& allocator, const ScratchShapes& s) override {
+        const std::int64_t T = s.attention.time;
+        attention_scratch_ = allocator.allocate(Context::Workspace, "attention-scratch", DType::F32,
+                                                {2, threads_, T, T});
+        classifier_scratch_ = allocator.allocate(Context::Workspace, "classifier-rows", DType::F32,
+                                                 {2, s.classifier_rows});
+        const std::int64_t blocks = (s.max_reduce + kReduceBlock - 1) / kReduceBlock;
+        reduce_scratch_ = allocator.allocate(Context::Workspace, "sum-squares-partials", DType::F32, {2 * blocks});
     }
     void fill(const Tensor& t, float value) override {
         float* p = t.f32();
@@ -174,17 +186,13 @@ public:
     // Attention runs one (batch, head) pair per thread, each with its own
     // [T, T] scratch and single-threaded sgemm calls. Backward goes by kv head
     // so that the heads sharing a kv head accumulate dk/dv in one thread.
-    std::size_t attention_stack_bytes(const AttentionShape& s) const override {
-        return 2 * StackArena::aligned(sizeof(float) * threads_ * s.time * s.time);
-    }
 
     void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
-                           const AttentionShape& s, StackArena& stack) override {
-        StackFrame frame(stack);
+                           const AttentionShape& s) override {
         const int T = s.time, D = s.head_dim, group = s.heads / s.kv_heads;
         const int ldq = s.heads * D, ldk = s.kv_heads * D;
         const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-        float* scratch = frame.push("attention-probs", DType::F32, {threads_, T, T}).f32();
+        float* scratch = attention_scratch(T);
         const int pairs = s.batch * s.heads;
 #pragma omp parallel for num_threads(threads_) schedule(dynamic)
         for (int pair = 0; pair < pairs; ++pair) {
@@ -214,13 +222,12 @@ public:
 
     void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
                             const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
-                            const AttentionShape& s, StackArena& stack) override {
-        StackFrame frame(stack);
+                            const AttentionShape& s) override {
         const int T = s.time, D = s.head_dim, group = s.heads / s.kv_heads;
         const int ldq = s.heads * D, ldk = s.kv_heads * D;
         const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-        float* probs_all = frame.push("attention-probs", DType::F32, {threads_, T, T}).f32();
-        float* dscores_all = frame.push("attention-dscores", DType::F32, {threads_, T, T}).f32();
+        float* probs_all = attention_scratch(T);
+        float* dscores_all = probs_all + std::int64_t(threads_) * T * T;
         const int pairs = s.batch * s.kv_heads;
 #pragma omp parallel for num_threads(threads_) schedule(dynamic)
         for (int pair = 0; pair < pairs; ++pair) {
@@ -286,7 +293,9 @@ public:
                        int first_position, int time, float z_loss, bool with_grad) override {
         float* lg = logits.f32();
         const std::int32_t* tg = targets.i32();
-        std::vector<float> row_lse(rows), row_loss(rows);
+        if (rows > classifier_scratch_.shape[1]) throw InternalError("classifier chunk larger than reserved");
+        float* row_lse = classifier_scratch_.f32();
+        float* row_loss = row_lse + classifier_scratch_.shape[1];
 #pragma omp parallel for num_threads(threads_) schedule(static)
         for (int r = 0; r < rows; ++r) {
             float* row = lg + static_cast<std::int64_t>(r) * vocab;
@@ -334,12 +343,50 @@ public:
         st[kZLossSum] += static_cast<float>(z);
     }
 
-    void adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+    void sum_squares(const Tensor& out, const Tensor& x) override {
+        // Fixed blocks summed in order: the result does not depend on threads.
+        const float* p = x.f32();
+        const std::int64_t n = x.numel();
+        const std::int64_t blocks = (n + kReduceBlock - 1) / kReduceBlock;
+        if (2 * blocks > reduce_scratch_.numel()) throw InternalError("sum_squares input larger than reserved");
+        double* partial = static_cast<double*>(reduce_scratch_.data);
+#pragma omp parallel for num_threads(threads_) schedule(static)
+        for (std::int64_t b = 0; b < blocks; ++b) {
+            double acc = 0.0;
+            for (std::int64_t i = b * kReduceBlock; i < std::min(n, (b + 1) * kReduceBlock); ++i)
+                acc += double(p[i]) * p[i];
+            partial[b] = acc;
+        }
+        double total = 0.0;
+        for (std::int64_t b = 0; b < blocks; ++b) total += partial[b];
+        out.f32()[0] += static_cast<float>(total);
+    }
+
+    void optimizer_scale(const Tensor& out, const Tensor& gathered, int ranks, float grad_clip) override {
+        const float* g = gathered.f32();
+        double tokens = 0.0, squares = 0.0;
+        for (int r = 0; r < ranks; ++r) {
+            tokens += g[r * kGatherStride + kTokens];
+            squares += g[r * kGatherStride + kSumSquaresSlot];
+        }
+        float* o = out.f32();
+        if (tokens == 0.0) {
+            o[0] = o[1] = 0.0f;
+            return;
+        }
+        const double norm = std::sqrt(squares) / tokens;
+        const double clip = grad_clip > 0 && norm > grad_clip ? grad_clip / norm : 1.0;
+        o[0] = static_cast<float>(clip / tokens);
+        o[1] = static_cast<float>(norm);
+    }
+
+    void adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const Tensor& scale,
                const AdamWStep& s) override {
         float* p = param.f32();
         const float* g = grad.f32();
         float* mm = m.f32();
         float* vv = v.f32();
+        const float grad_scale = scale.f32()[0];
         const std::int64_t n = param.numel();
         const float bias1 = 1.0f - std::pow(s.beta1, static_cast<float>(s.step));
         const float bias2_sqrt = std::sqrt(1.0f - std::pow(s.beta2, static_cast<float>(s.step)));
@@ -347,29 +394,11 @@ public:
         const float decay = 1.0f - s.lr * s.weight_decay;
 #pragma omp parallel for num_threads(threads_) schedule(static)
         for (std::int64_t i = 0; i < n; ++i) {
-            const float gi = g[i] * s.grad_scale;
+            const float gi = g[i] * grad_scale;
             mm[i] = s.beta1 * mm[i] + (1.0f - s.beta1) * gi;
             vv[i] = s.beta2 * vv[i] + (1.0f - s.beta2) * gi * gi;
             p[i] = p[i] * decay - step_size * mm[i] / (std::sqrt(vv[i]) / bias2_sqrt + s.eps);
         }
-    }
-
-    void sum_squares(const Tensor& out, const Tensor& x) override {
-        // Fixed blocks summed in order: the result does not depend on threads.
-        const float* p = x.f32();
-        const std::int64_t n = x.numel();
-        const std::int64_t block = 1 << 14;
-        const std::int64_t blocks = (n + block - 1) / block;
-        std::vector<double> partial(blocks);
-#pragma omp parallel for num_threads(threads_) schedule(static)
-        for (std::int64_t b = 0; b < blocks; ++b) {
-            double acc = 0.0;
-            for (std::int64_t i = b * block; i < std::min(n, (b + 1) * block); ++i) acc += double(p[i]) * p[i];
-            partial[b] = acc;
-        }
-        double total = 0.0;
-        for (double v : partial) total += v;
-        out.f32()[0] += static_cast<float>(total);
     }
 
 private:
@@ -437,7 +466,16 @@ private:
         }
     }
 
+    float* attention_scratch(int time) const {
+        if (attention_scratch_.shape[2] < time) throw InternalError("attention longer than reserved");
+        return attention_scratch_.f32();
+    }
+
+    static constexpr std::int64_t kReduceBlock = 1 << 14;
     int threads_;
+    Tensor attention_scratch_;   // [2, threads, T, T]: probabilities and their gradients
+    Tensor classifier_scratch_;  // [2, rows]: per-row lse and loss
+    Tensor reduce_scratch_;      // double partial sums of sum_squares
 };
 
 }  // namespace

@@ -14,10 +14,40 @@
 #include "nanoq/errors.h"
 
 namespace nanoq {
+namespace {
 
-class SharedMemoryGroup {
+class SharedMemoryGroup;
+
+class SharedMemoryCommunicator final : public Communicator {
+public:
+    SharedMemoryCommunicator(std::shared_ptr<SharedMemoryGroup> group, int rank);
+    int rank() const override { return rank_; }
+    int size() const override;
+    void reduce_scatter_sum(const Tensor& buffer) override;
+    void all_gather(const Tensor& buffer) override;
+    void barrier() override;
+
+private:
+    void begin(const Tensor& buffer);
+    std::int64_t chunk_size(const Tensor& buffer) const;
+
+    std::shared_ptr<SharedMemoryGroup> group_;
+    int rank_;
+};
+
+class SharedMemoryGroup final : public CommGroup, public std::enable_shared_from_this<SharedMemoryGroup> {
 public:
     explicit SharedMemoryGroup(int size) : size_(size), buffers_(size, nullptr) {}
+
+    std::unique_ptr<Communicator> connect(int rank) override {
+        return std::make_unique<SharedMemoryCommunicator>(shared_from_this(), rank);
+    }
+
+    void abort() override {
+        std::lock_guard<std::mutex> lock(mutex_);
+        aborted_ = true;
+        cv_.notify_all();
+    }
 
     int size() const { return size_; }
 
@@ -35,14 +65,8 @@ public:
         if (aborted_) throw WorkerAborted("collective abandoned: another worker failed");
     }
 
-    void abort() {
-        std::lock_guard<std::mutex> lock(mutex_);
-        aborted_ = true;
-        cv_.notify_all();
-    }
-
     void publish(int rank, void* data) { buffers_[rank] = data; }
-    float* buffer(int rank) const { return static_cast<float*>(buffers_[rank]); }
+    const float* buffer(int rank) const { return static_cast<const float*>(buffers_[rank]); }
 
 private:
     int size_;
@@ -54,84 +78,50 @@ private:
     bool aborted_ = false;
 };
 
-namespace {
+SharedMemoryCommunicator::SharedMemoryCommunicator(std::shared_ptr<SharedMemoryGroup> group, int rank)
+    : group_(std::move(group)), rank_(rank) {}
 
-class SharedMemoryCommunicator final : public Communicator {
-public:
-    SharedMemoryCommunicator(std::shared_ptr<SharedMemoryGroup> group, int rank)
-        : group_(std::move(group)), rank_(rank) {}
+int SharedMemoryCommunicator::size() const { return group_->size(); }
 
-    int rank() const override { return rank_; }
-    int size() const override { return group_->size(); }
-
-    void all_reduce_sum(const Tensor& buffer) override {
-        if (size() == 1) return;
-        // Sum chunk by chunk into a private copy, then publish: two barriers.
-        const std::int64_t n = buffer.numel();
-        std::vector<float> sum(n, 0.0f);
-        begin(buffer);
-        for (int r = 0; r < size(); ++r) {
-            const float* src = group_->buffer(r);
-            for (std::int64_t i = 0; i < n; ++i) sum[i] += src[i];
-        }
-        group_->barrier();
-        std::memcpy(buffer.data, sum.data(), sizeof(float) * n);
+void SharedMemoryCommunicator::reduce_scatter_sum(const Tensor& buffer) {
+    if (size() == 1) return;
+    const std::int64_t chunk = chunk_size(buffer);
+    begin(buffer);
+    float* own = buffer.f32() + rank_ * chunk;
+    for (std::int64_t i = 0; i < chunk; ++i) {
+        float acc = 0.0f;
+        for (int r = 0; r < size(); ++r) acc += group_->buffer(r)[rank_ * chunk + i];
+        own[i] = acc;
     }
+    group_->barrier();
+}
 
-    void reduce_scatter_sum(const Tensor& buffer) override {
-        if (size() == 1) return;
-        const std::int64_t chunk = chunk_size(buffer);
-        begin(buffer);
-        float* own = buffer.f32() + rank_ * chunk;
-        for (std::int64_t i = 0; i < chunk; ++i) {
-            float acc = 0.0f;
-            for (int r = 0; r < size(); ++r) acc += group_->buffer(r)[rank_ * chunk + i];
-            own[i] = acc;
-        }
-        group_->barrier();
-    }
+void SharedMemoryCommunicator::all_gather(const Tensor& buffer) {
+    if (size() == 1) return;
+    const std::int64_t chunk = chunk_size(buffer);
+    begin(buffer);
+    for (int r = 0; r < size(); ++r)
+        if (r != rank_) std::memcpy(buffer.f32() + r * chunk, group_->buffer(r) + r * chunk, sizeof(float) * chunk);
+    group_->barrier();
+}
 
-    void all_gather(const Tensor& buffer) override {
-        if (size() == 1) return;
-        const std::int64_t chunk = chunk_size(buffer);
-        begin(buffer);
-        for (int r = 0; r < size(); ++r)
-            if (r != rank_)
-                std::memcpy(buffer.f32() + r * chunk, group_->buffer(r) + r * chunk, sizeof(float) * chunk);
-        group_->barrier();
-    }
+void SharedMemoryCommunicator::barrier() { group_->barrier(); }
 
-    void barrier() override { group_->barrier(); }
-    void abort() override { group_->abort(); }
+void SharedMemoryCommunicator::begin(const Tensor& buffer) {
+    buffer.f32();  // the shared-memory collectives move float32 only
+    group_->publish(rank_, buffer.data);
+    group_->barrier();
+}
 
-private:
-    void begin(const Tensor& buffer) {
-        buffer.f32();  // the shared-memory collectives move float32 only
-        group_->publish(rank_, buffer.data);
-        group_->barrier();
-    }
-
-    std::int64_t chunk_size(const Tensor& buffer) const {
-        if (buffer.numel() % size() != 0)
-            throw InternalError("collective on " + std::to_string(buffer.numel()) + " elements, not divisible by " +
-                                std::to_string(size()) + " ranks");
-        return buffer.numel() / size();
-    }
-
-    std::shared_ptr<SharedMemoryGroup> group_;
-    int rank_;
-};
+std::int64_t SharedMemoryCommunicator::chunk_size(const Tensor& buffer) const {
+    if (buffer.numel() % size() != 0)
+        throw InternalError("collective on " + std::to_string(buffer.numel()) + " elements, not divisible by " +
+                            std::to_string(size()) + " ranks");
+    return buffer.numel() / size();
+}
 
 }  // namespace
 
-std::shared_ptr<SharedMemoryGroup> make_shared_memory_group(int size) {
-    return std::make_shared<SharedMemoryGroup>(size);
-}
-
-std::unique_ptr<Communicator> make_shared_memory_communicator(std::shared_ptr<SharedMemoryGroup> group, int rank) {
-    return std::make_unique<SharedMemoryCommunicator>(std::move(group), rank);
-}
-
-void abort_shared_memory_group(SharedMemoryGroup& group) { group.abort(); }
+std::shared_ptr<CommGroup> make_shared_memory_group(int size) { return std::make_shared<SharedMemoryGroup>(size); }
 
 }  // namespace nanoq

@@ -22,7 +22,8 @@ import scipy_openblas32 as _openblas  # noqa: E402
 # finds it wherever pip put the two packages.
 _ctypes.CDLL(_os.path.join(_openblas.get_lib_dir(), "libscipy_openblas.so"), mode=_ctypes.RTLD_GLOBAL)
 
-from nanoq._core import NanoqError, OutOfMemoryError, backend_available  # noqa: E402
+from nanoq._core import NanoqError, OutOfMemoryError  # noqa: E402
+from nanoq.backends import backends  # noqa: E402
 from nanoq.config import ModelConfig, TrainOptions  # noqa: E402
 from nanoq.trainer import StepStats, Trainer  # noqa: E402
 
@@ -34,5 +35,5 @@ __all__ = [
     "StepStats",
     "TrainOptions",
     "Trainer",
-    "backend_available",
+    "backends",
 ]

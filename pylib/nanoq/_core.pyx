@@ -6,7 +6,7 @@ Arrays are checked here (dtype, shape, contiguity) before any pointer reaches
 C++; token values are checked by the Python layer (nanoq.trainer). Every call
 into the core releases the GIL.
 """
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
 from libcpp cimport bool as cbool
 from libcpp.string cimport string
 from libcpp.utility cimport pair
@@ -41,9 +41,10 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         cbool tie_embeddings, qkv_bias, o_bias, qk_norm
 
     cdef cppclass CTrainOptions "nanoq::TrainOptions":
-        string backend
+        string backend, dtype, master_dtype, optimizer_dtype
         int devices, batch_size, seq_len, grad_accum, threads
         float z_loss
+        uint64_t seed
 
     cdef cppclass CUpdateParams "nanoq::UpdateParams":
         float lr, beta1, beta2, weight_decay, grad_clip, eps
@@ -73,8 +74,8 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         void set_parameter(int, const float*) except +nanoq_raise_py_error
         void get_parameter(int, float*) except +nanoq_raise_py_error
         void get_gradient(int, float*) except +nanoq_raise_py_error
-        void step(const int32_t*, const int32_t*) except +nanoq_raise_py_error
-        CStepStats validate(const int32_t*, const int32_t*) except +nanoq_raise_py_error
+        void step(const int32_t*, const int32_t*, int) except +nanoq_raise_py_error
+        CStepStats validate(const int32_t*, const int32_t*, int) except +nanoq_raise_py_error
         CStepStats update(const CUpdateParams&) except +nanoq_raise_py_error
         int micro_steps()
         int optimizer_steps()
@@ -83,11 +84,22 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         void inject_fault(int)
 
     cbool has_backend(const string&)
+    int backend_device_count(const string&) except +nanoq_raise_py_error
 
 
-def backend_available(str name):
-    """Whether backend `name` ("cpu", "cuda") is compiled into this build."""
+def backend_built(str name):
+    """Whether backend `name` ("cpu", "cuda") is compiled into this install (no loading)."""
     return has_backend(name.encode())
+
+
+def device_count(str name):
+    """Devices backend `name` can use now. Loads its library: raises ValueError
+    if it is not built, NanoqError if it cannot be loaded."""
+    cdef string n = name.encode()
+    cdef int count
+    with nogil:
+        count = backend_device_count(n)
+    return count
 
 
 cdef dict _stats_dict(const CStepStats& s):
@@ -132,6 +144,10 @@ cdef class CoreTrainer:
         o.grad_accum = options["grad_accum"]
         o.threads = options["threads"]
         o.z_loss = options["z_loss"]
+        o.seed = options["seed"]
+        o.dtype = options["dtype"].encode()
+        o.master_dtype = options["master_dtype"].encode()
+        o.optimizer_dtype = options["optimizer_dtype"].encode()
         self.batch_rows = o.devices * o.batch_size
         self.seq_len = o.seq_len
         with nogil:
@@ -203,24 +219,39 @@ cdef class CoreTrainer:
         if n != expected:
             raise ValueError(f"parameter {index} has {expected} elements, got {n}")
 
-    cdef _check_batch(self, const int32_t[:, ::1] inputs, const int32_t[:, ::1] targets):
-        if inputs.shape[0] != self.batch_rows or inputs.shape[1] != self.seq_len:
-            raise ValueError("bad batch shape")
-        if targets.shape[0] != self.batch_rows or targets.shape[1] != self.seq_len:
-            raise ValueError("bad batch shape")
+    def _check_batch_shape(self, Py_ssize_t rows, Py_ssize_t cols):
+        if rows != self.batch_rows or cols != self.seq_len:
+            raise ValueError(f"batch must have shape ({self.batch_rows}, {self.seq_len}), got ({rows}, {cols})")
 
     def step(self, const int32_t[:, ::1] inputs, const int32_t[:, ::1] targets):
+        """Host (numpy) batch: int32 C-contiguous [devices*batch_size, seq_len]."""
         cdef CTrainer* t = self._get()
-        self._check_batch(inputs, targets)
+        self._check_batch_shape(inputs.shape[0], inputs.shape[1])
+        self._check_batch_shape(targets.shape[0], targets.shape[1])
         with nogil:
-            t.step(&inputs[0, 0], &targets[0, 0])
+            t.step(&inputs[0, 0], &targets[0, 0], -1)
 
     def validate(self, const int32_t[:, ::1] inputs, const int32_t[:, ::1] targets):
         cdef CTrainer* t = self._get()
         cdef CStepStats s
-        self._check_batch(inputs, targets)
+        self._check_batch_shape(inputs.shape[0], inputs.shape[1])
+        self._check_batch_shape(targets.shape[0], targets.shape[1])
         with nogil:
-            s = t.validate(&inputs[0, 0], &targets[0, 0])
+            s = t.validate(&inputs[0, 0], &targets[0, 0], -1)
+        return _stats_dict(s)
+
+    def step_device(self, uintptr_t inputs, uintptr_t targets, int device):
+        """Device batch: pointers to int32 C-contiguous [devices*batch_size,
+        seq_len] arrays in the memory of `device` (checked by the caller)."""
+        cdef CTrainer* t = self._get()
+        with nogil:
+            t.step(<const int32_t*>inputs, <const int32_t*>targets, device)
+
+    def validate_device(self, uintptr_t inputs, uintptr_t targets, int device):
+        cdef CTrainer* t = self._get()
+        cdef CStepStats s
+        with nogil:
+            s = t.validate(<const int32_t*>inputs, <const int32_t*>targets, device)
         return _stats_dict(s)
 
     def update(self, float lr, float beta1, float beta2, float weight_decay, float grad_clip, float eps):

@@ -193,7 +193,11 @@ class TrainOptions:
     rows of ``seq_len`` tokens. ``grad_accum`` is the number of ``step()``
     calls allowed per ``update()``. ``z_loss`` adds ``z_loss * lse**2`` per
     token to the gradient (reported separately). ``threads`` is per device on
-    the cpu backend (0: the machine's cores shared out).
+    the cpu backend (0: the machine's cores shared out). ``dtype`` is that of
+    weights and activations ("auto": bf16 on cuda, fp32 on cpu; "fp32"
+    everywhere is the parity-testing mode), ``master_dtype`` that of the
+    master weights the optimizer updates and ``optimizer_dtype`` that of the
+    AdamW moments ("bf16" ones are written with stochastic rounding).
     """
 
     backend: str = "auto"
@@ -204,6 +208,9 @@ class TrainOptions:
     seed: int = 0
     z_loss: float = 0.0
     threads: int = 0
+    dtype: str = "auto"
+    master_dtype: str = "fp32"
+    optimizer_dtype: str = "fp32"
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -214,5 +221,9 @@ class TrainOptions:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
             raise ValueError(f"threads must be a non-negative integer, got {self.threads!r}")
+        for name, allowed in (("dtype", ("auto", "fp32", "bf16")), ("master_dtype", ("fp32", "bf16")),
+                              ("optimizer_dtype", ("fp32", "bf16"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if not isinstance(self.z_loss, (int, float)) or not math.isfinite(self.z_loss) or self.z_loss < 0:
             raise ValueError(f"z_loss must be a finite non-negative number, got {self.z_loss!r}")

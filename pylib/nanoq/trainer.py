@@ -9,6 +9,7 @@ from typing import Dict
 import numpy as np
 
 from nanoq import _core
+from nanoq.backends import resolve_backend
 from nanoq.config import ModelConfig, TrainOptions
 from nanoq.hf_io import iter_weights
 
@@ -38,21 +39,19 @@ class StepStats:
     tokens: int
 
 
-def _resolve_backend(name: str) -> str:
-    if name == "auto":
-        return "cuda" if _core.backend_available("cuda") else "cpu"
-    if not _core.backend_available(name):
-        raise ValueError(f"backend {name!r} is not available in this build of nanoq "
-                         f"(built with: cpu{', cuda' if _core.backend_available('cuda') else ''})")
-    return name
+def _first_bad_token(name: str, bad, array_module, values, vocab_size: int, allow_ignore: bool) -> None:
+    """Raises naming the first offending index when `bad` has any True."""
+    if bool(bad.any()):
+        index = tuple(int(i) for i in array_module.argwhere(bad)[0])
+        value = int(values[index])
+        rule = f"outside [0, {vocab_size})" + (f" and not {IGNORE_INDEX}" if allow_ignore else "")
+        raise ValueError(f"token id {value} {rule} in {name}[{', '.join(map(str, index))}]")
 
 
-def _check_tokens(name: str, array, shape, vocab_size: int, allow_ignore: bool) -> np.ndarray:
-    """Checks a token batch; returns it unchanged (no copy)."""
-    if hasattr(array, "__cuda_array_interface__") and not isinstance(array, np.ndarray):
-        raise TypeError(f"{name} is a device array; this build takes host (numpy) arrays")
+def _check_host_tokens(name: str, array, shape, vocab_size: int, allow_ignore: bool) -> np.ndarray:
+    """Checks a numpy token batch; returns it unchanged (no copy)."""
     if not isinstance(array, np.ndarray):
-        raise TypeError(f"{name} must be a numpy int32 array, got {type(array).__name__}")
+        raise TypeError(f"{name} must be a numpy int32 array or a device array, got {type(array).__name__}")
     if array.dtype != np.int32:
         raise TypeError(f"{name} must have dtype int32, got {array.dtype}")
     if array.shape != shape:
@@ -62,14 +61,30 @@ def _check_tokens(name: str, array, shape, vocab_size: int, allow_ignore: bool) 
     bad = (array < 0) | (array >= vocab_size)
     if allow_ignore:
         bad &= array != IGNORE_INDEX
-    if bad.any():
-        index = tuple(int(i) for i in np.argwhere(bad)[0])
-        value = int(array[index])
-        rule = f"outside [0, {vocab_size})" + (f" and not {IGNORE_INDEX}" if allow_ignore else "")
-        raise ValueError(f"token id {value} {rule} in {name}[{', '.join(map(str, index))}]")
+    _first_bad_token(name, bad, np, array, vocab_size, allow_ignore)
     return array
 
 
+def _check_device_tokens(name: str, array, shape, vocab_size: int, allow_ignore: bool) -> tuple[int, int]:
+    """Checks an array with ``__cuda_array_interface__``; returns (pointer, device)."""
+    interface = array.__cuda_array_interface__
+    if np.dtype(interface["typestr"]) != np.int32:
+        raise TypeError(f"{name} must have dtype int32, got {np.dtype(interface['typestr'])}")
+    if tuple(interface["shape"]) != shape:
+        raise ValueError(f"{name} must have shape {shape} (devices*batch_size, seq_len), "
+                         f"got {tuple(interface['shape'])}")
+    strides = interface.get("strides")
+    if strides is not None and tuple(strides) != (4 * shape[1], 4):
+        raise ValueError(f"{name} must be C-contiguous")
+    import cupy  # a device array means the cuda backend, which needs cupy here
+
+    device_array = cupy.asarray(array)
+    with device_array.device:
+        bad = (device_array < 0) | (device_array >= vocab_size)
+        if allow_ignore:
+            bad &= device_array != IGNORE_INDEX
+        _first_bad_token(name, bad, cupy, device_array, vocab_size, allow_ignore)
+    return int(interface["data"][0]), int(device_array.device.id)
 def _check_hyper(name: str, value, low: float, high: float = math.inf, low_inclusive=True, high_inclusive=True):
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
@@ -99,10 +114,16 @@ class Trainer:
             raise TypeError(f"options must be a nanoq.TrainOptions, got {type(options).__name__}")
         self.config = config
         self.options = options
-        self.backend = _resolve_backend(options.backend)
         self._core = None
+        self.backend = resolve_backend(options.backend)
         core_options = dataclasses.asdict(options)
         core_options["backend"] = self.backend
+        if options.dtype == "auto":
+            core_options["dtype"] = "bf16" if self.backend == "cuda" else "fp32"
+        if self.backend == "cpu" and "bf16" in (core_options["dtype"], options.master_dtype, options.optimizer_dtype):
+            raise ValueError("the cpu backend computes in fp32 only: use dtype, master_dtype and "
+                             "optimizer_dtype \"fp32\" (or \"auto\")")
+        self.dtype = core_options["dtype"]
         self._core = _core.CoreTrainer(config.to_core(), core_options)
         self._parameters = self._core.parameters()
         self._index = {name: i for i, (name, _, _) in enumerate(self._parameters)}
@@ -183,30 +204,55 @@ class Trainer:
         return {name: self._core.get_gradient(i) for i, (name, _, _) in enumerate(self._parameters)}
 
     # -- training ------------------------------------------------------------
-    def _check_batch(self, inputs, targets) -> None:
+    def _device_batch(self, inputs, targets):
+        """(inputs pointer, targets pointer, device) of a device batch, or
+        None for numpy arrays; every check happens here, before the core."""
+        on_device = [hasattr(a, "__cuda_array_interface__") for a in (inputs, targets)]
         vocab = self.config.vocab_size
-        _check_tokens("inputs", inputs, self._batch_shape, vocab, allow_ignore=False)
-        _check_tokens("targets", targets, self._batch_shape, vocab, allow_ignore=True)
+        if not any(on_device):
+            _check_host_tokens("inputs", inputs, self._batch_shape, vocab, allow_ignore=False)
+            _check_host_tokens("targets", targets, self._batch_shape, vocab, allow_ignore=True)
+            return None
+        if not all(on_device):
+            raise TypeError("inputs and targets must both be numpy arrays or both device arrays")
+        if self.backend != "cuda":
+            raise TypeError(f"device arrays need the cuda backend; this trainer runs on {self.backend}: "
+                            "pass numpy arrays")
+        inputs_ptr, inputs_device = _check_device_tokens("inputs", inputs, self._batch_shape, vocab, False)
+        targets_ptr, targets_device = _check_device_tokens("targets", targets, self._batch_shape, vocab, True)
+        if inputs_device != targets_device:
+            raise ValueError(f"inputs are on GPU {inputs_device} but targets on GPU {targets_device}")
+        if inputs_device >= self.world_size:
+            raise ValueError(f"the batch is on GPU {inputs_device}, but this trainer uses GPUs "
+                             f"0..{self.world_size - 1}")
+        return inputs_ptr, targets_ptr, inputs_device
 
-    def step(self, inputs: np.ndarray, targets: np.ndarray) -> None:
+    def step(self, inputs, targets) -> None:
         """Forward and backward of one micro-batch on every device.
 
         inputs, targets: int32 C-contiguous arrays of shape
-        [devices * batch_size, seq_len]; device d gets rows
+        [devices * batch_size, seq_len]: numpy arrays, or (cuda backend)
+        device arrays such as cupy's (anything with ``__cuda_array_interface__``),
+        read in place on their GPU. Device d gets rows
         [d*batch_size, (d+1)*batch_size). targets[b, t] is the token that
         should follow inputs[b, :t+1], or -100 for no loss. The arrays are
         read before step returns and may be reused.
         """
-        self._check_batch(inputs, targets)
+        device_batch = self._device_batch(inputs, targets)
         if self._core.micro_steps >= self.options.grad_accum:
             raise ValueError(f"step() called {self.options.grad_accum + 1} times without update(); "
                              f"grad_accum is {self.options.grad_accum}")
-        self._core.step(inputs, targets)
+        if device_batch is None:
+            self._core.step(inputs, targets)
+        else:
+            self._core.step_device(*device_batch)
 
-    def validate(self, inputs: np.ndarray, targets: np.ndarray) -> StepStats:
-        """Loss of one batch (same shapes as ``step``) without touching gradients."""
-        self._check_batch(inputs, targets)
-        return StepStats(**self._core.validate(inputs, targets))
+    def validate(self, inputs, targets) -> StepStats:
+        """Loss of one batch (same arrays as ``step``) without touching gradients."""
+        device_batch = self._device_batch(inputs, targets)
+        if device_batch is None:
+            return StepStats(**self._core.validate(inputs, targets))
+        return StepStats(**self._core.validate_device(*device_batch))
 
     def update(self, lr: float, beta1: float = 0.9, beta2: float = 0.95, weight_decay: float = 0.1,
                grad_clip: float = 1.0, eps: float = 1e-8) -> StepStats:

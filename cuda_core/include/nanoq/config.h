@@ -38,6 +38,11 @@ struct TrainOptions {
     int grad_accum = 1;
     int threads = 0;     // per device, cpu backend; 0 = all cores shared out
     float z_loss = 0.0f;
+    std::uint64_t seed = 0;  // stochastic rounding of bf16 optimizer outputs
+    // "fp32" or "bf16": weights and activations, master weights, AdamW moments.
+    std::string dtype = "fp32";
+    std::string master_dtype = "fp32";
+    std::string optimizer_dtype = "fp32";
 };
 
 struct UpdateParams {

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "nanoq/config.h"
@@ -36,9 +37,11 @@ public:
     void get_gradient(int index, float* out);
 
     // Forward + backward of one micro-batch per device. inputs, targets:
-    // int32 [devices * batch_size, seq_len], C-contiguous, host memory.
-    void step(const std::int32_t* inputs, const std::int32_t* targets);
-    StepStats validate(const std::int32_t* inputs, const std::int32_t* targets);
+    // int32 [devices * batch_size, seq_len], C-contiguous, in host memory
+    // (source_device = -1) or in the memory of device `source_device` of
+    // this trainer's backend (read in place there, peer-copied elsewhere).
+    void step(const std::int32_t* inputs, const std::int32_t* targets, int source_device = -1);
+    StepStats validate(const std::int32_t* inputs, const std::int32_t* targets, int source_device = -1);
     StepStats update(const UpdateParams& params);
 
     int micro_steps() const;   // step() calls since the last update()
@@ -55,7 +58,11 @@ private:
     std::unique_ptr<Impl> impl_;
 };
 
-// Whether a backend is compiled into this build ("cpu" always is).
+// Whether a backend is compiled into this install ("cpu" always is); does
+// not load it.
 bool has_backend(const std::string& name);
+// Devices the backend can use now; loads the backend's library. Throws
+// InvalidArgument if it is not built, NanoqError if it cannot be loaded.
+int backend_device_count(const std::string& name);
 
 }  // namespace nanoq

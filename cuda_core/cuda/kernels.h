@@ -1,0 +1,132 @@
+// Launchers of the CUDA kernels, one .cu file per op family (kernels_*.cu).
+//
+// Plain C++ declarations: pointers and sizes only, no tensors, no backend.
+// Every launcher enqueues on `stream` and returns at once; none synchronizes.
+// Template parameter T is the activation/weight dtype: float or bf16
+// (explicitly instantiated for both in the .cu files). Accumulation is fp32.
+// Weight, bias and norm gradients are fp32 and accumulated (+=); activation
+// gradients are written (=) unless `accumulate` says otherwise. Every
+// reduction runs in a fixed order (no float atomics), so results are bitwise
+// reproducible run to run. Shapes are row-major; rows = batch * time.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace nanoq {
+namespace cuda {
+
+using bf16 = __nv_bfloat16;
+
+// ---- elementwise (kernels_elementwise.cu) -------------------------------
+template <class T> void fill(T* data, float value, std::int64_t n, cudaStream_t stream);
+// Round-to-nearest-even casts.
+void cast_f32_to_bf16(bf16* out, const float* in, std::int64_t n, cudaStream_t stream);
+void cast_bf16_to_f32(float* out, const bf16* in, std::int64_t n, cudaStream_t stream);
+template <class T> void add(T* out, const T* a, const T* b, std::int64_t n, cudaStream_t stream);   // out = a + b
+template <class T> void accumulate(T* out, const T* a, std::int64_t n, cudaStream_t stream);       // out += a
+// out[r, c] += bias[c]
+template <class T> void add_bias(T* out, const T* bias, int rows, int cols, cudaStream_t stream);
+// dbias[c] += sum_r dout[r, c]; `scratch` holds bias_backward_scratch_floats(rows, cols) floats.
+template <class T>
+void bias_backward(float* dbias, const T* dout, int rows, int cols, float* scratch, cudaStream_t stream);
+std::size_t bias_backward_scratch_floats(int rows, int cols);
+
+// ---- embedding (kernels_embedding.cu) -----------------------------------
+// out[r, :] = table[tokens[r], :]
+template <class T>
+void embedding_forward(T* out, const std::int32_t* tokens, const T* table, int rows, int channels,
+                       cudaStream_t stream);
+// table_grad[tokens[r], :] += dout[r, :], each table row summing its rows in
+// increasing r. `scratch` holds embedding_backward_scratch_bytes(rows) bytes.
+template <class T>
+void embedding_backward(float* table_grad, const T* dout, const std::int32_t* tokens, int rows, int channels,
+                        int vocab, void* scratch, cudaStream_t stream);
+std::size_t embedding_backward_scratch_bytes(int rows, int vocab);
+
+// ---- rmsnorm (kernels_rmsnorm.cu) ----------------------------------------
+// out = weight * inp * rstd, rstd[r] = 1/sqrt(mean(inp[r]^2) + eps) (fp32).
+template <class T>
+void rmsnorm_forward(T* out, float* rstd, const T* inp, const T* weight, int rows, int channels, float eps,
+                     cudaStream_t stream);
+// dinp (+)= d/dinp (dinp may alias dout when !accumulate); dweight += d/dweight.
+// `scratch` holds rmsnorm_backward_scratch_floats(rows, channels) floats.
+template <class T>
+void rmsnorm_backward(T* dinp, float* dweight, const T* dout, const T* inp, const T* weight, const float* rstd,
+                      int rows, int channels, bool accumulate, float* scratch, cudaStream_t stream);
+std::size_t rmsnorm_backward_scratch_floats(int rows, int channels);
+
+// ---- rope (kernels_rope.cu) ------------------------------------------------
+// In place on x[batch, time, heads, head_dim], half-split convention
+// (x[i], x[i + D/2]) rotated by angle theta[t, i]; cos_sin[t, i, 0/1] = cos/sin.
+// backward rotates by -theta.
+template <class T>
+void rope_forward(T* x, const float* cos_sin, int batch, int time, int heads, int head_dim, cudaStream_t stream);
+template <class T>
+void rope_backward(T* dx, const float* cos_sin, int batch, int time, int heads, int head_dim, cudaStream_t stream);
+
+// ---- attention (kernels_attention.cu) ------------------------------------
+// Causal softmax(q k^T / sqrt(D)) v with grouped kv heads (head h uses kv
+// head h / (heads / kv_heads)). q, out: [B, T, H, D]; k, v: [B, T, Hkv, D];
+// lse: [B, H, T] fp32 natural-log log-sum-exp of the scaled scores.
+// head_dim <= 256 and even. Tiled online softmax; fp32 accumulation.
+template <class T>
+void attention_forward(T* out, float* lse, const T* q, const T* k, const T* v, int batch, int time, int heads,
+                       int kv_heads, int head_dim, cudaStream_t stream);
+// dq, dk, dv are written (=). dk/dv sum over the heads of a group in a fixed
+// order. `scratch` holds attention_backward_scratch_bytes(...) bytes.
+template <class T>
+void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* out, const float* lse, const T* q,
+                        const T* k, const T* v, int batch, int time, int heads, int kv_heads, int head_dim,
+                        void* scratch, cudaStream_t stream);
+std::size_t attention_backward_scratch_bytes(int batch, int time, int heads, int kv_heads, int head_dim);
+
+// ---- swiglu (kernels_swiglu.cu) --------------------------------------------
+template <class T> void swiglu_forward(T* out, const T* gate, const T* up, std::int64_t n, cudaStream_t stream);
+// dgate may alias dout.
+template <class T>
+void swiglu_backward(T* dgate, T* dup, const T* dout, const T* gate, const T* up, std::int64_t n,
+                     cudaStream_t stream);
+
+// ---- fused classifier (kernels_classifier.cu) ------------------------------
+// Slots of the fp32 statistics buffer (same as the core's StatSlot).
+enum ClassifierStat : int { kStatLossSum = 0, kStatTokens, kStatLoss1kSum, kStatTokens1k, kStatLseSum, kStatLseMax,
+                            kStatZLossSum, kStatCount };
+// For rows with target != -100: lse = logsumexp(logits[r]), loss = lse -
+// logits[r, target]; adds into stats (sums in row order, lse max), counting
+// positions (first_position + r) % time < 1024 into the 1k slots. With
+// `with_grad`, logits[r] is overwritten by
+// softmax(logits[r]) * (1 + 2 * z_loss * lse) - onehot(target), and ignored
+// rows by zeros. `scratch` holds classifier_scratch_floats(rows) floats.
+template <class T>
+void cross_entropy(T* logits, const std::int32_t* targets, float* stats, int rows, int vocab, int first_position,
+                   int time, float z_loss, bool with_grad, float* scratch, cudaStream_t stream);
+std::size_t classifier_scratch_floats(int rows);
+
+// ---- optimizer (kernels_optimizer.cu) --------------------------------------
+// out[0] += sum(x^2) in a fixed order. `scratch` holds sum_squares_scratch_floats(n).
+void sum_squares(float* out, const float* x, std::int64_t n, float* scratch, cudaStream_t stream);
+std::size_t sum_squares_scratch_floats(std::int64_t n);
+// The optimizer's scale from the statistics of all ranks, without a host
+// round trip. gathered: [ranks, stride] fp32 where row r holds rank r's
+// classifier stats (slots above) followed at index kStatCount by its sum of
+// squared (summed-loss) gradients. Writes out[0] = clip / tokens (the factor
+// applied to stored gradients) and out[1] = grad norm of the mean loss,
+// where norm = sqrt(sum of squares) / tokens and clip = min(1, grad_clip /
+// norm) when grad_clip > 0 (else 1); tokens = 0 gives out = {0, 0}.
+void optimizer_scale(float* out, const float* gathered, int ranks, int stride, float grad_clip, cudaStream_t stream);
+// AdamW on n elements (PyTorch semantics: param *= 1 - lr*wd; m, v moments;
+// bias-corrected step lr/(1-beta1^step) * m / (sqrt(v)/sqrt(1-beta2^step) + eps)).
+// The gradient used is grad[i] * (*grad_scale), grad_scale living on the
+// device. TParam/TState are float or bf16; bf16 values are written with
+// stochastic rounding from a counter-based hash of (seed, step, index).
+template <class TParam, class TState>
+void adamw(TParam* param, const float* grad, TState* m, TState* v, std::int64_t n, float lr, float beta1,
+           float beta2, float eps, float weight_decay, int step, const float* grad_scale, std::uint64_t seed,
+           cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace nanoq

@@ -1,0 +1,106 @@
+"""Which compute backends this install has, and which one a Trainer uses.
+
+The cpu backend is always built. The cuda backend is a separate library
+(``libnanoq_cuda.so`` beside the core, built with ``NANOQ_CUDA=ON``) that is
+loaded only when asked for, after the CUDA libraries of the nvidia wheels
+(cudart, cuBLAS, NCCL) have been located and loaded.
+"""
+from __future__ import annotations
+
+from nanoq import _core
+
+BACKENDS = ("cpu", "cuda")
+_CUDA_LIBRARIES = ("cudart", "cublas", "cublasLt", "nccl")
+
+
+def _preload_cuda_libraries() -> None:
+    """Loads the nvidia wheels' libraries so the cuda backend's links resolve
+    wherever pip put them. Missing ones are left to the loader's own search,
+    whose error then names what is missing."""
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+    except ImportError:
+        return
+    for name in _CUDA_LIBRARIES:
+        try:
+            load_nvidia_dynamic_lib(name)
+        except Exception:  # noqa: BLE001 - the backend's own load reports it
+            pass
+
+
+def device_count(name: str) -> int:
+    """Devices backend ``name`` can use now (loads its library if needed).
+
+    Raises ValueError if the backend is not built into this install and
+    nanoq.NanoqError if its library cannot be loaded.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; nanoq has {', '.join(BACKENDS)}")
+    if name == "cuda" and _core.backend_built("cuda"):
+        _preload_cuda_libraries()
+    return _core.device_count(name)
+
+
+def _gpu_names() -> list[str]:
+    try:
+        import pynvml
+    except ImportError:
+        return []
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return []
+    try:
+        names = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
+            names.append(name.decode() if isinstance(name, bytes) else name)
+        return names
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def backends() -> list[dict]:
+    """One dict per backend: name, built (compiled into this install),
+    devices (usable now), and detail (why it is unusable, GPU names, ...)."""
+    report = []
+    for name in BACKENDS:
+        entry = dict(name=name, built=_core.backend_built(name), devices=0, detail="")
+        if not entry["built"]:
+            entry["detail"] = "not built (build with NANOQ_CUDA=ON)" if name == "cuda" else "not built"
+        else:
+            try:
+                entry["devices"] = device_count(name)
+            except (ValueError, _core.NanoqError) as e:
+                entry["detail"] = str(e)
+            if name == "cpu":
+                entry["detail"] = f"{entry['devices']} cores; devices are worker threads"
+            elif entry["devices"] == 0 and not entry["detail"]:
+                entry["detail"] = "no usable GPU (no device or no driver)"
+            elif entry["devices"]:
+                entry["detail"] = ", ".join(_gpu_names())
+        report.append(entry)
+    return report
+
+
+def resolve_backend(name: str) -> str:
+    """The backend a Trainer with ``backend=name`` runs on.
+
+    "auto" is cuda when it is built and sees a GPU, else cpu. An explicit
+    "cuda" that is not built, cannot load, or sees no GPU is an error.
+    """
+    if name == "auto":
+        if _core.backend_built("cuda"):
+            try:
+                if device_count("cuda") > 0:
+                    return "cuda"
+            except _core.NanoqError:
+                pass
+        return "cpu"
+    if name == "cuda":
+        if device_count("cuda") == 0:
+            raise _core.NanoqError("the cuda backend sees no usable GPU (no device or no driver)")
+        return name
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; nanoq has {', '.join(BACKENDS)}")
+    return name
