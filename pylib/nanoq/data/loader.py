@@ -1,0 +1,257 @@
+"""Windows of token files, served as shuffled training batches or in-order eval batches.
+
+A Dataset cuts each file into non-overlapping windows of seq_len + 1 tokens;
+window tokens [0, seq_len) are the inputs and [1, seq_len] the targets.
+
+DataLoader streams windows in a per-epoch permutation and cuts the stream into
+global batches of batch_rows rows. The stream, not the batch, is what epochs
+divide: when an epoch ends inside a batch, the batch is completed from the next
+epoch, so every window is used exactly once per epoch and no window is dropped.
+The loader's position is a window index into that stream, which is why resuming
+is exact and even survives a change of batch_rows.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+from typing import Iterator, List, Sequence, Tuple
+
+import numpy as np
+
+from nanoq.data.token_file import TokenFile
+
+IGNORE_INDEX = -100
+
+Batch = Tuple[np.ndarray, np.ndarray]
+
+
+def positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def check_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    return int(seed)
+
+
+def check_state(state, kind: str, keys: Sequence[str]) -> dict:
+    """Checks that ``state`` is a state_dict written by a ``kind``; returns it."""
+    if not isinstance(state, dict) or state.get("kind") != kind:
+        found = state.get("kind") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"not a {kind} state: expected a dict with kind {kind!r}, got {found!r}")
+    missing = [key for key in keys if key not in state]
+    if missing:
+        raise ValueError(f"{kind} state is missing {', '.join(missing)}")
+    return state
+
+
+def _expand(paths_or_globs) -> List[str]:
+    specs = [paths_or_globs] if isinstance(paths_or_globs, (str, os.PathLike)) else list(paths_or_globs)
+    if not specs:
+        raise ValueError("no token files given")
+    paths = []
+    for spec in specs:
+        spec = os.fspath(spec)
+        if glob.has_magic(spec):
+            matches = sorted(glob.glob(spec))
+            if not matches:
+                raise ValueError(f"glob {spec!r} matches no files")
+            paths.extend(matches)
+        else:
+            paths.append(spec)
+    seen = set()
+    for path in paths:
+        key = os.path.realpath(path)
+        if key in seen:
+            raise ValueError(f"token file {path!r} is listed more than once")
+        seen.add(key)
+    return paths
+
+
+class Dataset:
+    """Token files cut into windows of seq_len + 1 tokens.
+
+    paths_or_globs: a path or glob, or a list of them; globs expand sorted and
+    must match something. Windows never cross files; a file's tail shorter than
+    a window is dropped. Windows are numbered file by file in the given order.
+    A target whose token has mask bit 0 becomes -100. vocab_size is the largest
+    header vocab size of the files.
+    """
+
+    def __init__(self, paths_or_globs, seq_len: int):
+        self.seq_len = positive_int("seq_len", seq_len)
+        self.files = [TokenFile(path) for path in _expand(paths_or_globs)]
+        window = self.seq_len + 1
+        windows_per_file = np.array([len(f) // window for f in self.files], dtype=np.int64)
+        # _first_window[i] = global index of file i's first window; last entry = total.
+        self._first_window = np.concatenate([[0], np.cumsum(windows_per_file)])
+        if self.num_windows == 0:
+            tokens = sum(len(f) for f in self.files)
+            raise ValueError(f"no complete window of seq_len + 1 = {window} tokens in "
+                             f"{', '.join(repr(f.path) for f in self.files)} ({tokens} tokens in all)")
+        self.vocab_size = max(f.vocab_size for f in self.files)
+
+    @property
+    def num_windows(self) -> int:
+        return int(self._first_window[-1])
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def fingerprint(self) -> dict:
+        """Identifies the windows for state checks: file names (not directories,
+        so a dataset may move), file sizes and seq_len."""
+        digest = hashlib.sha256(str(self.seq_len).encode())
+        for f in self.files:
+            digest.update(f"\0{os.path.basename(f.path)}\0{os.path.getsize(f.path)}".encode())
+        return {"files": len(self.files), "windows": self.num_windows, "sha256": digest.hexdigest()[:32]}
+
+    def read_windows(self, indices) -> Batch:
+        """inputs, targets: int32 [len(indices), seq_len], C-contiguous.
+
+        indices: global window numbers in [0, len(self)).
+        """
+        indices = np.asarray(indices, dtype=np.int64)
+        inputs = np.empty((indices.size, self.seq_len), dtype=np.int32)
+        targets = np.empty((indices.size, self.seq_len), dtype=np.int32)
+        file_of = np.searchsorted(self._first_window, indices, side="right") - 1
+        for row, (index, file_index) in enumerate(zip(indices.tolist(), file_of.tolist())):
+            self._read_window(index, file_index, inputs[row], targets[row])
+        return inputs, targets
+
+    def _read_window(self, index: int, file_index: int, inputs: np.ndarray, targets: np.ndarray) -> None:
+        if not 0 <= index < self.num_windows:
+            raise IndexError(f"window {index} outside [0, {self.num_windows})")
+        token_file = self.files[file_index]
+        start = (index - int(self._first_window[file_index])) * (self.seq_len + 1)
+        stop = start + self.seq_len + 1
+        window = token_file.tokens[start:stop]
+        inputs[:] = window[:-1]
+        targets[:] = window[1:]
+        mask = token_file.mask_range(start + 1, stop)
+        if mask is not None:
+            targets[~mask] = IGNORE_INDEX
+
+    def __repr__(self) -> str:
+        return f"Dataset({len(self.files)} files, seq_len={self.seq_len}, windows={self.num_windows})"
+
+
+class DataLoader:
+    """Endless shuffled global batches: (inputs, targets), int32 [batch_rows, seq_len].
+
+    batch_rows is the global batch: devices * per-device batch. The trainer
+    gives device d rows [d * rows_per_device, (d + 1) * rows_per_device); the
+    loader itself never looks at devices, so one seed gives the same global
+    batches for any device count.
+
+    Epoch e visits every window once, in the order
+    ``np.random.default_rng([seed, e]).permutation(len(dataset))`` (this
+    shuffles files and windows together). Batches are consecutive slices of
+    the concatenated epochs, so a batch may end one epoch and start the next.
+    ``epoch`` and ``position`` name the next window to be served.
+    """
+
+    def __init__(self, dataset: Dataset, batch_rows: int, seed: int, devices: int = 1):
+        self.dataset = dataset
+        self.batch_rows = positive_int("batch_rows", batch_rows)
+        devices = positive_int("devices", devices)
+        if self.batch_rows % devices:
+            raise ValueError(f"batch_rows {self.batch_rows} is not divisible by devices {devices}")
+        self.devices = devices
+        self.rows_per_device = self.batch_rows // devices
+        self.seed = check_seed(seed)
+        self.epoch = 0
+        self.position = 0
+        self._order_epoch = None
+        self._order = None
+
+    @property
+    def seq_len(self) -> int:
+        return self.dataset.seq_len
+
+    def _epoch_order(self) -> np.ndarray:
+        if self._order_epoch != self.epoch:
+            self._order = np.random.default_rng([self.seed, self.epoch]).permutation(self.dataset.num_windows)
+            self._order_epoch = self.epoch
+        return self._order
+
+    def next_batch(self) -> Batch:
+        """The next global batch: inputs, targets int32 [batch_rows, seq_len]."""
+        chosen = []
+        needed = self.batch_rows
+        while needed:
+            order = self._epoch_order()
+            take = order[self.position:self.position + needed]
+            chosen.append(take)
+            needed -= take.size
+            self.position += take.size
+            if self.position == order.size:
+                self.epoch += 1
+                self.position = 0
+        return self.dataset.read_windows(np.concatenate(chosen))
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        return self.next_batch()
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable position: seed, epoch, position and the dataset's fingerprint."""
+        return {"kind": "DataLoader", "seed": self.seed, "epoch": self.epoch, "position": self.position,
+                "dataset": self.dataset.fingerprint()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continues from ``state``: the next batches are those the saving loader
+        would have served next. The dataset and seed must match (ValueError)."""
+        check_state(state, "DataLoader", ("seed", "epoch", "position", "dataset"))
+        if state["dataset"] != self.dataset.fingerprint():
+            raise ValueError(f"DataLoader state is from a different dataset (saved {state['dataset']}, "
+                             f"this one {self.dataset.fingerprint()}); same files and seq_len are needed")
+        if state["seed"] != self.seed:
+            raise ValueError(f"DataLoader state was saved with seed {state['seed']}, this loader has seed "
+                             f"{self.seed}")
+        epoch, position = state["epoch"], state["position"]
+        if not (isinstance(epoch, int) and epoch >= 0 and isinstance(position, int)
+                and 0 <= position < self.dataset.num_windows):
+            raise ValueError(f"DataLoader state has an invalid epoch {epoch!r} or position {position!r}")
+        self.epoch, self.position = epoch, position
+
+
+class EvalLoader:
+    """One in-order pass over a dataset in batches of batch_rows rows.
+
+    Yields inputs, targets int32 [batch_rows, seq_len]. The last batch is
+    padded to full size with rows of inputs 0 and targets -100, so every batch
+    has the trainer's shape and the padding counts for nothing in the loss.
+    Each iteration starts again from the first window; len() is the number of
+    batches.
+    """
+
+    def __init__(self, dataset: Dataset, batch_rows: int):
+        self.dataset = dataset
+        self.batch_rows = positive_int("batch_rows", batch_rows)
+
+    @property
+    def seq_len(self) -> int:
+        return self.dataset.seq_len
+
+    def __len__(self) -> int:
+        return -(-self.dataset.num_windows // self.batch_rows)
+
+    def __iter__(self) -> Iterator[Batch]:
+        total = self.dataset.num_windows
+        for start in range(0, total, self.batch_rows):
+            stop = min(start + self.batch_rows, total)
+            inputs, targets = self.dataset.read_windows(np.arange(start, stop))
+            if stop - start < self.batch_rows:
+                padded_inputs = np.zeros((self.batch_rows, self.seq_len), dtype=np.int32)
+                padded_targets = np.full((self.batch_rows, self.seq_len), IGNORE_INDEX, dtype=np.int32)
+                padded_inputs[:stop - start] = inputs
+                padded_targets[:stop - start] = targets
+                inputs, targets = padded_inputs, padded_targets
+            yield inputs, targets

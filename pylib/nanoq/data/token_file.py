@@ -1,0 +1,273 @@
+"""Token files (.bin): llm.q's tokenizer output, format version 2.
+
+Layout, all little-endian:
+
+    bytes 0..1023   header: 256 int32 words
+                      words 0-1  the 8 ASCII bytes "BIN.TOK\\n"
+                      word 2     version (2)
+                      word 3     bytes per token (4)
+                      word 4     token count
+                      word 5     vocabulary size
+                      word 6     has-mask (0 or 1)
+                      words 7..  zero
+    then            count int32 tokens
+    then            if has-mask: ceil(count / 8) bytes of mask bits; bit i (byte
+                    i // 8, bit i % 8, least significant first) is 1 when token i
+                    is trained on as a target.
+
+Writers go through a temporary file that is renamed into place only once it is
+complete and on disk, so a crash never leaves a file that looks whole.
+Readers memory-map the file and check every token against the header's
+vocabulary size when the file is opened (one sequential pass, in chunks of
+bounded memory), so a corrupt token is reported with its file and index before
+training starts rather than as an out-of-range id somewhere later.
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Optional
+
+import numpy as np
+
+MAGIC = b"BIN.TOK\n"
+VERSION = 2
+BYTES_PER_TOKEN = 4
+HEADER_BYTES = 1024
+HEADER_WORDS = HEADER_BYTES // 4
+MAX_TOKENS_PER_FILE = 2**31 - 1  # the header's count is an int32
+
+# Word indices of the header fields (the magic fills words 0 and 1).
+_VERSION_WORD, _BYTES_PER_TOKEN_WORD, _COUNT_WORD, _VOCAB_WORD, _HAS_MASK_WORD = 2, 3, 4, 5, 6
+
+# Tokens converted, written or checked per chunk: bounds the extra memory to 64 MiB.
+_CHUNK_TOKENS = 1 << 24
+
+
+def _mask_bytes(count: int) -> int:
+    return (count + 7) // 8
+
+
+def _as_tokens(tokens, vocab_size: int) -> np.ndarray:
+    """Validated 1-D integer view of ``tokens`` (not yet converted to int32)."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) \
+            or not 0 < vocab_size <= MAX_TOKENS_PER_FILE:
+        raise ValueError(f"vocab_size must be an integer in [1, {MAX_TOKENS_PER_FILE}], got {vocab_size!r}")
+    array = np.asarray(tokens)
+    if array.ndim != 1:
+        raise ValueError(f"tokens must be a 1-D array, got shape {array.shape}")
+    if array.size == 0:
+        return array.astype(np.int32)
+    if array.dtype.kind not in "iu":
+        raise TypeError(f"tokens must be an integer array, got dtype {array.dtype}")
+    for start in range(0, array.size, _CHUNK_TOKENS):
+        chunk = array[start:start + _CHUNK_TOKENS]
+        bad = (chunk < 0) | (chunk >= vocab_size)
+        if bad.any():
+            index = start + int(np.argmax(bad))
+            raise ValueError(f"token id {int(array[index])} outside [0, {vocab_size}) "
+                             f"at tokens[{index}]")
+    return array
+
+
+def _as_mask(mask, count: int) -> Optional[np.ndarray]:
+    if mask is None:
+        return None
+    array = np.asarray(mask)
+    if array.dtype != np.bool_:
+        raise TypeError(f"mask must be a bool array (True = train on this token), got dtype {array.dtype}")
+    if array.shape != (count,):
+        raise ValueError(f"mask must have shape ({count},) like tokens, got {array.shape}")
+    return array
+
+
+def _header(count: int, vocab_size: int, has_mask: bool) -> bytes:
+    words = np.zeros(HEADER_WORDS, dtype="<i4")
+    words[_VERSION_WORD] = VERSION
+    words[_BYTES_PER_TOKEN_WORD] = BYTES_PER_TOKEN
+    words[_COUNT_WORD] = count
+    words[_VOCAB_WORD] = vocab_size
+    words[_HAS_MASK_WORD] = int(has_mask)
+    header = bytearray(words.tobytes())
+    header[:len(MAGIC)] = MAGIC
+    return bytes(header)
+
+
+def _write_validated(path: str, tokens: np.ndarray, vocab_size: int, mask: Optional[np.ndarray]) -> None:
+    """Atomic write of already validated tokens (and mask) to ``path``."""
+    count = tokens.size
+    if count > MAX_TOKENS_PER_FILE:
+        raise ValueError(f"{count} tokens do not fit one file (at most {MAX_TOKENS_PER_FILE}); "
+                         f"use write_token_shards")
+    temporary = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(temporary, "wb") as f:
+            f.write(_header(count, vocab_size, mask is not None))
+            for start in range(0, count, _CHUNK_TOKENS):
+                f.write(np.ascontiguousarray(tokens[start:start + _CHUNK_TOKENS], dtype="<i4").tobytes())
+            if mask is not None:
+                f.write(np.packbits(mask, bitorder="little").tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+    _fsync_directory(os.path.dirname(os.path.abspath(path)))
+
+
+def _fsync_directory(directory: str) -> None:
+    """Makes a rename durable (POSIX); a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_tokens(path, tokens, vocab_size: int, mask=None) -> None:
+    """Writes one token file atomically.
+
+    tokens: 1-D integer array-like, every id in [0, vocab_size) (ValueError
+    naming the first bad index and value otherwise); stored as int32.
+    mask: None or a 1-D bool array of the same length; True = train on the
+    token as a target. The data goes to ``path + ".tmp-<pid>"``, is flushed and
+    fsynced, then renamed onto ``path``; on any failure the temporary file is
+    removed and an existing ``path`` is left untouched.
+    """
+    path = os.fspath(path)
+    array = _as_tokens(tokens, vocab_size)
+    _write_validated(path, array, int(vocab_size), _as_mask(mask, array.size))
+
+
+def write_token_shards(prefix, tokens, vocab_size: int, mask=None,
+                       max_tokens: int = MAX_TOKENS_PER_FILE) -> List[str]:
+    """Splits tokens into ``prefix_000000.bin, prefix_000001.bin, ...``.
+
+    Each shard holds at most ``max_tokens`` tokens (and its slice of the mask,
+    packed from bit 0). All tokens are validated before the first shard is
+    written. Zero tokens give one empty shard. Shards left by an earlier,
+    longer write with the same prefix are not deleted. Returns the paths.
+    """
+    prefix = os.fspath(prefix)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) \
+            or not 0 < max_tokens <= MAX_TOKENS_PER_FILE:
+        raise ValueError(f"max_tokens must be an integer in [1, {MAX_TOKENS_PER_FILE}], got {max_tokens!r}")
+    array = _as_tokens(tokens, vocab_size)
+    mask_array = _as_mask(mask, array.size)
+    paths = []
+    starts = range(0, max(array.size, 1), max_tokens)
+    for shard, start in enumerate(starts):
+        stop = start + max_tokens
+        path = f"{prefix}_{shard:06d}.bin"
+        _write_validated(path, array[start:stop], int(vocab_size),
+                         None if mask_array is None else mask_array[start:stop])
+        paths.append(path)
+    return paths
+
+
+class TokenFile:
+    """A read-only, memory-mapped token file.
+
+    tokens: int32 array [len(self)] (a view of the file, no copy).
+    mask: bool array [len(self)] (True = train on the token) or None; unpacked
+    on first access. ``mask_range(start, stop)`` unpacks just a slice.
+    vocab_size, version, has_mask: from the header.
+
+    Opening checks the header, the exact file size and every token against
+    vocab_size (see the module docstring); each problem raises FileNotFoundError
+    or ValueError naming the file.
+    """
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        if not os.path.exists(self.path):
+            raise FileNotFoundError(f"token file {self.path!r} does not exist")
+        if not os.path.isfile(self.path):
+            raise ValueError(f"token file {self.path!r} is not a regular file")
+        size = os.path.getsize(self.path)
+        if size < HEADER_BYTES:
+            raise ValueError(f"token file {self.path!r} is {size} bytes, shorter than the "
+                             f"{HEADER_BYTES}-byte header; truncated or not a token file")
+        with open(self.path, "rb") as f:
+            header = f.read(HEADER_BYTES)
+        if header[:len(MAGIC)] != MAGIC:
+            raise ValueError(f"token file {self.path!r} has the wrong magic {header[:len(MAGIC)]!r} "
+                             f"(expected {MAGIC!r}); not a token file")
+        words = np.frombuffer(header, dtype="<i4")
+        self.version = int(words[_VERSION_WORD])
+        if self.version != VERSION:
+            raise ValueError(f"token file {self.path!r} has format version {self.version}; "
+                             f"only version {VERSION} is supported")
+        bytes_per_token = int(words[_BYTES_PER_TOKEN_WORD])
+        if bytes_per_token != BYTES_PER_TOKEN:
+            raise ValueError(f"token file {self.path!r} has {bytes_per_token} bytes per token; "
+                             f"only {BYTES_PER_TOKEN} is supported")
+        count = int(words[_COUNT_WORD])
+        if count < 0:
+            raise ValueError(f"token file {self.path!r} has a negative token count {count}")
+        self.vocab_size = int(words[_VOCAB_WORD])
+        if self.vocab_size <= 0:
+            raise ValueError(f"token file {self.path!r} has vocab size {self.vocab_size}; must be positive")
+        has_mask = int(words[_HAS_MASK_WORD])
+        if has_mask not in (0, 1):
+            raise ValueError(f"token file {self.path!r} has has-mask word {has_mask}; must be 0 or 1")
+        self.has_mask = bool(has_mask)
+        expected = HEADER_BYTES + BYTES_PER_TOKEN * count + (_mask_bytes(count) if self.has_mask else 0)
+        if size != expected:
+            raise ValueError(f"token file {self.path!r} is {size} bytes but its header ({count} tokens, "
+                             f"{'with' if self.has_mask else 'no'} mask) needs exactly {expected} bytes; "
+                             f"the file is {'truncated' if size < expected else 'longer than its header says'}")
+
+        self._count = count
+        if count == 0:  # numpy cannot map zero bytes
+            self.tokens = np.zeros(0, dtype=np.int32)
+            self._mask_bits = np.zeros(0, dtype=np.uint8) if self.has_mask else None
+        else:
+            self.tokens = np.memmap(self.path, dtype="<i4", mode="r", offset=HEADER_BYTES, shape=(count,))
+            self._mask_bits = (np.memmap(self.path, dtype=np.uint8, mode="r",
+                                         offset=HEADER_BYTES + BYTES_PER_TOKEN * count,
+                                         shape=(_mask_bytes(count),))
+                               if self.has_mask else None)
+        self._mask = None
+        self._check_token_range()
+
+    def _check_token_range(self) -> None:
+        for start in range(0, self._count, _CHUNK_TOKENS):
+            chunk = self.tokens[start:start + _CHUNK_TOKENS]
+            if int(chunk.min()) < 0 or int(chunk.max()) >= self.vocab_size:
+                index = start + int(np.argmax((chunk < 0) | (chunk >= self.vocab_size)))
+                raise ValueError(f"token file {self.path!r}: token id {int(self.tokens[index])} at index "
+                                 f"{index} is outside [0, {self.vocab_size}) (the header's vocab size); "
+                                 f"the file is corrupt or its header is wrong")
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def mask(self) -> Optional[np.ndarray]:
+        """bool [len(self)], True = train on the token; None without a mask."""
+        if self._mask_bits is None:
+            return None
+        if self._mask is None:
+            self._mask = np.unpackbits(self._mask_bits, count=self._count, bitorder="little").astype(bool)
+        return self._mask
+
+    def mask_range(self, start: int, stop: int) -> Optional[np.ndarray]:
+        """bool [stop - start]: the mask of tokens [start, stop), or None without a mask."""
+        if self._mask_bits is None:
+            return None
+        if not 0 <= start <= stop <= self._count:
+            raise IndexError(f"mask range [{start}, {stop}) outside [0, {self._count}] in {self.path!r}")
+        bits = np.unpackbits(self._mask_bits[start // 8:_mask_bytes(stop)], bitorder="little")
+        first = start % 8
+        return bits[first:first + stop - start].astype(bool)
+
+    def __repr__(self) -> str:
+        return (f"TokenFile({self.path!r}, tokens={self._count}, vocab_size={self.vocab_size}, "
+                f"mask={self.has_mask})")

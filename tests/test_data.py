@@ -1,0 +1,503 @@
+"""nanoq.data: token files (format, atomic writes, validation) and the loaders
+(windows, masking, shuffling, resume, mixtures, curricula). CPU only, tiny files."""
+
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+
+from nanoq.data import (
+    IGNORE_INDEX,
+    Curriculum,
+    DataLoader,
+    Dataset,
+    EvalLoader,
+    MixtureLoader,
+    TokenFile,
+    write_token_shards,
+    write_tokens,
+)
+
+VOCAB = 1000
+
+
+def ascending_file(directory, name, first, count, vocab=VOCAB, mask=None):
+    """A token file holding first, first + 1, ...: every token names its own position."""
+    path = str(directory / name)
+    write_tokens(path, np.arange(first, first + count), vocab, mask=mask)
+    return path
+
+
+def llmq_header(count, vocab, has_mask, version=2, bytes_per_token=4, magic=b"BIN.TOK\n"):
+    """The 1024-byte header as llm.q's tokenizer writes it, built without nanoq."""
+    header = magic + struct.pack("<5i", version, bytes_per_token, count, vocab, has_mask)
+    return header + bytes(1024 - len(header))
+
+
+def take(loader, n):
+    return [loader.next_batch() for _ in range(n)]
+
+
+def assert_same_batches(a, b):
+    assert len(a) == len(b)
+    for k, ((ia, ta), (ib, tb)) in enumerate(zip(a, b)):
+        assert np.array_equal(ia, ib) and np.array_equal(ta, tb), f"batch {k} differs"
+
+
+# --------------------------------------------------------------------------
+# Token files
+# --------------------------------------------------------------------------
+
+
+def test_round_trip_without_mask(tmp_path):
+    tokens = np.array([5, 0, 999, 17, 42, 3, 3], dtype=np.int64)
+    path = tmp_path / "plain.bin"
+    write_tokens(path, tokens, vocab_size=1000)
+    assert os.path.getsize(path) == 1024 + 4 * 7
+    f = TokenFile(path)
+    assert len(f) == 7 and f.vocab_size == 1000 and f.version == 2 and not f.has_mask
+    assert f.tokens.dtype == np.int32
+    assert f.tokens.tolist() == [5, 0, 999, 17, 42, 3, 3]
+    assert f.mask is None and f.mask_range(0, 3) is None
+
+
+def test_round_trip_with_mask(tmp_path):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 50, size=21)
+    mask = rng.random(21) < 0.5
+    path = tmp_path / "masked.bin"
+    write_tokens(path, tokens, vocab_size=50, mask=mask)
+    assert os.path.getsize(path) == 1024 + 4 * 21 + 3  # ceil(21 / 8) mask bytes
+    f = TokenFile(path)
+    assert f.has_mask and np.array_equal(f.tokens, tokens)
+    assert f.mask.dtype == np.bool_ and f.mask.tolist() == mask.tolist()
+    for start, stop in [(0, 21), (3, 11), (8, 16), (7, 8), (20, 21), (5, 5)]:
+        assert f.mask_range(start, stop).tolist() == mask[start:stop].tolist(), (start, stop)
+
+
+def test_header_is_byte_identical_to_the_llmq_layout(tmp_path):
+    path = tmp_path / "h.bin"
+    write_tokens(path, [1, 2, 3], vocab_size=32000, mask=np.array([True, False, True]))
+    data = path.read_bytes()
+    assert data[:1024] == llmq_header(count=3, vocab=32000, has_mask=1)
+    assert data[1024:1036] == struct.pack("<3i", 1, 2, 3)
+    assert data[1036:] == bytes([0b101])
+
+
+def test_reads_a_file_built_byte_by_byte_like_llmq(tmp_path):
+    tokens = [7, 300, 0, 12, 299, 1, 2, 3, 4, 5]
+    train_on = [1, 0, 0, 1, 1, 1, 0, 1, 0, 1]
+    mask_bytes = bytearray(2)
+    for i, bit in enumerate(train_on):
+        mask_bytes[i // 8] |= bit << (i % 8)
+    path = tmp_path / "llmq.bin"
+    path.write_bytes(llmq_header(len(tokens), 301, 1) + struct.pack(f"<{len(tokens)}i", *tokens) + bytes(mask_bytes))
+    f = TokenFile(path)
+    assert f.tokens.tolist() == tokens
+    assert f.mask.tolist() == [bool(b) for b in train_on]
+    assert f.vocab_size == 301 and f.version == 2 and len(f) == 10
+
+
+def test_shards_split_at_max_tokens(tmp_path):
+    tokens = np.arange(10)
+    mask = np.arange(10) % 3 != 0
+    paths = write_token_shards(tmp_path / "train", tokens, 10, mask=mask, max_tokens=4)
+    assert [os.path.basename(p) for p in paths] == ["train_000000.bin", "train_000001.bin", "train_000002.bin"]
+    files = [TokenFile(p) for p in paths]
+    assert [f.tokens.tolist() for f in files] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert [f.mask.tolist() for f in files] == [mask[0:4].tolist(), mask[4:8].tolist(), mask[8:].tolist()]
+
+
+def test_shards_of_an_exact_multiple_and_of_nothing(tmp_path):
+    paths = write_token_shards(tmp_path / "even", np.arange(8), 8, max_tokens=4)
+    assert [len(TokenFile(p)) for p in paths] == [4, 4]
+    paths = write_token_shards(tmp_path / "none", np.zeros(0, dtype=np.int32), 8, max_tokens=4)
+    assert [len(TokenFile(p)) for p in paths] == [0]
+
+
+def test_shards_validate_every_token_before_writing_any(tmp_path):
+    with pytest.raises(ValueError, match=r"token id 8 outside \[0, 8\) at tokens\[6\]"):
+        write_token_shards(tmp_path / "s", [0, 1, 2, 3, 4, 5, 8], 8, max_tokens=2)
+    assert os.listdir(tmp_path) == []
+
+
+def test_bad_token_is_rejected_and_leaves_no_file(tmp_path):
+    path = tmp_path / "bad.bin"
+    with pytest.raises(ValueError, match=r"token id 1000 outside \[0, 1000\) at tokens\[2\]"):
+        write_tokens(path, [1, 2, 1000, 4, -1], vocab_size=1000)
+    with pytest.raises(ValueError, match=r"token id -1 outside \[0, 1000\) at tokens\[1\]"):
+        write_tokens(path, [1, -1], vocab_size=1000)
+    assert os.listdir(tmp_path) == []
+
+
+def test_bad_writer_arguments_are_rejected(tmp_path):
+    path = tmp_path / "x.bin"
+    with pytest.raises(TypeError, match="integer array"):
+        write_tokens(path, [1.5, 2.0], vocab_size=10)
+    with pytest.raises(ValueError, match="1-D"):
+        write_tokens(path, [[1, 2]], vocab_size=10)
+    with pytest.raises(TypeError, match="bool array"):
+        write_tokens(path, [1, 2], vocab_size=10, mask=[1, 0])
+    with pytest.raises(ValueError, match=r"shape \(2,\)"):
+        write_tokens(path, [1, 2], vocab_size=10, mask=[True])
+    with pytest.raises(ValueError, match="vocab_size"):
+        write_tokens(path, [1, 2], vocab_size=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        write_token_shards(tmp_path / "s", [1, 2], 10, max_tokens=0)
+    assert os.listdir(tmp_path) == []
+
+
+def test_failed_write_keeps_the_old_file_and_removes_the_temporary(tmp_path, monkeypatch):
+    path = tmp_path / "data.bin"
+    write_tokens(path, [1, 2, 3], vocab_size=10)
+    before = path.read_bytes()
+
+    def disk_failure(fd):
+        raise OSError("simulated disk failure")
+
+    monkeypatch.setattr(os, "fsync", disk_failure)
+    with pytest.raises(OSError, match="simulated"):
+        write_tokens(path, np.arange(500), vocab_size=1000)
+    assert os.listdir(tmp_path) == ["data.bin"]
+    assert path.read_bytes() == before
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere.bin"):
+        TokenFile(tmp_path / "nowhere.bin")
+    with pytest.raises(FileNotFoundError, match="nowhere.bin"):
+        Dataset([str(tmp_path / "nowhere.bin")], seq_len=4)
+
+
+def test_truncated_file_names_file_and_sizes(tmp_path):
+    path = ascending_file(tmp_path, "cut.bin", 0, 100)
+    with open(path, "r+b") as f:
+        f.truncate(1024 + 4 * 100 - 6)
+    with pytest.raises(ValueError, match=r"cut\.bin.* is 1418 bytes .*exactly 1424 bytes.*truncated"):
+        TokenFile(path)
+    with open(path, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ValueError, match=r"cut\.bin.* is 100 bytes, shorter than the 1024-byte header"):
+        TokenFile(path)
+
+
+def test_truncated_mask_is_detected(tmp_path):
+    path = ascending_file(tmp_path, "m.bin", 0, 20, mask=np.ones(20, dtype=bool))
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 1)
+    with pytest.raises(ValueError, match=r"m\.bin.*with mask.*truncated"):
+        TokenFile(path)
+
+
+@pytest.mark.parametrize(
+    "header, message",
+    [
+        (llmq_header(2, 10, 0, magic=b"BIN.TOX\n"), r"wrong magic b'BIN\.TOX\\n'"),
+        (llmq_header(2, 10, 0, version=1), "format version 1; only version 2"),
+        (llmq_header(2, 10, 0, bytes_per_token=2), "2 bytes per token; only 4"),
+        (llmq_header(2, 10, 2), "has-mask word 2"),
+        (llmq_header(2, 0, 0), "vocab size 0"),
+        (llmq_header(-2, 10, 0), "negative token count -2"),
+    ],
+    ids=["magic", "version", "bytes_per_token", "has_mask", "vocab", "count"],
+)
+def test_bad_header_is_named(tmp_path, header, message):
+    path = tmp_path / "bad_header.bin"
+    path.write_bytes(header + struct.pack("<2i", 1, 2))
+    with pytest.raises(ValueError, match=message) as error:
+        TokenFile(path)
+    assert "bad_header.bin" in str(error.value)
+
+
+def test_token_beyond_header_vocab_is_named_at_open(tmp_path):
+    path = tmp_path / "corrupt.bin"
+    path.write_bytes(llmq_header(4, 10, 0) + struct.pack("<4i", 1, 2, 10, 3))
+    with pytest.raises(ValueError, match=r"corrupt\.bin.*token id 10 at index 2 is outside \[0, 10\)"):
+        TokenFile(path)
+    path.write_bytes(llmq_header(4, 10, 0) + struct.pack("<4i", 1, -7, 0, 3))
+    with pytest.raises(ValueError, match=r"token id -7 at index 1"):
+        Dataset(str(path), seq_len=1)
+
+
+# --------------------------------------------------------------------------
+# Dataset
+# --------------------------------------------------------------------------
+
+
+def test_windows_never_cross_files_and_tails_are_dropped(tmp_path):
+    a = ascending_file(tmp_path, "a.bin", 0, 11)       # 2 windows of 5, tail [10] dropped
+    b = ascending_file(tmp_path, "b.bin", 100, 5)      # 1 window
+    dataset = Dataset([a, b], seq_len=4)
+    assert len(dataset) == 3
+    inputs, targets = dataset.read_windows([0, 1, 2])
+    assert inputs.tolist() == [[0, 1, 2, 3], [5, 6, 7, 8], [100, 101, 102, 103]]
+    assert targets.tolist() == [[1, 2, 3, 4], [6, 7, 8, 9], [101, 102, 103, 104]]
+    assert inputs.dtype == targets.dtype == np.int32
+    assert inputs.flags.c_contiguous and targets.flags.c_contiguous
+
+
+def test_masked_tokens_become_ignored_targets(tmp_path):
+    mask = np.ones(10, dtype=bool)
+    mask[[0, 2, 5, 9]] = False  # 0 and 5 only ever appear as inputs: their bits do not matter
+    path = ascending_file(tmp_path, "m.bin", 0, 10, mask=mask)
+    inputs, targets = Dataset(path, seq_len=4).read_windows([0, 1])
+    assert inputs.tolist() == [[0, 1, 2, 3], [5, 6, 7, 8]]
+    assert targets.tolist() == [[1, IGNORE_INDEX, 3, 4], [6, 7, 8, IGNORE_INDEX]]
+
+
+def test_globs_expand_sorted_and_vocab_is_the_largest(tmp_path):
+    ascending_file(tmp_path, "s_1.bin", 10, 3, vocab=50)
+    ascending_file(tmp_path, "s_0.bin", 0, 3, vocab=20)
+    dataset = Dataset(str(tmp_path / "s_*.bin"), seq_len=2)
+    assert [os.path.basename(f.path) for f in dataset.files] == ["s_0.bin", "s_1.bin"]
+    assert dataset.vocab_size == 50
+    assert dataset.read_windows([0, 1])[0].tolist() == [[0, 1], [10, 11]]
+
+
+def test_glob_matching_nothing_is_named(tmp_path):
+    ascending_file(tmp_path, "a.bin", 0, 10)
+    with pytest.raises(ValueError, match=r"glob '.*val_\*\.bin' matches no files"):
+        Dataset([str(tmp_path / "a.bin"), str(tmp_path / "val_*.bin")], seq_len=4)
+
+
+def test_dataset_without_a_full_window_is_rejected(tmp_path):
+    path = ascending_file(tmp_path, "short.bin", 0, 4)
+    with pytest.raises(ValueError, match=r"no complete window of seq_len \+ 1 = 5 tokens in .*short\.bin.*4 tokens"):
+        Dataset(path, seq_len=4)
+
+
+def test_bad_dataset_arguments_are_rejected(tmp_path):
+    path = ascending_file(tmp_path, "a.bin", 0, 10)
+    with pytest.raises(ValueError, match="listed more than once"):
+        Dataset([path, str(tmp_path / "*.bin")], seq_len=4)
+    with pytest.raises(ValueError, match="seq_len must be a positive integer"):
+        Dataset(path, seq_len=0)
+    with pytest.raises(ValueError, match="no token files"):
+        Dataset([], seq_len=4)
+
+
+# --------------------------------------------------------------------------
+# DataLoader
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def two_files(tmp_path):
+    """13 windows of seq_len 4 in two files; a window is named by its first token."""
+    ascending_file(tmp_path, "train_0.bin", 0, 8 * 5 + 2)
+    ascending_file(tmp_path, "train_1.bin", 500, 5 * 5)
+    return Dataset(str(tmp_path / "train_*.bin"), seq_len=4)
+
+
+def window_starts(dataset):
+    inputs, _ = dataset.read_windows(np.arange(len(dataset)))
+    return sorted(inputs[:, 0].tolist())
+
+
+def test_same_seed_same_batches_other_seed_other_batches(two_files):
+    first = take(DataLoader(two_files, batch_rows=4, seed=7), 6)
+    again = take(DataLoader(two_files, batch_rows=4, seed=7), 6)
+    other = take(DataLoader(two_files, batch_rows=4, seed=8), 6)
+    assert_same_batches(first, again)
+    assert not all(np.array_equal(a[0], b[0]) for a, b in zip(first, other))
+
+
+def test_every_window_once_per_epoch_with_files_shuffled_together(two_files):
+    loader = DataLoader(two_files, batch_rows=4, seed=3)
+    batches = take(loader, 13)  # 52 rows = 4 epochs of 13 windows exactly
+    assert loader.epoch == 4 and loader.position == 0
+    rows = np.concatenate([inputs for inputs, _ in batches])
+    for inputs, targets in batches:
+        assert np.array_equal(targets[:, :-1], inputs[:, 1:])
+    epochs = [rows[13 * e:13 * (e + 1), 0].tolist() for e in range(4)]
+    for order in epochs:
+        assert sorted(order) == window_starts(two_files)
+    assert epochs[0] != epochs[1]
+    # Files are interleaved, not visited one after the other.
+    from_second_file = [start >= 500 for start in epochs[0]]
+    assert from_second_file != sorted(from_second_file) and from_second_file != sorted(from_second_file, reverse=True)
+
+
+def test_batch_spanning_an_epoch_boundary(two_files):
+    loader = DataLoader(two_files, batch_rows=5, seed=0)
+    take(loader, 2)
+    assert (loader.epoch, loader.position) == (0, 10)
+    inputs, _ = loader.next_batch()  # 3 windows from epoch 0, 2 from epoch 1
+    assert (loader.epoch, loader.position) == (1, 2)
+    order0 = np.random.default_rng([0, 0]).permutation(13)
+    order1 = np.random.default_rng([0, 1]).permutation(13)
+    expected = two_files.read_windows(np.concatenate([order0[10:], order1[:2]]))[0]
+    assert np.array_equal(inputs, expected)
+
+
+def test_two_devices_get_the_same_global_batch_as_one(two_files):
+    one = take(DataLoader(two_files, batch_rows=4, seed=11, devices=1), 5)
+    two_loader = DataLoader(two_files, batch_rows=4, seed=11, devices=2)
+    assert two_loader.rows_per_device == 2
+    assert_same_batches(one, take(two_loader, 5))
+    with pytest.raises(ValueError, match="batch_rows 5 is not divisible by devices 2"):
+        DataLoader(two_files, batch_rows=5, seed=0, devices=2)
+
+
+def test_resume_serves_exactly_the_next_batches(two_files):
+    loader = DataLoader(two_files, batch_rows=3, seed=5)
+    take(loader, 7)
+    state = json.loads(json.dumps(loader.state_dict()))
+    expected = take(loader, 5)
+    resumed = DataLoader(two_files, batch_rows=3, seed=5)
+    resumed.load_state_dict(state)
+    assert (resumed.epoch, resumed.position) == (1, 8)
+    assert_same_batches(take(resumed, 5), expected)
+
+
+def test_state_from_another_dataset_or_seed_is_rejected(tmp_path, two_files):
+    state = DataLoader(two_files, batch_rows=2, seed=1).state_dict()
+    other = Dataset(ascending_file(tmp_path, "other.bin", 0, 100), seq_len=4)
+    with pytest.raises(ValueError, match="different dataset"):
+        DataLoader(other, batch_rows=2, seed=1).load_state_dict(state)
+    longer_windows = Dataset(str(tmp_path / "train_*.bin"), seq_len=3)
+    with pytest.raises(ValueError, match="different dataset"):
+        DataLoader(longer_windows, batch_rows=2, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="saved with seed 1, this loader has seed 2"):
+        DataLoader(two_files, batch_rows=2, seed=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="not a DataLoader state"):
+        DataLoader(two_files, batch_rows=2, seed=1).load_state_dict({"kind": "MixtureLoader"})
+    with pytest.raises(ValueError, match="invalid epoch"):
+        DataLoader(two_files, batch_rows=2, seed=1).load_state_dict(dict(state, position=13))
+
+
+# --------------------------------------------------------------------------
+# EvalLoader
+# --------------------------------------------------------------------------
+
+
+def test_eval_is_in_order_and_pads_the_last_batch(two_files):
+    loader = EvalLoader(two_files, batch_rows=5)
+    assert len(loader) == 3
+    batches = list(loader)
+    assert len(batches) == 3
+    starts = [row for inputs, _ in batches[:2] for row in inputs[:, 0].tolist()]
+    assert starts == [0, 5, 10, 15, 20, 25, 30, 35, 500, 505]
+    inputs, targets = batches[2]
+    assert inputs.shape == targets.shape == (5, 4)
+    assert inputs[:3, 0].tolist() == [510, 515, 520]
+    assert targets[2].tolist() == [521, 522, 523, 524]
+    assert np.all(inputs[3:] == 0) and np.all(targets[3:] == IGNORE_INDEX)
+    assert_same_batches(list(loader), batches)  # re-iterable
+
+
+# --------------------------------------------------------------------------
+# MixtureLoader
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def two_sources(tmp_path):
+    """Two datasets of seq_len 4: source A tokens < 500, source B tokens >= 500."""
+    a = Dataset(ascending_file(tmp_path, "a.bin", 0, 5 * 40), seq_len=4)
+    b = Dataset(ascending_file(tmp_path, "b.bin", 500, 5 * 30), seq_len=4)
+    return a, b
+
+
+def mixture(sources, seed=0, weights=(3.0, 1.0)):
+    a, b = sources
+    return MixtureLoader([(DataLoader(a, 2, seed=1), weights[0]), (DataLoader(b, 2, seed=2), weights[1])], seed=seed)
+
+
+def test_mixture_follows_the_weights(two_sources):
+    loader = mixture(two_sources)
+    from_b = [int(loader.next_batch()[0][0, 0] >= 500) for _ in range(2000)]
+    share_b = sum(from_b) / 2000
+    assert abs(share_b - 0.25) < 0.03, share_b
+    # Only the chosen loader advances: each sub-loader served exactly its batches.
+    a_state, b_state = (sub.state_dict() for sub in loader.loaders)
+    assert a_state["epoch"] * 40 + a_state["position"] == 2 * (2000 - sum(from_b))
+    assert b_state["epoch"] * 30 + b_state["position"] == 2 * sum(from_b)
+    assert loader.draws == 2000
+
+
+def test_mixture_resume_is_exact(two_sources):
+    loader = mixture(two_sources, seed=4)
+    take(loader, 37)
+    state = json.loads(json.dumps(loader.state_dict()))
+    expected = take(loader, 20)
+    resumed = mixture(two_sources, seed=4)
+    resumed.load_state_dict(state)
+    assert_same_batches(take(resumed, 20), expected)
+
+
+def test_mixture_rejects_mismatched_state_and_shapes(two_sources):
+    state = mixture(two_sources).state_dict()
+    with pytest.raises(ValueError, match="weights"):
+        mixture(two_sources, weights=(1.0, 1.0)).load_state_dict(state)
+    a, b = two_sources
+    with pytest.raises(ValueError, match="one batch shape"):
+        MixtureLoader([(DataLoader(a, 2, seed=0), 1.0), (DataLoader(b, 4, seed=0), 1.0)], seed=0)
+    with pytest.raises(ValueError, match="weight of loader 1"):
+        MixtureLoader([(DataLoader(a, 2, seed=0), 1.0), (DataLoader(b, 2, seed=0), 0.0)], seed=0)
+
+
+def test_rejected_mixture_state_leaves_the_loaders_untouched(two_sources):
+    loader = mixture(two_sources)
+    take(loader, 3)
+    before = loader.state_dict()
+    broken = json.loads(json.dumps(before))
+    broken["loaders"][0]["position"] = 7  # valid for A
+    broken["loaders"][1]["dataset"]["sha256"] = "0" * 32  # but B is from another dataset
+    with pytest.raises(ValueError, match="different dataset"):
+        loader.load_state_dict(broken)
+    assert loader.state_dict() == before
+
+
+# --------------------------------------------------------------------------
+# Curriculum
+# --------------------------------------------------------------------------
+
+
+def build_curriculum(sources, batches_per_step=2):
+    a, b = sources
+    return Curriculum(
+        [(DataLoader(a, 2, seed=0), EvalLoader(a, 2), 3), (DataLoader(b, 2, seed=0), None, 2)],
+        batches_per_step=batches_per_step,
+    )
+
+
+def test_curriculum_runs_stages_in_order(two_sources):
+    curriculum = build_curriculum(two_sources)
+    assert curriculum.total_steps == 5 and curriculum.current_stage == 0
+    sources = []
+    for _ in range(6):  # stage 0: 3 steps of 2 batches
+        sources.append("b" if curriculum.next_batch()[0][0, 0] >= 500 else "a")
+    assert curriculum.current_stage == 0 and curriculum.stage_complete
+    assert isinstance(curriculum.eval_loader(), EvalLoader)  # still stage 0's, for its final eval
+    for _ in range(4):
+        sources.append("b" if curriculum.next_batch()[0][0, 0] >= 500 else "a")
+    assert sources == ["a"] * 6 + ["b"] * 4
+    assert curriculum.current_stage == 1 and curriculum.eval_loader() is None and curriculum.finished
+    with pytest.raises(StopIteration):
+        curriculum.next_batch()
+    assert len(list(build_curriculum(two_sources))) == 10
+
+
+def test_curriculum_resumes_in_the_middle_of_stage_two(two_sources):
+    curriculum = build_curriculum(two_sources)
+    take(curriculum, 6 + 1)
+    state = json.loads(json.dumps(curriculum.state_dict()))
+    assert (state["stage"], state["batches_in_stage"]) == (1, 1)
+    expected = list(curriculum)
+    resumed = build_curriculum(two_sources)
+    resumed.load_state_dict(state)
+    assert resumed.current_stage == 1
+    got = list(resumed)
+    assert len(got) == 3
+    assert_same_batches(got, expected)
+
+
+def test_curriculum_state_with_other_stage_lengths_is_rejected(two_sources):
+    state = build_curriculum(two_sources).state_dict()
+    with pytest.raises(ValueError, match="batches_per_step"):
+        build_curriculum(two_sources, batches_per_step=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="steps of curriculum stage 0"):
+        Curriculum([(None, None, 0)])
