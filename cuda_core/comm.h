@@ -14,6 +14,8 @@
 
 namespace nanoq {
 
+class Backend;
+
 class Communicator {
 public:
     virtual ~Communicator() = default;
@@ -33,8 +35,9 @@ public:
 class CommGroup {
 public:
     virtual ~CommGroup() = default;
-    // Called once on each rank's worker thread.
-    virtual std::unique_ptr<Communicator> connect(int rank) = 0;
+    // Called once on each rank's worker thread, all ranks concurrently;
+    // `backend` is that rank's (its queue orders the collectives).
+    virtual std::unique_ptr<Communicator> connect(int rank, Backend& backend) = 0;
     // Releases every rank from its collectives, now and later. Thread safe.
     virtual void abort() = 0;
 };

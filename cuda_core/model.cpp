@@ -193,16 +193,16 @@ ScratchShapes LlamaModel::scratch_shapes() const {
                          classifier_chunk_rows(), 0};
 }
 
-void LlamaModel::forward(const ModelWeights& w, const Tensor& tokens, StackArena& stack) {
+void LlamaModel::forward(const ModelWeights& w, const Tensor& tokens) {
     const ModelConfig& c = config_;
     backend_.embedding_forward(residual_[0], tokens, w.embed, rows_, c.hidden_size);
-    for (int l = 0; l < c.num_layers; ++l) layer_forward(w.layers[l], layers_[l], residual_[l], residual_[l + 1], stack);
+    for (int l = 0; l < c.num_layers; ++l) layer_forward(w.layers[l], layers_[l], residual_[l], residual_[l + 1]);
     backend_.rmsnorm_forward(final_norm_, final_rstd_, residual_[c.num_layers], w.final_norm, rows_, c.hidden_size,
                              c.rms_norm_eps);
 }
 
 void LlamaModel::layer_forward(const LayerWeights& w, LayerActivations& a, const Tensor& input,
-                               const Tensor& output, StackArena& stack) {
+                               const Tensor& output) {
     const ModelConfig& c = config_;
     const int C = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
     const int HD = c.num_heads * D, KD = c.num_kv_heads * D;
@@ -304,7 +304,7 @@ void LlamaModel::classifier(const ModelWeights& w, const ModelWeights* g, const 
 void LlamaModel::forward_backward(const ModelWeights& w, const ModelWeights& g, const Tensor& tokens,
                                   const Tensor& targets, const Tensor& stats, float z_loss, StackArena& stack) {
     const ModelConfig& c = config_;
-    forward(w, tokens, stack);
+    forward(w, tokens);
     StackFrame frame(stack);
     Tensor dresidual = frame.push("d-residual", dtype_, {rows_, c.hidden_size});
     {
@@ -321,7 +321,7 @@ void LlamaModel::forward_backward(const ModelWeights& w, const ModelWeights& g, 
 
 void LlamaModel::forward_loss(const ModelWeights& w, const Tensor& tokens, const Tensor& targets,
                               const Tensor& stats, float z_loss, StackArena& stack) {
-    forward(w, tokens, stack);
+    forward(w, tokens);
     classifier(w, nullptr, targets, stats, z_loss, nullptr, stack);
 }
 

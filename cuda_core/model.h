@@ -61,9 +61,8 @@ public:
     ScratchShapes scratch_shapes() const;
 
 private:
-    void forward(const ModelWeights& w, const Tensor& tokens, StackArena& stack);
-    void layer_forward(const LayerWeights& w, LayerActivations& a, const Tensor& input, const Tensor& output,
-                       StackArena& stack);
+    void forward(const ModelWeights& w, const Tensor& tokens);
+    void layer_forward(const LayerWeights& w, LayerActivations& a, const Tensor& input, const Tensor& output);
     void layer_backward(const LayerWeights& w, const LayerWeights& g, LayerActivations& a, const Tensor& input,
                         const Tensor& dresidual, StackArena& stack);
     // Loss over row chunks; with `dhidden` also its gradient (and lm_head's).

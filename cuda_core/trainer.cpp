@@ -194,7 +194,7 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_
     m.run([&](int rank, DeviceState& d) {
         d.backend = plugin.create_backend(rank, threads);
         d.allocator = std::make_unique<NamedAllocator>(*d.backend, rank);
-        d.comm = m.group->connect(rank);
+        d.comm = m.group->connect(rank, *d.backend);
         NamedAllocator& a = *d.allocator;
         d.weights = a.allocate(Context::Weights, "weights", weight_dtype, {padded});
         d.grads = a.allocate(Context::Gradients, "gradients", DType::F32, {padded});
@@ -221,6 +221,7 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_
         for (const Tensor& t : {d.weights, d.grads, d.adam_m, d.adam_v, d.master}) d.backend->fill(t, 0.0f);
         reset_stats(*d.backend, d.stats);
         d.backend->synchronize();
+        d.comm->barrier();  // every rank is connected and ready
     });
 }
 
@@ -352,12 +353,13 @@ StepStats Trainer::update(const UpdateParams& params) {
         m.gather_stats(d, d.stats);
         be.optimizer_scale(d.optimizer_scale, d.gathered, n, params.grad_clip);
 
-        AdamWStep step{params.lr, params.beta1, params.beta2, params.eps, 0.0f, step_number,
-                       m.options.seed * 1000003ULL + static_cast<std::uint64_t>(rank)};
+        AdamWStep step{params.lr, params.beta1, params.beta2, params.eps, 0.0f, step_number, 0};
         for (const ParameterInfo& p : m.layout) {
             const std::int64_t begin = std::max(lo, p.offset), end = std::min(hi, p.offset + p.numel());
             if (begin >= end) continue;
             step.weight_decay = p.weight_decay ? params.weight_decay : 0.0f;
+            // Distinct rounding noise for every slice: the kernels index from the slice start.
+            step.seed = m.options.seed * 0x9E3779B97F4A7C15ULL + static_cast<std::uint64_t>(begin);
             be.adamw(d.master.slice(begin - lo, end - begin), d.grads.slice(begin, end - begin),
                      d.adam_m.slice(begin - lo, end - begin), d.adam_v.slice(begin - lo, end - begin),
                      d.optimizer_scale, step);

@@ -39,7 +39,7 @@ class SharedMemoryGroup final : public CommGroup, public std::enable_shared_from
 public:
     explicit SharedMemoryGroup(int size) : size_(size), buffers_(size, nullptr) {}
 
-    std::unique_ptr<Communicator> connect(int rank) override {
+    std::unique_ptr<Communicator> connect(int rank, Backend&) override {
         return std::make_unique<SharedMemoryCommunicator>(shared_from_this(), rank);
     }
 

@@ -1,0 +1,360 @@
+// The cuda backend: Backend ops as kernel launches on one stream per GPU.
+//
+// dtype dispatch lives here, in `with_dtype`: kernels are templates over
+// float/bf16 and know nothing of tensors. All ops share one scratch buffer,
+// sized once for the largest op (reserve_scratch), which is safe because they
+// run in order on the device's stream. This library registers itself as the
+// "cuda" backend when the core loads it.
+#include "cuda/cuda_backend.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "cuda/cublaslt_matmul.h"
+#include "cuda/cuda_check.h"
+#include "cuda/kernels.h"
+
+namespace nanoq {
+namespace cuda {
+
+std::shared_ptr<CommGroup> make_nccl_group(int size);
+
+namespace {
+
+constexpr std::size_t kMatmulWorkspaceBytes = std::size_t(32) << 20;
+
+// Calls fn(T{}) with T the C++ type of an activation/weight dtype.
+template <class Fn>
+void with_dtype(DType dtype, Fn&& fn) {
+    switch (dtype) {
+        case DType::F32: fn(float{}); return;
+        case DType::BF16: fn(bf16{}); return;
+        default: throw InternalError(std::string("cuda op on ") + dtype_name(dtype));
+    }
+}
+
+template <class T>
+T* ptr(const Tensor& t) {
+    return static_cast<T*>(t.data);
+}
+
+void require_same_dtype(const Tensor& a, const Tensor& b, const char* op) {
+    if (a.dtype != b.dtype)
+        throw InternalError(std::string(op) + ": " + dtype_name(a.dtype) + " and " + dtype_name(b.dtype) + " mixed");
+}
+
+int visible_devices() {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) {
+        cudaGetLastError();  // no driver or no device: clear the sticky error
+        return 0;
+    }
+    return count;
+}
+
+std::unique_ptr<Backend> create(int device, int /*threads*/) { return std::make_unique<CudaBackend>(device); }
+
+[[maybe_unused]] const bool registered = [] {
+    register_backend("cuda", BackendPlugin{&create, &make_nccl_group, &visible_devices});
+    return true;
+}();
+
+}  // namespace
+
+CudaBackend::CudaBackend(int device) : device_(device) {
+    NANOQ_CUDA_CHECK(cudaSetDevice(device));
+    NANOQ_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    matmul_ = std::make_unique<LtMatmul>();
+}
+
+CudaBackend::~CudaBackend() {
+    matmul_.reset();
+    if (stream_) cudaStreamDestroy(stream_);
+}
+
+void* CudaBackend::raw_alloc(std::size_t bytes, MemoryKind kind) {
+    void* data = nullptr;
+    cudaError_t status = cudaSuccess;
+    switch (kind) {
+        case MemoryKind::Device: status = cudaMalloc(&data, bytes); break;
+        case MemoryKind::Pinned: status = cudaMallocHost(&data, bytes); break;
+        case MemoryKind::Host: return std::malloc(bytes);
+    }
+    if (status == cudaErrorMemoryAllocation) {
+        cudaGetLastError();
+        return nullptr;
+    }
+    NANOQ_CUDA_CHECK(status);
+    return data;
+}
+
+void CudaBackend::raw_free(void* data, MemoryKind kind) {
+    switch (kind) {
+        case MemoryKind::Device: cudaFree(data); break;
+        case MemoryKind::Pinned: cudaFreeHost(data); break;
+        case MemoryKind::Host: std::free(data); break;
+    }
+}
+
+void CudaBackend::reserve_scratch(NamedAllocator& allocator, const ScratchShapes& s) {
+    const AttentionShape& a = s.attention;
+    if (a.head_dim > 256)
+        throw InvalidArgument("the cuda backend's attention supports head_dim up to 256, got " +
+                              std::to_string(a.head_dim));
+    const int rows = a.batch * a.time;
+    const int q_width = a.heads * a.head_dim, kv_width = a.kv_heads * a.head_dim;
+    std::size_t bytes = 0;
+    auto need = [&](std::size_t b) { bytes = std::max(bytes, b); };
+    for (int cols : {q_width, kv_width, s.hidden}) need(sizeof(float) * bias_backward_scratch_floats(rows, cols));
+    need(sizeof(float) * rmsnorm_backward_scratch_floats(rows, s.hidden));
+    need(sizeof(float) * rmsnorm_backward_scratch_floats(rows * a.heads, a.head_dim));
+    need(sizeof(float) * rmsnorm_backward_scratch_floats(rows * a.kv_heads, a.head_dim));
+    need(embedding_backward_scratch_bytes(rows, s.vocab));
+    need(attention_backward_scratch_bytes(a.batch, a.time, a.heads, a.kv_heads, a.head_dim));
+    need(sizeof(float) * classifier_scratch_floats(s.classifier_rows));
+    need(sizeof(float) * sum_squares_scratch_floats(s.max_reduce));
+    scratch_ = allocator.allocate(Context::Workspace, "cuda-op-scratch", DType::F32,
+                                  {static_cast<std::int64_t>((bytes + 3) / 4)});
+    matmul_workspace_ = allocator.allocate(Context::Workspace, "cublaslt-workspace", DType::F32,
+                                           {static_cast<std::int64_t>(kMatmulWorkspaceBytes / 4)});
+    // Room for one batch of tokens and targets between synchronisations.
+    pinned_ = allocator.allocate(Context::Workspace, "host-staging", DType::I32, {2, rows}, MemoryKind::Pinned);
+}
+
+void* CudaBackend::scratch(std::size_t bytes) const {
+    if (bytes > scratch_.bytes()) throw InternalError("cuda op needs more scratch than was reserved");
+    return scratch_.data;
+}
+
+void CudaBackend::copy_from_host(const Tensor& dst, const void* src) {
+    const std::size_t bytes = dst.bytes();
+    if (pinned_.data && pinned_used_ + bytes <= pinned_.bytes()) {
+        // Through pinned memory, so the copy is truly asynchronous.
+        char* staging = static_cast<char*>(pinned_.data) + pinned_used_;
+        std::memcpy(staging, src, bytes);
+        pinned_used_ += bytes;
+        NANOQ_CUDA_CHECK(cudaMemcpyAsync(dst.data, staging, bytes, cudaMemcpyHostToDevice, stream_));
+    } else {
+        NANOQ_CUDA_CHECK(cudaMemcpyAsync(dst.data, src, bytes, cudaMemcpyHostToDevice, stream_));
+    }
+}
+
+void CudaBackend::copy_from_device(const Tensor& dst, const void* src, int source_device) {
+    NANOQ_CUDA_CHECK(cudaMemcpyPeerAsync(dst.data, device_, src, source_device, dst.bytes(), stream_));
+}
+
+void CudaBackend::copy_to_host(void* dst, const Tensor& src) {
+    NANOQ_CUDA_CHECK(cudaMemcpyAsync(dst, src.data, src.bytes(), cudaMemcpyDeviceToHost, stream_));
+}
+
+void CudaBackend::copy(const Tensor& dst, const Tensor& src) {
+    if (dst.numel() != src.numel()) throw InternalError("copy between tensors of different sizes");
+    if (dst.dtype == src.dtype) {
+        NANOQ_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, src.bytes(), cudaMemcpyDeviceToDevice, stream_));
+        return;
+    }
+    if (dst.dtype == DType::BF16 && src.dtype == DType::F32)
+        cast_f32_to_bf16(ptr<bf16>(dst), ptr<float>(src), src.numel(), stream_);
+    else if (dst.dtype == DType::F32 && src.dtype == DType::BF16)
+        cast_bf16_to_f32(ptr<float>(dst), ptr<bf16>(src), src.numel(), stream_);
+    else
+        throw InternalError(std::string("copy from ") + dtype_name(src.dtype) + " to " + dtype_name(dst.dtype));
+    NANOQ_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::fill(const Tensor& t, float value) {
+    with_dtype(t.dtype, [&](auto tag) {
+        using T = decltype(tag);
+        cuda::fill<T>(ptr<T>(t), value, t.numel(), stream_);
+    });
+    NANOQ_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::synchronize() {
+    NANOQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    pinned_used_ = 0;
+}
+
+void CudaBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, int M, int N, int K, bool trans_a,
+                         bool trans_b, bool accumulate) {
+    matmul_->run(out, a, b, M, N, K, trans_a, trans_b, accumulate, matmul_workspace_.data, matmul_workspace_.bytes(),
+                 stream_);
+}
+
+void CudaBackend::add_bias(const Tensor& out, const Tensor& bias, int rows, int cols) {
+    require_same_dtype(out, bias, "add_bias");
+    with_dtype(out.dtype, [&](auto tag) {
+        using T = decltype(tag);
+        cuda::add_bias<T>(ptr<T>(out), ptr<T>(bias), rows, cols, stream_);
+    });
+    NANOQ_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::bias_backward(const Tensor& dbias, const Tensor& dout, int rows, int cols) {
+    with_dtype(dout.dtype, [&](auto tag) {
+        using T = decltype(tag);
+        float* work = static_cast<float*>(scratch(sizeof(float) * bias_backward_scratch_floats(rows, cols)));
+        cuda::bias_backward<T>(dbias.f32(), ptr<T>(dout), rows, cols, work, stream_);
+    });
+    NANOQ_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::add(const Tensor& out, const Tensor& a, const Tensor& b) {
+    require_same_dtype(a, b, "add");
+    with_dtype(out.dtype, [&](auto tag) {
+        using T = decltype(tag);
+        cuda::add<T>(ptr<T>(out), ptr<T>(a), ptr<T>(b), out.numel(), stream_);
+    });
+    NANOQ_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::accumulate(const Tensor& out, const Tensor& a) {
+    require_same_dtype(out, a, "accumulate");
+    with_dtype(out.dtype, [&](auto tag) {
+        using T = decltype(tag);
+        cuda::accumulate<T>(ptr<T>(out), ptr<T>(a), out.numel(), stream_);
+    });
+    NANOQ_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& table, int rows,
+                                    int channels) {
+    with_dtype(table.dtype, [&](auto tag) {
+        using T = decltype(tag);
+        cuda::embedding_forward<T>(ptr<T>(out), tokens.i32(), ptr<T>(table), rows, channels, stream_);
+    });
+    NANOQ_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::embedding_backward(const Tensor& table_grad, const Tensor& dout, const Tensor& tokens, int rows,
+                                     int channels) {
+    const int vocab = static_cast<int>(table_grad.numel() / channels);
+    with_dtype(dout.dtype, [&](auto tag) {
+        using T = decltype(tag);
+        cuda::embedding_backward<T>(table_grad.f32(), ptr<T>(dout), tokens.i32(), rows, channels, vocab,
+                                    scratch(embedding_backward_scratch_bytes(rows, vocab)), stream_);
+    });
+    NANOQ_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight,
+                                  int rows, int channels, float eps) {
+    require_same_dtype(inp, weight, "rmsnorm_forward");
+    with_dtype(inp.dtype, [&](auto tag) {
+        using T = decltype(tag);
+        cuda::rmsnorm_forward<T>(ptr<T>(out), rstd.f32(), ptr<T>(inp), ptr<T>(weight), rows, channels, eps, stream_);
+    });
+    NANOQ_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                                   const Tensor& weight, const Tensor& rstd, int rows, int channels,
+                                   bool accumulate) {
+    require_same_dtype(inp, weight, "rmsnorm_backward");
+    with_dtype(inp.dtype, [&](auto tag) {
+        using T = decltype(tag);
+        float* work = static_cast<float*>(scratch(sizeof(float) * rmsnorm_backward_scratch_floats(rows, channels)));
+        cuda::rmsnorm_backward<T>(ptr<T>(dinp), dweight.f32(), ptr<T>(dout), ptr<T>(inp), ptr<T>(weight),
+                                  rstd.f32(), rows, channels, accumulate, work, stream_);
+    });
+    NANOQ_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::rope_forward(const Tensor& x, const Tensor& cos_sin, int batch, int time, int heads,
+                               int head_dim) {
+    with_dtype(x.dtype, [&](auto tag) {
+        using T = decltype(tag);
+        cuda::rope_forward<T>(ptr<T>(x), cos_sin.f32(), batch, time, heads, head_dim, stream_);
+    });
+    NANOQ_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::rope_backward(const Tensor& dx, const Tensor& cos_sin, int batch, int time, int heads,
+                                int head_dim) {
+    with_dtype(dx.dtype, [&](auto tag) {
+        using T = decltype(tag);
+        cuda::rope_backward<T>(ptr<T>(dx), cos_sin.f32(), batch, time, heads, head_dim, stream_);
+    });
+    NANOQ_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
+                                    const Tensor& v, const AttentionShape& s) {
+    with_dtype(q.dtype, [&](auto tag) {
+        using T = decltype(tag);
+        cuda::attention_forward<T>(ptr<T>(out), lse.f32(), ptr<T>(q), ptr<T>(k), ptr<T>(v), s.batch, s.time, s.heads,
+                                   s.kv_heads, s.head_dim, stream_);
+    });
+    NANOQ_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
+                                     const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
+                                     const Tensor& v, const AttentionShape& s) {
+    with_dtype(q.dtype, [&](auto tag) {
+        using T = decltype(tag);
+        void* work = scratch(attention_backward_scratch_bytes(s.batch, s.time, s.heads, s.kv_heads, s.head_dim));
+        cuda::attention_backward<T>(ptr<T>(dq), ptr<T>(dk), ptr<T>(dv), ptr<T>(dout), ptr<T>(out), lse.f32(),
+                                    ptr<T>(q), ptr<T>(k), ptr<T>(v), s.batch, s.time, s.heads, s.kv_heads, s.head_dim,
+                                    work, stream_);
+    });
+    NANOQ_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) {
+    with_dtype(gate.dtype, [&](auto tag) {
+        using T = decltype(tag);
+        cuda::swiglu_forward<T>(ptr<T>(out), ptr<T>(gate), ptr<T>(up), out.numel(), stream_);
+    });
+    NANOQ_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::swiglu_backward(const Tensor& dgate, const Tensor& dup, const Tensor& dout, const Tensor& gate,
+                                  const Tensor& up) {
+    with_dtype(gate.dtype, [&](auto tag) {
+        using T = decltype(tag);
+        cuda::swiglu_backward<T>(ptr<T>(dgate), ptr<T>(dup), ptr<T>(dout), ptr<T>(gate), ptr<T>(up), dout.numel(),
+                                 stream_);
+    });
+    NANOQ_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& stats, int rows, int vocab,
+                                int first_position, int time, float z_loss, bool with_grad) {
+    with_dtype(logits.dtype, [&](auto tag) {
+        using T = decltype(tag);
+        float* work = static_cast<float*>(scratch(sizeof(float) * classifier_scratch_floats(rows)));
+        cuda::cross_entropy<T>(ptr<T>(logits), targets.i32(), stats.f32(), rows, vocab, first_position, time, z_loss,
+                               with_grad, work, stream_);
+    });
+    NANOQ_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::sum_squares(const Tensor& out, const Tensor& x) {
+    float* work = static_cast<float*>(scratch(sizeof(float) * sum_squares_scratch_floats(x.numel())));
+    cuda::sum_squares(out.f32(), x.f32(), x.numel(), work, stream_);
+    NANOQ_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::optimizer_scale(const Tensor& out, const Tensor& gathered, int ranks, float grad_clip) {
+    cuda::optimizer_scale(out.f32(), gathered.f32(), ranks, kGatherStride, grad_clip, stream_);
+    NANOQ_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                        const Tensor& scale, const AdamWStep& s) {
+    require_same_dtype(m, v, "adamw moments");
+    with_dtype(param.dtype, [&](auto param_tag) {
+        using P = decltype(param_tag);
+        with_dtype(m.dtype, [&](auto state_tag) {
+            using S = decltype(state_tag);
+            cuda::adamw<P, S>(ptr<P>(param), grad.f32(), ptr<S>(m), ptr<S>(v), param.numel(), s.lr, s.beta1, s.beta2,
+                              s.eps, s.weight_decay, s.step, scale.f32(), s.seed, stream_);
+        });
+    });
+    NANOQ_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace cuda
+}  // namespace nanoq

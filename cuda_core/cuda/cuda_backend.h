@@ -1,0 +1,79 @@
+// The cuda backend: one GPU per device worker, one compute stream each.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <memory>
+
+#include "backend.h"
+
+namespace nanoq {
+namespace cuda {
+
+class LtMatmul;
+
+class CudaBackend final : public Backend {
+public:
+    explicit CudaBackend(int device);
+    ~CudaBackend() override;
+
+    int device() const { return device_; }
+    cudaStream_t stream() const { return stream_; }
+
+    std::string name() const override { return "cuda"; }
+    void* raw_alloc(std::size_t bytes, MemoryKind kind) override;
+    void raw_free(void* data, MemoryKind kind) override;
+    void reserve_scratch(NamedAllocator& allocator, const ScratchShapes& shapes) override;
+    void copy_from_host(const Tensor& dst, const void* src) override;
+    void copy_from_device(const Tensor& dst, const void* src, int source_device) override;
+    void copy_to_host(void* dst, const Tensor& src) override;
+    void copy(const Tensor& dst, const Tensor& src) override;
+    void fill(const Tensor& t, float value) override;
+    void synchronize() override;
+
+    void matmul(const Tensor& out, const Tensor& a, const Tensor& b, int M, int N, int K, bool trans_a, bool trans_b,
+                bool accumulate) override;
+    void add_bias(const Tensor& out, const Tensor& bias, int rows, int cols) override;
+    void bias_backward(const Tensor& dbias, const Tensor& dout, int rows, int cols) override;
+    void add(const Tensor& out, const Tensor& a, const Tensor& b) override;
+    void accumulate(const Tensor& out, const Tensor& a) override;
+    void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& table, int rows,
+                           int channels) override;
+    void embedding_backward(const Tensor& table_grad, const Tensor& dout, const Tensor& tokens, int rows,
+                            int channels) override;
+    void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight, int rows,
+                         int channels, float eps) override;
+    void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                          const Tensor& weight, const Tensor& rstd, int rows, int channels, bool accumulate) override;
+    void rope_forward(const Tensor& x, const Tensor& cos_sin, int batch, int time, int heads, int head_dim) override;
+    void rope_backward(const Tensor& dx, const Tensor& cos_sin, int batch, int time, int heads,
+                       int head_dim) override;
+    void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
+                           const AttentionShape& shape) override;
+    void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
+                            const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
+                            const AttentionShape& shape) override;
+    void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) override;
+    void swiglu_backward(const Tensor& dgate, const Tensor& dup, const Tensor& dout, const Tensor& gate,
+                         const Tensor& up) override;
+    void cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& stats, int rows, int vocab,
+                       int first_position, int time, float z_loss, bool with_grad) override;
+    void sum_squares(const Tensor& out, const Tensor& x) override;
+    void optimizer_scale(const Tensor& out, const Tensor& gathered, int ranks, float grad_clip) override;
+    void adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const Tensor& scale,
+               const AdamWStep& step) override;
+
+private:
+    void* scratch(std::size_t bytes) const;
+
+    int device_;
+    cudaStream_t stream_ = nullptr;
+    std::unique_ptr<LtMatmul> matmul_;
+    Tensor scratch_;          // shared by all ops: they run in order on one stream
+    Tensor matmul_workspace_;
+    Tensor pinned_;           // host staging for copy_from_host
+    std::size_t pinned_used_ = 0;
+};
+
+}  // namespace cuda
+}  // namespace nanoq

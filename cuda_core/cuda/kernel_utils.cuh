@@ -1,0 +1,160 @@
+// Device helpers shared by the kernels_*.cu files (private to them).
+//
+// Everything here is inline or a template so that each translation unit gets
+// its own copy without duplicate symbols. The column-sum helper splits rows
+// into a fixed number of chunks that depends only on (rows, cols): partial
+// sums go to scratch and a second kernel adds them in chunk order, which keeps
+// the result bitwise reproducible without atomics.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels.h"
+
+namespace nanoq {
+namespace cuda {
+namespace detail {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kWarpSize = 32;
+// Grid-stride kernels never launch more blocks than this.
+constexpr std::int64_t kMaxGridStrideBlocks = 65536;
+
+inline int grid_stride_blocks(std::int64_t n, int threads) {
+    const std::int64_t blocks = (n + threads - 1) / threads;
+    return static_cast<int>(blocks < kMaxGridStrideBlocks ? blocks : kMaxGridStrideBlocks);
+}
+
+__device__ __forceinline__ std::int64_t grid_stride_begin() {
+    return static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ std::int64_t grid_stride_step() {
+    return static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+}
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(bf16 x) { return __bfloat162float(x); }
+
+// Round-to-nearest-even conversion from fp32.
+template <class T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) { return __float2bfloat16_rn(x); }
+
+__device__ __forceinline__ float warp_sum(float x) {
+    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(kFullMask, x, offset);
+    return x;
+}
+__device__ __forceinline__ float warp_max(float x) {
+    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(kFullMask, x, offset));
+    return x;
+}
+__device__ __forceinline__ double warp_sum(double x) {
+    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(kFullMask, x, offset);
+    return x;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024), returned to
+// every thread. `shared` holds 32 values; the call ends with a barrier so that
+// `shared` may be reused right after.
+template <class V> __device__ __forceinline__ V block_sum(V x, V* shared) {
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+    const int warps = blockDim.x / kWarpSize;
+    x = warp_sum(x);
+    if (lane == 0) shared[warp] = x;
+    __syncthreads();
+    V total = lane < warps ? shared[lane] : V(0);
+    total = warp_sum(total);
+    __syncthreads();
+    return total;
+}
+
+__host__ __device__ __forceinline__ std::uint64_t splitmix64(std::uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+// Stochastic rounding to bf16: `random16` (uniform in [0, 2^16)) is added to
+// the low half of the fp32 bit pattern, which is then truncated.
+__device__ __forceinline__ bf16 bf16_stochastic(float x, std::uint32_t random16) {
+    if (isnan(x)) return __float2bfloat16_rn(x);
+    const std::uint32_t bits = __float_as_uint(x) + random16;
+    return __ushort_as_bfloat16(static_cast<unsigned short>(bits >> 16));
+}
+
+// ---- deterministic column sums -------------------------------------------
+constexpr int kColumnTile = 32;      // columns per block (one per lane)
+constexpr int kColumnRowLanes = 8;   // rows handled in parallel inside a block
+constexpr int kMinRowsPerChunk = 64;
+constexpr int kMaxColumnChunks = 2048;
+
+inline int column_rows_per_chunk(int rows) {
+    const int spread = (rows + kMaxColumnChunks - 1) / kMaxColumnChunks;
+    return spread > kMinRowsPerChunk ? spread : kMinRowsPerChunk;
+}
+inline int column_chunks(int rows) {
+    const int per_chunk = column_rows_per_chunk(rows);
+    return (rows + per_chunk - 1) / per_chunk;
+}
+// An upper bound of column_chunks(rows) * cols that never decreases with rows,
+// so that scratch reserved for the largest shape fits every smaller one.
+inline std::size_t column_sums_scratch_floats(int rows, int cols) {
+    if (rows <= 0 || cols <= 0) return 0;
+    const int chunks = (rows + kMinRowsPerChunk - 1) / kMinRowsPerChunk;
+    return static_cast<std::size_t>(chunks < kMaxColumnChunks ? chunks : kMaxColumnChunks) *
+           static_cast<std::size_t>(cols);
+}
+
+// partial[chunk, c] = sum over the chunk's rows of term(r, c).
+template <class Term>
+__global__ void __launch_bounds__(kColumnTile * kColumnRowLanes)
+    column_chunk_sums_kernel(float* partial, int rows, int cols, int rows_per_chunk, Term term) {
+    __shared__ float lane_sums[kColumnRowLanes][kColumnTile];
+    const int c = blockIdx.x * kColumnTile + threadIdx.x;
+    const int row_begin = blockIdx.y * rows_per_chunk;
+    const int row_end = min(rows, row_begin + rows_per_chunk);
+    float acc = 0.0f;
+    if (c < cols)
+        for (int r = row_begin + threadIdx.y; r < row_end; r += kColumnRowLanes) acc += term(r, c);
+    lane_sums[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < cols) {
+        float total = 0.0f;
+        for (int lane = 0; lane < kColumnRowLanes; ++lane) total += lane_sums[lane][threadIdx.x];
+        partial[static_cast<std::int64_t>(blockIdx.y) * cols + c] = total;
+    }
+}
+
+// out[c] += sum over chunks of partial[chunk, c], chunks in order. A template
+// (on the caller's Term) so that it is instantiated only where used.
+template <class Term>
+__global__ void column_chunks_total_kernel(float* out, const float* partial, int chunks, int cols) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cols) return;
+    float total = 0.0f;
+    for (int chunk = 0; chunk < chunks; ++chunk) total += partial[static_cast<std::int64_t>(chunk) * cols + c];
+    out[c] += total;
+}
+
+// out[c] += sum_r term(r, c) with `scratch` of column_sums_scratch_floats(rows, cols).
+template <class Term>
+void column_sums(float* out, int rows, int cols, float* scratch, Term term, cudaStream_t stream) {
+    if (rows <= 0 || cols <= 0) return;
+    const int per_chunk = column_rows_per_chunk(rows);
+    const int chunks = column_chunks(rows);
+    const dim3 grid((cols + kColumnTile - 1) / kColumnTile, chunks);
+    const dim3 block(kColumnTile, kColumnRowLanes);
+    column_chunk_sums_kernel<Term><<<grid, block, 0, stream>>>(scratch, rows, cols, per_chunk, term);
+    const int threads = 256;
+    column_chunks_total_kernel<Term><<<(cols + threads - 1) / threads, threads, 0, stream>>>(out, scratch, chunks,
+                                                                                            cols);
+}
+
+}  // namespace detail
+}  // namespace cuda
+}  // namespace nanoq

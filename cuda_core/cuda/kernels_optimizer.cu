@@ -1,0 +1,133 @@
+// Gradient sum of squares, the optimizer's scale factor and AdamW.
+//
+// sum_squares uses a fixed number of blocks (a function of n only), each with
+// a fixed element assignment and a fixed reduction tree, then one block adds
+// the per-block partials in a fixed order: bitwise reproducible. AdamW
+// computes in fp32 and writes bf16 values with stochastic rounding, drawing
+// one 64-bit counter-based hash per element and taking disjoint 16-bit slices
+// of it for the parameter, m and v.
+#include <cmath>
+
+#include "kernel_utils.cuh"
+#include "kernels.h"
+
+namespace nanoq {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr std::int64_t kSumSquaresMaxBlocks = 1024;
+constexpr int kElementsPerThread = 8;
+
+int sum_squares_blocks(std::int64_t n) {
+    const std::int64_t per_block = static_cast<std::int64_t>(kThreads) * kElementsPerThread;
+    const std::int64_t blocks = (n + per_block - 1) / per_block;
+    return static_cast<int>(blocks < kSumSquaresMaxBlocks ? blocks : kSumSquaresMaxBlocks);
+}
+
+__global__ void __launch_bounds__(kThreads) sum_squares_partial_kernel(float* partial, const float* x, std::int64_t n) {
+    __shared__ double reduce_space[detail::kWarpSize];
+    double acc = 0.0;
+    for (std::int64_t i = detail::grid_stride_begin(); i < n; i += detail::grid_stride_step()) {
+        const double value = x[i];
+        acc += value * value;
+    }
+    acc = detail::block_sum(acc, reduce_space);
+    if (threadIdx.x == 0) partial[blockIdx.x] = static_cast<float>(acc);
+}
+
+__global__ void __launch_bounds__(kThreads) sum_squares_total_kernel(float* out, const float* partial, int blocks) {
+    __shared__ double reduce_space[detail::kWarpSize];
+    double acc = 0.0;
+    for (int i = threadIdx.x; i < blocks; i += blockDim.x) acc += partial[i];
+    acc = detail::block_sum(acc, reduce_space);
+    if (threadIdx.x == 0) out[0] += static_cast<float>(acc);
+}
+
+// Mirrors the host computation in Trainer::update(), in double.
+__global__ void optimizer_scale_kernel(float* out, const float* gathered, int ranks, int stride, float grad_clip) {
+    double tokens = 0.0, squares = 0.0;
+    for (int r = 0; r < ranks; ++r) {
+        const float* row = gathered + static_cast<std::int64_t>(r) * stride;
+        tokens += row[kStatTokens];
+        squares += row[kStatCount];
+    }
+    const std::int64_t token_count = static_cast<std::int64_t>(tokens);
+    const double inv_tokens = token_count ? 1.0 / static_cast<double>(token_count) : 0.0;
+    const double norm = sqrt(squares) * inv_tokens;
+    double clip = 1.0;
+    if (grad_clip > 0.0f && norm > grad_clip) clip = grad_clip / norm;
+    out[0] = static_cast<float>(inv_tokens * clip);
+    out[1] = static_cast<float>(norm);
+}
+
+template <class T> __device__ __forceinline__ T store_value(float x, std::uint32_t random16);
+template <> __device__ __forceinline__ float store_value<float>(float x, std::uint32_t) { return x; }
+template <> __device__ __forceinline__ bf16 store_value<bf16>(float x, std::uint32_t random16) {
+    return detail::bf16_stochastic(x, random16);
+}
+
+struct AdamWConstants {
+    float beta1, beta2, eps, step_size, decay, bias2_sqrt;
+};
+
+template <class TParam, class TState>
+__global__ void adamw_kernel(TParam* param, const float* grad, TState* m, TState* v, std::int64_t n,
+                             AdamWConstants k, const float* grad_scale, std::uint64_t stream_key) {
+    const float scale = *grad_scale;
+    for (std::int64_t i = detail::grid_stride_begin(); i < n; i += detail::grid_stride_step()) {
+        const float g = grad[i] * scale;
+        const float m_new = k.beta1 * detail::to_float(m[i]) + (1.0f - k.beta1) * g;
+        const float v_new = k.beta2 * detail::to_float(v[i]) + (1.0f - k.beta2) * g * g;
+        const float p_new =
+            detail::to_float(param[i]) * k.decay - k.step_size * m_new / (sqrtf(v_new) / k.bias2_sqrt + k.eps);
+        const std::uint64_t random = detail::splitmix64(stream_key + static_cast<std::uint64_t>(i));
+        param[i] = store_value<TParam>(p_new, static_cast<std::uint32_t>(random & 0xffffu));
+        m[i] = store_value<TState>(m_new, static_cast<std::uint32_t>((random >> 16) & 0xffffu));
+        v[i] = store_value<TState>(v_new, static_cast<std::uint32_t>((random >> 32) & 0xffffu));
+    }
+}
+
+}  // namespace
+
+void sum_squares(float* out, const float* x, std::int64_t n, float* scratch, cudaStream_t stream) {
+    if (n <= 0) return;
+    const int blocks = sum_squares_blocks(n);
+    sum_squares_partial_kernel<<<blocks, kThreads, 0, stream>>>(scratch, x, n);
+    sum_squares_total_kernel<<<1, kThreads, 0, stream>>>(out, scratch, blocks);
+}
+
+std::size_t sum_squares_scratch_floats(std::int64_t n) {
+    return n > 0 ? static_cast<std::size_t>(sum_squares_blocks(n)) : 0;
+}
+
+void optimizer_scale(float* out, const float* gathered, int ranks, int stride, float grad_clip, cudaStream_t stream) {
+    optimizer_scale_kernel<<<1, 1, 0, stream>>>(out, gathered, ranks, stride, grad_clip);
+}
+
+template <class TParam, class TState>
+void adamw(TParam* param, const float* grad, TState* m, TState* v, std::int64_t n, float lr, float beta1,
+           float beta2, float eps, float weight_decay, int step, const float* grad_scale, std::uint64_t seed,
+           cudaStream_t stream) {
+    if (n <= 0) return;
+    // Same fp32 expressions as the CPU backend.
+    const float bias1 = 1.0f - std::pow(beta1, static_cast<float>(step));
+    const float bias2_sqrt = std::sqrt(1.0f - std::pow(beta2, static_cast<float>(step)));
+    const AdamWConstants k{beta1, beta2, eps, lr / bias1, 1.0f - lr * weight_decay, bias2_sqrt};
+    const std::uint64_t step_key = detail::splitmix64(static_cast<std::uint64_t>(static_cast<std::uint32_t>(step)));
+    const std::uint64_t stream_key = detail::splitmix64(seed ^ step_key);
+    adamw_kernel<TParam, TState><<<detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(
+        param, grad, m, v, n, k, grad_scale, stream_key);
+}
+
+#define NANOQ_INSTANTIATE(TParam, TState)                                                                        \
+    template void adamw<TParam, TState>(TParam*, const float*, TState*, TState*, std::int64_t, float, float, float, \
+                                        float, float, int, const float*, std::uint64_t, cudaStream_t);
+NANOQ_INSTANTIATE(float, float)
+NANOQ_INSTANTIATE(float, bf16)
+NANOQ_INSTANTIATE(bf16, float)
+NANOQ_INSTANTIATE(bf16, bf16)
+#undef NANOQ_INSTANTIATE
+
+}  // namespace cuda
+}  // namespace nanoq
