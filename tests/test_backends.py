@@ -1,0 +1,115 @@
+"""Backend selection and the cuda library's plumbing, checked on any machine.
+
+CI runs this suite twice: against the CPU-only install of the README and
+against an install with the cuda backend built (no GPU, no driver). Each test
+asserts what must happen in the configuration it finds itself in.
+"""
+import numpy as np
+import pytest
+
+import nanoq
+from nanoq import _core
+from nanoq.backends import device_count, resolve_backend
+from nanoq.trainer import _check_device_tokens
+
+CUDA_BUILT = _core.backend_built("cuda")
+
+
+def tiny_config():
+    return nanoq.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=4)
+
+
+def cuda_devices():
+    try:
+        return device_count("cuda")
+    except (ValueError, nanoq.NanoqError):
+        return 0
+
+
+def test_backends_report_cpu_built_with_cores():
+    report = {b["name"]: b for b in nanoq.backends()}
+    assert set(report) == {"cpu", "cuda"}
+    assert report["cpu"]["built"] and report["cpu"]["devices"] >= 1
+    assert report["cuda"]["built"] == CUDA_BUILT
+
+
+def test_auto_picks_cpu_without_a_usable_gpu():
+    expected = "cuda" if CUDA_BUILT and cuda_devices() > 0 else "cpu"
+    assert resolve_backend("auto") == expected
+    with nanoq.Trainer(tiny_config(), nanoq.TrainOptions(backend="auto", seq_len=8)) as trainer:
+        assert trainer.backend == expected
+        assert trainer.dtype == ("bf16" if expected == "cuda" else "fp32")
+
+
+def test_cuda_request_fails_clearly_without_gpu_or_build():
+    if CUDA_BUILT and cuda_devices() > 0:
+        pytest.skip("a GPU is usable here: the failure paths cannot occur")
+    options = nanoq.TrainOptions(backend="cuda", seq_len=8)
+    if CUDA_BUILT:
+        # The library loads (its CUDA libraries resolve) but finds no device.
+        with pytest.raises(nanoq.NanoqError, match="no usable GPU"):
+            nanoq.Trainer(tiny_config(), options)
+    else:
+        with pytest.raises(ValueError, match="NANOQ_CUDA=ON"):
+            nanoq.Trainer(tiny_config(), options)
+
+
+def test_cuda_library_loads_without_a_driver_when_built():
+    """Loading libnanoq_cuda.so needs only the CUDA libraries, not a driver:
+    the device count is then 0 rather than a crash."""
+    if not CUDA_BUILT:
+        with pytest.raises(ValueError, match="not built"):
+            device_count("cuda")
+    else:
+        assert device_count("cuda") >= 0
+        assert _core.backend_built("cuda")
+
+
+def test_unknown_backend_is_rejected():
+    with pytest.raises(ValueError, match="backend"):
+        nanoq.TrainOptions(backend="tpu")
+    with pytest.raises(ValueError, match="unknown backend"):
+        resolve_backend("tpu")
+
+
+@pytest.mark.parametrize("field", ["dtype", "master_dtype", "optimizer_dtype"])
+def test_cpu_backend_refuses_bf16(field):
+    with pytest.raises(ValueError, match="fp32"):
+        nanoq.Trainer(tiny_config(), nanoq.TrainOptions(backend="cpu", seq_len=8, **{field: "bf16"}))
+
+
+def test_bad_dtype_names_are_rejected():
+    with pytest.raises(ValueError, match="dtype"):
+        nanoq.TrainOptions(dtype="fp16")
+
+
+class FakeDeviceArray:
+    """Carries only __cuda_array_interface__, as a foreign GPU array would."""
+
+    def __init__(self, typestr="<i4", shape=(2, 8), strides=None):
+        self.__cuda_array_interface__ = dict(typestr=typestr, shape=shape, strides=strides, data=(0, False),
+                                             version=3)
+
+
+def test_device_arrays_need_the_cuda_backend():
+    with nanoq.Trainer(tiny_config(), nanoq.TrainOptions(backend="cpu", batch_size=2, seq_len=8)) as trainer:
+        with pytest.raises(TypeError, match="cuda backend"):
+            trainer.step(FakeDeviceArray(), FakeDeviceArray())
+        host = np.zeros((2, 8), np.int32)
+        with pytest.raises(TypeError, match="both"):
+            trainer.step(host, FakeDeviceArray())
+
+
+@pytest.mark.parametrize(
+    "array, error, fragment",
+    [
+        (FakeDeviceArray(typestr="<i8"), TypeError, "int32"),
+        (FakeDeviceArray(shape=(3, 8)), ValueError, "shape"),
+        (FakeDeviceArray(strides=(4, 16)), ValueError, "contiguous"),
+    ],
+    ids=["int64", "shape", "strides"],
+)
+def test_device_array_checks_happen_before_any_pointer_is_used(array, error, fragment):
+    with pytest.raises(error, match=fragment):
+        _check_device_tokens("inputs", array, (2, 8), 64, allow_ignore=False)
