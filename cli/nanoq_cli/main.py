@@ -1,0 +1,163 @@
+"""The ``nanoq`` command line: train, tokenize, plot, info.
+
+The options of ``nanoq train`` are generated from the settings table in
+``nanoq.training.config``, so the TOML schema, the flags and the docs cannot
+drift apart.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from nanoq.training.config import settings
+
+_CLICK_TYPES = {int: click.INT, float: click.FLOAT, str: click.STRING, bool: click.BOOL}
+
+
+def _fail(error: Exception) -> click.ClickException:
+    return click.ClickException(str(error))
+
+
+@click.group(context_settings=dict(help_option_names=["-h", "--help"]))
+@click.version_option(package_name="nanoq", prog_name="nanoq")
+def cli():
+    """Train Llama-family language models. `nanoq train` alone trains a small
+    demo model on a bundled Shakespeare corpus."""
+
+
+def _setting_options(command):
+    """Adds ``--name VALUE`` (also ``--name-with-dashes``) for every setting."""
+    for item in reversed(settings()):
+        flags = [f"--{item.name}"] + ([f"--{item.name.replace('_', '-')}"] if "_" in item.name else [])
+        kind = click.Choice(item.choices) if item.choices else _CLICK_TYPES[item.type]
+        default = str(item.default).lower() if item.type is bool else repr(item.default) \
+            if item.type is str else item.default
+        command = click.option(*flags, item.name, type=kind, default=None, metavar=item.type.__name__.upper(),
+                               help=f"[{item.section}] {item.help} (default {default})")(command)
+    return command
+
+
+@cli.command(context_settings=dict(max_content_width=110))
+@click.argument("config_file", metavar="[CONFIG.toml]", required=False, type=click.Path(dir_okay=False))
+@click.option("--print-config", is_flag=True, help="Print the merged configuration as TOML and exit.")
+@_setting_options
+def train(config_file, print_config, **flags):
+    """Train a model. Settings come from the defaults (the demo), then
+    CONFIG.toml, then the flags; see configs/example.toml."""
+    from nanoq.training import load_config
+    from nanoq.training import train as run_training
+
+    overrides = {name: value for name, value in flags.items() if value is not None}
+    try:
+        config = load_config(config_file, overrides)
+    except (ValueError, FileNotFoundError) as e:
+        raise _fail(e) from None
+    if print_config:
+        click.echo(config.to_toml(), nl=False)
+        return
+    import nanoq
+
+    try:
+        run_training(config)
+    except (ValueError, TypeError, FileNotFoundError, FileExistsError, nanoq.NanoqError) as e:
+        raise _fail(e) from None
+    except KeyboardInterrupt:
+        click.echo("interrupted: no final model written; the log so far is in the run directory", err=True)
+        sys.exit(130)
+
+
+@cli.command()
+@click.argument("inputs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False),
+              help="New (or empty) directory for train_*.bin, eval_*.bin, tokenizer.json and tokenize.json.")
+@click.option("--format", "fmt", type=click.Choice(["auto", "text", "jsonl", "sft", "nano"]), default="auto",
+              show_default=True, help="auto: .jsonl/.json files are jsonl, others text. sft: prompt/response "
+              "or messages lines, trained on responses only. nano: base64-pickled token lines.")
+@click.option("--text-field", default="text", show_default=True, help="jsonl: the field holding the text.")
+@click.option("--split", type=click.Choice(["file", "paragraph", "line"]), default="file", show_default=True,
+              help="text: what one document is.")
+@click.option("--tokenizer", type=click.Path(exists=True),
+              help="A Hugging Face tokenizer.json, or a model directory holding one.")
+@click.option("--train-tokenizer", is_flag=True, help="Train a byte-level BPE on the training documents.")
+@click.option("--vocab-size", type=int, help="Vocabulary of --train-tokenizer; nano: the model's vocabulary.")
+@click.option("--eos-token", help="The end-of-sequence token written between documents (default: detected).")
+@click.option("--eos-id", type=int, help="nano: a token id appended after every line (default: none).")
+@click.option("--eval-fraction", type=click.FloatRange(0.0, 1.0, max_open=True), default=0.0, show_default=True,
+              help="Share of documents held out as eval_*.bin.")
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed of the eval split.")
+@click.option("--workers", type=click.IntRange(1), default=1, show_default=True, help="Encoding processes.")
+@click.option("--shard-tokens", type=click.IntRange(1), default=100_000_000, show_default=True,
+              help="Most tokens per .bin shard.")
+def tokenize(inputs, output, fmt, text_field, split, tokenizer, train_tokenizer, vocab_size, eos_token, eos_id,
+             eval_fraction, seed, workers, shard_tokens):
+    """Tokenize text, JSONL, SFT JSONL or Nano line files into token files.
+
+    Documents are separated by the EOS token; the train/eval split is by
+    document. The output directory appears only once it is complete.
+    """
+    from nanoq.tokenization import InputError, import_nano, tokenize_files
+
+    try:
+        if fmt == "nano":
+            if vocab_size is None:
+                raise click.UsageError("--format nano needs --vocab-size (the model's vocabulary)")
+            result = import_nano(inputs, output, vocab_size=vocab_size, eos_id=eos_id,
+                                 eval_fraction=eval_fraction, seed=seed, shard_tokens=shard_tokens)
+        else:
+            if train_tokenizer == (tokenizer is not None):
+                raise click.UsageError("give --tokenizer PATH or --train-tokenizer --vocab-size N (one of them)")
+            if train_tokenizer and vocab_size is None:
+                raise click.UsageError("--train-tokenizer needs --vocab-size N")
+            if vocab_size is not None and not train_tokenizer:
+                raise click.UsageError("--vocab-size goes with --train-tokenizer or --format nano")
+            if eos_id is not None:
+                raise click.UsageError("--eos-id is for --format nano; use --eos-token")
+            result = tokenize_files(inputs, output, fmt=fmt, text_field=text_field, split=split,
+                                    tokenizer=tokenizer, train_tokenizer_vocab=vocab_size or 0,
+                                    eos_token=eos_token, eval_fraction=eval_fraction, seed=seed,
+                                    workers=workers, shard_tokens=shard_tokens)
+    except (InputError, ValueError, FileNotFoundError, FileExistsError) as e:
+        raise _fail(e) from None
+    files = len(result.train_files) + len(result.eval_files)
+    click.echo(f"wrote {result.output}: {result.documents} documents ({result.eval_documents} held out), "
+               f"{result.train_tokens:,} train + {result.eval_tokens:,} eval tokens in {files} file(s), "
+               f"vocab {result.vocab_size}, EOS id {result.eos_id} ({result.seconds:.1f}s)")
+
+
+@cli.command()
+@click.argument("log", type=click.Path(exists=True))
+@click.option("-o", "--output", default="loss.png", show_default=True, type=click.Path(dir_okay=False),
+              help="Image to write (png, svg, pdf).")
+def plot(log, output):
+    """Plot train and eval loss of a run (its log.jsonl or run directory)."""
+    from nanoq.plot import plot_losses
+
+    path = os.path.join(log, "log.jsonl") if os.path.isdir(log) else log
+    try:
+        plot_losses(path, output)
+    except (ImportError, ValueError, FileNotFoundError) as e:
+        raise _fail(e) from None
+    click.echo(f"wrote {output}")
+
+
+@cli.command()
+def info():
+    """Version, backends built into this install and the devices they see."""
+    import platform
+
+    import nanoq
+
+    click.echo(f"nanoq {nanoq.__version__} (Python {platform.python_version()}, {platform.machine()})")
+    click.echo(f"package: {os.path.dirname(nanoq.__file__)}")
+    for entry in nanoq.backends():
+        if entry["built"]:
+            detail = f" - {entry['detail']}" if entry["detail"] else ""
+            click.echo(f"backend {entry['name']}: {entry['devices']} device(s){detail}")
+        else:
+            click.echo(f"backend {entry['name']}: {entry['detail'] or 'not built'}")
+
+
+if __name__ == "__main__":
+    cli()

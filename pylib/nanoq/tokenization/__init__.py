@@ -1,0 +1,200 @@
+"""nanoq.tokenization: text, JSONL and SFT data (or Nano's pickled lines) to token files.
+
+    from nanoq.tokenization import tokenize_files
+    result = tokenize_files(["corpus.txt"], "data/", train_tokenizer_vocab=4096, eval_fraction=0.05)
+    # data/train_000000.bin, data/eval_000000.bin, data/tokenizer.json, data/tokenize.json
+
+Input formats (``fmt``): ``text`` (UTF-8; a document per file, paragraph or
+line, see ``split``), ``jsonl`` (a document per line, the string field
+``text_field``), ``sft`` (prompt/response or chat ``messages`` lines, trained
+on the responses only; the template is in ``nanoq.tokenization.sources``), and
+``auto`` (.jsonl/.json files are jsonl, the rest text). Nano's base64-pickled
+line files go through ``import_nano`` (formats in ``nanoq.tokenization.nano``).
+
+The train/eval split is by document, deterministic in ``seed``. The output
+directory appears only when complete (see ``nanoq.tokenization.pipeline``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from nanoq.tokenization.nano import decode_line, read_nano_lines, safe_loads
+from nanoq.tokenization.pipeline import (
+    DEFAULT_SHARD_TOKENS,
+    OutputDirectory,
+    concatenate,
+    encode_documents,
+    split_documents,
+    write_split,
+    write_summary,
+)
+from nanoq.tokenization.sources import Document, InputError, read_documents
+from nanoq.tokenization.tokenizer import (
+    EOS_TOKEN,
+    find_eos_id,
+    load_tokenizer,
+    tokenizer_file,
+    tokenizer_vocab_size,
+    train_bpe_tokenizer,
+    write_tokenizer_config,
+)
+
+__all__ = [
+    "Document",
+    "InputError",
+    "TokenizeResult",
+    "decode_line",
+    "find_eos_id",
+    "import_nano",
+    "load_tokenizer",
+    "read_documents",
+    "safe_loads",
+    "tokenize_documents",
+    "tokenize_files",
+    "train_bpe_tokenizer",
+]
+
+
+@dataclasses.dataclass
+class TokenizeResult:
+    """What a tokenization wrote: the output directory, file names (relative
+    to it), counts and the vocabulary size written into the headers."""
+
+    output: str
+    train_files: List[str]
+    eval_files: List[str]
+    documents: int
+    eval_documents: int
+    train_tokens: int
+    eval_tokens: int
+    vocab_size: int
+    eos_id: Optional[int]
+    seconds: float
+
+
+def _progress_bar(total: int, enabled: Optional[bool]):
+    """A tqdm bar over documents (None: shown only on a terminal)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="doc", desc="tokenizing", disable=None if enabled is None else not enabled,
+                leave=False)
+
+
+def tokenize_documents(documents: Sequence[Document], output: str | os.PathLike, *,
+                       tokenizer: Optional[str | os.PathLike] = None, train_tokenizer_vocab: int = 0,
+                       eos_token: Optional[str] = None, eval_fraction: float = 0.0, seed: int = 0,
+                       workers: int = 1, shard_tokens: int = DEFAULT_SHARD_TOKENS,
+                       progress: Optional[bool] = None, inputs: Sequence[str] = ()) -> TokenizeResult:
+    """Tokenizes documents into ``output`` (a new or empty directory).
+
+    tokenizer: a tokenizer.json file or model directory; or train_tokenizer_vocab
+    > 0 to train a byte-level BPE of that size on the training documents
+    (exactly one of the two). eos_token: overrides the EOS token's detection.
+    eval_fraction: share of documents held out as eval_*.bin. workers:
+    encoding processes. progress: bar on/off (None: on a terminal only).
+    """
+    start = time.time()
+    if not documents:
+        raise InputError(f"no documents in {', '.join(inputs) or 'the input'}: the corpus is empty")
+    if (tokenizer is None) == (not train_tokenizer_vocab):
+        raise ValueError("give a tokenizer (tokenizer.json or model directory) or a vocab size to train one, "
+                         "not both and not neither")
+    held_out = split_documents(len(documents), eval_fraction, seed)
+    train_docs = [d for d, h in zip(documents, held_out) if not h]
+    eval_docs = [d for d, h in zip(documents, held_out) if h]
+
+    with OutputDirectory(output) as out:
+        if tokenizer is None:
+            texts = (text for d in train_docs for text, _ in d.segments if text)
+            model = train_bpe_tokenizer(texts, train_tokenizer_vocab)
+            eos = find_eos_id(model, eos_token or EOS_TOKEN)
+            model.save(out.file("tokenizer.json"))
+            write_tokenizer_config(out.file("tokenizer_config.json"), EOS_TOKEN)
+        else:
+            model = load_tokenizer(tokenizer)
+            eos = find_eos_id(model, eos_token, source=os.fspath(tokenizer))
+            source_file = tokenizer_file(tokenizer)
+            shutil.copyfile(source_file, out.file("tokenizer.json"))
+            config = os.path.join(os.path.dirname(source_file), "tokenizer_config.json")
+            if os.path.isfile(config):
+                shutil.copyfile(config, out.file("tokenizer_config.json"))
+        vocab = tokenizer_vocab_size(model)
+
+        with _progress_bar(len(documents), progress) as bar:
+            train_encoded = concatenate(encode_documents(model, eos, train_docs, workers, bar.update))
+            eval_encoded = concatenate(encode_documents(model, eos, eval_docs, workers, bar.update))
+        force_mask = not (train_encoded[1].all() and eval_encoded[1].all())
+        train_files = write_split(out, "train", train_encoded, vocab, shard_tokens, force_mask)
+        eval_files = write_split(out, "eval", eval_encoded, vocab, shard_tokens, force_mask) if eval_docs else []
+        result = TokenizeResult(output=out.path, train_files=train_files, eval_files=eval_files,
+                                documents=len(documents), eval_documents=len(eval_docs),
+                                train_tokens=int(train_encoded[0].size), eval_tokens=int(eval_encoded[0].size),
+                                vocab_size=vocab, eos_id=eos, seconds=time.time() - start)
+        write_summary(out, result, inputs=list(inputs), eval_fraction=eval_fraction, seed=seed, masked=force_mask)
+        out.commit()
+    return result
+
+
+def tokenize_files(inputs: Sequence[str | os.PathLike], output: str | os.PathLike, *, fmt: str = "auto",
+                   text_field: str = "text", split: str = "file", **options) -> TokenizeResult:
+    """Reads ``inputs`` (see the module docstring for ``fmt``, ``text_field``
+    and ``split``) and tokenizes them with ``tokenize_documents(**options)``."""
+    paths = [os.fspath(p) for p in inputs]
+    if not paths:
+        raise ValueError("no input files given")
+    documents: List[Document] = []
+    for path in paths:
+        documents += read_documents(path, fmt, text_field, split)
+    return tokenize_documents(documents, output, inputs=paths, **options)
+
+
+def import_nano(inputs: Sequence[str | os.PathLike], output: str | os.PathLike, *, vocab_size: int,
+                eos_id: Optional[int] = None, eval_fraction: float = 0.0, seed: int = 0,
+                shard_tokens: int = DEFAULT_SHARD_TOKENS) -> TokenizeResult:
+    """Writes Nano's base64-pickled line files (formats in
+    ``nanoq.tokenization.nano``) as token files, a line per document.
+
+    vocab_size: the model's vocabulary (every id must be below it).
+    eos_id: a token appended after every line (None: lines are concatenated as they are).
+    """
+    start = time.time()
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
+        raise ValueError(f"vocab size must be a positive integer, got {vocab_size!r}")
+    paths = [os.fspath(p) for p in inputs]
+    sequences = []
+    for path in paths:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"input {path!r} does not exist or is not a file")
+        for number, (ids, mask) in enumerate(read_nano_lines(path), 1):
+            tokens = np.asarray(ids, dtype=np.int64)
+            bad = (tokens < 0) | (tokens >= vocab_size)
+            if bad.any():
+                raise InputError(f"{path}: sequence {number}: token id {int(tokens[bad][0])} is outside "
+                                 f"[0, {vocab_size}); is --vocab-size right?")
+            trained = np.ones(tokens.size, bool) if mask is None else np.asarray(mask, bool)
+            if eos_id is not None:
+                tokens, trained = np.append(tokens, eos_id), np.append(trained, mask is None)
+            sequences.append((tokens, trained))
+    if not sequences:
+        raise InputError(f"no lines in {', '.join(paths)}: the corpus is empty")
+    held_out = split_documents(len(sequences), eval_fraction, seed)
+    train = concatenate([s for s, h in zip(sequences, held_out) if not h])
+    held = concatenate([s for s, h in zip(sequences, held_out) if h])
+    force_mask = not (train[1].all() and held[1].all())
+    with OutputDirectory(output) as out:
+        train_files = write_split(out, "train", train, vocab_size, shard_tokens, force_mask)
+        eval_files = write_split(out, "eval", held, vocab_size, shard_tokens, force_mask) if held[0].size else []
+        result = TokenizeResult(output=out.path, train_files=train_files, eval_files=eval_files,
+                                documents=len(sequences), eval_documents=int(held_out.sum()),
+                                train_tokens=int(train[0].size), eval_tokens=int(held[0].size),
+                                vocab_size=vocab_size, eos_id=eos_id, seconds=time.time() - start)
+        write_summary(out, result, inputs=paths, format="nano", eval_fraction=eval_fraction, seed=seed,
+                      masked=force_mask)
+        out.commit()
+    return result

@@ -1,0 +1,162 @@
+"""From documents to token files: split, encode (optionally in worker processes), write.
+
+Output directory layout (written under a temporary name and renamed when
+complete, so a directory with this name is always whole):
+
+    train_000000.bin, ...   training tokens (shards of at most shard_tokens)
+    eval_000000.bin         held-out documents (only with eval_fraction > 0)
+    tokenizer.json          the tokenizer used (absent for Nano imports without one)
+    tokenize.json           what was done: inputs, counts, vocab size, EOS id, seed
+
+Documents are separated by the EOS token. Files get a mask only when some
+token is not trained on (SFT data).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import os
+import shutil
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from nanoq.data import write_token_shards
+from nanoq.tokenization.sources import Document
+
+# Documents sent to a worker process at a time.
+_CHUNK_DOCUMENTS = 64
+DEFAULT_SHARD_TOKENS = 100_000_000
+
+Encoded = Tuple[np.ndarray, np.ndarray]  # int32 tokens, bool mask
+
+_worker_tokenizer = None
+_worker_eos = None
+
+
+def encode_document(tokenizer, eos: int, document: Document) -> Encoded:
+    """tokens int32 [n], mask bool [n] of one document, its closing EOS included."""
+    tokens: List[int] = []
+    mask: List[bool] = []
+    for text, trained in document.segments:
+        ids = [eos] if text is None else tokenizer.encode(text, add_special_tokens=False).ids
+        tokens += ids
+        mask += [trained] * len(ids)
+    if document.segments[-1][0] is not None:
+        tokens.append(eos)
+        mask.append(document.eos_trained)
+    return np.asarray(tokens, dtype=np.int32), np.asarray(mask, dtype=bool)
+
+
+def _encode_chunk(documents: Sequence[Document]) -> List[Encoded]:
+    return [encode_document(_worker_tokenizer, _worker_eos, d) for d in documents]
+
+
+def _init_worker(tokenizer_json: str, eos: int) -> None:
+    # The worker's own tokenizer; its Rust thread pool stays off, the processes are the parallelism.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from tokenizers import Tokenizer
+
+    global _worker_tokenizer, _worker_eos
+    _worker_tokenizer, _worker_eos = Tokenizer.from_str(tokenizer_json), eos
+
+
+def encode_documents(tokenizer, eos: int, documents: Sequence[Document], workers: int = 1,
+                     progress: Optional[Callable[[int], None]] = None) -> List[Encoded]:
+    """Encodes documents in order, in ``workers`` processes (1: in this process).
+
+    progress: called with the number of documents just finished.
+    """
+    if workers <= 1 or len(documents) <= _CHUNK_DOCUMENTS:
+        encoded = []
+        for document in documents:
+            encoded.append(encode_document(tokenizer, eos, document))
+            if progress:
+                progress(1)
+        return encoded
+    chunks = [documents[i:i + _CHUNK_DOCUMENTS] for i in range(0, len(documents), _CHUNK_DOCUMENTS)]
+    encoded = []
+    # spawn: safe after the tokenizers library has started its threads, and the same on every OS.
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer.to_str(), eos)) as pool:
+        for chunk, result in zip(chunks, pool.imap(_encode_chunk, chunks)):
+            encoded += result
+            if progress:
+                progress(len(chunk))
+    return encoded
+
+
+def split_documents(count: int, eval_fraction: float, seed: int) -> np.ndarray:
+    """bool [count], True for the documents held out for evaluation.
+
+    round(count * eval_fraction) documents (at least one when eval_fraction > 0),
+    chosen by a permutation seeded with ``seed``; at least one stays for training.
+    """
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"eval fraction must be in [0, 1), got {eval_fraction}")
+    held_out = np.zeros(count, dtype=bool)
+    if eval_fraction == 0.0:
+        return held_out
+    n_eval = max(1, round(count * eval_fraction))
+    if n_eval >= count:
+        raise ValueError(f"eval fraction {eval_fraction} of {count} document(s) leaves none for training; "
+                         f"give more documents (e.g. --split paragraph for one big text file) or "
+                         f"--eval-fraction 0")
+    held_out[np.random.default_rng(seed).permutation(count)[:n_eval]] = True
+    return held_out
+
+
+def concatenate(encoded: Sequence[Encoded]) -> Encoded:
+    if not encoded:
+        return np.zeros(0, np.int32), np.zeros(0, bool)
+    return np.concatenate([t for t, _ in encoded]), np.concatenate([m for _, m in encoded])
+
+
+class OutputDirectory:
+    """A directory built under ``<path>.partial-<pid>`` and renamed to ``path``
+    by ``commit()``; on failure (or without commit) the partial one is removed.
+    ``path`` must not exist or be an empty directory (never overwritten)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.path.abspath(os.fspath(path))
+        if os.path.exists(self.path) and (not os.path.isdir(self.path) or os.listdir(self.path)):
+            raise FileExistsError(f"output {self.path} already exists and is not an empty directory; "
+                                  f"remove it or choose another")
+        self.partial = f"{self.path}.partial-{os.getpid()}"
+
+    def __enter__(self) -> "OutputDirectory":
+        os.makedirs(self.partial)
+        return self
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.partial, name)
+
+    def commit(self) -> None:
+        if os.path.isdir(self.path):
+            os.rmdir(self.path)
+        os.replace(self.partial, self.path)
+
+    def __exit__(self, *exc) -> None:
+        if os.path.isdir(self.partial):
+            shutil.rmtree(self.partial)
+
+
+def write_split(out: OutputDirectory, name: str, encoded: Encoded, vocab_size: int,
+                shard_tokens: int, force_mask: bool) -> List[str]:
+    """Writes ``name_000000.bin, ...``; a mask only if some token is untrained
+    (or ``force_mask``). Returns the file names."""
+    tokens, mask = encoded
+    keep_mask = force_mask or not bool(mask.all())
+    paths = write_token_shards(out.file(name), tokens, vocab_size, mask if keep_mask else None,
+                               max_tokens=shard_tokens)
+    return [os.path.basename(p) for p in paths]
+
+
+def write_summary(out: OutputDirectory, result, **extra) -> None:
+    """tokenize.json: the result's fields (but the output path, which moves) and ``extra``."""
+    summary = {key: value for key, value in dataclasses.asdict(result).items() if key != "output"}
+    summary.update(extra)
+    with open(out.file("tokenize.json"), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2)
+        f.write("\n")

@@ -1,0 +1,148 @@
+"""Reading a corpus into documents: plain text, JSONL with a text field, and SFT JSONL.
+
+A Document is a list of segments, each ``(text, trained)``; ``text`` None
+stands for the EOS token. ``trained`` is the mask bit its tokens get (1 =
+trained on as a target). Pretraining documents are one trained segment; SFT
+documents train only on the response.
+
+SFT lines (``--format sft``) are JSON objects of one of two shapes:
+
+- ``{"prompt": str, "response": str}``: the prompt's tokens (mask 0), then
+  the response's tokens and EOS (mask 1). The prompt is used as it is, so it
+  may carry any template of its own.
+- ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``,
+  rendered with this template (``<|role|>`` markers are special tokens of
+  tokenizers nanoq trains; other tokenizers see them as text)::
+
+      <|system|>\\n{content}\\n          mask 0
+      <|user|>\\n{content}\\n            mask 0
+      <|assistant|>\\n                   mask 0
+      {content}<EOS>                     mask 1  (every assistant turn)
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Iterator, List, Optional, Tuple
+
+Segment = Tuple[Optional[str], bool]
+SPLITS = ("file", "paragraph", "line")
+ROLES = ("system", "user", "assistant")
+
+
+@dataclasses.dataclass
+class Document:
+    """segments: [(text or None for EOS, trained)]; eos_trained: the mask bit
+    of the EOS that ends the document (added unless the last segment is EOS)."""
+
+    segments: List[Segment]
+    eos_trained: bool = True
+
+
+class InputError(ValueError):
+    """Bad input data; the message names the file and line."""
+
+
+def read_text(path: str, split: str = "file") -> Iterator[Document]:
+    """Documents of a UTF-8 text file: the whole file, each paragraph (blocks
+    separated by blank lines) or each non-empty line, per ``split``."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not UTF-8 text ({e})") from None
+    if split == "file":
+        pieces = [text]
+    elif split == "paragraph":
+        pieces = text.replace("\r\n", "\n").split("\n\n")
+    else:
+        pieces = text.splitlines()
+    for piece in pieces:
+        if piece.strip():
+            yield Document([(piece, True)])
+
+
+def iter_jsonl(path: str) -> Iterator[Tuple[int, dict]]:
+    """(line number from 1, object) for every non-blank line of a JSONL file."""
+    with open(path, encoding="utf-8", errors="strict") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(value, dict):
+                raise InputError(f"{path}:{number}: expected a JSON object, got {type(value).__name__}")
+            yield number, value
+
+
+def read_jsonl(path: str, text_field: str = "text") -> Iterator[Document]:
+    """One pretraining document per line: the string ``line[text_field]``."""
+    for number, record in iter_jsonl(path):
+        text = record.get(text_field)
+        if not isinstance(text, str):
+            keys = ", ".join(sorted(record)) or "none"
+            problem = "has no field" if text_field not in record else "has a non-string field"
+            hint = " (prompt/response or messages data needs --format sft)" \
+                if {"prompt", "messages"} & set(record) else ""
+            raise InputError(f"{path}:{number}: {problem} {text_field!r} (keys: {keys}); "
+                             f"set --text-field{hint}")
+        if text:
+            yield Document([(text, True)])
+
+
+def sft_document(record: dict, where: str) -> Document:
+    """The Document of one SFT record (see the module docstring)."""
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise InputError(f"{where}: 'messages' must be a non-empty list")
+        segments: List[Segment] = []
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict) or message.get("role") not in ROLES \
+                    or not isinstance(message.get("content"), str):
+                raise InputError(f"{where}: messages[{index}] must be an object with role "
+                                 f"({'/'.join(ROLES)}) and string content, got {message!r:.80}")
+            role, content = message["role"], message["content"]
+            if role == "assistant":
+                segments += [(f"<|assistant|>\n", False), (content, True), (None, True)]
+            else:
+                segments.append((f"<|{role}|>\n{content}\n", False))
+        return Document(segments, eos_trained=False)
+    prompt, response = record.get("prompt"), record.get("response")
+    if not isinstance(prompt, str) or not isinstance(response, str):
+        raise InputError(f"{where}: an SFT line needs string fields 'prompt' and 'response', or "
+                         f"'messages' (keys: {', '.join(sorted(record)) or 'none'})")
+    return Document([(prompt, False), (response, True), (None, True)], eos_trained=False)
+
+
+def read_sft(path: str) -> Iterator[Document]:
+    """One SFT document per line of a JSONL file."""
+    for number, record in iter_jsonl(path):
+        yield sft_document(record, f"{path}:{number}")
+
+
+def detect_format(path: str) -> str:
+    """``jsonl`` for .jsonl/.json files, ``text`` otherwise."""
+    return "jsonl" if path.lower().endswith((".jsonl", ".json")) else "text"
+
+
+def read_documents(path: str, fmt: str = "auto", text_field: str = "text", split: str = "file") -> List[Document]:
+    """All documents of one input file in format ``fmt`` (auto, text, jsonl, sft)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"input {path!r} does not exist or is not a file")
+    fmt = detect_format(path) if fmt == "auto" else fmt
+    try:
+        if fmt == "text":
+            return list(read_text(path, split))
+        if fmt == "jsonl":
+            return list(read_jsonl(path, text_field))
+        if fmt == "sft":
+            return list(read_sft(path))
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not UTF-8 text ({e})") from None
+    raise ValueError(f"unknown format {fmt!r}; use auto, text, jsonl or sft (nano lines go through import_nano)")

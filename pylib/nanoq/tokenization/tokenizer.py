@@ -1,0 +1,106 @@
+"""Tokenizers: a Hugging Face ``tokenizer.json`` loaded with the ``tokenizers``
+library, or a byte-level BPE trained on the corpus itself (offline).
+
+Every tokenizer nanoq uses has an end-of-sequence token, written between
+documents. Trained tokenizers reserve the ids 0..3 for the special tokens below
+(the chat markers are single tokens, so the SFT template costs one token each).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable, Optional
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+EOS_TOKEN = "<|endoftext|>"
+CHAT_MARKERS = ("<|system|>", "<|user|>", "<|assistant|>")
+SPECIAL_TOKENS = (EOS_TOKEN,) + CHAT_MARKERS
+# Tried in order when neither the user nor tokenizer_config.json names the EOS token.
+_KNOWN_EOS = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>", "<|eot_id|>")
+_MIN_TRAINED_VOCAB = 256 + len(SPECIAL_TOKENS)
+
+
+def tokenizer_file(path: str | os.PathLike) -> str:
+    """The ``tokenizer.json`` at ``path`` (the file itself or a model directory)."""
+    path = os.fspath(path)
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"no tokenizer.json at {path!r} (give the file or a directory holding it)")
+    return file
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """A Hugging Face fast tokenizer from a ``tokenizer.json`` file or model directory."""
+    file = tokenizer_file(path)
+    try:
+        return Tokenizer.from_file(file)
+    except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception subclasses
+        raise ValueError(f"{file} is not a tokenizer.json the tokenizers library can read: {e}") from None
+
+
+def _configured_eos(file: str) -> Optional[str]:
+    """The ``eos_token`` of a tokenizer_config.json beside ``file``, if any."""
+    config = os.path.join(os.path.dirname(file), "tokenizer_config.json")
+    try:
+        with open(config, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) else None
+
+
+def find_eos_id(tokenizer: Tokenizer, eos_token: Optional[str] = None, source: str = "") -> int:
+    """Id of the end-of-sequence token: ``eos_token`` if given, else the one
+    named by a tokenizer_config.json next to ``source``, else the first of
+    ``<|endoftext|>``, ``<|end_of_text|>``, ``</s>``, ``<eos>``, ``<|im_end|>``,
+    ``<|eot_id|>`` in the vocabulary. ValueError if there is none."""
+    candidates = [eos_token] if eos_token else []
+    if not candidates and source:
+        configured = _configured_eos(tokenizer_file(source))
+        candidates = [configured] if configured else []
+    candidates = candidates or list(_KNOWN_EOS)
+    for token in candidates:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None:
+            return token_id
+    where = f" {source!r}" if source else ""
+    if eos_token:
+        raise ValueError(f"EOS token {eos_token!r} is not in the vocabulary of tokenizer{where}")
+    raise ValueError(f"cannot tell the end-of-sequence token of tokenizer{where}: none of "
+                     f"{', '.join(_KNOWN_EOS)} is in its vocabulary; pass --eos-token")
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Trains a byte-level BPE (GPT-2 style, no prefix space) on ``texts``.
+
+    The vocabulary holds the 256 byte symbols, the special tokens
+    (``<|endoftext|>`` = 0, ``<|system|>``, ``<|user|>``, ``<|assistant|>``)
+    and merges up to ``vocab_size`` entries; a small corpus may yield fewer.
+    """
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < _MIN_TRAINED_VOCAB:
+        raise ValueError(f"vocab size must be an integer >= {_MIN_TRAINED_VOCAB} (256 bytes + "
+                         f"{len(SPECIAL_TOKENS)} special tokens), got {vocab_size!r}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
+
+
+def tokenizer_vocab_size(tokenizer: Tokenizer) -> int:
+    """Number of ids the tokenizer can produce (added tokens included)."""
+    return tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+def write_tokenizer_config(path: str, eos_token: str) -> None:
+    """A tokenizer_config.json that lets transformers' AutoTokenizer load the
+    tokenizer.json beside it and know its EOS token."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token,
+                   "model_max_length": 1_000_000}, f, indent=2)
+        f.write("\n")

@@ -1,0 +1,34 @@
+"""nanoq.training: the training loop behind ``nanoq train``, usable from Python.
+
+    from nanoq.training import TrainConfig, load_config, train
+    config = load_config("configs/example.toml", overrides={"steps": 100})
+    result = train(config)            # prints a line per step; returns a TrainResult
+    print(result.model_dir, result.final_eval_loss)
+
+- config:   TrainConfig, the schema of every setting (TOML file, flags, docs)
+- schedule: learning_rate(step, ...), cosine / linear / wsd / constant with warmup
+- loop:     train(config) -> TrainResult, evaluate(...), the checkpoint hook
+- log:      the JSONL run log and console lines
+- export:   write_hf_model(...), a transformers-loadable LlamaForCausalLM directory
+"""
+from nanoq.training.config import TrainConfig, load_config, schema_markdown, settings
+from nanoq.training.export import llama_config_dict, write_hf_model
+from nanoq.training.log import JsonlLog, read_log
+from nanoq.training.loop import CheckpointContext, TrainResult, evaluate, train
+from nanoq.training.schedule import learning_rate
+
+__all__ = [
+    "CheckpointContext",
+    "JsonlLog",
+    "TrainConfig",
+    "TrainResult",
+    "evaluate",
+    "learning_rate",
+    "llama_config_dict",
+    "load_config",
+    "read_log",
+    "schema_markdown",
+    "settings",
+    "train",
+    "write_hf_model",
+]

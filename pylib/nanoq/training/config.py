@@ -1,0 +1,233 @@
+"""The training configuration: one table of settings, used for TOML files,
+command-line flags, ``--print-config`` and the documentation.
+
+Each TrainConfig field is a setting: a TOML section, a type (int, float,
+str, bool), a default and a help line (``settings()`` lists them). A TOML
+file puts each key in its section::
+
+    [model]
+    hidden_size = 256
+    [train]
+    lr = 3e-3
+
+Flags use the bare key (``--hidden_size 256`` or ``--hidden-size 256``) and
+override the file. The defaults are the bundled demo: ``nanoq train`` alone
+trains a 4-layer model on a few Shakespeare plays.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import tomllib
+from typing import Any, Dict, List, Optional
+
+SECTIONS = ("model", "data", "train", "run")
+SCHEDULES = ("cosine", "linear", "wsd", "constant")
+BACKENDS = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "fp32", "bf16")
+
+
+def setting(section: str, default, help: str, choices=(), minimum=None, maximum=None, above=None):
+    """A TrainConfig field: its section, default, help and allowed values
+    (``choices``, or a range: ``minimum``/``maximum`` inclusive, ``above`` exclusive)."""
+    return dataclasses.field(default=default, metadata=dict(section=section, help=help, choices=tuple(choices),
+                                                            minimum=minimum, maximum=maximum, above=above))
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One row of the schema (see ``settings()``)."""
+
+    section: str
+    name: str
+    type: type
+    default: Any
+    help: str
+    choices: tuple
+    minimum: Optional[float]
+    maximum: Optional[float]
+    above: Optional[float]
+
+    @property
+    def key(self) -> str:
+        return f"{self.section}.{self.name}"
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything ``nanoq train`` needs; see ``settings()`` for the help of each field."""
+
+    # -- model: a Llama-style decoder -------------------------------------------
+    vocab_size: int = setting("model", 0, "vocabulary size; 0 = the token files' vocab size", minimum=0)
+    hidden_size: int = setting("model", 256, "model width", minimum=1)
+    intermediate_size: int = setting("model", 704, "SwiGLU MLP width", minimum=1)
+    num_hidden_layers: int = setting("model", 4, "transformer blocks", minimum=1)
+    num_attention_heads: int = setting("model", 4, "query heads", minimum=1)
+    num_key_value_heads: int = setting("model", 0, "key/value heads (GQA); 0 = num_attention_heads", minimum=0)
+    rope_theta: float = setting("model", 10000.0, "RoPE base", above=0)
+    rms_norm_eps: float = setting("model", 1e-5, "RMSNorm epsilon", above=0)
+    tie_word_embeddings: bool = setting("model", True, "share the embedding and output matrices")
+
+    # -- data ------------------------------------------------------------------
+    train_data: str = setting("data", "", "training token files (.bin path or glob); \"\" = the bundled demo corpus")
+    eval_data: str = setting("data", "", "eval token files (path or glob); \"\" = none (the demo's own with the demo)")
+    seq_len: int = setting("data", 128, "tokens per sequence", minimum=1)
+    eval_batches: int = setting("data", 16, "batches per evaluation; 0 = the whole eval set", minimum=0)
+
+    # -- train: optimisation and schedule --------------------------------------
+    steps: int = setting("train", 240, "optimizer steps", minimum=1)
+    batch_size: int = setting("train", 16, "sequences per device per micro-batch", minimum=1)
+    grad_accum: int = setting("train", 1, "micro-batches per optimizer step", minimum=1)
+    lr: float = setting("train", 2e-3, "peak learning rate", above=0)
+    schedule: str = setting("train", "cosine", "learning-rate schedule after warmup", choices=SCHEDULES)
+    warmup_steps: int = setting("train", 20, "steps of linear warmup from 0 to lr", minimum=0)
+    final_lr_fraction: float = setting("train", 0.1, "final lr as a fraction of lr", minimum=0, maximum=1)
+    cooldown_fraction: float = setting("train", 0.2, "wsd only: share of all steps spent decaying at the end",
+                                       minimum=0, maximum=1)
+    weight_decay: float = setting("train", 0.1, "AdamW decoupled weight decay (matrices only)", minimum=0)
+    beta1: float = setting("train", 0.9, "AdamW beta1", minimum=0, maximum=0.999999)
+    beta2: float = setting("train", 0.95, "AdamW beta2", minimum=0, maximum=0.999999)
+    grad_clip: float = setting("train", 1.0, "clip the global gradient norm to this; 0 = off", minimum=0)
+    z_loss: float = setting("train", 0.0, "z-loss coefficient", minimum=0)
+    eval_every: int = setting("train", 40, "evaluate every N steps (and at step 0 and the end); 0 = only at "
+                                           "the end", minimum=0)
+    seed: int = setting("train", 0, "seed of the weights and the data order", minimum=0)
+
+    # -- run: where and how ----------------------------------------------------
+    backend: str = setting("run", "auto", "compute backend; auto = cuda if a GPU is usable, else cpu",
+                           choices=BACKENDS)
+    devices: int = setting("run", 1, "devices (GPUs, or worker threads on cpu)", minimum=1)
+    threads: int = setting("run", 0, "cpu threads per device; 0 = the cores shared out", minimum=0)
+    dtype: str = setting("run", "auto", "weights/activations dtype; auto = bf16 on cuda, fp32 on cpu",
+                         choices=DTYPES)
+    out_dir: str = setting("run", "nanoq-out", "runs go to <out_dir>/<run_name>")
+    run_name: str = setting("run", "", "name of this run's directory; \"\" = a timestamp (an existing "
+                                       "run is never overwritten)")
+    log_every: int = setting("run", 1, "print a console line every N steps", minimum=1)
+
+    def __post_init__(self):
+        for item in settings():
+            setattr(self, item.name, _checked(item, getattr(self, item.name)))
+
+    @classmethod
+    def from_dict(cls, values: Dict[str, Any]) -> "TrainConfig":
+        """From flat ``{name: value}``; unknown names are a ValueError naming them."""
+        known = {item.name for item in settings()}
+        unknown = [name for name in values if name not in known]
+        if unknown:
+            raise ValueError(f"unknown setting {unknown[0]!r}{_suggest(unknown[0], known)}")
+        return cls(**values)
+
+    def sections(self) -> Dict[str, Dict[str, Any]]:
+        """``{section: {name: value}}`` in schema order (the TOML layout)."""
+        out: Dict[str, Dict[str, Any]] = {section: {} for section in SECTIONS}
+        for item in settings():
+            out[item.section][item.name] = getattr(self, item.name)
+        return out
+
+    def to_toml(self) -> str:
+        """The config as a TOML document that ``load_config`` reads back unchanged."""
+        lines = []
+        for section, values in self.sections().items():
+            lines.append(f"[{section}]")
+            lines += [f"{name} = {_toml_value(value)}" for name, value in values.items()]
+            lines.append("")
+        return "\n".join(lines)
+
+
+def settings() -> List[Setting]:
+    """The schema: one Setting per TrainConfig field, in declaration order."""
+    return [Setting(section=f.metadata["section"], name=f.name, type=_TYPES[f.type], default=f.default,
+                    help=f.metadata["help"], choices=f.metadata["choices"], minimum=f.metadata["minimum"],
+                    maximum=f.metadata["maximum"], above=f.metadata["above"])
+            for f in dataclasses.fields(TrainConfig)]
+
+
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool, int: int, float: float, str: str, bool: bool}
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _checked(item: Setting, value):
+    """``value`` converted to the setting's type (int -> float only), or a
+    ValueError that names the setting."""
+    ok = isinstance(value, item.type) and not (item.type is int and isinstance(value, bool))
+    if item.type is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if not ok:
+        raise ValueError(f"{item.key} must be {_TYPE_NAMES[item.type]}, got {value!r}")
+    if item.type is float and not math.isfinite(value):
+        raise ValueError(f"{item.key} must be finite, got {value!r}")
+    if item.choices and value not in item.choices:
+        raise ValueError(f"{item.key} must be one of {', '.join(item.choices)}, got {value!r}")
+    if item.minimum is not None and value < item.minimum:
+        raise ValueError(f"{item.key} must be >= {item.minimum}, got {value!r}")
+    if item.maximum is not None and value > item.maximum:
+        raise ValueError(f"{item.key} must be <= {item.maximum}, got {value!r}")
+    if item.above is not None and value <= item.above:
+        raise ValueError(f"{item.key} must be > {item.above}, got {value!r}")
+    return value
+
+
+def _suggest(name: str, known) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+def read_toml(path: str | os.PathLike) -> Dict[str, Any]:
+    """Flat ``{name: value}`` of a config file, checked against the schema:
+    sections and keys must exist and each key must sit in its own section.
+    Errors name the file and the key (values are type-checked by TrainConfig)."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            document = tomllib.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: not valid TOML: {e}") from None
+    schema = {item.name: item for item in settings()}
+    flat: Dict[str, Any] = {}
+    for section, table in document.items():
+        if section not in SECTIONS or not isinstance(table, dict):
+            raise ValueError(f"{path}: unknown section or top-level key {section!r}; sections are "
+                             f"{', '.join(f'[{s}]' for s in SECTIONS)}")
+        for name, value in table.items():
+            item = schema.get(name)
+            if item is None:
+                raise ValueError(f"{path}: unknown key '{section}.{name}'{_suggest(name, schema)}")
+            if item.section != section:
+                raise ValueError(f"{path}: key {name!r} belongs in [{item.section}], not [{section}]")
+            flat[name] = value
+    return flat
+
+
+def load_config(path: Optional[str | os.PathLike] = None, overrides: Optional[Dict[str, Any]] = None) -> TrainConfig:
+    """The defaults, updated by the TOML file at ``path`` (if any), then by
+    ``overrides`` (flat ``{name: value}``). ValueError names the bad key."""
+    values = {}
+    if path is not None:
+        values = read_toml(path)
+        try:
+            TrainConfig.from_dict(values)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+    return TrainConfig.from_dict({**values, **(overrides or {})})
+
+
+def schema_markdown() -> str:
+    """The schema as a Markdown table (the README's is generated from this)."""
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for item in settings():
+        meaning = item.help + (f" ({' / '.join(item.choices)})" if item.choices else "")
+        rows.append(f"| `{item.key}` | {item.type.__name__} | `{_toml_value(item.default)}` | {meaning} |")
+    return "\n".join(rows)

@@ -1,0 +1,83 @@
+"""Run logs: a JSONL file that stays valid if the process dies, and console lines.
+
+Every line of ``log.jsonl`` is one JSON object, written and flushed whole:
+
+    {"type": "start", "time": ..., "parameters": N, "backend": "cpu", "config": {...}}
+    {"type": "train", "step": 1, "loss": ..., "lr": ..., "grad_norm": ..., "tokens": ...,
+     "tokens_per_s": ..., "time": ...}
+    {"type": "eval", "step": 0, "loss": ..., "tokens": ..., "time": ...}
+    {"type": "end", "step": N, "time": ..., "model_dir": ...}
+
+``step`` counts finished optimizer updates (a train line's step is 1 after the
+first update; an eval at step 0 scores the initial weights). ``tokens`` on a
+train line is the running total of tokens fed to the model; on an eval line,
+the tokens scored. ``time`` is seconds since the start of training.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import IO, Optional
+
+
+class JsonlLog:
+    """Appends one JSON object per line to ``path`` and flushes each line."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self._file: Optional[IO[str]] = open(self.path, "a", encoding="utf-8")
+
+    def write(self, **record) -> None:
+        # NaN/inf are not JSON: they become null so every line parses anywhere.
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self._file.write(json.dumps(clean) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> "JsonlLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_log(path: str | os.PathLike) -> list:
+    """The records of a log.jsonl; a torn last line (the writer was killed
+    mid-line) is skipped, any other bad line is a ValueError naming it."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number == len(lines):
+                break
+            raise ValueError(f"{path}:{number}: not a JSON line") from None
+    return records
+
+
+def format_duration(seconds: float) -> str:
+    """``m:ss`` or ``h:mm:ss``."""
+    seconds = int(round(max(seconds, 0.0)))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def train_line(step: int, steps: int, loss: float, grad_norm: float, lr: float, tokens_per_s: float,
+               elapsed: float, eta: float) -> str:
+    width = len(str(steps))
+    return (f"step {step:>{width}}/{steps} | loss {loss:.4f} | grad norm {grad_norm:.3f} | lr {lr:.2e} | "
+            f"{tokens_per_s:,.0f} tok/s | {format_duration(elapsed)} elapsed, ETA {format_duration(eta)}")
+
+
+def eval_line(step: int, loss: float, tokens: int, seconds: float) -> str:
+    return f"eval @ step {step}: loss {loss:.4f} ({tokens:,} tokens, {seconds:.1f}s)"

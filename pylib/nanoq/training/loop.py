@@ -1,0 +1,262 @@
+"""The training loop: data, schedule, evaluation, logs and the final Hugging Face model.
+
+A run lives in its own directory ``<out_dir>/<run_name>``:
+
+    config.toml     the merged configuration (``nanoq train config.toml`` repeats the run)
+    log.jsonl       one JSON object per line (see nanoq.training.log)
+    data/           the tokenized demo corpus (demo runs only)
+    model/          the final weights (see nanoq.training.export)
+
+Checkpoints: ``train(..., on_checkpoint=fn, checkpoint_every=N)`` calls
+``fn(CheckpointContext)`` after every N-th optimizer step, with the trainer
+and the data loader at that point; saving and resuming belong to the
+checkpoint code that plugs in here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import math
+import os
+import shutil
+import sys
+import time
+from typing import Callable, List, Optional
+
+from nanoq.config import ModelConfig, TrainOptions
+from nanoq.data import DataLoader, Dataset, EvalLoader
+from nanoq.trainer import Trainer
+from nanoq.training.config import TrainConfig
+from nanoq.training.export import write_hf_model
+from nanoq.training.log import JsonlLog, eval_line, format_duration, train_line
+from nanoq.training.schedule import learning_rate
+
+
+@dataclasses.dataclass
+class CheckpointContext:
+    """What a checkpoint hook sees: ``step`` optimizer steps are done."""
+
+    step: int
+    run_dir: str
+    config: TrainConfig
+    trainer: Trainer
+    train_loader: DataLoader
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """The outcome of ``train``: where things are and how the losses went.
+
+    evals: [(step, mean eval loss)] in order; final_eval_loss is the last one
+    (None without eval data). parameters: number of model parameters.
+    """
+
+    run_dir: str
+    model_dir: str
+    log_path: str
+    steps: int
+    parameters: int
+    final_train_loss: float
+    final_eval_loss: Optional[float]
+    evals: List[tuple]
+    seconds: float
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+def new_run_dir(config: TrainConfig) -> str:
+    """Creates and returns ``<out_dir>/<run_name>``. A named run that exists
+    is an error; an unnamed run gets a timestamp, suffixed if it is taken."""
+    if config.run_name:
+        path = os.path.join(config.out_dir, config.run_name)
+        try:
+            os.makedirs(path)
+        except FileExistsError:
+            raise FileExistsError(f"run directory {path} already exists; choose another run_name "
+                                  f"or remove it") from None
+        return path
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for suffix in range(1000):
+        path = os.path.join(config.out_dir, stamp + (f"-{suffix}" if suffix else ""))
+        try:
+            os.makedirs(path)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"cannot find a free run directory for {stamp} in {config.out_dir}")
+
+
+def _data_paths(config: TrainConfig, run_dir: str, say: Callable[[str], None]):
+    """(train spec, eval spec or None, tokenizer directory or None)."""
+    if not config.train_data:
+        if config.eval_data:
+            raise ValueError("data.eval_data is set but data.train_data is not; give both, or neither for "
+                             "the demo corpus")
+        from nanoq import demo
+
+        result = demo.prepare(os.path.join(run_dir, "data"))
+        say(f"demo corpus: {result.documents} Shakespeare plays, {result.train_tokens:,} train and "
+            f"{result.eval_tokens:,} eval tokens (vocab {result.vocab_size})")
+        return (os.path.join(result.output, "train_*.bin"), os.path.join(result.output, "eval_*.bin"),
+                result.output)
+    first = sorted(glob.glob(config.train_data)) or [config.train_data]
+    tokenizer_dir = os.path.dirname(os.path.abspath(first[0]))
+    has_tokenizer = os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json"))
+    return config.train_data, (config.eval_data or None), (tokenizer_dir if has_tokenizer else None)
+
+
+def model_config(config: TrainConfig, data_vocab_size: int) -> ModelConfig:
+    """The ModelConfig of a TrainConfig; vocab_size 0 takes the data's."""
+    vocab = config.vocab_size or data_vocab_size
+    if vocab < data_vocab_size:
+        raise ValueError(f"model.vocab_size {vocab} is smaller than the token files' vocab size "
+                         f"{data_vocab_size}")
+    return ModelConfig(vocab_size=vocab, hidden_size=config.hidden_size,
+                       intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+                       num_attention_heads=config.num_attention_heads,
+                       num_key_value_heads=config.num_key_value_heads or None, rope_theta=config.rope_theta,
+                       rms_norm_eps=config.rms_norm_eps, tie_word_embeddings=config.tie_word_embeddings)
+
+
+def evaluate(trainer: Trainer, loader: EvalLoader, max_batches: int = 0) -> tuple:
+    """(mean loss over the counted tokens, counted tokens) of the first
+    ``max_batches`` batches of ``loader`` (0: all of them)."""
+    total_loss = 0.0
+    total_tokens = 0
+    for index, (inputs, targets) in enumerate(loader):
+        if max_batches and index >= max_batches:
+            break
+        stats = trainer.validate(inputs, targets)
+        total_loss += stats.loss * stats.tokens
+        total_tokens += stats.tokens
+    return (total_loss / total_tokens if total_tokens else math.nan), total_tokens
+
+
+def _eos_id(tokenizer_dir: Optional[str]) -> Optional[int]:
+    if tokenizer_dir is None:
+        return None
+    try:
+        from nanoq.tokenization import find_eos_id, load_tokenizer
+
+        return find_eos_id(load_tokenizer(tokenizer_dir), source=tokenizer_dir)
+    except ValueError:
+        return None
+
+
+def _setup(config: TrainConfig, run_dir: str, say: Callable[[str], None]):
+    """Writes config.toml, opens the data and checks it against the model:
+    (ModelConfig, TrainOptions, DataLoader, EvalLoader or None, tokenizer dir or None)."""
+    with open(os.path.join(run_dir, "config.toml"), "w", encoding="utf-8") as f:
+        f.write(config.to_toml())
+    train_spec, eval_spec, tokenizer_dir = _data_paths(config, run_dir, say)
+    train_set = Dataset(train_spec, config.seq_len)
+    eval_set = Dataset(eval_spec, config.seq_len) if eval_spec else None
+    data_vocab = max(train_set.vocab_size, eval_set.vocab_size if eval_set else 0)
+    model = model_config(config, data_vocab)
+    options = TrainOptions(backend=config.backend, devices=config.devices, batch_size=config.batch_size,
+                           seq_len=config.seq_len, grad_accum=config.grad_accum, seed=config.seed,
+                           z_loss=config.z_loss, threads=config.threads, dtype=config.dtype)
+    rows = config.devices * config.batch_size
+    loader = DataLoader(train_set, batch_rows=rows, seed=config.seed, devices=config.devices)
+    eval_loader = EvalLoader(eval_set, batch_rows=rows) if eval_set else None
+    return model, options, loader, eval_loader, tokenizer_dir
+
+
+def train(config: TrainConfig, *, on_checkpoint: Optional[Callable[[CheckpointContext], None]] = None,
+          checkpoint_every: int = 0, say: Callable[[str], None] = _print,
+          progress: Optional[bool] = None) -> TrainResult:
+    """Trains a model as ``config`` says and writes the run directory (see the
+    module docstring). say: receives the console lines. progress: a tqdm bar
+    on stderr (None: only when stderr is a terminal).
+
+    Raises ValueError for inconsistent settings and data, before any step.
+    """
+    if config.warmup_steps > config.steps:
+        raise ValueError(f"train.warmup_steps ({config.warmup_steps}) exceeds train.steps ({config.steps})")
+    start = time.time()
+    run_dir = new_run_dir(config)
+    say(f"run directory: {os.path.abspath(run_dir)}")
+    try:
+        model, options, loader, eval_loader, tokenizer_dir = _setup(config, run_dir, say)
+        trainer = Trainer(model, options)
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)  # nothing ran: leave no half-made run behind
+        raise
+    tokens_per_step = loader.batch_rows * config.seq_len * config.grad_accum
+
+    with trainer, JsonlLog(os.path.join(run_dir, "log.jsonl")) as log:
+        parameters = sum(int(w.size) for w in trainer.get_weights().values())
+        say(f"model: {parameters / 1e6:.2f}M parameters ({model.num_hidden_layers} layers, hidden "
+            f"{model.hidden_size}, vocab {model.vocab_size}) on {trainer.backend} x{trainer.world_size} "
+            f"({trainer.dtype}); {config.steps} steps of {tokens_per_step:,} tokens")
+        log.write(type="start", time=0.0, parameters=parameters, backend=trainer.backend,
+                  devices=trainer.world_size, run_dir=os.path.abspath(run_dir), config=config.sections())
+        evals: List[tuple] = []
+        train_start = time.time()
+
+        def run_eval(step: int) -> None:
+            if eval_loader is None:
+                return
+            began = time.time()
+            loss, tokens = evaluate(trainer, eval_loader, config.eval_batches)
+            evals.append((step, loss))
+            log.write(type="eval", step=step, loss=loss, tokens=tokens, time=time.time() - train_start)
+            say(eval_line(step, loss, tokens, time.time() - began))
+
+        from tqdm import tqdm
+
+        bar = tqdm(total=config.steps, unit="step", leave=False, file=sys.stderr,
+                   disable=None if progress is None else not progress)
+        stats = None
+        tokens_seen = 0
+        try:
+            for step in range(config.steps):
+                if config.eval_every and step % config.eval_every == 0:
+                    run_eval(step)
+                lr = learning_rate(step, kind=config.schedule, peak=config.lr, total_steps=config.steps,
+                                   warmup_steps=config.warmup_steps, final_lr_fraction=config.final_lr_fraction,
+                                   cooldown_fraction=config.cooldown_fraction)
+                began = time.time()
+                for _ in range(config.grad_accum):
+                    trainer.step(*loader.next_batch())
+                stats = trainer.update(lr=lr, beta1=config.beta1, beta2=config.beta2,
+                                       weight_decay=config.weight_decay, grad_clip=config.grad_clip)
+                now = time.time()
+                tokens_seen += tokens_per_step
+                tokens_per_s = tokens_per_step / max(now - began, 1e-9)
+                elapsed = now - train_start
+                log.write(type="train", step=step + 1, loss=stats.loss, lr=lr, grad_norm=stats.grad_norm,
+                          tokens=tokens_seen, tokens_per_s=tokens_per_s, time=elapsed)
+                bar.update(1)
+                if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
+                    eta = elapsed / (step + 1) * (config.steps - step - 1)
+                    line = train_line(step + 1, config.steps, stats.loss, stats.grad_norm, lr, tokens_per_s,
+                                      elapsed, eta)
+                    if bar.disable:
+                        say(line)
+                    else:
+                        bar.write(line)
+                if on_checkpoint is not None and checkpoint_every and (step + 1) % checkpoint_every == 0:
+                    on_checkpoint(CheckpointContext(step + 1, run_dir, config, trainer, loader))
+        finally:
+            bar.close()
+        run_eval(config.steps)
+
+        model_dir = write_hf_model(os.path.join(run_dir, "model"), trainer.get_weights(), model,
+                                   max_position_embeddings=config.seq_len, tokenizer_dir=tokenizer_dir,
+                                   eos_token_id=_eos_id(tokenizer_dir))
+        seconds = time.time() - start
+        log.write(type="end", step=config.steps, time=time.time() - train_start, model_dir=model_dir)
+    final_eval = evals[-1][1] if evals else None
+    summary = f"done in {format_duration(seconds)}: train loss {stats.loss:.4f}"
+    if evals:
+        summary += f", eval loss {evals[0][1]:.4f} (step 0) -> {final_eval:.4f} (step {config.steps})" \
+            if evals[0][0] == 0 and len(evals) > 1 else f", eval loss {final_eval:.4f}"
+    say(summary)
+    say(f"model: {model_dir}")
+    return TrainResult(run_dir=os.path.abspath(run_dir), model_dir=model_dir,
+                       log_path=os.path.abspath(os.path.join(run_dir, "log.jsonl")), steps=config.steps,
+                       parameters=parameters, final_train_loss=stats.loss, final_eval_loss=final_eval,
+                       evals=evals, seconds=seconds)

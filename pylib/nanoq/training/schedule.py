@@ -1,0 +1,49 @@
+"""Learning-rate schedules: pure functions of the step.
+
+Step s (0-based) is the s-th optimizer update of ``total_steps``. Every kind
+first warms up linearly, lr(s) = peak * (s + 1) / warmup_steps for
+s < warmup_steps, so the first update already moves and step warmup_steps - 1
+reaches the peak. After warmup, with final = peak * final_lr_fraction:
+
+- cosine:   from peak at s = warmup_steps down to final at s = total_steps
+            along half a cosine;
+- linear:   the same endpoints along a straight line;
+- wsd:      warmup-stable-decay: peak until the last
+            cooldown_fraction * total_steps steps, then linear down to final
+            at s = total_steps;
+- constant: peak.
+
+The schedule reaches ``final`` at s = total_steps, one past the last update.
+"""
+from __future__ import annotations
+
+import math
+
+KINDS = ("cosine", "linear", "wsd", "constant")
+
+
+def learning_rate(step: int, *, kind: str, peak: float, total_steps: int, warmup_steps: int = 0,
+                  final_lr_fraction: float = 0.1, cooldown_fraction: float = 0.2) -> float:
+    """The learning rate of update ``step`` (see the module docstring)."""
+    if kind not in KINDS:
+        raise ValueError(f"schedule must be one of {', '.join(KINDS)}, got {kind!r}")
+    if total_steps <= 0 or not 0 <= warmup_steps <= total_steps:
+        raise ValueError(f"need 0 <= warmup_steps ({warmup_steps}) <= total_steps ({total_steps}) "
+                         f"and total_steps > 0")
+    if not 0 <= final_lr_fraction <= 1 or not 0 <= cooldown_fraction <= 1:
+        raise ValueError("final_lr_fraction and cooldown_fraction must be in [0, 1]")
+    if step < warmup_steps:
+        return peak * (step + 1) / warmup_steps
+    final = peak * final_lr_fraction
+    if kind == "constant":
+        return peak
+    if kind == "wsd":
+        decay_start = max(warmup_steps, total_steps - cooldown_fraction * total_steps)
+        if step < decay_start:
+            return peak
+        progress = (step - decay_start) / max(total_steps - decay_start, 1e-12)
+        return peak + (final - peak) * min(progress, 1.0)
+    progress = min((step - warmup_steps) / max(total_steps - warmup_steps, 1), 1.0)
+    if kind == "linear":
+        return peak + (final - peak) * progress
+    return final + (peak - final) * 0.5 * (1.0 + math.cos(math.pi * progress))

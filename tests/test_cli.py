@@ -1,0 +1,110 @@
+"""The `nanoq` command line: tokenize -> train -> plot end to end, config errors, info, the demo."""
+import json
+import os
+import sys
+import tomllib
+
+import pytest
+from click.testing import CliRunner
+
+from nanoq_cli.main import cli
+
+TINY_MODEL = ["--hidden_size", "32", "--intermediate_size", "64", "--num_hidden_layers", "1",
+              "--num_attention_heads", "2", "--seq_len", "32", "--batch_size", "2", "--threads", "1",
+              "--backend", "cpu"]
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_tokenize_train_plot_end_to_end(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\n\n" for i in range(60)))
+    result = invoke("tokenize", corpus, "-o", tmp_path / "data", "--split", "paragraph", "--train-tokenizer",
+                    "--vocab-size", "300", "--eval-fraction", "0.2")
+    assert result.exit_code == 0, result.output
+    assert "60 documents (12 held out)" in result.output and "vocab 300" in result.output
+
+    result = invoke("train", "--train_data", tmp_path / "data" / "train_*.bin", "--eval-data",
+                    tmp_path / "data" / "eval_000000.bin", *TINY_MODEL, "--steps", "6", "--warmup_steps", "1",
+                    "--eval_every", "3", "--out_dir", tmp_path / "runs", "--run_name", "tiny")
+    assert result.exit_code == 0, result.output
+    run = tmp_path / "runs" / "tiny"
+    assert f"run directory: {run}" in result.output
+    assert "step 6/6 | loss" in result.output and "eval @ step 6: loss" in result.output
+    records = [json.loads(line) for line in open(run / "log.jsonl")]
+    assert [r["step"] for r in records if r["type"] == "eval"] == [0, 3, 6]
+    assert sorted(os.listdir(run / "model")) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                 "tokenizer_config.json"]
+    assert json.load(open(run / "model" / "config.json"))["eos_token_id"] == 0
+
+    result = invoke("plot", run, "-o", tmp_path / "loss.png")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_runs_with_no_data_settings(tmp_path):
+    result = invoke("train", *TINY_MODEL, "--steps", "2", "--warmup_steps", "0", "--eval_batches", "1",
+                    "--out_dir", tmp_path)
+    assert result.exit_code == 0, result.output
+    assert "demo corpus: 12 Shakespeare plays" in result.output
+    assert "eval @ step 0: loss" in result.output and "eval @ step 2: loss" in result.output
+    (run,) = os.listdir(tmp_path)
+    assert sorted(os.listdir(tmp_path / run)) == ["config.toml", "data", "log.jsonl", "model"]
+
+
+def test_print_config_merges_defaults_file_and_flags(tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text("[train]\nsteps = 7\nlr = 1.0\n")
+    result = invoke("train", config, "--lr", "0.5", "--tie-word-embeddings", "false", "--print-config")
+    assert result.exit_code == 0, result.output
+    merged = tomllib.loads(result.output)
+    assert merged["train"]["steps"] == 7 and merged["train"]["lr"] == 0.5
+    assert merged["model"]["tie_word_embeddings"] is False and merged["model"]["hidden_size"] == 256
+
+
+def test_config_errors_name_the_key_or_file(tmp_path):
+    result = invoke("train", "--stepz", "3")
+    assert result.exit_code == 2 and "No such option" in result.output and "--stepz" in result.output
+    result = invoke("train", "--steps", "ten")
+    assert result.exit_code == 2 and "--steps" in result.output and "'ten' is not a valid integer" in result.output
+    result = invoke("train", "--schedule", "cosin")
+    assert result.exit_code == 2 and "--schedule" in result.output
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model]\nhidden = 3\n")
+    result = invoke("train", bad, "--print-config")
+    assert result.exit_code == 1 and f"{bad}: unknown key 'model.hidden'" in result.output
+    bad.write_text("[model\n")
+    result = invoke("train", bad)
+    assert result.exit_code == 1 and f"{bad}: not valid TOML" in result.output
+    result = invoke("train", "--steps", "0", "--print-config")
+    assert result.exit_code == 1 and "train.steps must be >= 1, got 0" in result.output
+
+
+def test_tokenize_reports_bad_input_and_usage(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "fine"}\n{"body": 1}\n')
+    result = invoke("tokenize", data, "-o", tmp_path / "out", "--train-tokenizer", "--vocab-size", "300")
+    assert result.exit_code == 1 and f"{data}:2: has no field 'text'" in result.output
+    result = invoke("tokenize", data, "-o", tmp_path / "out")
+    assert result.exit_code == 2 and "--tokenizer PATH or --train-tokenizer" in result.output
+    result = invoke("tokenize", data, "-o", tmp_path / "out", "--format", "nano")
+    assert result.exit_code == 2 and "needs --vocab-size" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_info_lists_version_and_backends():
+    result = invoke("info")
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("nanoq 0.1.0 (Python ")
+    assert "backend cpu: " in result.output and "device(s)" in result.output
+    assert "backend cuda: " in result.output
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch):
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"type": "train", "step": 1, "loss": 3.0}\n')
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    result = invoke("plot", log, "-o", tmp_path / "loss.png")
+    assert result.exit_code == 1 and 'pip install "nanoq[plot]"' in result.output

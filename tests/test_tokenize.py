@@ -1,0 +1,218 @@
+"""nanoq.tokenization: documents, EOS, SFT masks, splits, workers, bad input and Nano imports."""
+import base64
+import json
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+from nanoq.data import TokenFile
+from nanoq.tokenization import InputError, decode_line, import_nano, tokenize_files, train_bpe_tokenizer
+from nanoq.tokenization.tokenizer import write_tokenizer_config
+
+CORPUS = ("The quick brown fox jumps over the lazy dog. " * 3 + "\n" +
+          "A journey of a thousand miles begins with a single step. " * 3)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """A tiny trained byte-level BPE (vocab 300) with a tokenizer_config.json."""
+    directory = tmp_path_factory.mktemp("tokenizer")
+    tokenizer = train_bpe_tokenizer([CORPUS], 300)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    write_tokenizer_config(str(directory / "tokenizer_config.json"), "<|endoftext|>")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+
+
+def encode(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def write_lines(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return str(path)
+
+
+def test_text_files_are_documents_separated_by_eos(tmp_path, tokenizer_dir, tokenizer):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("the lazy dog")
+    b.write_text("a single step")
+    result = tokenize_files([a, b], tmp_path / "out", tokenizer=tokenizer_dir)
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    train = TokenFile(tmp_path / "out" / "train_000000.bin")
+    expected = encode(tokenizer, "the lazy dog") + [eos] + encode(tokenizer, "a single step") + [eos]
+    assert train.tokens.tolist() == expected
+    assert not train.has_mask  # pretraining data trains on every token
+    assert result.eos_id == eos and result.vocab_size == tokenizer.get_vocab_size()
+    assert result.eval_files == [] and result.documents == 2
+    assert sorted(os.listdir(tmp_path / "out")) == ["tokenize.json", "tokenizer.json", "tokenizer_config.json",
+                                                   "train_000000.bin"]
+
+
+def test_sft_prompt_response_trains_on_response_and_eos_only(tmp_path, tokenizer_dir, tokenizer):
+    data = write_lines(tmp_path / "sft.jsonl", [{"prompt": "Q: the fox?\nA:", "response": " the lazy dog"}])
+    tokenize_files([data], tmp_path / "out", fmt="sft", tokenizer=tokenizer_dir)
+    train = TokenFile(tmp_path / "out" / "train_000000.bin")
+    prompt, response = encode(tokenizer, "Q: the fox?\nA:"), encode(tokenizer, " the lazy dog")
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    assert train.tokens.tolist() == prompt + response + [eos]
+    assert train.mask.tolist() == [False] * len(prompt) + [True] * len(response) + [True]
+
+
+def test_sft_messages_use_the_template_and_mask_every_assistant_turn(tmp_path, tokenizer_dir, tokenizer):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"}, {"role": "user", "content": "fox?"},
+                {"role": "assistant", "content": "quick"}]
+    data = write_lines(tmp_path / "chat.jsonl", [{"messages": messages}])
+    tokenize_files([data], tmp_path / "out", fmt="sft", tokenizer=tokenizer_dir)
+    train = TokenFile(tmp_path / "out" / "train_000000.bin")
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    pieces = [("<|system|>\nbe brief\n", False), ("<|user|>\nhi\n", False), ("<|assistant|>\n", False),
+              ("hello", True), (None, True), ("<|user|>\nfox?\n", False), ("<|assistant|>\n", False),
+              ("quick", True), (None, True)]
+    tokens, mask = [], []
+    for text, trained in pieces:
+        ids = [eos] if text is None else encode(tokenizer, text)
+        tokens += ids
+        mask += [trained] * len(ids)
+    assert train.tokens.tolist() == tokens
+    assert train.mask.tolist() == mask
+    # The chat markers are single special tokens of trained tokenizers.
+    assert encode(tokenizer, "<|assistant|>") == [tokenizer.token_to_id("<|assistant|>")]
+
+
+def test_jsonl_bad_lines_name_the_file_and_line(tmp_path, tokenizer_dir):
+    data = write_lines(tmp_path / "bad.jsonl", [{"text": "ok"}, "{not json", {"text": "fine"}])
+    with pytest.raises(InputError, match=r"bad\.jsonl:2: not valid JSON"):
+        tokenize_files([data], tmp_path / "out", tokenizer=tokenizer_dir)
+    data = write_lines(tmp_path / "field.jsonl", [{"text": "ok"}, "", {"body": "no text"}])
+    with pytest.raises(InputError, match=r"field\.jsonl:3: has no field 'text' \(keys: body\)"):
+        tokenize_files([data], tmp_path / "out", tokenizer=tokenizer_dir)
+    data = write_lines(tmp_path / "sft.jsonl", [{"prompt": "p"}])
+    with pytest.raises(InputError, match=r"sft\.jsonl:1: an SFT line needs"):
+        tokenize_files([data], tmp_path / "out", fmt="sft", tokenizer=tokenizer_dir)
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_empty_corpus_is_an_error_and_leaves_no_output(tmp_path, tokenizer_dir):
+    (tmp_path / "empty.txt").write_text("  \n")
+    with pytest.raises(InputError, match="the corpus is empty"):
+        tokenize_files([tmp_path / "empty.txt"], tmp_path / "out", tokenizer=tokenizer_dir)
+    assert sorted(os.listdir(tmp_path)) == ["empty.txt"]
+
+
+def test_failure_while_writing_removes_the_partial_output(tmp_path, tokenizer_dir, monkeypatch):
+    (tmp_path / "a.txt").write_text("the lazy dog")
+    import nanoq.tokenization.pipeline as pipeline
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(pipeline, "write_token_shards", fail)
+    with pytest.raises(OSError, match="disk full"):
+        tokenize_files([tmp_path / "a.txt"], tmp_path / "out", tokenizer=tokenizer_dir)
+    assert sorted(os.listdir(tmp_path)) == ["a.txt"]
+
+
+def test_existing_output_is_never_overwritten(tmp_path, tokenizer_dir):
+    (tmp_path / "a.txt").write_text("the lazy dog")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.bin").write_text("x")
+    with pytest.raises(FileExistsError, match="already exists"):
+        tokenize_files([tmp_path / "a.txt"], tmp_path / "out", tokenizer=tokenizer_dir)
+    assert os.listdir(tmp_path / "out") == ["keep.bin"]
+
+
+def held_out_lines(tmp_path, name, seed, workers=1, lines=10):
+    data = tmp_path / "lines.txt"
+    data.write_text("".join(f"line {i} of the quick brown fox\n" for i in range(lines)))
+    result = tokenize_files([data], tmp_path / name, split="line", train_tokenizer_vocab=300,
+                            eval_fraction=0.2, seed=seed, workers=workers, progress=False)
+    return result, TokenFile(tmp_path / name / "eval_000000.bin"), TokenFile(tmp_path / name / "train_000000.bin")
+
+
+def test_eval_split_is_by_document_and_deterministic_in_the_seed(tmp_path):
+    result, eval_a, _ = held_out_lines(tmp_path, "a", seed=1)
+    _, eval_b, _ = held_out_lines(tmp_path, "b", seed=1)
+    _, eval_c, _ = held_out_lines(tmp_path, "c", seed=2)
+    assert result.documents == 10 and result.eval_documents == 2
+    assert np.array_equal(eval_a.tokens, eval_b.tokens)
+    assert not np.array_equal(eval_a.tokens, eval_c.tokens)
+    assert int((eval_a.tokens == result.eos_id).sum()) == 2  # two whole documents
+    assert result.train_tokens + result.eval_tokens == sum(len(TokenFile(tmp_path / "a" / f))
+                                                          for f in result.train_files + result.eval_files)
+
+
+def test_worker_processes_write_the_same_tokens(tmp_path):
+    _, eval_one, train_one = held_out_lines(tmp_path, "one", seed=0, workers=1, lines=200)
+    _, eval_two, train_two = held_out_lines(tmp_path, "two", seed=0, workers=2, lines=200)
+    assert np.array_equal(train_one.tokens, train_two.tokens)
+    assert np.array_equal(eval_one.tokens, eval_two.tokens)
+
+
+def test_eval_fraction_that_leaves_no_training_document_is_an_error(tmp_path, tokenizer_dir):
+    (tmp_path / "a.txt").write_text("one document")
+    with pytest.raises(ValueError, match="leaves none for training"):
+        tokenize_files([tmp_path / "a.txt"], tmp_path / "out", tokenizer=tokenizer_dir, eval_fraction=0.1)
+
+
+# -- Nano's base64-pickled lines ------------------------------------------------------
+
+
+def nano_line(value) -> str:
+    return base64.b64encode(pickle.dumps(value)).decode()
+
+
+def test_nano_lines_import_pretraining_and_sft_with_masks(tmp_path):
+    lines = [
+        nano_line([5, 6, 7]),                                              # pretraining
+        nano_line(([1, 2, 3], [0, 0, 1])),                                 # (ids, mask)
+        nano_line(([4, 5, 6], [-100, 5, 6])),                              # (ids, labels)
+        nano_line({"input_ids": [7, 8], "labels": [-100, 8]}),
+        nano_line({"input_ids": (9, 1), "mask": [True, False]}),
+    ]
+    data = tmp_path / "nano.txt"
+    data.write_text("\n".join(lines) + "\n\n")
+    result = import_nano([data], tmp_path / "out", vocab_size=16, eos_id=0)
+    train = TokenFile(tmp_path / "out" / "train_000000.bin")
+    assert train.vocab_size == 16 and result.documents == 5
+    assert train.tokens.tolist() == [5, 6, 7, 0, 1, 2, 3, 0, 4, 5, 6, 0, 7, 8, 0, 9, 1, 0]
+    # EOS after a pretraining line is trained on; after an SFT line it is not.
+    assert train.mask.astype(int).tolist() == [1, 1, 1, 1, 0, 0, 1, 0, 0, 1, 1, 0, 0, 1, 0, 1, 0, 0]
+
+
+def test_nano_import_refuses_a_pickle_that_would_run_code(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    data = tmp_path / "nano.txt"
+    data.write_text(nano_line([1, 2]) + "\n" + nano_line(Exploit()) + "\n")
+    with pytest.raises(InputError, match=r"nano\.txt:2: refused to unpickle: the pickle refers to "
+                                         r"(posix|os|nt)\.system"):
+        import_nano([data], tmp_path / "out", vocab_size=16)
+    assert not marker.exists()
+    assert not (tmp_path / "out").exists()
+
+
+def test_nano_bad_lines_are_named(tmp_path):
+    with pytest.raises(InputError, match="f:3: not base64"):
+        decode_line("not base64!!", "f:3")
+    with pytest.raises(InputError, match="f:1: a pretraining line must be a list of integers"):
+        decode_line(nano_line([1.5, 2]), "f:1")
+    with pytest.raises(InputError, match="mask must hold one 0/1 per token"):
+        decode_line(nano_line(([1, 2], [1])), "f:1")
+    data = tmp_path / "nano.txt"
+    data.write_text(nano_line([1, 99]) + "\n")
+    with pytest.raises(InputError, match="sequence 1: token id 99 is outside"):
+        import_nano([data], tmp_path / "out", vocab_size=16)
