@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <mutex>
 #include <string>
@@ -274,6 +275,70 @@ void Trainer::get_parameter(int index, float* out) {
         }
         d.backend->synchronize();
     });
+}
+
+namespace {
+
+const Tensor& optimizer_tensor(const DeviceState& d, int kind) {
+    switch (kind) {
+        case 0: return d.master;
+        case 1: return d.adam_m;
+        case 2: return d.adam_v;
+    }
+    throw InvalidArgument("optimizer state kind must be 0 (master), 1 (adam m) or 2 (adam v), got " +
+                          std::to_string(kind));
+}
+
+// fn(offset in the shard, offset in the parameter, count) over this rank's
+// part of parameter p, in chunks of at most `chunk` elements.
+void for_each_shard_chunk(std::int64_t shard, int rank, const ParameterInfo& p, std::int64_t chunk,
+                          const std::function<void(std::int64_t, std::int64_t, std::int64_t)>& fn) {
+    const std::int64_t lo = rank * shard;
+    const std::int64_t begin = std::max(lo, p.offset), end = std::min(lo + shard, p.offset + p.numel());
+    for (std::int64_t at = begin; at < end; at += chunk) fn(at - lo, at - p.offset, std::min(chunk, end - at));
+}
+
+}  // namespace
+
+void Trainer::get_optimizer_state(int index, int kind, float* out) {
+    std::lock_guard<std::mutex> serial(impl_->call_mutex);
+    Impl& m = *impl_;
+    const ParameterInfo& p = parameter_at(m.layout, index);
+    optimizer_tensor(m.devices[0], kind);
+    m.run([&](int rank, DeviceState& d) {
+        const Tensor& state = optimizer_tensor(d, kind);
+        for_each_shard_chunk(m.shard, rank, p, d.staging.numel(),
+                                  [&](std::int64_t in_shard, std::int64_t in_param, std::int64_t count) {
+                                      const Tensor staged = d.staging.slice(0, count);
+                                      d.backend->copy(staged, state.slice(in_shard, count));
+                                      d.backend->copy_to_host(out + in_param, staged);
+                                  });
+        d.backend->synchronize();
+    });
+}
+
+void Trainer::set_optimizer_state(int index, int kind, const float* data) {
+    std::lock_guard<std::mutex> serial(impl_->call_mutex);
+    Impl& m = *impl_;
+    const ParameterInfo& p = parameter_at(m.layout, index);
+    optimizer_tensor(m.devices[0], kind);
+    m.run([&](int rank, DeviceState& d) {
+        const Tensor& state = optimizer_tensor(d, kind);
+        for_each_shard_chunk(m.shard, rank, p, d.staging.numel(),
+                                  [&](std::int64_t in_shard, std::int64_t in_param, std::int64_t count) {
+                                      const Tensor staged = d.staging.slice(0, count);
+                                      d.backend->copy_from_host(staged, data + in_param);
+                                      d.backend->copy(state.slice(in_shard, count), staged);
+                                  });
+        d.backend->synchronize();
+    });
+}
+
+void Trainer::set_optimizer_steps(int steps) {
+    std::lock_guard<std::mutex> serial(impl_->call_mutex);
+    if (steps < 0) throw InvalidArgument("optimizer steps must be >= 0, got " + std::to_string(steps));
+    if (impl_->micro_steps) throw InvalidArgument("cannot set the optimizer step with micro-batches pending");
+    impl_->optimizer_steps = steps;
 }
 
 void Trainer::get_gradient(int index, float* out) {

@@ -443,3 +443,62 @@ def write_config(directory, config):
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return str(directory)
+
+
+# --------------------------------------------------------------------------
+# Op-level tests (test_ops.py, test_gpu_ops.py) and the GPU guard
+# --------------------------------------------------------------------------
+
+
+def nvidia_gpu_present():
+    """Whether this machine has an NVIDIA GPU, whatever nanoq's build says:
+    a /dev/nvidia0 device node, or an nvidia-smi that runs successfully."""
+    import shutil
+    import subprocess
+
+    if os.path.exists("/dev/nvidia0"):
+        return True
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False
+    try:
+        return subprocess.run([smi], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def require_cuda_backend():
+    """Skips the calling test when the machine has no NVIDIA GPU; when it has
+    one, fails (never skips) unless nanoq's cuda backend is built and sees a
+    device, so that a broken GPU build cannot pass as "skipped"."""
+    if not nvidia_gpu_present():
+        pytest.skip("no NVIDIA GPU on this machine")
+    cuda = next(entry for entry in nanoq.backends() if entry["name"] == "cuda")
+    if not cuda["built"] or cuda["devices"] == 0:
+        pytest.fail(
+            f"an NVIDIA GPU is present but nanoq's cuda backend is unusable ({cuda['detail']}); "
+            "build it with: NANOQ_CUDA=ON pip install --no-build-isolation .",
+            pytrace=False,
+        )
+
+
+@pytest.fixture(scope="session")
+def cuda_device():
+    """Index of the GPU the cuda tests use (0), after require_cuda_backend()."""
+    require_cuda_backend()
+    return 0
+
+
+def assert_array_close(actual, expected, rel, what="array", atol=0.0):
+    """Same shape, all finite, and max |actual - expected| <= rel * max|expected|
+    + atol (one scale per array, so near-zero elements are held to the array's
+    size; atol only for arrays that may be exactly zero)."""
+    actual = np.asarray(actual)
+    expected = np.asarray(expected)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert np.all(np.isfinite(actual)), f"{what}: {int((~np.isfinite(actual)).sum())} non-finite values"
+    scale = float(np.abs(expected).max()) if expected.size else 0.0
+    err = float(np.abs(actual.astype(np.float64) - expected).max()) if expected.size else 0.0
+    assert err <= rel * scale + atol + 1e-30, (
+        f"{what}: max abs err {err:.3e} > {rel:g} * max|expected| {scale:.3e} (rel err {err / max(scale, 1e-30):.2e})"
+    )

@@ -203,6 +203,64 @@ class Trainer:
             raise ValueError("no gradients yet: call step() before get_gradients()")
         return {name: self._core.get_gradient(i) for i, (name, _, _) in enumerate(self._parameters)}
 
+    # -- checkpoints and export ---------------------------------------------
+    def save_checkpoint(self, directory: str | os.PathLike, step: int, extra_state: dict | None = None) -> str:
+        """Writes ``directory/step_<step:08d>/`` atomically (see nanoq.checkpoint)
+        and points ``directory/latest`` at it; returns the step directory.
+        extra_state: JSON-serialisable state of the caller (data loader,
+        schedule, ...) returned by ``load_checkpoint``."""
+        from nanoq.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, directory, step, extra_state)
+
+    def load_checkpoint(self, directory: str | os.PathLike) -> dict:
+        """Restores weights, master weights, AdamW state and step count from a
+        step directory, or from the newest valid one of a checkpoint root.
+        Works with any device count. Returns the checkpoint's JSON state
+        (``step``, ``extra_state``, ...). Everything is read and checked before
+        the trainer is touched."""
+        from nanoq.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, directory)
+
+    def export_model(self, directory: str | os.PathLike, **kwargs) -> str:
+        """Writes a Hugging Face model directory (see nanoq.hf_export.export_model)."""
+        from nanoq.hf_export import export_model
+
+        return export_model(self, directory, **kwargs)
+
+    OPTIMIZER_STATE = ("master", "adam_m", "adam_v")
+
+    def get_optimizer_state(self) -> Dict[str, Dict[str, np.ndarray]]:
+        """{"master" | "adam_m" | "adam_v": {Hugging Face name: float32 array}},
+        gathered from every device's shard."""
+        return {kind: {name: self._core.get_optimizer_state(i, k) for i, (name, _, _) in enumerate(self._parameters)}
+                for k, kind in enumerate(self.OPTIMIZER_STATE)}
+
+    def set_optimizer_state(self, state: Dict[str, Dict[str, np.ndarray]], optimizer_steps: int) -> None:
+        """Restores what ``get_optimizer_state`` returned and the AdamW step
+        count. Every kind and parameter must be present with its shape."""
+        for kind in self.OPTIMIZER_STATE:
+            for name, shape, _ in self._parameters:
+                array = state.get(kind, {}).get(name)
+                if array is None or array.shape != shape:
+                    found = None if array is None else array.shape
+                    raise ValueError(f"optimizer state {kind}.{name}: expected shape {shape}, got {found}")
+        for k, kind in enumerate(self.OPTIMIZER_STATE):
+            for i, (name, _, _) in enumerate(self._parameters):
+                self._core.set_optimizer_state(i, k, np.ascontiguousarray(state[kind][name], np.float32).reshape(-1))
+        self._core.set_optimizer_steps(int(optimizer_steps))
+
+    def set_weights(self, weights: Dict[str, np.ndarray]) -> None:
+        """Sets every parameter from ``{Hugging Face name: array}`` (all must
+        be present with their shapes; checked before any is set)."""
+        for name, shape, _ in self._parameters:
+            if name not in weights or tuple(weights[name].shape) != shape:
+                found = tuple(weights[name].shape) if name in weights else None
+                raise ValueError(f"weight {name}: expected shape {shape}, got {found}")
+        for i, (name, _, _) in enumerate(self._parameters):
+            self._core.set_parameter(i, np.ascontiguousarray(weights[name], np.float32).reshape(-1))
+
     # -- training ------------------------------------------------------------
     def _device_batch(self, inputs, targets):
         """(inputs pointer, targets pointer, device) of a device batch, or

@@ -36,6 +36,16 @@ public:
     // optimizer step, summed over devices, before clipping.
     void get_gradient(int index, float* out);
 
+    // Optimizer state of one parameter, as a full float32 tensor gathered
+    // from (or scattered to) the shards of every device, so that it moves
+    // between device counts: kind 0 = master weights, 1 = AdamW m, 2 = AdamW v.
+    // Setting the master weights does not change the weights: set both.
+    void get_optimizer_state(int index, int kind, float* out);
+    void set_optimizer_state(int index, int kind, const float* data);
+    // The AdamW step count (bias correction) to continue from; no micro-batch
+    // may be pending.
+    void set_optimizer_steps(int steps);
+
     // Forward + backward of one micro-batch per device. inputs, targets:
     // int32 [devices * batch_size, seq_len], C-contiguous, in host memory
     // (source_device = -1) or in the memory of device `source_device` of
