@@ -1,4 +1,4 @@
-"""The ``nanoq`` command line: train, tokenize, plot, info.
+"""The ``nanoq`` command line: train, tokenize, export, plot, info.
 
 The options of ``nanoq train`` are generated from the settings table in
 ``nanoq.training.config``, so the TOML schema, the flags and the docs cannot
@@ -140,6 +140,54 @@ def plot(log, output):
     except (ImportError, ValueError, FileNotFoundError) as e:
         raise _fail(e) from None
     click.echo(f"wrote {output}")
+
+
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def _parse_size(text: str) -> int:
+    """Bytes of "5GB" (10**9), "2GiB" (2**30), "500MB", "1048576"; click.BadParameter otherwise."""
+    stripped = text.strip().upper()
+    digits = stripped.rstrip("KMGTIB").strip()
+    unit = stripped[len(digits):].strip() or "B"
+    try:
+        size = int(float(digits) * _SIZE_UNITS[unit])
+    except (ValueError, KeyError):
+        raise click.BadParameter(f"{text!r} is not a size such as 5GB, 2GiB, 500MB or 1048576") from None
+    if size <= 0:
+        raise click.BadParameter(f"{text!r}: the size must be positive")
+    return size
+
+
+@cli.command("export")
+@click.argument("checkpoint", type=click.Path())
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False),
+              help="New directory for the Hugging Face model (must not exist).")
+@click.option("--max-shard-size", default="5GiB", show_default=True,
+              help="Largest safetensors file; bigger models are sharded with an index (5GB = 5*10^9 bytes, "
+              "5GiB = 5*2^30).")
+@click.option("--tokenizer", type=click.Path(exists=True, file_okay=False),
+              help="Directory whose tokenizer files to include (default: the checkpoint's tokenizer).")
+@click.option("--max-position-embeddings", type=click.IntRange(1),
+              help="Context length written to config.json (default: the checkpoint's).")
+def export(checkpoint, output, max_shard_size, tokenizer, max_position_embeddings):
+    """Write a checkpoint's weights as a Hugging Face model directory.
+
+    CHECKPOINT is a step directory or a checkpoint root (its newest valid
+    step). transformers loads the result with AutoModelForCausalLM.
+    """
+    from nanoq.hf_export import export_checkpoint
+
+    max_shard_bytes = _parse_size(max_shard_size)
+    if not os.path.exists(checkpoint):
+        raise click.ClickException(f"no checkpoint at {checkpoint}: give a step directory or a checkpoint root")
+    try:
+        directory = export_checkpoint(checkpoint, output, max_position_embeddings=max_position_embeddings,
+                                      tokenizer_dir=tokenizer, max_shard_bytes=max_shard_bytes)
+    except (ValueError, TypeError, OSError) as e:
+        raise click.ClickException(f"cannot export {checkpoint}: {e}") from None
+    click.echo(f"wrote {directory}")
 
 
 @cli.command()

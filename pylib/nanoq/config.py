@@ -37,6 +37,9 @@ class ModelConfig:
     ``head_dim`` defaults to ``hidden_size // num_attention_heads``.
     ``rope_scaling`` is None or a dict with ``factor``, ``low_freq_factor``,
     ``high_freq_factor`` and ``original_max_position_embeddings`` (Llama-3 rules).
+    ``max_position_embeddings`` is the context length a Hugging Face config
+    declared (None for a model defined here); training does not use it, an
+    export writes it back.
     """
 
     vocab_size: int
@@ -53,6 +56,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    max_position_embeddings: Optional[int] = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
@@ -80,6 +84,8 @@ class ModelConfig:
         for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.max_position_embeddings is not None:
+            _positive_int("max_position_embeddings", self.max_position_embeddings)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
@@ -158,12 +164,16 @@ class ModelConfig:
                 qkv_bias=attention_bias or family == "qwen2",
                 o_bias=attention_bias and family in ("llama", "qwen3"),
                 qk_norm=family == "qwen3",
+                max_position_embeddings=raw.get("max_position_embeddings"),
             )
         except (TypeError, ValueError) as e:
             raise ValueError(f"{source}: {e}") from None
 
     def to_core(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields the C++ core reads (max_position_embeddings is metadata)."""
+        core = dataclasses.asdict(self)
+        del core["max_position_embeddings"]
+        return core
 
 
 def _llama3_scaling(scaling: dict) -> dict:

@@ -204,14 +204,19 @@ class Trainer:
         return {name: self._core.get_gradient(i) for i, (name, _, _) in enumerate(self._parameters)}
 
     # -- checkpoints and export ---------------------------------------------
-    def save_checkpoint(self, directory: str | os.PathLike, step: int, extra_state: dict | None = None) -> str:
+    def save_checkpoint(self, directory: str | os.PathLike, step: int, extra_state: dict | None = None, *,
+                        keep_last: int = 0, keep_every: int = 0, tokenizer_dir: str | None = None) -> str:
         """Writes ``directory/step_<step:08d>/`` atomically (see nanoq.checkpoint)
         and points ``directory/latest`` at it; returns the step directory.
         extra_state: JSON-serialisable state of the caller (data loader,
-        schedule, ...) returned by ``load_checkpoint``."""
+        schedule, ...) returned by ``load_checkpoint``. With keep_last > 0,
+        older checkpoints are then deleted except the newest keep_last and
+        every step divisible by keep_every. tokenizer_dir is recorded for
+        ``nanoq export``."""
         from nanoq.checkpoint import save_checkpoint
 
-        return save_checkpoint(self, directory, step, extra_state)
+        return save_checkpoint(self, directory, step, extra_state, keep_last=keep_last, keep_every=keep_every,
+                               tokenizer_dir=tokenizer_dir)
 
     def load_checkpoint(self, directory: str | os.PathLike) -> dict:
         """Restores weights, master weights, AdamW state and step count from a

@@ -7,12 +7,11 @@
 
 - config:   TrainConfig, the schema of every setting (TOML file, flags, docs)
 - schedule: learning_rate(step, ...), cosine / linear / wsd / constant with warmup
-- loop:     train(config) -> TrainResult, evaluate(...), the checkpoint hook
+- loop:     train(config) -> TrainResult, evaluate(...), the checkpoint hook; the final
+            model is written by nanoq.hf_export
 - log:      the JSONL run log and console lines
-- export:   write_hf_model(...), a transformers-loadable LlamaForCausalLM directory
 """
 from nanoq.training.config import TrainConfig, load_config, schema_markdown, settings
-from nanoq.training.export import llama_config_dict, write_hf_model
 from nanoq.training.log import JsonlLog, read_log
 from nanoq.training.loop import CheckpointContext, TrainResult, evaluate, train
 from nanoq.training.schedule import learning_rate
@@ -24,11 +23,9 @@ __all__ = [
     "TrainResult",
     "evaluate",
     "learning_rate",
-    "llama_config_dict",
     "load_config",
     "read_log",
     "schema_markdown",
     "settings",
     "train",
-    "write_hf_model",
 ]

@@ -5,7 +5,7 @@ A run lives in its own directory ``<out_dir>/<run_name>``:
     config.toml     the merged configuration (``nanoq train config.toml`` repeats the run)
     log.jsonl       one JSON object per line (see nanoq.training.log)
     data/           the tokenized demo corpus (demo runs only)
-    model/          the final weights (see nanoq.training.export)
+    model/          the final weights, a Hugging Face model directory (see nanoq.hf_export)
 
 Checkpoints: ``train(..., on_checkpoint=fn, checkpoint_every=N)`` calls
 ``fn(CheckpointContext)`` after every N-th optimizer step, with the trainer
@@ -27,7 +27,6 @@ from nanoq.config import ModelConfig, TrainOptions
 from nanoq.data import DataLoader, Dataset, EvalLoader
 from nanoq.trainer import Trainer
 from nanoq.training.config import TrainConfig
-from nanoq.training.export import write_hf_model
 from nanoq.training.log import JsonlLog, eval_line, format_duration, train_line
 from nanoq.training.schedule import learning_rate
 
@@ -134,17 +133,6 @@ def evaluate(trainer: Trainer, loader: EvalLoader, max_batches: int = 0) -> tupl
     return (total_loss / total_tokens if total_tokens else math.nan), total_tokens
 
 
-def _eos_id(tokenizer_dir: Optional[str]) -> Optional[int]:
-    if tokenizer_dir is None:
-        return None
-    try:
-        from nanoq.tokenization import find_eos_id, load_tokenizer
-
-        return find_eos_id(load_tokenizer(tokenizer_dir), source=tokenizer_dir)
-    except ValueError:
-        return None
-
-
 def _setup(config: TrainConfig, run_dir: str, say: Callable[[str], None]):
     """Writes config.toml, opens the data and checks it against the model:
     (ModelConfig, TrainOptions, DataLoader, EvalLoader or None, tokenizer dir or None)."""
@@ -244,9 +232,8 @@ def train(config: TrainConfig, *, on_checkpoint: Optional[Callable[[CheckpointCo
             bar.close()
         run_eval(config.steps)
 
-        model_dir = write_hf_model(os.path.join(run_dir, "model"), trainer.get_weights(), model,
-                                   max_position_embeddings=config.seq_len, tokenizer_dir=tokenizer_dir,
-                                   eos_token_id=_eos_id(tokenizer_dir))
+        # The tokenizer's eos id goes into config.json (see nanoq.hf_export.write_model).
+        model_dir = trainer.export_model(os.path.join(run_dir, "model"), tokenizer_dir=tokenizer_dir)
         seconds = time.time() - start
         log.write(type="end", step=config.steps, time=time.time() - train_start, model_dir=model_dir)
     final_eval = evals[-1][1] if evals else None

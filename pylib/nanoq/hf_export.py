@@ -1,0 +1,253 @@
+"""Writing weights as a Hugging Face model directory that transformers loads.
+
+    config.json                    LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM
+    model.safetensors              float32 tensors under Hugging Face names, or, above
+    model-00001-of-0000N.safetensors   max_shard_bytes, shards and
+    model.safetensors.index.json       {"metadata": {"total_size"}, "weight_map": {name: shard}}
+    tokenizer.json, tokenizer_config.json, special_tokens_map.json   when a tokenizer is given
+
+Which architecture a ModelConfig is: q/k norm makes it Qwen3; q/k/v biases
+without an o bias make it Qwen2 (the one layout Qwen2 has); everything else is
+Llama, whose ``attention_bias`` puts biases on q, k, v and o together. A config
+none of them can express (an o bias without q/k/v biases) is refused rather
+than written as something transformers would load differently.
+
+The config is written with transformers 4.x keys (``rope_theta``,
+``rope_scaling``, ``torch_dtype``), which transformers 5.x also reads; the
+directory appears only once it is complete (built under a temporary name, then
+renamed).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from typing import Dict, Optional
+
+import numpy as np
+
+from nanoq.config import ModelConfig
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def architecture(config: ModelConfig) -> str:
+    """"LlamaForCausalLM", "Qwen2ForCausalLM" or "Qwen3ForCausalLM": the
+    Hugging Face class that computes what ``config`` describes. ValueError if
+    none does."""
+    if config.qk_norm:
+        if config.qkv_bias != config.o_bias:
+            raise ValueError(f"qk_norm models are written as Qwen3ForCausalLM, whose attention_bias puts biases "
+                             f"on q, k, v and o together; this config has qkv_bias={config.qkv_bias} and "
+                             f"o_bias={config.o_bias}")
+        return "Qwen3ForCausalLM"
+    if config.qkv_bias and not config.o_bias:
+        return "Qwen2ForCausalLM"
+    if config.o_bias and not config.qkv_bias:
+        raise ValueError("o_bias without qkv_bias has no Hugging Face architecture (Llama's attention_bias "
+                         "covers q, k, v and o together; Qwen2 has q/k/v biases only); set qkv_bias too, or "
+                         "drop o_bias")
+    return "LlamaForCausalLM"
+
+
+def hf_config_dict(config: ModelConfig, max_position_embeddings: int, eos_token_id: Optional[int] = None) -> dict:
+    """The ``config.json`` (as a dict) of the architecture ``config`` describes
+    (see ``architecture``). eos_token_id None writes null, so transformers does
+    not assume the architecture's default ids."""
+    arch = architecture(config)
+    if isinstance(max_position_embeddings, bool) or not isinstance(max_position_embeddings, int) \
+            or max_position_embeddings <= 0:
+        raise ValueError(f"max_position_embeddings must be a positive integer, got {max_position_embeddings!r}")
+    out = dict(
+        architectures=[arch],
+        model_type={"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[arch],
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        hidden_act="silu",
+        rms_norm_eps=config.rms_norm_eps,
+        rope_theta=config.rope_theta,
+        rope_scaling=dict(config.rope_scaling) if config.rope_scaling is not None else None,
+        tie_word_embeddings=config.tie_word_embeddings,
+        max_position_embeddings=max_position_embeddings,
+        eos_token_id=eos_token_id,
+        torch_dtype="float32",
+        dtype="float32",
+    )
+    if arch == "LlamaForCausalLM":
+        out.update(attention_bias=config.qkv_bias, mlp_bias=False)
+    else:
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_hidden_layers)
+        if arch == "Qwen3ForCausalLM":
+            out["attention_bias"] = config.o_bias
+    return out
+
+
+def _shards(tensors: Dict[str, np.ndarray], max_shard_bytes: int) -> list[dict]:
+    """Splits tensors, in order, into shards of at most max_shard_bytes
+    (a bigger tensor gets a shard of its own), as transformers does."""
+    shards, current, size = [], {}, 0
+    for name, array in tensors.items():
+        if current and size + array.nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = array
+        size += array.nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: str, value: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def _tokenizer_eos_id(tokenizer_dir: str) -> Optional[int]:
+    """The tokenizer's end-of-sequence id (see nanoq.tokenization.find_eos_id), or None."""
+    from nanoq.tokenization import find_eos_id, load_tokenizer
+
+    try:
+        return find_eos_id(load_tokenizer(tokenizer_dir), source=tokenizer_dir)
+    except ValueError:
+        return None
+
+
+def write_model(directory: str | os.PathLike, weights: Dict[str, np.ndarray], config: ModelConfig, *,
+                max_position_embeddings: int, tokenizer_dir: str | os.PathLike | None = None,
+                eos_token_id: Optional[int] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
+    """Writes a Hugging Face model directory; returns its absolute path.
+
+    weights: ``{Hugging Face name: array}`` as ``Trainer.get_weights()``
+    returns, written as float32 (``lm_head.weight`` is left out of a tied
+    model: transformers ties it to the embedding). Above max_shard_bytes of
+    tensors, the weights are split into shards with an index file.
+    tokenizer_dir: a directory whose tokenizer.json (required there),
+    tokenizer_config.json and special_tokens_map.json are copied in.
+    eos_token_id: None takes the tokenizer's, if it has one.
+    ``directory`` must not exist; it appears, complete and fsynced, by a rename
+    of ``<directory>.partial-<pid>``.
+    """
+    from safetensors.numpy import save_file
+
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
+    if tokenizer_dir is not None:
+        tokenizer_dir = os.fspath(tokenizer_dir)
+        if not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
+            raise FileNotFoundError(f"tokenizer_dir {tokenizer_dir} holds no tokenizer.json")
+        if eos_token_id is None:
+            eos_token_id = _tokenizer_eos_id(tokenizer_dir)
+    hf_config = hf_config_dict(config, max_position_embeddings, eos_token_id)
+    tensors = {name: np.ascontiguousarray(array, dtype=np.float32) for name, array in weights.items()
+               if not (name == "lm_head.weight" and config.tie_word_embeddings)}
+    if "model.embed_tokens.weight" not in tensors:
+        raise ValueError("weights lack model.embed_tokens.weight: pass every parameter of the model "
+                         "(Trainer.get_weights())")
+
+    directory = os.path.abspath(os.fspath(directory))
+    if os.path.lexists(directory):
+        raise FileExistsError(f"{directory} already exists; not overwriting it (choose a new directory)")
+    partial = f"{directory}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash of a process with our pid
+    os.makedirs(partial)
+    try:
+        written = []
+        _write_json(os.path.join(partial, "config.json"), hf_config)
+        written.append("config.json")
+        shards = _shards(tensors, max_shard_bytes)
+        if len(shards) == 1:
+            save_file(tensors, os.path.join(partial, SINGLE_FILE), metadata={"format": "pt"})
+            written.append(SINGLE_FILE)
+        else:
+            weight_map = {}
+            for number, shard in enumerate(shards, start=1):
+                file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, os.path.join(partial, file), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, file))
+                written.append(file)
+            total = sum(array.nbytes for array in tensors.values())
+            _write_json(os.path.join(partial, INDEX_FILE), {"metadata": {"total_size": total},
+                                                            "weight_map": weight_map})
+            written.append(INDEX_FILE)
+        if tokenizer_dir is not None:
+            for name in TOKENIZER_FILES:
+                if os.path.isfile(os.path.join(tokenizer_dir, name)):
+                    shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(partial, name))
+                    written.append(name)
+        for name in written:
+            _fsync_file(os.path.join(partial, name))
+        _fsync_file(partial)
+        os.rename(partial, directory)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    _fsync_file(os.path.dirname(directory))
+    return directory
+
+
+def export_model(trainer, directory: str | os.PathLike, *, max_position_embeddings: Optional[int] = None,
+                 tokenizer_dir: str | os.PathLike | None = None, eos_token_id: Optional[int] = None,
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
+    """Writes a ``nanoq.Trainer``'s current weights as a Hugging Face model
+    directory (see ``write_model``); returns its absolute path.
+
+    max_position_embeddings: default the config's (what an imported model
+    declared), raised to the trainer's seq_len if that is longer; the seq_len
+    for a model defined here.
+    """
+    config = trainer.config
+    if max_position_embeddings is None:
+        max_position_embeddings = max(config.max_position_embeddings or 0, trainer.options.seq_len)
+    return write_model(directory, trainer.get_weights(), config, max_position_embeddings=max_position_embeddings,
+                       tokenizer_dir=tokenizer_dir, eos_token_id=eos_token_id, max_shard_bytes=max_shard_bytes)
+
+
+def export_checkpoint(checkpoint_path: str | os.PathLike, directory: str | os.PathLike, *,
+                      max_position_embeddings: Optional[int] = None, tokenizer_dir: str | os.PathLike | None = None,
+                      eos_token_id: Optional[int] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
+    """Writes the weights of a nanoq checkpoint (a step directory, or the
+    newest valid step of a checkpoint root) as a Hugging Face model directory
+    (see ``write_model``); returns its absolute path. No trainer is built.
+
+    max_position_embeddings and tokenizer_dir default to what the checkpoint
+    recorded; a recorded tokenizer directory that no longer holds a
+    tokenizer.json is skipped with a warning.
+    """
+    from nanoq.checkpoint import read_state, read_weights
+
+    state = read_state(checkpoint_path)
+    step_directory = state.get("path", checkpoint_path)  # weights of the very step whose state this is
+    config = ModelConfig(**state["model_config"])
+    if max_position_embeddings is None:
+        max_position_embeddings = state.get("max_position_embeddings")
+        if max_position_embeddings is None:
+            raise ValueError(f"{step_directory}: the checkpoint records no max_position_embeddings; "
+                             f"pass max_position_embeddings (nanoq export --max-position-embeddings)")
+    if tokenizer_dir is None and state.get("tokenizer_dir"):
+        tokenizer_dir = state["tokenizer_dir"]
+        if not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
+            warnings.warn(f"the checkpoint's tokenizer directory {tokenizer_dir} holds no tokenizer.json any "
+                          f"more; exporting without a tokenizer (pass tokenizer_dir to include one)",
+                          stacklevel=2)
+            tokenizer_dir = None
+    return write_model(directory, read_weights(step_directory), config,
+                       max_position_embeddings=max_position_embeddings, tokenizer_dir=tokenizer_dir,
+                       eos_token_id=eos_token_id, max_shard_bytes=max_shard_bytes)

@@ -1,0 +1,256 @@
+"""Checkpoints: exact resume in a new process, any device count, atomic
+saves that survive SIGKILL and full disks, rotation, and corrupt inputs
+rejected before the trainer is touched."""
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import nanoq
+from nanoq import checkpoint
+from nanoq.checkpoint import CheckpointError
+
+CONFIG = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2)
+SEQ = 16
+ROWS = 4
+
+
+def make_trainer(devices=2, seed=0):
+    options = nanoq.TrainOptions(backend="cpu", devices=devices, batch_size=ROWS // devices, seq_len=SEQ, seed=seed)
+    return nanoq.Trainer(nanoq.ModelConfig(**CONFIG), options)
+
+
+def batch(step):
+    tokens = np.random.default_rng(1000 + step).integers(0, CONFIG["vocab_size"], (ROWS, SEQ + 1), dtype=np.int32)
+    return np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(tokens[:, 1:])
+
+
+def train(trainer, first, last):
+    losses = []
+    for step in range(first, last):
+        trainer.step(*batch(step))
+        losses.append(trainer.update(lr=3e-3, weight_decay=0.1, grad_clip=0.5).loss)
+    return losses
+
+
+# The same training code, run in fresh interpreters for the resume test.
+SCRIPT = textwrap.dedent("""
+    import sys, numpy as np
+    sys.path.insert(0, {tests!r})
+    from test_checkpoint import make_trainer, train
+    mode, root, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    trainer = make_trainer()
+    if mode == "first":
+        losses = train(trainer, 0, 10)
+        trainer.save_checkpoint(root, 10, {{"next_step": 10}})
+    else:
+        state = trainer.load_checkpoint(root)
+        losses = train(trainer, state["extra_state"]["next_step"], 20)
+    np.savez(out, losses=np.array(losses), **trainer.get_weights())
+""")
+
+
+def run_script(tmp_path, *args):
+    script = tmp_path / "resume.py"
+    script.write_text(SCRIPT.format(tests=os.path.dirname(__file__)))
+    subprocess.run([sys.executable, str(script), *map(str, args)], check=True, timeout=120)
+
+
+def test_resume_in_a_new_process_is_bitwise_identical(tmp_path):
+    with make_trainer() as trainer:
+        straight = train(trainer, 0, 20)
+        weights = trainer.get_weights()
+    run_script(tmp_path, "first", tmp_path / "ckpt", tmp_path / "first.npz")
+    run_script(tmp_path, "second", tmp_path / "ckpt", tmp_path / "second.npz")
+    first, second = np.load(tmp_path / "first.npz"), np.load(tmp_path / "second.npz")
+    assert list(first["losses"]) + list(second["losses"]) == straight
+    for name, value in weights.items():
+        assert np.array_equal(second[name], value), name
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_checkpoint_from_two_devices_continues_on_other_device_counts(tmp_path, devices):
+    with make_trainer(devices=2) as trainer:
+        train(trainer, 0, 4)
+        trainer.save_checkpoint(tmp_path, 4)
+        expected = train(trainer, 4, 8)
+        expected_weights = trainer.get_weights()
+    with make_trainer(devices=devices, seed=7) as trainer:
+        trainer.load_checkpoint(tmp_path)
+        assert trainer.optimizer_steps == 4
+        losses = train(trainer, 4, 8)
+        np.testing.assert_allclose(losses, expected, rtol=1e-5)
+        for name, value in trainer.get_weights().items():
+            np.testing.assert_allclose(value, expected_weights[name], rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_layout_latest_pointer_and_state(tmp_path):
+    with make_trainer() as trainer:
+        train(trainer, 0, 1)
+        first = trainer.save_checkpoint(tmp_path, 1, {"loader": {"position": 4}})
+        train(trainer, 1, 2)
+        second = trainer.save_checkpoint(tmp_path, 2)
+    assert os.path.basename(first) == "step_00000001"
+    assert sorted(os.listdir(second)) == ["model.safetensors", "optimizer.safetensors", "trainer_state.json"]
+    assert (tmp_path / "latest").read_text().strip() == "step_00000002"
+    assert checkpoint.resolve(tmp_path) == second
+    state = checkpoint.read_state(first)
+    assert state["step"] == 1 and state["optimizer_steps"] == 1 and state["devices"] == 2
+    assert state["extra_state"] == {"loader": {"position": 4}}
+    assert state["model_config"]["hidden_size"] == 32 and state["nanoq_version"] == nanoq.__version__
+
+
+def test_saving_an_existing_step_or_unserialisable_state_is_refused(tmp_path):
+    with make_trainer() as trainer:
+        train(trainer, 0, 1)
+        trainer.save_checkpoint(tmp_path, 1)
+        with pytest.raises(FileExistsError, match="already exists"):
+            trainer.save_checkpoint(tmp_path, 1)
+        with pytest.raises(ValueError, match="JSON"):
+            trainer.save_checkpoint(tmp_path, 2, {"array": np.zeros(2)})
+    assert checkpoint.list_checkpoints(tmp_path) == [1]
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    from test_checkpoint import make_trainer, train
+    trainer = make_trainer()
+    train(trainer, 0, 1)
+    trainer.save_checkpoint(sys.argv[1], 1)
+    train(trainer, 1, 2)
+    import os
+    os.environ["NANOQ_TEST_PAUSE_IN_SAVE"] = sys.argv[2]
+    trainer.save_checkpoint(sys.argv[1], 2)
+""")
+
+
+def test_sigkill_during_save_leaves_previous_checkpoint_and_is_cleaned_up(tmp_path):
+    root, marker = tmp_path / "ckpt", tmp_path / "paused"
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT.format(tests=os.path.dirname(__file__)))
+    process = subprocess.Popen([sys.executable, str(script), str(root), str(marker)])
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert process.poll() is None, "the saving process ended before pausing"
+        assert time.monotonic() < deadline, "the save never reached its pause"
+        time.sleep(0.05)
+    # The weights of step 2 are on disk, the optimizer state and JSON are not.
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    partials = [name for name in os.listdir(root) if ".partial-" in name]
+    assert partials, "the interrupted save should have left its partial folder"
+    assert checkpoint.list_checkpoints(root) == [1]
+    assert checkpoint.resolve(root).endswith("step_00000001")
+    with make_trainer() as trainer:
+        assert trainer.load_checkpoint(root)["step"] == 1
+        train(trainer, 1, 2)
+        trainer.save_checkpoint(root, 2)
+    assert not [name for name in os.listdir(root) if ".partial-" in name]
+    assert checkpoint.list_checkpoints(root) == [1, 2]
+
+
+def test_full_disk_during_save_raises_and_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    with make_trainer() as trainer:
+        train(trainer, 0, 1)
+        trainer.save_checkpoint(tmp_path, 1)
+        real_save = checkpoint._save_tensors
+
+        def save_until_full(path, tensors):
+            if path.endswith(checkpoint.OPTIMIZER_FILE):
+                with open(path, "wb") as f:
+                    f.write(b"\0" * 100)
+                raise OSError(errno.ENOSPC, "No space left on device")
+            real_save(path, tensors)
+
+        monkeypatch.setattr(checkpoint, "_save_tensors", save_until_full)
+        train(trainer, 1, 2)
+        with pytest.raises(OSError, match="No space left on device.*earlier checkpoints are intact"):
+            trainer.save_checkpoint(tmp_path, 2)
+    assert sorted(os.listdir(tmp_path)) == [".lock", "latest", "step_00000001"]
+    assert checkpoint.resolve(tmp_path).endswith("step_00000001")
+
+
+def test_rotation_keeps_last_k_and_every_mth(tmp_path):
+    with make_trainer() as trainer:
+        for step in range(1, 13):
+            train(trainer, step - 1, step)
+            trainer.save_checkpoint(tmp_path, step, keep_last=2, keep_every=5)
+    assert checkpoint.list_checkpoints(tmp_path) == [5, 10, 11, 12]
+    assert checkpoint.rotate(tmp_path, keep_last=1) == [5, 10, 11]
+    assert checkpoint.list_checkpoints(tmp_path) == [12]
+    with pytest.raises(ValueError, match="keep_last"):
+        checkpoint.rotate(tmp_path, keep_last=0)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    with make_trainer() as trainer:
+        train(trainer, 0, 2)
+        return trainer.save_checkpoint(tmp_path, 2)
+
+
+def corrupt_truncate(step_dir):
+    path = os.path.join(step_dir, "model.safetensors")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 10)
+    return "model.safetensors", "bytes"
+
+
+def corrupt_offsets(step_dir):
+    # Same size as recorded, but the header claims data beyond the file.
+    path = os.path.join(step_dir, "optimizer.safetensors")
+    raw = open(path, "rb").read()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + size])
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    name = max(entries, key=lambda k: entries[k]["data_offsets"][1])
+    begin, end = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [end + 1, 2 * end + 1 - begin]  # starts past the end of the data
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= size, "the edited header must fit in place"
+    text = text + b" " * (size - len(text))
+    open(path, "wb").write(raw[:8] + text + raw[8 + size:])
+    return "optimizer.safetensors", "data_offsets"
+
+
+def corrupt_json(step_dir):
+    path = os.path.join(step_dir, "trainer_state.json")
+    state = json.load(open(path))
+    del state["optimizer_steps"]
+    json.dump(state, open(path, "w"))
+    return "trainer_state.json", "optimizer_steps"
+
+
+@pytest.mark.parametrize("corrupt", [corrupt_truncate, corrupt_offsets, corrupt_json],
+                         ids=["truncated-safetensors", "offsets-outside-file", "json-missing-field"])
+def test_corrupt_checkpoint_is_rejected_naming_file_and_nothing_is_loaded(saved, corrupt):
+    file, problem = corrupt(saved)
+    with make_trainer() as trainer:
+        before = trainer.get_weights()
+        with pytest.raises(CheckpointError) as error:
+            trainer.load_checkpoint(saved)
+        assert file in str(error.value) and problem in str(error.value)
+        assert trainer.optimizer_steps == 0
+        for name, value in trainer.get_weights().items():
+            assert np.array_equal(value, before[name]), name
+
+
+def test_checkpoint_of_another_model_shape_is_rejected(saved):
+    other = nanoq.ModelConfig(**dict(CONFIG, hidden_size=64))
+    with nanoq.Trainer(other, nanoq.TrainOptions(backend="cpu", batch_size=ROWS, seq_len=SEQ)) as trainer:
+        with pytest.raises(CheckpointError, match="hidden_size: checkpoint 32, trainer 64"):
+            trainer.load_checkpoint(saved)
+
+
+def test_root_without_checkpoints_is_a_clear_error(tmp_path):
+    with make_trainer() as trainer, pytest.raises(CheckpointError, match="no complete checkpoint"):
+        trainer.load_checkpoint(tmp_path)

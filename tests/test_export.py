@@ -1,0 +1,255 @@
+"""Hugging Face export (nanoq.hf_export, ``nanoq export``): what transformers
+loads from an exported directory computes what nanoq computed.
+
+Every variant is imported into a Trainer and trained two steps first, so the
+exported weights are nanoq's, not the checkpoint's it started from.
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from click.testing import CliRunner
+
+import nanoq
+from conftest import NANOQ_CONFIG, VARIANTS, assert_same_tensors, open_trainer, random_batch, run_steps, token_terms
+from nanoq.hf_export import export_checkpoint, hf_config_dict, write_model
+from nanoq.hf_io import iter_weights
+
+ARCHITECTURE = {
+    "llama": "LlamaForCausalLM",
+    "llama_tied": "LlamaForCausalLM",
+    "llama3_rope": "LlamaForCausalLM",
+    "llama_attn_bias": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+class Trained:
+    """A variant after two training steps: its config, weights, one
+    validation batch with nanoq's statistics on it, and its export."""
+
+    def __init__(self, checkpoint, directory):
+        with open_trainer(checkpoint) as trainer:
+            rng = np.random.default_rng(5)
+            for _ in range(2):
+                run_steps(trainer, [random_batch(rng, rows=2)], lr=1e-2)
+            self.config = trainer.config
+            self.weights = trainer.get_weights()
+            self.batch = random_batch(rng, rows=2, mask_frac=0.25)
+            self.stats = trainer.validate(*self.batch)
+            self.directory = trainer.export_model(directory)
+
+
+@pytest.fixture(scope="module")
+def trained(checkpoints, tmp_path_factory):
+    cache = {}
+
+    def get(variant):
+        if variant not in cache:
+            cache[variant] = Trained(checkpoints.path(variant), tmp_path_factory.mktemp("export") / variant)
+        return cache[variant]
+
+    return get
+
+
+def load_hf(directory):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
+    return model.float().eval(), info
+
+
+def hf_stats(model, inputs, targets):
+    """(loss, lse_max, lse_mean) over the counted tokens, nanoq's definitions."""
+    with torch.no_grad():
+        ce, lse, mask = token_terms(model, inputs, targets)
+    return float(ce[mask].double().mean()), float(lse[mask].max()), float(lse[mask].double().mean())
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_transformers_loads_export_and_computes_nanoq_loss(checkpoints, trained, variant):
+    run = trained(variant)
+    original = dict(iter_weights(checkpoints.path(variant)))
+    assert not np.array_equal(run.weights["model.embed_tokens.weight"], original["model.embed_tokens.weight"])
+
+    model, info = load_hf(run.directory)
+    assert type(model).__name__ == ARCHITECTURE[variant]
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    loss, lse_max, lse_mean = hf_stats(model, *run.batch)
+    assert loss == pytest.approx(run.stats.loss, rel=1e-5)
+    assert lse_max == pytest.approx(run.stats.lse_max, rel=1e-5)
+    assert lse_mean == pytest.approx(run.stats.lse_mean, rel=1e-5)
+    if variant == "llama3_rope":
+        assert model.config.rope_parameters["rope_type"] == "llama3"
+        assert model.config.rope_parameters["factor"] == 8.0
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_import_export_import_is_lossless(trained, variant):
+    run = trained(variant)
+    config = nanoq.ModelConfig.from_pretrained(run.directory)
+    assert config == run.config
+    with nanoq.Trainer(config, nanoq.TrainOptions(backend="cpu", seq_len=16)) as trainer:
+        trainer.import_weights(run.directory)
+        assert_same_tensors(trainer.get_weights(), run.weights, "reimported weight")
+
+
+def test_tied_export_has_no_lm_head(trained):
+    names = [name for name, _ in iter_weights(trained("llama_tied").directory)]
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+
+
+def test_config_json_uses_4x_rope_keys_and_declared_context(trained):
+    llama3 = json.load(open(os.path.join(trained("llama3_rope").directory, "config.json")))
+    assert llama3["rope_theta"] == 10000.0
+    assert llama3["rope_scaling"] == dict(NANOQ_CONFIG["llama3_rope"]["rope_scaling"])
+    assert llama3["max_position_embeddings"] == 2048  # what the imported config declared
+    qwen2 = json.load(open(os.path.join(trained("qwen2").directory, "config.json")))
+    assert qwen2["use_sliding_window"] is False and qwen2["max_position_embeddings"] == 32768
+    assert qwen2["torch_dtype"] == "float32"
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "llama_tied"])
+def test_sharded_export_loads_like_a_single_file(trained, tmp_path, variant):
+    run = trained(variant)
+    sharded = write_model(tmp_path / "sharded", run.weights, run.config, max_position_embeddings=16,
+                          max_shard_bytes=20_000)
+    index = json.load(open(os.path.join(sharded, "model.safetensors.index.json")))
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2
+    assert files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
+    assert sorted(os.listdir(sharded)) == sorted(["config.json", "model.safetensors.index.json", *files])
+    expected = {name: array for name, array in run.weights.items()
+                if not (name == "lm_head.weight" and run.config.tie_word_embeddings)}
+    assert sorted(index["weight_map"]) == sorted(expected)
+    assert index["metadata"]["total_size"] == sum(array.nbytes for array in expected.values())
+
+    single, _ = load_hf(run.directory)
+    model, info = load_hf(sharded)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    inputs = torch.from_numpy(run.batch[0]).long()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=inputs).logits, single(input_ids=inputs).logits)
+    with nanoq.Trainer(run.config, nanoq.TrainOptions(backend="cpu", seq_len=16)) as trainer:
+        trainer.import_weights(sharded)
+        assert_same_tensors(trainer.get_weights(), run.weights, "weight from shards")
+
+
+def test_export_into_existing_directory_is_refused(trained, tmp_path):
+    run = trained("llama")
+    target = tmp_path / "model"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="already exists"):
+        write_model(target, run.weights, run.config, max_position_embeddings=16)
+    assert os.listdir(target) == ["keep.txt"] and (target / "keep.txt").read_text() == "mine"
+    assert sorted(os.listdir(tmp_path)) == ["model"]
+
+
+def test_failed_export_leaves_nothing_behind(trained, tmp_path, monkeypatch):
+    import safetensors.numpy
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", fail)
+    run = trained("llama")
+    with pytest.raises(OSError, match="disk full"):
+        write_model(tmp_path / "model", run.weights, run.config, max_position_embeddings=16)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("flags, architecture", [
+    (dict(), "LlamaForCausalLM"),
+    (dict(qkv_bias=True, o_bias=True), "LlamaForCausalLM"),
+    (dict(qkv_bias=True), "Qwen2ForCausalLM"),
+    (dict(qk_norm=True), "Qwen3ForCausalLM"),
+    (dict(qk_norm=True, qkv_bias=True, o_bias=True), "Qwen3ForCausalLM"),
+])
+def test_config_flags_choose_the_architecture(flags, architecture):
+    config = nanoq.ModelConfig(**dict(NANOQ_CONFIG["llama"], **flags))
+    written = hf_config_dict(config, 64)
+    assert written["architectures"] == [architecture]
+    read_back = nanoq.ModelConfig.from_hf_dict(written)
+    assert (read_back.qkv_bias, read_back.o_bias, read_back.qk_norm) == (config.qkv_bias, config.o_bias,
+                                                                         config.qk_norm)
+
+
+@pytest.mark.parametrize("flags", [dict(o_bias=True), dict(qk_norm=True, qkv_bias=True)])
+def test_config_without_hf_architecture_is_refused(flags, tmp_path):
+    config = nanoq.ModelConfig(**dict(NANOQ_CONFIG["llama"], **flags))
+    with pytest.raises(ValueError, match="bias"):
+        hf_config_dict(config, 64)
+    with pytest.raises(ValueError, match="bias"):
+        write_model(tmp_path / "model", {}, config, max_position_embeddings=64)
+    assert os.listdir(tmp_path) == []
+
+
+def _word_tokenizer(directory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 128)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    os.makedirs(directory)
+    tokenizer.save(os.path.join(directory, "tokenizer.json"))
+    json.dump({"eos_token": "</s>"}, open(os.path.join(directory, "tokenizer_config.json"), "w"))
+    json.dump({"eos_token": "</s>"}, open(os.path.join(directory, "special_tokens_map.json"), "w"))
+    return str(directory)
+
+
+def test_tokenizer_files_are_copied_and_eos_detected(trained, tmp_path):
+    run = trained("llama")
+    tokenizer_dir = _word_tokenizer(tmp_path / "tokenizer")
+    out = write_model(tmp_path / "model", run.weights, run.config, max_position_embeddings=16,
+                      tokenizer_dir=tokenizer_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        assert open(os.path.join(out, name), "rb").read() == open(os.path.join(tokenizer_dir, name), "rb").read()
+    assert json.load(open(os.path.join(out, "config.json")))["eos_token_id"] == 2
+    explicit = write_model(tmp_path / "explicit", run.weights, run.config, max_position_embeddings=16,
+                           tokenizer_dir=tokenizer_dir, eos_token_id=1)
+    assert json.load(open(os.path.join(explicit, "config.json")))["eos_token_id"] == 1
+
+
+def test_cli_export_explains_a_missing_checkpoint(tmp_path):
+    from nanoq_cli.main import cli
+
+    result = CliRunner().invoke(cli, ["export", str(tmp_path / "nothing"), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1
+    assert "no checkpoint at" in result.output and str(tmp_path / "nothing") in result.output
+    result = CliRunner().invoke(cli, ["export", str(tmp_path), "-o", str(tmp_path / "out"),
+                                      "--max-shard-size", "5XB"])
+    assert result.exit_code == 2 and "5XB" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_checkpoint_writes_the_checkpointed_weights(checkpoints, tmp_path):
+    pytest.importorskip("nanoq.checkpoint")
+    from nanoq_cli.main import cli
+
+    with open_trainer(checkpoints.path("qwen3")) as trainer:
+        run_steps(trainer, [random_batch(np.random.default_rng(1), rows=2)], lr=1e-2)
+        trainer.save_checkpoint(tmp_path / "ckpt", step=1)
+        weights = trainer.get_weights()
+        config = trainer.config
+    out = export_checkpoint(tmp_path / "ckpt", tmp_path / "model")
+    assert nanoq.ModelConfig.from_pretrained(out).to_core() == config.to_core()
+    assert_same_tensors(dict(iter_weights(out)), weights, "exported checkpoint weight")
+
+    result = CliRunner().invoke(cli, ["export", str(tmp_path / "ckpt"), "-o", str(tmp_path / "cli"),
+                                      "--max-shard-size", "20KB"])
+    assert result.exit_code == 0, result.output
+    assert os.path.exists(tmp_path / "cli" / "model.safetensors.index.json")
+    assert_same_tensors(dict(iter_weights(tmp_path / "cli")), weights, "CLI-exported weight")
+    result = CliRunner().invoke(cli, ["export", str(tmp_path / "model"), "-o", str(tmp_path / "bad")])
+    assert result.exit_code == 1 and "cannot export" in result.output
+
+
+@pytest.mark.parametrize("declared, written", [(None, 16), (8, 16), (4096, 4096)])
+def test_exported_context_is_the_declared_one_or_the_trained_seq_len(tmp_path, declared, written):
+    config = nanoq.ModelConfig(**NANOQ_CONFIG["llama"], max_position_embeddings=declared)
+    with nanoq.Trainer(config, nanoq.TrainOptions(backend="cpu", seq_len=16)) as trainer:
+        out = trainer.export_model(tmp_path / "model")
+    assert json.load(open(os.path.join(out, "config.json")))["max_position_embeddings"] == written
