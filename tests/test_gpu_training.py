@@ -1,0 +1,395 @@
+"""The cuda backend against the cpu backend (itself checked against PyTorch in
+test_reference.py), on a real GPU.
+
+Every test is marked ``gpu``: ``pytest -m gpu`` runs them. Without a GPU they
+skip; on a machine with a GPU they fail if the cuda backend is not usable
+(conftest's cuda_device fixture), so a broken build cannot pass as skipped.
+
+Tolerances. dtype "fp32" on cuda computes like the cpu backend up to the order
+of fp32 sums (cuBLASLt with CUBLAS_COMPUTE_32F, no TF32), so it is held to
+the bounds test_reference.py uses against PyTorch: loss within 2e-5, every
+gradient within 1e-4 of its tensor's max |grad|, weights after 10 AdamW steps
+within 5e-4 of max |w| (Adam turns rounding in near-zero gradients into
+O(lr) updates). dtype "bf16" (fp32 master weights) is compared with the fp32
+cpu run loosely: on these models PyTorch's bf16 autocast stays within 3e-3 of
+fp32 over 10 steps at lr 3e-3, and nanoq keeps activations in bf16 too, so
+the bound is 2e-2.
+
+Sizes are small (each test well under 30 s on an H200, most under a second
+once the CUDA context exists); the cpu reference runs next to each one.
+"""
+
+import numpy as np
+import pytest
+
+import nanoq
+from nanoq.backends import device_count
+from conftest import (
+    IGNORE,
+    SEQ,
+    VOCAB,
+    assert_same_tensors,
+    assert_tensors_close,
+    open_trainer,
+    random_batch,
+)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_device")]
+
+LOSS_REL = 2e-5
+GRAD_REL = 1e-4
+TRAIN_LOSS_REL = 1e-4
+WEIGHT_REL = 5e-4
+BF16_LOSS_REL = 2e-2
+
+# The variants of conftest.MODEL_VARIANTS that a GPU run must cover.
+GPU_VARIANTS = ["llama", "llama_tied", "qwen2", "qwen3"]
+# Alternating clip settings: always clips (norms are ~3-7), disabled, never clips.
+CLIP_SCHEDULE = [1.0, 0.0, 1.0, 100.0, 1.0, 1.0, 0.0, 100.0, 1.0, 1.0]
+
+
+def cuda_options(dtype="fp32", master_dtype="fp32", optimizer_dtype="fp32", devices=1, batch_size=4,
+                 seq_len=SEQ, grad_accum=1, seed=0, z_loss=0.0):
+    return nanoq.TrainOptions(backend="cuda", dtype=dtype, master_dtype=master_dtype,
+                              optimizer_dtype=optimizer_dtype, devices=devices, batch_size=batch_size,
+                              seq_len=seq_len, grad_accum=grad_accum, seed=seed, z_loss=z_loss)
+
+
+def open_cuda_trainer(checkpoint, **options):
+    """A cuda trainer with the checkpoint's config and weights imported."""
+    trainer = nanoq.Trainer(nanoq.ModelConfig.from_pretrained(checkpoint), cuda_options(**options))
+    trainer.import_weights(checkpoint)
+    return trainer
+
+
+def assert_close(actual, expected, rel, what):
+    assert abs(actual - expected) <= rel * abs(expected), (
+        f"{what}: {actual!r} vs {expected!r} (rel err {abs(actual - expected) / abs(expected):.2e} > {rel:g})")
+
+
+def assert_same_stats(a, b, what):
+    """Every field bitwise equal (nan equals nan: validate() has no grad_norm)."""
+    for name, x in vars(a).items():
+        y = getattr(b, name)
+        assert x == y or (x != x and y != y), f"{what}: {name} {x!r} != {y!r}"
+
+
+def assert_stats_close(stats, ref, rel, what):
+    assert stats.tokens == ref.tokens, f"{what}: tokens {stats.tokens} != {ref.tokens}"
+    assert_close(stats.loss, ref.loss, rel, f"{what} loss")
+    assert_close(stats.lse_max, ref.lse_max, rel, f"{what} lse_max")
+    assert_close(stats.lse_mean, ref.lse_mean, rel, f"{what} lse_mean")
+
+
+# --------------------------------------------------------------------------
+# fp32: the cuda backend computes what the cpu backend computes
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", GPU_VARIANTS)
+def test_fp32_loss_and_every_gradient_match_cpu(checkpoints, variant):
+    batch = random_batch(np.random.default_rng(1), rows=4, mask_frac=0.1)
+    results = []
+    for trainer in (open_trainer(checkpoints.path(variant), batch_size=4),
+                    open_cuda_trainer(checkpoints.path(variant))):
+        with trainer:
+            trainer.step(*batch)
+            gradients = trainer.get_gradients()
+            results.append((trainer.update(lr=1e-3), gradients))
+    (cpu_stats, cpu_grads), (cuda_stats, cuda_grads) = results
+    assert_stats_close(cuda_stats, cpu_stats, LOSS_REL, f"{variant}")
+    assert_close(cuda_stats.grad_norm, cpu_stats.grad_norm, GRAD_REL, f"{variant} grad_norm")
+    assert_tensors_close(cuda_grads, cpu_grads, GRAD_REL, f"{variant} cuda grad")
+
+
+@pytest.mark.parametrize("variant", GPU_VARIANTS)
+def test_fp32_ten_adamw_steps_match_cpu(checkpoints, variant):
+    rng = np.random.default_rng(10)
+    batches = [random_batch(rng, rows=4, mask_frac=0.1) for _ in CLIP_SCHEDULE]
+    runs = []
+    for trainer in (open_trainer(checkpoints.path(variant), batch_size=4),
+                    open_cuda_trainer(checkpoints.path(variant))):
+        with trainer:
+            stats = []
+            for batch, clip in zip(batches, CLIP_SCHEDULE):
+                trainer.step(*batch)
+                stats.append(trainer.update(lr=1e-3, weight_decay=0.1, grad_clip=clip))
+            runs.append((stats, trainer.get_weights()))
+    (cpu_stats, cpu_weights), (cuda_stats, cuda_weights) = runs
+    for step, (c, g) in enumerate(zip(cpu_stats, cuda_stats)):
+        assert_stats_close(g, c, TRAIN_LOSS_REL, f"{variant} step {step}")
+        assert_close(g.grad_norm, c.grad_norm, GRAD_REL, f"{variant} step {step} grad_norm")
+    assert_tensors_close(cuda_weights, cpu_weights, WEIGHT_REL, f"{variant} cuda weight after 10 steps")
+
+
+def test_fp32_z_loss_masking_accumulation_and_validate_match_cpu(checkpoints):
+    """The classifier's z-loss gradient, ignored targets (a whole row among
+    them), a mean over two micro-batches, and validate() on the held-out batch."""
+    rng = np.random.default_rng(2)
+    micro_batches = [random_batch(rng, rows=4, mask_frac=f) for f in (0.4, 0.0)]
+    micro_batches[0][1][2, :] = IGNORE
+    held_out = random_batch(rng, rows=4, mask_frac=0.2)
+    path = checkpoints.path("llama_tied")
+    results = []
+    for trainer in (open_trainer(path, batch_size=4, grad_accum=2, z_loss=2e-2),
+                    open_cuda_trainer(path, grad_accum=2, z_loss=2e-2)):
+        with trainer:
+            for batch in micro_batches:
+                trainer.step(*batch)
+            validation = trainer.validate(*held_out)
+            gradients = trainer.get_gradients()
+            results.append((trainer.update(lr=1e-3), validation, gradients))
+    (cpu_stats, cpu_val, cpu_grads), (cuda_stats, cuda_val, cuda_grads) = results
+    assert cpu_stats.z_loss > 0.1, f"z-loss {cpu_stats.z_loss} too small to test anything"
+    assert_stats_close(cuda_stats, cpu_stats, LOSS_REL, "train")
+    assert_close(cuda_stats.z_loss, cpu_stats.z_loss, LOSS_REL, "z_loss")
+    assert_close(cuda_stats.loss_1k, cpu_stats.loss_1k, LOSS_REL, "loss_1k")
+    assert_stats_close(cuda_val, cpu_val, LOSS_REL, "validate")
+    assert_tensors_close(cuda_grads, cpu_grads, GRAD_REL, "z-loss/masked/accumulated cuda grad")
+
+
+# Head dims the attention kernel pads to (64, 128, 256), a sequence that is
+# not a multiple of its 32-token tiles, and a vocabulary that is not a
+# multiple of any power of two above 8.
+REALISTIC_SHAPES = {
+    "qwen2_like_hd64": dict(head_dim=64, qkv_bias=True),
+    "qwen3_like_hd128": dict(head_dim=128, qk_norm=True),
+    "llama_like_hd256": dict(head_dim=256),
+}
+
+
+@pytest.mark.parametrize("shape", list(REALISTIC_SHAPES))
+def test_fp32_and_bf16_match_cpu_at_realistic_head_dims(shape):
+    config = nanoq.ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6,
+                               **REALISTIC_SHAPES[shape])
+    seq_len = 300
+    batch = random_batch(np.random.default_rng(3), rows=2, seq_len=seq_len, vocab=1000, mask_frac=0.05)
+    results = {}
+    for name, options in (
+            ("cpu", nanoq.TrainOptions(backend="cpu", batch_size=2, seq_len=seq_len)),
+            ("cuda fp32", cuda_options(batch_size=2, seq_len=seq_len)),
+            ("cuda bf16", cuda_options(dtype="bf16", batch_size=2, seq_len=seq_len))):
+        with nanoq.Trainer(config, options) as trainer:  # the same seeded init on every backend
+            trainer.step(*batch)
+            gradients = trainer.get_gradients()
+            results[name] = (trainer.update(lr=1e-3), gradients)
+    cpu_stats, cpu_grads = results["cpu"]
+    fp32_stats, fp32_grads = results["cuda fp32"]
+    bf16_stats, bf16_grads = results["cuda bf16"]
+    assert_stats_close(fp32_stats, cpu_stats, LOSS_REL, f"{shape} fp32")
+    assert_tensors_close(fp32_grads, cpu_grads, GRAD_REL, f"{shape} fp32 cuda grad")
+    assert_close(bf16_stats.loss, cpu_stats.loss, BF16_LOSS_REL, f"{shape} bf16 loss")
+    assert_close(bf16_stats.grad_norm, cpu_stats.grad_norm, 0.1, f"{shape} bf16 grad_norm")
+
+
+# --------------------------------------------------------------------------
+# bf16
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", GPU_VARIANTS)
+def test_bf16_losses_track_fp32_cpu_and_fall_on_a_learnable_batch(checkpoints, variant):
+    """One batch repeated 10 times at lr 3e-3: the fp32 loss falls from ~6
+    to ~1; bf16 (fp32 master weights and AdamW state) must follow it."""
+    batch = random_batch(np.random.default_rng(11), rows=4)
+    losses = []
+    for trainer in (open_trainer(checkpoints.path(variant), batch_size=4),
+                    open_cuda_trainer(checkpoints.path(variant), dtype="bf16")):
+        with trainer:
+            run = []
+            for _ in range(10):
+                trainer.step(*batch)
+                run.append(trainer.update(lr=3e-3, weight_decay=0.1, grad_clip=1.0).loss)
+            losses.append(run)
+    cpu_losses, bf16_losses = losses
+    for step, (c, b) in enumerate(zip(cpu_losses, bf16_losses)):
+        assert_close(b, c, BF16_LOSS_REL, f"{variant} bf16 step {step} (cpu fp32 losses {cpu_losses}, "
+                                          f"bf16 {bf16_losses})")
+    assert bf16_losses[-1] < 0.5 * bf16_losses[0], f"{variant}: bf16 loss did not fall: {bf16_losses}"
+
+
+def _bytes_by_context(allocations):
+    out = {}
+    for a in allocations:
+        out[a["context"]] = out.get(a["context"], 0) + a["bytes"]
+    return out
+
+
+def test_bf16_master_weights_and_bf16_adam_state_train(checkpoints):
+    path = checkpoints.path("qwen3")
+    batch = random_batch(np.random.default_rng(12), rows=4)
+    with open_cuda_trainer(path, dtype="bf16", master_dtype="bf16", optimizer_dtype="bf16") as trainer:
+        losses = []
+        for _ in range(10):
+            trainer.step(*batch)
+            stats = trainer.update(lr=1e-2, weight_decay=0.1, grad_clip=1.0)
+            assert np.isfinite(stats.loss) and np.isfinite(stats.grad_norm), stats
+            losses.append(stats.loss)
+        n_params = sum(w.size for w in trainer.get_weights().values())
+        by_context = _bytes_by_context(trainer.get_allocations(0))
+    assert losses[-1] < 0.8 * losses[0], f"bf16 master/optimizer: loss did not fall: {losses}"
+    # bf16 master weights are the weights themselves; the moments are 2 bytes each.
+    assert "master" not in by_context, f"a separate master copy was allocated: {by_context}"
+    for context in ("weights", "adam-m", "adam-v"):
+        assert 2 * n_params <= by_context[context] < 3 * n_params, (
+            f"{context}: {by_context[context]} bytes for {n_params} bf16 parameters")
+
+
+# --------------------------------------------------------------------------
+# Device arrays (cupy) as batches
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cupy_batch_gives_bitwise_the_numpy_result(checkpoints, dtype):
+    cupy = pytest.importorskip("cupy")
+    rng = np.random.default_rng(13)
+    train, held_out = random_batch(rng, rows=4, mask_frac=0.1), random_batch(rng, rows=4, mask_frac=0.1)
+    path = checkpoints.path("qwen2")
+    runs = {}
+    for kind in ("numpy", "cupy"):
+        convert = cupy.asarray if kind == "cupy" else (lambda a: a)
+        with open_cuda_trainer(path, dtype=dtype) as trainer:
+            validation = trainer.validate(*map(convert, held_out))
+            trainer.step(*map(convert, train))
+            gradients = trainer.get_gradients()
+            runs[kind] = (validation, trainer.update(lr=1e-3), gradients, trainer.get_weights())
+    (nv, ns, ng, nw), (cv, cs, cg, cw) = runs["numpy"], runs["cupy"]
+    assert_same_stats(cv, nv, f"{dtype} validate, cupy vs numpy batch")
+    assert_same_stats(cs, ns, f"{dtype} update, cupy vs numpy batch")
+    assert_same_tensors(cg, ng, f"{dtype} cupy-batch grad")
+    assert_same_tensors(cw, nw, f"{dtype} cupy-batch weight")
+
+
+def test_bad_device_batches_raise_before_the_core_and_leave_the_trainer_usable(checkpoints):
+    cupy = pytest.importorskip("cupy")
+    inputs, targets = random_batch(np.random.default_rng(14), rows=4)
+    good_inputs, good_targets = cupy.asarray(inputs), cupy.asarray(targets)
+    with open_cuda_trainer(checkpoints.path("llama")) as trainer:
+        with pytest.raises(TypeError, match="int32"):
+            trainer.step(good_inputs.astype(cupy.int64), good_targets)
+        with pytest.raises(TypeError, match="int32"):
+            trainer.validate(good_inputs, good_targets.astype(cupy.int64))
+        with pytest.raises(ValueError, match="shape"):
+            trainer.step(good_inputs[:, :-1].copy(), good_targets[:, :-1].copy())
+        with pytest.raises(ValueError, match="contiguous"):
+            wide = cupy.zeros((4, 2 * SEQ), dtype=cupy.int32)
+            trainer.step(wide[:, ::2], good_targets)
+        with pytest.raises(TypeError, match="both"):
+            trainer.step(good_inputs, targets)
+
+        bad_inputs = good_inputs.copy()
+        bad_inputs[1, 5] = VOCAB + 5
+        with pytest.raises(ValueError, match=rf"token id {VOCAB + 5} .*inputs\[1, 5\]"):
+            trainer.step(bad_inputs, good_targets)
+        bad_targets = good_targets.copy()
+        bad_targets[2, 3] = -7  # negative and not -100
+        with pytest.raises(ValueError, match=r"token id -7 .*targets\[2, 3\]"):
+            trainer.validate(good_inputs, bad_targets)
+
+        masked_targets = good_targets.copy()
+        masked_targets[0, :] = IGNORE  # -100 is allowed in targets
+        trainer.step(good_inputs, masked_targets)
+        stats = trainer.update(lr=1e-3)
+    assert stats.tokens == 3 * SEQ, f"counted {stats.tokens} tokens, expected {3 * SEQ}"
+    assert np.isfinite(stats.loss), stats
+
+
+# --------------------------------------------------------------------------
+# Reproducibility and devices
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_two_identical_runs_are_bitwise_identical(checkpoints, dtype):
+    rng = np.random.default_rng(15)
+    batches = [random_batch(rng, rows=4, mask_frac=0.1) for _ in range(6)]
+    runs = []
+    for _ in range(2):
+        with open_cuda_trainer(checkpoints.path("qwen3"), dtype=dtype, grad_accum=2) as trainer:
+            stats = []
+            for first, second in zip(batches[::2], batches[1::2]):
+                trainer.step(*first)
+                trainer.step(*second)
+                stats.append(trainer.update(lr=1e-3))
+            runs.append((stats, trainer.get_weights()))
+    (stats_a, weights_a), (stats_b, weights_b) = runs
+    for step, (a, b) in enumerate(zip(stats_a, stats_b)):
+        assert_same_stats(a, b, f"{dtype} update {step} of the second run")
+    assert_same_tensors(weights_a, weights_b, f"{dtype} weight of the second run")
+
+
+def test_two_devices_match_one_device(checkpoints):
+    if device_count("cuda") < 2:
+        pytest.skip("needs 2 GPUs")
+    rng = np.random.default_rng(16)
+    batches = [random_batch(rng, rows=4, mask_frac=0.2) for _ in range(3)]
+    runs = []
+    for devices in (1, 2):
+        with open_cuda_trainer(checkpoints.path("llama"), devices=devices, batch_size=4 // devices) as trainer:
+            stats = []
+            for batch in batches:
+                trainer.step(*batch)
+                stats.append(trainer.update(lr=1e-3))
+            runs.append((stats, trainer.get_weights()))
+    (one_stats, one_weights), (two_stats, two_weights) = runs
+    for step, (one, two) in enumerate(zip(one_stats, two_stats)):
+        assert_stats_close(two, one, LOSS_REL, f"2 GPUs update {step}")
+        assert_close(two.grad_norm, one.grad_norm, GRAD_REL, f"2 GPUs update {step} grad_norm")
+    assert_tensors_close(two_weights, one_weights, WEIGHT_REL, "2-GPU weight")
+
+
+# --------------------------------------------------------------------------
+# Memory
+# --------------------------------------------------------------------------
+
+
+def _free_gpu_bytes() -> int:
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).free)
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def test_allocations_list_device_segments_that_the_gpu_really_holds():
+    """~45M parameters in bf16 with fp32 master weights: every context is a
+    device segment of the expected size, the GPU's free memory drops by at
+    least their sum, and close() gives it back."""
+    config = nanoq.ModelConfig(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                               num_attention_heads=8, num_key_value_heads=4)
+    options = cuda_options(dtype="bf16", batch_size=4, seq_len=512)
+    with nanoq.Trainer(config, cuda_options(seq_len=8)):
+        pass  # creates the CUDA context and library handles outside the measurement
+    free_before = _free_gpu_bytes()
+    trainer = nanoq.Trainer(config, options)
+    try:
+        inputs, targets = random_batch(np.random.default_rng(17), rows=4, seq_len=512, vocab=32000)
+        trainer.step(inputs, targets)
+        trainer.update(lr=1e-3)
+        free_during = _free_gpu_bytes()
+        allocations = trainer.get_allocations(0)
+        n_params = sum(w.size for w in trainer.get_weights().values())
+    finally:
+        trainer.close()
+    free_after = _free_gpu_bytes()
+
+    device = [a for a in allocations if a["kind"] == "device"]
+    by_context = _bytes_by_context(device)
+    for context in ("weights", "master", "gradients", "adam-m", "adam-v", "activations"):
+        assert by_context.get(context, 0) > 0, f"no device segment for {context}: {by_context}"
+    for a in allocations:
+        assert a["name"] and a["bytes"] > 0 and a["kind"] in ("device", "pinned", "host"), a
+    assert 2 * n_params <= by_context["weights"] < 3 * n_params, f"bf16 weights: {by_context}, {n_params} params"
+    for context in ("master", "adam-m", "adam-v"):
+        assert 4 * n_params <= by_context[context] < 5 * n_params, f"fp32 {context}: {by_context}, {n_params} params"
+    device_total = sum(by_context.values())
+    taken = free_before - free_during
+    assert taken >= 0.95 * device_total, (
+        f"the GPU lost {taken / 2**20:.1f} MiB but the allocations list {device_total / 2**20:.1f} MiB")
+    leaked = free_before - free_after
+    assert leaked < 256 * 2**20, f"{leaked / 2**20:.1f} MiB not returned by close() " \
+                                 f"(the trainer held {device_total / 2**20:.1f} MiB)"
