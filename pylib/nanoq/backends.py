@@ -41,7 +41,8 @@ def device_count(name: str) -> int:
     return _core.device_count(name)
 
 
-def _gpu_names() -> list[str]:
+def gpu_names() -> list[str]:
+    """Names of the NVIDIA GPUs NVML sees (empty without NVML or a driver)."""
     try:
         import pynvml
     except ImportError:
@@ -78,7 +79,7 @@ def backends() -> list[dict]:
             elif entry["devices"] == 0 and not entry["detail"]:
                 entry["detail"] = "no usable GPU (no device or no driver)"
             elif entry["devices"]:
-                entry["detail"] = ", ".join(_gpu_names())
+                entry["detail"] = ", ".join(gpu_names())
         report.append(entry)
     return report
 

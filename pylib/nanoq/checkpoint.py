@@ -34,6 +34,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from nanoq.durable import fsync_path, write_json
 from nanoq.hf_io import read_safetensors
 
 FORMAT_VERSION = 1
@@ -57,19 +58,6 @@ def step_dir_name(step: int) -> str:
 
 
 # -- writing -----------------------------------------------------------------
-
-def _fsync_file(path: str) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 class _RootLock:
     """Exclusive lock on a checkpoint root, across processes."""
@@ -103,15 +91,7 @@ def _save_tensors(path: str, tensors: Dict[str, np.ndarray]) -> None:
 
     save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}, path,
               metadata={"format": "pt"})
-    _fsync_file(path)
-
-
-def _write_json(path: str, value) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=2, allow_nan=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+    fsync_path(path)
 
 
 def save_checkpoint(trainer, root: str | os.PathLike, step: int, extra_state: Optional[dict] = None, *,
@@ -140,9 +120,9 @@ def save_checkpoint(trainer, root: str | os.PathLike, step: int, extra_state: Op
         os.mkdir(partial)
         try:
             _write_checkpoint(trainer, partial, step, extra_state, tokenizer_dir)
-            _fsync_dir(partial)
+            fsync_path(partial)
             os.rename(partial, final)
-            _fsync_dir(root)
+            fsync_path(root)
             _point_latest(root, step_dir_name(step))
         except BaseException as e:
             shutil.rmtree(partial, ignore_errors=True)
@@ -168,7 +148,7 @@ def _write_checkpoint(trainer, directory: str, step: int, extra_state: dict, tok
     _save_tensors(os.path.join(directory, OPTIMIZER_FILE), optimizer)
     files = {name: os.path.getsize(os.path.join(directory, name)) for name in (WEIGHTS_FILE, OPTIMIZER_FILE)}
     options = dict(vars(trainer.options), backend=trainer.backend, dtype=trainer.dtype)
-    _write_json(os.path.join(directory, STATE_FILE), dict(
+    write_json(os.path.join(directory, STATE_FILE), dict(
         format_version=FORMAT_VERSION,
         nanoq_version=nanoq.__version__,
         step=step,
@@ -191,7 +171,7 @@ def _point_latest(root: str, name: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(temporary, os.path.join(root, LATEST))
-    _fsync_dir(root)
+    fsync_path(root)
 
 
 # -- finding and reading -------------------------------------------------------

@@ -19,7 +19,6 @@ renamed).
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import warnings
@@ -28,6 +27,7 @@ from typing import Dict, Optional
 import numpy as np
 
 from nanoq.config import ModelConfig
+from nanoq.durable import fsync_path, write_json
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -106,20 +106,6 @@ def _shards(tensors: Dict[str, np.ndarray], max_shard_bytes: int) -> list[dict]:
     return shards
 
 
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json(path: str, value: dict) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=2, sort_keys=True)
-        f.write("\n")
-
-
 def _tokenizer_eos_id(tokenizer_dir: str) -> Optional[int]:
     """The tokenizer's end-of-sequence id (see nanoq.tokenization.find_eos_id), or None."""
     from nanoq.tokenization import find_eos_id, load_tokenizer
@@ -170,7 +156,7 @@ def write_model(directory: str | os.PathLike, weights: Dict[str, np.ndarray], co
     os.makedirs(partial)
     try:
         written = []
-        _write_json(os.path.join(partial, "config.json"), hf_config)
+        write_json(os.path.join(partial, "config.json"), hf_config, sort_keys=True)
         written.append("config.json")
         shards = _shards(tensors, max_shard_bytes)
         if len(shards) == 1:
@@ -184,8 +170,8 @@ def write_model(directory: str | os.PathLike, weights: Dict[str, np.ndarray], co
                 weight_map.update(dict.fromkeys(shard, file))
                 written.append(file)
             total = sum(array.nbytes for array in tensors.values())
-            _write_json(os.path.join(partial, INDEX_FILE), {"metadata": {"total_size": total},
-                                                            "weight_map": weight_map})
+            write_json(os.path.join(partial, INDEX_FILE), {"metadata": {"total_size": total},
+                                                           "weight_map": weight_map}, sort_keys=True)
             written.append(INDEX_FILE)
         if tokenizer_dir is not None:
             for name in TOKENIZER_FILES:
@@ -193,13 +179,13 @@ def write_model(directory: str | os.PathLike, weights: Dict[str, np.ndarray], co
                     shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(partial, name))
                     written.append(name)
         for name in written:
-            _fsync_file(os.path.join(partial, name))
-        _fsync_file(partial)
+            fsync_path(os.path.join(partial, name))
+        fsync_path(partial)
         os.rename(partial, directory)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    _fsync_file(os.path.dirname(directory))
+    fsync_path(os.path.dirname(directory))
     return directory
 
 

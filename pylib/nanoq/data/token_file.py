@@ -29,6 +29,8 @@ from typing import List, Optional
 
 import numpy as np
 
+from nanoq.durable import fsync_path
+
 MAGIC = b"BIN.TOK\n"
 VERSION = 2
 BYTES_PER_TOKEN = 4
@@ -113,21 +115,7 @@ def _write_validated(path: str, tokens: np.ndarray, vocab_size: int, mask: Optio
         if os.path.exists(temporary):
             os.remove(temporary)
         raise
-    _fsync_directory(os.path.dirname(os.path.abspath(path)))
-
-
-def _fsync_directory(directory: str) -> None:
-    """Makes a rename durable (POSIX); a no-op where directories cannot be opened."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
 def write_tokens(path, tokens, vocab_size: int, mask=None) -> None:

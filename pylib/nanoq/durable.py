@@ -1,0 +1,28 @@
+"""Making writes durable: fsync of files and folders, and JSON written to disk.
+
+Everything nanoq writes that must survive a crash (token files, checkpoints,
+exported models) is built under a temporary name, fsynced with these, and
+renamed into place; the folder holding it is fsynced after the rename.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file, or a folder (which makes renames inside it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: str | os.PathLike, value, **dump_options) -> None:
+    """Writes ``value`` as indented JSON (no NaN/inf) and fsyncs the file."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=2, allow_nan=False, **dump_options)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
