@@ -51,7 +51,15 @@ def test_demo_runs_with_no_data_settings(tmp_path):
     assert "demo corpus: 12 Shakespeare plays" in result.output
     assert "eval @ step 0: loss" in result.output and "eval @ step 2: loss" in result.output
     (run,) = os.listdir(tmp_path)
-    assert sorted(os.listdir(tmp_path / run)) == ["config.toml", "data", "log.jsonl", "model"]
+    assert sorted(os.listdir(tmp_path / run)) == ["checkpoints", "config.toml", "data", "log.jsonl", "model"]
+
+    # --resume alone finds this run (the newest in out_dir with a checkpoint) and reuses its corpus.
+    result = invoke("train", *TINY_MODEL, "--steps", "3", "--warmup_steps", "0", "--eval_batches", "1",
+                    "--out_dir", tmp_path, "--resume")
+    assert result.exit_code == 0, result.output
+    assert f"resuming from {tmp_path / run / 'checkpoints' / 'step_00000002'} at step 2" in result.output
+    assert f"demo corpus: {tmp_path / run / 'data'}" in result.output and "step 3/3 | loss" in result.output
+    assert os.listdir(tmp_path) == [run] and os.path.isdir(tmp_path / run / "model-step3")
 
 
 def test_print_config_merges_defaults_file_and_flags(tmp_path):

@@ -138,7 +138,7 @@ def test_training_logs_every_step_and_eval_and_lowers_the_eval_loss(tmp_path):
     result = train(tiny_config(tmp_path), say=lines.append, progress=False)
     records = [json.loads(line) for line in open(result.log_path)]
     assert [r["type"] for r in records] == ["start", "eval"] + ["train"] * 4 + ["eval"] + ["train"] * 4 + \
-        ["eval", "end"]
+        ["checkpoint", "eval", "end"]
     train_records = [r for r in records if r["type"] == "train"]
     assert [r["step"] for r in train_records] == list(range(1, 9))
     assert [r["tokens"] for r in train_records] == [4 * 16 * 2 * s for s in range(1, 9)]
@@ -152,7 +152,7 @@ def test_training_logs_every_step_and_eval_and_lowers_the_eval_loss(tmp_path):
     assert records[0]["parameters"] == result.parameters
     assert sum(line.startswith("step ") for line in lines) == 8
     assert any(line.startswith("eval @ step 8: loss") for line in lines)
-    assert sorted(os.listdir(result.run_dir)) == ["config.toml", "log.jsonl", "model"]
+    assert sorted(os.listdir(result.run_dir)) == ["checkpoints", "config.toml", "log.jsonl", "model"]
     assert load_config(os.path.join(result.run_dir, "config.toml")) == tiny_config(tmp_path)
 
 
@@ -173,17 +173,6 @@ def test_exported_model_loads_in_transformers_with_the_same_loss(tmp_path):
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
                                                  torch.from_numpy(windows[:, 1:]).long().reshape(-1))
     assert float(loss) == pytest.approx(result.final_eval_loss, rel=1e-4)
-
-
-def test_checkpoint_hook_sees_the_step_trainer_and_loader(tmp_path):
-    seen = []
-
-    def hook(context):
-        seen.append((context.step, context.train_loader.position, len(context.trainer.get_weights())))
-
-    train(tiny_config(tmp_path, eval_every=0), on_checkpoint=hook, checkpoint_every=3, say=lambda line: None,
-          progress=False)
-    assert [(step, position) for step, position, _ in seen] == [(3, 3 * 4 * 2), (6, 6 * 4 * 2)]
 
 
 def test_a_named_run_is_never_overwritten(tmp_path):

@@ -42,8 +42,13 @@ def _setting_options(command):
 @cli.command(context_settings=dict(max_content_width=110))
 @click.argument("config_file", metavar="[CONFIG.toml]", required=False, type=click.Path(dir_okay=False))
 @click.option("--print-config", is_flag=True, help="Print the merged configuration as TOML and exit.")
+@click.option("--resume", is_flag=False, flag_value="auto", default=None, metavar="[auto|DIR]",
+              help="Continue from a checkpoint. DIR: a run directory, its checkpoints/ or a step directory. "
+              "auto (also --resume alone): <out_dir>/<run_name>, or without run_name the run in out_dir with "
+              "the newest checkpoint; a fresh run if there is none. Model and data settings must match the "
+              "checkpoint's; other changes (steps, lr, ...) are applied and reported.")
 @_setting_options
-def train(config_file, print_config, **flags):
+def train(config_file, print_config, resume, **flags):
     """Train a model. Settings come from the defaults (the demo), then
     CONFIG.toml, then the flags; see configs/example.toml."""
     from nanoq.training import load_config
@@ -57,14 +62,18 @@ def train(config_file, print_config, **flags):
     if print_config:
         click.echo(config.to_toml(), nl=False)
         return
+    if resume is not None and resume.endswith(".toml") and os.path.isfile(resume):
+        raise click.UsageError(f"--resume took {resume!r} as its DIR; put CONFIG.toml first "
+                               f"(nanoq train {resume} --resume) or write --resume auto")
     import nanoq
 
     try:
-        run_training(config)
+        run_training(config, resume=resume)
     except (ValueError, TypeError, FileNotFoundError, FileExistsError, nanoq.NanoqError) as e:
         raise _fail(e) from None
     except KeyboardInterrupt:
-        click.echo("interrupted: no final model written; the log so far is in the run directory", err=True)
+        click.echo("interrupted: no final model written; the log and checkpoints so far are in the run "
+                   "directory (the same command with --resume continues from the last checkpoint)", err=True)
         sys.exit(130)
 
 

@@ -7,20 +7,22 @@
 
 - config:   TrainConfig, the schema of every setting (TOML file, flags, docs)
 - schedule: learning_rate(step, ...), cosine / linear / wsd / constant with warmup
-- loop:     train(config) -> TrainResult, evaluate(...), the checkpoint hook; the final
-            model is written by nanoq.hf_export
+- loop:     train(config, resume=None | "auto" | path) -> TrainResult, evaluate(...):
+            checkpoints, resuming (FIXED_ON_RESUME: what a resumed run may not change);
+            the final model is written by nanoq.hf_export
 - log:      the JSONL run log and console lines
 """
 from nanoq.training.config import TrainConfig, load_config, schema_markdown, settings
 from nanoq.training.log import JsonlLog, read_log
-from nanoq.training.loop import CheckpointContext, TrainResult, evaluate, train
+from nanoq.training.loop import FIXED_ON_RESUME, TrainResult, config_changes, evaluate, train
 from nanoq.training.schedule import learning_rate
 
 __all__ = [
-    "CheckpointContext",
+    "FIXED_ON_RESUME",
     "JsonlLog",
     "TrainConfig",
     "TrainResult",
+    "config_changes",
     "evaluate",
     "learning_rate",
     "load_config",

@@ -23,7 +23,7 @@ import os
 import tomllib
 from typing import Any, Dict, List, Optional
 
-SECTIONS = ("model", "data", "train", "run")
+SECTIONS = ("model", "data", "train", "checkpoint", "run")
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
 BACKENDS = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16")
@@ -94,6 +94,14 @@ class TrainConfig:
     eval_every: int = setting("train", 40, "evaluate every N steps (and at step 0 and the end); 0 = only at "
                                            "the end", minimum=0)
     seed: int = setting("train", 0, "seed of the weights and the data order", minimum=0)
+
+    # -- checkpoint: <run>/checkpoints/step_XXXXXXXX, for --resume and nanoq export --
+    checkpoint_every: int = setting("checkpoint", 100, "save a checkpoint every N steps and after the last "
+                                                       "step; 0 = never", minimum=0)
+    keep_last: int = setting("checkpoint", 2, "checkpoints kept: the newest N (older ones are deleted)",
+                             minimum=1)
+    keep_every: int = setting("checkpoint", 0, "also keep every checkpoint whose step is divisible by N; "
+                                               "0 = none", minimum=0)
 
     # -- run: where and how ----------------------------------------------------
     backend: str = setting("run", "auto", "compute backend; auto = cuda if a GPU is usable, else cpu",

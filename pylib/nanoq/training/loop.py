@@ -1,16 +1,21 @@
-"""The training loop: data, schedule, evaluation, logs and the final Hugging Face model.
+"""The training loop: data, schedule, evaluation, checkpoints, logs and the final Hugging Face model.
 
 A run lives in its own directory ``<out_dir>/<run_name>``:
 
     config.toml     the merged configuration (``nanoq train config.toml`` repeats the run)
     log.jsonl       one JSON object per line (see nanoq.training.log)
     data/           the tokenized demo corpus (demo runs only)
+    checkpoints/    step_XXXXXXXX/ every checkpoint_every steps and after the last (see nanoq.checkpoint)
     model/          the final weights, a Hugging Face model directory (see nanoq.hf_export)
 
-Checkpoints: ``train(..., on_checkpoint=fn, checkpoint_every=N)`` calls
-``fn(CheckpointContext)`` after every N-th optimizer step, with the trainer
-and the data loader at that point; saving and resuming belong to the
-checkpoint code that plugs in here.
+Resuming (``train(config, resume="auto" | path)``) loads the newest checkpoint
+of a run and continues in that run's directory, appending to its log. A
+checkpoint's extra state holds what the loop needs besides the trainer: the
+next step, the data loader's position, tokens seen, the eval history and the
+run's config. The new config is compared with that config: settings that
+define the model or the stream of training windows must match (see
+``FIXED_ON_RESUME``); every other change is applied and reported, so a
+resumed run is bit for bit the uninterrupted one unless a setting changed.
 """
 from __future__ import annotations
 
@@ -21,33 +26,25 @@ import os
 import shutil
 import sys
 import time
-from typing import Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
+from nanoq.checkpoint import STATE_FILE, CheckpointError, list_checkpoints, read_state, step_dir_name
 from nanoq.config import ModelConfig, TrainOptions
 from nanoq.data import DataLoader, Dataset, EvalLoader
 from nanoq.trainer import Trainer
-from nanoq.training.config import TrainConfig
+from nanoq.training.config import Setting, TrainConfig, settings
 from nanoq.training.log import JsonlLog, eval_line, format_duration, train_line
 from nanoq.training.schedule import learning_rate
-
-
-@dataclasses.dataclass
-class CheckpointContext:
-    """What a checkpoint hook sees: ``step`` optimizer steps are done."""
-
-    step: int
-    run_dir: str
-    config: TrainConfig
-    trainer: Trainer
-    train_loader: DataLoader
 
 
 @dataclasses.dataclass
 class TrainResult:
     """The outcome of ``train``: where things are and how the losses went.
 
-    evals: [(step, mean eval loss)] in order; final_eval_loss is the last one
-    (None without eval data). parameters: number of model parameters.
+    evals: [(step, mean eval loss)] in order (a resumed run's include those
+    before its checkpoint); final_eval_loss is the last one (None without
+    eval data). parameters: number of model parameters. resumed_from: the
+    checkpoint this call continued from, or None.
     """
 
     run_dir: str
@@ -59,6 +56,7 @@ class TrainResult:
     final_eval_loss: Optional[float]
     evals: List[tuple]
     seconds: float
+    resumed_from: Optional[str] = None
 
 
 def _print(line: str) -> None:
@@ -95,7 +93,11 @@ def _data_paths(config: TrainConfig, run_dir: str, say: Callable[[str], None]):
                              "the demo corpus")
         from nanoq import demo
 
-        result = demo.prepare(os.path.join(run_dir, "data"))
+        directory = os.path.join(run_dir, "data")
+        if os.path.isfile(os.path.join(directory, "tokenize.json")):  # a resumed demo run: written complete
+            say(f"demo corpus: {directory}")
+            return os.path.join(directory, "train_*.bin"), os.path.join(directory, "eval_*.bin"), directory
+        result = demo.prepare(directory)
         say(f"demo corpus: {result.documents} Shakespeare plays, {result.train_tokens:,} train and "
             f"{result.eval_tokens:,} eval tokens (vocab {result.vocab_size})")
         return (os.path.join(result.output, "train_*.bin"), os.path.join(result.output, "eval_*.bin"),
@@ -134,10 +136,8 @@ def evaluate(trainer: Trainer, loader: EvalLoader, max_batches: int = 0) -> tupl
 
 
 def _setup(config: TrainConfig, run_dir: str, say: Callable[[str], None]):
-    """Writes config.toml, opens the data and checks it against the model:
-    (ModelConfig, TrainOptions, DataLoader, EvalLoader or None, tokenizer dir or None)."""
-    with open(os.path.join(run_dir, "config.toml"), "w", encoding="utf-8") as f:
-        f.write(config.to_toml())
+    """Opens the data and checks it against the model: (ModelConfig,
+    TrainOptions, DataLoader, EvalLoader or None, tokenizer dir or None)."""
     train_spec, eval_spec, tokenizer_dir = _data_paths(config, run_dir, say)
     train_set = Dataset(train_spec, config.seq_len)
     eval_set = Dataset(eval_spec, config.seq_len) if eval_spec else None
@@ -152,26 +152,220 @@ def _setup(config: TrainConfig, run_dir: str, say: Callable[[str], None]):
     return model, options, loader, eval_loader, tokenizer_dir
 
 
-def train(config: TrainConfig, *, on_checkpoint: Optional[Callable[[CheckpointContext], None]] = None,
-          checkpoint_every: int = 0, say: Callable[[str], None] = _print,
+# -- checkpoints and resuming -----------------------------------------------------
+
+CHECKPOINTS = "checkpoints"
+# Settings a resumed run must share with its checkpoint: they define the model,
+# or which training windows the data loader serves and in which order.
+FIXED_ON_RESUME = ("model.*", "data.train_data", "data.eval_data", "data.seq_len", "train.seed")
+# Where the run lives: a resumed run stays in its own directory, so these keep
+# the checkpoint's values and are never compared.
+_LOCATION = ("out_dir", "run_name")
+_STATE_KEYS = ("step", "tokens", "data_loader", "evals", "train_loss", "time", "config")
+
+
+@dataclasses.dataclass
+class _Progress:
+    """Where the loop stands; a checkpoint's extra state holds it with the loader's position and the config."""
+
+    step: int = 0                   # optimizer steps done, i.e. the index of the next step
+    tokens: int = 0                 # tokens fed to the model so far
+    evals: List[tuple] = dataclasses.field(default_factory=list)  # [(step, eval loss)]
+    train_loss: float = math.nan    # loss of the last step
+    time: float = 0.0               # seconds of training so far, earlier processes included
+
+
+def _json_float(value: float) -> Optional[float]:
+    return value if math.isfinite(value) else None
+
+
+def _extra_state(progress: _Progress, loader: DataLoader, config: TrainConfig) -> dict:
+    return dict(step=progress.step, tokens=progress.tokens, data_loader=loader.state_dict(),
+                evals=[[step, _json_float(loss)] for step, loss in progress.evals],
+                train_loss=_json_float(progress.train_loss), time=progress.time, config=config.sections())
+
+
+def _float(value: Optional[float]) -> float:
+    return math.nan if value is None else float(value)
+
+
+@dataclasses.dataclass
+class _Resume:
+    """A checkpoint to continue from, already checked against the new config."""
+
+    run_dir: str
+    state: dict                 # nanoq.checkpoint.read_state of the step directory
+    config: TrainConfig         # the new config, with the run's own out_dir and run_name
+    changes: Dict[str, list]    # {"train.lr": [checkpoint value, new value]}: the applied changes
+
+
+def _is_fixed(item: Setting) -> bool:
+    return item.key in FIXED_ON_RESUME or f"{item.section}.*" in FIXED_ON_RESUME
+
+
+def config_changes(saved: Dict[str, Dict[str, Any]], config: TrainConfig) -> Dict[str, list]:
+    """``{key: [saved value, value in config]}`` of every setting that differs.
+    saved: ``TrainConfig.sections()`` of a checkpoint's run (a setting it lacks
+    counts as its default). run.out_dir and run.run_name are left out."""
+    flat = {name: value for values in saved.values() for name, value in values.items()}
+    changes = {}
+    for item in settings():
+        old, new = flat.get(item.name, item.default), getattr(config, item.name)
+        if item.name not in _LOCATION and old != new:
+            changes[item.key] = [old, new]
+    return changes
+
+
+def _auto_run_dir(config: TrainConfig, say: Callable[[str], None]) -> Optional[str]:
+    """The run ``resume="auto"`` continues, or None for a fresh run."""
+    if config.run_name:
+        run_dir = os.path.join(config.out_dir, config.run_name)
+        if not os.path.exists(run_dir):
+            say(f"--resume auto: {run_dir} does not exist yet, starting it")
+            return None
+        if not list_checkpoints(os.path.join(run_dir, CHECKPOINTS)):
+            raise ValueError(f"--resume auto: run directory {run_dir} exists but holds no checkpoint (it ran "
+                             f"with checkpoint_every = 0 or stopped before its first checkpoint); remove it or "
+                             f"choose another run_name")
+        return run_dir
+    newest = None  # (mtime of the run's newest checkpoint, run name)
+    if os.path.isdir(config.out_dir):
+        for name in os.listdir(config.out_dir):
+            root = os.path.join(config.out_dir, name, CHECKPOINTS)
+            steps = list_checkpoints(root)
+            if steps:
+                candidate = (os.path.getmtime(os.path.join(root, step_dir_name(steps[-1]))), name)
+                newest = candidate if newest is None else max(newest, candidate)
+    if newest is None:
+        say(f"--resume auto: no run in {config.out_dir} has a checkpoint, starting a fresh run")
+        return None
+    return os.path.join(config.out_dir, newest[1])
+
+
+def _locate_checkpoint(path: str) -> tuple:
+    """(run directory, checkpoint root, step directory) of a resume path: a
+    step directory itself, or the newest complete checkpoint of a run
+    directory or of its checkpoints/ (newest by step, not ``latest``, which a
+    crash between a save's rename and its pointer update can leave behind)."""
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"cannot resume from {path}: no such directory (give a run directory, its "
+                                f"checkpoints/ or a checkpoint step directory)")
+    if os.path.isfile(os.path.join(path, STATE_FILE)):
+        root = os.path.dirname(path)
+        return os.path.dirname(root), root, path
+    if os.path.isdir(os.path.join(path, CHECKPOINTS)):
+        run_dir, root = path, os.path.join(path, CHECKPOINTS)
+    elif os.path.isfile(os.path.join(path, "config.toml")):
+        raise ValueError(f"cannot resume {path}: the run has no checkpoints (it ran with checkpoint_every = 0 "
+                         f"or stopped before its first checkpoint)")
+    else:
+        run_dir, root = os.path.dirname(path), path
+    steps = list_checkpoints(root)
+    if not steps:
+        raise CheckpointError(f"cannot resume from {path}: {root} holds no complete checkpoint")
+    return run_dir, root, os.path.join(root, step_dir_name(steps[-1]))
+
+
+def _prepare_resume(config: TrainConfig, resume, say: Callable[[str], None]) -> Optional[_Resume]:
+    """The checkpoint ``resume`` names, checked against ``config``; None to
+    start fresh (only for "auto"). Touches nothing on disk."""
+    if resume == "auto":
+        resume = _auto_run_dir(config, say)
+        if resume is None:
+            return None
+    elif not isinstance(resume, (str, os.PathLike)):
+        raise TypeError(f"resume must be None, \"auto\" or a path, got {resume!r}")
+    run_dir, root, step_dir = _locate_checkpoint(resume)
+    state = read_state(step_dir)
+    extra = state["extra_state"]
+    missing = [key for key in _STATE_KEYS if key not in extra]
+    if missing:
+        raise CheckpointError(f"{step_dir} was not written by nanoq train (its extra state lacks "
+                              f"{', '.join(missing)}): it can be exported (nanoq export) but not resumed")
+    later = [step for step in list_checkpoints(root) if step > state["step"]]
+    if later:
+        raise ValueError(f"cannot resume from {step_dir}: {root} holds a later checkpoint (step {later[-1]}), "
+                         f"which continuing from here would have to overwrite; resume from {root}, or move "
+                         f"the later step directories away first")
+    changes = config_changes(extra["config"], config)
+    schema = {item.key: item for item in settings()}
+    refused = {key: values for key, values in changes.items() if _is_fixed(schema[key])}
+    if refused:
+        lines = "\n".join(f"  {key}: checkpoint {old!r}, now {new!r}" for key, (old, new) in refused.items())
+        raise ValueError(f"cannot resume from {step_dir}: these settings define the model or the data stream "
+                         f"and differ from the checkpoint's:\n{lines}\nresume with the run's values (`nanoq "
+                         f"train {os.path.join(run_dir, 'config.toml')} --resume {run_dir}` takes them all), "
+                         f"or start a new run")
+    if config.steps < extra["step"]:
+        raise ValueError(f"cannot resume from {step_dir}: it is at step {extra['step']}, past train.steps "
+                         f"{config.steps}; give train.steps >= {extra['step']}")
+    location = {name: extra["config"].get("run", {}).get(name, getattr(config, name)) for name in _LOCATION}
+    return _Resume(run_dir=run_dir, state=state, config=dataclasses.replace(config, **location), changes=changes)
+
+
+def _restore(trainer: Trainer, loader: DataLoader, resumed: _Resume) -> _Progress:
+    """Loads the checkpoint into the trainer (any device count) and the loader; the loop's progress."""
+    extra = trainer.load_checkpoint(resumed.state["path"])["extra_state"]
+    loader.load_state_dict(extra["data_loader"])
+    return _Progress(step=extra["step"], tokens=extra["tokens"],
+                     evals=[(step, _float(loss)) for step, loss in extra["evals"]],
+                     train_loss=_float(extra["train_loss"]), time=extra["time"])
+
+
+def _final_model_dir(run_dir: str, step: int, say: Callable[[str], None]) -> str:
+    """``run/model``, or where an earlier finish of this run wrote that,
+    ``run/model-step<step>`` (then -2, -3, ...): an export never replaces another."""
+    path = os.path.join(run_dir, "model")
+    if not os.path.lexists(path):
+        return path
+    candidate, number = f"{path}-step{step}", 1
+    while os.path.lexists(candidate):
+        number += 1
+        candidate = f"{path}-step{step}-{number}"
+    say(f"{path} holds an earlier finish of this run; the final model goes to {candidate}")
+    return candidate
+
+
+# -- the loop -----------------------------------------------------------------------
+
+def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, say: Callable[[str], None] = _print,
           progress: Optional[bool] = None) -> TrainResult:
     """Trains a model as ``config`` says and writes the run directory (see the
-    module docstring). say: receives the console lines. progress: a tqdm bar
+    module docstring).
+
+    resume: None starts a new run. A path (a run directory, its checkpoints/
+    or a step directory) continues that run from its newest checkpoint, in
+    its directory. "auto" continues ``<out_dir>/<run_name>`` or, without a
+    run_name, the run in out_dir with the newest checkpoint; with none, it
+    starts a fresh run. say: receives the console lines. progress: a tqdm bar
     on stderr (None: only when stderr is a terminal).
 
-    Raises ValueError for inconsistent settings and data, before any step.
+    Raises ValueError for inconsistent settings and data, and for a resume
+    whose config changes a setting in FIXED_ON_RESUME, before any step.
     """
     if config.warmup_steps > config.steps:
         raise ValueError(f"train.warmup_steps ({config.warmup_steps}) exceeds train.steps ({config.steps})")
     start = time.time()
-    run_dir = new_run_dir(config)
+    resumed = None if resume is None else _prepare_resume(config, resume, say)
+    if resumed is None:
+        run_dir = new_run_dir(config)
+    else:
+        run_dir, config = resumed.run_dir, resumed.config
     say(f"run directory: {os.path.abspath(run_dir)}")
+    trainer = None
     try:
         model, options, loader, eval_loader, tokenizer_dir = _setup(config, run_dir, say)
         trainer = Trainer(model, options)
+        done = _Progress() if resumed is None else _restore(trainer, loader, resumed)
     except BaseException:
-        shutil.rmtree(run_dir, ignore_errors=True)  # nothing ran: leave no half-made run behind
+        if trainer is not None:
+            trainer.close()
+        if resumed is None:
+            shutil.rmtree(run_dir, ignore_errors=True)  # nothing ran: leave no half-made run behind
         raise
+    with open(os.path.join(run_dir, "config.toml"), "w", encoding="utf-8") as f:
+        f.write(config.to_toml())
     tokens_per_step = loader.batch_rows * config.seq_len * config.grad_accum
 
     with trainer, JsonlLog(os.path.join(run_dir, "log.jsonl")) as log:
@@ -179,28 +373,40 @@ def train(config: TrainConfig, *, on_checkpoint: Optional[Callable[[CheckpointCo
         say(f"model: {parameters / 1e6:.2f}M parameters ({model.num_hidden_layers} layers, hidden "
             f"{model.hidden_size}, vocab {model.vocab_size}) on {trainer.backend} x{trainer.world_size} "
             f"({trainer.dtype}); {config.steps} steps of {tokens_per_step:,} tokens")
-        log.write(type="start", time=0.0, parameters=parameters, backend=trainer.backend,
-                  devices=trainer.world_size, run_dir=os.path.abspath(run_dir), config=config.sections())
-        evals: List[tuple] = []
-        train_start = time.time()
+        about = dict(parameters=parameters, backend=trainer.backend, devices=trainer.world_size,
+                     run_dir=os.path.abspath(run_dir), config=config.sections())
+        if resumed is None:
+            log.write(type="start", time=0.0, **about)
+        else:
+            say(f"resuming from {resumed.state['path']} at step {done.step}")
+            for key, (old, new) in resumed.changes.items():
+                say(f"  changed since the checkpoint: {key} {old!r} -> {new!r}")
+            log.write(type="resume", step=done.step, time=done.time, checkpoint=resumed.state["path"],
+                      changes=resumed.changes, **about)
+        train_start = time.time() - done.time
 
         def run_eval(step: int) -> None:
             if eval_loader is None:
                 return
             began = time.time()
             loss, tokens = evaluate(trainer, eval_loader, config.eval_batches)
-            evals.append((step, loss))
+            done.evals.append((step, loss))
             log.write(type="eval", step=step, loss=loss, tokens=tokens, time=time.time() - train_start)
             say(eval_line(step, loss, tokens, time.time() - began))
 
         from tqdm import tqdm
 
-        bar = tqdm(total=config.steps, unit="step", leave=False, file=sys.stderr,
+        bar = tqdm(total=config.steps, initial=done.step, unit="step", leave=False, file=sys.stderr,
                    disable=None if progress is None else not progress)
-        stats = None
-        tokens_seen = 0
+
+        def emit(line: str) -> None:
+            if bar.disable:
+                say(line)
+            else:
+                bar.write(line)
+
         try:
-            for step in range(config.steps):
+            for step in range(done.step, config.steps):
                 if config.eval_every and step % config.eval_every == 0:
                     run_eval(step)
                 lr = learning_rate(step, kind=config.schedule, peak=config.lr, total_steps=config.steps,
@@ -212,32 +418,35 @@ def train(config: TrainConfig, *, on_checkpoint: Optional[Callable[[CheckpointCo
                 stats = trainer.update(lr=lr, beta1=config.beta1, beta2=config.beta2,
                                        weight_decay=config.weight_decay, grad_clip=config.grad_clip)
                 now = time.time()
-                tokens_seen += tokens_per_step
+                done.step, done.tokens, done.train_loss = step + 1, done.tokens + tokens_per_step, stats.loss
+                done.time = now - train_start
                 tokens_per_s = tokens_per_step / max(now - began, 1e-9)
-                elapsed = now - train_start
                 log.write(type="train", step=step + 1, loss=stats.loss, lr=lr, grad_norm=stats.grad_norm,
-                          tokens=tokens_seen, tokens_per_s=tokens_per_s, time=elapsed)
+                          tokens=done.tokens, tokens_per_s=tokens_per_s, time=done.time)
                 bar.update(1)
                 if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
-                    eta = elapsed / (step + 1) * (config.steps - step - 1)
-                    line = train_line(step + 1, config.steps, stats.loss, stats.grad_norm, lr, tokens_per_s,
-                                      elapsed, eta)
-                    if bar.disable:
-                        say(line)
-                    else:
-                        bar.write(line)
-                if on_checkpoint is not None and checkpoint_every and (step + 1) % checkpoint_every == 0:
-                    on_checkpoint(CheckpointContext(step + 1, run_dir, config, trainer, loader))
+                    eta = done.time / (step + 1) * (config.steps - step - 1)
+                    emit(train_line(step + 1, config.steps, stats.loss, stats.grad_norm, lr, tokens_per_s,
+                                    done.time, eta))
+                if config.checkpoint_every and ((step + 1) % config.checkpoint_every == 0
+                                                or step + 1 == config.steps):
+                    began = time.time()
+                    path = trainer.save_checkpoint(os.path.join(run_dir, CHECKPOINTS), done.step,
+                                                   _extra_state(done, loader, config), keep_last=config.keep_last,
+                                                   keep_every=config.keep_every, tokenizer_dir=tokenizer_dir)
+                    log.write(type="checkpoint", step=done.step, path=path, time=time.time() - train_start)
+                    emit(f"checkpoint @ step {done.step}: {path} ({time.time() - began:.1f}s)")
         finally:
             bar.close()
         run_eval(config.steps)
 
         # The tokenizer's eos id goes into config.json (see nanoq.hf_export.write_model).
-        model_dir = trainer.export_model(os.path.join(run_dir, "model"), tokenizer_dir=tokenizer_dir)
+        model_dir = trainer.export_model(_final_model_dir(run_dir, config.steps, say), tokenizer_dir=tokenizer_dir)
         seconds = time.time() - start
         log.write(type="end", step=config.steps, time=time.time() - train_start, model_dir=model_dir)
+    evals = done.evals
     final_eval = evals[-1][1] if evals else None
-    summary = f"done in {format_duration(seconds)}: train loss {stats.loss:.4f}"
+    summary = f"done in {format_duration(seconds)}: train loss {done.train_loss:.4f}"
     if evals:
         summary += f", eval loss {evals[0][1]:.4f} (step 0) -> {final_eval:.4f} (step {config.steps})" \
             if evals[0][0] == 0 and len(evals) > 1 else f", eval loss {final_eval:.4f}"
@@ -245,5 +454,6 @@ def train(config: TrainConfig, *, on_checkpoint: Optional[Callable[[CheckpointCo
     say(f"model: {model_dir}")
     return TrainResult(run_dir=os.path.abspath(run_dir), model_dir=model_dir,
                        log_path=os.path.abspath(os.path.join(run_dir, "log.jsonl")), steps=config.steps,
-                       parameters=parameters, final_train_loss=stats.loss, final_eval_loss=final_eval,
-                       evals=evals, seconds=seconds)
+                       parameters=parameters, final_train_loss=done.train_loss, final_eval_loss=final_eval,
+                       evals=evals, seconds=seconds,
+                       resumed_from=None if resumed is None else resumed.state["path"])

@@ -1,0 +1,264 @@
+"""Checkpoints written by the training loop, and resuming from them (train(..., resume=), nanoq train --resume)."""
+import json
+import os
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from nanoq.checkpoint import list_checkpoints, read_state, read_weights
+from nanoq.data import write_tokens
+from nanoq.training import TrainConfig, read_log, train
+from nanoq_cli.main import cli
+
+VOCAB = 64
+QUIET = dict(say=lambda line: None, progress=False)
+
+
+def write_data(directory):
+    """Train and eval token files of a learnable pattern; their train glob and eval path."""
+    rng = np.random.default_rng(0)
+    pattern = np.tile(np.arange(1, 17), 200) + rng.integers(0, 2, 3200) * 16
+    directory.mkdir(exist_ok=True)
+    write_tokens(directory / "train_000000.bin", pattern, VOCAB)
+    write_tokens(directory / "eval_000000.bin", pattern[:700], VOCAB)
+    return str(directory / "train_*.bin"), str(directory / "eval_000000.bin")
+
+
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            seq_len=16, batch_size=4, grad_accum=2, warmup_steps=2, lr=1e-2, eval_every=4, eval_batches=0,
+            backend="cpu", threads=1, checkpoint_every=4)
+
+
+def config(tmp_path, **overrides):
+    train_data, eval_data = write_data(tmp_path / "data")
+    values = dict(TINY, train_data=train_data, eval_data=eval_data, steps=12, out_dir=str(tmp_path / "runs"),
+                  run_name="run")
+    return TrainConfig(**{**values, **overrides})
+
+
+def records(run_dir, kind=None):
+    log = read_log(os.path.join(run_dir, "log.jsonl"))
+    return [r for r in log if kind is None or r["type"] == kind]
+
+
+def losses_after_resume(run_dir):
+    """{step: loss} of the train records written after the last resume record."""
+    log = records(run_dir)
+    last_resume = max(i for i, r in enumerate(log) if r["type"] == "resume")
+    return {r["step"]: r["loss"] for r in log[last_resume:] if r["type"] == "train"}
+
+
+def straight_run(tmp_path, **overrides):
+    result = train(config(tmp_path, run_name="straight", **overrides), **QUIET)
+    return result, {r["step"]: r["loss"] for r in records(result.run_dir, "train")}
+
+
+def snapshot(directory):
+    """{relative path: bytes} of every file under ``directory``."""
+    files = {}
+    for folder, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(folder, name)
+            files[os.path.relpath(path, directory)] = open(path, "rb").read()
+    return files
+
+
+class Interrupt(Exception):
+    pass
+
+
+def stop_after_checkpoint(step):
+    """A ``say`` that kills the run (as a crash would) once the checkpoint of ``step`` is written."""
+    def say(line):
+        if line.startswith(f"checkpoint @ step {step}:"):
+            raise Interrupt
+    return say
+
+
+def test_a_run_killed_after_a_checkpoint_resumes_bit_for_bit(tmp_path):
+    straight, expected = straight_run(tmp_path)
+    with pytest.raises(Interrupt):
+        train(config(tmp_path), say=stop_after_checkpoint(8), progress=False)
+    assert list_checkpoints(tmp_path / "runs" / "run" / "checkpoints") == [4, 8]
+    assert not os.path.exists(tmp_path / "runs" / "run" / "model")
+
+    result = train(config(tmp_path), resume=str(tmp_path / "runs" / "run"), **QUIET)
+    assert result.resumed_from == os.path.join(result.run_dir, "checkpoints", "step_00000008")
+    assert losses_after_resume(result.run_dir) == {step: expected[step] for step in range(9, 13)}  # bitwise
+    assert result.evals == straight.evals  # restored [(0, ..), (4, ..)], then 8 and 12 evaluated again
+    (resume,) = records(result.run_dir, "resume")
+    assert resume["step"] == 8 and resume["changes"] == {}
+    assert [r["tokens"] for r in records(result.run_dir, "train")][-1] == 12 * 4 * 16 * 2
+    final, reference = read_weights(result.run_dir + "/checkpoints"), read_weights(straight.run_dir + "/checkpoints")
+    assert all(np.array_equal(final[name], reference[name]) for name in reference)
+
+
+def test_more_steps_after_a_finished_run_continue_it_exactly(tmp_path):
+    # A constant schedule does not depend on train.steps, so 8 then 4 more equals 12 at once.
+    _, expected = straight_run(tmp_path, schedule="constant")
+    train(config(tmp_path, steps=8, schedule="constant"), **QUIET)
+    result = train(config(tmp_path, steps=12, schedule="constant"), resume="auto", **QUIET)
+    assert losses_after_resume(result.run_dir) == {step: expected[step] for step in range(9, 13)}
+    (resume,) = records(result.run_dir, "resume")
+    assert resume["changes"] == {"train.steps": [8, 12]}
+    assert result.model_dir == os.path.join(result.run_dir, "model-step12")  # the 8-step model is kept
+    assert os.path.isdir(os.path.join(result.run_dir, "model"))
+    assert read_state(os.path.join(result.run_dir, "checkpoints"))["step"] == 12
+    assert "steps = 12" in open(os.path.join(result.run_dir, "config.toml")).read()
+
+
+def test_resuming_on_two_devices_matches_one_device(tmp_path):
+    _, expected = straight_run(tmp_path)
+    with pytest.raises(Interrupt):
+        train(config(tmp_path), say=stop_after_checkpoint(8), progress=False)
+    # The same global batch of 4 rows, now as 2 devices x 2 rows.
+    result = train(config(tmp_path, devices=2, batch_size=2), resume="auto", **QUIET)
+    resumed = losses_after_resume(result.run_dir)
+    assert sorted(resumed) == [9, 10, 11, 12]
+    assert [resumed[step] for step in range(9, 13)] == pytest.approx([expected[s] for s in range(9, 13)],
+                                                                     rel=1e-5, abs=1e-5)
+    (resume,) = records(result.run_dir, "resume")
+    assert resume["devices"] == 2
+    assert resume["changes"] == {"train.batch_size": [4, 2], "run.devices": [1, 2]}
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(hidden_size=64), "model.hidden_size: checkpoint 32, now 64"),
+    (dict(seq_len=8, num_hidden_layers=3), "model.num_hidden_layers: checkpoint 2, now 3\n  data.seq_len: "
+                                           "checkpoint 16, now 8"),
+    (dict(seed=1), "train.seed: checkpoint 0, now 1"),
+])
+def test_a_model_or_data_change_is_refused_and_leaves_the_run_untouched(tmp_path, change, message):
+    first = train(config(tmp_path, steps=8), **QUIET)
+    before = snapshot(first.run_dir)
+    with pytest.raises(ValueError) as error:
+        train(config(tmp_path, steps=12, **change), resume="auto", **QUIET)
+    assert "define the model or the data stream" in str(error.value) and message in str(error.value)
+    assert "--resume" in str(error.value)
+    assert snapshot(first.run_dir) == before
+
+
+def test_an_applied_change_is_reported_on_the_console_and_in_the_log(tmp_path):
+    train(config(tmp_path, steps=8, schedule="constant"), **QUIET)
+    lines = []
+    result = train(config(tmp_path, steps=10, schedule="constant", lr=2e-2, keep_last=1), resume="auto",
+                   say=lines.append, progress=False)
+    (resume,) = records(result.run_dir, "resume")
+    assert resume["changes"] == {"train.steps": [8, 10], "train.lr": [0.01, 0.02], "checkpoint.keep_last": [2, 1]}
+    assert "  changed since the checkpoint: train.lr 0.01 -> 0.02" in lines
+    assert [r["lr"] for r in records(result.run_dir, "train")[8:]] == [0.02, 0.02]
+    assert list_checkpoints(os.path.join(result.run_dir, "checkpoints")) == [10]  # keep_last 1 applies
+
+
+def test_resume_auto_without_a_checkpoint_starts_fresh(tmp_path):
+    lines = []
+    result = train(config(tmp_path, steps=4, run_name=""), resume="auto", say=lines.append, progress=False)
+    assert f"--resume auto: no run in {tmp_path / 'runs'} has a checkpoint, starting a fresh run" in lines
+    assert result.resumed_from is None and [r["type"] for r in records(result.run_dir)][0] == "start"
+    lines.clear()
+    result = train(config(tmp_path, steps=4, run_name="named"), resume="auto", say=lines.append, progress=False)
+    assert result.resumed_from is None and result.run_dir == str(tmp_path / "runs" / "named")
+    assert any("does not exist yet, starting it" in line for line in lines)
+
+
+def test_resume_auto_without_a_run_name_takes_the_newest_run_with_a_checkpoint(tmp_path):
+    train(config(tmp_path, steps=4, run_name="older"), **QUIET)
+    train(config(tmp_path, steps=4, run_name="newer"), **QUIET)
+    train(config(tmp_path, steps=4, run_name="no-checkpoints", checkpoint_every=0), **QUIET)
+    result = train(config(tmp_path, steps=8, run_name=""), resume="auto", **QUIET)
+    assert result.run_dir == str(tmp_path / "runs" / "newer")
+    assert result.resumed_from.endswith("step_00000004")
+    assert "run_name = \"newer\"" in open(os.path.join(result.run_dir, "config.toml")).read()
+
+
+def test_resume_errors_say_what_is_wrong(tmp_path):
+    train(config(tmp_path, steps=4, run_name="plain", checkpoint_every=0), **QUIET)
+    with pytest.raises(ValueError, match="exists but holds no checkpoint"):
+        train(config(tmp_path, steps=8, run_name="plain"), resume="auto", **QUIET)
+    with pytest.raises(ValueError, match="the run has no checkpoints"):
+        train(config(tmp_path, steps=8), resume=str(tmp_path / "runs" / "plain"), **QUIET)
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        train(config(tmp_path), resume=str(tmp_path / "nowhere"), **QUIET)
+    run = train(config(tmp_path, steps=8), **QUIET).run_dir
+    with pytest.raises(ValueError, match=r"at step 8, past train\.steps 6"):
+        train(config(tmp_path, steps=6), resume=run, **QUIET)
+    with pytest.raises(ValueError, match=r"holds a later checkpoint \(step 8\)"):
+        train(config(tmp_path), resume=os.path.join(run, "checkpoints", "step_00000004"), **QUIET)
+
+
+def test_resume_takes_the_newest_checkpoint_even_if_latest_was_not_updated(tmp_path):
+    run = train(config(tmp_path, steps=8), **QUIET).run_dir
+    # A save killed between its rename and the update of `latest` leaves it naming the previous step.
+    open(os.path.join(run, "checkpoints", "latest"), "w").write("step_00000004\n")
+    result = train(config(tmp_path, steps=8), resume="auto", **QUIET)
+    assert result.resumed_from == os.path.join(run, "checkpoints", "step_00000008")
+
+
+def test_resuming_a_finished_run_unchanged_exports_its_model_again(tmp_path):
+    first = train(config(tmp_path, steps=8), **QUIET)
+    again = train(config(tmp_path, steps=8), resume=os.path.join(first.run_dir, "checkpoints"), **QUIET)
+    assert again.model_dir == os.path.join(first.run_dir, "model-step8")
+    assert again.final_eval_loss == first.final_eval_loss and again.final_train_loss == first.final_train_loss
+    assert open(os.path.join(again.model_dir, "model.safetensors"), "rb").read() == \
+        open(os.path.join(first.model_dir, "model.safetensors"), "rb").read()
+    log = records(first.run_dir)
+    assert [r["type"] for r in log[log.index(records(first.run_dir, "resume")[0]):]] == ["resume", "eval", "end"]
+    third = train(config(tmp_path, steps=8), resume="auto", **QUIET)
+    assert third.model_dir == os.path.join(first.run_dir, "model-step8-2")
+
+
+def test_checkpoints_are_logged_and_rotated_as_configured(tmp_path):
+    lines = []
+    result = train(config(tmp_path, steps=11, checkpoint_every=2, keep_last=2, keep_every=4), say=lines.append,
+                   progress=False)
+    root = os.path.join(result.run_dir, "checkpoints")
+    assert [r["step"] for r in records(result.run_dir, "checkpoint")] == [2, 4, 6, 8, 10, 11]
+    assert list_checkpoints(root) == [4, 8, 10, 11]  # the newest 2, and every 4th
+    assert f"checkpoint @ step 11: {os.path.join(root, 'step_00000011')}" in "\n".join(lines)
+    extra = read_state(root)["extra_state"]
+    assert extra["step"] == 11 and extra["tokens"] == 11 * 4 * 16 * 2
+    assert [step for step, _ in extra["evals"]] == [0, 4, 8]  # the final eval (11) comes after the save
+    assert extra["config"]["model"]["hidden_size"] == 32 and extra["data_loader"]["kind"] == "DataLoader"
+    off = train(config(tmp_path, steps=2, run_name="off", checkpoint_every=0), **QUIET)
+    assert not os.path.exists(os.path.join(off.run_dir, "checkpoints"))
+
+
+# -- the command line ------------------------------------------------------------------
+
+def cli_args(tmp_path, *extra):
+    train_data, eval_data = write_data(tmp_path / "data")
+    flags = dict(TINY, train_data=train_data, eval_data=eval_data, out_dir=tmp_path / "runs", run_name="cli")
+    args = ["train"]
+    for name, value in flags.items():
+        args += [f"--{name}", str(value)]
+    return args + [str(a) for a in extra]
+
+
+def invoke(args):
+    return CliRunner().invoke(cli, args, catch_exceptions=False)
+
+
+def test_cli_resume_continues_with_more_steps_and_refuses_a_model_change(tmp_path):
+    _, expected = straight_run(tmp_path, schedule="constant")
+    result = invoke(cli_args(tmp_path, "--schedule", "constant", "--steps", "8"))
+    assert result.exit_code == 0, result.output
+    run = tmp_path / "runs" / "cli"
+
+    result = invoke(cli_args(tmp_path, "--schedule", "constant", "--steps", "12", "--hidden_size", "64", "--resume"))
+    assert result.exit_code == 1
+    assert "model.hidden_size: checkpoint 32, now 64" in result.output
+
+    result = invoke(cli_args(tmp_path, "--schedule", "constant", "--steps", "12", "--resume", run))
+    assert result.exit_code == 0, result.output
+    assert f"resuming from {run / 'checkpoints' / 'step_00000008'} at step 8" in result.output
+    assert "changed since the checkpoint: train.steps 8 -> 12" in result.output
+    assert losses_after_resume(run) == {step: expected[step] for step in range(9, 13)}
+    assert json.loads(open(run / "log.jsonl").readlines()[-1])["model_dir"] == str(run / "model-step12")
+
+
+def test_cli_resume_followed_by_a_config_file_is_a_usage_error(tmp_path):
+    toml = tmp_path / "my.toml"
+    toml.write_text("[train]\nsteps = 3\n")
+    result = invoke(["train", "--resume", str(toml)])
+    assert result.exit_code == 2 and "put CONFIG.toml first" in result.output
