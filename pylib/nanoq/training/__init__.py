@@ -14,7 +14,8 @@
 """
 from nanoq.training.config import TrainConfig, load_config, schema_markdown, settings
 from nanoq.training.log import JsonlLog, read_log
-from nanoq.training.loop import FIXED_ON_RESUME, TrainResult, config_changes, evaluate, train
+from nanoq.training.loop import TrainResult, evaluate, train
+from nanoq.training.resume import FIXED_ON_RESUME, config_changes
 from nanoq.training.schedule import learning_rate
 
 __all__ = [

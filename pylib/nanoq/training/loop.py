@@ -9,13 +9,8 @@ A run lives in its own directory ``<out_dir>/<run_name>``:
     model/          the final weights, a Hugging Face model directory (see nanoq.hf_export)
 
 Resuming (``train(config, resume="auto" | path)``) loads the newest checkpoint
-of a run and continues in that run's directory, appending to its log. A
-checkpoint's extra state holds what the loop needs besides the trainer: the
-next step, the data loader's position, tokens seen, the eval history and the
-run's config. The new config is compared with that config: settings that
-define the model or the stream of training windows must match (see
-``FIXED_ON_RESUME``); every other change is applied and reported, so a
-resumed run is bit for bit the uninterrupted one unless a setting changed.
+of a run and continues in that run's directory, appending to its log (see
+nanoq.training.resume for what may change on resume).
 """
 from __future__ import annotations
 
@@ -26,13 +21,13 @@ import os
 import shutil
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
-from nanoq.checkpoint import STATE_FILE, CheckpointError, list_checkpoints, read_state, step_dir_name
 from nanoq.config import ModelConfig, TrainOptions
 from nanoq.data import DataLoader, Dataset, EvalLoader
 from nanoq.trainer import Trainer
-from nanoq.training.config import Setting, TrainConfig, settings
+from nanoq.training.config import TrainConfig
+from nanoq.training.resume import CHECKPOINTS, Progress, extra_state, prepare_resume, restore
 from nanoq.training.log import JsonlLog, eval_line, format_duration, train_line
 from nanoq.training.schedule import learning_rate
 
@@ -152,167 +147,6 @@ def _setup(config: TrainConfig, run_dir: str, say: Callable[[str], None]):
     return model, options, loader, eval_loader, tokenizer_dir
 
 
-# -- checkpoints and resuming -----------------------------------------------------
-
-CHECKPOINTS = "checkpoints"
-# Settings a resumed run must share with its checkpoint: they define the model,
-# or which training windows the data loader serves and in which order.
-FIXED_ON_RESUME = ("model.*", "data.train_data", "data.eval_data", "data.seq_len", "train.seed")
-# Where the run lives: a resumed run stays in its own directory, so these keep
-# the checkpoint's values and are never compared.
-_LOCATION = ("out_dir", "run_name")
-_STATE_KEYS = ("step", "tokens", "data_loader", "evals", "train_loss", "time", "config")
-
-
-@dataclasses.dataclass
-class _Progress:
-    """Where the loop stands; a checkpoint's extra state holds it with the loader's position and the config."""
-
-    step: int = 0                   # optimizer steps done, i.e. the index of the next step
-    tokens: int = 0                 # tokens fed to the model so far
-    evals: List[tuple] = dataclasses.field(default_factory=list)  # [(step, eval loss)]
-    train_loss: float = math.nan    # loss of the last step
-    time: float = 0.0               # seconds of training so far, earlier processes included
-
-
-def _json_float(value: float) -> Optional[float]:
-    return value if math.isfinite(value) else None
-
-
-def _extra_state(progress: _Progress, loader: DataLoader, config: TrainConfig) -> dict:
-    return dict(step=progress.step, tokens=progress.tokens, data_loader=loader.state_dict(),
-                evals=[[step, _json_float(loss)] for step, loss in progress.evals],
-                train_loss=_json_float(progress.train_loss), time=progress.time, config=config.sections())
-
-
-def _float(value: Optional[float]) -> float:
-    return math.nan if value is None else float(value)
-
-
-@dataclasses.dataclass
-class _Resume:
-    """A checkpoint to continue from, already checked against the new config."""
-
-    run_dir: str
-    state: dict                 # nanoq.checkpoint.read_state of the step directory
-    config: TrainConfig         # the new config, with the run's own out_dir and run_name
-    changes: Dict[str, list]    # {"train.lr": [checkpoint value, new value]}: the applied changes
-
-
-def _is_fixed(item: Setting) -> bool:
-    return item.key in FIXED_ON_RESUME or f"{item.section}.*" in FIXED_ON_RESUME
-
-
-def config_changes(saved: Dict[str, Dict[str, Any]], config: TrainConfig) -> Dict[str, list]:
-    """``{key: [saved value, value in config]}`` of every setting that differs.
-    saved: ``TrainConfig.sections()`` of a checkpoint's run (a setting it lacks
-    counts as its default). run.out_dir and run.run_name are left out."""
-    flat = {name: value for values in saved.values() for name, value in values.items()}
-    changes = {}
-    for item in settings():
-        old, new = flat.get(item.name, item.default), getattr(config, item.name)
-        if item.name not in _LOCATION and old != new:
-            changes[item.key] = [old, new]
-    return changes
-
-
-def _auto_run_dir(config: TrainConfig, say: Callable[[str], None]) -> Optional[str]:
-    """The run ``resume="auto"`` continues, or None for a fresh run."""
-    if config.run_name:
-        run_dir = os.path.join(config.out_dir, config.run_name)
-        if not os.path.exists(run_dir):
-            say(f"--resume auto: {run_dir} does not exist yet, starting it")
-            return None
-        if not list_checkpoints(os.path.join(run_dir, CHECKPOINTS)):
-            raise ValueError(f"--resume auto: run directory {run_dir} exists but holds no checkpoint (it ran "
-                             f"with checkpoint_every = 0 or stopped before its first checkpoint); remove it or "
-                             f"choose another run_name")
-        return run_dir
-    newest = None  # (mtime of the run's newest checkpoint, run name)
-    if os.path.isdir(config.out_dir):
-        for name in os.listdir(config.out_dir):
-            root = os.path.join(config.out_dir, name, CHECKPOINTS)
-            steps = list_checkpoints(root)
-            if steps:
-                candidate = (os.path.getmtime(os.path.join(root, step_dir_name(steps[-1]))), name)
-                newest = candidate if newest is None else max(newest, candidate)
-    if newest is None:
-        say(f"--resume auto: no run in {config.out_dir} has a checkpoint, starting a fresh run")
-        return None
-    return os.path.join(config.out_dir, newest[1])
-
-
-def _locate_checkpoint(path: str) -> tuple:
-    """(run directory, checkpoint root, step directory) of a resume path: a
-    step directory itself, or the newest complete checkpoint of a run
-    directory or of its checkpoints/ (newest by step, not ``latest``, which a
-    crash between a save's rename and its pointer update can leave behind)."""
-    path = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"cannot resume from {path}: no such directory (give a run directory, its "
-                                f"checkpoints/ or a checkpoint step directory)")
-    if os.path.isfile(os.path.join(path, STATE_FILE)):
-        root = os.path.dirname(path)
-        return os.path.dirname(root), root, path
-    if os.path.isdir(os.path.join(path, CHECKPOINTS)):
-        run_dir, root = path, os.path.join(path, CHECKPOINTS)
-    elif os.path.isfile(os.path.join(path, "config.toml")):
-        raise ValueError(f"cannot resume {path}: the run has no checkpoints (it ran with checkpoint_every = 0 "
-                         f"or stopped before its first checkpoint)")
-    else:
-        run_dir, root = os.path.dirname(path), path
-    steps = list_checkpoints(root)
-    if not steps:
-        raise CheckpointError(f"cannot resume from {path}: {root} holds no complete checkpoint")
-    return run_dir, root, os.path.join(root, step_dir_name(steps[-1]))
-
-
-def _prepare_resume(config: TrainConfig, resume, say: Callable[[str], None]) -> Optional[_Resume]:
-    """The checkpoint ``resume`` names, checked against ``config``; None to
-    start fresh (only for "auto"). Touches nothing on disk."""
-    if resume == "auto":
-        resume = _auto_run_dir(config, say)
-        if resume is None:
-            return None
-    elif not isinstance(resume, (str, os.PathLike)):
-        raise TypeError(f"resume must be None, \"auto\" or a path, got {resume!r}")
-    run_dir, root, step_dir = _locate_checkpoint(resume)
-    state = read_state(step_dir)
-    extra = state["extra_state"]
-    missing = [key for key in _STATE_KEYS if key not in extra]
-    if missing:
-        raise CheckpointError(f"{step_dir} was not written by nanoq train (its extra state lacks "
-                              f"{', '.join(missing)}): it can be exported (nanoq export) but not resumed")
-    later = [step for step in list_checkpoints(root) if step > state["step"]]
-    if later:
-        raise ValueError(f"cannot resume from {step_dir}: {root} holds a later checkpoint (step {later[-1]}), "
-                         f"which continuing from here would have to overwrite; resume from {root}, or move "
-                         f"the later step directories away first")
-    changes = config_changes(extra["config"], config)
-    schema = {item.key: item for item in settings()}
-    refused = {key: values for key, values in changes.items() if _is_fixed(schema[key])}
-    if refused:
-        lines = "\n".join(f"  {key}: checkpoint {old!r}, now {new!r}" for key, (old, new) in refused.items())
-        raise ValueError(f"cannot resume from {step_dir}: these settings define the model or the data stream "
-                         f"and differ from the checkpoint's:\n{lines}\nresume with the run's values (`nanoq "
-                         f"train {os.path.join(run_dir, 'config.toml')} --resume {run_dir}` takes them all), "
-                         f"or start a new run")
-    if config.steps < extra["step"]:
-        raise ValueError(f"cannot resume from {step_dir}: it is at step {extra['step']}, past train.steps "
-                         f"{config.steps}; give train.steps >= {extra['step']}")
-    location = {name: extra["config"].get("run", {}).get(name, getattr(config, name)) for name in _LOCATION}
-    return _Resume(run_dir=run_dir, state=state, config=dataclasses.replace(config, **location), changes=changes)
-
-
-def _restore(trainer: Trainer, loader: DataLoader, resumed: _Resume) -> _Progress:
-    """Loads the checkpoint into the trainer (any device count) and the loader; the loop's progress."""
-    extra = trainer.load_checkpoint(resumed.state["path"])["extra_state"]
-    loader.load_state_dict(extra["data_loader"])
-    return _Progress(step=extra["step"], tokens=extra["tokens"],
-                     evals=[(step, _float(loss)) for step, loss in extra["evals"]],
-                     train_loss=_float(extra["train_loss"]), time=extra["time"])
-
-
 def _final_model_dir(run_dir: str, step: int, say: Callable[[str], None]) -> str:
     """``run/model``, or where an earlier finish of this run wrote that,
     ``run/model-step<step>`` (then -2, -3, ...): an export never replaces another."""
@@ -347,7 +181,7 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
     if config.warmup_steps > config.steps:
         raise ValueError(f"train.warmup_steps ({config.warmup_steps}) exceeds train.steps ({config.steps})")
     start = time.time()
-    resumed = None if resume is None else _prepare_resume(config, resume, say)
+    resumed = None if resume is None else prepare_resume(config, resume, say)
     if resumed is None:
         run_dir = new_run_dir(config)
     else:
@@ -357,7 +191,7 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
     try:
         model, options, loader, eval_loader, tokenizer_dir = _setup(config, run_dir, say)
         trainer = Trainer(model, options)
-        done = _Progress() if resumed is None else _restore(trainer, loader, resumed)
+        done = Progress() if resumed is None else restore(trainer, loader, resumed)
     except BaseException:
         if trainer is not None:
             trainer.close()
@@ -432,7 +266,7 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
                                                 or step + 1 == config.steps):
                     began = time.time()
                     path = trainer.save_checkpoint(os.path.join(run_dir, CHECKPOINTS), done.step,
-                                                   _extra_state(done, loader, config), keep_last=config.keep_last,
+                                                   extra_state(done, loader, config), keep_last=config.keep_last,
                                                    keep_every=config.keep_every, tokenizer_dir=tokenizer_dir)
                     log.write(type="checkpoint", step=done.step, path=path, time=time.time() - train_start)
                     emit(f"checkpoint @ step {done.step}: {path} ({time.time() - began:.1f}s)")
