@@ -306,14 +306,24 @@ public:
             }
             float m = -std::numeric_limits<float>::infinity();
             for (int j = 0; j < vocab; ++j) m = std::max(m, row[j]);
+            const float target_logit = row[target];
+            // With a gradient to write, the exponentials are kept in place
+            // and rescaled into softmax * (1 + 2 z lse): one exp per logit.
             float sum = 0.0f;
-            for (int j = 0; j < vocab; ++j) sum += std::exp(row[j] - m);
+            if (with_grad) {
+                for (int j = 0; j < vocab; ++j) {
+                    row[j] = std::exp(row[j] - m);
+                    sum += row[j];
+                }
+            } else {
+                for (int j = 0; j < vocab; ++j) sum += std::exp(row[j] - m);
+            }
             const float lse = m + std::log(sum);
             row_lse[r] = lse;
-            row_loss[r] = lse - row[target];
+            row_loss[r] = lse - target_logit;
             if (with_grad) {
-                const float factor = 1.0f + 2.0f * z_loss * lse;
-                for (int j = 0; j < vocab; ++j) row[j] = std::exp(row[j] - lse) * factor;
+                const float scale = (1.0f + 2.0f * z_loss * lse) / sum;
+                for (int j = 0; j < vocab; ++j) row[j] *= scale;
                 row[target] -= 1.0f;
             }
         }
