@@ -1,5 +1,7 @@
 #include "allocator.h"
 
+#include <cstdio>
+
 #include "backend.h"
 #include "nanoq/errors.h"
 
@@ -29,32 +31,67 @@ const char* memory_kind_name(MemoryKind kind) {
     return "?";
 }
 
-NamedAllocator::NamedAllocator(Backend& backend, int device) : backend_(backend), device_(device) {}
+NamedAllocator::NamedAllocator(Backend& backend, int device, std::size_t limit_bytes)
+    : backend_(backend), device_(device), limit_(limit_bytes) {}
 
 NamedAllocator::~NamedAllocator() {
     for (auto it = segments_.rbegin(); it != segments_.rend(); ++it) backend_.raw_free(it->data, it->kind);
 }
 
+namespace {
+
+std::string human_bytes(std::size_t bytes) {
+    const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    double value = static_cast<double>(bytes);
+    int unit = 0;
+    while (value >= 1024.0 && unit < 4) {
+        value /= 1024.0;
+        ++unit;
+    }
+    char text[32];
+    std::snprintf(text, sizeof(text), unit ? "%.1f %s" : "%.0f %s", value, units[unit]);
+    return text;
+}
+
+}  // namespace
+
 Tensor NamedAllocator::allocate(Context context, const std::string& name, DType dtype,
                                 std::initializer_list<std::int64_t> dims, MemoryKind kind) {
     Tensor tensor(nullptr, dtype, dims);
     const std::size_t bytes = tensor.bytes();
+    if (kind == MemoryKind::Device && limit_ && device_bytes() + bytes > limit_)
+        out_of_memory(context, name, tensor, "the memory limit of " + human_bytes(limit_) + " would be exceeded");
     void* data = bytes ? backend_.raw_alloc(bytes, kind) : nullptr;
-    if (bytes && !data) {
-        std::string table;
-        for (int c = 0; c < static_cast<int>(Context::Count); ++c) {
-            std::size_t total = total_bytes(static_cast<Context>(c));
-            if (total) table += "\n  " + std::string(context_name(static_cast<Context>(c))) + ": " +
-                                std::to_string(total) + " bytes";
-        }
-        throw OutOfMemory("out of memory on device " + std::to_string(device_) + " allocating '" + name +
-                          "' (" + context_name(context) + ", " + dtype_name(dtype) + " " +
-                          tensor.shape_string() + ", " + std::to_string(bytes) +
-                          " bytes); already allocated:" + (table.empty() ? " nothing" : table));
-    }
+    if (bytes && !data) out_of_memory(context, name, tensor, std::string("the ") + backend_.name() + " backend refused");
     tensor.data = data;
     segments_.push_back(Segment{context, name, bytes, kind, data});
     return tensor;
+}
+
+void NamedAllocator::out_of_memory(Context context, const std::string& name, const Tensor& tensor,
+                                   const std::string& reason) const {
+    std::string table;
+    for (int c = 0; c < static_cast<int>(Context::Count); ++c) {
+        const std::size_t total = total_bytes(static_cast<Context>(c));
+        if (total) table += "\n  " + std::string(context_name(static_cast<Context>(c))) + ": " + human_bytes(total);
+    }
+    const bool per_token = context == Context::Activations || context == Context::Stack;
+    const std::string suggestion =
+        per_token ? "lower batch_size (per device) or seq_len, raising grad_accum to keep the tokens per step"
+                  : "use more devices (ZeRO-1 shards master weights and AdamW state across them), a smaller "
+                    "model, or bf16 master/optimizer state";
+    throw OutOfMemory("out of memory on device " + std::to_string(device_) + " allocating '" + name + "' (" +
+                      context_name(context) + ", " + dtype_name(tensor.dtype) + " " + tensor.shape_string() + ", " +
+                      human_bytes(tensor.bytes()) + "): " + reason + "; already allocated on this device:" +
+                      (table.empty() ? " nothing" : table) + "\n  total: " + human_bytes(device_bytes()) +
+                      "\nsuggestion: " + suggestion + " (nanoq memory estimates the options)");
+}
+
+std::size_t NamedAllocator::device_bytes() const {
+    std::size_t total = 0;
+    for (const Segment& s : segments_)
+        if (s.kind == MemoryKind::Device) total += s.bytes;
+    return total;
 }
 
 std::size_t NamedAllocator::total_bytes(Context context) const {

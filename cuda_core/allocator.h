@@ -44,7 +44,9 @@ struct Segment {
 
 class NamedAllocator {
 public:
-    NamedAllocator(Backend& backend, int device);
+    // limit_bytes > 0 caps the device memory this allocator hands out (a
+    // smaller device, simulated; also how tests provoke out-of-memory).
+    NamedAllocator(Backend& backend, int device, std::size_t limit_bytes = 0);
     ~NamedAllocator();
     NamedAllocator(const NamedAllocator&) = delete;
     NamedAllocator& operator=(const NamedAllocator&) = delete;
@@ -56,10 +58,16 @@ public:
 
     const std::vector<Segment>& segments() const { return segments_; }
     std::size_t total_bytes(Context context) const;
+    std::size_t device_bytes() const;  // all MemoryKind::Device segments
+    std::size_t limit() const { return limit_; }
 
 private:
+    [[noreturn]] void out_of_memory(Context context, const std::string& name, const Tensor& tensor,
+                                    const std::string& reason) const;
+
     Backend& backend_;
     int device_;
+    std::size_t limit_;
     std::vector<Segment> segments_;
 };
 

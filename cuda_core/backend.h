@@ -80,6 +80,8 @@ public:
     virtual void copy(const Tensor& dst, const Tensor& src) = 0;
     virtual void fill(const Tensor& t, float value) = 0;
     virtual void synchronize() = 0;
+    // Free and total bytes of the device, when the backend can tell.
+    virtual bool memory_info(std::size_t* free_bytes, std::size_t* total_bytes) = 0;
 
     // out[M,N] (+)= op(a) @ op(b), op(a) is [M,K], op(b) is [K,N];
     // trans_a means a is stored [K,M], trans_b means b is stored [N,K].

@@ -194,7 +194,7 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_
     const int B = options.batch_size, T = options.seq_len;
     m.run([&](int rank, DeviceState& d) {
         d.backend = plugin.create_backend(rank, threads);
-        d.allocator = std::make_unique<NamedAllocator>(*d.backend, rank);
+        d.allocator = std::make_unique<NamedAllocator>(*d.backend, rank, options.memory_limit);
         d.comm = m.group->connect(rank, *d.backend);
         NamedAllocator& a = *d.allocator;
         d.weights = a.allocate(Context::Weights, "weights", weight_dtype, {padded});
@@ -459,6 +459,19 @@ StackInfo Trainer::stack_info(int device) const {
     const StackArena& stack = *impl_->devices[device].stack;
     StackInfo info{stack.capacity(), stack.high_water(), {}};
     for (const StackEntry& e : stack.live_at_high_water()) info.live_at_high_water.emplace_back(e.name, e.bytes);
+    return info;
+}
+
+MemoryInfo Trainer::memory_info(int device) {
+    std::lock_guard<std::mutex> serial(impl_->call_mutex);
+    if (device < 0 || device >= world_size()) throw InvalidArgument("no device " + std::to_string(device));
+    MemoryInfo info;
+    impl_->run([&](int rank, DeviceState& d) {
+        if (rank != device) return;
+        info.allocated = d.allocator->device_bytes();
+        info.limit = d.allocator->limit();
+        info.known = d.backend->memory_info(&info.free, &info.total);
+    });
     return info;
 }
 

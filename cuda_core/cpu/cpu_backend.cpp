@@ -65,6 +65,8 @@ public:
         for (std::int64_t i = 0; i < n; ++i) p[i] = value;
     }
     void synchronize() override {}
+    // Host memory is shared with everything else on the machine: no device figure.
+    bool memory_info(std::size_t*, std::size_t*) override { return false; }
 
     void matmul(const Tensor& out, const Tensor& a, const Tensor& b, int M, int N, int K, bool trans_a,
                 bool trans_b, bool accumulate) override {

@@ -176,6 +176,12 @@ void CudaBackend::synchronize() {
     pinned_used_ = 0;
 }
 
+bool CudaBackend::memory_info(std::size_t* free_bytes, std::size_t* total_bytes) {
+    NANOQ_CUDA_CHECK(cudaSetDevice(device_));
+    NANOQ_CUDA_CHECK(cudaMemGetInfo(free_bytes, total_bytes));
+    return true;
+}
+
 void CudaBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, int M, int N, int K, bool trans_a,
                          bool trans_b, bool accumulate) {
     matmul_->run(out, a, b, M, N, K, trans_a, trans_b, accumulate, matmul_workspace_.data, matmul_workspace_.bytes(),

@@ -30,6 +30,7 @@ public:
     void copy(const Tensor& dst, const Tensor& src) override;
     void fill(const Tensor& t, float value) override;
     void synchronize() override;
+    bool memory_info(std::size_t* free_bytes, std::size_t* total_bytes) override;
 
     void matmul(const Tensor& out, const Tensor& a, const Tensor& b, int M, int N, int K, bool trans_a, bool trans_b,
                 bool accumulate) override;

@@ -45,6 +45,7 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         int devices, batch_size, seq_len, grad_accum, threads
         float z_loss
         uint64_t seed
+        size_t memory_limit
 
     cdef cppclass CUpdateParams "nanoq::UpdateParams":
         float lr, beta1, beta2, weight_decay, grad_clip, eps
@@ -62,6 +63,10 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
     cdef cppclass CAllocationInfo "nanoq::AllocationInfo":
         string context, name, kind
         size_t bytes
+
+    cdef cppclass CMemoryInfo "nanoq::MemoryInfo":
+        size_t allocated, limit, free, total
+        cbool known
 
     cdef cppclass CStackInfo "nanoq::StackInfo":
         size_t capacity, high_water
@@ -84,6 +89,7 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         int optimizer_steps()
         vector[CAllocationInfo] allocations(int) except +nanoq_raise_py_error
         CStackInfo stack_info(int) except +nanoq_raise_py_error
+        CMemoryInfo memory_info(int) except +nanoq_raise_py_error
         void inject_fault(int)
 
     cbool has_backend(const string&)
@@ -157,6 +163,7 @@ cdef class CoreTrainer:
         o.dtype = options["dtype"].encode()
         o.master_dtype = options["master_dtype"].encode()
         o.optimizer_dtype = options["optimizer_dtype"].encode()
+        o.memory_limit = options["memory_limit"]
         self.batch_rows = o.devices * o.batch_size
         self.seq_len = o.seq_len
         with nogil:
@@ -306,6 +313,14 @@ cdef class CoreTrainer:
         cdef CStackInfo s = t.stack_info(device)
         return dict(capacity=s.capacity, high_water=s.high_water,
                     live_at_high_water=[(e.first.decode(), e.second) for e in s.live_at_high_water])
+
+    def memory_info(self, int device):
+        cdef CTrainer* t = self._get()
+        cdef CMemoryInfo m
+        with nogil:
+            m = t.memory_info(device)
+        return dict(allocated=m.allocated, limit=m.limit, free=m.free if m.known else None,
+                    total=m.total if m.known else None)
 
     def inject_fault(self, int rank):
         self._get().inject_fault(rank)

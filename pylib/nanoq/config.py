@@ -208,6 +208,9 @@ class TrainOptions:
     everywhere is the parity-testing mode), ``master_dtype`` that of the
     master weights the optimizer updates and ``optimizer_dtype`` that of the
     AdamW moments ("bf16" ones are written with stochastic rounding).
+    ``memory_limit`` caps the device memory each device may allocate, in
+    bytes (0: what the device has); going past it raises
+    nanoq.OutOfMemoryError, as a smaller device would.
     """
 
     backend: str = "auto"
@@ -221,6 +224,7 @@ class TrainOptions:
     dtype: str = "auto"
     master_dtype: str = "fp32"
     optimizer_dtype: str = "fp32"
+    memory_limit: int = 0
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -229,6 +233,8 @@ class TrainOptions:
             _positive_int(name, getattr(self, name))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if isinstance(self.memory_limit, bool) or not isinstance(self.memory_limit, int) or self.memory_limit < 0:
+            raise ValueError(f"memory_limit must be a non-negative number of bytes, got {self.memory_limit!r}")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
             raise ValueError(f"threads must be a non-negative integer, got {self.threads!r}")
         for name, allowed in (("dtype", ("auto", "fp32", "bf16")), ("master_dtype", ("fp32", "bf16")),

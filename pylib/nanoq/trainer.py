@@ -347,6 +347,29 @@ class Trainer:
         (name, bytes) entries live at the high-water mark."""
         return self._core.stack_info(self._check_device(device))
 
+    def memory_summary(self) -> list[dict]:
+        """Per device: ``contexts`` (bytes of device memory per context),
+        ``allocated`` (their sum), ``host`` (pinned/host bytes), ``limit``
+        (the memory_limit option, 0 = none) and, where the backend can tell
+        (cuda: cudaMemGetInfo), the device's ``free`` and ``total`` bytes and
+        ``other`` = memory in use that is not this trainer's (None on cpu)."""
+        summary = []
+        for device in range(self.world_size):
+            contexts: Dict[str, int] = {}
+            host = 0
+            for segment in self.get_allocations(device):
+                if segment["kind"] == "device":
+                    contexts[segment["context"]] = contexts.get(segment["context"], 0) + segment["bytes"]
+                else:
+                    host += segment["bytes"]
+            info = self._core.memory_info(device)
+            other = None
+            if info["total"] is not None:
+                other = max(0, info["total"] - info["free"] - info["allocated"])
+            summary.append(dict(device=device, contexts=contexts, allocated=info["allocated"], host=host,
+                                limit=info["limit"], free=info["free"], total=info["total"], other=other))
+        return summary
+
     def _check_device(self, device) -> int:
         if isinstance(device, bool) or not isinstance(device, (int, np.integer)) or not 0 <= device < self.world_size:
             raise ValueError(f"device must be an integer in [0, {self.world_size}), got {device!r}")

@@ -1,6 +1,7 @@
 // Plain configuration and result types shared by the core and its binding.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -43,6 +44,7 @@ struct TrainOptions {
     std::string dtype = "fp32";
     std::string master_dtype = "fp32";
     std::string optimizer_dtype = "fp32";
+    std::size_t memory_limit = 0;  // bytes of device memory per device; 0 = what the device has
 };
 
 struct UpdateParams {
@@ -81,6 +83,14 @@ struct AllocationInfo {
     std::string name;
     std::size_t bytes;
     std::string kind;
+};
+
+struct MemoryInfo {
+    std::size_t allocated = 0;   // device memory held by this trainer's allocator
+    std::size_t limit = 0;       // TrainOptions::memory_limit (0 = none)
+    bool known = false;          // whether free/total below are the device's
+    std::size_t free = 0;
+    std::size_t total = 0;
 };
 
 struct StackInfo {

@@ -59,6 +59,7 @@ public:
 
     std::vector<AllocationInfo> allocations(int device) const;
     StackInfo stack_info(int device) const;
+    MemoryInfo memory_info(int device);
 
     // Test hook: the next step() throws inside worker `rank`.
     void inject_fault(int rank);
