@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <numeric>
 #include <string>
 
 #include "nanoq/errors.h"
@@ -122,8 +124,30 @@ constexpr std::int64_t kClassifierChunkElements = std::int64_t(1) << 22;
 
 }  // namespace
 
-LlamaModel::LlamaModel(const ModelConfig& config, int batch, int time, DType dtype, Backend& backend,
-                       NamedAllocator& alloc)
+Recompute Recompute::parse(const std::string& names) {
+    Recompute r;
+    std::size_t begin = 0;
+    while (begin <= names.size()) {
+        const std::size_t end = std::min(names.find(',', begin), names.size());
+        const std::string name = names.substr(begin, end - begin);
+        if (name == "swiglu") r.swiglu = true;
+        else if (name == "norms") r.norms = true;
+        else if (name == "qkv") r.qkv = true;
+        else if (name == "ffn") r.ffn = true;
+        else if (name == "block") r.block = true;
+        else if (!name.empty())
+            throw InvalidArgument("unknown recompute option '" + name + "'; known: swiglu, norms, qkv, ffn, block");
+        begin = end + 1;
+    }
+    r.ffn = r.ffn || r.block;
+    r.swiglu = r.swiglu || r.ffn;
+    r.norms = r.norms || r.block;
+    r.qkv = r.qkv || r.block;
+    return r;
+}
+
+LlamaModel::LlamaModel(const ModelConfig& config, int batch, int time, DType dtype, Recompute recompute,
+                       Backend& backend, NamedAllocator& alloc)
     : config_(config), B_(batch), T_(time), rows_(batch * time), dtype_(dtype), backend_(backend) {
     const ModelConfig& c = config_;
     const std::int64_t rows = rows_, C = c.hidden_size, I = c.intermediate_size;
@@ -137,38 +161,69 @@ LlamaModel::LlamaModel(const ModelConfig& config, int batch, int time, DType dty
     for (int l = 0; l <= c.num_layers; ++l)
         residual_.push_back(
             alloc.allocate(Context::Activations, "residual." + std::to_string(l), dtype_, {rows, C}));
-    layers_.resize(c.num_layers);
-    for (int l = 0; l < c.num_layers; ++l) {
-        LayerActivations& a = layers_[l];
-        const std::string p = "layer." + std::to_string(l) + ".";
-        auto act = [&](const std::string& name, std::initializer_list<std::int64_t> dims) {
-            return alloc.allocate(Context::Activations, p + name, dtype_, dims);
-        };
-        auto f32 = [&](const std::string& name, std::initializer_list<std::int64_t> dims) {
-            return alloc.allocate(Context::Activations, p + name, DType::F32, dims);
-        };
-        a.input_norm = act("input-norm", {rows, C});
-        a.input_rstd = f32("input-rstd", {rows});
-        if (c.qk_norm) {
-            a.q_raw = act("q-raw", {rows, HD});
-            a.k_raw = act("k-raw", {rows, KD});
-            a.q_rstd = f32("q-rstd", {rows * c.num_heads});
-            a.k_rstd = f32("k-rstd", {rows * c.num_kv_heads});
-        }
-        a.q = act("q", {rows, HD});
-        a.k = act("k", {rows, KD});
-        a.v = act("v", {rows, KD});
-        a.attention = act("attention", {rows, HD});
-        a.lse = f32("attention-lse", {B_, c.num_heads, T_});
-        a.residual_mid = act("residual-mid", {rows, C});
-        a.post_norm = act("post-norm", {rows, C});
-        a.post_rstd = f32("post-rstd", {rows});
-        a.gate = act("gate", {rows, I});
-        a.up = act("up", {rows, I});
-        a.swiglu = act("swiglu", {rows, I});
+
+    using A = LayerActivations;
+    const Recompute& r = recompute;
+    auto spec = [&](Tensor A::*member, const char* name, std::vector<std::int64_t> dims, DType type, bool again) {
+        specs_.push_back(ActivationSpec{member, name, std::move(dims), type, again});
+    };
+    const DType act = dtype_, f32 = DType::F32;
+    spec(&A::input_norm, "input-norm", {rows, C}, act, r.norms);
+    spec(&A::input_rstd, "input-rstd", {rows}, f32, r.block);
+    if (c.qk_norm) {
+        spec(&A::q_raw, "q-raw", {rows, HD}, act, r.qkv);
+        spec(&A::k_raw, "k-raw", {rows, KD}, act, r.qkv);
+        spec(&A::q_rstd, "q-rstd", {rows * c.num_heads}, f32, r.qkv);
+        spec(&A::k_rstd, "k-rstd", {rows * c.num_kv_heads}, f32, r.qkv);
     }
+    spec(&A::q, "q", {rows, HD}, act, r.qkv);
+    spec(&A::k, "k", {rows, KD}, act, r.qkv);
+    spec(&A::v, "v", {rows, KD}, act, r.qkv);
+    spec(&A::attention, "attention", {rows, HD}, act, r.block);
+    spec(&A::lse, "attention-lse", {B_, c.num_heads, T_}, f32, r.block);
+    spec(&A::residual_mid, "residual-mid", {rows, C}, act, r.block);
+    spec(&A::post_norm, "post-norm", {rows, C}, act, r.norms);
+    spec(&A::post_rstd, "post-rstd", {rows}, f32, r.block);
+    spec(&A::gate, "gate", {rows, I}, act, r.ffn);
+    spec(&A::up, "up", {rows, I}, act, r.ffn);
+    spec(&A::swiglu, "swiglu", {rows, I}, act, r.swiglu);
+
+    layers_.resize(c.num_layers);
+    for (int l = 0; l < c.num_layers; ++l)
+        for (const ActivationSpec& s : specs_) {
+            if (s.recomputed) continue;
+            Tensor t = alloc.allocate(Context::Activations, "layer." + std::to_string(l) + "." + s.name, s.dtype,
+                                      {std::accumulate(s.dims.begin(), s.dims.end(), std::int64_t(1),
+                                                       std::multiplies<std::int64_t>())});
+            layers_[l].*s.member = t;
+        }
     final_norm_ = alloc.allocate(Context::Activations, "final-norm", dtype_, {rows, C});
     final_rstd_ = alloc.allocate(Context::Activations, "final-rstd", DType::F32, {rows});
+}
+
+bool LlamaModel::recomputed(Tensor LayerActivations::*member) const {
+    for (const ActivationSpec& s : specs_)
+        if (s.member == member) return s.recomputed;
+    return false;
+}
+
+LayerActivations LlamaModel::with_transients(const LayerActivations& stored, StackFrame& frame) const {
+    LayerActivations a = stored;
+    for (const ActivationSpec& s : specs_)
+        if (s.recomputed)
+            a.*s.member = frame.push(s.name, s.dtype, {std::accumulate(s.dims.begin(), s.dims.end(), std::int64_t(1),
+                                                                       std::multiplies<std::int64_t>())});
+    return a;
+}
+
+std::size_t LlamaModel::transient_bytes() const {
+    std::size_t bytes = 0;
+    for (const ActivationSpec& s : specs_)
+        if (s.recomputed)
+            bytes += StackArena::aligned(dtype_size(s.dtype) * std::accumulate(s.dims.begin(), s.dims.end(),
+                                                                              std::int64_t(1),
+                                                                              std::multiplies<std::int64_t>()));
+    return bytes;
 }
 
 int LlamaModel::classifier_chunk_rows() const {
@@ -185,7 +240,9 @@ std::size_t LlamaModel::stack_bytes() const {
     const std::size_t classifier = bytes(rows * C) + bytes(std::int64_t(classifier_chunk_rows()) * c.vocab_size);
     const std::size_t mlp = 2 * bytes(rows * I) + bytes(rows * C);
     const std::size_t attention = 2 * bytes(rows * HD) + 2 * bytes(rows * KD) + bytes(rows * C);
-    return bytes(rows * C) + std::max({classifier, mlp, attention});
+    const std::size_t forward = transient_bytes();
+    const std::size_t backward = bytes(rows * C) + std::max(classifier, transient_bytes() + std::max(mlp, attention));
+    return std::max(forward, backward);
 }
 
 ScratchShapes LlamaModel::scratch_shapes() const {
@@ -193,50 +250,70 @@ ScratchShapes LlamaModel::scratch_shapes() const {
                          classifier_chunk_rows(), 0};
 }
 
-void LlamaModel::forward(const ModelWeights& w, const Tensor& tokens) {
+void LlamaModel::forward(const ModelWeights& w, const Tensor& tokens, StackArena& stack) {
     const ModelConfig& c = config_;
     backend_.embedding_forward(residual_[0], tokens, w.embed, rows_, c.hidden_size);
-    for (int l = 0; l < c.num_layers; ++l) layer_forward(w.layers[l], layers_[l], residual_[l], residual_[l + 1]);
+    for (int l = 0; l < c.num_layers; ++l) {
+        StackFrame frame(stack);
+        LayerActivations a = with_transients(layers_[l], frame);
+        layer_steps(w.layers[l], a, residual_[l], &residual_[l + 1]);
+    }
     backend_.rmsnorm_forward(final_norm_, final_rstd_, residual_[c.num_layers], w.final_norm, rows_, c.hidden_size,
                              c.rms_norm_eps);
 }
 
-void LlamaModel::layer_forward(const LayerWeights& w, LayerActivations& a, const Tensor& input,
-                               const Tensor& output) {
+void LlamaModel::layer_steps(const LayerWeights& w, LayerActivations& a, const Tensor& input,
+                             const Tensor* output) {
     const ModelConfig& c = config_;
     const int C = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
     const int HD = c.num_heads * D, KD = c.num_kv_heads * D;
     Backend& be = backend_;
-
-    be.rmsnorm_forward(a.input_norm, a.input_rstd, input, w.input_norm, rows_, C, c.rms_norm_eps);
+    // A step runs in the forward pass, or in backward when its result is
+    // recomputed; recomputing repeats the same ops on the same inputs, so
+    // the values are bitwise those of the forward pass.
+    auto runs = [&](Tensor LayerActivations::*result) { return output != nullptr || recomputed(result); };
     auto project = [&](const Tensor& out, const Tensor& weight, const Tensor& bias, const Tensor& x, int n, int k) {
         be.matmul(out, x, weight, rows_, n, k, false, true, false);
         if (bias.data) be.add_bias(out, bias, rows_, n);
     };
-    project(c.qk_norm ? a.q_raw : a.q, w.q, w.q_bias, a.input_norm, HD, C);
-    project(c.qk_norm ? a.k_raw : a.k, w.k, w.k_bias, a.input_norm, KD, C);
-    project(a.v, w.v, w.v_bias, a.input_norm, KD, C);
-    if (c.qk_norm) {
-        be.rmsnorm_forward(a.q, a.q_rstd, a.q_raw, w.q_norm, rows_ * c.num_heads, D, c.rms_norm_eps);
-        be.rmsnorm_forward(a.k, a.k_rstd, a.k_raw, w.k_norm, rows_ * c.num_kv_heads, D, c.rms_norm_eps);
-    }
-    be.rope_forward(a.q, cos_sin_, B_, T_, c.num_heads, D);
-    be.rope_forward(a.k, cos_sin_, B_, T_, c.num_kv_heads, D);
-    be.attention_forward(a.attention, a.lse, a.q, a.k, a.v, attention_shape_);
-    project(a.residual_mid, w.o, w.o_bias, a.attention, C, HD);
-    be.accumulate(a.residual_mid, input);
 
-    be.rmsnorm_forward(a.post_norm, a.post_rstd, a.residual_mid, w.post_norm, rows_, C, c.rms_norm_eps);
-    project(a.gate, w.gate, Tensor(), a.post_norm, I, C);
-    project(a.up, w.up, Tensor(), a.post_norm, I, C);
-    be.swiglu_forward(a.swiglu, a.gate, a.up);
-    project(output, w.down, Tensor(), a.swiglu, C, I);
-    be.accumulate(output, a.residual_mid);
+    if (runs(&LayerActivations::input_norm))
+        be.rmsnorm_forward(a.input_norm, a.input_rstd, input, w.input_norm, rows_, C, c.rms_norm_eps);
+    if (runs(&LayerActivations::q)) {
+        project(c.qk_norm ? a.q_raw : a.q, w.q, w.q_bias, a.input_norm, HD, C);
+        project(c.qk_norm ? a.k_raw : a.k, w.k, w.k_bias, a.input_norm, KD, C);
+        project(a.v, w.v, w.v_bias, a.input_norm, KD, C);
+        if (c.qk_norm) {
+            be.rmsnorm_forward(a.q, a.q_rstd, a.q_raw, w.q_norm, rows_ * c.num_heads, D, c.rms_norm_eps);
+            be.rmsnorm_forward(a.k, a.k_rstd, a.k_raw, w.k_norm, rows_ * c.num_kv_heads, D, c.rms_norm_eps);
+        }
+        be.rope_forward(a.q, cos_sin_, B_, T_, c.num_heads, D);
+        be.rope_forward(a.k, cos_sin_, B_, T_, c.num_kv_heads, D);
+    }
+    if (runs(&LayerActivations::attention)) {
+        be.attention_forward(a.attention, a.lse, a.q, a.k, a.v, attention_shape_);
+        project(a.residual_mid, w.o, w.o_bias, a.attention, C, HD);
+        be.accumulate(a.residual_mid, input);
+    }
+    if (runs(&LayerActivations::post_norm))
+        be.rmsnorm_forward(a.post_norm, a.post_rstd, a.residual_mid, w.post_norm, rows_, C, c.rms_norm_eps);
+    if (runs(&LayerActivations::gate)) {
+        project(a.gate, w.gate, Tensor(), a.post_norm, I, C);
+        project(a.up, w.up, Tensor(), a.post_norm, I, C);
+    }
+    if (runs(&LayerActivations::swiglu)) be.swiglu_forward(a.swiglu, a.gate, a.up);
+    if (output) {
+        project(*output, w.down, Tensor(), a.swiglu, C, I);
+        be.accumulate(*output, a.residual_mid);
+    }
 }
 
-void LlamaModel::layer_backward(const LayerWeights& w, const LayerWeights& g, LayerActivations& a,
+void LlamaModel::layer_backward(const LayerWeights& w, const LayerWeights& g, const LayerActivations& stored,
                                 const Tensor& input, const Tensor& dresidual, StackArena& stack) {
     // On entry dresidual is d(loss)/d(layer output); on exit d/d(layer input).
+    StackFrame transients(stack);
+    LayerActivations a = with_transients(stored, transients);
+    layer_steps(w, a, input, nullptr);
     const ModelConfig& c = config_;
     const int C = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
     const int HD = c.num_heads * D, KD = c.num_kv_heads * D;
@@ -304,7 +381,7 @@ void LlamaModel::classifier(const ModelWeights& w, const ModelWeights* g, const 
 void LlamaModel::forward_backward(const ModelWeights& w, const ModelWeights& g, const Tensor& tokens,
                                   const Tensor& targets, const Tensor& stats, float z_loss, StackArena& stack) {
     const ModelConfig& c = config_;
-    forward(w, tokens);
+    forward(w, tokens, stack);
     StackFrame frame(stack);
     Tensor dresidual = frame.push("d-residual", dtype_, {rows_, c.hidden_size});
     {
@@ -321,7 +398,7 @@ void LlamaModel::forward_backward(const ModelWeights& w, const ModelWeights& g, 
 
 void LlamaModel::forward_loss(const ModelWeights& w, const Tensor& tokens, const Tensor& targets,
                               const Tensor& stats, float z_loss, StackArena& stack) {
-    forward(w, tokens);
+    forward(w, tokens, stack);
     classifier(w, nullptr, targets, stats, z_loss, nullptr, stack);
 }
 

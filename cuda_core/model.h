@@ -9,6 +9,7 @@
 // divides by the number of counted tokens of the whole optimizer step.
 #pragma once
 
+#include <string>
 #include <vector>
 
 #include "allocator.h"
@@ -40,10 +41,25 @@ struct LayerActivations {
     Tensor gate, up, swiglu;         // [rows, I]
 };
 
+// Which per-layer activations backward recomputes instead of keeping.
+// Implications: "ffn" recomputes the swiglu output too; "block" keeps only
+// each layer's input (the residual stream) and recomputes everything else.
+struct Recompute {
+    bool swiglu = false;  // silu(gate) * up
+    bool norms = false;   // the two RMSNorm outputs (their rstd is kept)
+    bool qkv = false;     // the attention inputs: q, k, v (and q/k norm inputs)
+    bool ffn = false;     // gate, up and swiglu
+    bool block = false;   // everything but the layer input
+
+    // From a comma-separated list of those names ("" = nothing); throws
+    // InvalidArgument naming an unknown one. Applies the implications.
+    static Recompute parse(const std::string& names);
+};
+
 class LlamaModel {
 public:
     // Activations (and the stack's tensors) are `dtype`; statistics float32.
-    LlamaModel(const ModelConfig& config, int batch, int time, DType dtype, Backend& backend,
+    LlamaModel(const ModelConfig& config, int batch, int time, DType dtype, Recompute recompute, Backend& backend,
                NamedAllocator& allocator);
 
     // Forward, fused classifier and backward of one micro-batch: adds the
@@ -61,10 +77,27 @@ public:
     ScratchShapes scratch_shapes() const;
 
 private:
-    void forward(const ModelWeights& w, const Tensor& tokens);
-    void layer_forward(const LayerWeights& w, LayerActivations& a, const Tensor& input, const Tensor& output);
-    void layer_backward(const LayerWeights& w, const LayerWeights& g, LayerActivations& a, const Tensor& input,
-                        const Tensor& dresidual, StackArena& stack);
+    // One activation of a layer: where it lives in LayerActivations, and
+    // whether it is recomputed (then it exists only on the stack, while its
+    // layer's forward or backward runs).
+    struct ActivationSpec {
+        Tensor LayerActivations::*member;
+        std::string name;
+        std::vector<std::int64_t> dims;
+        DType dtype;
+        bool recomputed;
+    };
+    bool recomputed(Tensor LayerActivations::*member) const;
+    // The layer's stored activations plus stack tensors for the recomputed ones.
+    LayerActivations with_transients(const LayerActivations& stored, StackFrame& frame) const;
+    std::size_t transient_bytes() const;
+
+    void forward(const ModelWeights& w, const Tensor& tokens, StackArena& stack);
+    // The layer's forward steps. With `output`, all of them (the forward
+    // pass); without, only those whose results are recomputed (backward).
+    void layer_steps(const LayerWeights& w, LayerActivations& a, const Tensor& input, const Tensor* output);
+    void layer_backward(const LayerWeights& w, const LayerWeights& g, const LayerActivations& stored,
+                        const Tensor& input, const Tensor& dresidual, StackArena& stack);
     // Loss over row chunks; with `dhidden` also its gradient (and lm_head's).
     void classifier(const ModelWeights& w, const ModelWeights* g, const Tensor& targets, const Tensor& stats,
                     float z_loss, const Tensor* dhidden, StackArena& stack);
@@ -77,7 +110,8 @@ private:
     AttentionShape attention_shape_;
     Tensor cos_sin_;                   // [T, D/2, 2]
     std::vector<Tensor> residual_;     // L+1 tensors [rows, C]: residual stream before each layer, and after the last
-    std::vector<LayerActivations> layers_;
+    std::vector<ActivationSpec> specs_;
+    std::vector<LayerActivations> layers_;  // stored activations; recomputed ones are empty
     Tensor final_norm_, final_rstd_;
 };
 

@@ -170,6 +170,7 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_
     const DType weight_dtype = parse_dtype(options.dtype, "dtype");
     const DType master_dtype = parse_dtype(options.master_dtype, "master_dtype");
     const DType optimizer_dtype = parse_dtype(options.optimizer_dtype, "optimizer_dtype");
+    const Recompute recompute = Recompute::parse(options.recompute);
     const BackendPlugin& plugin = find_backend(options.backend);
     const int available = plugin.device_count();
     if (options.backend != "cpu" && options.devices > available)
@@ -212,7 +213,7 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_
         d.optimizer_scale = a.allocate(Context::Workspace, "optimizer-scale", DType::F32, {2});
         d.staging = a.allocate(Context::Workspace, "parameter-staging", DType::F32,
                                {std::min(largest, kStagingElements)});
-        d.model = std::make_unique<LlamaModel>(config, B, T, weight_dtype, *d.backend, a);
+        d.model = std::make_unique<LlamaModel>(config, B, T, weight_dtype, recompute, *d.backend, a);
         d.stack = std::make_unique<StackArena>(a, d.model->stack_bytes());
         ScratchShapes scratch = d.model->scratch_shapes();
         scratch.max_reduce = m.shard;

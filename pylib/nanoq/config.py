@@ -193,6 +193,7 @@ def _llama3_scaling(scaling: dict) -> dict:
 
 
 BACKENDS = ("auto", "cpu", "cuda")
+RECOMPUTE = ("swiglu", "norms", "qkv", "ffn", "block")
 
 
 @dataclasses.dataclass
@@ -210,7 +211,12 @@ class TrainOptions:
     AdamW moments ("bf16" ones are written with stochastic rounding).
     ``memory_limit`` caps the device memory each device may allocate, in
     bytes (0: what the device has); going past it raises
-    nanoq.OutOfMemoryError, as a smaller device would.
+    nanoq.OutOfMemoryError, as a smaller device would. ``recompute`` lists
+    activations that backward recomputes instead of keeping (less memory,
+    more compute, bitwise the same results): "swiglu", "norms" (the RMSNorm
+    outputs), "qkv" (the attention inputs), "ffn" (gate, up and swiglu; implies
+    swiglu) and "block" (everything but each layer's input; implies all).
+    It may be given as a comma-separated string.
     """
 
     backend: str = "auto"
@@ -225,6 +231,7 @@ class TrainOptions:
     master_dtype: str = "fp32"
     optimizer_dtype: str = "fp32"
     memory_limit: int = 0
+    recompute: tuple = ()
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -233,6 +240,12 @@ class TrainOptions:
             _positive_int(name, getattr(self, name))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        names = self.recompute.split(",") if isinstance(self.recompute, str) else list(self.recompute)
+        names = [name.strip() for name in names if name.strip()]
+        unknown = [name for name in names if name not in RECOMPUTE]
+        if unknown:
+            raise ValueError(f"unknown recompute option {unknown[0]!r}; choose from {', '.join(RECOMPUTE)}")
+        self.recompute = tuple(sorted(set(names), key=RECOMPUTE.index))
         if isinstance(self.memory_limit, bool) or not isinstance(self.memory_limit, int) or self.memory_limit < 0:
             raise ValueError(f"memory_limit must be a non-negative number of bytes, got {self.memory_limit!r}")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:

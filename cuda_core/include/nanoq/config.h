@@ -45,6 +45,9 @@ struct TrainOptions {
     std::string master_dtype = "fp32";
     std::string optimizer_dtype = "fp32";
     std::size_t memory_limit = 0;  // bytes of device memory per device; 0 = what the device has
+    // Activations recomputed in backward instead of kept: a comma-separated
+    // subset of swiglu, norms, qkv, ffn, block ("" = keep everything).
+    std::string recompute;
 };
 
 struct UpdateParams {
