@@ -30,6 +30,29 @@ namespace {
 
 // Host<->device parameter copies go through a float32 buffer of this many elements.
 constexpr std::int64_t kStagingElements = std::int64_t(1) << 22;
+// AdamW runs over chunks of at most this many elements (the size of the
+// device buffers that offloaded state streams through).
+constexpr std::int64_t kOptimizerChunk = std::int64_t(1) << 22;
+
+struct Offload {
+    bool optimizer = false;
+    bool master = false;
+};
+
+Offload parse_offload(const std::string& names) {
+    Offload o;
+    std::size_t begin = 0;
+    while (begin <= names.size()) {
+        const std::size_t end = std::min(names.find(',', begin), names.size());
+        const std::string name = names.substr(begin, end - begin);
+        if (name == "optimizer") o.optimizer = true;
+        else if (name == "master") o.master = true;
+        else if (!name.empty())
+            throw InvalidArgument("unknown offload option '" + name + "'; known: optimizer, master");
+        begin = end + 1;
+    }
+    return o;
+}
 
 DType parse_dtype(const std::string& name, const char* option) {
     if (name == "fp32") return DType::F32;
@@ -64,8 +87,10 @@ struct DeviceState {
     std::unique_ptr<LlamaModel> model;
     std::unique_ptr<StackArena> stack;
     Tensor weights, grads;           // [padded]
-    Tensor master, adam_m, adam_v;   // [shard]
+    Tensor master, adam_m, adam_v;   // [shard]; in host memory when offloaded
     bool master_is_weights = false;  // master is this rank's shard of `weights`
+    // Device buffers that offloaded state streams through (empty when not offloaded).
+    Tensor staged_master, staged_m, staged_v;
     ModelWeights weight_views, grad_views;
     Tensor tokens, targets;          // [B, T]
     Tensor stats, eval_stats;        // [kStatCount]
@@ -158,6 +183,42 @@ struct Trainer::Impl {
         return {d.tokens, d.targets};
     }
 
+    // AdamW over this rank's shard, parameter by parameter (weight decay
+    // differs) and chunk by chunk: state in host memory is copied into the
+    // device buffers, updated there and copied back. The chunking is the same
+    // with or without offload, so the results are too.
+    void optimizer_step(int rank, DeviceState& d, const UpdateParams& params, int step_number) {
+        Backend& be = *d.backend;
+        const std::int64_t lo = rank * shard, hi = lo + shard;
+        AdamWStep step{params.lr, params.beta1, params.beta2, params.eps, 0.0f, step_number, 0};
+        for (const ParameterInfo& p : layout) {
+            const std::int64_t begin = std::max(lo, p.offset), end = std::min(hi, p.offset + p.numel());
+            step.weight_decay = p.weight_decay ? params.weight_decay : 0.0f;
+            for (std::int64_t at = begin; at < end; at += kOptimizerChunk) {
+                const std::int64_t count = std::min(kOptimizerChunk, end - at);
+                auto on_device = [&](const Tensor& state, const Tensor& staging) {
+                    const Tensor part = state.slice(at - lo, count);
+                    if (!staging.data) return part;
+                    const Tensor staged = staging.slice(0, count);
+                    be.copy(staged, part);
+                    return staged;
+                };
+                const Tensor master = on_device(d.master, d.staged_master);
+                const Tensor adam_m = on_device(d.adam_m, d.staged_m);
+                const Tensor adam_v = on_device(d.adam_v, d.staged_v);
+                // Distinct rounding noise for every chunk: the kernels index from the chunk start.
+                step.seed = options.seed * 0x9E3779B97F4A7C15ULL + static_cast<std::uint64_t>(at);
+                be.adamw(master, d.grads.slice(at, count), adam_m, adam_v, d.optimizer_scale, step);
+                if (d.staged_master.data) be.copy(d.master.slice(at - lo, count), master);
+                if (d.staged_m.data) {
+                    be.copy(d.adam_m.slice(at - lo, count), adam_m);
+                    be.copy(d.adam_v.slice(at - lo, count), adam_v);
+                }
+                if (!d.master_is_weights) be.copy(d.weights.slice(at, count), master);
+            }
+        }
+    }
+
     void check_source(int source_device) const {
         if (source_device < -1 || source_device >= size())
             throw InvalidArgument("batch is on device " + std::to_string(source_device) + ", but this trainer uses devices 0.." +
@@ -171,6 +232,7 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_
     const DType master_dtype = parse_dtype(options.master_dtype, "master_dtype");
     const DType optimizer_dtype = parse_dtype(options.optimizer_dtype, "optimizer_dtype");
     const Recompute recompute = Recompute::parse(options.recompute);
+    const Offload offload = parse_offload(options.offload);
     const BackendPlugin& plugin = find_backend(options.backend);
     const int available = plugin.device_count();
     if (options.backend != "cpu" && options.devices > available)
@@ -200,11 +262,20 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_
         NamedAllocator& a = *d.allocator;
         d.weights = a.allocate(Context::Weights, "weights", weight_dtype, {padded});
         d.grads = a.allocate(Context::Gradients, "gradients", DType::F32, {padded});
-        d.master_is_weights = master_dtype == weight_dtype;
+        const MemoryKind master_kind = offload.master ? MemoryKind::Pinned : MemoryKind::Device;
+        const MemoryKind optimizer_kind = offload.optimizer ? MemoryKind::Pinned : MemoryKind::Device;
+        d.master_is_weights = master_dtype == weight_dtype && !offload.master;
         d.master = d.master_is_weights ? d.weights.slice(rank * m.shard, m.shard)
-                                       : a.allocate(Context::Master, "master", master_dtype, {m.shard});
-        d.adam_m = a.allocate(Context::AdamM, "adam-m", optimizer_dtype, {m.shard});
-        d.adam_v = a.allocate(Context::AdamV, "adam-v", optimizer_dtype, {m.shard});
+                                       : a.allocate(Context::Master, "master", master_dtype, {m.shard}, master_kind);
+        d.adam_m = a.allocate(Context::AdamM, "adam-m", optimizer_dtype, {m.shard}, optimizer_kind);
+        d.adam_v = a.allocate(Context::AdamV, "adam-v", optimizer_dtype, {m.shard}, optimizer_kind);
+        const std::int64_t chunk = std::min(m.shard, kOptimizerChunk);
+        if (offload.master)
+            d.staged_master = a.allocate(Context::Workspace, "offload-master", master_dtype, {chunk});
+        if (offload.optimizer) {
+            d.staged_m = a.allocate(Context::Workspace, "offload-adam-m", optimizer_dtype, {chunk});
+            d.staged_v = a.allocate(Context::Workspace, "offload-adam-v", optimizer_dtype, {chunk});
+        }
         d.tokens = a.allocate(Context::Workspace, "tokens", DType::I32, {B, T});
         d.targets = a.allocate(Context::Workspace, "targets", DType::I32, {B, T});
         d.stats = a.allocate(Context::Workspace, "loss-stats", DType::F32, {kStatCount});
@@ -419,18 +490,7 @@ StepStats Trainer::update(const UpdateParams& params) {
         m.gather_stats(d, d.stats);
         be.optimizer_scale(d.optimizer_scale, d.gathered, n, params.grad_clip);
 
-        AdamWStep step{params.lr, params.beta1, params.beta2, params.eps, 0.0f, step_number, 0};
-        for (const ParameterInfo& p : m.layout) {
-            const std::int64_t begin = std::max(lo, p.offset), end = std::min(hi, p.offset + p.numel());
-            if (begin >= end) continue;
-            step.weight_decay = p.weight_decay ? params.weight_decay : 0.0f;
-            // Distinct rounding noise for every slice: the kernels index from the slice start.
-            step.seed = m.options.seed * 0x9E3779B97F4A7C15ULL + static_cast<std::uint64_t>(begin);
-            be.adamw(d.master.slice(begin - lo, end - begin), d.grads.slice(begin, end - begin),
-                     d.adam_m.slice(begin - lo, end - begin), d.adam_v.slice(begin - lo, end - begin),
-                     d.optimizer_scale, step);
-        }
-        if (!d.master_is_weights) be.copy(d.weights.slice(lo, m.shard), d.master);
+        m.optimizer_step(rank, d, params, step_number);
         d.comm->all_gather(d.weights);
         be.fill(d.grads, 0.0f);
         reset_stats(be, d.stats);

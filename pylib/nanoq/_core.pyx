@@ -41,7 +41,7 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         cbool tie_embeddings, qkv_bias, o_bias, qk_norm
 
     cdef cppclass CTrainOptions "nanoq::TrainOptions":
-        string backend, dtype, master_dtype, optimizer_dtype, recompute
+        string backend, dtype, master_dtype, optimizer_dtype, recompute, offload
         int devices, batch_size, seq_len, grad_accum, threads
         float z_loss
         uint64_t seed
@@ -165,6 +165,7 @@ cdef class CoreTrainer:
         o.optimizer_dtype = options["optimizer_dtype"].encode()
         o.memory_limit = options["memory_limit"]
         o.recompute = ",".join(options["recompute"]).encode()
+        o.offload = ",".join(options["offload"]).encode()
         self.batch_rows = o.devices * o.batch_size
         self.seq_len = o.seq_len
         with nogil:

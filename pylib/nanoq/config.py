@@ -192,8 +192,19 @@ def _llama3_scaling(scaling: dict) -> dict:
     return dict(rope_type="llama3", **out)
 
 
+def _option_list(name: str, value, allowed: tuple) -> tuple:
+    """A tuple of known names, in ``allowed`` order, from a list or a comma-separated string."""
+    names = value.split(",") if isinstance(value, str) else list(value)
+    names = [item.strip() for item in names if item.strip()]
+    unknown = [item for item in names if item not in allowed]
+    if unknown:
+        raise ValueError(f"unknown {name} option {unknown[0]!r}; choose from {', '.join(allowed)}")
+    return tuple(sorted(set(names), key=allowed.index))
+
+
 BACKENDS = ("auto", "cpu", "cuda")
 RECOMPUTE = ("swiglu", "norms", "qkv", "ffn", "block")
+OFFLOAD = ("optimizer", "master")
 
 
 @dataclasses.dataclass
@@ -216,7 +227,9 @@ class TrainOptions:
     more compute, bitwise the same results): "swiglu", "norms" (the RMSNorm
     outputs), "qkv" (the attention inputs), "ffn" (gate, up and swiglu; implies
     swiglu) and "block" (everything but each layer's input; implies all).
-    It may be given as a comma-separated string.
+    ``offload`` keeps "optimizer" (the AdamW moments) and/or "master" (the
+    master weights) in host memory, pinned on GPUs, streamed through device
+    buffers during update(). Both may be given as comma-separated strings.
     """
 
     backend: str = "auto"
@@ -232,6 +245,7 @@ class TrainOptions:
     optimizer_dtype: str = "fp32"
     memory_limit: int = 0
     recompute: tuple = ()
+    offload: tuple = ()
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -240,12 +254,8 @@ class TrainOptions:
             _positive_int(name, getattr(self, name))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
-        names = self.recompute.split(",") if isinstance(self.recompute, str) else list(self.recompute)
-        names = [name.strip() for name in names if name.strip()]
-        unknown = [name for name in names if name not in RECOMPUTE]
-        if unknown:
-            raise ValueError(f"unknown recompute option {unknown[0]!r}; choose from {', '.join(RECOMPUTE)}")
-        self.recompute = tuple(sorted(set(names), key=RECOMPUTE.index))
+        self.recompute = _option_list("recompute", self.recompute, RECOMPUTE)
+        self.offload = _option_list("offload", self.offload, OFFLOAD)
         if isinstance(self.memory_limit, bool) or not isinstance(self.memory_limit, int) or self.memory_limit < 0:
             raise ValueError(f"memory_limit must be a non-negative number of bytes, got {self.memory_limit!r}")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:

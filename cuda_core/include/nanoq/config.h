@@ -48,6 +48,10 @@ struct TrainOptions {
     // Activations recomputed in backward instead of kept: a comma-separated
     // subset of swiglu, norms, qkv, ffn, block ("" = keep everything).
     std::string recompute;
+    // State kept in host memory (pinned on GPUs) and streamed through device
+    // buffers during update(): a comma-separated subset of optimizer (the
+    // AdamW moments) and master (the master weights); "" = none.
+    std::string offload;
 };
 
 struct UpdateParams {
