@@ -1,5 +1,6 @@
 #include "cuda/cublaslt_matmul.h"
 
+#include <cstdint>
 #include <string>
 
 #include "nanoq/errors.h"
@@ -21,6 +22,16 @@ cudaDataType_t lt_type(DType dtype) {
     }
 }
 
+// The largest power of two up to 256 that divides the address. The heuristic
+// assumes 256-byte aligned operands unless told otherwise, and slices of the
+// flat weight buffer (or of activations) need not be.
+int alignment(const void* pointer) {
+    const auto address = reinterpret_cast<std::uintptr_t>(pointer);
+    int bytes = 256;
+    while (bytes > 1 && address % bytes != 0) bytes /= 2;
+    return bytes;
+}
+
 }  // namespace
 
 LtMatmul::LtMatmul() { check_lt(cublasLtCreate(&handle_), "cublasLtCreate"); }
@@ -39,7 +50,7 @@ LtMatmul::~LtMatmul() {
 LtMatmul::Plan& LtMatmul::plan(const Key& key, std::size_t workspace_bytes) {
     auto it = plans_.find(key);
     if (it != plans_.end()) return it->second;
-    const auto [M, N, K, trans_a, trans_b, accumulate, out_type, a_type, b_type] = key;
+    const auto [M, N, K, trans_a, trans_b, accumulate, out_type, a_type, b_type, out_align, a_align, b_align] = key;
     (void)accumulate;
     Plan p;
     check_lt(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
@@ -65,6 +76,15 @@ LtMatmul::Plan& LtMatmul::plan(const Key& key, std::size_t workspace_bytes) {
     check_lt(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                   &workspace_bytes, sizeof(workspace_bytes)),
              "workspace preference");
+    // cuBLASLt's A is our b and its B our a (operands swapped, see above).
+    const std::uint32_t aligns[4] = {static_cast<std::uint32_t>(b_align), static_cast<std::uint32_t>(a_align),
+                                     static_cast<std::uint32_t>(out_align), static_cast<std::uint32_t>(out_align)};
+    const cublasLtMatmulPreferenceAttributes_t align_attrs[4] = {
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+    for (int i = 0; i < 4; ++i)
+        check_lt(cublasLtMatmulPreferenceSetAttribute(preference, align_attrs[i], &aligns[i], sizeof(aligns[i])),
+                 "alignment preference");
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     const cublasStatus_t status =
@@ -80,7 +100,18 @@ LtMatmul::Plan& LtMatmul::plan(const Key& key, std::size_t workspace_bytes) {
 void LtMatmul::run(const Tensor& out, const Tensor& a, const Tensor& b, int M, int N, int K, bool trans_a,
                    bool trans_b, bool accumulate, void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
     if (a.dtype != b.dtype) throw InternalError("matmul operands of different dtypes");
-    const Key key{M, N, K, trans_a, trans_b, accumulate, lt_type(out.dtype), lt_type(a.dtype), lt_type(b.dtype)};
+    const Key key{M,
+                  N,
+                  K,
+                  trans_a,
+                  trans_b,
+                  accumulate,
+                  lt_type(out.dtype),
+                  lt_type(a.dtype),
+                  lt_type(b.dtype),
+                  alignment(out.data),
+                  alignment(a.data),
+                  alignment(b.data)};
     Plan& p = plan(key, workspace_bytes);
     const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
     check_lt(cublasLtMatmul(handle_, p.desc, &alpha, b.data, p.a, a.data, p.b, &beta, out.data, p.c, out.data, p.c,

@@ -30,7 +30,8 @@ public:
              bool accumulate, void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
 
 private:
-    using Key = std::tuple<int, int, int, bool, bool, bool, int, int, int>;
+    // Shape, transposes, accumulate, dtypes (out, a, b), pointer alignments (out, a, b).
+    using Key = std::tuple<int, int, int, bool, bool, bool, int, int, int, int, int, int>;
     struct Plan {
         cublasLtMatmulDesc_t desc = nullptr;
         cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;

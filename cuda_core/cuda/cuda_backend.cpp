@@ -69,11 +69,15 @@ CudaBackend::CudaBackend(int device) : device_(device) {
 }
 
 CudaBackend::~CudaBackend() {
+    cudaSetDevice(device_);
     matmul_.reset();
     if (stream_) cudaStreamDestroy(stream_);
 }
 
 void* CudaBackend::raw_alloc(std::size_t bytes, MemoryKind kind) {
+    // Ops may come from another thread than the one that made the backend
+    // (OpRunner's callers); every op call allocates first, so set the device here.
+    if (kind != MemoryKind::Host) NANOQ_CUDA_CHECK(cudaSetDevice(device_));
     void* data = nullptr;
     cudaError_t status = cudaSuccess;
     switch (kind) {
@@ -90,6 +94,7 @@ void* CudaBackend::raw_alloc(std::size_t bytes, MemoryKind kind) {
 }
 
 void CudaBackend::raw_free(void* data, MemoryKind kind) {
+    if (kind != MemoryKind::Host) cudaSetDevice(device_);  // may run on another thread (destructors)
     switch (kind) {
         case MemoryKind::Device: cudaFree(data); break;
         case MemoryKind::Pinned: cudaFreeHost(data); break;
@@ -151,7 +156,8 @@ void CudaBackend::copy_to_host(void* dst, const Tensor& src) {
 void CudaBackend::copy(const Tensor& dst, const Tensor& src) {
     if (dst.numel() != src.numel()) throw InternalError("copy between tensors of different sizes");
     if (dst.dtype == src.dtype) {
-        NANOQ_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, src.bytes(), cudaMemcpyDeviceToDevice, stream_));
+        // Default: either side may be pinned host memory (offloaded optimizer state).
+        NANOQ_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, src.bytes(), cudaMemcpyDefault, stream_));
         return;
     }
     if (dst.dtype == DType::BF16 && src.dtype == DType::F32)
