@@ -80,6 +80,9 @@ public:
     virtual void copy(const Tensor& dst, const Tensor& src) = 0;
     virtual void fill(const Tensor& t, float value) = 0;
     virtual void synchronize() = 0;
+    // Elements of the logits chunk the fused classifier works on: large
+    // enough to keep the device busy, small enough to bound its memory.
+    virtual std::int64_t classifier_chunk_elements() const = 0;
     // Free and total bytes of the device, when the backend can tell.
     virtual bool memory_info(std::size_t* free_bytes, std::size_t* total_bytes) = 0;
 

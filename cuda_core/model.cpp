@@ -119,8 +119,6 @@ std::vector<float> rope_table(const ModelConfig& c, int time) {
     return table;
 }
 
-constexpr std::int64_t kClassifierChunkElements = std::int64_t(1) << 22;
-
 
 }  // namespace
 
@@ -227,7 +225,7 @@ std::size_t LlamaModel::transient_bytes() const {
 }
 
 int LlamaModel::classifier_chunk_rows() const {
-    const std::int64_t chunk = std::max<std::int64_t>(1, kClassifierChunkElements / config_.vocab_size);
+    const std::int64_t chunk = std::max<std::int64_t>(1, backend_.classifier_chunk_elements() / config_.vocab_size);
     return static_cast<int>(std::min<std::int64_t>(chunk, rows_));
 }
 

@@ -481,7 +481,7 @@ StepStats Trainer::update(const UpdateParams& params) {
     m.run([&](int rank, DeviceState& d) {
         Backend& be = *d.backend;
         d.comm->reduce_scatter_sum(d.grads);
-        const std::int64_t lo = rank * m.shard, hi = lo + m.shard;
+        const std::int64_t lo = rank * m.shard;
         // This rank's row of `gathered`: its loss statistics and the sum of
         // squares of its gradient shard; the scale is computed on the device.
         const Tensor squares = d.gathered.slice(std::int64_t(rank) * kGatherStride + kSumSquaresSlot, 1);
