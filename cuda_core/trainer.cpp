@@ -298,7 +298,17 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_
     });
 }
 
-Trainer::~Trainer() = default;
+Trainer::~Trainer() {
+    // Each worker releases its own communicator, all at once: NCCL's destroy
+    // may wait for the peers' destroys.
+    std::function<void(int)> release = [&](int rank) { impl_->devices[rank].comm.reset(); };
+    std::function<void()> nothing = [] {};
+    try {
+        impl_->pool->run(release, nothing);
+    } catch (...) {
+        // Teardown goes on: the remaining state is freed below either way.
+    }
+}
 
 int Trainer::world_size() const { return impl_->options.devices; }
 const std::vector<ParameterInfo>& Trainer::parameters() const { return impl_->layout; }
