@@ -155,7 +155,7 @@ _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-def _parse_size(text: str) -> int:
+def _parse_size(text: str, allow_zero: bool = False) -> int:
     """Bytes of "5GB" (10**9), "2GiB" (2**30), "500MB", "1048576"; click.BadParameter otherwise."""
     stripped = text.strip().upper()
     digits = stripped.rstrip("KMGTIB").strip()
@@ -164,9 +164,95 @@ def _parse_size(text: str) -> int:
         size = int(float(digits) * _SIZE_UNITS[unit])
     except (ValueError, KeyError):
         raise click.BadParameter(f"{text!r} is not a size such as 5GB, 2GiB, 500MB or 1048576") from None
-    if size <= 0:
+    if size < 0 or (size == 0 and not allow_zero):
         raise click.BadParameter(f"{text!r}: the size must be positive")
     return size
+
+
+def _memory_model(config, model_path):
+    """The ModelConfig to estimate: ``--model``'s config.json, else the settings'
+    [model] (vocab_size 0 means the data's: the demo tokenizer's when training
+    on the demo, else it must be given, since the data is not read here)."""
+    from nanoq import ModelConfig
+    from nanoq.training.loop import model_config
+
+    if model_path is not None:
+        return ModelConfig.from_pretrained(model_path)
+    vocab = config.vocab_size
+    if vocab == 0:
+        if config.train_data:
+            raise ValueError("model.vocab_size is 0 (the token files' vocab size, read when training); give "
+                             "--vocab-size N or --model HF_DIR_OR_CONFIG_JSON")
+        from nanoq.demo import DEMO_DIR
+        from nanoq.tokenization.tokenizer import load_tokenizer, tokenizer_vocab_size
+
+        vocab = tokenizer_vocab_size(load_tokenizer(DEMO_DIR))
+    return model_config(config, vocab)
+
+
+@cli.command(context_settings=dict(max_content_width=110))
+@click.argument("config_file", metavar="[CONFIG.toml]", required=False, type=click.Path(dir_okay=False))
+@click.option("--model", "model_path", type=click.Path(exists=True), metavar="HF_DIR_OR_CONFIG_JSON",
+              help="Estimate this Hugging Face model (a directory or its config.json) instead of [model].")
+@click.option("--device-memory", metavar="SIZE",
+              help="Memory of one device to check the fit against (80GB = 80*10^9 bytes, 80GiB = 80*2^30); "
+              "default: the smallest GPU that nvidia-ml-py sees, on the cuda backend.")
+@click.option("--master-dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+              help="Dtype of the master weights.")
+@click.option("--optimizer-dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+              help="Dtype of the AdamW moments.")
+@click.option("--recompute", default="", metavar="NAMES", help="Activations recomputed in backward: a comma-separated "
+              "subset of swiglu, norms, qkv, ffn, block.")
+@click.option("--offload", default="", metavar="NAMES", help="State kept in host memory: optimizer and/or master.")
+@click.option("--reserve", metavar="SIZE", help="Device memory taken outside nanoq's allocator (CUDA context, "
+              "cuBLASLt, NCCL), added when judging the fit; default 1GiB on cuda, 0 on cpu.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="Also draw the contexts per device as stacked bars (png, svg, pdf; needs matplotlib).")
+@_setting_options
+def memory(config_file, model_path, device_memory, master_dtype, optimizer_dtype, recompute, offload, reserve,
+           plot_path, **flags):
+    """Estimate the memory per device of a run, without allocating.
+
+    The run is read as `nanoq train` reads it (defaults, CONFIG.toml, flags);
+    --model replaces its [model]. Prints the bytes per context, whether they
+    fit the device and, when they do not, what would. --backend auto counts
+    as cuda only when a GPU is usable here; give --backend cuda to estimate
+    a GPU run anywhere.
+    """
+    from nanoq import TrainOptions
+    from nanoq.memory import estimate_memory, visible_gpu_memory
+    from nanoq.training import load_config
+
+    overrides = {name: value for name, value in flags.items() if value is not None}
+    device_bytes = _parse_size(device_memory) if device_memory is not None else None
+    reserve_bytes = _parse_size(reserve, allow_zero=True) if reserve is not None else None
+    try:
+        config = load_config(config_file, overrides)
+        model = _memory_model(config, model_path)
+        options = TrainOptions(backend=config.backend, devices=config.devices, batch_size=config.batch_size,
+                               seq_len=config.seq_len, grad_accum=config.grad_accum, threads=config.threads,
+                               dtype=config.dtype, master_dtype=master_dtype, optimizer_dtype=optimizer_dtype,
+                               recompute=recompute, offload=offload)
+        estimate = estimate_memory(model, options, reserve_bytes=reserve_bytes)
+    except (ValueError, FileNotFoundError) as e:
+        raise _fail(e) from None
+    from_nvml = device_bytes is None and estimate.options.backend == "cuda"
+    if from_nvml:
+        device_bytes = visible_gpu_memory()
+    click.echo(estimate.table(device_bytes))
+    if device_bytes is not None:
+        if from_nvml:
+            click.echo("(the device memory is that of the smallest GPU nvidia-ml-py sees here)")
+        for line in estimate.suggestions(device_bytes):
+            click.echo(f"  suggestion: {line}")
+    if plot_path:
+        from nanoq.plot import plot_memory
+
+        try:
+            plot_memory(estimate, plot_path, device_bytes)
+        except ImportError as e:
+            raise _fail(e) from None
+        click.echo(f"wrote {plot_path}")
 
 
 @cli.command("export")

@@ -25,10 +25,12 @@ _ctypes.CDLL(_os.path.join(_openblas.get_lib_dir(), "libscipy_openblas.so"), mod
 from nanoq._core import NanoqError, OutOfMemoryError  # noqa: E402
 from nanoq.backends import backends  # noqa: E402
 from nanoq.config import ModelConfig, TrainOptions  # noqa: E402
+from nanoq.memory import MemoryEstimate, estimate_memory  # noqa: E402
 from nanoq.trainer import StepStats, Trainer  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
+    "MemoryEstimate",
     "ModelConfig",
     "NanoqError",
     "OutOfMemoryError",
@@ -36,4 +38,5 @@ __all__ = [
     "TrainOptions",
     "Trainer",
     "backends",
+    "estimate_memory",
 ]

@@ -114,6 +114,8 @@ class TrainConfig:
     run_name: str = setting("run", "", "name of this run's directory; \"\" = a timestamp (an existing "
                                        "run is never overwritten)")
     log_every: int = setting("run", 1, "print a console line every N steps", minimum=1)
+    telemetry_every: int = setting("run", 10, "cuda: log GPU utilisation, power, clocks and temperature "
+                                              "(NVML) every N steps; 0 = off", minimum=0)
 
     def __post_init__(self):
         for item in settings():

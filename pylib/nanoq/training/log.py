@@ -2,23 +2,30 @@
 
 Every line of ``log.jsonl`` is one JSON object, written and flushed whole:
 
-    {"type": "start", "time": ..., "parameters": N, "backend": "cpu", "config": {...}}
+    {"type": "start", "time": ..., "parameters": N, "backend": "cpu", "config": {...},
+     "memory": [{"device": 0, "contexts": {"weights": bytes, ...}, "allocated": bytes, ...}, ...]}
     {"type": "train", "step": 1, "loss": ..., "lr": ..., "grad_norm": ..., "tokens": ...,
      "tokens_per_s": ..., "time": ...}
     {"type": "eval", "step": 0, "loss": ..., "tokens": ..., "time": ...}
+    {"type": "telemetry", "step": 10, "time": ..., "gpus": [{"device": 0, "gpu_util": 97, ...}, ...]}
     {"type": "end", "step": N, "time": ..., "model_dir": ...}
 
 ``step`` counts finished optimizer updates (a train line's step is 1 after the
 first update; an eval at step 0 scores the initial weights). ``tokens`` on a
 train line is the running total of tokens fed to the model; on an eval line,
 the tokens scored. ``time`` is seconds since the start of training.
+``memory`` (also on a ``resume`` line) is Trainer.memory_summary(): each
+device's allocations summed by context, and more; ``gpus`` holds GpuTelemetry.sample()
+(see nanoq.telemetry: cuda runs with NVML only, every run.telemetry_every steps).
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-from typing import IO, Optional
+from typing import IO, List, Optional
+
+from nanoq.memory import human_bytes
 
 
 class JsonlLog:
@@ -81,3 +88,45 @@ def train_line(step: int, steps: int, loss: float, grad_norm: float, lr: float, 
 
 def eval_line(step: int, loss: float, tokens: int, seconds: float) -> str:
     return f"eval @ step {step}: loss {loss:.4f} ({tokens:,} tokens, {seconds:.1f}s)"
+
+
+def memory_lines(memory: List[dict]) -> List[str]:
+    """Console lines of Trainer.memory_summary(): one per device, or one for
+    all when every device holds the same."""
+    def parts(entry: dict) -> str:
+        items = [f"{context} {human_bytes(size)}" for context, size in entry["contexts"].items()]
+        items.append(f"total {human_bytes(entry['allocated'])}")
+        if entry["host"]:
+            items.append(f"host {human_bytes(entry['host'])}")
+        return ", ".join(items)
+
+    if len(memory) > 1 and all(parts(entry) == parts(memory[0]) for entry in memory):
+        return [f"memory per device (x{len(memory)}): {parts(memory[0])}"]
+    return [f"memory device {entry['device']}: {parts(entry)}" for entry in memory]
+
+
+def gpu_summary(gpus: List[dict]) -> str:
+    """The console fragment of a telemetry sample, e.g. ``gpu 97% 61.2GiB
+    612W 71C`` for one GPU; for several, ranges (``95-98%``) and the summed
+    power. Clock limits other than idle follow as ``throttled: sw_power_cap``.
+    Metrics a GPU did not report are left out; no GPUs: ""."""
+    if not gpus:
+        return ""
+
+    def span(key: str, scale: float, unit: str) -> Optional[str]:
+        values = [gpu[key] / scale for gpu in gpus if key in gpu]
+        if len(values) < len(gpus):
+            return None
+        digits = 1 if unit == "GiB" else 0
+        low, high = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+        return (low if low == high else f"{low}-{high}") + unit
+
+    pieces = ["gpu" if len(gpus) == 1 else f"{len(gpus)} gpus", span("gpu_util", 1, "%"),
+              span("memory_used", 2**30, "GiB")]
+    if all("power_w" in gpu for gpu in gpus):
+        pieces.append(f"{sum(gpu['power_w'] for gpu in gpus):.0f}W")
+    pieces.append(span("temperature_c", 1, "C"))
+    reasons = sorted({name for gpu in gpus for name in gpu.get("throttle", ()) if name != "idle"})
+    if reasons:
+        pieces.append("throttled: " + ", ".join(reasons))
+    return " ".join(piece for piece in pieces if piece)

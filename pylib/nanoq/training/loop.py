@@ -25,10 +25,11 @@ from typing import Callable, List, Optional
 
 from nanoq.config import ModelConfig, TrainOptions
 from nanoq.data import DataLoader, Dataset, EvalLoader
+from nanoq.telemetry import GpuTelemetry
 from nanoq.trainer import Trainer
 from nanoq.training.config import TrainConfig
 from nanoq.training.resume import CHECKPOINTS, Progress, extra_state, prepare_resume, restore
-from nanoq.training.log import JsonlLog, eval_line, format_duration, train_line
+from nanoq.training.log import JsonlLog, eval_line, format_duration, gpu_summary, memory_lines, train_line
 from nanoq.training.schedule import learning_rate
 
 
@@ -161,6 +162,13 @@ def _final_model_dir(run_dir: str, step: int, say: Callable[[str], None]) -> str
     return candidate
 
 
+def _telemetry(config: TrainConfig, trainer: Trainer) -> GpuTelemetry:
+    """NVML telemetry of the trainer's GPUs when the run asks for it and runs
+    on cuda; otherwise one of no GPUs (off, with no ``reason``)."""
+    wanted = config.telemetry_every and trainer.backend == "cuda"
+    return GpuTelemetry(devices=trainer.world_size if wanted else 0)
+
+
 # -- the loop -----------------------------------------------------------------------
 
 def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, say: Callable[[str], None] = _print,
@@ -202,13 +210,18 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
         f.write(config.to_toml())
     tokens_per_step = loader.batch_rows * config.seq_len * config.grad_accum
 
-    with trainer, JsonlLog(os.path.join(run_dir, "log.jsonl")) as log:
+    with trainer, JsonlLog(os.path.join(run_dir, "log.jsonl")) as log, _telemetry(config, trainer) as telemetry:
         parameters = sum(int(w.size) for w in trainer.get_weights().values())
         say(f"model: {parameters / 1e6:.2f}M parameters ({model.num_hidden_layers} layers, hidden "
             f"{model.hidden_size}, vocab {model.vocab_size}) on {trainer.backend} x{trainer.world_size} "
             f"({trainer.dtype}); {config.steps} steps of {tokens_per_step:,} tokens")
+        memory = trainer.memory_summary()
+        for line in memory_lines(memory):
+            say(line)
+        if telemetry.reason:
+            say(f"gpu telemetry off: {telemetry.reason}")
         about = dict(parameters=parameters, backend=trainer.backend, devices=trainer.world_size,
-                     run_dir=os.path.abspath(run_dir), config=config.sections())
+                     run_dir=os.path.abspath(run_dir), config=config.sections(), memory=memory)
         if resumed is None:
             log.write(type="start", time=0.0, **about)
         else:
@@ -258,10 +271,15 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
                 log.write(type="train", step=step + 1, loss=stats.loss, lr=lr, grad_norm=stats.grad_norm,
                           tokens=done.tokens, tokens_per_s=tokens_per_s, time=done.time)
                 bar.update(1)
+                gpus = []
+                if telemetry.available and (step + 1) % config.telemetry_every == 0:
+                    gpus = telemetry.sample()
+                    log.write(type="telemetry", step=step + 1, time=done.time, gpus=gpus)
                 if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
                     eta = done.time / (step + 1) * (config.steps - step - 1)
-                    emit(train_line(step + 1, config.steps, stats.loss, stats.grad_norm, lr, tokens_per_s,
-                                    done.time, eta))
+                    line = train_line(step + 1, config.steps, stats.loss, stats.grad_norm, lr, tokens_per_s,
+                                      done.time, eta)
+                    emit(f"{line} | {gpu_summary(gpus)}" if gpus else line)
                 if config.checkpoint_every and ((step + 1) % config.checkpoint_every == 0
                                                 or step + 1 == config.steps):
                     began = time.time()

@@ -1,0 +1,599 @@
+"""How much memory a training run takes per device, computed without allocating.
+
+``estimate_memory(config, options)`` lists, allocation by allocation, what the
+core allocates on each device (every device holds the same list), in the
+order the core allocates it. It mirrors, and must be kept in step with:
+
+- ``cuda_core/trainer.cpp`` (Trainer constructor): flat weights and float32
+  gradients padded to a multiple of the device count; the ZeRO-1 shards of
+  the master weights (a view of the weights, allocating nothing, when master
+  and weight dtypes agree and it is not offloaded) and AdamW moments, in
+  pinned host memory when offloaded, with their device chunk buffers; token,
+  statistics and staging buffers.
+- ``cuda_core/model.cpp`` (LlamaModel constructor, ``Recompute::parse``,
+  ``stack_bytes()``, ``scratch_shapes()``, ``parameter_layout()``): the kept
+  (not recomputed) activations, the residual stream, the RoPE table and the
+  activation stack's capacity.
+- ``reserve_scratch`` of ``cuda_core/cpu/cpu_backend.cpp`` and
+  ``cuda_core/cuda/cuda_backend.cpp`` with the kernels' scratch-size
+  functions (``cuda_core/cuda/kernels_*.cu``).
+
+Bytes are those the allocator records (``Trainer.get_allocations``), which
+are also what ``TrainOptions.memory_limit`` counts: the device total here is
+exactly the figure the limit is checked against. Not counted by the
+allocator, and so not here: the CUDA context, cuBLASLt's handle and NCCL's
+buffers (``reserve_bytes`` stands in for them when judging a fit), and the
+allocation granularity of cudaMalloc. One figure is version-bound: the
+embedding backward's CUB radix-sort temporary storage, mirrored from
+CUB 3.0 (CUDA 13.0) on sm_90 (sm_80 differs by a few KiB). It counts only
+when it is the largest op scratch: models with at most 5 heads and every
+projection narrower than about 320.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, Iterator, List, Optional
+
+from nanoq.config import OFFLOAD, RECOMPUTE, ModelConfig, TrainOptions
+
+CONTEXTS = ("weights", "master", "gradients", "adam-m", "adam-v", "activations", "workspace", "stack")
+CONTEXT_MEANING = {
+    "weights": "full copy of the weights on every device",
+    "master": "this device's shard of the master weights (none when they are the weights or offloaded)",
+    "gradients": "float32 gradients, full copy on every device",
+    "adam-m": "this device's shard of the AdamW first moment (none when offloaded)",
+    "adam-v": "this device's shard of the AdamW second moment (none when offloaded)",
+    "activations": "kept for backward: residual stream and each layer's (not recomputed) ones",
+    "workspace": "tokens, statistics, staging, RoPE table, op scratch",
+    "stack": "backward's temporaries (one arena, sized for its peak)",
+}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+# Memory a cuda device loses to what nanoq's allocator does not see: the CUDA
+# context, cuBLASLt and NCCL (an assumption, adjustable; 0 on the cpu).
+CUDA_RESERVE_BYTES = 1 << 30
+# The largest device count `suggestions` tries.
+MAX_SUGGESTED_DEVICES = 64
+
+# Constants of the core, named as there.
+_STAGING_ELEMENTS = 1 << 22          # trainer.cpp kStagingElements
+_STAT_COUNT = 7                       # backend.h kStatCount
+_GATHER_STRIDE = _STAT_COUNT + 1      # backend.h kGatherStride
+_STACK_ALIGNMENT = 256                # allocator.h StackArena::kAlignment
+_CLASSIFIER_CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}  # Backend::classifier_chunk_elements()
+_OPTIMIZER_CHUNK = 1 << 22           # trainer.cpp kOptimizerChunk (offload's device buffers)
+_CPU_REDUCE_BLOCK = 1 << 14           # cpu_backend.cpp kReduceBlock
+_CUDA_MATMUL_WORKSPACE = 32 << 20     # cuda_backend.cpp kMatmulWorkspaceBytes
+_CUDA_MAX_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    """One allocation of a device: context, tensor name, bytes, and kind
+    ("device", or "pinned" for page-locked host memory)."""
+
+    context: str
+    name: str
+    bytes: int
+    kind: str = "device"
+
+
+@dataclasses.dataclass
+class MemoryEstimate:
+    """Per-device memory of a run. ``allocations`` is one device's list (all
+    devices hold the same). ``options`` has ``backend`` and ``dtype``
+    resolved; ``reserve_bytes`` is what ``fits`` adds for memory outside
+    nanoq's allocator."""
+
+    config: ModelConfig
+    options: TrainOptions
+    allocations: List[Allocation]
+    parameters: int
+    reserve_bytes: int
+
+    @property
+    def contexts(self) -> Dict[str, int]:
+        """Device bytes per context, every context present (0 when unused)."""
+        totals = dict.fromkeys(CONTEXTS, 0)
+        for a in self.allocations:
+            if a.kind == "device":
+                totals[a.context] += a.bytes
+        return totals
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory the allocator takes on each device (what
+        ``TrainOptions.memory_limit`` is checked against)."""
+        return sum(a.bytes for a in self.allocations if a.kind == "device")
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked host memory per device (cuda's host staging)."""
+        return sum(a.bytes for a in self.allocations if a.kind == "pinned")
+
+    @property
+    def tokens_per_step(self) -> int:
+        o = self.options
+        return o.devices * o.batch_size * o.seq_len * o.grad_accum
+
+    def fits(self, device_memory_bytes: int) -> bool:
+        """Whether allocations plus ``reserve_bytes`` fit a device of that size."""
+        return self.device_bytes + self.reserve_bytes <= device_memory_bytes
+
+    def suggestions(self, device_memory_bytes: int) -> List[str]:
+        """Changes that make the run fit, one line each, cheapest first
+        (empty if it fits): a smaller micro-batch with more gradient
+        accumulation (same tokens per step); recomputing activations; offloading
+        AdamW moments and master weights to host memory; more devices (ZeRO-1
+        shards master weights and AdamW moments), with a smaller micro-batch
+        when nothing else fits (after recompute and offload together). When
+        nothing nanoq has fits, one line says
+        what the missing ZeRO-2/3 would give.
+        """
+        if self.fits(device_memory_bytes):
+            return []
+        out = [line for line in (self._smaller_micro_batch(device_memory_bytes),
+                                 self._recompute(device_memory_bytes),
+                                 self._offload(device_memory_bytes)) if line]
+        if not out:
+            both = self._recompute_and_offload(device_memory_bytes)
+            out += [both] if both else []
+        devices = self._more_devices(device_memory_bytes, shrink_batch=not out)
+        if devices:
+            out.append(devices)
+        return out or [self._missing_features(device_memory_bytes)]
+
+    def table(self, device_memory_bytes: Optional[int] = None) -> str:
+        """The contexts as rows with their bytes per device (GiB/MiB), the
+        total, the reserve and pinned host memory; with a device size, the
+        verdict."""
+        o = self.options
+        rows = [(name, human_bytes(value), CONTEXT_MEANING[name]) for name, value in self.contexts.items()]
+        rows.append(("total", human_bytes(self.device_bytes), "what nanoq allocates per device"))
+        if self.reserve_bytes:
+            rows.append(("reserve", human_bytes(self.reserve_bytes),
+                         "assumed for the CUDA context, cuBLASLt and NCCL (not nanoq's allocator)"))
+        if o.backend == "cuda" or self.pinned_bytes:
+            rows.append(("pinned host", human_bytes(self.pinned_bytes),
+                         "host memory, not on the device: token staging, offloaded state"))
+        name_width = max(len(r[0]) for r in rows)
+        size_width = max(len(r[1]) for r in rows)
+        lines = [self.describe(), ""]
+        for name, size, meaning in rows:
+            if name == "total":
+                lines.append("-" * (name_width + size_width + 2))
+            lines.append(f"{name:<{name_width}}  {size:>{size_width}}  {meaning}")
+        if device_memory_bytes is not None:
+            need = self.device_bytes + self.reserve_bytes
+            verdict = "fits" if self.fits(device_memory_bytes) else "does NOT fit"
+            lines += ["", f"{verdict} in {human_bytes(device_memory_bytes)} ({device_memory_bytes / 1e9:.1f} GB) "
+                          f"per device (needs {human_bytes(need)}, {100 * need / device_memory_bytes:.0f}%)"]
+        return "\n".join(lines)
+
+    def describe(self) -> str:
+        """One line: model size, backend, dtypes and batch shape."""
+        o = self.options
+        c = self.config
+        tied = ", tied" if c.tie_word_embeddings else ""
+        return (f"{parameter_count_text(self.parameters)} parameters ({c.num_hidden_layers} layers, "
+                f"hidden {c.hidden_size}, vocab {c.vocab_size}{tied}); {o.backend}, {o.dtype} weights, "
+                f"{o.master_dtype} master, {o.optimizer_dtype} AdamW"
+                + (f", recompute {','.join(o.recompute)}" if o.recompute else "")
+                + (f", offload {','.join(o.offload)}" if o.offload else "")
+                + f"; {_devices(o.devices)} x batch {o.batch_size} x seq {o.seq_len}, grad_accum {o.grad_accum} = "
+                  f"{self.tokens_per_step:,} tokens per step")
+
+    # -- suggestions ------------------------------------------------------------------
+    def _with(self, **changes) -> "MemoryEstimate":
+        return estimate_memory(self.config, dataclasses.replace(self.options, **changes),
+                               reserve_bytes=self.reserve_bytes)
+
+    def _smaller_micro_batch(self, limit: int) -> Optional[str]:
+        o = self.options
+        sequences = o.batch_size * o.grad_accum  # per device per step, kept
+        for batch in range(o.batch_size - 1, 0, -1):
+            if sequences % batch:
+                continue
+            smaller = self._with(batch_size=batch, grad_accum=sequences // batch)
+            if smaller.fits(limit):
+                return (f"batch_size {batch} with grad_accum {sequences // batch} (same {self.tokens_per_step:,} "
+                        f"tokens per step): needs {human_bytes(smaller.device_bytes + self.reserve_bytes)}")
+        return None
+
+    def _recompute_levels(self) -> Iterator[tuple]:
+        """Recompute settings that add to this one, cheapest first."""
+        o = self.options
+        for extra in (("swiglu",), ("ffn",), ("ffn", "norms"), ("ffn", "norms", "qkv"), ("block",)):
+            names = tuple(sorted(set(o.recompute) | set(extra), key=RECOMPUTE.index))
+            if _recompute_set(names) != _recompute_set(o.recompute):
+                yield names
+
+    def _offload_levels(self) -> Iterator[tuple]:
+        """Offload settings that add to this one, cheapest first."""
+        o = self.options
+        for extra in (("optimizer",), ("optimizer", "master")):
+            names = tuple(sorted(set(o.offload) | set(extra), key=OFFLOAD.index))
+            if set(names) != set(o.offload):
+                yield names
+
+    def _recompute_and_offload(self, limit: int) -> Optional[str]:
+        for offload in self._offload_levels():
+            for recompute in self._recompute_levels():
+                lighter = self._with(recompute=recompute, offload=offload)
+                if lighter.fits(limit):
+                    return (f"recompute {','.join(recompute)} and offload {','.join(offload)} "
+                            f"({human_bytes(lighter.pinned_bytes)} of host memory per device): needs "
+                            f"{human_bytes(lighter.device_bytes + self.reserve_bytes)}")
+        return None
+
+    def _recompute(self, limit: int) -> Optional[str]:
+        for names in self._recompute_levels():
+            lighter = self._with(recompute=names)
+            if lighter.fits(limit):
+                return (f"recompute {','.join(names)} (activations recomputed in backward; more compute, same "
+                        f"results): needs {human_bytes(lighter.device_bytes + self.reserve_bytes)}")
+        return None
+
+    def _offload(self, limit: int) -> Optional[str]:
+        for names in self._offload_levels():
+            lighter = self._with(offload=names)
+            if lighter.fits(limit):
+                return (f"offload {','.join(names)} (kept in host memory, streamed through the device in "
+                        f"update(); {human_bytes(lighter.pinned_bytes)} of host memory per device): needs "
+                        f"{human_bytes(lighter.device_bytes + self.reserve_bytes)}")
+        return None
+
+    def _more_devices(self, limit: int, shrink_batch: bool) -> Optional[str]:
+        o = self.options
+        for devices in range(o.devices + 1, MAX_SUGGESTED_DEVICES + 1):
+            smallest = o.batch_size if not shrink_batch else 1
+            if not self._with(devices=devices, batch_size=smallest, grad_accum=1).fits(limit):
+                continue
+            for batch in range(o.batch_size, smallest - 1, -1):
+                more = self._with(devices=devices, batch_size=batch, grad_accum=1)
+                if more.fits(limit):
+                    break
+            sequences = o.devices * o.batch_size * o.grad_accum
+            accum = max(1, math.ceil(sequences / (devices * batch)))
+            tokens = devices * batch * accum * o.seq_len
+            keep = "same" if tokens == self.tokens_per_step else f"{tokens:,} instead of {self.tokens_per_step:,}"
+            shape = f"batch_size {batch}, " if batch != o.batch_size else ""
+            alone = f"nothing else fits {_devices(o.devices)}; " if shrink_batch else ""
+            return (f"{alone}{devices} devices ({shape}grad_accum {accum}: {keep} tokens per step; ZeRO-1 shards "
+                    f"master weights and AdamW moments): needs {human_bytes(more.device_bytes + self.reserve_bytes)}")
+        return None
+
+    def _missing_features(self, limit: int) -> str:
+        """What ZeRO-2 (sharded gradients) and ZeRO-3 (also sharded weights),
+        which nanoq does not have yet, would give on top of everything it has
+        (batch_size 1, recompute block, offload optimizer and master), on the
+        fewest devices from this count on."""
+        for devices in range(self.options.devices, MAX_SUGGESTED_DEVICES + 1):
+            best = self._with(devices=devices, batch_size=1, grad_accum=1, recompute=("block",),
+                              offload=OFFLOAD)
+            c = best.contexts
+            zero2 = best.device_bytes - c["gradients"] + c["gradients"] // devices
+            zero3 = zero2 - c["weights"] + c["weights"] // devices
+            for label, need in (("ZeRO-2 (sharded gradients)", zero2), ("ZeRO-3 (sharded gradients and weights)",
+                                                                          zero3)):
+                if need + self.reserve_bytes <= limit:
+                    return (f"nothing nanoq has fits (batch_size 1, recompute block and offload optimizer,master "
+                            f"on {_devices(devices)} need {human_bytes(best.device_bytes + self.reserve_bytes)}); "
+                            f"it would need {label}, not available yet: about "
+                            f"{human_bytes(need + self.reserve_bytes)} per device")
+        return (f"nothing nanoq has fits, and not even ZeRO-3 (not available yet) on {MAX_SUGGESTED_DEVICES} devices "
+                f"would: shorten seq_len ({self.options.seq_len}) or train a smaller model")
+
+
+def _devices(count: int) -> str:
+    return f"{count} device" + ("s" if count != 1 else "")
+
+
+def human_bytes(count: int) -> str:
+    """``1.50 GiB``, ``12.0 MiB``, ``3.0 KiB`` or ``17 B`` (binary units)."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size:
+            return f"{count / size:.2f} {unit}" if unit == "GiB" else f"{count / size:.1f} {unit}"
+    return f"{count} B"
+
+
+def parameter_count_text(count: int) -> str:
+    """``7.62B``, ``494.0M`` or ``52,096``."""
+    if count >= 10**9:
+        return f"{count / 1e9:.2f}B"
+    return f"{count / 1e6:.1f}M" if count >= 10**6 else f"{count:,}"
+
+
+# -- the mirror of the core ---------------------------------------------------------
+
+def parameter_numels(config: ModelConfig) -> Iterator[int]:
+    """Element counts of the parameters in ``parameter_layout()`` order (model.cpp)."""
+    c = config
+    C, I, V, D = c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
+    q_out, kv_out = c.num_attention_heads * D, c.num_key_value_heads * D
+    yield V * C
+    for _ in range(c.num_hidden_layers):
+        yield C
+        yield q_out * C
+        if c.qkv_bias:
+            yield q_out
+        yield kv_out * C
+        if c.qkv_bias:
+            yield kv_out
+        yield kv_out * C
+        if c.qkv_bias:
+            yield kv_out
+        yield C * q_out
+        if c.o_bias:
+            yield C
+        if c.qk_norm:
+            yield D
+            yield D
+        yield C
+        yield I * C
+        yield I * C
+        yield C * I
+    yield C
+    if not c.tie_word_embeddings:
+        yield V * C
+
+
+def _resolve(options: TrainOptions, backend: Optional[str]) -> TrainOptions:
+    """Options with the backend and dtype the Trainer would use. An explicit
+    "cuda" needs no GPU here (estimating is arithmetic)."""
+    name = backend or options.backend
+    if name == "auto":
+        from nanoq.backends import resolve_backend
+
+        name = resolve_backend("auto")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"backend must be cpu, cuda or auto, got {name!r}")
+    dtype = options.dtype if options.dtype != "auto" else ("bf16" if name == "cuda" else "fp32")
+    if name == "cpu" and "bf16" in (dtype, options.master_dtype, options.optimizer_dtype):
+        raise ValueError("the cpu backend computes in fp32 only: use dtype, master_dtype and optimizer_dtype "
+                         "\"fp32\" (or \"auto\")")
+    return dataclasses.replace(options, backend=name, dtype=dtype)
+
+
+def _cpu_threads(options: TrainOptions) -> int:
+    """Threads per device as trainer.cpp picks them (hardware_concurrency / devices)."""
+    if options.threads > 0:
+        return options.threads
+    from nanoq.backends import device_count  # the core's std::thread::hardware_concurrency()
+
+    return max(1, device_count("cpu") // options.devices)
+
+
+def estimate_memory(config: ModelConfig, options: TrainOptions, *, backend: Optional[str] = None,
+                    reserve_bytes: Optional[int] = None) -> MemoryEstimate:
+    """Per-device memory of ``Trainer(config, options)``, without allocating.
+
+    backend: overrides ``options.backend`` ("cpu", "cuda"; "auto" as the
+    Trainer resolves it). A cuda estimate needs no GPU. ``dtype`` "auto" is
+    bf16 on cuda and fp32 on cpu. reserve_bytes: memory outside nanoq's
+    allocator that ``fits`` adds (default CUDA_RESERVE_BYTES on cuda, 0 on
+    cpu). The cpu backend's attention scratch depends on the threads per
+    device: ``options.threads``, or 0 for this machine's cores shared out.
+    Raises ValueError for dtypes the backend lacks (cpu: fp32 only) and, on
+    cuda, head_dim > 256.
+    """
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a nanoq.ModelConfig, got {type(config).__name__}")
+    if not isinstance(options, TrainOptions):
+        raise TypeError(f"options must be a nanoq.TrainOptions, got {type(options).__name__}")
+    options = _resolve(options, backend)
+    numels = list(parameter_numels(config))
+    allocations = _trainer_allocations(config, options, numels)
+    if reserve_bytes is None:
+        reserve_bytes = CUDA_RESERVE_BYTES if options.backend == "cuda" else 0
+    return MemoryEstimate(config=config, options=options, allocations=allocations, parameters=sum(numels),
+                          reserve_bytes=reserve_bytes)
+
+
+def _trainer_allocations(c: ModelConfig, o: TrainOptions, numels: List[int]) -> List[Allocation]:
+    """trainer.cpp, Trainer::Trainer, in allocation order."""
+    n = o.devices
+    shard = -(-sum(numels) // n)
+    padded = shard * n
+    weight_size = DTYPE_BYTES[o.dtype]
+    out = [Allocation("weights", "weights", padded * weight_size),
+           Allocation("gradients", "gradients", padded * 4)]
+    master_kind = "pinned" if "master" in o.offload else "device"
+    optimizer_kind = "pinned" if "optimizer" in o.offload else "device"
+    if o.master_dtype != o.dtype or "master" in o.offload:  # else the master shard is a view of the weights
+        out.append(Allocation("master", "master", shard * DTYPE_BYTES[o.master_dtype], master_kind))
+    optimizer_size = DTYPE_BYTES[o.optimizer_dtype]
+    out += [Allocation("adam-m", "adam-m", shard * optimizer_size, optimizer_kind),
+            Allocation("adam-v", "adam-v", shard * optimizer_size, optimizer_kind)]
+    chunk = min(shard, _OPTIMIZER_CHUNK)  # offloaded state streams through these device buffers
+    if "master" in o.offload:
+        out.append(Allocation("workspace", "offload-master", chunk * DTYPE_BYTES[o.master_dtype]))
+    if "optimizer" in o.offload:
+        out += [Allocation("workspace", "offload-adam-m", chunk * optimizer_size),
+                Allocation("workspace", "offload-adam-v", chunk * optimizer_size)]
+    rows = o.batch_size * o.seq_len
+    out += [Allocation("workspace", "tokens", rows * 4),
+            Allocation("workspace", "targets", rows * 4),
+            Allocation("workspace", "loss-stats", _STAT_COUNT * 4),
+            Allocation("workspace", "eval-stats", _STAT_COUNT * 4),
+            Allocation("workspace", "gathered-stats", n * _GATHER_STRIDE * 4),
+            Allocation("workspace", "optimizer-scale", 2 * 4),
+            Allocation("workspace", "parameter-staging", min(max(numels), _STAGING_ELEMENTS) * 4)]
+    recompute = _recompute_set(o.recompute)
+    specs = _activation_specs(c, o.batch_size, o.seq_len, weight_size, recompute)
+    out += _model_allocations(c, o.batch_size, o.seq_len, weight_size, specs)
+    stack = _stack_bytes(c, rows, weight_size, specs, _classifier_chunk_rows(c, rows, o.backend))
+    out.append(Allocation("stack", "activation-stack", stack // 4 * 4))
+    if o.backend == "cpu":
+        out += _cpu_scratch(c, o, shard)
+    else:
+        out += _cuda_scratch(c, o, shard)
+    return out
+
+
+def _recompute_set(names) -> set:
+    """model.cpp, Recompute::parse: the names with their implications."""
+    r = set(names)
+    if "block" in r:
+        r |= {"ffn", "norms", "qkv"}
+    if "ffn" in r:
+        r.add("swiglu")
+    return r
+
+
+def _activation_specs(c: ModelConfig, batch: int, time: int, size: int, recompute: set) -> List[tuple]:
+    """model.cpp, the LlamaModel constructor's specs: (name, bytes, recomputed)
+    of one layer's activations, in order."""
+    rows, C, I = batch * time, c.hidden_size, c.intermediate_size
+    H, K, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    HD, KD = H * D, K * D
+    block, qkv, norms = "block" in recompute, "qkv" in recompute, "norms" in recompute
+    specs = [("input-norm", rows * C * size, norms), ("input-rstd", rows * 4, block)]
+    if c.qk_norm:
+        specs += [("q-raw", rows * HD * size, qkv), ("k-raw", rows * KD * size, qkv),
+                  ("q-rstd", rows * H * 4, qkv), ("k-rstd", rows * K * 4, qkv)]
+    specs += [("q", rows * HD * size, qkv), ("k", rows * KD * size, qkv), ("v", rows * KD * size, qkv),
+              ("attention", rows * HD * size, block), ("attention-lse", batch * H * time * 4, block),
+              ("residual-mid", rows * C * size, block), ("post-norm", rows * C * size, norms),
+              ("post-rstd", rows * 4, block), ("gate", rows * I * size, "ffn" in recompute),
+              ("up", rows * I * size, "ffn" in recompute), ("swiglu", rows * I * size, "swiglu" in recompute)]
+    return specs
+
+
+def _model_allocations(c: ModelConfig, batch: int, time: int, size: int, specs: List[tuple]) -> List[Allocation]:
+    """model.cpp, LlamaModel::LlamaModel: RoPE table, residual stream, the
+    layers' kept (not recomputed) activations, the final norm."""
+    rows, C = batch * time, c.hidden_size
+    out = [Allocation("workspace", "rope-cos-sin", time * (c.head_dim // 2) * 2 * 4)]
+    out += [Allocation("activations", f"residual.{l}", rows * C * size) for l in range(c.num_hidden_layers + 1)]
+    for l in range(c.num_hidden_layers):
+        out += [Allocation("activations", f"layer.{l}.{name}", nbytes)
+                for name, nbytes, recomputed in specs if not recomputed]
+    out += [Allocation("activations", "final-norm", rows * C * size),
+            Allocation("activations", "final-rstd", rows * 4)]
+    return out
+
+
+def _classifier_chunk_rows(c: ModelConfig, rows: int, backend: str) -> int:
+    """model.cpp, LlamaModel::classifier_chunk_rows."""
+    return min(max(1, _CLASSIFIER_CHUNK_ELEMENTS[backend] // c.vocab_size), rows)
+
+
+def _stack_aligned(nbytes: int) -> int:
+    return -(-nbytes // _STACK_ALIGNMENT) * _STACK_ALIGNMENT
+
+
+def _stack_bytes(c: ModelConfig, rows: int, size: int, specs: List[tuple], chunk_rows: int) -> int:
+    """model.cpp, LlamaModel::stack_bytes: the peak of the pushes of forward
+    (a layer's recomputed activations) and backward (those plus the
+    gradients of the MLP or attention, or the classifier's)."""
+    C, I = c.hidden_size, c.intermediate_size
+    HD, KD = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+
+    def pushed(elements: int) -> int:
+        return _stack_aligned(size * elements)
+
+    transient = sum(_stack_aligned(nbytes) for _, nbytes, recomputed in specs if recomputed)
+    classifier = pushed(rows * C) + pushed(chunk_rows * c.vocab_size)
+    mlp = 2 * pushed(rows * I) + pushed(rows * C)
+    attention = 2 * pushed(rows * HD) + 2 * pushed(rows * KD) + pushed(rows * C)
+    backward = pushed(rows * C) + max(classifier, transient + max(mlp, attention))
+    return max(transient, backward)
+
+
+def _cpu_scratch(c: ModelConfig, o: TrainOptions, shard: int) -> List[Allocation]:
+    """cpu_backend.cpp, CpuBackend::reserve_scratch."""
+    rows = o.batch_size * o.seq_len
+    blocks = -(-shard // _CPU_REDUCE_BLOCK)
+    return [Allocation("workspace", "attention-scratch", 2 * _cpu_threads(o) * o.seq_len * o.seq_len * 4),
+            Allocation("workspace", "classifier-rows", 2 * _classifier_chunk_rows(c, rows, "cpu") * 4),
+            Allocation("workspace", "sum-squares-partials", 2 * blocks * 4)]
+
+
+def _cuda_scratch(c: ModelConfig, o: TrainOptions, shard: int) -> List[Allocation]:
+    """cuda_backend.cpp, CudaBackend::reserve_scratch: one op scratch sized
+    for the largest op, the cuBLASLt workspace and the pinned host staging."""
+    if c.head_dim > _CUDA_MAX_HEAD_DIM:
+        raise ValueError(f"the cuda backend's attention supports head_dim up to {_CUDA_MAX_HEAD_DIM}, "
+                         f"got {c.head_dim}")
+    rows = o.batch_size * o.seq_len
+    H, K, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    op_scratch = max(
+        *(4 * _column_sums_scratch_floats(rows, cols) for cols in (H * D, K * D, c.hidden_size)),
+        4 * _column_sums_scratch_floats(rows, c.hidden_size),
+        4 * _column_sums_scratch_floats(rows * H, D),
+        4 * _column_sums_scratch_floats(rows * K, D),
+        _embedding_backward_scratch_bytes(rows, c.vocab_size),
+        4 * o.batch_size * o.seq_len * H,                       # attention_backward_scratch_bytes
+        4 * 2 * _classifier_chunk_rows(c, rows, "cuda"),        # classifier_scratch_floats
+        4 * min(-(-shard // (256 * 8)), 1024),                   # sum_squares_scratch_floats
+    )
+    return [Allocation("workspace", "cuda-op-scratch", -(-op_scratch // 4) * 4),
+            Allocation("workspace", "cublaslt-workspace", _CUDA_MATMUL_WORKSPACE),
+            Allocation("workspace", "host-staging", 2 * rows * 4, kind="pinned")]
+
+
+def _column_sums_scratch_floats(rows: int, cols: int) -> int:
+    """kernel_utils.cuh, column_sums_scratch_floats (kMinRowsPerChunk 64, kMaxColumnChunks 2048)."""
+    if rows <= 0 or cols <= 0:
+        return 0
+    return min(-(-rows // 64), 2048) * cols
+
+
+def _embedding_backward_scratch_bytes(rows: int, vocab: int) -> int:
+    """kernels_embedding.cu: three int32 index arrays (256-aligned) and the
+    temporary storage of cub::DeviceRadixSort::SortPairs on int32 keys and
+    values over token_bits(vocab) bits."""
+    return 3 * _align256(4 * rows) + _cub_sort_pairs_temp_bytes(rows, _token_bits(vocab))
+
+
+def _token_bits(vocab: int) -> int:
+    bits = 1
+    while bits < 31 and (1 << bits) < vocab:
+        bits += 1
+    return bits
+
+
+def _align256(count: int) -> int:
+    return -(-count // 256) * 256
+
+
+def _cub_sort_pairs_temp_bytes(items: int, bits: int) -> int:
+    """CUB 3.0 (CUDA 13.0) DispatchRadixSort with uint32 offsets on sm_90:
+    a single tile (256 threads x 19 items) needs 1 byte; more use onesweep
+    (384 x 23 items per tile, 8-bit digits) with bins, lookback, an extra
+    key and value buffer (more than one pass) and counters, each aligned to
+    256, plus 255 for aligning the base. (sm_80 tiles are 384 x 21 items.)"""
+    if items <= 256 * 19:
+        return 1
+    tile = 384 * 23
+    digits = 256
+    passes = -(-bits // 8)
+    portion = ((1 << 28) - 1) // tile * tile
+    portions = -(-items // portion)
+    blocks = -(-min(items, portion) // tile)
+    sizes = [portions * passes * digits * 4, blocks * digits * 4,
+             items * 4 if passes > 1 else 0, items * 4 if passes > 1 else 0, portions * passes * 4]
+    return sum(_align256(s) for s in sizes) + 255
+
+
+
+def visible_gpu_memory() -> Optional[int]:
+    """Bytes of the smallest GPU that NVML (nvidia-ml-py) sees, or None
+    without nvidia-ml-py, a driver or a GPU."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    try:
+        sizes = [pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total
+                 for i in range(pynvml.nvmlDeviceGetCount())]
+        return min(sizes) if sizes else None
+    except pynvml.NVMLError:
+        return None
+    finally:
+        pynvml.nvmlShutdown()

@@ -1,0 +1,287 @@
+"""The memory estimator (nanoq.memory, `nanoq memory`) against what the core
+really allocates.
+
+The estimate mirrors the core allocation by allocation, so on the cpu
+backend it is held to exact equality: the same list of (context, name,
+bytes) as Trainer.get_allocations, hence the same bytes per context, and its
+total is exactly the figure TrainOptions.memory_limit is checked against.
+The cuda mirror is checked against a real GPU in the `gpu`-marked test
+(skipped without one) and, here, against formulas worked by hand.
+"""
+import dataclasses
+import re
+import time
+
+import pytest
+from click.testing import CliRunner
+
+import nanoq
+from nanoq.memory import CONTEXTS, estimate_memory, human_bytes, parameter_numels
+from nanoq_cli.main import cli
+
+TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2)
+CONFIGS = {
+    "llama_untied": nanoq.ModelConfig(**TINY),
+    "llama_tied": nanoq.ModelConfig(**TINY, tie_word_embeddings=True),
+    "qwen2_bias": nanoq.ModelConfig(**dict(TINY, vocab_size=300, num_hidden_layers=3), qkv_bias=True,
+                                    tie_word_embeddings=True),
+    # head_dim 16 != hidden/heads, 6 query heads on 2 kv heads, q/k norm.
+    "qwen3_gqa": nanoq.ModelConfig(vocab_size=200, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                                   num_attention_heads=6, num_key_value_heads=2, head_dim=16, qk_norm=True),
+}
+QWEN_0_5B = "configs/qwen2.5-0.5b.json"
+QWEN_7B = "configs/qwen2.5-7b.json"
+
+
+def cpu_options(devices, batch_size=2, seq_len=16, threads=1, **more):
+    return nanoq.TrainOptions(backend="cpu", devices=devices, batch_size=batch_size, seq_len=seq_len,
+                              threads=threads, **more)
+
+
+def real_allocations(config, options, device=0):
+    with nanoq.Trainer(config, options) as trainer:
+        return [(a["context"], a["name"], a["bytes"], a["kind"]) for a in trainer.get_allocations(device)]
+
+
+def per_context(allocations):
+    totals = dict.fromkeys(CONTEXTS, 0)
+    for context, _, nbytes, kind in allocations:
+        if kind == "device":
+            totals[context] += nbytes
+    return totals
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_cpu_estimate_equals_real_allocations_per_context(name, devices):
+    config = CONFIGS[name]
+    # threads 0 (cores shared out) on one device count, so the attention
+    # scratch's dependence on hardware_concurrency is mirrored too.
+    options = cpu_options(devices, threads=0 if devices == 1 else 1)
+    estimate = estimate_memory(config, options)
+    real = real_allocations(config, options, device=devices - 1)
+    assert [(a.context, a.name, a.bytes, a.kind) for a in estimate.allocations] == real
+    assert estimate.contexts == per_context(real)
+    assert estimate.device_bytes == sum(per_context(real).values())
+    assert estimate.pinned_bytes == 0
+    assert estimate.contexts["master"] == 0  # fp32 master weights are a view of the fp32 weights
+
+
+@pytest.mark.parametrize("recompute,offload", [
+    ("swiglu", ""), ("ffn", "optimizer"), ("norms,qkv", "master"), ("block", "optimizer,master"),
+])
+def test_cpu_estimate_equals_real_allocations_with_recompute_and_offload(recompute, offload):
+    config = CONFIGS["qwen3_gqa"]
+    options = cpu_options(2, recompute=recompute, offload=offload)
+    estimate = estimate_memory(config, options)
+    real = real_allocations(config, options, device=1)
+    assert [(a.context, a.name, a.bytes, a.kind) for a in estimate.allocations] == real
+    # Offloaded state is host memory: counted apart from the device total.
+    assert estimate.pinned_bytes == sum(nbytes for _, _, nbytes, kind in real if kind == "pinned")
+    assert estimate.device_bytes == sum(per_context(real).values())
+
+
+def test_estimate_total_is_exactly_what_memory_limit_allows():
+    config, options = CONFIGS["qwen3_gqa"], cpu_options(2)
+    need = estimate_memory(config, options).device_bytes
+    with nanoq.Trainer(config, dataclasses.replace(options, memory_limit=need)) as trainer:
+        assert trainer.memory_summary()[0]["allocated"] == need
+    with pytest.raises(nanoq.OutOfMemoryError):
+        nanoq.Trainer(config, dataclasses.replace(options, memory_limit=need - 1))
+
+
+def test_sharded_contexts_shrink_with_devices_and_replicated_ones_do_not():
+    config = nanoq.ModelConfig.from_pretrained(QWEN_0_5B)
+    one, eight = (estimate_memory(config, nanoq.TrainOptions(devices=n, batch_size=8, seq_len=1024), backend="cuda")
+                  for n in (1, 8))
+    parameters = 494_032_768  # Qwen2.5-0.5B as Hugging Face counts it (tied)
+    assert one.parameters == parameters
+    assert one.contexts["weights"] == 2 * parameters and one.contexts["gradients"] == 4 * parameters
+    for context in ("master", "adam-m", "adam-v"):
+        assert one.contexts[context] == 4 * parameters
+        assert eight.contexts[context] == 4 * parameters // 8
+    for context in ("weights", "gradients", "activations", "stack"):
+        assert eight.contexts[context] == one.contexts[context]
+
+
+def test_cuda_estimate_of_qwen_0_5b_matches_hand_computation():
+    config = nanoq.ModelConfig.from_pretrained(QWEN_0_5B)
+    estimate = estimate_memory(config, nanoq.TrainOptions(devices=1, batch_size=8, seq_len=1024), backend="cuda")
+    sizes = {a.name: a.bytes for a in estimate.allocations}
+    rows, C, I, KD = 8 * 1024, 896, 4864, 2 * 64
+    # Per layer: input/post norm, residual-mid, q, attention (C wide), k, v, gate, up, swiglu in bf16; the
+    # rstds and attention lse (14 heads) in fp32.
+    layer = 2 * rows * (5 * C + 2 * KD + 3 * I) + 4 * (2 * rows + rows * 14)
+    assert estimate.contexts["activations"] == 24 * layer + 2 * rows * C * 26 + 4 * rows
+    # The widest op scratch: attention backward's 4 * rows * heads bytes (= the bias and q-norm column sums).
+    assert sizes["cuda-op-scratch"] == 4 * rows * 14
+    assert sizes["cublaslt-workspace"] == 32 << 20
+    assert sizes["parameter-staging"] == 4 << 22
+    assert [(a.name, a.bytes, a.kind) for a in estimate.allocations if a.kind == "pinned"] == \
+        [("host-staging", 8 * rows, "pinned")]
+    # Stack: d-residual plus the MLP frame (d-gate, d-up, d-post-norm), all bf16.
+    assert sizes["activation-stack"] == 2 * rows * C + 2 * (2 * rows * I) + 2 * rows * C
+
+
+def test_cub_sort_scratch_follows_the_onesweep_formula():
+    from nanoq.memory import _cub_sort_pairs_temp_bytes
+
+    assert _cub_sort_pairs_temp_bytes(4864, 18) == 1  # one tile: no temporary storage
+    # 8192 rows, 18 bits = 3 passes: bins 3*256*4, lookback 1 block*256*4, keys and values 8192*4 each,
+    # counters 3*4 (-> 256), plus 255 for alignment.
+    assert _cub_sort_pairs_temp_bytes(8192, 18) == 3072 + 1024 + 32768 + 32768 + 256 + 255
+
+
+def test_seven_billion_parameters_are_estimated_instantly():
+    config = nanoq.ModelConfig.from_pretrained(QWEN_7B)
+    start = time.perf_counter()
+    estimate = estimate_memory(config, nanoq.TrainOptions(devices=8, batch_size=8, seq_len=1024), backend="cuda")
+    estimate.suggestions(80 * 10**9)
+    assert time.perf_counter() - start < 1.0
+    assert sum(parameter_numels(config)) == 7_615_616_512  # Qwen2.5-7B as Hugging Face counts it (untied)
+    assert estimate.options.dtype == "bf16"
+
+
+def test_cpu_refuses_bf16_like_the_trainer():
+    with pytest.raises(ValueError, match="fp32 only"):
+        estimate_memory(CONFIGS["llama_tied"], cpu_options(1, dtype="bf16"))
+
+
+def test_micro_batch_suggestion_fits_and_is_the_largest_that_does():
+    config, options = CONFIGS["llama_untied"], cpu_options(2, batch_size=8, seq_len=64, grad_accum=3)
+    estimate = estimate_memory(config, options)
+    limit = estimate_memory(config, dataclasses.replace(options, batch_size=3)).device_bytes + 1
+    assert not estimate.fits(limit)
+    first = estimate.suggestions(limit)[0]
+    batch, accum = map(int, re.search(r"batch_size (\d+) with grad_accum (\d+)", first).groups())
+    assert (batch, accum) == (3, 8)  # same 24 sequences per device per step; 4 (a divisor of 24) is too big
+    assert f"same {2 * 8 * 3 * 64:,} tokens per step" in first
+    assert estimate_memory(config, dataclasses.replace(options, batch_size=batch, grad_accum=accum)).fits(limit)
+    assert not estimate_memory(config, dataclasses.replace(options, batch_size=4, grad_accum=6)).fits(limit)
+
+
+def test_device_suggestion_uses_zero1_sharding():
+    # A wide vocabulary and a tiny batch: weights, gradients and AdamW dominate.
+    config = nanoq.ModelConfig(**dict(TINY, vocab_size=20000))
+    options = cpu_options(1, batch_size=1, seq_len=8)
+    estimate = estimate_memory(config, options)
+    three = estimate_memory(config, dataclasses.replace(options, devices=3))
+    limit = three.device_bytes
+    assert not estimate_memory(config, dataclasses.replace(options, devices=2)).fits(limit)
+    suggestions = estimate.suggestions(limit)
+    assert len(suggestions) == 1 and "; 3 devices (grad_accum 1: 24 instead of 8 tokens" in suggestions[0]
+    assert three.fits(limit)
+
+
+def test_recompute_and_offload_are_suggested_when_they_fit():
+    config, options = CONFIGS["llama_untied"], cpu_options(1, batch_size=1, seq_len=64)
+    estimate = estimate_memory(config, options)
+    recomputed = estimate_memory(config, dataclasses.replace(options, recompute="swiglu"))
+    suggestions = estimate.suggestions(recomputed.device_bytes)
+    assert suggestions[0].startswith("recompute swiglu (")
+    # Offloaded state streams through device buffers of 4M elements: it saves memory on large shards only.
+    config = nanoq.ModelConfig.from_pretrained(QWEN_0_5B)
+    options = nanoq.TrainOptions(batch_size=1, seq_len=128, recompute="block")
+    estimate = estimate_memory(config, options, backend="cuda")
+    offloaded = estimate_memory(config, dataclasses.replace(options, offload="optimizer"), backend="cuda")
+    assert offloaded.contexts["adam-m"] == 0
+    assert offloaded.pinned_bytes - estimate.pinned_bytes == 2 * estimate.contexts["adam-m"]
+    limit = offloaded.device_bytes + offloaded.reserve_bytes
+    # batch_size is 1 already and recompute block is on: offload first, then ZeRO-1 over more devices.
+    assert [line.split(" (")[0] for line in estimate.suggestions(limit)] == ["offload optimizer", "3 devices"]
+
+
+def test_when_nothing_fits_the_missing_zero_stages_are_named_as_missing():
+    config, options = CONFIGS["llama_untied"], cpu_options(1, batch_size=1, seq_len=8)
+    estimate = estimate_memory(config, options)
+    # Below gradients + weights alone: only sharding them (ZeRO-3) could fit.
+    limit = estimate.contexts["gradients"] + estimate.contexts["weights"] - 1
+    (line,) = estimate.suggestions(limit)
+    assert "nothing nanoq has fits" in line and "ZeRO-3" in line and "not available yet" in line
+    (line,) = estimate.suggestions(1000)
+    assert "not even ZeRO-3 (not available yet)" in line
+
+
+def test_table_has_a_row_per_context_and_a_verdict():
+    estimate = estimate_memory(CONFIGS["llama_tied"], cpu_options(2))
+    table = estimate.table(1 << 30)
+    for context in CONTEXTS + ("total",):
+        assert re.search(rf"^{context} +\S+ \S*B ", table, re.M), context
+    assert re.search(rf"^total +{re.escape(human_bytes(estimate.device_bytes))} ", table, re.M)
+    assert "fits in 1.00 GiB" in table
+    assert "does NOT fit" in estimate.table(1000)
+
+
+# -- the command line ------------------------------------------------------------------
+
+TINY_FLAGS = ["--vocab_size", "128", "--hidden_size", "32", "--intermediate_size", "64", "--num_hidden_layers", "2",
+              "--num_attention_heads", "4", "--seq_len", "32", "--batch_size", "4", "--threads", "1",
+              "--backend", "cpu", "--devices", "2"]
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_cli_prints_the_table_and_the_verdict():
+    result = invoke("memory", *TINY_FLAGS, "--device-memory", "1GiB")
+    assert result.exit_code == 0, result.output
+    assert "2 devices x batch 4 x seq 32" in result.output
+    for context in CONTEXTS:
+        assert re.search(rf"^{context} ", result.output, re.M)
+    assert "fits in 1.00 GiB" in result.output and "suggestion" not in result.output
+
+
+def test_cli_reads_the_model_from_a_toml_file_and_suggests_when_it_does_not_fit(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text("[model]\nvocab_size = 128\nhidden_size = 32\nintermediate_size = 64\n"
+                      "num_hidden_layers = 2\nnum_attention_heads = 4\n[train]\nbatch_size = 8\n"
+                      "[run]\nbackend = \"cpu\"\nthreads = 1\n")
+    options = cpu_options(1, batch_size=8, seq_len=128)
+    model = nanoq.ModelConfig(**dict(TINY, num_key_value_heads=4), rms_norm_eps=1e-5, tie_word_embeddings=True)
+    limit = estimate_memory(model, dataclasses.replace(options, batch_size=2)).device_bytes
+    result = invoke("memory", config, "--seq-len", 128, "--device-memory", limit)
+    assert result.exit_code == 0, result.output
+    assert human_bytes(estimate_memory(model, options).device_bytes) in result.output
+    assert "does NOT fit" in result.output
+    assert "suggestion: batch_size 2 with grad_accum 4 (same 1,024 tokens per step)" in result.output
+
+
+def test_cli_estimates_a_hugging_face_model_for_cuda_without_a_gpu():
+    result = invoke("memory", "--model", QWEN_7B, "--backend", "cuda", "--devices", 8, "--batch-size", 8,
+                    "--seq-len", 1024, "--device-memory", "80GB")
+    assert result.exit_code == 0, result.output
+    assert "7.62B parameters" in result.output and "pinned host" in result.output
+    assert "does NOT fit in 74.51 GiB (80.0 GB)" in result.output
+    assert "suggestion: batch_size 4 with grad_accum 2 (same 65,536 tokens per step)" in result.output
+
+
+def test_cli_asks_for_the_vocab_size_of_token_files_it_does_not_read():
+    result = invoke("memory", "--train_data", "data/train_*.bin", "--backend", "cpu")
+    assert result.exit_code != 0
+    assert "give --vocab-size N or --model" in result.output
+
+
+def test_cli_plot_writes_a_png(tmp_path):
+    output = tmp_path / "mem.png"
+    result = invoke("memory", *TINY_FLAGS, "--device-memory", "1MiB", "--plot", output)
+    assert result.exit_code == 0, result.output
+    assert f"wrote {output}" in result.output
+    assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- on a GPU ------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,batch_size,seq_len", [
+    ("qwen3_gqa", 2, 16),
+    # 8192 rows on a narrow model: the embedding backward's CUB sort has the largest op scratch.
+    ("llama_untied", 8, 1024),
+])
+def test_cuda_estimate_equals_real_allocations(cuda_device, name, batch_size, seq_len):
+    config = CONFIGS[name]
+    options = nanoq.TrainOptions(backend="cuda", devices=1, batch_size=batch_size, seq_len=seq_len)
+    estimate = estimate_memory(config, options)
+    assert [(a.context, a.name, a.bytes, a.kind) for a in estimate.allocations] == real_allocations(config, options)
