@@ -116,3 +116,21 @@ def test_plot_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     result = invoke("plot", log, "-o", tmp_path / "loss.png")
     assert result.exit_code == 1 and 'pip install "nanoq[plot]"' in result.output
+
+
+def test_recompute_and_offload_settings_reach_the_trainer_and_change_nothing_but_memory(tmp_path):
+    def run(name, *extra):
+        result = invoke("train", *TINY_MODEL, "--steps", "3", "--warmup_steps", "0", "--eval_every", "0",
+                        "--eval_batches", "1", "--checkpoint_every", "0", "--out_dir", tmp_path, "--run_name", name,
+                        *extra)
+        assert result.exit_code == 0, result.output
+        records = [json.loads(line) for line in open(tmp_path / name / "log.jsonl")]
+        losses = [r["loss"] for r in records if r["type"] == "train"]
+        memory = next(r for r in records if r["type"] == "start")["memory"][0]
+        return losses, memory
+
+    base_losses, base_memory = run("base")
+    losses, memory = run("lean", "--recompute", "block", "--offload", "optimizer,master")
+    assert losses == base_losses
+    assert memory["contexts"]["activations"] < base_memory["contexts"]["activations"]
+    assert "adam-m" not in memory["contexts"] and memory["host"] > 0

@@ -197,20 +197,12 @@ def _memory_model(config, model_path):
 @click.option("--device-memory", metavar="SIZE",
               help="Memory of one device to check the fit against (80GB = 80*10^9 bytes, 80GiB = 80*2^30); "
               "default: the smallest GPU that nvidia-ml-py sees, on the cuda backend.")
-@click.option("--master-dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
-              help="Dtype of the master weights.")
-@click.option("--optimizer-dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
-              help="Dtype of the AdamW moments.")
-@click.option("--recompute", default="", metavar="NAMES", help="Activations recomputed in backward: a comma-separated "
-              "subset of swiglu, norms, qkv, ffn, block.")
-@click.option("--offload", default="", metavar="NAMES", help="State kept in host memory: optimizer and/or master.")
 @click.option("--reserve", metavar="SIZE", help="Device memory taken outside nanoq's allocator (CUDA context, "
               "cuBLASLt, NCCL), added when judging the fit; default 1GiB on cuda, 0 on cpu.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Also draw the contexts per device as stacked bars (png, svg, pdf; needs matplotlib).")
 @_setting_options
-def memory(config_file, model_path, device_memory, master_dtype, optimizer_dtype, recompute, offload, reserve,
-           plot_path, **flags):
+def memory(config_file, model_path, device_memory, reserve, plot_path, **flags):
     """Estimate the memory per device of a run, without allocating.
 
     The run is read as `nanoq train` reads it (defaults, CONFIG.toml, flags);
@@ -219,9 +211,9 @@ def memory(config_file, model_path, device_memory, master_dtype, optimizer_dtype
     as cuda only when a GPU is usable here; give --backend cuda to estimate
     a GPU run anywhere.
     """
-    from nanoq import TrainOptions
     from nanoq.memory import estimate_memory, visible_gpu_memory
     from nanoq.training import load_config
+    from nanoq.training.loop import train_options
 
     overrides = {name: value for name, value in flags.items() if value is not None}
     device_bytes = _parse_size(device_memory) if device_memory is not None else None
@@ -229,11 +221,7 @@ def memory(config_file, model_path, device_memory, master_dtype, optimizer_dtype
     try:
         config = load_config(config_file, overrides)
         model = _memory_model(config, model_path)
-        options = TrainOptions(backend=config.backend, devices=config.devices, batch_size=config.batch_size,
-                               seq_len=config.seq_len, grad_accum=config.grad_accum, threads=config.threads,
-                               dtype=config.dtype, master_dtype=master_dtype, optimizer_dtype=optimizer_dtype,
-                               recompute=recompute, offload=offload)
-        estimate = estimate_memory(model, options, reserve_bytes=reserve_bytes)
+        estimate = estimate_memory(model, train_options(config), reserve_bytes=reserve_bytes)
     except (ValueError, FileNotFoundError) as e:
         raise _fail(e) from None
     from_nvml = device_bytes is None and estimate.options.backend == "cuda"

@@ -110,6 +110,13 @@ class TrainConfig:
     threads: int = setting("run", 0, "cpu threads per device; 0 = the cores shared out", minimum=0)
     dtype: str = setting("run", "auto", "weights/activations dtype; auto = bf16 on cuda, fp32 on cpu",
                          choices=DTYPES)
+    master_dtype: str = setting("run", "fp32", "dtype of the master weights the optimizer updates",
+                                choices=("fp32", "bf16"))
+    optimizer_dtype: str = setting("run", "fp32", "dtype of the AdamW moments (bf16: stochastic rounding)",
+                                   choices=("fp32", "bf16"))
+    recompute: str = setting("run", "", "activations recomputed in backward, comma-separated: swiglu, norms, qkv, "
+                                        "ffn, block; \"\" = keep all")
+    offload: str = setting("run", "", "state kept in host memory, comma-separated: optimizer, master; \"\" = none")
     out_dir: str = setting("run", "nanoq-out", "runs go to <out_dir>/<run_name>")
     run_name: str = setting("run", "", "name of this run's directory; \"\" = a timestamp (an existing "
                                        "run is never overwritten)")

@@ -117,6 +117,15 @@ def model_config(config: TrainConfig, data_vocab_size: int) -> ModelConfig:
                        rms_norm_eps=config.rms_norm_eps, tie_word_embeddings=config.tie_word_embeddings)
 
 
+def train_options(config: TrainConfig) -> TrainOptions:
+    """The TrainOptions of a TrainConfig."""
+    return TrainOptions(backend=config.backend, devices=config.devices, batch_size=config.batch_size,
+                        seq_len=config.seq_len, grad_accum=config.grad_accum, seed=config.seed, z_loss=config.z_loss,
+                        threads=config.threads, dtype=config.dtype, master_dtype=config.master_dtype,
+                        optimizer_dtype=config.optimizer_dtype, recompute=config.recompute,
+                        offload=config.offload)
+
+
 def evaluate(trainer: Trainer, loader: EvalLoader, max_batches: int = 0) -> tuple:
     """(mean loss over the counted tokens, counted tokens) of the first
     ``max_batches`` batches of ``loader`` (0: all of them)."""
@@ -139,9 +148,7 @@ def _setup(config: TrainConfig, run_dir: str, say: Callable[[str], None]):
     eval_set = Dataset(eval_spec, config.seq_len) if eval_spec else None
     data_vocab = max(train_set.vocab_size, eval_set.vocab_size if eval_set else 0)
     model = model_config(config, data_vocab)
-    options = TrainOptions(backend=config.backend, devices=config.devices, batch_size=config.batch_size,
-                           seq_len=config.seq_len, grad_accum=config.grad_accum, seed=config.seed,
-                           z_loss=config.z_loss, threads=config.threads, dtype=config.dtype)
+    options = train_options(config)
     rows = config.devices * config.batch_size
     loader = DataLoader(train_set, batch_rows=rows, seed=config.seed, devices=config.devices)
     eval_loader = EvalLoader(eval_set, batch_rows=rows) if eval_set else None
