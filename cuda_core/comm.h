@@ -28,6 +28,17 @@ public:
     // `buffer` holds size() equal chunks; afterwards every rank holds every
     // rank's own chunk.
     virtual void all_gather(const Tensor& buffer) = 0;
+
+    // Ranges of a flat buffer of which rank r owns the contiguous shard
+    // [r * shard, (r + 1) * shard), held in its tensor `own` (ZeRO-2/3):
+    // gather_range fills `out` with elements [begin, end) from their owners,
+    // on every rank; reduce_range_add sums `in` (every rank's values of
+    // [begin, end)) over ranks and adds the sum of the part a rank owns into
+    // its `own`. `scratch` holds at least end - begin float32 elements.
+    virtual void gather_range(const Tensor& out, std::int64_t begin, std::int64_t end, const Tensor& own,
+                              std::int64_t shard) = 0;
+    virtual void reduce_range_add(const Tensor& in, std::int64_t begin, std::int64_t end, const Tensor& own,
+                                  std::int64_t shard, const Tensor& scratch) = 0;
     virtual void barrier() = 0;
 };
 

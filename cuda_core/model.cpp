@@ -47,42 +47,74 @@ std::vector<ParameterInfo> parameter_layout(const ModelConfig& c) {
     return params;
 }
 
+namespace {
+
+// A parameter's view in `buffer`, which holds the flat layout from `base` on.
+Tensor view(const ParameterInfo& p, const Tensor& buffer, std::int64_t base) {
+    Tensor t = buffer.slice(p.offset - base, p.numel());
+    t.ndim = static_cast<int>(p.shape.size());
+    for (int i = 0; i < t.ndim; ++i) t.shape[i] = p.shape[i];
+    return t;
+}
+
+// The views of one layer, taking its parameters in layout order from `take`.
+template <class Take>
+LayerWeights take_layer(const ModelConfig& c, Take&& take) {
+    LayerWeights l;
+    l.input_norm = take(true);
+    l.q = take(true);
+    l.q_bias = take(c.qkv_bias);
+    l.k = take(true);
+    l.k_bias = take(c.qkv_bias);
+    l.v = take(true);
+    l.v_bias = take(c.qkv_bias);
+    l.o = take(true);
+    l.o_bias = take(c.o_bias);
+    l.q_norm = take(c.qk_norm);
+    l.k_norm = take(c.qk_norm);
+    l.post_norm = take(true);
+    l.gate = take(true);
+    l.up = take(true);
+    l.down = take(true);
+    return l;
+}
+
+// Index in parameter_layout() of the first parameter of `layer`.
+std::size_t first_parameter(const ModelConfig& c, int layer) {
+    const std::size_t per_layer = 9 + (c.qkv_bias ? 3 : 0) + (c.o_bias ? 1 : 0) + (c.qk_norm ? 2 : 0);
+    return 1 + static_cast<std::size_t>(layer) * per_layer;
+}
+
+}  // namespace
+
 ModelWeights bind_weights(const ModelConfig& c, const Tensor& flat) {
     // Walks the same layout as parameter_layout(), in the same order.
     const auto layout = parameter_layout(c);
     std::size_t next = 0;
-    auto take = [&](bool present) -> Tensor {
-        if (!present) return Tensor();
-        const ParameterInfo& p = layout.at(next++);
-        Tensor t = flat.slice(p.offset, p.numel());
-        t.ndim = static_cast<int>(p.shape.size());
-        for (int i = 0; i < t.ndim; ++i) t.shape[i] = p.shape[i];
-        return t;
-    };
+    auto take = [&](bool present) -> Tensor { return present ? view(layout.at(next++), flat, 0) : Tensor(); };
     ModelWeights w;
     w.embed = take(true);
-    w.layers.resize(c.num_layers);
-    for (LayerWeights& l : w.layers) {
-        l.input_norm = take(true);
-        l.q = take(true);
-        l.q_bias = take(c.qkv_bias);
-        l.k = take(true);
-        l.k_bias = take(c.qkv_bias);
-        l.v = take(true);
-        l.v_bias = take(c.qkv_bias);
-        l.o = take(true);
-        l.o_bias = take(c.o_bias);
-        l.q_norm = take(c.qk_norm);
-        l.k_norm = take(c.qk_norm);
-        l.post_norm = take(true);
-        l.gate = take(true);
-        l.up = take(true);
-        l.down = take(true);
-    }
+    for (int l = 0; l < c.num_layers; ++l) w.layers.push_back(take_layer(c, take));
     w.final_norm = take(true);
     w.lm_head = c.tie_embeddings ? w.embed : take(true);
     if (next != layout.size()) throw InternalError("parameter layout and weight binding disagree");
     return w;
+}
+
+std::pair<std::int64_t, std::int64_t> layer_range(const ModelConfig& c, int layer) {
+    const auto layout = parameter_layout(c);
+    const std::size_t first = first_parameter(c, layer), last = first_parameter(c, layer + 1) - 1;
+    const std::string prefix = "model.layers." + std::to_string(layer) + ".";
+    if (layout.at(first).name.rfind(prefix, 0) != 0 || layout.at(last).name.rfind(prefix, 0) != 0)
+        throw InternalError("layer " + std::to_string(layer) + " is not where first_parameter() expects it");
+    return {layout.at(first).offset, layout.at(last).offset + layout.at(last).numel()};
+}
+
+LayerWeights bind_layer(const ModelConfig& c, int layer, const Tensor& block) {
+    const auto layout = parameter_layout(c);
+    std::size_t next = first_parameter(c, layer);
+    const std::int64_t base = layout.at(next).offset;
+    return take_layer(c, [&](bool present) { return present ? view(layout.at(next++), block, base) : Tensor(); });
 }
 
 namespace {
@@ -248,13 +280,13 @@ ScratchShapes LlamaModel::scratch_shapes() const {
                          classifier_chunk_rows(), 0};
 }
 
-void LlamaModel::forward(const ModelWeights& w, const Tensor& tokens, StackArena& stack) {
+void LlamaModel::forward(const ModelWeights& w, LayerSource& layers, const Tensor& tokens, StackArena& stack) {
     const ModelConfig& c = config_;
     backend_.embedding_forward(residual_[0], tokens, w.embed, rows_, c.hidden_size);
     for (int l = 0; l < c.num_layers; ++l) {
         StackFrame frame(stack);
         LayerActivations a = with_transients(layers_[l], frame);
-        layer_steps(w.layers[l], a, residual_[l], &residual_[l + 1]);
+        layer_steps(layers.weights(l), a, residual_[l], &residual_[l + 1]);
     }
     backend_.rmsnorm_forward(final_norm_, final_rstd_, residual_[c.num_layers], w.final_norm, rows_, c.hidden_size,
                              c.rms_norm_eps);
@@ -376,10 +408,11 @@ void LlamaModel::classifier(const ModelWeights& w, const ModelWeights* g, const 
     }
 }
 
-void LlamaModel::forward_backward(const ModelWeights& w, const ModelWeights& g, const Tensor& tokens,
-                                  const Tensor& targets, const Tensor& stats, float z_loss, StackArena& stack) {
+void LlamaModel::forward_backward(const ModelWeights& w, const ModelWeights& g, LayerSource& layers,
+                                  const Tensor& tokens, const Tensor& targets, const Tensor& stats, float z_loss,
+                                  StackArena& stack) {
     const ModelConfig& c = config_;
-    forward(w, tokens, stack);
+    forward(w, layers, tokens, stack);
     StackFrame frame(stack);
     Tensor dresidual = frame.push("d-residual", dtype_, {rows_, c.hidden_size});
     {
@@ -389,14 +422,18 @@ void LlamaModel::forward_backward(const ModelWeights& w, const ModelWeights& g, 
         backend_.rmsnorm_backward(dresidual, g.final_norm, dhidden, residual_[c.num_layers], w.final_norm,
                                   final_rstd_, rows_, c.hidden_size, false);
     }
-    for (int l = c.num_layers - 1; l >= 0; --l)
-        layer_backward(w.layers[l], g.layers[l], layers_[l], residual_[l], dresidual, stack);
+    for (int l = c.num_layers - 1; l >= 0; --l) {
+        // Weights first: a source that gathers them may reuse a buffer.
+        const LayerWeights& weights = layers.weights(l);
+        layer_backward(weights, layers.grads(l), layers_[l], residual_[l], dresidual, stack);
+        layers.grads_done(l);
+    }
     backend_.embedding_backward(g.embed, dresidual, tokens, rows_, c.hidden_size);
 }
 
-void LlamaModel::forward_loss(const ModelWeights& w, const Tensor& tokens, const Tensor& targets,
-                              const Tensor& stats, float z_loss, StackArena& stack) {
-    forward(w, tokens, stack);
+void LlamaModel::forward_loss(const ModelWeights& w, LayerSource& layers, const Tensor& tokens,
+                              const Tensor& targets, const Tensor& stats, float z_loss, StackArena& stack) {
+    forward(w, layers, tokens, stack);
     classifier(w, nullptr, targets, stats, z_loss, nullptr, stack);
 }
 

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "allocator.h"
@@ -29,6 +30,36 @@ struct ModelWeights {
 
 // Views of each parameter inside a flat buffer laid out by parameter_layout().
 ModelWeights bind_weights(const ModelConfig& config, const Tensor& flat);
+// Views of one layer's parameters inside `block`, a buffer holding exactly
+// that layer's range of the flat layout (see layer_range).
+LayerWeights bind_layer(const ModelConfig& config, int layer, const Tensor& block);
+// [begin, end) of a layer's parameters in the flat layout.
+std::pair<std::int64_t, std::int64_t> layer_range(const ModelConfig& config, int layer);
+
+// Where the model finds each layer's weights and puts its gradients. The
+// trainer's sharding stages plug in here: weights may be gathered on demand
+// and gradients reduced as soon as a layer's backward is done. Forward asks
+// for layers in ascending order, backward in descending order.
+class LayerSource {
+public:
+    virtual ~LayerSource() = default;
+    virtual const LayerWeights& weights(int layer) = 0;
+    virtual const LayerWeights& grads(int layer) = 0;  // before the layer's backward
+    virtual void grads_done(int layer) = 0;            // after it
+};
+
+// All layers resident: the views of full weight and gradient buffers.
+class ResidentLayers final : public LayerSource {
+public:
+    ResidentLayers(const ModelWeights& weights, const ModelWeights& grads) : weights_(weights), grads_(grads) {}
+    const LayerWeights& weights(int layer) override { return weights_.layers[layer]; }
+    const LayerWeights& grads(int layer) override { return grads_.layers[layer]; }
+    void grads_done(int) override {}
+
+private:
+    const ModelWeights& weights_;
+    const ModelWeights& grads_;
+};
 
 struct LayerActivations {
     Tensor input_norm, input_rstd;   // [rows, C], [rows]
@@ -65,11 +96,14 @@ public:
     // Forward, fused classifier and backward of one micro-batch: adds the
     // gradients of the summed loss into `grads` and the loss statistics into
     // `stats`. tokens/targets: int32 [B, T] on the device.
-    void forward_backward(const ModelWeights& weights, const ModelWeights& grads, const Tensor& tokens,
-                          const Tensor& targets, const Tensor& stats, float z_loss, StackArena& stack);
+    // `weights`/`grads` give the embedding, final norm and head; `layers`
+    // the transformer layers.
+    void forward_backward(const ModelWeights& weights, const ModelWeights& grads, LayerSource& layers,
+                          const Tensor& tokens, const Tensor& targets, const Tensor& stats, float z_loss,
+                          StackArena& stack);
     // Forward and loss statistics only.
-    void forward_loss(const ModelWeights& weights, const Tensor& tokens, const Tensor& targets, const Tensor& stats,
-                      float z_loss, StackArena& stack);
+    void forward_loss(const ModelWeights& weights, LayerSource& layers, const Tensor& tokens, const Tensor& targets,
+                      const Tensor& stats, float z_loss, StackArena& stack);
 
     // Bytes of activation stack that forward_backward needs at most.
     std::size_t stack_bytes() const;
@@ -92,7 +126,7 @@ private:
     LayerActivations with_transients(const LayerActivations& stored, StackFrame& frame) const;
     std::size_t transient_bytes() const;
 
-    void forward(const ModelWeights& w, const Tensor& tokens, StackArena& stack);
+    void forward(const ModelWeights& w, LayerSource& layers, const Tensor& tokens, StackArena& stack);
     // The layer's forward steps. With `output`, all of them (the forward
     // pass); without, only those whose results are recomputed (backward).
     void layer_steps(const LayerWeights& w, LayerActivations& a, const Tensor& input, const Tensor* output);

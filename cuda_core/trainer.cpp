@@ -458,7 +458,9 @@ void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int 
     m.run([&](int rank, DeviceState& d) {
         if (rank == fault) throw NanoqError("injected fault in worker " + std::to_string(rank));
         const auto [tokens, labels] = m.load_batch(rank, d, inputs, targets, source_device);
-        d.model->forward_backward(d.weight_views, d.grad_views, tokens, labels, d.stats, m.options.z_loss, *d.stack);
+        ResidentLayers layers(d.weight_views, d.grad_views);
+        d.model->forward_backward(d.weight_views, d.grad_views, layers, tokens, labels, d.stats, m.options.z_loss,
+                                  *d.stack);
         d.backend->synchronize();
     });
     ++m.micro_steps;
@@ -472,7 +474,8 @@ StepStats Trainer::validate(const std::int32_t* inputs, const std::int32_t* targ
     m.run([&](int rank, DeviceState& d) {
         const auto [tokens, labels] = m.load_batch(rank, d, inputs, targets, source_device);
         reset_stats(*d.backend, d.eval_stats);
-        d.model->forward_loss(d.weight_views, tokens, labels, d.eval_stats, m.options.z_loss, *d.stack);
+        ResidentLayers layers(d.weight_views, d.grad_views);
+        d.model->forward_loss(d.weight_views, layers, tokens, labels, d.eval_stats, m.options.z_loss, *d.stack);
         m.gather_stats(d, d.eval_stats);
         std::vector<float> gathered = m.read_gathered(d);
         if (rank == 0) rows = std::move(gathered);

@@ -6,6 +6,7 @@
 // safe because rank r writes only chunk r of its own buffer, which no other
 // rank reads; all-gather because each rank writes only its own buffer.
 #include <condition_variable>
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <vector>
@@ -25,10 +26,14 @@ public:
     int size() const override;
     void reduce_scatter_sum(const Tensor& buffer) override;
     void all_gather(const Tensor& buffer) override;
+    void gather_range(const Tensor& out, std::int64_t begin, std::int64_t end, const Tensor& own,
+                      std::int64_t shard) override;
+    void reduce_range_add(const Tensor& in, std::int64_t begin, std::int64_t end, const Tensor& own,
+                          std::int64_t shard, const Tensor& scratch) override;
     void barrier() override;
 
 private:
-    void begin(const Tensor& buffer);
+    void begin_collective(const Tensor& buffer);
     std::int64_t chunk_size(const Tensor& buffer) const;
 
     std::shared_ptr<SharedMemoryGroup> group_;
@@ -86,7 +91,7 @@ int SharedMemoryCommunicator::size() const { return group_->size(); }
 void SharedMemoryCommunicator::reduce_scatter_sum(const Tensor& buffer) {
     if (size() == 1) return;
     const std::int64_t chunk = chunk_size(buffer);
-    begin(buffer);
+    begin_collective(buffer);
     float* own = buffer.f32() + rank_ * chunk;
     for (std::int64_t i = 0; i < chunk; ++i) {
         float acc = 0.0f;
@@ -99,15 +104,41 @@ void SharedMemoryCommunicator::reduce_scatter_sum(const Tensor& buffer) {
 void SharedMemoryCommunicator::all_gather(const Tensor& buffer) {
     if (size() == 1) return;
     const std::int64_t chunk = chunk_size(buffer);
-    begin(buffer);
+    begin_collective(buffer);
     for (int r = 0; r < size(); ++r)
         if (r != rank_) std::memcpy(buffer.f32() + r * chunk, group_->buffer(r) + r * chunk, sizeof(float) * chunk);
     group_->barrier();
 }
 
+void SharedMemoryCommunicator::gather_range(const Tensor& out, std::int64_t begin, std::int64_t end,
+                                            const Tensor& own, std::int64_t shard) {
+    begin_collective(own);
+    for (std::int64_t at = begin; at < end;) {
+        const int owner = static_cast<int>(at / shard);
+        const std::int64_t stop = std::min(end, (owner + 1) * shard);
+        std::memcpy(out.f32() + (at - begin), group_->buffer(owner) + (at - owner * shard), sizeof(float) * (stop - at));
+        at = stop;
+    }
+    group_->barrier();
+}
+
+void SharedMemoryCommunicator::reduce_range_add(const Tensor& in, std::int64_t begin, std::int64_t end,
+                                                const Tensor& own, std::int64_t shard, const Tensor&) {
+    begin_collective(in);
+    // This rank adds, in rank order, every rank's values of the part it owns.
+    const std::int64_t lo = std::max(begin, rank_ * shard), hi = std::min(end, (rank_ + 1) * shard);
+    float* target = own.f32();
+    for (std::int64_t at = lo; at < hi; ++at) {
+        float sum = 0.0f;
+        for (int r = 0; r < size(); ++r) sum += group_->buffer(r)[at - begin];
+        target[at - rank_ * shard] += sum;
+    }
+    group_->barrier();
+}
+
 void SharedMemoryCommunicator::barrier() { group_->barrier(); }
 
-void SharedMemoryCommunicator::begin(const Tensor& buffer) {
+void SharedMemoryCommunicator::begin_collective(const Tensor& buffer) {
     buffer.f32();  // the shared-memory collectives move float32 only
     group_->publish(rank_, buffer.data);
     group_->barrier();

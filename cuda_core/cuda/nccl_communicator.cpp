@@ -8,6 +8,7 @@
 // peer is blocked in; such communicators are then never used again.
 #include <nccl.h>
 
+#include <algorithm>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -43,16 +44,21 @@ public:
     int size() const override { return size_; }
     void reduce_scatter_sum(const Tensor& buffer) override;
     void all_gather(const Tensor& buffer) override;
+    void gather_range(const Tensor& out, std::int64_t begin, std::int64_t end, const Tensor& own,
+                      std::int64_t shard) override;
+    void reduce_range_add(const Tensor& in, std::int64_t begin, std::int64_t end, const Tensor& own,
+                          std::int64_t shard, const Tensor& scratch) override;
     void barrier() override;
 
 private:
     std::size_t chunk(const Tensor& buffer) const;
-    void begin();
-    void end();
+    void start_collective();
+    void finish_collective();
 
     std::shared_ptr<NcclGroup> group_;
     ncclComm_t comm_;
     int rank_, size_;
+    CudaBackend& backend_;
     cudaStream_t compute_;
     cudaStream_t stream_ = nullptr;
     cudaEvent_t compute_done_ = nullptr, comm_done_ = nullptr;
@@ -109,7 +115,7 @@ private:
 
 NcclCommunicator::NcclCommunicator(std::shared_ptr<NcclGroup> group, ncclComm_t comm, int rank, int size,
                                    CudaBackend& backend)
-    : group_(std::move(group)), comm_(comm), rank_(rank), size_(size), compute_(backend.stream()) {
+    : group_(std::move(group)), comm_(comm), rank_(rank), size_(size), backend_(backend), compute_(backend.stream()) {
     NANOQ_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     NANOQ_CUDA_CHECK(cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));
     NANOQ_CUDA_CHECK(cudaEventCreateWithFlags(&comm_done_, cudaEventDisableTiming));
@@ -131,13 +137,13 @@ std::size_t NcclCommunicator::chunk(const Tensor& buffer) const {
     return static_cast<std::size_t>(buffer.numel() / size_);
 }
 
-void NcclCommunicator::begin() {
+void NcclCommunicator::start_collective() {
     if (group_->aborted()) throw WorkerAborted("collective abandoned: another worker failed");
     NANOQ_CUDA_CHECK(cudaEventRecord(compute_done_, compute_));
     NANOQ_CUDA_CHECK(cudaStreamWaitEvent(stream_, compute_done_, 0));
 }
 
-void NcclCommunicator::end() {
+void NcclCommunicator::finish_collective() {
     NANOQ_CUDA_CHECK(cudaEventRecord(comm_done_, stream_));
     NANOQ_CUDA_CHECK(cudaStreamWaitEvent(compute_, comm_done_, 0));
 }
@@ -146,31 +152,78 @@ void NcclCommunicator::reduce_scatter_sum(const Tensor& buffer) {
     if (size_ == 1) return;
     const std::size_t n = chunk(buffer);
     char* base = static_cast<char*>(buffer.data);
-    begin();
+    start_collective();
     check_nccl(ncclReduceScatter(base, base + rank_ * n * dtype_size(buffer.dtype), n, nccl_type(buffer.dtype),
                                  ncclSum, comm_, stream_),
                "ncclReduceScatter");
-    end();
+    finish_collective();
 }
 
 void NcclCommunicator::all_gather(const Tensor& buffer) {
     if (size_ == 1) return;
     const std::size_t n = chunk(buffer);
     char* base = static_cast<char*>(buffer.data);
-    begin();
+    start_collective();
     check_nccl(ncclAllGather(base + rank_ * n * dtype_size(buffer.dtype), base, n, nccl_type(buffer.dtype), comm_,
                              stream_),
                "ncclAllGather");
-    end();
+    finish_collective();
+}
+
+void NcclCommunicator::gather_range(const Tensor& out, std::int64_t begin, std::int64_t end, const Tensor& own,
+                                    std::int64_t shard) {
+    const std::size_t element = dtype_size(own.dtype);
+    if (size_ == 1) {
+        NANOQ_CUDA_CHECK(cudaMemcpyAsync(out.data, static_cast<const char*>(own.data) + begin * element,
+                                         (end - begin) * element, cudaMemcpyDefault, compute_));
+        return;
+    }
+    // One broadcast per owner of a piece of the range, from its shard.
+    start_collective();
+    check_nccl(ncclGroupStart(), "ncclGroupStart");
+    for (std::int64_t at = begin; at < end;) {
+        const int owner = static_cast<int>(at / shard);
+        const std::int64_t stop = std::min(end, (owner + 1) * shard);
+        check_nccl(ncclBroadcast(static_cast<const char*>(own.data) + (at - owner * shard) * element,
+                                 static_cast<char*>(out.data) + (at - begin) * element, stop - at,
+                                 nccl_type(own.dtype), owner, comm_, stream_),
+                   "ncclBroadcast");
+        at = stop;
+    }
+    check_nccl(ncclGroupEnd(), "ncclGroupEnd");
+    finish_collective();
+}
+
+void NcclCommunicator::reduce_range_add(const Tensor& in, std::int64_t begin, std::int64_t end, const Tensor& own,
+                                        std::int64_t shard, const Tensor& scratch) {
+    const std::int64_t lo = std::max(begin, rank_ * shard), hi = std::min(end, (rank_ + 1) * shard);
+    if (size_ == 1) {
+        if (lo < hi) backend_.accumulate(own.slice(lo - rank_ * shard, hi - lo), in.slice(lo - begin, hi - lo));
+        return;
+    }
+    // One reduce per owner into its scratch, then the owner adds its part.
+    start_collective();
+    check_nccl(ncclGroupStart(), "ncclGroupStart");
+    for (std::int64_t at = begin; at < end;) {
+        const int owner = static_cast<int>(at / shard);
+        const std::int64_t stop = std::min(end, (owner + 1) * shard);
+        check_nccl(ncclReduce(static_cast<const float*>(in.data) + (at - begin), scratch.data, stop - at,
+                              ncclFloat32, ncclSum, owner, comm_, stream_),
+                   "ncclReduce");
+        at = stop;
+    }
+    check_nccl(ncclGroupEnd(), "ncclGroupEnd");
+    finish_collective();
+    if (lo < hi) backend_.accumulate(own.slice(lo - rank_ * shard, hi - lo), scratch.slice(0, hi - lo));
 }
 
 void NcclCommunicator::barrier() {
     if (size_ == 1) return;
     // A one-element all-reduce that every rank waits for on the host.
-    begin();
+    start_collective();
     check_nccl(ncclAllReduce(barrier_token_, barrier_token_, 1, ncclFloat32, ncclSum, comm_, stream_),
                "ncclAllReduce (barrier)");
-    end();
+    finish_collective();
     NANOQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
