@@ -101,6 +101,16 @@ ModelWeights bind_weights(const ModelConfig& c, const Tensor& flat) {
     return w;
 }
 
+ModelWeights bind_outer(const ModelConfig& c, const Tensor& embed, const Tensor& head, std::int64_t head_begin) {
+    const auto layout = parameter_layout(c);
+    ModelWeights w;
+    w.embed = view(layout.front(), embed, 0);
+    const std::size_t first_head = first_parameter(c, c.num_layers);
+    w.final_norm = view(layout.at(first_head), head, head_begin);
+    w.lm_head = c.tie_embeddings ? w.embed : view(layout.at(first_head + 1), head, head_begin);
+    return w;
+}
+
 std::pair<std::int64_t, std::int64_t> layer_range(const ModelConfig& c, int layer) {
     const auto layout = parameter_layout(c);
     const std::size_t first = first_parameter(c, layer), last = first_parameter(c, layer + 1) - 1;

@@ -33,6 +33,10 @@ ModelWeights bind_weights(const ModelConfig& config, const Tensor& flat);
 // Views of one layer's parameters inside `block`, a buffer holding exactly
 // that layer's range of the flat layout (see layer_range).
 LayerWeights bind_layer(const ModelConfig& config, int layer, const Tensor& block);
+// The embedding, final norm and lm_head (the layers left empty) in two
+// buffers: `embed` holds the embedding, `head` the flat layout from
+// `head_begin` to its end.
+ModelWeights bind_outer(const ModelConfig& config, const Tensor& embed, const Tensor& head, std::int64_t head_begin);
 // [begin, end) of a layer's parameters in the flat layout.
 std::pair<std::int64_t, std::int64_t> layer_range(const ModelConfig& config, int layer);
 

@@ -23,6 +23,7 @@
 #include "model.h"
 #include "nanoq/trainer.h"
 #include "worker_pool.h"
+#include "zero.h"
 
 namespace nanoq {
 
@@ -86,7 +87,8 @@ struct DeviceState {
     std::unique_ptr<Communicator> comm;
     std::unique_ptr<LlamaModel> model;
     std::unique_ptr<StackArena> stack;
-    Tensor weights, grads;           // [padded]
+    Tensor weights, grads;           // [padded], full (stage 1; weights also at stage 2)
+    ShardedState sharded;            // stages 2 and 3
     Tensor master, adam_m, adam_v;   // [shard]; in host memory when offloaded
     bool master_is_weights = false;  // master is this rank's shard of `weights`
     // Device buffers that offloaded state streams through (empty when not offloaded).
@@ -104,6 +106,8 @@ struct Trainer::Impl {
     TrainOptions options;
     std::vector<ParameterInfo> layout;
     std::int64_t shard = 0;
+    int stage = 1;
+    std::unique_ptr<BlockLayout> blocks;
     std::vector<DeviceState> devices;
     std::shared_ptr<CommGroup> group;
     std::unique_ptr<WorkerPool> pool;
@@ -183,6 +187,28 @@ struct Trainer::Impl {
         return {d.tokens, d.targets};
     }
 
+    // This rank's summed gradients and its part of the weights, [shard] each.
+    Tensor grad_shard(int rank, const DeviceState& d) const {
+        return stage == 1 ? d.grads.slice(rank * shard, shard) : d.sharded.grad_shard;
+    }
+    Tensor weight_shard(int rank, const DeviceState& d) const {
+        return stage == 3 ? d.sharded.weight_shard : d.weights.slice(rank * shard, shard);
+    }
+
+    // The full weights' views, layers included (stages 1 and 2).
+    const ModelWeights& resident(const DeviceState& d) const { return d.weight_views; }
+
+    // Where this rank holds parameter p whole: the full weights (stages 1
+    // and 2), or at stage 3 the replicated embedding/head; else empty (a
+    // stage-3 layer parameter, held only as shards).
+    Tensor whole_weights(const DeviceState& d, const ParameterInfo& p) const {
+        if (stage < 3) return d.weights.slice(p.offset, p.numel());
+        if (p.offset < blocks->embed_end) return d.sharded.embed_weights.slice(p.offset, p.numel());
+        if (p.offset >= blocks->head_begin)
+            return d.sharded.head_weights.slice(p.offset - blocks->head_begin, p.numel());
+        return Tensor();
+    }
+
     // AdamW over this rank's shard, parameter by parameter (weight decay
     // differs) and chunk by chunk: state in host memory is copied into the
     // device buffers, updated there and copied back. The chunking is the same
@@ -208,13 +234,13 @@ struct Trainer::Impl {
                 const Tensor adam_v = on_device(d.adam_v, d.staged_v);
                 // Distinct rounding noise for every chunk: the kernels index from the chunk start.
                 step.seed = options.seed * 0x9E3779B97F4A7C15ULL + static_cast<std::uint64_t>(at);
-                be.adamw(master, d.grads.slice(at, count), adam_m, adam_v, d.optimizer_scale, step);
+                be.adamw(master, grad_shard(rank, d).slice(at - lo, count), adam_m, adam_v, d.optimizer_scale, step);
                 if (d.staged_master.data) be.copy(d.master.slice(at - lo, count), master);
                 if (d.staged_m.data) {
                     be.copy(d.adam_m.slice(at - lo, count), adam_m);
                     be.copy(d.adam_v.slice(at - lo, count), adam_v);
                 }
-                if (!d.master_is_weights) be.copy(d.weights.slice(at, count), master);
+                if (!d.master_is_weights) be.copy(weight_shard(rank, d).slice(at - lo, count), master);
             }
         }
     }
@@ -246,6 +272,11 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_
     const std::int64_t total = m.layout.back().offset + m.layout.back().numel();
     m.shard = (total + n - 1) / n;
     const std::int64_t padded = m.shard * n;
+    if (options.zero_stage < 1 || options.zero_stage > 3)
+        throw InvalidArgument("zero_stage must be 1, 2 or 3, got " + std::to_string(options.zero_stage));
+    m.stage = options.zero_stage;
+    m.blocks = std::make_unique<BlockLayout>(config, n);
+    const BlockLayout& blocks = *m.blocks;
     std::int64_t largest = 0;
     for (const ParameterInfo& p : m.layout) largest = std::max(largest, p.numel());
     int threads = options.threads;
@@ -260,12 +291,34 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_
         d.allocator = std::make_unique<NamedAllocator>(*d.backend, rank, options.memory_limit);
         d.comm = m.group->connect(rank, *d.backend);
         NamedAllocator& a = *d.allocator;
-        d.weights = a.allocate(Context::Weights, "weights", weight_dtype, {padded});
-        d.grads = a.allocate(Context::Gradients, "gradients", DType::F32, {padded});
+        ShardedState& z = d.sharded;
+        if (m.stage < 3) {
+            d.weights = a.allocate(Context::Weights, "weights", weight_dtype, {padded});
+        } else {
+            z.weight_shard = a.allocate(Context::Weights, "weight-shard", weight_dtype, {m.shard});
+            z.embed_weights = a.allocate(Context::Weights, "embed-weights", weight_dtype, {blocks.embed_end});
+            z.head_weights = a.allocate(Context::Weights, "head-weights", weight_dtype,
+                                        {blocks.total - blocks.head_begin});
+            for (int i = 0; i < 2; ++i)
+                z.layer_weights[i] = a.allocate(Context::Weights, "layer-weights." + std::to_string(i), weight_dtype,
+                                                {blocks.max_layer});
+        }
+        if (m.stage == 1) {
+            d.grads = a.allocate(Context::Gradients, "gradients", DType::F32, {padded});
+        } else {
+            z.grad_shard = a.allocate(Context::Gradients, "gradient-shard", DType::F32, {m.shard});
+            z.embed_grads = a.allocate(Context::Gradients, "embed-gradients", DType::F32, {blocks.embed_end});
+            z.head_grads = a.allocate(Context::Gradients, "head-gradients", DType::F32,
+                                      {blocks.total - blocks.head_begin});
+            z.layer_grads = a.allocate(Context::Gradients, "layer-gradients", DType::F32, {blocks.max_layer});
+            z.reduce_scratch = a.allocate(Context::Workspace, "reduce-scratch", DType::F32,
+                                          {std::max({blocks.max_layer, blocks.embed_end,
+                                                     blocks.total - blocks.head_begin})});
+        }
         const MemoryKind master_kind = offload.master ? MemoryKind::Pinned : MemoryKind::Device;
         const MemoryKind optimizer_kind = offload.optimizer ? MemoryKind::Pinned : MemoryKind::Device;
         d.master_is_weights = master_dtype == weight_dtype && !offload.master;
-        d.master = d.master_is_weights ? d.weights.slice(rank * m.shard, m.shard)
+        d.master = d.master_is_weights ? m.weight_shard(rank, d)
                                        : a.allocate(Context::Master, "master", master_dtype, {m.shard}, master_kind);
         d.adam_m = a.allocate(Context::AdamM, "adam-m", optimizer_dtype, {m.shard}, optimizer_kind);
         d.adam_v = a.allocate(Context::AdamV, "adam-v", optimizer_dtype, {m.shard}, optimizer_kind);
@@ -289,9 +342,13 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_
         ScratchShapes scratch = d.model->scratch_shapes();
         scratch.max_reduce = m.shard;
         d.backend->reserve_scratch(a, scratch);
-        d.weight_views = bind_weights(config, d.weights);
-        d.grad_views = bind_weights(config, d.grads);
-        for (const Tensor& t : {d.weights, d.grads, d.adam_m, d.adam_v, d.master}) d.backend->fill(t, 0.0f);
+        d.weight_views = m.stage < 3 ? bind_weights(config, d.weights)
+                                     : bind_outer(config, z.embed_weights, z.head_weights, blocks.head_begin);
+        d.grad_views = m.stage == 1 ? bind_weights(config, d.grads)
+                                    : bind_outer(config, z.embed_grads, z.head_grads, blocks.head_begin);
+        for (const Tensor& t : {d.weights, d.grads, d.adam_m, d.adam_v, d.master, z.grad_shard, z.embed_grads,
+                                z.head_grads, z.layer_grads, z.weight_shard, z.embed_weights, z.head_weights})
+            if (t.data) d.backend->fill(t, 0.0f);
         reset_stats(*d.backend, d.stats);
         d.backend->synchronize();
         d.comm->barrier();  // every rank is connected and ready
@@ -327,18 +384,22 @@ void Trainer::set_parameter(int index, const float* data) {
     Impl& m = *impl_;
     const ParameterInfo& p = parameter_at(m.layout, index);
     m.run([&](int rank, DeviceState& d) {
+        const Tensor whole = m.whole_weights(d, p);
+        const Tensor shard = m.weight_shard(rank, d);
         const std::int64_t shard_begin = rank * m.shard;
         for (std::int64_t done = 0; done < p.numel(); done += d.staging.numel()) {
             const std::int64_t count = std::min(d.staging.numel(), p.numel() - done);
             const Tensor staged = d.staging.slice(0, count);
             d.backend->copy_from_host(staged, data + done);
-            d.backend->copy(d.weights.slice(p.offset + done, count), staged);
-            // The part of this chunk inside this rank's shard also goes to the master copy.
+            if (whole.data) d.backend->copy(whole.slice(done, count), staged);
+            // The part of this chunk inside this rank's shard: the stage-3
+            // weight shard and a separate master copy hold it too.
             const std::int64_t begin = std::max(p.offset + done, shard_begin);
             const std::int64_t end = std::min(p.offset + done + count, shard_begin + m.shard);
-            if (!d.master_is_weights && begin < end)
-                d.backend->copy(d.master.slice(begin - shard_begin, end - begin),
-                                staged.slice(begin - p.offset - done, end - begin));
+            if (begin >= end) continue;
+            const Tensor part = staged.slice(begin - p.offset - done, end - begin);
+            if (m.stage == 3) d.backend->copy(shard.slice(begin - shard_begin, end - begin), part);
+            if (!d.master_is_weights) d.backend->copy(d.master.slice(begin - shard_begin, end - begin), part);
         }
         d.backend->synchronize();
     });
@@ -346,14 +407,22 @@ void Trainer::set_parameter(int index, const float* data) {
 
 void Trainer::get_parameter(int index, float* out) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
-    const ParameterInfo& p = parameter_at(impl_->layout, index);
-    impl_->run([&](int rank, DeviceState& d) {
-        if (rank != 0) return;
-        for (std::int64_t done = 0; done < p.numel(); done += d.staging.numel()) {
-            const std::int64_t count = std::min(d.staging.numel(), p.numel() - done);
+    Impl& m = *impl_;
+    const ParameterInfo& p = parameter_at(m.layout, index);
+    m.run([&](int rank, DeviceState& d) {
+        const Tensor whole = m.whole_weights(d, p);
+        // Rank 0 copies a whole parameter; shards come from every rank.
+        if (whole.data && rank != 0) return;
+        const std::int64_t begin = whole.data ? p.offset : std::max(p.offset, rank * m.shard);
+        const std::int64_t end =
+            whole.data ? p.offset + p.numel() : std::min(p.offset + p.numel(), (rank + 1) * m.shard);
+        if (begin >= end) return;
+        const Tensor source = whole.data ? whole : m.weight_shard(rank, d).slice(begin - rank * m.shard, end - begin);
+        for (std::int64_t done = 0; begin + done < end; done += d.staging.numel()) {
+            const std::int64_t count = std::min(d.staging.numel(), end - begin - done);
             const Tensor staged = d.staging.slice(0, count);
-            d.backend->copy(staged, d.weights.slice(p.offset + done, count));
-            d.backend->copy_to_host(out + done, staged);
+            d.backend->copy(staged, source.slice(done, count));
+            d.backend->copy_to_host(out + (begin - p.offset) + done, staged);
         }
         d.backend->synchronize();
     });
@@ -435,14 +504,23 @@ void Trainer::get_gradient(int index, float* out) {
         m.gather_stats(d, d.stats);
         std::vector<float> gathered = m.read_gathered(d);
         if (rank == 0) rows = std::move(gathered);
-        d.backend->copy_to_host(per_rank[rank].data(), d.grads.slice(p.offset, p.numel()));
+        if (m.stage == 1) {
+            d.backend->copy_to_host(per_rank[rank].data(), d.grads.slice(p.offset, p.numel()));
+        } else {
+            // Already summed over devices, in the owners' shards.
+            for_each_shard_chunk(m.shard, rank, p, p.numel(), [&](std::int64_t in_shard, std::int64_t in_param,
+                                                                  std::int64_t count) {
+                d.backend->copy_to_host(per_rank[0].data() + in_param, d.sharded.grad_shard.slice(in_shard, count));
+            });
+        }
         d.backend->synchronize();
     });
     const StepStats totals = m.combine(rows);
     const float scale = totals.tokens ? 1.0f / static_cast<float>(totals.tokens) : 0.0f;
+    const int summed = m.stage == 1 ? n : 1;
     for (std::int64_t i = 0; i < p.numel(); ++i) {
         float sum = 0.0f;
-        for (int r = 0; r < n; ++r) sum += per_rank[r][i];
+        for (int r = 0; r < summed; ++r) sum += per_rank[r][i];
         out[i] = sum * scale;
     }
 }
@@ -458,9 +536,16 @@ void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int 
     m.run([&](int rank, DeviceState& d) {
         if (rank == fault) throw NanoqError("injected fault in worker " + std::to_string(rank));
         const auto [tokens, labels] = m.load_batch(rank, d, inputs, targets, source_device);
-        ResidentLayers layers(d.weight_views, d.grad_views);
-        d.model->forward_backward(d.weight_views, d.grad_views, layers, tokens, labels, d.stats, m.options.z_loss,
-                                  *d.stack);
+        if (m.stage == 1) {
+            ResidentLayers layers(d.weight_views, d.grad_views);
+            d.model->forward_backward(d.weight_views, d.grad_views, layers, tokens, labels, d.stats, m.options.z_loss,
+                                      *d.stack);
+        } else {
+            ShardedLayers layers(m.stage, m.config, *m.blocks, d.sharded, m.resident(d), *d.backend, *d.comm);
+            d.model->forward_backward(d.weight_views, d.grad_views, layers, tokens, labels, d.stats, m.options.z_loss,
+                                      *d.stack);
+            layers.reduce_outer();
+        }
         d.backend->synchronize();
     });
     ++m.micro_steps;
@@ -474,8 +559,13 @@ StepStats Trainer::validate(const std::int32_t* inputs, const std::int32_t* targ
     m.run([&](int rank, DeviceState& d) {
         const auto [tokens, labels] = m.load_batch(rank, d, inputs, targets, source_device);
         reset_stats(*d.backend, d.eval_stats);
-        ResidentLayers layers(d.weight_views, d.grad_views);
-        d.model->forward_loss(d.weight_views, layers, tokens, labels, d.eval_stats, m.options.z_loss, *d.stack);
+        if (m.stage == 1) {
+            ResidentLayers layers(d.weight_views, d.grad_views);
+            d.model->forward_loss(d.weight_views, layers, tokens, labels, d.eval_stats, m.options.z_loss, *d.stack);
+        } else {
+            ShardedLayers layers(m.stage, m.config, *m.blocks, d.sharded, m.resident(d), *d.backend, *d.comm);
+            d.model->forward_loss(d.weight_views, layers, tokens, labels, d.eval_stats, m.options.z_loss, *d.stack);
+        }
         m.gather_stats(d, d.eval_stats);
         std::vector<float> gathered = m.read_gathered(d);
         if (rank == 0) rows = std::move(gathered);
@@ -493,19 +583,25 @@ StepStats Trainer::update(const UpdateParams& params) {
     float scale_and_norm[2] = {0.0f, 0.0f};
     m.run([&](int rank, DeviceState& d) {
         Backend& be = *d.backend;
-        d.comm->reduce_scatter_sum(d.grads);
-        const std::int64_t lo = rank * m.shard;
+        if (m.stage == 1) d.comm->reduce_scatter_sum(d.grads);
         // This rank's row of `gathered`: its loss statistics and the sum of
         // squares of its gradient shard; the scale is computed on the device.
         const Tensor squares = d.gathered.slice(std::int64_t(rank) * kGatherStride + kSumSquaresSlot, 1);
         be.fill(squares, 0.0f);
-        be.sum_squares(squares, d.grads.slice(lo, m.shard));
+        be.sum_squares(squares, m.grad_shard(rank, d));
         m.gather_stats(d, d.stats);
         be.optimizer_scale(d.optimizer_scale, d.gathered, n, params.grad_clip);
 
         m.optimizer_step(rank, d, params, step_number);
-        d.comm->all_gather(d.weights);
-        be.fill(d.grads, 0.0f);
+        if (m.stage < 3) {
+            d.comm->all_gather(d.weights);
+        } else {
+            // Layers are gathered when used; the embedding and head stay whole.
+            const BlockLayout& b = *m.blocks;
+            d.comm->gather_range(d.sharded.embed_weights, 0, b.embed_end, d.sharded.weight_shard, m.shard);
+            d.comm->gather_range(d.sharded.head_weights, b.head_begin, b.total, d.sharded.weight_shard, m.shard);
+        }
+        be.fill(m.stage == 1 ? d.grads : d.sharded.grad_shard, 0.0f);
         reset_stats(be, d.stats);
         if (rank == 0) {
             rows = m.read_gathered(d);

@@ -42,7 +42,7 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
 
     cdef cppclass CTrainOptions "nanoq::TrainOptions":
         string backend, dtype, master_dtype, optimizer_dtype, recompute, offload
-        int devices, batch_size, seq_len, grad_accum, threads
+        int devices, batch_size, seq_len, grad_accum, threads, zero_stage
         float z_loss
         uint64_t seed
         size_t memory_limit
@@ -166,6 +166,7 @@ cdef class CoreTrainer:
         o.memory_limit = options["memory_limit"]
         o.recompute = ",".join(options["recompute"]).encode()
         o.offload = ",".join(options["offload"]).encode()
+        o.zero_stage = options["zero_stage"]
         self.batch_rows = o.devices * o.batch_size
         self.seq_len = o.seq_len
         with nogil:

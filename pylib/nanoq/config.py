@@ -230,6 +230,10 @@ class TrainOptions:
     ``offload`` keeps "optimizer" (the AdamW moments) and/or "master" (the
     master weights) in host memory, pinned on GPUs, streamed through device
     buffers during update(). Both may be given as comma-separated strings.
+    ``zero_stage`` shards across devices 1: the master weights and AdamW
+    state, 2: also the gradients (reduced as each layer's backward ends), 3:
+    also the weights (each layer gathered when used; the embedding and head
+    stay whole on every device).
     """
 
     backend: str = "auto"
@@ -246,6 +250,7 @@ class TrainOptions:
     memory_limit: int = 0
     recompute: tuple = ()
     offload: tuple = ()
+    zero_stage: int = 1
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -254,6 +259,8 @@ class TrainOptions:
             _positive_int(name, getattr(self, name))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.zero_stage not in (1, 2, 3) or isinstance(self.zero_stage, bool):
+            raise ValueError(f"zero_stage must be 1, 2 or 3, got {self.zero_stage!r}")
         self.recompute = _option_list("recompute", self.recompute, RECOMPUTE)
         self.offload = _option_list("offload", self.offload, OFFLOAD)
         if isinstance(self.memory_limit, bool) or not isinstance(self.memory_limit, int) or self.memory_limit < 0:

@@ -52,6 +52,9 @@ struct TrainOptions {
     // buffers during update(): a comma-separated subset of optimizer (the
     // AdamW moments) and master (the master weights); "" = none.
     std::string offload;
+    // 1: optimizer state and master weights sharded across devices; 2: also
+    // the gradients; 3: also the weights (gathered a layer at a time).
+    int zero_stage = 1;
 };
 
 struct UpdateParams {
