@@ -68,12 +68,14 @@ def test_cpu_estimate_equals_real_allocations_per_context(name, devices):
     assert estimate.contexts["master"] == 0  # fp32 master weights are a view of the fp32 weights
 
 
-@pytest.mark.parametrize("recompute,offload", [
-    ("swiglu", ""), ("ffn", "optimizer"), ("norms,qkv", "master"), ("block", "optimizer,master"),
+@pytest.mark.parametrize("recompute,offload,stage", [
+    ("swiglu", "", 1), ("ffn", "optimizer", 2), ("norms,qkv", "master", 3), ("block", "optimizer,master", 3),
+    ("", "", 2), ("", "", 3),
 ])
-def test_cpu_estimate_equals_real_allocations_with_recompute_and_offload(recompute, offload):
-    config = CONFIGS["qwen3_gqa"]
-    options = cpu_options(2, recompute=recompute, offload=offload)
+@pytest.mark.parametrize("name", ["qwen3_gqa", "llama_untied"])
+def test_cpu_estimate_equals_real_allocations_with_recompute_offload_and_stages(recompute, offload, stage, name):
+    config = CONFIGS[name]
+    options = cpu_options(2, recompute=recompute, offload=offload, zero_stage=stage)
     estimate = estimate_memory(config, options)
     real = real_allocations(config, options, device=1)
     assert [(a.context, a.name, a.bytes, a.kind) for a in estimate.allocations] == real
@@ -192,15 +194,25 @@ def test_recompute_and_offload_are_suggested_when_they_fit():
     assert [line.split(" (")[0] for line in estimate.suggestions(limit)] == ["offload optimizer", "3 devices"]
 
 
-def test_when_nothing_fits_the_missing_zero_stages_are_named_as_missing():
-    config, options = CONFIGS["llama_untied"], cpu_options(1, batch_size=1, seq_len=8)
+def test_higher_zero_stages_are_suggested_on_several_devices():
+    # Deep enough that a weight shard plus two layer buffers beat whole weights.
+    config = nanoq.ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                               num_attention_heads=4)
+    options = cpu_options(8, batch_size=1, seq_len=8, recompute="block", offload="optimizer,master")
     estimate = estimate_memory(config, options)
-    # Below gradients + weights alone: only sharding them (ZeRO-3) could fit.
-    limit = estimate.contexts["gradients"] + estimate.contexts["weights"] - 1
-    (line,) = estimate.suggestions(limit)
-    assert "nothing nanoq has fits" in line and "ZeRO-3" in line and "not available yet" in line
-    (line,) = estimate.suggestions(1000)
-    assert "not even ZeRO-3 (not available yet)" in line
+    stage2 = estimate_memory(config, dataclasses.replace(options, zero_stage=2))
+    stage3 = estimate_memory(config, dataclasses.replace(options, zero_stage=3))
+    assert stage3.device_bytes < stage2.device_bytes < estimate.device_bytes
+    lines = estimate.suggestions(stage2.device_bytes)
+    assert lines[0].startswith("zero_stage 2 (gradients sharded across the 8 devices)")
+    lines = estimate.suggestions(stage3.device_bytes)
+    assert lines[0].startswith("zero_stage 3 (gradients and weights sharded across the 8 devices)")
+
+
+def test_when_nothing_fits_it_says_so():
+    config, options = CONFIGS["llama_untied"], cpu_options(1, batch_size=1, seq_len=8)
+    (line,) = estimate_memory(config, options).suggestions(1000)
+    assert line.startswith("nothing fits: even 64 devices with zero_stage 3") and "smaller model" in line
 
 
 def test_table_has_a_row_per_context_and_a_verdict():

@@ -5,7 +5,10 @@ core allocates on each device (every device holds the same list), in the
 order the core allocates it. It mirrors, and must be kept in step with:
 
 - ``cuda_core/trainer.cpp`` (Trainer constructor): flat weights and float32
-  gradients padded to a multiple of the device count; the ZeRO-1 shards of
+  gradients padded to a multiple of the device count (stage 2: a gradient
+  shard, the embedding's and head's gradients and one layer's; stage 3 also:
+  a weight shard, the embedding and head and two layer buffers, see
+  ``cuda_core/zero.cpp``); the ZeRO-1 shards of
   the master weights (a view of the weights, allocating nothing, when master
   and weight dtypes agree and it is not offloaded) and AdamW moments, in
   pinned host memory when offloaded, with their device chunk buffers; token,
@@ -39,9 +42,9 @@ from nanoq.config import OFFLOAD, RECOMPUTE, ModelConfig, TrainOptions
 
 CONTEXTS = ("weights", "master", "gradients", "adam-m", "adam-v", "activations", "workspace", "stack")
 CONTEXT_MEANING = {
-    "weights": "full copy of the weights on every device",
+    "weights": "the weights: a full copy (stages 1-2) or a shard, embedding, head and two layers (3)",
     "master": "this device's shard of the master weights (none when they are the weights or offloaded)",
-    "gradients": "float32 gradients, full copy on every device",
+    "gradients": "float32 gradients: a full copy (stage 1) or a shard, embedding, head and one layer (2-3)",
     "adam-m": "this device's shard of the AdamW first moment (none when offloaded)",
     "adam-v": "this device's shard of the AdamW second moment (none when offloaded)",
     "activations": "kept for backward: residual stream and each layer's (not recomputed) ones",
@@ -124,24 +127,24 @@ class MemoryEstimate:
         """Changes that make the run fit, one line each, cheapest first
         (empty if it fits): a smaller micro-batch with more gradient
         accumulation (same tokens per step); recomputing activations; offloading
-        AdamW moments and master weights to host memory; more devices (ZeRO-1
-        shards master weights and AdamW moments), with a smaller micro-batch
-        when nothing else fits (after recompute and offload together). When
-        nothing nanoq has fits, one line says
-        what the missing ZeRO-2/3 would give.
+        AdamW moments and master weights to host memory; a higher ZeRO stage
+        (sharded gradients, then weights); more devices, with a higher stage
+        and a smaller micro-batch when nothing else fits. When nothing fits at
+        all, one line says so.
         """
         if self.fits(device_memory_bytes):
             return []
         out = [line for line in (self._smaller_micro_batch(device_memory_bytes),
                                  self._recompute(device_memory_bytes),
-                                 self._offload(device_memory_bytes)) if line]
+                                 self._offload(device_memory_bytes),
+                                 self._zero_stage(device_memory_bytes)) if line]
         if not out:
             both = self._recompute_and_offload(device_memory_bytes)
             out += [both] if both else []
         devices = self._more_devices(device_memory_bytes, shrink_batch=not out)
         if devices:
             out.append(devices)
-        return out or [self._missing_features(device_memory_bytes)]
+        return out or [self._nothing_fits()]
 
     def table(self, device_memory_bytes: Optional[int] = None) -> str:
         """The contexts as rows with their bytes per device (GiB/MiB), the
@@ -180,6 +183,7 @@ class MemoryEstimate:
                 f"{o.master_dtype} master, {o.optimizer_dtype} AdamW"
                 + (f", recompute {','.join(o.recompute)}" if o.recompute else "")
                 + (f", offload {','.join(o.offload)}" if o.offload else "")
+                + (f", zero_stage {o.zero_stage}" if o.zero_stage != 1 else "")
                 + f"; {_devices(o.devices)} x batch {o.batch_size} x seq {o.seq_len}, grad_accum {o.grad_accum} = "
                   f"{self.tokens_per_step:,} tokens per step")
 
@@ -243,46 +247,47 @@ class MemoryEstimate:
                         f"{human_bytes(lighter.device_bytes + self.reserve_bytes)}")
         return None
 
-    def _more_devices(self, limit: int, shrink_batch: bool) -> Optional[str]:
+    def _zero_stage(self, limit: int) -> Optional[str]:
         o = self.options
-        for devices in range(o.devices + 1, MAX_SUGGESTED_DEVICES + 1):
-            smallest = o.batch_size if not shrink_batch else 1
-            if not self._with(devices=devices, batch_size=smallest, grad_accum=1).fits(limit):
-                continue
-            for batch in range(o.batch_size, smallest - 1, -1):
-                more = self._with(devices=devices, batch_size=batch, grad_accum=1)
-                if more.fits(limit):
-                    break
-            sequences = o.devices * o.batch_size * o.grad_accum
-            accum = max(1, math.ceil(sequences / (devices * batch)))
-            tokens = devices * batch * accum * o.seq_len
-            keep = "same" if tokens == self.tokens_per_step else f"{tokens:,} instead of {self.tokens_per_step:,}"
-            shape = f"batch_size {batch}, " if batch != o.batch_size else ""
-            alone = f"nothing else fits {_devices(o.devices)}; " if shrink_batch else ""
-            return (f"{alone}{devices} devices ({shape}grad_accum {accum}: {keep} tokens per step; ZeRO-1 shards "
-                    f"master weights and AdamW moments): needs {human_bytes(more.device_bytes + self.reserve_bytes)}")
+        if o.devices == 1:
+            return None  # one device holds every shard: higher stages only add buffers
+        for stage in range(o.zero_stage + 1, 4):
+            lighter = self._with(zero_stage=stage)
+            if lighter.fits(limit):
+                what = "gradients" if stage == 2 else "gradients and weights"
+                return (f"zero_stage {stage} ({what} sharded across the {o.devices} devices): needs "
+                        f"{human_bytes(lighter.device_bytes + self.reserve_bytes)}")
         return None
 
-    def _missing_features(self, limit: int) -> str:
-        """What ZeRO-2 (sharded gradients) and ZeRO-3 (also sharded weights),
-        which nanoq does not have yet, would give on top of everything it has
-        (batch_size 1, recompute block, offload optimizer and master), on the
-        fewest devices from this count on."""
-        for devices in range(self.options.devices, MAX_SUGGESTED_DEVICES + 1):
-            best = self._with(devices=devices, batch_size=1, grad_accum=1, recompute=("block",),
-                              offload=OFFLOAD)
-            c = best.contexts
-            zero2 = best.device_bytes - c["gradients"] + c["gradients"] // devices
-            zero3 = zero2 - c["weights"] + c["weights"] // devices
-            for label, need in (("ZeRO-2 (sharded gradients)", zero2), ("ZeRO-3 (sharded gradients and weights)",
-                                                                          zero3)):
-                if need + self.reserve_bytes <= limit:
-                    return (f"nothing nanoq has fits (batch_size 1, recompute block and offload optimizer,master "
-                            f"on {_devices(devices)} need {human_bytes(best.device_bytes + self.reserve_bytes)}); "
-                            f"it would need {label}, not available yet: about "
-                            f"{human_bytes(need + self.reserve_bytes)} per device")
-        return (f"nothing nanoq has fits, and not even ZeRO-3 (not available yet) on {MAX_SUGGESTED_DEVICES} devices "
-                f"would: shorten seq_len ({self.options.seq_len}) or train a smaller model")
+    def _more_devices(self, limit: int, shrink_batch: bool) -> Optional[str]:
+        o = self.options
+        stages = (o.zero_stage,) + ((3,) if shrink_batch and o.zero_stage < 3 else ())
+        for devices in range(o.devices + 1, MAX_SUGGESTED_DEVICES + 1):
+            for stage in stages:
+                smallest = o.batch_size if not shrink_batch else 1
+                if not self._with(devices=devices, zero_stage=stage, batch_size=smallest, grad_accum=1).fits(limit):
+                    continue
+                for batch in range(o.batch_size, smallest - 1, -1):
+                    more = self._with(devices=devices, zero_stage=stage, batch_size=batch, grad_accum=1)
+                    if more.fits(limit):
+                        break
+                sequences = o.devices * o.batch_size * o.grad_accum
+                accum = max(1, math.ceil(sequences / (devices * batch)))
+                tokens = devices * batch * accum * o.seq_len
+                keep = "same" if tokens == self.tokens_per_step else f"{tokens:,} instead of {self.tokens_per_step:,}"
+                shape = f"batch_size {batch}, " if batch != o.batch_size else ""
+                stage_text = f"zero_stage {stage}, " if stage != o.zero_stage else ""
+                alone = f"nothing else fits {_devices(o.devices)}; " if shrink_batch else ""
+                return (f"{alone}{devices} devices ({stage_text}{shape}grad_accum {accum}: {keep} tokens per step): "
+                        f"needs {human_bytes(more.device_bytes + self.reserve_bytes)}")
+        return None
+
+    def _nothing_fits(self) -> str:
+        best = self._with(devices=MAX_SUGGESTED_DEVICES, zero_stage=3, batch_size=1, grad_accum=1,
+                          recompute=("block",), offload=OFFLOAD)
+        return (f"nothing fits: even {_devices(MAX_SUGGESTED_DEVICES)} with zero_stage 3, batch_size 1, recompute "
+                f"block and offload optimizer,master need {human_bytes(best.device_bytes + self.reserve_bytes)} per "
+                f"device; shorten seq_len ({self.options.seq_len}) or train a smaller model")
 
 
 def _devices(count: int) -> str:
@@ -396,8 +401,26 @@ def _trainer_allocations(c: ModelConfig, o: TrainOptions, numels: List[int]) -> 
     shard = -(-sum(numels) // n)
     padded = shard * n
     weight_size = DTYPE_BYTES[o.dtype]
-    out = [Allocation("weights", "weights", padded * weight_size),
-           Allocation("gradients", "gradients", padded * 4)]
+    # zero.cpp BlockLayout: the embedding, equal layers, the head.
+    embed = numels[0]
+    head = c.hidden_size + (0 if c.tie_word_embeddings else numels[-1])
+    layer = (sum(numels) - embed - head) // c.num_hidden_layers
+    if o.zero_stage < 3:
+        out = [Allocation("weights", "weights", padded * weight_size)]
+    else:
+        out = [Allocation("weights", "weight-shard", shard * weight_size),
+               Allocation("weights", "embed-weights", embed * weight_size),
+               Allocation("weights", "head-weights", head * weight_size),
+               Allocation("weights", "layer-weights.0", layer * weight_size),
+               Allocation("weights", "layer-weights.1", layer * weight_size)]
+    if o.zero_stage == 1:
+        out.append(Allocation("gradients", "gradients", padded * 4))
+    else:
+        out += [Allocation("gradients", "gradient-shard", shard * 4),
+                Allocation("gradients", "embed-gradients", embed * 4),
+                Allocation("gradients", "head-gradients", head * 4),
+                Allocation("gradients", "layer-gradients", layer * 4),
+                Allocation("workspace", "reduce-scratch", max(layer, embed, head) * 4)]
     master_kind = "pinned" if "master" in o.offload else "device"
     optimizer_kind = "pinned" if "optimizer" in o.offload else "device"
     if o.master_dtype != o.dtype or "master" in o.offload:  # else the master shard is a view of the weights

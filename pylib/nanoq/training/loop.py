@@ -123,7 +123,7 @@ def train_options(config: TrainConfig) -> TrainOptions:
                         seq_len=config.seq_len, grad_accum=config.grad_accum, seed=config.seed, z_loss=config.z_loss,
                         threads=config.threads, dtype=config.dtype, master_dtype=config.master_dtype,
                         optimizer_dtype=config.optimizer_dtype, recompute=config.recompute,
-                        offload=config.offload)
+                        offload=config.offload, zero_stage=config.zero_stage)
 
 
 def evaluate(trainer: Trainer, loader: EvalLoader, max_batches: int = 0) -> tuple:
