@@ -38,6 +38,7 @@ constexpr std::int64_t kOptimizerChunk = std::int64_t(1) << 22;
 struct Offload {
     bool optimizer = false;
     bool master = false;
+    bool gradients = false;  // the gradient shard: needs zero_stage >= 2
 };
 
 Offload parse_offload(const std::string& names) {
@@ -48,8 +49,9 @@ Offload parse_offload(const std::string& names) {
         const std::string name = names.substr(begin, end - begin);
         if (name == "optimizer") o.optimizer = true;
         else if (name == "master") o.master = true;
+        else if (name == "gradients") o.gradients = true;
         else if (!name.empty())
-            throw InvalidArgument("unknown offload option '" + name + "'; known: optimizer, master");
+            throw InvalidArgument("unknown offload option '" + name + "'; known: optimizer, master, gradients");
         begin = end + 1;
     }
     return o;
@@ -92,7 +94,7 @@ struct DeviceState {
     Tensor master, adam_m, adam_v;   // [shard]; in host memory when offloaded
     bool master_is_weights = false;  // master is this rank's shard of `weights`
     // Device buffers that offloaded state streams through (empty when not offloaded).
-    Tensor staged_master, staged_m, staged_v;
+    Tensor staged_master, staged_m, staged_v, staged_grads;
     ModelWeights weight_views, grad_views;
     Tensor tokens, targets;          // [B, T]
     Tensor stats, eval_stats;        // [kStatCount]
@@ -209,6 +211,19 @@ struct Trainer::Impl {
         return Tensor();
     }
 
+    // out[0] += sum of squares of this rank's gradient shard, streamed
+    // through the device buffer when the shard lives in host memory.
+    void gradient_squares(int rank, DeviceState& d, const Tensor& out) {
+        const Tensor grads = grad_shard(rank, d);
+        if (!d.staged_grads.data) return d.backend->sum_squares(out, grads);
+        for (std::int64_t at = 0; at < shard; at += d.staged_grads.numel()) {
+            const std::int64_t count = std::min(d.staged_grads.numel(), shard - at);
+            const Tensor staged = d.staged_grads.slice(0, count);
+            d.backend->copy(staged, grads.slice(at, count));
+            d.backend->sum_squares(out, staged);
+        }
+    }
+
     // AdamW over this rank's shard, parameter by parameter (weight decay
     // differs) and chunk by chunk: state in host memory is copied into the
     // device buffers, updated there and copied back. The chunking is the same
@@ -234,7 +249,8 @@ struct Trainer::Impl {
                 const Tensor adam_v = on_device(d.adam_v, d.staged_v);
                 // Distinct rounding noise for every chunk: the kernels index from the chunk start.
                 step.seed = options.seed * 0x9E3779B97F4A7C15ULL + static_cast<std::uint64_t>(at);
-                be.adamw(master, grad_shard(rank, d).slice(at - lo, count), adam_m, adam_v, d.optimizer_scale, step);
+                const Tensor grads = on_device(grad_shard(rank, d), d.staged_grads);
+                be.adamw(master, grads, adam_m, adam_v, d.optimizer_scale, step);
                 if (d.staged_master.data) be.copy(d.master.slice(at - lo, count), master);
                 if (d.staged_m.data) {
                     be.copy(d.adam_m.slice(at - lo, count), adam_m);
@@ -259,6 +275,9 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_
     const DType optimizer_dtype = parse_dtype(options.optimizer_dtype, "optimizer_dtype");
     const Recompute recompute = Recompute::parse(options.recompute);
     const Offload offload = parse_offload(options.offload);
+    if (offload.gradients && options.zero_stage < 2)
+        throw InvalidArgument("offloading gradients needs zero_stage 2 or 3: at stage 1 every device keeps full "
+                              "gradients, which backward writes on the device");
     const BackendPlugin& plugin = find_backend(options.backend);
     const int available = plugin.device_count();
     if (options.backend != "cpu" && options.devices > available)
@@ -306,7 +325,8 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_
         if (m.stage == 1) {
             d.grads = a.allocate(Context::Gradients, "gradients", DType::F32, {padded});
         } else {
-            z.grad_shard = a.allocate(Context::Gradients, "gradient-shard", DType::F32, {m.shard});
+            z.grad_shard = a.allocate(Context::Gradients, "gradient-shard", DType::F32, {m.shard},
+                                      offload.gradients ? MemoryKind::Pinned : MemoryKind::Device);
             z.embed_grads = a.allocate(Context::Gradients, "embed-gradients", DType::F32, {blocks.embed_end});
             z.head_grads = a.allocate(Context::Gradients, "head-gradients", DType::F32,
                                       {blocks.total - blocks.head_begin});
@@ -329,6 +349,8 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_
             d.staged_m = a.allocate(Context::Workspace, "offload-adam-m", optimizer_dtype, {chunk});
             d.staged_v = a.allocate(Context::Workspace, "offload-adam-v", optimizer_dtype, {chunk});
         }
+        if (offload.gradients)
+            d.staged_grads = a.allocate(Context::Workspace, "offload-gradients", DType::F32, {chunk});
         d.tokens = a.allocate(Context::Workspace, "tokens", DType::I32, {B, T});
         d.targets = a.allocate(Context::Workspace, "targets", DType::I32, {B, T});
         d.stats = a.allocate(Context::Workspace, "loss-stats", DType::F32, {kStatCount});
@@ -588,7 +610,7 @@ StepStats Trainer::update(const UpdateParams& params) {
         // squares of its gradient shard; the scale is computed on the device.
         const Tensor squares = d.gathered.slice(std::int64_t(rank) * kGatherStride + kSumSquaresSlot, 1);
         be.fill(squares, 0.0f);
-        be.sum_squares(squares, m.grad_shard(rank, d));
+        m.gradient_squares(rank, d, squares);
         m.gather_stats(d, d.stats);
         be.optimizer_scale(d.optimizer_scale, d.gathered, n, params.grad_clip);
 

@@ -70,7 +70,7 @@ def test_cpu_estimate_equals_real_allocations_per_context(name, devices):
 
 @pytest.mark.parametrize("recompute,offload,stage", [
     ("swiglu", "", 1), ("ffn", "optimizer", 2), ("norms,qkv", "master", 3), ("block", "optimizer,master", 3),
-    ("", "", 2), ("", "", 3),
+    ("", "", 2), ("", "", 3), ("ffn", "gradients", 2), ("", "optimizer,master,gradients", 3),
 ])
 @pytest.mark.parametrize("name", ["qwen3_gqa", "llama_untied"])
 def test_cpu_estimate_equals_real_allocations_with_recompute_offload_and_stages(recompute, offload, stage, name):

@@ -74,6 +74,22 @@ def test_checkpoints_move_between_offloaded_and_device_state(tmp_path):
         np.testing.assert_allclose(train(t, 3, 6), expected, rtol=1e-5)
 
 
-def test_unknown_offload_option_is_rejected():
-    with pytest.raises(ValueError, match="unknown offload option 'gradients'"):
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("devices", [1, 2])
+def test_gradient_shard_offload_is_bitwise_the_same_stage(stage, devices):
+    with trainer(devices, zero_stage=stage) as base:
+        expected = train(base, 0, 3)
+        expected_weights = base.get_weights()
+    with trainer(devices, zero_stage=stage, offload=("optimizer", "master", "gradients")) as t:
+        assert train(t, 0, 3) == expected
+        for name, value in t.get_weights().items():
+            assert np.array_equal(value, expected_weights[name]), name
+        kinds = {(s["name"], s["kind"]) for s in t.get_allocations(0)}
+        assert ("gradient-shard", "pinned") in kinds
+
+
+def test_offload_options_are_validated():
+    with pytest.raises(ValueError, match="unknown offload option 'activations'"):
+        nanoq.TrainOptions(offload="activations")
+    with pytest.raises(ValueError, match="offloading gradients needs zero_stage 2 or 3"):
         nanoq.TrainOptions(offload="gradients")

@@ -139,9 +139,9 @@ void CudaBackend::copy_from_host(const Tensor& dst, const void* src) {
         char* staging = static_cast<char*>(pinned_.data) + pinned_used_;
         std::memcpy(staging, src, bytes);
         pinned_used_ += bytes;
-        NANOQ_CUDA_CHECK(cudaMemcpyAsync(dst.data, staging, bytes, cudaMemcpyHostToDevice, stream_));
+        NANOQ_CUDA_CHECK(cudaMemcpyAsync(dst.data, staging, bytes, cudaMemcpyDefault, stream_));
     } else {
-        NANOQ_CUDA_CHECK(cudaMemcpyAsync(dst.data, src, bytes, cudaMemcpyHostToDevice, stream_));
+        NANOQ_CUDA_CHECK(cudaMemcpyAsync(dst.data, src, bytes, cudaMemcpyDefault, stream_));
     }
 }
 
@@ -150,7 +150,7 @@ void CudaBackend::copy_from_device(const Tensor& dst, const void* src, int sourc
 }
 
 void CudaBackend::copy_to_host(void* dst, const Tensor& src) {
-    NANOQ_CUDA_CHECK(cudaMemcpyAsync(dst, src.data, src.bytes(), cudaMemcpyDeviceToHost, stream_));
+    NANOQ_CUDA_CHECK(cudaMemcpyAsync(dst, src.data, src.bytes(), cudaMemcpyDefault, stream_));
 }
 
 void CudaBackend::copy(const Tensor& dst, const Tensor& src) {

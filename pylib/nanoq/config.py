@@ -204,7 +204,7 @@ def _option_list(name: str, value, allowed: tuple) -> tuple:
 
 BACKENDS = ("auto", "cpu", "cuda")
 RECOMPUTE = ("swiglu", "norms", "qkv", "ffn", "block")
-OFFLOAD = ("optimizer", "master")
+OFFLOAD = ("optimizer", "master", "gradients")
 
 
 @dataclasses.dataclass
@@ -227,9 +227,10 @@ class TrainOptions:
     more compute, bitwise the same results): "swiglu", "norms" (the RMSNorm
     outputs), "qkv" (the attention inputs), "ffn" (gate, up and swiglu; implies
     swiglu) and "block" (everything but each layer's input; implies all).
-    ``offload`` keeps "optimizer" (the AdamW moments) and/or "master" (the
-    master weights) in host memory, pinned on GPUs, streamed through device
-    buffers during update(). Both may be given as comma-separated strings.
+    ``offload`` keeps "optimizer" (the AdamW moments), "master" (the master
+    weights) and, at zero_stage 2 or 3, "gradients" (the gradient shard) in
+    host memory, pinned on GPUs, streamed through device buffers during
+    update(). Both may be given as comma-separated strings.
     ``zero_stage`` shards across devices 1: the master weights and AdamW
     state, 2: also the gradients (reduced as each layer's backward ends), 3:
     also the weights (each layer gathered when used; the embedding and head
@@ -263,6 +264,9 @@ class TrainOptions:
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {self.zero_stage!r}")
         self.recompute = _option_list("recompute", self.recompute, RECOMPUTE)
         self.offload = _option_list("offload", self.offload, OFFLOAD)
+        if "gradients" in self.offload and self.zero_stage < 2:
+            raise ValueError("offloading gradients needs zero_stage 2 or 3 (stage 1 keeps full gradients on every "
+                             "device)")
         if isinstance(self.memory_limit, bool) or not isinstance(self.memory_limit, int) or self.memory_limit < 0:
             raise ValueError(f"memory_limit must be a non-negative number of bytes, got {self.memory_limit!r}")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:

@@ -215,7 +215,10 @@ class MemoryEstimate:
     def _offload_levels(self) -> Iterator[tuple]:
         """Offload settings that add to this one, cheapest first."""
         o = self.options
-        for extra in (("optimizer",), ("optimizer", "master")):
+        levels = [("optimizer",), ("optimizer", "master")]
+        if o.zero_stage >= 2:
+            levels.append(("optimizer", "master", "gradients"))
+        for extra in levels:
             names = tuple(sorted(set(o.offload) | set(extra), key=OFFLOAD.index))
             if set(names) != set(o.offload):
                 yield names
@@ -286,7 +289,7 @@ class MemoryEstimate:
         best = self._with(devices=MAX_SUGGESTED_DEVICES, zero_stage=3, batch_size=1, grad_accum=1,
                           recompute=("block",), offload=OFFLOAD)
         return (f"nothing fits: even {_devices(MAX_SUGGESTED_DEVICES)} with zero_stage 3, batch_size 1, recompute "
-                f"block and offload optimizer,master need {human_bytes(best.device_bytes + self.reserve_bytes)} per "
+                f"block and offload optimizer,master,gradients need {human_bytes(best.device_bytes + self.reserve_bytes)} per "
                 f"device; shorten seq_len ({self.options.seq_len}) or train a smaller model")
 
 
@@ -416,7 +419,8 @@ def _trainer_allocations(c: ModelConfig, o: TrainOptions, numels: List[int]) -> 
     if o.zero_stage == 1:
         out.append(Allocation("gradients", "gradients", padded * 4))
     else:
-        out += [Allocation("gradients", "gradient-shard", shard * 4),
+        grad_kind = "pinned" if "gradients" in o.offload else "device"
+        out += [Allocation("gradients", "gradient-shard", shard * 4, grad_kind),
                 Allocation("gradients", "embed-gradients", embed * 4),
                 Allocation("gradients", "head-gradients", head * 4),
                 Allocation("gradients", "layer-gradients", layer * 4),
@@ -434,6 +438,8 @@ def _trainer_allocations(c: ModelConfig, o: TrainOptions, numels: List[int]) -> 
     if "optimizer" in o.offload:
         out += [Allocation("workspace", "offload-adam-m", chunk * optimizer_size),
                 Allocation("workspace", "offload-adam-v", chunk * optimizer_size)]
+    if "gradients" in o.offload:
+        out.append(Allocation("workspace", "offload-gradients", chunk * 4))
     rows = o.batch_size * o.seq_len
     out += [Allocation("workspace", "tokens", rows * 4),
             Allocation("workspace", "targets", rows * 4),

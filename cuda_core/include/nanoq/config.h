@@ -50,7 +50,8 @@ struct TrainOptions {
     std::string recompute;
     // State kept in host memory (pinned on GPUs) and streamed through device
     // buffers during update(): a comma-separated subset of optimizer (the
-    // AdamW moments) and master (the master weights); "" = none.
+    // AdamW moments), master (the master weights) and, at zero_stage 2 or 3,
+    // gradients (the gradient shard); "" = none.
     std::string offload;
     // 1: optimizer state and master weights sharded across devices; 2: also
     // the gradients; 3: also the weights (gathered a layer at a time).

@@ -116,7 +116,8 @@ class TrainConfig:
                                    choices=("fp32", "bf16"))
     recompute: str = setting("run", "", "activations recomputed in backward, comma-separated: swiglu, norms, qkv, "
                                         "ffn, block; \"\" = keep all")
-    offload: str = setting("run", "", "state kept in host memory, comma-separated: optimizer, master; \"\" = none")
+    offload: str = setting("run", "", "state kept in host memory, comma-separated: optimizer, master, gradients "
+                                      "(zero_stage >= 2); \"\" = none")
     zero_stage: int = setting("run", 1, "sharded across devices: 1 optimizer state, 2 also gradients, 3 also weights",
                               minimum=1, maximum=3)
     out_dir: str = setting("run", "nanoq-out", "runs go to <out_dir>/<run_name>")
