@@ -143,11 +143,12 @@ public:
     // From the gathered rows [ranks, kGatherStride]: out[0] = clip / tokens,
     // the factor applied to the stored (summed-loss) gradients, and out[1] =
     // the mean-loss gradient norm, where norm = sqrt(sum squares) / tokens and
-    // clip = grad_clip / norm when 0 < grad_clip < norm, else 1. Stays on the
-    // device so that update() needs no host round trip.
+    // clip = grad_clip / norm when 0 < grad_clip < norm, else 1; out[2] = 1
+    // when the loss or the gradient is not finite (skip the update), else 0.
+    // Stays on the device so that update() needs no host round trip.
     virtual void optimizer_scale(const Tensor& out, const Tensor& gathered, int ranks, float grad_clip) = 0;
     // AdamW on a contiguous range of the master copy `param`; the gradient
-    // used is grad * scale[0].
+    // used is grad * scale[0]; nothing changes when scale[2] != 0.
     virtual void adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                        const Tensor& scale, const AdamWStep& step) = 0;
 };

@@ -465,7 +465,7 @@ void OpRunner::optimizer_scale(float* out, const float* gathered, int ranks, flo
     require_positive(ranks, "ranks");
     std::lock_guard<std::mutex> lock(impl_->mutex);
     OpCall call(*impl_->backend, impl_->device, no_scratch());
-    Tensor o = call.output(out, 2, DType::F32, "out");
+    Tensor o = call.output(out, 3, DType::F32, "out");
     impl_->backend->optimizer_scale(o, call.input(gathered, std::int64_t(ranks) * kGatherStride, DType::F32, "gathered"),
                                     ranks, grad_clip);
     call.finish();
@@ -482,7 +482,9 @@ void OpRunner::adamw(float* param, const float* grad, float* m, float* v, std::i
     Tensor p = call.in_out(param, n, param_t, "param");
     Tensor tm = call.in_out(m, n, state_t, "m");
     Tensor tv = call.in_out(v, n, state_t, "v");
-    impl_->backend->adamw(p, call.input(grad, n, DType::F32, "grad"), tm, tv, call.input(&scale, 1, DType::F32, "scale"),
+    const float scale_norm_skip[3] = {scale, 0.0f, 0.0f};  // the layout optimizer_scale writes
+    impl_->backend->adamw(p, call.input(grad, n, DType::F32, "grad"), tm, tv,
+                          call.input(scale_norm_skip, 3, DType::F32, "scale"),
                           AdamWStep{lr, beta1, beta2, eps, weight_decay, step, seed});
     call.finish();
 }

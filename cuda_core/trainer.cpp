@@ -99,7 +99,7 @@ struct DeviceState {
     Tensor tokens, targets;          // [B, T]
     Tensor stats, eval_stats;        // [kStatCount]
     Tensor gathered;                 // [devices, kGatherStride]
-    Tensor optimizer_scale;          // [2]: gradient factor, gradient norm
+    Tensor optimizer_scale;          // [3]: gradient factor, gradient norm, skip flag
     Tensor staging;                  // float32 bounce buffer for parameters
 };
 
@@ -356,7 +356,7 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_
         d.stats = a.allocate(Context::Workspace, "loss-stats", DType::F32, {kStatCount});
         d.eval_stats = a.allocate(Context::Workspace, "eval-stats", DType::F32, {kStatCount});
         d.gathered = a.allocate(Context::Workspace, "gathered-stats", DType::F32, {n, kGatherStride});
-        d.optimizer_scale = a.allocate(Context::Workspace, "optimizer-scale", DType::F32, {2});
+        d.optimizer_scale = a.allocate(Context::Workspace, "optimizer-scale", DType::F32, {3});
         d.staging = a.allocate(Context::Workspace, "parameter-staging", DType::F32,
                                {std::min(largest, kStagingElements)});
         d.model = std::make_unique<LlamaModel>(config, B, T, weight_dtype, recompute, *d.backend, a);
@@ -602,7 +602,7 @@ StepStats Trainer::update(const UpdateParams& params) {
     const int n = world_size();
     const int step_number = m.optimizer_steps + 1;
     std::vector<float> rows;
-    float scale_and_norm[2] = {0.0f, 0.0f};
+    float scale_norm_skip[3] = {0.0f, 0.0f, 0.0f};
     m.run([&](int rank, DeviceState& d) {
         Backend& be = *d.backend;
         if (m.stage == 1) d.comm->reduce_scatter_sum(d.grads);
@@ -627,14 +627,16 @@ StepStats Trainer::update(const UpdateParams& params) {
         reset_stats(be, d.stats);
         if (rank == 0) {
             rows = m.read_gathered(d);
-            be.copy_to_host(scale_and_norm, d.optimizer_scale);
+            be.copy_to_host(scale_norm_skip, d.optimizer_scale);
         }
         be.synchronize();
     });
     m.micro_steps = 0;
-    m.optimizer_steps = step_number;
     StepStats result = m.combine(rows);
-    result.grad_norm = scale_and_norm[1];
+    result.grad_norm = scale_norm_skip[1];
+    result.skipped = scale_norm_skip[2] != 0.0f;
+    // A skipped update changed nothing, the AdamW step count included.
+    if (!result.skipped) m.optimizer_steps = step_number;
     return result;
 }
 

@@ -430,7 +430,8 @@ def gathered_rows(runner, tokens, squares):
     ],
 )
 def test_optimizer_scale(cpu, tokens, squares, grad_clip):
-    scale, norm = cpu.optimizer_scale(gathered_rows(cpu, tokens, squares), grad_clip)
+    scale, norm, skip = cpu.optimizer_scale(gathered_rows(cpu, tokens, squares), grad_clip)
+    assert skip == 0.0
     n = sum(tokens)
     if n == 0:
         assert (scale, norm) == (0.0, 0.0)
@@ -439,6 +440,15 @@ def test_optimizer_scale(cpu, tokens, squares, grad_clip):
     clip = grad_clip / expected_norm if 0 < grad_clip < expected_norm else 1.0
     assert norm == pytest.approx(expected_norm, rel=1e-6)
     assert scale == pytest.approx(clip / n, rel=1e-6)
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_optimizer_scale_flags_non_finite_squares_and_losses(cpu, bad):
+    rows = gathered_rows(cpu, [10, 20], [4.0, 9.0])
+    rows[1, cpu.stat_slots.index("loss_sum")] = bad
+    assert cpu.optimizer_scale(rows, 1.0)[2] == 1.0
+    rows = gathered_rows(cpu, [10, 20], [4.0, bad])
+    assert cpu.optimizer_scale(rows, 1.0)[2] == 1.0
 
 
 def test_adamw_follows_pytorch_formula_over_steps(cpu):

@@ -378,12 +378,14 @@ public:
 
     void optimizer_scale(const Tensor& out, const Tensor& gathered, int ranks, float grad_clip) override {
         const float* g = gathered.f32();
-        double tokens = 0.0, squares = 0.0;
+        double tokens = 0.0, squares = 0.0, loss = 0.0;
         for (int r = 0; r < ranks; ++r) {
             tokens += g[r * kGatherStride + kTokens];
             squares += g[r * kGatherStride + kSumSquaresSlot];
+            loss += g[r * kGatherStride + kLossSum];
         }
         float* o = out.f32();
+        o[2] = std::isfinite(squares) && std::isfinite(loss) ? 0.0f : 1.0f;
         if (tokens == 0.0) {
             o[0] = o[1] = 0.0f;
             return;
@@ -400,6 +402,7 @@ public:
         const float* g = grad.f32();
         float* mm = m.f32();
         float* vv = v.f32();
+        if (scale.f32()[2] != 0.0f) return;  // a non-finite loss or gradient: the update is skipped
         const float grad_scale = scale.f32()[0];
         const std::int64_t n = param.numel();
         const float bias1 = 1.0f - std::pow(s.beta1, static_cast<float>(s.step));

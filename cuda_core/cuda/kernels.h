@@ -116,12 +116,14 @@ std::size_t sum_squares_scratch_floats(std::int64_t n);
 // squared (summed-loss) gradients. Writes out[0] = clip / tokens (the factor
 // applied to stored gradients) and out[1] = grad norm of the mean loss,
 // where norm = sqrt(sum of squares) / tokens and clip = min(1, grad_clip /
-// norm) when grad_clip > 0 (else 1); tokens = 0 gives out = {0, 0}.
+// norm) when grad_clip > 0 (else 1); tokens = 0 gives out = {0, 0}; and
+// out[2] = 1 when the summed loss or the sum of squares is not finite (the
+// update must be skipped), else 0.
 void optimizer_scale(float* out, const float* gathered, int ranks, int stride, float grad_clip, cudaStream_t stream);
 // AdamW on n elements (PyTorch semantics: param *= 1 - lr*wd; m, v moments;
 // bias-corrected step lr/(1-beta1^step) * m / (sqrt(v)/sqrt(1-beta2^step) + eps)).
-// The gradient used is grad[i] * (*grad_scale), grad_scale living on the
-// device. TParam/TState are float or bf16; bf16 values are written with
+// The gradient used is grad[i] * grad_scale[0], grad_scale living on the
+// device; nothing is written when grad_scale[2] != 0 (a skipped update). TParam/TState are float or bf16; bf16 values are written with
 // stochastic rounding from a counter-based hash of (seed, step, index).
 template <class TParam, class TState>
 void adamw(TParam* param, const float* grad, TState* m, TState* v, std::int64_t n, float lr, float beta1,

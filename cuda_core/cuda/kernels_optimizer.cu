@@ -46,12 +46,14 @@ __global__ void __launch_bounds__(kThreads) sum_squares_total_kernel(float* out,
 
 // Mirrors the host computation in Trainer::update(), in double.
 __global__ void optimizer_scale_kernel(float* out, const float* gathered, int ranks, int stride, float grad_clip) {
-    double tokens = 0.0, squares = 0.0;
+    double tokens = 0.0, squares = 0.0, loss = 0.0;
     for (int r = 0; r < ranks; ++r) {
         const float* row = gathered + static_cast<std::int64_t>(r) * stride;
         tokens += row[kStatTokens];
         squares += row[kStatCount];
+        loss += row[kStatLossSum];
     }
+    out[2] = isfinite(squares) && isfinite(loss) ? 0.0f : 1.0f;
     const std::int64_t token_count = static_cast<std::int64_t>(tokens);
     const double inv_tokens = token_count ? 1.0 / static_cast<double>(token_count) : 0.0;
     const double norm = sqrt(squares) * inv_tokens;
@@ -74,6 +76,7 @@ struct AdamWConstants {
 template <class TParam, class TState>
 __global__ void adamw_kernel(TParam* param, const float* grad, TState* m, TState* v, std::int64_t n,
                              AdamWConstants k, const float* grad_scale, std::uint64_t stream_key) {
+    if (grad_scale[2] != 0.0f) return;  // a non-finite loss or gradient: the update is skipped
     const float scale = *grad_scale;
     for (std::int64_t i = detail::grid_stride_begin(); i < n; i += detail::grid_stride_step()) {
         const float g = grad[i] * scale;

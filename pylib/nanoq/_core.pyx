@@ -53,6 +53,7 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
     cdef cppclass CStepStats "nanoq::StepStats":
         double loss, loss_1k, z_loss, grad_norm, lse_max, lse_mean
         int64_t tokens
+        cbool skipped
 
     cdef cppclass CParameterInfo "nanoq::ParameterInfo":
         string name
@@ -119,7 +120,7 @@ cdef enum:
 
 cdef dict _stats_dict(const CStepStats& s):
     return dict(loss=s.loss, loss_1k=s.loss_1k, z_loss=s.z_loss, grad_norm=s.grad_norm,
-                lse_max=s.lse_max, lse_mean=s.lse_mean, tokens=s.tokens)
+                lse_max=s.lse_max, lse_mean=s.lse_mean, tokens=s.tokens, skipped=s.skipped)
 
 
 cdef class CoreTrainer:
@@ -814,11 +815,11 @@ cdef class OpRunner:
         return float(out[0])
 
     def optimizer_scale(self, gathered, float grad_clip):
-        """[scale, grad_norm] from gathered [ranks, gather_stride] float32."""
+        """[scale, grad_norm, skip] from gathered [ranks, gather_stride] float32."""
         ga = _op_floats(gathered, "gathered", 2)
         if ga.shape[1] != self.gather_stride:
             raise ValueError(f"gathered must have {self.gather_stride} columns, got shape {ga.shape}")
-        out = np.empty(2, dtype=np.float32)
+        out = np.empty(3, dtype=np.float32)
         cdef int ranks = ga.shape[0]
         cdef float* po = _fp(out)
         cdef float* pg = _fp(ga)

@@ -446,7 +446,7 @@ def _trainer_allocations(c: ModelConfig, o: TrainOptions, numels: List[int]) -> 
             Allocation("workspace", "loss-stats", _STAT_COUNT * 4),
             Allocation("workspace", "eval-stats", _STAT_COUNT * 4),
             Allocation("workspace", "gathered-stats", n * _GATHER_STRIDE * 4),
-            Allocation("workspace", "optimizer-scale", 2 * 4),
+            Allocation("workspace", "optimizer-scale", 3 * 4),
             Allocation("workspace", "parameter-staging", min(max(numels), _STAGING_ELEMENTS) * 4)]
     recompute = _recompute_set(o.recompute)
     specs = _activation_specs(c, o.batch_size, o.seq_len, weight_size, recompute)

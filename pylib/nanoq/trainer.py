@@ -27,7 +27,9 @@ class StepStats:
     z_loss: mean z_loss * lse**2 (in the gradient, not in ``loss``);
     grad_norm: norm of the mean-loss gradient before clipping (nan for
     validation); lse_max / lse_mean: per-token log-sum-exp of the logits;
-    tokens: number of counted tokens.
+    tokens: number of counted tokens. skipped: the loss or the gradient
+    was not finite, so update() applied nothing (weights, AdamW state and
+    step count unchanged; the gradients are discarded).
     """
 
     loss: float
@@ -37,6 +39,7 @@ class StepStats:
     lse_max: float
     lse_mean: float
     tokens: int
+    skipped: bool = False
 
 
 def _first_bad_token(name: str, bad, array_module, values, vocab_size: int, allow_ignore: bool) -> None:

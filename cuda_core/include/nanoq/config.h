@@ -75,6 +75,7 @@ struct StepStats {
     double lse_max = 0.0;
     double lse_mean = 0.0;
     std::int64_t tokens = 0;
+    bool skipped = false;    // the loss or gradient was not finite: no update was applied
 };
 
 struct ParameterInfo {

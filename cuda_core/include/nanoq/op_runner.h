@@ -115,7 +115,7 @@ public:
 
     // out[0] (in/out) += sum of x[n]^2; float32 only.
     void sum_squares(float* out, const float* x, std::int64_t n);
-    // out[2] (output) from gathered[ranks, gather_stride()]; float32 only.
+    // out[3] (output: scale, norm, skip flag) from gathered[ranks, gather_stride()]; float32 only.
     void optimizer_scale(float* out, const float* gathered, int ranks, float grad_clip);
     // param[n] (dtype) and m, v[n] (state_dtype) in/out; grad[n] float32;
     // `scale` the factor applied to grad (a device value in the backend).
