@@ -44,3 +44,108 @@ def test_non_finite_loss_skips_the_update_and_changes_nothing(devices):
         trainer.step(*batch(2))
         stats = trainer.update(lr=1e-2)
         assert not stats.skipped and np.isfinite(stats.loss) and trainer.optimizer_steps == 2
+
+
+# -- the training loop -------------------------------------------------------------------
+
+from nanoq import checkpoint  # noqa: E402
+from nanoq.training import TrainingHalted, read_log, train  # noqa: E402
+from test_resume import config as tiny_config  # noqa: E402
+
+QUIET = dict(say=lambda line: None, progress=False)
+
+
+def log_records(run_dir, kind):
+    return [r for r in read_log(os.path.join(run_dir, "log.jsonl")) if r["type"] == kind]
+
+
+def test_runaway_training_halts_after_k_skipped_updates_with_a_checkpoint(tmp_path):
+    # A learning rate this large blows the weights up within a few steps; from
+    # then on every update is skipped, and the run stops after three of them.
+    config = tiny_config(tmp_path, lr=1e5, warmup_steps=0, steps=40, checkpoint_every=0, max_skipped_steps=3,
+                         eval_every=0)
+    with pytest.raises(TrainingHalted, match="3 updates in a row had a non-finite loss or gradient") as error:
+        train(config, **QUIET)
+    run_dir = os.path.join(config.out_dir, config.run_name)
+    skipped = log_records(run_dir, "skipped")
+    assert [r["in_a_row"] for r in skipped] == [1, 2, 3]
+    (halted,) = log_records(run_dir, "halted")
+    assert halted["checkpoint"] in str(error.value)
+    # The checkpoint holds the last good state: the weights of the last update that was applied.
+    state = checkpoint.read_state(halted["checkpoint"])
+    assert state["step"] == skipped[-1]["step"]
+    weights = checkpoint.read_weights(halted["checkpoint"])
+    good_steps = skipped[0]["step"] - 1
+    assert state["optimizer_steps"] == good_steps
+    assert all(np.isfinite(w).all() for w in weights.values())
+
+
+SIGNAL_RUN = """
+import sys
+from nanoq.training import train
+sys.path.insert(0, {tests!r})
+from test_resume import config
+import pathlib
+cfg = config(pathlib.Path({tmp!r}), steps=100000, checkpoint_every={every}, eval_every=0)
+result = train(cfg, progress=False)
+print("stopped_by", result.stopped_by, flush=True)
+"""
+
+
+def start_run(tmp_path, every=0, env=None, resume=False):
+    script = tmp_path / "run.py"
+    source = SIGNAL_RUN.format(tests=os.path.dirname(__file__), tmp=str(tmp_path), every=every)
+    if resume:
+        source = source.replace("train(cfg, progress=False)", "train(cfg, progress=False, resume='auto')")
+    script.write_text(source)
+    return subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=dict(os.environ, **(env or {})))
+
+
+def wait_for(predicate, process, what, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert process.poll() is None, f"the run ended before {what}: {process.stdout.read()}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("signal_number", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_finishes_the_step_writes_a_checkpoint_and_exits_zero(tmp_path, signal_number):
+    process = start_run(tmp_path)
+    run_dir = tmp_path / "runs" / "run"
+    wait_for(lambda: (run_dir / "log.jsonl").exists() and len(log_records(run_dir, "train")) >= 3, process,
+             "three steps")
+    process.send_signal(signal_number)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output
+    name = signal.Signals(signal_number).name
+    assert f"stopped_by {name}" in output and f"{name}: stopped after step" in output
+    (stopped,) = log_records(run_dir, "stopped")
+    assert checkpoint.read_state(stopped["checkpoint"])["step"] == stopped["step"]
+    assert log_records(run_dir, "train")[-1]["step"] == stopped["step"]  # the step in flight was finished
+
+
+def test_a_second_sigint_aborts_at_once_and_the_last_checkpoint_survives(tmp_path):
+    # A first run leaves complete checkpoints; the resumed run pauses inside its
+    # next save (test hook), where the two signals arrive.
+    first = start_run(tmp_path, every=2)
+    run_dir = tmp_path / "runs" / "run"
+    wait_for(lambda: len(checkpoint.list_checkpoints(run_dir / "checkpoints")) >= 1, first, "a checkpoint")
+    first.send_signal(signal.SIGINT)
+    first.communicate(timeout=120)
+    complete = checkpoint.list_checkpoints(run_dir / "checkpoints")
+    marker = tmp_path / "paused"
+    second = start_run(tmp_path, every=2, env={"NANOQ_TEST_PAUSE_IN_SAVE": str(marker)}, resume=True)
+    wait_for(marker.exists, second, "the paused save")
+    second.send_signal(signal.SIGINT)  # asks to stop: the save in flight would finish first...
+    time.sleep(0.5)
+    second.send_signal(signal.SIGINT)  # ...but the second one ends the process there and then
+    second.communicate(timeout=60)
+    assert second.returncode == -signal.SIGINT
+    assert checkpoint.list_checkpoints(run_dir / "checkpoints") == complete
+    latest = checkpoint.resolve(run_dir / "checkpoints")
+    assert checkpoint.read_state(latest)["step"] == complete[-1]
+    with nanoq.Trainer(nanoq.ModelConfig(**checkpoint.read_state(latest)["model_config"]),
+                       nanoq.TrainOptions(backend="cpu", batch_size=4, seq_len=16)) as trainer:
+        trainer.load_checkpoint(latest)

@@ -17,12 +17,14 @@ from nanoq.training.log import JsonlLog, read_log
 from nanoq.training.loop import TrainResult, evaluate, train
 from nanoq.training.resume import FIXED_ON_RESUME, config_changes
 from nanoq.training.schedule import learning_rate
+from nanoq.training.stop import TrainingHalted
 
 __all__ = [
     "FIXED_ON_RESUME",
     "JsonlLog",
     "TrainConfig",
     "TrainResult",
+    "TrainingHalted",
     "config_changes",
     "evaluate",
     "learning_rate",

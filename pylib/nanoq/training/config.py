@@ -93,6 +93,9 @@ class TrainConfig:
     z_loss: float = setting("train", 0.0, "z-loss coefficient", minimum=0)
     eval_every: int = setting("train", 40, "evaluate every N steps (and at step 0 and the end); 0 = only at "
                                            "the end", minimum=0)
+    max_skipped_steps: int = setting("train", 5, "stop (with a checkpoint of the last good state) after this "
+                                                 "many updates in a row with a non-finite loss or gradient",
+                                     minimum=1)
     seed: int = setting("train", 0, "seed of the weights and the data order", minimum=0)
 
     # -- checkpoint: <run>/checkpoints/step_XXXXXXXX, for --resume and nanoq export --

@@ -31,6 +31,7 @@ from nanoq.training.config import TrainConfig
 from nanoq.training.resume import CHECKPOINTS, Progress, extra_state, prepare_resume, restore
 from nanoq.training.log import JsonlLog, eval_line, format_duration, gpu_summary, memory_lines, train_line
 from nanoq.training.schedule import learning_rate
+from nanoq.training.stop import StopRequest, TrainingHalted
 
 
 @dataclasses.dataclass
@@ -53,6 +54,7 @@ class TrainResult:
     evals: List[tuple]
     seconds: float
     resumed_from: Optional[str] = None
+    stopped_by: Optional[str] = None  # "SIGINT"/"SIGTERM" when a signal stopped the run early (model_dir is then "")
 
 
 def _print(line: str) -> None:
@@ -217,7 +219,8 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
         f.write(config.to_toml())
     tokens_per_step = loader.batch_rows * config.seq_len * config.grad_accum
 
-    with trainer, JsonlLog(os.path.join(run_dir, "log.jsonl")) as log, _telemetry(config, trainer) as telemetry:
+    with trainer, JsonlLog(os.path.join(run_dir, "log.jsonl")) as log, _telemetry(config, trainer) as telemetry, \
+            StopRequest() as stop:
         parameters = sum(int(w.size) for w in trainer.get_weights().values())
         say(f"model: {parameters / 1e6:.2f}M parameters ({model.num_hidden_layers} layers, hidden "
             f"{model.hidden_size}, vocab {model.vocab_size}) on {trainer.backend} x{trainer.world_size} "
@@ -259,6 +262,16 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
             else:
                 bar.write(line)
 
+        def save_checkpoint() -> str:
+            began = time.time()
+            path = trainer.save_checkpoint(os.path.join(run_dir, CHECKPOINTS), done.step,
+                                           extra_state(done, loader, config), keep_last=config.keep_last,
+                                           keep_every=config.keep_every, tokenizer_dir=tokenizer_dir)
+            log.write(type="checkpoint", step=done.step, path=path, time=time.time() - train_start)
+            emit(f"checkpoint @ step {done.step}: {path} ({time.time() - began:.1f}s)")
+            return path
+
+        skipped_in_a_row = 0
         try:
             for step in range(done.step, config.steps):
                 if config.eval_every and step % config.eval_every == 0:
@@ -287,16 +300,39 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
                     line = train_line(step + 1, config.steps, stats.loss, stats.grad_norm, lr, tokens_per_s,
                                       done.time, eta)
                     emit(f"{line} | {gpu_summary(gpus)}" if gpus else line)
+                skipped_in_a_row = skipped_in_a_row + 1 if stats.skipped else 0
+                if stats.skipped:
+                    log.write(type="skipped", step=step + 1, loss=stats.loss, grad_norm=stats.grad_norm,
+                              in_a_row=skipped_in_a_row, time=done.time)
+                    emit(f"step {step + 1}: non-finite loss or gradient, update skipped ({skipped_in_a_row} in a "
+                         f"row, at most {config.max_skipped_steps})")
+                    if skipped_in_a_row >= config.max_skipped_steps:
+                        path = save_checkpoint()
+                        log.write(type="halted", step=done.step, checkpoint=path, time=done.time)
+                        raise TrainingHalted(
+                            f"{skipped_in_a_row} updates in a row had a non-finite loss or gradient; stopped at "
+                            f"step {done.step}. The weights and optimizer state are those of the last good update, "
+                            f"saved in {path} (lower train.lr or raise train.grad_clip, then resume)")
+                if stop.requested:
+                    path = save_checkpoint()
+                    log.write(type="stopped", step=done.step, signal=stop.signal_name, checkpoint=path,
+                              time=done.time)
+                    emit(f"{stop.signal_name}: stopped after step {done.step}; checkpoint {path} (the same command "
+                         f"with --resume continues)")
+                    break
                 if config.checkpoint_every and ((step + 1) % config.checkpoint_every == 0
                                                 or step + 1 == config.steps):
-                    began = time.time()
-                    path = trainer.save_checkpoint(os.path.join(run_dir, CHECKPOINTS), done.step,
-                                                   extra_state(done, loader, config), keep_last=config.keep_last,
-                                                   keep_every=config.keep_every, tokenizer_dir=tokenizer_dir)
-                    log.write(type="checkpoint", step=done.step, path=path, time=time.time() - train_start)
-                    emit(f"checkpoint @ step {done.step}: {path} ({time.time() - began:.1f}s)")
+                    save_checkpoint()
         finally:
             bar.close()
+        if stop.requested:
+            return TrainResult(run_dir=os.path.abspath(run_dir), model_dir="",
+                               log_path=os.path.abspath(os.path.join(run_dir, "log.jsonl")), steps=done.step,
+                               parameters=parameters, final_train_loss=done.train_loss,
+                               final_eval_loss=done.evals[-1][1] if done.evals else None, evals=done.evals,
+                               seconds=time.time() - start,
+                               resumed_from=None if resumed is None else resumed.state["path"],
+                               stopped_by=stop.signal_name)
         run_eval(config.steps)
 
         # The tokenizer's eos id goes into config.json (see nanoq.hf_export.write_model).

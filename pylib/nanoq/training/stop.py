@@ -1,0 +1,49 @@
+"""Stopping a run cleanly: SIGINT/SIGTERM and runs of non-finite steps.
+
+The first SIGINT or SIGTERM only asks the loop to stop: it finishes the step
+in flight (the core call is not interrupted), writes a checkpoint and returns.
+The handler also restores the default action for both signals, so a second
+one ends the process at once, even inside a core call. That is safe: every
+checkpoint is written to a temporary directory and renamed into place, so the
+last complete one is never damaged.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Optional
+
+
+class TrainingHalted(RuntimeError):
+    """Training stopped after too many consecutive updates with a non-finite
+    loss or gradient; the message names the checkpoint of the last good state."""
+
+
+class StopRequest:
+    """Installs the handlers while active (main thread only; elsewhere it is
+    inert). ``signal_name`` is set once a stop was asked for."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signal_name: Optional[str] = None
+        self._previous = {}
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            for number in self.SIGNALS:
+                self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+
+    def _handle(self, number, frame) -> None:
+        self.signal_name = signal.Signals(number).name
+        for other in self.SIGNALS:
+            signal.signal(other, signal.SIG_DFL)  # a second signal ends the process now
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
