@@ -7,6 +7,7 @@
 #include <string>
 
 #include "nanoq/errors.h"
+#include "option_list.h"
 
 namespace nanoq {
 
@@ -166,18 +167,13 @@ std::vector<float> rope_table(const ModelConfig& c, int time) {
 
 Recompute Recompute::parse(const std::string& names) {
     Recompute r;
-    std::size_t begin = 0;
-    while (begin <= names.size()) {
-        const std::size_t end = std::min(names.find(',', begin), names.size());
-        const std::string name = names.substr(begin, end - begin);
+    for (const std::string& name : split_option_list(names)) {
         if (name == "swiglu") r.swiglu = true;
         else if (name == "norms") r.norms = true;
         else if (name == "qkv") r.qkv = true;
         else if (name == "ffn") r.ffn = true;
         else if (name == "block") r.block = true;
-        else if (!name.empty())
-            throw InvalidArgument("unknown recompute option '" + name + "'; known: swiglu, norms, qkv, ffn, block");
-        begin = end + 1;
+        else throw InvalidArgument("unknown recompute option '" + name + "'; known: swiglu, norms, qkv, ffn, block");
     }
     r.ffn = r.ffn || r.block;
     r.swiglu = r.swiglu || r.ffn;

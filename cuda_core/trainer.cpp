@@ -21,6 +21,7 @@
 #include "backend.h"
 #include "comm.h"
 #include "model.h"
+#include "option_list.h"
 #include "nanoq/trainer.h"
 #include "worker_pool.h"
 #include "zero.h"
@@ -43,16 +44,11 @@ struct Offload {
 
 Offload parse_offload(const std::string& names) {
     Offload o;
-    std::size_t begin = 0;
-    while (begin <= names.size()) {
-        const std::size_t end = std::min(names.find(',', begin), names.size());
-        const std::string name = names.substr(begin, end - begin);
+    for (const std::string& name : split_option_list(names)) {
         if (name == "optimizer") o.optimizer = true;
         else if (name == "master") o.master = true;
         else if (name == "gradients") o.gradients = true;
-        else if (!name.empty())
-            throw InvalidArgument("unknown offload option '" + name + "'; known: optimizer, master, gradients");
-        begin = end + 1;
+        else throw InvalidArgument("unknown offload option '" + name + "'; known: optimizer, master, gradients");
     }
     return o;
 }
