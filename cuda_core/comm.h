@@ -35,10 +35,14 @@ public:
     // on every rank; reduce_range_add sums `in` (every rank's values of
     // [begin, end)) over ranks and adds the sum of the part a rank owns into
     // its `own`. `scratch` holds at least end - begin float32 elements.
+    // With `now` false, gather_range only issues the copy: the device's
+    // compute may run alongside it until wait() (used to prefetch a layer).
     virtual void gather_range(const Tensor& out, std::int64_t begin, std::int64_t end, const Tensor& own,
-                              std::int64_t shard) = 0;
+                              std::int64_t shard, bool now = true) = 0;
     virtual void reduce_range_add(const Tensor& in, std::int64_t begin, std::int64_t end, const Tensor& own,
                                   std::int64_t shard, const Tensor& scratch) = 0;
+    // Orders the device's compute after every collective issued so far.
+    virtual void wait() = 0;
     virtual void barrier() = 0;
 };
 

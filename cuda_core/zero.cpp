@@ -23,10 +23,10 @@ ShardedLayers::ShardedLayers(int stage, const ModelConfig& config, const BlockLa
     : stage_(stage), config_(config), blocks_(blocks), state_(state), resident_(resident), backend_(backend),
       comm_(comm) {}
 
-void ShardedLayers::gather(int layer, int buffer) {
+void ShardedLayers::gather(int layer, int buffer, bool now) {
     const auto [begin, end] = blocks_.layers[layer];
     const Tensor block = state_.layer_weights[buffer].slice(0, end - begin);
-    comm_.gather_range(block, begin, end, state_.weight_shard, blocks_.shard);
+    comm_.gather_range(block, begin, end, state_.weight_shard, blocks_.shard, now);
     weight_views_[buffer] = bind_layer(config_, layer, block);
     holds_[buffer] = layer;
 }
@@ -38,11 +38,14 @@ const LayerWeights& ShardedLayers::weights(int layer) {
     int buffer = holds_[0] == layer ? 0 : holds_[1] == layer ? 1 : -1;
     if (buffer < 0) {
         buffer = holds_[0] == layer - direction ? 1 : 0;  // keep the layer just used, if any
-        gather(layer, buffer);
+        gather(layer, buffer, true);
+    } else {
+        comm_.wait();  // its prefetch, issued while the previous layer computed
     }
-    // Issue the next layer's gather into the other buffer before this one computes.
+    // The next layer's gather runs while this one computes (on GPUs: on the
+    // communication stream, waited for when that layer is asked for).
     const int next = layer + direction;
-    if (next >= 0 && next < config_.num_layers && holds_[1 - buffer] != next) gather(next, 1 - buffer);
+    if (next >= 0 && next < config_.num_layers && holds_[1 - buffer] != next) gather(next, 1 - buffer, false);
     return weight_views_[buffer];
 }
 

@@ -7,7 +7,8 @@
 // shards. Stage 3 also shards the weights: each device keeps its shard, and a
 // layer's weights are gathered into one of two buffers when the model asks for
 // them, the neighbouring layer's gather being issued before the layer computes
-// (double buffering). The embedding and the head (final norm and an untied
+// and waited for only when that layer is asked for (double buffering: on GPUs
+// the gather runs on the communication stream alongside the compute). The embedding and the head (final norm and an untied
 // lm_head) stay whole on every device: they are needed at both ends of a step.
 // Shards are the same contiguous ranges of the flat layout at every stage, so
 // optimizer state and checkpoints do not depend on the stage.
@@ -59,7 +60,7 @@ public:
     void reduce_outer();
 
 private:
-    void gather(int layer, int buffer);
+    void gather(int layer, int buffer, bool now);
 
     int stage_;
     const ModelConfig& config_;

@@ -18,9 +18,10 @@ UNTIED_QK = nanoq.ModelConfig(vocab_size=80, hidden_size=24, intermediate_size=4
 SEQ, ROWS, ACCUM = 16, 4, 2
 
 
-def options(devices, **kw):
-    return nanoq.TrainOptions(backend="cpu", devices=devices, batch_size=ROWS // devices, seq_len=SEQ,
-                              grad_accum=ACCUM, seed=1, **kw)
+def options(devices, backend_overrides=None, **kw):
+    settings = dict(backend="cpu", devices=devices, batch_size=ROWS // devices, seq_len=SEQ, grad_accum=ACCUM,
+                    seed=1)
+    return nanoq.TrainOptions(**{**settings, **(backend_overrides or {}), **kw})
 
 
 def batch(config, step, micro):
@@ -30,8 +31,8 @@ def batch(config, step, micro):
     return np.ascontiguousarray(tokens[:, :-1]), targets
 
 
-def run(config=CONFIG, devices=1, steps=4, **kw):
-    with nanoq.Trainer(config, options(devices, **kw)) as trainer:
+def run(config=CONFIG, devices=1, steps=4, backend_overrides=None, **kw):
+    with nanoq.Trainer(config, options(devices, backend_overrides, **kw)) as trainer:
         losses, gradients = [], None
         for step in range(steps):
             for micro in range(ACCUM):

@@ -27,7 +27,8 @@ public:
     void reduce_scatter_sum(const Tensor& buffer) override;
     void all_gather(const Tensor& buffer) override;
     void gather_range(const Tensor& out, std::int64_t begin, std::int64_t end, const Tensor& own,
-                      std::int64_t shard) override;
+                      std::int64_t shard, bool now) override;
+    void wait() override {}  // every collective here is complete when it returns
     void reduce_range_add(const Tensor& in, std::int64_t begin, std::int64_t end, const Tensor& own,
                           std::int64_t shard, const Tensor& scratch) override;
     void barrier() override;
@@ -111,7 +112,7 @@ void SharedMemoryCommunicator::all_gather(const Tensor& buffer) {
 }
 
 void SharedMemoryCommunicator::gather_range(const Tensor& out, std::int64_t begin, std::int64_t end,
-                                            const Tensor& own, std::int64_t shard) {
+                                            const Tensor& own, std::int64_t shard, bool) {
     begin_collective(own);
     for (std::int64_t at = begin; at < end;) {
         const int owner = static_cast<int>(at / shard);

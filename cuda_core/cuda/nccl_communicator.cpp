@@ -45,7 +45,8 @@ public:
     void reduce_scatter_sum(const Tensor& buffer) override;
     void all_gather(const Tensor& buffer) override;
     void gather_range(const Tensor& out, std::int64_t begin, std::int64_t end, const Tensor& own,
-                      std::int64_t shard) override;
+                      std::int64_t shard, bool now) override;
+    void wait() override;
     void reduce_range_add(const Tensor& in, std::int64_t begin, std::int64_t end, const Tensor& own,
                           std::int64_t shard, const Tensor& scratch) override;
     void barrier() override;
@@ -53,7 +54,8 @@ public:
 private:
     std::size_t chunk(const Tensor& buffer) const;
     void start_collective();
-    void finish_collective();
+    // Records the collective's completion; with `now`, compute waits for it.
+    void finish_collective(bool now = true);
 
     std::shared_ptr<NcclGroup> group_;
     ncclComm_t comm_;
@@ -143,8 +145,13 @@ void NcclCommunicator::start_collective() {
     NANOQ_CUDA_CHECK(cudaStreamWaitEvent(stream_, compute_done_, 0));
 }
 
-void NcclCommunicator::finish_collective() {
+void NcclCommunicator::finish_collective(bool now) {
     NANOQ_CUDA_CHECK(cudaEventRecord(comm_done_, stream_));
+    if (now) NANOQ_CUDA_CHECK(cudaStreamWaitEvent(compute_, comm_done_, 0));
+}
+
+void NcclCommunicator::wait() {
+    // The communication stream runs in order: its last event covers everything issued.
     NANOQ_CUDA_CHECK(cudaStreamWaitEvent(compute_, comm_done_, 0));
 }
 
@@ -171,9 +178,9 @@ void NcclCommunicator::all_gather(const Tensor& buffer) {
 }
 
 void NcclCommunicator::gather_range(const Tensor& out, std::int64_t begin, std::int64_t end, const Tensor& own,
-                                    std::int64_t shard) {
+                                    std::int64_t shard, bool now) {
     const std::size_t element = dtype_size(own.dtype);
-    if (size_ == 1) {
+    if (size_ == 1) {  // a copy on the compute stream: ordered already
         NANOQ_CUDA_CHECK(cudaMemcpyAsync(out.data, static_cast<const char*>(own.data) + begin * element,
                                          (end - begin) * element, cudaMemcpyDefault, compute_));
         return;
@@ -191,7 +198,7 @@ void NcclCommunicator::gather_range(const Tensor& out, std::int64_t begin, std::
         at = stop;
     }
     check_nccl(ncclGroupEnd(), "ncclGroupEnd");
-    finish_collective();
+    finish_collective(now);
 }
 
 void NcclCommunicator::reduce_range_add(const Tensor& in, std::int64_t begin, std::int64_t end, const Tensor& own,
