@@ -187,7 +187,7 @@ def read_state(path: str | os.PathLike) -> dict:
             state = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"{directory} is not a checkpoint: no {STATE_FILE}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise CheckpointError(f"{file} is not valid JSON: {e}") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{file} must hold a JSON object")

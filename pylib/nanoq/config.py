@@ -13,16 +13,26 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# The core holds sizes as C ints.
+MAX_SIZE = 2**31 - 1
 
 
 def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_SIZE:
+        raise ValueError(f"{name} must be a positive integer up to {MAX_SIZE}, got {value!r}")
     return value
 
 
+def _is_finite(value) -> bool:
+    """math.isfinite, also for ints too large for a float (which are not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _finite_positive(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _is_finite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite positive number, got {value!r}")
     return float(value)
 
@@ -102,7 +112,7 @@ class ModelConfig:
                 raw = json.load(f)
         except FileNotFoundError:
             raise FileNotFoundError(f"no config.json at {file}") from None
-        except json.JSONDecodeError as e:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise ValueError(f"{file} is not valid JSON: {e}") from None
         if not isinstance(raw, dict):
             raise ValueError(f"{file} must hold a JSON object")
@@ -110,8 +120,13 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict, source: str = "config") -> "ModelConfig":
-        """Builds a config from the dict of a Hugging Face ``config.json``."""
+        """Builds a config from the dict of a Hugging Face ``config.json``.
+        Raises ValueError naming ``source`` for anything nanoq cannot train."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"{source}: a config must be a JSON object, got {type(raw).__name__}")
         architectures = raw.get("architectures") or []
+        if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+            raise ValueError(f"{source}: architectures must be a list of class names, got {architectures!r}")
         model_type = raw.get("model_type")
         known = [SUPPORTED_ARCHITECTURES[a] for a in architectures if a in SUPPORTED_ARCHITECTURES]
         if known:
@@ -136,6 +151,8 @@ class ModelConfig:
         else:  # transformers 4.x
             theta = raw.get("rope_theta", 10000.0)
             scaling = raw.get("rope_scaling")
+        if scaling is not None and not isinstance(scaling, dict):
+            raise ValueError(f"{source}: rope scaling must be an object, got {scaling!r}")
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
             if kind == "default":
@@ -160,7 +177,7 @@ class ModelConfig:
                 rope_theta=theta,
                 rope_scaling=scaling,
                 rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                tie_word_embeddings=raw.get("tie_word_embeddings", False),
                 qkv_bias=attention_bias or family == "qwen2",
                 o_bias=attention_bias and family in ("llama", "qwen3"),
                 qk_norm=family == "qwen3",
@@ -188,7 +205,8 @@ def _llama3_scaling(scaling: dict) -> dict:
     out = {k: _finite_positive(f"rope_scaling.{k}", scaling[k]) for k in LLAMA3_SCALING_KEYS}
     if out["high_freq_factor"] <= out["low_freq_factor"]:
         raise ValueError("rope_scaling.high_freq_factor must exceed low_freq_factor")
-    out["original_max_position_embeddings"] = int(out["original_max_position_embeddings"])
+    out["original_max_position_embeddings"] = _positive_int("rope_scaling.original_max_position_embeddings",
+                                                            int(out["original_max_position_embeddings"]))
     return dict(rope_type="llama3", **out)
 
 
@@ -258,8 +276,8 @@ class TrainOptions:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         for name in ("devices", "batch_size", "seq_len", "grad_accum"):
             _positive_int(name, getattr(self, name))
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be a non-negative integer below 2**64, got {self.seed!r}")
         if self.zero_stage not in (1, 2, 3) or isinstance(self.zero_stage, bool):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {self.zero_stage!r}")
         self.recompute = _option_list("recompute", self.recompute, RECOMPUTE)
@@ -267,13 +285,15 @@ class TrainOptions:
         if "gradients" in self.offload and self.zero_stage < 2:
             raise ValueError("offloading gradients needs zero_stage 2 or 3 (stage 1 keeps full gradients on every "
                              "device)")
-        if isinstance(self.memory_limit, bool) or not isinstance(self.memory_limit, int) or self.memory_limit < 0:
+        if isinstance(self.memory_limit, bool) or not isinstance(self.memory_limit, int) \
+                or not 0 <= self.memory_limit < 2**64:
             raise ValueError(f"memory_limit must be a non-negative number of bytes, got {self.memory_limit!r}")
-        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or not 0 <= self.threads <= MAX_SIZE:
             raise ValueError(f"threads must be a non-negative integer, got {self.threads!r}")
         for name, allowed in (("dtype", ("auto", "fp32", "bf16")), ("master_dtype", ("fp32", "bf16")),
                               ("optimizer_dtype", ("fp32", "bf16"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        if not isinstance(self.z_loss, (int, float)) or not math.isfinite(self.z_loss) or self.z_loss < 0:
+        if isinstance(self.z_loss, bool) or not isinstance(self.z_loss, (int, float)) or not _is_finite(self.z_loss) \
+                or self.z_loss < 0:
             raise ValueError(f"z_loss must be a finite non-negative number, got {self.z_loss!r}")

@@ -7,6 +7,7 @@ before any data is touched.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from typing import Iterator, Tuple
@@ -26,10 +27,17 @@ def _bf16_to_f32(raw: np.ndarray) -> np.ndarray:
     return (raw.astype(np.uint32) << 16).view(np.float32)
 
 
+def _is_index(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def read_safetensors(path: str | os.PathLike) -> Iterator[Tuple[str, np.ndarray]]:
     """Yields (name, float32 array) for every tensor of one .safetensors file.
 
-    Raises ValueError if the header is malformed or disagrees with the file.
+    Raises ValueError if the header is malformed or disagrees with the file;
+    the whole header is checked before the first tensor is yielded. As the
+    safetensors format requires, the tensors' data_offsets must tile the data
+    buffer exactly: no overlaps, no holes, no bytes after the last tensor.
     """
     path = os.fspath(path)
     size = os.path.getsize(path)
@@ -42,35 +50,51 @@ def read_safetensors(path: str | os.PathLike) -> Iterator[Tuple[str, np.ndarray]
             raise ValueError(f"{path}: header length {header_len} exceeds the file")
         try:
             header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise ValueError(f"{path}: header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: header is not a JSON object")
     data_start = 8 + header_len
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start, shape=(size - data_start,)) \
-        if size > data_start else np.zeros(0, np.uint8)
+    data_bytes = size - data_start
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start, shape=(data_bytes,)) \
+        if data_bytes else np.zeros(0, np.uint8)
+    tensors = []  # (begin, end, name, dtype name, view of the data)
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         if not isinstance(entry, dict):
             raise ValueError(f"{path}: entry {name!r} is not an object")
-        dtype = _DTYPES.get(entry.get("dtype"))
+        dtype_name = entry.get("dtype")
+        dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
         if dtype is None:
-            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {entry.get('dtype')!r}")
+            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {dtype_name!r}")
         shape, offsets = entry.get("shape"), entry.get("data_offsets")
-        if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
-                or not isinstance(offsets, list) or len(offsets) != 2
-                or not all(isinstance(o, int) for o in offsets)):
+        if (not isinstance(shape, list) or not all(_is_index(d) for d in shape)
+                or not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_index(o) for o in offsets)):
             raise ValueError(f"{path}: tensor {name!r} has a malformed shape or data_offsets")
         begin, end = offsets
-        expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if not 0 <= begin <= end <= data.shape[0] or end - begin != expected:
+        if not begin <= end <= data_bytes or end - begin != math.prod(shape) * dtype.itemsize:
             raise ValueError(f"{path}: tensor {name!r} data_offsets {offsets} do not fit its shape {shape} "
                              f"or the file")
-        array = data[begin:end].view(dtype).reshape(shape)
-        if entry["dtype"] == "BF16":
-            array = _bf16_to_f32(array)
-        yield name, np.ascontiguousarray(array, dtype=np.float32)
+        try:
+            view = data[begin:end].view(dtype).reshape(shape)
+        except ValueError as e:  # a zero-size shape with dimensions numpy cannot represent
+            raise ValueError(f"{path}: tensor {name!r} has an unusable shape {shape}: {e}") from None
+        tensors.append((begin, end, name, dtype_name, view))
+    position = 0
+    for begin, end, name, _, _ in sorted(tensors):
+        if begin != position:
+            raise ValueError(f"{path}: tensor {name!r} data_offsets [{begin}, {end}] "
+                             f"{'overlap another tensor' if begin < position else 'leave a hole before it'}; "
+                             f"tensors must tile the data buffer")
+        position = end
+    if position != data_bytes:
+        raise ValueError(f"{path}: {data_bytes - position} bytes past the last tensor's data; "
+                         f"tensors must cover the data buffer exactly")
+    for _, _, name, dtype_name, view in tensors:
+        array = _bf16_to_f32(view) if dtype_name == "BF16" else view
+        # reshape: ascontiguousarray makes 0-d (scalar) tensors 1-d
+        yield name, np.ascontiguousarray(array, dtype=np.float32).reshape(view.shape)
 
 
 def weight_files(path: str | os.PathLike) -> list[str]:

@@ -91,13 +91,16 @@ def _check_device_tokens(name: str, array, shape, vocab_size: int, allow_ignore:
 def _check_hyper(name: str, value, low: float, high: float = math.inf, low_inclusive=True, high_inclusive=True):
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    value = float(value)
-    ok = math.isfinite(value) and (value >= low if low_inclusive else value > low) and \
-        (value <= high if high_inclusive else value < high)
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond the float range
+        number = math.inf
+    ok = math.isfinite(number) and (number >= low if low_inclusive else number > low) and \
+        (number <= high if high_inclusive else number < high)
     if not ok:
         lb, hb = "[" if low_inclusive else "(", "]" if high_inclusive else ")"
-        raise ValueError(f"{name} must be finite and in {lb}{low}, {high}{hb}, got {value}")
-    return value
+        raise ValueError(f"{name} must be finite and in {lb}{low}, {high}{hb}, got {number}")
+    return number
 
 
 class Trainer:

@@ -166,17 +166,20 @@ def import_nano(inputs: Sequence[str | os.PathLike], output: str | os.PathLike, 
     start = time.time()
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
         raise ValueError(f"vocab size must be a positive integer, got {vocab_size!r}")
+    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, int)
+                               or not 0 <= eos_id < vocab_size):
+        raise ValueError(f"eos id must be an integer in [0, {vocab_size}), got {eos_id!r}")
     paths = [os.fspath(p) for p in inputs]
     sequences = []
     for path in paths:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"input {path!r} does not exist or is not a file")
-        for number, (ids, mask) in enumerate(read_nano_lines(path), 1):
+        for number, ids, mask in read_nano_lines(path):
+            bad = next((i for i in ids if not 0 <= i < vocab_size), None)  # ints of any size, before numpy
+            if bad is not None:
+                raise InputError(f"{path}:{number}: token id {bad} is outside [0, {vocab_size}); "
+                                 f"is --vocab-size right?")
             tokens = np.asarray(ids, dtype=np.int64)
-            bad = (tokens < 0) | (tokens >= vocab_size)
-            if bad.any():
-                raise InputError(f"{path}: sequence {number}: token id {int(tokens[bad][0])} is outside "
-                                 f"[0, {vocab_size}); is --vocab-size right?")
             trained = np.ones(tokens.size, bool) if mask is None else np.asarray(mask, bool)
             if eos_id is not None:
                 tokens, trained = np.append(tokens, eos_id), np.append(trained, mask is None)

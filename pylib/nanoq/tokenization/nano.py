@@ -14,10 +14,12 @@ Accepted line contents (after base64 and unpickling):
 Sequences are concatenated as they are (Nano's lines carry their own special
 tokens); ``eos_id`` appends one more token after each line.
 
-Pickles are decoded by a restricted unpickler: only the builtin containers and
-scalars (list, tuple, dict, int, str, bool) may appear; a pickle that names
-any other class or function (``os.system``, ``numpy...``) is refused before
-anything is called, so reading a file never executes code from it.
+Pickles are decoded by a restricted unpickler that resolves no global at all:
+the accepted contents are built by the pickle's own opcodes, and a pickle that
+names any class or function (``os.system``, ``numpy...``, even ``builtins.str``)
+is refused before anything is called, so reading a file never executes code
+from it. (Allowing even ``str`` would let a pickle of a few hundred bytes make
+the repr of a shared-reference structure exponentially large.)
 """
 from __future__ import annotations
 
@@ -29,21 +31,16 @@ from typing import Iterator, List, Optional, Tuple
 
 from nanoq.tokenization.sources import InputError
 
-_ALLOWED_GLOBALS = {("builtins", name) for name in ("list", "tuple", "dict", "int", "str", "bool")}
-
-
 class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
-        if (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"the pickle refers to {module}.{name}; only list, tuple, dict, int, "
-                                     f"str and bool are allowed")
+        raise pickle.UnpicklingError(f"the pickle refers to {module}.{name}; Nano lines hold only lists, tuples, "
+                                     f"dicts, ints, strings and bools, which need no globals")
 
 
 def safe_loads(data: bytes):
-    """Unpickles ``data``; the only globals allowed are the builtins list,
-    tuple, dict, int, str and bool. Opcodes still build plain data (bytes,
-    floats, None, ...), which the callers reject by type."""
+    """Unpickles ``data`` without resolving any global (class or function).
+    Opcodes still build plain data (bytes, floats, None, ...), which the
+    callers reject by type."""
     return _RestrictedUnpickler(io.BytesIO(data)).load()
 
 
@@ -98,9 +95,9 @@ def _labels_to_mask(values, ids: List[int], where: str) -> List[bool]:
     return [v != -100 for v in values]
 
 
-def read_nano_lines(path: str) -> Iterator[Tuple[List[int], Optional[List[bool]]]]:
-    """(token ids, mask or None) for every non-blank line of a Nano line file."""
+def read_nano_lines(path: str) -> Iterator[Tuple[int, List[int], Optional[List[bool]]]]:
+    """(line number from 1, token ids, mask or None) for every non-blank line of a Nano line file."""
     with open(path, encoding="ascii", errors="replace") as f:
         for number, line in enumerate(f, 1):
             if line.strip():
-                yield decode_line(line, f"{path}:{number}")
+                yield (number, *decode_line(line, f"{path}:{number}"))

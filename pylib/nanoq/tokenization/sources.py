@@ -75,6 +75,8 @@ def iter_jsonl(path: str) -> Iterator[Tuple[int, dict]]:
                 value = json.loads(line)
             except json.JSONDecodeError as e:
                 raise InputError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno})") from None
+            except RecursionError:
+                raise InputError(f"{path}:{number}: JSON nested too deeply") from None
             if not isinstance(value, dict):
                 raise InputError(f"{path}:{number}: expected a JSON object, got {type(value).__name__}")
             yield number, value

@@ -177,7 +177,10 @@ def _checked(item: Setting, value):
     ValueError that names the setting."""
     ok = isinstance(value, item.type) and not (item.type is int and isinstance(value, bool))
     if item.type is float and isinstance(value, int) and not isinstance(value, bool):
-        value, ok = float(value), True
+        try:
+            value, ok = float(value), True
+        except OverflowError:
+            raise ValueError(f"{item.key} must be finite, got {value!r}") from None
     if not ok:
         raise ValueError(f"{item.key} must be {_TYPE_NAMES[item.type]}, got {value!r}")
     if item.type is float and not math.isfinite(value):
@@ -216,8 +219,10 @@ def read_toml(path: str | os.PathLike) -> Dict[str, Any]:
             document = tomllib.load(f)
     except FileNotFoundError:
         raise FileNotFoundError(f"config file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid TOML: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not valid TOML: nested too deeply") from None
     schema = {item.name: item for item in settings()}
     flat: Dict[str, Any] = {}
     for section, table in document.items():
