@@ -149,3 +149,20 @@ def test_a_second_sigint_aborts_at_once_and_the_last_checkpoint_survives(tmp_pat
     with nanoq.Trainer(nanoq.ModelConfig(**checkpoint.read_state(latest)["model_config"]),
                        nanoq.TrainOptions(backend="cpu", batch_size=4, seq_len=16)) as trainer:
         trainer.load_checkpoint(latest)
+
+
+def test_import_with_a_bad_shard_loads_nothing(tmp_path):
+    options = nanoq.TrainOptions(backend="cpu", batch_size=2, seq_len=8)
+    with nanoq.Trainer(CONFIG, options) as source:
+        source.init_weights(seed=5)
+        source.export_model(tmp_path / "model", max_shard_bytes=20_000)
+    shards = sorted((tmp_path / "model").glob("model-*.safetensors"))
+    assert len(shards) > 2
+    with open(shards[-1], "r+b") as f:  # the last shard is cut short
+        f.truncate(f.seek(0, 2) - 4)
+    with nanoq.Trainer(CONFIG, options) as trainer:
+        before = trainer.get_weights()
+        with pytest.raises(ValueError, match=shards[-1].name):
+            trainer.import_weights(tmp_path / "model")
+        for name, value in trainer.get_weights().items():
+            assert np.array_equal(value, before[name]), name

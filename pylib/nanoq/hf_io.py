@@ -10,7 +10,7 @@ import json
 import math
 import os
 import struct
-from typing import Iterator, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import numpy as np
 
@@ -35,9 +35,20 @@ def read_safetensors(path: str | os.PathLike) -> Iterator[Tuple[str, np.ndarray]
     """Yields (name, float32 array) for every tensor of one .safetensors file.
 
     Raises ValueError if the header is malformed or disagrees with the file;
-    the whole header is checked before the first tensor is yielded. As the
-    safetensors format requires, the tensors' data_offsets must tile the data
-    buffer exactly: no overlaps, no holes, no bytes after the last tensor.
+    the whole header is checked before the first tensor is yielded (see
+    ``safetensors_views``).
+    """
+    for name, dtype_name, view in safetensors_views(path):
+        array = _bf16_to_f32(view) if dtype_name == "BF16" else view
+        # reshape: ascontiguousarray makes 0-d (scalar) tensors 1-d
+        yield name, np.ascontiguousarray(array, dtype=np.float32).reshape(view.shape)
+
+
+def safetensors_views(path: str | os.PathLike) -> List[Tuple[str, str, np.ndarray]]:
+    """(name, safetensors dtype, memory-mapped view) of every tensor of a
+    file, after checking the whole header against the file; no data is read.
+    As the safetensors format requires, the tensors' data_offsets must tile
+    the data buffer exactly: no overlaps, no holes, no bytes after the last.
     """
     path = os.fspath(path)
     size = os.path.getsize(path)
@@ -91,10 +102,7 @@ def read_safetensors(path: str | os.PathLike) -> Iterator[Tuple[str, np.ndarray]
     if position != data_bytes:
         raise ValueError(f"{path}: {data_bytes - position} bytes past the last tensor's data; "
                          f"tensors must cover the data buffer exactly")
-    for _, _, name, dtype_name, view in tensors:
-        array = _bf16_to_f32(view) if dtype_name == "BF16" else view
-        # reshape: ascontiguousarray makes 0-d (scalar) tensors 1-d
-        yield name, np.ascontiguousarray(array, dtype=np.float32).reshape(view.shape)
+    return [(name, dtype_name, view) for _, _, name, dtype_name, view in tensors]
 
 
 def weight_files(path: str | os.PathLike) -> list[str]:
@@ -124,6 +132,18 @@ def weight_files(path: str | os.PathLike) -> list[str]:
     if not os.path.exists(path):
         raise FileNotFoundError(f"no such weights file: {path}")
     return [path]
+
+
+def weight_shapes(path: str | os.PathLike) -> Dict[str, Tuple[int, ...]]:
+    """{name: shape} of every tensor of a model (all its files' headers
+    checked, no data read). Raises ValueError for a name in two shards."""
+    shapes: Dict[str, Tuple[int, ...]] = {}
+    for file in weight_files(path):
+        for name, _, view in safetensors_views(file):
+            if name in shapes:
+                raise ValueError(f"tensor {name!r} appears in more than one shard")
+            shapes[name] = tuple(view.shape)
+    return shapes
 
 
 def iter_weights(path: str | os.PathLike) -> Iterator[Tuple[str, np.ndarray]]:

@@ -11,7 +11,7 @@ import numpy as np
 from nanoq import _core
 from nanoq.backends import resolve_backend
 from nanoq.config import ModelConfig, TrainOptions
-from nanoq.hf_io import iter_weights
+from nanoq.hf_io import iter_weights, weight_shapes
 
 IGNORE_INDEX = -100
 # Tensors some Hugging Face checkpoints carry that are not parameters.
@@ -180,22 +180,26 @@ class Trainer:
     def import_weights(self, path: str | os.PathLike) -> None:
         """Loads Hugging Face weights: a model directory, ``model.safetensors``
         or ``model.safetensors.index.json`` (sharded). Every parameter must be
-        present with the config's shape; bf16/fp16 tensors are widened to fp32."""
-        loaded = set()
-        for name, array in iter_weights(path):
-            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.config.tie_word_embeddings):
-                continue
+        present with the config's shape; bf16/fp16 tensors are widened to fp32.
+        Every file's header is checked first: on any error nothing is loaded."""
+        def wanted(name: str) -> bool:
+            return not (name.endswith(_IGNORED_SUFFIXES) or
+                        (name == "lm_head.weight" and self.config.tie_word_embeddings))
+
+        shapes = {name: shape for name, shape in weight_shapes(path).items() if wanted(name)}
+        for name, shape in shapes.items():
             index = self._index.get(name)
             if index is None:
                 raise ValueError(f"{path}: tensor {name!r} is not a parameter of this model config")
-            expected = self._parameters[index][1]
-            if array.shape != expected:
-                raise ValueError(f"{path}: tensor {name!r} has shape {array.shape}, the config needs {expected}")
-            self._core.set_parameter(index, array.reshape(-1))
-            loaded.add(name)
-        missing = [name for name in self._index if name not in loaded]
+            if shape != self._parameters[index][1]:
+                raise ValueError(f"{path}: tensor {name!r} has shape {shape}, the config needs "
+                                 f"{self._parameters[index][1]}")
+        missing = [name for name in self._index if name not in shapes]
         if missing:
             raise ValueError(f"{path}: missing {len(missing)} parameter(s), e.g. {', '.join(missing[:3])}")
+        for name, array in iter_weights(path):
+            if wanted(name):
+                self._core.set_parameter(self._index[name], array.reshape(-1))
 
     def get_weights(self) -> Dict[str, np.ndarray]:
         """All parameters as float32 arrays under Hugging Face names."""
