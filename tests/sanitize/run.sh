@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# Runs tests against a build of nanoq instrumented with sanitizers; any
+# sanitizer report fails the run (non-zero exit).
+#
+#   tests/sanitize/run.sh address [PYTEST ARGS...]
+#       AddressSanitizer + UndefinedBehaviorSanitizer (+ LeakSanitizer for
+#       nanoq's own allocations); by default the whole suite.
+#   tests/sanitize/run.sh thread [PYTEST ARGS...]
+#       ThreadSanitizer on the worker pool, the shared-memory communicator and
+#       the trainer's hand-offs; by default test_worker_pool, test_equivalence
+#       (1, 2 and 4 devices) and test_zero.
+#
+# PYTEST ARGS, when given, replace the default test selection.
+# The instrumented build goes to build/sanitize-<kind>/ (pip --target) and is
+# put first on PYTHONPATH for the test run only, so the normal install stays as
+# it is. Needs the build requirements in this Python (pip install
+# scikit-build-core cython scipy-openblas32 cmake ninja) and the test extra.
+#
+# Why the environment below:
+# - Python is not instrumented, so the sanitizer runtime is preloaded, together
+#   with libstdc++: ASan/TSan intercept __cxa_throw by looking up the real one
+#   when they start, and python does not link libstdc++, so without it the
+#   first C++ exception aborts with "CHECK failed: real___cxa_throw".
+# - Reports abort the process (halt_on_error, and the build's
+#   -fno-sanitize-recover=all). ASan, LSan and TSan also write them to
+#   build/sanitize-<kind>/reports/ (log_path), so that one raised in a
+#   subprocess of a test, or in a test that expects a failure, is still seen;
+#   UBSan (which ignores log_path when combined with ASan) reports on stderr,
+#   kept in reports/console.log. The run fails if pytest fails or if any of
+#   these holds an error, a data race, UB, or a leak allocated by nanoq's code.
+# - Leaks: CPython does not free everything at exit, and its own leaks are not
+#   ours, so leaks count only when their allocation stack is in
+#   libnanoq_core.so or the nanoq._core extension. PYTHONMALLOC=malloc puts
+#   Python objects on the malloc heap, where LeakSanitizer sees the references
+#   they hold to nanoq's objects. Leak checks run at exit and never change the
+#   exit code (LSAN_OPTIONS=exitcode=0); this script judges them.
+# - ThreadSanitizer with OpenMP: GCC's libgomp is not built with TSan, so TSan
+#   cannot see the synchronisation inside its barriers and reports every
+#   parallel loop's hand-off as a race (seen on the first test).
+#   OMP_THREAD_LIMIT=1 (which, unlike OMP_NUM_THREADS, also caps the core's
+#   num_threads clauses) runs each parallel loop on its device's worker thread,
+#   so what TSan checks is our synchronisation: the worker pool, the
+#   communicator and the trainer's calls. No suppressions are needed.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+kind=${1:-}
+shift || true
+case "$kind" in
+  address)
+    sanitizers=address,undefined
+    runtime=libasan.so
+    default_tests=(tests)
+    ;;
+  thread)
+    sanitizers=thread
+    runtime=libtsan.so
+    default_tests=(tests/test_worker_pool.py tests/test_equivalence.py tests/test_zero.py)
+    ;;
+  *)
+    echo "usage: $0 address|thread [pytest arguments]" >&2
+    exit 2
+    ;;
+esac
+if [ $# -gt 0 ]; then tests=("$@"); else tests=("${default_tests[@]}"); fi
+
+root=$PWD/build/sanitize-$kind
+target=$root/install
+reports=$root/reports
+cxx=${CXX:-c++}
+
+start=$SECONDS
+echo "== sanitize $kind: building nanoq with -fsanitize=$sanitizers into $target"
+rm -rf "$target" "$reports"
+mkdir -p "$reports"
+NANOQ_CUDA=OFF NANOQ_SANITIZE=$sanitizers pip install --no-build-isolation --no-deps --quiet \
+  --target "$target" -Cbuild-dir="$root/cmake" -Cinstall.strip=false .
+echo "== sanitize $kind: built in $((SECONDS - start)) s"
+
+# The interpreter itself, not a wrapper such as a pyenv shim (a shell script
+# whose helpers would run with the sanitizer preloaded).
+python=$(python -c 'import sys; print(sys.executable)')
+preload="$("$cxx" -print-file-name="$runtime") $("$cxx" -print-file-name=libstdc++.so)"
+common=halt_on_error=1:abort_on_error=1:print_stacktrace=1
+sanitizer_env=(
+  PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
+  LD_PRELOAD="$preload"
+  PYTHONMALLOC=malloc
+  ASAN_OPTIONS="$common:detect_leaks=1:detect_stack_use_after_return=1:log_path=$reports/asan"
+  LSAN_OPTIONS=exitcode=0
+  UBSAN_OPTIONS="$common"
+  TSAN_OPTIONS="$common:second_deadlock_stack=1:log_path=$reports/tsan"
+)
+if [ "$kind" = thread ]; then sanitizer_env+=(OMP_THREAD_LIMIT=1); fi
+
+# The instrumented build, not the normal install, must be the one imported.
+env "${sanitizer_env[@]}" "$python" -c "
+import nanoq
+core = nanoq._core.__file__
+assert core.startswith('$target/'), f'imported {core}, not the sanitizer build in $target'
+maps = open('/proc/self/maps').read()
+assert '$runtime'.removesuffix('.so') in maps, 'the sanitizer runtime is not loaded'
+"
+
+start=$SECONDS
+# --capture=sys: pytest captures what Python writes but not what the sanitizer
+# runtimes write to file descriptor 2, which would otherwise be lost when a
+# report aborts the process. The console log is scanned for reports too.
+set +e
+env "${sanitizer_env[@]}" "$python" -m pytest -q -p no:cacheprovider --capture=sys "${tests[@]}" 2>&1 |
+  tee "$reports/console.log"
+status=${PIPESTATUS[0]}
+set -e
+echo "== sanitize $kind: tests ran in $((SECONDS - start)) s (pytest exit $status)"
+
+# Judge the report files (one per process that reported, and the console log).
+"$python" - "$reports" <<'PY' || status=1
+import pathlib, re, sys
+
+ours = re.compile(r"libnanoq_core\.so|/nanoq/_core\.cpython|nanoq::")
+failed, ignored = [], 0
+for path in sorted(pathlib.Path(sys.argv[1]).iterdir()):
+    text = path.read_text(errors="replace")
+    # Leak records are blocks between blank lines; one counts only if its
+    # allocation stack is in nanoq's code. Any other report is a failure.
+    blocks = re.split(r"\n\s*\n", text)
+    leaks = [b for b in blocks if re.search(r"^(Direct|Indirect) leak of", b, re.M)]
+    our_leaks = [b for b in leaks if ours.search(b)]
+    errors = re.search(r"ERROR: (AddressSanitizer|ThreadSanitizer)|WARNING: ThreadSanitizer|: runtime error: ", text)
+    if errors or our_leaks:
+        failed.append(path)
+        if path.name != "console.log":  # already on the console
+            print(f"==== {path}\n{text if errors else chr(10).join(our_leaks)}", file=sys.stderr)
+    else:
+        ignored += len(leaks)
+print(f"== sanitizer reports: {len(failed)} failing; {ignored} leak record(s) outside nanoq's code ignored")
+sys.exit(1 if failed else 0)
+PY
+exit $status
