@@ -113,6 +113,18 @@ status=${PIPESTATUS[0]}
 set -e
 echo "== sanitize $kind: tests ran in $((SECONDS - start)) s (pytest exit $status)"
 
+# LeakSanitizer's own at-exit tracer sometimes crashes ("Tracer caught signal
+# 11 ... LeakSanitizer has encountered a fatal error", seen in a fresh venv),
+# which aborts a process whose tests all passed. That is no finding about
+# nanoq: accept it with a warning when pytest reported no failure. Every other
+# report is still judged below.
+summary=$(grep -E "^[0-9]+ (passed|failed)|[0-9]+ passed" "$reports/console.log" | tail -n 1)
+if [ "$status" -ne 0 ] && grep -qs "LeakSanitizer has encountered a fatal error" "$reports"/asan.* &&
+   [[ $summary =~ [0-9]+\ passed ]] && ! [[ $summary =~ failed|error ]]; then
+  echo "== warning: LeakSanitizer crashed at exit after the tests passed ($summary); leaks were not checked in that process"
+  status=0
+fi
+
 # Judge the report files (one per process that reported, and the console log).
 "$python" - "$reports" <<'PY' || status=1
 import pathlib, re, sys
