@@ -65,7 +65,7 @@ def test_worker_fault_raises_promptly_and_process_recovers(checkpoints, clean_lo
     start = time.monotonic()
     with pytest.raises(nanoq.NanoqError) as info:
         call_with_timeout(lambda: tr.step(*BATCH))
-    assert time.monotonic() - start < 10.0
+    assert time.monotonic() - start < 1.0  # the failure reaches Python within a second
     assert str(info.value)
     call_with_timeout(tr.close)
     # A new trainer in the same process trains exactly like one that never saw a fault.
