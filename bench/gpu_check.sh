@@ -2,7 +2,7 @@
 # The whole GPU check in one device call: build the CUDA backend on the GPU
 # machine, run the GPU tests, run the GPU benchmark, and leave a log and a
 # summary under $OUT. Meant for the device tool (one H200, 16 cores, Python
-# 3.12, no network; see /work/shared/notes/gpu-machine.md), from the repo root:
+# 3.12, no network; see the team notes on the GPU machine), from the repo root:
 #
 #   run(command="NANOQ_COMMIT=<git rev-parse --short HEAD here> bash bench/gpu_check.sh",
 #       carry=[".device_wheels"], timeout_s=480)
