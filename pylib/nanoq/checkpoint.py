@@ -34,7 +34,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from nanoq.durable import fsync_path, write_json
+from nanoq.durable import fsync_path, read_json_object, write_json
 from nanoq.hf_io import read_safetensors
 
 FORMAT_VERSION = 1
@@ -183,14 +183,9 @@ def read_state(path: str | os.PathLike) -> dict:
     directory = resolve(path)
     file = os.path.join(directory, STATE_FILE)
     try:
-        with open(file, encoding="utf-8") as f:
-            state = json.load(f)
+        state = read_json_object(file, CheckpointError)
     except FileNotFoundError:
         raise CheckpointError(f"{directory} is not a checkpoint: no {STATE_FILE}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise CheckpointError(f"{file} is not valid JSON: {e}") from None
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{file} must hold a JSON object")
     missing = [field for field in REQUIRED_FIELDS if field not in state]
     if missing:
         raise CheckpointError(f"{file} lacks {', '.join(missing)}")

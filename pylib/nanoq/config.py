@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from typing import Optional
+
+from nanoq.durable import read_json_object
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -108,14 +109,9 @@ class ModelConfig:
         path = os.fspath(path)
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         try:
-            with open(file, encoding="utf-8") as f:
-                raw = json.load(f)
+            raw = read_json_object(file)
         except FileNotFoundError:
             raise FileNotFoundError(f"no config.json at {file}") from None
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise ValueError(f"{file} is not valid JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"{file} must hold a JSON object")
         return cls.from_hf_dict(raw, source=file)
 
     @classmethod

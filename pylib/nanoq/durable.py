@@ -1,4 +1,5 @@
-"""Making writes durable: fsync of files and folders, and JSON written to disk.
+"""Files nanoq relies on: durable writes (fsync of files and folders, JSON
+written to disk) and checked reads of JSON objects.
 
 Everything nanoq writes that must survive a crash (token files, checkpoints,
 exported models) is built under a temporary name, fsynced with these, and
@@ -26,3 +27,17 @@ def write_json(path: str | os.PathLike, value, **dump_options) -> None:
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def read_json_object(file: str | os.PathLike, error: type = ValueError) -> dict:
+    """The JSON object in ``file``; ``error`` naming the file when it is not
+    valid UTF-8 JSON (or too deeply nested) or not an object.
+    FileNotFoundError passes through for the caller to word."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            value = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise error(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise error(f"{file} must hold a JSON object")
+    return value
