@@ -94,6 +94,11 @@ public:
     virtual void bias_backward(const Tensor& dbias, const Tensor& dout, int rows, int cols) = 0;  // dbias += colsum
     virtual void add(const Tensor& out, const Tensor& a, const Tensor& b) = 0;   // out = a + b
     virtual void accumulate(const Tensor& out, const Tensor& a) = 0;             // out += a
+    // out = in * scale, with dropout when drop > 0: element i is zeroed
+    // unless dropout_keep(seed, i, drop) (dropout.h), and kept ones are
+    // scaled by 1 / (1 - drop). out may alias in.
+    virtual void scale_dropout(const Tensor& out, const Tensor& in, float scale, float drop,
+                               std::uint64_t seed) = 0;
 
     virtual void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& table, int rows,
                                    int channels) = 0;

@@ -6,10 +6,80 @@
 #include <numeric>
 #include <string>
 
+#include "dropout.h"
 #include "nanoq/errors.h"
 #include "option_list.h"
 
 namespace nanoq {
+
+namespace {
+
+struct LoraTargetInfo {
+    const char* name;    // in lora_targets
+    const char* module;  // the Hugging Face module inside a layer
+};
+constexpr LoraTargetInfo kLoraTargets[kLoraTargetCount] = {
+    {"q", "self_attn.q_proj"}, {"k", "self_attn.k_proj"}, {"v", "self_attn.v_proj"}, {"o", "self_attn.o_proj"},
+    {"gate", "mlp.gate_proj"}, {"up", "mlp.up_proj"},     {"down", "mlp.down_proj"}};
+
+// {out, in} features of a projection.
+std::pair<std::int64_t, std::int64_t> projection_shape(const ModelConfig& c, int target) {
+    const std::int64_t C = c.hidden_size, I = c.intermediate_size;
+    const std::int64_t HD = std::int64_t(c.num_heads) * c.head_dim, KD = std::int64_t(c.num_kv_heads) * c.head_dim;
+    switch (target) {
+        case kLoraQ: return {HD, C};
+        case kLoraK:
+        case kLoraV: return {KD, C};
+        case kLoraO: return {C, HD};
+        case kLoraGate:
+        case kLoraUp: return {I, C};
+        default: return {C, I};
+    }
+}
+
+}  // namespace
+
+Lora Lora::parse(const TrainOptions& o) {
+    Lora lora;
+    if (o.lora_rank < 0) throw InvalidArgument("lora_rank must be >= 0, got " + std::to_string(o.lora_rank));
+    if (o.lora_rank == 0) return lora;
+    if (!(o.lora_alpha > 0.0f) || !std::isfinite(o.lora_alpha))
+        throw InvalidArgument("lora_alpha must be finite and > 0, got " + std::to_string(o.lora_alpha));
+    if (!(o.lora_dropout >= 0.0f && o.lora_dropout < 1.0f))
+        throw InvalidArgument("lora_dropout must be in [0, 1), got " + std::to_string(o.lora_dropout));
+    lora.rank = o.lora_rank;
+    lora.scale = o.lora_alpha / static_cast<float>(o.lora_rank);
+    lora.dropout = o.lora_dropout;
+    bool any = false;
+    for (const std::string& name : split_option_list(o.lora_targets)) {
+        int t = 0;
+        while (t < kLoraTargetCount && name != kLoraTargets[t].name) ++t;
+        if (t == kLoraTargetCount)
+            throw InvalidArgument("unknown lora target '" + name + "'; known: q, k, v, o, gate, up, down");
+        lora.targets[t] = any = true;
+    }
+    if (!any) throw InvalidArgument("lora_targets is empty: name at least one of q, k, v, o, gate, up, down");
+    return lora;
+}
+
+std::vector<ParameterInfo> lora_layout(const ModelConfig& c, const Lora& lora) {
+    std::vector<ParameterInfo> params;
+    std::int64_t offset = 0;
+    for (int l = 0; l < c.num_layers; ++l)
+        for (int t = 0; t < kLoraTargetCount; ++t) {
+            if (!lora.targets[t]) continue;
+            const auto [out, in] = projection_shape(c, t);
+            const std::string module = "model.layers." + std::to_string(l) + "." + kLoraTargets[t].module;
+            for (const auto& [suffix, shape] : {std::pair<const char*, std::vector<std::int64_t>>{
+                                                    ".lora_A.weight", {lora.rank, in}},
+                                                {".lora_B.weight", {out, lora.rank}}}) {
+                ParameterInfo p{module + suffix, shape, true, offset};  // matrices decay
+                offset += p.numel();
+                params.push_back(std::move(p));
+            }
+        }
+    return params;
+}
 
 std::vector<ParameterInfo> parameter_layout(const ModelConfig& c) {
     std::vector<ParameterInfo> params;
@@ -87,6 +157,30 @@ std::size_t first_parameter(const ModelConfig& c, int layer) {
 }
 
 }  // namespace
+
+ModelWeights bind_lora(const ModelConfig& c, const Lora& lora, const Tensor& flat) {
+    const auto layout = lora_layout(c, lora);
+    std::size_t next = 0;
+    ModelWeights w;
+    w.layers.resize(c.num_layers);
+    for (LayerWeights& layer : w.layers)
+        for (int t = 0; t < kLoraTargetCount; ++t) {
+            if (!lora.targets[t]) continue;
+            layer.lora_a[t] = view(layout.at(next++), flat, 0);
+            layer.lora_b[t] = view(layout.at(next++), flat, 0);
+        }
+    if (next != layout.size()) throw InternalError("lora layout and adapter binding disagree");
+    return w;
+}
+
+ModelWeights attach_adapters(ModelWeights base, const ModelWeights& adapters) {
+    for (std::size_t l = 0; l < base.layers.size(); ++l)
+        for (int t = 0; t < kLoraTargetCount; ++t) {
+            base.layers[l].lora_a[t] = adapters.layers.at(l).lora_a[t];
+            base.layers[l].lora_b[t] = adapters.layers.at(l).lora_b[t];
+        }
+    return base;
+}
 
 ModelWeights bind_weights(const ModelConfig& c, const Tensor& flat) {
     // Walks the same layout as parameter_layout(), in the same order.
@@ -183,8 +277,8 @@ Recompute Recompute::parse(const std::string& names) {
 }
 
 LlamaModel::LlamaModel(const ModelConfig& config, int batch, int time, DType dtype, Recompute recompute,
-                       Backend& backend, NamedAllocator& alloc)
-    : config_(config), B_(batch), T_(time), rows_(batch * time), dtype_(dtype), backend_(backend) {
+                       const Lora& lora, Backend& backend, NamedAllocator& alloc)
+    : config_(config), B_(batch), T_(time), rows_(batch * time), dtype_(dtype), backend_(backend), lora_(lora) {
     const ModelConfig& c = config_;
     const std::int64_t rows = rows_, C = c.hidden_size, I = c.intermediate_size;
     const std::int64_t HD = std::int64_t(c.num_heads) * c.head_dim, KD = std::int64_t(c.num_kv_heads) * c.head_dim;
@@ -235,6 +329,9 @@ LlamaModel::LlamaModel(const ModelConfig& config, int batch, int time, DType dty
         }
     final_norm_ = alloc.allocate(Context::Activations, "final-norm", dtype_, {rows, C});
     final_rstd_ = alloc.allocate(Context::Activations, "final-rstd", DType::F32, {rows});
+    if (lora_.enabled())
+        frozen_grad_sink_ = alloc.allocate(Context::Workspace, "frozen-norm-gradients", DType::F32,
+                                           {std::max<std::int64_t>(C, c.head_dim)});
 }
 
 bool LlamaModel::recomputed(Tensor LayerActivations::*member) const {
@@ -276,9 +373,19 @@ std::size_t LlamaModel::stack_bytes() const {
     const std::size_t classifier = bytes(rows * C) + bytes(std::int64_t(classifier_chunk_rows()) * c.vocab_size);
     const std::size_t mlp = 2 * bytes(rows * I) + bytes(rows * C);
     const std::size_t attention = 2 * bytes(rows * HD) + 2 * bytes(rows * KD) + bytes(rows * C);
-    const std::size_t forward = transient_bytes();
-    const std::size_t backward = bytes(rows * C) + std::max(classifier, transient_bytes() + std::max(mlp, attention));
+    const std::size_t forward = transient_bytes() + adapter_bytes();
+    const std::size_t backward =
+        bytes(rows * C) + std::max(classifier, transient_bytes() + std::max(mlp, attention) + adapter_bytes());
     return std::max(forward, backward);
+}
+
+std::size_t LlamaModel::adapter_bytes() const {
+    if (!lora_.enabled()) return 0;
+    std::int64_t widest_input = 0;
+    for (int t = 0; t < kLoraTargetCount; ++t)
+        if (lora_.targets[t]) widest_input = std::max(widest_input, projection_shape(config_, t).second);
+    const std::size_t dropped = lora_.dropout > 0.0f ? StackArena::aligned(dtype_size(dtype_) * rows_ * widest_input) : 0;
+    return dropped + StackArena::aligned(dtype_size(dtype_) * rows_ * lora_.rank);
 }
 
 ScratchShapes LlamaModel::scratch_shapes() const {
@@ -292,14 +399,14 @@ void LlamaModel::forward(const ModelWeights& w, LayerSource& layers, const Tenso
     for (int l = 0; l < c.num_layers; ++l) {
         StackFrame frame(stack);
         LayerActivations a = with_transients(layers_[l], frame);
-        layer_steps(layers.weights(l), a, residual_[l], &residual_[l + 1]);
+        layer_steps(l, layers.weights(l), a, residual_[l], &residual_[l + 1], stack);
     }
     backend_.rmsnorm_forward(final_norm_, final_rstd_, residual_[c.num_layers], w.final_norm, rows_, c.hidden_size,
                              c.rms_norm_eps);
 }
 
-void LlamaModel::layer_steps(const LayerWeights& w, LayerActivations& a, const Tensor& input,
-                             const Tensor* output) {
+void LlamaModel::layer_steps(int layer, const LayerWeights& w, LayerActivations& a, const Tensor& input,
+                             const Tensor* output, StackArena& stack) {
     const ModelConfig& c = config_;
     const int C = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
     const int HD = c.num_heads * D, KD = c.num_kv_heads * D;
@@ -308,17 +415,19 @@ void LlamaModel::layer_steps(const LayerWeights& w, LayerActivations& a, const T
     // recomputed; recomputing repeats the same ops on the same inputs, so
     // the values are bitwise those of the forward pass.
     auto runs = [&](Tensor LayerActivations::*result) { return output != nullptr || recomputed(result); };
-    auto project = [&](const Tensor& out, const Tensor& weight, const Tensor& bias, const Tensor& x, int n, int k) {
+    auto project = [&](int target, const Tensor& out, const Tensor& weight, const Tensor& bias, const Tensor& x, int n,
+                       int k) {
         be.matmul(out, x, weight, rows_, n, k, false, true, false);
         if (bias.data) be.add_bias(out, bias, rows_, n);
+        adapter_forward(layer, target, w, out, x, n, k, stack);
     };
 
     if (runs(&LayerActivations::input_norm))
         be.rmsnorm_forward(a.input_norm, a.input_rstd, input, w.input_norm, rows_, C, c.rms_norm_eps);
     if (runs(&LayerActivations::q)) {
-        project(c.qk_norm ? a.q_raw : a.q, w.q, w.q_bias, a.input_norm, HD, C);
-        project(c.qk_norm ? a.k_raw : a.k, w.k, w.k_bias, a.input_norm, KD, C);
-        project(a.v, w.v, w.v_bias, a.input_norm, KD, C);
+        project(kLoraQ, c.qk_norm ? a.q_raw : a.q, w.q, w.q_bias, a.input_norm, HD, C);
+        project(kLoraK, c.qk_norm ? a.k_raw : a.k, w.k, w.k_bias, a.input_norm, KD, C);
+        project(kLoraV, a.v, w.v, w.v_bias, a.input_norm, KD, C);
         if (c.qk_norm) {
             be.rmsnorm_forward(a.q, a.q_rstd, a.q_raw, w.q_norm, rows_ * c.num_heads, D, c.rms_norm_eps);
             be.rmsnorm_forward(a.k, a.k_rstd, a.k_raw, w.k_norm, rows_ * c.num_kv_heads, D, c.rms_norm_eps);
@@ -328,54 +437,58 @@ void LlamaModel::layer_steps(const LayerWeights& w, LayerActivations& a, const T
     }
     if (runs(&LayerActivations::attention)) {
         be.attention_forward(a.attention, a.lse, a.q, a.k, a.v, attention_shape_);
-        project(a.residual_mid, w.o, w.o_bias, a.attention, C, HD);
+        project(kLoraO, a.residual_mid, w.o, w.o_bias, a.attention, C, HD);
         be.accumulate(a.residual_mid, input);
     }
     if (runs(&LayerActivations::post_norm))
         be.rmsnorm_forward(a.post_norm, a.post_rstd, a.residual_mid, w.post_norm, rows_, C, c.rms_norm_eps);
     if (runs(&LayerActivations::gate)) {
-        project(a.gate, w.gate, Tensor(), a.post_norm, I, C);
-        project(a.up, w.up, Tensor(), a.post_norm, I, C);
+        project(kLoraGate, a.gate, w.gate, Tensor(), a.post_norm, I, C);
+        project(kLoraUp, a.up, w.up, Tensor(), a.post_norm, I, C);
     }
     if (runs(&LayerActivations::swiglu)) be.swiglu_forward(a.swiglu, a.gate, a.up);
     if (output) {
-        project(*output, w.down, Tensor(), a.swiglu, C, I);
+        project(kLoraDown, *output, w.down, Tensor(), a.swiglu, C, I);
         be.accumulate(*output, a.residual_mid);
     }
 }
 
-void LlamaModel::layer_backward(const LayerWeights& w, const LayerWeights& g, const LayerActivations& stored,
-                                const Tensor& input, const Tensor& dresidual, StackArena& stack) {
+void LlamaModel::layer_backward(int layer, const LayerWeights& w, const LayerWeights& g,
+                                const LayerActivations& stored, const Tensor& input, const Tensor& dresidual,
+                                StackArena& stack) {
     // On entry dresidual is d(loss)/d(layer output); on exit d/d(layer input).
     StackFrame transients(stack);
     LayerActivations a = with_transients(stored, transients);
-    layer_steps(w, a, input, nullptr);
+    layer_steps(layer, w, a, input, nullptr, stack);
     const ModelConfig& c = config_;
     const int C = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
     const int HD = c.num_heads * D, KD = c.num_kv_heads * D;
     Backend& be = backend_;
-    // dx = dy @ W (overwrite or accumulate), dW += dy^T x, dbias += colsum(dy).
-    auto project_backward = [&](const Tensor& dx, bool accumulate, const Tensor& dweight, const Tensor& dbias,
-                                const Tensor& dy, const Tensor& weight, const Tensor& x, int n, int k) {
+    // dx = dy @ W (overwrite or accumulate), dW += dy^T x, dbias += colsum(dy)
+    // (frozen weights get no gradient); then the adapter's share.
+    auto project_backward = [&](int target, const Tensor& dx, bool accumulate, const Tensor& dweight,
+                                const Tensor& dbias, const Tensor& dy, const Tensor& weight, const Tensor& x, int n,
+                                int k) {
         be.matmul(dx, dy, weight, rows_, k, n, false, false, accumulate);
-        be.matmul(dweight, dy, x, n, k, rows_, true, false, true);
+        if (dweight.data) be.matmul(dweight, dy, x, n, k, rows_, true, false, true);
         if (dbias.data) be.bias_backward(dbias, dy, rows_, n);
+        adapter_backward(layer, target, w, g, dx, dy, x, n, k, stack);
     };
     {
         StackFrame frame(stack);
         Tensor dgate = frame.push("d-gate", dtype_, {rows_, I});
         Tensor dup = frame.push("d-up", dtype_, {rows_, I});
-        project_backward(dgate, false, g.down, Tensor(), dresidual, w.down, a.swiglu, C, I);
+        project_backward(kLoraDown, dgate, false, g.down, Tensor(), dresidual, w.down, a.swiglu, C, I);
         be.swiglu_backward(dgate, dup, dgate, a.gate, a.up);
         Tensor dnorm = frame.push("d-post-norm", dtype_, {rows_, C});
-        project_backward(dnorm, false, g.gate, Tensor(), dgate, w.gate, a.post_norm, I, C);
-        project_backward(dnorm, true, g.up, Tensor(), dup, w.up, a.post_norm, I, C);
-        be.rmsnorm_backward(dresidual, g.post_norm, dnorm, a.residual_mid, w.post_norm, a.post_rstd, rows_, C, true);
+        project_backward(kLoraGate, dnorm, false, g.gate, Tensor(), dgate, w.gate, a.post_norm, I, C);
+        project_backward(kLoraUp, dnorm, true, g.up, Tensor(), dup, w.up, a.post_norm, I, C);
+        be.rmsnorm_backward(dresidual, or_sink(g.post_norm), dnorm, a.residual_mid, w.post_norm, a.post_rstd, rows_, C, true);
     }
     {
         StackFrame frame(stack);
         Tensor datt = frame.push("d-attention", dtype_, {rows_, HD});
-        project_backward(datt, false, g.o, g.o_bias, dresidual, w.o, a.attention, C, HD);
+        project_backward(kLoraO, datt, false, g.o, g.o_bias, dresidual, w.o, a.attention, C, HD);
         Tensor dq = frame.push("d-q", dtype_, {rows_, HD});
         Tensor dk = frame.push("d-k", dtype_, {rows_, KD});
         Tensor dv = frame.push("d-v", dtype_, {rows_, KD});
@@ -383,15 +496,61 @@ void LlamaModel::layer_backward(const LayerWeights& w, const LayerWeights& g, co
         be.rope_backward(dq, cos_sin_, B_, T_, c.num_heads, D);
         be.rope_backward(dk, cos_sin_, B_, T_, c.num_kv_heads, D);
         if (c.qk_norm) {
-            be.rmsnorm_backward(dq, g.q_norm, dq, a.q_raw, w.q_norm, a.q_rstd, rows_ * c.num_heads, D, false);
-            be.rmsnorm_backward(dk, g.k_norm, dk, a.k_raw, w.k_norm, a.k_rstd, rows_ * c.num_kv_heads, D, false);
+            be.rmsnorm_backward(dq, or_sink(g.q_norm), dq, a.q_raw, w.q_norm, a.q_rstd, rows_ * c.num_heads, D, false);
+            be.rmsnorm_backward(dk, or_sink(g.k_norm), dk, a.k_raw, w.k_norm, a.k_rstd, rows_ * c.num_kv_heads, D, false);
         }
         Tensor dnorm = frame.push("d-input-norm", dtype_, {rows_, C});
-        project_backward(dnorm, false, g.q, g.q_bias, dq, w.q, a.input_norm, HD, C);
-        project_backward(dnorm, true, g.k, g.k_bias, dk, w.k, a.input_norm, KD, C);
-        project_backward(dnorm, true, g.v, g.v_bias, dv, w.v, a.input_norm, KD, C);
-        be.rmsnorm_backward(dresidual, g.input_norm, dnorm, input, w.input_norm, a.input_rstd, rows_, C, true);
+        project_backward(kLoraQ, dnorm, false, g.q, g.q_bias, dq, w.q, a.input_norm, HD, C);
+        project_backward(kLoraK, dnorm, true, g.k, g.k_bias, dk, w.k, a.input_norm, KD, C);
+        project_backward(kLoraV, dnorm, true, g.v, g.v_bias, dv, w.v, a.input_norm, KD, C);
+        be.rmsnorm_backward(dresidual, or_sink(g.input_norm), dnorm, input, w.input_norm, a.input_rstd, rows_, C, true);
     }
+}
+
+void LlamaModel::adapter_forward(int layer, int target, const LayerWeights& w, const Tensor& out, const Tensor& x,
+                                 int n, int k, StackArena& stack) {
+    if (!w.lora_a[target].data) return;
+    Backend& be = backend_;
+    const int r = lora_.rank;
+    const std::uint64_t seed = mix_seed(dropout_seed_, std::uint64_t(layer) * kLoraTargetCount + target);
+    StackFrame frame(stack);
+    Tensor input = x;
+    if (dropout_active_) {
+        input = frame.push("lora-dropout", dtype_, {rows_, k});
+        be.scale_dropout(input, x, 1.0f, lora_.dropout, seed);
+    }
+    Tensor h = frame.push("lora-h", dtype_, {rows_, r});
+    be.matmul(h, input, w.lora_a[target], rows_, r, k, false, true, false);  // h = x A^T
+    be.scale_dropout(h, h, lora_.scale, 0.0f, 0);
+    be.matmul(out, h, w.lora_b[target], rows_, n, r, false, true, true);     // out += h B^T
+}
+
+void LlamaModel::adapter_backward(int layer, int target, const LayerWeights& w, const LayerWeights& g,
+                                  const Tensor& dx, const Tensor& dy, const Tensor& x, int n, int k,
+                                  StackArena& stack) {
+    if (!w.lora_a[target].data) return;
+    Backend& be = backend_;
+    const int r = lora_.rank;
+    const std::uint64_t seed = mix_seed(dropout_seed_, std::uint64_t(layer) * kLoraTargetCount + target);
+    StackFrame frame(stack);
+    // The forward's dropped input and h = scale * x A^T, recomputed.
+    Tensor input = x;
+    if (dropout_active_) {
+        input = frame.push("lora-dropout", dtype_, {rows_, k});
+        be.scale_dropout(input, x, 1.0f, lora_.dropout, seed);
+    }
+    Tensor h = frame.push("lora-h", dtype_, {rows_, r});
+    be.matmul(h, input, w.lora_a[target], rows_, r, k, false, true, false);
+    be.scale_dropout(h, h, lora_.scale, 0.0f, 0);
+    be.matmul(g.lora_b[target], dy, h, n, r, rows_, true, false, true);  // dB += dy^T h
+    Tensor dh = h;                                                        // h is no longer needed
+    be.matmul(dh, dy, w.lora_b[target], rows_, r, n, false, false, false);  // dh = scale * dy B
+    be.scale_dropout(dh, dh, lora_.scale, 0.0f, 0);
+    be.matmul(g.lora_a[target], dh, input, r, k, rows_, true, false, true);  // dA += dh^T dropout(x)
+    if (!dropout_active_) return be.matmul(dx, dh, w.lora_a[target], rows_, k, r, false, false, true);  // dx += dh A
+    be.matmul(input, dh, w.lora_a[target], rows_, k, r, false, false, false);  // the same mask on the way back
+    be.scale_dropout(input, input, 1.0f, lora_.dropout, seed);
+    be.accumulate(dx, input);
 }
 
 void LlamaModel::classifier(const ModelWeights& w, const ModelWeights* g, const Tensor& targets,
@@ -409,15 +568,17 @@ void LlamaModel::classifier(const ModelWeights& w, const ModelWeights* g, const 
         if (dhidden) {
             backend_.matmul(dhidden->slice(std::int64_t(r0) * C, std::int64_t(rows) * C), logits, w.lm_head, rows, C, V,
                             false, false, false);
-            backend_.matmul(g->lm_head, logits, hidden, V, C, rows, true, false, true);
+            if (g->lm_head.data) backend_.matmul(g->lm_head, logits, hidden, V, C, rows, true, false, true);
         }
     }
 }
 
 void LlamaModel::forward_backward(const ModelWeights& w, const ModelWeights& g, LayerSource& layers,
                                   const Tensor& tokens, const Tensor& targets, const Tensor& stats, float z_loss,
-                                  StackArena& stack) {
+                                  StackArena& stack, std::uint64_t dropout_seed) {
     const ModelConfig& c = config_;
+    dropout_active_ = lora_.dropout > 0.0f;
+    dropout_seed_ = dropout_seed;
     forward(w, layers, tokens, stack);
     StackFrame frame(stack);
     Tensor dresidual = frame.push("d-residual", dtype_, {rows_, c.hidden_size});
@@ -425,20 +586,22 @@ void LlamaModel::forward_backward(const ModelWeights& w, const ModelWeights& g, 
         StackFrame head(stack);
         Tensor dhidden = head.push("d-final-norm", dtype_, {rows_, c.hidden_size});
         classifier(w, &g, targets, stats, z_loss, &dhidden, stack);
-        backend_.rmsnorm_backward(dresidual, g.final_norm, dhidden, residual_[c.num_layers], w.final_norm,
+        backend_.rmsnorm_backward(dresidual, or_sink(g.final_norm), dhidden, residual_[c.num_layers], w.final_norm,
                                   final_rstd_, rows_, c.hidden_size, false);
     }
     for (int l = c.num_layers - 1; l >= 0; --l) {
         // Weights first: a source that gathers them may reuse a buffer.
         const LayerWeights& weights = layers.weights(l);
-        layer_backward(weights, layers.grads(l), layers_[l], residual_[l], dresidual, stack);
+        layer_backward(l, weights, layers.grads(l), layers_[l], residual_[l], dresidual, stack);
         layers.grads_done(l);
     }
-    backend_.embedding_backward(g.embed, dresidual, tokens, rows_, c.hidden_size);
+    if (g.embed.data) backend_.embedding_backward(g.embed, dresidual, tokens, rows_, c.hidden_size);
+    dropout_active_ = false;
 }
 
 void LlamaModel::forward_loss(const ModelWeights& w, LayerSource& layers, const Tensor& tokens,
                               const Tensor& targets, const Tensor& stats, float z_loss, StackArena& stack) {
+    dropout_active_ = false;  // evaluation: no dropout
     forward(w, layers, tokens, stack);
     classifier(w, nullptr, targets, stats, z_loss, nullptr, stack);
 }

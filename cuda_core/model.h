@@ -19,8 +19,25 @@
 
 namespace nanoq {
 
+// The projections LoRA adapters can attach to, in layout order.
+enum LoraTarget { kLoraQ, kLoraK, kLoraV, kLoraO, kLoraGate, kLoraUp, kLoraDown, kLoraTargetCount };
+
+// LoRA settings checked once (see TrainOptions::lora_*).
+struct Lora {
+    int rank = 0;  // 0: off
+    float scale = 0.0f;  // alpha / rank
+    float dropout = 0.0f;
+    bool targets[kLoraTargetCount] = {};
+
+    bool enabled() const { return rank > 0; }
+    // Throws InvalidArgument naming a bad value or an unknown target.
+    static Lora parse(const TrainOptions& options);
+};
+
 struct LayerWeights {
     Tensor input_norm, q, q_bias, k, k_bias, v, v_bias, o, o_bias, q_norm, k_norm, post_norm, gate, up, down;
+    // Adapters by LoraTarget: A [rank, in], B [out, rank]; empty when absent.
+    Tensor lora_a[kLoraTargetCount], lora_b[kLoraTargetCount];
 };
 
 struct ModelWeights {
@@ -37,6 +54,15 @@ LayerWeights bind_layer(const ModelConfig& config, int layer, const Tensor& bloc
 // buffers: `embed` holds the embedding, `head` the flat layout from
 // `head_begin` to its end.
 ModelWeights bind_outer(const ModelConfig& config, const Tensor& embed, const Tensor& head, std::int64_t head_begin);
+// The adapters' parameters (trainable, in their own flat buffer): layer by
+// layer, targets in LoraTarget order, A before B; PEFT's names without its
+// "base_model.model." prefix.
+std::vector<ParameterInfo> lora_layout(const ModelConfig& config, const Lora& lora);
+// Views of the adapters in `flat` (laid out by lora_layout) as the layers'
+// lora_a/lora_b; every other tensor is left empty.
+ModelWeights bind_lora(const ModelConfig& config, const Lora& lora, const Tensor& flat);
+// `base` with the adapters of `adapters` attached to its layers.
+ModelWeights attach_adapters(ModelWeights base, const ModelWeights& adapters);
 // [begin, end) of a layer's parameters in the flat layout.
 std::pair<std::int64_t, std::int64_t> layer_range(const ModelConfig& config, int layer);
 
@@ -94,17 +120,20 @@ struct Recompute {
 class LlamaModel {
 public:
     // Activations (and the stack's tensors) are `dtype`; statistics float32.
-    LlamaModel(const ModelConfig& config, int batch, int time, DType dtype, Recompute recompute, Backend& backend,
-               NamedAllocator& allocator);
+    // With `lora` enabled, layers carry adapters and the weights are frozen.
+    LlamaModel(const ModelConfig& config, int batch, int time, DType dtype, Recompute recompute, const Lora& lora,
+               Backend& backend, NamedAllocator& allocator);
 
     // Forward, fused classifier and backward of one micro-batch: adds the
     // gradients of the summed loss into `grads` and the loss statistics into
     // `stats`. tokens/targets: int32 [B, T] on the device.
     // `weights`/`grads` give the embedding, final norm and head; `layers`
-    // the transformer layers.
+    // the transformer layers. An empty gradient tensor is a frozen
+    // parameter: its gradient is not computed. `dropout_seed` keys the
+    // adapters' dropout masks of this micro-batch.
     void forward_backward(const ModelWeights& weights, const ModelWeights& grads, LayerSource& layers,
                           const Tensor& tokens, const Tensor& targets, const Tensor& stats, float z_loss,
-                          StackArena& stack);
+                          StackArena& stack, std::uint64_t dropout_seed = 0);
     // Forward and loss statistics only.
     void forward_loss(const ModelWeights& weights, LayerSource& layers, const Tensor& tokens, const Tensor& targets,
                       const Tensor& stats, float z_loss, StackArena& stack);
@@ -133,9 +162,21 @@ private:
     void forward(const ModelWeights& w, LayerSource& layers, const Tensor& tokens, StackArena& stack);
     // The layer's forward steps. With `output`, all of them (the forward
     // pass); without, only those whose results are recomputed (backward).
-    void layer_steps(const LayerWeights& w, LayerActivations& a, const Tensor& input, const Tensor* output);
-    void layer_backward(const LayerWeights& w, const LayerWeights& g, const LayerActivations& stored,
+    void layer_steps(int layer, const LayerWeights& w, LayerActivations& a, const Tensor& input,
+                     const Tensor* output, StackArena& stack);
+    void layer_backward(int layer, const LayerWeights& w, const LayerWeights& g, const LayerActivations& stored,
                         const Tensor& input, const Tensor& dresidual, StackArena& stack);
+    // The adapter of projection `target` (if any): out[rows, n] += scale *
+    // dropout(x[rows, k]) A^T B^T. Backward: adapter gradients, dx += d/dx.
+    void adapter_forward(int layer, int target, const LayerWeights& w, const Tensor& out, const Tensor& x, int n,
+                         int k, StackArena& stack);
+    void adapter_backward(int layer, int target, const LayerWeights& w, const LayerWeights& g, const Tensor& dx,
+                          const Tensor& dy, const Tensor& x, int n, int k, StackArena& stack);
+    // Where a gradient goes: `grad`, or a scratch sink when it is frozen
+    // (an empty tensor); for the norms, whose backward always writes one.
+    const Tensor& or_sink(const Tensor& grad) const { return grad.data ? grad : frozen_grad_sink_; }
+    // Stack bytes an adapter needs while it runs (0 without LoRA).
+    std::size_t adapter_bytes() const;
     // Loss over row chunks; with `dhidden` also its gradient (and lm_head's).
     void classifier(const ModelWeights& w, const ModelWeights* g, const Tensor& targets, const Tensor& stats,
                     float z_loss, const Tensor* dhidden, StackArena& stack);
@@ -151,6 +192,10 @@ private:
     std::vector<ActivationSpec> specs_;
     std::vector<LayerActivations> layers_;  // stored activations; recomputed ones are empty
     Tensor final_norm_, final_rstd_;
+    Lora lora_;
+    bool dropout_active_ = false;    // in forward_backward, when lora_.dropout > 0
+    std::uint64_t dropout_seed_ = 0;
+    Tensor frozen_grad_sink_;        // [max(C, D)] float32, with LoRA only
 };
 
 }  // namespace nanoq

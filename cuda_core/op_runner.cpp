@@ -225,6 +225,18 @@ void OpRunner::accumulate(float* out, const float* a, std::int64_t n, OpDType dt
     call.finish();
 }
 
+void OpRunner::scale_dropout(float* out, const float* in, std::int64_t n, float scale, float drop,
+                             std::uint64_t seed, OpDType dtype) {
+    require_positive(n, "n");
+    require(drop >= 0.0f && drop < 1.0f, "drop must be in [0, 1)");
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    const DType t = impl_->dtype(dtype);
+    OpCall call(*impl_->backend, impl_->device, no_scratch());
+    Tensor o = call.output(out, n, t, "out");
+    impl_->backend->scale_dropout(o, call.input(in, n, t, "in"), scale, drop, seed);
+    call.finish();
+}
+
 namespace {
 
 void check_tokens(const std::int32_t* tokens, int rows, int vocab, bool allow_ignore, const char* name) {

@@ -20,6 +20,7 @@
 #include "allocator.h"
 #include "backend.h"
 #include "comm.h"
+#include "dropout.h"
 #include "model.h"
 #include "option_list.h"
 #include "nanoq/trainer.h"
@@ -86,6 +87,7 @@ struct DeviceState {
     std::unique_ptr<LlamaModel> model;
     std::unique_ptr<StackArena> stack;
     Tensor weights, grads;           // [padded], full (stage 1; weights also at stage 2)
+    Tensor frozen;                   // LoRA: the frozen model weights, whole on every device
     ShardedState sharded;            // stages 2 and 3
     Tensor master, adam_m, adam_v;   // [shard]; in host memory when offloaded
     bool master_is_weights = false;  // master is this rank's shard of `weights`
@@ -102,7 +104,10 @@ struct DeviceState {
 struct Trainer::Impl {
     ModelConfig config;
     TrainOptions options;
-    std::vector<ParameterInfo> layout;
+    Lora lora;
+    std::vector<ParameterInfo> layout;      // the trainable parameters: what the flat buffers hold
+    std::vector<ParameterInfo> frozen;      // LoRA: the model's weights, laid out in DeviceState::frozen
+    std::vector<ParameterInfo> parameters;  // layout, then frozen: the public list
     std::int64_t shard = 0;
     int stage = 1;
     std::unique_ptr<BlockLayout> blocks;
@@ -116,6 +121,16 @@ struct Trainer::Impl {
     std::atomic<int> fault_rank{-1};
 
     int size() const { return static_cast<int>(devices.size()); }
+
+    // parameters[index]; with `trainable`, one that has a gradient and optimizer state.
+    const ParameterInfo& parameter_at(int index, bool trainable) const {
+        if (index < 0 || index >= static_cast<int>(parameters.size()))
+            throw InvalidArgument("parameter index " + std::to_string(index) + " out of range");
+        const ParameterInfo& p = parameters[index];
+        if (trainable && !p.trainable)
+            throw InvalidArgument(p.name + " is frozen (LoRA): it has no gradient and no optimizer state");
+        return p;
+    }
 
     // Runs task(rank, device) on every worker; a failure poisons the trainer.
     void run(const std::function<void(int, DeviceState&)>& task) {
@@ -200,6 +215,7 @@ struct Trainer::Impl {
     // and 2), or at stage 3 the replicated embedding/head; else empty (a
     // stage-3 layer parameter, held only as shards).
     Tensor whole_weights(const DeviceState& d, const ParameterInfo& p) const {
+        if (!p.trainable) return d.frozen.slice(p.offset, p.numel());
         if (stage < 3) return d.weights.slice(p.offset, p.numel());
         if (p.offset < blocks->embed_end) return d.sharded.embed_weights.slice(p.offset, p.numel());
         if (p.offset >= blocks->head_begin)
@@ -282,7 +298,17 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_
     Impl& m = *impl_;
     m.config = config;
     m.options = options;
-    m.layout = parameter_layout(config);
+    m.lora = Lora::parse(options);
+    if (m.lora.enabled() && options.zero_stage != 1)
+        throw InvalidArgument("LoRA trains at zero_stage 1 only: its frozen weights are kept whole on every device "
+                              "and its adapters are small, so stages 2 and 3 would shard nothing that matters");
+    m.layout = m.lora.enabled() ? lora_layout(config, m.lora) : parameter_layout(config);
+    if (m.lora.enabled()) {
+        m.frozen = parameter_layout(config);
+        for (ParameterInfo& p : m.frozen) p.trainable = false;
+    }
+    m.parameters = m.layout;
+    m.parameters.insert(m.parameters.end(), m.frozen.begin(), m.frozen.end());
     const int n = options.devices;
     const std::int64_t total = m.layout.back().offset + m.layout.back().numel();
     m.shard = (total + n - 1) / n;
@@ -293,7 +319,7 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_
     m.blocks = std::make_unique<BlockLayout>(config, n);
     const BlockLayout& blocks = *m.blocks;
     std::int64_t largest = 0;
-    for (const ParameterInfo& p : m.layout) largest = std::max(largest, p.numel());
+    for (const ParameterInfo& p : m.parameters) largest = std::max(largest, p.numel());
     int threads = options.threads;
     if (threads <= 0) threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / n);
 
@@ -307,8 +333,11 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_
         d.comm = m.group->connect(rank, *d.backend);
         NamedAllocator& a = *d.allocator;
         ShardedState& z = d.sharded;
+        if (m.lora.enabled())
+            d.frozen = a.allocate(Context::Weights, "frozen-weights", weight_dtype,
+                                  {m.frozen.back().offset + m.frozen.back().numel()});
         if (m.stage < 3) {
-            d.weights = a.allocate(Context::Weights, "weights", weight_dtype, {padded});
+            d.weights = a.allocate(Context::Weights, m.lora.enabled() ? "adapters" : "weights", weight_dtype, {padded});
         } else {
             z.weight_shard = a.allocate(Context::Weights, "weight-shard", weight_dtype, {m.shard});
             z.embed_weights = a.allocate(Context::Weights, "embed-weights", weight_dtype, {blocks.embed_end});
@@ -355,16 +384,21 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_
         d.optimizer_scale = a.allocate(Context::Workspace, "optimizer-scale", DType::F32, {3});
         d.staging = a.allocate(Context::Workspace, "parameter-staging", DType::F32,
                                {std::min(largest, kStagingElements)});
-        d.model = std::make_unique<LlamaModel>(config, B, T, weight_dtype, recompute, *d.backend, a);
+        d.model = std::make_unique<LlamaModel>(config, B, T, weight_dtype, recompute, m.lora, *d.backend, a);
         d.stack = std::make_unique<StackArena>(a, d.model->stack_bytes());
         ScratchShapes scratch = d.model->scratch_shapes();
         scratch.max_reduce = m.shard;
         d.backend->reserve_scratch(a, scratch);
-        d.weight_views = m.stage < 3 ? bind_weights(config, d.weights)
-                                     : bind_outer(config, z.embed_weights, z.head_weights, blocks.head_begin);
-        d.grad_views = m.stage == 1 ? bind_weights(config, d.grads)
-                                    : bind_outer(config, z.embed_grads, z.head_grads, blocks.head_begin);
-        for (const Tensor& t : {d.weights, d.grads, d.adam_m, d.adam_v, d.master, z.grad_shard, z.embed_grads,
+        if (m.lora.enabled()) {
+            d.weight_views = attach_adapters(bind_weights(config, d.frozen), bind_lora(config, m.lora, d.weights));
+            d.grad_views = bind_lora(config, m.lora, d.grads);
+        } else {
+            d.weight_views = m.stage < 3 ? bind_weights(config, d.weights)
+                                         : bind_outer(config, z.embed_weights, z.head_weights, blocks.head_begin);
+            d.grad_views = m.stage == 1 ? bind_weights(config, d.grads)
+                                        : bind_outer(config, z.embed_grads, z.head_grads, blocks.head_begin);
+        }
+        for (const Tensor& t : {d.frozen, d.weights, d.grads, d.adam_m, d.adam_v, d.master, z.grad_shard, z.embed_grads,
                                 z.head_grads, z.layer_grads, z.weight_shard, z.embed_weights, z.head_weights})
             if (t.data) d.backend->fill(t, 0.0f);
         reset_stats(*d.backend, d.stats);
@@ -386,21 +420,16 @@ Trainer::~Trainer() {
 }
 
 int Trainer::world_size() const { return impl_->options.devices; }
-const std::vector<ParameterInfo>& Trainer::parameters() const { return impl_->layout; }
+const std::vector<ParameterInfo>& Trainer::parameters() const { return impl_->parameters; }
 int Trainer::micro_steps() const { return impl_->micro_steps; }
 int Trainer::optimizer_steps() const { return impl_->optimizer_steps; }
 void Trainer::inject_fault(int rank) { impl_->fault_rank = rank; }
 
-static const ParameterInfo& parameter_at(const std::vector<ParameterInfo>& layout, int index) {
-    if (index < 0 || index >= static_cast<int>(layout.size()))
-        throw InvalidArgument("parameter index " + std::to_string(index) + " out of range");
-    return layout[index];
-}
 
 void Trainer::set_parameter(int index, const float* data) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
     Impl& m = *impl_;
-    const ParameterInfo& p = parameter_at(m.layout, index);
+    const ParameterInfo& p = m.parameter_at(index, false);
     m.run([&](int rank, DeviceState& d) {
         const Tensor whole = m.whole_weights(d, p);
         const Tensor shard = m.weight_shard(rank, d);
@@ -410,6 +439,7 @@ void Trainer::set_parameter(int index, const float* data) {
             const Tensor staged = d.staging.slice(0, count);
             d.backend->copy_from_host(staged, data + done);
             if (whole.data) d.backend->copy(whole.slice(done, count), staged);
+            if (!p.trainable) continue;
             // The part of this chunk inside this rank's shard: the stage-3
             // weight shard and a separate master copy hold it too.
             const std::int64_t begin = std::max(p.offset + done, shard_begin);
@@ -426,7 +456,7 @@ void Trainer::set_parameter(int index, const float* data) {
 void Trainer::get_parameter(int index, float* out) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
     Impl& m = *impl_;
-    const ParameterInfo& p = parameter_at(m.layout, index);
+    const ParameterInfo& p = m.parameter_at(index, false);
     m.run([&](int rank, DeviceState& d) {
         const Tensor whole = m.whole_weights(d, p);
         // Rank 0 copies a whole parameter; shards come from every rank.
@@ -472,7 +502,7 @@ void for_each_shard_chunk(std::int64_t shard, int rank, const ParameterInfo& p, 
 void Trainer::get_optimizer_state(int index, int kind, float* out) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
     Impl& m = *impl_;
-    const ParameterInfo& p = parameter_at(m.layout, index);
+    const ParameterInfo& p = m.parameter_at(index, true);
     optimizer_tensor(m.devices[0], kind);
     m.run([&](int rank, DeviceState& d) {
         const Tensor& state = optimizer_tensor(d, kind);
@@ -489,7 +519,7 @@ void Trainer::get_optimizer_state(int index, int kind, float* out) {
 void Trainer::set_optimizer_state(int index, int kind, const float* data) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
     Impl& m = *impl_;
-    const ParameterInfo& p = parameter_at(m.layout, index);
+    const ParameterInfo& p = m.parameter_at(index, true);
     optimizer_tensor(m.devices[0], kind);
     m.run([&](int rank, DeviceState& d) {
         const Tensor& state = optimizer_tensor(d, kind);
@@ -513,7 +543,7 @@ void Trainer::set_optimizer_steps(int steps) {
 void Trainer::get_gradient(int index, float* out) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
     Impl& m = *impl_;
-    const ParameterInfo& p = parameter_at(m.layout, index);
+    const ParameterInfo& p = m.parameter_at(index, true);
     if (m.micro_steps == 0) throw InvalidArgument("no gradients yet: call step() before reading gradients");
     const int n = world_size();
     std::vector<std::vector<float>> per_rank(n, std::vector<float>(p.numel()));
@@ -556,8 +586,12 @@ void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int 
         const auto [tokens, labels] = m.load_batch(rank, d, inputs, targets, source_device);
         if (m.stage == 1) {
             ResidentLayers layers(d.weight_views, d.grad_views);
+            // Dropout masks differ per step, micro-batch and device.
+            const std::uint64_t dropout_seed = mix_seed(
+                mix_seed(m.options.seed, std::uint64_t(m.optimizer_steps) * m.options.grad_accum + m.micro_steps),
+                std::uint64_t(rank));
             d.model->forward_backward(d.weight_views, d.grad_views, layers, tokens, labels, d.stats, m.options.z_loss,
-                                      *d.stack);
+                                      *d.stack, dropout_seed);
         } else {
             ShardedLayers layers(m.stage, m.config, *m.blocks, d.sharded, m.resident(d), *d.backend, *d.comm);
             d.model->forward_backward(d.weight_views, d.grad_views, layers, tokens, labels, d.stats, m.options.z_loss,

@@ -16,6 +16,7 @@
 #include <new>
 
 #include "backend.h"
+#include "dropout.h"
 #include "nanoq/errors.h"
 #include "cblas.h"
 
@@ -103,6 +104,17 @@ public:
         const std::int64_t n = out.numel();
 #pragma omp parallel for num_threads(threads_) schedule(static)
         for (std::int64_t i = 0; i < n; ++i) o[i] += x[i];
+    }
+
+    void scale_dropout(const Tensor& out, const Tensor& in, float scale, float drop,
+                       std::uint64_t seed) override {
+        float* o = out.f32();
+        const float* x = in.f32();
+        const std::int64_t n = out.numel();
+        const float kept = drop > 0.0f ? scale / (1.0f - drop) : scale;
+#pragma omp parallel for num_threads(threads_) schedule(static)
+        for (std::int64_t i = 0; i < n; ++i)
+            o[i] = drop > 0.0f && !dropout_keep(seed, static_cast<std::uint64_t>(i), drop) ? 0.0f : x[i] * kept;
     }
 
     void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& table, int rows,

@@ -230,6 +230,15 @@ void CudaBackend::accumulate(const Tensor& out, const Tensor& a) {
     NANOQ_CUDA_CHECK_LAUNCH();
 }
 
+void CudaBackend::scale_dropout(const Tensor& out, const Tensor& in, float scale, float drop, std::uint64_t seed) {
+    require_same_dtype(out, in, "scale_dropout");
+    with_dtype(out.dtype, [&](auto tag) {
+        using T = decltype(tag);
+        cuda::scale_dropout<T>(ptr<T>(out), ptr<T>(in), scale, drop, seed, out.numel(), stream_);
+    });
+    NANOQ_CUDA_CHECK_LAUNCH();
+}
+
 void CudaBackend::embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& table, int rows,
                                     int channels) {
     with_dtype(table.dtype, [&](auto tag) {

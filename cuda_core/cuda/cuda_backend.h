@@ -41,6 +41,7 @@ public:
     void bias_backward(const Tensor& dbias, const Tensor& dout, int rows, int cols) override;
     void add(const Tensor& out, const Tensor& a, const Tensor& b) override;
     void accumulate(const Tensor& out, const Tensor& a) override;
+    void scale_dropout(const Tensor& out, const Tensor& in, float scale, float drop, std::uint64_t seed) override;
     void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& table, int rows,
                            int channels) override;
     void embedding_backward(const Tensor& table_grad, const Tensor& dout, const Tensor& tokens, int rows,

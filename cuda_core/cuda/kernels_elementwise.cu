@@ -3,6 +3,7 @@
 // All elementwise kernels are grid-stride loops over int64 indices with a
 // capped grid, so any tensor size launches a valid grid. The bias gradient
 // goes through the chunked column sums of kernel_utils.cuh (fixed order).
+#include "../dropout.h"
 #include "kernel_utils.cuh"
 #include "kernels.h"
 
@@ -35,6 +36,16 @@ template <class T> __global__ void add_kernel(T* out, const T* a, const T* b, st
 template <class T> __global__ void accumulate_kernel(T* out, const T* a, std::int64_t n) {
     for (std::int64_t i = detail::grid_stride_begin(); i < n; i += detail::grid_stride_step())
         out[i] = detail::from_float<T>(detail::to_float(out[i]) + detail::to_float(a[i]));
+}
+
+template <class T>
+__global__ void scale_dropout_kernel(T* out, const T* in, float scale, float drop, std::uint64_t seed,
+                                     std::int64_t n) {
+    const float kept = drop > 0.0f ? scale / (1.0f - drop) : scale;
+    for (std::int64_t i = detail::grid_stride_begin(); i < n; i += detail::grid_stride_step()) {
+        const bool keep = drop <= 0.0f || dropout_keep(seed, static_cast<std::uint64_t>(i), drop);
+        out[i] = detail::from_float<T>(keep ? detail::to_float(in[i]) * kept : 0.0f);
+    }
 }
 
 template <class T> __global__ void add_bias_kernel(T* out, const T* bias, std::int64_t n, int cols) {
@@ -77,6 +88,14 @@ template <class T> void accumulate(T* out, const T* a, std::int64_t n, cudaStrea
     accumulate_kernel<T><<<detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(out, a, n);
 }
 
+template <class T>
+void scale_dropout(T* out, const T* in, float scale, float drop, std::uint64_t seed, std::int64_t n,
+                   cudaStream_t stream) {
+    if (n <= 0) return;
+    scale_dropout_kernel<T><<<detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(out, in, scale, drop,
+                                                                                              seed, n);
+}
+
 template <class T> void add_bias(T* out, const T* bias, int rows, int cols, cudaStream_t stream) {
     const std::int64_t n = static_cast<std::int64_t>(rows) * cols;
     if (n <= 0) return;
@@ -94,6 +113,7 @@ std::size_t bias_backward_scratch_floats(int rows, int cols) { return detail::co
     template void fill<T>(T*, float, std::int64_t, cudaStream_t);                                  \
     template void add<T>(T*, const T*, const T*, std::int64_t, cudaStream_t);                      \
     template void accumulate<T>(T*, const T*, std::int64_t, cudaStream_t);                         \
+    template void scale_dropout<T>(T*, const T*, float, float, std::uint64_t, std::int64_t, cudaStream_t); \
     template void add_bias<T>(T*, const T*, int, int, cudaStream_t);                               \
     template void bias_backward<T>(float*, const T*, int, int, float*, cudaStream_t);
 NANOQ_INSTANTIATE(float)

@@ -44,6 +44,9 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         string backend, dtype, master_dtype, optimizer_dtype, recompute, offload
         int devices, batch_size, seq_len, grad_accum, threads, zero_stage
         float z_loss
+        int lora_rank
+        float lora_alpha, lora_dropout
+        string lora_targets
         uint64_t seed
         size_t memory_limit
 
@@ -60,6 +63,7 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         vector[int64_t] shape
         cbool weight_decay
         int64_t offset
+        cbool trainable
 
     cdef cppclass CAllocationInfo "nanoq::AllocationInfo":
         string context, name, kind
@@ -168,6 +172,12 @@ cdef class CoreTrainer:
         o.recompute = ",".join(options["recompute"]).encode()
         o.offload = ",".join(options["offload"]).encode()
         o.zero_stage = options["zero_stage"]
+        lora = options.get("lora")
+        if lora:
+            o.lora_rank = lora["rank"]
+            o.lora_alpha = lora["alpha"]
+            o.lora_dropout = lora["dropout"]
+            o.lora_targets = ",".join(lora["targets"]).encode()
         self.batch_rows = o.devices * o.batch_size
         self.seq_len = o.seq_len
         with nogil:
@@ -201,9 +211,10 @@ cdef class CoreTrainer:
         return self._get().optimizer_steps()
 
     def parameters(self):
-        """[(name, shape, weight_decay)] in the core's flat-buffer order."""
+        """[(name, shape, weight_decay, trainable)]: the trainable parameters in
+        the core's flat-buffer order, then (LoRA) the frozen ones."""
         cdef CTrainer* t = self._get()
-        return [(p.name.decode(), tuple(p.shape), p.weight_decay) for p in t.parameters()]
+        return [(p.name.decode(), tuple(p.shape), p.weight_decay, p.trainable) for p in t.parameters()]
 
     def set_parameter(self, int index, const float[::1] data):
         cdef CTrainer* t = self._get()
@@ -356,6 +367,7 @@ cdef extern from "nanoq/op_runner.h" namespace "nanoq" nogil:
         void bias_backward(float*, const float*, int, int, COpDType) except +nanoq_raise_py_error
         void add(float*, const float*, const float*, int64_t, COpDType) except +nanoq_raise_py_error
         void accumulate(float*, const float*, int64_t, COpDType) except +nanoq_raise_py_error
+        void scale_dropout(float*, const float*, int64_t, float, float, uint64_t, COpDType) except +nanoq_raise_py_error
         void embedding_forward(float*, const int32_t*, const float*, int, int, int,
                                COpDType) except +nanoq_raise_py_error
         void embedding_backward(float*, const float*, const int32_t*, int, int, int,
@@ -577,6 +589,24 @@ cdef class OpRunner:
         with nogil:
             self._runner.accumulate(pr, pa, n, t)
         return res
+
+    def scale_dropout(self, x, float scale, float drop, seed, str dtype="fp32"):
+        """x * scale with dropout: elements whose mask draw (seed, flat index)
+        is below ``drop`` become 0, the others are scaled by 1 / (1 - drop)."""
+        xa = _op_floats(x, "x")
+        if not 0.0 <= drop < 1.0:
+            raise ValueError(f"drop must be in [0, 1), got {drop}")
+        if not isinstance(seed, int) or not 0 <= seed < 2**64:
+            raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+        out = np.empty_like(xa)
+        cdef COpDType t = _op_dtype(dtype)
+        cdef float* po = _fp(out)
+        cdef float* pa = _fp(xa)
+        cdef int64_t n = xa.size
+        cdef uint64_t s = seed
+        with nogil:
+            self._runner.scale_dropout(po, pa, n, scale, drop, s, t)
+        return out
 
     def embedding_forward(self, tokens, table, str dtype="fp32"):
         """table [vocab, C] rows picked by tokens (any shape): [*tokens.shape, C]."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Optional
+from typing import Any, Optional
 
 from nanoq.durable import read_json_object
 
@@ -249,6 +249,8 @@ class TrainOptions:
     state, 2: also the gradients (reduced as each layer's backward ends), 3:
     also the weights (each layer gathered when used; the embedding and head
     stay whole on every device).
+    ``lora`` (a nanoq.lora.LoraConfig, or a dict of its fields) freezes the
+    model's weights and trains low-rank adapters instead (zero_stage 1).
     """
 
     backend: str = "auto"
@@ -266,6 +268,7 @@ class TrainOptions:
     recompute: tuple = ()
     offload: tuple = ()
     zero_stage: int = 1
+    lora: Optional[Any] = None
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -276,6 +279,16 @@ class TrainOptions:
             raise ValueError(f"seed must be a non-negative integer below 2**64, got {self.seed!r}")
         if self.zero_stage not in (1, 2, 3) or isinstance(self.zero_stage, bool):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {self.zero_stage!r}")
+        if self.lora is not None:
+            from nanoq.lora import LoraConfig  # nanoq.lora imports this module
+
+            if isinstance(self.lora, dict):
+                self.lora = LoraConfig(**self.lora)
+            if not isinstance(self.lora, LoraConfig):
+                raise TypeError(f"lora must be a nanoq.lora.LoraConfig or None, got {type(self.lora).__name__}")
+            if self.zero_stage != 1:
+                raise ValueError("LoRA trains at zero_stage 1 only (the frozen weights stay whole on every device; "
+                                 "the adapters are too small to shard)")
         self.recompute = _option_list("recompute", self.recompute, RECOMPUTE)
         self.offload = _option_list("offload", self.offload, OFFLOAD)
         if "gradients" in self.offload and self.zero_stage < 2:

@@ -131,8 +131,13 @@ class Trainer:
                              "optimizer_dtype \"fp32\" (or \"auto\")")
         self.dtype = core_options["dtype"]
         self._core = _core.CoreTrainer(config.to_core(), core_options)
-        self._parameters = self._core.parameters()
+        parameters = self._core.parameters()
+        self._parameters = [(name, shape, decay) for name, shape, decay, _ in parameters]
+        # Indices of the parameters that train (all, unless LoRA froze the model's weights).
+        self._trainable = [i for i, (*_, trainable) in enumerate(parameters) if trainable]
         self._index = {name: i for i, (name, _, _) in enumerate(self._parameters)}
+        self.lora = options.lora
+        self.base_model: str | None = None  # the directory import_weights read (LoRA checkpoints refer to it)
         self._batch_shape = (options.devices * options.batch_size, options.seq_len)
         self.init_weights(options.seed)
 
@@ -155,19 +160,30 @@ class Trainer:
 
     @property
     def parameter_names(self) -> list[str]:
-        """Hugging Face names of the parameters, in the core's order."""
+        """Hugging Face names of the parameters, in the core's order (with
+        LoRA: the adapters, then the frozen model weights)."""
         return [name for name, _, _ in self._parameters]
+
+    @property
+    def trainable_names(self) -> list[str]:
+        """Names of the parameters that have gradients and optimizer state."""
+        return [self._parameters[i][0] for i in self._trainable]
 
     # -- weights -------------------------------------------------------------
     def init_weights(self, seed: int = 0) -> None:
         """Fresh weights from ``seed``: N(0, 0.02) matrices (output projections
-        scaled by 1/sqrt(2*layers)), unit norms, zero biases. Identical on any
-        device count."""
+        scaled by 1/sqrt(2*layers)), unit norms, zero biases; LoRA adapters
+        as ``nanoq.lora.init_adapters`` (B = 0, so the adapted model starts
+        equal to the base). Identical on any device count."""
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         rng = np.random.default_rng(int(seed))
         residual_scale = 1.0 / math.sqrt(2 * self.config.num_hidden_layers)
+        if self.lora is not None:
+            self.init_adapters(seed)
         for index, (name, shape, _) in enumerate(self._parameters):
+            if ".lora_" in name:
+                continue
             if name.endswith("norm.weight"):
                 value = np.ones(shape, np.float32)
             elif name.endswith(".bias"):
@@ -177,11 +193,21 @@ class Trainer:
                 value = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
             self._core.set_parameter(index, value.reshape(-1))
 
+    def init_adapters(self, seed: int = 0) -> None:
+        """Fresh LoRA adapters from ``seed`` (see ``nanoq.lora.init_adapters``)."""
+        from nanoq.lora import init_adapters
+
+        if self.lora is None:
+            raise ValueError("this trainer has no LoRA adapters (TrainOptions.lora is None)")
+        for name, value in init_adapters(self.config, self.lora, seed).items():
+            self._core.set_parameter(self._index[name], value.reshape(-1))
+
     def import_weights(self, path: str | os.PathLike) -> None:
         """Loads Hugging Face weights: a model directory, ``model.safetensors``
         or ``model.safetensors.index.json`` (sharded). Every parameter must be
         present with the config's shape; bf16/fp16 tensors are widened to fp32.
-        Every file's header is checked first: on any error nothing is loaded."""
+        Every file's header is checked first: on any error nothing is loaded.
+        With LoRA these are the frozen weights; the adapters are untouched."""
         def wanted(name: str) -> bool:
             return not (name.endswith(_IGNORED_SUFFIXES) or
                         (name == "lm_head.weight" and self.config.tie_word_embeddings))
@@ -194,16 +220,20 @@ class Trainer:
             if shape != self._parameters[index][1]:
                 raise ValueError(f"{path}: tensor {name!r} has shape {shape}, the config needs "
                                  f"{self._parameters[index][1]}")
-        missing = [name for name in self._index if name not in shapes]
+        missing = [name for name in self._index if name not in shapes and ".lora_" not in name]
         if missing:
             raise ValueError(f"{path}: missing {len(missing)} parameter(s), e.g. {', '.join(missing[:3])}")
         for name, array in iter_weights(path):
             if wanted(name):
                 self._core.set_parameter(self._index[name], array.reshape(-1))
+        self.base_model = os.path.abspath(os.fspath(path))
 
-    def get_weights(self) -> Dict[str, np.ndarray]:
-        """All parameters as float32 arrays under Hugging Face names."""
-        return {name: self._core.get_parameter(i) for i, (name, _, _) in enumerate(self._parameters)}
+    def get_weights(self, trainable_only: bool = False) -> Dict[str, np.ndarray]:
+        """All parameters (or only the trainable ones) as float32 arrays
+        under Hugging Face names; with LoRA the adapters are
+        ``...q_proj.lora_A.weight`` and ``...q_proj.lora_B.weight``."""
+        indices = self._trainable if trainable_only else range(len(self._parameters))
+        return {self._parameters[i][0]: self._core.get_parameter(i) for i in indices}
 
     def get_gradients(self) -> Dict[str, np.ndarray]:
         """Gradients (float32, Hugging Face names) of the mean loss over the
@@ -211,7 +241,7 @@ class Trainer:
         before clipping. Raises ValueError before the first ``step``."""
         if self._core.micro_steps == 0:
             raise ValueError("no gradients yet: call step() before get_gradients()")
-        return {name: self._core.get_gradient(i) for i, (name, _, _) in enumerate(self._parameters)}
+        return {self._parameters[i][0]: self._core.get_gradient(i) for i in self._trainable}
 
     # -- checkpoints and export ---------------------------------------------
     def save_checkpoint(self, directory: str | os.PathLike, step: int, extra_state: dict | None = None, *,
@@ -247,34 +277,37 @@ class Trainer:
     OPTIMIZER_STATE = ("master", "adam_m", "adam_v")
 
     def get_optimizer_state(self) -> Dict[str, Dict[str, np.ndarray]]:
-        """{"master" | "adam_m" | "adam_v": {Hugging Face name: float32 array}},
-        gathered from every device's shard."""
-        return {kind: {name: self._core.get_optimizer_state(i, k) for i, (name, _, _) in enumerate(self._parameters)}
+        """{"master" | "adam_m" | "adam_v": {Hugging Face name: float32 array}}
+        of the trainable parameters, gathered from every device's shard."""
+        return {kind: {self._parameters[i][0]: self._core.get_optimizer_state(i, k) for i in self._trainable}
                 for k, kind in enumerate(self.OPTIMIZER_STATE)}
 
     def set_optimizer_state(self, state: Dict[str, Dict[str, np.ndarray]], optimizer_steps: int) -> None:
         """Restores what ``get_optimizer_state`` returned and the AdamW step
         count. Every kind and parameter must be present with its shape."""
         for kind in self.OPTIMIZER_STATE:
-            for name, shape, _ in self._parameters:
+            for name, shape, _ in (self._parameters[i] for i in self._trainable):
                 array = state.get(kind, {}).get(name)
                 if array is None or array.shape != shape:
                     found = None if array is None else array.shape
                     raise ValueError(f"optimizer state {kind}.{name}: expected shape {shape}, got {found}")
         for k, kind in enumerate(self.OPTIMIZER_STATE):
-            for i, (name, _, _) in enumerate(self._parameters):
+            for i in self._trainable:
+                name = self._parameters[i][0]
                 self._core.set_optimizer_state(i, k, np.ascontiguousarray(state[kind][name], np.float32).reshape(-1))
         self._core.set_optimizer_steps(int(optimizer_steps))
 
-    def set_weights(self, weights: Dict[str, np.ndarray]) -> None:
-        """Sets every parameter from ``{Hugging Face name: array}`` (all must
-        be present with their shapes; checked before any is set)."""
-        for name, shape, _ in self._parameters:
+    def set_weights(self, weights: Dict[str, np.ndarray], trainable_only: bool = False) -> None:
+        """Sets every parameter (or every trainable one) from ``{Hugging Face
+        name: array}`` (all must be present with their shapes; checked before
+        any is set)."""
+        indices = list(self._trainable if trainable_only else range(len(self._parameters)))
+        for name, shape, _ in (self._parameters[i] for i in indices):
             if name not in weights or tuple(weights[name].shape) != shape:
                 found = tuple(weights[name].shape) if name in weights else None
                 raise ValueError(f"weight {name}: expected shape {shape}, got {found}")
-        for i, (name, _, _) in enumerate(self._parameters):
-            self._core.set_parameter(i, np.ascontiguousarray(weights[name], np.float32).reshape(-1))
+        for i in indices:
+            self._core.set_parameter(i, np.ascontiguousarray(weights[self._parameters[i][0]], np.float32).reshape(-1))
 
     # -- training ------------------------------------------------------------
     def _device_batch(self, inputs, targets):

@@ -56,6 +56,15 @@ struct TrainOptions {
     // 1: optimizer state and master weights sharded across devices; 2: also
     // the gradients; 3: also the weights (gathered a layer at a time).
     int zero_stage = 1;
+    // LoRA. lora_rank 0: every parameter trains. Otherwise the model's
+    // weights are frozen (no gradients, no optimizer state) and only
+    // adapters of this rank train, on the projections in lora_targets (a
+    // comma-separated subset of q, k, v, o, gate, up, down): a targeted
+    // projection computes x W^T + (alpha / rank) * dropout(x) A^T B^T.
+    int lora_rank = 0;
+    float lora_alpha = 16.0f;
+    float lora_dropout = 0.0f;  // in [0, 1), applied in step() only
+    std::string lora_targets = "q,k,v,o";
 };
 
 struct UpdateParams {
@@ -82,7 +91,8 @@ struct ParameterInfo {
     std::string name;  // Hugging Face name
     std::vector<std::int64_t> shape;
     bool weight_decay = false;
-    std::int64_t offset = 0;  // in the flat parameter buffer
+    std::int64_t offset = 0;  // in the flat buffer of its kind (trainable or frozen)
+    bool trainable = true;    // false: a frozen LoRA base weight (no gradient, no optimizer state)
     std::int64_t numel() const {
         std::int64_t n = 1;
         for (auto d : shape) n *= d;

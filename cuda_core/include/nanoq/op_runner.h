@@ -71,6 +71,9 @@ public:
     // out[n] (output) = a + b.   accumulate: out[n] (in/out) += a.
     void add(float* out, const float* a, const float* b, std::int64_t n, OpDType dtype);
     void accumulate(float* out, const float* a, std::int64_t n, OpDType dtype);
+    // out[n] (output) = in * scale with dropout (Backend::scale_dropout).
+    void scale_dropout(float* out, const float* in, std::int64_t n, float scale, float drop, std::uint64_t seed,
+                       OpDType dtype);
 
     // out[rows,C] (output) = table[tokens[r]]; table is [vocab, C].
     void embedding_forward(float* out, const std::int32_t* tokens, const float* table, int rows, int channels,
