@@ -257,7 +257,8 @@ class RefStats:
 
 
 def param_grads(model):
-    return {n: p.grad.detach().numpy().copy() for n, p in model.named_parameters()}
+    """Gradients of the parameters that train (frozen LoRA bases have none)."""
+    return {n: p.grad.detach().numpy().copy() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def model_weights(model):
@@ -305,6 +306,10 @@ def torch_backward(model, micro_batches, z_loss=0.0):
     )
 
 
+def params_with_grads(model):
+    return [p for p in model.parameters() if p.grad is not None]
+
+
 class TorchTrainer:
     """Mirror of nanoq.Trainer's step/update protocol on a HF model.
 
@@ -316,7 +321,7 @@ class TorchTrainer:
     def __init__(self, model, z_loss=0.0):
         self.model = model
         self.z_loss = z_loss
-        params = list(model.parameters())  # tied weights appear once
+        params = [p for p in model.parameters() if p.requires_grad]  # tied weights appear once
         decay = [p for p in params if p.ndim >= 2]
         no_decay = [p for p in params if p.ndim < 2]
         self.opt = torch.optim.AdamW(
@@ -334,7 +339,7 @@ class TorchTrainer:
             stats.clipped = True
             scale = grad_clip / stats.grad_norm
             with torch.no_grad():
-                for p in self.model.parameters():
+                for p in params_with_grads(self.model):
                     p.grad.mul_(scale)
         for group, wd in zip(self.opt.param_groups, (weight_decay, 0.0)):
             group.update(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=wd)

@@ -3,7 +3,9 @@
 A checkpoint root holds::
 
     step_00001000/            one complete checkpoint
-        model.safetensors       weights (float32, Hugging Face names)
+        model.safetensors       the trainable weights (float32, Hugging Face names): all of the
+                                model's, or with LoRA only the adapters (the frozen base is the
+                                model directory named by ``base_model`` in the state)
         optimizer.safetensors   master weights and AdamW moments: master.<name>, adam_m.<name>, adam_v.<name>
         trainer_state.json      step, AdamW step count, model config, options, the caller's
                                 extra state (data loader, schedule), file sizes, versions
@@ -24,12 +26,14 @@ loader's position (all stored), so a resumed run continues bit for bit.
 """
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
 import re
 import shutil
 import time
+import warnings
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -138,7 +142,7 @@ def save_checkpoint(trainer, root: str | os.PathLike, step: int, extra_state: Op
 def _write_checkpoint(trainer, directory: str, step: int, extra_state: dict, tokenizer_dir: Optional[str]) -> None:
     import nanoq
 
-    _save_tensors(os.path.join(directory, WEIGHTS_FILE), trainer.get_weights())
+    _save_tensors(os.path.join(directory, WEIGHTS_FILE), trainer.get_weights(trainable_only=True))
     pause = os.environ.get(_PAUSE_ENV)
     if pause:
         open(pause, "w").close()
@@ -147,7 +151,7 @@ def _write_checkpoint(trainer, directory: str, step: int, extra_state: dict, tok
                  for name, array in arrays.items()}
     _save_tensors(os.path.join(directory, OPTIMIZER_FILE), optimizer)
     files = {name: os.path.getsize(os.path.join(directory, name)) for name in (WEIGHTS_FILE, OPTIMIZER_FILE)}
-    options = dict(vars(trainer.options), backend=trainer.backend, dtype=trainer.dtype)
+    options = dict(dataclasses.asdict(trainer.options), backend=trainer.backend, dtype=trainer.dtype)
     write_json(os.path.join(directory, STATE_FILE), dict(
         format_version=FORMAT_VERSION,
         nanoq_version=nanoq.__version__,
@@ -158,6 +162,8 @@ def _write_checkpoint(trainer, directory: str, step: int, extra_state: dict, tok
         tokenizer_dir=None if tokenizer_dir is None else os.path.abspath(tokenizer_dir),
         options=options,
         devices=trainer.world_size,
+        lora=None if trainer.lora is None else dataclasses.asdict(trainer.lora),
+        base_model=trainer.base_model,
         extra_state=extra_state,
         files=files,
         saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -264,8 +270,10 @@ def read_weights(path: str | os.PathLike) -> Dict[str, np.ndarray]:
 
 def load_checkpoint(trainer, path: str | os.PathLike) -> dict:
     """Loads a checkpoint into ``trainer`` (any device count) and returns its
-    state (see ``read_state``). The model config must match the trainer's.
-    Every file is read and checked before anything is set."""
+    state (see ``read_state``). The model config and LoRA setting must match
+    the trainer's; a LoRA checkpoint loads only the adapters, so import the
+    base model (``state["base_model"]``) first. Every file is read and
+    checked before anything is set."""
     state = read_state(path)
     directory = state["path"]
     ours = trainer.config.to_core()
@@ -274,6 +282,18 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> dict:
                    if theirs.get(key) != ours[key]]
     if differences:
         raise CheckpointError(f"{directory} is for another model: {'; '.join(differences)}")
+    trainer_lora = None if trainer.lora is None else dataclasses.asdict(trainer.lora)
+    saved_lora = state.get("lora")
+    if isinstance(saved_lora, dict):
+        saved_lora = dict(saved_lora, targets=tuple(saved_lora.get("targets", ())))
+    if trainer_lora != saved_lora:
+        raise CheckpointError(f"{directory} holds LoRA adapters {saved_lora}, but the trainer's LoRA setting is "
+                              f"{trainer_lora}" if saved_lora else
+                              f"{directory} holds full weights, but the trainer trains LoRA adapters")
+    base = state.get("base_model")
+    if saved_lora and base and trainer.base_model and os.path.realpath(base) != os.path.realpath(trainer.base_model):
+        warnings.warn(f"{directory} trained its adapters on {base}, but the trainer's frozen weights come from "
+                      f"{trainer.base_model}", stacklevel=2)
     if trainer._core.micro_steps:
         raise ValueError("cannot load a checkpoint with micro-batches pending: call update() first")
     weights = _read_file(directory, WEIGHTS_FILE)
@@ -284,7 +304,7 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> dict:
         if kind not in optimizer:
             raise CheckpointError(f"{os.path.join(directory, OPTIMIZER_FILE)}: unexpected tensor {key!r}")
         optimizer[kind][name] = array
-    expected = {name: shape for name, shape, _ in trainer._parameters}
+    expected = {trainer._parameters[i][0]: trainer._parameters[i][1] for i in trainer._trainable}
     for label, tensors in [(WEIGHTS_FILE, weights)] + [(f"{OPTIMIZER_FILE} ({k})", v) for k, v in optimizer.items()]:
         unknown = sorted(set(tensors) - set(expected))
         problems = [f"{name}: missing" for name in expected if name not in tensors]
@@ -293,7 +313,7 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> dict:
         problems += [f"{name}: not a parameter of this model" for name in unknown]
         if problems:
             raise CheckpointError(f"{os.path.join(directory, label.split(' ')[0])}: {'; '.join(problems[:3])}")
-    trainer.set_weights(weights)
+    trainer.set_weights(weights, trainable_only=True)
     trainer.set_optimizer_state(optimizer, state["optimizer_steps"])
     return state
 

@@ -28,6 +28,8 @@ import numpy as np
 
 from nanoq.config import ModelConfig
 from nanoq.durable import fsync_path, write_json
+from nanoq.hf_io import iter_weights
+from nanoq.lora import LoraConfig, merge, split_adapters, write_peft_adapter
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -193,7 +195,9 @@ def export_model(trainer, directory: str | os.PathLike, *, max_position_embeddin
                  tokenizer_dir: str | os.PathLike | None = None, eos_token_id: Optional[int] = None,
                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
     """Writes a ``nanoq.Trainer``'s current weights as a Hugging Face model
-    directory (see ``write_model``); returns its absolute path.
+    directory (see ``write_model``); returns its absolute path. With LoRA
+    the adapters are merged into the frozen weights (``nanoq.lora.merge``);
+    ``export_adapter`` writes them unmerged.
 
     max_position_embeddings: default the config's (what an imported model
     declared), raised to the trainer's seq_len if that is longer; the seq_len
@@ -202,26 +206,64 @@ def export_model(trainer, directory: str | os.PathLike, *, max_position_embeddin
     config = trainer.config
     if max_position_embeddings is None:
         max_position_embeddings = max(config.max_position_embeddings or 0, trainer.options.seq_len)
-    return write_model(directory, trainer.get_weights(), config, max_position_embeddings=max_position_embeddings,
+    weights = trainer.get_weights()
+    if trainer.lora is not None:
+        weights = merge(*split_adapters(weights), trainer.lora)
+    return write_model(directory, weights, config, max_position_embeddings=max_position_embeddings,
                        tokenizer_dir=tokenizer_dir, eos_token_id=eos_token_id, max_shard_bytes=max_shard_bytes)
+
+
+def export_adapter(trainer, directory: str | os.PathLike, *, overwrite: bool = False) -> str:
+    """Writes a LoRA trainer's adapters, unmerged, as a PEFT adapter directory
+    (``adapter_config.json`` + ``adapter_model.safetensors``) that
+    ``peft.PeftModel.from_pretrained`` loads onto the base model."""
+    if trainer.lora is None:
+        raise ValueError("this trainer has no LoRA adapters: use export_model")
+    return write_peft_adapter(directory, trainer.get_weights(trainable_only=True), trainer.lora,
+                              base_model_name_or_path=trainer.base_model or "", overwrite=overwrite)
+
+
+def _checkpoint_base(state: dict, base_model: str | os.PathLike | None) -> str:
+    """The base model directory of a LoRA checkpoint: ``base_model`` if
+    given, else the one the checkpoint recorded (which must still exist)."""
+    base = os.fspath(base_model) if base_model is not None else state.get("base_model")
+    if not base:
+        raise ValueError(f"{state['path']}: the LoRA checkpoint records no base model; pass base_model "
+                         f"(nanoq export --base-model)")
+    if not os.path.exists(base):
+        raise ValueError(f"{state['path']}: its base model {base} does not exist any more; pass base_model "
+                         f"(nanoq export --base-model) with the model the adapters were trained on")
+    return base
 
 
 def export_checkpoint(checkpoint_path: str | os.PathLike, directory: str | os.PathLike, *,
                       max_position_embeddings: Optional[int] = None, tokenizer_dir: str | os.PathLike | None = None,
-                      eos_token_id: Optional[int] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
+                      eos_token_id: Optional[int] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                      merge_adapters: bool = True, base_model: str | os.PathLike | None = None) -> str:
     """Writes the weights of a nanoq checkpoint (a step directory, or the
     newest valid step of a checkpoint root) as a Hugging Face model directory
     (see ``write_model``); returns its absolute path. No trainer is built.
 
-    max_position_embeddings and tokenizer_dir default to what the checkpoint
-    recorded; a recorded tokenizer directory that no longer holds a
-    tokenizer.json is skipped with a warning.
+    A LoRA checkpoint holds only adapters: with ``merge_adapters`` they are
+    merged into its base model (``base_model``, default the one it
+    recorded) and the result written as a full model; without, they are
+    written as a PEFT adapter directory. max_position_embeddings and
+    tokenizer_dir default to what the checkpoint recorded; a recorded
+    tokenizer directory that no longer holds a tokenizer.json is skipped
+    with a warning.
     """
     from nanoq.checkpoint import read_state, read_weights
 
     state = read_state(checkpoint_path)
     step_directory = state.get("path", checkpoint_path)  # weights of the very step whose state this is
     config = ModelConfig(**state["model_config"])
+    lora = LoraConfig(**state["lora"]) if state.get("lora") else None
+    if lora is None and base_model is not None:
+        raise ValueError(f"{step_directory} is not a LoRA checkpoint: it holds every weight, so it takes no "
+                         f"base model")
+    if lora is not None and not merge_adapters:
+        return write_peft_adapter(directory, read_weights(step_directory), lora,
+                                  base_model_name_or_path=_checkpoint_base(state, base_model))
     if max_position_embeddings is None:
         max_position_embeddings = state.get("max_position_embeddings")
         if max_position_embeddings is None:
@@ -234,6 +276,19 @@ def export_checkpoint(checkpoint_path: str | os.PathLike, directory: str | os.Pa
                           f"more; exporting without a tokenizer (pass tokenizer_dir to include one)",
                           stacklevel=2)
             tokenizer_dir = None
-    return write_model(directory, read_weights(step_directory), config,
+    weights = read_weights(step_directory)
+    if lora is not None:
+        base = _checkpoint_base(state, base_model)
+        weights = merge(_base_weights(base, config), weights, lora)
+    return write_model(directory, weights, config,
                        max_position_embeddings=max_position_embeddings, tokenizer_dir=tokenizer_dir,
                        eos_token_id=eos_token_id, max_shard_bytes=max_shard_bytes)
+
+
+def _base_weights(path: str, config: ModelConfig) -> Dict[str, np.ndarray]:
+    """The float32 weights of a Hugging Face model directory, checked against
+    ``config`` (names and shapes of parameter_layout)."""
+    weights = {name: array for name, array in iter_weights(path) if not name.endswith(".rotary_emb.inv_freq")}
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    return weights

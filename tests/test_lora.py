@@ -1,0 +1,412 @@
+"""LoRA against PyTorch: peft's LoRA on the same transformers model is the reference.
+
+nanoq's adapters live in the core (both backends, through the op interface);
+these tests hold them to peft on tiny models: loss and adapter gradients
+over several devices and micro-batches, AdamW trajectories, dropout with the
+core's documented mask, frozen base weights (no gradients, no optimizer
+state, visible in the memory inspector), adapter-only checkpoints that
+resume bit for bit, and both exports (merged model, PEFT adapter).
+"""
+import json
+import os
+
+import numpy as np
+import peft
+import pytest
+import torch
+from safetensors.numpy import load_file
+from transformers import AutoModelForCausalLM
+
+import nanoq
+from conftest import (
+    IGNORE,
+    SEQ,
+    TorchTrainer,
+    assert_same_tensors,
+    assert_tensors_close,
+    random_batch,
+    split_rows,
+    token_terms,
+    torch_backward,
+)
+from nanoq._core import OpRunner
+from nanoq.checkpoint import CheckpointError
+from nanoq.hf_export import export_adapter, export_checkpoint
+from nanoq.lora import PEFT_NAMES, LoraConfig, adapter_shapes, projection_shape
+
+LOSS_REL = 1e-5
+GRAD_REL = 3e-5
+TRAIN_LOSS_REL = 5e-5
+WEIGHT_REL = 5e-4
+
+# (variant, targets): every projection is covered, with biases (qwen2) and q/k norms (qwen3).
+CASES = [("llama", "all"), ("qwen2", "q,k,v,o"), ("qwen3", "gate,up,down,q")]
+
+
+def lora_trainer(checkpoint, lora, devices=1, batch_size=2, grad_accum=1, seed=0, backend="cpu", **options):
+    config = nanoq.ModelConfig.from_pretrained(checkpoint)
+    trainer = nanoq.Trainer(config, nanoq.TrainOptions(backend=backend, devices=devices, batch_size=batch_size,
+                                                       seq_len=SEQ, grad_accum=grad_accum, seed=seed, lora=lora,
+                                                       **options))
+    trainer.import_weights(checkpoint)
+    return trainer
+
+
+def random_adapters(trainer, seed):
+    """Adapters with B != 0 too (fresh ones have B = 0, which hides A's gradient)."""
+    rng = np.random.default_rng(seed)
+    shapes = adapter_shapes(trainer.config, trainer.lora)
+    return {name: (rng.standard_normal(shape) / np.sqrt(max(shape))).astype(np.float32)
+            for name, shape in shapes.items()}
+
+
+def set_adapters(trainer, adapters):
+    weights = trainer.get_weights()
+    weights.update(adapters)
+    trainer.set_weights(weights)
+
+
+def nanoq_name(peft_name):
+    return peft_name.replace("base_model.model.", "", 1).replace(".default", "")
+
+
+def peft_model(hf_model, lora, adapters, dropout=0.0):
+    """hf_model wrapped by peft with the same LoRA setting and adapters."""
+    model = peft.get_peft_model(hf_model, peft.LoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=dropout,
+        target_modules=[PEFT_NAMES[t] for t in lora.targets]))
+    loaded = 0
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if ".lora_" in name:
+                parameter.copy_(torch.from_numpy(adapters[nanoq_name(name)]))
+                loaded += 1
+    assert loaded == len(adapters)
+    return model
+
+
+def peft_grads(model):
+    return {nanoq_name(n): p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("variant,targets", CASES)
+def test_loss_and_adapter_gradients_match_peft(checkpoints, variant, targets):
+    """Two devices x two micro-batches with very unequal counted tokens."""
+    lora = LoraConfig(rank=4, alpha=8.0, targets=targets)
+    rng = np.random.default_rng(1)
+    micro = [random_batch(rng, rows=4, mask_frac=f) for f in (0.1, 0.7)]
+    with lora_trainer(checkpoints.path(variant), lora, devices=2, grad_accum=2) as tr:
+        adapters = random_adapters(tr, 2)
+        set_adapters(tr, adapters)
+        for batch in micro:
+            tr.step(*batch)
+        grads = tr.get_gradients()
+        stats = tr.update(lr=0.0)
+    ref = torch_backward(peft_model(checkpoints.model(variant), lora, adapters), micro)
+    assert sorted(grads) == sorted(adapters)  # adapters only: the base has no gradient
+    assert stats.tokens == ref.tokens
+    assert stats.loss == pytest.approx(ref.loss, rel=LOSS_REL)
+    assert_tensors_close(grads, {nanoq_name(n): g for n, g in ref.grads.items()}, GRAD_REL, f"{variant} grad")
+    assert min(float(np.abs(g).max()) for g in grads.values()) > 0  # every A and B gets a gradient
+
+
+def test_adamw_steps_match_peft_and_leave_the_base_untouched(checkpoints):
+    lora = LoraConfig(rank=4, alpha=16.0, targets="all")
+    rng = np.random.default_rng(3)
+    with lora_trainer(checkpoints.path("llama"), lora, batch_size=4) as tr:
+        base = {n: w for n, w in tr.get_weights().items() if ".lora_" not in n}
+        adapters = random_adapters(tr, 4)
+        set_adapters(tr, adapters)
+        ref = TorchTrainer(peft_model(checkpoints.model("llama"), lora, adapters))
+        for step, clip in enumerate([1.0, 0.0, 0.5, 1.0, 0.0]):
+            batch = random_batch(rng, rows=4, mask_frac=0.2)
+            ref.step(*batch)
+            tr.step(*batch)
+            r = ref.update(lr=3e-3, weight_decay=0.1, grad_clip=clip)
+            s = tr.update(lr=3e-3, weight_decay=0.1, grad_clip=clip)
+            assert s.loss == pytest.approx(r.loss, rel=TRAIN_LOSS_REL), f"step {step}"
+            assert s.grad_norm == pytest.approx(r.grad_norm, rel=1e-4), f"step {step}"
+        weights = tr.get_weights()
+    trained = {nanoq_name(n): w for n, w in ref.weights().items() if ".lora_" in n}
+    assert_tensors_close({n: weights[n] for n in trained}, trained, WEIGHT_REL, "adapter")
+    assert max(float(np.abs(weights[n] - adapters[n]).max()) for n in adapters) > 1e-3  # they did train
+    assert_same_tensors({n: weights[n] for n in base}, base, "frozen weight")
+
+
+def test_frozen_weights_have_no_gradients_or_optimizer_state(checkpoints):
+    lora = LoraConfig(rank=2, targets="q,v")
+    path = checkpoints.path("llama")
+    config = nanoq.ModelConfig.from_pretrained(path)
+    with lora_trainer(path, lora) as tr, nanoq.Trainer(config, nanoq.TrainOptions(backend="cpu", batch_size=2,
+                                                                                   seq_len=SEQ)) as full:
+        adapter_count = sum(int(np.prod(s)) for s in adapter_shapes(config, lora).values())
+        model_count = sum(w.size for w in full.get_weights().values())
+        assert tr.trainable_names == list(adapter_shapes(config, lora))
+        assert sorted(tr.get_optimizer_state()["adam_m"]) == sorted(tr.trainable_names)
+
+        def by_context(trainer):
+            out = {}
+            for a in trainer.get_allocations(0):
+                out[a["context"]] = out.get(a["context"], 0) + a["bytes"]
+            return out, {a["name"]: a["bytes"] for a in trainer.get_allocations(0)}
+
+        contexts, names = by_context(tr)
+        full_contexts, _ = by_context(full)
+        # The inspector shows the frozen weights as weights, and gradients and
+        # AdamW state sized by the adapters alone.
+        assert names["frozen-weights"] == 4 * model_count
+        assert names["adapters"] == contexts["gradients"] == contexts["adam-m"] == contexts["adam-v"] \
+            == 4 * adapter_count
+        assert full_contexts["gradients"] == 4 * model_count
+        assert contexts["gradients"] * 50 < full_contexts["gradients"]
+        frozen = tr.parameter_names.index("model.layers.0.self_attn.q_proj.weight")
+        tr.step(*random_batch(np.random.default_rng(0), rows=2))
+        with pytest.raises(ValueError, match="frozen"):
+            tr._core.get_gradient(frozen)
+        with pytest.raises(ValueError, match="frozen"):
+            tr._core.get_optimizer_state(frozen, 1)
+
+
+# -- dropout: the core's mask, reimplemented from cuda_core/dropout.h ------------
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(z):
+    """The finaliser of dropout.h on uint64 arrays (numpy wraps on overflow)."""
+    z = np.asarray(z, np.uint64)
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def mix_seed(seed, stream):
+    return int(_splitmix64(np.uint64(seed ^ ((stream * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & _MASK64))))
+
+
+def dropout_keep(seed, n, drop):
+    index = np.arange(n, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = _splitmix64(np.uint64(seed) + (index + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15))
+    return (z >> np.uint64(40)).astype(np.float32) * np.float32(1.0 / 16777216.0) >= np.float32(drop)
+
+
+def test_scale_dropout_op_draws_the_documented_mask():
+    x = np.random.default_rng(0).standard_normal(20000).astype(np.float32)
+    out = OpRunner("cpu").scale_dropout(x, 2.0, 0.25, 987654321)
+    keep = dropout_keep(987654321, x.size, 0.25)
+    np.testing.assert_array_equal(out, np.where(keep, x * np.float32(2.0 / 0.75), np.float32(0)))
+    assert 0.24 < 1 - keep.mean() < 0.26
+
+
+class FixedDropout(torch.nn.Module):
+    """Dropout with a given keep mask over the flattened input."""
+
+    def __init__(self, keep, drop):
+        super().__init__()
+        self.scale = torch.from_numpy(keep.astype(np.float32) / np.float32(1 - drop))
+
+    def forward(self, x):
+        return x * self.scale.reshape(x.shape)
+
+
+def test_dropout_matches_peft_with_the_cores_masks(checkpoints):
+    """One device, one micro-batch: the core keys each (layer, target) mask by
+    mix_seed(mix_seed(mix_seed(seed, step * grad_accum + micro), rank), layer * 7 + target)."""
+    drop, seed = 0.3, 11
+    lora = LoraConfig(rank=4, alpha=8.0, dropout=drop, targets="q,o,down")
+    inputs, targets = random_batch(np.random.default_rng(5), rows=2, mask_frac=0.2)
+    with lora_trainer(checkpoints.path("llama"), lora, seed=seed) as tr:
+        adapters = random_adapters(tr, 6)
+        set_adapters(tr, adapters)
+        tr.step(inputs, targets)
+        grads = tr.get_gradients()
+        stats = tr.update(lr=0.0)
+    model = peft_model(checkpoints.model("llama"), lora, adapters, dropout=drop)
+    step_seed = mix_seed(mix_seed(seed, 0), 0)
+    rows = inputs.size
+    target_index = {"q": 0, "o": 3, "down": 6}
+    for name, module in model.named_modules():
+        if name.endswith(".lora_dropout"):
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            target = name.split(".")[-2].replace("_proj", "")
+            width = projection_shape(tr.config, target)[1]
+            keep = dropout_keep(mix_seed(step_seed, layer * 7 + target_index[target]), rows * width, drop)
+            module["default"] = FixedDropout(keep, drop)
+    ref = torch_backward(model, [(inputs, targets)])
+    assert stats.loss == pytest.approx(ref.loss, rel=LOSS_REL)
+    assert_tensors_close(grads, {nanoq_name(n): g for n, g in ref.grads.items()}, GRAD_REL, "dropout grad")
+    # The masks matter: without them the reference differs by far more.
+    plain = torch_backward(peft_model(checkpoints.model("llama"), lora, adapters), [(inputs, targets)])
+    assert abs(plain.loss - ref.loss) > 100 * LOSS_REL * ref.loss
+
+
+def test_dropout_is_off_in_validation_and_deterministic_in_training(checkpoints):
+    batch = random_batch(np.random.default_rng(7), rows=2, mask_frac=0.1)
+    results = []
+    for dropout in (0.0, 0.5, 0.5):
+        with lora_trainer(checkpoints.path("llama"), LoraConfig(rank=4, dropout=dropout, targets="all")) as tr:
+            set_adapters(tr, random_adapters(tr, 8))
+            evaluation = tr.validate(*batch)
+            tr.step(*batch)
+            results.append((evaluation.loss, tr.get_gradients()))
+    assert results[0][0] == results[1][0] == results[2][0]
+    assert_same_tensors(results[1][1], results[2][1], "dropout gradient")
+    name = "model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert not np.allclose(results[0][1][name], results[1][1][name], rtol=1e-2)
+
+
+# -- checkpoints and export --------------------------------------------------------
+
+
+def test_checkpoint_holds_adapters_only_and_resumes_on_any_device_count(checkpoints, tmp_path):
+    lora = LoraConfig(rank=4, alpha=8.0, targets="q,k,v,o,down")
+    rng = np.random.default_rng(9)
+    steps = [random_batch(rng, rows=4, mask_frac=0.2) for _ in range(4)]  # one global batch per step
+    path = checkpoints.path("llama")
+
+    def train(tr, batches):
+        for batch in batches:
+            for micro in split_rows(*batch, 2):
+                tr.step(*micro)
+            tr.update(lr=2e-3)
+
+    with lora_trainer(path, lora, grad_accum=2) as tr:
+        train(tr, steps[:2])
+        step_dir = tr.save_checkpoint(tmp_path / "ckpt", step=2)
+        train(tr, steps[2:])
+        expected = tr.get_weights(trainable_only=True)
+    saved = load_file(os.path.join(step_dir, "model.safetensors"))
+    assert sorted(saved) == sorted(expected)  # no base weight in the checkpoint
+    with open(os.path.join(step_dir, "trainer_state.json")) as f:
+        state = json.load(f)
+    assert state["lora"] == dict(rank=4, alpha=8.0, dropout=0.0, targets=["q", "k", "v", "o", "down"])
+    assert state["base_model"] == os.path.abspath(path)
+    for devices, batch_size in ((1, 2), (2, 1)):
+        with lora_trainer(path, lora, devices=devices, batch_size=batch_size, grad_accum=2) as resumed:
+            resumed.load_checkpoint(step_dir)
+            assert resumed.optimizer_steps == 2
+            train(resumed, steps[2:])
+            got = resumed.get_weights(trainable_only=True)
+        if devices == 1:
+            assert_same_tensors(got, expected, "resumed adapter")
+        else:  # sums in another order
+            assert_tensors_close(got, expected, 1e-5, "adapter resumed on 2 devices")
+
+
+def test_same_device_count_resume_with_dropout_is_bitwise(checkpoints, tmp_path):
+    lora = LoraConfig(rank=4, dropout=0.2, targets="all")
+    rng = np.random.default_rng(12)
+    batches = [random_batch(rng, rows=2) for _ in range(4)]
+    path = checkpoints.path("llama")
+    with lora_trainer(path, lora) as tr:
+        for batch in batches[:2]:
+            tr.step(*batch)
+            tr.update(lr=1e-3)
+        step_dir = tr.save_checkpoint(tmp_path / "ckpt", step=2)
+        for batch in batches[2:]:
+            tr.step(*batch)
+            tr.update(lr=1e-3)
+        expected = tr.get_weights(trainable_only=True)
+    with lora_trainer(path, lora) as resumed:
+        resumed.load_checkpoint(step_dir)
+        for batch in batches[2:]:
+            resumed.step(*batch)
+            resumed.update(lr=1e-3)
+        assert_same_tensors(resumed.get_weights(trainable_only=True), expected, "resumed adapter")
+
+
+def test_lora_checkpoint_refuses_a_mismatched_trainer(checkpoints, tmp_path):
+    path = checkpoints.path("llama")
+    with lora_trainer(path, LoraConfig(rank=4)) as tr:
+        step_dir = tr.save_checkpoint(tmp_path / "ckpt", step=0)
+    with lora_trainer(path, LoraConfig(rank=2)) as other, pytest.raises(CheckpointError, match="LoRA"):
+        other.load_checkpoint(step_dir)
+    config = nanoq.ModelConfig.from_pretrained(path)
+    with nanoq.Trainer(config, nanoq.TrainOptions(backend="cpu", batch_size=2, seq_len=SEQ)) as full, \
+            pytest.raises(CheckpointError, match="LoRA"):
+        full.load_checkpoint(step_dir)
+
+
+def logits(model, inputs):
+    with torch.no_grad():
+        return model(input_ids=torch.from_numpy(inputs).long()).logits.float().numpy()
+
+
+def test_merged_and_peft_exports_give_the_same_logits_as_nanoq(checkpoints, tmp_path):
+    lora = LoraConfig(rank=4, alpha=8.0, targets="all")
+    path = checkpoints.path("qwen2")
+    rng = np.random.default_rng(13)
+    inputs, targets = random_batch(rng, rows=2)
+    with lora_trainer(path, lora) as tr:
+        set_adapters(tr, random_adapters(tr, 14))
+        for _ in range(2):
+            tr.step(*random_batch(rng, rows=2))
+            tr.update(lr=1e-2)
+        nanoq_loss = tr.validate(inputs, targets).loss
+        merged_dir = tr.export_model(tmp_path / "merged")
+        adapter_dir = export_adapter(tr, tmp_path / "adapter")
+        step_dir = tr.save_checkpoint(tmp_path / "ckpt", step=2)
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir)
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        assert json.load(f)["base_model_name_or_path"] == os.path.abspath(path)
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), adapter_dir)
+    reference = logits(loaded, inputs)
+    np.testing.assert_allclose(logits(merged, inputs), reference, atol=2e-5, rtol=1e-5)
+    ce, _, mask = token_terms(loaded, inputs, targets)
+    assert nanoq_loss == pytest.approx(float(ce[mask].double().mean()), rel=LOSS_REL)
+    assert np.abs(reference - logits(AutoModelForCausalLM.from_pretrained(path), inputs)).max() > 1e-2
+    # The same two exports from the checkpoint, with no trainer.
+    merged_again = AutoModelForCausalLM.from_pretrained(export_checkpoint(step_dir, tmp_path / "merged2"))
+    np.testing.assert_allclose(logits(merged_again, inputs), reference, atol=2e-5, rtol=1e-5)
+    adapter_again = export_checkpoint(step_dir, tmp_path / "adapter2", merge_adapters=False)
+    loaded_again = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), adapter_again)
+    np.testing.assert_allclose(logits(loaded_again, inputs), reference, atol=1e-6)
+
+
+def test_export_checkpoint_needs_the_base_model(checkpoints, tmp_path):
+    import shutil
+
+    base = shutil.copytree(checkpoints.path("llama"), tmp_path / "base")
+    with lora_trainer(base, LoraConfig(rank=2)) as tr:
+        step_dir = tr.save_checkpoint(tmp_path / "ckpt", step=0)
+    moved = shutil.move(base, tmp_path / "moved")
+    with pytest.raises(ValueError, match="does not exist any more"):
+        export_checkpoint(step_dir, tmp_path / "out")
+    assert os.path.isfile(os.path.join(export_checkpoint(step_dir, tmp_path / "out", base_model=moved),
+                                       "config.json"))
+
+
+def test_bad_lora_settings_are_refused_before_the_core():
+    config = nanoq.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=4)
+    with pytest.raises(ValueError, match="zero_stage 1"):
+        nanoq.TrainOptions(backend="cpu", devices=2, zero_stage=2, lora=LoraConfig(rank=4))
+    with pytest.raises(ValueError, match="rank"):
+        nanoq.TrainOptions(backend="cpu", lora=dict(rank=0))
+    with pytest.raises(ValueError, match="unknown LoRA target"):
+        nanoq.TrainOptions(backend="cpu", lora=dict(rank=2, targets="q,attn"))
+    with pytest.raises(TypeError, match="LoraConfig"):
+        nanoq.TrainOptions(backend="cpu", lora=4)
+    with nanoq.Trainer(config, nanoq.TrainOptions(backend="cpu", seq_len=8)) as full, \
+            pytest.raises(ValueError, match="no LoRA"):
+        export_adapter(full, "unused")
+
+
+@pytest.mark.gpu
+def test_cuda_lora_step_matches_cpu(checkpoints, cuda_device):
+    lora = LoraConfig(rank=4, alpha=8.0, dropout=0.2, targets="all")
+    batch = random_batch(np.random.default_rng(15), rows=4, mask_frac=0.2)
+    results = []
+    for backend, extra in (("cpu", {}), ("cuda", {"dtype": "fp32"})):
+        with lora_trainer(checkpoints.path("llama"), lora, batch_size=4, backend=backend, **extra) as tr:
+            set_adapters(tr, random_adapters(tr, 16))
+            tr.step(*batch)
+            grads = tr.get_gradients()
+            stats = tr.update(lr=1e-3)
+            results.append((stats, grads, tr.get_weights(trainable_only=True)))
+    (cpu_stats, cpu_grads, cpu_weights), (gpu_stats, gpu_grads, gpu_weights) = results
+    assert gpu_stats.loss == pytest.approx(cpu_stats.loss, rel=2e-5)
+    assert_tensors_close(gpu_grads, cpu_grads, 1e-4, "cuda adapter grad")
+    assert_tensors_close(gpu_weights, cpu_weights, 5e-4, "cuda adapter")
