@@ -507,22 +507,30 @@ void LlamaModel::layer_backward(int layer, const LayerWeights& w, const LayerWei
     }
 }
 
-void LlamaModel::adapter_forward(int layer, int target, const LayerWeights& w, const Tensor& out, const Tensor& x,
-                                 int n, int k, StackArena& stack) {
-    if (!w.lora_a[target].data) return;
+std::pair<Tensor, Tensor> LlamaModel::adapter_hidden(int layer, int target, const LayerWeights& w, const Tensor& x,
+                                                     int k, StackFrame& frame) {
     Backend& be = backend_;
-    const int r = lora_.rank;
-    const std::uint64_t seed = mix_seed(dropout_seed_, std::uint64_t(layer) * kLoraTargetCount + target);
-    StackFrame frame(stack);
     Tensor input = x;
     if (dropout_active_) {
         input = frame.push("lora-dropout", dtype_, {rows_, k});
-        be.scale_dropout(input, x, 1.0f, lora_.dropout, seed);
+        be.scale_dropout(input, x, 1.0f, lora_.dropout, adapter_seed(layer, target));
     }
-    Tensor h = frame.push("lora-h", dtype_, {rows_, r});
-    be.matmul(h, input, w.lora_a[target], rows_, r, k, false, true, false);  // h = x A^T
+    Tensor h = frame.push("lora-h", dtype_, {rows_, lora_.rank});
+    be.matmul(h, input, w.lora_a[target], rows_, lora_.rank, k, false, true, false);  // h = x A^T
     be.scale_dropout(h, h, lora_.scale, 0.0f, 0);
-    be.matmul(out, h, w.lora_b[target], rows_, n, r, false, true, true);     // out += h B^T
+    return {input, h};
+}
+
+std::uint64_t LlamaModel::adapter_seed(int layer, int target) const {
+    return mix_seed(dropout_seed_, std::uint64_t(layer) * kLoraTargetCount + target);
+}
+
+void LlamaModel::adapter_forward(int layer, int target, const LayerWeights& w, const Tensor& out, const Tensor& x,
+                                 int n, int k, StackArena& stack) {
+    if (!w.lora_a[target].data) return;
+    StackFrame frame(stack);
+    const Tensor h = adapter_hidden(layer, target, w, x, k, frame).second;
+    backend_.matmul(out, h, w.lora_b[target], rows_, n, lora_.rank, false, true, true);  // out += h B^T
 }
 
 void LlamaModel::adapter_backward(int layer, int target, const LayerWeights& w, const LayerWeights& g,
@@ -531,25 +539,16 @@ void LlamaModel::adapter_backward(int layer, int target, const LayerWeights& w, 
     if (!w.lora_a[target].data) return;
     Backend& be = backend_;
     const int r = lora_.rank;
-    const std::uint64_t seed = mix_seed(dropout_seed_, std::uint64_t(layer) * kLoraTargetCount + target);
     StackFrame frame(stack);
-    // The forward's dropped input and h = scale * x A^T, recomputed.
-    Tensor input = x;
-    if (dropout_active_) {
-        input = frame.push("lora-dropout", dtype_, {rows_, k});
-        be.scale_dropout(input, x, 1.0f, lora_.dropout, seed);
-    }
-    Tensor h = frame.push("lora-h", dtype_, {rows_, r});
-    be.matmul(h, input, w.lora_a[target], rows_, r, k, false, true, false);
-    be.scale_dropout(h, h, lora_.scale, 0.0f, 0);
+    const auto [input, h] = adapter_hidden(layer, target, w, x, k, frame);  // as in forward
     be.matmul(g.lora_b[target], dy, h, n, r, rows_, true, false, true);  // dB += dy^T h
-    Tensor dh = h;                                                        // h is no longer needed
+    const Tensor dh = h;                                                  // h is no longer needed
     be.matmul(dh, dy, w.lora_b[target], rows_, r, n, false, false, false);  // dh = scale * dy B
     be.scale_dropout(dh, dh, lora_.scale, 0.0f, 0);
     be.matmul(g.lora_a[target], dh, input, r, k, rows_, true, false, true);  // dA += dh^T dropout(x)
     if (!dropout_active_) return be.matmul(dx, dh, w.lora_a[target], rows_, k, r, false, false, true);  // dx += dh A
     be.matmul(input, dh, w.lora_a[target], rows_, k, r, false, false, false);  // the same mask on the way back
-    be.scale_dropout(input, input, 1.0f, lora_.dropout, seed);
+    be.scale_dropout(input, input, 1.0f, lora_.dropout, adapter_seed(layer, target));
     be.accumulate(dx, input);
 }
 

@@ -172,6 +172,12 @@ private:
                          int k, StackArena& stack);
     void adapter_backward(int layer, int target, const LayerWeights& w, const LayerWeights& g, const Tensor& dx,
                           const Tensor& dy, const Tensor& x, int n, int k, StackArena& stack);
+    // On `frame`: the adapter's input (x after dropout; x itself without)
+    // and h = scale * input A^T.
+    std::pair<Tensor, Tensor> adapter_hidden(int layer, int target, const LayerWeights& w, const Tensor& x, int k,
+                                             StackFrame& frame);
+    // The dropout mask of one adapter in this micro-batch.
+    std::uint64_t adapter_seed(int layer, int target) const;
     // Where a gradient goes: `grad`, or a scratch sink when it is frozen
     // (an empty tensor); for the norms, whose backward always writes one.
     const Tensor& or_sink(const Tensor& grad) const { return grad.data ? grad : frozen_grad_sink_; }
