@@ -410,3 +410,66 @@ def test_cuda_lora_step_matches_cpu(checkpoints, cuda_device):
     assert gpu_stats.loss == pytest.approx(cpu_stats.loss, rel=2e-5)
     assert_tensors_close(gpu_grads, cpu_grads, 1e-4, "cuda adapter grad")
     assert_tensors_close(gpu_weights, cpu_weights, 5e-4, "cuda adapter")
+
+
+# -- the command line --------------------------------------------------------------
+
+
+def test_cli_lora_fine_tune_resume_and_both_exports(checkpoints, tmp_path):
+    """nanoq train --init-from HF --lora-rank ... on masked (SFT-style) data,
+    stopped and resumed, then nanoq export with and without --merge."""
+    from click.testing import CliRunner
+
+    from nanoq.data import write_tokens
+    from nanoq_cli.main import cli
+
+    base = checkpoints.path("llama")
+    rng = np.random.default_rng(17)
+    tokens = rng.integers(0, 100, size=6000)
+    write_tokens(tmp_path / "train.bin", tokens, vocab_size=100, mask=rng.random(tokens.size) < 0.4)
+    write_tokens(tmp_path / "eval.bin", tokens[:800], vocab_size=100)
+
+    def run(*args):
+        result = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    common = ["train", "--init-from", base, "--lora-rank", 4, "--lora-alpha", 8, "--lora-targets", "q,v,down",
+              "--train-data", tmp_path / "train.bin", "--eval-data", tmp_path / "eval.bin", "--seq-len", SEQ,
+              "--batch-size", 2, "--eval-every", 0, "--checkpoint-every", 2, "--keep-last", 5, "--lr", 1e-2,
+              "--warmup-steps", 1,
+              "--backend", "cpu", "--out-dir", tmp_path / "runs", "--run-name", "ft"]
+    run(*common, "--steps", 2)  # a first run that "stops" after 2 steps
+    output = run(*common, "--steps", 4, "--resume")
+    assert "lora: rank 4" in output and "resuming" in output
+    run_dir = tmp_path / "runs" / "ft"
+    step4 = run_dir / "checkpoints" / "step_00000004"
+    assert all(".lora_" in name for name in load_file(str(step4 / "model.safetensors")))
+    # The resumed run's own exports (the first run's final model is in model/).
+    final = run_dir / "model-step4"
+    merged = AutoModelForCausalLM.from_pretrained(final)
+    adapter = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), final / "adapter")
+    inputs, _ = random_batch(rng, rows=2, vocab=100)
+    np.testing.assert_allclose(logits(merged, inputs), logits(adapter, inputs), atol=2e-5, rtol=1e-5)
+    # The checkpoint's, with the command: the same model.
+    run("export", step4, "-o", tmp_path / "peft")
+    run("export", step4, "-o", tmp_path / "full", "--merge")
+    assert sorted(os.listdir(tmp_path / "peft")) == ["adapter_config.json", "adapter_model.safetensors"]
+    np.testing.assert_allclose(logits(AutoModelForCausalLM.from_pretrained(tmp_path / "full"), inputs),
+                               logits(merged, inputs), atol=2e-5, rtol=1e-5)
+    from_peft = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "peft")
+    np.testing.assert_allclose(logits(from_peft, inputs), logits(merged, inputs), atol=2e-5, rtol=1e-5)
+    # nanoq memory reads the architecture from --init-from too.
+    estimate = run("memory", "--init-from", base, "--lora-rank", 4, "--lora-targets", "q,v,down", "--seq-len", SEQ,
+                   "--train-data", tmp_path / "train.bin", "--backend", "cpu")
+    assert "frozen; LoRA rank 4 on q,v,down" in estimate
+    with pytest.raises(AssertionError, match="--merge is for LoRA"):
+        run("export", checkpoints_full(tmp_path), "-o", tmp_path / "bad", "--merge")
+
+
+def checkpoints_full(tmp_path):
+    """A checkpoint of full (non-LoRA) training."""
+    config = nanoq.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=4)
+    with nanoq.Trainer(config, nanoq.TrainOptions(backend="cpu", seq_len=8)) as trainer:
+        return trainer.save_checkpoint(tmp_path / "full-ckpt", step=0)

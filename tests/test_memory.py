@@ -16,7 +16,8 @@ import pytest
 from click.testing import CliRunner
 
 import nanoq
-from nanoq.memory import CONTEXTS, estimate_memory, human_bytes, parameter_numels
+from nanoq.lora import LoraConfig, adapter_shapes
+from nanoq.memory import CONTEXTS, estimate_memory, human_bytes, parameter_count_text, parameter_numels
 from nanoq_cli.main import cli
 
 TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -29,6 +30,10 @@ CONFIGS = {
     # head_dim 16 != hidden/heads, 6 query heads on 2 kv heads, q/k norm.
     "qwen3_gqa": nanoq.ModelConfig(vocab_size=200, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                                    num_attention_heads=6, num_key_value_heads=2, head_dim=16, qk_norm=True),
+    # head_dim 32 > hidden 16: o's input (heads * head_dim) is the widest, and the frozen norms' gradient
+    # sink is head_dim long.
+    "qwen3_wide_heads": nanoq.ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, qk_norm=True),
 }
 QWEN_0_5B = "configs/qwen2.5-0.5b.json"
 QWEN_7B = "configs/qwen2.5-7b.json"
@@ -84,13 +89,74 @@ def test_cpu_estimate_equals_real_allocations_with_recompute_offload_and_stages(
     assert estimate.device_bytes == sum(per_context(real).values())
 
 
-def test_estimate_total_is_exactly_what_memory_limit_allows():
-    config, options = CONFIGS["qwen3_gqa"], cpu_options(2)
+@pytest.mark.parametrize("lora", [None, LoraConfig(4, dropout=0.1, targets="all")])
+def test_estimate_total_is_exactly_what_memory_limit_allows(lora):
+    config, options = CONFIGS["qwen3_gqa"], cpu_options(2, lora=lora)
     need = estimate_memory(config, options).device_bytes
     with nanoq.Trainer(config, dataclasses.replace(options, memory_limit=need)) as trainer:
         assert trainer.memory_summary()[0]["allocated"] == need
     with pytest.raises(nanoq.OutOfMemoryError):
         nanoq.Trainer(config, dataclasses.replace(options, memory_limit=need - 1))
+
+
+# (model, devices, LoRA, recompute, offload): ranks 1-16; targets with the widest inputs (down: intermediate;
+# o: heads * head_dim); dropout on and off; offloaded optimizer and master.
+LORA_SETUPS = [
+    ("llama_untied", 1, LoraConfig(4), "", ""),
+    ("llama_tied", 2, LoraConfig(8, dropout=0.1, targets="q,v,down"), "swiglu", ""),
+    ("llama_untied", 2, LoraConfig(1, alpha=2, dropout=0.3, targets="all"), "", "optimizer"),
+    ("qwen2_bias", 2, LoraConfig(3, dropout=0.2, targets="gate,up"), "norms,qkv", "master"),
+    ("qwen3_gqa", 1, LoraConfig(16, targets="all"), "ffn", "optimizer,master"),
+    ("qwen3_gqa", 2, LoraConfig(2, dropout=0.05, targets="o,down"), "block", "optimizer,master"),
+    ("qwen3_wide_heads", 2, LoraConfig(2, dropout=0.1, targets="o"), "", ""),
+    ("qwen3_wide_heads", 1, LoraConfig(5, targets="q,k"), "qkv", ""),
+]
+
+
+@pytest.mark.parametrize("name,devices,lora,recompute,offload", LORA_SETUPS)
+def test_cpu_lora_estimate_equals_real_allocations(name, devices, lora, recompute, offload):
+    config = CONFIGS[name]
+    options = cpu_options(devices, lora=lora, recompute=recompute, offload=offload)
+    estimate = estimate_memory(config, options)
+    real = real_allocations(config, options, device=devices - 1)
+    assert [(a.context, a.name, a.bytes, a.kind) for a in estimate.allocations] == real
+    assert estimate.pinned_bytes == sum(nbytes for _, _, nbytes, kind in real if kind == "pinned")
+    assert estimate.device_bytes == sum(per_context(real).values())
+    sizes = {allocation_name: nbytes for _, allocation_name, nbytes, _ in real}
+    adapters = sum(rows * cols for rows, cols in adapter_shapes(config, lora).values())
+    assert estimate.trainable_parameters == adapters
+    assert estimate.parameters == sum(parameter_numels(config))
+    assert sizes["frozen-weights"] == 4 * estimate.parameters  # whole, unpadded
+    assert sizes["adapters"] == sizes["gradients"] == 4 * -(-adapters // devices) * devices
+    assert sizes["frozen-norm-gradients"] == 4 * max(config.hidden_size, config.head_dim)
+    assert "weights" not in sizes
+
+
+def test_lora_gradients_and_optimizer_state_are_a_small_fraction_of_full_fine_tuning():
+    config = nanoq.ModelConfig.from_pretrained(QWEN_0_5B)
+    options = nanoq.TrainOptions(devices=1, batch_size=8, seq_len=1024)
+    lora = LoraConfig(16, targets="q,k,v,o")
+    full, tuned = (estimate_memory(config, dataclasses.replace(options, lora=setting), backend="cuda")
+                   for setting in (None, lora))
+    parameters = 494_032_768
+    # Per layer, rank 16: A [16, 896] for q, k, v, o; B [896, 16] for q and o, [128, 16] for k and v.
+    adapters = 24 * 16 * (4 * 896 + 2 * 896 + 2 * 128)
+    assert (tuned.parameters, tuned.trainable_parameters) == (parameters, adapters)
+    assert tuned.contexts["weights"] == 2 * parameters + 2 * adapters  # bf16: the frozen model and the adapters
+    assert tuned.contexts["gradients"] == 4 * adapters
+    for context in ("master", "adam-m", "adam-v"):  # fp32 master (bf16 weights) and AdamW
+        assert tuned.contexts[context] == 4 * adapters
+    trained_state = ("gradients", "master", "adam-m", "adam-v")
+    assert sum(tuned.contexts[c] for c in trained_state) * 200 < sum(full.contexts[c] for c in trained_state)
+    assert tuned.device_bytes < full.device_bytes - 14 * parameters
+    assert tuned.contexts["activations"] == full.contexts["activations"]
+    # The stack's peak also holds an adapter's [rows, 16] hidden, and with dropout its dropped-out [rows, 896]
+    # input (q, k, v and o all read 896 wide), bf16.
+    rows = 8 * 1024
+    assert tuned.contexts["stack"] - full.contexts["stack"] == 2 * rows * 16
+    dropped = estimate_memory(config, dataclasses.replace(options, lora=dataclasses.replace(lora, dropout=0.1)),
+                              backend="cuda")
+    assert dropped.contexts["stack"] - full.contexts["stack"] == 2 * rows * 16 + 2 * rows * 896
 
 
 def test_sharded_contexts_shrink_with_devices_and_replicated_ones_do_not():
@@ -209,6 +275,20 @@ def test_higher_zero_stages_are_suggested_on_several_devices():
     assert lines[0].startswith("zero_stage 3 (gradients and weights sharded across the 8 devices)")
 
 
+def test_lora_suggestions_keep_zero_stage_1():
+    # LoRA trains at zero_stage 1 only: no suggestion may raise it, even on several devices.
+    config = CONFIGS["llama_untied"]
+    options = cpu_options(2, batch_size=1, seq_len=64, lora=LoraConfig(4, targets="all"))
+    estimate = estimate_memory(config, options)
+    recomputed = estimate_memory(config, dataclasses.replace(options, recompute="swiglu"))
+    lines = estimate.suggestions(recomputed.device_bytes)
+    assert lines[0].startswith("recompute swiglu (")
+    assert not any("zero_stage" in line for line in lines)
+    (line,) = estimate.suggestions(1000)
+    assert line.startswith("nothing fits: even 64 devices with zero_stage 1, batch_size 1, recompute block and "
+                           "offload optimizer,master need ")
+
+
 def test_when_nothing_fits_it_says_so():
     config, options = CONFIGS["llama_untied"], cpu_options(1, batch_size=1, seq_len=8)
     (line,) = estimate_memory(config, options).suggestions(1000)
@@ -223,6 +303,23 @@ def test_table_has_a_row_per_context_and_a_verdict():
     assert re.search(rf"^total +{re.escape(human_bytes(estimate.device_bytes))} ", table, re.M)
     assert "fits in 1.00 GiB" in table
     assert "does NOT fit" in estimate.table(1000)
+
+
+def test_table_shows_the_frozen_weights_apart_from_the_adapters():
+    config, lora = CONFIGS["llama_tied"], LoraConfig(4, dropout=0.1, targets="q,v,down")
+    estimate = estimate_memory(config, cpu_options(2, lora=lora))
+    sizes = {a.name: a.bytes for a in estimate.allocations}
+    adapters = sum(rows * cols for rows, cols in adapter_shapes(config, lora).values())
+    table = estimate.table(1 << 30)
+    assert (f"{parameter_count_text(estimate.parameters)} parameters (2 layers, hidden 32, vocab 128, tied), "
+            f"frozen; LoRA rank 4 on q,v,down, dropout 0.1: {parameter_count_text(adapters)} trainable; cpu") in table
+    weights = human_bytes(sizes["frozen-weights"] + sizes["adapters"])
+    assert re.search(rf"^weights +{re.escape(weights)}  the frozen model weights "
+                     rf"\({re.escape(human_bytes(4 * estimate.parameters))}, whole on every device\) and the LoRA "
+                     rf"adapters \({re.escape(human_bytes(sizes['adapters']))}\)$", table, re.M)
+    assert re.search(r"^gradients +\S+ \S*B  float32 gradients of the adapters only", table, re.M)
+    for context in CONTEXTS + ("total",):
+        assert re.search(rf"^{context} +\S+ \S*B ", table, re.M), context
 
 
 # -- the command line ------------------------------------------------------------------
@@ -269,6 +366,17 @@ def test_cli_estimates_a_hugging_face_model_for_cuda_without_a_gpu():
     assert "suggestion: batch_size 4 with grad_accum 2 (same 65,536 tokens per step)" in result.output
 
 
+def test_cli_estimates_lora_from_the_lora_settings():
+    result = invoke("memory", *TINY_FLAGS, "--lora-rank", 8, "--lora-targets", "q,v,down", "--lora-dropout", 0.1)
+    assert result.exit_code == 0, result.output
+    model = nanoq.ModelConfig(**dict(TINY, num_key_value_heads=4), rms_norm_eps=1e-5, tie_word_embeddings=True)
+    options = cpu_options(2, batch_size=4, seq_len=32, lora=LoraConfig(8, dropout=0.1, targets="q,v,down"))
+    estimate = estimate_memory(model, options)
+    assert "frozen; LoRA rank 8 on q,v,down, dropout 0.1" in result.output
+    assert re.search(rf"^total +{re.escape(human_bytes(estimate.device_bytes))} ", result.output, re.M)
+    assert "the frozen model weights (" in result.output
+
+
 def test_cli_asks_for_the_vocab_size_of_token_files_it_does_not_read():
     result = invoke("memory", "--train_data", "data/train_*.bin", "--backend", "cpu")
     assert result.exit_code != 0
@@ -287,13 +395,14 @@ def test_cli_plot_writes_a_png(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,batch_size,seq_len", [
-    ("qwen3_gqa", 2, 16),
+@pytest.mark.parametrize("name,batch_size,seq_len,lora", [
+    ("qwen3_gqa", 2, 16, None),
     # 8192 rows on a narrow model: the embedding backward's CUB sort has the largest op scratch.
-    ("llama_untied", 8, 1024),
+    ("llama_untied", 8, 1024, None),
+    ("qwen3_gqa", 2, 16, LoraConfig(4, dropout=0.1, targets="o,down")),
 ])
-def test_cuda_estimate_equals_real_allocations(cuda_device, name, batch_size, seq_len):
+def test_cuda_estimate_equals_real_allocations(cuda_device, name, batch_size, seq_len, lora):
     config = CONFIGS[name]
-    options = nanoq.TrainOptions(backend="cuda", devices=1, batch_size=batch_size, seq_len=seq_len)
+    options = nanoq.TrainOptions(backend="cuda", devices=1, batch_size=batch_size, seq_len=seq_len, lora=lora)
     estimate = estimate_memory(config, options)
     assert [(a.context, a.name, a.bytes, a.kind) for a in estimate.allocations] == real_allocations(config, options)

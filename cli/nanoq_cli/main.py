@@ -1,4 +1,4 @@
-"""The ``nanoq`` command line: train, tokenize, export, plot, info.
+"""The ``nanoq`` command line: train, tokenize, export, plot, info, convert.
 
 The options of ``nanoq train`` are generated from the settings table in
 ``nanoq.training.config``, so the TOML schema, the flags and the docs cannot
@@ -172,17 +172,18 @@ def _parse_size(text: str, allow_zero: bool = False) -> int:
 
 
 def _memory_model(config, model_path):
-    """The ModelConfig to estimate: ``--model``'s config.json, else the settings'
-    [model] (vocab_size 0 means the data's: the demo tokenizer's when training
-    on the demo, else it must be given, since the data is not read here)."""
+    """The ModelConfig to estimate: ``--model``'s config.json, else
+    model.init_from's, else the settings' [model] (vocab_size 0 means the
+    data's: the demo tokenizer's when training on the demo, else it must be
+    given, since the data is not read here)."""
     from nanoq import ModelConfig
     from nanoq.training.loop import model_config
 
-    if model_path is not None:
-        return ModelConfig.from_pretrained(model_path)
+    if model_path is not None or config.init_from:
+        return ModelConfig.from_pretrained(model_path if model_path is not None else config.init_from)
     vocab = config.vocab_size
     if vocab == 0:
-        if config.train_data:
+        if config.train_data or config.curriculum:
             raise ValueError("model.vocab_size is 0 (the token files' vocab size, read when training); give "
                              "--vocab-size N or --model HF_DIR_OR_CONFIG_JSON")
         from nanoq.demo import DEMO_DIR
@@ -256,20 +257,34 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, **flags):
               help="Directory whose tokenizer files to include (default: the checkpoint's tokenizer).")
 @click.option("--max-position-embeddings", type=click.IntRange(1),
               help="Context length written to config.json (default: the checkpoint's).")
-def export(checkpoint, output, max_shard_size, tokenizer, max_position_embeddings):
+@click.option("--merge", is_flag=True,
+              help="LoRA checkpoints: merge the adapters into the base model and write the full model "
+              "(default: write the adapters as a PEFT adapter directory).")
+@click.option("--base-model", type=click.Path(exists=True),
+              help="LoRA checkpoints: the base model the adapters were trained on (default: the one the "
+              "checkpoint recorded).")
+def export(checkpoint, output, max_shard_size, tokenizer, max_position_embeddings, merge, base_model):
     """Write a checkpoint's weights as a Hugging Face model directory.
 
     CHECKPOINT is a step directory or a checkpoint root (its newest valid
-    step). transformers loads the result with AutoModelForCausalLM.
+    step). transformers loads the result with AutoModelForCausalLM. A LoRA
+    checkpoint holds only adapters: it is written as a PEFT adapter
+    (adapter_config.json + adapter_model.safetensors, for
+    peft.PeftModel.from_pretrained), or with --merge as a full model.
     """
+    from nanoq.checkpoint import read_state
     from nanoq.hf_export import export_checkpoint
 
     max_shard_bytes = _parse_size(max_shard_size)
     if not os.path.exists(checkpoint):
         raise click.ClickException(f"no checkpoint at {checkpoint}: give a step directory or a checkpoint root")
     try:
+        if merge and not read_state(checkpoint).get("lora"):
+            raise click.UsageError("--merge is for LoRA checkpoints; this one holds full weights (export it "
+                                   "without --merge)")
         directory = export_checkpoint(checkpoint, output, max_position_embeddings=max_position_embeddings,
-                                      tokenizer_dir=tokenizer, max_shard_bytes=max_shard_bytes)
+                                      tokenizer_dir=tokenizer, max_shard_bytes=max_shard_bytes,
+                                      merge_adapters=merge, base_model=base_model)
     except (ValueError, TypeError, OSError) as e:
         raise click.ClickException(f"cannot export {checkpoint}: {e}") from None
     click.echo(f"wrote {directory}")
@@ -290,6 +305,77 @@ def info():
             click.echo(f"backend {entry['name']}: {entry['devices']} device(s){detail}")
         else:
             click.echo(f"backend {entry['name']}: {entry['detail'] or 'not built'}")
+
+
+@cli.group()
+def convert():
+    """Convert another trainer's configs to a nanoq config."""
+
+
+def _stage_steps(text):
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint="--stage-steps")
+
+
+@convert.command("nano-config")
+@click.argument("model_config", type=click.Path(dir_okay=False))
+@click.argument("train_config", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The nanoq TOML to write.")
+@click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
+@click.option("--data-dir", default="data", show_default=True,
+              help="Where Nano's data files are imported, one directory each (paths in the config are relative "
+              "to where nanoq train runs).")
+@click.option("--stage-steps", metavar="N[,N...]",
+              help="Optimizer steps of each dataset_path pair (default: one pass over each train file's lines).")
+@click.option("--init-from", type=click.Path(file_okay=False),
+              help="A Hugging Face model directory to start from, in place of Nano's from_checkpoint "
+              "(model.init_from; e.g. the model/ of a nanoq pretraining run).")
+@click.option("--import-data", is_flag=True,
+              help="Also import the Nano data files into --data-dir (nanoq tokenize --format nano); files "
+              "imported before are kept.")
+def nano_config(model_config, train_config, output, force, data_dir, stage_steps, init_from, import_data):
+    """Write a nanoq config from Nano's model and train configs.
+
+    MODEL_CONFIG and TRAIN_CONFIG are the JSON files Nano's train.py takes
+    with -m and -t. Every Nano key is mapped or named on stderr with the
+    reason it is not (also as comments in OUTPUT); see docs/nano-migration.md.
+    """
+    from nanoq.nano_config import convert_nano_config, read_nano_configs, write_nano_toml
+
+    try:
+        model_values, train_values = read_nano_configs(model_config, train_config)
+        conversion = convert_nano_config(model_values, train_values, data_dir=data_dir,
+                                         stage_steps=_stage_steps(stage_steps), init_from=init_from or "")
+        write_nano_toml(conversion, output, sources=(model_config, train_config), force=force)
+    except (ValueError, TypeError, OSError) as e:
+        raise _fail(e) from None
+    for entry in conversion.unmapped:
+        click.echo(f"warning: not mapped: {entry}", err=True)
+    click.echo(f"wrote {output}: {len(conversion.mapped)} Nano keys mapped, {len(conversion.unmapped)} not "
+               f"(see the warnings above and the comments in {output})")
+    vocab = conversion.config.vocab_size
+    if import_data:
+        from nanoq.tokenization import import_nano
+
+        for item in conversion.imports:
+            if os.path.exists(os.path.join(item.output, "tokenize.json")):
+                click.echo(f"{item.output} is already imported; kept")
+                continue
+            try:
+                result = import_nano([item.source], item.output, vocab_size=vocab)
+            except (ValueError, OSError) as e:  # InputError is a ValueError
+                raise click.ClickException(f"cannot import {item.source}: {e}") from None
+            click.echo(f"imported {item.source}: {result.documents:,} lines, {result.train_tokens:,} tokens "
+                       f"-> {item.output}")
+    else:
+        click.echo("import the data with:")
+        for item in conversion.imports:
+            click.echo(f"  {item.command(vocab)}")
+    click.echo(f"then train: nanoq train {output}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,12 @@ order the core allocates it. It mirrors, and must be kept in step with:
   ``stack_bytes()``, ``scratch_shapes()``, ``parameter_layout()``): the kept
   (not recomputed) activations, the residual stream, the RoPE table and the
   activation stack's capacity.
+- With LoRA (``TrainOptions.lora``, zero_stage 1): the model's weights
+  whole and unpadded on every device ("frozen-weights"), the flat buffers
+  above ("adapters" instead of "weights") sized by the adapter layout
+  (``nanoq.lora.adapter_shapes``, model.cpp ``lora_layout()``), staging for
+  the largest parameter of either, the model's "frozen-norm-gradients" sink
+  and, on the stack, a running adapter's pushes (``adapter_bytes()``).
 - ``reserve_scratch`` of ``cuda_core/cpu/cpu_backend.cpp`` and
   ``cuda_core/cuda/cuda_backend.cpp`` with the kernels' scratch-size
   functions (``cuda_core/cuda/kernels_*.cu``).
@@ -39,6 +45,7 @@ import math
 from typing import Dict, Iterator, List, Optional
 
 from nanoq.config import OFFLOAD, RECOMPUTE, ModelConfig, TrainOptions
+from nanoq.lora import LoraConfig, adapter_shapes, projection_shape
 
 CONTEXTS = ("weights", "master", "gradients", "adam-m", "adam-v", "activations", "workspace", "stack")
 CONTEXT_MEANING = {
@@ -50,6 +57,14 @@ CONTEXT_MEANING = {
     "activations": "kept for backward: residual stream and each layer's (not recomputed) ones",
     "workspace": "tokens, statistics, staging, RoPE table, op scratch",
     "stack": "backward's temporaries (one arena, sized for its peak)",
+}
+# With LoRA the trained parameters are the adapters; the weights context
+# also holds the frozen model (its share is spelled out in the table).
+LORA_CONTEXT_MEANING = {
+    "master": "this device's shard of the adapters' master weights (none when they are the adapters or offloaded)",
+    "gradients": "float32 gradients of the adapters only (the frozen weights have none)",
+    "adam-m": "this device's shard of the adapters' AdamW first moment (none when offloaded)",
+    "adam-v": "this device's shard of the adapters' AdamW second moment (none when offloaded)",
 }
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 # Memory a cuda device loses to what nanoq's allocator does not see: the CUDA
@@ -85,13 +100,16 @@ class Allocation:
 class MemoryEstimate:
     """Per-device memory of a run. ``allocations`` is one device's list (all
     devices hold the same). ``options`` has ``backend`` and ``dtype``
-    resolved; ``reserve_bytes`` is what ``fits`` adds for memory outside
+    resolved; ``parameters`` counts the model's, ``trainable_parameters``
+    those with gradients and AdamW state (the LoRA adapters' with LoRA, else
+    the same); ``reserve_bytes`` is what ``fits`` adds for memory outside
     nanoq's allocator."""
 
     config: ModelConfig
     options: TrainOptions
     allocations: List[Allocation]
     parameters: int
+    trainable_parameters: int
     reserve_bytes: int
 
     @property
@@ -151,7 +169,13 @@ class MemoryEstimate:
         total, the reserve and pinned host memory; with a device size, the
         verdict."""
         o = self.options
-        rows = [(name, human_bytes(value), CONTEXT_MEANING[name]) for name, value in self.contexts.items()]
+        meanings = dict(CONTEXT_MEANING)
+        if o.lora is not None:
+            sizes = {a.name: a.bytes for a in self.allocations}
+            meanings.update(LORA_CONTEXT_MEANING,
+                            weights=f"the frozen model weights ({human_bytes(sizes['frozen-weights'])}, whole on "
+                                    f"every device) and the LoRA adapters ({human_bytes(sizes['adapters'])})")
+        rows = [(name, human_bytes(value), meanings[name]) for name, value in self.contexts.items()]
         rows.append(("total", human_bytes(self.device_bytes), "what nanoq allocates per device"))
         if self.reserve_bytes:
             rows.append(("reserve", human_bytes(self.reserve_bytes),
@@ -174,12 +198,18 @@ class MemoryEstimate:
         return "\n".join(lines)
 
     def describe(self) -> str:
-        """One line: model size, backend, dtypes and batch shape."""
+        """One line: model size (with LoRA: frozen, and the adapters that
+        train), backend, dtypes and batch shape."""
         o = self.options
         c = self.config
         tied = ", tied" if c.tie_word_embeddings else ""
+        lora = ""
+        if o.lora is not None:
+            dropout = f", dropout {o.lora.dropout:g}" if o.lora.dropout else ""
+            lora = (f", frozen; LoRA rank {o.lora.rank} on {','.join(o.lora.targets)}{dropout}: "
+                    f"{parameter_count_text(self.trainable_parameters)} trainable")
         return (f"{parameter_count_text(self.parameters)} parameters ({c.num_hidden_layers} layers, "
-                f"hidden {c.hidden_size}, vocab {c.vocab_size}{tied}); {o.backend}, {o.dtype} weights, "
+                f"hidden {c.hidden_size}, vocab {c.vocab_size}{tied}){lora}; {o.backend}, {o.dtype} weights, "
                 f"{o.master_dtype} master, {o.optimizer_dtype} AdamW"
                 + (f", recompute {','.join(o.recompute)}" if o.recompute else "")
                 + (f", offload {','.join(o.offload)}" if o.offload else "")
@@ -191,6 +221,15 @@ class MemoryEstimate:
     def _with(self, **changes) -> "MemoryEstimate":
         return estimate_memory(self.config, dataclasses.replace(self.options, **changes),
                                reserve_bytes=self.reserve_bytes)
+
+    def _highest_stage(self) -> int:
+        """The highest ZeRO stage this run may use (LoRA trains at stage 1 only)."""
+        return 1 if self.options.lora is not None else 3
+
+    @staticmethod
+    def _offloadable(stage: int) -> tuple:
+        """What may be offloaded at a ZeRO stage (gradients from stage 2)."""
+        return tuple(name for name in OFFLOAD if name != "gradients" or stage >= 2)
 
     def _smaller_micro_batch(self, limit: int) -> Optional[str]:
         o = self.options
@@ -215,10 +254,8 @@ class MemoryEstimate:
     def _offload_levels(self) -> Iterator[tuple]:
         """Offload settings that add to this one, cheapest first."""
         o = self.options
-        levels = [("optimizer",), ("optimizer", "master")]
-        if o.zero_stage >= 2:
-            levels.append(("optimizer", "master", "gradients"))
-        for extra in levels:
+        offloadable = self._offloadable(o.zero_stage)  # each level adds the next, in OFFLOAD's order
+        for extra in (offloadable[:count] for count in range(1, len(offloadable) + 1)):
             names = tuple(sorted(set(o.offload) | set(extra), key=OFFLOAD.index))
             if set(names) != set(o.offload):
                 yield names
@@ -254,7 +291,7 @@ class MemoryEstimate:
         o = self.options
         if o.devices == 1:
             return None  # one device holds every shard: higher stages only add buffers
-        for stage in range(o.zero_stage + 1, 4):
+        for stage in range(o.zero_stage + 1, self._highest_stage() + 1):
             lighter = self._with(zero_stage=stage)
             if lighter.fits(limit):
                 what = "gradients" if stage == 2 else "gradients and weights"
@@ -264,7 +301,8 @@ class MemoryEstimate:
 
     def _more_devices(self, limit: int, shrink_batch: bool) -> Optional[str]:
         o = self.options
-        stages = (o.zero_stage,) + ((3,) if shrink_batch and o.zero_stage < 3 else ())
+        highest = self._highest_stage()
+        stages = (o.zero_stage,) + ((highest,) if shrink_batch and o.zero_stage < highest else ())
         for devices in range(o.devices + 1, MAX_SUGGESTED_DEVICES + 1):
             for stage in stages:
                 smallest = o.batch_size if not shrink_batch else 1
@@ -286,11 +324,14 @@ class MemoryEstimate:
         return None
 
     def _nothing_fits(self) -> str:
-        best = self._with(devices=MAX_SUGGESTED_DEVICES, zero_stage=3, batch_size=1, grad_accum=1,
-                          recompute=("block",), offload=OFFLOAD)
-        return (f"nothing fits: even {_devices(MAX_SUGGESTED_DEVICES)} with zero_stage 3, batch_size 1, recompute "
-                f"block and offload optimizer,master,gradients need {human_bytes(best.device_bytes + self.reserve_bytes)} per "
-                f"device; shorten seq_len ({self.options.seq_len}) or train a smaller model")
+        stage = self._highest_stage()
+        offload = self._offloadable(stage)
+        best = self._with(devices=MAX_SUGGESTED_DEVICES, zero_stage=stage, batch_size=1, grad_accum=1,
+                          recompute=("block",), offload=offload)
+        return (f"nothing fits: even {_devices(MAX_SUGGESTED_DEVICES)} with zero_stage {stage}, batch_size 1, "
+                f"recompute block and offload {','.join(offload)} need "
+                f"{human_bytes(best.device_bytes + self.reserve_bytes)} per device; shorten seq_len "
+                f"({self.options.seq_len}) or train a smaller model")
 
 
 def _devices(count: int) -> str:
@@ -391,31 +432,42 @@ def estimate_memory(config: ModelConfig, options: TrainOptions, *, backend: Opti
         raise TypeError(f"options must be a nanoq.TrainOptions, got {type(options).__name__}")
     options = _resolve(options, backend)
     numels = list(parameter_numels(config))
-    allocations = _trainer_allocations(config, options, numels)
+    trainable = _trainable_numels(config, options.lora) if options.lora is not None else numels
+    allocations = _trainer_allocations(config, options, numels, trainable)
     if reserve_bytes is None:
         reserve_bytes = CUDA_RESERVE_BYTES if options.backend == "cuda" else 0
     return MemoryEstimate(config=config, options=options, allocations=allocations, parameters=sum(numels),
-                          reserve_bytes=reserve_bytes)
+                          trainable_parameters=sum(trainable), reserve_bytes=reserve_bytes)
 
 
-def _trainer_allocations(c: ModelConfig, o: TrainOptions, numels: List[int]) -> List[Allocation]:
-    """trainer.cpp, Trainer::Trainer, in allocation order."""
+def _trainable_numels(config: ModelConfig, lora: LoraConfig) -> List[int]:
+    """Element counts of the adapters in ``lora_layout()`` order (model.cpp)."""
+    return [rows * cols for rows, cols in adapter_shapes(config, lora).values()]
+
+
+def _trainer_allocations(c: ModelConfig, o: TrainOptions, numels: List[int], trainable: List[int]) -> List[Allocation]:
+    """trainer.cpp, Trainer::Trainer, in allocation order. numels: the
+    model's parameters; trainable: those in the flat buffers (the same list
+    without LoRA, the adapters' with it)."""
     n = o.devices
-    shard = -(-sum(numels) // n)
+    shard = -(-sum(trainable) // n)
     padded = shard * n
     weight_size = DTYPE_BYTES[o.dtype]
     # zero.cpp BlockLayout: the embedding, equal layers, the head.
     embed = numels[0]
     head = c.hidden_size + (0 if c.tie_word_embeddings else numels[-1])
     layer = (sum(numels) - embed - head) // c.num_hidden_layers
+    out = []
+    if o.lora is not None:  # whole on every device, unpadded
+        out.append(Allocation("weights", "frozen-weights", sum(numels) * weight_size))
     if o.zero_stage < 3:
-        out = [Allocation("weights", "weights", padded * weight_size)]
+        out.append(Allocation("weights", "weights" if o.lora is None else "adapters", padded * weight_size))
     else:
-        out = [Allocation("weights", "weight-shard", shard * weight_size),
-               Allocation("weights", "embed-weights", embed * weight_size),
-               Allocation("weights", "head-weights", head * weight_size),
-               Allocation("weights", "layer-weights.0", layer * weight_size),
-               Allocation("weights", "layer-weights.1", layer * weight_size)]
+        out += [Allocation("weights", "weight-shard", shard * weight_size),
+                Allocation("weights", "embed-weights", embed * weight_size),
+                Allocation("weights", "head-weights", head * weight_size),
+                Allocation("weights", "layer-weights.0", layer * weight_size),
+                Allocation("weights", "layer-weights.1", layer * weight_size)]
     if o.zero_stage == 1:
         out.append(Allocation("gradients", "gradients", padded * 4))
     else:
@@ -447,11 +499,12 @@ def _trainer_allocations(c: ModelConfig, o: TrainOptions, numels: List[int]) -> 
             Allocation("workspace", "eval-stats", _STAT_COUNT * 4),
             Allocation("workspace", "gathered-stats", n * _GATHER_STRIDE * 4),
             Allocation("workspace", "optimizer-scale", 3 * 4),
-            Allocation("workspace", "parameter-staging", min(max(numels), _STAGING_ELEMENTS) * 4)]
+            Allocation("workspace", "parameter-staging", min(max(numels + trainable), _STAGING_ELEMENTS) * 4)]
     recompute = _recompute_set(o.recompute)
     specs = _activation_specs(c, o.batch_size, o.seq_len, weight_size, recompute)
-    out += _model_allocations(c, o.batch_size, o.seq_len, weight_size, specs)
-    stack = _stack_bytes(c, rows, weight_size, specs, _classifier_chunk_rows(c, rows, o.backend))
+    out += _model_allocations(c, o.batch_size, o.seq_len, weight_size, specs, o.lora)
+    stack = _stack_bytes(c, rows, weight_size, specs, _classifier_chunk_rows(c, rows, o.backend),
+                         _adapter_stack_bytes(c, rows, weight_size, o.lora))
     out.append(Allocation("stack", "activation-stack", stack // 4 * 4))
     if o.backend == "cpu":
         out += _cpu_scratch(c, o, shard)
@@ -489,9 +542,11 @@ def _activation_specs(c: ModelConfig, batch: int, time: int, size: int, recomput
     return specs
 
 
-def _model_allocations(c: ModelConfig, batch: int, time: int, size: int, specs: List[tuple]) -> List[Allocation]:
+def _model_allocations(c: ModelConfig, batch: int, time: int, size: int, specs: List[tuple],
+                       lora: Optional[LoraConfig]) -> List[Allocation]:
     """model.cpp, LlamaModel::LlamaModel: RoPE table, residual stream, the
-    layers' kept (not recomputed) activations, the final norm."""
+    layers' kept (not recomputed) activations, the final norm; with LoRA the
+    sink for the frozen norms' weight gradients."""
     rows, C = batch * time, c.hidden_size
     out = [Allocation("workspace", "rope-cos-sin", time * (c.head_dim // 2) * 2 * 4)]
     out += [Allocation("activations", f"residual.{l}", rows * C * size) for l in range(c.num_hidden_layers + 1)]
@@ -500,6 +555,8 @@ def _model_allocations(c: ModelConfig, batch: int, time: int, size: int, specs: 
                 for name, nbytes, recomputed in specs if not recomputed]
     out += [Allocation("activations", "final-norm", rows * C * size),
             Allocation("activations", "final-rstd", rows * 4)]
+    if lora is not None:
+        out.append(Allocation("workspace", "frozen-norm-gradients", max(C, c.head_dim) * 4))
     return out
 
 
@@ -512,10 +569,11 @@ def _stack_aligned(nbytes: int) -> int:
     return -(-nbytes // _STACK_ALIGNMENT) * _STACK_ALIGNMENT
 
 
-def _stack_bytes(c: ModelConfig, rows: int, size: int, specs: List[tuple], chunk_rows: int) -> int:
+def _stack_bytes(c: ModelConfig, rows: int, size: int, specs: List[tuple], chunk_rows: int, adapter: int) -> int:
     """model.cpp, LlamaModel::stack_bytes: the peak of the pushes of forward
     (a layer's recomputed activations) and backward (those plus the
-    gradients of the MLP or attention, or the classifier's)."""
+    gradients of the MLP or attention, or the classifier's), each with a
+    running adapter's ``adapter`` bytes on top."""
     C, I = c.hidden_size, c.intermediate_size
     HD, KD = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
 
@@ -526,8 +584,19 @@ def _stack_bytes(c: ModelConfig, rows: int, size: int, specs: List[tuple], chunk
     classifier = pushed(rows * C) + pushed(chunk_rows * c.vocab_size)
     mlp = 2 * pushed(rows * I) + pushed(rows * C)
     attention = 2 * pushed(rows * HD) + 2 * pushed(rows * KD) + pushed(rows * C)
-    backward = pushed(rows * C) + max(classifier, transient + max(mlp, attention))
-    return max(transient, backward)
+    backward = pushed(rows * C) + max(classifier, transient + max(mlp, attention) + adapter)
+    return max(transient + adapter, backward)
+
+
+def _adapter_stack_bytes(c: ModelConfig, rows: int, size: int, lora: Optional[LoraConfig]) -> int:
+    """model.cpp, LlamaModel::adapter_bytes: what an adapter pushes while it
+    runs, its [rows, rank] hidden and, with dropout, its dropped-out input
+    (sized for the widest targeted input); 0 without LoRA."""
+    if lora is None:
+        return 0
+    widest_input = max(projection_shape(c, target)[1] for target in lora.targets)
+    dropped = _stack_aligned(size * rows * widest_input) if lora.dropout > 0 else 0
+    return dropped + _stack_aligned(size * rows * lora.rank)
 
 
 def _cpu_scratch(c: ModelConfig, o: TrainOptions, shard: int) -> List[Allocation]:

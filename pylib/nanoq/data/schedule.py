@@ -143,6 +143,11 @@ class Curriculum:
     def total_steps(self) -> int:
         return sum(steps for _, _, steps in self.stages)
 
+    @property
+    def batch_rows(self) -> int:
+        """Rows of the current stage's batches (the global batch)."""
+        return self.stages[self.current_stage][0].batch_rows
+
     def next_batch(self) -> Batch:
         """The next global batch of the current stage (moving to the next stage
         when this one is complete): inputs, targets int32 [batch_rows, seq_len]."""

@@ -2,8 +2,9 @@
 
 Accepted line contents (after base64 and unpickling):
 
-- pretraining: a list (or tuple) of token ids, e.g. ``[464, 3290, 318]``; all
-  tokens are trained on.
+- pretraining: a list (or tuple) of token ids, e.g. ``[464, 3290, 318]``, or
+  the pair ``[ids, None]`` that Nano's own data.py writes; all tokens are
+  trained on.
 - SFT, a pair ``(input_ids, second)`` (list or tuple) or a dict
   ``{"input_ids": [...], "mask": [...]}`` / ``{"input_ids": [...], "labels": [...]}``:
   ``mask`` holds one 0/1 (or bool) per token, 1 = trained on as a target;
@@ -71,6 +72,9 @@ def decode_line(line: str, where: str) -> Tuple[List[int], Optional[List[bool]]]
             return ids, _labels_to_mask(value["labels"], ids, where)
         raise InputError(f"{where}: a dict line needs input_ids and mask or labels "
                          f"(keys: {', '.join(map(str, value))})")
+    if isinstance(value, (list, tuple)) and len(value) == 2 and isinstance(value[0], (list, tuple)) \
+            and value[1] is None:
+        return _int_list(value[0], "input ids", where), None
     if isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, (list, tuple)) for v in value):
         ids = _int_list(value[0], "input ids", where)
         second = _int_list(value[1], "mask/labels", where)

@@ -20,10 +20,11 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import tomllib
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, NamedTuple, Optional
 
-SECTIONS = ("model", "data", "train", "checkpoint", "run")
+SECTIONS = ("model", "data", "train", "lora", "checkpoint", "run")
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
 BACKENDS = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16")
@@ -69,10 +70,15 @@ class TrainConfig:
     rope_theta: float = setting("model", 10000.0, "RoPE base", above=0)
     rms_norm_eps: float = setting("model", 1e-5, "RMSNorm epsilon", above=0)
     tie_word_embeddings: bool = setting("model", True, "share the embedding and output matrices")
+    init_from: str = setting("model", "", "a Hugging Face model directory to start from (its config.json sets the "
+                                          "architecture and the [model] sizes are ignored); \"\" = random weights")
 
     # -- data ------------------------------------------------------------------
     train_data: str = setting("data", "", "training token files (.bin path or glob); \"\" = the bundled demo corpus")
     eval_data: str = setting("data", "", "eval token files (path or glob); \"\" = none (the demo's own with the demo)")
+    curriculum: str = setting("data", "", "stages trained in order, replacing train_data/eval_data: "
+                                          "\"TRAIN[|EVAL]@STEPS; ...\" (token-file paths or globs; the STEPS add "
+                                          "up to train.steps); \"\" = none")
     seq_len: int = setting("data", 128, "tokens per sequence", minimum=1)
     eval_batches: int = setting("data", 16, "batches per evaluation; 0 = the whole eval set", minimum=0)
 
@@ -97,6 +103,15 @@ class TrainConfig:
                                                  "many updates in a row with a non-finite loss or gradient",
                                      minimum=1)
     seed: int = setting("train", 0, "seed of the weights and the data order", minimum=0)
+
+    # -- lora: low-rank adapters on a frozen base (usually model.init_from) ----
+    lora_rank: int = setting("lora", 0, "adapter rank r; 0 = full fine-tuning (no adapters)", minimum=0)
+    lora_alpha: float = setting("lora", 16.0, "adapter scale numerator: updates are scaled by lora_alpha / lora_rank",
+                                above=0)
+    lora_dropout: float = setting("lora", 0.0, "dropout on the adapters' input while training", minimum=0,
+                                  maximum=0.99)
+    lora_targets: str = setting("lora", "q,k,v,o", "projections that get adapters, comma-separated: q, k, v, o, "
+                                                    "gate, up, down (or all)")
 
     # -- checkpoint: <run>/checkpoints/step_XXXXXXXX, for --resume and nanoq export --
     checkpoint_every: int = setting("checkpoint", 100, "save a checkpoint every N steps and after the last "
@@ -133,6 +148,14 @@ class TrainConfig:
     def __post_init__(self):
         for item in settings():
             setattr(self, item.name, _checked(item, getattr(self, item.name)))
+        if self.curriculum:
+            stages = parse_curriculum(self.curriculum)
+            if self.train_data or self.eval_data:
+                raise ValueError("data.curriculum replaces data.train_data and data.eval_data; leave those \"\"")
+            total = sum(stage.steps for stage in stages)
+            if total != self.steps:
+                raise ValueError(f"train.steps ({self.steps}) must equal the steps of the data.curriculum stages "
+                                 f"added up ({total}); set train.steps = {total}")
 
     @classmethod
     def from_dict(cls, values: Dict[str, Any]) -> "TrainConfig":
@@ -158,6 +181,56 @@ class TrainConfig:
             lines += [f"{name} = {_toml_value(value)}" for name, value in values.items()]
             lines.append("")
         return "\n".join(lines)
+
+
+class CurriculumStage(NamedTuple):
+    """One stage of ``data.curriculum``: training token files (a path or glob),
+    eval token files ("" = none) and the optimizer steps the stage lasts."""
+
+    train_data: str
+    eval_data: str
+    steps: int
+
+
+def parse_curriculum(text: str) -> List[CurriculumStage]:
+    """The stages of a ``data.curriculum`` string, in training order.
+
+    Syntax: stages separated by ``;`` (one trailing ``;`` allowed), each
+    ``TRAIN@STEPS`` or ``TRAIN|EVAL@STEPS``: TRAIN and EVAL are token-file
+    paths or globs as in data.train_data, STEPS a positive integer, e.g.
+    ``"web/train_*.bin|web/eval_*.bin@400; sft/train_*.bin|sft/eval_*.bin@100"``.
+    Either every stage names eval files or none does. A ValueError names the
+    stage (counted from 1) and what is wrong with it.
+    """
+    parts = text.split(";")
+    if len(parts) > 1 and not parts[-1].strip():
+        parts.pop()
+    stages = []
+    for number, part in enumerate(parts, 1):
+        stage = part.strip()
+        if not stage:
+            raise ValueError(f"data.curriculum stage {number} is empty; write stages as TRAIN[|EVAL]@STEPS "
+                             f"separated by ';'")
+        where = f"data.curriculum stage {number} ({stage!r})"
+        files, at, steps = stage.rpartition("@")
+        if not at:
+            raise ValueError(f"{where} has no '@STEPS'; write e.g. '{stage}@100'")
+        steps = steps.strip()
+        if not re.fullmatch(r"[0-9]+", steps) or int(steps) == 0:
+            raise ValueError(f"{where}: the steps after '@' must be a positive integer, got {steps!r}")
+        train, bar, evaluation = (piece.strip() for piece in files.partition("|"))
+        if not train:
+            raise ValueError(f"{where} names no training files before '|' or '@'")
+        if bar and not evaluation:
+            raise ValueError(f"{where} has '|' but no eval files after it")
+        if "|" in evaluation:
+            raise ValueError(f"{where} has more than one '|'; a stage is TRAIN|EVAL@STEPS")
+        stages.append(CurriculumStage(train, evaluation, int(steps)))
+    with_eval = [bool(stage.eval_data) for stage in stages]
+    if any(with_eval) and not all(with_eval):
+        raise ValueError(f"data.curriculum stage {with_eval.index(False) + 1} has no eval files but other stages "
+                         f"have: give every stage '|EVAL' files, or none")
+    return stages
 
 
 def settings() -> List[Setting]:
@@ -256,6 +329,6 @@ def schema_markdown() -> str:
     """The schema as a Markdown table (the README's is generated from this)."""
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for item in settings():
-        meaning = item.help + (f" ({' / '.join(item.choices)})" if item.choices else "")
+        meaning = (item.help + (f" ({' / '.join(item.choices)})" if item.choices else "")).replace("|", "\\|")
         rows.append(f"| `{item.key}` | {item.type.__name__} | `{_toml_value(item.default)}` | {meaning} |")
     return "\n".join(rows)

@@ -6,7 +6,14 @@ A run lives in its own directory ``<out_dir>/<run_name>``:
     log.jsonl       one JSON object per line (see nanoq.training.log)
     data/           the tokenized demo corpus (demo runs only)
     checkpoints/    step_XXXXXXXX/ every checkpoint_every steps and after the last (see nanoq.checkpoint)
-    model/          the final weights, a Hugging Face model directory (see nanoq.hf_export)
+    model/          the final weights, a Hugging Face model directory (see nanoq.hf_export);
+                    with LoRA the adapters merged in, and model/adapter/ the adapters unmerged
+                    (a PEFT adapter directory, see nanoq.lora)
+
+``model.init_from`` starts from a Hugging Face model (its weights and
+architecture); with ``lora.lora_rank`` > 0 those weights stay frozen and only
+low-rank adapters train, and checkpoints hold just the adapters (resuming
+imports init_from again first).
 
 Resuming (``train(config, resume="auto" | path)``) loads the newest checkpoint
 of a run and continues in that run's directory, appending to its log (see
@@ -24,10 +31,12 @@ import time
 from typing import Callable, List, Optional
 
 from nanoq.config import ModelConfig, TrainOptions
-from nanoq.data import DataLoader, Dataset, EvalLoader
+from nanoq.hf_export import export_adapter
+from nanoq.lora import LoraConfig
+from nanoq.data import Curriculum, DataLoader, Dataset, EvalLoader
 from nanoq.telemetry import GpuTelemetry
 from nanoq.trainer import Trainer
-from nanoq.training.config import TrainConfig
+from nanoq.training.config import TrainConfig, parse_curriculum
 from nanoq.training.resume import CHECKPOINTS, Progress, extra_state, prepare_resume, restore
 from nanoq.training.log import JsonlLog, eval_line, format_duration, gpu_summary, memory_lines, train_line
 from nanoq.training.schedule import learning_rate
@@ -100,14 +109,59 @@ def _data_paths(config: TrainConfig, run_dir: str, say: Callable[[str], None]):
             f"{result.eval_tokens:,} eval tokens (vocab {result.vocab_size})")
         return (os.path.join(result.output, "train_*.bin"), os.path.join(result.output, "eval_*.bin"),
                 result.output)
-    first = sorted(glob.glob(config.train_data)) or [config.train_data]
-    tokenizer_dir = os.path.dirname(os.path.abspath(first[0]))
-    has_tokenizer = os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json"))
-    return config.train_data, (config.eval_data or None), (tokenizer_dir if has_tokenizer else None)
+    return config.train_data, (config.eval_data or None), _tokenizer_dir(config.train_data)
+
+
+def _tokenizer_dir(train_spec: str) -> Optional[str]:
+    """The directory of the first training file when it holds a tokenizer.json, else None."""
+    first = sorted(glob.glob(train_spec)) or [train_spec]
+    directory = os.path.dirname(os.path.abspath(first[0]))
+    return directory if os.path.isfile(os.path.join(directory, "tokenizer.json")) else None
+
+
+class _CurrentStageEval:
+    """Iterates the eval loader of the curriculum's current stage: after a
+    stage's last step that is still the stage's own (see Curriculum)."""
+
+    def __init__(self, curriculum: Curriculum):
+        self.curriculum = curriculum
+
+    def __iter__(self):
+        return iter(self.curriculum.eval_loader())
+
+
+def _curriculum(config: TrainConfig, rows: int, say: Callable[[str], None]):
+    """The data of ``data.curriculum``: (Curriculum, eval loader of the current
+    stage or None, largest vocab size of the files, tokenizer dir of the first
+    stage's files or None)."""
+    parsed = parse_curriculum(config.curriculum)
+    stages, vocab = [], 0
+    for number, stage in enumerate(parsed, 1):
+        try:
+            train_set = Dataset(stage.train_data, config.seq_len)
+            eval_set = Dataset(stage.eval_data, config.seq_len) if stage.eval_data else None
+        except (ValueError, FileNotFoundError) as e:
+            raise type(e)(f"data.curriculum stage {number}: {e}") from None
+        vocab = max(vocab, train_set.vocab_size, eval_set.vocab_size if eval_set else 0)
+        stages.append((DataLoader(train_set, batch_rows=rows, seed=config.seed, devices=config.devices),
+                       EvalLoader(eval_set, batch_rows=rows) if eval_set else None, stage.steps))
+        evaluation = f", eval {stage.eval_data} ({eval_set.num_windows:,})" if eval_set else ""
+        say(f"curriculum stage {number}: {stage.steps} steps on {stage.train_data} ({train_set.num_windows:,} "
+            f"windows){evaluation}")
+    curriculum = Curriculum(stages, batches_per_step=config.grad_accum)
+    evaluation = _CurrentStageEval(curriculum) if stages[0][1] is not None else None
+    return curriculum, evaluation, vocab, _tokenizer_dir(parsed[0].train_data)
 
 
 def model_config(config: TrainConfig, data_vocab_size: int) -> ModelConfig:
-    """The ModelConfig of a TrainConfig; vocab_size 0 takes the data's."""
+    """The ModelConfig of a TrainConfig: that of the model.init_from
+    directory, else built from the [model] sizes (vocab_size 0 takes the data's)."""
+    if config.init_from:
+        model = ModelConfig.from_pretrained(config.init_from)
+        if model.vocab_size < data_vocab_size:
+            raise ValueError(f"model.init_from {config.init_from} has a vocabulary of {model.vocab_size}, smaller "
+                             f"than the token files' vocab size {data_vocab_size}: tokenize with its tokenizer")
+        return model
     vocab = config.vocab_size or data_vocab_size
     if vocab < data_vocab_size:
         raise ValueError(f"model.vocab_size {vocab} is smaller than the token files' vocab size "
@@ -125,7 +179,15 @@ def train_options(config: TrainConfig) -> TrainOptions:
                         seq_len=config.seq_len, grad_accum=config.grad_accum, seed=config.seed, z_loss=config.z_loss,
                         threads=config.threads, dtype=config.dtype, master_dtype=config.master_dtype,
                         optimizer_dtype=config.optimizer_dtype, recompute=config.recompute,
-                        offload=config.offload, zero_stage=config.zero_stage)
+                        offload=config.offload, zero_stage=config.zero_stage, lora=lora_config(config))
+
+
+def lora_config(config: TrainConfig) -> Optional[LoraConfig]:
+    """The LoRA setting of a TrainConfig (None when lora_rank is 0)."""
+    if not config.lora_rank:
+        return None
+    return LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha, dropout=config.lora_dropout,
+                      targets=config.lora_targets)
 
 
 def evaluate(trainer: Trainer, loader: EvalLoader, max_batches: int = 0) -> tuple:
@@ -144,16 +206,19 @@ def evaluate(trainer: Trainer, loader: EvalLoader, max_batches: int = 0) -> tupl
 
 def _setup(config: TrainConfig, run_dir: str, say: Callable[[str], None]):
     """Opens the data and checks it against the model: (ModelConfig,
-    TrainOptions, DataLoader, EvalLoader or None, tokenizer dir or None)."""
-    train_spec, eval_spec, tokenizer_dir = _data_paths(config, run_dir, say)
-    train_set = Dataset(train_spec, config.seq_len)
-    eval_set = Dataset(eval_spec, config.seq_len) if eval_spec else None
-    data_vocab = max(train_set.vocab_size, eval_set.vocab_size if eval_set else 0)
+    TrainOptions, DataLoader or Curriculum, eval loader or None, tokenizer dir or None)."""
+    rows = config.devices * config.batch_size
+    if config.curriculum:
+        loader, eval_loader, data_vocab, tokenizer_dir = _curriculum(config, rows, say)
+    else:
+        train_spec, eval_spec, tokenizer_dir = _data_paths(config, run_dir, say)
+        train_set = Dataset(train_spec, config.seq_len)
+        eval_set = Dataset(eval_spec, config.seq_len) if eval_spec else None
+        data_vocab = max(train_set.vocab_size, eval_set.vocab_size if eval_set else 0)
+        loader = DataLoader(train_set, batch_rows=rows, seed=config.seed, devices=config.devices)
+        eval_loader = EvalLoader(eval_set, batch_rows=rows) if eval_set else None
     model = model_config(config, data_vocab)
     options = train_options(config)
-    rows = config.devices * config.batch_size
-    loader = DataLoader(train_set, batch_rows=rows, seed=config.seed, devices=config.devices)
-    eval_loader = EvalLoader(eval_set, batch_rows=rows) if eval_set else None
     return model, options, loader, eval_loader, tokenizer_dir
 
 
@@ -208,6 +273,11 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
     try:
         model, options, loader, eval_loader, tokenizer_dir = _setup(config, run_dir, say)
         trainer = Trainer(model, options)
+        if config.init_from:
+            say(f"weights: {config.init_from}" + (" (frozen; LoRA adapters train)" if options.lora else ""))
+            trainer.import_weights(config.init_from)
+        elif options.lora:
+            say("warning: LoRA on randomly initialised weights (set model.init_from to adapt a trained model)")
         done = Progress() if resumed is None else restore(trainer, loader, resumed)
     except BaseException:
         if trainer is not None:
@@ -221,10 +291,17 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
 
     with trainer, JsonlLog(os.path.join(run_dir, "log.jsonl")) as log, _telemetry(config, trainer) as telemetry, \
             StopRequest() as stop:
-        parameters = sum(int(w.size) for w in trainer.get_weights().values())
+        weights = trainer.get_weights()
+        parameters = sum(int(w.size) for w in weights.values())
         say(f"model: {parameters / 1e6:.2f}M parameters ({model.num_hidden_layers} layers, hidden "
             f"{model.hidden_size}, vocab {model.vocab_size}) on {trainer.backend} x{trainer.world_size} "
             f"({trainer.dtype}); {config.steps} steps of {tokens_per_step:,} tokens")
+        if options.lora:
+            trainable = sum(int(weights[name].size) for name in trainer.trainable_names)
+            say(f"lora: rank {options.lora.rank}, alpha {options.lora.alpha:g}, dropout {options.lora.dropout:g} on "
+                f"{','.join(options.lora.targets)}: {trainable / 1e6:.3f}M trainable parameters "
+                f"({100 * trainable / parameters:.2f}%)")
+        del weights
         memory = trainer.memory_summary()
         for line in memory_lines(memory):
             say(line)
@@ -337,6 +414,8 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
 
         # The tokenizer's eos id goes into config.json (see nanoq.hf_export.write_model).
         model_dir = trainer.export_model(_final_model_dir(run_dir, config.steps, say), tokenizer_dir=tokenizer_dir)
+        if options.lora:  # also unmerged, for peft
+            say(f"adapter (PEFT): {export_adapter(trainer, os.path.join(model_dir, 'adapter'))}")
         seconds = time.time() - start
         log.write(type="end", step=config.steps, time=time.time() - train_start, model_dir=model_dir)
     evals = done.evals

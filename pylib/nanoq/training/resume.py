@@ -23,7 +23,8 @@ from nanoq.training.config import Setting, TrainConfig, settings
 CHECKPOINTS = "checkpoints"
 # Settings a resumed run must share with its checkpoint: they define the model,
 # or which training windows the data loader serves and in which order.
-FIXED_ON_RESUME = ("model.*", "data.train_data", "data.eval_data", "data.seq_len", "train.seed")
+FIXED_ON_RESUME = ("model.*", "lora.*", "data.train_data", "data.eval_data", "data.curriculum", "data.seq_len",
+                   "train.seed")
 # Where the run lives: a resumed run stays in its own directory, so these keep
 # the checkpoint's values and are never compared.
 _LOCATION = ("out_dir", "run_name")
