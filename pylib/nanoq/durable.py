@@ -7,8 +7,11 @@ renamed into place; the folder holding it is fsynced after the rename.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+from typing import Iterator
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -41,3 +44,42 @@ def read_json_object(file: str | os.PathLike, error: type = ValueError) -> dict:
     if not isinstance(value, dict):
         raise error(f"{file} must hold a JSON object")
     return value
+
+
+@contextlib.contextmanager
+def new_directory(directory: str | os.PathLike, *, overwrite: bool = False) -> Iterator[str]:
+    """Builds ``directory`` so that it appears complete or not at all.
+
+    Yields the absolute path of ``<directory>.partial-<pid>`` to fill; when
+    the block ends, every file in it and the folder itself are fsynced and it
+    is renamed to ``directory``, and the parent folder is fsynced. If the
+    block raises, the partial folder is removed. An existing ``directory``
+    raises FileExistsError first unless ``overwrite`` (then it is replaced:
+    moved aside, the new one renamed in, the old one deleted).
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    if os.path.lexists(directory):
+        if not overwrite:
+            raise FileExistsError(f"{directory} already exists; not overwriting it (choose a new directory)")
+        if not os.path.isdir(directory) or os.path.islink(directory):
+            raise FileExistsError(f"{directory} exists and is not a directory; not overwriting it")
+    partial = f"{directory}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash of a process with our pid
+    os.makedirs(partial)
+    try:
+        yield partial
+        for name in os.listdir(partial):
+            fsync_path(os.path.join(partial, name))
+        fsync_path(partial)
+        if os.path.lexists(directory):
+            replaced = f"{directory}.replaced-{os.getpid()}"
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.rename(directory, replaced)
+            os.rename(partial, directory)
+            shutil.rmtree(replaced)
+        else:
+            os.rename(partial, directory)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    fsync_path(os.path.dirname(directory))

@@ -27,7 +27,7 @@ from typing import Dict, Optional
 import numpy as np
 
 from nanoq.config import ModelConfig
-from nanoq.durable import fsync_path, write_json
+from nanoq.durable import new_directory, write_json
 from nanoq.hf_io import iter_weights
 from nanoq.lora import LoraConfig, merge, split_adapters, write_peft_adapter
 
@@ -150,45 +150,25 @@ def write_model(directory: str | os.PathLike, weights: Dict[str, np.ndarray], co
         raise ValueError("weights lack model.embed_tokens.weight: pass every parameter of the model "
                          "(Trainer.get_weights())")
 
-    directory = os.path.abspath(os.fspath(directory))
-    if os.path.lexists(directory):
-        raise FileExistsError(f"{directory} already exists; not overwriting it (choose a new directory)")
-    partial = f"{directory}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash of a process with our pid
-    os.makedirs(partial)
-    try:
-        written = []
+    with new_directory(directory) as partial:
         write_json(os.path.join(partial, "config.json"), hf_config, sort_keys=True)
-        written.append("config.json")
         shards = _shards(tensors, max_shard_bytes)
         if len(shards) == 1:
             save_file(tensors, os.path.join(partial, SINGLE_FILE), metadata={"format": "pt"})
-            written.append(SINGLE_FILE)
         else:
             weight_map = {}
             for number, shard in enumerate(shards, start=1):
                 file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
                 save_file(shard, os.path.join(partial, file), metadata={"format": "pt"})
                 weight_map.update(dict.fromkeys(shard, file))
-                written.append(file)
             total = sum(array.nbytes for array in tensors.values())
             write_json(os.path.join(partial, INDEX_FILE), {"metadata": {"total_size": total},
                                                            "weight_map": weight_map}, sort_keys=True)
-            written.append(INDEX_FILE)
         if tokenizer_dir is not None:
             for name in TOKENIZER_FILES:
                 if os.path.isfile(os.path.join(tokenizer_dir, name)):
                     shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(partial, name))
-                    written.append(name)
-        for name in written:
-            fsync_path(os.path.join(partial, name))
-        fsync_path(partial)
-        os.rename(partial, directory)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    fsync_path(os.path.dirname(directory))
-    return directory
+    return os.path.abspath(os.fspath(directory))
 
 
 def export_model(trainer, directory: str | os.PathLike, *, max_position_embeddings: Optional[int] = None,

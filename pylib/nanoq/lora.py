@@ -31,13 +31,12 @@ import dataclasses
 import math
 import os
 import re
-import shutil
 from typing import Dict, Iterable, Optional, Tuple
 
 import numpy as np
 
 from nanoq.config import ModelConfig, _is_finite
-from nanoq.durable import fsync_path, read_json_object, write_json
+from nanoq.durable import new_directory, read_json_object, write_json
 from nanoq.hf_io import read_safetensors
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -320,34 +319,14 @@ def write_peft_adapter(directory: str | os.PathLike, adapters: Dict[str, np.ndar
     _check_adapters(adapters, lora, "adapters")
     tensors = {PEFT_PREFIX + name: np.ascontiguousarray(array, dtype=np.float32) for name, array in adapters.items()}
     directory = os.path.abspath(os.fspath(directory))
-    if os.path.lexists(directory):
-        if not os.path.isdir(directory) or os.path.islink(directory):
-            raise FileExistsError(f"{directory} exists and is not a directory; not overwriting it")
-        if os.listdir(directory) and not overwrite:
-            raise FileExistsError(f"{directory} already exists and is not empty; choose a new directory or pass "
-                                  f"overwrite=True")
-    partial = f"{directory}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash of a process with our pid
-    os.makedirs(partial)
-    try:
+    if os.path.isdir(directory) and not os.path.islink(directory) and os.listdir(directory) and not overwrite:
+        raise FileExistsError(f"{directory} already exists and is not empty; choose a new directory or pass "
+                              f"overwrite=True")
+    empty = os.path.isdir(directory) and not os.path.islink(directory) and not os.listdir(directory)
+    with new_directory(directory, overwrite=overwrite or empty) as partial:
         write_json(os.path.join(partial, CONFIG_FILE), peft_config_dict(lora, base_model_name_or_path),
                    sort_keys=True)
         save_file(tensors, os.path.join(partial, WEIGHTS_FILE), metadata={"format": "pt"})
-        fsync_path(os.path.join(partial, WEIGHTS_FILE))
-        fsync_path(partial)
-        if os.path.isdir(directory) and os.listdir(directory):
-            # A non-empty directory cannot be replaced by one rename: move it aside first.
-            replaced = f"{directory}.replaced-{os.getpid()}"
-            shutil.rmtree(replaced, ignore_errors=True)
-            os.rename(directory, replaced)
-            os.rename(partial, directory)
-            shutil.rmtree(replaced)
-        else:
-            os.rename(partial, directory)  # also replaces an empty directory
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    fsync_path(os.path.dirname(directory))
     return directory
 
 
