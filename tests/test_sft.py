@@ -306,6 +306,10 @@ def test_cli_tokenizes_sft_data_and_trains_on_the_responses(tmp_path):
     # Initial weights (std 0.02) give near-uniform predictions: ln(vocab) per
     # trained token; dividing by all positions would give a fraction of it.
     assert losses[0] == pytest.approx(math.log(VOCAB_SIZE), abs=0.1)
+    # Each train line counts the targets its loss averaged: responses only.
+    positions = DEVICES * BATCH_SIZE * GRAD_ACCUM * SEQ
+    trained = [r["trained_tokens"] for r in records if r["type"] == "train"]
+    assert all(0 < count < positions / 2 for count in trained), (trained, positions)
 
     (evaluation,) = [r for r in records if r["type"] == "eval"]
     eval_file = TokenFile(tmp_path / "eval" / "train_000000.bin")

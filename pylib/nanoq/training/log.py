@@ -5,15 +5,16 @@ Every line of ``log.jsonl`` is one JSON object, written and flushed whole:
     {"type": "start", "time": ..., "parameters": N, "backend": "cpu", "config": {...},
      "memory": [{"device": 0, "contexts": {"weights": bytes, ...}, "allocated": bytes, ...}, ...]}
     {"type": "train", "step": 1, "loss": ..., "lr": ..., "grad_norm": ..., "tokens": ...,
-     "tokens_per_s": ..., "time": ...}
+     "trained_tokens": ..., "tokens_per_s": ..., "time": ...}
     {"type": "eval", "step": 0, "loss": ..., "tokens": ..., "time": ...}
     {"type": "telemetry", "step": 10, "time": ..., "gpus": [{"device": 0, "gpu_util": 97, ...}, ...]}
     {"type": "end", "step": N, "time": ..., "model_dir": ...}
 
 ``step`` counts finished optimizer updates (a train line's step is 1 after the
 first update; an eval at step 0 scores the initial weights). ``tokens`` on a
-train line is the running total of tokens fed to the model; on an eval line,
-the tokens scored. ``time`` is seconds since the start of training.
+train line is the running total of tokens fed to the model, and
+``trained_tokens`` the number of them the step's loss averaged (targets not
+masked out: the responses of SFT data); on an eval line, the tokens scored. ``time`` is seconds since the start of training.
 ``memory`` (also on a ``resume`` line) is Trainer.memory_summary(): each
 device's allocations summed by context, and more; ``gpus`` holds GpuTelemetry.sample()
 (see nanoq.telemetry: cuda runs with NVML only, every run.telemetry_every steps).

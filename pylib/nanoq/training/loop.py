@@ -366,7 +366,8 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
                 done.time = now - train_start
                 tokens_per_s = tokens_per_step / max(now - began, 1e-9)
                 log.write(type="train", step=step + 1, loss=stats.loss, lr=lr, grad_norm=stats.grad_norm,
-                          tokens=done.tokens, tokens_per_s=tokens_per_s, time=done.time)
+                          tokens=done.tokens, trained_tokens=stats.tokens, tokens_per_s=tokens_per_s,
+                          time=done.time)
                 bar.update(1)
                 gpus = []
                 if telemetry.available and (step + 1) % config.telemetry_every == 0:
