@@ -5,7 +5,12 @@ on the same weights, batch and thread count, for the same number of full
 optimizer steps (forward, backward, clipping, AdamW). Prints tokens/s and the
 peak resident memory growth of each, and the ratios.
 
+With ``--lora-rank R``, both fine-tune LoRA adapters (alpha 2R, on
+``--lora-targets``) on the frozen model instead: nanoq's core adapters
+against peft on the same transformers model.
+
     python bench/bench_cpu_vs_torch.py [--layers 4 --dim 256 --vocab 8192 --batch 8 --seq 256 --steps 5]
+    python bench/bench_cpu_vs_torch.py --lora-rank 16 --lora-targets q,k,v,o
 """
 from __future__ import annotations
 
@@ -41,8 +46,12 @@ def run_nanoq(args) -> dict:
 
     baseline = rss_bytes()
     config = nanoq.ModelConfig.from_pretrained(args.model_dir)
+    from nanoq.lora import LoraConfig
+
+    lora = LoraConfig(rank=args.lora_rank, alpha=2 * args.lora_rank, targets=args.lora_targets) \
+        if args.lora_rank else None
     options = nanoq.TrainOptions(backend="cpu", devices=1, batch_size=args.batch, seq_len=args.seq,
-                                 threads=args.threads)
+                                 threads=args.threads, lora=lora)
     with nanoq.Trainer(config, options) as trainer:
         trainer.import_weights(args.model_dir)
         losses, start = [], None
@@ -62,9 +71,18 @@ def run_torch(args) -> dict:
     torch.set_num_threads(args.threads)
     baseline = rss_bytes()
     model = LlamaForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    if args.lora_rank:
+        import peft
+
+        from nanoq.lora import PEFT_NAMES, parse_targets
+
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=args.lora_rank, lora_alpha=2 * args.lora_rank, lora_dropout=0.0,
+            target_modules=[PEFT_NAMES[t] for t in parse_targets(args.lora_targets)]))
     model.train()
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    trained = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trained if p.ndim >= 2]
+    no_decay = [p for p in trained if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                                   lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
     losses, start = [], None
@@ -75,7 +93,7 @@ def run_torch(args) -> dict:
         logits = model(input_ids=inputs).logits
         loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
@@ -107,6 +125,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--lora-rank", type=int, default=0, help="fine-tune LoRA adapters of this rank (0: all weights)")
+    parser.add_argument("--lora-targets", default="q,k,v,o")
     parser.add_argument("--worker", choices=["nanoq", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -126,8 +146,10 @@ def main() -> None:
             results[worker] = json.loads(out.strip().splitlines()[-1])
 
     tokens = args.steps * args.batch * args.seq
+    what = f"LoRA rank {args.lora_rank} on {args.lora_targets} (nanoq core vs peft)" if args.lora_rank \
+        else "full training"
     print(f"tiny Llama: {args.layers} layers, dim {args.dim}, ffn {args.ffn}, vocab {args.vocab}, "
-          f"B={args.batch}, T={args.seq}, {args.threads} threads, {args.steps} timed steps")
+          f"B={args.batch}, T={args.seq}, {args.threads} threads, {args.steps} timed steps; {what}")
     for name, r in results.items():
         print(f"{name:>6}: {tokens / r['seconds']:8.0f} tokens/s   peak memory +{r['peak'] / 2**20:7.1f} MiB   "
               f"losses {', '.join(f'{x:.4f}' for x in r['losses'])}")
