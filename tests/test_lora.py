@@ -167,6 +167,25 @@ def test_frozen_weights_have_no_gradients_or_optimizer_state(checkpoints):
             tr._core.get_optimizer_state(frozen, 1)
 
 
+@pytest.mark.parametrize("options", [dict(recompute="block"), dict(recompute="qkv,swiglu"),
+                                     dict(offload="optimizer,master")])
+def test_recompute_and_offload_leave_lora_training_bitwise_unchanged(checkpoints, options):
+    """Recomputation re-runs the adapters (with their dropout masks) inside
+    backward; offload streams the adapters' AdamW state: neither may change a bit."""
+    lora = LoraConfig(rank=4, alpha=8.0, dropout=0.2, targets="all")
+    rng = np.random.default_rng(18)
+    batches = [random_batch(rng, rows=2, mask_frac=0.2) for _ in range(2)]
+    results = []
+    for extra in ({}, options):
+        with lora_trainer(checkpoints.path("qwen3"), lora, **extra) as tr:
+            set_adapters(tr, random_adapters(tr, 19))
+            for batch in batches:
+                tr.step(*batch)
+                tr.update(lr=1e-2)
+            results.append(tr.get_weights(trainable_only=True))
+    assert_same_tensors(results[1], results[0], f"adapter with {options}")
+
+
 # -- dropout: the core's mask, reimplemented from cuda_core/dropout.h ------------
 
 _MASK64 = (1 << 64) - 1
