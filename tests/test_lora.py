@@ -395,6 +395,8 @@ def test_export_checkpoint_needs_the_base_model(checkpoints, tmp_path):
         export_checkpoint(step_dir, tmp_path / "out")
     assert os.path.isfile(os.path.join(export_checkpoint(step_dir, tmp_path / "out", base_model=moved),
                                        "config.json"))
+    with pytest.raises(ValueError, match="not the model the adapters were trained on"):
+        export_checkpoint(step_dir, tmp_path / "other", base_model=checkpoints.path("qwen3"))
 
 
 def test_bad_lora_settings_are_refused_before_the_core():

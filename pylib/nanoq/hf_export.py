@@ -28,7 +28,7 @@ import numpy as np
 
 from nanoq.config import ModelConfig
 from nanoq.durable import new_directory, write_json
-from nanoq.hf_io import iter_weights
+from nanoq.hf_io import is_parameter, iter_weights
 from nanoq.lora import LoraConfig, merge, split_adapters, write_peft_adapter
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
@@ -266,9 +266,12 @@ def export_checkpoint(checkpoint_path: str | os.PathLike, directory: str | os.Pa
 
 
 def _base_weights(path: str, config: ModelConfig) -> Dict[str, np.ndarray]:
-    """The float32 weights of a Hugging Face model directory, checked against
-    ``config`` (names and shapes of parameter_layout)."""
-    weights = {name: array for name, array in iter_weights(path) if not name.endswith(".rotary_emb.inv_freq")}
-    if config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
-    return weights
+    """The float32 parameters of the Hugging Face model directory ``path``,
+    which must have the architecture ``config`` (the adapters were trained on it)."""
+    theirs = ModelConfig.from_pretrained(path).to_core()
+    differences = [f"{key}: {theirs.get(key)!r}, the checkpoint's {value!r}" for key, value in config.to_core().items()
+                   if theirs.get(key) != value]
+    if differences:
+        raise ValueError(f"the base model {path} is not the model the adapters were trained on: "
+                         f"{'; '.join(differences[:3])}")
+    return {name: array for name, array in iter_weights(path) if is_parameter(name, config.tie_word_embeddings)}

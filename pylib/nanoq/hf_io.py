@@ -105,6 +105,17 @@ def safetensors_views(path: str | os.PathLike) -> List[Tuple[str, str, np.ndarra
     return [(name, dtype_name, view) for _, _, name, dtype_name, view in tensors]
 
 
+# Tensors some Hugging Face checkpoints carry that are not parameters.
+_NOT_PARAMETERS = (".rotary_emb.inv_freq",)
+
+
+def is_parameter(name: str, tie_word_embeddings: bool) -> bool:
+    """Whether a checkpoint tensor is a model parameter nanoq loads (not a
+    buffer such as RoPE's inv_freq, nor the lm_head a tied model shares with
+    its embedding)."""
+    return not (name.endswith(_NOT_PARAMETERS) or (name == "lm_head.weight" and tie_word_embeddings))
+
+
 def weight_files(path: str | os.PathLike) -> list[str]:
     """The safetensors files of a model: a directory, a file, or an index JSON."""
     path = os.fspath(path)

@@ -11,11 +11,9 @@ import numpy as np
 from nanoq import _core
 from nanoq.backends import resolve_backend
 from nanoq.config import ModelConfig, TrainOptions
-from nanoq.hf_io import iter_weights, weight_shapes
+from nanoq.hf_io import is_parameter, iter_weights, weight_shapes
 
 IGNORE_INDEX = -100
-# Tensors some Hugging Face checkpoints carry that are not parameters.
-_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,8 +207,7 @@ class Trainer:
         Every file's header is checked first: on any error nothing is loaded.
         With LoRA these are the frozen weights; the adapters are untouched."""
         def wanted(name: str) -> bool:
-            return not (name.endswith(_IGNORED_SUFFIXES) or
-                        (name == "lm_head.weight" and self.config.tie_word_embeddings))
+            return is_parameter(name, self.config.tie_word_embeddings)
 
         shapes = {name: shape for name, shape in weight_shapes(path).items() if wanted(name)}
         for name, shape in shapes.items():
