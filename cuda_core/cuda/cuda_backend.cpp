@@ -56,7 +56,7 @@ int visible_devices() {
 std::unique_ptr<Backend> create(int device, int /*threads*/) { return std::make_unique<CudaBackend>(device); }
 
 [[maybe_unused]] const bool registered = [] {
-    register_backend("cuda", BackendPlugin{&create, &make_nccl_group, &visible_devices});
+    register_backend(NANOQ_CUDA_BACKEND_NAME, BackendPlugin{&create, &make_nccl_group, &visible_devices});
     return true;
 }();
 

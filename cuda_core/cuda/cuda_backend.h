@@ -7,6 +7,12 @@
 
 #include "backend.h"
 
+// The name the backend registers under: "cuda", or "cuda_emulated" when the
+// same sources are built for the CPU emulator (cmake/cuda_emulator.cmake).
+#ifndef NANOQ_CUDA_BACKEND_NAME
+#define NANOQ_CUDA_BACKEND_NAME "cuda"
+#endif
+
 namespace nanoq {
 namespace cuda {
 
@@ -20,7 +26,7 @@ public:
     int device() const { return device_; }
     cudaStream_t stream() const { return stream_; }
 
-    std::string name() const override { return "cuda"; }
+    std::string name() const override { return NANOQ_CUDA_BACKEND_NAME; }
     void* raw_alloc(std::size_t bytes, MemoryKind kind) override;
     void raw_free(void* data, MemoryKind kind) override;
     void reserve_scratch(NamedAllocator& allocator, const ScratchShapes& shapes) override;

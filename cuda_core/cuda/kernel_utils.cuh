@@ -12,12 +12,38 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 
 #include "kernels.h"
 
 namespace nanoq {
 namespace cuda {
 namespace detail {
+
+// ---- the one launch form, and shared memory -------------------------------
+// Kernels are launched with detail::launch(kernel, grid, block, shared_bytes,
+// stream, args...) and declare shared memory with NANOQ_SHARED(type, name)
+// (dynamic: NANOQ_DYNAMIC_SHARED); device functions take shared memory as
+// smem_ptr<T>. With nvcc these are the plain <<<>>> launch, __shared__ and
+// T*; under the CPU emulator (emulator/, NANOQ_CUDA_EMULATED) the same
+// source runs with every shared access bounds-checked.
+#ifdef NANOQ_CUDA_EMULATED
+template <class T> using smem_ptr = ::nanoq_emu::SharedPtr<T>;
+using ::nanoq_emu::launch;
+#else
+template <class T> using smem_ptr = T*;
+template <class T> using shared_type = T;
+#define NANOQ_SHARED(type, name) __shared__ ::nanoq::cuda::detail::shared_type<type> name
+#define NANOQ_DYNAMIC_SHARED(type, name)                              \
+    extern __shared__ __align__(16) unsigned char nanoq_dynamic_shared[]; \
+    type* name = reinterpret_cast<type*>(nanoq_dynamic_shared)
+
+template <class... Params, class... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t shared_bytes, cudaStream_t stream,
+            Args&&... args) {
+    kernel<<<grid, block, shared_bytes, stream>>>(std::forward<Args>(args)...);
+}
+#endif
 
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kWarpSize = 32;
@@ -60,7 +86,8 @@ __device__ __forceinline__ double warp_sum(double x) {
 // Sum over the block (blockDim.x a multiple of 32, at most 1024), returned to
 // every thread. `shared` holds 32 values; the call ends with a barrier so that
 // `shared` may be reused right after.
-template <class V> __device__ __forceinline__ V block_sum(V x, V* shared) {
+template <class V> struct same_type { using type = V; };
+template <class V> __device__ __forceinline__ V block_sum(V x, smem_ptr<typename same_type<V>::type> shared) {
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
     const int warps = blockDim.x / kWarpSize;
     x = warp_sum(x);
@@ -114,7 +141,7 @@ inline std::size_t column_sums_scratch_floats(int rows, int cols) {
 template <class Term>
 __global__ void __launch_bounds__(kColumnTile * kColumnRowLanes)
     column_chunk_sums_kernel(float* partial, int rows, int cols, int rows_per_chunk, Term term) {
-    __shared__ float lane_sums[kColumnRowLanes][kColumnTile];
+    NANOQ_SHARED(float[kColumnRowLanes][kColumnTile], lane_sums);
     const int c = blockIdx.x * kColumnTile + threadIdx.x;
     const int row_begin = blockIdx.y * rows_per_chunk;
     const int row_end = min(rows, row_begin + rows_per_chunk);
@@ -149,10 +176,10 @@ void column_sums(float* out, int rows, int cols, float* scratch, Term term, cuda
     const int chunks = column_chunks(rows);
     const dim3 grid((cols + kColumnTile - 1) / kColumnTile, chunks);
     const dim3 block(kColumnTile, kColumnRowLanes);
-    column_chunk_sums_kernel<Term><<<grid, block, 0, stream>>>(scratch, rows, cols, per_chunk, term);
+    launch(column_chunk_sums_kernel<Term>, grid, block, 0, stream, scratch, rows, cols, per_chunk, term);
     const int threads = 256;
-    column_chunks_total_kernel<Term><<<(cols + threads - 1) / threads, threads, 0, stream>>>(out, scratch, chunks,
-                                                                                            cols);
+    launch(column_chunks_total_kernel<Term>, (cols + threads - 1) / threads, threads, 0, stream, out, scratch, chunks,
+           cols);
 }
 
 }  // namespace detail

@@ -44,7 +44,7 @@ struct Layout {
 
 // tile[row, d] = src[(first_row + row) * row_stride + d], zero outside time x head_dim.
 template <int kMaxD, class T>
-__device__ __forceinline__ void load_tile(float* tile, const T* src, std::int64_t row_stride, int first_row, int time,
+__device__ __forceinline__ void load_tile(detail::smem_ptr<float> tile, const T* src, std::int64_t row_stride, int first_row, int time,
                                           int head_dim) {
     for (int i = threadIdx.x; i < kTile * kMaxD; i += blockDim.x) {
         const int row = i / kMaxD, d = i % kMaxD;
@@ -79,8 +79,8 @@ __device__ __forceinline__ void store_row(T* row, const float (&values)[kChunks]
 template <int kMaxD, int kRows>
 __device__ __forceinline__ void dot_with_lane_row(float (&out)[kRows],
                                                   const float (&rows)[kRows][Shape<kMaxD>::kChunks],
-                                                  const float* tile) {
-    const float* own_row = tile + (threadIdx.x % kWarpSize) * Shape<kMaxD>::kStride;
+                                                  detail::smem_ptr<const float> tile) {
+    const detail::smem_ptr<const float> own_row = tile + (threadIdx.x % kWarpSize) * Shape<kMaxD>::kStride;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) out[r] = 0.0f;
 #pragma unroll
@@ -98,11 +98,12 @@ __device__ __forceinline__ void dot_with_lane_row(float (&out)[kRows],
 // tile rows, in increasing j.
 template <int kMaxD, int kRows>
 __device__ __forceinline__ void accumulate_weighted_rows(float (&acc)[kRows][Shape<kMaxD>::kChunks],
-                                                         const float (&weights)[kRows], const float* tile) {
+                                                         const float (&weights)[kRows],
+                                                         detail::smem_ptr<const float> tile) {
     const int lane = threadIdx.x % kWarpSize;
 #pragma unroll 4
     for (int j = 0; j < kTile; ++j) {
-        const float* row = tile + j * Shape<kMaxD>::kStride;
+        const detail::smem_ptr<const float> row = tile + j * Shape<kMaxD>::kStride;
         float w[kRows];
 #pragma unroll
         for (int r = 0; r < kRows; ++r) w[r] = __shfl_sync(kFullMask, weights[r], j);
@@ -120,7 +121,7 @@ template <class T, int kMaxD>
 __global__ void __launch_bounds__(Shape<kMaxD>::kThreads)
     attention_forward_kernel(T* out, float* lse, const T* q, const T* k, const T* v, Layout layout) {
     using S = Shape<kMaxD>;
-    __shared__ float tile[kTile * S::kStride];
+    NANOQ_SHARED(float[kTile * S::kStride], tile);
     const int query_tile = gridDim.x - 1 - blockIdx.x;  // the longest blocks start first
     const int h = blockIdx.y, b = blockIdx.z;
     const int kv_head = h / (layout.heads / layout.kv_heads);
@@ -206,7 +207,7 @@ __global__ void __launch_bounds__(Shape<kMaxD>::kThreads)
     attention_backward_dq_kernel(T* dq, const T* dout, const float* lse, const float* delta, const T* q, const T* k,
                                  const T* v, Layout layout) {
     using S = Shape<kMaxD>;
-    __shared__ float tile[kTile * S::kStride];
+    NANOQ_SHARED(float[kTile * S::kStride], tile);
     const int query_tile = gridDim.x - 1 - blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z;
     const int kv_head = h / (layout.heads / layout.kv_heads);
@@ -271,7 +272,7 @@ __global__ void __launch_bounds__(Shape<kMaxD>::kThreads)
     attention_backward_dkdv_kernel(T* dk, T* dv, const T* dout, const float* lse, const float* delta, const T* q,
                                    const T* k, const T* v, Layout layout) {
     using S = Shape<kMaxD>;
-    __shared__ float tile[kTile * S::kStride];
+    NANOQ_SHARED(float[kTile * S::kStride], tile);
     const int key_tile = blockIdx.x;
     const int kv_head = blockIdx.y, b = blockIdx.z;
     const int group = layout.heads / layout.kv_heads;
@@ -360,7 +361,7 @@ void attention_forward(T* out, float* lse, const T* q, const T* k, const T* v, i
     const dim3 grid((time + kTile - 1) / kTile, heads, batch);
     with_max_head_dim(head_dim, [&](auto max_dim) {
         constexpr int kMaxD = decltype(max_dim)::value;
-        attention_forward_kernel<T, kMaxD><<<grid, Shape<kMaxD>::kThreads, 0, stream>>>(out, lse, q, k, v, layout);
+        detail::launch(attention_forward_kernel<T, kMaxD>, grid, Shape<kMaxD>::kThreads, 0, stream, out, lse, q, k, v, layout);
     });
 }
 
@@ -373,16 +374,13 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* out, const 
     float* delta = static_cast<float*>(scratch);
     const std::int64_t rows = static_cast<std::int64_t>(batch) * time * heads;
     const int threads = 256;
-    attention_delta_kernel<T><<<detail::grid_stride_blocks(rows * kWarpSize, threads), threads, 0, stream>>>(
-        delta, dout, out, rows, time, heads, head_dim);
+    detail::launch(attention_delta_kernel<T>, detail::grid_stride_blocks(rows * kWarpSize, threads), threads, 0, stream, delta, dout, out, rows, time, heads, head_dim);
     const int tiles = (time + kTile - 1) / kTile;
     with_max_head_dim(head_dim, [&](auto max_dim) {
         constexpr int kMaxD = decltype(max_dim)::value;
         constexpr int kThreads = Shape<kMaxD>::kThreads;
-        attention_backward_dq_kernel<T, kMaxD><<<dim3(tiles, heads, batch), kThreads, 0, stream>>>(
-            dq, dout, lse, delta, q, k, v, layout);
-        attention_backward_dkdv_kernel<T, kMaxD><<<dim3(tiles, kv_heads, batch), kThreads, 0, stream>>>(
-            dk, dv, dout, lse, delta, q, k, v, layout);
+        detail::launch(attention_backward_dq_kernel<T, kMaxD>, dim3(tiles, heads, batch), kThreads, 0, stream, dq, dout, lse, delta, q, k, v, layout);
+        detail::launch(attention_backward_dkdv_kernel<T, kMaxD>, dim3(tiles, kv_heads, batch), kThreads, 0, stream, dk, dv, dout, lse, delta, q, k, v, layout);
     });
 }
 

@@ -46,7 +46,7 @@ template <class T>
 __global__ void __launch_bounds__(kRowThreads)
     cross_entropy_row_kernel(T* logits, const std::int32_t* targets, float* row_loss, float* row_lse, int vocab,
                              float z_loss, bool with_grad) {
-    __shared__ MaxSum warp_results[detail::kWarpSize];
+    NANOQ_SHARED(MaxSum[detail::kWarpSize], warp_results);
     const int r = blockIdx.x;
     const int target = targets[r];
     T* row = logits + static_cast<std::int64_t>(r) * vocab;
@@ -92,9 +92,9 @@ enum PartialSlot { kLoss = 0, kLoss1k, kLse, kZ, kPartialSlots };
 __global__ void __launch_bounds__(kStatsThreads)
     cross_entropy_stats_kernel(float* stats, const std::int32_t* targets, const float* row_loss,
                                const float* row_lse, int rows, int first_position, int time, float z_loss) {
-    __shared__ double sums[kPartialSlots][kStatsThreads];
-    __shared__ int counts[2][kStatsThreads];
-    __shared__ float maxima[kStatsThreads];
+    NANOQ_SHARED(double[kPartialSlots][kStatsThreads], sums);
+    NANOQ_SHARED(int[2][kStatsThreads], counts);
+    NANOQ_SHARED(float[kStatsThreads], maxima);
     const int tid = threadIdx.x;
     const int span = (rows + kStatsThreads - 1) / kStatsThreads;
     const int begin = min(rows, tid * span), end = min(rows, begin + span);
@@ -150,9 +150,9 @@ void cross_entropy(T* logits, const std::int32_t* targets, float* stats, int row
     if (rows <= 0) return;
     float* row_loss = scratch;
     float* row_lse = scratch + rows;
-    cross_entropy_row_kernel<T><<<rows, kRowThreads, 0, stream>>>(logits, targets, row_loss, row_lse, vocab, z_loss,
+    detail::launch(cross_entropy_row_kernel<T>, rows, kRowThreads, 0, stream, logits, targets, row_loss, row_lse, vocab, z_loss,
                                                                   with_grad);
-    cross_entropy_stats_kernel<<<1, kStatsThreads, 0, stream>>>(stats, targets, row_loss, row_lse, rows,
+    detail::launch(cross_entropy_stats_kernel, 1, kStatsThreads, 0, stream, stats, targets, row_loss, row_lse, rows,
                                                                 first_position, time, z_loss);
 }
 

@@ -65,41 +65,41 @@ template <class T> struct BiasGradTerm {
 
 template <class T> void fill(T* data, float value, std::int64_t n, cudaStream_t stream) {
     if (n <= 0) return;
-    fill_kernel<T><<<detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(data, value, n);
+    detail::launch(fill_kernel<T>, detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream, data, value, n);
 }
 
 void cast_f32_to_bf16(bf16* out, const float* in, std::int64_t n, cudaStream_t stream) {
     if (n <= 0) return;
-    cast_f32_to_bf16_kernel<<<detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(out, in, n);
+    detail::launch(cast_f32_to_bf16_kernel, detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream, out, in, n);
 }
 
 void cast_bf16_to_f32(float* out, const bf16* in, std::int64_t n, cudaStream_t stream) {
     if (n <= 0) return;
-    cast_bf16_to_f32_kernel<<<detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(out, in, n);
+    detail::launch(cast_bf16_to_f32_kernel, detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream, out, in, n);
 }
 
 template <class T> void add(T* out, const T* a, const T* b, std::int64_t n, cudaStream_t stream) {
     if (n <= 0) return;
-    add_kernel<T><<<detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(out, a, b, n);
+    detail::launch(add_kernel<T>, detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream, out, a, b, n);
 }
 
 template <class T> void accumulate(T* out, const T* a, std::int64_t n, cudaStream_t stream) {
     if (n <= 0) return;
-    accumulate_kernel<T><<<detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(out, a, n);
+    detail::launch(accumulate_kernel<T>, detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream, out, a, n);
 }
 
 template <class T>
 void scale_dropout(T* out, const T* in, float scale, float drop, std::uint64_t seed, std::int64_t n,
                    cudaStream_t stream) {
     if (n <= 0) return;
-    scale_dropout_kernel<T><<<detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(out, in, scale, drop,
+    detail::launch(scale_dropout_kernel<T>, detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream, out, in, scale, drop,
                                                                                               seed, n);
 }
 
 template <class T> void add_bias(T* out, const T* bias, int rows, int cols, cudaStream_t stream) {
     const std::int64_t n = static_cast<std::int64_t>(rows) * cols;
     if (n <= 0) return;
-    add_bias_kernel<T><<<detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(out, bias, n, cols);
+    detail::launch(add_bias_kernel<T>, detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream, out, bias, n, cols);
 }
 
 template <class T>

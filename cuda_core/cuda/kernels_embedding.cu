@@ -76,7 +76,7 @@ __global__ void embedding_backward_kernel(float* table_grad, const T* dout, cons
     const std::int32_t token = sorted_tokens[run_begin];
     if (run_begin > 0 && sorted_tokens[run_begin - 1] == token) return;
     // The run ends at the first later position with another token.
-    __shared__ int first_other;
+    NANOQ_SHARED(int, first_other);
     if (threadIdx.x == 0) first_other = rows;
     __syncthreads();
     for (int base = run_begin + 1; base < rows; base += blockDim.x) {
@@ -102,7 +102,7 @@ void embedding_forward(T* out, const std::int32_t* tokens, const T* table, int r
                        cudaStream_t stream) {
     const std::int64_t n = static_cast<std::int64_t>(rows) * channels;
     if (n <= 0) return;
-    embedding_forward_kernel<T><<<detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(out, tokens, table,
+    detail::launch(embedding_forward_kernel<T>, detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream, out, tokens, table,
                                                                                                   n, channels);
 }
 
@@ -111,10 +111,10 @@ void embedding_backward(float* table_grad, const T* dout, const std::int32_t* to
                         int vocab, void* scratch, cudaStream_t stream) {
     if (rows <= 0 || channels <= 0) return;
     EmbeddingScratch s = split_scratch(scratch, rows, vocab);
-    iota_kernel<<<detail::grid_stride_blocks(rows, kThreads), kThreads, 0, stream>>>(s.row_ids, rows);
+    detail::launch(iota_kernel, detail::grid_stride_blocks(rows, kThreads), kThreads, 0, stream, s.row_ids, rows);
     cub::DeviceRadixSort::SortPairs(s.sort_temp, s.sort_temp_bytes, tokens, s.sorted_tokens, s.row_ids,
                                     s.sorted_rows, rows, 0, token_bits(vocab), stream);
-    embedding_backward_kernel<T><<<rows, kThreads, 0, stream>>>(table_grad, dout, s.sorted_tokens, s.sorted_rows,
+    detail::launch(embedding_backward_kernel<T>, rows, kThreads, 0, stream, table_grad, dout, s.sorted_tokens, s.sorted_rows,
                                                                 rows, channels);
 }
 

@@ -26,7 +26,7 @@ int sum_squares_blocks(std::int64_t n) {
 }
 
 __global__ void __launch_bounds__(kThreads) sum_squares_partial_kernel(float* partial, const float* x, std::int64_t n) {
-    __shared__ double reduce_space[detail::kWarpSize];
+    NANOQ_SHARED(double[detail::kWarpSize], reduce_space);
     double acc = 0.0;
     for (std::int64_t i = detail::grid_stride_begin(); i < n; i += detail::grid_stride_step()) {
         const double value = x[i];
@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(kThreads) sum_squares_partial_kernel(float* pa
 }
 
 __global__ void __launch_bounds__(kThreads) sum_squares_total_kernel(float* out, const float* partial, int blocks) {
-    __shared__ double reduce_space[detail::kWarpSize];
+    NANOQ_SHARED(double[detail::kWarpSize], reduce_space);
     double acc = 0.0;
     for (int i = threadIdx.x; i < blocks; i += blockDim.x) acc += partial[i];
     acc = detail::block_sum(acc, reduce_space);
@@ -96,8 +96,8 @@ __global__ void adamw_kernel(TParam* param, const float* grad, TState* m, TState
 void sum_squares(float* out, const float* x, std::int64_t n, float* scratch, cudaStream_t stream) {
     if (n <= 0) return;
     const int blocks = sum_squares_blocks(n);
-    sum_squares_partial_kernel<<<blocks, kThreads, 0, stream>>>(scratch, x, n);
-    sum_squares_total_kernel<<<1, kThreads, 0, stream>>>(out, scratch, blocks);
+    detail::launch(sum_squares_partial_kernel, blocks, kThreads, 0, stream, scratch, x, n);
+    detail::launch(sum_squares_total_kernel, 1, kThreads, 0, stream, out, scratch, blocks);
 }
 
 std::size_t sum_squares_scratch_floats(std::int64_t n) {
@@ -105,7 +105,7 @@ std::size_t sum_squares_scratch_floats(std::int64_t n) {
 }
 
 void optimizer_scale(float* out, const float* gathered, int ranks, int stride, float grad_clip, cudaStream_t stream) {
-    optimizer_scale_kernel<<<1, 1, 0, stream>>>(out, gathered, ranks, stride, grad_clip);
+    detail::launch(optimizer_scale_kernel, 1, 1, 0, stream, out, gathered, ranks, stride, grad_clip);
 }
 
 template <class TParam, class TState>
@@ -119,8 +119,7 @@ void adamw(TParam* param, const float* grad, TState* m, TState* v, std::int64_t 
     const AdamWConstants k{beta1, beta2, eps, lr / bias1, 1.0f - lr * weight_decay, bias2_sqrt};
     const std::uint64_t step_key = detail::splitmix64(static_cast<std::uint64_t>(static_cast<std::uint32_t>(step)));
     const std::uint64_t stream_key = detail::splitmix64(seed ^ step_key);
-    adamw_kernel<TParam, TState><<<detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(
-        param, grad, m, v, n, k, grad_scale, stream_key);
+    detail::launch(adamw_kernel<TParam, TState>, detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream, param, grad, m, v, n, k, grad_scale, stream_key);
 }
 
 #define NANOQ_INSTANTIATE(TParam, TState)                                                                        \

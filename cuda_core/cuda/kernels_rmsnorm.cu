@@ -16,7 +16,7 @@ constexpr int kThreads = 256;
 template <class T>
 __global__ void __launch_bounds__(kThreads)
     rmsnorm_forward_kernel(T* out, float* rstd, const T* inp, const T* weight, int channels, float eps) {
-    __shared__ float reduce_space[detail::kWarpSize];
+    NANOQ_SHARED(float[detail::kWarpSize], reduce_space);
     const std::int64_t offset = static_cast<std::int64_t>(blockIdx.x) * channels;
     const T* x = inp + offset;
     float sum = 0.0f;
@@ -36,7 +36,7 @@ template <class T>
 __global__ void __launch_bounds__(kThreads)
     rmsnorm_backward_input_kernel(T* dinp, const T* dout, const T* inp, const T* weight, const float* rstd,
                                   int channels, bool accumulate) {
-    __shared__ float reduce_space[detail::kWarpSize];
+    NANOQ_SHARED(float[detail::kWarpSize], reduce_space);
     const std::int64_t offset = static_cast<std::int64_t>(blockIdx.x) * channels;
     const T* dy = dout + offset;
     const T* x = inp + offset;
@@ -71,7 +71,7 @@ template <class T>
 void rmsnorm_forward(T* out, float* rstd, const T* inp, const T* weight, int rows, int channels, float eps,
                      cudaStream_t stream) {
     if (rows <= 0 || channels <= 0) return;
-    rmsnorm_forward_kernel<T><<<rows, kThreads, 0, stream>>>(out, rstd, inp, weight, channels, eps);
+    detail::launch(rmsnorm_forward_kernel<T>, rows, kThreads, 0, stream, out, rstd, inp, weight, channels, eps);
 }
 
 template <class T>
@@ -79,7 +79,7 @@ void rmsnorm_backward(T* dinp, float* dweight, const T* dout, const T* inp, cons
                       int rows, int channels, bool accumulate, float* scratch, cudaStream_t stream) {
     if (rows <= 0 || channels <= 0) return;
     detail::column_sums(dweight, rows, channels, scratch, WeightGradTerm<T>{dout, inp, rstd, channels}, stream);
-    rmsnorm_backward_input_kernel<T><<<rows, kThreads, 0, stream>>>(dinp, dout, inp, weight, rstd, channels,
+    detail::launch(rmsnorm_backward_input_kernel<T>, rows, kThreads, 0, stream, dinp, dout, inp, weight, rstd, channels,
                                                                     accumulate);
 }
 

@@ -34,7 +34,7 @@ void rotate(T* x, const float* cos_sin, int batch, int time, int heads, int head
     const int half = head_dim / 2;
     const std::int64_t pairs = static_cast<std::int64_t>(batch) * time * heads * half;
     if (pairs <= 0) return;
-    rope_kernel<T><<<detail::grid_stride_blocks(pairs, kThreads), kThreads, 0, stream>>>(x, cos_sin, pairs, time,
+    detail::launch(rope_kernel<T>, detail::grid_stride_blocks(pairs, kThreads), kThreads, 0, stream, x, cos_sin, pairs, time,
                                                                                         heads, half, direction);
 }
 

@@ -35,14 +35,14 @@ __global__ void swiglu_backward_kernel(T* dgate, T* dup, const T* dout, const T*
 
 template <class T> void swiglu_forward(T* out, const T* gate, const T* up, std::int64_t n, cudaStream_t stream) {
     if (n <= 0) return;
-    swiglu_forward_kernel<T><<<detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(out, gate, up, n);
+    detail::launch(swiglu_forward_kernel<T>, detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream, out, gate, up, n);
 }
 
 template <class T>
 void swiglu_backward(T* dgate, T* dup, const T* dout, const T* gate, const T* up, std::int64_t n,
                      cudaStream_t stream) {
     if (n <= 0) return;
-    swiglu_backward_kernel<T><<<detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream>>>(dgate, dup, dout,
+    detail::launch(swiglu_backward_kernel<T>, detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream, dgate, dup, dout,
                                                                                                gate, up, n);
 }
 

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from nanoq import _core
 
-BACKENDS = ("cpu", "cuda")
+BACKENDS = ("cpu", "cuda", "cuda_emulated")
+# Backends that run the cuda backend's code: on a GPU, or on the CPU emulator
+# of the CUDA execution model (``cuda_emulated``: for tests, very slow, never
+# chosen by "auto").
+CUDA_BACKENDS = ("cuda", "cuda_emulated")
 _CUDA_LIBRARIES = ("cudart", "cublas", "cublasLt", "nccl")
 
 
@@ -76,6 +80,8 @@ def backends() -> list[dict]:
                 entry["detail"] = str(e)
             if name == "cpu":
                 entry["detail"] = f"{entry['devices']} cores; devices are worker threads"
+            elif name == "cuda_emulated":
+                entry["detail"] = "the cuda backend's code on a CPU emulator of CUDA (for tests; very slow)"
             elif entry["devices"] == 0 and not entry["detail"]:
                 entry["detail"] = "no usable GPU (no device or no driver)"
             elif entry["devices"]:

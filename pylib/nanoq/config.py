@@ -6,6 +6,7 @@ import math
 import os
 from typing import Any, Optional
 
+from nanoq.backends import BACKENDS as _CORE_BACKENDS
 from nanoq.durable import read_json_object
 
 SUPPORTED_ARCHITECTURES = {
@@ -216,7 +217,7 @@ def _option_list(name: str, value, allowed: tuple) -> tuple:
     return tuple(sorted(set(names), key=allowed.index))
 
 
-BACKENDS = ("auto", "cpu", "cuda")
+BACKENDS = ("auto",) + _CORE_BACKENDS
 RECOMPUTE = ("swiglu", "norms", "qkv", "ffn", "block")
 OFFLOAD = ("optimizer", "master", "gradients")
 

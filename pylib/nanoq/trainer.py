@@ -9,7 +9,7 @@ from typing import Dict
 import numpy as np
 
 from nanoq import _core
-from nanoq.backends import resolve_backend
+from nanoq.backends import CUDA_BACKENDS, resolve_backend
 from nanoq.config import ModelConfig, TrainOptions
 from nanoq.hf_io import is_parameter, iter_weights, weight_shapes
 
@@ -123,7 +123,7 @@ class Trainer:
         core_options = dataclasses.asdict(options)
         core_options["backend"] = self.backend
         if options.dtype == "auto":
-            core_options["dtype"] = "bf16" if self.backend == "cuda" else "fp32"
+            core_options["dtype"] = "bf16" if self.backend in CUDA_BACKENDS else "fp32"
         if self.backend == "cpu" and "bf16" in (core_options["dtype"], options.master_dtype, options.optimizer_dtype):
             raise ValueError("the cpu backend computes in fp32 only: use dtype, master_dtype and "
                              "optimizer_dtype \"fp32\" (or \"auto\")")
@@ -318,7 +318,7 @@ class Trainer:
             return None
         if not all(on_device):
             raise TypeError("inputs and targets must both be numpy arrays or both device arrays")
-        if self.backend != "cuda":
+        if self.backend != "cuda":  # the emulator has no device arrays
             raise TypeError(f"device arrays need the cuda backend; this trainer runs on {self.backend}: "
                             "pass numpy arrays")
         inputs_ptr, inputs_device = _check_device_tokens("inputs", inputs, self._batch_shape, vocab, False)

@@ -24,9 +24,10 @@ import re
 import tomllib
 from typing import Any, Dict, List, NamedTuple, Optional
 
+from nanoq.config import BACKENDS
+
 SECTIONS = ("model", "data", "train", "lora", "checkpoint", "run")
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
-BACKENDS = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16")
 
 

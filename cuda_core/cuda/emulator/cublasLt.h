@@ -1,0 +1,78 @@
+// The cuBLASLt subset nanoq uses, for the CPU emulator: descriptors and
+// layouts as in the real library, and a reference GEMM (double accumulation)
+// queued on the stream in place of cublasLtMatmul. It checks what the real
+// library would reject or silently get wrong: inconsistent shapes and leading
+// dimensions, pointers less aligned than the preference promised, and a
+// workspace smaller than the heuristic's result asked for.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda_runtime.h"
+
+enum cudaDataType_t : int { CUDA_R_32F = 0, CUDA_R_16BF = 14 };
+typedef cudaDataType_t cudaDataType;
+
+enum cublasStatus_t : int {
+    CUBLAS_STATUS_SUCCESS = 0,
+    CUBLAS_STATUS_NOT_INITIALIZED = 1,
+    CUBLAS_STATUS_INVALID_VALUE = 7,
+    CUBLAS_STATUS_EXECUTION_FAILED = 13,
+    CUBLAS_STATUS_NOT_SUPPORTED = 15,
+};
+enum cublasOperation_t : int { CUBLAS_OP_N = 0, CUBLAS_OP_T = 1 };
+enum cublasComputeType_t : int { CUBLAS_COMPUTE_32F = 68 };
+
+enum cublasLtMatmulDescAttributes_t : int {
+    CUBLASLT_MATMUL_DESC_TRANSA = 3,
+    CUBLASLT_MATMUL_DESC_TRANSB = 4,
+};
+enum cublasLtMatmulPreferenceAttributes_t : int {
+    CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES = 1,
+    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES = 5,
+    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES = 6,
+    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES = 7,
+    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES = 8,
+};
+
+typedef struct nanoq_emu_lt_handle* cublasLtHandle_t;
+typedef struct nanoq_emu_lt_desc* cublasLtMatmulDesc_t;
+typedef struct nanoq_emu_lt_layout* cublasLtMatrixLayout_t;
+typedef struct nanoq_emu_lt_preference* cublasLtMatmulPreference_t;
+
+struct cublasLtMatmulAlgo_t {
+    std::uint64_t data[8];
+};
+struct cublasLtMatmulHeuristicResult_t {
+    cublasLtMatmulAlgo_t algo;
+    std::size_t workspaceSize;
+    cublasStatus_t state;
+    float wavesCount;
+    int reserved[4];
+};
+
+cublasStatus_t cublasLtCreate(cublasLtHandle_t* handle);
+cublasStatus_t cublasLtDestroy(cublasLtHandle_t handle);
+cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t* desc, cublasComputeType_t compute, cudaDataType_t scale);
+cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t desc);
+cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribute,
+                                              const void* buffer, std::size_t bytes);
+cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* layout, cudaDataType_t type, std::uint64_t rows,
+                                          std::uint64_t cols, std::int64_t ld);
+cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t layout);
+cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t* preference);
+cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t preference);
+cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t preference,
+                                                    cublasLtMatmulPreferenceAttributes_t attribute, const void* buffer,
+                                                    std::size_t bytes);
+cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc,
+                                              cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
+                                              cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t d,
+                                              cublasLtMatmulPreference_t preference, int requested,
+                                              cublasLtMatmulHeuristicResult_t* results, int* returned);
+cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc, const void* alpha, const void* a,
+                              cublasLtMatrixLayout_t a_layout, const void* b, cublasLtMatrixLayout_t b_layout,
+                              const void* beta, const void* c, cublasLtMatrixLayout_t c_layout, void* d,
+                              cublasLtMatrixLayout_t d_layout, const cublasLtMatmulAlgo_t* algo, void* workspace,
+                              std::size_t workspace_bytes, cudaStream_t stream);

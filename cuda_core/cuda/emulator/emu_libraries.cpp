@@ -1,0 +1,484 @@
+// The emulator's stand-ins for cuBLASLt and NCCL (see cublasLt.h, nccl.h).
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cublasLt.h"
+#include "cuda_bf16.h"
+#include "nccl.h"
+
+// ---- cuBLASLt -------------------------------------------------------------------------
+struct nanoq_emu_lt_handle {
+    int unused = 0;
+};
+struct nanoq_emu_lt_desc {
+    cublasOperation_t trans_a = CUBLAS_OP_N, trans_b = CUBLAS_OP_N;
+};
+struct nanoq_emu_lt_layout {
+    cudaDataType_t type;
+    std::uint64_t rows, cols;
+    std::int64_t ld;
+};
+struct nanoq_emu_lt_preference {
+    std::size_t max_workspace = 0;
+    std::uint32_t align[4] = {256, 256, 256, 256};  // A, B, C, D: the library's default assumption
+};
+
+namespace {
+
+constexpr std::size_t kEmulatedWorkspace = 1 << 20;
+
+std::size_t element_bytes(cudaDataType_t type) { return type == CUDA_R_16BF ? 2 : 4; }
+
+double load(const void* p, cudaDataType_t type, std::int64_t i) {
+    if (type == CUDA_R_16BF) return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    return static_cast<const float*>(p)[i];
+}
+
+void store(void* p, cudaDataType_t type, std::int64_t i, double value) {
+    const float f = static_cast<float>(value);
+    if (type == CUDA_R_16BF)
+        static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(f);
+    else
+        static_cast<float*>(p)[i] = f;
+}
+
+unsigned alignment_of(const void* p) {
+    const auto address = reinterpret_cast<std::uintptr_t>(p);
+    unsigned bytes = 256;
+    while (bytes > 1 && address % bytes) bytes /= 2;
+    return bytes;
+}
+
+}  // namespace
+
+cublasStatus_t cublasLtCreate(cublasLtHandle_t* handle) {
+    *handle = new nanoq_emu_lt_handle();
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtDestroy(cublasLtHandle_t handle) {
+    delete handle;
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t* desc, cublasComputeType_t compute, cudaDataType_t scale) {
+    if (compute != CUBLAS_COMPUTE_32F || scale != CUDA_R_32F) return CUBLAS_STATUS_NOT_SUPPORTED;
+    *desc = new nanoq_emu_lt_desc();
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t desc) {
+    delete desc;
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribute,
+                                              const void* buffer, std::size_t bytes) {
+    if (bytes != sizeof(cublasOperation_t)) return CUBLAS_STATUS_INVALID_VALUE;
+    const auto op = *static_cast<const cublasOperation_t*>(buffer);
+    if (op != CUBLAS_OP_N && op != CUBLAS_OP_T) return CUBLAS_STATUS_INVALID_VALUE;
+    if (attribute == CUBLASLT_MATMUL_DESC_TRANSA)
+        desc->trans_a = op;
+    else if (attribute == CUBLASLT_MATMUL_DESC_TRANSB)
+        desc->trans_b = op;
+    else
+        return CUBLAS_STATUS_INVALID_VALUE;
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* layout, cudaDataType_t type, std::uint64_t rows,
+                                          std::uint64_t cols, std::int64_t ld) {
+    if (type != CUDA_R_32F && type != CUDA_R_16BF) return CUBLAS_STATUS_NOT_SUPPORTED;
+    if (ld < static_cast<std::int64_t>(std::max<std::uint64_t>(rows, 1))) return CUBLAS_STATUS_INVALID_VALUE;
+    *layout = new nanoq_emu_lt_layout{type, rows, cols, ld};
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t layout) {
+    delete layout;
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t* preference) {
+    *preference = new nanoq_emu_lt_preference();
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t preference) {
+    delete preference;
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p,
+                                                    cublasLtMatmulPreferenceAttributes_t attribute, const void* buffer,
+                                                    std::size_t bytes) {
+    if (attribute == CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES) {
+        if (bytes != sizeof(std::uint64_t)) return CUBLAS_STATUS_INVALID_VALUE;
+        p->max_workspace = *static_cast<const std::uint64_t*>(buffer);
+        return CUBLAS_STATUS_SUCCESS;
+    }
+    const int slot = attribute - CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES;
+    if (slot < 0 || slot > 3 || bytes != sizeof(std::uint32_t)) return CUBLAS_STATUS_INVALID_VALUE;
+    p->align[slot] = *static_cast<const std::uint32_t*>(buffer);
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
+                                              cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c,
+                                              cublasLtMatrixLayout_t d, cublasLtMatmulPreference_t preference,
+                                              int requested, cublasLtMatmulHeuristicResult_t* results, int* returned) {
+    *returned = 0;
+    if (requested < 1) return CUBLAS_STATUS_INVALID_VALUE;
+    const std::uint64_t m = d->rows, n = d->cols;
+    const std::uint64_t a_rows = desc->trans_a == CUBLAS_OP_N ? a->rows : a->cols;
+    const std::uint64_t k = desc->trans_a == CUBLAS_OP_N ? a->cols : a->rows;
+    const std::uint64_t b_rows = desc->trans_b == CUBLAS_OP_N ? b->rows : b->cols;
+    const std::uint64_t b_cols = desc->trans_b == CUBLAS_OP_N ? b->cols : b->rows;
+    if (a_rows != m || b_rows != k || b_cols != n || c->rows != m || c->cols != n || a->type != b->type)
+        return CUBLAS_STATUS_INVALID_VALUE;
+    for (int i = 0; i < 4; ++i)
+        if (preference->align[i] == 0 || (preference->align[i] & (preference->align[i] - 1)))
+            return CUBLAS_STATUS_INVALID_VALUE;
+    cublasLtMatmulHeuristicResult_t r{};
+    // The algorithm remembers the alignments it was chosen for.
+    for (int i = 0; i < 4; ++i) r.algo.data[i] = preference->align[i];
+    r.workspaceSize = std::min(preference->max_workspace, kEmulatedWorkspace);
+    r.algo.data[4] = r.workspaceSize;
+    r.state = CUBLAS_STATUS_SUCCESS;
+    r.wavesCount = 1.0f;
+    results[0] = r;
+    *returned = 1;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t desc, const void* alpha_p, const void* a,
+                              cublasLtMatrixLayout_t al, const void* b, cublasLtMatrixLayout_t bl, const void* beta_p,
+                              const void* c, cublasLtMatrixLayout_t cl, void* d, cublasLtMatrixLayout_t dl,
+                              const cublasLtMatmulAlgo_t* algo, void* workspace, std::size_t workspace_bytes,
+                              cudaStream_t stream) {
+    if (!algo) return CUBLAS_STATUS_INVALID_VALUE;
+    const void* pointers[4] = {a, b, c, d};
+    for (int i = 0; i < 4; ++i)
+        if (alignment_of(pointers[i]) < algo->data[i]) return CUBLAS_STATUS_INVALID_VALUE;  // misaligned for the algo
+    if (workspace_bytes < algo->data[4] || (algo->data[4] && !workspace)) return CUBLAS_STATUS_INVALID_VALUE;
+    const bool ta = desc->trans_a == CUBLAS_OP_T, tb = desc->trans_b == CUBLAS_OP_T;
+    const std::int64_t m = static_cast<std::int64_t>(dl->rows), n = static_cast<std::int64_t>(dl->cols);
+    const std::int64_t k = static_cast<std::int64_t>(ta ? al->rows : al->cols);
+    if ((ta ? al->cols : al->rows) != dl->rows || (tb ? bl->cols : bl->rows) != static_cast<std::uint64_t>(k) ||
+        (tb ? bl->rows : bl->cols) != dl->cols || cl->rows != dl->rows || cl->cols != dl->cols)
+        return CUBLAS_STATUS_INVALID_VALUE;
+    const float alpha = *static_cast<const float*>(alpha_p), beta = *static_cast<const float*>(beta_p);
+    const nanoq_emu_lt_layout A = *al, B = *bl, C = *cl, D = *dl;
+    nanoq_emu::enqueue(
+        stream,
+        [=] {
+            std::vector<double> column(m);
+            for (std::int64_t j = 0; j < n; ++j) {
+                std::fill(column.begin(), column.end(), 0.0);
+                for (std::int64_t p = 0; p < k; ++p) {
+                    const double bv = load(b, B.type, tb ? j + p * B.ld : p + j * B.ld);
+                    if (bv == 0.0) continue;
+                    for (std::int64_t i = 0; i < m; ++i)
+                        column[i] += load(a, A.type, ta ? p + i * A.ld : i + p * A.ld) * bv;
+                }
+                for (std::int64_t i = 0; i < m; ++i) {
+                    double value = alpha * column[i];
+                    if (beta != 0.0f) value += beta * load(c, C.type, i + j * C.ld);  // beta 0: C is not read
+                    store(d, D.type, i + j * D.ld, value);
+                }
+            }
+        },
+        "cublasLtMatmul");
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+// ---- NCCL ------------------------------------------------------------------------------------
+namespace {
+
+enum class Collective { AllReduce, ReduceScatter, AllGather, Broadcast, Reduce };
+
+const char* collective_name(Collective c) {
+    switch (c) {
+        case Collective::AllReduce: return "ncclAllReduce";
+        case Collective::ReduceScatter: return "ncclReduceScatter";
+        case Collective::AllGather: return "ncclAllGather";
+        case Collective::Broadcast: return "ncclBroadcast";
+        case Collective::Reduce: return "ncclReduce";
+    }
+    return "?";
+}
+
+struct Call {
+    Collective what;
+    const void* send;
+    void* recv;
+    std::size_t count;
+    ncclDataType_t type;
+    int root;
+};
+
+struct Clique {
+    explicit Clique(int n) : nranks(n) {}
+    const int nranks;
+    std::mutex mutex;
+    std::condition_variable changed;
+    int joined = 0;
+    bool aborted = false;
+    struct Pending {
+        std::vector<Call> calls;
+        std::vector<bool> present;
+        int arrived = 0, released = 0;
+        bool done = false;
+    };
+    std::map<std::uint64_t, Pending> pending;  // by collective sequence number
+};
+
+std::mutex registry_mutex;
+std::map<std::uint64_t, std::weak_ptr<Clique>>& registry() {
+    static auto* r = new std::map<std::uint64_t, std::weak_ptr<Clique>>();
+    return *r;
+}
+
+std::uint64_t id_key(const ncclUniqueId& id) {
+    std::uint64_t key;
+    std::memcpy(&key, id.internal, sizeof(key));
+    return key;
+}
+
+std::size_t type_bytes(ncclDataType_t type) { return type == ncclBfloat16 ? 2 : 4; }
+
+// Sums in rank order, rounding to the type after every addition as a
+// reduction of that type does.
+void add_value(std::vector<char>& out, ncclDataType_t type, std::size_t i, const void* in, bool first) {
+    switch (type) {
+        case ncclBfloat16: {
+            auto* o = reinterpret_cast<__nv_bfloat16*>(out.data());
+            const float v = __bfloat162float(static_cast<const __nv_bfloat16*>(in)[i]);
+            o[i] = __float2bfloat16_rn(first ? v : __bfloat162float(o[i]) + v);
+            break;
+        }
+        case ncclInt32: {
+            auto* o = reinterpret_cast<std::int32_t*>(out.data());
+            const std::int32_t v = static_cast<const std::int32_t*>(in)[i];
+            o[i] = first ? v : o[i] + v;
+            break;
+        }
+        default: {
+            auto* o = reinterpret_cast<float*>(out.data());
+            const float v = static_cast<const float*>(in)[i];
+            o[i] = first ? v : o[i] + v;
+        }
+    }
+}
+
+void perform(const std::vector<Call>& calls) {
+    const Call& c0 = calls[0];
+    const int n = static_cast<int>(calls.size());
+    const std::size_t bytes = type_bytes(c0.type);
+    switch (c0.what) {
+        case Collective::AllReduce:
+        case Collective::Reduce: {
+            std::vector<char> sum(c0.count * bytes);
+            for (int r = 0; r < n; ++r)
+                for (std::size_t i = 0; i < c0.count; ++i) add_value(sum, c0.type, i, calls[r].send, r == 0);
+            for (int r = 0; r < n; ++r)
+                if (c0.what == Collective::AllReduce || r == c0.root) std::memcpy(calls[r].recv, sum.data(), sum.size());
+            break;
+        }
+        case Collective::ReduceScatter: {
+            std::vector<std::vector<char>> parts(n, std::vector<char>(c0.count * bytes));
+            for (int owner = 0; owner < n; ++owner) {
+                std::vector<char>& part = parts[owner];
+                for (int r = 0; r < n; ++r) {
+                    const char* src = static_cast<const char*>(calls[r].send) + owner * c0.count * bytes;
+                    for (std::size_t i = 0; i < c0.count; ++i) add_value(part, c0.type, i, src, r == 0);
+                }
+            }
+            for (int r = 0; r < n; ++r) std::memcpy(calls[r].recv, parts[r].data(), parts[r].size());
+            break;
+        }
+        case Collective::AllGather: {
+            std::vector<char> all(n * c0.count * bytes);
+            for (int r = 0; r < n; ++r) std::memcpy(all.data() + r * c0.count * bytes, calls[r].send, c0.count * bytes);
+            for (int r = 0; r < n; ++r) std::memcpy(calls[r].recv, all.data(), all.size());
+            break;
+        }
+        case Collective::Broadcast: {
+            std::vector<char> data(static_cast<const char*>(calls[c0.root].send),
+                                   static_cast<const char*>(calls[c0.root].send) + c0.count * bytes);
+            for (int r = 0; r < n; ++r) std::memcpy(calls[r].recv, data.data(), data.size());
+            break;
+        }
+    }
+}
+
+}  // namespace
+
+struct nanoq_emu_nccl_comm {
+    std::shared_ptr<Clique> clique;
+    int rank;
+    std::uint64_t next = 0;  // sequence number of the next collective
+};
+
+namespace {
+
+ncclResult_t enqueue_collective(ncclComm_t comm, cudaStream_t stream, Call call) {
+    if (!comm) return ncclInvalidArgument;
+    std::shared_ptr<Clique> clique = comm->clique;
+    {
+        std::lock_guard<std::mutex> lock(clique->mutex);
+        if (clique->aborted) return ncclInvalidUsage;
+        if (clique->joined < clique->nranks) return ncclInvalidUsage;  // not initialised yet
+    }
+    if (call.root < 0 || call.root >= clique->nranks) return ncclInvalidArgument;
+    const std::uint64_t seq = comm->next++;
+    const int rank = comm->rank;
+    nanoq_emu::enqueue(
+        stream,
+        [clique, seq, rank, call] {
+            std::unique_lock<std::mutex> lock(clique->mutex);
+            Clique::Pending& p = clique->pending[seq];
+            if (p.calls.empty()) {
+                p.calls.resize(clique->nranks);
+                p.present.assign(clique->nranks, false);
+            }
+            p.calls[rank] = call;
+            p.present[rank] = true;
+            if (++p.arrived == clique->nranks) {
+                const Call& c0 = p.calls[0];
+                for (int r = 1; r < clique->nranks; ++r) {
+                    const Call& c = p.calls[r];
+                    if (c.what != c0.what || c.count != c0.count || c.type != c0.type || c.root != c0.root) {
+                        clique->aborted = true;
+                        clique->changed.notify_all();
+                        throw nanoq_emu::Error(std::string("NCCL ranks disagree on collective ") +
+                                               std::to_string(seq) + ": rank 0 calls " + collective_name(c0.what) +
+                                               " of " + std::to_string(c0.count) + ", rank " + std::to_string(r) +
+                                               " calls " + collective_name(c.what) + " of " + std::to_string(c.count));
+                    }
+                }
+                perform(p.calls);
+                p.done = true;
+                clique->changed.notify_all();
+            } else if (!clique->changed.wait_for(lock, std::chrono::seconds(120),
+                                                 [&] { return p.done || clique->aborted; })) {
+                throw nanoq_emu::Error(std::string(collective_name(call.what)) +
+                                       ": the other ranks did not join within 120 s");
+            }
+            if (!p.done) throw nanoq_emu::Error(std::string(collective_name(call.what)) + ": communicator aborted");
+            if (++p.released == clique->nranks) clique->pending.erase(seq);
+        },
+        collective_name(call.what));
+    return ncclSuccess;
+}
+
+ncclResult_t init_rank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank, bool blocking) {
+    if (nranks < 1 || rank < 0 || rank >= nranks) return ncclInvalidArgument;
+    std::shared_ptr<Clique> clique;
+    {
+        std::lock_guard<std::mutex> lock(registry_mutex);
+        auto& slot = registry()[id_key(id)];
+        clique = slot.lock();
+        if (!clique) {
+            clique = std::make_shared<Clique>(nranks);
+            slot = clique;
+        }
+    }
+    if (clique->nranks != nranks) return ncclInvalidUsage;
+    *comm = new nanoq_emu_nccl_comm{clique, rank};
+    std::unique_lock<std::mutex> lock(clique->mutex);
+    ++clique->joined;
+    clique->changed.notify_all();
+    if (!blocking) return ncclInProgress;
+    // A blocking init waits for every rank, for ever, as the real one does
+    // (bounded here so that a test cannot hang the machine).
+    if (!clique->changed.wait_for(lock, std::chrono::seconds(300),
+                                  [&] { return clique->joined == nranks || clique->aborted; }))
+        return ncclSystemError;
+    return clique->aborted ? ncclRemoteError : ncclSuccess;
+}
+
+}  // namespace
+
+const char* ncclGetErrorString(ncclResult_t result) {
+    switch (result) {
+        case ncclSuccess: return "no error";
+        case ncclUnhandledCudaError: return "unhandled cuda error (emulated NCCL)";
+        case ncclSystemError: return "unhandled system error (emulated NCCL: timed out)";
+        case ncclInternalError: return "internal error (emulated NCCL)";
+        case ncclInvalidArgument: return "invalid argument (emulated NCCL)";
+        case ncclInvalidUsage: return "invalid usage (emulated NCCL)";
+        case ncclRemoteError: return "remote process exited or there was a network error (emulated NCCL: aborted)";
+        case ncclInProgress: return "NCCL operation in progress";
+    }
+    return "unknown result";
+}
+
+ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
+    static std::mutex mutex;
+    static std::mt19937_64 rng(std::random_device{}());
+    std::memset(id->internal, 0, sizeof(id->internal));
+    std::lock_guard<std::mutex> lock(mutex);
+    const std::uint64_t key = rng();
+    std::memcpy(id->internal, &key, sizeof(key));
+    return ncclSuccess;
+}
+
+ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank) {
+    return init_rank(comm, nranks, id, rank, true);
+}
+
+ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t* config) {
+    return init_rank(comm, nranks, id, rank, !config || config->blocking != 0);
+}
+
+ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* async_error) {
+    if (!comm) return ncclInvalidArgument;
+    std::lock_guard<std::mutex> lock(comm->clique->mutex);
+    if (comm->clique->aborted)
+        *async_error = ncclRemoteError;
+    else if (comm->clique->joined < comm->clique->nranks)
+        *async_error = ncclInProgress;
+    else
+        *async_error = ncclSuccess;
+    return ncclSuccess;
+}
+
+ncclResult_t ncclCommAbort(ncclComm_t comm) {
+    if (!comm) return ncclSuccess;
+    {
+        std::lock_guard<std::mutex> lock(comm->clique->mutex);
+        comm->clique->aborted = true;  // peers waiting in a collective or in init give up
+        comm->clique->changed.notify_all();
+    }
+    delete comm;
+    return ncclSuccess;
+}
+
+ncclResult_t ncclCommDestroy(ncclComm_t comm) {
+    delete comm;
+    return ncclSuccess;
+}
+
+ncclResult_t ncclGroupStart() { return ncclSuccess; }
+ncclResult_t ncclGroupEnd() { return ncclSuccess; }
+
+ncclResult_t ncclAllReduce(const void* send, void* recv, std::size_t count, ncclDataType_t type, ncclRedOp_t,
+                           ncclComm_t comm, cudaStream_t stream) {
+    return enqueue_collective(comm, stream, Call{Collective::AllReduce, send, recv, count, type, 0});
+}
+ncclResult_t ncclReduceScatter(const void* send, void* recv, std::size_t recv_count, ncclDataType_t type, ncclRedOp_t,
+                               ncclComm_t comm, cudaStream_t stream) {
+    return enqueue_collective(comm, stream, Call{Collective::ReduceScatter, send, recv, recv_count, type, 0});
+}
+ncclResult_t ncclAllGather(const void* send, void* recv, std::size_t send_count, ncclDataType_t type, ncclComm_t comm,
+                           cudaStream_t stream) {
+    return enqueue_collective(comm, stream, Call{Collective::AllGather, send, recv, send_count, type, 0});
+}
+ncclResult_t ncclBroadcast(const void* send, void* recv, std::size_t count, ncclDataType_t type, int root,
+                           ncclComm_t comm, cudaStream_t stream) {
+    return enqueue_collective(comm, stream, Call{Collective::Broadcast, send, recv, count, type, root});
+}
+ncclResult_t ncclReduce(const void* send, void* recv, std::size_t count, ncclDataType_t type, ncclRedOp_t, int root,
+                        ncclComm_t comm, cudaStream_t stream) {
+    return enqueue_collective(comm, stream, Call{Collective::Reduce, send, recv, count, type, root});
+}

@@ -1,0 +1,1110 @@
+// The CPU emulator's runtime: fibers, the block scheduler, barriers and warp
+// exchanges, shared memory, streams, events and device memory. See
+// nanoq_emulator.h for what it checks and why it exists.
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "cuda_runtime.h"
+
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
+
+namespace nanoq_emu {
+
+thread_local const ThreadState* tl_thread = nullptr;
+thread_local const BlockView* tl_block = nullptr;
+
+namespace {
+
+// ---- configuration ----------------------------------------------------------
+std::uint64_t mix(std::uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+std::uint64_t env_u64(const char* name, std::uint64_t fallback) {
+    const char* text = std::getenv(name);
+    if (!text || !*text) return fallback;
+    char* end = nullptr;
+    const unsigned long long value = std::strtoull(text, &end, 0);
+    if (!end || *end) {
+        std::fprintf(stderr, "nanoq emulator: ignoring %s=%s (not a number)\n", name, text);
+        return fallback;
+    }
+    return value;
+}
+
+std::uint64_t the_seed() {
+    static const std::uint64_t seed = [] {
+        const char* text = std::getenv("NANOQ_EMU_SEED");
+        if (text && *text) return env_u64("NANOQ_EMU_SEED", 0);
+        std::random_device device;
+        const std::uint64_t s = (static_cast<std::uint64_t>(device()) << 32 | device()) % 1000000007ull;
+        std::fprintf(stderr, "nanoq emulator: NANOQ_EMU_SEED unset, using seed %llu\n",
+                     static_cast<unsigned long long>(s));
+        return s;
+    }();
+    return seed;
+}
+
+int device_count() {
+    static const int count = static_cast<int>(env_u64("NANOQ_EMU_DEVICES", 4));
+    return count;
+}
+
+std::size_t device_memory() {
+    static const std::size_t bytes = env_u64("NANOQ_EMU_DEVICE_MEMORY", std::size_t(16) << 30);
+    return bytes;
+}
+
+constexpr std::size_t kStaticSharedLimit = 48 * 1024;  // without an opt-in, as on every GPU since sm_70
+constexpr std::size_t kStackBytes = 128 * 1024;
+constexpr std::size_t kCanaryBytes = 64;
+constexpr unsigned char kCanary = 0xCD;
+
+// ---- context switching ------------------------------------------------------
+struct Fiber;
+extern "C" void nanoq_emu_fiber_main(Fiber* fiber) __attribute__((visibility("hidden"), used));
+
+#if defined(__x86_64__)
+// switch(save, load): saves the callee-saved registers, the SSE and x87
+// control words and the stack pointer into *save, and resumes `load`.
+extern "C" void nanoq_emu_switch(void** save, void* load) __attribute__((visibility("hidden")));
+extern "C" void nanoq_emu_trampoline() __attribute__((visibility("hidden")));
+asm(R"(
+    .text
+    .p2align 4
+    .globl nanoq_emu_switch
+    .hidden nanoq_emu_switch
+    .type nanoq_emu_switch, @function
+nanoq_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size nanoq_emu_switch, .-nanoq_emu_switch
+
+    .p2align 4
+    .globl nanoq_emu_trampoline
+    .hidden nanoq_emu_trampoline
+    .type nanoq_emu_trampoline, @function
+nanoq_emu_trampoline:
+    movq %r12, %rdi
+    andq $-16, %rsp
+    call nanoq_emu_fiber_main
+    ud2
+    .size nanoq_emu_trampoline, .-nanoq_emu_trampoline
+)");
+
+struct Context {
+    void* sp = nullptr;
+};
+
+void make_context(Context& context, void* stack, std::size_t bytes, Fiber* fiber) {
+    auto top = reinterpret_cast<std::uintptr_t>(stack) + bytes;
+    top &= ~std::uintptr_t(15);
+    auto* sp = reinterpret_cast<std::uint64_t*>(top);
+    *--sp = 0;                                                      // alignment slot
+    *--sp = reinterpret_cast<std::uint64_t>(&nanoq_emu_trampoline);  // return address of the first switch
+    *--sp = 0;                                                      // rbp
+    *--sp = 0;                                                      // rbx
+    *--sp = reinterpret_cast<std::uint64_t>(fiber);                 // r12: the trampoline's argument
+    *--sp = 0;                                                      // r13
+    *--sp = 0;                                                      // r14
+    *--sp = 0;                                                      // r15
+    std::uint32_t mxcsr = 0;
+    std::uint16_t fpucw = 0;
+    asm volatile("stmxcsr %0" : "=m"(mxcsr));
+    asm volatile("fnstcw %0" : "=m"(fpucw));
+    *--sp = static_cast<std::uint64_t>(mxcsr) | static_cast<std::uint64_t>(fpucw) << 32;
+    context.sp = sp;
+}
+
+inline void swap_context(Context& from, Context& to) { nanoq_emu_switch(&from.sp, to.sp); }
+#else
+struct Context {
+    ucontext_t uc;
+};
+
+void fiber_entry(unsigned hi, unsigned lo) {
+    nanoq_emu_fiber_main(reinterpret_cast<Fiber*>(static_cast<std::uintptr_t>(hi) << 32 | lo));
+}
+
+void make_context(Context& context, void* stack, std::size_t bytes, Fiber* fiber) {
+    getcontext(&context.uc);
+    context.uc.uc_stack.ss_sp = stack;
+    context.uc.uc_stack.ss_size = bytes;
+    context.uc.uc_link = nullptr;
+    const auto address = reinterpret_cast<std::uintptr_t>(fiber);
+    makecontext(&context.uc, reinterpret_cast<void (*)()>(&fiber_entry), 2, static_cast<unsigned>(address >> 32),
+                static_cast<unsigned>(address & 0xffffffffu));
+}
+
+inline void swap_context(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+#endif
+
+// Fiber stacks of one OS thread, reused by every block it runs; a guard
+// page below each stack turns an overflow into a crash, not corruption.
+class StackPool {
+public:
+    ~StackPool() {
+        for (void* s : stacks_) munmap(static_cast<char*>(s) - page(), kStackBytes + page());
+    }
+    void* get(std::size_t i) {
+        while (stacks_.size() <= i) {
+            void* base = mmap(nullptr, kStackBytes + page(), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                              -1, 0);
+            if (base == MAP_FAILED) throw Error("emulator: cannot map a fiber stack");
+            mprotect(base, page(), PROT_NONE);
+            stacks_.push_back(static_cast<char*>(base) + page());
+        }
+        return stacks_[i];
+    }
+
+private:
+    static std::size_t page() {
+        static const std::size_t size = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+        return size;
+    }
+    std::vector<void*> stacks_;
+};
+
+// ---- a running block --------------------------------------------------------
+enum class Status { Runnable, AtBarrier, InWarp, Done };
+
+struct Exchange {
+    WarpOp op;
+    unsigned mask = 0, arrived = 0;
+    int readers = 0;
+    bool done = false;
+    const char* what = "";
+    std::uint64_t values[32];
+};
+
+struct Fiber {
+    Context context;
+    ThreadState state;
+    Status status = Status::Runnable;
+    int warp = 0, lane = 0;
+    unsigned barrier_generation = 0;
+    Exchange* exchange = nullptr;
+};
+
+struct WarpState {
+    unsigned existing = 0, exited = 0;
+    std::vector<Exchange*> pending;
+};
+
+struct Launch {
+    GridArg grid;
+    dim3 block;
+    std::size_t dynamic_shared;
+    std::function<void()> body;
+    std::uint64_t sequence;
+};
+
+std::string dims(const dim3& d) {
+    return "(" + std::to_string(d.x) + ", " + std::to_string(d.y) + ", " + std::to_string(d.z) + ")";
+}
+
+class BlockRun {
+public:
+    void run(const Launch& launch, uint3 block_idx, StackPool& stacks);
+
+    // Called from fibers:
+    int barrier(int predicate, const char* what, const char* file, int line);
+    const std::uint64_t* exchange(WarpOp op, unsigned mask, std::uint64_t value, const char* what);
+    void* static_shared(const void* tag, std::size_t bytes, std::size_t align, const char* name);
+    void* dynamic_shared(std::size_t* bytes) {
+        *bytes = launch_->dynamic_shared;
+        return dynamic_.data();
+    }
+    void fiber_main(Fiber* fiber);
+    [[noreturn]] void fail(const std::string& message) { throw Error(message); }
+    int lane() const { return current_->lane; }
+
+private:
+    void block_on(Status status) {
+        current_->status = status;
+        swap_context(current_->context, scheduler_);
+    }
+    void wake(Fiber& f) {
+        f.status = Status::Runnable;
+        runnable_.push_back(static_cast<int>(&f - fibers_.data()));
+    }
+    void on_exit(Fiber& f);
+    std::string where(const Fiber& f) const;
+    std::string deadlock() const;
+    std::string context_line() const;
+
+    const Launch* launch_ = nullptr;
+    BlockView view_{};
+    int threads_ = 0, exited_ = 0;
+    std::vector<Fiber> fibers_;
+    std::vector<int> runnable_;
+    std::vector<WarpState> warps_;
+    std::deque<Exchange> exchange_storage_;
+    std::vector<Exchange*> free_exchanges_;
+    Context scheduler_;
+    Fiber* current_ = nullptr;
+    std::uint64_t rng_ = 0;
+    // barrier
+    int arrived_ = 0, count_ = 0;
+    unsigned generation_ = 0;
+    int results_[2] = {0, 0};
+    const char* barrier_what_ = nullptr;
+    const char* barrier_file_ = nullptr;
+    int barrier_line_ = 0;
+    // shared memory
+    alignas(64) unsigned char static_arena_[kStaticSharedLimit];
+    std::size_t static_used_ = 0;
+    std::vector<std::pair<const void*, std::size_t>> static_vars_;
+    std::vector<unsigned char> dynamic_;
+    // failure
+    bool failed_ = false;
+    std::string error_;
+
+    std::uint64_t next_random() {
+        rng_ += 0x9E3779B97F4A7C15ull;
+        return mix(rng_);
+    }
+};
+
+thread_local BlockRun* tl_run = nullptr;
+
+std::string BlockRun::context_line() const {
+    return "kernel launched at " + std::string(launch_->grid.file) + ":" + std::to_string(launch_->grid.line) +
+           ", grid " + dims(launch_->grid.grid) + ", block " + dims(launch_->block) + ", emulator seed " +
+           std::to_string(the_seed());
+}
+
+std::string BlockRun::where(const Fiber& f) const {
+    const uint3& t = f.state.thread_idx;
+    const uint3& b = view_.block_idx;
+    return "thread (" + std::to_string(t.x) + ", " + std::to_string(t.y) + ", " + std::to_string(t.z) +
+           ") of block (" + std::to_string(b.x) + ", " + std::to_string(b.y) + ", " + std::to_string(b.z) + ")";
+}
+
+void BlockRun::run(const Launch& launch, uint3 block_idx, StackPool& stacks) {
+    launch_ = &launch;
+    view_ = BlockView{block_idx, launch.block, launch.grid.grid};
+    threads_ = static_cast<int>(launch.block.x * launch.block.y * launch.block.z);
+    exited_ = arrived_ = count_ = 0;
+    generation_ = 0;
+    failed_ = false;
+    error_.clear();
+    static_used_ = 0;
+    static_vars_.clear();
+    dynamic_.assign(launch.dynamic_shared, 0xff);
+    rng_ = mix(the_seed() ^ mix(launch.sequence) ^
+               mix((static_cast<std::uint64_t>(block_idx.z) << 42) ^ (static_cast<std::uint64_t>(block_idx.y) << 21) ^
+                   block_idx.x));
+    const int warps = (threads_ + 31) / 32;
+    warps_.assign(warps, WarpState{});
+    for (int w = 0; w < warps; ++w) {
+        const int lanes = std::min(32, threads_ - 32 * w);
+        warps_[w].existing = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u);
+    }
+    for (Exchange& x : exchange_storage_) x.done = false;
+    free_exchanges_.clear();
+    for (Exchange& x : exchange_storage_) free_exchanges_.push_back(&x);
+
+    fibers_.resize(threads_);
+    runnable_.clear();
+    for (int i = 0; i < threads_; ++i) {
+        Fiber& f = fibers_[i];
+        const unsigned bx = launch.block.x, by = launch.block.y;
+        f.state.thread_idx = uint3{i % bx, (i / bx) % by, i / (bx * by)};
+        f.state.linear = i;
+        f.status = Status::Runnable;
+        f.warp = i / 32;
+        f.lane = i % 32;
+        f.barrier_generation = 0;
+        f.exchange = nullptr;
+        make_context(f.context, stacks.get(i), kStackBytes, &f);
+        runnable_.push_back(i);
+    }
+
+    tl_run = this;
+    tl_block = &view_;
+    while (!runnable_.empty() && !failed_) {
+        const std::size_t pick = next_random() % runnable_.size();
+        const int index = runnable_[pick];
+        runnable_[pick] = runnable_.back();
+        runnable_.pop_back();
+        current_ = &fibers_[index];
+        tl_thread = &current_->state;
+        swap_context(scheduler_, current_->context);
+    }
+    tl_thread = nullptr;
+    current_ = nullptr;
+    if (failed_) throw Error(error_);
+    if (exited_ < threads_) throw Error("deadlock: " + deadlock() + " (block (" + std::to_string(block_idx.x) + ", " +
+                                        std::to_string(block_idx.y) + ", " + std::to_string(block_idx.z) + "), " +
+                                        context_line() + ")");
+}
+
+std::string BlockRun::deadlock() const {
+    std::ostringstream out;
+    int at_barrier = 0, in_warp = 0;
+    for (const Fiber& f : fibers_) {
+        if (f.status == Status::AtBarrier) ++at_barrier;
+        if (f.status == Status::InWarp) ++in_warp;
+    }
+    out << threads_ - exited_ << " of " << threads_ << " threads never finish";
+    if (at_barrier)
+        out << "; " << at_barrier << " wait at " << barrier_what_ << " at " << barrier_file_ << ":" << barrier_line_;
+    for (std::size_t w = 0; w < warps_.size(); ++w)
+        for (const Exchange* x : warps_[w].pending)
+            out << "; warp " << w << " lanes 0x" << std::hex << x->arrived << " wait in " << x->what << " for lanes 0x"
+                << (x->mask & ~x->arrived) << std::dec;
+    return out.str();
+}
+
+void BlockRun::fiber_main(Fiber* fiber) {
+    try {
+        launch_->body();
+        on_exit(*fiber);
+    } catch (const std::exception& e) {
+        if (!failed_) {
+            failed_ = true;
+            error_ = std::string(e.what()) + " (" + where(*fiber) + ", " + context_line() + ")";
+        }
+    }
+    fiber->status = Status::Done;
+    swap_context(fiber->context, scheduler_);
+    std::abort();  // a finished fiber is never resumed
+}
+
+void BlockRun::on_exit(Fiber& f) {
+    ++exited_;
+    warps_[f.warp].exited |= 1u << f.lane;
+    if (arrived_ > 0)
+        fail("a thread exits while " + std::to_string(arrived_) + " threads wait at " + barrier_what_ + " at " +
+             barrier_file_ + ":" + std::to_string(barrier_line_));
+    for (const Exchange* x : warps_[f.warp].pending)
+        if (x->mask >> f.lane & 1u)
+            fail("lane " + std::to_string(f.lane) + " exits while lanes wait for it in " + x->what);
+}
+
+int BlockRun::barrier(int predicate, const char* what, const char* file, int line) {
+    if (exited_ > 0)
+        fail(std::string(what) + " at " + file + ":" + std::to_string(line) + " is not reached by every thread: " +
+             std::to_string(exited_) + " of " + std::to_string(threads_) + " threads of the block have exited");
+    if (arrived_ == 0) {
+        barrier_what_ = what;
+        barrier_file_ = file;
+        barrier_line_ = line;
+        count_ = 0;
+    } else if (line != barrier_line_ || std::strcmp(file, barrier_file_) != 0) {
+        fail("threads of one block wait at different barriers: " + std::string(what) + " at " + file + ":" +
+             std::to_string(line) + " and " + barrier_what_ + " at " + barrier_file_ + ":" +
+             std::to_string(barrier_line_));
+    }
+    count_ += predicate;
+    ++arrived_;
+    Fiber* self = current_;
+    const unsigned generation = generation_;
+    if (arrived_ == threads_) {
+        results_[generation & 1u] = count_;
+        arrived_ = 0;
+        ++generation_;
+        for (Fiber& f : fibers_)
+            if (f.status == Status::AtBarrier) wake(f);
+    } else {
+        self->barrier_generation = generation;
+        block_on(Status::AtBarrier);
+    }
+    return results_[generation & 1u];
+}
+
+const std::uint64_t* BlockRun::exchange(WarpOp op, unsigned mask, std::uint64_t value, const char* what) {
+    Fiber* self = current_;
+    WarpState& warp = warps_[self->warp];
+    const unsigned bit = 1u << self->lane;
+    auto hex = [](unsigned m) {
+        char text[16];
+        std::snprintf(text, sizeof(text), "0x%08x", m);
+        return std::string(text);
+    };
+    if (!(mask & bit)) fail(std::string(what) + ": mask " + hex(mask) + " leaves out the calling lane " +
+                            std::to_string(self->lane));
+    if (mask & ~warp.existing)
+        fail(std::string(what) + ": mask " + hex(mask) + " names lanes " + hex(mask & ~warp.existing) +
+             " that this block (" + std::to_string(threads_) + " threads) does not have");
+    if (mask & warp.exited)
+        fail(std::string(what) + ": mask " + hex(mask) + " names lanes " + hex(mask & warp.exited) +
+             " that have exited");
+    Exchange* x = nullptr;
+    for (Exchange* p : warp.pending) {
+        if (p->mask == mask && !(p->arrived & bit)) {
+            x = p;
+            break;
+        }
+        if (p->mask & mask)
+            fail("lanes of one warp disagree: " + std::string(what) + " with mask " + hex(mask) + " while " + p->what +
+                 " with mask " + hex(p->mask) + " waits");
+    }
+    if (!x) {
+        if (free_exchanges_.empty()) {
+            exchange_storage_.emplace_back();
+            free_exchanges_.push_back(&exchange_storage_.back());
+        }
+        x = free_exchanges_.back();
+        free_exchanges_.pop_back();
+        x->op = op;
+        x->mask = mask;
+        x->arrived = 0;
+        x->done = false;
+        x->what = what;
+        warp.pending.push_back(x);
+    }
+    if (x->op != op)
+        fail("lanes of one warp are in different intrinsics: " + std::string(what) + " and " + x->what);
+    x->values[self->lane] = value;
+    x->arrived |= bit;
+    if (x->arrived == mask) {
+        x->done = true;
+        x->readers = __builtin_popcount(mask);
+        warp.pending.erase(std::find(warp.pending.begin(), warp.pending.end(), x));
+        const int first = self->warp * 32;
+        for (int lane = 0; lane < 32; ++lane)
+            if ((mask >> lane & 1u) && lane != self->lane) wake(fibers_[first + lane]);
+    } else {
+        self->exchange = x;
+        block_on(Status::InWarp);
+    }
+    // The caller reads the values before any other fiber runs, so the
+    // record may be handed back now; it is reused only by a later exchange.
+    if (--x->readers == 0) free_exchanges_.push_back(x);
+    return x->values;
+}
+
+void* BlockRun::static_shared(const void* tag, std::size_t bytes, std::size_t align, const char* name) {
+    for (const auto& var : static_vars_)
+        if (var.first == tag) return static_arena_ + var.second;
+    const std::size_t offset = (static_used_ + align - 1) / align * align;
+    if (offset + bytes + launch_->dynamic_shared > kStaticSharedLimit)
+        fail("shared memory of the block exceeds " + std::to_string(kStaticSharedLimit) + " bytes at `" + name + "` (" +
+             std::to_string(offset + bytes) + " static + " + std::to_string(launch_->dynamic_shared) + " dynamic)");
+    std::memset(static_arena_ + offset, 0xff, bytes);
+    static_used_ = offset + bytes;
+    static_vars_.emplace_back(tag, offset);
+    return static_arena_ + offset;
+}
+
+// ---- device memory ------------------------------------------------------------
+struct Allocation {
+    std::size_t bytes;
+    int device;  // -1: pinned host memory
+};
+
+class Memory {
+public:
+    void* allocate(std::size_t bytes, int device) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (device >= 0 && used_[device] + bytes > device_memory()) return nullptr;
+        const std::size_t padded = (bytes + kCanaryBytes + 255) / 256 * 256;
+        void* data = std::aligned_alloc(256, padded);
+        if (!data) return nullptr;
+        std::memset(data, 0xA5, bytes);  // fresh device memory holds garbage
+        std::memset(static_cast<char*>(data) + bytes, kCanary, padded - bytes);
+        allocations_[data] = Allocation{bytes, device};
+        if (device >= 0) used_[device] += bytes;
+        return data;
+    }
+
+    // The allocation's canary status; throws for pointers it never gave out.
+    void release(void* data, bool pinned) {
+        std::string broken;
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            auto it = allocations_.find(data);
+            if (it == allocations_.end() || (it->second.device < 0) != pinned)
+                throw Error(std::string(pinned ? "cudaFreeHost" : "cudaFree") +
+                            " of a pointer that is not a live allocation of that kind");
+            broken = canary_report(it->first, it->second);
+            if (it->second.device >= 0) used_[it->second.device] -= it->second.bytes;
+            allocations_.erase(it);
+        }
+        std::free(data);
+        if (!broken.empty()) throw Error(broken);
+    }
+
+    // The first broken canary among the live allocations, or "".
+    std::string check() {
+        std::lock_guard<std::mutex> lock(mutex_);
+        for (const auto& entry : allocations_) {
+            std::string broken = canary_report(entry.first, entry.second);
+            if (!broken.empty()) {
+                // Restore it so that one overrun is reported once.
+                const std::size_t padded = (entry.second.bytes + kCanaryBytes + 255) / 256 * 256;
+                std::memset(static_cast<char*>(entry.first) + entry.second.bytes, kCanary, padded - entry.second.bytes);
+                return broken;
+            }
+        }
+        return "";
+    }
+
+    // Whether [p, p + bytes) lies in pinned or device memory given out here.
+    bool registered(const void* p) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto it = allocations_.upper_bound(const_cast<void*>(p));
+        if (it == allocations_.begin()) return false;
+        --it;
+        const char* base = static_cast<const char*>(it->first);
+        return static_cast<const char*>(p) < base + it->second.bytes + kCanaryBytes;
+    }
+
+    std::size_t used(int device) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        return used_[device];
+    }
+
+private:
+    static std::string canary_report(const void* data, const Allocation& a) {
+        const auto* tail = static_cast<const unsigned char*>(data) + a.bytes;
+        const std::size_t padded = (a.bytes + kCanaryBytes + 255) / 256 * 256;
+        for (std::size_t i = 0; i < padded - a.bytes; ++i)
+            if (tail[i] != kCanary)
+                return "out-of-bounds write: byte " + std::to_string(i) + " past the end of a " +
+                       std::to_string(a.bytes) + "-byte " + (a.device < 0 ? "pinned host" : "device") +
+                       " buffer was overwritten";
+        return "";
+    }
+
+    std::mutex mutex_;
+    std::map<void*, Allocation> allocations_;
+    std::map<int, std::size_t> used_;
+};
+
+Memory& memory() {
+    static Memory* m = new Memory();  // outlives every static destructor that may free
+    return *m;
+}
+
+// ---- errors ---------------------------------------------------------------------
+thread_local cudaError_t tl_last_error = cudaSuccess;  // cudaGetLastError()
+thread_local cudaError_t tl_message_code = cudaSuccess;
+thread_local std::string tl_message;
+thread_local int tl_device = 0;
+
+cudaError_t report(cudaError_t code, const std::string& message) {
+    tl_message_code = code;
+    tl_message = message;
+    return code;
+}
+
+cudaError_t launch_error(cudaError_t code, const std::string& message) {
+    tl_last_error = code;
+    return report(code, message);
+}
+
+}  // namespace
+
+// ---- streams and events ------------------------------------------------------------
+}  // namespace nanoq_emu
+
+struct nanoq_emu_stream {
+    struct Task {
+        std::function<void()> work;
+        const char* what;
+        bool always;  // event records and waits run even on a failed stream
+    };
+
+    explicit nanoq_emu_stream(int dev) : device(dev) { worker = std::thread([this] { drain(); }); }
+
+    ~nanoq_emu_stream() {
+        {
+            std::lock_guard<std::mutex> lock(mutex);
+            stop = true;
+        }
+        ready.notify_all();
+        worker.join();
+    }
+
+    void push(std::function<void()> work, const char* what, bool always = false) {
+        {
+            std::lock_guard<std::mutex> lock(mutex);
+            tasks.push_back(Task{std::move(work), what, always});
+        }
+        ready.notify_one();
+    }
+
+    // Waits for every queued task; returns the sticky error (and its message).
+    cudaError_t synchronize(std::string* message) {
+        std::unique_lock<std::mutex> lock(mutex);
+        idle.wait(lock, [this] { return tasks.empty() && !busy; });
+        *message = this->message;
+        return error;
+    }
+
+    bool is_idle() {
+        std::lock_guard<std::mutex> lock(mutex);
+        return tasks.empty() && !busy;
+    }
+
+    void drain() {
+        nanoq_emu::tl_device = device;
+        for (;;) {
+            Task task;
+            {
+                std::unique_lock<std::mutex> lock(mutex);
+                ready.wait(lock, [this] { return stop || !tasks.empty(); });
+                if (tasks.empty()) return;
+                task = std::move(tasks.front());
+                tasks.pop_front();
+                busy = true;
+                if (error != cudaSuccess && !task.always) {
+                    busy = false;
+                    if (tasks.empty()) idle.notify_all();
+                    continue;
+                }
+            }
+            cudaError_t code = cudaSuccess;
+            std::string text;
+            try {
+                task.work();
+            } catch (const std::exception& e) {
+                code = cudaErrorLaunchFailure;
+                text = std::string(task.what) + ": " + e.what();
+            }
+            std::lock_guard<std::mutex> lock(mutex);
+            if (code != cudaSuccess && error == cudaSuccess) {
+                error = code;
+                message = text;
+            }
+            busy = false;
+            if (tasks.empty()) idle.notify_all();
+        }
+    }
+
+    int device;
+    std::uint64_t launches = 0;  // host-side count, for the schedule's seed
+    std::mutex mutex;
+    std::condition_variable ready, idle;
+    std::deque<Task> tasks;
+    bool busy = false, stop = false;
+    cudaError_t error = cudaSuccess;
+    std::string message;
+    std::thread worker;
+};
+
+struct nanoq_emu_event {
+    std::mutex mutex;
+    std::condition_variable done;
+    std::uint64_t recorded = 0, completed = 0;
+};
+
+namespace nanoq_emu {
+namespace {
+
+std::mutex streams_mutex;
+std::vector<cudaStream_t>& live_streams() {
+    static auto* streams = new std::vector<cudaStream_t>();
+    return *streams;
+}
+
+cudaStream_t resolve(cudaStream_t stream) {
+    if (stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread) {
+        // The default stream; never destroyed (its worker ends with the process).
+        static cudaStream_t fallback = [] {
+            auto* s = new nanoq_emu_stream(0);
+            std::lock_guard<std::mutex> lock(streams_mutex);
+            live_streams().push_back(s);
+            return s;
+        }();
+        return fallback;
+    }
+    return stream;
+}
+
+// Waits for every stream of `device` (-1: all); the first error wins.
+cudaError_t synchronize_device(int device) {
+    std::vector<cudaStream_t> streams;
+    {
+        std::lock_guard<std::mutex> lock(streams_mutex);
+        streams = live_streams();
+    }
+    cudaError_t first = cudaSuccess;
+    std::string text;
+    for (cudaStream_t s : streams) {
+        if (device >= 0 && s->device != device) continue;
+        std::string message;
+        const cudaError_t code = s->synchronize(&message);
+        if (code != cudaSuccess && first == cudaSuccess) {
+            first = code;
+            text = message;
+        }
+    }
+    return first == cudaSuccess ? cudaSuccess : report(first, text);
+}
+
+void run_grid(const Launch& launch) {
+    thread_local StackPool stacks;
+    thread_local std::unique_ptr<BlockRun> run(new BlockRun());
+    const dim3 g = launch.grid.grid;
+    const std::uint64_t blocks = static_cast<std::uint64_t>(g.x) * g.y * g.z;
+    // Blocks run one after another in an order shuffled from the seed.
+    std::vector<std::uint64_t> order(blocks);
+    for (std::uint64_t i = 0; i < blocks; ++i) order[i] = i;
+    std::uint64_t state = mix(the_seed() ^ mix(~launch.sequence));
+    for (std::uint64_t i = blocks; i > 1; --i) {
+        state = mix(state);
+        std::swap(order[i - 1], order[state % i]);
+    }
+    for (std::uint64_t linear : order) {
+        const uint3 idx{static_cast<unsigned>(linear % g.x), static_cast<unsigned>((linear / g.x) % g.y),
+                        static_cast<unsigned>(linear / (static_cast<std::uint64_t>(g.x) * g.y))};
+        run->run(launch, idx, stacks);
+    }
+    tl_block = nullptr;
+    const std::string broken = memory().check();
+    if (!broken.empty())
+        throw Error(broken + " (found after the kernel launched at " + launch.grid.file + ":" +
+                    std::to_string(launch.grid.line) + ")");
+}
+
+}  // namespace
+
+extern "C" void nanoq_emu_fiber_main(Fiber* fiber) { tl_run->fiber_main(fiber); }
+
+// ---- device-side entry points -------------------------------------------------------
+int barrier(int predicate, const char* what, const char* file, int line) {
+    return tl_run->barrier(predicate, what, file, line);
+}
+const std::uint64_t* warp_exchange(WarpOp op, unsigned mask, std::uint64_t value, const char* what) {
+    return tl_run->exchange(op, mask, value, what);
+}
+int lane_id() { return tl_run->lane(); }
+void fail(const std::string& message) { throw Error(message); }
+void shared_out_of_bounds(std::ptrdiff_t index, std::size_t count) {
+    throw Error("shared memory access out of bounds: index " + std::to_string(index) + " of an array of " +
+                std::to_string(count) + " elements");
+}
+void* static_shared(const void* tag, std::size_t bytes, std::size_t align, const char* name) {
+    return tl_run->static_shared(tag, bytes, align, name);
+}
+void* dynamic_shared(std::size_t* bytes) { return tl_run->dynamic_shared(bytes); }
+std::uint64_t seed() { return the_seed(); }
+
+void launch_grid(const GridArg& grid, dim3 block, std::size_t dynamic_shared_bytes, cudaStream_t stream,
+                 std::function<void()> body) {
+    const dim3 g = grid.grid;
+    const std::string site = std::string(grid.file) + ":" + std::to_string(grid.line);
+    const std::uint64_t threads = static_cast<std::uint64_t>(block.x) * block.y * block.z;
+    if (g.x == 0 || g.y == 0 || g.z == 0 || g.x > 2147483647u || g.y > 65535u || g.z > 65535u) {
+        launch_error(cudaErrorInvalidConfiguration, "invalid grid " + dims(g) + " for the kernel launched at " + site);
+        return;
+    }
+    if (threads == 0 || threads > 1024 || block.z > 64) {
+        launch_error(cudaErrorInvalidConfiguration,
+                     "invalid block " + dims(block) + " for the kernel launched at " + site);
+        return;
+    }
+    if (dynamic_shared_bytes > kStaticSharedLimit) {
+        launch_error(cudaErrorInvalidValue, std::to_string(dynamic_shared_bytes) +
+                                                " bytes of dynamic shared memory for the kernel launched at " + site);
+        return;
+    }
+    cudaStream_t s = resolve(stream);
+    auto launch = std::make_shared<Launch>(Launch{grid, block, dynamic_shared_bytes, std::move(body), 0});
+    {
+        std::lock_guard<std::mutex> lock(s->mutex);
+        launch->sequence = s->launches++;
+    }
+    s->push([launch] { run_grid(*launch); }, "kernel");
+}
+
+void enqueue(cudaStream_t stream, std::function<void()> work, const char* what) {
+    resolve(stream)->push(std::move(work), what);
+}
+
+std::string describe_stream(cudaStream_t stream) {
+    return "stream of device " + std::to_string(resolve(stream)->device);
+}
+
+}  // namespace nanoq_emu
+
+// ---- the runtime API --------------------------------------------------------------------
+using nanoq_emu::memory;
+using nanoq_emu::report;
+
+cudaError_t cudaGetDeviceCount(int* count) {
+    *count = nanoq_emu::device_count();
+    return cudaSuccess;
+}
+
+cudaError_t cudaSetDevice(int device) {
+    if (device < 0 || device >= nanoq_emu::device_count())
+        return report(cudaErrorInvalidDevice, "invalid device ordinal " + std::to_string(device));
+    nanoq_emu::tl_device = device;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGetDevice(int* device) {
+    *device = nanoq_emu::tl_device;
+    return cudaSuccess;
+}
+
+cudaError_t cudaDeviceSynchronize() { return nanoq_emu::synchronize_device(nanoq_emu::tl_device); }
+
+cudaError_t cudaGetLastError() {
+    const cudaError_t e = nanoq_emu::tl_last_error;
+    nanoq_emu::tl_last_error = cudaSuccess;
+    return e;
+}
+
+cudaError_t cudaPeekAtLastError() { return nanoq_emu::tl_last_error; }
+
+const char* cudaGetErrorName(cudaError_t error) {
+    switch (error) {
+        case cudaSuccess: return "cudaSuccess";
+        case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+        case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+        case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+        case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+        case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+        case cudaErrorNotReady: return "cudaErrorNotReady";
+        case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
+        case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+    }
+    return "cudaErrorUnknown";
+}
+
+const char* cudaGetErrorString(cudaError_t error) {
+    // The emulator's own description of the last error this thread was given.
+    if (error != cudaSuccess && error == nanoq_emu::tl_message_code && !nanoq_emu::tl_message.empty()) {
+        static thread_local std::string text;
+        text = std::string(cudaGetErrorName(error)) + " (CUDA emulator): " + nanoq_emu::tl_message;
+        return text.c_str();
+    }
+    switch (error) {
+        case cudaSuccess: return "no error";
+        case cudaErrorMemoryAllocation: return "out of memory";
+        default: return cudaGetErrorName(error);
+    }
+}
+
+cudaError_t cudaMalloc(void** pointer, std::size_t bytes) {
+    *pointer = memory().allocate(bytes, nanoq_emu::tl_device);
+    if (!*pointer)
+        return report(cudaErrorMemoryAllocation,
+                      "out of memory: " + std::to_string(bytes) + " bytes on emulated device " +
+                          std::to_string(nanoq_emu::tl_device) + " (NANOQ_EMU_DEVICE_MEMORY " +
+                          std::to_string(nanoq_emu::device_memory()) + ")");
+    return cudaSuccess;
+}
+
+cudaError_t cudaFree(void* pointer) {
+    if (!pointer) return cudaSuccess;
+    // As on a GPU, freeing waits for the device's queued work.
+    const cudaError_t pending = nanoq_emu::synchronize_device(nanoq_emu::tl_device);
+    try {
+        memory().release(pointer, false);
+    } catch (const std::exception& e) {
+        return report(cudaErrorIllegalAddress, e.what());
+    }
+    return pending;
+}
+
+cudaError_t cudaMallocHost(void** pointer, std::size_t bytes) {
+    *pointer = memory().allocate(bytes, -1);
+    return *pointer ? cudaSuccess : report(cudaErrorMemoryAllocation, "out of pinned host memory");
+}
+
+cudaError_t cudaHostAlloc(void** pointer, std::size_t bytes, unsigned int) { return cudaMallocHost(pointer, bytes); }
+
+cudaError_t cudaFreeHost(void* pointer) {
+    if (!pointer) return cudaSuccess;
+    const cudaError_t pending = nanoq_emu::synchronize_device(-1);
+    try {
+        memory().release(pointer, true);
+    } catch (const std::exception& e) {
+        return report(cudaErrorInvalidValue, e.what());
+    }
+    return pending;
+}
+
+cudaError_t cudaMemGetInfo(std::size_t* free_bytes, std::size_t* total_bytes) {
+    *total_bytes = nanoq_emu::device_memory();
+    *free_bytes = *total_bytes - memory().used(nanoq_emu::tl_device);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind, cudaStream_t stream) {
+    if (bytes == 0) return cudaSuccess;
+    cudaStream_t s = nanoq_emu::resolve(stream);
+    const bool src_pageable = !memory().registered(src);
+    const bool dst_pageable = !memory().registered(dst);
+    if (src_pageable && dst_pageable) {
+        std::memcpy(dst, src, bytes);
+        return cudaSuccess;
+    }
+    if (src_pageable) {
+        // From pageable memory the call returns once the source is staged:
+        // the caller may reuse it at once, as with the real runtime.
+        auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src),
+                                                          static_cast<const char*>(src) + bytes);
+        s->push([dst, staged] { std::memcpy(dst, staged->data(), staged->size()); }, "cudaMemcpyAsync");
+        return cudaSuccess;
+    }
+    s->push([dst, src, bytes] { std::memcpy(dst, src, bytes); }, "cudaMemcpyAsync");
+    if (dst_pageable) {
+        // Into pageable memory the copy is synchronous.
+        std::string message;
+        const cudaError_t code = s->synchronize(&message);
+        if (code != cudaSuccess) return report(code, message);
+    }
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind) {
+    const cudaError_t pending = nanoq_emu::synchronize_device(nanoq_emu::tl_device);
+    if (pending != cudaSuccess) return pending;
+    const cudaError_t e = cudaMemcpyAsync(dst, src, bytes, kind, nullptr);
+    if (e != cudaSuccess) return e;
+    std::string message;
+    const cudaError_t code = nanoq_emu::resolve(nullptr)->synchronize(&message);
+    return code == cudaSuccess ? cudaSuccess : report(code, message);
+}
+
+cudaError_t cudaMemcpyPeerAsync(void* dst, int, const void* src, int, std::size_t bytes, cudaStream_t stream) {
+    return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream);
+}
+
+cudaError_t cudaMemsetAsync(void* dst, int value, std::size_t bytes, cudaStream_t stream) {
+    nanoq_emu::resolve(stream)->push([dst, value, bytes] { std::memset(dst, value, bytes); }, "cudaMemsetAsync");
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemset(void* dst, int value, std::size_t bytes) {
+    cudaMemsetAsync(dst, value, bytes, nullptr);
+    std::string message;
+    const cudaError_t code = nanoq_emu::resolve(nullptr)->synchronize(&message);
+    return code == cudaSuccess ? cudaSuccess : report(code, message);
+}
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int) {
+    *stream = new nanoq_emu_stream(nanoq_emu::tl_device);
+    std::lock_guard<std::mutex> lock(nanoq_emu::streams_mutex);
+    nanoq_emu::live_streams().push_back(*stream);
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamCreate(cudaStream_t* stream) { return cudaStreamCreateWithFlags(stream, cudaStreamDefault); }
+
+cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+    if (!stream) return report(cudaErrorInvalidResourceHandle, "cudaStreamDestroy of the default stream");
+    {
+        std::lock_guard<std::mutex> lock(nanoq_emu::streams_mutex);
+        auto& streams = nanoq_emu::live_streams();
+        auto it = std::find(streams.begin(), streams.end(), stream);
+        if (it == streams.end()) return report(cudaErrorInvalidResourceHandle, "cudaStreamDestroy of an unknown stream");
+        streams.erase(it);
+    }
+    std::string message;
+    stream->synchronize(&message);  // queued work completes first, as on a GPU
+    delete stream;
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+    std::string message;
+    const cudaError_t code = nanoq_emu::resolve(stream)->synchronize(&message);
+    return code == cudaSuccess ? cudaSuccess : report(code, message);
+}
+
+cudaError_t cudaStreamQuery(cudaStream_t stream) {
+    return nanoq_emu::resolve(stream)->is_idle() ? cudaSuccess : cudaErrorNotReady;
+}
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int) {
+    *event = new nanoq_emu_event();
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventCreate(cudaEvent_t* event) { return cudaEventCreateWithFlags(event, cudaEventDefault); }
+
+cudaError_t cudaEventDestroy(cudaEvent_t event) {
+    delete event;
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+    std::uint64_t target;
+    {
+        std::lock_guard<std::mutex> lock(event->mutex);
+        target = ++event->recorded;
+    }
+    nanoq_emu::resolve(stream)->push(
+        [event, target] {
+            std::lock_guard<std::mutex> lock(event->mutex);
+            event->completed = std::max(event->completed, target);
+            event->done.notify_all();
+        },
+        "cudaEventRecord", true);
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int) {
+    std::uint64_t target;
+    {
+        std::lock_guard<std::mutex> lock(event->mutex);
+        target = event->recorded;  // the most recent record; none: nothing to wait for
+    }
+    if (target == 0) return cudaSuccess;
+    nanoq_emu::resolve(stream)->push(
+        [event, target] {
+            std::unique_lock<std::mutex> lock(event->mutex);
+            if (!event->done.wait_for(lock, std::chrono::seconds(120), [&] { return event->completed >= target; }))
+                throw nanoq_emu::Error("cudaStreamWaitEvent: the event never completed in 120 s (a cycle of waits?)");
+        },
+        "cudaStreamWaitEvent", true);
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+    std::unique_lock<std::mutex> lock(event->mutex);
+    event->done.wait(lock, [&] { return event->completed >= event->recorded; });
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventQuery(cudaEvent_t event) {
+    std::lock_guard<std::mutex> lock(event->mutex);
+    return event->completed >= event->recorded ? cudaSuccess : cudaErrorNotReady;
+}
