@@ -22,6 +22,7 @@ endforeach()
 add_library(nanoq_cuda_emulated SHARED
   ${NANOQ_EMU_DIR}/emulator.cpp
   ${NANOQ_EMU_DIR}/emu_libraries.cpp
+  ${NANOQ_EMU_DIR}/selftest.cpp
   cuda_core/cuda/cuda_backend.cpp
   cuda_core/cuda/cublaslt_matmul.cpp
   cuda_core/cuda/nccl_communicator.cpp

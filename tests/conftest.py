@@ -16,7 +16,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-import torch
+
+# The CUDA emulator (backend cuda_emulated) shuffles the order in which CUDA
+# threads run from this seed; a failing run is replayed with the same
+# NANOQ_EMU_SEED. It is read when the emulator library loads, so set it first.
+os.environ.setdefault("NANOQ_EMU_SEED", str(int.from_bytes(os.urandom(4), "little") % 1_000_000))
+
+import torch  # noqa: E402
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -487,11 +493,53 @@ def require_cuda_backend():
         )
 
 
+def pytest_report_header(config):
+    return f"CUDA emulator seed: NANOQ_EMU_SEED={os.environ['NANOQ_EMU_SEED']} (set it to replay a schedule)"
+
+
+def require_cuda_emulator():
+    """Fails (never skips) unless the emulated cuda backend is built: its
+    tests are CPU tests and run on every machine."""
+    if not nanoq._core.backend_built("cuda_emulated"):
+        pytest.fail("nanoq was built without the CUDA emulator (NANOQ_CUDA_EMULATOR=OFF); "
+                    "the cuda_emulated tests need it", pytrace=False)
+
+
+# The backends that run the cuda backend's code: a real GPU (tests marked
+# gpu, skipped without one) and the CPU emulator (marked cuda_emulated, run
+# everywhere). Tests parametrized with cuda_cases() run on both.
+CUDA_BACKENDS = (("cuda", pytest.mark.gpu), ("cuda_emulated", pytest.mark.cuda_emulated))
+
+
+def cuda_cases(gpu_cases=(None,), emulated_cases=None):
+    """pytest params pairing each cuda backend with its cases: the GPU runs
+    `gpu_cases`, the emulator (slow) `emulated_cases` (default: the same).
+    A case that is a tuple is spread into the test's other arguments."""
+    emulated_cases = gpu_cases if emulated_cases is None else emulated_cases
+    params = []
+    for (backend, mark), cases in zip(CUDA_BACKENDS, (gpu_cases, emulated_cases)):
+        for case in cases:
+            values = (backend,) if case is None else (backend, *(case if isinstance(case, tuple) else (case,)))
+            ident = backend if case is None else f"{backend}-" + "x".join(map(str, values[1:]))
+            params.append(pytest.param(*values, marks=mark, id=ident))
+    return params
+
+
 @pytest.fixture(scope="session")
 def cuda_device():
     """Index of the GPU the cuda tests use (0), after require_cuda_backend()."""
     require_cuda_backend()
     return 0
+
+
+def use_cuda_backend(backend, request):
+    """Checks that `backend` ("cuda" or "cuda_emulated") can run its tests
+    here (skipping GPU tests without a GPU, never the emulated ones)."""
+    if backend == "cuda":
+        request.getfixturevalue("cuda_device")
+    else:
+        require_cuda_emulator()
+    return backend
 
 
 def assert_array_close(actual, expected, rel, what="array", atol=0.0):

@@ -1,10 +1,15 @@
 """Every op of the cuda backend against the cpu backend, on the same inputs.
 
 The cpu backend is itself checked op by op against float64 numpy references
-in test_ops.py, through the same harness (nanoq._core.OpRunner). Every test
-is marked ``gpu`` (``pytest -m gpu`` runs them): without an NVIDIA GPU they
-skip; with one they fail unless the cuda backend is built and sees it
-(conftest.require_cuda_backend).
+in test_ops.py, through the same harness (nanoq._core.OpRunner). Each test
+runs on two backends (conftest.cuda_cases):
+  - "cuda", marked ``gpu`` (``pytest -m gpu``): without an NVIDIA GPU these
+    skip; with one they fail unless the cuda backend is built and sees it;
+  - "cuda_emulated", marked ``cuda_emulated``: the same kernels and host code
+    on the CPU emulator of CUDA (cuda_core/cuda/emulator), on every machine,
+    with shapes small enough for it but still off the kernels' tiles and
+    block sizes (T = 1, 33, 70; head_dim 48 to 128; GQA groups 1, 2, 7;
+    vocabularies that are not multiples of 128; rows below and above one block).
 
 Tolerances, as max |cuda - cpu| over max |cpu| of each output:
   fp32: 1e-5 for elementwise ops and matmuls (cuBLASLt with fp32 compute, no
@@ -24,9 +29,7 @@ import numpy as np
 import pytest
 
 from nanoq._core import OpRunner
-from conftest import IGNORE, assert_array_close
-
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_device")]
+from conftest import IGNORE, assert_array_close, cuda_cases, use_cuda_backend
 
 DTYPES = ["fp32", "bf16"]
 FP32_REL = 1e-5
@@ -39,9 +42,16 @@ def cpu():
     return OpRunner("cpu")
 
 
-@pytest.fixture(scope="module")
-def gpu(cuda_device):
-    return OpRunner("cuda", cuda_device)
+_RUNNERS = {}
+
+
+@pytest.fixture
+def gpu(backend, request):
+    """The OpRunner of the test's cuda backend (one per backend and session)."""
+    use_cuda_backend(backend, request)
+    if backend not in _RUNNERS:
+        _RUNNERS[backend] = OpRunner(backend, 0)
+    return _RUNNERS[backend]
 
 
 def to_bf16(x):
@@ -74,6 +84,7 @@ def assert_bitwise_equal(a, b, what):
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("backend", cuda_cases())
 def test_copy_rounds_to_bf16_to_nearest_even_and_back_exactly(gpu):
     rng = np.random.default_rng(0)
     x = normal(rng, 100_003) * np.float32(10.0) ** rng.integers(-20, 20, 100_003).astype(np.float32)
@@ -85,6 +96,7 @@ def test_copy_rounds_to_bf16_to_nearest_even_and_back_exactly(gpu):
     assert np.array_equal(gpu.copy(x, "fp32", "fp32"), x)
 
 
+@pytest.mark.parametrize("backend", cuda_cases())
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fill(gpu, dtype):
     expected = to_bf16(np.float32([1.3]))[0] if dtype == "bf16" else np.float32(1.3)
@@ -92,9 +104,10 @@ def test_fill(gpu, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_add_and_accumulate(cpu, gpu, dtype):
+@pytest.mark.parametrize("backend, n", cuda_cases([1_000_003], [70_001]))
+def test_add_and_accumulate(cpu, gpu, dtype, n):
     rng = np.random.default_rng(1)
-    a, b = inputs(dtype, normal(rng, 1_000_003), normal(rng, 1_000_003))
+    a, b = inputs(dtype, normal(rng, n), normal(rng, n))
     assert_array_close(gpu.add(a, b, dtype=dtype), cpu.add(a, b), tolerance(dtype), "add")
     assert_array_close(gpu.accumulate(a, b, dtype=dtype), cpu.accumulate(a, b), tolerance(dtype), "accumulate")
 
@@ -108,7 +121,8 @@ def test_add_and_accumulate(cpu, gpu, dtype):
 @pytest.mark.parametrize("trans_a", [False, True])
 @pytest.mark.parametrize("trans_b", [False, True])
 @pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("mnk", [(77, 130, 300), (1, 1031, 64), (1000, 96, 513)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("backend, mnk", cuda_cases([((77, 130, 300),), ((1, 1031, 64),), ((1000, 96, 513),)],
+                                                [((33, 70, 48),), ((1, 129, 64),)]))
 def test_matmul(cpu, gpu, dtype, trans_a, trans_b, accumulate, mnk):
     M, N, K = mnk
     rng = np.random.default_rng(2)
@@ -122,6 +136,7 @@ def test_matmul(cpu, gpu, dtype, trans_a, trans_b, accumulate, mnk):
     assert_array_close(got, expected, tolerance(dtype), "matmul")
 
 
+@pytest.mark.parametrize("backend", cuda_cases())
 def test_matmul_bf16_operands_into_fp32_weight_gradient(cpu, gpu):
     """The weight-gradient form: dW[N,K] += dy^T x with bf16 operands, fp32 out."""
     rng = np.random.default_rng(3)
@@ -135,7 +150,8 @@ def test_matmul_bf16_operands_into_fp32_weight_gradient(cpu, gpu):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows, cols", [(3000, 77), (140_001, 40), (5, 1030)])
+@pytest.mark.parametrize("backend, rows, cols", cuda_cases([(3000, 77), (140_001, 40), (5, 1030)],
+                                                       [(300, 77), (140_001, 3), (5, 130)]))
 def test_add_bias_and_bias_backward(cpu, gpu, dtype, rows, cols):
     rng = np.random.default_rng(4)
     out, bias, dout = inputs(dtype, normal(rng, rows, cols), normal(rng, cols), normal(rng, rows, cols))
@@ -155,11 +171,16 @@ EMBEDDING_CASES = {  # name: (vocab, channels, rows, distinct tokens used)
     "sparse-50k": (50_000, 96, 4096, 50_000),
     "repeated": (1000, 130, 8192, 5),
     "one-token": (7, 64, 3000, 1),
+    # the emulator's:
+    "sparse-1k": (1000, 48, 700, 1000),
+    "repeated-small": (100, 40, 2000, 5),
+    "one-token-small": (7, 16, 300, 1),
 }
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", list(EMBEDDING_CASES))
+@pytest.mark.parametrize("backend, case", cuda_cases(["sparse-50k", "repeated", "one-token"],
+                                                   ["sparse-1k", "repeated-small", "one-token-small"]))
 def test_embedding_forward_and_backward(cpu, gpu, dtype, case):
     vocab, channels, rows, distinct = EMBEDDING_CASES[case]
     rng = np.random.default_rng(5)
@@ -173,11 +194,12 @@ def test_embedding_forward_and_backward(cpu, gpu, dtype, case):
     assert_bitwise_equal(got, gpu.embedding_backward(dout, tokens, table_grad, dtype=dtype), "embedding_backward")
 
 
-RMSNORM_SHAPES = [(3000, 1000), (2050, 77), (64, 4096), (8192, 128)]
+RMSNORM_SHAPES = cuda_cases([(3000, 1000), (2050, 77), (64, 4096), (8192, 128)],
+                            [(33, 70), (300, 1000), (5, 1030), (2100, 40)])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows, channels", RMSNORM_SHAPES)
+@pytest.mark.parametrize("backend, rows, channels", RMSNORM_SHAPES)
 def test_rmsnorm_forward(cpu, gpu, dtype, rows, channels):
     rng = np.random.default_rng(6)
     x, w = inputs(dtype, normal(rng, rows, channels, scale=3.0), 1.0 + normal(rng, channels, scale=0.2))
@@ -188,7 +210,7 @@ def test_rmsnorm_forward(cpu, gpu, dtype, rows, channels):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows, channels", RMSNORM_SHAPES)
+@pytest.mark.parametrize("backend, rows, channels", RMSNORM_SHAPES)
 @pytest.mark.parametrize("mode", ["overwrite", "accumulate", "alias"])
 def test_rmsnorm_backward(cpu, gpu, dtype, rows, channels, mode):
     rng = np.random.default_rng(7)
@@ -211,8 +233,10 @@ def rope_table(time, head_dim, theta=10000.0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(2, 77, 3, 80), (1, 300, 4, 128), (1, 33, 2, 256), (3, 5, 7, 64)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("backend, shape", cuda_cases([((2, 77, 3, 80),), ((1, 300, 4, 128),), ((1, 33, 2, 256),),
+                                                  ((3, 5, 7, 64),)],
+                                                 [((2, 33, 3, 48),), ((1, 70, 2, 128),), ((3, 1, 7, 64),),
+                                                  ((1, 5, 2, 256),)]))
 def test_rope_forward_and_backward(cpu, gpu, dtype, shape):
     rng = np.random.default_rng(8)
     x, dy = inputs(dtype, normal(rng, *shape), normal(rng, *shape))
@@ -235,7 +259,15 @@ ATTENTION_SHAPES = [  # (batch, time, heads, kv_heads, head_dim)
     (2, 1, 2, 2, 64),  # a single position
     (1, 64, 2, 2, 96),  # T a multiple of the tile
 ]
-SHAPE_IDS = ["x".join(map(str, s)) for s in ATTENTION_SHAPES]
+EMULATED_ATTENTION_SHAPES = [
+    (1, 70, 4, 4, 64),  # group 1, T not a multiple of the tile
+    (2, 33, 4, 2, 48),  # group 2, head_dim below a warp's multiple
+    (1, 70, 7, 1, 96),  # group 7
+    (2, 1, 2, 2, 128),  # a single position
+    (1, 33, 2, 1, 128),
+    (1, 64, 2, 2, 64),  # T a multiple of the tile
+]
+ATTENTION_CASES = cuda_cases([(s,) for s in ATTENTION_SHAPES], [(s,) for s in EMULATED_ATTENTION_SHAPES])
 
 
 def attention_inputs(rng, dtype, shape):
@@ -245,7 +277,7 @@ def attention_inputs(rng, dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", ATTENTION_SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("backend, shape", ATTENTION_CASES)
 def test_attention_forward(cpu, gpu, dtype, shape):
     q, k, v, _ = attention_inputs(np.random.default_rng(9), dtype, shape)
     out, lse = gpu.attention_forward(q, k, v, dtype=dtype)
@@ -255,7 +287,7 @@ def test_attention_forward(cpu, gpu, dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", ATTENTION_SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("backend, shape", ATTENTION_CASES)
 def test_attention_backward(cpu, gpu, dtype, shape):
     q, k, v, dout = attention_inputs(np.random.default_rng(10), dtype, shape)
     out, lse = cpu.attention_forward(q, k, v)
@@ -271,9 +303,10 @@ def test_attention_backward(cpu, gpu, dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_swiglu_forward_and_backward(cpu, gpu, dtype):
+@pytest.mark.parametrize("backend, n", cuda_cases([1_000_003], [70_001]))
+def test_swiglu_forward_and_backward(cpu, gpu, dtype, n):
     rng = np.random.default_rng(11)
-    gate, up, dout = inputs(dtype, normal(rng, 1_000_003, scale=3.0), normal(rng, 1_000_003), normal(rng, 1_000_003))
+    gate, up, dout = inputs(dtype, normal(rng, n, scale=3.0), normal(rng, n), normal(rng, n))
     assert_array_close(gpu.swiglu_forward(gate, up, dtype=dtype), cpu.swiglu_forward(gate, up), tolerance(dtype),
                        "swiglu out")
     for alias in (False, True):
@@ -291,11 +324,15 @@ CLASSIFIER_CASES = {  # name: (rows, vocab, first_position, time)
     "vocab-50k": (64, 50_000, 0, 64),
     "rows-past-1024": (1100, 512, 0, 1100),
     "chunk-from-1000": (300, 1000, 1000, 1200),
+    # the emulator's:
+    "vocab-1000": (20, 1000, 0, 20),
+    "rows-from-1000": (300, 515, 1000, 1300),
 }
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", list(CLASSIFIER_CASES))
+@pytest.mark.parametrize("backend, case", cuda_cases(["vocab-50k", "rows-past-1024", "chunk-from-1000"],
+                                                   ["vocab-1000", "rows-from-1000"]))
 @pytest.mark.parametrize("z_loss, with_grad", [(0.0, True), (1e-4, True), (1e-4, False)])
 def test_cross_entropy(cpu, gpu, dtype, case, z_loss, with_grad):
     rows, vocab, first, time = CLASSIFIER_CASES[case]
@@ -318,7 +355,7 @@ def test_cross_entropy(cpu, gpu, dtype, case, z_loss, with_grad):
     assert_bitwise_equal(stats, again, "cross_entropy stats")
 
 
-@pytest.mark.parametrize("n", [1, 1000, 16_385, 10_000_019])
+@pytest.mark.parametrize("backend, n", cuda_cases([1, 1000, 16_385, 10_000_019], [1, 1000, 16_385, 2_100_001]))
 def test_sum_squares(cpu, gpu, n):
     x = normal(np.random.default_rng(13), n)
     got = gpu.sum_squares(x, initial=3.0)
@@ -326,6 +363,7 @@ def test_sum_squares(cpu, gpu, n):
     assert got == gpu.sum_squares(x, initial=3.0), "two runs differ"
 
 
+@pytest.mark.parametrize("backend", cuda_cases())
 @pytest.mark.parametrize(
     "tokens, squares, grad_clip",
     [([100, 50], [400.0, 500.0], 0.0), ([100, 50], [400.0, 500.0], 1.0),
@@ -339,12 +377,13 @@ def test_optimizer_scale(cpu, gpu, tokens, squares, grad_clip):
                        "optimizer_scale")
 
 
+@pytest.mark.parametrize("backend", cuda_cases())
 @pytest.mark.parametrize("dtype, state_dtype", [("fp32", "fp32"), ("bf16", "bf16"), ("fp32", "bf16")])
 def test_adamw(cpu, gpu, dtype, state_dtype):
     """Three steps; each step gives both backends the cuda state so far, so a
     bf16 step differs from the fp32 one by one (stochastic) rounding only."""
     rng = np.random.default_rng(14)
-    n = 1_000_003
+    n = 1_000_003 if gpu.backend == "cuda" else 70_001
     hyper = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     (param,) = inputs(dtype, normal(rng, n))
     # A state from earlier steps: v >= m^2 keeps the updates O(lr / (1 - beta1)).
@@ -359,6 +398,7 @@ def test_adamw(cpu, gpu, dtype, state_dtype):
             assert_array_close(got, want, tolerance(t), f"adamw {name} after step {step}")
 
 
+@pytest.mark.parametrize("backend", cuda_cases())
 def test_adamw_bf16_stochastic_rounding_is_reproducible_per_seed(gpu):
     rng = np.random.default_rng(15)
     p, grad = to_bf16(normal(rng, 100_000)), normal(rng, 100_000)

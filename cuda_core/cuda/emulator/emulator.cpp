@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -51,7 +52,11 @@ std::uint64_t env_u64(const char* name, std::uint64_t fallback) {
     return value;
 }
 
+std::atomic<bool> seed_overridden{false};
+std::atomic<std::uint64_t> seed_override{0};
+
 std::uint64_t the_seed() {
+    if (seed_overridden.load()) return seed_override.load();
     static const std::uint64_t seed = [] {
         const char* text = std::getenv("NANOQ_EMU_SEED");
         if (text && *text) return env_u64("NANOQ_EMU_SEED", 0);
@@ -414,8 +419,8 @@ void BlockRun::on_exit(Fiber& f) {
     ++exited_;
     warps_[f.warp].exited |= 1u << f.lane;
     if (arrived_ > 0)
-        fail("a thread exits while " + std::to_string(arrived_) + " threads wait at " + barrier_what_ + " at " +
-             barrier_file_ + ":" + std::to_string(barrier_line_));
+        fail(std::string(barrier_what_) + " at " + barrier_file_ + ":" + std::to_string(barrier_line_) +
+             " is not reached by every thread: a thread exits while " + std::to_string(arrived_) + " wait there");
     for (const Exchange* x : warps_[f.warp].pending)
         if (x->mask >> f.lane & 1u)
             fail("lane " + std::to_string(f.lane) + " exits while lanes wait for it in " + x->what);
@@ -470,14 +475,14 @@ const std::uint64_t* BlockRun::exchange(WarpOp op, unsigned mask, std::uint64_t 
         fail(std::string(what) + ": mask " + hex(mask) + " names lanes " + hex(mask & warp.exited) +
              " that have exited");
     Exchange* x = nullptr;
+    // Lanes of other masks may still wait in an earlier exchange (they join
+    // this one when it completes); a cycle of such waits is a deadlock,
+    // which the scheduler reports.
     for (Exchange* p : warp.pending) {
         if (p->mask == mask && !(p->arrived & bit)) {
             x = p;
             break;
         }
-        if (p->mask & mask)
-            fail("lanes of one warp disagree: " + std::string(what) + " with mask " + hex(mask) + " while " + p->what +
-                 " with mask " + hex(p->mask) + " waits");
     }
     if (!x) {
         if (free_exchanges_.empty()) {
@@ -796,7 +801,7 @@ void run_grid(const Launch& launch) {
     const std::string broken = memory().check();
     if (!broken.empty())
         throw Error(broken + " (found after the kernel launched at " + launch.grid.file + ":" +
-                    std::to_string(launch.grid.line) + ")");
+                    std::to_string(launch.grid.line) + ", emulator seed " + std::to_string(the_seed()) + ")");
 }
 
 }  // namespace
@@ -821,6 +826,10 @@ void* static_shared(const void* tag, std::size_t bytes, std::size_t align, const
 }
 void* dynamic_shared(std::size_t* bytes) { return tl_run->dynamic_shared(bytes); }
 std::uint64_t seed() { return the_seed(); }
+void set_seed(std::uint64_t seed, bool restore) {
+    seed_override.store(seed);
+    seed_overridden.store(!restore);
+}
 
 void launch_grid(const GridArg& grid, dim3 block, std::size_t dynamic_shared_bytes, cudaStream_t stream,
                  std::function<void()> body) {

@@ -200,6 +200,8 @@ void launch(void (*kernel)(Params...), const GridArg& grid, dim3 block, std::siz
 
 // ---- emulator control (for tests) ---------------------------------------------
 std::uint64_t seed();
+// Replaces the seed (tests of the emulator); restore = true goes back to NANOQ_EMU_SEED.
+void set_seed(std::uint64_t seed, bool restore = false);
 
 }  // namespace nanoq_emu
 

@@ -1,0 +1,143 @@
+"""Proves that the cuda_emulated tests bite: each mutation below is injected,
+one at a time, into a scratch copy of the CUDA sources; the emulated backend
+is rebuilt from it and the tests of that kernel family are run against it.
+Every mutation must make a test fail. Not part of the test suite (it
+rebuilds the library once per mutation: about 20-40 s each on two cores).
+
+    python tests/mutations/emulator_mutations.py            # all of them
+    python tests/mutations/emulator_mutations.py -k barrier # names containing "barrier"
+
+Needs nanoq installed (the tests run against a copy of the installed
+package with the mutated library swapped in) and cmake + ninja.
+Prints one line per mutation and exits non-zero if any survived.
+"""
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CUDA = "cuda_core/cuda"
+ATTENTION_TESTS = "test_gpu_ops.py -k attention"
+# (file, which tests to run) per family; the tests are always -m cuda_emulated.
+FAMILIES = {
+    "kernels_attention.cu": ATTENTION_TESTS,
+    "kernels_classifier.cu": "test_gpu_ops.py -k cross_entropy",
+    "kernels_embedding.cu": "test_gpu_ops.py -k embedding",
+    "kernel_utils.cuh": "test_gpu_ops.py -k 'rmsnorm or bias or sum_squares'",
+    "kernels_elementwise.cu": "test_gpu_ops.py -k 'copy or fill or add or bias or dropout'",
+    "kernels_optimizer.cu": "test_gpu_ops.py test_cuda_emulated.py -k 'adamw or sum_squares'",
+    "kernels_rmsnorm.cu": "test_gpu_ops.py -k rmsnorm",
+}
+
+
+def barrier_mutations():
+    """One mutation per __syncthreads() of the attention kernels, the block
+    reductions and every other kernel that has one: that barrier removed."""
+    out = []
+    for name in FAMILIES:
+        text = open(os.path.join(ROOT, CUDA, name)).read()
+        for i, match in enumerate(re.finditer(r"__syncthreads\(\);", text)):
+            line = text.count("\n", 0, match.start()) + 1
+            out.append((f"barrier {name}:{line} removed", name, i, "__syncthreads();", ";"))
+    return out
+
+
+# (name, file, occurrence (None: all), old, new)
+EDITS = [
+    ("causal mask off by one (forward)", "kernels_attention.cu", 0,
+     "key <= first_query + r ? p[r] * layout.scale", "key < first_query + r ? p[r] * layout.scale"),
+    ("causal mask off by one (dq)", "kernels_attention.cu", 0,
+     "key <= first_query + r ? expf", "key < first_query + r ? expf"),
+    ("causal mask off by one (dk/dv)", "kernels_attention.cu", 0,
+     "query >= first_key + r", "query > first_key + r"),
+    ("GQA heads mapped wrongly (forward)", "kernels_attention.cu", 0,
+     "h / (layout.heads / layout.kv_heads)", "h % layout.kv_heads"),
+    ("GQA heads mapped wrongly (dk/dv group walk)", "kernels_attention.cu", 0,
+     "for (int h = kv_head * group; h < (kv_head + 1) * group; ++h)",
+     "for (int h = kv_head; h < layout.heads; h += layout.kv_heads)"),
+    ("bf16 rounding: truncation instead of nearest even", "kernel_utils.cuh", 0,
+     "return __float2bfloat16_rn(x); }", "return __float2bfloat16_rz(x); }"),
+    ("bf16 cast kernel: truncation", "kernels_elementwise.cu", 0,
+     "out[i] = __float2bfloat16_rn(in[i]);", "out[i] = __float2bfloat16_rz(in[i]);"),
+    ("tail bounds check dropped (attention store_row)", "kernels_attention.cu", 0,
+     "if (d < head_dim) row[d]", "row[d]"),
+    ("tail bounds check dropped (column sums total)", "kernel_utils.cuh", 0,
+     "    if (c >= cols) return;\n    float total", "    float total"),
+    ("tail bounds check dropped (attention tile load)", "kernels_attention.cu", 0,
+     "t < time && d < head_dim ?", "t < time ?"),
+    ("stochastic rounding draws the wrong bits for m", "kernels_optimizer.cu", 0,
+     "(random >> 16) & 0xffffu", "(random >> 15) & 0xffffu"),
+    ("embedding backward: run end off by one", "kernels_embedding.cu", 0,
+     "for (int i = run_begin; i < run_end; ++i)", "for (int i = run_begin; i <= run_end && i < rows; ++i)"),
+]
+
+
+def run(cmd, **kw):
+    return subprocess.run(cmd, shell=isinstance(cmd, str), **kw)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-k", default="", help="only mutations whose name contains this")
+    args = parser.parse_args()
+
+    import nanoq
+
+    package = os.path.dirname(nanoq.__file__)
+    scratch = tempfile.mkdtemp(prefix="nanoq-mutations-")
+    src, build, site = (os.path.join(scratch, d) for d in ("src", "build", "site"))
+    for item in ("CMakeLists.txt", "cmake", "cuda_core", "pylib"):
+        path = os.path.join(ROOT, item)
+        (shutil.copytree if os.path.isdir(path) else shutil.copy)(path, os.path.join(src, item))
+    shutil.copytree(package, os.path.join(site, "nanoq"))
+    configure = ["cmake", "-G", "Ninja", "-S", src, "-B", build, "-DCMAKE_BUILD_TYPE=Release",
+                 f"-DPython_EXECUTABLE={sys.executable}"]
+    if run(configure, capture_output=True).returncode:
+        sys.exit("cmake configure failed")
+
+    mutations = [m for m in barrier_mutations() + EDITS if args.k in m[0]]
+    survivors = []
+    for name, file, occurrence, old, new in mutations:
+        path = os.path.join(src, CUDA, file)
+        pristine = open(path).read()
+        starts = [m.start() for m in re.finditer(re.escape(old), pristine)]
+        if not starts or (occurrence is not None and occurrence >= len(starts)):
+            print(f"?? {name}: pattern not found in {file}")
+            survivors.append(name)
+            continue
+        at = starts[occurrence]
+        open(path, "w").write(pristine[:at] + new + pristine[at + len(old):])
+        began = time.time()
+        try:
+            built = run(["ninja", "-C", build, "nanoq_cuda_emulated"], capture_output=True, text=True)
+            if built.returncode:
+                print(f"!! {name}: the mutant does not compile (counts as caught)\n{built.stdout[-400:]}")
+                continue
+            shutil.copy(os.path.join(build, "libnanoq_cuda_emulated.so"), os.path.join(site, "nanoq"))
+            tests = " ".join(os.path.join(ROOT, "tests", t) if t.endswith(".py") else t
+                             for t in FAMILIES[file].split(" "))
+            env = dict(os.environ, PYTHONPATH=site)
+            result = run(f"{sys.executable} -m pytest -q -x -p no:cacheprovider -m cuda_emulated {tests}",
+                         env=env, capture_output=True, text=True, cwd=os.path.join(ROOT, "tests"))
+            caught = result.returncode == 1
+            failed = [line for line in result.stdout.splitlines() if line.startswith("FAILED")]
+            verdict = "caught  " if caught else "SURVIVED"
+            print(f"{verdict} {name} ({time.time() - began:.0f}s): {failed[0][7:120] if failed else result.stdout[-200:]}",
+                  flush=True)
+            if not caught:
+                survivors.append(name)
+        finally:
+            open(path, "w").write(pristine)
+    shutil.rmtree(scratch, ignore_errors=True)
+    print(f"\n{len(mutations) - len(survivors)} of {len(mutations)} mutations caught")
+    sys.exit(1 if survivors else 0)
+
+
+if __name__ == "__main__":
+    main()
