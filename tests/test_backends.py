@@ -29,9 +29,16 @@ def cuda_devices():
 
 def test_backends_report_cpu_built_with_cores():
     report = {b["name"]: b for b in nanoq.backends()}
-    assert set(report) == {"cpu", "cuda"}
+    assert set(report) == {"cpu", "cuda", "cuda_emulated"}
     assert report["cpu"]["built"] and report["cpu"]["devices"] >= 1
     assert report["cuda"]["built"] == CUDA_BUILT
+    # The emulator is built by default and shows its emulated devices.
+    assert report["cuda_emulated"]["built"] and report["cuda_emulated"]["devices"] >= 2
+    assert "emulator" in report["cuda_emulated"]["detail"]
+
+
+def test_auto_never_picks_the_emulator():
+    assert resolve_backend("auto") != "cuda_emulated"
 
 
 def test_auto_picks_cpu_without_a_usable_gpu():

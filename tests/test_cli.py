@@ -108,6 +108,7 @@ def test_info_lists_version_and_backends():
     assert result.output.startswith("nanoq 0.1.0 (Python ")
     assert "backend cpu: " in result.output and "device(s)" in result.output
     assert "backend cuda: " in result.output
+    assert "backend cuda_emulated: " in result.output
 
 
 def test_plot_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch):

@@ -89,8 +89,9 @@ struct Fiber;
 extern "C" void nanoq_emu_fiber_main(Fiber* fiber) __attribute__((visibility("hidden"), used));
 
 #if defined(__x86_64__)
-// switch(save, load): saves the callee-saved registers, the SSE and x87
-// control words and the stack pointer into *save, and resumes `load`.
+// switch(save, load): saves the callee-saved registers and the stack
+// pointer into *save, and resumes `load`. The SSE and x87 control words are
+// left alone: kernels never change them, so every fiber shares the thread's.
 extern "C" void nanoq_emu_switch(void** save, void* load) __attribute__((visibility("hidden")));
 extern "C" void nanoq_emu_trampoline() __attribute__((visibility("hidden")));
 asm(R"(
@@ -106,14 +107,8 @@ nanoq_emu_switch:
     pushq %r13
     pushq %r14
     pushq %r15
-    subq $8, %rsp
-    stmxcsr (%rsp)
-    fnstcw 4(%rsp)
     movq %rsp, (%rdi)
     movq %rsi, %rsp
-    ldmxcsr (%rsp)
-    fldcw 4(%rsp)
-    addq $8, %rsp
     popq %r15
     popq %r14
     popq %r13
@@ -151,11 +146,6 @@ void make_context(Context& context, void* stack, std::size_t bytes, Fiber* fiber
     *--sp = 0;                                                      // r13
     *--sp = 0;                                                      // r14
     *--sp = 0;                                                      // r15
-    std::uint32_t mxcsr = 0;
-    std::uint16_t fpucw = 0;
-    asm volatile("stmxcsr %0" : "=m"(mxcsr));
-    asm volatile("fnstcw %0" : "=m"(fpucw));
-    *--sp = static_cast<std::uint64_t>(mxcsr) | static_cast<std::uint64_t>(fpucw) << 32;
     context.sp = sp;
 }
 
@@ -265,7 +255,27 @@ public:
 private:
     void block_on(Status status) {
         current_->status = status;
-        swap_context(current_->context, scheduler_);
+        switch_away(current_->context);
+    }
+    // Leaves the current fiber (saving it in `from`) for a runnable one
+    // picked at random, or for the scheduler when none is left (or the
+    // block failed). Fiber to fiber directly: half the switches.
+    void switch_away(Context& from) {
+        if (failed_ || runnable_.empty()) {
+            swap_context(from, scheduler_);
+            return;
+        }
+        Fiber* next = pick();
+        swap_context(from, next->context);
+    }
+    Fiber* pick() {
+        const std::size_t at = next_random() % runnable_.size();
+        const int index = runnable_[at];
+        runnable_[at] = runnable_.back();
+        runnable_.pop_back();
+        current_ = &fibers_[index];
+        tl_thread = &current_->state;
+        return current_;
     }
     void wake(Fiber& f) {
         f.status = Status::Runnable;
@@ -366,15 +376,9 @@ void BlockRun::run(const Launch& launch, uint3 block_idx, StackPool& stacks) {
 
     tl_run = this;
     tl_block = &view_;
-    while (!runnable_.empty() && !failed_) {
-        const std::size_t pick = next_random() % runnable_.size();
-        const int index = runnable_[pick];
-        runnable_[pick] = runnable_.back();
-        runnable_.pop_back();
-        current_ = &fibers_[index];
-        tl_thread = &current_->state;
-        swap_context(scheduler_, current_->context);
-    }
+    // Fibers pass control among themselves and come back here when none is
+    // runnable: every thread finished, a deadlock, or a failure.
+    if (!runnable_.empty()) swap_context(scheduler_, pick()->context);
     tl_thread = nullptr;
     current_ = nullptr;
     if (failed_) throw Error(error_);
@@ -411,7 +415,7 @@ void BlockRun::fiber_main(Fiber* fiber) {
         }
     }
     fiber->status = Status::Done;
-    swap_context(fiber->context, scheduler_);
+    switch_away(fiber->context);
     std::abort();  // a finished fiber is never resumed
 }
 
@@ -779,7 +783,44 @@ cudaError_t synchronize_device(int device) {
     return first == cudaSuccess ? cudaSuccess : report(first, text);
 }
 
+// NANOQ_EMU_PROFILE=1: time spent per launch site, printed at exit.
+class Profile {
+public:
+    static Profile* get() {
+        static Profile* profile = std::getenv("NANOQ_EMU_PROFILE") ? new Profile() : nullptr;
+        return profile;
+    }
+    void add(const GridArg& site, double seconds, std::uint64_t threads) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        Entry& e = entries_[std::string(site.file) + ":" + std::to_string(site.line)];
+        e.seconds += seconds;
+        e.launches += 1;
+        e.threads += threads;
+    }
+    ~Profile() = default;
+    static void report() {
+        Profile* p = get();
+        std::vector<std::pair<std::string, Entry>> rows(p->entries_.begin(), p->entries_.end());
+        std::sort(rows.begin(), rows.end(), [](auto& a, auto& b) { return a.second.seconds > b.second.seconds; });
+        std::fprintf(stderr, "nanoq emulator profile (seconds, launches, CUDA threads, site):\n");
+        for (auto& r : rows)
+            std::fprintf(stderr, "%9.3f %8llu %12llu %s\n", r.second.seconds,
+                         static_cast<unsigned long long>(r.second.launches),
+                         static_cast<unsigned long long>(r.second.threads), r.first.c_str());
+    }
+
+private:
+    Profile() { std::atexit(&Profile::report); }
+    struct Entry {
+        double seconds = 0;
+        std::uint64_t launches = 0, threads = 0;
+    };
+    std::mutex mutex_;
+    std::map<std::string, Entry> entries_;
+};
+
 void run_grid(const Launch& launch) {
+    const auto began = std::chrono::steady_clock::now();
     thread_local StackPool stacks;
     thread_local std::unique_ptr<BlockRun> run(new BlockRun());
     const dim3 g = launch.grid.grid;
@@ -798,6 +839,9 @@ void run_grid(const Launch& launch) {
         run->run(launch, idx, stacks);
     }
     tl_block = nullptr;
+    if (Profile* profile = Profile::get())
+        profile->add(launch.grid, std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count(),
+                     blocks * launch.block.x * launch.block.y * launch.block.z);
     const std::string broken = memory().check();
     if (!broken.empty())
         throw Error(broken + " (found after the kernel launched at " + launch.grid.file + ":" +
