@@ -17,7 +17,6 @@ import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 
@@ -92,6 +91,7 @@ def main():
     package = os.path.dirname(nanoq.__file__)
     scratch = tempfile.mkdtemp(prefix="nanoq-mutations-")
     src, build, site = (os.path.join(scratch, d) for d in ("src", "build", "site"))
+    os.makedirs(src)
     for item in ("CMakeLists.txt", "cmake", "cuda_core", "pylib"):
         path = os.path.join(ROOT, item)
         (shutil.copytree if os.path.isdir(path) else shutil.copy)(path, os.path.join(src, item))
