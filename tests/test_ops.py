@@ -190,20 +190,26 @@ def test_bad_calls_raise_value_errors_that_say_what_is_wrong(cpu):
 # --------------------------------------------------------------------------
 
 
+def check_matmul(runner, M, N, K, trans_a, trans_b, accumulate, seed=2):
+    """runner's op(a) @ op(b) [M, N] (added to an initial out with
+    `accumulate`) against float64 numpy; returns runner's result."""
+    rng = np.random.default_rng(seed)
+    a = normal(rng, K, M) if trans_a else normal(rng, M, K)
+    b = normal(rng, N, K) if trans_b else normal(rng, K, N)
+    initial = normal(rng, M, N) if accumulate else None
+    out = runner.matmul(a, b, trans_a=trans_a, trans_b=trans_b, accumulate_into=initial)
+    expected = (f64(a).T if trans_a else f64(a)) @ (f64(b).T if trans_b else f64(b))
+    if accumulate:
+        expected += initial
+    assert_array_close(out, expected, REL, f"matmul {M}x{N}x{K} trans_a={trans_a} trans_b={trans_b}")
+    return out
+
+
 @pytest.mark.parametrize("trans_a", [False, True])
 @pytest.mark.parametrize("trans_b", [False, True])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_matmul_all_transposes_and_accumulate(cpu, trans_a, trans_b, accumulate):
-    rng = np.random.default_rng(2)
-    M, N, K = 37, 70, 53  # 70 >= 64 takes the threaded split
-    a = normal(rng, K, M) if trans_a else normal(rng, M, K)
-    b = normal(rng, N, K) if trans_b else normal(rng, K, N)
-    initial = normal(rng, M, N) if accumulate else None
-    out = cpu.matmul(a, b, trans_a=trans_a, trans_b=trans_b, accumulate_into=initial)
-    expected = (f64(a).T if trans_a else f64(a)) @ (f64(b).T if trans_b else f64(b))
-    if accumulate:
-        expected += initial
-    assert_array_close(out, expected, REL, "matmul")
+    check_matmul(cpu, 37, 70, 53, trans_a, trans_b, accumulate)  # N = 70 >= 64 takes the threaded split
 
 
 def test_add_bias_and_bias_backward_accumulates(cpu):

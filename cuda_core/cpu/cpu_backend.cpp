@@ -1,8 +1,9 @@
-// The CPU backend: every op in fp32, OpenMP loops and OpenBLAS sgemm.
+// The CPU backend: every op in fp32, OpenMP loops, and OpenBLAS sgemm or the
+// portable sgemm below (cpu_gemm() says which).
 //
 // This is the reference backend that every test runs on. Each device is a
 // worker thread over host memory; `threads` OpenMP threads serve it, each
-// calling single-threaded OpenBLAS on its own block of a matmul.
+// calling a single-threaded sgemm on its own block of a matmul.
 // Reductions that feed weights (weight/bias/norm gradients, sums of squares,
 // loss statistics) run in a fixed order independent of the thread count, so
 // results are bitwise reproducible for a given device count.
@@ -13,25 +14,176 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <new>
+#include <string>
 
 #include "backend.h"
 #include "dropout.h"
 #include "nanoq/errors.h"
+#include "nanoq/trainer.h"
+#ifdef NANOQ_HAVE_OPENBLAS
 #include "cblas.h"
+#endif
 
 namespace nanoq {
 namespace {
 
 constexpr int kIgnoreIndex = -100;
 
+// ---------------------------------------------------------------------------
+// The portable sgemm: always compiled, so that it is tested where OpenBLAS is
+// present too. Goto-style: op(B) is packed a [KC, NC] panel at a time into
+// NR-wide column slivers, op(A) a [MC, KC] block at a time into MR-tall row
+// slivers (zero-padded at the edges, which is where the transposes are
+// handled), and a register-tiled MR x NR micro-kernel in GCC/Clang vector
+// types multiplies one sliver pair. Single-threaded and reentrant (packing
+// buffers per call): it runs inside the backend's OpenMP regions exactly as
+// the single-threaded OpenBLAS call does. Every C element sums k in the same
+// order wherever its tile lies, so results do not depend on the split.
+// ---------------------------------------------------------------------------
+
+typedef float Vec8 __attribute__((vector_size(32)));  // two per micro-tile row
+constexpr int kMR = 6, kNR = 16;                          // 12 accumulators: fits 16 vector registers
+constexpr int kKC = 256, kMC = 120, kNC = 2048;            // A block in L2, B panel in L3
+
+struct FreeDeleter {
+    void operator()(float* p) const { std::free(p); }
+};
+using Buffer = std::unique_ptr<float, FreeDeleter>;
+
+Buffer aligned_floats(std::size_t n) {
+    void* p = std::aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64);
+    if (!p) throw std::bad_alloc();
+    return Buffer(static_cast<float*>(p));
+}
+
+// C[M,N] = beta * C (beta 0 writes zeros: C may hold NaN).
+void scale_rows(float* c, int M, int N, int ldc, float beta) {
+    for (int i = 0; i < M; ++i) {
+        float* row = c + std::int64_t(i) * ldc;
+        for (int j = 0; j < N; ++j) row[j] = beta == 0.0f ? 0.0f : beta * row[j];
+    }
+}
+
+// Packs op(X)[rows r0.., cols k0..] (op(X)(r, k) = trans ? X[k, r] : X[r, k])
+// as slivers of `width` rows: out[s][k][i] = op(X)(r0 + s*width + i, k0 + k).
+// op(A) packs with width kMR; op(B)^T (so rows are B's columns) with kNR.
+template <int width>
+void pack(float* out, const float* x, int ld, bool trans, int r0, int rows, int k0, int depth) {
+    for (int s = 0; s < rows; s += width) {
+        const int live = std::min(width, rows - s);
+        for (int k = 0; k < depth; ++k, out += width) {
+            int i = 0;
+            if (trans) {  // the sliver's rows are contiguous in x
+                const float* src = x + std::int64_t(k0 + k) * ld + r0 + s;
+                for (; i < live; ++i) out[i] = src[i];
+            } else {
+                const float* src = x + std::int64_t(r0 + s) * ld + k0 + k;
+                for (; i < live; ++i) out[i] = src[std::int64_t(i) * ld];
+            }
+            for (; i < width; ++i) out[i] = 0.0f;
+        }
+    }
+}
+
+// acc[kMR][kNR] = sum over k of the packed A sliver's column k times the packed B sliver's row k.
+__attribute__((always_inline)) inline void micro_kernel(int depth, const float* a, const float* b,
+                                                         float* acc) {
+    Vec8 c[kMR][2] = {};
+    for (int k = 0; k < depth; ++k, a += kMR, b += kNR) {
+        Vec8 b0, b1;
+        std::memcpy(&b0, b, sizeof b0);
+        std::memcpy(&b1, b + 8, sizeof b1);
+        for (int i = 0; i < kMR; ++i) {
+            c[i][0] += a[i] * b0;
+            c[i][1] += a[i] * b1;
+        }
+    }
+    std::memcpy(acc, c, sizeof c);
+}
+
+// Row-major C[M,N] = alpha * op(A) @ op(B) + beta * C, the cblas_sgemm
+// contract (beta 0 never reads C). On x86-64 one clone per ISA level (AVX2 +
+// FMA, and the baseline), picked at load time by the CPU.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+#endif
+void portable_sgemm(float* c, const float* a, const float* b, int M, int N, int K, int lda, int ldb, int ldc,
+                    bool trans_a, bool trans_b, float alpha, float beta) {
+    if (M <= 0 || N <= 0) return;
+    if (K <= 0 || alpha == 0.0f) {
+        if (beta != 1.0f) scale_rows(c, M, N, ldc, beta);
+        return;
+    }
+    const int kc_max = std::min(K, kKC), nc_max = std::min(N, kNC), mc_max = std::min(M, kMC);
+    Buffer packed_b = aligned_floats(std::size_t(kc_max) * ((nc_max + kNR - 1) / kNR * kNR));
+    Buffer packed_a = aligned_floats(std::size_t(kc_max) * ((mc_max + kMR - 1) / kMR * kMR));
+    alignas(64) float acc[kMR * kNR];
+    for (int jc = 0; jc < N; jc += kNC) {
+        const int nc = std::min(kNC, N - jc);
+        for (int pc = 0; pc < K; pc += kKC) {
+            const int kc = std::min(kKC, K - pc);
+            const float keep = pc == 0 ? beta : 1.0f;  // later K blocks add to the first's result
+            pack<kNR>(packed_b.get(), b, ldb, !trans_b, jc, nc, pc, kc);
+            for (int ic = 0; ic < M; ic += kMC) {
+                const int mc = std::min(kMC, M - ic);
+                pack<kMR>(packed_a.get(), a, lda, trans_a, ic, mc, pc, kc);
+                for (int jr = 0; jr < nc; jr += kNR) {
+                    const int nr = std::min(kNR, nc - jr);
+                    for (int ir = 0; ir < mc; ir += kMR) {
+                        const int mr = std::min(kMR, mc - ir);
+                        micro_kernel(kc, packed_a.get() + std::int64_t(ir) * kc, packed_b.get() + std::int64_t(jr) * kc,
+                                     acc);
+                        float* tile = c + std::int64_t(ic + ir) * ldc + jc + jr;
+                        for (int i = 0; i < mr; ++i) {
+                            float* row = tile + std::int64_t(i) * ldc;
+                            const float* sum = acc + i * kNR;
+                            if (keep == 0.0f)
+                                for (int j = 0; j < nr; ++j) row[j] = alpha * sum[j];
+                            else
+                                for (int j = 0; j < nr; ++j) row[j] = alpha * sum[j] + keep * row[j];
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#ifdef NANOQ_HAVE_OPENBLAS
+constexpr bool kOpenBlasBuilt = true;
+#else
+constexpr bool kOpenBlasBuilt = false;
+#endif
+
+}  // namespace
+
+// The one place that decides which sgemm a cpu backend runs: OpenBLAS when
+// this build links it, else the portable one; NANOQ_CPU_GEMM=portable (or
+// =openblas) overrides, read by each backend when it is created.
+CpuGemm cpu_gemm() {
+    const char* env = std::getenv("NANOQ_CPU_GEMM");
+    const std::string wanted = env ? env : "";
+    if (wanted == "portable" || (wanted.empty() && !kOpenBlasBuilt)) return CpuGemm{"portable", kOpenBlasBuilt};
+    if (wanted.empty() || (wanted == "openblas" && kOpenBlasBuilt)) return CpuGemm{"openblas", kOpenBlasBuilt};
+    if (wanted == "openblas")
+        throw InvalidArgument("NANOQ_CPU_GEMM=openblas, but this build of nanoq has no OpenBLAS "
+                              "(scipy-openblas32 was not installed where it was built)");
+    throw InvalidArgument("NANOQ_CPU_GEMM must be \"openblas\", \"portable\" or unset, got \"" + wanted + "\"");
+}
+
+namespace {
+
 class CpuBackend final : public Backend {
 public:
-    explicit CpuBackend(int threads) : threads_(std::max(1, threads)) {
+    explicit CpuBackend(int threads) : threads_(std::max(1, threads)), openblas_(cpu_gemm().name == "openblas") {
+#ifdef NANOQ_HAVE_OPENBLAS
         // One thread pool only: OpenBLAS runs single-threaded inside our
         // OpenMP regions. Its own pool would spin against OpenMP's for the
         // same cores (measured: >60% of cycles lost to spinning).
         scipy_openblas_set_num_threads(1);
+#endif
     }
 
     std::string name() const override { return "cpu"; }
@@ -452,10 +604,16 @@ private:
         }
     }
 
-    static void gemm_serial(float* c, const float* a, const float* b, int M, int N, int K, int lda, int ldb, int ldc,
-                            bool trans_a, bool trans_b, float alpha, float beta) {
-        scipy_cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M,
-                          N, K, alpha, a, lda, b, ldb, beta, c, ldc);
+    void gemm_serial(float* c, const float* a, const float* b, int M, int N, int K, int lda, int ldb, int ldc,
+                     bool trans_a, bool trans_b, float alpha, float beta) const {
+#ifdef NANOQ_HAVE_OPENBLAS
+        if (openblas_) {
+            scipy_cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
+                              M, N, K, alpha, a, lda, b, ldb, beta, c, ldc);
+            return;
+        }
+#endif
+        portable_sgemm(c, a, b, M, N, K, lda, ldb, ldc, trans_a, trans_b, alpha, beta);
     }
 
     // out[c] += a sum over rows, parallel over columns with rows in
@@ -502,6 +660,7 @@ private:
 
     static constexpr std::int64_t kReduceBlock = 1 << 14;
     int threads_;
+    bool openblas_;              // sgemm by OpenBLAS, else portable_sgemm (cpu_gemm() chose at construction)
     Tensor attention_scratch_;   // [2, threads, T, T]: probabilities and their gradients
     Tensor classifier_scratch_;  // [2, rows]: per-row lse and loss
     Tensor reduce_scratch_;      // double partial sums of sum_squares

@@ -16,11 +16,16 @@ import os as _os
 # before libgomp loads; a value the user set wins.
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import scipy_openblas32 as _openblas  # noqa: E402
-
-# The core links libscipy_openblas.so; load it globally first so the extension
-# finds it wherever pip put the two packages.
-_ctypes.CDLL(_os.path.join(_openblas.get_lib_dir(), "libscipy_openblas.so"), mode=_ctypes.RTLD_GLOBAL)
+# A core built with OpenBLAS links libscipy_openblas.so; load it globally
+# first so the extension finds it wherever pip put the two packages. Without
+# scipy-openblas32 the core must have been built without it, with nanoq's
+# portable sgemm (nanoq.backends() says which the cpu backend runs).
+try:
+    import scipy_openblas32 as _openblas  # noqa: E402
+except ImportError:
+    _openblas = None
+else:
+    _ctypes.CDLL(_os.path.join(_openblas.get_lib_dir(), "libscipy_openblas.so"), mode=_ctypes.RTLD_GLOBAL)
 
 from nanoq._core import NanoqError, OutOfMemoryError  # noqa: E402
 from nanoq.backends import backends  # noqa: E402

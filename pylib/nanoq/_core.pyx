@@ -100,6 +100,11 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
     cbool has_backend(const string&)
     int backend_device_count(const string&) except +nanoq_raise_py_error
 
+    cdef cppclass CCpuGemm "nanoq::CpuGemm":
+        string name
+        cbool openblas_built
+    CCpuGemm core_cpu_gemm "nanoq::cpu_gemm"() except +nanoq_raise_py_error
+
 
 def backend_built(str name):
     """Whether backend `name` ("cpu", "cuda") is compiled into this install (no loading)."""
@@ -114,6 +119,15 @@ def device_count(str name):
     with nogil:
         count = backend_device_count(n)
     return count
+
+
+def cpu_gemm():
+    """The sgemm a cpu backend created now runs, as dict(name="openblas" or
+    "portable", openblas_built=bool). NANOQ_CPU_GEMM ("portable", "openblas")
+    overrides the default (OpenBLAS when this build has it); ValueError for
+    a value this build cannot honour."""
+    cdef CCpuGemm gemm = core_cpu_gemm()
+    return dict(name=gemm.name.decode(), openblas_built=gemm.openblas_built)
 
 
 # What CoreTrainer._read copies out; 0..2 are the core's optimizer state kinds.

@@ -65,6 +65,18 @@ def gpu_names() -> list[str]:
         pynvml.nvmlShutdown()
 
 
+def cpu_gemm_detail() -> str:
+    """Which sgemm the cpu backend runs, in words (for nanoq.backends() and `nanoq info`)."""
+    try:
+        gemm = _core.cpu_gemm()
+    except ValueError as e:
+        return f"GEMM: {e}"
+    if gemm["name"] == "openblas":
+        return "GEMM: OpenBLAS (scipy-openblas32)"
+    why = "NANOQ_CPU_GEMM=portable" if gemm["openblas_built"] else "this build has no OpenBLAS"
+    return f"GEMM: portable fallback ({why})"
+
+
 def backends() -> list[dict]:
     """One dict per backend: name, built (compiled into this install),
     devices (usable now), and detail (why it is unusable, GPU names, ...)."""
@@ -79,7 +91,7 @@ def backends() -> list[dict]:
             except (ValueError, _core.NanoqError) as e:
                 entry["detail"] = str(e)
             if name == "cpu":
-                entry["detail"] = f"{entry['devices']} cores; devices are worker threads"
+                entry["detail"] = f"{entry['devices']} cores; devices are worker threads; {cpu_gemm_detail()}"
             elif name == "cuda_emulated":
                 entry["detail"] = "the cuda backend's code on a CPU emulator of CUDA (for tests; very slow)"
             elif entry["devices"] == 0 and not entry["detail"]:

@@ -76,4 +76,16 @@ bool has_backend(const std::string& name);
 // InvalidArgument if it is not built, NanoqError if it cannot be loaded.
 int backend_device_count(const std::string& name);
 
+// The sgemm a cpu backend created now runs: name "openblas" (the
+// scipy-openblas32 library, when this build links it) or "portable" (nanoq's
+// own, always compiled). The environment variable NANOQ_CPU_GEMM
+// ("portable" or "openblas"), read by each cpu backend when it is created,
+// overrides the default (OpenBLAS when built). Throws InvalidArgument for
+// another value, or for "openblas" in a build without it.
+struct CpuGemm {
+    std::string name;
+    bool openblas_built = false;
+};
+CpuGemm cpu_gemm();
+
 }  // namespace nanoq
