@@ -81,7 +81,7 @@ std::size_t device_memory() {
 
 constexpr std::size_t kStaticSharedLimit = 48 * 1024;  // without an opt-in, as on every GPU since sm_70
 constexpr std::size_t kStackBytes = 128 * 1024;
-constexpr std::size_t kCanaryBytes = 64;
+constexpr std::size_t kCanaryBytes = 4096;  // overruns up to 4 KiB are caught
 constexpr unsigned char kCanary = 0xCD;
 
 // ---- context switching ------------------------------------------------------
@@ -261,25 +261,50 @@ private:
     // picked at random, or for the scheduler when none is left (or the
     // block failed). Fiber to fiber directly: half the switches.
     void switch_away(Context& from) {
-        if (failed_ || runnable_.empty()) {
+        if (failed_ || nothing_runnable()) {
             swap_context(from, scheduler_);
             return;
         }
         Fiber* next = pick();
         swap_context(from, next->context);
     }
+    bool nothing_runnable() const { return by_warp_ ? ready_warps_ == 0 : runnable_.empty(); }
+    static int take_random(std::vector<int>& list, std::uint64_t random) {
+        const std::size_t at = random % list.size();
+        const int index = list[at];
+        list[at] = list.back();
+        list.pop_back();
+        return index;
+    }
+    // Two schedules, chosen per block from the seed. Uniform: any runnable
+    // thread next, so warps advance nearly in step and fine interleavings
+    // show. By warp: a random ranking of the warps, and a thread of the
+    // best-ranked warp that can run goes next, so one warp races as far
+    // ahead of the others as the barriers let it (a missing barrier between
+    // a shared-memory write and another warp's read shows at once).
     Fiber* pick() {
-        const std::size_t at = next_random() % runnable_.size();
-        const int index = runnable_[at];
-        runnable_[at] = runnable_.back();
-        runnable_.pop_back();
+        int index;
+        if (by_warp_) {
+            const int rank = __builtin_ctzll(ready_warps_);
+            std::vector<int>& list = warp_runnable_[warp_by_rank_[rank]];
+            index = take_random(list, next_random());
+            if (list.empty()) ready_warps_ &= ~(std::uint64_t(1) << rank);
+        } else {
+            index = take_random(runnable_, next_random());
+        }
         current_ = &fibers_[index];
         tl_thread = &current_->state;
         return current_;
     }
     void wake(Fiber& f) {
         f.status = Status::Runnable;
-        runnable_.push_back(static_cast<int>(&f - fibers_.data()));
+        const int index = static_cast<int>(&f - fibers_.data());
+        if (by_warp_) {
+            warp_runnable_[f.warp].push_back(index);
+            ready_warps_ |= std::uint64_t(1) << rank_of_warp_[f.warp];
+        } else {
+            runnable_.push_back(index);
+        }
     }
     void on_exit(Fiber& f);
     std::string where(const Fiber& f) const;
@@ -291,6 +316,10 @@ private:
     int threads_ = 0, exited_ = 0;
     std::vector<Fiber> fibers_;
     std::vector<int> runnable_;
+    bool by_warp_ = false;
+    std::vector<std::vector<int>> warp_runnable_;
+    std::vector<int> warp_by_rank_, rank_of_warp_;
+    std::uint64_t ready_warps_ = 0;  // bit r: the warp ranked r has a runnable thread
     std::vector<WarpState> warps_;
     std::deque<Exchange> exchange_storage_;
     std::vector<Exchange*> free_exchanges_;
@@ -360,6 +389,14 @@ void BlockRun::run(const Launch& launch, uint3 block_idx, StackPool& stacks) {
 
     fibers_.resize(threads_);
     runnable_.clear();
+    by_warp_ = warps > 1 && (next_random() & 1);
+    warp_runnable_.assign(warps, {});
+    warp_by_rank_.resize(warps);
+    rank_of_warp_.resize(warps);
+    for (int w = 0; w < warps; ++w) warp_by_rank_[w] = w;
+    for (int w = warps; w > 1; --w) std::swap(warp_by_rank_[w - 1], warp_by_rank_[next_random() % w]);
+    for (int r = 0; r < warps; ++r) rank_of_warp_[warp_by_rank_[r]] = r;
+    ready_warps_ = 0;
     for (int i = 0; i < threads_; ++i) {
         Fiber& f = fibers_[i];
         const unsigned bx = launch.block.x, by = launch.block.y;
@@ -371,14 +408,14 @@ void BlockRun::run(const Launch& launch, uint3 block_idx, StackPool& stacks) {
         f.barrier_generation = 0;
         f.exchange = nullptr;
         make_context(f.context, stacks.get(i), kStackBytes, &f);
-        runnable_.push_back(i);
+        wake(f);
     }
 
     tl_run = this;
     tl_block = &view_;
     // Fibers pass control among themselves and come back here when none is
     // runnable: every thread finished, a deadlock, or a failure.
-    if (!runnable_.empty()) swap_context(scheduler_, pick()->context);
+    if (!nothing_runnable()) swap_context(scheduler_, pick()->context);
     tl_thread = nullptr;
     current_ = nullptr;
     if (failed_) throw Error(error_);
