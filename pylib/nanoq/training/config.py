@@ -123,7 +123,8 @@ class TrainConfig:
                                                "0 = none", minimum=0)
 
     # -- run: where and how ----------------------------------------------------
-    backend: str = setting("run", "auto", "compute backend; auto = cuda if a GPU is usable, else cpu",
+    backend: str = setting("run", "auto", "compute backend; auto = cuda if a GPU is usable, else cpu; cuda_emulated "
+                           "runs the cuda code on a CPU emulator (tests only)",
                            choices=BACKENDS)
     devices: int = setting("run", 1, "devices (GPUs, or worker threads on cpu)", minimum=1)
     threads: int = setting("run", 0, "cpu threads per device; 0 = the cores shared out", minimum=0)
