@@ -6,8 +6,9 @@
 // are written into device tensors and read only after synchronize().
 // Shapes are row-major; "rows" is always batch*time unless said otherwise.
 // Tensors carry their dtype: activations and weights are float32 or bf16,
-// gradients, statistics, rstd and lse are float32, tokens int32. A backend
-// dispatches on dtype in one place and throws for combinations it lacks.
+// gradients, rstd and lse are float32, statistics float64 (stat_slots.h),
+// tokens int32. A backend dispatches on dtype in one place and throws for
+// combinations it lacks.
 // Weight gradients are accumulated (+=) because they sum over micro-batches;
 // activation gradients are overwritten unless `accumulate` says otherwise.
 #pragma once
@@ -18,25 +19,12 @@
 
 #include "allocator.h"
 #include "comm.h"
+#include "stat_slots.h"
 #include "tensor.h"
 
 namespace nanoq {
 
-// Layout of the per-device statistics buffer filled by cross_entropy().
-enum StatSlot : int {
-    kLossSum = 0,   // sum of cross-entropy over counted tokens
-    kTokens,        // number of counted tokens (target != -100)
-    kLoss1kSum,     // the same, restricted to positions < 1024
-    kTokens1k,
-    kLseSum,        // sum of log-sum-exp over counted tokens
-    kLseMax,        // max of log-sum-exp over counted tokens
-    kZLossSum,      // sum of z_loss * lse^2 over counted tokens
-    kStatCount
-};
-// Each rank's row of the gathered optimizer statistics: its StatSlots, then
-// the sum of squares of its (summed-loss) gradient shard.
-constexpr int kSumSquaresSlot = kStatCount;
-constexpr int kGatherStride = kStatCount + 1;
+constexpr DType kStatDType = DType::F64;  // of the statistics (StatValue, stat_slots.h)
 
 struct AdamWStep {
     float lr;
@@ -136,16 +124,16 @@ public:
                                  const Tensor& up) = 0;
 
     // Fused classifier on a chunk of rows: reads logits[rows, vocab], adds the
-    // loss statistics of the counted rows into stats[kStatCount] and, when
+    // loss statistics of the counted rows into stats[kStatCount] (float64) and, when
     // `with_grad`, overwrites logits with d(sum of (CE + z_loss*lse^2))/dlogits
     // (zero rows for ignored targets). `first_position` is the time index of
     // row 0 and `time` the sequence length (for the first-1024-positions loss).
     virtual void cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& stats, int rows,
                                int vocab, int first_position, int time, float z_loss, bool with_grad) = 0;
 
-    // out[0] += sum(x^2) of a float32 tensor, in a fixed order.
+    // out[0] (float64) += sum(x^2) of a float32 tensor, in a fixed order.
     virtual void sum_squares(const Tensor& out, const Tensor& x) = 0;
-    // From the gathered rows [ranks, kGatherStride]: out[0] = clip / tokens,
+    // From the gathered float64 rows [ranks, kGatherStride]: out[0] = clip / tokens,
     // the factor applied to the stored (summed-loss) gradients, and out[1] =
     // the mean-loss gradient norm, where norm = sqrt(sum squares) / tokens and
     // clip = grad_clip / norm when 0 < grad_clip < norm, else 1; out[2] = 1

@@ -199,7 +199,10 @@ public:
     }
     void copy(const Tensor& dst, const Tensor& src) override {
         if (dst.numel() != src.numel()) throw InternalError("copy between tensors of different sizes");
-        std::memcpy(dst.f32(), src.f32(), src.bytes());  // the cpu backend computes in float32 only
+        // The cpu backend computes in float32 only (its statistics are float64): no conversions.
+        if (dst.dtype != src.dtype)
+            throw InternalError(std::string("cpu copy from ") + dtype_name(src.dtype) + " to " + dtype_name(dst.dtype));
+        std::memcpy(dst.data, src.data, src.bytes());
     }
 
     void reserve_scratch(NamedAllocator& allocator, const ScratchShapes& s) override {
@@ -212,10 +215,8 @@ public:
         reduce_scratch_ = allocator.allocate(Context::Workspace, "sum-squares-partials", DType::F32, {2 * blocks});
     }
     void fill(const Tensor& t, float value) override {
-        float* p = t.f32();
-        const std::int64_t n = t.numel();
-#pragma omp parallel for num_threads(threads_) schedule(static)
-        for (std::int64_t i = 0; i < n; ++i) p[i] = value;
+        if (t.dtype == DType::F64) return fill_values(t.f64(), t.numel(), double(value));
+        fill_values(t.f32(), t.numel(), value);
     }
     void synchronize() override {}
     // 16 MiB of float32 logits: stays in the caches' neighbourhood.
@@ -496,29 +497,29 @@ public:
             }
         }
         // Sum in row order so the statistics do not depend on the thread count.
-        float* st = stats.f32();
+        StatValue* st = stats.f64();
         double loss = 0, loss1k = 0, lse_sum = 0, z = 0;
         std::int64_t tokens = 0, tokens1k = 0;
-        float lse_max = st[kLseMax];
+        double lse_max = st[kLseMax];
         for (int r = 0; r < rows; ++r) {
             if (tg[r] == kIgnoreIndex) continue;
             ++tokens;
             loss += row_loss[r];
             lse_sum += row_lse[r];
-            lse_max = std::max(lse_max, row_lse[r]);
+            lse_max = std::max(lse_max, double(row_lse[r]));
             z += static_cast<double>(z_loss) * row_lse[r] * row_lse[r];
             if ((first_position + r) % time < 1024) {
                 ++tokens1k;
                 loss1k += row_loss[r];
             }
         }
-        st[kLossSum] += static_cast<float>(loss);
-        st[kTokens] += static_cast<float>(tokens);
-        st[kLoss1kSum] += static_cast<float>(loss1k);
-        st[kTokens1k] += static_cast<float>(tokens1k);
-        st[kLseSum] += static_cast<float>(lse_sum);
+        st[kLossSum] += loss;
+        st[kTokens] += static_cast<double>(tokens);
+        st[kLoss1kSum] += loss1k;
+        st[kTokens1k] += static_cast<double>(tokens1k);
+        st[kLseSum] += lse_sum;
         st[kLseMax] = lse_max;
-        st[kZLossSum] += static_cast<float>(z);
+        st[kZLossSum] += z;
     }
 
     void sum_squares(const Tensor& out, const Tensor& x) override {
@@ -537,11 +538,11 @@ public:
         }
         double total = 0.0;
         for (std::int64_t b = 0; b < blocks; ++b) total += partial[b];
-        out.f32()[0] += static_cast<float>(total);
+        out.f64()[0] += total;
     }
 
     void optimizer_scale(const Tensor& out, const Tensor& gathered, int ranks, float grad_clip) override {
-        const float* g = gathered.f32();
+        const StatValue* g = gathered.f64();
         double tokens = 0.0, squares = 0.0, loss = 0.0;
         for (int r = 0; r < ranks; ++r) {
             tokens += g[r * kGatherStride + kTokens];
@@ -656,6 +657,12 @@ private:
     float* attention_scratch(int time) const {
         if (attention_scratch_.shape[2] < time) throw InternalError("attention longer than reserved");
         return attention_scratch_.f32();
+    }
+
+    template <class T>
+    void fill_values(T* p, std::int64_t n, T value) {
+#pragma omp parallel for num_threads(threads_) schedule(static)
+        for (std::int64_t i = 0; i < n; ++i) p[i] = value;
     }
 
     static constexpr std::int64_t kReduceBlock = 1 << 14;

@@ -170,12 +170,17 @@ void CudaBackend::copy(const Tensor& dst, const Tensor& src) {
 }
 
 void CudaBackend::fill(const Tensor& t, float value) {
-    with_dtype(t.dtype, [&](auto tag) {
-        using T = decltype(tag);
-        cuda::fill<T>(ptr<T>(t), value, t.numel(), stream_);
-    });
+    if (t.dtype == DType::F64) {  // the statistics
+        cuda::fill<double>(t.f64(), value, t.numel(), stream_);
+    } else {
+        with_dtype(t.dtype, [&](auto tag) {
+            using T = decltype(tag);
+            cuda::fill<T>(ptr<T>(t), value, t.numel(), stream_);
+        });
+    }
     NANOQ_CUDA_CHECK_LAUNCH();
 }
+
 
 void CudaBackend::synchronize() {
     NANOQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -346,7 +351,7 @@ void CudaBackend::cross_entropy(const Tensor& logits, const Tensor& targets, con
     with_dtype(logits.dtype, [&](auto tag) {
         using T = decltype(tag);
         float* work = static_cast<float*>(scratch(sizeof(float) * classifier_scratch_floats(rows)));
-        cuda::cross_entropy<T>(ptr<T>(logits), targets.i32(), stats.f32(), rows, vocab, first_position, time, z_loss,
+        cuda::cross_entropy<T>(ptr<T>(logits), targets.i32(), stats.f64(), rows, vocab, first_position, time, z_loss,
                                with_grad, work, stream_);
     });
     NANOQ_CUDA_CHECK_LAUNCH();
@@ -354,12 +359,12 @@ void CudaBackend::cross_entropy(const Tensor& logits, const Tensor& targets, con
 
 void CudaBackend::sum_squares(const Tensor& out, const Tensor& x) {
     float* work = static_cast<float*>(scratch(sizeof(float) * sum_squares_scratch_floats(x.numel())));
-    cuda::sum_squares(out.f32(), x.f32(), x.numel(), work, stream_);
+    cuda::sum_squares(out.f64(), x.f32(), x.numel(), work, stream_);
     NANOQ_CUDA_CHECK_LAUNCH();
 }
 
 void CudaBackend::optimizer_scale(const Tensor& out, const Tensor& gathered, int ranks, float grad_clip) {
-    cuda::optimizer_scale(out.f32(), gathered.f32(), ranks, kGatherStride, grad_clip, stream_);
+    cuda::optimizer_scale(out.f32(), gathered.f64(), ranks, kGatherStride, grad_clip, stream_);
     NANOQ_CUDA_CHECK_LAUNCH();
 }
 

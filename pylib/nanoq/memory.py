@@ -44,6 +44,7 @@ import dataclasses
 import math
 from typing import Dict, Iterator, List, Optional
 
+from nanoq import _core
 from nanoq.config import OFFLOAD, RECOMPUTE, ModelConfig, TrainOptions
 from nanoq.lora import LoraConfig, adapter_shapes, projection_shape
 
@@ -67,6 +68,7 @@ LORA_CONTEXT_MEANING = {
     "adam-v": "this device's shard of the adapters' AdamW second moment (none when offloaded)",
 }
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+_STAT_BYTES = _core.STAT_DTYPE().itemsize  # the loss statistics' element (float64)
 # Memory a cuda device loses to what nanoq's allocator does not see: the CUDA
 # context, cuBLASLt and NCCL (an assumption, adjustable; 0 on the cpu).
 CUDA_RESERVE_BYTES = 1 << 30
@@ -75,8 +77,6 @@ MAX_SUGGESTED_DEVICES = 64
 
 # Constants of the core, named as there.
 _STAGING_ELEMENTS = 1 << 22          # trainer.cpp kStagingElements
-_STAT_COUNT = 7                       # backend.h kStatCount
-_GATHER_STRIDE = _STAT_COUNT + 1      # backend.h kGatherStride
 _STACK_ALIGNMENT = 256                # allocator.h StackArena::kAlignment
 _CLASSIFIER_CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}  # Backend::classifier_chunk_elements()
 _OPTIMIZER_CHUNK = 1 << 22           # trainer.cpp kOptimizerChunk (offload's device buffers)
@@ -493,11 +493,12 @@ def _trainer_allocations(c: ModelConfig, o: TrainOptions, numels: List[int], tra
     if "gradients" in o.offload:
         out.append(Allocation("workspace", "offload-gradients", chunk * 4))
     rows = o.batch_size * o.seq_len
+    stats = len(_core.stat_slots()) * _STAT_BYTES
     out += [Allocation("workspace", "tokens", rows * 4),
             Allocation("workspace", "targets", rows * 4),
-            Allocation("workspace", "loss-stats", _STAT_COUNT * 4),
-            Allocation("workspace", "eval-stats", _STAT_COUNT * 4),
-            Allocation("workspace", "gathered-stats", n * _GATHER_STRIDE * 4),
+            Allocation("workspace", "loss-stats", stats),
+            Allocation("workspace", "eval-stats", stats),
+            Allocation("workspace", "gathered-stats", n * _core.gather_stride() * _STAT_BYTES),
             Allocation("workspace", "optimizer-scale", 3 * 4),
             Allocation("workspace", "parameter-staging", min(max(numels + trainable), _STAGING_ELEMENTS) * 4)]
     recompute = _recompute_set(o.recompute)
