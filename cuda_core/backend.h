@@ -16,9 +16,11 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "allocator.h"
 #include "comm.h"
+#include "nanoq/config.h"
 #include "stat_slots.h"
 #include "tensor.h"
 
@@ -34,21 +36,6 @@ struct AdamWStep {
     float weight_decay;
     int step;            // 1-based, for bias correction
     std::uint64_t seed;  // for stochastic rounding of bf16 outputs
-};
-
-struct AttentionShape {
-    int batch, time, heads, kv_heads, head_dim;
-};
-
-// The largest shapes a backend's ops will see, so that it can reserve its
-// scratch memory once, through the named allocator.
-struct ScratchShapes {
-    AttentionShape attention;  // batch and time give rows = batch * time
-    int hidden;
-    int intermediate;
-    int vocab;
-    int classifier_rows;       // rows per classifier chunk
-    std::int64_t max_reduce;   // longest sum_squares input
 };
 
 class Backend {
@@ -146,6 +133,18 @@ public:
                        const Tensor& scale, const AdamWStep& step) = 0;
 };
 
+// One buffer that a backend's reserve_scratch allocates (context Workspace),
+// planned from the ScratchShapes alone; `exact` as in ScratchInfo.
+struct ScratchBuffer {
+    std::string name;
+    DType dtype;
+    std::int64_t elements;
+    MemoryKind kind;
+    bool exact;
+};
+// Allocates the planned buffers, in order.
+std::vector<Tensor> allocate_scratch(NamedAllocator& allocator, const std::vector<ScratchBuffer>& plan);
+
 // A backend implementation: how to make a device's backend and a group of
 // communicators for N devices. Optional backends live in their own shared
 // library, loaded on first use, which registers itself when loaded.
@@ -153,6 +152,13 @@ struct BackendPlugin {
     std::unique_ptr<Backend> (*create_backend)(int device, int threads);
     std::shared_ptr<CommGroup> (*create_group)(int size);
     int (*device_count)();  // devices usable now (0 when none or no driver)
+    // What reserve_scratch allocates for `shapes` on a backend of `threads`
+    // threads per device, in order, computed without allocating: the one
+    // definition that reserve_scratch and the memory estimator share. Sizes
+    // that a library reports at run time (CUB's temporary storage) are asked
+    // of it when `ask_libraries`; when it cannot answer (no device) or is not
+    // asked, an upper bound stands in and the buffer is marked inexact.
+    std::vector<ScratchBuffer> (*scratch_plan)(const ScratchShapes& shapes, int threads, bool ask_libraries);
 };
 void register_backend(const std::string& name, const BackendPlugin& plugin);
 // Loads the backend's library if needed; throws InvalidArgument when it is

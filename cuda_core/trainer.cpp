@@ -703,4 +703,13 @@ bool has_backend(const std::string& name) { return backend_built(name); }
 
 int backend_device_count(const std::string& name) { return find_backend(name).device_count(); }
 
+std::vector<ScratchInfo> backend_scratch_plan(const std::string& name, const ScratchShapes& shapes, int threads,
+                                              bool ask_libraries) {
+    std::vector<ScratchInfo> out;
+    for (const ScratchBuffer& b : find_backend(name).scratch_plan(shapes, threads, ask_libraries))
+        out.push_back(ScratchInfo{b.name, static_cast<std::size_t>(b.elements) * dtype_size(b.dtype),
+                                  memory_kind_name(b.kind), b.exact});
+    return out;
+}
+
 }  // namespace nanoq

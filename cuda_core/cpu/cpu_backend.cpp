@@ -27,9 +27,13 @@
 #endif
 
 namespace nanoq {
+
+std::vector<ScratchBuffer> cpu_scratch_plan(const ScratchShapes& shapes, int threads, bool ask_libraries);
+
 namespace {
 
 constexpr int kIgnoreIndex = -100;
+constexpr std::int64_t kReduceBlock = 1 << 14;  // elements per partial sum of sum_squares
 
 // ---------------------------------------------------------------------------
 // The portable sgemm: always compiled, so that it is tested where OpenBLAS is
@@ -206,13 +210,12 @@ public:
     }
 
     void reserve_scratch(NamedAllocator& allocator, const ScratchShapes& s) override {
-        const std::int64_t T = s.attention.time;
-        attention_scratch_ = allocator.allocate(Context::Workspace, "attention-scratch", DType::F32,
-                                                {2, threads_, T, T});
-        classifier_scratch_ = allocator.allocate(Context::Workspace, "classifier-rows", DType::F32,
-                                                 {2, s.classifier_rows});
-        const std::int64_t blocks = (s.max_reduce + kReduceBlock - 1) / kReduceBlock;
-        reduce_scratch_ = allocator.allocate(Context::Workspace, "sum-squares-partials", DType::F32, {2 * blocks});
+        const std::vector<Tensor> scratch = allocate_scratch(allocator, cpu_scratch_plan(s, threads_, true));
+        attention_scratch_ = scratch[0];
+        classifier_scratch_ = scratch[1];
+        reduce_scratch_ = scratch[2];
+        attention_time_ = s.attention.time;
+        classifier_rows_ = s.classifier_rows;
     }
     void fill(const Tensor& t, float value) override {
         if (t.dtype == DType::F64) return fill_values(t.f64(), t.numel(), double(value));
@@ -462,9 +465,9 @@ public:
                        int first_position, int time, float z_loss, bool with_grad) override {
         float* lg = logits.f32();
         const std::int32_t* tg = targets.i32();
-        if (rows > classifier_scratch_.shape[1]) throw InternalError("classifier chunk larger than reserved");
+        if (rows > classifier_rows_) throw InternalError("classifier chunk larger than reserved");
         float* row_lse = classifier_scratch_.f32();
-        float* row_loss = row_lse + classifier_scratch_.shape[1];
+        float* row_loss = row_lse + classifier_rows_;
 #pragma omp parallel for num_threads(threads_) schedule(static)
         for (int r = 0; r < rows; ++r) {
             float* row = lg + static_cast<std::int64_t>(r) * vocab;
@@ -655,7 +658,7 @@ private:
     }
 
     float* attention_scratch(int time) const {
-        if (attention_scratch_.shape[2] < time) throw InternalError("attention longer than reserved");
+        if (attention_time_ < time) throw InternalError("attention longer than reserved");
         return attention_scratch_.f32();
     }
 
@@ -665,15 +668,26 @@ private:
         for (std::int64_t i = 0; i < n; ++i) p[i] = value;
     }
 
-    static constexpr std::int64_t kReduceBlock = 1 << 14;
     int threads_;
     bool openblas_;              // sgemm by OpenBLAS, else portable_sgemm (cpu_gemm() chose at construction)
     Tensor attention_scratch_;   // [2, threads, T, T]: probabilities and their gradients
     Tensor classifier_scratch_;  // [2, rows]: per-row lse and loss
     Tensor reduce_scratch_;      // double partial sums of sum_squares
+    int attention_time_ = 0;     // the T and rows above
+    int classifier_rows_ = 0;
 };
 
 }  // namespace
+
+std::vector<ScratchBuffer> cpu_scratch_plan(const ScratchShapes& s, int threads, bool /*ask_libraries*/) {
+    const std::int64_t T = s.attention.time;
+    const std::int64_t blocks = (s.max_reduce + kReduceBlock - 1) / kReduceBlock;
+    return {
+        {"attention-scratch", DType::F32, 2 * std::int64_t(std::max(1, threads)) * T * T, MemoryKind::Device, true},
+        {"classifier-rows", DType::F32, 2 * std::int64_t(s.classifier_rows), MemoryKind::Device, true},
+        {"sum-squares-partials", DType::F32, 2 * blocks, MemoryKind::Device, true},  // doubles
+    };
+}
 
 std::unique_ptr<Backend> create_cpu_backend(int /*device*/, int threads) {
     return std::make_unique<CpuBackend>(threads);

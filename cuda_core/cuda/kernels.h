@@ -49,11 +49,15 @@ template <class T>
 void embedding_forward(T* out, const std::int32_t* tokens, const T* table, int rows, int channels,
                        cudaStream_t stream);
 // table_grad[tokens[r], :] += dout[r, :], each table row summing its rows in
-// increasing r. `scratch` holds embedding_backward_scratch_bytes(rows) bytes.
+// increasing r. `scratch` holds embedding_backward_scratch_bytes(rows, vocab) bytes.
 template <class T>
 void embedding_backward(float* table_grad, const T* dout, const std::int32_t* tokens, int rows, int channels,
                         int vocab, void* scratch, cudaStream_t stream);
-std::size_t embedding_backward_scratch_bytes(int rows, int vocab);
+// Index arrays and CUB's radix-sort storage, as CUB reports it for the
+// current device. Where CUB cannot report it (no usable device), or with
+// `ask_cub` false, an upper bound of the storage is counted and *exact (when
+// given) is set to false.
+std::size_t embedding_backward_scratch_bytes(int rows, int vocab, bool ask_cub = true, bool* exact = nullptr);
 
 // ---- rmsnorm (kernels_rmsnorm.cu) ----------------------------------------
 // out = weight * inp * rstd, rstd[r] = 1/sqrt(mean(inp[r]^2) + eps) (fp32).
