@@ -6,8 +6,9 @@
 // are written into device tensors and read only after synchronize().
 // Shapes are row-major; "rows" is always batch*time unless said otherwise.
 // Tensors carry their dtype: activations and weights are float32 or bf16,
-// gradients, statistics, rstd and lse are float32, tokens int32. A backend
-// dispatches on dtype in one place and throws for combinations it lacks.
+// gradients, rstd and lse are float32, statistics float64 (stat_slots.h),
+// tokens int32. A backend dispatches on dtype in one place and throws for
+// combinations it lacks.
 // Weight gradients are accumulated (+=) because they sum over micro-batches;
 // activation gradients are overwritten unless `accumulate` says otherwise.
 #pragma once
@@ -15,28 +16,17 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "allocator.h"
 #include "comm.h"
+#include "nanoq/config.h"
+#include "stat_slots.h"
 #include "tensor.h"
 
 namespace nanoq {
 
-// Layout of the per-device statistics buffer filled by cross_entropy().
-enum StatSlot : int {
-    kLossSum = 0,   // sum of cross-entropy over counted tokens
-    kTokens,        // number of counted tokens (target != -100)
-    kLoss1kSum,     // the same, restricted to positions < 1024
-    kTokens1k,
-    kLseSum,        // sum of log-sum-exp over counted tokens
-    kLseMax,        // max of log-sum-exp over counted tokens
-    kZLossSum,      // sum of z_loss * lse^2 over counted tokens
-    kStatCount
-};
-// Each rank's row of the gathered optimizer statistics: its StatSlots, then
-// the sum of squares of its (summed-loss) gradient shard.
-constexpr int kSumSquaresSlot = kStatCount;
-constexpr int kGatherStride = kStatCount + 1;
+constexpr DType kStatDType = DType::F64;  // of the statistics (StatValue, stat_slots.h)
 
 struct AdamWStep {
     float lr;
@@ -46,21 +36,6 @@ struct AdamWStep {
     float weight_decay;
     int step;            // 1-based, for bias correction
     std::uint64_t seed;  // for stochastic rounding of bf16 outputs
-};
-
-struct AttentionShape {
-    int batch, time, heads, kv_heads, head_dim;
-};
-
-// The largest shapes a backend's ops will see, so that it can reserve its
-// scratch memory once, through the named allocator.
-struct ScratchShapes {
-    AttentionShape attention;  // batch and time give rows = batch * time
-    int hidden;
-    int intermediate;
-    int vocab;
-    int classifier_rows;       // rows per classifier chunk
-    std::int64_t max_reduce;   // longest sum_squares input
 };
 
 class Backend {
@@ -136,16 +111,16 @@ public:
                                  const Tensor& up) = 0;
 
     // Fused classifier on a chunk of rows: reads logits[rows, vocab], adds the
-    // loss statistics of the counted rows into stats[kStatCount] and, when
+    // loss statistics of the counted rows into stats[kStatCount] (float64) and, when
     // `with_grad`, overwrites logits with d(sum of (CE + z_loss*lse^2))/dlogits
     // (zero rows for ignored targets). `first_position` is the time index of
     // row 0 and `time` the sequence length (for the first-1024-positions loss).
     virtual void cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& stats, int rows,
                                int vocab, int first_position, int time, float z_loss, bool with_grad) = 0;
 
-    // out[0] += sum(x^2) of a float32 tensor, in a fixed order.
+    // out[0] (float64) += sum(x^2) of a float32 tensor, in a fixed order.
     virtual void sum_squares(const Tensor& out, const Tensor& x) = 0;
-    // From the gathered rows [ranks, kGatherStride]: out[0] = clip / tokens,
+    // From the gathered float64 rows [ranks, kGatherStride]: out[0] = clip / tokens,
     // the factor applied to the stored (summed-loss) gradients, and out[1] =
     // the mean-loss gradient norm, where norm = sqrt(sum squares) / tokens and
     // clip = grad_clip / norm when 0 < grad_clip < norm, else 1; out[2] = 1
@@ -158,6 +133,18 @@ public:
                        const Tensor& scale, const AdamWStep& step) = 0;
 };
 
+// One buffer that a backend's reserve_scratch allocates (context Workspace),
+// planned from the ScratchShapes alone; `exact` as in ScratchInfo.
+struct ScratchBuffer {
+    std::string name;
+    DType dtype;
+    std::int64_t elements;
+    MemoryKind kind;
+    bool exact;
+};
+// Allocates the planned buffers, in order.
+std::vector<Tensor> allocate_scratch(NamedAllocator& allocator, const std::vector<ScratchBuffer>& plan);
+
 // A backend implementation: how to make a device's backend and a group of
 // communicators for N devices. Optional backends live in their own shared
 // library, loaded on first use, which registers itself when loaded.
@@ -165,6 +152,13 @@ struct BackendPlugin {
     std::unique_ptr<Backend> (*create_backend)(int device, int threads);
     std::shared_ptr<CommGroup> (*create_group)(int size);
     int (*device_count)();  // devices usable now (0 when none or no driver)
+    // What reserve_scratch allocates for `shapes` on a backend of `threads`
+    // threads per device, in order, computed without allocating: the one
+    // definition that reserve_scratch and the memory estimator share. Sizes
+    // that a library reports at run time (CUB's temporary storage) are asked
+    // of it when `ask_libraries`; when it cannot answer (no device) or is not
+    // asked, an upper bound stands in and the buffer is marked inexact.
+    std::vector<ScratchBuffer> (*scratch_plan)(const ScratchShapes& shapes, int threads, bool ask_libraries);
 };
 void register_backend(const std::string& name, const BackendPlugin& plugin);
 // Loads the backend's library if needed; throws InvalidArgument when it is

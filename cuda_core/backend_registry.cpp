@@ -17,6 +17,7 @@
 namespace nanoq {
 
 std::unique_ptr<Backend> create_cpu_backend(int device, int threads);
+std::vector<ScratchBuffer> cpu_scratch_plan(const ScratchShapes& shapes, int threads, bool ask_libraries);
 
 namespace {
 
@@ -25,7 +26,8 @@ std::recursive_mutex registry_mutex;  // recursive: a loaded library registers w
 std::map<std::string, BackendPlugin>& registry() {
     static std::map<std::string, BackendPlugin> plugins{
         {"cpu", BackendPlugin{&create_cpu_backend, &make_shared_memory_group,
-                              [] { return static_cast<int>(std::thread::hardware_concurrency()); }}}};
+                              [] { return static_cast<int>(std::thread::hardware_concurrency()); },
+                              &cpu_scratch_plan}}};
     return plugins;
 }
 
@@ -45,6 +47,13 @@ bool file_exists(const std::string& path) {
 }
 
 }  // namespace
+
+std::vector<Tensor> allocate_scratch(NamedAllocator& allocator, const std::vector<ScratchBuffer>& plan) {
+    std::vector<Tensor> tensors;
+    for (const ScratchBuffer& b : plan)
+        tensors.push_back(allocator.allocate(Context::Workspace, b.name, b.dtype, {b.elements}, b.kind));
+    return tensors;
+}
 
 void register_backend(const std::string& name, const BackendPlugin& plugin) {
     std::lock_guard<std::recursive_mutex> lock(registry_mutex);

@@ -12,12 +12,15 @@
 #include <limits>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 
 #include "allocator.h"
 #include "backend.h"
 
 namespace nanoq {
 namespace {
+
+static_assert(std::is_same<StatValue, double>::value, "nanoq/op_runner.h passes statistics as double");
 
 constexpr int kIgnoreIndex = -100;
 
@@ -58,9 +61,10 @@ public:
     }
 
     Tensor input(const std::int32_t* host, std::int64_t n, const std::string& name) {
-        Tensor tensor = allocator_.allocate(Context::Workspace, name, DType::I32, {n});
-        backend_.copy_from_host(tensor, host);
-        return tensor;
+        return raw_input(host, n, DType::I32, name);
+    }
+    Tensor input(const StatValue* host, std::int64_t n, const std::string& name) {
+        return raw_input(host, n, kStatDType, name);
     }
 
     // A tensor the op overwrites: NaN until then, copied back by finish().
@@ -77,14 +81,20 @@ public:
         download(host, tensor);
         return tensor;
     }
+    Tensor in_out(StatValue* host, std::int64_t n, const std::string& name) {
+        Tensor tensor = input(host, n, name);
+        download(host, tensor);
+        return tensor;
+    }
 
-    void download(float* host, const Tensor& tensor) { downloads_.push_back(Download{host, tensor}); }
+    // Host arrays are float32 for float32 and bf16 tensors, float64 for statistics.
+    void download(void* host, const Tensor& tensor) { downloads_.push_back(Download{host, tensor}); }
 
-    // Copies every download back as float32 and waits for the device.
+    // Copies every download back and waits for the device.
     void finish() {
         for (const Download& d : downloads_) {
             Tensor source = d.tensor;
-            if (source.dtype != DType::F32) {
+            if (source.dtype == DType::BF16) {
                 source = allocator_.allocate(Context::Workspace, "download-float32", DType::F32, {d.tensor.numel()});
                 backend_.copy(source, d.tensor);
             }
@@ -94,8 +104,14 @@ public:
     }
 
 private:
+    Tensor raw_input(const void* host, std::int64_t n, DType dtype, const std::string& name) {
+        Tensor tensor = allocator_.allocate(Context::Workspace, name, dtype, {n});
+        backend_.copy_from_host(tensor, host);
+        return tensor;
+    }
+
     struct Download {
-        float* host;
+        void* host;
         Tensor tensor;
     };
     Backend& backend_;
@@ -137,8 +153,9 @@ const std::string& OpRunner::backend_name() const { return impl_->name; }
 int OpRunner::device() const { return impl_->device; }
 
 std::vector<std::string> OpRunner::stat_slots() {
-    static_assert(kStatCount == 7, "update the slot names with the StatSlot enum of backend.h");
-    return {"loss_sum", "tokens", "loss_1k_sum", "tokens_1k", "lse_sum", "lse_max", "z_loss_sum"};
+#define NANOQ_STAT_NAME(id, name) name,
+    return {NANOQ_STAT_SLOTS(NANOQ_STAT_NAME)};
+#undef NANOQ_STAT_NAME
 }
 
 int OpRunner::gather_stride() { return kGatherStride; }
@@ -442,7 +459,7 @@ void OpRunner::swiglu_backward(float* dgate, float* dup, const float* dout, cons
     call.finish();
 }
 
-void OpRunner::cross_entropy(float* logits, const std::int32_t* targets, float* stats, int rows, int vocab,
+void OpRunner::cross_entropy(float* logits, const std::int32_t* targets, double* stats, int rows, int vocab,
                              int first_position, int time, float z_loss, bool with_grad, OpDType dtype) {
     require_positive(rows, "rows");
     require_positive(vocab, "vocab");
@@ -456,30 +473,30 @@ void OpRunner::cross_entropy(float* logits, const std::int32_t* targets, float* 
     scratch.vocab = vocab;
     OpCall call(*impl_->backend, impl_->device, scratch);
     Tensor lg = call.in_out(logits, std::int64_t(rows) * vocab, t, "logits");
-    Tensor st = call.in_out(stats, kStatCount, DType::F32, "stats");
+    Tensor st = call.in_out(stats, kStatCount, "stats");
     impl_->backend->cross_entropy(lg, call.input(targets, rows, "targets"), st, rows, vocab, first_position, time,
                                   z_loss, with_grad);
     call.finish();
 }
 
-void OpRunner::sum_squares(float* out, const float* x, std::int64_t n) {
+void OpRunner::sum_squares(double* out, const float* x, std::int64_t n) {
     require_positive(n, "n");
     std::lock_guard<std::mutex> lock(impl_->mutex);
     ScratchShapes scratch = no_scratch();
     scratch.max_reduce = n;
     OpCall call(*impl_->backend, impl_->device, scratch);
-    Tensor o = call.in_out(out, 1, DType::F32, "out");
+    Tensor o = call.in_out(out, 1, "out");
     impl_->backend->sum_squares(o, call.input(x, n, DType::F32, "x"));
     call.finish();
 }
 
-void OpRunner::optimizer_scale(float* out, const float* gathered, int ranks, float grad_clip) {
+void OpRunner::optimizer_scale(float* out, const double* gathered, int ranks, float grad_clip) {
     require_positive(ranks, "ranks");
     std::lock_guard<std::mutex> lock(impl_->mutex);
     OpCall call(*impl_->backend, impl_->device, no_scratch());
     Tensor o = call.output(out, 3, DType::F32, "out");
-    impl_->backend->optimizer_scale(o, call.input(gathered, std::int64_t(ranks) * kGatherStride, DType::F32, "gathered"),
-                                    ranks, grad_clip);
+    impl_->backend->optimizer_scale(o, call.input(gathered, std::int64_t(ranks) * kGatherStride, "gathered"), ranks,
+                                    grad_clip);
     call.finish();
 }
 

@@ -33,16 +33,19 @@ Tensor Tensor::slice(std::int64_t offset, std::int64_t count) const {
     return Tensor(base, dtype, {count});
 }
 
-float* Tensor::f32() const {
-    if (dtype != DType::F32)
-        throw InternalError(std::string("expected a float32 tensor, got ") + dtype_name(dtype));
-    return static_cast<float*>(data);
+namespace {
+
+template <class T>
+T* typed(const Tensor& t, DType expected) {
+    if (t.dtype != expected)
+        throw InternalError(std::string("expected a tensor of ") + dtype_name(expected) + ", got " + dtype_name(t.dtype));
+    return static_cast<T*>(t.data);
 }
 
-std::int32_t* Tensor::i32() const {
-    if (dtype != DType::I32)
-        throw InternalError(std::string("expected an int32 tensor, got ") + dtype_name(dtype));
-    return static_cast<std::int32_t*>(data);
-}
+}  // namespace
+
+float* Tensor::f32() const { return typed<float>(*this, DType::F32); }
+std::int32_t* Tensor::i32() const { return typed<std::int32_t>(*this, DType::I32); }
+double* Tensor::f64() const { return typed<double>(*this, DType::F64); }
 
 }  // namespace nanoq

@@ -13,13 +13,14 @@
 
 namespace nanoq {
 
-enum class DType : int { F32 = 0, BF16 = 1, I32 = 2 };
+enum class DType : int { F32 = 0, BF16 = 1, I32 = 2, F64 = 3 };
 
 inline std::size_t dtype_size(DType dtype) {
     switch (dtype) {
         case DType::F32: return 4;
         case DType::BF16: return 2;
         case DType::I32: return 4;
+        case DType::F64: return 8;
     }
     return 0;
 }
@@ -29,6 +30,7 @@ inline const char* dtype_name(DType dtype) {
         case DType::F32: return "float32";
         case DType::BF16: return "bfloat16";
         case DType::I32: return "int32";
+        case DType::F64: return "float64";
     }
     return "?";
 }
@@ -53,6 +55,7 @@ struct Tensor {
 
     float* f32() const;  // throws unless dtype is F32
     std::int32_t* i32() const;  // throws unless dtype is I32
+    double* f64() const;  // throws unless dtype is F64
 };
 
 }  // namespace nanoq

@@ -95,8 +95,8 @@ struct DeviceState {
     Tensor staged_master, staged_m, staged_v, staged_grads;
     ModelWeights weight_views, grad_views;
     Tensor tokens, targets;          // [B, T]
-    Tensor stats, eval_stats;        // [kStatCount]
-    Tensor gathered;                 // [devices, kGatherStride]
+    Tensor stats, eval_stats;        // [kStatCount] float64
+    Tensor gathered;                 // [devices, kGatherStride] float64
     Tensor optimizer_scale;          // [3]: gradient factor, gradient norm, skip flag
     Tensor staging;                  // float32 bounce buffer for parameters
 };
@@ -146,13 +146,13 @@ struct Trainer::Impl {
     }
 
     // Statistics of all ranks (rows of kGatherStride) combined in rank order.
-    StepStats combine(const std::vector<float>& rows) const {
+    StepStats combine(const std::vector<StatValue>& rows) const {
         double sums[kStatCount] = {};
         double lse_max = -std::numeric_limits<double>::infinity();
         for (int r = 0; r < size(); ++r) {
-            const float* s = &rows[static_cast<std::size_t>(r) * kGatherStride];
+            const StatValue* s = &rows[static_cast<std::size_t>(r) * kGatherStride];
             for (int i = 0; i < kStatCount; ++i) sums[i] += s[i];
-            lse_max = std::max(lse_max, double(s[kLseMax]));
+            lse_max = std::max(lse_max, s[kLseMax]);
         }
         StepStats out;
         const double nan = std::numeric_limits<double>::quiet_NaN();
@@ -172,8 +172,8 @@ struct Trainer::Impl {
         d.comm->all_gather(d.gathered);
     }
 
-    std::vector<float> read_gathered(DeviceState& d) {
-        std::vector<float> host(static_cast<std::size_t>(size()) * kGatherStride);
+    std::vector<StatValue> read_gathered(DeviceState& d) {
+        std::vector<StatValue> host(static_cast<std::size_t>(size()) * kGatherStride);
         d.backend->copy_to_host(host.data(), d.gathered);
         d.backend->synchronize();
         return host;
@@ -378,9 +378,9 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_
             d.staged_grads = a.allocate(Context::Workspace, "offload-gradients", DType::F32, {chunk});
         d.tokens = a.allocate(Context::Workspace, "tokens", DType::I32, {B, T});
         d.targets = a.allocate(Context::Workspace, "targets", DType::I32, {B, T});
-        d.stats = a.allocate(Context::Workspace, "loss-stats", DType::F32, {kStatCount});
-        d.eval_stats = a.allocate(Context::Workspace, "eval-stats", DType::F32, {kStatCount});
-        d.gathered = a.allocate(Context::Workspace, "gathered-stats", DType::F32, {n, kGatherStride});
+        d.stats = a.allocate(Context::Workspace, "loss-stats", kStatDType, {kStatCount});
+        d.eval_stats = a.allocate(Context::Workspace, "eval-stats", kStatDType, {kStatCount});
+        d.gathered = a.allocate(Context::Workspace, "gathered-stats", kStatDType, {n, kGatherStride});
         d.optimizer_scale = a.allocate(Context::Workspace, "optimizer-scale", DType::F32, {3});
         d.staging = a.allocate(Context::Workspace, "parameter-staging", DType::F32,
                                {std::min(largest, kStagingElements)});
@@ -547,10 +547,10 @@ void Trainer::get_gradient(int index, float* out) {
     if (m.micro_steps == 0) throw InvalidArgument("no gradients yet: call step() before reading gradients");
     const int n = world_size();
     std::vector<std::vector<float>> per_rank(n, std::vector<float>(p.numel()));
-    std::vector<float> rows;
+    std::vector<StatValue> rows;
     m.run([&](int rank, DeviceState& d) {
         m.gather_stats(d, d.stats);
-        std::vector<float> gathered = m.read_gathered(d);
+        std::vector<StatValue> gathered = m.read_gathered(d);
         if (rank == 0) rows = std::move(gathered);
         if (m.stage == 1) {
             d.backend->copy_to_host(per_rank[rank].data(), d.grads.slice(p.offset, p.numel()));
@@ -607,7 +607,7 @@ StepStats Trainer::validate(const std::int32_t* inputs, const std::int32_t* targ
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
     Impl& m = *impl_;
     m.check_source(source_device);
-    std::vector<float> rows;
+    std::vector<StatValue> rows;
     m.run([&](int rank, DeviceState& d) {
         const auto [tokens, labels] = m.load_batch(rank, d, inputs, targets, source_device);
         reset_stats(*d.backend, d.eval_stats);
@@ -619,7 +619,7 @@ StepStats Trainer::validate(const std::int32_t* inputs, const std::int32_t* targ
             d.model->forward_loss(d.weight_views, layers, tokens, labels, d.eval_stats, m.options.z_loss, *d.stack);
         }
         m.gather_stats(d, d.eval_stats);
-        std::vector<float> gathered = m.read_gathered(d);
+        std::vector<StatValue> gathered = m.read_gathered(d);
         if (rank == 0) rows = std::move(gathered);
     });
     return m.combine(rows);
@@ -631,7 +631,7 @@ StepStats Trainer::update(const UpdateParams& params) {
     if (m.micro_steps == 0) throw InvalidArgument("update() called before any step(): there are no gradients");
     const int n = world_size();
     const int step_number = m.optimizer_steps + 1;
-    std::vector<float> rows;
+    std::vector<StatValue> rows;
     float scale_norm_skip[3] = {0.0f, 0.0f, 0.0f};
     m.run([&](int rank, DeviceState& d) {
         Backend& be = *d.backend;
@@ -702,5 +702,14 @@ MemoryInfo Trainer::memory_info(int device) {
 bool has_backend(const std::string& name) { return backend_built(name); }
 
 int backend_device_count(const std::string& name) { return find_backend(name).device_count(); }
+
+std::vector<ScratchInfo> backend_scratch_plan(const std::string& name, const ScratchShapes& shapes, int threads,
+                                              bool ask_libraries) {
+    std::vector<ScratchInfo> out;
+    for (const ScratchBuffer& b : find_backend(name).scratch_plan(shapes, threads, ask_libraries))
+        out.push_back(ScratchInfo{b.name, static_cast<std::size_t>(b.elements) * dtype_size(b.dtype),
+                                  memory_kind_name(b.kind), b.exact});
+    return out;
+}
 
 }  // namespace nanoq

@@ -84,6 +84,29 @@ def test_grad_accumulation_matches_one_large_batch(checkpoints):
     assert_runs_match(accumulated, one_batch, "grad_accum=3")
 
 
+def test_token_count_and_mean_loss_stay_exact_past_2_pow_24_tokens_per_step():
+    # Float32 statistics count exactly only up to 2^24 = 16,777,216 tokens. A
+    # model so small that 17 micro-batches of 2^20 tokens take a few seconds.
+    config = nanoq.ModelConfig(vocab_size=4, hidden_size=2, intermediate_size=2, num_hidden_layers=1,
+                               num_attention_heads=1, num_key_value_heads=1, head_dim=2)
+    batch, seq, accum = 2**17, 8, 17
+    rng = np.random.default_rng(7)
+    inputs = rng.integers(0, 4, (batch, seq)).astype(np.int32)
+    targets = rng.integers(0, 4, (batch, seq)).astype(np.int32)
+    targets[0, 0] = IGNORE  # 2^20 - 1 counted tokens per micro-batch: the total is odd
+    options = nanoq.TrainOptions(backend="cpu", batch_size=batch, seq_len=seq, grad_accum=accum)
+    with nanoq.Trainer(config, options) as trainer:
+        one = trainer.validate(inputs, targets)
+        for _ in range(accum):
+            trainer.step(inputs, targets)
+        step = trainer.update(lr=1e-3)
+    assert one.tokens == 2**20 - 1
+    assert step.tokens == accum * (2**20 - 1) == 17_825_775
+    # The same micro-batch 17 times: the mean loss is one micro-batch's, to float64 rounding.
+    assert step.loss == pytest.approx(one.loss, rel=1e-12)
+    assert step.loss_1k == pytest.approx(one.loss_1k, rel=1e-12)
+
+
 @pytest.mark.parametrize("variant", ["llama_tied", "qwen2"])
 def test_one_two_and_four_devices_train_identically(checkpoints, variant):
     rng = np.random.default_rng(21)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from nanoq._core import OpRunner
-from conftest import IGNORE, assert_array_close
+from conftest import IGNORE, assert_array_close, require_cuda_emulator
 
 REL = 1e-5
 SUM_REL = 2e-5
@@ -410,6 +410,67 @@ def test_cross_entropy_of_only_ignored_rows_adds_nothing(cpu):
     slots = cpu.stat_slots
     assert stats[slots.index("lse_max")] == -np.inf
     assert all(stats[i] == 0.0 for i, name in enumerate(slots) if name != "lse_max")
+
+
+# Float32 statistics count exactly only up to 2^24 = 16,777,216 tokens: 2^24 + 1
+# is no float32 (it rounds back to 2^24), and a loss sum of that many tokens
+# (~4e7) is held to +-2 only. The statistics are float64, on every backend.
+FLOAT32_EXACT_COUNTS = 2**24
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda_emulated", marks=pytest.mark.cuda_emulated)])
+def stats_runner(request):
+    if request.param == "cuda_emulated":
+        require_cuda_emulator()
+    return OpRunner(request.param)
+
+
+def stats_after(runner, tokens, **sums):
+    """Statistics of earlier chunks: `tokens` counted (all in the first 1024 positions), and `sums`."""
+    slots = runner.stat_slots
+    stats = np.zeros(len(slots), np.float64)
+    stats[slots.index("lse_max")] = -np.inf
+    stats[slots.index("tokens")] = stats[slots.index("tokens_1k")] = tokens
+    for name, value in sums.items():
+        stats[slots.index(name)] = value
+    return stats
+
+
+def test_cross_entropy_counts_stay_exact_past_2_pow_24_tokens(stats_runner):
+    rng = np.random.default_rng(20)
+    slots = stats_runner.stat_slots
+    logits = normal(rng, 9, 32)
+    targets = rng.integers(0, 32, 9).astype(np.int32)
+    targets[[2, 5]] = IGNORE  # 7 counted rows
+    stats = stats_after(stats_runner, FLOAT32_EXACT_COUNTS)
+    _, stats = stats_runner.cross_entropy(logits, targets, stats, with_grad=False)
+    # As Python numbers: numpy would round the right-hand side to a float32 stats' dtype.
+    assert float(stats[slots.index("tokens")]) == FLOAT32_EXACT_COUNTS + 7
+    assert float(stats[slots.index("tokens_1k")]) == FLOAT32_EXACT_COUNTS + 7
+    assert stats.dtype == np.float64
+    # One counted row at a time: each chunk adds exactly one token.
+    for _ in range(3):
+        _, stats = stats_runner.cross_entropy(logits[:1], targets[:1], stats, with_grad=False)
+    assert float(stats[slots.index("tokens")]) == FLOAT32_EXACT_COUNTS + 10
+    assert float(stats[slots.index("tokens_1k")]) == FLOAT32_EXACT_COUNTS + 10
+
+
+def test_cross_entropy_adds_to_large_loss_sums_at_float64_precision(stats_runner):
+    rng = np.random.default_rng(21)
+    rows, vocab = 64, 50
+    logits = normal(rng, rows, vocab, scale=2.0)
+    targets = rng.integers(0, vocab, rows).astype(np.int32)
+    # 2^24 earlier tokens at a loss near 2.5 and an lse near 4.
+    earlier = dict(loss_sum=41_943_039.123456789, loss_1k_sum=41_943_041.987654321, lse_sum=67_108_863.55,
+                   z_loss_sum=16_777.216123)
+    stats_in = stats_after(stats_runner, FLOAT32_EXACT_COUNTS, **earlier)
+    _, stats = stats_runner.cross_entropy(logits, targets, stats_in, z_loss=1e-3, with_grad=False)
+    _, expected = ref_cross_entropy(logits, targets, 0, rows, 1e-3, stats_in)  # float64
+    slots = stats_runner.stat_slots
+    for name in earlier:
+        i = slots.index(name)
+        # What this chunk added (~64 losses of ~4): float32 sums would be off by up to 2 here.
+        assert stats[i] - stats_in[i] == pytest.approx(expected[i] - stats_in[i], rel=SUM_REL), name
 
 
 def test_sum_squares_accumulates_over_several_blocks(cpu):

@@ -27,9 +27,13 @@
 #endif
 
 namespace nanoq {
+
+std::vector<ScratchBuffer> cpu_scratch_plan(const ScratchShapes& shapes, int threads, bool ask_libraries);
+
 namespace {
 
 constexpr int kIgnoreIndex = -100;
+constexpr std::int64_t kReduceBlock = 1 << 14;  // elements per partial sum of sum_squares
 
 // ---------------------------------------------------------------------------
 // The portable sgemm: always compiled, so that it is tested where OpenBLAS is
@@ -199,23 +203,23 @@ public:
     }
     void copy(const Tensor& dst, const Tensor& src) override {
         if (dst.numel() != src.numel()) throw InternalError("copy between tensors of different sizes");
-        std::memcpy(dst.f32(), src.f32(), src.bytes());  // the cpu backend computes in float32 only
+        // The cpu backend computes in float32 only (its statistics are float64): no conversions.
+        if (dst.dtype != src.dtype)
+            throw InternalError(std::string("cpu copy from ") + dtype_name(src.dtype) + " to " + dtype_name(dst.dtype));
+        std::memcpy(dst.data, src.data, src.bytes());
     }
 
     void reserve_scratch(NamedAllocator& allocator, const ScratchShapes& s) override {
-        const std::int64_t T = s.attention.time;
-        attention_scratch_ = allocator.allocate(Context::Workspace, "attention-scratch", DType::F32,
-                                                {2, threads_, T, T});
-        classifier_scratch_ = allocator.allocate(Context::Workspace, "classifier-rows", DType::F32,
-                                                 {2, s.classifier_rows});
-        const std::int64_t blocks = (s.max_reduce + kReduceBlock - 1) / kReduceBlock;
-        reduce_scratch_ = allocator.allocate(Context::Workspace, "sum-squares-partials", DType::F32, {2 * blocks});
+        const std::vector<Tensor> scratch = allocate_scratch(allocator, cpu_scratch_plan(s, threads_, true));
+        attention_scratch_ = scratch[0];
+        classifier_scratch_ = scratch[1];
+        reduce_scratch_ = scratch[2];
+        attention_time_ = s.attention.time;
+        classifier_rows_ = s.classifier_rows;
     }
     void fill(const Tensor& t, float value) override {
-        float* p = t.f32();
-        const std::int64_t n = t.numel();
-#pragma omp parallel for num_threads(threads_) schedule(static)
-        for (std::int64_t i = 0; i < n; ++i) p[i] = value;
+        if (t.dtype == DType::F64) return fill_values(t.f64(), t.numel(), double(value));
+        fill_values(t.f32(), t.numel(), value);
     }
     void synchronize() override {}
     // 16 MiB of float32 logits: stays in the caches' neighbourhood.
@@ -461,9 +465,9 @@ public:
                        int first_position, int time, float z_loss, bool with_grad) override {
         float* lg = logits.f32();
         const std::int32_t* tg = targets.i32();
-        if (rows > classifier_scratch_.shape[1]) throw InternalError("classifier chunk larger than reserved");
+        if (rows > classifier_rows_) throw InternalError("classifier chunk larger than reserved");
         float* row_lse = classifier_scratch_.f32();
-        float* row_loss = row_lse + classifier_scratch_.shape[1];
+        float* row_loss = row_lse + classifier_rows_;
 #pragma omp parallel for num_threads(threads_) schedule(static)
         for (int r = 0; r < rows; ++r) {
             float* row = lg + static_cast<std::int64_t>(r) * vocab;
@@ -496,29 +500,29 @@ public:
             }
         }
         // Sum in row order so the statistics do not depend on the thread count.
-        float* st = stats.f32();
+        StatValue* st = stats.f64();
         double loss = 0, loss1k = 0, lse_sum = 0, z = 0;
         std::int64_t tokens = 0, tokens1k = 0;
-        float lse_max = st[kLseMax];
+        double lse_max = st[kLseMax];
         for (int r = 0; r < rows; ++r) {
             if (tg[r] == kIgnoreIndex) continue;
             ++tokens;
             loss += row_loss[r];
             lse_sum += row_lse[r];
-            lse_max = std::max(lse_max, row_lse[r]);
+            lse_max = std::max(lse_max, double(row_lse[r]));
             z += static_cast<double>(z_loss) * row_lse[r] * row_lse[r];
             if ((first_position + r) % time < 1024) {
                 ++tokens1k;
                 loss1k += row_loss[r];
             }
         }
-        st[kLossSum] += static_cast<float>(loss);
-        st[kTokens] += static_cast<float>(tokens);
-        st[kLoss1kSum] += static_cast<float>(loss1k);
-        st[kTokens1k] += static_cast<float>(tokens1k);
-        st[kLseSum] += static_cast<float>(lse_sum);
+        st[kLossSum] += loss;
+        st[kTokens] += static_cast<double>(tokens);
+        st[kLoss1kSum] += loss1k;
+        st[kTokens1k] += static_cast<double>(tokens1k);
+        st[kLseSum] += lse_sum;
         st[kLseMax] = lse_max;
-        st[kZLossSum] += static_cast<float>(z);
+        st[kZLossSum] += z;
     }
 
     void sum_squares(const Tensor& out, const Tensor& x) override {
@@ -537,11 +541,11 @@ public:
         }
         double total = 0.0;
         for (std::int64_t b = 0; b < blocks; ++b) total += partial[b];
-        out.f32()[0] += static_cast<float>(total);
+        out.f64()[0] += total;
     }
 
     void optimizer_scale(const Tensor& out, const Tensor& gathered, int ranks, float grad_clip) override {
-        const float* g = gathered.f32();
+        const StatValue* g = gathered.f64();
         double tokens = 0.0, squares = 0.0, loss = 0.0;
         for (int r = 0; r < ranks; ++r) {
             tokens += g[r * kGatherStride + kTokens];
@@ -654,19 +658,36 @@ private:
     }
 
     float* attention_scratch(int time) const {
-        if (attention_scratch_.shape[2] < time) throw InternalError("attention longer than reserved");
+        if (attention_time_ < time) throw InternalError("attention longer than reserved");
         return attention_scratch_.f32();
     }
 
-    static constexpr std::int64_t kReduceBlock = 1 << 14;
+    template <class T>
+    void fill_values(T* p, std::int64_t n, T value) {
+#pragma omp parallel for num_threads(threads_) schedule(static)
+        for (std::int64_t i = 0; i < n; ++i) p[i] = value;
+    }
+
     int threads_;
     bool openblas_;              // sgemm by OpenBLAS, else portable_sgemm (cpu_gemm() chose at construction)
     Tensor attention_scratch_;   // [2, threads, T, T]: probabilities and their gradients
     Tensor classifier_scratch_;  // [2, rows]: per-row lse and loss
     Tensor reduce_scratch_;      // double partial sums of sum_squares
+    int attention_time_ = 0;     // the T and rows above
+    int classifier_rows_ = 0;
 };
 
 }  // namespace
+
+std::vector<ScratchBuffer> cpu_scratch_plan(const ScratchShapes& s, int threads, bool /*ask_libraries*/) {
+    const std::int64_t T = s.attention.time;
+    const std::int64_t blocks = (s.max_reduce + kReduceBlock - 1) / kReduceBlock;
+    return {
+        {"attention-scratch", DType::F32, 2 * std::int64_t(std::max(1, threads)) * T * T, MemoryKind::Device, true},
+        {"classifier-rows", DType::F32, 2 * std::int64_t(s.classifier_rows), MemoryKind::Device, true},
+        {"sum-squares-partials", DType::F32, 2 * blocks, MemoryKind::Device, true},  // doubles
+    };
+}
 
 std::unique_ptr<Backend> create_cpu_backend(int /*device*/, int threads) {
     return std::make_unique<CpuBackend>(threads);

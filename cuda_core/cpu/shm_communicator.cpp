@@ -34,7 +34,7 @@ public:
     void barrier() override;
 
 private:
-    void begin_collective(const Tensor& buffer);
+    void begin_collective(const Tensor& buffer, bool any_dtype = false);
     std::int64_t chunk_size(const Tensor& buffer) const;
 
     std::shared_ptr<SharedMemoryGroup> group_;
@@ -73,6 +73,7 @@ public:
 
     void publish(int rank, void* data) { buffers_[rank] = data; }
     const float* buffer(int rank) const { return static_cast<const float*>(buffers_[rank]); }
+    const char* bytes(int rank) const { return static_cast<const char*>(buffers_[rank]); }
 
 private:
     int size_;
@@ -104,10 +105,12 @@ void SharedMemoryCommunicator::reduce_scatter_sum(const Tensor& buffer) {
 
 void SharedMemoryCommunicator::all_gather(const Tensor& buffer) {
     if (size() == 1) return;
-    const std::int64_t chunk = chunk_size(buffer);
-    begin_collective(buffer);
+    // Any dtype: the trainer gathers float64 statistics.
+    const std::size_t chunk = static_cast<std::size_t>(chunk_size(buffer)) * dtype_size(buffer.dtype);
+    begin_collective(buffer, true);
+    char* data = static_cast<char*>(buffer.data);
     for (int r = 0; r < size(); ++r)
-        if (r != rank_) std::memcpy(buffer.f32() + r * chunk, group_->buffer(r) + r * chunk, sizeof(float) * chunk);
+        if (r != rank_) std::memcpy(data + r * chunk, group_->bytes(r) + r * chunk, chunk);
     group_->barrier();
 }
 
@@ -139,8 +142,8 @@ void SharedMemoryCommunicator::reduce_range_add(const Tensor& in, std::int64_t b
 
 void SharedMemoryCommunicator::barrier() { group_->barrier(); }
 
-void SharedMemoryCommunicator::begin_collective(const Tensor& buffer) {
-    buffer.f32();  // the shared-memory collectives move float32 only
+void SharedMemoryCommunicator::begin_collective(const Tensor& buffer, bool any_dtype) {
+    if (!any_dtype) buffer.f32();  // sums and ranges move float32 only; all_gather copies bytes
     group_->publish(rank_, buffer.data);
     group_->barrier();
 }

@@ -55,12 +55,53 @@ int visible_devices() {
 
 std::unique_ptr<Backend> create(int device, int /*threads*/) { return std::make_unique<CudaBackend>(device); }
 
+std::vector<ScratchBuffer> plan(const ScratchShapes& shapes, int /*threads*/, bool ask_libraries) {
+    return CudaBackend::scratch_plan(shapes, ask_libraries);
+}
+
 [[maybe_unused]] const bool registered = [] {
-    register_backend(NANOQ_CUDA_BACKEND_NAME, BackendPlugin{&create, &make_nccl_group, &visible_devices});
+    register_backend(NANOQ_CUDA_BACKEND_NAME, BackendPlugin{&create, &make_nccl_group, &visible_devices, &plan});
     return true;
 }();
 
 }  // namespace
+
+std::size_t CudaBackend::scratch_bytes(const ScratchShapes& s, bool ask_libraries, bool* exact) {
+    const AttentionShape& a = s.attention;
+    if (a.head_dim > 256)
+        throw InvalidArgument("the cuda backend's attention supports head_dim up to 256, got " +
+                              std::to_string(a.head_dim));
+    const int rows = a.batch * a.time;
+    const int q_width = a.heads * a.head_dim, kv_width = a.kv_heads * a.head_dim;
+    std::size_t bytes = 0;
+    auto need = [&](std::size_t b) { bytes = std::max(bytes, b); };
+    for (int cols : {q_width, kv_width, s.hidden}) need(sizeof(float) * bias_backward_scratch_floats(rows, cols));
+    need(sizeof(float) * rmsnorm_backward_scratch_floats(rows, s.hidden));
+    need(sizeof(float) * rmsnorm_backward_scratch_floats(rows * a.heads, a.head_dim));
+    need(sizeof(float) * rmsnorm_backward_scratch_floats(rows * a.kv_heads, a.head_dim));
+    need(attention_backward_scratch_bytes(a.batch, a.time, a.heads, a.kv_heads, a.head_dim));
+    need(sizeof(float) * classifier_scratch_floats(s.classifier_rows));
+    need(sizeof(float) * sum_squares_scratch_floats(s.max_reduce));
+    // The one size a library reports: where it is only bounded, the total is
+    // inexact if the bound is the largest need (else the true need is below another's).
+    bool sort_exact = true;
+    const std::size_t embedding = embedding_backward_scratch_bytes(rows, s.vocab, ask_libraries, &sort_exact);
+    *exact = sort_exact || embedding <= bytes;
+    return std::max(bytes, embedding);
+}
+
+std::vector<ScratchBuffer> CudaBackend::scratch_plan(const ScratchShapes& s, bool ask_libraries) {
+    bool exact = true;
+    const std::size_t bytes = scratch_bytes(s, ask_libraries, &exact);
+    const std::int64_t rows = std::int64_t(s.attention.batch) * s.attention.time;
+    return {
+        {"cuda-op-scratch", DType::F32, static_cast<std::int64_t>((bytes + 3) / 4), MemoryKind::Device, exact},
+        {"cublaslt-workspace", DType::F32, static_cast<std::int64_t>(kMatmulWorkspaceBytes / 4), MemoryKind::Device,
+         true},
+        // Room for one batch of tokens and targets between synchronisations.
+        {"host-staging", DType::I32, 2 * rows, MemoryKind::Pinned, true},
+    };
+}
 
 CudaBackend::CudaBackend(int device) : device_(device) {
     NANOQ_CUDA_CHECK(cudaSetDevice(device));
@@ -103,28 +144,11 @@ void CudaBackend::raw_free(void* data, MemoryKind kind) {
 }
 
 void CudaBackend::reserve_scratch(NamedAllocator& allocator, const ScratchShapes& s) {
-    const AttentionShape& a = s.attention;
-    if (a.head_dim > 256)
-        throw InvalidArgument("the cuda backend's attention supports head_dim up to 256, got " +
-                              std::to_string(a.head_dim));
-    const int rows = a.batch * a.time;
-    const int q_width = a.heads * a.head_dim, kv_width = a.kv_heads * a.head_dim;
-    std::size_t bytes = 0;
-    auto need = [&](std::size_t b) { bytes = std::max(bytes, b); };
-    for (int cols : {q_width, kv_width, s.hidden}) need(sizeof(float) * bias_backward_scratch_floats(rows, cols));
-    need(sizeof(float) * rmsnorm_backward_scratch_floats(rows, s.hidden));
-    need(sizeof(float) * rmsnorm_backward_scratch_floats(rows * a.heads, a.head_dim));
-    need(sizeof(float) * rmsnorm_backward_scratch_floats(rows * a.kv_heads, a.head_dim));
-    need(embedding_backward_scratch_bytes(rows, s.vocab));
-    need(attention_backward_scratch_bytes(a.batch, a.time, a.heads, a.kv_heads, a.head_dim));
-    need(sizeof(float) * classifier_scratch_floats(s.classifier_rows));
-    need(sizeof(float) * sum_squares_scratch_floats(s.max_reduce));
-    scratch_ = allocator.allocate(Context::Workspace, "cuda-op-scratch", DType::F32,
-                                  {static_cast<std::int64_t>((bytes + 3) / 4)});
-    matmul_workspace_ = allocator.allocate(Context::Workspace, "cublaslt-workspace", DType::F32,
-                                           {static_cast<std::int64_t>(kMatmulWorkspaceBytes / 4)});
-    // Room for one batch of tokens and targets between synchronisations.
-    pinned_ = allocator.allocate(Context::Workspace, "host-staging", DType::I32, {2, rows}, MemoryKind::Pinned);
+    NANOQ_CUDA_CHECK(cudaSetDevice(device_));  // CUB sizes its storage for the current device
+    const std::vector<Tensor> scratch = allocate_scratch(allocator, scratch_plan(s, true));
+    scratch_ = scratch[0];
+    matmul_workspace_ = scratch[1];
+    pinned_ = scratch[2];
 }
 
 void* CudaBackend::scratch(std::size_t bytes) const {
@@ -170,10 +194,14 @@ void CudaBackend::copy(const Tensor& dst, const Tensor& src) {
 }
 
 void CudaBackend::fill(const Tensor& t, float value) {
-    with_dtype(t.dtype, [&](auto tag) {
-        using T = decltype(tag);
-        cuda::fill<T>(ptr<T>(t), value, t.numel(), stream_);
-    });
+    if (t.dtype == DType::F64) {  // the statistics
+        cuda::fill<double>(t.f64(), value, t.numel(), stream_);
+    } else {
+        with_dtype(t.dtype, [&](auto tag) {
+            using T = decltype(tag);
+            cuda::fill<T>(ptr<T>(t), value, t.numel(), stream_);
+        });
+    }
     NANOQ_CUDA_CHECK_LAUNCH();
 }
 
@@ -346,7 +374,7 @@ void CudaBackend::cross_entropy(const Tensor& logits, const Tensor& targets, con
     with_dtype(logits.dtype, [&](auto tag) {
         using T = decltype(tag);
         float* work = static_cast<float*>(scratch(sizeof(float) * classifier_scratch_floats(rows)));
-        cuda::cross_entropy<T>(ptr<T>(logits), targets.i32(), stats.f32(), rows, vocab, first_position, time, z_loss,
+        cuda::cross_entropy<T>(ptr<T>(logits), targets.i32(), stats.f64(), rows, vocab, first_position, time, z_loss,
                                with_grad, work, stream_);
     });
     NANOQ_CUDA_CHECK_LAUNCH();
@@ -354,12 +382,12 @@ void CudaBackend::cross_entropy(const Tensor& logits, const Tensor& targets, con
 
 void CudaBackend::sum_squares(const Tensor& out, const Tensor& x) {
     float* work = static_cast<float*>(scratch(sizeof(float) * sum_squares_scratch_floats(x.numel())));
-    cuda::sum_squares(out.f32(), x.f32(), x.numel(), work, stream_);
+    cuda::sum_squares(out.f64(), x.f32(), x.numel(), work, stream_);
     NANOQ_CUDA_CHECK_LAUNCH();
 }
 
 void CudaBackend::optimizer_scale(const Tensor& out, const Tensor& gathered, int ranks, float grad_clip) {
-    cuda::optimizer_scale(out.f32(), gathered.f32(), ranks, kGatherStride, grad_clip, stream_);
+    cuda::optimizer_scale(out.f32(), gathered.f64(), ranks, kGatherStride, grad_clip, stream_);
     NANOQ_CUDA_CHECK_LAUNCH();
 }
 

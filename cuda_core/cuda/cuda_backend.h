@@ -27,6 +27,12 @@ public:
     cudaStream_t stream() const { return stream_; }
 
     std::string name() const override { return NANOQ_CUDA_BACKEND_NAME; }
+    // What reserve_scratch allocates (BackendPlugin::scratch_plan): the op
+    // scratch of scratch_bytes(), the cuBLASLt workspace, pinned staging.
+    static std::vector<ScratchBuffer> scratch_plan(const ScratchShapes& shapes, bool ask_libraries);
+    // One op scratch for the largest op's need (ops run in order on the
+    // stream); *exact as ScratchBuffer::exact.
+    static std::size_t scratch_bytes(const ScratchShapes& shapes, bool ask_libraries, bool* exact);
     void* raw_alloc(std::size_t bytes, MemoryKind kind) override;
     void raw_free(void* data, MemoryKind kind) override;
     void reserve_scratch(NamedAllocator& allocator, const ScratchShapes& shapes) override;

@@ -69,6 +69,7 @@ __device__ __forceinline__ float to_float(bf16 x) { return __bfloat162float(x); 
 template <class T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ double from_float<double>(float x) { return x; }
 
 __device__ __forceinline__ float warp_sum(float x) {
     for (int offset = kWarpSize / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(kFullMask, x, offset);

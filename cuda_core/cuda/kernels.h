@@ -16,12 +16,15 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "../stat_slots.h"
+
 namespace nanoq {
 namespace cuda {
 
 using bf16 = __nv_bfloat16;
 
 // ---- elementwise (kernels_elementwise.cu) -------------------------------
+// T: float, bf16, or double (the statistics).
 template <class T> void fill(T* data, float value, std::int64_t n, cudaStream_t stream);
 // Round-to-nearest-even casts.
 void cast_f32_to_bf16(bf16* out, const float* in, std::int64_t n, cudaStream_t stream);
@@ -46,11 +49,15 @@ template <class T>
 void embedding_forward(T* out, const std::int32_t* tokens, const T* table, int rows, int channels,
                        cudaStream_t stream);
 // table_grad[tokens[r], :] += dout[r, :], each table row summing its rows in
-// increasing r. `scratch` holds embedding_backward_scratch_bytes(rows) bytes.
+// increasing r. `scratch` holds embedding_backward_scratch_bytes(rows, vocab) bytes.
 template <class T>
 void embedding_backward(float* table_grad, const T* dout, const std::int32_t* tokens, int rows, int channels,
                         int vocab, void* scratch, cudaStream_t stream);
-std::size_t embedding_backward_scratch_bytes(int rows, int vocab);
+// Index arrays and CUB's radix-sort storage, as CUB reports it for the
+// current device. Where CUB cannot report it (no usable device), or with
+// `ask_cub` false, an upper bound of the storage is counted and *exact (when
+// given) is set to false.
+std::size_t embedding_backward_scratch_bytes(int rows, int vocab, bool ask_cub = true, bool* exact = nullptr);
 
 // ---- rmsnorm (kernels_rmsnorm.cu) ----------------------------------------
 // out = weight * inp * rstd, rstd[r] = 1/sqrt(mean(inp[r]^2) + eps) (fp32).
@@ -97,26 +104,24 @@ void swiglu_backward(T* dgate, T* dup, const T* dout, const T* gate, const T* up
                      cudaStream_t stream);
 
 // ---- fused classifier (kernels_classifier.cu) ------------------------------
-// Slots of the fp32 statistics buffer (same as the core's StatSlot).
-enum ClassifierStat : int { kStatLossSum = 0, kStatTokens, kStatLoss1kSum, kStatTokens1k, kStatLseSum, kStatLseMax,
-                            kStatZLossSum, kStatCount };
 // For rows with target != -100: lse = logsumexp(logits[r]), loss = lse -
-// logits[r, target]; adds into stats (sums in row order, lse max), counting
+// logits[r, target]; adds into the float64 stats[kStatCount] (slots of
+// stat_slots.h; sums in row order, lse max), counting
 // positions (first_position + r) % time < 1024 into the 1k slots. With
 // `with_grad`, logits[r] is overwritten by
 // softmax(logits[r]) * (1 + 2 * z_loss * lse) - onehot(target), and ignored
 // rows by zeros. `scratch` holds classifier_scratch_floats(rows) floats.
 template <class T>
-void cross_entropy(T* logits, const std::int32_t* targets, float* stats, int rows, int vocab, int first_position,
+void cross_entropy(T* logits, const std::int32_t* targets, StatValue* stats, int rows, int vocab, int first_position,
                    int time, float z_loss, bool with_grad, float* scratch, cudaStream_t stream);
 std::size_t classifier_scratch_floats(int rows);
 
 // ---- optimizer (kernels_optimizer.cu) --------------------------------------
-// out[0] += sum(x^2) in a fixed order. `scratch` holds sum_squares_scratch_floats(n).
-void sum_squares(float* out, const float* x, std::int64_t n, float* scratch, cudaStream_t stream);
+// out[0] (float64) += sum(x^2) in a fixed order. `scratch` holds sum_squares_scratch_floats(n).
+void sum_squares(StatValue* out, const float* x, std::int64_t n, float* scratch, cudaStream_t stream);
 std::size_t sum_squares_scratch_floats(std::int64_t n);
 // The optimizer's scale from the statistics of all ranks, without a host
-// round trip. gathered: [ranks, stride] fp32 where row r holds rank r's
+// round trip. gathered: [ranks, stride] float64 where row r holds rank r's
 // classifier stats (slots above) followed at index kStatCount by its sum of
 // squared (summed-loss) gradients. Writes out[0] = clip / tokens (the factor
 // applied to stored gradients) and out[1] = grad norm of the mean loss,
@@ -124,7 +129,8 @@ std::size_t sum_squares_scratch_floats(std::int64_t n);
 // norm) when grad_clip > 0 (else 1); tokens = 0 gives out = {0, 0}; and
 // out[2] = 1 when the summed loss or the sum of squares is not finite (the
 // update must be skipped), else 0.
-void optimizer_scale(float* out, const float* gathered, int ranks, int stride, float grad_clip, cudaStream_t stream);
+void optimizer_scale(float* out, const StatValue* gathered, int ranks, int stride, float grad_clip,
+                     cudaStream_t stream);
 // AdamW on n elements (PyTorch semantics: param *= 1 - lr*wd; m, v moments;
 // bias-corrected step lr/(1-beta1^step) * m / (sqrt(v)/sqrt(1-beta2^step) + eps)).
 // The gradient used is grad[i] * grad_scale[0], grad_scale living on the

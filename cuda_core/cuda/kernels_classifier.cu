@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kRowThreads)
 enum PartialSlot { kLoss = 0, kLoss1k, kLse, kZ, kPartialSlots };
 
 __global__ void __launch_bounds__(kStatsThreads)
-    cross_entropy_stats_kernel(float* stats, const std::int32_t* targets, const float* row_loss,
+    cross_entropy_stats_kernel(StatValue* stats, const std::int32_t* targets, const float* row_loss,
                                const float* row_lse, int rows, int first_position, int time, float z_loss) {
     NANOQ_SHARED(double[kPartialSlots][kStatsThreads], sums);
     NANOQ_SHARED(int[2][kStatsThreads], counts);
@@ -132,20 +132,20 @@ __global__ void __launch_bounds__(kStatsThreads)
         __syncthreads();
     }
     if (tid == 0) {
-        stats[kStatLossSum] += static_cast<float>(sums[kLoss][0]);
-        stats[kStatTokens] += static_cast<float>(counts[0][0]);
-        stats[kStatLoss1kSum] += static_cast<float>(sums[kLoss1k][0]);
-        stats[kStatTokens1k] += static_cast<float>(counts[1][0]);
-        stats[kStatLseSum] += static_cast<float>(sums[kLse][0]);
-        stats[kStatLseMax] = fmaxf(stats[kStatLseMax], maxima[0]);
-        stats[kStatZLossSum] += static_cast<float>(sums[kZ][0]);
+        stats[kLossSum] += sums[kLoss][0];
+        stats[kTokens] += counts[0][0];
+        stats[kLoss1kSum] += sums[kLoss1k][0];
+        stats[kTokens1k] += counts[1][0];
+        stats[kLseSum] += sums[kLse][0];
+        stats[kLseMax] = fmax(stats[kLseMax], static_cast<double>(maxima[0]));
+        stats[kZLossSum] += sums[kZ][0];
     }
 }
 
 }  // namespace
 
 template <class T>
-void cross_entropy(T* logits, const std::int32_t* targets, float* stats, int rows, int vocab, int first_position,
+void cross_entropy(T* logits, const std::int32_t* targets, StatValue* stats, int rows, int vocab, int first_position,
                    int time, float z_loss, bool with_grad, float* scratch, cudaStream_t stream) {
     if (rows <= 0) return;
     float* row_loss = scratch;
@@ -159,7 +159,7 @@ void cross_entropy(T* logits, const std::int32_t* targets, float* stats, int row
 std::size_t classifier_scratch_floats(int rows) { return 2 * static_cast<std::size_t>(rows > 0 ? rows : 0); }
 
 #define NANOQ_INSTANTIATE(T)                                                                                     \
-    template void cross_entropy<T>(T*, const std::int32_t*, float*, int, int, int, int, float, bool, float*,     \
+    template void cross_entropy<T>(T*, const std::int32_t*, StatValue*, int, int, int, int, float, bool, float*, \
                                    cudaStream_t);
 NANOQ_INSTANTIATE(float)
 NANOQ_INSTANTIATE(bf16)

@@ -119,6 +119,7 @@ std::size_t bias_backward_scratch_floats(int rows, int cols) { return detail::co
 NANOQ_INSTANTIATE(float)
 NANOQ_INSTANTIATE(bf16)
 #undef NANOQ_INSTANTIATE
+template void fill<double>(double*, float, std::int64_t, cudaStream_t);  // the float64 statistics
 
 }  // namespace cuda
 }  // namespace nanoq

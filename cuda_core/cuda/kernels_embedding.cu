@@ -27,12 +27,32 @@ int token_bits(int vocab) {
     return bits;
 }
 
-std::size_t sort_temp_bytes(int rows, int vocab) {
-    std::size_t bytes = 0;
-    cub::DeviceRadixSort::SortPairs(nullptr, bytes, static_cast<const std::int32_t*>(nullptr),
-                                    static_cast<std::int32_t*>(nullptr), static_cast<const std::int32_t*>(nullptr),
-                                    static_cast<std::int32_t*>(nullptr), rows, 0, token_bits(vocab));
-    return bytes;
+// An upper bound of CUB's radix-sort storage for `rows` int32 pairs, for
+// when CUB cannot be asked (it needs a device): twice the alternate key and
+// value buffers (8 bytes per pair) that both of its sorts (onesweep and
+// multi-pass) allocate, plus 64 KiB for digit histograms and counters. By
+// our reading of CUB 2.x/3.x the histograms, lookback and spine stay well
+// below 8 bytes per pair plus 64 KiB (CUB 3.0 on sm_90 asks 70143 bytes for
+// 8192 pairs over 18 bits); CUB itself promises no bound, so a figure from
+// here is reported as inexact.
+std::size_t sort_temp_bound(int rows) {
+    return 2 * 2 * sizeof(std::int32_t) * static_cast<std::size_t>(rows) + (std::size_t(64) << 10);
+}
+
+// CUB's temporary storage for the sort, as CUB reports it for the current
+// device; its bound when CUB cannot report it or `ask_cub` is false.
+std::size_t sort_temp_bytes(int rows, int vocab, bool ask_cub, bool* exact) {
+    if (ask_cub) {
+        std::size_t bytes = 0;
+        const cudaError_t status = cub::DeviceRadixSort::SortPairs(
+            nullptr, bytes, static_cast<const std::int32_t*>(nullptr), static_cast<std::int32_t*>(nullptr),
+            static_cast<const std::int32_t*>(nullptr), static_cast<std::int32_t*>(nullptr), rows, 0,
+            token_bits(vocab));
+        if (status == cudaSuccess) return bytes;
+        cudaGetLastError();  // no usable device: clear the error and count the bound
+    }
+    if (exact) *exact = false;
+    return sort_temp_bound(rows);
 }
 
 // Scratch: sorted tokens, row indices before and after the sort, CUB temp.
@@ -49,7 +69,7 @@ EmbeddingScratch split_scratch(void* scratch, int rows, int vocab) {
     char* base = static_cast<char*>(scratch);
     return {reinterpret_cast<std::int32_t*>(base), reinterpret_cast<std::int32_t*>(base + index_bytes),
             reinterpret_cast<std::int32_t*>(base + 2 * index_bytes), base + 3 * index_bytes,
-            sort_temp_bytes(rows, vocab)};
+            sort_temp_bytes(rows, vocab, true, nullptr)};
 }
 
 template <class T>
@@ -118,9 +138,10 @@ void embedding_backward(float* table_grad, const T* dout, const std::int32_t* to
                                                                 rows, channels);
 }
 
-std::size_t embedding_backward_scratch_bytes(int rows, int vocab) {
+std::size_t embedding_backward_scratch_bytes(int rows, int vocab, bool ask_cub, bool* exact) {
     if (rows <= 0) return 0;
-    return 3 * aligned(sizeof(std::int32_t) * static_cast<std::size_t>(rows)) + sort_temp_bytes(rows, vocab);
+    return 3 * aligned(sizeof(std::int32_t) * static_cast<std::size_t>(rows)) +
+           sort_temp_bytes(rows, vocab, ask_cub, exact);
 }
 
 #define NANOQ_INSTANTIATE(T)                                                                                   \

@@ -36,22 +36,22 @@ __global__ void __launch_bounds__(kThreads) sum_squares_partial_kernel(float* pa
     if (threadIdx.x == 0) partial[blockIdx.x] = static_cast<float>(acc);
 }
 
-__global__ void __launch_bounds__(kThreads) sum_squares_total_kernel(float* out, const float* partial, int blocks) {
+__global__ void __launch_bounds__(kThreads) sum_squares_total_kernel(StatValue* out, const float* partial, int blocks) {
     NANOQ_SHARED(double[detail::kWarpSize], reduce_space);
     double acc = 0.0;
     for (int i = threadIdx.x; i < blocks; i += blockDim.x) acc += partial[i];
     acc = detail::block_sum(acc, reduce_space);
-    if (threadIdx.x == 0) out[0] += static_cast<float>(acc);
+    if (threadIdx.x == 0) out[0] += acc;
 }
 
 // Mirrors the host computation in Trainer::update(), in double.
-__global__ void optimizer_scale_kernel(float* out, const float* gathered, int ranks, int stride, float grad_clip) {
+__global__ void optimizer_scale_kernel(float* out, const StatValue* gathered, int ranks, int stride, float grad_clip) {
     double tokens = 0.0, squares = 0.0, loss = 0.0;
     for (int r = 0; r < ranks; ++r) {
-        const float* row = gathered + static_cast<std::int64_t>(r) * stride;
-        tokens += row[kStatTokens];
-        squares += row[kStatCount];
-        loss += row[kStatLossSum];
+        const StatValue* row = gathered + static_cast<std::int64_t>(r) * stride;
+        tokens += row[kTokens];
+        squares += row[kSumSquaresSlot];
+        loss += row[kLossSum];
     }
     out[2] = isfinite(squares) && isfinite(loss) ? 0.0f : 1.0f;
     const std::int64_t token_count = static_cast<std::int64_t>(tokens);
@@ -93,7 +93,7 @@ __global__ void adamw_kernel(TParam* param, const float* grad, TState* m, TState
 
 }  // namespace
 
-void sum_squares(float* out, const float* x, std::int64_t n, float* scratch, cudaStream_t stream) {
+void sum_squares(StatValue* out, const float* x, std::int64_t n, float* scratch, cudaStream_t stream) {
     if (n <= 0) return;
     const int blocks = sum_squares_blocks(n);
     detail::launch(sum_squares_partial_kernel, blocks, kThreads, 0, stream, scratch, x, n);
@@ -104,7 +104,8 @@ std::size_t sum_squares_scratch_floats(std::int64_t n) {
     return n > 0 ? static_cast<std::size_t>(sum_squares_blocks(n)) : 0;
 }
 
-void optimizer_scale(float* out, const float* gathered, int ranks, int stride, float grad_clip, cudaStream_t stream) {
+void optimizer_scale(float* out, const StatValue* gathered, int ranks, int stride, float grad_clip,
+                     cudaStream_t stream) {
     detail::launch(optimizer_scale_kernel, 1, 1, 0, stream, out, gathered, ranks, stride, grad_clip);
 }
 

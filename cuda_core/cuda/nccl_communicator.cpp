@@ -30,6 +30,7 @@ ncclDataType_t nccl_type(DType dtype) {
         case DType::F32: return ncclFloat32;
         case DType::BF16: return ncclBfloat16;
         case DType::I32: return ncclInt32;
+        case DType::F64: return ncclFloat64;
     }
     throw InternalError("collective on an unknown dtype");
 }

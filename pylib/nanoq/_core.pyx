@@ -77,6 +77,19 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         size_t capacity, high_water
         vector[pair[string, size_t]] live_at_high_water
 
+    cdef cppclass CAttentionShape "nanoq::AttentionShape":
+        int batch, time, heads, kv_heads, head_dim
+
+    cdef cppclass CScratchShapes "nanoq::ScratchShapes":
+        CAttentionShape attention
+        int hidden, intermediate, vocab, classifier_rows
+        int64_t max_reduce
+
+    cdef cppclass CScratchInfo "nanoq::ScratchInfo":
+        string name, kind
+        size_t bytes
+        cbool exact
+
     cdef cppclass CTrainer "nanoq::Trainer":
         CTrainer(const CModelConfig&, const CTrainOptions&) except +nanoq_raise_py_error
         int world_size()
@@ -99,6 +112,8 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
 
     cbool has_backend(const string&)
     int backend_device_count(const string&) except +nanoq_raise_py_error
+    vector[CScratchInfo] backend_scratch_plan(const string&, const CScratchShapes&, int,
+                                              cbool) except +nanoq_raise_py_error
 
     cdef cppclass CCpuGemm "nanoq::CpuGemm":
         string name
@@ -128,6 +143,33 @@ def cpu_gemm():
     a value this build cannot honour."""
     cdef CCpuGemm gemm = core_cpu_gemm()
     return dict(name=gemm.name.decode(), openblas_built=gemm.openblas_built)
+
+
+def scratch_plan(str backend, *, int batch, int time, int heads, int kv_heads, int head_dim, int hidden,
+                 int intermediate, int vocab, int classifier_rows, int64_t max_reduce, int threads=1,
+                 cbool ask_libraries=True):
+    """The op scratch backend `backend` reserves for these shapes (the
+    ScratchShapes of the core's backend.h), planned without allocating: a
+    list of dicts name, bytes, kind ("device"/"pinned"), exact (False where
+    a library could not report its size without a device, or was not asked:
+    `bytes` is then an upper bound). Loads the backend's library (errors as
+    device_count)."""
+    cdef CScratchShapes s
+    s.attention.batch = batch
+    s.attention.time = time
+    s.attention.heads = heads
+    s.attention.kv_heads = kv_heads
+    s.attention.head_dim = head_dim
+    s.hidden = hidden
+    s.intermediate = intermediate
+    s.vocab = vocab
+    s.classifier_rows = classifier_rows
+    s.max_reduce = max_reduce
+    cdef string n = backend.encode()
+    cdef vector[CScratchInfo] plan
+    with nogil:
+        plan = backend_scratch_plan(n, s, threads, ask_libraries)
+    return [dict(name=b.name.decode(), bytes=b.bytes, kind=b.kind.decode(), exact=b.exact) for b in plan]
 
 
 # What CoreTrainer._read copies out; 0..2 are the core's optimizer state kinds.
@@ -358,8 +400,9 @@ cdef class CoreTrainer:
 # ---------------------------------------------------------------------------
 # OpRunner: one backend op per call on numpy arrays (nanoq/op_runner.h), the
 # surface of the op-level parity tests (tests/test_ops.py, test_gpu_ops.py).
-# Inputs are converted to C-contiguous float32 (tokens/targets int32) copies;
-# every method returns new float32 arrays and never modifies its arguments.
+# Inputs are converted to C-contiguous float32 (tokens/targets int32; the
+# statistics float64) copies; every method returns new arrays of those dtypes
+# and never modifies its arguments.
 # ---------------------------------------------------------------------------
 
 cdef extern from "nanoq/op_runner.h" namespace "nanoq" nogil:
@@ -400,12 +443,28 @@ cdef extern from "nanoq/op_runner.h" namespace "nanoq" nogil:
         void swiglu_forward(float*, const float*, const float*, int64_t, COpDType) except +nanoq_raise_py_error
         void swiglu_backward(float*, float*, const float*, const float*, const float*, int64_t, cbool,
                              COpDType) except +nanoq_raise_py_error
-        void cross_entropy(float*, const int32_t*, float*, int, int, int, int, float, cbool,
+        void cross_entropy(float*, const int32_t*, double*, int, int, int, int, float, cbool,
                            COpDType) except +nanoq_raise_py_error
-        void sum_squares(float*, const float*, int64_t) except +nanoq_raise_py_error
-        void optimizer_scale(float*, const float*, int, float) except +nanoq_raise_py_error
+        void sum_squares(double*, const float*, int64_t) except +nanoq_raise_py_error
+        void optimizer_scale(float*, const double*, int, float) except +nanoq_raise_py_error
         void adamw(float*, const float*, float*, float*, int64_t, float, float, float, float, float, float, int,
                    uint64_t, COpDType, COpDType) except +nanoq_raise_py_error
+
+
+# The dtype of the loss statistics and sums of squares (nanoq/op_runner.h
+# passes them as double), and their layout: the slot names in order and the
+# width of a gathered row (the slots, then a rank's sum of squares).
+STAT_DTYPE = np.float64
+
+
+def stat_slots():
+    """Names of the statistics slots, in order (tuple of str)."""
+    return tuple(s.decode() for s in COpRunner.stat_slots())
+
+
+def gather_stride():
+    """Width of a row of the gathered statistics: the slots, then the sum of squares."""
+    return COpRunner.gather_stride()
 
 
 cdef COpDType _op_dtype(str name) except *:
@@ -416,9 +475,9 @@ cdef COpDType _op_dtype(str name) except *:
     raise ValueError(f'dtype must be "fp32" or "bf16", got {name!r}')
 
 
-def _op_floats(x, str name, int ndim=-1):
-    """A C-contiguous float32 copy of x (a new array: the core may write to it)."""
-    a = np.array(x, dtype=np.float32, order="C", copy=True)
+def _op_floats(x, str name, int ndim=-1, dtype=np.float32):
+    """A C-contiguous float32 (or `dtype`) copy of x (a new array: the core may write to it)."""
+    a = np.array(x, dtype=dtype, order="C", copy=True)
     if ndim >= 0 and a.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {a.shape}")
     if a.size == 0:
@@ -454,6 +513,10 @@ cdef inline int32_t* _ip(a):
     return <int32_t*><uintptr_t>a.ctypes.data
 
 
+cdef inline double* _dp(a):
+    return <double*><uintptr_t>a.ctypes.data
+
+
 cdef class OpRunner:
     """Runs single ops of one backend ("cpu", "cuda") on numpy arrays.
 
@@ -461,10 +524,12 @@ cdef class OpRunner:
     are float32 arrays (tokens/targets integer); `dtype` ("fp32" or "bf16")
     is the device dtype of the op's activation/weight tensors (values are
     rounded to bf16 on the device); weight/bias/norm gradients, rstd, lse,
-    statistics, cos/sin and AdamW's grad stay float32. Every method returns
-    new float32 arrays. Tensors an op overwrites start as NaN on the device,
-    so an element the op never writes comes back NaN. Each call allocates
-    its own device memory and blocks until the device is done.
+    cos/sin and AdamW's grad stay float32. The loss statistics (and
+    optimizer_scale's gathered rows) are float64 (STAT_DTYPE); every other
+    array a method returns is a new float32 one. Tensors an op overwrites
+    start as NaN on the device, so an element the op never writes comes back
+    NaN. Each call allocates its own device memory and blocks until the
+    device is done.
     """
 
     cdef COpRunner* _runner
@@ -491,12 +556,12 @@ cdef class OpRunner:
     @property
     def stat_slots(self):
         """Names of the cross_entropy statistics slots, in order (tuple of str)."""
-        return tuple(s.decode() for s in COpRunner.stat_slots())
+        return stat_slots()
 
     @property
     def gather_stride(self):
         """Width of a row of optimizer_scale's `gathered`: the stat slots, then the sum of squares."""
-        return COpRunner.gather_stride()
+        return gather_stride()
 
     def copy(self, x, str src_dtype="fp32", str dst_dtype="fp32"):
         """x (any shape) uploaded as src_dtype, converted on the device to
@@ -824,7 +889,7 @@ cdef class OpRunner:
         """(logits_out, stats) of the fused classifier on logits [rows, vocab]
         with targets [rows] (-100 = ignored). logits_out is the gradient of
         sum(CE + z_loss * lse^2) when with_grad (zero rows for ignored
-        targets), else logits unchanged. stats [len(stat_slots)] float32 =
+        targets), else logits unchanged. stats [len(stat_slots)] float64 =
         `stats` (default zeros, lse_max -inf) plus this chunk's statistics;
         row r is at position (first_position + r) % time (time default: rows)."""
         res = _op_floats(logits, "logits", 2)
@@ -833,25 +898,25 @@ cdef class OpRunner:
         _op_check_shape(tg, (rows,), "targets")
         slots = self.stat_slots
         if stats is None:
-            st = np.zeros(len(slots), np.float32)
+            st = np.zeros(len(slots), STAT_DTYPE)
             st[slots.index("lse_max")] = -np.inf
         else:
-            st = _op_floats(stats, "stats")
+            st = _op_floats(stats, "stats", dtype=STAT_DTYPE)
             _op_check_shape(st, (len(slots),), "stats")
         cdef int time_ = rows if time is None else time
         cdef COpDType t = _op_dtype(dtype)
         cdef float* pr = _fp(res)
         cdef int32_t* pt = _ip(tg)
-        cdef float* ps = _fp(st)
+        cdef double* ps = _dp(st)
         with nogil:
             self._runner.cross_entropy(pr, pt, ps, rows, vocab, first_position, time_, z_loss, with_grad, t)
         return res, st
 
-    def sum_squares(self, x, float initial=0.0):
-        """initial + sum(x^2) over a float32 array, as a Python float (a float32 value)."""
+    def sum_squares(self, x, double initial=0.0):
+        """initial + sum(x^2) over a float32 array, as a Python float (accumulated in float64)."""
         xa = _op_floats(x, "x")
-        out = np.array([initial], dtype=np.float32)
-        cdef float* po = _fp(out)
+        out = np.array([initial], dtype=STAT_DTYPE)
+        cdef double* po = _dp(out)
         cdef float* px = _fp(xa)
         cdef int64_t n = xa.size
         with nogil:
@@ -859,14 +924,14 @@ cdef class OpRunner:
         return float(out[0])
 
     def optimizer_scale(self, gathered, float grad_clip):
-        """[scale, grad_norm, skip] from gathered [ranks, gather_stride] float32."""
-        ga = _op_floats(gathered, "gathered", 2)
+        """[scale, grad_norm, skip] (float32) from gathered [ranks, gather_stride] float64."""
+        ga = _op_floats(gathered, "gathered", 2, STAT_DTYPE)
         if ga.shape[1] != self.gather_stride:
             raise ValueError(f"gathered must have {self.gather_stride} columns, got shape {ga.shape}")
         out = np.empty(3, dtype=np.float32)
         cdef int ranks = ga.shape[0]
         cdef float* po = _fp(out)
-        cdef float* pg = _fp(ga)
+        cdef double* pg = _dp(ga)
         with nogil:
             self._runner.optimizer_scale(po, pg, ranks, grad_clip)
         return out

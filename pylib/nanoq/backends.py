@@ -32,6 +32,12 @@ def _preload_cuda_libraries() -> None:
             pass
 
 
+def _prepare(name: str) -> None:
+    """Before the core loads backend ``name``'s library: the CUDA libraries it links."""
+    if name == "cuda" and _core.backend_built("cuda"):
+        _preload_cuda_libraries()
+
+
 def device_count(name: str) -> int:
     """Devices backend ``name`` can use now (loads its library if needed).
 
@@ -40,9 +46,17 @@ def device_count(name: str) -> int:
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; nanoq has {', '.join(BACKENDS)}")
-    if name == "cuda" and _core.backend_built("cuda"):
-        _preload_cuda_libraries()
+    _prepare(name)
     return _core.device_count(name)
+
+
+def scratch_plan(name: str, *, threads: int = 1, ask_libraries: bool = True, **shapes) -> list[dict]:
+    """The op scratch backend ``name`` reserves for ``shapes`` (the keyword
+    arguments of ``_core.scratch_plan``: the core's ScratchShapes), as the
+    backend itself plans it: dicts of name, bytes, kind and exact. Loads the
+    backend's library (errors as ``device_count``)."""
+    _prepare(name)
+    return _core.scratch_plan(name, threads=threads, ask_libraries=ask_libraries, **shapes)
 
 
 def gpu_names() -> list[str]:

@@ -23,20 +23,24 @@ order the core allocates it. It mirrors, and must be kept in step with:
   (``nanoq.lora.adapter_shapes``, model.cpp ``lora_layout()``), staging for
   the largest parameter of either, the model's "frozen-norm-gradients" sink
   and, on the stack, a running adapter's pushes (``adapter_bytes()``).
-- ``reserve_scratch`` of ``cuda_core/cpu/cpu_backend.cpp`` and
-  ``cuda_core/cuda/cuda_backend.cpp`` with the kernels' scratch-size
-  functions (``cuda_core/cuda/kernels_*.cu``).
+
+The backends' op scratch is not mirrored: each backend plans it itself
+(``BackendPlugin::scratch_plan``, the function its ``reserve_scratch``
+allocates from; ``nanoq.backends.scratch_plan``), so estimating a backend
+loads its library. The cuda backend's op scratch includes CUB's radix-sort
+storage, which only CUB can size, and only with a device: where it cannot
+(no GPU, or the cuda backend not built, when the plan comes from the
+cuda_emulated backend's copy of the same code without asking CUB), an upper
+bound is counted and the line is marked inexact (``Allocation.exact``,
+``MemoryEstimate.approximate``). It decides the op scratch only when it is the
+largest op's need: models with few heads and narrow projections.
 
 Bytes are those the allocator records (``Trainer.get_allocations``), which
 are also what ``TrainOptions.memory_limit`` counts: the device total here is
 exactly the figure the limit is checked against. Not counted by the
 allocator, and so not here: the CUDA context, cuBLASLt's handle and NCCL's
 buffers (``reserve_bytes`` stands in for them when judging a fit), and the
-allocation granularity of cudaMalloc. One figure is version-bound: the
-embedding backward's CUB radix-sort temporary storage, mirrored from
-CUB 3.0 (CUDA 13.0) on sm_90 (sm_80 differs by a few KiB). It counts only
-when it is the largest op scratch: models with at most 5 heads and every
-projection narrower than about 320.
+allocation granularity of cudaMalloc.
 """
 from __future__ import annotations
 
@@ -44,6 +48,8 @@ import dataclasses
 import math
 from typing import Dict, Iterator, List, Optional
 
+from nanoq import _core
+from nanoq.backends import CUDA_BACKENDS, device_count, scratch_plan
 from nanoq.config import OFFLOAD, RECOMPUTE, ModelConfig, TrainOptions
 from nanoq.lora import LoraConfig, adapter_shapes, projection_shape
 
@@ -67,33 +73,34 @@ LORA_CONTEXT_MEANING = {
     "adam-v": "this device's shard of the adapters' AdamW second moment (none when offloaded)",
 }
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+_STAT_BYTES = _core.STAT_DTYPE().itemsize  # the loss statistics' element (float64)
 # Memory a cuda device loses to what nanoq's allocator does not see: the CUDA
-# context, cuBLASLt and NCCL (an assumption, adjustable; 0 on the cpu).
+# context, cuBLASLt and NCCL (an assumption, adjustable; 0 on the cpu and on
+# the emulator, which has none of them).
 CUDA_RESERVE_BYTES = 1 << 30
 # The largest device count `suggestions` tries.
 MAX_SUGGESTED_DEVICES = 64
 
 # Constants of the core, named as there.
 _STAGING_ELEMENTS = 1 << 22          # trainer.cpp kStagingElements
-_STAT_COUNT = 7                       # backend.h kStatCount
-_GATHER_STRIDE = _STAT_COUNT + 1      # backend.h kGatherStride
 _STACK_ALIGNMENT = 256                # allocator.h StackArena::kAlignment
-_CLASSIFIER_CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}  # Backend::classifier_chunk_elements()
+# Backend::classifier_chunk_elements() (cuda_emulated runs the cuda backend's code)
+_CLASSIFIER_CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26, "cuda_emulated": 1 << 26}
 _OPTIMIZER_CHUNK = 1 << 22           # trainer.cpp kOptimizerChunk (offload's device buffers)
-_CPU_REDUCE_BLOCK = 1 << 14           # cpu_backend.cpp kReduceBlock
-_CUDA_MATMUL_WORKSPACE = 32 << 20     # cuda_backend.cpp kMatmulWorkspaceBytes
-_CUDA_MAX_HEAD_DIM = 256
 
 
 @dataclasses.dataclass(frozen=True)
 class Allocation:
     """One allocation of a device: context, tensor name, bytes, and kind
-    ("device", or "pinned" for page-locked host memory)."""
+    ("device", or "pinned" for page-locked host memory). ``exact`` is False
+    where ``bytes`` is an upper bound (a library's size the backend could
+    not ask for without a device)."""
 
     context: str
     name: str
     bytes: int
     kind: str = "device"
+    exact: bool = True
 
 
 @dataclasses.dataclass
@@ -120,6 +127,11 @@ class MemoryEstimate:
             if a.kind == "device":
                 totals[a.context] += a.bytes
         return totals
+
+    @property
+    def approximate(self) -> List[str]:
+        """Names of the allocations whose bytes are an upper bound, not exact."""
+        return [a.name for a in self.allocations if not a.exact]
 
     @property
     def device_bytes(self) -> int:
@@ -180,7 +192,7 @@ class MemoryEstimate:
         if self.reserve_bytes:
             rows.append(("reserve", human_bytes(self.reserve_bytes),
                          "assumed for the CUDA context, cuBLASLt and NCCL (not nanoq's allocator)"))
-        if o.backend == "cuda" or self.pinned_bytes:
+        if o.backend in CUDA_BACKENDS or self.pinned_bytes:
             rows.append(("pinned host", human_bytes(self.pinned_bytes),
                          "host memory, not on the device: token staging, offloaded state"))
         name_width = max(len(r[0]) for r in rows)
@@ -195,6 +207,9 @@ class MemoryEstimate:
             verdict = "fits" if self.fits(device_memory_bytes) else "does NOT fit"
             lines += ["", f"{verdict} in {human_bytes(device_memory_bytes)} ({device_memory_bytes / 1e9:.1f} GB) "
                           f"per device (needs {human_bytes(need)}, {100 * need / device_memory_bytes:.0f}%)"]
+        if self.approximate:
+            lines += ["", f"approximate: {', '.join(self.approximate)} counted at an upper bound (CUB sizes its "
+                          f"sort storage only for a GPU it sees)"]
         return "\n".join(lines)
 
     def describe(self) -> str:
@@ -389,15 +404,15 @@ def parameter_numels(config: ModelConfig) -> Iterator[int]:
 
 def _resolve(options: TrainOptions, backend: Optional[str]) -> TrainOptions:
     """Options with the backend and dtype the Trainer would use. An explicit
-    "cuda" needs no GPU here (estimating is arithmetic)."""
+    "cuda" needs no GPU here."""
     name = backend or options.backend
     if name == "auto":
         from nanoq.backends import resolve_backend
 
         name = resolve_backend("auto")
-    if name not in ("cpu", "cuda"):
-        raise ValueError(f"backend must be cpu, cuda or auto, got {name!r}")
-    dtype = options.dtype if options.dtype != "auto" else ("bf16" if name == "cuda" else "fp32")
+    if name not in ("cpu",) + CUDA_BACKENDS:
+        raise ValueError(f"backend must be cpu, {', '.join(CUDA_BACKENDS)} or auto, got {name!r}")
+    dtype = options.dtype if options.dtype != "auto" else ("bf16" if name in CUDA_BACKENDS else "fp32")
     if name == "cpu" and "bf16" in (dtype, options.master_dtype, options.optimizer_dtype):
         raise ValueError("the cpu backend computes in fp32 only: use dtype, master_dtype and optimizer_dtype "
                          "\"fp32\" (or \"auto\")")
@@ -417,14 +432,16 @@ def estimate_memory(config: ModelConfig, options: TrainOptions, *, backend: Opti
                     reserve_bytes: Optional[int] = None) -> MemoryEstimate:
     """Per-device memory of ``Trainer(config, options)``, without allocating.
 
-    backend: overrides ``options.backend`` ("cpu", "cuda"; "auto" as the
-    Trainer resolves it). A cuda estimate needs no GPU. ``dtype`` "auto" is
-    bf16 on cuda and fp32 on cpu. reserve_bytes: memory outside nanoq's
-    allocator that ``fits`` adds (default CUDA_RESERVE_BYTES on cuda, 0 on
-    cpu). The cpu backend's attention scratch depends on the threads per
-    device: ``options.threads``, or 0 for this machine's cores shared out.
+    backend: overrides ``options.backend`` ("cpu", "cuda", "cuda_emulated";
+    "auto" as the Trainer resolves it). A cuda estimate needs no GPU (see
+    the module's note on CUB). ``dtype`` "auto" is bf16 on cuda and
+    cuda_emulated, fp32 on cpu. reserve_bytes: memory outside nanoq's
+    allocator that ``fits`` adds (default CUDA_RESERVE_BYTES on cuda, 0
+    otherwise). The cpu backend's attention scratch depends on the threads
+    per device: ``options.threads``, or 0 for this machine's cores shared out.
     Raises ValueError for dtypes the backend lacks (cpu: fp32 only) and, on
-    cuda, head_dim > 256.
+    cuda, head_dim > 256; nanoq.NanoqError when the scratch cannot be planned
+    (a cuda estimate on an install with neither cuda nor cuda_emulated built).
     """
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a nanoq.ModelConfig, got {type(config).__name__}")
@@ -493,11 +510,12 @@ def _trainer_allocations(c: ModelConfig, o: TrainOptions, numels: List[int], tra
     if "gradients" in o.offload:
         out.append(Allocation("workspace", "offload-gradients", chunk * 4))
     rows = o.batch_size * o.seq_len
+    stats = len(_core.stat_slots()) * _STAT_BYTES
     out += [Allocation("workspace", "tokens", rows * 4),
             Allocation("workspace", "targets", rows * 4),
-            Allocation("workspace", "loss-stats", _STAT_COUNT * 4),
-            Allocation("workspace", "eval-stats", _STAT_COUNT * 4),
-            Allocation("workspace", "gathered-stats", n * _GATHER_STRIDE * 4),
+            Allocation("workspace", "loss-stats", stats),
+            Allocation("workspace", "eval-stats", stats),
+            Allocation("workspace", "gathered-stats", n * _core.gather_stride() * _STAT_BYTES),
             Allocation("workspace", "optimizer-scale", 3 * 4),
             Allocation("workspace", "parameter-staging", min(max(numels + trainable), _STAGING_ELEMENTS) * 4)]
     recompute = _recompute_set(o.recompute)
@@ -506,10 +524,7 @@ def _trainer_allocations(c: ModelConfig, o: TrainOptions, numels: List[int], tra
     stack = _stack_bytes(c, rows, weight_size, specs, _classifier_chunk_rows(c, rows, o.backend),
                          _adapter_stack_bytes(c, rows, weight_size, o.lora))
     out.append(Allocation("stack", "activation-stack", stack // 4 * 4))
-    if o.backend == "cpu":
-        out += _cpu_scratch(c, o, shard)
-    else:
-        out += _cuda_scratch(c, o, shard)
+    out += _backend_scratch(c, o, shard)
     return out
 
 
@@ -599,81 +614,36 @@ def _adapter_stack_bytes(c: ModelConfig, rows: int, size: int, lora: Optional[Lo
     return dropped + _stack_aligned(size * rows * lora.rank)
 
 
-def _cpu_scratch(c: ModelConfig, o: TrainOptions, shard: int) -> List[Allocation]:
-    """cpu_backend.cpp, CpuBackend::reserve_scratch."""
+def _backend_scratch(c: ModelConfig, o: TrainOptions, shard: int) -> List[Allocation]:
+    """The backend's reserve_scratch, as the backend plans it for the
+    model's ScratchShapes (model.cpp scratch_shapes(), max_reduce the
+    gradient shard). A cuda estimate without the cuda backend's library
+    takes the plan of the same code built as cuda_emulated, without asking
+    CUB (which could not answer for a real GPU there)."""
     rows = o.batch_size * o.seq_len
-    blocks = -(-shard // _CPU_REDUCE_BLOCK)
-    return [Allocation("workspace", "attention-scratch", 2 * _cpu_threads(o) * o.seq_len * o.seq_len * 4),
-            Allocation("workspace", "classifier-rows", 2 * _classifier_chunk_rows(c, rows, "cpu") * 4),
-            Allocation("workspace", "sum-squares-partials", 2 * blocks * 4)]
+    shapes = dict(batch=o.batch_size, time=o.seq_len, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads,
+                  head_dim=c.head_dim, hidden=c.hidden_size, intermediate=c.intermediate_size, vocab=c.vocab_size,
+                  classifier_rows=_classifier_chunk_rows(c, rows, o.backend), max_reduce=shard)
+    threads = _cpu_threads(o) if o.backend == "cpu" else 1
+    name, ask_libraries = o.backend, True
+    if name == "cuda" and not _loadable("cuda"):
+        if not _core.backend_built("cuda_emulated"):
+            raise _core.NanoqError("cannot estimate the cuda backend's scratch: this install has neither the cuda "
+                                   "nor the cuda_emulated backend, whose code plans it")
+        name, ask_libraries = "cuda_emulated", False
+    return [Allocation("workspace", b["name"], b["bytes"], b["kind"], b["exact"])
+            for b in scratch_plan(name, threads=threads, ask_libraries=ask_libraries, **shapes)]
 
 
-def _cuda_scratch(c: ModelConfig, o: TrainOptions, shard: int) -> List[Allocation]:
-    """cuda_backend.cpp, CudaBackend::reserve_scratch: one op scratch sized
-    for the largest op, the cuBLASLt workspace and the pinned host staging."""
-    if c.head_dim > _CUDA_MAX_HEAD_DIM:
-        raise ValueError(f"the cuda backend's attention supports head_dim up to {_CUDA_MAX_HEAD_DIM}, "
-                         f"got {c.head_dim}")
-    rows = o.batch_size * o.seq_len
-    H, K, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    op_scratch = max(
-        *(4 * _column_sums_scratch_floats(rows, cols) for cols in (H * D, K * D, c.hidden_size)),
-        4 * _column_sums_scratch_floats(rows, c.hidden_size),
-        4 * _column_sums_scratch_floats(rows * H, D),
-        4 * _column_sums_scratch_floats(rows * K, D),
-        _embedding_backward_scratch_bytes(rows, c.vocab_size),
-        4 * o.batch_size * o.seq_len * H,                       # attention_backward_scratch_bytes
-        4 * 2 * _classifier_chunk_rows(c, rows, "cuda"),        # classifier_scratch_floats
-        4 * min(-(-shard // (256 * 8)), 1024),                   # sum_squares_scratch_floats
-    )
-    return [Allocation("workspace", "cuda-op-scratch", -(-op_scratch // 4) * 4),
-            Allocation("workspace", "cublaslt-workspace", _CUDA_MATMUL_WORKSPACE),
-            Allocation("workspace", "host-staging", 2 * rows * 4, kind="pinned")]
-
-
-def _column_sums_scratch_floats(rows: int, cols: int) -> int:
-    """kernel_utils.cuh, column_sums_scratch_floats (kMinRowsPerChunk 64, kMaxColumnChunks 2048)."""
-    if rows <= 0 or cols <= 0:
-        return 0
-    return min(-(-rows // 64), 2048) * cols
-
-
-def _embedding_backward_scratch_bytes(rows: int, vocab: int) -> int:
-    """kernels_embedding.cu: three int32 index arrays (256-aligned) and the
-    temporary storage of cub::DeviceRadixSort::SortPairs on int32 keys and
-    values over token_bits(vocab) bits."""
-    return 3 * _align256(4 * rows) + _cub_sort_pairs_temp_bytes(rows, _token_bits(vocab))
-
-
-def _token_bits(vocab: int) -> int:
-    bits = 1
-    while bits < 31 and (1 << bits) < vocab:
-        bits += 1
-    return bits
-
-
-def _align256(count: int) -> int:
-    return -(-count // 256) * 256
-
-
-def _cub_sort_pairs_temp_bytes(items: int, bits: int) -> int:
-    """CUB 3.0 (CUDA 13.0) DispatchRadixSort with uint32 offsets on sm_90:
-    a single tile (256 threads x 19 items) needs 1 byte; more use onesweep
-    (384 x 23 items per tile, 8-bit digits) with bins, lookback, an extra
-    key and value buffer (more than one pass) and counters, each aligned to
-    256, plus 255 for aligning the base. (sm_80 tiles are 384 x 21 items.)"""
-    if items <= 256 * 19:
-        return 1
-    tile = 384 * 23
-    digits = 256
-    passes = -(-bits // 8)
-    portion = ((1 << 28) - 1) // tile * tile
-    portions = -(-items // portion)
-    blocks = -(-min(items, portion) // tile)
-    sizes = [portions * passes * digits * 4, blocks * digits * 4,
-             items * 4 if passes > 1 else 0, items * 4 if passes > 1 else 0, portions * passes * 4]
-    return sum(_align256(s) for s in sizes) + 255
-
+def _loadable(backend: str) -> bool:
+    """Whether the backend is built and its library loads here."""
+    if not _core.backend_built(backend):
+        return False
+    try:
+        device_count(backend)
+    except _core.NanoqError:
+        return False
+    return True
 
 
 def visible_gpu_memory() -> Optional[int]:

@@ -244,7 +244,13 @@ std::uint64_t id_key(const ncclUniqueId& id) {
     return key;
 }
 
-std::size_t type_bytes(ncclDataType_t type) { return type == ncclBfloat16 ? 2 : 4; }
+std::size_t type_bytes(ncclDataType_t type) {
+    switch (type) {
+        case ncclBfloat16: return 2;
+        case ncclFloat64: return 8;
+        default: return 4;
+    }
+}
 
 // Sums in rank order, rounding to the type after every addition as a
 // reduction of that type does.
@@ -259,6 +265,12 @@ void add_value(std::vector<char>& out, ncclDataType_t type, std::size_t i, const
         case ncclInt32: {
             auto* o = reinterpret_cast<std::int32_t*>(out.data());
             const std::int32_t v = static_cast<const std::int32_t*>(in)[i];
+            o[i] = first ? v : o[i] + v;
+            break;
+        }
+        case ncclFloat64: {
+            auto* o = reinterpret_cast<double*>(out.data());
+            const double v = static_cast<const double*>(in)[i];
             o[i] = first ? v : o[i] + v;
             break;
         }

@@ -25,7 +25,7 @@ enum ncclResult_t : int {
     ncclRemoteError = 6,
     ncclInProgress = 7,
 };
-enum ncclDataType_t : int { ncclInt32 = 2, ncclFloat32 = 7, ncclBfloat16 = 9 };
+enum ncclDataType_t : int { ncclInt32 = 2, ncclFloat32 = 7, ncclFloat64 = 8, ncclBfloat16 = 9 };
 enum ncclRedOp_t : int { ncclSum = 0 };
 
 struct ncclUniqueId {

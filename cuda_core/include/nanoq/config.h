@@ -121,6 +121,33 @@ struct StackInfo {
     std::vector<std::pair<std::string, std::size_t>> live_at_high_water;
 };
 
+// A causal attention's shape (the backends' ops take it whole).
+struct AttentionShape {
+    int batch, time, heads, kv_heads, head_dim;
+};
+
+// The largest shapes a backend's ops will see, so that it can reserve its
+// scratch memory once, through the named allocator (and the memory estimator
+// can ask how much that is, backend_scratch_plan() in nanoq/trainer.h).
+struct ScratchShapes {
+    AttentionShape attention;  // batch and time give rows = batch * time
+    int hidden;
+    int intermediate;
+    int vocab;
+    int classifier_rows;       // rows per classifier chunk
+    std::int64_t max_reduce;   // longest sum_squares input
+};
+
+// One buffer of a backend's op scratch as planned without a device. `exact`
+// is false when a library could not report its need without one (CUB's
+// sort storage on a machine without a GPU): `bytes` is then an upper bound.
+struct ScratchInfo {
+    std::string name;
+    std::size_t bytes;
+    std::string kind;  // "device" or "pinned"
+    bool exact;
+};
+
 // The parameters of a config, in flat-buffer order, with Hugging Face names.
 std::vector<ParameterInfo> parameter_layout(const ModelConfig& config);
 

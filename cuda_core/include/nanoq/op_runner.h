@@ -6,12 +6,13 @@
 // for that call, and frees them before returning: calls are independent and
 // slow, which is what a test wants.
 //
-// Host arrays are float32 (tokens and targets int32). `dtype` is the device
+// Host arrays are float32 (tokens and targets int32; the loss statistics
+// and sums of squares float64, as in the backends). `dtype` is the device
 // dtype of the op's activation/weight tensors, as in the backend interface:
 // F32 or BF16 (host values are cast to bf16 on the device and back). The
 // tensors the interface keeps in float32 whatever the dtype (gradients of
-// weights, biases and norms; rstd; lse; statistics; cos/sin; the AdamW
-// gradient and scale) stay float32.
+// weights, biases and norms; rstd; lse; cos/sin; the AdamW gradient and
+// scale) stay float32; the statistics are float64.
 //
 // Argument roles, as in the backend interface:
 //   const float* x       input, uploaded;
@@ -48,9 +49,9 @@ public:
     const std::string& backend_name() const;
     int device() const;
 
-    // Names of the slots of the cross_entropy statistics, in order, and the
-    // width of a row of optimizer_scale's `gathered` (the slots, then the
-    // rank's sum of squared gradients).
+    // Names of the slots of the cross_entropy statistics, in order (the
+    // StatSlots of stat_slots.h), and the width of a row of optimizer_scale's
+    // `gathered` (the slots, then the rank's sum of squared gradients).
     static std::vector<std::string> stat_slots();
     static int gather_stride();
 
@@ -112,14 +113,15 @@ public:
                          std::int64_t n, bool dgate_aliases_dout, OpDType dtype);
 
     // logits[rows,vocab] (in/out: gradients when `with_grad`); targets[rows]
-    // int32 in [0, vocab) or -100; stats[stat_slots().size()] (in/out, float32).
-    void cross_entropy(float* logits, const std::int32_t* targets, float* stats, int rows, int vocab,
+    // int32 in [0, vocab) or -100; stats[stat_slots().size()] (in/out, float64).
+    void cross_entropy(float* logits, const std::int32_t* targets, double* stats, int rows, int vocab,
                        int first_position, int time, float z_loss, bool with_grad, OpDType dtype);
 
-    // out[0] (in/out) += sum of x[n]^2; float32 only.
-    void sum_squares(float* out, const float* x, std::int64_t n);
-    // out[3] (output: scale, norm, skip flag) from gathered[ranks, gather_stride()]; float32 only.
-    void optimizer_scale(float* out, const float* gathered, int ranks, float grad_clip);
+    // out[0] (in/out, float64) += sum of x[n]^2; x float32 only.
+    void sum_squares(double* out, const float* x, std::int64_t n);
+    // out[3] (output: scale, norm, skip flag; float32) from the float64
+    // gathered[ranks, gather_stride()].
+    void optimizer_scale(float* out, const double* gathered, int ranks, float grad_clip);
     // param[n] (dtype) and m, v[n] (state_dtype) in/out; grad[n] float32;
     // `scale` the factor applied to grad (a device value in the backend).
     void adamw(float* param, const float* grad, float* m, float* v, std::int64_t n, float scale, float lr,
