@@ -133,15 +133,33 @@ struct Trainer::Impl {
     }
 
     // Runs task(rank, device) on every worker; a failure poisons the trainer.
+    // A failing worker marks the group aborted, which ends the other ranks'
+    // collectives and waits, and abandons its own communicator's work on its
+    // own thread (no rank touches another's communicator).
     void run(const std::function<void(int, DeviceState&)>& task) {
         if (failed) throw NanoqError("this trainer stopped after a worker failure; close it and create a new one");
         std::function<void(int)> body = [&](int rank) { task(rank, devices[rank]); };
-        std::function<void()> abort = [&] { group->abort(); };
+        std::function<void(int)> abort = [&](int rank) {
+            group->abort();
+            if (devices[rank].comm) devices[rank].comm->abort();
+        };
         try {
             pool->run(body, abort);
         } catch (...) {
             failed = true;
             throw;
+        }
+    }
+
+    // Each worker releases its own communicator, all at once: NCCL's destroy
+    // may wait for the peers' destroys.
+    void release_communicators() {
+        std::function<void(int)> release = [&](int rank) { devices[rank].comm.reset(); };
+        std::function<void(int)> nothing = [](int) {};
+        try {
+            pool->run(release, nothing);
+        } catch (...) {
+            // Teardown goes on: the remaining state is freed by the caller either way.
         }
     }
 
@@ -327,6 +345,15 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_
     m.devices.resize(n);
     m.pool = std::make_unique<WorkerPool>(n);
     const int B = options.batch_size, T = options.seq_len;
+    // Should a worker fail, each releases its own communicator on its own
+    // thread before the rest of the state is freed.
+    struct ReleaseOnFailure {
+        Impl& m;
+        bool armed = true;
+        ~ReleaseOnFailure() {
+            if (armed) m.release_communicators();
+        }
+    } release_on_failure{m};
     m.run([&](int rank, DeviceState& d) {
         d.backend = plugin.create_backend(rank, threads);
         d.allocator = std::make_unique<NamedAllocator>(*d.backend, rank, options.memory_limit);
@@ -405,19 +432,10 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_
         d.backend->synchronize();
         d.comm->barrier();  // every rank is connected and ready
     });
+    release_on_failure.armed = false;
 }
 
-Trainer::~Trainer() {
-    // Each worker releases its own communicator, all at once: NCCL's destroy
-    // may wait for the peers' destroys.
-    std::function<void(int)> release = [&](int rank) { impl_->devices[rank].comm.reset(); };
-    std::function<void()> nothing = [] {};
-    try {
-        impl_->pool->run(release, nothing);
-    } catch (...) {
-        // Teardown goes on: the remaining state is freed below either way.
-    }
-}
+Trainer::~Trainer() { impl_->release_communicators(); }
 
 int Trainer::world_size() const { return impl_->options.devices; }
 const std::vector<ParameterInfo>& Trainer::parameters() const { return impl_->parameters; }

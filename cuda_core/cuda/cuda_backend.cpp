@@ -13,6 +13,7 @@
 
 #include "cuda/cublaslt_matmul.h"
 #include "cuda/cuda_check.h"
+#include "cuda/host_wait.h"
 #include "cuda/kernels.h"
 
 namespace nanoq {
@@ -150,6 +151,10 @@ void CudaBackend::copy_from_device(const Tensor& dst, const void* src, int sourc
 }
 
 void CudaBackend::copy_to_host(void* dst, const Tensor& src) {
+    // Into pageable memory the copy blocks the host until the stream gets
+    // there; a polling wait first keeps that from hanging on a collective
+    // that a failed peer never joins.
+    host_wait(stream_);
     NANOQ_CUDA_CHECK(cudaMemcpyAsync(dst, src.data, src.bytes(), cudaMemcpyDefault, stream_));
 }
 
@@ -178,8 +183,22 @@ void CudaBackend::fill(const Tensor& t, float value) {
 }
 
 void CudaBackend::synchronize() {
-    NANOQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    host_wait(stream_);
     pinned_used_ = 0;
+}
+
+void CudaBackend::host_wait(cudaStream_t stream) {
+    for (Backoff backoff;; backoff.pause()) {
+        const cudaError_t status = cudaStreamQuery(stream);
+        if (status == cudaSuccess) return;
+        if (status != cudaErrorNotReady) {
+            // A collective that failed because a peer did: the check reports that.
+            if (host_wait_check_) host_wait_check_();
+            check_cuda(status, "cudaStreamQuery (host wait)", __FILE__, __LINE__);
+        }
+        cudaGetLastError();  // not-ready is no error, though the runtime may record it
+        if (host_wait_check_) host_wait_check_();
+    }
 }
 
 bool CudaBackend::memory_info(std::size_t* free_bytes, std::size_t* total_bytes) {

@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <functional>
 #include <memory>
 
 #include "backend.h"
@@ -25,6 +26,14 @@ public:
 
     int device() const { return device_; }
     cudaStream_t stream() const { return stream_; }
+    // Waits on the host until `stream` has run everything queued on it. It
+    // polls rather than blocking in the runtime, calling the check set by
+    // set_host_wait_check meanwhile, so that a wait on a collective that a
+    // failed peer will never join ends (the check throws) instead of hanging.
+    void host_wait(cudaStream_t stream);
+    // The check host waits call while they poll (the communicator's: its
+    // group's abort flag and NCCL's asynchronous errors); empty for none.
+    void set_host_wait_check(std::function<void()> check) { host_wait_check_ = std::move(check); }
 
     std::string name() const override { return NANOQ_CUDA_BACKEND_NAME; }
     void* raw_alloc(std::size_t bytes, MemoryKind kind) override;
@@ -84,6 +93,7 @@ private:
     Tensor matmul_workspace_;
     Tensor pinned_;           // host staging for copy_from_host
     std::size_t pinned_used_ = 0;
+    std::function<void()> host_wait_check_;
 };
 
 }  // namespace cuda
