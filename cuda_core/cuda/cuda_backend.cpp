@@ -56,6 +56,13 @@ int visible_devices() {
 
 std::unique_ptr<Backend> create(int device, int /*threads*/) { return std::make_unique<CudaBackend>(device); }
 
+// Whether the work before the latest record of `event` has completed.
+bool event_done(cudaEvent_t event) {
+    const cudaError_t status = cudaEventQuery(event);
+    if (status == cudaErrorNotReady) cudaGetLastError();  // no error, though the runtime may record it
+    return status == cudaSuccess;
+}
+
 [[maybe_unused]] const bool registered = [] {
     register_backend(NANOQ_CUDA_BACKEND_NAME, BackendPlugin{&create, &make_nccl_group, &visible_devices});
     return true;
@@ -66,12 +73,14 @@ std::unique_ptr<Backend> create(int device, int /*threads*/) { return std::make_
 CudaBackend::CudaBackend(int device) : device_(device) {
     NANOQ_CUDA_CHECK(cudaSetDevice(device));
     NANOQ_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    NANOQ_CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming));
     matmul_ = std::make_unique<LtMatmul>();
 }
 
 CudaBackend::~CudaBackend() {
     cudaSetDevice(device_);
     matmul_.reset();
+    if (staged_) cudaEventDestroy(staged_);
     if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -135,12 +144,17 @@ void* CudaBackend::scratch(std::size_t bytes) const {
 
 void CudaBackend::copy_from_host(const Tensor& dst, const void* src) {
     const std::size_t bytes = dst.bytes();
+    // pinned_ is free again once the copies out of it are known complete:
+    // after synchronize(), or once the event after the latest one has
+    // completed (also when an op threw before its synchronize()).
+    if (pinned_used_ > 0 && event_done(staged_)) pinned_used_ = 0;
     if (pinned_.data && pinned_used_ + bytes <= pinned_.bytes()) {
         // Through pinned memory, so the copy is truly asynchronous.
         char* staging = static_cast<char*>(pinned_.data) + pinned_used_;
         std::memcpy(staging, src, bytes);
         pinned_used_ += bytes;
         NANOQ_CUDA_CHECK(cudaMemcpyAsync(dst.data, staging, bytes, cudaMemcpyDefault, stream_));
+        NANOQ_CUDA_CHECK(cudaEventRecord(staged_, stream_));
     } else {
         NANOQ_CUDA_CHECK(cudaMemcpyAsync(dst.data, src, bytes, cudaMemcpyDefault, stream_));
     }
@@ -184,7 +198,7 @@ void CudaBackend::fill(const Tensor& t, float value) {
 
 void CudaBackend::synchronize() {
     host_wait(stream_);
-    pinned_used_ = 0;
+    pinned_used_ = 0;  // every staged copy has completed
 }
 
 void CudaBackend::host_wait(cudaStream_t stream) {

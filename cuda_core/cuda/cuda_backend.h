@@ -93,6 +93,9 @@ private:
     Tensor matmul_workspace_;
     Tensor pinned_;           // host staging for copy_from_host
     std::size_t pinned_used_ = 0;
+    // Recorded after the latest copy out of pinned_: once it has completed,
+    // no staged copy is in flight and pinned_ may be reused from the start.
+    cudaEvent_t staged_ = nullptr;
     std::function<void()> host_wait_check_;
 };
 
