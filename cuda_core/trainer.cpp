@@ -163,6 +163,18 @@ struct Trainer::Impl {
         }
     }
 
+    // Device batches: the work each rank does next waits for what the
+    // caller's streams had queued (marked here, on the caller's thread).
+    void record_batch_streams(int source_device, std::uintptr_t inputs_stream, std::uintptr_t targets_stream) {
+        if (failed) return;  // run() says so
+        if (source_device < 0) {
+            if (inputs_stream || targets_stream) throw InvalidArgument("streams are given for device batches only");
+            return;
+        }
+        const std::uintptr_t streams[2] = {inputs_stream, targets_stream};
+        devices[source_device].backend->record_batch_ready(streams, 2);
+    }
+
     // Statistics of all ranks (rows of kGatherStride) combined in rank order.
     StepStats combine(const std::vector<float>& rows) const {
         double sums[kStatCount] = {};
@@ -202,6 +214,7 @@ struct Trainer::Impl {
     std::pair<Tensor, Tensor> load_batch(int rank, DeviceState& d, const std::int32_t* inputs,
                                          const std::int32_t* targets, int source_device) {
         const std::int64_t offset = std::int64_t(rank) * options.batch_size * options.seq_len;
+        if (source_device >= 0) d.backend->wait_batch_ready(*devices[source_device].backend);
         if (source_device == rank) {
             auto view = [&](const std::int32_t* p) {
                 return Tensor(const_cast<std::int32_t*>(p + offset), DType::I32, {options.batch_size, options.seq_len});
@@ -591,13 +604,15 @@ void Trainer::get_gradient(int index, float* out) {
     }
 }
 
-void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int source_device) {
+void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int source_device,
+                   std::uintptr_t inputs_stream, std::uintptr_t targets_stream) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
     Impl& m = *impl_;
     m.check_source(source_device);
     if (m.micro_steps >= m.options.grad_accum)
         throw InvalidArgument("step() called " + std::to_string(m.micro_steps + 1) +
                               " times without update(), but grad_accum is " + std::to_string(m.options.grad_accum));
+    m.record_batch_streams(source_device, inputs_stream, targets_stream);
     const int fault = m.fault_rank.exchange(-1);
     m.run([&](int rank, DeviceState& d) {
         if (rank == fault) throw NanoqError("injected fault in worker " + std::to_string(rank));
@@ -621,10 +636,12 @@ void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int 
     ++m.micro_steps;
 }
 
-StepStats Trainer::validate(const std::int32_t* inputs, const std::int32_t* targets, int source_device) {
+StepStats Trainer::validate(const std::int32_t* inputs, const std::int32_t* targets, int source_device,
+                            std::uintptr_t inputs_stream, std::uintptr_t targets_stream) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
     Impl& m = *impl_;
     m.check_source(source_device);
+    m.record_batch_streams(source_device, inputs_stream, targets_stream);
     std::vector<float> rows;
     m.run([&](int rank, DeviceState& d) {
         const auto [tokens, labels] = m.load_batch(rank, d, inputs, targets, source_device);

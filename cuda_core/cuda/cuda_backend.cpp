@@ -63,6 +63,14 @@ bool event_done(cudaEvent_t event) {
     return status == cudaSuccess;
 }
 
+// The stream a CUDA Array Interface v3 handle names, for the calling thread
+// and its current device.
+cudaStream_t interface_stream(std::uintptr_t handle) {
+    if (handle == 1) return cudaStreamLegacy;
+    if (handle == 2) return cudaStreamPerThread;
+    return reinterpret_cast<cudaStream_t>(handle);
+}
+
 [[maybe_unused]] const bool registered = [] {
     register_backend(NANOQ_CUDA_BACKEND_NAME, BackendPlugin{&create, &make_nccl_group, &visible_devices});
     return true;
@@ -74,12 +82,15 @@ CudaBackend::CudaBackend(int device) : device_(device) {
     NANOQ_CUDA_CHECK(cudaSetDevice(device));
     NANOQ_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     NANOQ_CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming));
+    for (cudaEvent_t& event : batch_ready_) NANOQ_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
     matmul_ = std::make_unique<LtMatmul>();
 }
 
 CudaBackend::~CudaBackend() {
     cudaSetDevice(device_);
     matmul_.reset();
+    for (cudaEvent_t event : batch_ready_)
+        if (event) cudaEventDestroy(event);
     if (staged_) cudaEventDestroy(staged_);
     if (stream_) cudaStreamDestroy(stream_);
 }
@@ -213,6 +224,31 @@ void CudaBackend::host_wait(cudaStream_t stream) {
         cudaGetLastError();  // not-ready is no error, though the runtime may record it
         if (host_wait_check_) host_wait_check_();
     }
+}
+
+void CudaBackend::record_batch_ready(const std::uintptr_t* streams, int count) {
+    if (count > 2) throw InternalError("record_batch_ready takes the inputs' and the targets' streams");
+    // The caller's thread: its current device decides which device's default
+    // stream 1 and 2 name, so it is this device's for the records, then the
+    // caller's again.
+    int callers = 0;
+    NANOQ_CUDA_CHECK(cudaGetDevice(&callers));
+    NANOQ_CUDA_CHECK(cudaSetDevice(device_));
+    batch_ready_count_ = 0;
+    cudaError_t status = cudaSuccess;
+    for (int i = 0; i < count && status == cudaSuccess; ++i) {
+        if (!streams[i] || (i > 0 && streams[i] == streams[0])) continue;
+        status = cudaEventRecord(batch_ready_[batch_ready_count_], interface_stream(streams[i]));
+        if (status == cudaSuccess) ++batch_ready_count_;
+    }
+    cudaSetDevice(callers);
+    NANOQ_CUDA_CHECK(status);
+}
+
+void CudaBackend::wait_batch_ready(Backend& source) {
+    const auto& from = dynamic_cast<const CudaBackend&>(source);
+    for (int i = 0; i < from.batch_ready_count_; ++i)
+        NANOQ_CUDA_CHECK(cudaStreamWaitEvent(stream_, from.batch_ready_[i], 0));
 }
 
 bool CudaBackend::memory_info(std::size_t* free_bytes, std::size_t* total_bytes) {

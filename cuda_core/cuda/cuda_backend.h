@@ -45,6 +45,8 @@ public:
     void copy(const Tensor& dst, const Tensor& src) override;
     void fill(const Tensor& t, float value) override;
     void synchronize() override;
+    void record_batch_ready(const std::uintptr_t* streams, int count) override;
+    void wait_batch_ready(Backend& source) override;
     bool memory_info(std::size_t* free_bytes, std::size_t* total_bytes) override;
     // 64M logits (128 MiB in bf16): a few hundred rows of a 150k vocabulary,
     // enough blocks and matmul rows to fill the GPU.
@@ -97,6 +99,9 @@ private:
     // no staged copy is in flight and pinned_ may be reused from the start.
     cudaEvent_t staged_ = nullptr;
     std::function<void()> host_wait_check_;
+    // record_batch_ready's marks on the caller's streams (inputs, targets).
+    cudaEvent_t batch_ready_[2] = {nullptr, nullptr};
+    int batch_ready_count_ = 0;
 };
 
 }  // namespace cuda
