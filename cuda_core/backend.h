@@ -21,6 +21,7 @@
 #include "allocator.h"
 #include "comm.h"
 #include "nanoq/config.h"
+#include "nanoq/errors.h"
 #include "stat_slots.h"
 #include "tensor.h"
 
@@ -55,6 +56,19 @@ public:
     virtual void copy(const Tensor& dst, const Tensor& src) = 0;
     virtual void fill(const Tensor& t, float value) = 0;
     virtual void synchronize() = 0;
+    // A batch in this backend's device memory that the caller wrote on
+    // streams of its own (handles as the CUDA Array Interface v3 gives them:
+    // 1 the legacy default stream, 2 the per-thread default stream, else a
+    // cudaStream_t; 0 entries are skipped). record_batch_ready runs on the
+    // caller's thread (the one that names its per-thread stream), on the
+    // backend of the batch's device: it marks what those streams have queued
+    // so far. Then each rank's wait_batch_ready(that backend), on the rank's
+    // thread, orders the rank's later work after the marks.
+    virtual void record_batch_ready(const std::uintptr_t* streams, int count) {
+        for (int i = 0; i < count; ++i)
+            if (streams[i]) throw InvalidArgument("the " + name() + " backend has no streams to wait for");
+    }
+    virtual void wait_batch_ready(Backend& /*source*/) {}
     // Elements of the logits chunk the fused classifier works on: large
     // enough to keep the device busy, small enough to bound its memory.
     virtual std::int64_t classifier_chunk_elements() const = 0;

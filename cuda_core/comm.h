@@ -3,9 +3,9 @@
 // Every worker holds one Communicator (its rank). Collectives are called by
 // all ranks in the same order. Sums always add ranks 0..N-1 in the same order
 // on every rank, so every rank sees the same bits and a run is deterministic
-// for a device count. A failing worker aborts the group: every rank blocked
-// in, or later entering, a collective then throws WorkerAborted instead of
-// waiting forever.
+// for a device count. A failing worker aborts the group and its own
+// communicator: every rank blocked in, or later entering, a collective (or a
+// host wait on one) then throws WorkerAborted instead of waiting forever.
 #pragma once
 
 #include <memory>
@@ -44,6 +44,10 @@ public:
     // Orders the device's compute after every collective issued so far.
     virtual void wait() = 0;
     virtual void barrier() = 0;
+    // Abandons this rank's collectives, queued or in flight, for good: called
+    // on this rank's worker thread after it failed (a communicator is never
+    // touched by another rank's thread). Idempotent.
+    virtual void abort() {}
 };
 
 // The communicators of one trainer's devices.
@@ -53,7 +57,9 @@ public:
     // Called once on each rank's worker thread, all ranks concurrently;
     // `backend` is that rank's (its queue orders the collectives).
     virtual std::unique_ptr<Communicator> connect(int rank, Backend& backend) = 0;
-    // Releases every rank from its collectives, now and later. Thread safe.
+    // Marks the group failed, from any thread: every rank then ends its
+    // collectives and host waits, now and later, with WorkerAborted (each
+    // aborting its own communicator on its own thread). Thread safe.
     virtual void abort() = 0;
 };
 

@@ -133,16 +133,46 @@ struct Trainer::Impl {
     }
 
     // Runs task(rank, device) on every worker; a failure poisons the trainer.
+    // A failing worker marks the group aborted, which ends the other ranks'
+    // collectives and waits, and abandons its own communicator's work on its
+    // own thread (no rank touches another's communicator).
     void run(const std::function<void(int, DeviceState&)>& task) {
         if (failed) throw NanoqError("this trainer stopped after a worker failure; close it and create a new one");
         std::function<void(int)> body = [&](int rank) { task(rank, devices[rank]); };
-        std::function<void()> abort = [&] { group->abort(); };
+        std::function<void(int)> abort = [&](int rank) {
+            group->abort();
+            if (devices[rank].comm) devices[rank].comm->abort();
+        };
         try {
             pool->run(body, abort);
         } catch (...) {
             failed = true;
             throw;
         }
+    }
+
+    // Each worker releases its own communicator, all at once: NCCL's destroy
+    // may wait for the peers' destroys.
+    void release_communicators() {
+        std::function<void(int)> release = [&](int rank) { devices[rank].comm.reset(); };
+        std::function<void(int)> nothing = [](int) {};
+        try {
+            pool->run(release, nothing);
+        } catch (...) {
+            // Teardown goes on: the remaining state is freed by the caller either way.
+        }
+    }
+
+    // Device batches: the work each rank does next waits for what the
+    // caller's streams had queued (marked here, on the caller's thread).
+    void record_batch_streams(int source_device, std::uintptr_t inputs_stream, std::uintptr_t targets_stream) {
+        if (failed) return;  // run() says so
+        if (source_device < 0) {
+            if (inputs_stream || targets_stream) throw InvalidArgument("streams are given for device batches only");
+            return;
+        }
+        const std::uintptr_t streams[2] = {inputs_stream, targets_stream};
+        devices[source_device].backend->record_batch_ready(streams, 2);
     }
 
     // Statistics of all ranks (rows of kGatherStride) combined in rank order.
@@ -184,6 +214,7 @@ struct Trainer::Impl {
     std::pair<Tensor, Tensor> load_batch(int rank, DeviceState& d, const std::int32_t* inputs,
                                          const std::int32_t* targets, int source_device) {
         const std::int64_t offset = std::int64_t(rank) * options.batch_size * options.seq_len;
+        if (source_device >= 0) d.backend->wait_batch_ready(*devices[source_device].backend);
         if (source_device == rank) {
             auto view = [&](const std::int32_t* p) {
                 return Tensor(const_cast<std::int32_t*>(p + offset), DType::I32, {options.batch_size, options.seq_len});
@@ -327,6 +358,15 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_
     m.devices.resize(n);
     m.pool = std::make_unique<WorkerPool>(n);
     const int B = options.batch_size, T = options.seq_len;
+    // Should a worker fail, each releases its own communicator on its own
+    // thread before the rest of the state is freed.
+    struct ReleaseOnFailure {
+        Impl& m;
+        bool armed = true;
+        ~ReleaseOnFailure() {
+            if (armed) m.release_communicators();
+        }
+    } release_on_failure{m};
     m.run([&](int rank, DeviceState& d) {
         d.backend = plugin.create_backend(rank, threads);
         d.allocator = std::make_unique<NamedAllocator>(*d.backend, rank, options.memory_limit);
@@ -405,19 +445,10 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_
         d.backend->synchronize();
         d.comm->barrier();  // every rank is connected and ready
     });
+    release_on_failure.armed = false;
 }
 
-Trainer::~Trainer() {
-    // Each worker releases its own communicator, all at once: NCCL's destroy
-    // may wait for the peers' destroys.
-    std::function<void(int)> release = [&](int rank) { impl_->devices[rank].comm.reset(); };
-    std::function<void()> nothing = [] {};
-    try {
-        impl_->pool->run(release, nothing);
-    } catch (...) {
-        // Teardown goes on: the remaining state is freed below either way.
-    }
-}
+Trainer::~Trainer() { impl_->release_communicators(); }
 
 int Trainer::world_size() const { return impl_->options.devices; }
 const std::vector<ParameterInfo>& Trainer::parameters() const { return impl_->parameters; }
@@ -573,13 +604,15 @@ void Trainer::get_gradient(int index, float* out) {
     }
 }
 
-void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int source_device) {
+void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int source_device,
+                   std::uintptr_t inputs_stream, std::uintptr_t targets_stream) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
     Impl& m = *impl_;
     m.check_source(source_device);
     if (m.micro_steps >= m.options.grad_accum)
         throw InvalidArgument("step() called " + std::to_string(m.micro_steps + 1) +
                               " times without update(), but grad_accum is " + std::to_string(m.options.grad_accum));
+    m.record_batch_streams(source_device, inputs_stream, targets_stream);
     const int fault = m.fault_rank.exchange(-1);
     m.run([&](int rank, DeviceState& d) {
         if (rank == fault) throw NanoqError("injected fault in worker " + std::to_string(rank));
@@ -603,10 +636,12 @@ void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int 
     ++m.micro_steps;
 }
 
-StepStats Trainer::validate(const std::int32_t* inputs, const std::int32_t* targets, int source_device) {
+StepStats Trainer::validate(const std::int32_t* inputs, const std::int32_t* targets, int source_device,
+                            std::uintptr_t inputs_stream, std::uintptr_t targets_stream) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
     Impl& m = *impl_;
     m.check_source(source_device);
+    m.record_batch_streams(source_device, inputs_stream, targets_stream);
     std::vector<StatValue> rows;
     m.run([&](int rank, DeviceState& d) {
         const auto [tokens, labels] = m.load_batch(rank, d, inputs, targets, source_device);

@@ -17,7 +17,7 @@ WorkerPool::~WorkerPool() {
     for (std::thread& t : threads_) t.join();
 }
 
-void WorkerPool::run(const std::function<void(int)>& task, const std::function<void()>& on_failure) {
+void WorkerPool::run(const std::function<void(int)>& task, const std::function<void(int)>& on_failure) {
     std::lock_guard<std::mutex> one_call(call_mutex_);
     std::unique_lock<std::mutex> lock(mutex_);
     task_ = &task;
@@ -49,7 +49,7 @@ void WorkerPool::loop(int rank) {
     long seen = 0;
     for (;;) {
         const std::function<void(int)>* task;
-        const std::function<void()>* on_failure;
+        const std::function<void(int)>* on_failure;
         {
             std::unique_lock<std::mutex> lock(mutex_);
             work_ready_.wait(lock, [&] { return stopping_ || generation_ != seen; });
@@ -64,7 +64,7 @@ void WorkerPool::loop(int rank) {
         } catch (...) {
             error = std::current_exception();
             try {
-                (*on_failure)();
+                (*on_failure)(rank);
             } catch (...) {
             }
         }

@@ -2,9 +2,9 @@
 //
 // run() hands the same task to every worker and blocks (on a condition
 // variable, never spinning) until all have finished. A worker that throws
-// calls `on_failure` at once, so that ranks blocked in a collective are
-// released, and run() rethrows the root cause to the caller. Calls from
-// several threads are served one after the other.
+// calls `on_failure(rank)` at once, on its own thread, so that ranks blocked
+// in a collective are released, and run() rethrows the root cause to the
+// caller. Calls from several threads are served one after the other.
 #pragma once
 
 #include <condition_variable>
@@ -24,7 +24,7 @@ public:
     WorkerPool& operator=(const WorkerPool&) = delete;
 
     int size() const { return static_cast<int>(threads_.size()); }
-    void run(const std::function<void(int rank)>& task, const std::function<void()>& on_failure);
+    void run(const std::function<void(int rank)>& task, const std::function<void(int rank)>& on_failure);
 
 private:
     void loop(int rank);
@@ -35,7 +35,7 @@ private:
     std::condition_variable work_ready_;
     std::condition_variable work_done_;
     const std::function<void(int)>* task_ = nullptr;
-    const std::function<void()>* on_failure_ = nullptr;
+    const std::function<void(int)>* on_failure_ = nullptr;
     long generation_ = 0;
     int pending_ = 0;
     bool stopping_ = false;

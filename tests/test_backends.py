@@ -10,7 +10,7 @@ import pytest
 import nanoq
 from nanoq import _core
 from nanoq.backends import device_count, resolve_backend
-from nanoq.trainer import _check_device_tokens
+from nanoq.trainer import _device_array, _interface_stream
 
 CUDA_BUILT = _core.backend_built("cuda")
 
@@ -94,9 +94,9 @@ def test_bad_dtype_names_are_rejected():
 class FakeDeviceArray:
     """Carries only __cuda_array_interface__, as a foreign GPU array would."""
 
-    def __init__(self, typestr="<i4", shape=(2, 8), strides=None):
+    def __init__(self, typestr="<i4", shape=(2, 8), strides=None, **extra):
         self.__cuda_array_interface__ = dict(typestr=typestr, shape=shape, strides=strides, data=(0, False),
-                                             version=3)
+                                             version=3, **extra)
 
 
 def test_device_arrays_need_the_cuda_backend():
@@ -119,4 +119,59 @@ def test_device_arrays_need_the_cuda_backend():
 )
 def test_device_array_checks_happen_before_any_pointer_is_used(array, error, fragment):
     with pytest.raises(error, match=fragment):
-        _check_device_tokens("inputs", array, (2, 8), 64, allow_ignore=False)
+        _device_array("inputs", array, (2, 8))
+
+
+# CUDA Array Interface v3: `stream` is where the producer's writes are
+# queued; the core waits for it. None (or no entry, as in v2) needs no wait
+# and becomes 0; 1 and 2 are the legacy and per-thread default streams.
+@pytest.mark.parametrize("stream, expected", [(None, 0), (1, 1), (2, 2), (0x7F12_3456_7800, 0x7F12_3456_7800),
+                                              (np.uint64(2**64 - 1), 2**64 - 1)],
+                         ids=["none", "legacy", "per-thread", "handle", "numpy-handle"])
+def test_device_array_streams_are_passed_on(stream, expected):
+    assert _device_array("inputs", FakeDeviceArray(stream=stream), (2, 8)) == (0, expected)
+
+
+def test_device_array_without_a_stream_entry_needs_no_wait():
+    assert _interface_stream("inputs", dict(version=2)) == 0
+
+
+@pytest.mark.parametrize("stream, error, fragment", [
+    (0, ValueError, "disallows"),  # ambiguous between None and the default streams: the spec forbids it
+    (-5, ValueError, "not a stream handle"),
+    (2**64, ValueError, "not a stream handle"),
+    (True, TypeError, "None or an int"),
+    ("1", TypeError, "None or an int"),
+    (1.0, TypeError, "None or an int"),
+], ids=["zero", "negative", "too-large", "bool", "str", "float"])
+def test_device_array_bad_streams_are_rejected(stream, error, fragment):
+    with pytest.raises(error, match=fragment):
+        _device_array("targets", FakeDeviceArray(stream=stream), (2, 8))
+
+
+def test_device_batch_streams_reach_the_core(monkeypatch):
+    """Trainer.step hands each array's stream to the core with the pointers
+    (the cuda backend and the GPU-side token check are stood in for)."""
+    calls = []
+
+    class Core:
+        micro_steps = 0
+        world_size = 1
+
+        def step_device(self, *args):
+            calls.append(("step",) + args)
+
+        def validate_device(self, *args):
+            calls.append(("validate",) + args)
+            return dict(loss=0.0, loss_1k=0.0, z_loss=0.0, grad_norm=0.0, lse_max=0.0, lse_mean=0.0, tokens=0)
+
+    monkeypatch.setattr("nanoq.trainer._check_device_tokens", lambda name, array, stream, vocab, ignore: 0)
+    with nanoq.Trainer(tiny_config(), nanoq.TrainOptions(backend="cpu", batch_size=2, seq_len=8)) as trainer:
+        core = trainer._core
+        trainer.backend, trainer._core = "cuda", Core()
+        try:
+            trainer.step(FakeDeviceArray(stream=0x5000), FakeDeviceArray(stream=None))
+            trainer.validate(FakeDeviceArray(stream=1), FakeDeviceArray(stream=2))
+        finally:
+            trainer._core = core
+    assert calls == [("step", 0, 0, 0, 0x5000, 0), ("validate", 0, 0, 0, 1, 2)]

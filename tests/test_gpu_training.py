@@ -308,6 +308,68 @@ def test_bad_device_batches_raise_before_the_core_and_leave_the_trainer_usable(c
     assert np.isfinite(stats.loss), stats
 
 
+# A kernel that keeps its stream busy for `cycles` GPU clocks (1e9: about half a second).
+SPIN_SOURCE = r"""
+extern "C" __global__ void spin(long long cycles) {
+    const long long start = clock64();
+    while (clock64() - start < cycles) {
+    }
+}
+"""
+
+
+def test_device_batch_written_on_another_stream_is_read_after_it(checkpoints):
+    """The tokens are written on a producer stream of the caller's, behind a
+    long kernel; the batch's __cuda_array_interface__ names that stream
+    (cupy reports its current stream), and nanoq's reads must wait for it.
+    Read too early, the buffers still hold zeros and the loss differs."""
+    cupy = pytest.importorskip("cupy")
+    spin = cupy.RawKernel(SPIN_SOURCE, "spin")
+    rng = np.random.default_rng(15)
+    batch, held_out = random_batch(rng, rows=4), random_batch(rng, rows=4)
+    path = checkpoints.path("llama")
+    with open_cuda_trainer(path) as trainer:
+        expected_validation = trainer.validate(*held_out)
+        trainer.step(*batch)
+        expected_update = trainer.update(lr=1e-3)
+
+    def produced(host_arrays, producer):
+        """Device copies of host_arrays, zero until `producer` writes them after a long kernel."""
+        sources = [cupy.asarray(a) for a in host_arrays]
+        outputs = [cupy.zeros_like(a) for a in sources]
+        cupy.cuda.Device().synchronize()
+        with producer:
+            spin((1,), (1,), (np.int64(1_000_000_000),))
+            for out, source in zip(outputs, sources):
+                out[...] = source
+        return outputs
+
+    # Through Trainer (which also checks the tokens, on the producer's stream)
+    # and through the core alone, whose own wait is then all that orders the reads.
+    for route in ("trainer", "core"):
+        producer = cupy.cuda.Stream(non_blocking=True)
+        with open_cuda_trainer(path) as trainer:
+            held_out_on_device = produced(held_out, producer)
+            with producer:
+                if route == "trainer":
+                    validation = trainer.validate(*held_out_on_device)
+                else:
+                    validation = nanoq.StepStats(**trainer._core.validate_device(
+                        held_out_on_device[0].data.ptr, held_out_on_device[1].data.ptr, 0, producer.ptr,
+                        producer.ptr))
+            batch_on_device = produced(batch, producer)
+            with producer:
+                if route == "trainer":
+                    trainer.step(*batch_on_device)
+                else:
+                    trainer._core.step_device(batch_on_device[0].data.ptr, batch_on_device[1].data.ptr, 0,
+                                              producer.ptr, producer.ptr)
+            update = trainer.update(lr=1e-3)
+        producer.synchronize()
+        assert_same_stats(validation, expected_validation, f"validate, batch from a producer stream ({route})")
+        assert_same_stats(update, expected_update, f"update, batch from a producer stream ({route})")
+
+
 # --------------------------------------------------------------------------
 # Reproducibility and devices
 # --------------------------------------------------------------------------

@@ -13,6 +13,7 @@
 
 #include "cuda/cublaslt_matmul.h"
 #include "cuda/cuda_check.h"
+#include "cuda/host_wait.h"
 #include "cuda/kernels.h"
 
 namespace nanoq {
@@ -57,6 +58,21 @@ std::unique_ptr<Backend> create(int device, int /*threads*/) { return std::make_
 
 std::vector<ScratchBuffer> plan(const ScratchShapes& shapes, int /*threads*/, bool ask_libraries) {
     return CudaBackend::scratch_plan(shapes, ask_libraries);
+}
+
+// Whether the work before the latest record of `event` has completed.
+bool event_done(cudaEvent_t event) {
+    const cudaError_t status = cudaEventQuery(event);
+    if (status == cudaErrorNotReady) cudaGetLastError();  // no error, though the runtime may record it
+    return status == cudaSuccess;
+}
+
+// The stream a CUDA Array Interface v3 handle names, for the calling thread
+// and its current device.
+cudaStream_t interface_stream(std::uintptr_t handle) {
+    if (handle == 1) return cudaStreamLegacy;
+    if (handle == 2) return cudaStreamPerThread;
+    return reinterpret_cast<cudaStream_t>(handle);
 }
 
 [[maybe_unused]] const bool registered = [] {
@@ -106,12 +122,17 @@ std::vector<ScratchBuffer> CudaBackend::scratch_plan(const ScratchShapes& s, boo
 CudaBackend::CudaBackend(int device) : device_(device) {
     NANOQ_CUDA_CHECK(cudaSetDevice(device));
     NANOQ_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    NANOQ_CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming));
+    for (cudaEvent_t& event : batch_ready_) NANOQ_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
     matmul_ = std::make_unique<LtMatmul>();
 }
 
 CudaBackend::~CudaBackend() {
     cudaSetDevice(device_);
     matmul_.reset();
+    for (cudaEvent_t event : batch_ready_)
+        if (event) cudaEventDestroy(event);
+    if (staged_) cudaEventDestroy(staged_);
     if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -158,12 +179,17 @@ void* CudaBackend::scratch(std::size_t bytes) const {
 
 void CudaBackend::copy_from_host(const Tensor& dst, const void* src) {
     const std::size_t bytes = dst.bytes();
+    // pinned_ is free again once the copies out of it are known complete:
+    // after synchronize(), or once the event after the latest one has
+    // completed (also when an op threw before its synchronize()).
+    if (pinned_used_ > 0 && event_done(staged_)) pinned_used_ = 0;
     if (pinned_.data && pinned_used_ + bytes <= pinned_.bytes()) {
         // Through pinned memory, so the copy is truly asynchronous.
         char* staging = static_cast<char*>(pinned_.data) + pinned_used_;
         std::memcpy(staging, src, bytes);
         pinned_used_ += bytes;
         NANOQ_CUDA_CHECK(cudaMemcpyAsync(dst.data, staging, bytes, cudaMemcpyDefault, stream_));
+        NANOQ_CUDA_CHECK(cudaEventRecord(staged_, stream_));
     } else {
         NANOQ_CUDA_CHECK(cudaMemcpyAsync(dst.data, src, bytes, cudaMemcpyDefault, stream_));
     }
@@ -174,6 +200,10 @@ void CudaBackend::copy_from_device(const Tensor& dst, const void* src, int sourc
 }
 
 void CudaBackend::copy_to_host(void* dst, const Tensor& src) {
+    // Into pageable memory the copy blocks the host until the stream gets
+    // there; a polling wait first keeps that from hanging on a collective
+    // that a failed peer never joins.
+    host_wait(stream_);
     NANOQ_CUDA_CHECK(cudaMemcpyAsync(dst, src.data, src.bytes(), cudaMemcpyDefault, stream_));
 }
 
@@ -206,8 +236,47 @@ void CudaBackend::fill(const Tensor& t, float value) {
 }
 
 void CudaBackend::synchronize() {
-    NANOQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    pinned_used_ = 0;
+    host_wait(stream_);
+    pinned_used_ = 0;  // every staged copy has completed
+}
+
+void CudaBackend::host_wait(cudaStream_t stream) {
+    for (Backoff backoff;; backoff.pause()) {
+        const cudaError_t status = cudaStreamQuery(stream);
+        if (status == cudaSuccess) return;
+        if (status != cudaErrorNotReady) {
+            // A collective that failed because a peer did: the check reports that.
+            if (host_wait_check_) host_wait_check_();
+            check_cuda(status, "cudaStreamQuery (host wait)", __FILE__, __LINE__);
+        }
+        cudaGetLastError();  // not-ready is no error, though the runtime may record it
+        if (host_wait_check_) host_wait_check_();
+    }
+}
+
+void CudaBackend::record_batch_ready(const std::uintptr_t* streams, int count) {
+    if (count > 2) throw InternalError("record_batch_ready takes the inputs' and the targets' streams");
+    // The caller's thread: its current device decides which device's default
+    // stream 1 and 2 name, so it is this device's for the records, then the
+    // caller's again.
+    int callers = 0;
+    NANOQ_CUDA_CHECK(cudaGetDevice(&callers));
+    NANOQ_CUDA_CHECK(cudaSetDevice(device_));
+    batch_ready_count_ = 0;
+    cudaError_t status = cudaSuccess;
+    for (int i = 0; i < count && status == cudaSuccess; ++i) {
+        if (!streams[i] || (i > 0 && streams[i] == streams[0])) continue;
+        status = cudaEventRecord(batch_ready_[batch_ready_count_], interface_stream(streams[i]));
+        if (status == cudaSuccess) ++batch_ready_count_;
+    }
+    cudaSetDevice(callers);
+    NANOQ_CUDA_CHECK(status);
+}
+
+void CudaBackend::wait_batch_ready(Backend& source) {
+    const auto& from = dynamic_cast<const CudaBackend&>(source);
+    for (int i = 0; i < from.batch_ready_count_; ++i)
+        NANOQ_CUDA_CHECK(cudaStreamWaitEvent(stream_, from.batch_ready_[i], 0));
 }
 
 bool CudaBackend::memory_info(std::size_t* free_bytes, std::size_t* total_bytes) {

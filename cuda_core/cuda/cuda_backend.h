@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <functional>
 #include <memory>
 
 #include "backend.h"
@@ -25,6 +26,14 @@ public:
 
     int device() const { return device_; }
     cudaStream_t stream() const { return stream_; }
+    // Waits on the host until `stream` has run everything queued on it. It
+    // polls rather than blocking in the runtime, calling the check set by
+    // set_host_wait_check meanwhile, so that a wait on a collective that a
+    // failed peer will never join ends (the check throws) instead of hanging.
+    void host_wait(cudaStream_t stream);
+    // The check host waits call while they poll (the communicator's: its
+    // group's abort flag and NCCL's asynchronous errors); empty for none.
+    void set_host_wait_check(std::function<void()> check) { host_wait_check_ = std::move(check); }
 
     std::string name() const override { return NANOQ_CUDA_BACKEND_NAME; }
     // What reserve_scratch allocates (BackendPlugin::scratch_plan): the op
@@ -42,6 +51,8 @@ public:
     void copy(const Tensor& dst, const Tensor& src) override;
     void fill(const Tensor& t, float value) override;
     void synchronize() override;
+    void record_batch_ready(const std::uintptr_t* streams, int count) override;
+    void wait_batch_ready(Backend& source) override;
     bool memory_info(std::size_t* free_bytes, std::size_t* total_bytes) override;
     // 64M logits (128 MiB in bf16): a few hundred rows of a 150k vocabulary,
     // enough blocks and matmul rows to fill the GPU.
@@ -90,6 +101,13 @@ private:
     Tensor matmul_workspace_;
     Tensor pinned_;           // host staging for copy_from_host
     std::size_t pinned_used_ = 0;
+    // Recorded after the latest copy out of pinned_: once it has completed,
+    // no staged copy is in flight and pinned_ may be reused from the start.
+    cudaEvent_t staged_ = nullptr;
+    std::function<void()> host_wait_check_;
+    // record_batch_ready's marks on the caller's streams (inputs, targets).
+    cudaEvent_t batch_ready_[2] = {nullptr, nullptr};
+    int batch_ready_count_ = 0;
 };
 
 }  // namespace cuda

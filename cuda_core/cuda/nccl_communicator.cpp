@@ -3,26 +3,36 @@
 // One communicator per device thread, created concurrently by all ranks from
 // the group's unique id. Collectives run on a communication stream of their
 // own, ordered against the device's compute stream with events: compute ->
-// collective -> compute, without blocking the host. abort() (from a failing
-// worker's thread) aborts every communicator, which ends any collective a
-// peer is blocked in; such communicators are then never used again.
+// collective -> compute, without blocking the host.
+//
+// Failures. A communicator is only ever touched by its own rank's thread:
+// NCCL communicators are not thread safe, and aborting one while its thread
+// is inside a call is a use after free. So the group's abort() only raises a
+// flag, and every rank ends its own communicator: the failing rank on its
+// way out (Communicator::abort, called by the trainer), the others when they
+// see the flag. Nothing waits where the flag cannot be seen: communicators
+// are nonblocking (their initialisation, which waits for every rank, and any
+// call may return ncclInProgress), so the rank polls their state with
+// ncclCommGetAsyncError, and host waits on the device poll too (see
+// CudaBackend::host_wait), checking the flag and NCCL's asynchronous errors.
+// Aborting is needed on every rank: with the real library, a rank's abort
+// does not release peers waiting for it.
 #include <nccl.h>
 
 #include <algorithm>
-#include <mutex>
+#include <atomic>
 #include <string>
-#include <vector>
 
 #include "cuda/cuda_backend.h"
 #include "cuda/cuda_check.h"
+#include "cuda/host_wait.h"
 
 namespace nanoq {
 namespace cuda {
 namespace {
 
-void check_nccl(ncclResult_t status, const char* what) {
-    if (status != ncclSuccess)
-        throw NanoqError(std::string("NCCL error in ") + what + ": " + ncclGetErrorString(status));
+std::string nccl_message(ncclResult_t status, const char* what) {
+    return std::string("NCCL error in ") + what + ": " + ncclGetErrorString(status);
 }
 
 ncclDataType_t nccl_type(DType dtype) {
@@ -35,12 +45,33 @@ ncclDataType_t nccl_type(DType dtype) {
     throw InternalError("collective on an unknown dtype");
 }
 
-class NcclGroup;
+class NcclGroup final : public CommGroup, public std::enable_shared_from_this<NcclGroup> {
+public:
+    explicit NcclGroup(int size) : size_(size) {
+        if (size > 1) {
+            const ncclResult_t status = ncclGetUniqueId(&id_);
+            if (status != ncclSuccess) throw NanoqError(nccl_message(status, "ncclGetUniqueId"));
+        }
+    }
+
+    std::unique_ptr<Communicator> connect(int rank, Backend& backend) override;
+    void abort() override { aborted_ = true; }
+    bool aborted() const { return aborted_; }
+    int size() const { return size_; }
+    const ncclUniqueId& id() const { return id_; }
+
+private:
+    int size_;
+    ncclUniqueId id_{};
+    std::atomic<bool> aborted_{false};
+};
 
 class NcclCommunicator final : public Communicator {
 public:
-    NcclCommunicator(std::shared_ptr<NcclGroup> group, ncclComm_t comm, int rank, int size, CudaBackend& backend);
+    NcclCommunicator(std::shared_ptr<NcclGroup> group, int rank, CudaBackend& backend);
     ~NcclCommunicator() override;
+    // Joins the group's NCCL communicator (no-op for a group of one).
+    void init();
     int rank() const override { return rank_; }
     int size() const override { return size_; }
     void reduce_scatter_sum(const Tensor& buffer) override;
@@ -51,15 +82,27 @@ public:
     void reduce_range_add(const Tensor& in, std::int64_t begin, std::int64_t end, const Tensor& own,
                           std::int64_t shard, const Tensor& scratch) override;
     void barrier() override;
+    void abort() override;
 
 private:
     std::size_t chunk(const Tensor& buffer) const;
     void start_collective();
     // Records the collective's completion; with `now`, compute waits for it.
     void finish_collective(bool now = true);
+    // Throws when the group failed (WorkerAborted) or NCCL reports an
+    // asynchronous error; called while this rank polls.
+    void check();
+    // The end of a call on the (nonblocking) communicator: ncclInProgress
+    // is polled until NCCL reports the call's outcome; errors throw.
+    void complete(ncclResult_t status, const char* what);
+    // One grouped call per owner of a piece of [begin, end) (the range of a
+    // flat buffer whose rank r owns [r * shard, (r + 1) * shard)):
+    // issue(owner, at, stop) for each piece [at, stop), then completed.
+    template <class Issue>
+    void per_owner(const char* what, std::int64_t begin, std::int64_t end, std::int64_t shard, Issue&& issue);
 
     std::shared_ptr<NcclGroup> group_;
-    ncclComm_t comm_;
+    ncclComm_t comm_ = nullptr;
     int rank_, size_;
     CudaBackend& backend_;
     cudaStream_t compute_;
@@ -68,69 +111,96 @@ private:
     float* barrier_token_ = nullptr;  // 4 bytes of device memory, outside the named allocator
 };
 
-class NcclGroup final : public CommGroup, public std::enable_shared_from_this<NcclGroup> {
-public:
-    explicit NcclGroup(int size) : size_(size), comms_(size, nullptr) {
-        if (size > 1) check_nccl(ncclGetUniqueId(&id_), "ncclGetUniqueId");
+std::unique_ptr<Communicator> NcclGroup::connect(int rank, Backend& backend) {
+    auto* cuda_backend = dynamic_cast<CudaBackend*>(&backend);
+    if (!cuda_backend) throw InternalError("the NCCL communicator needs the cuda backend");
+    NANOQ_CUDA_CHECK(cudaSetDevice(cuda_backend->device()));
+    auto comm = std::make_unique<NcclCommunicator>(shared_from_this(), rank, *cuda_backend);
+    try {
+        comm->init();
+    } catch (...) {
+        comm->abort();  // an initialisation in progress is ended too
+        throw;
     }
+    return comm;
+}
 
-    std::unique_ptr<Communicator> connect(int rank, Backend& backend) override {
-        auto* cuda_backend = dynamic_cast<CudaBackend*>(&backend);
-        if (!cuda_backend) throw InternalError("the NCCL communicator needs the cuda backend");
-        NANOQ_CUDA_CHECK(cudaSetDevice(cuda_backend->device()));
-        ncclComm_t comm = nullptr;
-        if (size_ > 1) check_nccl(ncclCommInitRank(&comm, size_, id_, rank), "ncclCommInitRank");
-        {
-            std::lock_guard<std::mutex> lock(mutex_);
-            comms_[rank] = comm;
-        }
-        return std::make_unique<NcclCommunicator>(shared_from_this(), comm, rank, size_, *cuda_backend);
-    }
-
-    void abort() override {
-        std::lock_guard<std::mutex> lock(mutex_);
-        if (aborted_) return;
-        aborted_ = true;
-        for (ncclComm_t comm : comms_)
-            if (comm) ncclCommAbort(comm);
-    }
-
-    // Called by a communicator's destructor: destroys its NCCL communicator
-    // unless abort() already did.
-    void release(int rank) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        if (comms_[rank] && !aborted_) ncclCommDestroy(comms_[rank]);
-        comms_[rank] = nullptr;
-    }
-
-    bool aborted() {
-        std::lock_guard<std::mutex> lock(mutex_);
-        return aborted_;
-    }
-
-private:
-    int size_;
-    ncclUniqueId id_{};
-    std::mutex mutex_;
-    std::vector<ncclComm_t> comms_;
-    bool aborted_ = false;
-};
-
-NcclCommunicator::NcclCommunicator(std::shared_ptr<NcclGroup> group, ncclComm_t comm, int rank, int size,
-                                   CudaBackend& backend)
-    : group_(std::move(group)), comm_(comm), rank_(rank), size_(size), backend_(backend), compute_(backend.stream()) {
+NcclCommunicator::NcclCommunicator(std::shared_ptr<NcclGroup> group, int rank, CudaBackend& backend)
+    : group_(std::move(group)), rank_(rank), size_(group_->size()), backend_(backend), compute_(backend.stream()) {
     NANOQ_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     NANOQ_CUDA_CHECK(cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));
     NANOQ_CUDA_CHECK(cudaEventCreateWithFlags(&comm_done_, cudaEventDisableTiming));
     NANOQ_CUDA_CHECK(cudaMalloc(&barrier_token_, sizeof(float)));
+    backend_.set_host_wait_check([this] { check(); });
+}
+
+void NcclCommunicator::init() {
+    if (size_ == 1) return;
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;  // returns at once; the wait for every rank is polled (complete)
+    const ncclResult_t status = ncclCommInitRankConfig(&comm_, size_, group_->id(), rank_, &config);
+    if (status != ncclSuccess && status != ncclInProgress) comm_ = nullptr;  // no communicator to end
+    complete(status, "ncclCommInitRankConfig");
 }
 
 NcclCommunicator::~NcclCommunicator() {
-    group_->release(rank_);
+    backend_.set_host_wait_check(nullptr);
+    if (comm_ && !group_->aborted()) {
+        // A healthy group: flush and destroy (every rank does it at once).
+        try {
+            complete(ncclCommFinalize(comm_), "ncclCommFinalize");
+            ncclCommDestroy(comm_);
+            comm_ = nullptr;
+        } catch (...) {
+            // Failed or abandoned on the way: aborted below.
+        }
+    }
+    abort();
     cudaFree(barrier_token_);
     cudaEventDestroy(compute_done_);
     cudaEventDestroy(comm_done_);
     cudaStreamDestroy(stream_);
+}
+
+void NcclCommunicator::abort() {
+    if (!comm_) return;
+    ncclCommAbort(comm_);
+    comm_ = nullptr;
+}
+
+void NcclCommunicator::check() {
+    if (group_->aborted()) throw WorkerAborted("collective abandoned: another worker failed");
+    if (!comm_) return;
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t status = ncclCommGetAsyncError(comm_, &state);
+    if (status != ncclSuccess) state = status;
+    if (state != ncclSuccess && state != ncclInProgress)
+        throw NanoqError(nccl_message(state, "an earlier call (ncclCommGetAsyncError)"));
+}
+
+void NcclCommunicator::complete(ncclResult_t status, const char* what) {
+    for (Backoff backoff; status == ncclInProgress; backoff.pause()) {
+        if (group_->aborted()) throw WorkerAborted("collective abandoned: another worker failed");
+        const ncclResult_t query = ncclCommGetAsyncError(comm_, &status);
+        if (query != ncclSuccess) status = query;
+    }
+    if (status != ncclSuccess) throw NanoqError(nccl_message(status, what));
+}
+
+template <class Issue>
+void NcclCommunicator::per_owner(const char* what, std::int64_t begin, std::int64_t end, std::int64_t shard,
+                                 Issue&& issue) {
+    ncclResult_t status = ncclGroupStart();
+    if (status != ncclSuccess) throw NanoqError(nccl_message(status, "ncclGroupStart"));
+    for (std::int64_t at = begin; at < end && status == ncclSuccess;) {
+        const int owner = static_cast<int>(at / shard);
+        const std::int64_t stop = std::min(end, (owner + 1) * shard);
+        status = issue(owner, at, stop);
+        at = stop;
+    }
+    // The group is ended whatever happened, so that this thread's later NCCL calls are not grouped.
+    const ncclResult_t group_end = ncclGroupEnd();
+    complete(status != ncclSuccess ? status : group_end, what);
 }
 
 std::size_t NcclCommunicator::chunk(const Tensor& buffer) const {
@@ -141,7 +211,7 @@ std::size_t NcclCommunicator::chunk(const Tensor& buffer) const {
 }
 
 void NcclCommunicator::start_collective() {
-    if (group_->aborted()) throw WorkerAborted("collective abandoned: another worker failed");
+    check();
     NANOQ_CUDA_CHECK(cudaEventRecord(compute_done_, compute_));
     NANOQ_CUDA_CHECK(cudaStreamWaitEvent(stream_, compute_done_, 0));
 }
@@ -161,9 +231,9 @@ void NcclCommunicator::reduce_scatter_sum(const Tensor& buffer) {
     const std::size_t n = chunk(buffer);
     char* base = static_cast<char*>(buffer.data);
     start_collective();
-    check_nccl(ncclReduceScatter(base, base + rank_ * n * dtype_size(buffer.dtype), n, nccl_type(buffer.dtype),
-                                 ncclSum, comm_, stream_),
-               "ncclReduceScatter");
+    complete(ncclReduceScatter(base, base + rank_ * n * dtype_size(buffer.dtype), n, nccl_type(buffer.dtype), ncclSum,
+                               comm_, stream_),
+             "ncclReduceScatter");
     finish_collective();
 }
 
@@ -172,9 +242,9 @@ void NcclCommunicator::all_gather(const Tensor& buffer) {
     const std::size_t n = chunk(buffer);
     char* base = static_cast<char*>(buffer.data);
     start_collective();
-    check_nccl(ncclAllGather(base + rank_ * n * dtype_size(buffer.dtype), base, n, nccl_type(buffer.dtype), comm_,
-                             stream_),
-               "ncclAllGather");
+    complete(ncclAllGather(base + rank_ * n * dtype_size(buffer.dtype), base, n, nccl_type(buffer.dtype), comm_,
+                           stream_),
+             "ncclAllGather");
     finish_collective();
 }
 
@@ -188,17 +258,11 @@ void NcclCommunicator::gather_range(const Tensor& out, std::int64_t begin, std::
     }
     // One broadcast per owner of a piece of the range, from its shard.
     start_collective();
-    check_nccl(ncclGroupStart(), "ncclGroupStart");
-    for (std::int64_t at = begin; at < end;) {
-        const int owner = static_cast<int>(at / shard);
-        const std::int64_t stop = std::min(end, (owner + 1) * shard);
-        check_nccl(ncclBroadcast(static_cast<const char*>(own.data) + (at - owner * shard) * element,
-                                 static_cast<char*>(out.data) + (at - begin) * element, stop - at,
-                                 nccl_type(own.dtype), owner, comm_, stream_),
-                   "ncclBroadcast");
-        at = stop;
-    }
-    check_nccl(ncclGroupEnd(), "ncclGroupEnd");
+    per_owner("ncclBroadcast", begin, end, shard, [&](int owner, std::int64_t at, std::int64_t stop) {
+        return ncclBroadcast(static_cast<const char*>(own.data) + (at - owner * shard) * element,
+                             static_cast<char*>(out.data) + (at - begin) * element, stop - at, nccl_type(own.dtype),
+                             owner, comm_, stream_);
+    });
     finish_collective(now);
 }
 
@@ -211,16 +275,10 @@ void NcclCommunicator::reduce_range_add(const Tensor& in, std::int64_t begin, st
     }
     // One reduce per owner into its scratch, then the owner adds its part.
     start_collective();
-    check_nccl(ncclGroupStart(), "ncclGroupStart");
-    for (std::int64_t at = begin; at < end;) {
-        const int owner = static_cast<int>(at / shard);
-        const std::int64_t stop = std::min(end, (owner + 1) * shard);
-        check_nccl(ncclReduce(static_cast<const float*>(in.data) + (at - begin), scratch.data, stop - at,
-                              ncclFloat32, ncclSum, owner, comm_, stream_),
-                   "ncclReduce");
-        at = stop;
-    }
-    check_nccl(ncclGroupEnd(), "ncclGroupEnd");
+    per_owner("ncclReduce", begin, end, shard, [&](int owner, std::int64_t at, std::int64_t stop) {
+        return ncclReduce(static_cast<const float*>(in.data) + (at - begin), scratch.data, stop - at, ncclFloat32,
+                          ncclSum, owner, comm_, stream_);
+    });
     finish_collective();
     if (lo < hi) backend_.accumulate(own.slice(lo - rank_ * shard, hi - lo), scratch.slice(0, hi - lo));
 }
@@ -229,10 +287,10 @@ void NcclCommunicator::barrier() {
     if (size_ == 1) return;
     // A one-element all-reduce that every rank waits for on the host.
     start_collective();
-    check_nccl(ncclAllReduce(barrier_token_, barrier_token_, 1, ncclFloat32, ncclSum, comm_, stream_),
-               "ncclAllReduce (barrier)");
+    complete(ncclAllReduce(barrier_token_, barrier_token_, 1, ncclFloat32, ncclSum, comm_, stream_),
+             "ncclAllReduce (barrier)");
     finish_collective();
-    NANOQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    backend_.host_wait(stream_);
 }
 
 }  // namespace

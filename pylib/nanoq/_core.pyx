@@ -100,8 +100,8 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         void get_optimizer_state(int, int, float*) except +nanoq_raise_py_error
         void set_optimizer_state(int, int, const float*) except +nanoq_raise_py_error
         void set_optimizer_steps(int) except +nanoq_raise_py_error
-        void step(const int32_t*, const int32_t*, int) except +nanoq_raise_py_error
-        CStepStats validate(const int32_t*, const int32_t*, int) except +nanoq_raise_py_error
+        void step(const int32_t*, const int32_t*, int, uintptr_t, uintptr_t) except +nanoq_raise_py_error
+        CStepStats validate(const int32_t*, const int32_t*, int, uintptr_t, uintptr_t) except +nanoq_raise_py_error
         CStepStats update(const CUpdateParams&) except +nanoq_raise_py_error
         int micro_steps()
         int optimizer_steps()
@@ -335,7 +335,7 @@ cdef class CoreTrainer:
         self._check_batch_shape(inputs.shape[0], inputs.shape[1])
         self._check_batch_shape(targets.shape[0], targets.shape[1])
         with nogil:
-            t.step(&inputs[0, 0], &targets[0, 0], -1)
+            t.step(&inputs[0, 0], &targets[0, 0], -1, 0, 0)
 
     def validate(self, const int32_t[:, ::1] inputs, const int32_t[:, ::1] targets):
         cdef CTrainer* t = self._get()
@@ -343,21 +343,25 @@ cdef class CoreTrainer:
         self._check_batch_shape(inputs.shape[0], inputs.shape[1])
         self._check_batch_shape(targets.shape[0], targets.shape[1])
         with nogil:
-            s = t.validate(&inputs[0, 0], &targets[0, 0], -1)
+            s = t.validate(&inputs[0, 0], &targets[0, 0], -1, 0, 0)
         return _stats_dict(s)
 
-    def step_device(self, uintptr_t inputs, uintptr_t targets, int device):
+    def step_device(self, uintptr_t inputs, uintptr_t targets, int device, uintptr_t inputs_stream=0,
+                    uintptr_t targets_stream=0):
         """Device batch: pointers to int32 C-contiguous [devices*batch_size,
-        seq_len] arrays in the memory of `device` (checked by the caller)."""
+        seq_len] arrays in the memory of `device` (checked by the caller),
+        and the streams they are written on, as the CUDA Array Interface v3
+        names them (0: none); the step's reads wait for those streams."""
         cdef CTrainer* t = self._get()
         with nogil:
-            t.step(<const int32_t*>inputs, <const int32_t*>targets, device)
+            t.step(<const int32_t*>inputs, <const int32_t*>targets, device, inputs_stream, targets_stream)
 
-    def validate_device(self, uintptr_t inputs, uintptr_t targets, int device):
+    def validate_device(self, uintptr_t inputs, uintptr_t targets, int device, uintptr_t inputs_stream=0,
+                        uintptr_t targets_stream=0):
         cdef CTrainer* t = self._get()
         cdef CStepStats s
         with nogil:
-            s = t.validate(<const int32_t*>inputs, <const int32_t*>targets, device)
+            s = t.validate(<const int32_t*>inputs, <const int32_t*>targets, device, inputs_stream, targets_stream)
         return _stats_dict(s)
 
     def update(self, float lr, float beta1, float beta2, float weight_decay, float grad_clip, float eps):

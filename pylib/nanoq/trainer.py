@@ -40,6 +40,14 @@ class StepStats:
     skipped: bool = False
 
 
+def _bad_tokens(values, vocab_size: int, allow_ignore: bool):
+    """Mask of the ids outside [0, vocab_size), -100 allowed where allow_ignore (numpy or cupy)."""
+    bad = (values < 0) | (values >= vocab_size)
+    if allow_ignore:
+        bad &= values != IGNORE_INDEX
+    return bad
+
+
 def _first_bad_token(name: str, bad, array_module, values, vocab_size: int, allow_ignore: bool) -> None:
     """Raises naming the first offending index when `bad` has any True."""
     if bool(bad.any()):
@@ -59,15 +67,34 @@ def _check_host_tokens(name: str, array, shape, vocab_size: int, allow_ignore: b
         raise ValueError(f"{name} must have shape {shape} (devices*batch_size, seq_len), got {array.shape}")
     if not array.flags.c_contiguous:
         raise ValueError(f"{name} must be C-contiguous (use np.ascontiguousarray)")
-    bad = (array < 0) | (array >= vocab_size)
-    if allow_ignore:
-        bad &= array != IGNORE_INDEX
-    _first_bad_token(name, bad, np, array, vocab_size, allow_ignore)
+    _first_bad_token(name, _bad_tokens(array, vocab_size, allow_ignore), np, array, vocab_size, allow_ignore)
     return array
 
 
-def _check_device_tokens(name: str, array, shape, vocab_size: int, allow_ignore: bool) -> tuple[int, int]:
-    """Checks an array with ``__cuda_array_interface__``; returns (pointer, device)."""
+def _interface_stream(name: str, interface) -> int:
+    """The stream a device array's producer says its data is (being) written
+    on: CUDA Array Interface v3 ``stream``, as the core takes it. 1 is the
+    legacy default stream, 2 the per-thread default stream, any other
+    positive int a ``cudaStream_t``; None (or no entry, as before version 3)
+    means nothing to wait for and becomes 0. The spec disallows 0."""
+    stream = interface.get("stream")
+    if stream is None:
+        return 0
+    if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)):
+        raise TypeError(f"{name}.__cuda_array_interface__['stream'] must be None or an int, "
+                        f"got {type(stream).__name__}")
+    stream = int(stream)
+    if stream == 0:
+        raise ValueError(f"{name}.__cuda_array_interface__['stream'] is 0, which the CUDA Array Interface "
+                         "disallows (ambiguous): the producer must give None, 1, 2 or a stream handle")
+    if not 0 < stream < 2**64:
+        raise ValueError(f"{name}.__cuda_array_interface__['stream'] = {stream} is not a stream handle")
+    return stream
+
+
+def _device_array(name: str, array, shape) -> tuple[int, int]:
+    """Checks an array with ``__cuda_array_interface__`` (int32, ``shape``,
+    C-contiguous); returns (pointer, stream) with stream as _interface_stream."""
     interface = array.__cuda_array_interface__
     if np.dtype(interface["typestr"]) != np.int32:
         raise TypeError(f"{name} must have dtype int32, got {np.dtype(interface['typestr'])}")
@@ -77,15 +104,29 @@ def _check_device_tokens(name: str, array, shape, vocab_size: int, allow_ignore:
     strides = interface.get("strides")
     if strides is not None and tuple(strides) != (4 * shape[1], 4):
         raise ValueError(f"{name} must be C-contiguous")
+    return int(interface["data"][0]), _interface_stream(name, interface)
+
+
+def _check_device_tokens(name: str, array, stream: int, vocab_size: int, allow_ignore: bool) -> int:
+    """Checks the token ids of a device array (see _device_array) on the GPU,
+    on its producer's stream so that the check reads what the producer
+    wrote; returns the array's device."""
     import cupy  # a device array means the cuda backend, which needs cupy here
 
     device_array = cupy.asarray(array)
     with device_array.device:
-        bad = (device_array < 0) | (device_array >= vocab_size)
-        if allow_ignore:
-            bad &= device_array != IGNORE_INDEX
-        _first_bad_token(name, bad, cupy, device_array, vocab_size, allow_ignore)
-    return int(interface["data"][0]), int(device_array.device.id)
+        if stream == 0:
+            producer = cupy.cuda.get_current_stream()
+        elif stream == 1:
+            producer = cupy.cuda.Stream.null
+        elif stream == 2:
+            producer = cupy.cuda.Stream.ptds
+        else:
+            producer = cupy.cuda.ExternalStream(stream)
+        with producer:
+            _first_bad_token(name, _bad_tokens(device_array, vocab_size, allow_ignore), cupy, device_array,
+                             vocab_size, allow_ignore)
+    return int(device_array.device.id)
 def _check_hyper(name: str, value, low: float, high: float = math.inf, low_inclusive=True, high_inclusive=True):
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
@@ -308,8 +349,10 @@ class Trainer:
 
     # -- training ------------------------------------------------------------
     def _device_batch(self, inputs, targets):
-        """(inputs pointer, targets pointer, device) of a device batch, or
-        None for numpy arrays; every check happens here, before the core."""
+        """(inputs pointer, targets pointer, device, inputs stream, targets
+        stream) of a device batch, or None for numpy arrays; every check
+        happens here, before the core. The core orders its reads after the
+        producers' streams (CUDA Array Interface v3)."""
         on_device = [hasattr(a, "__cuda_array_interface__") for a in (inputs, targets)]
         vocab = self.config.vocab_size
         if not any(on_device):
@@ -321,14 +364,16 @@ class Trainer:
         if self.backend != "cuda":  # the emulator has no device arrays
             raise TypeError(f"device arrays need the cuda backend; this trainer runs on {self.backend}: "
                             "pass numpy arrays")
-        inputs_ptr, inputs_device = _check_device_tokens("inputs", inputs, self._batch_shape, vocab, False)
-        targets_ptr, targets_device = _check_device_tokens("targets", targets, self._batch_shape, vocab, True)
+        inputs_ptr, inputs_stream = _device_array("inputs", inputs, self._batch_shape)
+        targets_ptr, targets_stream = _device_array("targets", targets, self._batch_shape)
+        inputs_device = _check_device_tokens("inputs", inputs, inputs_stream, vocab, False)
+        targets_device = _check_device_tokens("targets", targets, targets_stream, vocab, True)
         if inputs_device != targets_device:
             raise ValueError(f"inputs are on GPU {inputs_device} but targets on GPU {targets_device}")
         if inputs_device >= self.world_size:
             raise ValueError(f"the batch is on GPU {inputs_device}, but this trainer uses GPUs "
                              f"0..{self.world_size - 1}")
-        return inputs_ptr, targets_ptr, inputs_device
+        return inputs_ptr, targets_ptr, inputs_device, inputs_stream, targets_stream
 
     def step(self, inputs, targets) -> None:
         """Forward and backward of one micro-batch on every device.
@@ -336,7 +381,8 @@ class Trainer:
         inputs, targets: int32 C-contiguous arrays of shape
         [devices * batch_size, seq_len]: numpy arrays, or (cuda backend)
         device arrays such as cupy's (anything with ``__cuda_array_interface__``),
-        read in place on their GPU. Device d gets rows
+        read in place on their GPU (after the work queued on the stream
+        their ``__cuda_array_interface__`` names). Device d gets rows
         [d*batch_size, (d+1)*batch_size). targets[b, t] is the token that
         should follow inputs[b, :t+1], or -100 for no loss. The arrays are
         read before step returns and may be reused.

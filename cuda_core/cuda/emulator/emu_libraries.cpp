@@ -1,6 +1,8 @@
 // The emulator's stand-ins for cuBLASLt and NCCL (see cublasLt.h, nccl.h).
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <condition_variable>
 #include <map>
 #include <memory>
@@ -217,12 +219,17 @@ struct Call {
 };
 
 struct Clique {
-    explicit Clique(int n) : nranks(n) {}
+    explicit Clique(int n) : nranks(n), rank_aborted(n, 0) {}
     const int nranks;
     std::mutex mutex;
     std::condition_variable changed;
     int joined = 0;
+    // The ranks' calls disagreed (an emulator check): every rank is released.
     bool aborted = false;
+    // ncclCommAbort of that rank: as with the real library, only that rank's
+    // own waits end. A peer waiting for it waits on (on a GPU for ever, here
+    // up to the emulator's bound) until it aborts its own communicator too.
+    std::vector<char> rank_aborted;
     struct Pending {
         std::vector<Call> calls;
         std::vector<bool> present;
@@ -328,13 +335,51 @@ void perform(const std::vector<Call>& calls) {
 struct nanoq_emu_nccl_comm {
     std::shared_ptr<Clique> clique;
     int rank;
+    bool blocking;
     std::uint64_t next = 0;  // sequence number of the next collective
+    // A nonblocking call returned ncclInProgress and ncclCommGetAsyncError has
+    // not reported its end yet. The real library may not even have queued
+    // the work by then, so relying on it (or calling again) is undefined;
+    // the emulator refuses the next call instead.
+    bool in_progress = false;
+    std::thread::id owner = std::this_thread::get_id();  // the thread that created it
 };
 
 namespace {
 
+// NCCL forbids two threads operating one communicator at once (and using it
+// after another thread freed it). nanoq keeps each communicator on the
+// thread that created it; calls from any other thread are counted here
+// (nanoq_emu_nccl_foreign_thread_calls) for tests to check that.
+std::atomic<unsigned long long> foreign_thread_calls{0};
+
+void note_thread(ncclComm_t comm, const char* what) {
+    if (!comm || comm->owner == std::this_thread::get_id()) return;
+    if (foreign_thread_calls++ == 0)
+        std::fprintf(stderr, "nanoq emulator: %s on rank %d's NCCL communicator from a thread that did not create it\n",
+                     what, comm->rank);
+}
+
+// Nonblocking communicators used inside the calling thread's ncclGroupStart/End.
+thread_local int tl_group_depth = 0;
+thread_local std::vector<ncclComm_t> tl_group_nonblocking;
+
+// What a call that was carried out returns: nonblocking communicators
+// report ncclInProgress (as the real library may), at ncclGroupEnd when grouped.
+ncclResult_t issued(ncclComm_t comm) {
+    if (comm->blocking) return ncclSuccess;
+    if (tl_group_depth > 0) {
+        tl_group_nonblocking.push_back(comm);
+        return ncclSuccess;
+    }
+    comm->in_progress = true;
+    return ncclInProgress;
+}
+
 ncclResult_t enqueue_collective(ncclComm_t comm, cudaStream_t stream, Call call) {
     if (!comm) return ncclInvalidArgument;
+    note_thread(comm, collective_name(call.what));
+    if (comm->in_progress) return ncclInvalidUsage;
     std::shared_ptr<Clique> clique = comm->clique;
     {
         std::lock_guard<std::mutex> lock(clique->mutex);
@@ -348,6 +393,10 @@ ncclResult_t enqueue_collective(ncclComm_t comm, cudaStream_t stream, Call call)
         stream,
         [clique, seq, rank, call] {
             std::unique_lock<std::mutex> lock(clique->mutex);
+            const auto aborted_here = [&] {
+                return std::string(collective_name(call.what)) + ": communicator aborted";
+            };
+            if (clique->rank_aborted[rank]) throw nanoq_emu::Error(aborted_here());  // queued before the abort
             Clique::Pending& p = clique->pending[seq];
             if (p.calls.empty()) {
                 p.calls.resize(clique->nranks);
@@ -355,7 +404,11 @@ ncclResult_t enqueue_collective(ncclComm_t comm, cudaStream_t stream, Call call)
             }
             p.calls[rank] = call;
             p.present[rank] = true;
-            if (++p.arrived == clique->nranks) {
+            // A rank that aborted never contributes (its kernels are gone), so
+            // the collective cannot complete for the others.
+            const bool peer_aborted = std::find(clique->rank_aborted.begin(), clique->rank_aborted.end(), 1) !=
+                                      clique->rank_aborted.end();
+            if (++p.arrived == clique->nranks && !peer_aborted) {
                 const Call& c0 = p.calls[0];
                 for (int r = 1; r < clique->nranks; ++r) {
                     const Call& c = p.calls[r];
@@ -371,16 +424,17 @@ ncclResult_t enqueue_collective(ncclComm_t comm, cudaStream_t stream, Call call)
                 perform(p.calls);
                 p.done = true;
                 clique->changed.notify_all();
-            } else if (!clique->changed.wait_for(lock, std::chrono::seconds(120),
-                                                 [&] { return p.done || clique->aborted; })) {
+            } else if (!clique->changed.wait_for(lock, std::chrono::seconds(120), [&] {
+                           return p.done || clique->aborted || clique->rank_aborted[rank];
+                       })) {
                 throw nanoq_emu::Error(std::string(collective_name(call.what)) +
                                        ": the other ranks did not join within 120 s");
             }
-            if (!p.done) throw nanoq_emu::Error(std::string(collective_name(call.what)) + ": communicator aborted");
+            if (!p.done) throw nanoq_emu::Error(aborted_here());
             if (++p.released == clique->nranks) clique->pending.erase(seq);
         },
         collective_name(call.what));
-    return ncclSuccess;
+    return issued(comm);
 }
 
 ncclResult_t init_rank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank, bool blocking) {
@@ -396,11 +450,17 @@ ncclResult_t init_rank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank, 
         }
     }
     if (clique->nranks != nranks) return ncclInvalidUsage;
-    *comm = new nanoq_emu_nccl_comm{clique, rank};
+    int device = 0;
+    cudaGetDevice(&device);
+    if (nanoq_emu::device_lost(device)) return ncclUnhandledCudaError;  // NCCL's CUDA calls fail there
+    *comm = new nanoq_emu_nccl_comm{clique, rank, blocking};
     std::unique_lock<std::mutex> lock(clique->mutex);
     ++clique->joined;
     clique->changed.notify_all();
-    if (!blocking) return ncclInProgress;
+    if (!blocking) {
+        (*comm)->in_progress = true;
+        return ncclInProgress;
+    }
     // A blocking init waits for every rank, for ever, as the real one does
     // (bounded here so that a test cannot hang the machine).
     if (!clique->changed.wait_for(lock, std::chrono::seconds(300),
@@ -419,7 +479,8 @@ const char* ncclGetErrorString(ncclResult_t result) {
         case ncclInternalError: return "internal error (emulated NCCL)";
         case ncclInvalidArgument: return "invalid argument (emulated NCCL)";
         case ncclInvalidUsage: return "invalid usage (emulated NCCL)";
-        case ncclRemoteError: return "remote process exited or there was a network error (emulated NCCL: aborted)";
+        case ncclRemoteError:
+            return "remote process exited or there was a network error (emulated NCCL: the ranks' calls disagreed)";
         case ncclInProgress: return "NCCL operation in progress";
     }
     return "unknown result";
@@ -445,21 +506,35 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId i
 
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* async_error) {
     if (!comm) return ncclInvalidArgument;
+    note_thread(comm, "ncclCommGetAsyncError");
     std::lock_guard<std::mutex> lock(comm->clique->mutex);
-    if (comm->clique->aborted)
+    if (comm->clique->aborted) {
         *async_error = ncclRemoteError;
-    else if (comm->clique->joined < comm->clique->nranks)
-        *async_error = ncclInProgress;
-    else
-        *async_error = ncclSuccess;
+    } else if (comm->clique->joined < comm->clique->nranks) {
+        *async_error = ncclInProgress;  // initialisation waits for every rank
+    } else {
+        *async_error = ncclSuccess;  // the emulator carries calls out at once
+        comm->in_progress = false;
+    }
     return ncclSuccess;
 }
 
+// Flushes the communicator's work before ncclCommDestroy; nothing to flush here.
+ncclResult_t ncclCommFinalize(ncclComm_t comm) {
+    if (!comm) return ncclInvalidArgument;
+    note_thread(comm, "ncclCommFinalize");
+    if (comm->in_progress) return ncclInvalidUsage;
+    return issued(comm);
+}
+
+// Ends this rank's collectives, queued or waiting, with an error, and frees
+// the communicator. Its peers are not released (see Clique::rank_aborted).
 ncclResult_t ncclCommAbort(ncclComm_t comm) {
     if (!comm) return ncclSuccess;
+    note_thread(comm, "ncclCommAbort");
     {
         std::lock_guard<std::mutex> lock(comm->clique->mutex);
-        comm->clique->aborted = true;  // peers waiting in a collective or in init give up
+        comm->clique->rank_aborted[comm->rank] = 1;
         comm->clique->changed.notify_all();
     }
     delete comm;
@@ -467,12 +542,23 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
 }
 
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
+    note_thread(comm, "ncclCommDestroy");
     delete comm;
     return ncclSuccess;
 }
 
-ncclResult_t ncclGroupStart() { return ncclSuccess; }
-ncclResult_t ncclGroupEnd() { return ncclSuccess; }
+ncclResult_t ncclGroupStart() {
+    ++tl_group_depth;
+    return ncclSuccess;
+}
+
+ncclResult_t ncclGroupEnd() {
+    if (tl_group_depth == 0) return ncclInvalidUsage;
+    if (--tl_group_depth > 0 || tl_group_nonblocking.empty()) return ncclSuccess;
+    for (ncclComm_t comm : tl_group_nonblocking) comm->in_progress = true;
+    tl_group_nonblocking.clear();
+    return ncclInProgress;
+}
 
 ncclResult_t ncclAllReduce(const void* send, void* recv, std::size_t count, ncclDataType_t type, ncclRedOp_t,
                            ncclComm_t comm, cudaStream_t stream) {
@@ -493,4 +579,10 @@ ncclResult_t ncclBroadcast(const void* send, void* recv, std::size_t count, nccl
 ncclResult_t ncclReduce(const void* send, void* recv, std::size_t count, ncclDataType_t type, ncclRedOp_t, int root,
                         ncclComm_t comm, cudaStream_t stream) {
     return enqueue_collective(comm, stream, Call{Collective::Reduce, send, recv, count, type, root});
+}
+
+// How many calls so far used an NCCL communicator from a thread other than
+// its creator's (see note_thread). Exported for tests (ctypes).
+extern "C" __attribute__((visibility("default"))) unsigned long long nanoq_emu_nccl_foreign_thread_calls() {
+    return foreign_thread_calls.load();
 }

@@ -680,7 +680,50 @@ cudaError_t launch_error(cudaError_t code, const std::string& message) {
     return report(code, message);
 }
 
+// ---- injected device loss (nanoq_emu_lose_device, for tests) -----------------------
+// A GPU can fail for good in the middle of work (an Xid: a fatal fault, the
+// device falling off the bus): its context is lost, every later operation on
+// any of its streams and every later call on it fail with a sticky error,
+// and work of other devices that waits for it (a collective) waits for ever.
+// Tests inject that to check how multi-device code fails.
+constexpr int kMaxLosableDevices = 64;
+struct DeviceFault {
+    std::atomic<long> kernels_left{0};  // > 0: the device is lost when its kernels_left-th next kernel runs
+    std::atomic<bool> lost{false};
+};
+DeviceFault* device_fault(int device) {
+    static DeviceFault faults[kMaxLosableDevices];
+    return device >= 0 && device < kMaxLosableDevices ? &faults[device] : nullptr;
+}
+
+std::string lost_message(int device) {
+    return "emulated device " + std::to_string(device) + " was lost (injected with nanoq_emu_lose_device)";
+}
+
+// Counts a kernel that is about to run on `device`; throws if it is the one
+// the device is lost at.
+void count_kernel(int device, const Launch& launch) {
+    DeviceFault* f = device_fault(device);
+    if (!f || f->kernels_left.load() <= 0 || f->kernels_left.fetch_sub(1) != 1) return;
+    f->lost = true;
+    throw Error(lost_message(device) + " running the kernel launched at " + launch.grid.file + ":" +
+                std::to_string(launch.grid.line));
+}
+
+// cudaSuccess, or the sticky error of a lost device (for calls on it).
+cudaError_t check_device(int device) {
+    return device_lost(device) ? report(cudaErrorLaunchFailure, lost_message(device)) : cudaSuccess;
+}
+
+// Host-to-device copies from pageable memory (nanoq_emu_pageable_copies).
+std::atomic<unsigned long long> pageable_copies{0};
+
 }  // namespace
+
+bool device_lost(int device) {
+    const DeviceFault* f = device_fault(device);
+    return f && f->lost.load();
+}
 
 // ---- streams and events ------------------------------------------------------------
 }  // namespace nanoq_emu
@@ -715,13 +758,15 @@ struct nanoq_emu_stream {
     cudaError_t synchronize(std::string* message) {
         std::unique_lock<std::mutex> lock(mutex);
         idle.wait(lock, [this] { return tasks.empty() && !busy; });
-        *message = this->message;
-        return error;
+        return sticky(message);
     }
 
-    bool is_idle() {
+    // cudaErrorNotReady while work is queued, else the sticky error (as
+    // cudaStreamQuery reports errors of earlier asynchronous work).
+    cudaError_t query(std::string* message) {
         std::lock_guard<std::mutex> lock(mutex);
-        return tasks.empty() && !busy;
+        if (!tasks.empty() || busy) return cudaErrorNotReady;
+        return sticky(message);
     }
 
     void drain() {
@@ -735,6 +780,10 @@ struct nanoq_emu_stream {
                 task = std::move(tasks.front());
                 tasks.pop_front();
                 busy = true;
+                if (error == cudaSuccess && !task.always && nanoq_emu::device_lost(device)) {
+                    error = cudaErrorLaunchFailure;
+                    message = std::string(task.what) + ": " + nanoq_emu::lost_message(device);
+                }
                 if (error != cudaSuccess && !task.always) {
                     busy = false;
                     if (tasks.empty()) idle.notify_all();
@@ -757,6 +806,16 @@ struct nanoq_emu_stream {
             busy = false;
             if (tasks.empty()) idle.notify_all();
         }
+    }
+
+    // The stream's error, or its device's loss; called with `mutex` held.
+    cudaError_t sticky(std::string* text) {
+        if (error == cudaSuccess && nanoq_emu::device_lost(device)) {
+            error = cudaErrorLaunchFailure;
+            message = nanoq_emu::lost_message(device);
+        }
+        *text = message;
+        return error;
     }
 
     int device;
@@ -857,6 +916,7 @@ private:
 };
 
 void run_grid(const Launch& launch) {
+    count_kernel(tl_device, launch);  // the stream's worker runs with its device set
     const auto began = std::chrono::steady_clock::now();
     thread_local StackPool stacks;
     thread_local std::unique_ptr<BlockRun> run(new BlockRun());
@@ -1011,6 +1071,8 @@ const char* cudaGetErrorString(cudaError_t error) {
 }
 
 cudaError_t cudaMalloc(void** pointer, std::size_t bytes) {
+    *pointer = nullptr;
+    if (const cudaError_t lost = nanoq_emu::check_device(nanoq_emu::tl_device)) return lost;
     *pointer = memory().allocate(bytes, nanoq_emu::tl_device);
     if (!*pointer)
         return report(cudaErrorMemoryAllocation,
@@ -1068,6 +1130,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaM
     if (src_pageable) {
         // From pageable memory the call returns once the source is staged:
         // the caller may reuse it at once, as with the real runtime.
+        ++nanoq_emu::pageable_copies;
         auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src),
                                                           static_cast<const char*>(src) + bytes);
         s->push([dst, staged] { std::memcpy(dst, staged->data(), staged->size()); }, "cudaMemcpyAsync");
@@ -1110,6 +1173,7 @@ cudaError_t cudaMemset(void* dst, int value, std::size_t bytes) {
 }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int) {
+    if (const cudaError_t lost = nanoq_emu::check_device(nanoq_emu::tl_device)) return lost;
     *stream = new nanoq_emu_stream(nanoq_emu::tl_device);
     std::lock_guard<std::mutex> lock(nanoq_emu::streams_mutex);
     nanoq_emu::live_streams().push_back(*stream);
@@ -1140,7 +1204,9 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
 }
 
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
-    return nanoq_emu::resolve(stream)->is_idle() ? cudaSuccess : cudaErrorNotReady;
+    std::string message;
+    const cudaError_t code = nanoq_emu::resolve(stream)->query(&message);
+    return code == cudaSuccess || code == cudaErrorNotReady ? code : report(code, message);
 }
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int) {
@@ -1197,4 +1263,22 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
 cudaError_t cudaEventQuery(cudaEvent_t event) {
     std::lock_guard<std::mutex> lock(event->mutex);
     return event->completed >= event->recorded ? cudaSuccess : cudaErrorNotReady;
+}
+
+// ---- emulator control for tests (exported: tests reach them with ctypes) ---------------
+// Device `device` is lost now (after_kernels <= 0) or when the after_kernels-th
+// kernel from now runs on it; see DeviceFault above. There is no way back.
+extern "C" __attribute__((visibility("default"))) void nanoq_emu_lose_device(int device, long after_kernels) {
+    nanoq_emu::DeviceFault* f = nanoq_emu::device_fault(device);
+    if (!f) return;
+    if (after_kernels <= 0)
+        f->lost = true;
+    else
+        f->kernels_left = after_kernels;
+}
+
+// How many host-to-device copies so far read pageable host memory (those
+// from pinned memory are truly asynchronous on a GPU; these are not).
+extern "C" __attribute__((visibility("default"))) unsigned long long nanoq_emu_pageable_copies() {
+    return nanoq_emu::pageable_copies.load();
 }

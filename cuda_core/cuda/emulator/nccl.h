@@ -1,6 +1,10 @@
 // The NCCL subset nanoq uses, for the CPU emulator: communicators of one
-// process made from a unique id, blocking or non-blocking initialisation,
-// abort, and the collectives, queued on the caller's stream. A collective
+// process made from a unique id, blocking or non-blocking initialisation
+// (a nonblocking communicator's calls return ncclInProgress, and its state
+// must be polled with ncclCommGetAsyncError before the next call), finalize,
+// abort (of one rank: as with the real library, peers waiting for that rank
+// are not released until they abort their own communicators), and the
+// collectives, queued on the caller's stream. A collective
 // waits on its stream until every rank of the communicator has reached the
 // same call, then the last rank to arrive carries it out for all (sums in
 // rank order, so results are deterministic); the ranks' calls are checked to
@@ -44,6 +48,7 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId* id);
 ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank);
 ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t* config);
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* async_error);
+ncclResult_t ncclCommFinalize(ncclComm_t comm);
 ncclResult_t ncclCommAbort(ncclComm_t comm);
 ncclResult_t ncclCommDestroy(ncclComm_t comm);
 ncclResult_t ncclGroupStart();

@@ -50,8 +50,16 @@ public:
     // int32 [devices * batch_size, seq_len], C-contiguous, in host memory
     // (source_device = -1) or in the memory of device `source_device` of
     // this trainer's backend (read in place there, peer-copied elsewhere).
-    void step(const std::int32_t* inputs, const std::int32_t* targets, int source_device = -1);
-    StepStats validate(const std::int32_t* inputs, const std::int32_t* targets, int source_device = -1);
+    // A device batch may still be being written on the caller's streams:
+    // inputs_stream and targets_stream name them as the CUDA Array
+    // Interface v3 does (1: the legacy default stream, 2: the calling
+    // thread's per-thread default stream, else a cudaStream_t; 0: nothing
+    // to wait for), and the trainer's reads are ordered after the work they
+    // hold when the call is made.
+    void step(const std::int32_t* inputs, const std::int32_t* targets, int source_device = -1,
+              std::uintptr_t inputs_stream = 0, std::uintptr_t targets_stream = 0);
+    StepStats validate(const std::int32_t* inputs, const std::int32_t* targets, int source_device = -1,
+                       std::uintptr_t inputs_stream = 0, std::uintptr_t targets_stream = 0);
     StepStats update(const UpdateParams& params);
 
     int micro_steps() const;   // step() calls since the last update()

@@ -1,0 +1,145 @@
+"""Failures of the cuda backend, on the CPU emulator of CUDA (cuda_emulated).
+
+A GPU that is lost on one rank (the emulator's nanoq_emu_lose_device: as
+after a fatal fault, everything on that device fails from then on, and
+peers waiting for it in a collective wait for ever) must reach Python as
+that rank's error within seconds, whether the rank fails before its NCCL
+communicator connects or in the middle of a step, and the process must not
+hang; and no rank's thread may touch another rank's communicator. Each
+scenario runs in a subprocess, so that a hang is a failed test (and a lost
+device stays in its own process).
+"""
+import ctypes
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import nanoq
+from nanoq import _core
+
+pytestmark = pytest.mark.cuda_emulated
+
+os.environ.setdefault("NANOQ_EMU_SEED", "1")  # a fixed schedule for the emulator in this process
+
+
+def emulator():
+    """The emulated backend's library (loaded once), for its test controls."""
+    _core.device_count("cuda_emulated")  # loads it, as a Trainer would
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(nanoq.__file__), "libnanoq_cuda_emulated.so"))
+    lib.nanoq_emu_lose_device.argtypes = [ctypes.c_int, ctypes.c_long]
+    lib.nanoq_emu_pageable_copies.restype = ctypes.c_ulonglong
+    lib.nanoq_emu_nccl_foreign_thread_calls.restype = ctypes.c_ulonglong
+    return lib
+
+
+SCENARIO = """
+import json, sys, time
+import numpy as np
+import nanoq
+sys.path.insert(0, {tests!r})
+from test_cuda_emulated_faults import emulator
+
+where, stage, kernel = {where!r}, {stage}, {kernel}
+config = nanoq.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4)
+options = nanoq.TrainOptions(backend="cuda_emulated", devices=2, batch_size=1, seq_len=8, zero_stage=stage)
+tokens = np.random.default_rng(0).integers(0, 64, (2, 9), dtype=np.int32)
+inputs, targets = np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(tokens[:, 1:])
+trainer = None
+if where == "connect":
+    emulator().nanoq_emu_lose_device(1, 0)  # rank 1's device is gone before the trainer exists
+else:
+    trainer = nanoq.Trainer(config, options)
+    trainer.step(inputs, targets)
+    trainer.update(lr=1e-3)
+    if where == "update":
+        trainer.step(inputs, targets)
+    emulator().nanoq_emu_lose_device(1, kernel)  # at rank 1's kernel-th next kernel
+start = time.monotonic()
+try:
+    if where == "connect":
+        trainer = nanoq.Trainer(config, options)
+    elif where == "step":
+        trainer.step(inputs, targets)
+    else:
+        trainer.update(lr=1e-3)
+    error = None
+except nanoq.NanoqError as e:
+    error = str(e)
+elapsed = time.monotonic() - start
+start = time.monotonic()
+if trainer is not None:
+    trainer.close()
+print(json.dumps(dict(error=error, elapsed=elapsed, close=time.monotonic() - start,
+                      foreign=emulator().nanoq_emu_nccl_foreign_thread_calls())), flush=True)
+"""
+
+
+def run_scenario(where, stage=1, kernel=0, timeout=120):
+    script = SCENARIO.format(tests=os.path.dirname(__file__), where=where, stage=stage, kernel=kernel)
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout,
+                              env=dict(os.environ, NANOQ_EMU_SEED="1"))
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the process hung: no result within {timeout} s\n{e.stdout}\n{e.stderr}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+LOST = "emulated device 1 was lost"
+
+
+def test_a_rank_that_fails_before_its_communicator_connects_fails_the_trainer_promptly():
+    # Rank 1 fails creating its stream; rank 0 is meanwhile in NCCL's
+    # initialisation, which waits for every rank: it must give up.
+    result = run_scenario("connect")
+    assert result["error"] is not None and LOST in result["error"], result
+    assert result["elapsed"] < 10, result
+    assert result["foreign"] == 0, result
+
+
+@pytest.mark.parametrize("where, stage, kernel", [
+    ("step", 3, 1),    # ZeRO-3: rank 0 waits in the layers' gathers
+    ("step", 3, 25),
+    ("update", 1, 1),  # rank 0 waits in the reduce-scatter / all-gathers, then copying stats to the host
+    ("update", 1, 6),
+])
+def test_a_rank_lost_during_a_step_fails_it_promptly_with_that_ranks_error(where, stage, kernel):
+    result = run_scenario(where, stage, kernel)
+    # The root cause, not the peers' abandoned collectives.
+    assert result["error"] is not None and LOST in result["error"], result
+    assert "abandoned" not in result["error"] and "aborted" not in result["error"], result
+    assert result["elapsed"] < 10, result
+    assert result["close"] < 10, result
+    # Every rank aborted only its own communicator, from its own thread: a
+    # communicator used by two threads is a data race (and, once freed by
+    # one, a use after free for the other).
+    assert result["foreign"] == 0, result
+
+
+def test_pinned_staging_is_reused_after_an_op_that_raised():
+    """An op that raises after staging its inputs (attention over more than
+    65535 sequences: the grid's z dimension) must not leave the pinned
+    staging buffer marked in use: later copies go through it again, and
+    results match a fresh runner's."""
+    rng = np.random.default_rng(0)
+    # q of [B, T, 1, 2] fills the staging buffer (2 int32 per row) exactly.
+    small = [rng.standard_normal((2, 8, 1, 2), dtype=np.float32) for _ in range(3)]
+    expected = _core.OpRunner("cuda_emulated").attention_forward(*small)
+    runner = _core.OpRunner("cuda_emulated")
+    big = np.zeros((65536, 1, 1, 2), np.float32)
+    with pytest.raises(nanoq.NanoqError, match="invalid grid"):
+        runner.attention_forward(big, big, big)
+    lib = emulator()
+    for _ in range(2):
+        before = lib.nanoq_emu_pageable_copies()
+        out = runner.attention_forward(*small)
+        # Of q, k and v, at least q is staged through pinned memory (k and v
+        # too once the copy before them has completed).
+        assert lib.nanoq_emu_pageable_copies() - before < 3
+        for got, want in zip(out, expected):
+            assert np.array_equal(got, want)
