@@ -318,6 +318,8 @@ extern "C" __global__ void spin(long long cycles) {
 """
 
 
+@pytest.mark.gpu
+@pytest.mark.usefixtures("cuda_device")
 def test_device_batch_written_on_another_stream_is_read_after_it(checkpoints):
     """The tokens are written on a producer stream of the caller's, behind a
     long kernel; the batch's __cuda_array_interface__ names that stream
