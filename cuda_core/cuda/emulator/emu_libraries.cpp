@@ -37,8 +37,6 @@ namespace {
 
 constexpr std::size_t kEmulatedWorkspace = 1 << 20;
 
-std::size_t element_bytes(cudaDataType_t type) { return type == CUDA_R_16BF ? 2 : 4; }
-
 double load(const void* p, cudaDataType_t type, std::int64_t i) {
     if (type == CUDA_R_16BF) return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
     return static_cast<const float*>(p)[i];
