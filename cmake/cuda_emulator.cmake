@@ -31,7 +31,10 @@ target_include_directories(nanoq_cuda_emulated BEFORE PRIVATE "${NANOQ_EMU_DIR}"
 target_compile_definitions(nanoq_cuda_emulated PRIVATE NANOQ_CUDA_EMULATED=1
                            NANOQ_CUDA_BACKEND_NAME="cuda_emulated")
 target_link_libraries(nanoq_cuda_emulated PRIVATE nanoq_core Threads::Threads)
-target_compile_options(nanoq_cuda_emulated PRIVATE -O2 -ftls-model=initial-exec -Wall -Wextra -Wno-unknown-pragmas -Wno-unused-parameter -Wno-subobject-linkage)
+# The default (dynamic) TLS model: initial-exec would be ~10% faster but can
+# make dlopen fail ("cannot allocate memory in static TLS block") in a process
+# that has loaded many libraries already (torch, cupy).
+target_compile_options(nanoq_cuda_emulated PRIVATE -O2 -Wall -Wextra -Wno-unknown-pragmas -Wno-unused-parameter -Wno-subobject-linkage)
 set_target_properties(nanoq_cuda_emulated PROPERTIES
   CXX_VISIBILITY_PRESET hidden VISIBILITY_INLINES_HIDDEN ON INSTALL_RPATH "$ORIGIN")
 target_link_options(nanoq_cuda_emulated PRIVATE -Wl,-Bsymbolic -Wl,--exclude-libs,ALL)
