@@ -87,8 +87,6 @@ namespace nanoq_emu {
 // throws becomes the stream's sticky error. Used by the emulated libraries
 // (cuBLASLt, CUB, NCCL) to run their work in stream order.
 void enqueue(cudaStream_t stream, std::function<void()> work, const char* what);
-// Marks `stream` failed with `message` from inside its own work.
-std::string describe_stream(cudaStream_t stream);
 // Whether `device` was lost (nanoq_emu_lose_device in emulator.cpp): as on a
 // GPU after a fatal fault, everything on it fails from then on.
 bool device_lost(int device);

@@ -205,7 +205,6 @@ struct Exchange {
     WarpOp op;
     unsigned mask = 0, arrived = 0;
     int readers = 0;
-    bool done = false;
     const char* what = "";
     std::uint64_t values[32];
 };
@@ -215,8 +214,6 @@ struct Fiber {
     ThreadState state;
     Status status = Status::Runnable;
     int warp = 0, lane = 0;
-    unsigned barrier_generation = 0;
-    Exchange* exchange = nullptr;
 };
 
 struct WarpState {
@@ -383,7 +380,6 @@ void BlockRun::run(const Launch& launch, uint3 block_idx, StackPool& stacks) {
         const int lanes = std::min(32, threads_ - 32 * w);
         warps_[w].existing = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u);
     }
-    for (Exchange& x : exchange_storage_) x.done = false;
     free_exchanges_.clear();
     for (Exchange& x : exchange_storage_) free_exchanges_.push_back(&x);
 
@@ -405,8 +401,6 @@ void BlockRun::run(const Launch& launch, uint3 block_idx, StackPool& stacks) {
         f.status = Status::Runnable;
         f.warp = i / 32;
         f.lane = i % 32;
-        f.barrier_generation = 0;
-        f.exchange = nullptr;
         make_context(f.context, stacks.get(i), kStackBytes, &f);
         wake(f);
     }
@@ -492,7 +486,6 @@ int BlockRun::barrier(int predicate, const char* what, const char* file, int lin
         for (Fiber& f : fibers_)
             if (f.status == Status::AtBarrier) wake(f);
     } else {
-        self->barrier_generation = generation;
         block_on(Status::AtBarrier);
     }
     return results_[generation & 1u];
@@ -535,7 +528,6 @@ const std::uint64_t* BlockRun::exchange(WarpOp op, unsigned mask, std::uint64_t 
         x->op = op;
         x->mask = mask;
         x->arrived = 0;
-        x->done = false;
         x->what = what;
         warp.pending.push_back(x);
     }
@@ -544,14 +536,12 @@ const std::uint64_t* BlockRun::exchange(WarpOp op, unsigned mask, std::uint64_t 
     x->values[self->lane] = value;
     x->arrived |= bit;
     if (x->arrived == mask) {
-        x->done = true;
         x->readers = __builtin_popcount(mask);
         warp.pending.erase(std::find(warp.pending.begin(), warp.pending.end(), x));
         const int first = self->warp * 32;
         for (int lane = 0; lane < 32; ++lane)
             if ((mask >> lane & 1u) && lane != self->lane) wake(fibers_[first + lane]);
     } else {
-        self->exchange = x;
         block_on(Status::InWarp);
     }
     // The caller reads the values before any other fiber runs, so the
@@ -1002,10 +992,6 @@ void launch_grid(const GridArg& grid, dim3 block, std::size_t dynamic_shared_byt
 
 void enqueue(cudaStream_t stream, std::function<void()> work, const char* what) {
     resolve(stream)->push(std::move(work), what);
-}
-
-std::string describe_stream(cudaStream_t stream) {
-    return "stream of device " + std::to_string(resolve(stream)->device);
 }
 
 }  // namespace nanoq_emu
