@@ -32,10 +32,14 @@ const char* memory_kind_name(MemoryKind kind) {
 }
 
 NamedAllocator::NamedAllocator(Backend& backend, int device, std::size_t limit_bytes)
-    : backend_(backend), device_(device), limit_(limit_bytes) {}
+    : backend_(&backend), device_(device), limit_(limit_bytes) {}
+
+NamedAllocator::NamedAllocator(int device, std::size_t limit_bytes)
+    : backend_(nullptr), device_(device), limit_(limit_bytes) {}
 
 NamedAllocator::~NamedAllocator() {
-    for (auto it = segments_.rbegin(); it != segments_.rend(); ++it) backend_.raw_free(it->data, it->kind);
+    if (!backend_) return;
+    for (auto it = segments_.rbegin(); it != segments_.rend(); ++it) backend_->raw_free(it->data, it->kind);
 }
 
 namespace {
@@ -56,15 +60,17 @@ std::string human_bytes(std::size_t bytes) {
 }  // namespace
 
 Tensor NamedAllocator::allocate(Context context, const std::string& name, DType dtype,
-                                std::initializer_list<std::int64_t> dims, MemoryKind kind) {
+                                std::initializer_list<std::int64_t> dims, MemoryKind kind, bool exact) {
     Tensor tensor(nullptr, dtype, dims);
     const std::size_t bytes = tensor.bytes();
-    if (kind == MemoryKind::Device && limit_ && device_bytes() + bytes > limit_)
+    if (kind == MemoryKind::Device && limit_ && device_bytes_ + bytes > limit_)
         out_of_memory(context, name, tensor, "the memory limit of " + human_bytes(limit_) + " would be exceeded");
-    void* data = bytes ? backend_.raw_alloc(bytes, kind) : nullptr;
-    if (bytes && !data) out_of_memory(context, name, tensor, std::string("the ") + backend_.name() + " backend refused");
+    void* data = bytes && backend_ ? backend_->raw_alloc(bytes, kind) : nullptr;
+    if (bytes && backend_ && !data)
+        out_of_memory(context, name, tensor, std::string("the ") + backend_->name() + " backend refused");
     tensor.data = data;
-    segments_.push_back(Segment{context, name, bytes, kind, data});
+    segments_.push_back(Segment{context, name, bytes, kind, data, exact});
+    if (kind == MemoryKind::Device) device_bytes_ += bytes;
     return tensor;
 }
 
@@ -85,13 +91,6 @@ void NamedAllocator::out_of_memory(Context context, const std::string& name, con
                       human_bytes(tensor.bytes()) + "): " + reason + "; already allocated on this device:" +
                       (table.empty() ? " nothing" : table) + "\n  total: " + human_bytes(device_bytes()) +
                       "\nsuggestion: " + suggestion + " (nanoq memory estimates the options)");
-}
-
-std::size_t NamedAllocator::device_bytes() const {
-    std::size_t total = 0;
-    for (const Segment& s : segments_)
-        if (s.kind == MemoryKind::Device) total += s.bytes;
-    return total;
 }
 
 std::size_t NamedAllocator::total_bytes(Context context) const {

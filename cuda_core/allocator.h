@@ -5,6 +5,12 @@
 // context and an out-of-memory error can name the tensor that did not fit.
 // Short-lived temporaries of the backward pass come from a StackArena: one
 // allocation sized up front, used last-in-first-out, with its high-water mark.
+//
+// Planning mode: an allocator made without a backend records the same
+// segments, with the same accounting and memory-limit check, but takes no
+// memory (every tensor's data is null). The Trainer's allocation sequence
+// runs against one to plan a run without a device (plan_memory in
+// nanoq/trainer.h); nothing may read or write the tensors it hands out.
 #pragma once
 
 #include <cstddef>
@@ -40,6 +46,7 @@ struct Segment {
     std::size_t bytes;
     MemoryKind kind;
     void* data;
+    bool exact;  // false: `bytes` is an upper bound (a library's size planned without a device)
 };
 
 class NamedAllocator {
@@ -47,27 +54,34 @@ public:
     // limit_bytes > 0 caps the device memory this allocator hands out (a
     // smaller device, simulated; also how tests provoke out-of-memory).
     NamedAllocator(Backend& backend, int device, std::size_t limit_bytes = 0);
+    // Planning mode: records what would be allocated and allocates nothing.
+    NamedAllocator(int device, std::size_t limit_bytes);
     ~NamedAllocator();
     NamedAllocator(const NamedAllocator&) = delete;
     NamedAllocator& operator=(const NamedAllocator&) = delete;
 
     // Allocates a tensor that lives until the allocator is destroyed.
-    // Throws OutOfMemory naming the tensor when the backend refuses.
+    // Throws OutOfMemory naming the tensor when the backend refuses or the
+    // limit would be exceeded (in planning mode too). `exact` is recorded
+    // with the segment (see Segment::exact).
     Tensor allocate(Context context, const std::string& name, DType dtype,
-                    std::initializer_list<std::int64_t> dims, MemoryKind kind = MemoryKind::Device);
+                    std::initializer_list<std::int64_t> dims, MemoryKind kind = MemoryKind::Device,
+                    bool exact = true);
 
+    bool planning() const { return backend_ == nullptr; }
     const std::vector<Segment>& segments() const { return segments_; }
     std::size_t total_bytes(Context context) const;
-    std::size_t device_bytes() const;  // all MemoryKind::Device segments
+    std::size_t device_bytes() const { return device_bytes_; }  // all MemoryKind::Device segments
     std::size_t limit() const { return limit_; }
 
 private:
     [[noreturn]] void out_of_memory(Context context, const std::string& name, const Tensor& tensor,
                                     const std::string& reason) const;
 
-    Backend& backend_;
+    Backend* backend_;  // null in planning mode
     int device_;
     std::size_t limit_;
+    std::size_t device_bytes_ = 0;
     std::vector<Segment> segments_;
 };
 

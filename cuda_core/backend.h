@@ -69,9 +69,6 @@ public:
             if (streams[i]) throw InvalidArgument("the " + name() + " backend has no streams to wait for");
     }
     virtual void wait_batch_ready(Backend& /*source*/) {}
-    // Elements of the logits chunk the fused classifier works on: large
-    // enough to keep the device busy, small enough to bound its memory.
-    virtual std::int64_t classifier_chunk_elements() const = 0;
     // Free and total bytes of the device, when the backend can tell.
     virtual bool memory_info(std::size_t* free_bytes, std::size_t* total_bytes) = 0;
 
@@ -173,6 +170,11 @@ struct BackendPlugin {
     // of it when `ask_libraries`; when it cannot answer (no device) or is not
     // asked, an upper bound stands in and the buffer is marked inexact.
     std::vector<ScratchBuffer> (*scratch_plan)(const ScratchShapes& shapes, int threads, bool ask_libraries);
+    // Elements of the logits chunk the fused classifier works on: large
+    // enough to keep the device busy, small enough to bound its memory.
+    // A property of the backend, not of a device, so that a run's memory
+    // can be planned without creating one.
+    std::int64_t classifier_chunk_elements;
 };
 void register_backend(const std::string& name, const BackendPlugin& plugin);
 // Loads the backend's library if needed; throws InvalidArgument when it is

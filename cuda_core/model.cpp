@@ -276,17 +276,21 @@ Recompute Recompute::parse(const std::string& names) {
     return r;
 }
 
-LlamaModel::LlamaModel(const ModelConfig& config, int batch, int time, DType dtype, Recompute recompute,
-                       const Lora& lora, Backend& backend, NamedAllocator& alloc)
-    : config_(config), B_(batch), T_(time), rows_(batch * time), dtype_(dtype), backend_(backend), lora_(lora) {
+ModelMemory::ModelMemory(const ModelConfig& config, int batch, int time, DType dtype, Recompute recompute,
+                         const Lora& lora, std::int64_t classifier_chunk_elements, NamedAllocator& alloc)
+    : config_(config),
+      B_(batch),
+      T_(time),
+      rows_(batch * time),
+      dtype_(dtype),
+      classifier_chunk_elements_(classifier_chunk_elements),
+      lora_(lora) {
     const ModelConfig& c = config_;
     const std::int64_t rows = rows_, C = c.hidden_size, I = c.intermediate_size;
     const std::int64_t HD = std::int64_t(c.num_heads) * c.head_dim, KD = std::int64_t(c.num_kv_heads) * c.head_dim;
     attention_shape_ = AttentionShape{B_, T_, c.num_heads, c.num_kv_heads, c.head_dim};
 
-    const auto table = rope_table(c, T_);
     cos_sin_ = alloc.allocate(Context::Workspace, "rope-cos-sin", DType::F32, {T_, c.head_dim / 2, 2});
-    backend_.copy_from_host(cos_sin_, table.data());
 
     for (int l = 0; l <= c.num_layers; ++l)
         residual_.push_back(
@@ -334,13 +338,20 @@ LlamaModel::LlamaModel(const ModelConfig& config, int batch, int time, DType dty
                                            {std::max<std::int64_t>(C, c.head_dim)});
 }
 
-bool LlamaModel::recomputed(Tensor LayerActivations::*member) const {
+LlamaModel::LlamaModel(const ModelConfig& config, int batch, int time, DType dtype, Recompute recompute,
+                       const Lora& lora, std::int64_t classifier_chunk_elements, Backend& backend,
+                       NamedAllocator& alloc)
+    : ModelMemory(config, batch, time, dtype, recompute, lora, classifier_chunk_elements, alloc), backend_(backend) {
+    backend_.copy_from_host(cos_sin_, rope_table(config_, T_).data());
+}
+
+bool ModelMemory::recomputed(Tensor LayerActivations::*member) const {
     for (const ActivationSpec& s : specs_)
         if (s.member == member) return s.recomputed;
     return false;
 }
 
-LayerActivations LlamaModel::with_transients(const LayerActivations& stored, StackFrame& frame) const {
+LayerActivations ModelMemory::with_transients(const LayerActivations& stored, StackFrame& frame) const {
     LayerActivations a = stored;
     for (const ActivationSpec& s : specs_)
         if (s.recomputed)
@@ -349,7 +360,7 @@ LayerActivations LlamaModel::with_transients(const LayerActivations& stored, Sta
     return a;
 }
 
-std::size_t LlamaModel::transient_bytes() const {
+std::size_t ModelMemory::transient_bytes() const {
     std::size_t bytes = 0;
     for (const ActivationSpec& s : specs_)
         if (s.recomputed)
@@ -359,12 +370,12 @@ std::size_t LlamaModel::transient_bytes() const {
     return bytes;
 }
 
-int LlamaModel::classifier_chunk_rows() const {
-    const std::int64_t chunk = std::max<std::int64_t>(1, backend_.classifier_chunk_elements() / config_.vocab_size);
+int ModelMemory::classifier_chunk_rows() const {
+    const std::int64_t chunk = std::max<std::int64_t>(1, classifier_chunk_elements_ / config_.vocab_size);
     return static_cast<int>(std::min<std::int64_t>(chunk, rows_));
 }
 
-std::size_t LlamaModel::stack_bytes() const {
+std::size_t ModelMemory::stack_bytes() const {
     // Mirrors the pushes of forward_backward; the stack throws if this is short.
     const ModelConfig& c = config_;
     const std::int64_t rows = rows_, C = c.hidden_size, I = c.intermediate_size;
@@ -379,7 +390,7 @@ std::size_t LlamaModel::stack_bytes() const {
     return std::max(forward, backward);
 }
 
-std::size_t LlamaModel::adapter_bytes() const {
+std::size_t ModelMemory::adapter_bytes() const {
     if (!lora_.enabled()) return 0;
     std::int64_t widest_input = 0;
     for (int t = 0; t < kLoraTargetCount; ++t)
@@ -388,7 +399,7 @@ std::size_t LlamaModel::adapter_bytes() const {
     return dropped + StackArena::aligned(dtype_size(dtype_) * rows_ * lora_.rank);
 }
 
-ScratchShapes LlamaModel::scratch_shapes() const {
+ScratchShapes ModelMemory::scratch_shapes() const {
     return ScratchShapes{attention_shape_, config_.hidden_size, config_.intermediate_size, config_.vocab_size,
                          classifier_chunk_rows(), 0};
 }

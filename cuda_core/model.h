@@ -117,12 +117,63 @@ struct Recompute {
     static Recompute parse(const std::string& names);
 };
 
-class LlamaModel {
+// What a LlamaModel allocates (the RoPE table, the residual stream, each
+// layer's kept activations, the final norm, the LoRA gradient sink) and the
+// sizes derived from its shapes (the activation stack, the backend's op
+// scratch). It needs no backend: the memory plan (plan_memory in
+// nanoq/trainer.h) builds one against a planning allocator, running the same
+// code that a LlamaModel runs when it is built.
+class ModelMemory {
 public:
     // Activations (and the stack's tensors) are `dtype`; statistics float32.
+    // classifier_chunk_elements: the backend's (BackendPlugin).
+    ModelMemory(const ModelConfig& config, int batch, int time, DType dtype, Recompute recompute, const Lora& lora,
+                std::int64_t classifier_chunk_elements, NamedAllocator& allocator);
+
+    // Bytes of activation stack that forward_backward needs at most.
+    std::size_t stack_bytes() const;
+    // The shapes the backend's ops will see (max_reduce left for the caller).
+    ScratchShapes scratch_shapes() const;
+
+protected:
+    // One activation of a layer: where it lives in LayerActivations, and
+    // whether it is recomputed (then it exists only on the stack, while its
+    // layer's forward or backward runs).
+    struct ActivationSpec {
+        Tensor LayerActivations::*member;
+        std::string name;
+        std::vector<std::int64_t> dims;
+        DType dtype;
+        bool recomputed;
+    };
+    bool recomputed(Tensor LayerActivations::*member) const;
+    // The layer's stored activations plus stack tensors for the recomputed ones.
+    LayerActivations with_transients(const LayerActivations& stored, StackFrame& frame) const;
+    std::size_t transient_bytes() const;
+    // Stack bytes an adapter needs while it runs (0 without LoRA).
+    std::size_t adapter_bytes() const;
+    int classifier_chunk_rows() const;
+
+    ModelConfig config_;
+    int B_, T_, rows_;
+    DType dtype_;
+    std::int64_t classifier_chunk_elements_;
+    AttentionShape attention_shape_;
+    Tensor cos_sin_;                   // [T, D/2, 2]
+    std::vector<Tensor> residual_;     // L+1 tensors [rows, C]: residual stream before each layer, and after the last
+    std::vector<ActivationSpec> specs_;
+    std::vector<LayerActivations> layers_;  // stored activations; recomputed ones are empty
+    Tensor final_norm_, final_rstd_;
+    Lora lora_;
+    Tensor frozen_grad_sink_;        // [max(C, D)] float32, with LoRA only
+};
+
+class LlamaModel : public ModelMemory {
+public:
+    // Allocates as ModelMemory does, then fills the RoPE table on `backend`.
     // With `lora` enabled, layers carry adapters and the weights are frozen.
     LlamaModel(const ModelConfig& config, int batch, int time, DType dtype, Recompute recompute, const Lora& lora,
-               Backend& backend, NamedAllocator& allocator);
+               std::int64_t classifier_chunk_elements, Backend& backend, NamedAllocator& allocator);
 
     // Forward, fused classifier and backward of one micro-batch: adds the
     // gradients of the summed loss into `grads` and the loss statistics into
@@ -138,27 +189,7 @@ public:
     void forward_loss(const ModelWeights& weights, LayerSource& layers, const Tensor& tokens, const Tensor& targets,
                       const Tensor& stats, float z_loss, StackArena& stack);
 
-    // Bytes of activation stack that forward_backward needs at most.
-    std::size_t stack_bytes() const;
-    // The shapes the backend's ops will see (max_reduce left for the caller).
-    ScratchShapes scratch_shapes() const;
-
 private:
-    // One activation of a layer: where it lives in LayerActivations, and
-    // whether it is recomputed (then it exists only on the stack, while its
-    // layer's forward or backward runs).
-    struct ActivationSpec {
-        Tensor LayerActivations::*member;
-        std::string name;
-        std::vector<std::int64_t> dims;
-        DType dtype;
-        bool recomputed;
-    };
-    bool recomputed(Tensor LayerActivations::*member) const;
-    // The layer's stored activations plus stack tensors for the recomputed ones.
-    LayerActivations with_transients(const LayerActivations& stored, StackFrame& frame) const;
-    std::size_t transient_bytes() const;
-
     void forward(const ModelWeights& w, LayerSource& layers, const Tensor& tokens, StackArena& stack);
     // The layer's forward steps. With `output`, all of them (the forward
     // pass); without, only those whose results are recomputed (backward).
@@ -181,27 +212,13 @@ private:
     // Where a gradient goes: `grad`, or a scratch sink when it is frozen
     // (an empty tensor); for the norms, whose backward always writes one.
     const Tensor& or_sink(const Tensor& grad) const { return grad.data ? grad : frozen_grad_sink_; }
-    // Stack bytes an adapter needs while it runs (0 without LoRA).
-    std::size_t adapter_bytes() const;
     // Loss over row chunks; with `dhidden` also its gradient (and lm_head's).
     void classifier(const ModelWeights& w, const ModelWeights* g, const Tensor& targets, const Tensor& stats,
                     float z_loss, const Tensor* dhidden, StackArena& stack);
-    int classifier_chunk_rows() const;
 
-    ModelConfig config_;
-    int B_, T_, rows_;
-    DType dtype_;
     Backend& backend_;
-    AttentionShape attention_shape_;
-    Tensor cos_sin_;                   // [T, D/2, 2]
-    std::vector<Tensor> residual_;     // L+1 tensors [rows, C]: residual stream before each layer, and after the last
-    std::vector<ActivationSpec> specs_;
-    std::vector<LayerActivations> layers_;  // stored activations; recomputed ones are empty
-    Tensor final_norm_, final_rstd_;
-    Lora lora_;
     bool dropout_active_ = false;    // in forward_backward, when lora_.dropout > 0
     std::uint64_t dropout_seed_ = 0;
-    Tensor frozen_grad_sink_;        // [max(C, D)] float32, with LoRA only
 };
 
 }  // namespace nanoq

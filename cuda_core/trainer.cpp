@@ -101,16 +101,151 @@ struct DeviceState {
     Tensor staging;                  // float32 bounce buffer for parameters
 };
 
-struct Trainer::Impl {
+// The options checked and resolved, and the sizes derived from them: where
+// a Trainer and the memory plan both start.
+struct TrainerSetup {
+    TrainerSetup(const ModelConfig& config, const TrainOptions& options);
+
     ModelConfig config;
     TrainOptions options;
+    DType weight_dtype, master_dtype, optimizer_dtype;
+    Recompute recompute;
+    Offload offload;
+    const BackendPlugin* plugin;
     Lora lora;
     std::vector<ParameterInfo> layout;      // the trainable parameters: what the flat buffers hold
     std::vector<ParameterInfo> frozen;      // LoRA: the model's weights, laid out in DeviceState::frozen
     std::vector<ParameterInfo> parameters;  // layout, then frozen: the public list
     std::int64_t shard = 0;
+    std::int64_t padded = 0;                // shard * devices
     int stage = 1;
     std::unique_ptr<BlockLayout> blocks;
+    std::int64_t largest = 0;               // elements of the largest parameter
+    int threads = 0;                        // per device
+};
+
+TrainerSetup::TrainerSetup(const ModelConfig& c, const TrainOptions& o) : config(c), options(o) {
+    check_config(c, o);
+    weight_dtype = parse_dtype(o.dtype, "dtype");
+    master_dtype = parse_dtype(o.master_dtype, "master_dtype");
+    optimizer_dtype = parse_dtype(o.optimizer_dtype, "optimizer_dtype");
+    recompute = Recompute::parse(o.recompute);
+    offload = parse_offload(o.offload);
+    if (offload.gradients && o.zero_stage < 2)
+        throw InvalidArgument("offloading gradients needs zero_stage 2 or 3: at stage 1 every device keeps full "
+                              "gradients, which backward writes on the device");
+    plugin = &find_backend(o.backend);
+    lora = Lora::parse(o);
+    if (lora.enabled() && o.zero_stage != 1)
+        throw InvalidArgument("LoRA trains at zero_stage 1 only: its frozen weights are kept whole on every device "
+                              "and its adapters are small, so stages 2 and 3 would shard nothing that matters");
+    layout = lora.enabled() ? lora_layout(c, lora) : parameter_layout(c);
+    if (lora.enabled()) {
+        frozen = parameter_layout(c);
+        for (ParameterInfo& p : frozen) p.trainable = false;
+    }
+    parameters = layout;
+    parameters.insert(parameters.end(), frozen.begin(), frozen.end());
+    const int n = o.devices;
+    const std::int64_t total = layout.back().offset + layout.back().numel();
+    shard = (total + n - 1) / n;
+    padded = shard * n;
+    if (o.zero_stage < 1 || o.zero_stage > 3)
+        throw InvalidArgument("zero_stage must be 1, 2 or 3, got " + std::to_string(o.zero_stage));
+    stage = o.zero_stage;
+    blocks = std::make_unique<BlockLayout>(c, n);
+    for (const ParameterInfo& p : parameters) largest = std::max(largest, p.numel());
+    threads = o.threads;
+    if (threads <= 0) threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / n);
+}
+
+namespace {
+
+// Allocates one device's state into `d` from d.allocator, in the one order
+// that a Trainer and the memory plan share (views, which allocate nothing,
+// are bound by the caller). With d.backend (a Trainer) the model is built on
+// it and the backend reserves its op scratch. Without (the plan: d.allocator
+// plans) only the model's memory is planned, and the scratch is the one the
+// backend's plan lists, its libraries asked when `ask_libraries`.
+void allocate_device_state(const TrainerSetup& s, DeviceState& d, bool ask_libraries) {
+    NamedAllocator& a = *d.allocator;
+    ShardedState& z = d.sharded;
+    const BlockLayout& blocks = *s.blocks;
+    const Offload& offload = s.offload;
+    const DType weight_dtype = s.weight_dtype, master_dtype = s.master_dtype, optimizer_dtype = s.optimizer_dtype;
+    const std::int64_t padded = s.padded;
+    const int n = s.options.devices, B = s.options.batch_size, T = s.options.seq_len;
+    if (s.lora.enabled())
+        d.frozen = a.allocate(Context::Weights, "frozen-weights", weight_dtype,
+                              {s.frozen.back().offset + s.frozen.back().numel()});
+    if (s.stage < 3) {
+        d.weights = a.allocate(Context::Weights, s.lora.enabled() ? "adapters" : "weights", weight_dtype, {padded});
+    } else {
+        z.weight_shard = a.allocate(Context::Weights, "weight-shard", weight_dtype, {s.shard});
+        z.embed_weights = a.allocate(Context::Weights, "embed-weights", weight_dtype, {blocks.embed_end});
+        z.head_weights = a.allocate(Context::Weights, "head-weights", weight_dtype,
+                                    {blocks.total - blocks.head_begin});
+        for (int i = 0; i < 2; ++i)
+            z.layer_weights[i] = a.allocate(Context::Weights, "layer-weights." + std::to_string(i), weight_dtype,
+                                            {blocks.max_layer});
+    }
+    if (s.stage == 1) {
+        d.grads = a.allocate(Context::Gradients, "gradients", DType::F32, {padded});
+    } else {
+        z.grad_shard = a.allocate(Context::Gradients, "gradient-shard", DType::F32, {s.shard},
+                                  offload.gradients ? MemoryKind::Pinned : MemoryKind::Device);
+        z.embed_grads = a.allocate(Context::Gradients, "embed-gradients", DType::F32, {blocks.embed_end});
+        z.head_grads = a.allocate(Context::Gradients, "head-gradients", DType::F32,
+                                  {blocks.total - blocks.head_begin});
+        z.layer_grads = a.allocate(Context::Gradients, "layer-gradients", DType::F32, {blocks.max_layer});
+        z.reduce_scratch = a.allocate(Context::Workspace, "reduce-scratch", DType::F32,
+                                      {std::max({blocks.max_layer, blocks.embed_end,
+                                                 blocks.total - blocks.head_begin})});
+    }
+    const MemoryKind master_kind = offload.master ? MemoryKind::Pinned : MemoryKind::Device;
+    const MemoryKind optimizer_kind = offload.optimizer ? MemoryKind::Pinned : MemoryKind::Device;
+    // Else the master shard is a view of the weights (bound by the caller).
+    d.master_is_weights = master_dtype == weight_dtype && !offload.master;
+    if (!d.master_is_weights)
+        d.master = a.allocate(Context::Master, "master", master_dtype, {s.shard}, master_kind);
+    d.adam_m = a.allocate(Context::AdamM, "adam-m", optimizer_dtype, {s.shard}, optimizer_kind);
+    d.adam_v = a.allocate(Context::AdamV, "adam-v", optimizer_dtype, {s.shard}, optimizer_kind);
+    const std::int64_t chunk = std::min(s.shard, kOptimizerChunk);
+    if (offload.master) d.staged_master = a.allocate(Context::Workspace, "offload-master", master_dtype, {chunk});
+    if (offload.optimizer) {
+        d.staged_m = a.allocate(Context::Workspace, "offload-adam-m", optimizer_dtype, {chunk});
+        d.staged_v = a.allocate(Context::Workspace, "offload-adam-v", optimizer_dtype, {chunk});
+    }
+    if (offload.gradients) d.staged_grads = a.allocate(Context::Workspace, "offload-gradients", DType::F32, {chunk});
+    d.tokens = a.allocate(Context::Workspace, "tokens", DType::I32, {B, T});
+    d.targets = a.allocate(Context::Workspace, "targets", DType::I32, {B, T});
+    d.stats = a.allocate(Context::Workspace, "loss-stats", kStatDType, {kStatCount});
+    d.eval_stats = a.allocate(Context::Workspace, "eval-stats", kStatDType, {kStatCount});
+    d.gathered = a.allocate(Context::Workspace, "gathered-stats", kStatDType, {n, kGatherStride});
+    d.optimizer_scale = a.allocate(Context::Workspace, "optimizer-scale", DType::F32, {3});
+    d.staging = a.allocate(Context::Workspace, "parameter-staging", DType::F32,
+                           {std::min(s.largest, kStagingElements)});
+    const std::int64_t chunk_elements = s.plugin->classifier_chunk_elements;
+    std::unique_ptr<ModelMemory> planned;
+    if (d.backend) {
+        d.model = std::make_unique<LlamaModel>(s.config, B, T, weight_dtype, s.recompute, s.lora, chunk_elements,
+                                               *d.backend, a);
+    } else {
+        planned = std::make_unique<ModelMemory>(s.config, B, T, weight_dtype, s.recompute, s.lora, chunk_elements, a);
+    }
+    const ModelMemory& model = d.backend ? static_cast<const ModelMemory&>(*d.model) : *planned;
+    d.stack = std::make_unique<StackArena>(a, model.stack_bytes());
+    ScratchShapes scratch = model.scratch_shapes();
+    scratch.max_reduce = s.shard;
+    if (d.backend) d.backend->reserve_scratch(a, scratch);
+    else allocate_scratch(a, s.plugin->scratch_plan(scratch, s.threads, ask_libraries));
+}
+
+}  // namespace
+
+struct Trainer::Impl : TrainerSetup {
+    Impl(const ModelConfig& config, const TrainOptions& options) : TrainerSetup(config, options) {}
+
     std::vector<DeviceState> devices;
     std::shared_ptr<CommGroup> group;
     std::unique_ptr<WorkerPool> pool;
@@ -311,53 +446,20 @@ struct Trainer::Impl {
     }
 };
 
-Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_(std::make_unique<Impl>()) {
-    check_config(config, options);
-    const DType weight_dtype = parse_dtype(options.dtype, "dtype");
-    const DType master_dtype = parse_dtype(options.master_dtype, "master_dtype");
-    const DType optimizer_dtype = parse_dtype(options.optimizer_dtype, "optimizer_dtype");
-    const Recompute recompute = Recompute::parse(options.recompute);
-    const Offload offload = parse_offload(options.offload);
-    if (offload.gradients && options.zero_stage < 2)
-        throw InvalidArgument("offloading gradients needs zero_stage 2 or 3: at stage 1 every device keeps full "
-                              "gradients, which backward writes on the device");
-    const BackendPlugin& plugin = find_backend(options.backend);
+Trainer::Trainer(const ModelConfig& config, const TrainOptions& options)
+    : impl_(std::make_unique<Impl>(config, options)) {
+    Impl& m = *impl_;
+    const BackendPlugin& plugin = *m.plugin;
     const int available = plugin.device_count();
     if (options.backend != "cpu" && options.devices > available)
         throw InvalidArgument("asked for " + std::to_string(options.devices) + " " + options.backend +
                               " device(s), but " + std::to_string(available) + " are available");
-    Impl& m = *impl_;
-    m.config = config;
-    m.options = options;
-    m.lora = Lora::parse(options);
-    if (m.lora.enabled() && options.zero_stage != 1)
-        throw InvalidArgument("LoRA trains at zero_stage 1 only: its frozen weights are kept whole on every device "
-                              "and its adapters are small, so stages 2 and 3 would shard nothing that matters");
-    m.layout = m.lora.enabled() ? lora_layout(config, m.lora) : parameter_layout(config);
-    if (m.lora.enabled()) {
-        m.frozen = parameter_layout(config);
-        for (ParameterInfo& p : m.frozen) p.trainable = false;
-    }
-    m.parameters = m.layout;
-    m.parameters.insert(m.parameters.end(), m.frozen.begin(), m.frozen.end());
     const int n = options.devices;
-    const std::int64_t total = m.layout.back().offset + m.layout.back().numel();
-    m.shard = (total + n - 1) / n;
-    const std::int64_t padded = m.shard * n;
-    if (options.zero_stage < 1 || options.zero_stage > 3)
-        throw InvalidArgument("zero_stage must be 1, 2 or 3, got " + std::to_string(options.zero_stage));
-    m.stage = options.zero_stage;
-    m.blocks = std::make_unique<BlockLayout>(config, n);
     const BlockLayout& blocks = *m.blocks;
-    std::int64_t largest = 0;
-    for (const ParameterInfo& p : m.parameters) largest = std::max(largest, p.numel());
-    int threads = options.threads;
-    if (threads <= 0) threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / n);
 
     m.group = plugin.create_group(n);
     m.devices.resize(n);
     m.pool = std::make_unique<WorkerPool>(n);
-    const int B = options.batch_size, T = options.seq_len;
     // Should a worker fail, each releases its own communicator on its own
     // thread before the rest of the state is freed.
     struct ReleaseOnFailure {
@@ -368,67 +470,12 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : impl_
         }
     } release_on_failure{m};
     m.run([&](int rank, DeviceState& d) {
-        d.backend = plugin.create_backend(rank, threads);
+        d.backend = plugin.create_backend(rank, m.threads);
         d.allocator = std::make_unique<NamedAllocator>(*d.backend, rank, options.memory_limit);
         d.comm = m.group->connect(rank, *d.backend);
-        NamedAllocator& a = *d.allocator;
+        allocate_device_state(m, d, true);
         ShardedState& z = d.sharded;
-        if (m.lora.enabled())
-            d.frozen = a.allocate(Context::Weights, "frozen-weights", weight_dtype,
-                                  {m.frozen.back().offset + m.frozen.back().numel()});
-        if (m.stage < 3) {
-            d.weights = a.allocate(Context::Weights, m.lora.enabled() ? "adapters" : "weights", weight_dtype, {padded});
-        } else {
-            z.weight_shard = a.allocate(Context::Weights, "weight-shard", weight_dtype, {m.shard});
-            z.embed_weights = a.allocate(Context::Weights, "embed-weights", weight_dtype, {blocks.embed_end});
-            z.head_weights = a.allocate(Context::Weights, "head-weights", weight_dtype,
-                                        {blocks.total - blocks.head_begin});
-            for (int i = 0; i < 2; ++i)
-                z.layer_weights[i] = a.allocate(Context::Weights, "layer-weights." + std::to_string(i), weight_dtype,
-                                                {blocks.max_layer});
-        }
-        if (m.stage == 1) {
-            d.grads = a.allocate(Context::Gradients, "gradients", DType::F32, {padded});
-        } else {
-            z.grad_shard = a.allocate(Context::Gradients, "gradient-shard", DType::F32, {m.shard},
-                                      offload.gradients ? MemoryKind::Pinned : MemoryKind::Device);
-            z.embed_grads = a.allocate(Context::Gradients, "embed-gradients", DType::F32, {blocks.embed_end});
-            z.head_grads = a.allocate(Context::Gradients, "head-gradients", DType::F32,
-                                      {blocks.total - blocks.head_begin});
-            z.layer_grads = a.allocate(Context::Gradients, "layer-gradients", DType::F32, {blocks.max_layer});
-            z.reduce_scratch = a.allocate(Context::Workspace, "reduce-scratch", DType::F32,
-                                          {std::max({blocks.max_layer, blocks.embed_end,
-                                                     blocks.total - blocks.head_begin})});
-        }
-        const MemoryKind master_kind = offload.master ? MemoryKind::Pinned : MemoryKind::Device;
-        const MemoryKind optimizer_kind = offload.optimizer ? MemoryKind::Pinned : MemoryKind::Device;
-        d.master_is_weights = master_dtype == weight_dtype && !offload.master;
-        d.master = d.master_is_weights ? m.weight_shard(rank, d)
-                                       : a.allocate(Context::Master, "master", master_dtype, {m.shard}, master_kind);
-        d.adam_m = a.allocate(Context::AdamM, "adam-m", optimizer_dtype, {m.shard}, optimizer_kind);
-        d.adam_v = a.allocate(Context::AdamV, "adam-v", optimizer_dtype, {m.shard}, optimizer_kind);
-        const std::int64_t chunk = std::min(m.shard, kOptimizerChunk);
-        if (offload.master)
-            d.staged_master = a.allocate(Context::Workspace, "offload-master", master_dtype, {chunk});
-        if (offload.optimizer) {
-            d.staged_m = a.allocate(Context::Workspace, "offload-adam-m", optimizer_dtype, {chunk});
-            d.staged_v = a.allocate(Context::Workspace, "offload-adam-v", optimizer_dtype, {chunk});
-        }
-        if (offload.gradients)
-            d.staged_grads = a.allocate(Context::Workspace, "offload-gradients", DType::F32, {chunk});
-        d.tokens = a.allocate(Context::Workspace, "tokens", DType::I32, {B, T});
-        d.targets = a.allocate(Context::Workspace, "targets", DType::I32, {B, T});
-        d.stats = a.allocate(Context::Workspace, "loss-stats", kStatDType, {kStatCount});
-        d.eval_stats = a.allocate(Context::Workspace, "eval-stats", kStatDType, {kStatCount});
-        d.gathered = a.allocate(Context::Workspace, "gathered-stats", kStatDType, {n, kGatherStride});
-        d.optimizer_scale = a.allocate(Context::Workspace, "optimizer-scale", DType::F32, {3});
-        d.staging = a.allocate(Context::Workspace, "parameter-staging", DType::F32,
-                               {std::min(largest, kStagingElements)});
-        d.model = std::make_unique<LlamaModel>(config, B, T, weight_dtype, recompute, m.lora, *d.backend, a);
-        d.stack = std::make_unique<StackArena>(a, d.model->stack_bytes());
-        ScratchShapes scratch = d.model->scratch_shapes();
-        scratch.max_reduce = m.shard;
-        d.backend->reserve_scratch(a, scratch);
+        if (d.master_is_weights) d.master = m.weight_shard(rank, d);
         if (m.lora.enabled()) {
             d.weight_views = attach_adapters(bind_weights(config, d.frozen), bind_lora(config, m.lora, d.weights));
             d.grad_views = bind_lora(config, m.lora, d.grads);
@@ -709,7 +756,7 @@ std::vector<AllocationInfo> Trainer::allocations(int device) const {
     if (device < 0 || device >= world_size()) throw InvalidArgument("no device " + std::to_string(device));
     std::vector<AllocationInfo> out;
     for (const Segment& s : impl_->devices[device].allocator->segments())
-        out.push_back(AllocationInfo{context_name(s.context), s.name, s.bytes, memory_kind_name(s.kind)});
+        out.push_back(AllocationInfo{context_name(s.context), s.name, s.bytes, memory_kind_name(s.kind), s.exact});
     return out;
 }
 
@@ -732,6 +779,23 @@ MemoryInfo Trainer::memory_info(int device) {
         info.known = d.backend->memory_info(&info.free, &info.total);
     });
     return info;
+}
+
+std::vector<DevicePlan> plan_memory(const ModelConfig& config, const TrainOptions& options, bool ask_libraries) {
+    const TrainerSetup setup(config, options);
+    std::vector<DevicePlan> plans;
+    for (int rank = 0; rank < options.devices; ++rank) {
+        DeviceState d;
+        d.allocator = std::make_unique<NamedAllocator>(rank, options.memory_limit);
+        allocate_device_state(setup, d, ask_libraries);
+        DevicePlan plan;
+        for (const Segment& s : d.allocator->segments())
+            plan.allocations.push_back(
+                AllocationInfo{context_name(s.context), s.name, s.bytes, memory_kind_name(s.kind), s.exact});
+        plan.stack_capacity = d.stack->capacity();
+        plans.push_back(std::move(plan));
+    }
+    return plans;
 }
 
 bool has_backend(const std::string& name) { return backend_built(name); }

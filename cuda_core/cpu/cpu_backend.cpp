@@ -222,8 +222,6 @@ public:
         fill_values(t.f32(), t.numel(), value);
     }
     void synchronize() override {}
-    // 16 MiB of float32 logits: stays in the caches' neighbourhood.
-    std::int64_t classifier_chunk_elements() const override { return std::int64_t(1) << 22; }
     // Host memory is shared with everything else on the machine: no device figure.
     bool memory_info(std::size_t*, std::size_t*) override { return false; }
 

@@ -54,9 +54,6 @@ public:
     void record_batch_ready(const std::uintptr_t* streams, int count) override;
     void wait_batch_ready(Backend& source) override;
     bool memory_info(std::size_t* free_bytes, std::size_t* total_bytes) override;
-    // 64M logits (128 MiB in bf16): a few hundred rows of a 150k vocabulary,
-    // enough blocks and matmul rows to fill the GPU.
-    std::int64_t classifier_chunk_elements() const override { return std::int64_t(1) << 26; }
 
     void matmul(const Tensor& out, const Tensor& a, const Tensor& b, int M, int N, int K, bool trans_a, bool trans_b,
                 bool accumulate) override;

@@ -68,6 +68,11 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
     cdef cppclass CAllocationInfo "nanoq::AllocationInfo":
         string context, name, kind
         size_t bytes
+        cbool exact
+
+    cdef cppclass CDevicePlan "nanoq::DevicePlan":
+        vector[CAllocationInfo] allocations
+        size_t stack_capacity
 
     cdef cppclass CMemoryInfo "nanoq::MemoryInfo":
         size_t allocated, limit, free, total
@@ -110,6 +115,10 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         CMemoryInfo memory_info(int) except +nanoq_raise_py_error
         void inject_fault(int)
 
+    vector[CDevicePlan] core_plan_memory "nanoq::plan_memory"(const CModelConfig&, const CTrainOptions&,
+                                                              cbool) except +nanoq_raise_py_error
+    vector[CParameterInfo] core_parameter_layout "nanoq::parameter_layout"(const CModelConfig&) \
+        except +nanoq_raise_py_error
     cbool has_backend(const string&)
     int backend_device_count(const string&) except +nanoq_raise_py_error
     vector[CScratchInfo] backend_scratch_plan(const string&, const CScratchShapes&, int,
@@ -183,6 +192,105 @@ cdef dict _stats_dict(const CStepStats& s):
                 lse_max=s.lse_max, lse_mean=s.lse_mean, tokens=s.tokens, skipped=s.skipped)
 
 
+cdef CModelConfig _model_config(dict config) except *:
+    """The core's ModelConfig from nanoq.ModelConfig.to_core()."""
+    cdef CModelConfig c
+    c.vocab_size = config["vocab_size"]
+    c.hidden_size = config["hidden_size"]
+    c.intermediate_size = config["intermediate_size"]
+    c.num_layers = config["num_hidden_layers"]
+    c.num_heads = config["num_attention_heads"]
+    c.num_kv_heads = config["num_key_value_heads"]
+    c.head_dim = config["head_dim"]
+    c.rope_theta = config["rope_theta"]
+    scaling = config["rope_scaling"]
+    c.rope_llama3 = scaling is not None
+    if scaling is not None:
+        c.rope_factor = scaling["factor"]
+        c.rope_low_freq_factor = scaling["low_freq_factor"]
+        c.rope_high_freq_factor = scaling["high_freq_factor"]
+        c.rope_original_max_position = scaling["original_max_position_embeddings"]
+    c.rms_norm_eps = config["rms_norm_eps"]
+    c.tie_embeddings = config["tie_word_embeddings"]
+    c.qkv_bias = config["qkv_bias"]
+    c.o_bias = config["o_bias"]
+    c.qk_norm = config["qk_norm"]
+    return c
+
+
+cdef CTrainOptions _train_options(dict options) except *:
+    """The core's TrainOptions from nanoq.TrainOptions as a dict (backend and
+    dtype resolved)."""
+    cdef CTrainOptions o
+    o.backend = options["backend"].encode()
+    o.devices = options["devices"]
+    o.batch_size = options["batch_size"]
+    o.seq_len = options["seq_len"]
+    o.grad_accum = options["grad_accum"]
+    o.threads = options["threads"]
+    o.z_loss = options["z_loss"]
+    o.seed = options["seed"]
+    o.dtype = options["dtype"].encode()
+    o.master_dtype = options["master_dtype"].encode()
+    o.optimizer_dtype = options["optimizer_dtype"].encode()
+    o.memory_limit = options["memory_limit"]
+    o.recompute = ",".join(options["recompute"]).encode()
+    o.offload = ",".join(options["offload"]).encode()
+    o.zero_stage = options["zero_stage"]
+    lora = options.get("lora")
+    if lora:
+        o.lora_rank = lora["rank"]
+        o.lora_alpha = lora["alpha"]
+        o.lora_dropout = lora["dropout"]
+        o.lora_targets = ",".join(lora["targets"]).encode()
+    return o
+
+
+def plan_memory(dict config, dict options, cbool ask_libraries=True):
+    """What CoreTrainer(config, options) would allocate, per device, computed
+    by the core without a device (nanoq::plan_memory): a list with one dict
+    per device, allocations (dicts context, name, bytes, kind, exact, in
+    allocation order) and stack_capacity. Devices whose lists are equal
+    share one list object. Raises as the Trainer does for bad options, and
+    OutOfMemoryError where memory_limit would be exceeded."""
+    cdef CModelConfig c = _model_config(config)
+    cdef CTrainOptions o = _train_options(options)
+    cdef vector[CDevicePlan] plans
+    cdef CAllocationInfo a
+    with nogil:
+        plans = core_plan_memory(c, o, ask_libraries)
+    out = []
+    cdef size_t device
+    for device in range(plans.size()):
+        if device and _same_allocations(plans[device].allocations, plans[device - 1].allocations):
+            allocations = out[device - 1]["allocations"]
+        else:
+            allocations = []
+            for a in plans[device].allocations:
+                allocations.append(dict(context=a.context.decode(), name=a.name.decode(), bytes=a.bytes,
+                                        kind=a.kind.decode(), exact=a.exact))
+        out.append(dict(allocations=allocations, stack_capacity=plans[device].stack_capacity))
+    return out
+
+
+cdef cbool _same_allocations(const vector[CAllocationInfo]& a, const vector[CAllocationInfo]& b) noexcept nogil:
+    if a.size() != b.size():
+        return False
+    cdef size_t i
+    for i in range(a.size()):
+        if (a[i].bytes != b[i].bytes or a[i].exact != b[i].exact or a[i].name != b[i].name
+                or a[i].context != b[i].context or a[i].kind != b[i].kind):
+            return False
+    return True
+
+
+def parameter_layout(dict config):
+    """The model's parameters in the core's flat-buffer order
+    (nanoq::parameter_layout): a list of (Hugging Face name, shape tuple)."""
+    cdef CModelConfig c = _model_config(config)
+    return [(p.name.decode(), tuple(p.shape)) for p in core_parameter_layout(c)]
+
+
 cdef class CoreTrainer:
     """Owns one C++ Trainer. Use nanoq.Trainer, which validates arguments."""
 
@@ -191,49 +299,8 @@ cdef class CoreTrainer:
     cdef readonly int seq_len
 
     def __cinit__(self, dict config, dict options):
-        cdef CModelConfig c
-        cdef CTrainOptions o
-        c.vocab_size = config["vocab_size"]
-        c.hidden_size = config["hidden_size"]
-        c.intermediate_size = config["intermediate_size"]
-        c.num_layers = config["num_hidden_layers"]
-        c.num_heads = config["num_attention_heads"]
-        c.num_kv_heads = config["num_key_value_heads"]
-        c.head_dim = config["head_dim"]
-        c.rope_theta = config["rope_theta"]
-        scaling = config["rope_scaling"]
-        c.rope_llama3 = scaling is not None
-        if scaling is not None:
-            c.rope_factor = scaling["factor"]
-            c.rope_low_freq_factor = scaling["low_freq_factor"]
-            c.rope_high_freq_factor = scaling["high_freq_factor"]
-            c.rope_original_max_position = scaling["original_max_position_embeddings"]
-        c.rms_norm_eps = config["rms_norm_eps"]
-        c.tie_embeddings = config["tie_word_embeddings"]
-        c.qkv_bias = config["qkv_bias"]
-        c.o_bias = config["o_bias"]
-        c.qk_norm = config["qk_norm"]
-        o.backend = options["backend"].encode()
-        o.devices = options["devices"]
-        o.batch_size = options["batch_size"]
-        o.seq_len = options["seq_len"]
-        o.grad_accum = options["grad_accum"]
-        o.threads = options["threads"]
-        o.z_loss = options["z_loss"]
-        o.seed = options["seed"]
-        o.dtype = options["dtype"].encode()
-        o.master_dtype = options["master_dtype"].encode()
-        o.optimizer_dtype = options["optimizer_dtype"].encode()
-        o.memory_limit = options["memory_limit"]
-        o.recompute = ",".join(options["recompute"]).encode()
-        o.offload = ",".join(options["offload"]).encode()
-        o.zero_stage = options["zero_stage"]
-        lora = options.get("lora")
-        if lora:
-            o.lora_rank = lora["rank"]
-            o.lora_alpha = lora["alpha"]
-            o.lora_dropout = lora["dropout"]
-            o.lora_targets = ",".join(lora["targets"]).encode()
+        cdef CModelConfig c = _model_config(config)
+        cdef CTrainOptions o = _train_options(options)
         self.batch_rows = o.devices * o.batch_size
         self.seq_len = o.seq_len
         with nogil:

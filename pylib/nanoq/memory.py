@@ -1,39 +1,25 @@
 """How much memory a training run takes per device, computed without allocating.
 
-``estimate_memory(config, options)`` lists, allocation by allocation, what the
-core allocates on each device (every device holds the same list), in the
-order the core allocates it. It mirrors, and must be kept in step with:
+``estimate_memory(config, options)`` lists, allocation by allocation, what
+``Trainer(config, options)`` allocates on each device, in the order it
+allocates. The list is the core's own plan (``nanoq::plan_memory``, bound as
+``nanoq._core.plan_memory``): the Trainer's allocation sequence run against
+the named allocator in its planning mode, which records every allocation and
+the activation stack's capacity without a device and without creating a
+backend. Nothing here computes a size; this module presents the plan (the
+contexts' meanings, the table), judges the fit (``reserve_bytes``) and
+searches for settings that fit.
 
-- ``cuda_core/trainer.cpp`` (Trainer constructor): flat weights and float32
-  gradients padded to a multiple of the device count (stage 2: a gradient
-  shard, the embedding's and head's gradients and one layer's; stage 3 also:
-  a weight shard, the embedding and head and two layer buffers, see
-  ``cuda_core/zero.cpp``); the ZeRO-1 shards of
-  the master weights (a view of the weights, allocating nothing, when master
-  and weight dtypes agree and it is not offloaded) and AdamW moments, in
-  pinned host memory when offloaded, with their device chunk buffers; token,
-  statistics and staging buffers.
-- ``cuda_core/model.cpp`` (LlamaModel constructor, ``Recompute::parse``,
-  ``stack_bytes()``, ``scratch_shapes()``, ``parameter_layout()``): the kept
-  (not recomputed) activations, the residual stream, the RoPE table and the
-  activation stack's capacity.
-- With LoRA (``TrainOptions.lora``, zero_stage 1): the model's weights
-  whole and unpadded on every device ("frozen-weights"), the flat buffers
-  above ("adapters" instead of "weights") sized by the adapter layout
-  (``nanoq.lora.adapter_shapes``, model.cpp ``lora_layout()``), staging for
-  the largest parameter of either, the model's "frozen-norm-gradients" sink
-  and, on the stack, a running adapter's pushes (``adapter_bytes()``).
-
-The backends' op scratch is not mirrored: each backend plans it itself
+The backends' op scratch is part of that plan: each backend plans it itself
 (``BackendPlugin::scratch_plan``, the function its ``reserve_scratch``
-allocates from; ``nanoq.backends.scratch_plan``), so estimating a backend
-loads its library. The cuda backend's op scratch includes CUB's radix-sort
-storage, which only CUB can size, and only with a device: where it cannot
-(no GPU, or the cuda backend not built, when the plan comes from the
-cuda_emulated backend's copy of the same code without asking CUB), an upper
-bound is counted and the line is marked inexact (``Allocation.exact``,
-``MemoryEstimate.approximate``). It decides the op scratch only when it is the
-largest op's need: models with few heads and narrow projections.
+allocates from), so estimating a backend loads its library. The cuda
+backend's op scratch includes CUB's radix-sort storage, which only CUB can
+size, and only with a device: where it cannot (no GPU, or the cuda backend
+not built, when the plan comes from the cuda_emulated backend's copy of the
+same code without asking CUB), an upper bound is counted and the line is
+marked inexact (``Allocation.exact``, ``MemoryEstimate.approximate``). It
+decides the op scratch only when it is the largest op's need: models with
+few heads and narrow projections.
 
 Bytes are those the allocator records (``Trainer.get_allocations``), which
 are also what ``TrainOptions.memory_limit`` counts: the device total here is
@@ -49,9 +35,9 @@ import math
 from typing import Dict, Iterator, List, Optional
 
 from nanoq import _core
-from nanoq.backends import CUDA_BACKENDS, device_count, scratch_plan
+from nanoq.backends import CUDA_BACKENDS, device_count
 from nanoq.config import OFFLOAD, RECOMPUTE, ModelConfig, TrainOptions
-from nanoq.lora import LoraConfig, adapter_shapes, projection_shape
+from nanoq.lora import adapter_shapes
 
 CONTEXTS = ("weights", "master", "gradients", "adam-m", "adam-v", "activations", "workspace", "stack")
 CONTEXT_MEANING = {
@@ -72,21 +58,12 @@ LORA_CONTEXT_MEANING = {
     "adam-m": "this device's shard of the adapters' AdamW first moment (none when offloaded)",
     "adam-v": "this device's shard of the adapters' AdamW second moment (none when offloaded)",
 }
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
-_STAT_BYTES = _core.STAT_DTYPE().itemsize  # the loss statistics' element (float64)
 # Memory a cuda device loses to what nanoq's allocator does not see: the CUDA
 # context, cuBLASLt and NCCL (an assumption, adjustable; 0 on the cpu and on
 # the emulator, which has none of them).
 CUDA_RESERVE_BYTES = 1 << 30
 # The largest device count `suggestions` tries.
 MAX_SUGGESTED_DEVICES = 64
-
-# Constants of the core, named as there.
-_STAGING_ELEMENTS = 1 << 22          # trainer.cpp kStagingElements
-_STACK_ALIGNMENT = 256                # allocator.h StackArena::kAlignment
-# Backend::classifier_chunk_elements() (cuda_emulated runs the cuda backend's code)
-_CLASSIFIER_CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26, "cuda_emulated": 1 << 26}
-_OPTIMIZER_CHUNK = 1 << 22           # trainer.cpp kOptimizerChunk (offload's device buffers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,12 +82,16 @@ class Allocation:
 
 @dataclasses.dataclass
 class MemoryEstimate:
-    """Per-device memory of a run. ``allocations`` is one device's list (all
-    devices hold the same). ``options`` has ``backend`` and ``dtype``
-    resolved; ``parameters`` counts the model's, ``trainable_parameters``
-    those with gradients and AdamW state (the LoRA adapters' with LoRA, else
-    the same); ``reserve_bytes`` is what ``fits`` adds for memory outside
-    nanoq's allocator."""
+    """Per-device memory of a run, as the core plans it. ``per_device``
+    holds every device's allocations in allocation order (today all devices
+    hold the same list) and ``stack_capacities`` their activation stacks'
+    bytes; ``allocations`` is the list of the device that needs the most
+    device memory (the first such), which the totals, the table and the fit
+    judge. ``options`` has ``backend`` and ``dtype`` resolved;
+    ``parameters`` counts the model's, ``trainable_parameters`` those with
+    gradients and AdamW state (the LoRA adapters' with LoRA, else the same);
+    ``reserve_bytes`` is what ``fits`` adds for memory outside nanoq's
+    allocator."""
 
     config: ModelConfig
     options: TrainOptions
@@ -118,6 +99,8 @@ class MemoryEstimate:
     parameters: int
     trainable_parameters: int
     reserve_bytes: int
+    per_device: List[List[Allocation]] = dataclasses.field(default_factory=list)
+    stack_capacities: List[int] = dataclasses.field(default_factory=list)
 
     @property
     def contexts(self) -> Dict[str, int]:
@@ -259,11 +242,14 @@ class MemoryEstimate:
         return None
 
     def _recompute_levels(self) -> Iterator[tuple]:
-        """Recompute settings that add to this one, cheapest first."""
+        """Recompute settings that add names to this one, cheapest first. One
+        that the core's implications make equivalent to this one (swiglu
+        when ffn is on) plans the same memory, so it never fits where this
+        one does not and is never suggested."""
         o = self.options
         for extra in (("swiglu",), ("ffn",), ("ffn", "norms"), ("ffn", "norms", "qkv"), ("block",)):
             names = tuple(sorted(set(o.recompute) | set(extra), key=RECOMPUTE.index))
-            if _recompute_set(names) != _recompute_set(o.recompute):
+            if set(names) != set(o.recompute):
                 yield names
 
     def _offload_levels(self) -> Iterator[tuple]:
@@ -368,38 +354,11 @@ def parameter_count_text(count: int) -> str:
     return f"{count / 1e6:.1f}M" if count >= 10**6 else f"{count:,}"
 
 
-# -- the mirror of the core ---------------------------------------------------------
-
 def parameter_numels(config: ModelConfig) -> Iterator[int]:
-    """Element counts of the parameters in ``parameter_layout()`` order (model.cpp)."""
-    c = config
-    C, I, V, D = c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
-    q_out, kv_out = c.num_attention_heads * D, c.num_key_value_heads * D
-    yield V * C
-    for _ in range(c.num_hidden_layers):
-        yield C
-        yield q_out * C
-        if c.qkv_bias:
-            yield q_out
-        yield kv_out * C
-        if c.qkv_bias:
-            yield kv_out
-        yield kv_out * C
-        if c.qkv_bias:
-            yield kv_out
-        yield C * q_out
-        if c.o_bias:
-            yield C
-        if c.qk_norm:
-            yield D
-            yield D
-        yield C
-        yield I * C
-        yield I * C
-        yield C * I
-    yield C
-    if not c.tie_word_embeddings:
-        yield V * C
+    """Element counts of the model's parameters in the core's flat-buffer
+    order (``nanoq::parameter_layout``)."""
+    for _, shape in _core.parameter_layout(config.to_core()):
+        yield math.prod(shape)
 
 
 def _resolve(options: TrainOptions, backend: Optional[str]) -> TrainOptions:
@@ -419,18 +378,10 @@ def _resolve(options: TrainOptions, backend: Optional[str]) -> TrainOptions:
     return dataclasses.replace(options, backend=name, dtype=dtype)
 
 
-def _cpu_threads(options: TrainOptions) -> int:
-    """Threads per device as trainer.cpp picks them (hardware_concurrency / devices)."""
-    if options.threads > 0:
-        return options.threads
-    from nanoq.backends import device_count  # the core's std::thread::hardware_concurrency()
-
-    return max(1, device_count("cpu") // options.devices)
-
-
 def estimate_memory(config: ModelConfig, options: TrainOptions, *, backend: Optional[str] = None,
                     reserve_bytes: Optional[int] = None) -> MemoryEstimate:
-    """Per-device memory of ``Trainer(config, options)``, without allocating.
+    """Per-device memory of ``Trainer(config, options)``, without allocating:
+    the core's plan of that Trainer (see the module's note).
 
     backend: overrides ``options.backend`` ("cpu", "cuda", "cuda_emulated";
     "auto" as the Trainer resolves it). A cuda estimate needs no GPU (see
@@ -439,200 +390,55 @@ def estimate_memory(config: ModelConfig, options: TrainOptions, *, backend: Opti
     allocator that ``fits`` adds (default CUDA_RESERVE_BYTES on cuda, 0
     otherwise). The cpu backend's attention scratch depends on the threads
     per device: ``options.threads``, or 0 for this machine's cores shared out.
-    Raises ValueError for dtypes the backend lacks (cpu: fp32 only) and, on
-    cuda, head_dim > 256; nanoq.NanoqError when the scratch cannot be planned
-    (a cuda estimate on an install with neither cuda nor cuda_emulated built).
+    ``options.memory_limit`` is not applied: the estimate reports what the
+    run needs, ``fits`` judges it. Raises ValueError for options the Trainer
+    refuses (cpu: fp32 only; on cuda, head_dim > 256); nanoq.NanoqError
+    when the scratch cannot be planned (a cuda estimate on an install with
+    neither cuda nor cuda_emulated built).
     """
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a nanoq.ModelConfig, got {type(config).__name__}")
     if not isinstance(options, TrainOptions):
         raise TypeError(f"options must be a nanoq.TrainOptions, got {type(options).__name__}")
     options = _resolve(options, backend)
-    numels = list(parameter_numels(config))
-    trainable = _trainable_numels(config, options.lora) if options.lora is not None else numels
-    allocations = _trainer_allocations(config, options, numels, trainable)
+    plans = _core.plan_memory(config.to_core(), _planned_options(options), _asks_libraries(options.backend))
+    per_device, converted = [], {}
+    for plan in plans:  # devices with equal plans share one list: convert it once
+        key = id(plan["allocations"])
+        if key not in converted:
+            converted[key] = [Allocation(**a) for a in plan["allocations"]]
+        per_device.append(converted[key])
+    device_totals = [sum(a.bytes for a in allocations if a.kind == "device") for allocations in per_device]
+    allocations = per_device[device_totals.index(max(device_totals))]
+    parameters = sum(parameter_numels(config))
+    trainable = parameters if options.lora is None else \
+        sum(rows * cols for rows, cols in adapter_shapes(config, options.lora).values())
     if reserve_bytes is None:
         reserve_bytes = CUDA_RESERVE_BYTES if options.backend == "cuda" else 0
-    return MemoryEstimate(config=config, options=options, allocations=allocations, parameters=sum(numels),
-                          trainable_parameters=sum(trainable), reserve_bytes=reserve_bytes)
+    return MemoryEstimate(config=config, options=options, allocations=allocations, parameters=parameters,
+                          trainable_parameters=trainable, reserve_bytes=reserve_bytes, per_device=per_device,
+                          stack_capacities=[plan["stack_capacity"] for plan in plans])
 
 
-def _trainable_numels(config: ModelConfig, lora: LoraConfig) -> List[int]:
-    """Element counts of the adapters in ``lora_layout()`` order (model.cpp)."""
-    return [rows * cols for rows, cols in adapter_shapes(config, lora).values()]
-
-
-def _trainer_allocations(c: ModelConfig, o: TrainOptions, numels: List[int], trainable: List[int]) -> List[Allocation]:
-    """trainer.cpp, Trainer::Trainer, in allocation order. numels: the
-    model's parameters; trainable: those in the flat buffers (the same list
-    without LoRA, the adapters' with it)."""
-    n = o.devices
-    shard = -(-sum(trainable) // n)
-    padded = shard * n
-    weight_size = DTYPE_BYTES[o.dtype]
-    # zero.cpp BlockLayout: the embedding, equal layers, the head.
-    embed = numels[0]
-    head = c.hidden_size + (0 if c.tie_word_embeddings else numels[-1])
-    layer = (sum(numels) - embed - head) // c.num_hidden_layers
-    out = []
-    if o.lora is not None:  # whole on every device, unpadded
-        out.append(Allocation("weights", "frozen-weights", sum(numels) * weight_size))
-    if o.zero_stage < 3:
-        out.append(Allocation("weights", "weights" if o.lora is None else "adapters", padded * weight_size))
-    else:
-        out += [Allocation("weights", "weight-shard", shard * weight_size),
-                Allocation("weights", "embed-weights", embed * weight_size),
-                Allocation("weights", "head-weights", head * weight_size),
-                Allocation("weights", "layer-weights.0", layer * weight_size),
-                Allocation("weights", "layer-weights.1", layer * weight_size)]
-    if o.zero_stage == 1:
-        out.append(Allocation("gradients", "gradients", padded * 4))
-    else:
-        grad_kind = "pinned" if "gradients" in o.offload else "device"
-        out += [Allocation("gradients", "gradient-shard", shard * 4, grad_kind),
-                Allocation("gradients", "embed-gradients", embed * 4),
-                Allocation("gradients", "head-gradients", head * 4),
-                Allocation("gradients", "layer-gradients", layer * 4),
-                Allocation("workspace", "reduce-scratch", max(layer, embed, head) * 4)]
-    master_kind = "pinned" if "master" in o.offload else "device"
-    optimizer_kind = "pinned" if "optimizer" in o.offload else "device"
-    if o.master_dtype != o.dtype or "master" in o.offload:  # else the master shard is a view of the weights
-        out.append(Allocation("master", "master", shard * DTYPE_BYTES[o.master_dtype], master_kind))
-    optimizer_size = DTYPE_BYTES[o.optimizer_dtype]
-    out += [Allocation("adam-m", "adam-m", shard * optimizer_size, optimizer_kind),
-            Allocation("adam-v", "adam-v", shard * optimizer_size, optimizer_kind)]
-    chunk = min(shard, _OPTIMIZER_CHUNK)  # offloaded state streams through these device buffers
-    if "master" in o.offload:
-        out.append(Allocation("workspace", "offload-master", chunk * DTYPE_BYTES[o.master_dtype]))
-    if "optimizer" in o.offload:
-        out += [Allocation("workspace", "offload-adam-m", chunk * optimizer_size),
-                Allocation("workspace", "offload-adam-v", chunk * optimizer_size)]
-    if "gradients" in o.offload:
-        out.append(Allocation("workspace", "offload-gradients", chunk * 4))
-    rows = o.batch_size * o.seq_len
-    stats = len(_core.stat_slots()) * _STAT_BYTES
-    out += [Allocation("workspace", "tokens", rows * 4),
-            Allocation("workspace", "targets", rows * 4),
-            Allocation("workspace", "loss-stats", stats),
-            Allocation("workspace", "eval-stats", stats),
-            Allocation("workspace", "gathered-stats", n * _core.gather_stride() * _STAT_BYTES),
-            Allocation("workspace", "optimizer-scale", 3 * 4),
-            Allocation("workspace", "parameter-staging", min(max(numels + trainable), _STAGING_ELEMENTS) * 4)]
-    recompute = _recompute_set(o.recompute)
-    specs = _activation_specs(c, o.batch_size, o.seq_len, weight_size, recompute)
-    out += _model_allocations(c, o.batch_size, o.seq_len, weight_size, specs, o.lora)
-    stack = _stack_bytes(c, rows, weight_size, specs, _classifier_chunk_rows(c, rows, o.backend),
-                         _adapter_stack_bytes(c, rows, weight_size, o.lora))
-    out.append(Allocation("stack", "activation-stack", stack // 4 * 4))
-    out += _backend_scratch(c, o, shard)
-    return out
-
-
-def _recompute_set(names) -> set:
-    """model.cpp, Recompute::parse: the names with their implications."""
-    r = set(names)
-    if "block" in r:
-        r |= {"ffn", "norms", "qkv"}
-    if "ffn" in r:
-        r.add("swiglu")
-    return r
-
-
-def _activation_specs(c: ModelConfig, batch: int, time: int, size: int, recompute: set) -> List[tuple]:
-    """model.cpp, the LlamaModel constructor's specs: (name, bytes, recomputed)
-    of one layer's activations, in order."""
-    rows, C, I = batch * time, c.hidden_size, c.intermediate_size
-    H, K, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    HD, KD = H * D, K * D
-    block, qkv, norms = "block" in recompute, "qkv" in recompute, "norms" in recompute
-    specs = [("input-norm", rows * C * size, norms), ("input-rstd", rows * 4, block)]
-    if c.qk_norm:
-        specs += [("q-raw", rows * HD * size, qkv), ("k-raw", rows * KD * size, qkv),
-                  ("q-rstd", rows * H * 4, qkv), ("k-rstd", rows * K * 4, qkv)]
-    specs += [("q", rows * HD * size, qkv), ("k", rows * KD * size, qkv), ("v", rows * KD * size, qkv),
-              ("attention", rows * HD * size, block), ("attention-lse", batch * H * time * 4, block),
-              ("residual-mid", rows * C * size, block), ("post-norm", rows * C * size, norms),
-              ("post-rstd", rows * 4, block), ("gate", rows * I * size, "ffn" in recompute),
-              ("up", rows * I * size, "ffn" in recompute), ("swiglu", rows * I * size, "swiglu" in recompute)]
-    return specs
-
-
-def _model_allocations(c: ModelConfig, batch: int, time: int, size: int, specs: List[tuple],
-                       lora: Optional[LoraConfig]) -> List[Allocation]:
-    """model.cpp, LlamaModel::LlamaModel: RoPE table, residual stream, the
-    layers' kept (not recomputed) activations, the final norm; with LoRA the
-    sink for the frozen norms' weight gradients."""
-    rows, C = batch * time, c.hidden_size
-    out = [Allocation("workspace", "rope-cos-sin", time * (c.head_dim // 2) * 2 * 4)]
-    out += [Allocation("activations", f"residual.{l}", rows * C * size) for l in range(c.num_hidden_layers + 1)]
-    for l in range(c.num_hidden_layers):
-        out += [Allocation("activations", f"layer.{l}.{name}", nbytes)
-                for name, nbytes, recomputed in specs if not recomputed]
-    out += [Allocation("activations", "final-norm", rows * C * size),
-            Allocation("activations", "final-rstd", rows * 4)]
-    if lora is not None:
-        out.append(Allocation("workspace", "frozen-norm-gradients", max(C, c.head_dim) * 4))
-    return out
-
-
-def _classifier_chunk_rows(c: ModelConfig, rows: int, backend: str) -> int:
-    """model.cpp, LlamaModel::classifier_chunk_rows."""
-    return min(max(1, _CLASSIFIER_CHUNK_ELEMENTS[backend] // c.vocab_size), rows)
-
-
-def _stack_aligned(nbytes: int) -> int:
-    return -(-nbytes // _STACK_ALIGNMENT) * _STACK_ALIGNMENT
-
-
-def _stack_bytes(c: ModelConfig, rows: int, size: int, specs: List[tuple], chunk_rows: int, adapter: int) -> int:
-    """model.cpp, LlamaModel::stack_bytes: the peak of the pushes of forward
-    (a layer's recomputed activations) and backward (those plus the
-    gradients of the MLP or attention, or the classifier's), each with a
-    running adapter's ``adapter`` bytes on top."""
-    C, I = c.hidden_size, c.intermediate_size
-    HD, KD = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-
-    def pushed(elements: int) -> int:
-        return _stack_aligned(size * elements)
-
-    transient = sum(_stack_aligned(nbytes) for _, nbytes, recomputed in specs if recomputed)
-    classifier = pushed(rows * C) + pushed(chunk_rows * c.vocab_size)
-    mlp = 2 * pushed(rows * I) + pushed(rows * C)
-    attention = 2 * pushed(rows * HD) + 2 * pushed(rows * KD) + pushed(rows * C)
-    backward = pushed(rows * C) + max(classifier, transient + max(mlp, attention) + adapter)
-    return max(transient + adapter, backward)
-
-
-def _adapter_stack_bytes(c: ModelConfig, rows: int, size: int, lora: Optional[LoraConfig]) -> int:
-    """model.cpp, LlamaModel::adapter_bytes: what an adapter pushes while it
-    runs, its [rows, rank] hidden and, with dropout, its dropped-out input
-    (sized for the widest targeted input); 0 without LoRA."""
-    if lora is None:
-        return 0
-    widest_input = max(projection_shape(c, target)[1] for target in lora.targets)
-    dropped = _stack_aligned(size * rows * widest_input) if lora.dropout > 0 else 0
-    return dropped + _stack_aligned(size * rows * lora.rank)
-
-
-def _backend_scratch(c: ModelConfig, o: TrainOptions, shard: int) -> List[Allocation]:
-    """The backend's reserve_scratch, as the backend plans it for the
-    model's ScratchShapes (model.cpp scratch_shapes(), max_reduce the
-    gradient shard). A cuda estimate without the cuda backend's library
-    takes the plan of the same code built as cuda_emulated, without asking
-    CUB (which could not answer for a real GPU there)."""
-    rows = o.batch_size * o.seq_len
-    shapes = dict(batch=o.batch_size, time=o.seq_len, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads,
-                  head_dim=c.head_dim, hidden=c.hidden_size, intermediate=c.intermediate_size, vocab=c.vocab_size,
-                  classifier_rows=_classifier_chunk_rows(c, rows, o.backend), max_reduce=shard)
-    threads = _cpu_threads(o) if o.backend == "cpu" else 1
-    name, ask_libraries = o.backend, True
-    if name == "cuda" and not _loadable("cuda"):
+def _planned_options(options: TrainOptions) -> dict:
+    """The options the core plans, as the binding takes them: those of the
+    Trainer, with no memory limit (the estimate reports what the run needs).
+    A cuda estimate without the cuda backend's library is planned by the
+    same code built as cuda_emulated."""
+    planned = dataclasses.asdict(dataclasses.replace(options, memory_limit=0))
+    if options.backend == "cuda" and not _loadable("cuda"):
         if not _core.backend_built("cuda_emulated"):
             raise _core.NanoqError("cannot estimate the cuda backend's scratch: this install has neither the cuda "
                                    "nor the cuda_emulated backend, whose code plans it")
-        name, ask_libraries = "cuda_emulated", False
-    return [Allocation("workspace", b["name"], b["bytes"], b["kind"], b["exact"])
-            for b in scratch_plan(name, threads=threads, ask_libraries=ask_libraries, **shapes)]
+        planned["backend"] = "cuda_emulated"
+    return planned
+
+
+def _asks_libraries(backend: str) -> bool:
+    """Whether the plan asks libraries (CUB) for their sizes: not when a
+    cuda plan comes from cuda_emulated's copy of the code, whose stand-in
+    for CUB could not answer for a real GPU."""
+    return backend != "cuda" or _loadable("cuda")
 
 
 def _loadable(backend: str) -> bool:

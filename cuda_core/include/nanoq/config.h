@@ -105,6 +105,14 @@ struct AllocationInfo {
     std::string name;
     std::size_t bytes;
     std::string kind;
+    bool exact = true;  // false: `bytes` is an upper bound (planned without a device; see ScratchInfo)
+};
+
+// What a Trainer would allocate on one device (plan_memory, nanoq/trainer.h):
+// its allocations in order and the activation stack's capacity.
+struct DevicePlan {
+    std::vector<AllocationInfo> allocations;
+    std::size_t stack_capacity = 0;
 };
 
 struct MemoryInfo {

@@ -77,6 +77,20 @@ private:
     std::unique_ptr<Impl> impl_;
 };
 
+// What Trainer(config, options) would allocate, per device in rank order,
+// computed without a device: the Trainer's own allocation sequence run
+// against planning allocators, so the lists equal allocations(device) and
+// StackInfo::capacity of such a trainer, entry for entry. No backend is
+// created (the backend's library is loaded for its scratch plan), so it
+// works for any device count, and for "cuda" on a machine without a GPU.
+// Options are checked as the Trainer checks them (the count of available
+// devices aside), and a memory_limit that the Trainer would exceed throws
+// the same OutOfMemory. Library-sized scratch (CUB's) is asked of the
+// library when `ask_libraries`, and is an upper bound with exact = false
+// where it cannot answer (no GPU) or is not asked.
+std::vector<DevicePlan> plan_memory(const ModelConfig& config, const TrainOptions& options,
+                                    bool ask_libraries = true);
+
 // Whether a backend is compiled into this install ("cpu" always is); does
 // not load it.
 bool has_backend(const std::string& name);
