@@ -145,7 +145,7 @@ public:
 };
 
 // One buffer that a backend's reserve_scratch allocates (context Workspace),
-// planned from the ScratchShapes alone; `exact` as in ScratchInfo.
+// planned from the ScratchShapes alone; `exact` as in AllocationInfo.
 struct ScratchBuffer {
     std::string name;
     DType dtype;

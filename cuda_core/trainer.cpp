@@ -8,6 +8,9 @@
 // all-gathered. When weights and master weights share a dtype, the master
 // shard is a view into the weights buffer; otherwise it is its own tensor and
 // the updated master shard is cast into the weights before the gather.
+// What a device allocates is decided in one place, allocate_device_state():
+// the constructor runs it on each device's allocator, plan_memory() on
+// planning allocators, so the memory plan is the Trainer's own sequence.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -801,14 +804,5 @@ std::vector<DevicePlan> plan_memory(const ModelConfig& config, const TrainOption
 bool has_backend(const std::string& name) { return backend_built(name); }
 
 int backend_device_count(const std::string& name) { return find_backend(name).device_count(); }
-
-std::vector<ScratchInfo> backend_scratch_plan(const std::string& name, const ScratchShapes& shapes, int threads,
-                                              bool ask_libraries) {
-    std::vector<ScratchInfo> out;
-    for (const ScratchBuffer& b : find_backend(name).scratch_plan(shapes, threads, ask_libraries))
-        out.push_back(ScratchInfo{b.name, static_cast<std::size_t>(b.elements) * dtype_size(b.dtype),
-                                  memory_kind_name(b.kind), b.exact});
-    return out;
-}
 
 }  // namespace nanoq

@@ -82,19 +82,6 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         size_t capacity, high_water
         vector[pair[string, size_t]] live_at_high_water
 
-    cdef cppclass CAttentionShape "nanoq::AttentionShape":
-        int batch, time, heads, kv_heads, head_dim
-
-    cdef cppclass CScratchShapes "nanoq::ScratchShapes":
-        CAttentionShape attention
-        int hidden, intermediate, vocab, classifier_rows
-        int64_t max_reduce
-
-    cdef cppclass CScratchInfo "nanoq::ScratchInfo":
-        string name, kind
-        size_t bytes
-        cbool exact
-
     cdef cppclass CTrainer "nanoq::Trainer":
         CTrainer(const CModelConfig&, const CTrainOptions&) except +nanoq_raise_py_error
         int world_size()
@@ -121,8 +108,6 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         except +nanoq_raise_py_error
     cbool has_backend(const string&)
     int backend_device_count(const string&) except +nanoq_raise_py_error
-    vector[CScratchInfo] backend_scratch_plan(const string&, const CScratchShapes&, int,
-                                              cbool) except +nanoq_raise_py_error
 
     cdef cppclass CCpuGemm "nanoq::CpuGemm":
         string name
@@ -152,33 +137,6 @@ def cpu_gemm():
     a value this build cannot honour."""
     cdef CCpuGemm gemm = core_cpu_gemm()
     return dict(name=gemm.name.decode(), openblas_built=gemm.openblas_built)
-
-
-def scratch_plan(str backend, *, int batch, int time, int heads, int kv_heads, int head_dim, int hidden,
-                 int intermediate, int vocab, int classifier_rows, int64_t max_reduce, int threads=1,
-                 cbool ask_libraries=True):
-    """The op scratch backend `backend` reserves for these shapes (the
-    ScratchShapes of the core's backend.h), planned without allocating: a
-    list of dicts name, bytes, kind ("device"/"pinned"), exact (False where
-    a library could not report its size without a device, or was not asked:
-    `bytes` is then an upper bound). Loads the backend's library (errors as
-    device_count)."""
-    cdef CScratchShapes s
-    s.attention.batch = batch
-    s.attention.time = time
-    s.attention.heads = heads
-    s.attention.kv_heads = kv_heads
-    s.attention.head_dim = head_dim
-    s.hidden = hidden
-    s.intermediate = intermediate
-    s.vocab = vocab
-    s.classifier_rows = classifier_rows
-    s.max_reduce = max_reduce
-    cdef string n = backend.encode()
-    cdef vector[CScratchInfo] plan
-    with nogil:
-        plan = backend_scratch_plan(n, s, threads, ask_libraries)
-    return [dict(name=b.name.decode(), bytes=b.bytes, kind=b.kind.decode(), exact=b.exact) for b in plan]
 
 
 # What CoreTrainer._read copies out; 0..2 are the core's optimizer state kinds.

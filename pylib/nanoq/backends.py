@@ -50,15 +50,6 @@ def device_count(name: str) -> int:
     return _core.device_count(name)
 
 
-def scratch_plan(name: str, *, threads: int = 1, ask_libraries: bool = True, **shapes) -> list[dict]:
-    """The op scratch backend ``name`` reserves for ``shapes`` (the keyword
-    arguments of ``_core.scratch_plan``: the core's ScratchShapes), as the
-    backend itself plans it: dicts of name, bytes, kind and exact. Loads the
-    backend's library (errors as ``device_count``)."""
-    _prepare(name)
-    return _core.scratch_plan(name, threads=threads, ask_libraries=ask_libraries, **shapes)
-
-
 def gpu_names() -> list[str]:
     """Names of the NVIDIA GPUs NVML sees (empty without NVML or a driver)."""
     try:

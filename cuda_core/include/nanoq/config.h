@@ -105,7 +105,9 @@ struct AllocationInfo {
     std::string name;
     std::size_t bytes;
     std::string kind;
-    bool exact = true;  // false: `bytes` is an upper bound (planned without a device; see ScratchInfo)
+    // false: `bytes` is an upper bound, a library's need planned where it
+    // could not report it (CUB's sort storage without a GPU; plan_memory).
+    bool exact = true;
 };
 
 // What a Trainer would allocate on one device (plan_memory, nanoq/trainer.h):
@@ -135,8 +137,8 @@ struct AttentionShape {
 };
 
 // The largest shapes a backend's ops will see, so that it can reserve its
-// scratch memory once, through the named allocator (and the memory estimator
-// can ask how much that is, backend_scratch_plan() in nanoq/trainer.h).
+// scratch memory once, through the named allocator (and the memory plan can
+// ask how much that is, BackendPlugin::scratch_plan).
 struct ScratchShapes {
     AttentionShape attention;  // batch and time give rows = batch * time
     int hidden;
@@ -144,16 +146,6 @@ struct ScratchShapes {
     int vocab;
     int classifier_rows;       // rows per classifier chunk
     std::int64_t max_reduce;   // longest sum_squares input
-};
-
-// One buffer of a backend's op scratch as planned without a device. `exact`
-// is false when a library could not report its need without one (CUB's
-// sort storage on a machine without a GPU): `bytes` is then an upper bound.
-struct ScratchInfo {
-    std::string name;
-    std::size_t bytes;
-    std::string kind;  // "device" or "pinned"
-    bool exact;
 };
 
 // The parameters of a config, in flat-buffer order, with Hugging Face names.

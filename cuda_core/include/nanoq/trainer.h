@@ -97,16 +97,6 @@ bool has_backend(const std::string& name);
 // Devices the backend can use now; loads the backend's library. Throws
 // InvalidArgument if it is not built, NanoqError if it cannot be loaded.
 int backend_device_count(const std::string& name);
-// The op scratch that the backend reserves for `shapes` with `threads`
-// threads per device (the cpu backend's; the trainer's choice when 0 is
-// resolved by the caller), in allocation order, without allocating: what
-// the memory estimator counts. Loads the backend's library (errors as
-// backend_device_count). Sizes a library reports at run time (CUB's) are
-// asked of it when `ask_libraries`; where it cannot answer without a device,
-// or is not asked, an upper bound is reported with `exact` false.
-std::vector<ScratchInfo> backend_scratch_plan(const std::string& name, const ScratchShapes& shapes, int threads,
-                                              bool ask_libraries);
-
 // The sgemm a cpu backend created now runs: name "openblas" (the
 // scipy-openblas32 library, when this build links it) or "portable" (nanoq's
 // own, always compiled). The environment variable NANOQ_CPU_GEMM
