@@ -1,8 +1,8 @@
 """The memory estimator (nanoq.memory, `nanoq memory`) against what the core
 really allocates.
 
-The estimate mirrors the core allocation by allocation (the backends' op
-scratch it asks of the backends), so it is held to exact equality: the same
+The estimate is the core's plan of the Trainer's allocations (its op scratch
+planned by the backends), so it is held to exact equality: the same
 list of (context, name, bytes) as Trainer.get_allocations, hence the same
 bytes per context, and its total is exactly the figure
 TrainOptions.memory_limit is checked against. On the cpu backend and on
