@@ -256,7 +256,7 @@ struct Trainer::Impl : TrainerSetup {
     int optimizer_steps = 0;
     bool failed = false;
     std::mutex call_mutex;  // public calls from several threads run one at a time
-    std::atomic<int> fault_rank{-1};
+    TestingHooks testing_hooks;
 
     int size() const { return static_cast<int>(devices.size()); }
 
@@ -504,7 +504,7 @@ int Trainer::world_size() const { return impl_->options.devices; }
 const std::vector<ParameterInfo>& Trainer::parameters() const { return impl_->parameters; }
 int Trainer::micro_steps() const { return impl_->micro_steps; }
 int Trainer::optimizer_steps() const { return impl_->optimizer_steps; }
-void Trainer::inject_fault(int rank) { impl_->fault_rank = rank; }
+TestingHooks& Trainer::testing_hooks() { return impl_->testing_hooks; }
 
 
 void Trainer::set_parameter(int index, const float* data) {
@@ -663,7 +663,7 @@ void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int 
         throw InvalidArgument("step() called " + std::to_string(m.micro_steps + 1) +
                               " times without update(), but grad_accum is " + std::to_string(m.options.grad_accum));
     m.record_batch_streams(source_device, inputs_stream, targets_stream);
-    const int fault = m.fault_rank.exchange(-1);
+    const std::int64_t fault = m.testing_hooks.take(TestingHook::kFailNextStepInWorker);
     m.run([&](int rank, DeviceState& d) {
         if (rank == fault) throw NanoqError("injected fault in worker " + std::to_string(rank));
         const auto [tokens, labels] = m.load_batch(rank, d, inputs, targets, source_device);
@@ -802,6 +802,14 @@ std::vector<DevicePlan> plan_memory(const ModelConfig& config, const TrainOption
 }
 
 bool has_backend(const std::string& name) { return backend_built(name); }
+
+std::vector<std::string> stat_slot_names() {
+#define NANOQ_STAT_NAME(id, name) name,
+    return {NANOQ_STAT_SLOTS(NANOQ_STAT_NAME)};
+#undef NANOQ_STAT_NAME
+}
+
+int stat_gather_stride() { return kGatherStride; }
 
 int backend_device_count(const std::string& name) { return find_backend(name).device_count(); }
 

@@ -128,7 +128,8 @@ KILL_SCRIPT = textwrap.dedent("""
     trainer.save_checkpoint(sys.argv[1], 1)
     train(trainer, 1, 2)
     import os
-    os.environ["NANOQ_TEST_PAUSE_IN_SAVE"] = sys.argv[2]
+    from nanoq.testing import PAUSE_IN_SAVE_ENV
+    os.environ[PAUSE_IN_SAVE_ENV] = sys.argv[2]
     trainer.save_checkpoint(sys.argv[1], 2)
 """)
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from nanoq import _core
-from nanoq._core import OpRunner
+from nanoq.testing import OpRunner
 from conftest import open_trainer
 from test_equivalence import ROW_MASKS, assert_runs_match, masked_batch, train
 from test_ops import check_matmul

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import nanoq
-from nanoq._core import OpRunner
+from nanoq.testing import OpRunner
 from conftest import require_cuda_emulator
 
 pytestmark = pytest.mark.cuda_emulated

@@ -20,6 +20,7 @@ import pytest
 
 import nanoq
 from nanoq import _core
+from nanoq.testing import OpRunner
 
 pytestmark = pytest.mark.cuda_emulated
 
@@ -129,8 +130,8 @@ def test_pinned_staging_is_reused_after_an_op_that_raised():
     rng = np.random.default_rng(0)
     # q of [B, T, 1, 2] fills the staging buffer (2 int32 per row) exactly.
     small = [rng.standard_normal((2, 8, 1, 2), dtype=np.float32) for _ in range(3)]
-    expected = _core.OpRunner("cuda_emulated").attention_forward(*small)
-    runner = _core.OpRunner("cuda_emulated")
+    expected = OpRunner("cuda_emulated").attention_forward(*small)
+    runner = OpRunner("cuda_emulated")
     big = np.zeros((65536, 1, 1, 2), np.float32)
     with pytest.raises(nanoq.NanoqError, match="invalid grid"):
         runner.attention_forward(big, big, big)

@@ -48,7 +48,7 @@ def test_non_finite_loss_skips_the_update_and_changes_nothing(devices):
 
 # -- the training loop -------------------------------------------------------------------
 
-from nanoq import checkpoint  # noqa: E402
+from nanoq import checkpoint, testing  # noqa: E402
 from nanoq.training import TrainingHalted, read_log, train  # noqa: E402
 from test_resume import config as tiny_config  # noqa: E402
 
@@ -136,7 +136,7 @@ def test_a_second_sigint_aborts_at_once_and_the_last_checkpoint_survives(tmp_pat
     first.communicate(timeout=120)
     complete = checkpoint.list_checkpoints(run_dir / "checkpoints")
     marker = tmp_path / "paused"
-    second = start_run(tmp_path, every=2, env={"NANOQ_TEST_PAUSE_IN_SAVE": str(marker)}, resume=True)
+    second = start_run(tmp_path, every=2, env={testing.PAUSE_IN_SAVE_ENV: str(marker)}, resume=True)
     wait_for(marker.exists, second, "the paused save")
     second.send_signal(signal.SIGINT)  # asks to stop: the save in flight would finish first...
     time.sleep(0.5)

@@ -29,7 +29,7 @@ from conftest import (
     token_terms,
     torch_backward,
 )
-from nanoq._core import OpRunner
+from nanoq.testing import OpRunner
 from nanoq.checkpoint import CheckpointError
 from nanoq.hf_export import export_adapter, export_checkpoint
 from nanoq.lora import PEFT_NAMES, LoraConfig, adapter_shapes, projection_shape

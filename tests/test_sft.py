@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from nanoq._core import OpRunner
+from nanoq.testing import OpRunner
 from nanoq.data import DataLoader, Dataset, TokenFile
 from nanoq.tokenization import load_tokenizer, tokenize_files
 from conftest import (

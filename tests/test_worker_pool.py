@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import nanoq
+from nanoq import testing
 from conftest import open_trainer, random_batch, run_steps
 
 BATCH = random_batch(np.random.default_rng(40), rows=4)
@@ -61,7 +62,7 @@ def test_nanoq_error_is_a_runtime_error():
 def test_worker_fault_raises_promptly_and_process_recovers(checkpoints, clean_loss, devices, rank):
     path = checkpoints.path("llama")
     tr = open_trainer(path, devices=devices, batch_size=4 // devices)
-    tr._inject_fault(rank)
+    testing.fail_next_step(tr, rank)
     start = time.monotonic()
     with pytest.raises(nanoq.NanoqError) as info:
         call_with_timeout(lambda: tr.step(*BATCH))
@@ -86,7 +87,7 @@ def test_trainers_do_not_leak_threads(checkpoints):
             # workers exist while open, so the final count is a real check
             assert os_thread_count() > baseline
     tr = open_trainer(path, devices=2, batch_size=2)
-    tr._inject_fault(1)
+    testing.fail_next_step(tr, 1)
     with pytest.raises(nanoq.NanoqError):
         call_with_timeout(lambda: tr.step(*BATCH))
     call_with_timeout(tr.close)

@@ -40,6 +40,7 @@ import numpy as np
 
 from nanoq.durable import fsync_path, read_json_object, write_json
 from nanoq.hf_io import read_safetensors
+from nanoq.testing import hooks as testing_hooks
 
 FORMAT_VERSION = 1
 STATE_FILE = "trainer_state.json"
@@ -49,8 +50,6 @@ LATEST = "latest"
 REQUIRED_FIELDS = ("format_version", "nanoq_version", "step", "optimizer_steps", "model_config", "options",
                    "extra_state", "files")
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
-# Test hook: pause after the weights file is written, so a test can kill the process mid-save.
-_PAUSE_ENV = "NANOQ_TEST_PAUSE_IN_SAVE"
 
 
 class CheckpointError(ValueError):
@@ -143,10 +142,7 @@ def _write_checkpoint(trainer, directory: str, step: int, extra_state: dict, tok
     import nanoq
 
     _save_tensors(os.path.join(directory, WEIGHTS_FILE), trainer.get_weights(trainable_only=True))
-    pause = os.environ.get(_PAUSE_ENV)
-    if pause:
-        open(pause, "w").close()
-        time.sleep(3600)
+    testing_hooks.pause_in_save_if_armed()
     optimizer = {f"{kind}.{name}": array for kind, arrays in trainer.get_optimizer_state().items()
                  for name, array in arrays.items()}
     _save_tensors(os.path.join(directory, OPTIMIZER_FILE), optimizer)

@@ -461,6 +461,3 @@ class Trainer:
             raise ValueError(f"device must be an integer in [0, {self.world_size}), got {device!r}")
         return int(device)
 
-    def _inject_fault(self, rank: int) -> None:
-        """Test hook: the next step() fails inside worker ``rank``."""
-        self._core.inject_fault(self._check_device(rank))

@@ -15,6 +15,7 @@
 
 #include "nanoq/config.h"
 #include "nanoq/errors.h"
+#include "nanoq/testing_hooks.h"
 
 namespace nanoq {
 
@@ -69,8 +70,8 @@ public:
     StackInfo stack_info(int device) const;
     MemoryInfo memory_info(int device);
 
-    // Test hook: the next step() throws inside worker `rank`.
-    void inject_fault(int rank);
+    // The hooks tests arm to reach failure paths (nanoq/testing_hooks.h).
+    TestingHooks& testing_hooks();
 
 private:
     struct Impl;
@@ -97,6 +98,13 @@ bool has_backend(const std::string& name);
 // Devices the backend can use now; loads the backend's library. Throws
 // InvalidArgument if it is not built, NanoqError if it cannot be loaded.
 int backend_device_count(const std::string& name);
+
+// Names of the slots of the loss statistics (float64, stat_slots.h), in
+// order, and the width of a row of the gathered optimizer statistics (the
+// slots, then a rank's sum of squared gradients).
+std::vector<std::string> stat_slot_names();
+int stat_gather_stride();
+
 // The sgemm a cpu backend created now runs: name "openblas" (the
 // scipy-openblas32 library, when this build links it) or "portable" (nanoq's
 // own, always compiled). The environment variable NANOQ_CPU_GEMM

@@ -1,0 +1,23 @@
+"""The testing interface of nanoq: what tests reach and product code never does.
+
+- ``OpRunner``: single backend ops on numpy arrays, driven by the core's op
+  table (nanoq.testing.ops), for op-level tests and backend parity.
+- Hooks that make a run fail or pause where a healthy one never would, so
+  that failure paths can be tested (nanoq.testing.hooks): ``arm_hook`` and
+  ``fail_next_step`` for the core's hooks, ``PAUSE_IN_SAVE_ENV`` for the
+  checkpoint writer's.
+"""
+
+from nanoq.testing.hooks import PAUSE_IN_SAVE_ENV, arm_hook, core_hooks, fail_next_step
+
+__all__ = ["OpRunner", "op_table", "PAUSE_IN_SAVE_ENV", "arm_hook", "core_hooks", "fail_next_step"]
+
+
+def __getattr__(name):
+    # The op harness (extension nanoq._ops) loads on first use: the
+    # checkpoint writer imports the hooks, and training never needs the ops.
+    if name in ("OpRunner", "op_table"):
+        from nanoq.testing import ops
+
+        return getattr(ops, name)
+    raise AttributeError(f"module 'nanoq.testing' has no attribute {name!r}")

@@ -1,0 +1,43 @@
+"""Testing hooks: named ways for a test to make nanoq fail or pause.
+
+The core's hooks are declared once in cuda_core/include/nanoq/testing_hooks.h
+(one line each) and armed per Trainer by name with ``arm_hook``; they are
+listed by ``core_hooks()``. The Python side has one hook, for checkpoint
+writes; it is an environment variable so that a test can arm it in a child
+process (a CLI run) that it then kills mid-save.
+"""
+
+import os
+import time
+
+from nanoq import _core
+
+# Set to a file path: the checkpoint writer creates that file once the
+# weights file is written, then sleeps (for an hour), so that a test can
+# signal or kill the process in the middle of a save.
+PAUSE_IN_SAVE_ENV = "NANOQ_TEST_PAUSE_IN_SAVE"
+
+
+def core_hooks() -> dict:
+    """{name: what arming it does} for every hook of the core."""
+    return {name: doc for name, _, doc in _core.testing_hooks()}
+
+
+def arm_hook(trainer, name: str, value: int) -> None:
+    """Arms the core hook `name` of a nanoq.Trainer with `value` (ValueError for an unknown name)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"a testing hook's value must be an int, got {value!r}")
+    trainer._core.arm_testing_hook(name, value)
+
+
+def fail_next_step(trainer, device: int) -> None:
+    """The trainer's next step() fails (NanoqError) inside the worker of `device`."""
+    arm_hook(trainer, "fail_next_step_in_worker", trainer._check_device(device))
+
+
+def pause_in_save_if_armed() -> None:
+    """Called by the checkpoint writer after the weights file: pauses there when armed."""
+    marker = os.environ.get(PAUSE_IN_SAVE_ENV)
+    if marker:
+        open(marker, "w").close()
+        time.sleep(3600)
