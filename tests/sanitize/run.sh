@@ -30,8 +30,8 @@
 #   these holds an error, a data race, UB, or a leak allocated by nanoq's code.
 # - Leaks: CPython does not free everything at exit, and its own leaks are not
 #   ours, so leaks count only when their allocation stack is in
-#   libnanoq_core.so or the nanoq._core extension. PYTHONMALLOC=malloc puts
-#   Python objects on the malloc heap, where LeakSanitizer sees the references
+#   libnanoq_core.so or the nanoq._core and nanoq._ops extensions.
+#   PYTHONMALLOC=malloc puts Python objects on the malloc heap, where LeakSanitizer sees the references
 #   they hold to nanoq's objects. Leak checks run at exit and never change the
 #   exit code (LSAN_OPTIONS=exitcode=0); this script judges them.
 # - ThreadSanitizer with OpenMP: GCC's libgomp is not built with TSan, so TSan
@@ -95,9 +95,9 @@ if [ "$kind" = thread ]; then sanitizer_env+=(OMP_THREAD_LIMIT=1); fi
 
 # The instrumented build, not the normal install, must be the one imported.
 env "${sanitizer_env[@]}" "$python" -c "
-import nanoq
-core = nanoq._core.__file__
-assert core.startswith('$target/'), f'imported {core}, not the sanitizer build in $target'
+import nanoq, nanoq._ops
+for module in (nanoq._core, nanoq._ops):
+    assert module.__file__.startswith('$target/'), f'imported {module.__file__}, not the sanitizer build in $target'
 maps = open('/proc/self/maps').read()
 assert '$runtime'.removesuffix('.so') in maps, 'the sanitizer runtime is not loaded'
 "
@@ -133,7 +133,7 @@ fi
 "$python" - "$reports" <<'PY' || status=1
 import pathlib, re, sys
 
-ours = re.compile(r"libnanoq_core\.so|/nanoq/_core\.cpython|nanoq::")
+ours = re.compile(r"libnanoq_core\.so|/nanoq/_(core|ops)\.cpython|nanoq::")
 failed, ignored = [], 0
 for path in sorted(pathlib.Path(sys.argv[1]).iterdir()):
     text = path.read_text(errors="replace")
