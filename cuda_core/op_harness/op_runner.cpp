@@ -9,7 +9,7 @@
 
 #include <algorithm>
 #include <climits>
-#include <cmath>
+#include <cctype>
 #include <cstring>
 #include <limits>
 #include <mutex>
@@ -303,7 +303,8 @@ public:
                 reinterpret_cast<StatValue*>(r.bytes.data())[kLseMax] = -std::numeric_limits<StatValue>::infinity();
             }
             if (given == given_.end() && (a.role == ArgRole::Output || a.when_missing == WhenMissing::Output)) {
-                Tensor t = allocator_->allocate(Context::Workspace, a.name, dtype, {product(r.shape, 0, r.shape.size())});
+                const std::int64_t n = product(r.shape, 0, r.shape.size());
+                Tensor t = allocator_->allocate(Context::Workspace, a.name, dtype, {n});
                 backend_.fill(t, std::numeric_limits<float>::quiet_NaN());
                 device_[a.name] = t;
             } else {
@@ -414,7 +415,8 @@ private:
             if (a.role == ArgRole::DTypeName && !dtypes_.count(a.name) && a.has_default) dtypes_[a.name] = DType::F32;
         }
         for (const ArgSpec& a : spec_.args) {
-            if (a.role == ArgRole::DTypeName && !dtypes_.count(a.name)) dtypes_[a.name] = find(dtypes_, a.default_from, "dtype");
+            if (a.role == ArgRole::DTypeName && !dtypes_.count(a.name))
+                dtypes_[a.name] = find(dtypes_, a.default_from, "dtype");
         }
         for (const ArgSpec& a : spec_.args) {  // the implicit activation dtype
             if (is_tensor(a.role) && !a.has_fixed && !dtypes_.count(a.dtype_arg)) {
@@ -515,9 +517,10 @@ private:
         for (std::int64_t r = 0; r < n; ++r) {
             const std::int32_t token = values[r];
             if (a.allow_ignore && token == kIgnoreIndex) continue;
+            const std::string range = "[0, " + (a.token_bound == "vocab" ? "vocab_size" : a.token_bound) + " " +
+                                      std::to_string(bound) + ")";
             require(token >= 0 && token < bound, a.name + "[" + std::to_string(r) + "] = " + std::to_string(token) +
-                                                     " is outside [0, " + (a.token_bound == "vocab" ? "vocab_size " : a.token_bound + " ") +
-                                                     std::to_string(bound) + ")" + (a.allow_ignore ? " and not -100" : ""));
+                                                     " is outside " + range + (a.allow_ignore ? " and not -100" : ""));
         }
     }
 
@@ -609,7 +612,8 @@ std::vector<OpInfo> describe_ops() {
             }
             info.args.push_back(arg);
         }
-        if (implicit_dtype && !explicit_dtype) info.args.push_back(ArgInfo{"dtype", "dtype", "", "", "", "fp32", false});
+        if (implicit_dtype && !explicit_dtype)
+            info.args.push_back(ArgInfo{"dtype", "dtype", "", "", "", "fp32", false});
         if (info.results.empty()) {
             for (const ArgSpec& a : op.args)
                 if (a.role == ArgRole::InOut || a.role == ArgRole::Output) info.results.push_back(a.name);

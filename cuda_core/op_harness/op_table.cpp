@@ -103,8 +103,11 @@ std::vector<OpSpec> make_table() {
         {"embedding_forward", "table [vocab, channels] rows picked by tokens (any shape)",
          {tokens("tokens", "*rows", "vocab"), input("table", "vocab,channels"), output("out", "*rows,channels")},
          {},
-         [](OpCall& c) { c.backend().embedding_forward(c["out"], c["tokens"], c["table"], c.i("rows"), c.i("channels")); }},
-        {"embedding_backward", "table_grad [vocab, channels] (float32) + dout [*tokens.shape, channels] scattered by tokens",
+         [](OpCall& c) {
+             c.backend().embedding_forward(c["out"], c["tokens"], c["table"], c.i("rows"), c.i("channels"));
+         }},
+        {"embedding_backward",
+         "table_grad [vocab, channels] (float32) + dout [*tokens.shape, channels] scattered by tokens",
          {input("dout", "*rows,channels"), tokens("tokens", "*rows", "vocab"),
           in_out("table_grad", "vocab,channels").f32()},
          {},
@@ -175,7 +178,8 @@ std::vector<OpSpec> make_table() {
          {input("gate", "*n"), input("up", "*n"), output("out", "*n")},
          {},
          [](OpCall& c) { c.backend().swiglu_forward(c["out"], c["gate"], c["up"]); }},
-        {"swiglu_backward", "(dgate, dup) of swiglu_forward; with alias the op gets one device tensor as both dout and dgate",
+        {"swiglu_backward",
+         "(dgate, dup) of swiglu_forward; with alias the op gets one device tensor as both dout and dgate",
          {input("dout", "*n"), input("gate", "*n"), input("up", "*n"), flag("alias", false).aliases("dgate", "dout"),
           output("dgate", "*n"), output("dup", "*n")},
          {},
@@ -185,7 +189,8 @@ std::vector<OpSpec> make_table() {
          "ignored): logits becomes the gradient of sum(CE + z_loss * lse^2) when with_grad; stats "
          "[slots] float64 (default: empty statistics) plus this chunk's; row r is at position "
          "(first_position + r) % time (time default: rows)",
-         {in_out("logits", "rows,vocab"), targets("targets", "rows", "vocab"), in_out("stats", "slots").f64().or_stat_init(),
+         {in_out("logits", "rows,vocab"), targets("targets", "rows", "vocab"),
+          in_out("stats", "slots").f64().or_stat_init(),
           integer("first_position", 0).at_least(0), integer_like("time", "rows").at_least(1), real("z_loss", 0.0),
           flag("with_grad", true)},
          {},

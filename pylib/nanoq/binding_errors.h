@@ -1,5 +1,6 @@
 // Translates a C++ exception in flight into the matching Python exception.
-// Used by _core.pyx as the `except +` handler of every call into the core.
+// Used by _core.pyx and _ops.pyx as the `except +` handler of every call
+// into the core (each extension has its own copy of the two types below).
 #pragma once
 
 #include <Python.h>

@@ -83,7 +83,8 @@ def _describe(arg):
     if role in _TENSOR_ROLES:
         dtype = arg["device_dtype"]
         what = f"{role.replace('_', '/')} [{arg['shape']}], {arg['host_dtype']} on the host"
-        what += f", device dtype {dtype}" if dtype in ("float32", "float64", "int32") else f", device dtype from {dtype}"
+        fixed = dtype in ("float32", "float64", "int32")
+        what += f", device dtype {dtype}" if fixed else f", device dtype from {dtype}"
         if not arg["required"] and role != "output":
             what += " (optional)"
         return what
@@ -206,7 +207,7 @@ def _method(spec):
     def method(self, *args, **kwargs):
         return self.run(spec.name, *args, **kwargs)
 
-    method.__name__ = method.__qualname__ = spec.name
+    method.__name__ = spec.name
     method.__qualname__ = f"OpRunner.{spec.name}"
     method.__doc__ = spec.doc
     method.__signature__ = spec.signature
