@@ -553,6 +553,54 @@ private:
     std::map<std::string, Tensor> device_;
 };
 
+const ArgSpec* find_arg(const OpSpec& op, const std::string& name) {
+    for (const ArgSpec& a : op.args)
+        if (a.name == name) return &a;
+    return nullptr;
+}
+
+void validate_op(const OpSpec& op) {
+    auto fail = [&](const std::string& what) { throw std::logic_error("op table: " + op.name + ": " + what); };
+    auto role_of = [&](const std::string& name) {
+        const ArgSpec* a = find_arg(op, name);
+        if (!a) fail("no argument " + name);
+        return a->role;
+    };
+    if (!op.run) fail("no body");
+    for (std::size_t i = 0; i < op.args.size(); ++i) {
+        const ArgSpec& a = op.args[i];
+        if (find_arg(op, a.name) != &a) fail("two arguments named " + a.name);
+        if (is_tensor(a.role)) {
+            if (a.shape.empty()) fail(a.name + " has no shape");
+            const std::size_t q = a.shape.find('?');
+            if (q != std::string::npos) {
+                if (role_of(a.shape.substr(0, q)) != ArgRole::Bool) fail(a.name + "'s shape names no bool");
+                if (a.shape.find(':', q) == std::string::npos) fail(a.name + "'s shape has '?' without ':'");
+            }
+            if (!a.has_fixed && a.dtype_arg != "dtype" && role_of(a.dtype_arg) != ArgRole::DTypeName)
+                fail(a.name + "'s dtype names no dtype argument");
+            if (a.when_missing == WhenMissing::StatInit && !(a.has_fixed && a.fixed == DType::F64))
+                fail(a.name + " starts as statistics but is not .f64()");
+            if (a.when_missing != WhenMissing::Required && a.role != ArgRole::InOut)
+                fail(a.name + ": only in/out tensors may be optional");
+            if (!a.given_flag.empty() && a.when_missing == WhenMissing::Required)
+                fail(a.name + " sets " + a.given_flag + " but is never missing");
+        }
+        if (!a.alias_target.empty()) {
+            if (a.role != ArgRole::Bool) fail(a.name + ": only bools alias");
+            const ArgSpec* target = find_arg(op, a.alias_target);
+            if (!target || !(target->role == ArgRole::Output || target->when_missing == WhenMissing::Output))
+                fail(a.name + ": alias target " + a.alias_target + " is not an output");
+            if (role_of(a.alias_source) != ArgRole::Input) fail(a.name + ": alias source is not an input");
+        }
+        // (An int's default may name an int of the shapes, which only a call binds.)
+        if (a.role == ArgRole::DTypeName && !a.default_from.empty() && role_of(a.default_from) != ArgRole::DTypeName)
+            fail(a.name + "'s default names no dtype argument");
+    }
+    for (const std::string& r : op.results)
+        if (!is_tensor(role_of(r)) || role_of(r) == ArgRole::Input) fail("result " + r + " is not an in/out or output");
+}
+
 const OpSpec& find_op(const std::string& name) {
     for (const OpSpec& op : op_table())
         if (op.name == name) return op;
@@ -589,6 +637,14 @@ std::string default_text(const ArgSpec& a) {
 }
 
 }  // namespace
+
+void validate_table(const std::vector<OpSpec>& table) {
+    for (const OpSpec& op : table) {
+        for (const OpSpec& other : table)
+            if (&other != &op && other.name == op.name) throw std::logic_error("op table: two ops named " + op.name);
+        validate_op(op);
+    }
+}
 
 std::vector<OpInfo> describe_ops() {
     std::vector<OpInfo> ops;

@@ -139,5 +139,9 @@ ScratchShapes no_scratch();
 ScratchShapes row_scratch(int rows);
 
 const std::vector<OpSpec>& op_table();  // op_table.cpp
+// Throws std::logic_error naming the op and the argument when an entry is
+// inconsistent (a duplicate name, an alias or flag on the wrong kind of
+// argument, a shape naming a bool that does not exist, ...).
+void validate_table(const std::vector<OpSpec>& table);
 
 }  // namespace nanoq::ops

@@ -243,7 +243,11 @@ std::vector<OpSpec> make_table() {
 }  // namespace
 
 const std::vector<OpSpec>& op_table() {
-    static const std::vector<OpSpec> table = make_table();
+    static const std::vector<OpSpec> table = [] {
+        std::vector<OpSpec> t = make_table();
+        validate_table(t);
+        return t;
+    }();
     return table;
 }
 
