@@ -208,6 +208,7 @@ public:
     const Tensor& operator[](const std::string& name) const override {
         return find(device_, name, "tensor");
     }
+    bool given(const std::string& name) const override { return given_.count(name) > 0; }
     int i(const std::string& name) const override { return static_cast<int>(find(ints_, name, "int").value); }
     float f(const std::string& name) const override { return static_cast<float>(find(floats_, name, "float")); }
     bool b(const std::string& name) const override { return find(bools_, name, "bool"); }
@@ -269,7 +270,7 @@ public:
             } else {
                 require(a.role == ArgRole::Output || a.when_missing != WhenMissing::Required,
                         spec_.name + ": missing argument " + a.name);
-                shapes_[a.name] = shape_of(a);
+                if (a.when_missing != WhenMissing::Absent) shapes_[a.name] = shape_of(a);
             }
         }
         if (spec_.check) spec_.check(*this);
@@ -288,8 +289,9 @@ public:
             if (!is_tensor(a.role) || aliased_.count(a.name)) continue;
             const DType dtype = a.has_fixed ? a.fixed : dtypes_.at(a.dtype_arg);
             auto given = given_.find(a.name);
-            if (given != given_.end() && a.role == ArgRole::Input) {
-                device_[a.name] = stage(given->second->data, given->second->shape, dtype, a);
+            if (a.role == ArgRole::Input) {
+                device_[a.name] = given == given_.end() ? Tensor()  // an optional input left out
+                                                        : stage(given->second->data, given->second->shape, dtype, a);
                 continue;
             }
             HostResult& r = results[a.name];
@@ -581,8 +583,9 @@ void validate_op(const OpSpec& op) {
                 fail(a.name + "'s dtype names no dtype argument");
             if (a.when_missing == WhenMissing::StatInit && !(a.has_fixed && a.fixed == DType::F64))
                 fail(a.name + " starts as statistics but is not .f64()");
-            if (a.when_missing != WhenMissing::Required && a.role != ArgRole::InOut)
-                fail(a.name + ": only in/out tensors may be optional");
+            if (a.when_missing == WhenMissing::Absent ? a.role != ArgRole::Input
+                                                      : a.when_missing != WhenMissing::Required && a.role != ArgRole::InOut)
+                fail(a.name + ": optional() is for inputs, or_output/or_zeros/or_stat_init for in/outs");
             if (!a.given_flag.empty() && a.when_missing == WhenMissing::Required)
                 fail(a.name + " sets " + a.given_flag + " but is never missing");
         }
@@ -660,7 +663,7 @@ std::vector<OpInfo> describe_ops() {
                 arg.shape = a.shape;
                 arg.host_dtype = host_dtype_name(host_type(a));
                 arg.device_dtype = a.has_fixed ? dtype_name(a.fixed) : a.dtype_arg;
-                arg.required = a.role == ArgRole::Input || a.when_missing == WhenMissing::Required;
+                arg.required = a.when_missing == WhenMissing::Required;
                 implicit_dtype |= !a.has_fixed && a.dtype_arg == "dtype";
             } else {
                 arg.required = !a.has_default && a.default_from.empty() && a.role != ArgRole::Bool;

@@ -31,9 +31,10 @@ namespace nanoq::ops {
 
 enum class ArgRole { Input, InOut, Output, Int, Float, Bool, Seed, DTypeName };
 
-// What an optional in/out tensor is when the caller does not give it.
+// What an optional tensor is when the caller does not give it.
 enum class WhenMissing {
     Required,  // it must be given
+    Absent,    // an input the op does without: an empty Tensor (OpCall::given says which)
     Output,    // an output (NaN-filled until the op writes it)
     Zeros,     // an in/out starting at zeros
     StatInit,  // an in/out starting as empty statistics (zeros, lse_max -inf)
@@ -67,6 +68,7 @@ struct ArgSpec {
     ArgSpec f32() const { return with_fixed(DType::F32); }
     ArgSpec f64() const { return with_fixed(DType::F64); }
     ArgSpec dtype(const std::string& arg) const { ArgSpec a = *this; a.dtype_arg = arg; return a; }
+    ArgSpec optional() const { return missing(WhenMissing::Absent); }
     ArgSpec or_output() const { return missing(WhenMissing::Output); }
     ArgSpec or_zeros() const { return missing(WhenMissing::Zeros); }
     ArgSpec or_stat_init() const { return missing(WhenMissing::StatInit); }
@@ -125,6 +127,7 @@ public:
     virtual ~OpCall() = default;
     virtual Backend& backend() = 0;
     virtual const Tensor& operator[](const std::string& tensor) const = 0;  // its device tensor
+    virtual bool given(const std::string& tensor) const = 0;  // whether the caller gave it
     virtual int i(const std::string& name) const = 0;
     virtual float f(const std::string& name) const = 0;
     virtual bool b(const std::string& name) const = 0;
