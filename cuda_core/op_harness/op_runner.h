@@ -57,10 +57,10 @@ struct HostResult {
 // The table as the binding sees it. role: "input", "in_out", "output",
 // "int", "float", "bool", "seed", "dtype"; host_dtype: "float32", "int32",
 // "float64" (tensors); device_dtype: a dtype argument's name or a fixed
-// dtype (tensors); default_value: the default as text (empty: none, or
-// computed from another argument when `required` is false).
+// dtype (tensors); default_value: the default as text (empty: none);
+// default_from: the argument (or int of the shapes) whose value is the default.
 struct ArgInfo {
-    std::string name, role, shape, host_dtype, device_dtype, default_value;
+    std::string name, role, shape, host_dtype, device_dtype, default_value, default_from;
     bool required = true;
 };
 struct OpInfo {

@@ -25,6 +25,7 @@
 
 #include "allocator.h"
 #include "backend.h"
+#include "op_harness/op_runner.h"
 #include "tensor.h"
 
 namespace nanoq::ops {
@@ -85,6 +86,13 @@ private:
     ArgSpec with_fixed(DType d) const { ArgSpec a = *this; a.has_fixed = true; a.fixed = d; return a; }
     ArgSpec missing(WhenMissing m) const { ArgSpec a = *this; a.when_missing = m; return a; }
 };
+
+inline bool is_tensor(ArgRole role) {
+    return role == ArgRole::Input || role == ArgRole::InOut || role == ArgRole::Output;
+}
+// The host array's element type of a tensor argument, and its numpy name.
+HostType host_type(const ArgSpec& tensor);
+const char* host_dtype_name(HostType type);
 
 // Tensors.
 ArgSpec input(const std::string& name, const std::string& shape);

@@ -52,7 +52,7 @@ cdef extern from "op_harness/op_runner.h" namespace "nanoq::ops" nogil:
         vector[unsigned char] bytes
 
     cdef cppclass CArgInfo "nanoq::ops::ArgInfo":
-        string name, role, shape, host_dtype, device_dtype, default_value
+        string name, role, shape, host_dtype, device_dtype, default_value, default_from
         cbool required
 
     cdef cppclass COpInfo "nanoq::ops::OpInfo":
@@ -77,12 +77,14 @@ def op_table():
     """The ops of the harness: {name: dict(doc, args, results)}, args a list
     of dicts name, role ("input", "in_out", "output", "int", "float", "bool",
     "seed", "dtype"), shape, host_dtype, device_dtype, default (text, "" if
+    none), default_from (the argument whose value is the default, "" if
     none) and required, in the order of the call."""
     table = {}
     for op in describe_ops():
         args = [dict(name=a.name.decode(), role=a.role.decode(), shape=a.shape.decode(),
                      host_dtype=a.host_dtype.decode(), device_dtype=a.device_dtype.decode(),
-                     default=a.default_value.decode(), required=a.required) for a in op.args]
+                     default=a.default_value.decode(), default_from=a.default_from.decode(),
+                     required=a.required) for a in op.args]
         table[op.name.decode()] = dict(doc=op.doc.decode(), args=args, results=[r.decode() for r in op.results])
     return table
 

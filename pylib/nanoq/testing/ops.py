@@ -88,6 +88,8 @@ def _describe(arg):
         if not arg["required"] and role != "output":
             what += " (optional)"
         return what
+    if arg["default_from"]:
+        return f"{role} (default: the value of {arg['default_from']})"
     return role + (f" (default {arg['default']})" if arg["default"] else "")
 
 
