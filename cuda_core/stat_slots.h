@@ -1,5 +1,5 @@
 // The layout of the loss statistics, defined once for the core, both
-// backends' kernels and the binding (stat_slot_names() of nanoq/trainer.h).
+// backends' kernels and the op test harness (op_harness/op_runner.h).
 //
 // A device's statistics buffer holds kStatCount float64 values (StatValue),
 // filled by Backend::cross_entropy(): float64 keeps token counts exact up to

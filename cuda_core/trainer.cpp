@@ -803,14 +803,6 @@ std::vector<DevicePlan> plan_memory(const ModelConfig& config, const TrainOption
 
 bool has_backend(const std::string& name) { return backend_built(name); }
 
-std::vector<std::string> stat_slot_names() {
-#define NANOQ_STAT_NAME(id, name) name,
-    return {NANOQ_STAT_SLOTS(NANOQ_STAT_NAME)};
-#undef NANOQ_STAT_NAME
-}
-
-int stat_gather_stride() { return kGatherStride; }
-
 int backend_device_count(const std::string& name) { return find_backend(name).device_count(); }
 
 }  // namespace nanoq

@@ -469,6 +469,14 @@ const OpSpec& find_op(const std::string& name) {
 
 }  // namespace
 
+std::vector<std::string> stat_slots() {
+#define NANOQ_STAT_NAME(id, name) name,
+    return {NANOQ_STAT_SLOTS(NANOQ_STAT_NAME)};
+#undef NANOQ_STAT_NAME
+}
+
+int gather_stride() { return kGatherStride; }
+
 struct OpRunner::Impl {
     std::string name;
     int device = 0;

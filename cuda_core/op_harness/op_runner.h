@@ -70,6 +70,12 @@ struct OpInfo {
 };
 std::vector<OpInfo> describe_ops();
 
+// Names of the cross_entropy statistics slots (stat_slots.h) in order, and
+// the width of a row of optimizer_scale's `gathered` (the slots, then a
+// rank's sum of squares).
+std::vector<std::string> stat_slots();
+int gather_stride();
+
 class OpRunner {
 public:
     // `threads`: OpenMP threads of the cpu backend (0 = all cores); ignored by others.

@@ -113,8 +113,6 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         CMemoryInfo memory_info(int) except +nanoq_raise_py_error
         CTestingHooks& testing_hooks()
 
-    vector[string] core_stat_slot_names "nanoq::stat_slot_names"()
-    int core_stat_gather_stride "nanoq::stat_gather_stride"()
 
     vector[CDevicePlan] core_plan_memory "nanoq::plan_memory"(const CModelConfig&, const CTrainOptions&,
                                                               cbool) except +nanoq_raise_py_error
@@ -439,22 +437,6 @@ cdef class CoreTrainer:
     def arm_testing_hook(self, str name, int64_t value):
         """Arms the core's testing hook `name` (see nanoq.testing; never product code)."""
         self._get().testing_hooks().arm(name.encode(), value)
-
-
-# The dtype of the loss statistics and sums of squares, and their layout:
-# the slot names in order and the width of a gathered row (the slots, then a
-# rank's sum of squares).
-STAT_DTYPE = np.float64
-
-
-def stat_slots():
-    """Names of the statistics slots, in order (tuple of str)."""
-    return tuple(s.decode() for s in core_stat_slot_names())
-
-
-def gather_stride():
-    """Width of a row of the gathered statistics: the slots, then the sum of squares."""
-    return core_stat_gather_stride()
 
 
 def testing_hooks():

@@ -61,6 +61,8 @@ cdef extern from "op_harness/op_runner.h" namespace "nanoq::ops" nogil:
         vector[string] results
 
     vector[COpInfo] describe_ops() except +nanoq_raise_py_error
+    vector[string] core_stat_slots "nanoq::ops::stat_slots"()
+    int core_gather_stride "nanoq::ops::gather_stride"()
 
     cdef cppclass COpRunner "nanoq::ops::OpRunner":
         COpRunner(const string&, int, int) except +nanoq_raise_py_error
@@ -71,6 +73,16 @@ cdef extern from "op_harness/op_runner.h" namespace "nanoq::ops" nogil:
 # HostType's values (op_runner.h) by host dtype, and back.
 _HOST_TYPES = {"float32": 0, "int32": 1, "float64": 2}
 _NUMPY = {0: np.float32, 1: np.int32, 2: np.float64}
+
+
+def stat_slots():
+    """Names of the cross_entropy statistics slots, in order (tuple of str)."""
+    return tuple(s.decode() for s in core_stat_slots())
+
+
+def gather_stride():
+    """Width of a row of optimizer_scale's `gathered`: the slots, then the sum of squares."""
+    return core_gather_stride()
 
 
 def op_table():

@@ -98,13 +98,6 @@ bool has_backend(const std::string& name);
 // Devices the backend can use now; loads the backend's library. Throws
 // InvalidArgument if it is not built, NanoqError if it cannot be loaded.
 int backend_device_count(const std::string& name);
-
-// Names of the slots of the loss statistics (float64, stat_slots.h), in
-// order, and the width of a row of the gathered optimizer statistics (the
-// slots, then a rank's sum of squared gradients).
-std::vector<std::string> stat_slot_names();
-int stat_gather_stride();
-
 // The sgemm a cpu backend created now runs: name "openblas" (the
 // scipy-openblas32 library, when this build links it) or "portable" (nanoq's
 // own, always compiled). The environment variable NANOQ_CPU_GEMM

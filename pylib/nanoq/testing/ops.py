@@ -28,7 +28,7 @@ import numbers
 
 import numpy as np
 
-from nanoq import _core
+from nanoq import _ops
 from nanoq._ops import NativeOpRunner
 from nanoq._ops import op_table as _native_op_table
 
@@ -187,12 +187,12 @@ class OpRunner:
     @property
     def stat_slots(self):
         """Names of the cross_entropy statistics slots, in order (tuple of str)."""
-        return _core.stat_slots()
+        return _ops.stat_slots()
 
     @property
     def gather_stride(self):
         """Width of a row of optimizer_scale's `gathered`: the stat slots, then the sum of squares."""
-        return _core.gather_stride()
+        return _ops.gather_stride()
 
     def run(self, op: str, /, *args, **kwargs):
         """Runs op `op` with the arguments of its method (see ``ops()``)."""
