@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from nanoq import options as option_schema
 from nanoq.backends import BACKENDS as _CORE_BACKENDS
+from nanoq.backends import CUDA_BACKENDS
 from nanoq.durable import read_json_object
 
 SUPPORTED_ARCHITECTURES = {
@@ -213,6 +214,13 @@ DTYPES = ("auto",) + option_schema.choices("dtype")
 STATE_DTYPES = option_schema.choices("master_dtype")
 RECOMPUTE = option_schema.choices("recompute")
 OFFLOAD = option_schema.choices("offload")
+
+
+def auto_dtype(backend: str) -> str:
+    """What dtype "auto" means on ``backend``: bf16 on the cuda backends, fp32 on cpu."""
+    return "bf16" if backend in CUDA_BACKENDS else "fp32"
+
+
 # C types of the core's integer fields: (lowest, highest) a Python int may be.
 _C_INT = (-2**31, MAX_SIZE)
 _C_UINT64 = (0, 2**64 - 1)
@@ -309,8 +317,10 @@ class TrainOptions:
         self.recompute = option_schema.canonical_names("recompute", option_schema.split_names("recompute",
                                                                                               self.recompute))
         self.offload = option_schema.canonical_names("offload", option_schema.split_names("offload", self.offload))
-        undecided = [name for name in ("backend", "dtype") if getattr(self, name) == "auto"]
-        option_schema.check(self.core_fields(), undecided)
+        fields = self.core_fields()
+        if self.backend != "auto" and self.dtype == "auto":
+            fields["dtype"] = auto_dtype(self.backend)
+        option_schema.check(fields, [name for name in ("backend", "dtype") if fields[name] == "auto"])
 
     def core_fields(self) -> dict:
         """The fields as the core's option check takes them (``lora`` a dict or None)."""

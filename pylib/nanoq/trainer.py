@@ -10,8 +10,8 @@ import numpy as np
 
 from nanoq import _core
 from nanoq import options as option_schema
-from nanoq.backends import CUDA_BACKENDS, resolve_backend
-from nanoq.config import ModelConfig, TrainOptions
+from nanoq.backends import resolve_backend
+from nanoq.config import ModelConfig, TrainOptions, auto_dtype
 from nanoq.hf_io import is_parameter, iter_weights, weight_shapes
 
 IGNORE_INDEX = -100
@@ -165,7 +165,7 @@ class Trainer:
         core_options = dataclasses.asdict(options)
         core_options["backend"] = self.backend
         if options.dtype == "auto":
-            core_options["dtype"] = "bf16" if self.backend in CUDA_BACKENDS else "fp32"
+            core_options["dtype"] = auto_dtype(self.backend)
         option_schema.check(core_options)  # now that backend and dtype are known
         self.dtype = core_options["dtype"]
         self._core = _core.CoreTrainer(config.to_core(), core_options)
