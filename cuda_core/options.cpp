@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <sstream>
+#include <utility>
 
 #include "nanoq/config.h"
 #include "nanoq/errors.h"
@@ -133,6 +134,17 @@ const std::vector<Field>& fields() {
     return table;
 }
 
+// Bit i of a set option is choice i: the enums of options.h must list as many values as the table has choices.
+void check_enum_counts() {
+    const std::pair<const char*, std::size_t> counts[] = {
+        {"recompute", kRecomputeCount}, {"offload", kOffloadCount}, {"lora_targets", kLoraTargetCount}};
+    for (const auto& [name, count] : counts)
+        for (const Field& f : fields())
+            if (f.spec.name == name && f.spec.choices.size() != count)
+                throw InternalError(std::string("option ") + name + " has " + std::to_string(f.spec.choices.size()) +
+                                    " choices but its enum " + std::to_string(count) + " values");
+}
+
 const std::vector<Rule>& rules() {
     static const std::vector<Rule> table = {
         {{"offload_gradients_needs_zero_stage_2",
@@ -243,6 +255,7 @@ std::uint32_t set_named(const std::string& option, const std::vector<std::string
 
 const OptionSchema& option_schema() {
     static const OptionSchema schema = [] {
+        check_enum_counts();
         OptionSchema s;
         for (const Field& f : fields()) s.options.push_back(f.spec);
         for (const Rule& r : rules()) s.rules.push_back(r.spec);
@@ -278,13 +291,6 @@ Precision precision_named(const std::string& option, const std::string& name) {
     for (std::size_t i = 0; i < f.spec.choices.size(); ++i)
         if (f.spec.choices[i].name == name) return static_cast<Precision>(i);
     throw InvalidArgument(option + " must be one of " + join_choices(f.spec) + ", got '" + name + "'");
-}
-
-const char* precision_name(Precision precision) {
-    const int i = static_cast<int>(precision);
-    if (i < 0 || i >= static_cast<int>(kPrecisions.size()))
-        throw InvalidArgument("no Precision has the value " + std::to_string(i));
-    return kPrecisions[i].name.c_str();
 }
 
 RecomputeSet recompute_named(const std::vector<std::string>& names) {

@@ -113,9 +113,6 @@ RecomputeSet recompute_named(const std::vector<std::string>& names);
 OffloadSet offload_named(const std::vector<std::string>& names);
 LoraTargetSet lora_targets_named(const std::vector<std::string>& names);
 
-// The name of a choice (for messages and the binding's reverse conversion).
-const char* precision_name(Precision precision);
-
 // `chosen` with the implications of the schema applied ("block" turns on
 // everything, "ffn" also "swiglu").
 RecomputeSet implied_recompute(RecomputeSet chosen);
