@@ -380,7 +380,8 @@ def option_schema():
             choices.append(dict(name=schema.options[i].choices[j].name.decode(),
                                 help=schema.options[i].choices[j].help.decode(),
                                 implies=_decoded(schema.options[i].choices[j].implies)))
-        options.append(dict(name=schema.options[i].name.decode(), kind=option_kind_name(schema.options[i].kind).decode(),
+        options.append(dict(name=schema.options[i].name.decode(),
+                            kind=option_kind_name(schema.options[i].kind).decode(),
                             help=schema.options[i].help.decode(), choices=choices,
                             minimum=_limit(schema.options[i].minimum), maximum=_limit(schema.options[i].maximum)))
     rules = []

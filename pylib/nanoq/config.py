@@ -232,7 +232,9 @@ def _integer(name: str, value, bounds=_C_INT) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if not bounds[0] <= value <= bounds[1]:
-        raise ValueError(f"{name} must be an integer in [{bounds[0]}, {bounds[1]}], got {value!r}")
+        span = "a non-negative integer below 2**64" if bounds == _C_UINT64 else \
+            f"an integer in [{bounds[0]}, {bounds[1]}]"
+        raise ValueError(f"{name} must be {span}, got {value!r}")
     return value
 
 
@@ -274,6 +276,8 @@ class TrainOptions:
     stay whole on every device).
     ``lora`` (a nanoq.lora.LoraConfig, or a dict of its fields) freezes the
     model's weights and trains low-rank adapters instead (zero_stage 1).
+    The choices, limits and rules between these fields are the core's
+    (``nanoq.options``); breaking one raises ValueError here.
     """
 
     backend: str = "auto"
