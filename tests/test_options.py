@@ -232,3 +232,18 @@ def test_cli_help_shows_the_core_s_choices_and_rules():
     assert tuple(flags["backend"].type.choices) == nanoq.config.BACKENDS
     assert tuple(flags["dtype"].type.choices) == DTYPES
     assert tuple(flags["master_dtype"].type.choices) == STATE_DTYPES
+
+
+def test_toml_settings_that_break_a_core_rule_are_refused_before_a_run_directory_exists(tmp_path):
+    with pytest.raises(ValueError, match=re.escape(schema.rule_message("offload_gradients_needs_zero_stage_2"))):
+        TrainConfig(offload="gradients", zero_stage=1)
+    with pytest.raises(ValueError, match="unknown recompute option 'attention'"):
+        TrainConfig(recompute="ffn,attention")
+    with pytest.raises(ValueError, match=re.escape(schema.rule_message("lora_needs_zero_stage_1"))):
+        TrainConfig(lora_rank=4, devices=2, zero_stage=3)
+    assert TrainConfig(lora_rank=0, lora_targets="").lora_targets == ""  # no LoRA: its targets are not read
+    out = tmp_path / "runs"
+    result = CliRunner().invoke(cli, ["train", "--offload", "gradients", "--out_dir", str(out)])
+    assert result.exit_code != 0
+    assert schema.rule_message("offload_gradients_needs_zero_stage_2") in " ".join(result.output.split())
+    assert not out.exists()

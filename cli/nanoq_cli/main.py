@@ -223,7 +223,7 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, **flags):
     """
     from nanoq.memory import estimate_memory, visible_gpu_memory
     from nanoq.training import load_config
-    from nanoq.training.loop import train_options
+    from nanoq.training.config import train_options
 
     overrides = {name: value for name, value in flags.items() if value is not None}
     device_bytes = _parse_size(device_memory) if device_memory is not None else None

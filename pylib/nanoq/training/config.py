@@ -25,7 +25,8 @@ import tomllib
 from typing import Any, Dict, List, NamedTuple, Optional
 
 from nanoq import options as option_schema
-from nanoq.config import BACKENDS, DTYPES, OFFLOAD, RECOMPUTE, STATE_DTYPES
+from nanoq.config import BACKENDS, DTYPES, OFFLOAD, RECOMPUTE, STATE_DTYPES, TrainOptions
+from nanoq.lora import LoraConfig
 
 SECTIONS = ("model", "data", "train", "lora", "checkpoint", "run")
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
@@ -179,6 +180,7 @@ class TrainConfig:
             if total != self.steps:
                 raise ValueError(f"train.steps ({self.steps}) must equal the steps of the data.curriculum stages "
                                  f"added up ({total}); set train.steps = {total}")
+        train_options(self)  # the core's names and rules (nanoq.options), before any run directory exists
 
     @classmethod
     def from_dict(cls, values: Dict[str, Any]) -> "TrainConfig":
@@ -349,6 +351,24 @@ def load_config(path: Optional[str | os.PathLike] = None, overrides: Optional[Di
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
     return TrainConfig.from_dict({**values, **(overrides or {})})
+
+
+def train_options(config: TrainConfig) -> TrainOptions:
+    """The TrainOptions of a TrainConfig (ValueError for options the core's
+    schema refuses: unknown names, broken rules between settings)."""
+    return TrainOptions(backend=config.backend, devices=config.devices, batch_size=config.batch_size,
+                        seq_len=config.seq_len, grad_accum=config.grad_accum, seed=config.seed, z_loss=config.z_loss,
+                        threads=config.threads, dtype=config.dtype, master_dtype=config.master_dtype,
+                        optimizer_dtype=config.optimizer_dtype, recompute=config.recompute,
+                        offload=config.offload, zero_stage=config.zero_stage, lora=lora_config(config))
+
+
+def lora_config(config: TrainConfig) -> Optional[LoraConfig]:
+    """The LoRA setting of a TrainConfig (None when lora_rank is 0)."""
+    if not config.lora_rank:
+        return None
+    return LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha, dropout=config.lora_dropout,
+                      targets=config.lora_targets)
 
 
 def schema_markdown() -> str:
