@@ -191,9 +191,30 @@ std::string format_number(double value) {
     return s.str();
 }
 
+// "a", "b" or "c" (or 1, 2 or 3): the alternatives as a sentence lists them.
+std::string alternatives(const std::vector<std::string>& items) {
+    std::string out;
+    for (std::size_t i = 0; i < items.size(); ++i)
+        out += (i == 0 ? "" : i + 1 == items.size() ? " or " : ", ") + items[i];
+    return out;
+}
+
+std::string quoted_choices(const OptionSpec& spec) {
+    std::vector<std::string> quoted;
+    for (const OptionChoice& c : spec.choices) quoted.push_back('"' + c.name + '"');
+    return alternatives(quoted);
+}
+
 std::string describe_limits(const OptionSpec& spec) {
     const OptionLimit& lo = spec.minimum;
     const OptionLimit& hi = spec.maximum;
+    // A few whole numbers are clearer listed: "1, 2 or 3".
+    if (spec.kind == OptionKind::Integer && lo.present && hi.present && lo.inclusive && hi.inclusive &&
+        hi.value - lo.value <= 4) {
+        std::vector<std::string> values;
+        for (double v = lo.value; v <= hi.value; ++v) values.push_back(format_number(v));
+        return alternatives(values);
+    }
     const std::string what = spec.kind == OptionKind::Integer ? "an integer" : "a finite number";
     if (lo.present && hi.present)
         return what + " in " + (lo.inclusive ? "[" : "(") + format_number(lo.value) + ", " + format_number(hi.value) +
@@ -227,7 +248,7 @@ void check_field(const Field& f, const TrainOptions& o) {
             const std::string value = f.choice(o);
             for (const OptionChoice& c : spec.choices)
                 if (c.name == value) return;
-            throw InvalidArgument(spec.name + " must be one of " + join_choices(spec) + ", got '" + value + "'");
+            throw InvalidArgument(spec.name + " must be " + quoted_choices(spec) + ", got \"" + value + "\"");
         }
         case OptionKind::Set:
             if (f.bits(o) >> spec.choices.size())
@@ -290,7 +311,7 @@ Precision precision_named(const std::string& option, const std::string& name) {
     const Field& f = field(option);
     for (std::size_t i = 0; i < f.spec.choices.size(); ++i)
         if (f.spec.choices[i].name == name) return static_cast<Precision>(i);
-    throw InvalidArgument(option + " must be one of " + join_choices(f.spec) + ", got '" + name + "'");
+    throw InvalidArgument(option + " must be " + quoted_choices(f.spec) + ", got \"" + name + "\"");
 }
 
 RecomputeSet recompute_named(const std::vector<std::string>& names) {
