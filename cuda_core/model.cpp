@@ -8,19 +8,15 @@
 
 #include "dropout.h"
 #include "nanoq/errors.h"
-#include "option_list.h"
 
 namespace nanoq {
 
 namespace {
 
-struct LoraTargetInfo {
-    const char* name;    // in lora_targets
-    const char* module;  // the Hugging Face module inside a layer
-};
-constexpr LoraTargetInfo kLoraTargets[kLoraTargetCount] = {
-    {"q", "self_attn.q_proj"}, {"k", "self_attn.k_proj"}, {"v", "self_attn.v_proj"}, {"o", "self_attn.o_proj"},
-    {"gate", "mlp.gate_proj"}, {"up", "mlp.up_proj"},     {"down", "mlp.down_proj"}};
+// The Hugging Face module inside a layer of each LoraTarget.
+constexpr const char* kLoraModules[kLoraTargetCount] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                        "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
+                                                        "mlp.down_proj"};
 
 // {out, in} features of a projection.
 std::pair<std::int64_t, std::int64_t> projection_shape(const ModelConfig& c, int target) {
@@ -39,26 +35,13 @@ std::pair<std::int64_t, std::int64_t> projection_shape(const ModelConfig& c, int
 
 }  // namespace
 
-Lora Lora::parse(const TrainOptions& o) {
+Lora Lora::from(const TrainOptions& o) {
     Lora lora;
-    if (o.lora_rank < 0) throw InvalidArgument("lora_rank must be >= 0, got " + std::to_string(o.lora_rank));
     if (o.lora_rank == 0) return lora;
-    if (!(o.lora_alpha > 0.0f) || !std::isfinite(o.lora_alpha))
-        throw InvalidArgument("lora_alpha must be finite and > 0, got " + std::to_string(o.lora_alpha));
-    if (!(o.lora_dropout >= 0.0f && o.lora_dropout < 1.0f))
-        throw InvalidArgument("lora_dropout must be in [0, 1), got " + std::to_string(o.lora_dropout));
     lora.rank = o.lora_rank;
     lora.scale = o.lora_alpha / static_cast<float>(o.lora_rank);
     lora.dropout = o.lora_dropout;
-    bool any = false;
-    for (const std::string& name : split_option_list(o.lora_targets)) {
-        int t = 0;
-        while (t < kLoraTargetCount && name != kLoraTargets[t].name) ++t;
-        if (t == kLoraTargetCount)
-            throw InvalidArgument("unknown lora target '" + name + "'; known: q, k, v, o, gate, up, down");
-        lora.targets[t] = any = true;
-    }
-    if (!any) throw InvalidArgument("lora_targets is empty: name at least one of q, k, v, o, gate, up, down");
+    for (int t = 0; t < kLoraTargetCount; ++t) lora.targets[t] = o.lora_targets.has(static_cast<LoraTarget>(t));
     return lora;
 }
 
@@ -69,7 +52,7 @@ std::vector<ParameterInfo> lora_layout(const ModelConfig& c, const Lora& lora) {
         for (int t = 0; t < kLoraTargetCount; ++t) {
             if (!lora.targets[t]) continue;
             const auto [out, in] = projection_shape(c, t);
-            const std::string module = "model.layers." + std::to_string(l) + "." + kLoraTargets[t].module;
+            const std::string module = "model.layers." + std::to_string(l) + "." + kLoraModules[t];
             for (const auto& [suffix, shape] : {std::pair<const char*, std::vector<std::int64_t>>{
                                                     ".lora_A.weight", {lora.rank, in}},
                                                 {".lora_B.weight", {out, lora.rank}}}) {
@@ -259,21 +242,15 @@ std::vector<float> rope_table(const ModelConfig& c, int time) {
 
 }  // namespace
 
-Recompute Recompute::parse(const std::string& names) {
-    Recompute r;
-    for (const std::string& name : split_option_list(names)) {
-        if (name == "swiglu") r.swiglu = true;
-        else if (name == "norms") r.norms = true;
-        else if (name == "qkv") r.qkv = true;
-        else if (name == "ffn") r.ffn = true;
-        else if (name == "block") r.block = true;
-        else throw InvalidArgument("unknown recompute option '" + name + "'; known: swiglu, norms, qkv, ffn, block");
-    }
-    r.ffn = r.ffn || r.block;
-    r.swiglu = r.swiglu || r.ffn;
-    r.norms = r.norms || r.block;
-    r.qkv = r.qkv || r.block;
-    return r;
+Recompute Recompute::from(RecomputeSet chosen) {
+    const RecomputeSet r = implied_recompute(chosen);
+    Recompute out;
+    out.swiglu = r.has(kRecomputeSwiglu);
+    out.norms = r.has(kRecomputeNorms);
+    out.qkv = r.has(kRecomputeQkv);
+    out.ffn = r.has(kRecomputeFfn);
+    out.block = r.has(kRecomputeBlock);
+    return out;
 }
 
 ModelMemory::ModelMemory(const ModelConfig& config, int batch, int time, DType dtype, Recompute recompute,

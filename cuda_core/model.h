@@ -19,10 +19,8 @@
 
 namespace nanoq {
 
-// The projections LoRA adapters can attach to, in layout order.
-enum LoraTarget { kLoraQ, kLoraK, kLoraV, kLoraO, kLoraGate, kLoraUp, kLoraDown, kLoraTargetCount };
-
-// LoRA settings checked once (see TrainOptions::lora_*).
+// LoRA settings as the model uses them (see TrainOptions::lora_*, checked by
+// validate_options). The projections are the LoraTarget of nanoq/options.h.
 struct Lora {
     int rank = 0;  // 0: off
     float scale = 0.0f;  // alpha / rank
@@ -30,8 +28,8 @@ struct Lora {
     bool targets[kLoraTargetCount] = {};
 
     bool enabled() const { return rank > 0; }
-    // Throws InvalidArgument naming a bad value or an unknown target.
-    static Lora parse(const TrainOptions& options);
+    // From validated options.
+    static Lora from(const TrainOptions& options);
 };
 
 struct LayerWeights {
@@ -112,9 +110,8 @@ struct Recompute {
     bool ffn = false;     // gate, up and swiglu
     bool block = false;   // everything but the layer input
 
-    // From a comma-separated list of those names ("" = nothing); throws
-    // InvalidArgument naming an unknown one. Applies the implications.
-    static Recompute parse(const std::string& names);
+    // The chosen activations and those they imply (implied_recompute).
+    static Recompute from(RecomputeSet chosen);
 };
 
 // What a LlamaModel allocates (the RoPE table, the residual stream, each

@@ -25,7 +25,6 @@
 #include "comm.h"
 #include "dropout.h"
 #include "model.h"
-#include "option_list.h"
 #include "nanoq/trainer.h"
 #include "worker_pool.h"
 #include "zero.h"
@@ -40,30 +39,11 @@ constexpr std::int64_t kStagingElements = std::int64_t(1) << 22;
 // device buffers that offloaded state streams through).
 constexpr std::int64_t kOptimizerChunk = std::int64_t(1) << 22;
 
-struct Offload {
-    bool optimizer = false;
-    bool master = false;
-    bool gradients = false;  // the gradient shard: needs zero_stage >= 2
-};
-
-Offload parse_offload(const std::string& names) {
-    Offload o;
-    for (const std::string& name : split_option_list(names)) {
-        if (name == "optimizer") o.optimizer = true;
-        else if (name == "master") o.master = true;
-        else if (name == "gradients") o.gradients = true;
-        else throw InvalidArgument("unknown offload option '" + name + "'; known: optimizer, master, gradients");
-    }
-    return o;
+DType dtype_of(Precision precision) {
+    return precision == Precision::BF16 ? DType::BF16 : DType::F32;
 }
 
-DType parse_dtype(const std::string& name, const char* option) {
-    if (name == "fp32") return DType::F32;
-    if (name == "bf16") return DType::BF16;
-    throw InvalidArgument(std::string(option) + " must be \"fp32\" or \"bf16\", got \"" + name + "\"");
-}
-
-void check_config(const ModelConfig& c, const TrainOptions& o) {
+void check_config(const ModelConfig& c) {
     auto require = [](bool ok, const std::string& what) {
         if (!ok) throw InvalidArgument(what);
     };
@@ -72,8 +52,6 @@ void check_config(const ModelConfig& c, const TrainOptions& o) {
     require(c.num_heads > 0 && c.num_kv_heads > 0 && c.num_heads % c.num_kv_heads == 0,
             "num_heads must be a positive multiple of num_kv_heads");
     require(c.head_dim > 0 && c.head_dim % 2 == 0, "head_dim must be positive and even");
-    require(o.devices > 0 && o.batch_size > 0 && o.seq_len > 0 && o.grad_accum > 0,
-            "devices, batch_size, seq_len and grad_accum must be positive");
 }
 
 void reset_stats(Backend& backend, const Tensor& stats) {
@@ -113,7 +91,7 @@ struct TrainerSetup {
     TrainOptions options;
     DType weight_dtype, master_dtype, optimizer_dtype;
     Recompute recompute;
-    Offload offload;
+    OffloadSet offload;
     const BackendPlugin* plugin;
     Lora lora;
     std::vector<ParameterInfo> layout;      // the trainable parameters: what the flat buffers hold
@@ -128,20 +106,15 @@ struct TrainerSetup {
 };
 
 TrainerSetup::TrainerSetup(const ModelConfig& c, const TrainOptions& o) : config(c), options(o) {
-    check_config(c, o);
-    weight_dtype = parse_dtype(o.dtype, "dtype");
-    master_dtype = parse_dtype(o.master_dtype, "master_dtype");
-    optimizer_dtype = parse_dtype(o.optimizer_dtype, "optimizer_dtype");
-    recompute = Recompute::parse(o.recompute);
-    offload = parse_offload(o.offload);
-    if (offload.gradients && o.zero_stage < 2)
-        throw InvalidArgument("offloading gradients needs zero_stage 2 or 3: at stage 1 every device keeps full "
-                              "gradients, which backward writes on the device");
+    check_config(c);
+    validate_options(o);
+    weight_dtype = dtype_of(o.dtype);
+    master_dtype = dtype_of(o.master_dtype);
+    optimizer_dtype = dtype_of(o.optimizer_dtype);
+    recompute = Recompute::from(o.recompute);
+    offload = o.offload;
     plugin = &find_backend(o.backend);
-    lora = Lora::parse(o);
-    if (lora.enabled() && o.zero_stage != 1)
-        throw InvalidArgument("LoRA trains at zero_stage 1 only: its frozen weights are kept whole on every device "
-                              "and its adapters are small, so stages 2 and 3 would shard nothing that matters");
+    lora = Lora::from(o);
     layout = lora.enabled() ? lora_layout(c, lora) : parameter_layout(c);
     if (lora.enabled()) {
         frozen = parameter_layout(c);
@@ -153,8 +126,6 @@ TrainerSetup::TrainerSetup(const ModelConfig& c, const TrainOptions& o) : config
     const std::int64_t total = layout.back().offset + layout.back().numel();
     shard = (total + n - 1) / n;
     padded = shard * n;
-    if (o.zero_stage < 1 || o.zero_stage > 3)
-        throw InvalidArgument("zero_stage must be 1, 2 or 3, got " + std::to_string(o.zero_stage));
     stage = o.zero_stage;
     blocks = std::make_unique<BlockLayout>(c, n);
     for (const ParameterInfo& p : parameters) largest = std::max(largest, p.numel());
@@ -174,7 +145,7 @@ void allocate_device_state(const TrainerSetup& s, DeviceState& d, bool ask_libra
     NamedAllocator& a = *d.allocator;
     ShardedState& z = d.sharded;
     const BlockLayout& blocks = *s.blocks;
-    const Offload& offload = s.offload;
+    const OffloadSet offload = s.offload;
     const DType weight_dtype = s.weight_dtype, master_dtype = s.master_dtype, optimizer_dtype = s.optimizer_dtype;
     const std::int64_t padded = s.padded;
     const int n = s.options.devices, B = s.options.batch_size, T = s.options.seq_len;
@@ -196,7 +167,7 @@ void allocate_device_state(const TrainerSetup& s, DeviceState& d, bool ask_libra
         d.grads = a.allocate(Context::Gradients, "gradients", DType::F32, {padded});
     } else {
         z.grad_shard = a.allocate(Context::Gradients, "gradient-shard", DType::F32, {s.shard},
-                                  offload.gradients ? MemoryKind::Pinned : MemoryKind::Device);
+                                  offload.has(kOffloadGradients) ? MemoryKind::Pinned : MemoryKind::Device);
         z.embed_grads = a.allocate(Context::Gradients, "embed-gradients", DType::F32, {blocks.embed_end});
         z.head_grads = a.allocate(Context::Gradients, "head-gradients", DType::F32,
                                   {blocks.total - blocks.head_begin});
@@ -205,21 +176,23 @@ void allocate_device_state(const TrainerSetup& s, DeviceState& d, bool ask_libra
                                       {std::max({blocks.max_layer, blocks.embed_end,
                                                  blocks.total - blocks.head_begin})});
     }
-    const MemoryKind master_kind = offload.master ? MemoryKind::Pinned : MemoryKind::Device;
-    const MemoryKind optimizer_kind = offload.optimizer ? MemoryKind::Pinned : MemoryKind::Device;
+    const MemoryKind master_kind = offload.has(kOffloadMaster) ? MemoryKind::Pinned : MemoryKind::Device;
+    const MemoryKind optimizer_kind = offload.has(kOffloadOptimizer) ? MemoryKind::Pinned : MemoryKind::Device;
     // Else the master shard is a view of the weights (bound by the caller).
-    d.master_is_weights = master_dtype == weight_dtype && !offload.master;
+    d.master_is_weights = master_dtype == weight_dtype && !offload.has(kOffloadMaster);
     if (!d.master_is_weights)
         d.master = a.allocate(Context::Master, "master", master_dtype, {s.shard}, master_kind);
     d.adam_m = a.allocate(Context::AdamM, "adam-m", optimizer_dtype, {s.shard}, optimizer_kind);
     d.adam_v = a.allocate(Context::AdamV, "adam-v", optimizer_dtype, {s.shard}, optimizer_kind);
     const std::int64_t chunk = std::min(s.shard, kOptimizerChunk);
-    if (offload.master) d.staged_master = a.allocate(Context::Workspace, "offload-master", master_dtype, {chunk});
-    if (offload.optimizer) {
+    if (offload.has(kOffloadMaster))
+        d.staged_master = a.allocate(Context::Workspace, "offload-master", master_dtype, {chunk});
+    if (offload.has(kOffloadOptimizer)) {
         d.staged_m = a.allocate(Context::Workspace, "offload-adam-m", optimizer_dtype, {chunk});
         d.staged_v = a.allocate(Context::Workspace, "offload-adam-v", optimizer_dtype, {chunk});
     }
-    if (offload.gradients) d.staged_grads = a.allocate(Context::Workspace, "offload-gradients", DType::F32, {chunk});
+    if (offload.has(kOffloadGradients))
+        d.staged_grads = a.allocate(Context::Workspace, "offload-gradients", DType::F32, {chunk});
     d.tokens = a.allocate(Context::Workspace, "tokens", DType::I32, {B, T});
     d.targets = a.allocate(Context::Workspace, "targets", DType::I32, {B, T});
     d.stats = a.allocate(Context::Workspace, "loss-stats", kStatDType, {kStatCount});

@@ -11,6 +11,7 @@ import sys
 
 import click
 
+from nanoq import options as option_schema
 from nanoq.training.config import settings
 
 _CLICK_TYPES = {int: click.INT, float: click.FLOAT, str: click.STRING, bool: click.BOOL}
@@ -39,7 +40,13 @@ def _setting_options(command):
     return command
 
 
-@cli.command(context_settings=dict(max_content_width=110))
+def _rules_epilog() -> str:
+    """The core's rules between settings, one paragraph each (nanoq.options)."""
+    return "\n\n".join(["Rules between settings, checked before training starts:"] +
+                       [f"- {rule['message']}" for rule in option_schema.rules()])
+
+
+@cli.command(context_settings=dict(max_content_width=110), epilog=_rules_epilog())
 @click.argument("config_file", metavar="[CONFIG.toml]", required=False, type=click.Path(dir_okay=False))
 @click.option("--print-config", is_flag=True, help="Print the merged configuration as TOML and exit.")
 @click.option("--resume", is_flag=False, flag_value="auto", default=None, metavar="[auto|DIR]",
@@ -216,7 +223,7 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, **flags):
     """
     from nanoq.memory import estimate_memory, visible_gpu_memory
     from nanoq.training import load_config
-    from nanoq.training.loop import train_options
+    from nanoq.training.config import train_options
 
     overrides = {name: value for name, value in flags.items() if value is not None}
     device_bytes = _parse_size(device_memory) if device_memory is not None else None

@@ -6,7 +6,7 @@ Arrays are checked here (dtype, shape, contiguity) before any pointer reaches
 C++; token values are checked by the Python layer (nanoq.trainer). Every call
 into the core releases the GIL.
 """
-from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t, uintptr_t
 from libcpp cimport bool as cbool
 from libcpp.string cimport string
 from libcpp.utility cimport pair
@@ -41,6 +41,52 @@ cdef extern from "nanoq/testing_hooks.h" namespace "nanoq" nogil:
         void arm(const string&, int64_t) except +nanoq_raise_py_error
 
 
+cdef extern from "nanoq/options.h" namespace "nanoq" nogil:
+    cdef cppclass CPrecision "nanoq::Precision":
+        pass
+
+    cdef cppclass CRecomputeSet "nanoq::RecomputeSet":
+        uint32_t bits
+
+    cdef cppclass COffloadSet "nanoq::OffloadSet":
+        uint32_t bits
+
+    cdef cppclass CLoraTargetSet "nanoq::LoraTargetSet":
+        uint32_t bits
+
+    cdef cppclass COptionKind "nanoq::OptionKind":
+        pass
+
+    cdef cppclass COptionChoice "nanoq::OptionChoice":
+        string name, help
+        vector[string] implies
+
+    cdef cppclass COptionLimit "nanoq::OptionLimit":
+        cbool present, inclusive
+        double value
+
+    cdef cppclass COptionSpec "nanoq::OptionSpec":
+        string name, help
+        COptionKind kind
+        vector[COptionChoice] choices
+        COptionLimit minimum, maximum
+
+    cdef cppclass COptionRule "nanoq::OptionRule":
+        string name, message
+        vector[string] options
+
+    cdef cppclass COptionSchema "nanoq::OptionSchema":
+        vector[COptionSpec] options
+        vector[COptionRule] rules
+
+    const COptionSchema& core_option_schema "nanoq::option_schema"() except +nanoq_raise_py_error
+    const char* option_kind_name(COptionKind) except +nanoq_raise_py_error
+    CPrecision precision_named(const string&, const string&) except +nanoq_raise_py_error
+    CRecomputeSet recompute_named(const vector[string]&) except +nanoq_raise_py_error
+    COffloadSet offload_named(const vector[string]&) except +nanoq_raise_py_error
+    CLoraTargetSet lora_targets_named(const vector[string]&) except +nanoq_raise_py_error
+
+
 cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
     cdef cppclass CModelConfig "nanoq::ModelConfig":
         int vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim
@@ -52,12 +98,15 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         cbool tie_embeddings, qkv_bias, o_bias, qk_norm
 
     cdef cppclass CTrainOptions "nanoq::TrainOptions":
-        string backend, dtype, master_dtype, optimizer_dtype, recompute, offload
+        string backend
+        CPrecision dtype, master_dtype, optimizer_dtype
+        CRecomputeSet recompute
+        COffloadSet offload
         int devices, batch_size, seq_len, grad_accum, threads, zero_stage
         float z_loss
         int lora_rank
         float lora_alpha, lora_dropout
-        string lora_targets
+        CLoraTargetSet lora_targets
         uint64_t seed
         size_t memory_limit
 
@@ -188,34 +237,6 @@ cdef CModelConfig _model_config(dict config) except *:
     return c
 
 
-cdef CTrainOptions _train_options(dict options) except *:
-    """The core's TrainOptions from nanoq.TrainOptions as a dict (backend and
-    dtype resolved)."""
-    cdef CTrainOptions o
-    o.backend = options["backend"].encode()
-    o.devices = options["devices"]
-    o.batch_size = options["batch_size"]
-    o.seq_len = options["seq_len"]
-    o.grad_accum = options["grad_accum"]
-    o.threads = options["threads"]
-    o.z_loss = options["z_loss"]
-    o.seed = options["seed"]
-    o.dtype = options["dtype"].encode()
-    o.master_dtype = options["master_dtype"].encode()
-    o.optimizer_dtype = options["optimizer_dtype"].encode()
-    o.memory_limit = options["memory_limit"]
-    o.recompute = ",".join(options["recompute"]).encode()
-    o.offload = ",".join(options["offload"]).encode()
-    o.zero_stage = options["zero_stage"]
-    lora = options.get("lora")
-    if lora:
-        o.lora_rank = lora["rank"]
-        o.lora_alpha = lora["alpha"]
-        o.lora_dropout = lora["dropout"]
-        o.lora_targets = ",".join(lora["targets"]).encode()
-    return o
-
-
 def plan_memory(dict config, dict options, cbool ask_libraries=True):
     """What CoreTrainer(config, options) would allocate, per device, computed
     by the core without a device (nanoq::plan_memory): a list with one dict
@@ -224,7 +245,7 @@ def plan_memory(dict config, dict options, cbool ask_libraries=True):
     share one list object. Raises as the Trainer does for bad options, and
     OutOfMemoryError where memory_limit would be exceeded."""
     cdef CModelConfig c = _model_config(config)
-    cdef CTrainOptions o = _train_options(options)
+    cdef CTrainOptions o = _core_options(options)
     cdef vector[CDevicePlan] plans
     cdef CAllocationInfo a
     with nogil:
@@ -261,6 +282,149 @@ def parameter_layout(dict config):
     return [(p.name.decode(), tuple(p.shape)) for p in core_parameter_layout(c)]
 
 
+cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
+    void core_validate_options "nanoq::validate_options"(const CTrainOptions&, const vector[string]&) \
+        except +nanoq_raise_py_error
+
+
+cdef vector[string] _names(object names) except *:
+    """The names of a tuple/list of strings, encoded (a TrainOptions set option)."""
+    if isinstance(names, str):
+        raise TypeError(f"option names must be a tuple of strings, got the string {names!r}")
+    cdef vector[string] out
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"option names must be strings, got {name!r}")
+        out.push_back(name.encode())
+    return out
+
+
+cdef CTrainOptions _core_options(dict options) except *:
+    """The core's TrainOptions of a dict of nanoq.TrainOptions' fields (a
+    missing key keeps the core's default; "lora" is a dict of LoraConfig's
+    fields or None). Names become the core's enums and bit sets here, with
+    the core's messages for unknown ones."""
+    cdef CTrainOptions o
+    for key, value in options.items():
+        if key == "backend":
+            o.backend = value.encode()
+        elif key == "devices":
+            o.devices = value
+        elif key == "batch_size":
+            o.batch_size = value
+        elif key == "seq_len":
+            o.seq_len = value
+        elif key == "grad_accum":
+            o.grad_accum = value
+        elif key == "threads":
+            o.threads = value
+        elif key == "z_loss":
+            o.z_loss = value
+        elif key == "seed":
+            o.seed = value
+        elif key in ("dtype", "master_dtype", "optimizer_dtype"):
+            precision = precision_named(key.encode(), value.encode())
+            if key == "dtype":
+                o.dtype = precision
+            elif key == "master_dtype":
+                o.master_dtype = precision
+            else:
+                o.optimizer_dtype = precision
+        elif key == "memory_limit":
+            o.memory_limit = value
+        elif key == "recompute":
+            o.recompute = recompute_named(_names(value))
+        elif key == "offload":
+            o.offload = offload_named(_names(value))
+        elif key == "zero_stage":
+            o.zero_stage = value
+        elif key == "lora":
+            if value:
+                o.lora_rank = value["rank"]
+                o.lora_alpha = value["alpha"]
+                o.lora_dropout = value["dropout"]
+                o.lora_targets = lora_targets_named(_names(value["targets"]))
+        else:
+            raise ValueError(f"unknown training option {key!r}")
+    return o
+
+
+_LORA_OPTIONS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
+
+
+def check_options(dict options):
+    """Applies every limit and cross-option rule of the core's schema
+    (nanoq/options.h validate_options) to `options`, a dict of
+    nanoq.TrainOptions' fields as CoreTrainer takes them ("lora": a dict of
+    LoraConfig's fields, or None). Options absent from `options` are not
+    checked, nor the rules involving them. Raises ValueError with the core's
+    message."""
+    cdef CTrainOptions o = _core_options(options)
+    given = set(options) - {"lora"}
+    if "lora" in options:
+        given.update(_LORA_OPTIONS)
+    cdef vector[string] absent = _names([spec["name"] for spec in _SCHEMA["options"] if spec["name"] not in given])
+    with nogil:
+        core_validate_options(o, absent)
+
+
+cdef object _limit(const COptionLimit& limit):
+    return dict(value=limit.value, inclusive=limit.inclusive) if limit.present else None
+
+
+cdef list _decoded(const vector[string]& names):
+    cdef size_t i
+    return [names[i].decode() for i in range(names.size())]
+
+
+def option_schema():
+    """The core's option schema (nanoq/options.h): dict(options=[...],
+    rules=[...]). Each option: dict(name, kind ("choice", "set", "integer",
+    "number"), help, choices=[dict(name, help, implies=[names])], minimum,
+    maximum (None or dict(value, inclusive))). Each rule: dict(name,
+    options=[names], message)."""
+    cdef const COptionSchema* schema = &core_option_schema()
+    cdef size_t i, j
+    options = []
+    for i in range(schema.options.size()):
+        choices = []
+        for j in range(schema.options[i].choices.size()):
+            choices.append(dict(name=schema.options[i].choices[j].name.decode(),
+                                help=schema.options[i].choices[j].help.decode(),
+                                implies=_decoded(schema.options[i].choices[j].implies)))
+        options.append(dict(name=schema.options[i].name.decode(),
+                            kind=option_kind_name(schema.options[i].kind).decode(),
+                            help=schema.options[i].help.decode(), choices=choices,
+                            minimum=_limit(schema.options[i].minimum), maximum=_limit(schema.options[i].maximum)))
+    rules = []
+    for i in range(schema.rules.size()):
+        rules.append(dict(name=schema.rules[i].name.decode(), options=_decoded(schema.rules[i].options),
+                          message=schema.rules[i].message.decode()))
+    return dict(options=options, rules=rules)
+
+
+_SCHEMA = option_schema()
+
+
+def set_option_names(str option, names):
+    """`names` (a tuple or list of strings) of set option `option`
+    ("recompute", "offload", "lora_targets") as the core reads them: a tuple
+    in the schema's order, without duplicates. Raises ValueError (the core's
+    message) for an unknown name."""
+    cdef vector[string] chosen = _names(names)
+    cdef uint32_t bits
+    if option == "recompute":
+        bits = recompute_named(chosen).bits
+    elif option == "offload":
+        bits = offload_named(chosen).bits
+    elif option == "lora_targets":
+        bits = lora_targets_named(chosen).bits
+    else:
+        raise ValueError(f"{option!r} is not a set option; those are recompute, offload and lora_targets")
+    spec = next(spec for spec in _SCHEMA["options"] if spec["name"] == option)
+    return tuple(choice["name"] for i, choice in enumerate(spec["choices"]) if bits >> i & 1)
+
+
 cdef class CoreTrainer:
     """Owns one C++ Trainer. Use nanoq.Trainer, which validates arguments."""
 
@@ -270,7 +434,7 @@ cdef class CoreTrainer:
 
     def __cinit__(self, dict config, dict options):
         cdef CModelConfig c = _model_config(config)
-        cdef CTrainOptions o = _train_options(options)
+        cdef CTrainOptions o = _core_options(options)
         self.batch_rows = o.devices * o.batch_size
         self.seq_len = o.seq_len
         with nogil:

@@ -8,8 +8,9 @@ loaded only when asked for, after the CUDA libraries of the nvidia wheels
 from __future__ import annotations
 
 from nanoq import _core
+from nanoq import options as option_schema
 
-BACKENDS = ("cpu", "cuda", "cuda_emulated")
+BACKENDS = option_schema.choices("backend")
 # Backends that run the cuda backend's code: on a GPU, or on the CPU emulator
 # of the CUDA execution model (``cuda_emulated``: for tests, very slow, never
 # chosen by "auto").

@@ -6,7 +6,9 @@ import math
 import os
 from typing import Any, Optional
 
+from nanoq import options as option_schema
 from nanoq.backends import BACKENDS as _CORE_BACKENDS
+from nanoq.backends import CUDA_BACKENDS
 from nanoq.durable import read_json_object
 
 SUPPORTED_ARCHITECTURES = {
@@ -207,19 +209,41 @@ def _llama3_scaling(scaling: dict) -> dict:
     return dict(rope_type="llama3", **out)
 
 
-def _option_list(name: str, value, allowed: tuple) -> tuple:
-    """A tuple of known names, in ``allowed`` order, from a list or a comma-separated string."""
-    names = value.split(",") if isinstance(value, str) else list(value)
-    names = [item.strip() for item in names if item.strip()]
-    unknown = [item for item in names if item not in allowed]
-    if unknown:
-        raise ValueError(f"unknown {name} option {unknown[0]!r}; choose from {', '.join(allowed)}")
-    return tuple(sorted(set(names), key=allowed.index))
-
-
 BACKENDS = ("auto",) + _CORE_BACKENDS
-RECOMPUTE = ("swiglu", "norms", "qkv", "ffn", "block")
-OFFLOAD = ("optimizer", "master", "gradients")
+DTYPES = ("auto",) + option_schema.choices("dtype")
+STATE_DTYPES = option_schema.choices("master_dtype")
+RECOMPUTE = option_schema.choices("recompute")
+OFFLOAD = option_schema.choices("offload")
+
+
+def auto_dtype(backend: str) -> str:
+    """What dtype "auto" means on ``backend``: bf16 on the cuda backends, fp32 on cpu."""
+    return "bf16" if backend in CUDA_BACKENDS else "fp32"
+
+
+# C types of the core's integer fields: (lowest, highest) a Python int may be.
+_C_INT = (-2**31, MAX_SIZE)
+_C_UINT64 = (0, 2**64 - 1)
+
+
+def _integer(name: str, value, bounds=_C_INT) -> int:
+    """``value`` if it is an int (not a bool) the core's field can hold; its
+    limits are the core's to check."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if not bounds[0] <= value <= bounds[1]:
+        span = "a non-negative integer below 2**64" if bounds == _C_UINT64 else \
+            f"an integer in [{bounds[0]}, {bounds[1]}]"
+        raise ValueError(f"{name} must be {span}, got {value!r}")
+    return value
+
+
+def _number(name: str, value) -> float:
+    """``value`` as a float if it is a finite int or float (not a bool); its
+    limits are the core's to check."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _is_finite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
 
 
 @dataclasses.dataclass
@@ -252,6 +276,8 @@ class TrainOptions:
     stay whole on every device).
     ``lora`` (a nanoq.lora.LoraConfig, or a dict of its fields) freezes the
     model's weights and trains low-rank adapters instead (zero_stage 1).
+    The choices, limits and rules between these fields are the core's
+    (``nanoq.options``); breaking one raises ValueError here.
     """
 
     backend: str = "auto"
@@ -272,14 +298,19 @@ class TrainOptions:
     lora: Optional[Any] = None
 
     def __post_init__(self):
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        for name in ("devices", "batch_size", "seq_len", "grad_accum"):
-            _positive_int(name, getattr(self, name))
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
-            raise ValueError(f"seed must be a non-negative integer below 2**64, got {self.seed!r}")
-        if self.zero_stage not in (1, 2, 3) or isinstance(self.zero_stage, bool):
-            raise ValueError(f"zero_stage must be 1, 2 or 3, got {self.zero_stage!r}")
+        # Python's forms and types here; the values' limits and the rules
+        # between options are the core's (nanoq.options.check).
+        for name, allowed in (("backend", BACKENDS), ("dtype", DTYPES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        for name in ("master_dtype", "optimizer_dtype"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be one of {', '.join(STATE_DTYPES)}, got {getattr(self, name)!r}")
+        for name in ("devices", "batch_size", "seq_len", "grad_accum", "threads", "zero_stage"):
+            _integer(name, getattr(self, name))
+        _integer("seed", self.seed, _C_UINT64)
+        _integer("memory_limit", self.memory_limit, _C_UINT64)
+        _number("z_loss", self.z_loss)
         if self.lora is not None:
             from nanoq.lora import LoraConfig  # nanoq.lora imports this module
 
@@ -287,23 +318,14 @@ class TrainOptions:
                 self.lora = LoraConfig(**self.lora)
             if not isinstance(self.lora, LoraConfig):
                 raise TypeError(f"lora must be a nanoq.lora.LoraConfig or None, got {type(self.lora).__name__}")
-            if self.zero_stage != 1:
-                raise ValueError("LoRA trains at zero_stage 1 only (the frozen weights stay whole on every device; "
-                                 "the adapters are too small to shard)")
-        self.recompute = _option_list("recompute", self.recompute, RECOMPUTE)
-        self.offload = _option_list("offload", self.offload, OFFLOAD)
-        if "gradients" in self.offload and self.zero_stage < 2:
-            raise ValueError("offloading gradients needs zero_stage 2 or 3 (stage 1 keeps full gradients on every "
-                             "device)")
-        if isinstance(self.memory_limit, bool) or not isinstance(self.memory_limit, int) \
-                or not 0 <= self.memory_limit < 2**64:
-            raise ValueError(f"memory_limit must be a non-negative number of bytes, got {self.memory_limit!r}")
-        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or not 0 <= self.threads <= MAX_SIZE:
-            raise ValueError(f"threads must be a non-negative integer, got {self.threads!r}")
-        for name, allowed in (("dtype", ("auto", "fp32", "bf16")), ("master_dtype", ("fp32", "bf16")),
-                              ("optimizer_dtype", ("fp32", "bf16"))):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        if isinstance(self.z_loss, bool) or not isinstance(self.z_loss, (int, float)) or not _is_finite(self.z_loss) \
-                or self.z_loss < 0:
-            raise ValueError(f"z_loss must be a finite non-negative number, got {self.z_loss!r}")
+        self.recompute = option_schema.canonical_names("recompute", option_schema.split_names("recompute",
+                                                                                              self.recompute))
+        self.offload = option_schema.canonical_names("offload", option_schema.split_names("offload", self.offload))
+        fields = self.core_fields()
+        if self.backend != "auto" and self.dtype == "auto":
+            fields["dtype"] = auto_dtype(self.backend)
+        option_schema.check(fields, [name for name in ("backend", "dtype") if fields[name] == "auto"])
+
+    def core_fields(self) -> dict:
+        """The fields as the core's option check takes them (``lora`` a dict or None)."""
+        return dataclasses.asdict(self)

@@ -35,11 +35,12 @@ from typing import Dict, Iterable, Optional, Tuple
 
 import numpy as np
 
-from nanoq.config import ModelConfig, _is_finite
+from nanoq import options as option_schema
+from nanoq.config import MAX_SIZE, ModelConfig, _number
 from nanoq.durable import new_directory, read_json_object, write_json
 from nanoq.hf_io import read_safetensors
 
-TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+TARGETS = option_schema.choices("lora_targets")
 MODULES = {
     "q": "self_attn.q_proj",
     "k": "self_attn.k_proj",
@@ -89,26 +90,22 @@ def parse_targets(value: str | Iterable[str]) -> Tuple[str, ...]:
     value: a comma-separated string ("q,k,v,o"; spaces allowed; "all" means
     every target) or an iterable of names. PEFT's module names ("q_proj",
     "gate_proj") are accepted too. Raises ValueError for an unknown name or
-    an empty selection.
+    an empty selection (the core's messages, nanoq.options).
     """
     items = value.split(",") if isinstance(value, str) else list(value)
-    names = set()
+    names = []
     for item in items:
         if not isinstance(item, str):
             raise ValueError(f"LoRA targets must be names, got {item!r}")
         item = item.strip()
-        if not item:
-            continue
-        if item == "all":
-            names.update(TARGETS)
-        elif item in _ALIASES:
-            names.add(_ALIASES[item])
-        else:
-            raise ValueError(f"unknown LoRA target {item!r}; choose from {', '.join(TARGETS)} "
-                             f"(or {', '.join(PEFT_NAMES.values())}, or all)")
+        if item:
+            names += TARGETS if item == "all" else [_ALIASES.get(item, item)]
     if not names:
-        raise ValueError(f"no LoRA targets given; choose from {', '.join(TARGETS)} (or all)")
-    return tuple(target for target in TARGETS if target in names)
+        raise ValueError(option_schema.rule_message("lora_needs_targets"))
+    try:
+        return option_schema.canonical_names("lora_targets", names)
+    except ValueError as e:
+        raise ValueError(f"{e} (or {', '.join(PEFT_NAMES.values())}, or all)") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,17 +124,13 @@ class LoraConfig:
     targets: tuple = ("q", "k", "v", "o")
 
     def __post_init__(self):
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"LoRA rank must be an integer >= 1, got {self.rank!r}")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) \
-                or not _is_finite(self.alpha) or self.alpha <= 0:
-            raise ValueError(f"LoRA alpha must be a finite positive number, got {self.alpha!r}")
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
-                or not 0 <= self.dropout < 1:
-            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
-        object.__setattr__(self, "alpha", float(self.alpha))
-        object.__setattr__(self, "dropout", float(self.dropout))
+        # rank 0 is the core's "no LoRA", which is lora=None here.
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 1 <= self.rank <= MAX_SIZE:
+            raise ValueError(f"LoRA rank must be an integer >= 1 (for no adapters, leave lora None), got {self.rank!r}")
+        object.__setattr__(self, "alpha", _number("lora_alpha", self.alpha))
+        object.__setattr__(self, "dropout", _number("lora_dropout", self.dropout))
         object.__setattr__(self, "targets", parse_targets(self.targets))
+        option_schema.check(dict(lora=dataclasses.asdict(self)))
 
     @property
     def scale(self) -> float:

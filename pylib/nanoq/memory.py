@@ -35,8 +35,9 @@ import math
 from typing import Dict, Iterator, List, Optional
 
 from nanoq import _core
+from nanoq import options as option_schema
 from nanoq.backends import CUDA_BACKENDS, device_count
-from nanoq.config import OFFLOAD, RECOMPUTE, ModelConfig, TrainOptions
+from nanoq.config import OFFLOAD, RECOMPUTE, ModelConfig, TrainOptions, auto_dtype
 from nanoq.lora import adapter_shapes
 
 CONTEXTS = ("weights", "master", "gradients", "adam-m", "adam-v", "activations", "workspace", "stack")
@@ -371,11 +372,10 @@ def _resolve(options: TrainOptions, backend: Optional[str]) -> TrainOptions:
         name = resolve_backend("auto")
     if name not in ("cpu",) + CUDA_BACKENDS:
         raise ValueError(f"backend must be cpu, {', '.join(CUDA_BACKENDS)} or auto, got {name!r}")
-    dtype = options.dtype if options.dtype != "auto" else ("bf16" if name in CUDA_BACKENDS else "fp32")
-    if name == "cpu" and "bf16" in (dtype, options.master_dtype, options.optimizer_dtype):
-        raise ValueError("the cpu backend computes in fp32 only: use dtype, master_dtype and optimizer_dtype "
-                         "\"fp32\" (or \"auto\")")
-    return dataclasses.replace(options, backend=name, dtype=dtype)
+    dtype = options.dtype if options.dtype != "auto" else auto_dtype(name)
+    resolved = dataclasses.replace(options, backend=name, dtype=dtype)
+    option_schema.check(resolved.core_fields())  # the rules that needed the backend (cpu: fp32 only)
+    return resolved
 
 
 def estimate_memory(config: ModelConfig, options: TrainOptions, *, backend: Optional[str] = None,

@@ -9,8 +9,9 @@ from typing import Dict
 import numpy as np
 
 from nanoq import _core
-from nanoq.backends import CUDA_BACKENDS, resolve_backend
-from nanoq.config import ModelConfig, TrainOptions
+from nanoq import options as option_schema
+from nanoq.backends import resolve_backend
+from nanoq.config import ModelConfig, TrainOptions, auto_dtype
 from nanoq.hf_io import is_parameter, iter_weights, weight_shapes
 
 IGNORE_INDEX = -100
@@ -164,10 +165,8 @@ class Trainer:
         core_options = dataclasses.asdict(options)
         core_options["backend"] = self.backend
         if options.dtype == "auto":
-            core_options["dtype"] = "bf16" if self.backend in CUDA_BACKENDS else "fp32"
-        if self.backend == "cpu" and "bf16" in (core_options["dtype"], options.master_dtype, options.optimizer_dtype):
-            raise ValueError("the cpu backend computes in fp32 only: use dtype, master_dtype and "
-                             "optimizer_dtype \"fp32\" (or \"auto\")")
+            core_options["dtype"] = auto_dtype(self.backend)
+        option_schema.check(core_options)  # now that backend and dtype are known
         self.dtype = core_options["dtype"]
         self._core = _core.CoreTrainer(config.to_core(), core_options)
         parameters = self._core.parameters()

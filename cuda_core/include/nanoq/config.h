@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "nanoq/options.h"
+
 namespace nanoq {
 
 // One config for the Llama family (Llama 2/3, Qwen2/2.5, Qwen3, Nano-style).
@@ -31,8 +33,10 @@ struct ModelConfig {
     bool qk_norm = false;   // Qwen3
 };
 
+// What each field may hold, and the rules between fields, are defined once
+// in nanoq/options.h (validate_options); the comments here say what they mean.
 struct TrainOptions {
-    std::string backend = "cpu";
+    std::string backend = "cpu";  // a backend of the schema: cpu, cuda, cuda_emulated
     int devices = 1;
     int batch_size = 1;  // per device
     int seq_len = 0;
@@ -40,31 +44,29 @@ struct TrainOptions {
     int threads = 0;     // per device, cpu backend; 0 = all cores shared out
     float z_loss = 0.0f;
     std::uint64_t seed = 0;  // stochastic rounding of bf16 optimizer outputs
-    // "fp32" or "bf16": weights and activations, master weights, AdamW moments.
-    std::string dtype = "fp32";
-    std::string master_dtype = "fp32";
-    std::string optimizer_dtype = "fp32";
+    // Weights and activations, master weights, AdamW moments.
+    Precision dtype = Precision::FP32;
+    Precision master_dtype = Precision::FP32;
+    Precision optimizer_dtype = Precision::FP32;
     std::size_t memory_limit = 0;  // bytes of device memory per device; 0 = what the device has
-    // Activations recomputed in backward instead of kept: a comma-separated
-    // subset of swiglu, norms, qkv, ffn, block ("" = keep everything).
-    std::string recompute;
+    // Activations recomputed in backward instead of kept (empty = keep
+    // everything); implied_recompute() adds what each implies.
+    RecomputeSet recompute;
     // State kept in host memory (pinned on GPUs) and streamed through device
-    // buffers during update(): a comma-separated subset of optimizer (the
-    // AdamW moments), master (the master weights) and, at zero_stage 2 or 3,
-    // gradients (the gradient shard); "" = none.
-    std::string offload;
+    // buffers during update(): the AdamW moments, the master weights and, at
+    // zero_stage 2 or 3, the gradient shard.
+    OffloadSet offload;
     // 1: optimizer state and master weights sharded across devices; 2: also
     // the gradients; 3: also the weights (gathered a layer at a time).
     int zero_stage = 1;
     // LoRA. lora_rank 0: every parameter trains. Otherwise the model's
     // weights are frozen (no gradients, no optimizer state) and only
-    // adapters of this rank train, on the projections in lora_targets (a
-    // comma-separated subset of q, k, v, o, gate, up, down): a targeted
-    // projection computes x W^T + (alpha / rank) * dropout(x) A^T B^T.
+    // adapters of this rank train, on the projections in lora_targets: a
+    // targeted projection computes x W^T + (alpha / rank) * dropout(x) A^T B^T.
     int lora_rank = 0;
     float lora_alpha = 16.0f;
-    float lora_dropout = 0.0f;  // in [0, 1), applied in step() only
-    std::string lora_targets = "q,k,v,o";
+    float lora_dropout = 0.0f;  // applied in step() only
+    LoraTargetSet lora_targets{kLoraQ, kLoraK, kLoraV, kLoraO};
 };
 
 struct UpdateParams {

@@ -24,18 +24,38 @@ import re
 import tomllib
 from typing import Any, Dict, List, NamedTuple, Optional
 
-from nanoq.config import BACKENDS
+from nanoq import options as option_schema
+from nanoq.config import BACKENDS, DTYPES, OFFLOAD, RECOMPUTE, STATE_DTYPES, TrainOptions
+from nanoq.lora import LoraConfig
 
 SECTIONS = ("model", "data", "train", "lora", "checkpoint", "run")
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
-DTYPES = ("auto", "fp32", "bf16")
+LORA_TARGETS = option_schema.choices("lora_targets")
 
 
-def setting(section: str, default, help: str, choices=(), minimum=None, maximum=None, above=None):
+def setting(section: str, default, help: str, choices=(), minimum=None, maximum=None, above=None, below=None):
     """A TrainConfig field: its section, default, help and allowed values
-    (``choices``, or a range: ``minimum``/``maximum`` inclusive, ``above`` exclusive)."""
+    (``choices``, or a range: ``minimum``/``maximum`` inclusive, ``above``/``below`` exclusive)."""
     return dataclasses.field(default=default, metadata=dict(section=section, help=help, choices=tuple(choices),
-                                                            minimum=minimum, maximum=maximum, above=above))
+                                                            minimum=minimum, maximum=maximum, above=above,
+                                                            below=below))
+
+
+def core_limits(name: str) -> dict:
+    """The range of core option ``name`` (nanoq.options) as ``setting``'s
+    keyword arguments, so that a setting cannot drift from the core."""
+    low, high = option_schema.limits(name)
+    out = {}
+    if low:
+        out["minimum" if low["inclusive"] else "above"] = _plain(low["value"])
+    if high:
+        out["maximum" if high["inclusive"] else "below"] = _plain(high["value"])
+    return out
+
+
+def _plain(value: float):
+    """3.0 -> 3 (limits of integer settings read as integers)."""
+    return int(value) if float(value).is_integer() else value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +71,7 @@ class Setting:
     minimum: Optional[float]
     maximum: Optional[float]
     above: Optional[float]
+    below: Optional[float]
 
     @property
     def key(self) -> str:
@@ -80,13 +101,13 @@ class TrainConfig:
     curriculum: str = setting("data", "", "stages trained in order, replacing train_data/eval_data: "
                                           "\"TRAIN[|EVAL]@STEPS; ...\" (token-file paths or globs; the STEPS add "
                                           "up to train.steps); \"\" = none")
-    seq_len: int = setting("data", 128, "tokens per sequence", minimum=1)
+    seq_len: int = setting("data", 128, "tokens per sequence", **core_limits("seq_len"))
     eval_batches: int = setting("data", 16, "batches per evaluation; 0 = the whole eval set", minimum=0)
 
     # -- train: optimisation and schedule --------------------------------------
     steps: int = setting("train", 240, "optimizer steps", minimum=1)
-    batch_size: int = setting("train", 16, "sequences per device per micro-batch", minimum=1)
-    grad_accum: int = setting("train", 1, "micro-batches per optimizer step", minimum=1)
+    batch_size: int = setting("train", 16, "sequences per device per micro-batch", **core_limits("batch_size"))
+    grad_accum: int = setting("train", 1, "micro-batches per optimizer step", **core_limits("grad_accum"))
     lr: float = setting("train", 2e-3, "peak learning rate", above=0)
     schedule: str = setting("train", "cosine", "learning-rate schedule after warmup", choices=SCHEDULES)
     warmup_steps: int = setting("train", 20, "steps of linear warmup from 0 to lr", minimum=0)
@@ -97,7 +118,7 @@ class TrainConfig:
     beta1: float = setting("train", 0.9, "AdamW beta1", minimum=0, maximum=0.999999)
     beta2: float = setting("train", 0.95, "AdamW beta2", minimum=0, maximum=0.999999)
     grad_clip: float = setting("train", 1.0, "clip the global gradient norm to this; 0 = off", minimum=0)
-    z_loss: float = setting("train", 0.0, "z-loss coefficient", minimum=0)
+    z_loss: float = setting("train", 0.0, "z-loss coefficient", **core_limits("z_loss"))
     eval_every: int = setting("train", 40, "evaluate every N steps (and at step 0 and the end); 0 = only at "
                                            "the end", minimum=0)
     max_skipped_steps: int = setting("train", 5, "stop (with a checkpoint of the last good state) after this "
@@ -106,13 +127,14 @@ class TrainConfig:
     seed: int = setting("train", 0, "seed of the weights and the data order", minimum=0)
 
     # -- lora: low-rank adapters on a frozen base (usually model.init_from) ----
-    lora_rank: int = setting("lora", 0, "adapter rank r; 0 = full fine-tuning (no adapters)", minimum=0)
+    lora_rank: int = setting("lora", 0, "adapter rank r; 0 = full fine-tuning (no adapters)",
+                             **core_limits("lora_rank"))
     lora_alpha: float = setting("lora", 16.0, "adapter scale numerator: updates are scaled by lora_alpha / lora_rank",
-                                above=0)
-    lora_dropout: float = setting("lora", 0.0, "dropout on the adapters' input while training", minimum=0,
-                                  maximum=0.99)
-    lora_targets: str = setting("lora", "q,k,v,o", "projections that get adapters, comma-separated: q, k, v, o, "
-                                                    "gate, up, down (or all)")
+                                **core_limits("lora_alpha"))
+    lora_dropout: float = setting("lora", 0.0, "dropout on the adapters' input while training",
+                                  **core_limits("lora_dropout"))
+    lora_targets: str = setting("lora", "q,k,v,o", f"projections that get adapters, comma-separated: "
+                                                    f"{', '.join(LORA_TARGETS)} (or all)")
 
     # -- checkpoint: <run>/checkpoints/step_XXXXXXXX, for --resume and nanoq export --
     checkpoint_every: int = setting("checkpoint", 100, "save a checkpoint every N steps and after the last "
@@ -126,20 +148,20 @@ class TrainConfig:
     backend: str = setting("run", "auto", "compute backend; auto = cuda if a GPU is usable, else cpu; cuda_emulated "
                            "runs the cuda code on a CPU emulator (tests only)",
                            choices=BACKENDS)
-    devices: int = setting("run", 1, "devices (GPUs, or worker threads on cpu)", minimum=1)
-    threads: int = setting("run", 0, "cpu threads per device; 0 = the cores shared out", minimum=0)
+    devices: int = setting("run", 1, "devices (GPUs, or worker threads on cpu)", **core_limits("devices"))
+    threads: int = setting("run", 0, "cpu threads per device; 0 = the cores shared out", **core_limits("threads"))
     dtype: str = setting("run", "auto", "weights/activations dtype; auto = bf16 on cuda, fp32 on cpu",
                          choices=DTYPES)
     master_dtype: str = setting("run", "fp32", "dtype of the master weights the optimizer updates",
-                                choices=("fp32", "bf16"))
+                                choices=STATE_DTYPES)
     optimizer_dtype: str = setting("run", "fp32", "dtype of the AdamW moments (bf16: stochastic rounding)",
-                                   choices=("fp32", "bf16"))
-    recompute: str = setting("run", "", "activations recomputed in backward, comma-separated: swiglu, norms, qkv, "
-                                        "ffn, block; \"\" = keep all")
-    offload: str = setting("run", "", "state kept in host memory, comma-separated: optimizer, master, gradients "
-                                      "(zero_stage >= 2); \"\" = none")
+                                   choices=STATE_DTYPES)
+    recompute: str = setting("run", "", f"activations recomputed in backward, comma-separated: "
+                                        f"{', '.join(RECOMPUTE)}; \"\" = keep all")
+    offload: str = setting("run", "", f"state kept in host memory, comma-separated: {', '.join(OFFLOAD)} "
+                                      f"(zero_stage >= 2); \"\" = none")
     zero_stage: int = setting("run", 1, "sharded across devices: 1 optimizer state, 2 also gradients, 3 also weights",
-                              minimum=1, maximum=3)
+                              **core_limits("zero_stage"))
     out_dir: str = setting("run", "nanoq-out", "runs go to <out_dir>/<run_name>")
     run_name: str = setting("run", "", "name of this run's directory; \"\" = a timestamp (an existing "
                                        "run is never overwritten)")
@@ -158,6 +180,7 @@ class TrainConfig:
             if total != self.steps:
                 raise ValueError(f"train.steps ({self.steps}) must equal the steps of the data.curriculum stages "
                                  f"added up ({total}); set train.steps = {total}")
+        train_options(self)  # the core's names and rules (nanoq.options), before any run directory exists
 
     @classmethod
     def from_dict(cls, values: Dict[str, Any]) -> "TrainConfig":
@@ -239,7 +262,8 @@ def settings() -> List[Setting]:
     """The schema: one Setting per TrainConfig field, in declaration order."""
     return [Setting(section=f.metadata["section"], name=f.name, type=_TYPES[f.type], default=f.default,
                     help=f.metadata["help"], choices=f.metadata["choices"], minimum=f.metadata["minimum"],
-                    maximum=f.metadata["maximum"], above=f.metadata["above"])
+                    maximum=f.metadata["maximum"], above=f.metadata["above"],
+                    below=f.metadata["below"])
             for f in dataclasses.fields(TrainConfig)]
 
 
@@ -268,6 +292,8 @@ def _checked(item: Setting, value):
         raise ValueError(f"{item.key} must be <= {item.maximum}, got {value!r}")
     if item.above is not None and value <= item.above:
         raise ValueError(f"{item.key} must be > {item.above}, got {value!r}")
+    if item.below is not None and value >= item.below:
+        raise ValueError(f"{item.key} must be < {item.below}, got {value!r}")
     return value
 
 
@@ -325,6 +351,24 @@ def load_config(path: Optional[str | os.PathLike] = None, overrides: Optional[Di
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
     return TrainConfig.from_dict({**values, **(overrides or {})})
+
+
+def train_options(config: TrainConfig) -> TrainOptions:
+    """The TrainOptions of a TrainConfig (ValueError for options the core's
+    schema refuses: unknown names, broken rules between settings)."""
+    return TrainOptions(backend=config.backend, devices=config.devices, batch_size=config.batch_size,
+                        seq_len=config.seq_len, grad_accum=config.grad_accum, seed=config.seed, z_loss=config.z_loss,
+                        threads=config.threads, dtype=config.dtype, master_dtype=config.master_dtype,
+                        optimizer_dtype=config.optimizer_dtype, recompute=config.recompute,
+                        offload=config.offload, zero_stage=config.zero_stage, lora=lora_config(config))
+
+
+def lora_config(config: TrainConfig) -> Optional[LoraConfig]:
+    """The LoRA setting of a TrainConfig (None when lora_rank is 0)."""
+    if not config.lora_rank:
+        return None
+    return LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha, dropout=config.lora_dropout,
+                      targets=config.lora_targets)
 
 
 def schema_markdown() -> str:

@@ -30,13 +30,12 @@ import sys
 import time
 from typing import Callable, List, Optional
 
-from nanoq.config import ModelConfig, TrainOptions
+from nanoq.config import ModelConfig
 from nanoq.hf_export import export_adapter
-from nanoq.lora import LoraConfig
 from nanoq.data import Curriculum, DataLoader, Dataset, EvalLoader
 from nanoq.telemetry import GpuTelemetry
 from nanoq.trainer import Trainer
-from nanoq.training.config import TrainConfig, parse_curriculum
+from nanoq.training.config import TrainConfig, parse_curriculum, train_options
 from nanoq.training.resume import CHECKPOINTS, Progress, extra_state, prepare_resume, restore
 from nanoq.training.log import JsonlLog, eval_line, format_duration, gpu_summary, memory_lines, train_line
 from nanoq.training.schedule import learning_rate
@@ -171,23 +170,6 @@ def model_config(config: TrainConfig, data_vocab_size: int) -> ModelConfig:
                        num_attention_heads=config.num_attention_heads,
                        num_key_value_heads=config.num_key_value_heads or None, rope_theta=config.rope_theta,
                        rms_norm_eps=config.rms_norm_eps, tie_word_embeddings=config.tie_word_embeddings)
-
-
-def train_options(config: TrainConfig) -> TrainOptions:
-    """The TrainOptions of a TrainConfig."""
-    return TrainOptions(backend=config.backend, devices=config.devices, batch_size=config.batch_size,
-                        seq_len=config.seq_len, grad_accum=config.grad_accum, seed=config.seed, z_loss=config.z_loss,
-                        threads=config.threads, dtype=config.dtype, master_dtype=config.master_dtype,
-                        optimizer_dtype=config.optimizer_dtype, recompute=config.recompute,
-                        offload=config.offload, zero_stage=config.zero_stage, lora=lora_config(config))
-
-
-def lora_config(config: TrainConfig) -> Optional[LoraConfig]:
-    """The LoRA setting of a TrainConfig (None when lora_rank is 0)."""
-    if not config.lora_rank:
-        return None
-    return LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha, dropout=config.lora_dropout,
-                      targets=config.lora_targets)
 
 
 def evaluate(trainer: Trainer, loader: EvalLoader, max_batches: int = 0) -> tuple:

@@ -1,0 +1,346 @@
+// The one definition of the training options' choices, limits and rules
+// (see nanoq/options.h). Each option is a row of kFields: its schema entry
+// and how to read its value from a TrainOptions; each rule a row of kRules:
+// its schema entry and the condition it states.
+#include "nanoq/options.h"
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+#include <utility>
+
+#include "nanoq/config.h"
+#include "nanoq/errors.h"
+
+namespace nanoq {
+
+namespace {
+
+struct Field {
+    OptionSpec spec;
+    const char* noun = nullptr;  // Set options: what one name is, in messages ("recompute option")
+    // How to read the value (one of these, by kind).
+    double (*number)(const TrainOptions&) = nullptr;
+    std::string (*choice)(const TrainOptions&) = nullptr;  // the chosen name; "" if it is none of them
+    std::uint32_t (*bits)(const TrainOptions&) = nullptr;
+};
+
+struct Rule {
+    OptionRule spec;
+    bool (*holds)(const TrainOptions&);
+};
+
+OptionLimit at_least(double value) { return OptionLimit{true, value, true}; }
+OptionLimit above(double value) { return OptionLimit{true, value, false}; }
+OptionLimit at_most(double value) { return OptionLimit{true, value, true}; }
+OptionLimit below(double value) { return OptionLimit{true, value, false}; }
+constexpr OptionLimit kNone{};
+
+const std::vector<OptionChoice> kPrecisions = {{"fp32", "32-bit IEEE float", {}},
+                                               {"bf16", "bfloat16 (8-bit exponent, 7-bit mantissa)", {}}};
+
+std::string precision_or_empty(Precision p) {
+    const int i = static_cast<int>(p);
+    return i >= 0 && i < static_cast<int>(kPrecisions.size()) ? kPrecisions[i].name : std::string();
+}
+
+Field integer(const char* name, const char* help, OptionLimit minimum, OptionLimit maximum,
+              double (*get)(const TrainOptions&)) {
+    Field f;
+    f.spec = OptionSpec{name, OptionKind::Integer, help, {}, minimum, maximum};
+    f.number = get;
+    return f;
+}
+
+Field number(const char* name, const char* help, OptionLimit minimum, OptionLimit maximum,
+             double (*get)(const TrainOptions&)) {
+    Field f = integer(name, help, minimum, maximum, get);
+    f.spec.kind = OptionKind::Number;
+    return f;
+}
+
+Field choice(const char* name, const char* help, std::vector<OptionChoice> choices,
+             std::string (*get)(const TrainOptions&)) {
+    Field f;
+    f.spec = OptionSpec{name, OptionKind::Choice, help, std::move(choices), kNone, kNone};
+    f.choice = get;
+    return f;
+}
+
+Field set(const char* name, const char* noun, const char* help, std::vector<OptionChoice> choices,
+          std::uint32_t (*get)(const TrainOptions&)) {
+    Field f;
+    f.spec = OptionSpec{name, OptionKind::Set, help, std::move(choices), kNone, kNone};
+    f.noun = noun;
+    f.bits = get;
+    return f;
+}
+
+const std::vector<Field>& fields() {
+    static const std::vector<Field> table = {
+        choice("backend", "where the model runs",
+               {{"cpu", "C++ with OpenMP and OpenBLAS: the reference backend, always built", {}},
+                {"cuda", "NVIDIA GPUs (CUDA kernels, cuBLASLt, NCCL)", {}},
+                {"cuda_emulated", "the cuda backend's code on a CPU emulator of CUDA (tests only, slow)", {}}},
+               [](const TrainOptions& o) { return o.backend; }),
+        integer("devices", "devices trained on (GPUs, or worker threads on cpu)", at_least(1), kNone,
+                [](const TrainOptions& o) { return double(o.devices); }),
+        integer("batch_size", "sequences per device per micro-batch", at_least(1), kNone,
+                [](const TrainOptions& o) { return double(o.batch_size); }),
+        integer("seq_len", "tokens per sequence", at_least(1), kNone,
+                [](const TrainOptions& o) { return double(o.seq_len); }),
+        integer("grad_accum", "step() calls allowed per update()", at_least(1), kNone,
+                [](const TrainOptions& o) { return double(o.grad_accum); }),
+        integer("threads", "cpu threads per device; 0 = the cores shared out", at_least(0), kNone,
+                [](const TrainOptions& o) { return double(o.threads); }),
+        number("z_loss", "z-loss coefficient", at_least(0), kNone,
+               [](const TrainOptions& o) { return double(o.z_loss); }),
+        choice("dtype", "weights and activations", kPrecisions,
+               [](const TrainOptions& o) { return precision_or_empty(o.dtype); }),
+        choice("master_dtype", "the master weights the optimizer updates", kPrecisions,
+               [](const TrainOptions& o) { return precision_or_empty(o.master_dtype); }),
+        choice("optimizer_dtype", "the AdamW moments (bf16 ones with stochastic rounding)", kPrecisions,
+               [](const TrainOptions& o) { return precision_or_empty(o.optimizer_dtype); }),
+        set("recompute", "recompute option", "activations backward recomputes instead of keeping",
+            {{"swiglu", "the SwiGLU output", {}},
+             {"norms", "the RMSNorm outputs", {}},
+             {"qkv", "the attention inputs q, k, v", {}},
+             {"ffn", "gate, up and the SwiGLU output", {"swiglu"}},
+             {"block", "everything but each layer's input", {"norms", "qkv", "ffn"}}},
+            [](const TrainOptions& o) { return o.recompute.bits; }),
+        set("offload", "offload option", "state kept in host memory (pinned on GPUs), streamed through update()",
+            {{"optimizer", "the AdamW moments", {}},
+             {"master", "the master weights", {}},
+             {"gradients", "the gradient shard", {}}},
+            [](const TrainOptions& o) { return o.offload.bits; }),
+        integer("zero_stage", "sharded across devices: 1 optimizer state, 2 also gradients, 3 also weights",
+                at_least(1), at_most(3), [](const TrainOptions& o) { return double(o.zero_stage); }),
+        integer("lora_rank", "adapter rank; 0 = every parameter trains (no adapters)", at_least(0), kNone,
+                [](const TrainOptions& o) { return double(o.lora_rank); }),
+        number("lora_alpha", "adapter outputs are scaled by lora_alpha / lora_rank", above(0), kNone,
+               [](const TrainOptions& o) { return double(o.lora_alpha); }),
+        number("lora_dropout", "dropout on the adapters' input, in step() only", at_least(0), below(1),
+               [](const TrainOptions& o) { return double(o.lora_dropout); }),
+        set("lora_targets", "LoRA target", "projections that get adapters",
+            {{"q", "self_attn.q_proj", {}},
+             {"k", "self_attn.k_proj", {}},
+             {"v", "self_attn.v_proj", {}},
+             {"o", "self_attn.o_proj", {}},
+             {"gate", "mlp.gate_proj", {}},
+             {"up", "mlp.up_proj", {}},
+             {"down", "mlp.down_proj", {}}},
+            [](const TrainOptions& o) { return o.lora_targets.bits; }),
+    };
+    return table;
+}
+
+// Bit i of a set option is choice i: the enums of options.h must list as many values as the table has choices.
+void check_enum_counts() {
+    const std::pair<const char*, std::size_t> counts[] = {
+        {"recompute", kRecomputeCount}, {"offload", kOffloadCount}, {"lora_targets", kLoraTargetCount}};
+    for (const auto& [name, count] : counts)
+        for (const Field& f : fields())
+            if (f.spec.name == name && f.spec.choices.size() != count)
+                throw InternalError(std::string("option ") + name + " has " + std::to_string(f.spec.choices.size()) +
+                                    " choices but its enum " + std::to_string(count) + " values");
+}
+
+const std::vector<Rule>& rules() {
+    static const std::vector<Rule> table = {
+        {{"offload_gradients_needs_zero_stage_2",
+          {"offload", "zero_stage"},
+          "offloading gradients needs zero_stage 2 or 3: at stage 1 every device keeps full gradients, which "
+          "backward writes on the device"},
+         [](const TrainOptions& o) { return !o.offload.has(kOffloadGradients) || o.zero_stage >= 2; }},
+        {{"lora_needs_zero_stage_1",
+          {"lora_rank", "zero_stage"},
+          "LoRA trains at zero_stage 1 only: its frozen weights are kept whole on every device and its adapters "
+          "are small, so stages 2 and 3 would shard nothing that matters"},
+         [](const TrainOptions& o) { return o.lora_rank == 0 || o.zero_stage == 1; }},
+        {{"lora_needs_targets",
+          {"lora_rank", "lora_targets"},
+          "no LoRA targets given: lora_targets needs at least one of q, k, v, o, gate, up, down"},
+         [](const TrainOptions& o) { return o.lora_rank == 0 || !o.lora_targets.empty(); }},
+        {{"cpu_computes_in_fp32",
+          {"backend", "dtype", "master_dtype", "optimizer_dtype"},
+          "the cpu backend computes in fp32 only: use dtype, master_dtype and optimizer_dtype \"fp32\""},
+         [](const TrainOptions& o) {
+             return o.backend != "cpu" || (o.dtype == Precision::FP32 && o.master_dtype == Precision::FP32 &&
+                                           o.optimizer_dtype == Precision::FP32);
+         }},
+    };
+    return table;
+}
+
+const Field& field(const std::string& name) {
+    for (const Field& f : fields())
+        if (f.spec.name == name) return f;
+    throw InternalError("no option named '" + name + "' in the schema");
+}
+
+std::string join_choices(const OptionSpec& spec) {
+    std::string out;
+    for (const OptionChoice& c : spec.choices) out += (out.empty() ? "" : ", ") + c.name;
+    return out;
+}
+
+// A number as a user wrote it: 3, not 3.000000.
+std::string format_number(double value) {
+    std::ostringstream s;
+    s << value;
+    return s.str();
+}
+
+// "a", "b" or "c" (or 1, 2 or 3): the alternatives as a sentence lists them.
+std::string alternatives(const std::vector<std::string>& items) {
+    std::string out;
+    for (std::size_t i = 0; i < items.size(); ++i)
+        out += (i == 0 ? "" : i + 1 == items.size() ? " or " : ", ") + items[i];
+    return out;
+}
+
+std::string quoted_choices(const OptionSpec& spec) {
+    std::vector<std::string> quoted;
+    for (const OptionChoice& c : spec.choices) quoted.push_back('"' + c.name + '"');
+    return alternatives(quoted);
+}
+
+std::string describe_limits(const OptionSpec& spec) {
+    const OptionLimit& lo = spec.minimum;
+    const OptionLimit& hi = spec.maximum;
+    // A few whole numbers are clearer listed: "1, 2 or 3".
+    if (spec.kind == OptionKind::Integer && lo.present && hi.present && lo.inclusive && hi.inclusive &&
+        hi.value - lo.value <= 4) {
+        std::vector<std::string> values;
+        for (double v = lo.value; v <= hi.value; ++v) values.push_back(format_number(v));
+        return alternatives(values);
+    }
+    const std::string what = spec.kind == OptionKind::Integer ? "an integer" : "a finite number";
+    if (lo.present && hi.present)
+        return what + " in " + (lo.inclusive ? "[" : "(") + format_number(lo.value) + ", " + format_number(hi.value) +
+               (hi.inclusive ? "]" : ")");
+    if (lo.present) return what + (lo.inclusive ? " >= " : " > ") + format_number(lo.value);
+    if (hi.present) return what + (hi.inclusive ? " <= " : " < ") + format_number(hi.value);
+    return what;
+}
+
+bool within(double value, const OptionSpec& spec) {
+    if (!std::isfinite(value)) return false;
+    const OptionLimit& lo = spec.minimum;
+    const OptionLimit& hi = spec.maximum;
+    if (lo.present && (lo.inclusive ? value < lo.value : value <= lo.value)) return false;
+    if (hi.present && (hi.inclusive ? value > hi.value : value >= hi.value)) return false;
+    return true;
+}
+
+void check_field(const Field& f, const TrainOptions& o) {
+    const OptionSpec& spec = f.spec;
+    switch (spec.kind) {
+        case OptionKind::Integer:
+        case OptionKind::Number: {
+            const double value = f.number(o);
+            if (!within(value, spec))
+                throw InvalidArgument(spec.name + " must be " + describe_limits(spec) + ", got " +
+                                      format_number(value));
+            return;
+        }
+        case OptionKind::Choice: {
+            const std::string value = f.choice(o);
+            for (const OptionChoice& c : spec.choices)
+                if (c.name == value) return;
+            throw InvalidArgument(spec.name + " must be " + quoted_choices(spec) + ", got \"" + value + "\"");
+        }
+        case OptionKind::Set:
+            if (f.bits(o) >> spec.choices.size())
+                throw InvalidArgument(spec.name + " holds values beyond its " + std::to_string(spec.choices.size()) +
+                                      " choices (" + join_choices(spec) + ")");
+            return;
+    }
+}
+
+std::uint32_t set_named(const std::string& option, const std::vector<std::string>& names) {
+    const Field& f = field(option);
+    std::uint32_t bits = 0;
+    for (const std::string& name : names) {
+        std::size_t i = 0;
+        while (i < f.spec.choices.size() && f.spec.choices[i].name != name) ++i;
+        if (i == f.spec.choices.size())
+            throw InvalidArgument("unknown " + std::string(f.noun) + " '" + name + "'; choose from " +
+                                  join_choices(f.spec));
+        bits |= 1u << i;
+    }
+    return bits;
+}
+
+}  // namespace
+
+const OptionSchema& option_schema() {
+    static const OptionSchema schema = [] {
+        check_enum_counts();
+        OptionSchema s;
+        for (const Field& f : fields()) s.options.push_back(f.spec);
+        for (const Rule& r : rules()) s.rules.push_back(r.spec);
+        return s;
+    }();
+    return schema;
+}
+
+const char* option_kind_name(OptionKind kind) {
+    switch (kind) {
+        case OptionKind::Choice: return "choice";
+        case OptionKind::Set: return "set";
+        case OptionKind::Integer: return "integer";
+        case OptionKind::Number: return "number";
+    }
+    throw InternalError("unknown OptionKind");
+}
+
+void validate_options(const TrainOptions& options, const std::vector<std::string>& undecided) {
+    auto decided = [&](const std::string& name) {
+        return std::find(undecided.begin(), undecided.end(), name) == undecided.end();
+    };
+    for (const std::string& name : undecided) field(name);  // names an option, or a bug
+    for (const Field& f : fields())
+        if (decided(f.spec.name)) check_field(f, options);
+    for (const Rule& r : rules())
+        if (std::all_of(r.spec.options.begin(), r.spec.options.end(), decided) && !r.holds(options))
+            throw InvalidArgument(r.spec.message);
+}
+
+Precision precision_named(const std::string& option, const std::string& name) {
+    const Field& f = field(option);
+    for (std::size_t i = 0; i < f.spec.choices.size(); ++i)
+        if (f.spec.choices[i].name == name) return static_cast<Precision>(i);
+    throw InvalidArgument(option + " must be " + quoted_choices(f.spec) + ", got \"" + name + "\"");
+}
+
+RecomputeSet recompute_named(const std::vector<std::string>& names) {
+    return RecomputeSet::from_bits(set_named("recompute", names));
+}
+
+OffloadSet offload_named(const std::vector<std::string>& names) {
+    return OffloadSet::from_bits(set_named("offload", names));
+}
+
+LoraTargetSet lora_targets_named(const std::vector<std::string>& names) {
+    return LoraTargetSet::from_bits(set_named("lora_targets", names));
+}
+
+RecomputeSet implied_recompute(RecomputeSet chosen) {
+    const OptionSpec& spec = field("recompute").spec;
+    RecomputeSet out = chosen;
+    for (bool grew = true; grew;) {  // until closed: an implied choice may imply more
+        grew = false;
+        for (std::size_t i = 0; i < spec.choices.size(); ++i) {
+            if (!out.has(static_cast<Recomputed>(i))) continue;
+            const RecomputeSet more = recompute_named(spec.choices[i].implies);
+            if ((out.bits | more.bits) != out.bits) {
+                out.bits |= more.bits;
+                grew = true;
+            }
+        }
+    }
+    return out;
+}
+
+}  // namespace nanoq
