@@ -69,6 +69,15 @@ public:
             if (streams[i]) throw InvalidArgument("the " + name() + " backend has no streams to wait for");
     }
     virtual void wait_batch_ready(Backend& /*source*/) {}
+    // Micro-batch uploads: a copy from the trainer's host staging (memory
+    // of the plugin's staging_kind) whose source stays unchanged until
+    // wait_batch_read(). mark_batch_read marks the batch copies issued so far
+    // (from staging or from device memory); wait_batch_read blocks the
+    // calling thread until they have completed, so that their sources may
+    // be overwritten.
+    virtual void copy_from_staging(const Tensor& dst, const void* src) { copy_from_host(dst, src); }
+    virtual void mark_batch_read() {}
+    virtual void wait_batch_read() {}
     // Free and total bytes of the device, when the backend can tell.
     virtual bool memory_info(std::size_t* free_bytes, std::size_t* total_bytes) = 0;
 
@@ -175,6 +184,10 @@ struct BackendPlugin {
     // A property of the backend, not of a device, so that a run's memory
     // can be planned without creating one.
     std::int64_t classifier_chunk_elements;
+    // The host-writable memory that the trainer stages host batches in:
+    // pinned where that makes the copies out of it asynchronous (cuda), the
+    // device's own where that is host memory (cpu).
+    MemoryKind staging_kind;
 };
 void register_backend(const std::string& name, const BackendPlugin& plugin);
 // Loads the backend's library if needed; throws InvalidArgument when it is

@@ -28,7 +28,9 @@ std::map<std::string, BackendPlugin>& registry() {
         // Classifier chunks of 4M float32 logits (16 MiB): they stay in the caches' neighbourhood.
         {"cpu", BackendPlugin{&create_cpu_backend, &make_shared_memory_group,
                               [] { return static_cast<int>(std::thread::hardware_concurrency()); },
-                              &cpu_scratch_plan, std::int64_t(1) << 22}}};
+                              &cpu_scratch_plan, std::int64_t(1) << 22,
+                              // Its device memory is host memory: batches are staged there directly.
+                              MemoryKind::Device}}};
     return plugins;
 }
 

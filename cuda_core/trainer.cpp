@@ -13,7 +13,9 @@
 // planning allocators, so the memory plan is the Trainer's own sequence.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <mutex>
@@ -33,6 +35,9 @@ namespace nanoq {
 
 namespace {
 
+// Host batches are copied into one of this many staging slots per device,
+// so that step() can return while the devices still read an earlier batch.
+constexpr int kBatchSlots = 2;
 // Host<->device parameter copies go through a float32 buffer of this many elements.
 constexpr std::int64_t kStagingElements = std::int64_t(1) << 22;
 // AdamW runs over chunks of at most this many elements (the size of the
@@ -76,6 +81,9 @@ struct DeviceState {
     Tensor staged_master, staged_m, staged_v, staged_grads;
     ModelWeights weight_views, grad_views;
     Tensor tokens, targets;          // [B, T]
+    // Host batches: kBatchSlots slots of inputs then targets, [B * T] each,
+    // in pinned host memory; step() writes them on the caller's thread.
+    Tensor batch_staging;
     Tensor stats, eval_stats;        // [kStatCount] float64
     Tensor gathered;                 // [devices, kGatherStride] float64
     Tensor optimizer_scale;          // [3]: gradient factor, gradient norm, skip flag
@@ -195,6 +203,8 @@ void allocate_device_state(const TrainerSetup& s, DeviceState& d, bool ask_libra
         d.staged_grads = a.allocate(Context::Workspace, "offload-gradients", DType::F32, {chunk});
     d.tokens = a.allocate(Context::Workspace, "tokens", DType::I32, {B, T});
     d.targets = a.allocate(Context::Workspace, "targets", DType::I32, {B, T});
+    d.batch_staging = a.allocate(Context::Workspace, "batch-staging", DType::I32, {kBatchSlots, 2, B, T},
+                                 s.plugin->staging_kind);
     d.stats = a.allocate(Context::Workspace, "loss-stats", kStatDType, {kStatCount});
     d.eval_stats = a.allocate(Context::Workspace, "eval-stats", kStatDType, {kStatCount});
     d.gathered = a.allocate(Context::Workspace, "gathered-stats", kStatDType, {n, kGatherStride});
@@ -227,6 +237,8 @@ struct Trainer::Impl : TrainerSetup {
     std::unique_ptr<WorkerPool> pool;
     int micro_steps = 0;
     int optimizer_steps = 0;
+    long steps_queued = 0;             // step() calls so far, for the failure messages
+    long slot_ticket[kBatchSlots] = {};  // the pool ticket of the step that last used each batch slot
     bool failed = false;
     std::mutex call_mutex;  // public calls from several threads run one at a time
     TestingHooks testing_hooks;
@@ -243,19 +255,38 @@ struct Trainer::Impl : TrainerSetup {
         return p;
     }
 
-    // Runs task(rank, device) on every worker; a failure poisons the trainer.
-    // A failing worker marks the group aborted, which ends the other ranks'
-    // collectives and waits, and abandons its own communicator's work on its
-    // own thread (no rank touches another's communicator).
-    void run(const std::function<void(int, DeviceState&)>& task) {
+    // The pool's failure handler, on each rank's own thread once a task
+    // failed: marks the group aborted, which ends the other ranks'
+    // collectives and waits, and abandons this rank's communicator's work
+    // (no rank touches another's communicator).
+    void abort_rank(int rank) {
+        group->abort();
+        if (devices[rank].comm) devices[rank].comm->abort();
+    }
+
+    void refuse_if_failed() const {
         if (failed) throw NanoqError("this trainer stopped after a worker failure; close it and create a new one");
-        std::function<void(int)> body = [&](int rank) { task(rank, devices[rank]); };
-        std::function<void(int)> abort = [&](int rank) {
-            group->abort();
-            if (devices[rank].comm) devices[rank].comm->abort();
-        };
+    }
+
+    // Runs task(rank, device) on every worker after the work queued before
+    // it and waits for all of it; a failure, its own or a queued step's,
+    // poisons the trainer.
+    void run(const std::function<void(int, DeviceState&)>& task) {
+        refuse_if_failed();
         try {
-            pool->run(body, abort);
+            pool->run([&](int rank) { task(rank, devices[rank]); });
+        } catch (...) {
+            failed = true;
+            throw;
+        }
+    }
+
+    // Waits for the queued work; a failure in it surfaces here (and poisons
+    // the trainer). Nothing is queued once the trainer has failed.
+    void drain() {
+        if (failed) return;
+        try {
+            pool->wait();
         } catch (...) {
             failed = true;
             throw;
@@ -265,10 +296,12 @@ struct Trainer::Impl : TrainerSetup {
     // Each worker releases its own communicator, all at once: NCCL's destroy
     // may wait for the peers' destroys.
     void release_communicators() {
-        std::function<void(int)> release = [&](int rank) { devices[rank].comm.reset(); };
-        std::function<void(int)> nothing = [](int) {};
         try {
-            pool->run(release, nothing);
+            pool->wait();  // a failure nobody has waited for yet would drop the release
+        } catch (...) {
+        }
+        try {
+            pool->run([&](int rank) { devices[rank].comm.reset(); });
         } catch (...) {
             // Teardown goes on: the remaining state is freed by the caller either way.
         }
@@ -435,7 +468,7 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options)
 
     m.group = plugin.create_group(n);
     m.devices.resize(n);
-    m.pool = std::make_unique<WorkerPool>(n);
+    m.pool = std::make_unique<WorkerPool>(n, [&m](int rank) { m.abort_rank(rank); });
     // Should a worker fail, each releases its own communicator on its own
     // thread before the rest of the state is freed.
     struct ReleaseOnFailure {
@@ -635,28 +668,82 @@ void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int 
     if (m.micro_steps >= m.options.grad_accum)
         throw InvalidArgument("step() called " + std::to_string(m.micro_steps + 1) +
                               " times without update(), but grad_accum is " + std::to_string(m.options.grad_accum));
-    m.record_batch_streams(source_device, inputs_stream, targets_stream);
-    const std::int64_t fault = m.testing_hooks.take(TestingHook::kFailNextStepInWorker);
-    m.run([&](int rank, DeviceState& d) {
-        if (rank == fault) throw NanoqError("injected fault in worker " + std::to_string(rank));
-        const auto [tokens, labels] = m.load_batch(rank, d, inputs, targets, source_device);
-        if (m.stage == 1) {
-            ResidentLayers layers(d.weight_views, d.grad_views);
-            // Dropout masks differ per step, micro-batch and device.
-            const std::uint64_t dropout_seed = mix_seed(
-                mix_seed(m.options.seed, std::uint64_t(m.optimizer_steps) * m.options.grad_accum + m.micro_steps),
-                std::uint64_t(rank));
-            d.model->forward_backward(d.weight_views, d.grad_views, layers, tokens, labels, d.stats, m.options.z_loss,
-                                      *d.stack, dropout_seed);
-        } else {
-            ShardedLayers layers(m.stage, m.config, *m.blocks, d.sharded, m.resident(d), *d.backend, *d.comm);
-            d.model->forward_backward(d.weight_views, d.grad_views, layers, tokens, labels, d.stats, m.options.z_loss,
-                                      *d.stack);
-            layers.reduce_outer();
+    m.refuse_if_failed();
+    if (m.pool->failed()) m.drain();  // an earlier step's failure surfaces here
+    const std::int64_t rows = std::int64_t(m.options.batch_size) * m.options.seq_len;
+    const int slot = static_cast<int>(m.steps_queued % kBatchSlots);
+    if (source_device < 0) {
+        // The slot is free once the step that used it last has read it.
+        if (!m.pool->wait_for(m.slot_ticket[slot])) m.drain();
+        for (int rank = 0; rank < m.size(); ++rank) {
+            auto* staged = static_cast<std::int32_t*>(m.devices[rank].batch_staging.data) + slot * 2 * rows;
+            std::memcpy(staged, inputs + rank * rows, sizeof(std::int32_t) * rows);
+            std::memcpy(staged + rows, targets + rank * rows, sizeof(std::int32_t) * rows);
         }
-        d.backend->synchronize();
-    });
+    } else {
+        m.record_batch_streams(source_device, inputs_stream, targets_stream);
+    }
+    const std::int64_t fault = m.testing_hooks.take(TestingHook::kFailNextStepInWorker);
+    const std::int64_t delay_rank = m.testing_hooks.take(TestingHook::kDelayNextStepInWorker);
+    const std::int64_t delay = m.testing_hooks.get(TestingHook::kDelayNextStepMilliseconds);
+    // Dropout masks differ per step, micro-batch and device.
+    const std::uint64_t dropout_step = std::uint64_t(m.optimizer_steps) * m.options.grad_accum + m.micro_steps;
+    const std::string label = "step() #" + std::to_string(m.steps_queued + 1) + " (micro-batch " +
+                              std::to_string(m.micro_steps + 1) + " of optimizer step " +
+                              std::to_string(m.optimizer_steps + 1) + ")";
+    const long ticket = m.pool->submit(
+        [&m, slot, rows, fault, delay_rank, delay, dropout_step, inputs, targets, source_device](int rank) {
+            DeviceState& d = m.devices[rank];
+            if (rank == delay_rank) std::this_thread::sleep_for(std::chrono::milliseconds(delay));
+            if (rank == fault) throw NanoqError("injected fault in worker " + std::to_string(rank));
+            // The micro-batch moves into this device's own buffers, so that
+            // neither the staging slot nor the caller's device arrays are
+            // read after this task ends.
+            if (source_device < 0) {
+                const Tensor staged = d.batch_staging.slice(slot * 2 * rows, 2 * rows);
+                d.backend->copy_from_staging(d.tokens, staged.data);
+                d.backend->copy_from_staging(d.targets, staged.slice(rows, rows).data);
+            } else {
+                d.backend->wait_batch_ready(*m.devices[source_device].backend);
+                const std::int64_t offset = rank * rows;
+                if (source_device == rank) {
+                    auto view = [&](const std::int32_t* p) {
+                        return Tensor(const_cast<std::int32_t*>(p + offset), DType::I32,
+                                      {m.options.batch_size, m.options.seq_len});
+                    };
+                    d.backend->copy(d.tokens, view(inputs));
+                    d.backend->copy(d.targets, view(targets));
+                } else {
+                    d.backend->copy_from_device(d.tokens, inputs + offset, source_device);
+                    d.backend->copy_from_device(d.targets, targets + offset, source_device);
+                }
+            }
+            d.backend->mark_batch_read();
+            if (m.stage == 1) {
+                ResidentLayers layers(d.weight_views, d.grad_views);
+                const std::uint64_t dropout_seed =
+                    mix_seed(mix_seed(m.options.seed, dropout_step), std::uint64_t(rank));
+                d.model->forward_backward(d.weight_views, d.grad_views, layers, d.tokens, d.targets, d.stats,
+                                          m.options.z_loss, *d.stack, dropout_seed);
+            } else {
+                ShardedLayers layers(m.stage, m.config, *m.blocks, d.sharded, m.resident(d), *d.backend, *d.comm);
+                d.model->forward_backward(d.weight_views, d.grad_views, layers, d.tokens, d.targets, d.stats,
+                                          m.options.z_loss, *d.stack);
+                layers.reduce_outer();
+            }
+            // After the step's work is queued, so that the device never idles
+            // while this thread waits for the copies.
+            d.backend->wait_batch_read();
+        },
+        label);
+    ++m.steps_queued;
     ++m.micro_steps;
+    if (source_device < 0) {
+        m.slot_ticket[slot] = ticket;
+    } else if (!m.pool->wait_for(ticket)) {
+        // A device batch is the caller's again once every device has copied it.
+        m.drain();
+    }
 }
 
 StepStats Trainer::validate(const std::int32_t* inputs, const std::int32_t* targets, int source_device,
@@ -729,7 +816,9 @@ StepStats Trainer::update(const UpdateParams& params) {
 }
 
 std::vector<AllocationInfo> Trainer::allocations(int device) const {
+    std::lock_guard<std::mutex> serial(impl_->call_mutex);
     if (device < 0 || device >= world_size()) throw InvalidArgument("no device " + std::to_string(device));
+    impl_->drain();
     std::vector<AllocationInfo> out;
     for (const Segment& s : impl_->devices[device].allocator->segments())
         out.push_back(AllocationInfo{context_name(s.context), s.name, s.bytes, memory_kind_name(s.kind), s.exact});
@@ -737,7 +826,9 @@ std::vector<AllocationInfo> Trainer::allocations(int device) const {
 }
 
 StackInfo Trainer::stack_info(int device) const {
+    std::lock_guard<std::mutex> serial(impl_->call_mutex);
     if (device < 0 || device >= world_size()) throw InvalidArgument("no device " + std::to_string(device));
+    impl_->drain();  // the queued steps move the high-water mark
     const StackArena& stack = *impl_->devices[device].stack;
     StackInfo info{stack.capacity(), stack.high_water(), {}};
     for (const StackEntry& e : stack.live_at_high_water()) info.live_at_high_water.emplace_back(e.name, e.bytes);

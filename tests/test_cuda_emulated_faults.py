@@ -65,7 +65,8 @@ try:
     if where == "connect":
         trainer = nanoq.Trainer(config, options)
     elif where == "step":
-        trainer.step(inputs, targets)
+        trainer.step(inputs, targets)  # queues the step: its failure surfaces at the next waiting call
+        trainer.update(lr=1e-3)
     else:
         trainer.update(lr=1e-3)
     error = None

@@ -39,8 +39,9 @@ def test_an_armed_fault_fires_once_in_the_named_worker(checkpoints):
     batch = random_batch(np.random.default_rng(3), rows=4)
     with open_trainer(checkpoints.path("llama"), devices=2, batch_size=2) as tr:
         testing.fail_next_step(tr, 1)
+        tr.step(*batch)  # queues the work: the fault surfaces at the next call that waits for it
         with pytest.raises(nanoq.NanoqError, match="injected fault in worker 1"):
-            tr.step(*batch)
+            tr.update(lr=1e-3)
     with open_trainer(checkpoints.path("llama"), devices=2, batch_size=2) as tr:
         tr.step(*batch)  # hooks belong to one trainer: a new one is disarmed
 

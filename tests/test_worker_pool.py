@@ -64,10 +64,14 @@ def test_worker_fault_raises_promptly_and_process_recovers(checkpoints, clean_lo
     tr = open_trainer(path, devices=devices, batch_size=4 // devices)
     testing.fail_next_step(tr, rank)
     start = time.monotonic()
-    with pytest.raises(nanoq.NanoqError) as info:
-        call_with_timeout(lambda: tr.step(*BATCH))
+    # step() only queues the work: the fault surfaces at the next call that waits for it.
+    call_with_timeout(lambda: tr.step(*BATCH))
+    with pytest.raises(nanoq.NanoqError, match=rf"^step\(\) #1 \(micro-batch 1 of optimizer step 1\) failed on "
+                                               rf"device {rank}: injected fault in worker {rank}$"):
+        call_with_timeout(lambda: tr.update(lr=1e-3))
     assert time.monotonic() - start < 1.0  # the failure reaches Python within a second
-    assert str(info.value)
+    with pytest.raises(nanoq.NanoqError, match="stopped after a worker failure"):
+        call_with_timeout(lambda: tr.update(lr=1e-3))
     call_with_timeout(tr.close)
     # A new trainer in the same process trains exactly like one that never saw a fault.
     with open_trainer(path, devices=2, batch_size=2) as fresh:
@@ -88,8 +92,9 @@ def test_trainers_do_not_leak_threads(checkpoints):
             assert os_thread_count() > baseline
     tr = open_trainer(path, devices=2, batch_size=2)
     testing.fail_next_step(tr, 1)
-    with pytest.raises(nanoq.NanoqError):
-        call_with_timeout(lambda: tr.step(*BATCH))
+    call_with_timeout(lambda: tr.step(*BATCH))
+    with pytest.raises(nanoq.NanoqError, match="injected fault in worker 1"):
+        call_with_timeout(lambda: tr.update(lr=1e-3))
     call_with_timeout(tr.close)
     assert wait_for_thread_count(baseline) <= baseline
 

@@ -79,7 +79,7 @@ cudaStream_t interface_stream(std::uintptr_t handle) {
     // Classifier chunks of 64M logits (128 MiB in bf16): a few hundred rows
     // of a 150k vocabulary, enough blocks and matmul rows to fill the GPU.
     register_backend(NANOQ_CUDA_BACKEND_NAME, BackendPlugin{&create, &make_nccl_group, &visible_devices, &plan,
-                                                            std::int64_t(1) << 26});
+                                                            std::int64_t(1) << 26, MemoryKind::Pinned});
     return true;
 }();
 
@@ -127,6 +127,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
     NANOQ_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     NANOQ_CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming));
     for (cudaEvent_t& event : batch_ready_) NANOQ_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    NANOQ_CUDA_CHECK(cudaEventCreateWithFlags(&batch_read_, cudaEventDisableTiming));
     matmul_ = std::make_unique<LtMatmul>();
 }
 
@@ -135,6 +136,7 @@ CudaBackend::~CudaBackend() {
     matmul_.reset();
     for (cudaEvent_t event : batch_ready_)
         if (event) cudaEventDestroy(event);
+    if (batch_read_) cudaEventDestroy(batch_read_);
     if (staged_) cudaEventDestroy(staged_);
     if (stream_) cudaStreamDestroy(stream_);
 }
@@ -256,6 +258,29 @@ void CudaBackend::host_wait(cudaStream_t stream) {
         if (host_wait_check_) host_wait_check_();
     }
 }
+
+void CudaBackend::host_wait(cudaEvent_t event) {
+    for (Backoff backoff;; backoff.pause()) {
+        const cudaError_t status = cudaEventQuery(event);
+        if (status == cudaSuccess) return;
+        if (status != cudaErrorNotReady) {
+            if (host_wait_check_) host_wait_check_();
+            check_cuda(status, "cudaEventQuery (host wait)", __FILE__, __LINE__);
+        }
+        cudaGetLastError();
+        if (host_wait_check_) host_wait_check_();
+    }
+}
+
+void CudaBackend::copy_from_staging(const Tensor& dst, const void* src) {
+    // The source is pinned: the copy is asynchronous, and the trainer keeps
+    // it unchanged until wait_batch_read().
+    NANOQ_CUDA_CHECK(cudaMemcpyAsync(dst.data, src, dst.bytes(), cudaMemcpyDefault, stream_));
+}
+
+void CudaBackend::mark_batch_read() { NANOQ_CUDA_CHECK(cudaEventRecord(batch_read_, stream_)); }
+
+void CudaBackend::wait_batch_read() { host_wait(batch_read_); }
 
 void CudaBackend::record_batch_ready(const std::uintptr_t* streams, int count) {
     if (count > 2) throw InternalError("record_batch_ready takes the inputs' and the targets' streams");

@@ -31,6 +31,8 @@ public:
     // set_host_wait_check meanwhile, so that a wait on a collective that a
     // failed peer will never join ends (the check throws) instead of hanging.
     void host_wait(cudaStream_t stream);
+    // The same wait for an event to complete.
+    void host_wait(cudaEvent_t event);
     // The check host waits call while they poll (the communicator's: its
     // group's abort flag and NCCL's asynchronous errors); empty for none.
     void set_host_wait_check(std::function<void()> check) { host_wait_check_ = std::move(check); }
@@ -53,6 +55,9 @@ public:
     void synchronize() override;
     void record_batch_ready(const std::uintptr_t* streams, int count) override;
     void wait_batch_ready(Backend& source) override;
+    void copy_from_staging(const Tensor& dst, const void* src) override;
+    void mark_batch_read() override;
+    void wait_batch_read() override;
     bool memory_info(std::size_t* free_bytes, std::size_t* total_bytes) override;
 
     void matmul(const Tensor& out, const Tensor& a, const Tensor& b, int M, int N, int K, bool trans_a, bool trans_b,
@@ -105,6 +110,8 @@ private:
     // record_batch_ready's marks on the caller's streams (inputs, targets).
     cudaEvent_t batch_ready_[2] = {nullptr, nullptr};
     int batch_ready_count_ = 0;
+    // mark_batch_read's mark: recorded after the latest micro-batch copies.
+    cudaEvent_t batch_read_ = nullptr;
 };
 
 }  // namespace cuda

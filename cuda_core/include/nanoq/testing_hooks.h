@@ -19,7 +19,12 @@
 // X(enumerator, name, disarmed value, what an armed value does)
 #define NANOQ_TESTING_HOOKS(X)                                                                  \
     X(kFailNextStepInWorker, "fail_next_step_in_worker", -1,                                    \
-      "the next step() throws NanoqError inside worker <value>, as a failing device would")
+      "the next step() throws NanoqError inside worker <value>, as a failing device would")    \
+    X(kDelayNextStepInWorker, "delay_next_step_in_worker", -1,                                  \
+      "the next step()'s work on worker <value> starts delay_next_step_milliseconds late "      \
+      "(step() itself returns without waiting), as a slow device would")                        \
+    X(kDelayNextStepMilliseconds, "delay_next_step_milliseconds", 0,                            \
+      "how late delay_next_step_in_worker starts that work")
 
 namespace nanoq {
 

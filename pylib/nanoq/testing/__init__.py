@@ -3,14 +3,15 @@
 - ``OpRunner``: single backend ops on numpy arrays, driven by the core's op
   table (nanoq.testing.ops), for op-level tests and backend parity.
 - Hooks that make a run fail or pause where a healthy one never would, so
-  that failure paths can be tested (nanoq.testing.hooks): ``arm_hook`` and
-  ``fail_next_step`` for the core's hooks, ``PAUSE_IN_SAVE_ENV`` for the
+  that failure paths can be tested (nanoq.testing.hooks): ``arm_hook``,
+  ``fail_next_step`` and ``delay_next_step`` for the core's hooks, ``PAUSE_IN_SAVE_ENV`` for the
   checkpoint writer's.
 """
 
-from nanoq.testing.hooks import PAUSE_IN_SAVE_ENV, arm_hook, core_hooks, fail_next_step
+from nanoq.testing.hooks import PAUSE_IN_SAVE_ENV, arm_hook, core_hooks, delay_next_step, fail_next_step
 
-__all__ = ["OpRunner", "op_table", "PAUSE_IN_SAVE_ENV", "arm_hook", "core_hooks", "fail_next_step"]
+__all__ = ["OpRunner", "op_table", "PAUSE_IN_SAVE_ENV", "arm_hook", "core_hooks", "delay_next_step",
+           "fail_next_step"]
 
 
 def __getattr__(name):

@@ -35,6 +35,15 @@ def fail_next_step(trainer, device: int) -> None:
     arm_hook(trainer, "fail_next_step_in_worker", trainer._check_device(device))
 
 
+def delay_next_step(trainer, device: int, seconds: float) -> None:
+    """The work of the trainer's next step() on the worker of `device` starts
+    `seconds` late; step() itself returns without waiting for it."""
+    if not 0 <= seconds <= 600:
+        raise ValueError(f"seconds must be in [0, 600], got {seconds!r}")
+    arm_hook(trainer, "delay_next_step_milliseconds", int(round(seconds * 1000)))
+    arm_hook(trainer, "delay_next_step_in_worker", trainer._check_device(device))
+
+
 def pause_in_save_if_armed() -> None:
     """Called by the checkpoint writer after the weights file: pauses there when armed."""
     marker = os.environ.get(PAUSE_IN_SAVE_ENV)
