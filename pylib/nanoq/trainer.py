@@ -380,11 +380,16 @@ class Trainer:
         inputs, targets: int32 C-contiguous arrays of shape
         [devices * batch_size, seq_len]: numpy arrays, or (cuda backend)
         device arrays such as cupy's (anything with ``__cuda_array_interface__``),
-        read in place on their GPU (after the work queued on the stream
-        their ``__cuda_array_interface__`` names). Device d gets rows
+        copied on their GPU (after the work queued on the stream their
+        ``__cuda_array_interface__`` names). Device d gets rows
         [d*batch_size, (d+1)*batch_size). targets[b, t] is the token that
         should follow inputs[b, :t+1], or -100 for no loss. The arrays are
-        read before step returns and may be reused.
+        copied before step returns and may be reused at once.
+
+        The work is queued on the devices: step returns without waiting for
+        it. ``update``, ``validate`` and the getters wait for it, and a
+        failure in it is raised there (or by the next step), naming the
+        step; the trainer then refuses further work.
         """
         device_batch = self._device_batch(inputs, targets)
         if self._core.micro_steps >= self.options.grad_accum:
