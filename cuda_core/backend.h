@@ -170,7 +170,7 @@ std::vector<Tensor> allocate_scratch(NamedAllocator& allocator, const std::vecto
 // library, loaded on first use, which registers itself when loaded.
 struct BackendPlugin {
     std::unique_ptr<Backend> (*create_backend)(int device, int threads);
-    std::shared_ptr<CommGroup> (*create_group)(int size);
+    std::shared_ptr<CommGroup> (*create_group)(const Topology& topology);
     int (*device_count)();  // devices usable now (0 when none or no driver)
     // What reserve_scratch allocates for `shapes` on a backend of `threads`
     // threads per device, in order, computed without allocating: the one
@@ -188,6 +188,9 @@ struct BackendPlugin {
     // pinned where that makes the copies out of it asynchronous (cuda), the
     // device's own where that is host memory (cpu).
     MemoryKind staging_kind;
+    // A fresh communicator id (Topology::id) for a world of several trainers
+    // or processes: bytes to hand to every member.
+    std::string (*new_comm_id)();
 };
 void register_backend(const std::string& name, const BackendPlugin& plugin);
 // Loads the backend's library if needed; throws InvalidArgument when it is

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "tensor.h"
 
@@ -50,13 +51,28 @@ public:
     virtual void abort() {}
 };
 
+// Where one trainer's devices sit among the ranks of its world: global
+// ranks first_rank .. first_rank + devices - 1 of world_size. `id` names
+// the world (made outside, by the backend's new_comm_id, and given to every
+// member); empty: the trainer's devices are the whole world.
+struct Topology {
+    int world_size = 1;
+    int first_rank = 0;
+    int devices = 1;
+    std::string id;
+    // What every member of the world must agree on (model and options),
+    // compared where the backend can (the shared-memory world).
+    std::string signature;
+};
+
 // The communicators of one trainer's devices.
 class CommGroup {
 public:
     virtual ~CommGroup() = default;
-    // Called once on each rank's worker thread, all ranks concurrently;
-    // `backend` is that rank's (its queue orders the collectives).
-    virtual std::unique_ptr<Communicator> connect(int rank, Backend& backend) = 0;
+    // Called once on each local device's worker thread (`device` 0..devices-1),
+    // all concurrently; `backend` is that device's (its queue orders the
+    // collectives). The communicator's rank() is the global rank.
+    virtual std::unique_ptr<Communicator> connect(int device, Backend& backend) = 0;
     // Marks the group failed, from any thread: every rank then ends its
     // collectives and host waits, now and later, with WorkerAborted (each
     // aborting its own communicator on its own thread). Thread safe.
@@ -64,6 +80,9 @@ public:
 };
 
 // Collectives for worker threads that share host memory (the cpu backend).
-std::shared_ptr<CommGroup> make_shared_memory_group(int size);
+// Trainers of one process with the same topology id form one world.
+std::shared_ptr<CommGroup> make_shared_memory_group(const Topology& topology);
+// A fresh id for make_shared_memory_group: unique within the process.
+std::string new_shared_memory_id();
 
 }  // namespace nanoq

@@ -59,6 +59,49 @@ void check_config(const ModelConfig& c) {
     require(c.head_dim > 0 && c.head_dim % 2 == 0, "head_dim must be positive and even");
 }
 
+// How this trainer's devices sit in the world (TrainOptions' topology fields).
+void check_topology(const TrainOptions& o) {
+    auto require = [](bool ok, const std::string& what) {
+        if (!ok) throw InvalidArgument(what);
+    };
+    const int world = o.world_size ? o.world_size : o.devices;
+    require(o.world_size >= 0 && world >= o.devices,
+            "world_size must be 0 (this trainer's devices) or at least devices, got " + std::to_string(o.world_size));
+    require(o.first_rank >= 0 && o.first_rank + o.devices <= world,
+            "first_rank " + std::to_string(o.first_rank) + " with " + std::to_string(o.devices) +
+                " device(s) does not fit in a world of " + std::to_string(world) + " ranks");
+    require(world == o.devices || !o.comm_id.empty(),
+            "a world of " + std::to_string(world) + " ranks beyond this trainer's " + std::to_string(o.devices) +
+                " device(s) needs the communicator id every member was given (comm_id; see new_comm_id)");
+}
+
+// What every trainer of one world must agree on: the model and the options
+// that shape the sharding and the step (not devices, first_rank, threads).
+std::string world_signature(const ModelConfig& c, const TrainOptions& o) {
+    std::string s;
+    auto add = [&](const std::string& name, const std::string& value) { s += name + "=" + value + " "; };
+    add("vocab", std::to_string(c.vocab_size));
+    add("hidden", std::to_string(c.hidden_size));
+    add("intermediate", std::to_string(c.intermediate_size));
+    add("layers", std::to_string(c.num_layers));
+    add("heads", std::to_string(c.num_heads) + "/" + std::to_string(c.num_kv_heads));
+    add("head_dim", std::to_string(c.head_dim));
+    add("tied", std::to_string(c.tie_embeddings) + std::to_string(c.qkv_bias) + std::to_string(c.o_bias) + std::to_string(c.qk_norm));
+    add("backend", o.backend);
+    add("batch_size", std::to_string(o.batch_size));
+    add("seq_len", std::to_string(o.seq_len));
+    add("grad_accum", std::to_string(o.grad_accum));
+    add("zero_stage", std::to_string(o.zero_stage));
+    add("dtypes", std::to_string(static_cast<int>(o.dtype)) + "/" + std::to_string(static_cast<int>(o.master_dtype)) +
+                      "/" + std::to_string(static_cast<int>(o.optimizer_dtype)));
+    add("recompute", std::to_string(o.recompute.bits));
+    add("offload", std::to_string(o.offload.bits));
+    add("lora", std::to_string(o.lora_rank) + ":" + std::to_string(o.lora_targets.bits));
+    add("seed", std::to_string(o.seed));
+    s.pop_back();
+    return s;
+}
+
 void reset_stats(Backend& backend, const Tensor& stats) {
     backend.fill(stats, 0.0f);
     backend.fill(stats.slice(kLseMax, 1), -std::numeric_limits<float>::infinity());
@@ -106,8 +149,10 @@ struct TrainerSetup {
     std::vector<ParameterInfo> frozen;      // LoRA: the model's weights, laid out in DeviceState::frozen
     std::vector<ParameterInfo> parameters;  // layout, then frozen: the public list
     std::int64_t shard = 0;
-    std::int64_t padded = 0;                // shard * devices
+    std::int64_t padded = 0;                // shard * world
     int stage = 1;
+    int world = 1;       // ranks in the world (this trainer's devices and other trainers')
+    int first_rank = 0;  // global rank of this trainer's device 0
     std::unique_ptr<BlockLayout> blocks;
     std::int64_t largest = 0;               // elements of the largest parameter
     int threads = 0;                        // per device
@@ -116,6 +161,7 @@ struct TrainerSetup {
 TrainerSetup::TrainerSetup(const ModelConfig& c, const TrainOptions& o) : config(c), options(o) {
     check_config(c);
     validate_options(o);
+    check_topology(o);
     weight_dtype = dtype_of(o.dtype);
     master_dtype = dtype_of(o.master_dtype);
     optimizer_dtype = dtype_of(o.optimizer_dtype);
@@ -131,11 +177,13 @@ TrainerSetup::TrainerSetup(const ModelConfig& c, const TrainOptions& o) : config
     parameters = layout;
     parameters.insert(parameters.end(), frozen.begin(), frozen.end());
     const int n = o.devices;
+    world = o.world_size ? o.world_size : n;
+    first_rank = o.first_rank;
     const std::int64_t total = layout.back().offset + layout.back().numel();
-    shard = (total + n - 1) / n;
-    padded = shard * n;
+    shard = (total + world - 1) / world;
+    padded = shard * world;
     stage = o.zero_stage;
-    blocks = std::make_unique<BlockLayout>(c, n);
+    blocks = std::make_unique<BlockLayout>(c, world);
     for (const ParameterInfo& p : parameters) largest = std::max(largest, p.numel());
     threads = o.threads;
     if (threads <= 0) threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / n);
@@ -156,7 +204,7 @@ void allocate_device_state(const TrainerSetup& s, DeviceState& d, bool ask_libra
     const OffloadSet offload = s.offload;
     const DType weight_dtype = s.weight_dtype, master_dtype = s.master_dtype, optimizer_dtype = s.optimizer_dtype;
     const std::int64_t padded = s.padded;
-    const int n = s.options.devices, B = s.options.batch_size, T = s.options.seq_len;
+    const int B = s.options.batch_size, T = s.options.seq_len;
     if (s.lora.enabled())
         d.frozen = a.allocate(Context::Weights, "frozen-weights", weight_dtype,
                               {s.frozen.back().offset + s.frozen.back().numel()});
@@ -207,7 +255,7 @@ void allocate_device_state(const TrainerSetup& s, DeviceState& d, bool ask_libra
                                  s.plugin->staging_kind);
     d.stats = a.allocate(Context::Workspace, "loss-stats", kStatDType, {kStatCount});
     d.eval_stats = a.allocate(Context::Workspace, "eval-stats", kStatDType, {kStatCount});
-    d.gathered = a.allocate(Context::Workspace, "gathered-stats", kStatDType, {n, kGatherStride});
+    d.gathered = a.allocate(Context::Workspace, "gathered-stats", kStatDType, {s.world, kGatherStride});
     d.optimizer_scale = a.allocate(Context::Workspace, "optimizer-scale", DType::F32, {3});
     d.staging = a.allocate(Context::Workspace, "parameter-staging", DType::F32,
                            {std::min(s.largest, kStagingElements)});
@@ -244,6 +292,14 @@ struct Trainer::Impl : TrainerSetup {
     TestingHooks testing_hooks;
 
     int size() const { return static_cast<int>(devices.size()); }
+    int global(int rank) const { return first_rank + rank; }
+    // Calls that need every rank's shard cannot answer for a world beyond this trainer.
+    void require_whole_world(const std::string& what) const {
+        if (world != size())
+            throw InvalidArgument(what + " needs the shards of all " + std::to_string(world) + " ranks, and ranks "
+                                  "outside " + std::to_string(first_rank) + ".." + std::to_string(first_rank + size() - 1) +
+                                  " belong to other trainers: read it in a world of one trainer");
+    }
 
     // parameters[index]; with `trainable`, one that has a gradient and optimizer state.
     const ParameterInfo& parameter_at(int index, bool trainable) const {
@@ -323,7 +379,7 @@ struct Trainer::Impl : TrainerSetup {
     StepStats combine(const std::vector<StatValue>& rows) const {
         double sums[kStatCount] = {};
         double lse_max = -std::numeric_limits<double>::infinity();
-        for (int r = 0; r < size(); ++r) {
+        for (int r = 0; r < world; ++r) {
             const StatValue* s = &rows[static_cast<std::size_t>(r) * kGatherStride];
             for (int i = 0; i < kStatCount; ++i) sums[i] += s[i];
             lse_max = std::max(lse_max, s[kLseMax]);
@@ -347,7 +403,7 @@ struct Trainer::Impl : TrainerSetup {
     }
 
     std::vector<StatValue> read_gathered(DeviceState& d) {
-        std::vector<StatValue> host(static_cast<std::size_t>(size()) * kGatherStride);
+        std::vector<StatValue> host(static_cast<std::size_t>(world) * kGatherStride);
         d.backend->copy_to_host(host.data(), d.gathered);
         d.backend->synchronize();
         return host;
@@ -377,10 +433,10 @@ struct Trainer::Impl : TrainerSetup {
 
     // This rank's summed gradients and its part of the weights, [shard] each.
     Tensor grad_shard(int rank, const DeviceState& d) const {
-        return stage == 1 ? d.grads.slice(rank * shard, shard) : d.sharded.grad_shard;
+        return stage == 1 ? d.grads.slice(global(rank) * shard, shard) : d.sharded.grad_shard;
     }
     Tensor weight_shard(int rank, const DeviceState& d) const {
-        return stage == 3 ? d.sharded.weight_shard : d.weights.slice(rank * shard, shard);
+        return stage == 3 ? d.sharded.weight_shard : d.weights.slice(global(rank) * shard, shard);
     }
 
     // The full weights' views, layers included (stages 1 and 2).
@@ -417,7 +473,7 @@ struct Trainer::Impl : TrainerSetup {
     // with or without offload, so the results are too.
     void optimizer_step(int rank, DeviceState& d, const UpdateParams& params, int step_number) {
         Backend& be = *d.backend;
-        const std::int64_t lo = rank * shard, hi = lo + shard;
+        const std::int64_t lo = global(rank) * shard, hi = lo + shard;
         AdamWStep step{params.lr, params.beta1, params.beta2, params.eps, 0.0f, step_number, 0};
         for (const ParameterInfo& p : layout) {
             const std::int64_t begin = std::max(lo, p.offset), end = std::min(hi, p.offset + p.numel());
@@ -466,7 +522,7 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options)
     const int n = options.devices;
     const BlockLayout& blocks = *m.blocks;
 
-    m.group = plugin.create_group(n);
+    m.group = plugin.create_group(Topology{m.world, m.first_rank, n, options.comm_id, world_signature(config, options)});
     m.devices.resize(n);
     m.pool = std::make_unique<WorkerPool>(n, [&m](int rank) { m.abort_rank(rank); });
     // Should a worker fail, each releases its own communicator on its own
@@ -506,7 +562,9 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options)
 
 Trainer::~Trainer() { impl_->release_communicators(); }
 
-int Trainer::world_size() const { return impl_->options.devices; }
+int Trainer::world_size() const { return impl_->world; }
+int Trainer::devices() const { return impl_->size(); }
+int Trainer::first_rank() const { return impl_->first_rank; }
 const std::vector<ParameterInfo>& Trainer::parameters() const { return impl_->parameters; }
 int Trainer::micro_steps() const { return impl_->micro_steps; }
 int Trainer::optimizer_steps() const { return impl_->optimizer_steps; }
@@ -520,7 +578,7 @@ void Trainer::set_parameter(int index, const float* data) {
     m.run([&](int rank, DeviceState& d) {
         const Tensor whole = m.whole_weights(d, p);
         const Tensor shard = m.weight_shard(rank, d);
-        const std::int64_t shard_begin = rank * m.shard;
+        const std::int64_t shard_begin = m.global(rank) * m.shard;
         for (std::int64_t done = 0; done < p.numel(); done += d.staging.numel()) {
             const std::int64_t count = std::min(d.staging.numel(), p.numel() - done);
             const Tensor staged = d.staging.slice(0, count);
@@ -544,6 +602,7 @@ void Trainer::get_parameter(int index, float* out) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
     Impl& m = *impl_;
     const ParameterInfo& p = m.parameter_at(index, false);
+    if (!m.whole_weights(m.devices[0], p).data) m.require_whole_world("get_parameter of a stage-3 layer weight");
     m.run([&](int rank, DeviceState& d) {
         const Tensor whole = m.whole_weights(d, p);
         // Rank 0 copies a whole parameter; shards come from every rank.
@@ -591,6 +650,7 @@ void Trainer::get_optimizer_state(int index, int kind, float* out) {
     Impl& m = *impl_;
     const ParameterInfo& p = m.parameter_at(index, true);
     optimizer_tensor(m.devices[0], kind);
+    m.require_whole_world("get_optimizer_state");
     m.run([&](int rank, DeviceState& d) {
         const Tensor& state = optimizer_tensor(d, kind);
         for_each_shard_chunk(m.shard, rank, p, d.staging.numel(),
@@ -610,7 +670,7 @@ void Trainer::set_optimizer_state(int index, int kind, const float* data) {
     optimizer_tensor(m.devices[0], kind);
     m.run([&](int rank, DeviceState& d) {
         const Tensor& state = optimizer_tensor(d, kind);
-        for_each_shard_chunk(m.shard, rank, p, d.staging.numel(),
+        for_each_shard_chunk(m.shard, m.global(rank), p, d.staging.numel(),
                                   [&](std::int64_t in_shard, std::int64_t in_param, std::int64_t count) {
                                       const Tensor staged = d.staging.slice(0, count);
                                       d.backend->copy_from_host(staged, data + in_param);
@@ -632,6 +692,7 @@ void Trainer::get_gradient(int index, float* out) {
     Impl& m = *impl_;
     const ParameterInfo& p = m.parameter_at(index, true);
     if (m.micro_steps == 0) throw InvalidArgument("no gradients yet: call step() before reading gradients");
+    m.require_whole_world("get_gradient");
     const int n = world_size();
     std::vector<std::vector<float>> per_rank(n, std::vector<float>(p.numel()));
     std::vector<StatValue> rows;
@@ -722,7 +783,7 @@ void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int 
             if (m.stage == 1) {
                 ResidentLayers layers(d.weight_views, d.grad_views);
                 const std::uint64_t dropout_seed =
-                    mix_seed(mix_seed(m.options.seed, dropout_step), std::uint64_t(rank));
+                    mix_seed(mix_seed(m.options.seed, dropout_step), std::uint64_t(m.global(rank)));
                 d.model->forward_backward(d.weight_views, d.grad_views, layers, d.tokens, d.targets, d.stats,
                                           m.options.z_loss, *d.stack, dropout_seed);
             } else {
@@ -774,7 +835,7 @@ StepStats Trainer::update(const UpdateParams& params) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
     Impl& m = *impl_;
     if (m.micro_steps == 0) throw InvalidArgument("update() called before any step(): there are no gradients");
-    const int n = world_size();
+    const int n = m.world;
     const int step_number = m.optimizer_steps + 1;
     std::vector<StatValue> rows;
     float scale_norm_skip[3] = {0.0f, 0.0f, 0.0f};
@@ -783,7 +844,7 @@ StepStats Trainer::update(const UpdateParams& params) {
         if (m.stage == 1) d.comm->reduce_scatter_sum(d.grads);
         // This rank's row of `gathered`: its loss statistics and the sum of
         // squares of its gradient shard; the scale is computed on the device.
-        const Tensor squares = d.gathered.slice(std::int64_t(rank) * kGatherStride + kSumSquaresSlot, 1);
+        const Tensor squares = d.gathered.slice(std::int64_t(m.global(rank)) * kGatherStride + kSumSquaresSlot, 1);
         be.fill(squares, 0.0f);
         m.gradient_squares(rank, d, squares);
         m.gather_stats(d, d.stats);
@@ -817,7 +878,7 @@ StepStats Trainer::update(const UpdateParams& params) {
 
 std::vector<AllocationInfo> Trainer::allocations(int device) const {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
-    if (device < 0 || device >= world_size()) throw InvalidArgument("no device " + std::to_string(device));
+    if (device < 0 || device >= devices()) throw InvalidArgument("no device " + std::to_string(device));
     impl_->drain();
     std::vector<AllocationInfo> out;
     for (const Segment& s : impl_->devices[device].allocator->segments())
@@ -827,7 +888,7 @@ std::vector<AllocationInfo> Trainer::allocations(int device) const {
 
 StackInfo Trainer::stack_info(int device) const {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
-    if (device < 0 || device >= world_size()) throw InvalidArgument("no device " + std::to_string(device));
+    if (device < 0 || device >= devices()) throw InvalidArgument("no device " + std::to_string(device));
     impl_->drain();  // the queued steps move the high-water mark
     const StackArena& stack = *impl_->devices[device].stack;
     StackInfo info{stack.capacity(), stack.high_water(), {}};
@@ -837,7 +898,7 @@ StackInfo Trainer::stack_info(int device) const {
 
 MemoryInfo Trainer::memory_info(int device) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
-    if (device < 0 || device >= world_size()) throw InvalidArgument("no device " + std::to_string(device));
+    if (device < 0 || device >= devices()) throw InvalidArgument("no device " + std::to_string(device));
     MemoryInfo info;
     impl_->run([&](int rank, DeviceState& d) {
         if (rank != device) return;
@@ -866,6 +927,8 @@ std::vector<DevicePlan> plan_memory(const ModelConfig& config, const TrainOption
 }
 
 bool has_backend(const std::string& name) { return backend_built(name); }
+
+std::string new_comm_id(const std::string& backend) { return find_backend(backend).new_comm_id(); }
 
 int backend_device_count(const std::string& name) { return find_backend(name).device_count(); }
 

@@ -5,10 +5,16 @@
 // meets again before anyone may touch its buffer. In-place reduce-scatter is
 // safe because rank r writes only chunk r of its own buffer, which no other
 // rank reads; all-gather because each rank writes only its own buffer.
-#include <condition_variable>
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
+#include <random>
+#include <string>
 #include <vector>
 
 #include "comm.h"
@@ -41,25 +47,37 @@ private:
     int rank_;
 };
 
-class SharedMemoryGroup final : public CommGroup, public std::enable_shared_from_this<SharedMemoryGroup> {
+class SharedMemoryGroup final : public std::enable_shared_from_this<SharedMemoryGroup> {
 public:
-    explicit SharedMemoryGroup(int size) : size_(size), buffers_(size, nullptr) {}
+    SharedMemoryGroup(int size, std::string signature)
+        : size_(size), signature_(std::move(signature)), buffers_(size, nullptr), joined_(size, false) {}
 
-    std::unique_ptr<Communicator> connect(int rank, Backend&) override {
-        return std::make_unique<SharedMemoryCommunicator>(shared_from_this(), rank);
+    // Claims global ranks [first, first + count) for a joining trainer.
+    void join(const Topology& t) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        for (int r = t.first_rank; r < t.first_rank + t.devices; ++r) {
+            if (joined_[r]) throw InvalidArgument("rank " + std::to_string(r) + " of communicator world " +
+                                                  "already joined: each rank of a world belongs to one trainer");
+            joined_[r] = true;
+        }
     }
 
-    void abort() override {
+    void abort(const std::string& why = "collective abandoned: another worker failed") {
         std::lock_guard<std::mutex> lock(mutex_);
+        if (!aborted_) reason_ = why;
         aborted_ = true;
         cv_.notify_all();
     }
 
     int size() const { return size_; }
+    const std::string& signature() const { return signature_; }
 
+    // Every rank of the world meets here. Until the world's first meeting
+    // (the trainers' rendezvous) is complete, the wait is bounded: a member
+    // that never comes fails the others instead of hanging them.
     void barrier() {
         std::unique_lock<std::mutex> lock(mutex_);
-        if (aborted_) throw WorkerAborted("collective abandoned: another worker failed");
+        if (aborted_) throw WorkerAborted(reason_);
         const long generation = generation_;
         if (++arrived_ == size_) {
             arrived_ = 0;
@@ -67,8 +85,20 @@ public:
             cv_.notify_all();
             return;
         }
-        cv_.wait(lock, [&] { return generation_ != generation || aborted_; });
-        if (aborted_) throw WorkerAborted("collective abandoned: another worker failed");
+        auto done = [&] { return generation_ != generation || aborted_; };
+        if (generation_ == 0 && size_ > 1) {
+            if (!cv_.wait_for(lock, rendezvous_timeout(), done)) {
+                aborted_ = true;
+                reason_ = "the communicator world of " + std::to_string(size_) + " ranks did not gather within " +
+                          std::to_string(rendezvous_timeout().count()) +
+                          " s: not every rank's trainer was created (NANOQ_RENDEZVOUS_TIMEOUT sets the limit)";
+                cv_.notify_all();
+                throw NanoqError(reason_);
+            }
+        } else {
+            cv_.wait(lock, done);
+        }
+        if (aborted_) throw WorkerAborted(reason_);
     }
 
     void publish(int rank, void* data) { buffers_[rank] = data; }
@@ -76,14 +106,45 @@ public:
     const char* bytes(int rank) const { return static_cast<const char*>(buffers_[rank]); }
 
 private:
+    static std::chrono::seconds rendezvous_timeout() {
+        const char* value = std::getenv("NANOQ_RENDEZVOUS_TIMEOUT");
+        const long seconds = value ? std::atol(value) : 0;
+        return std::chrono::seconds(seconds > 0 ? seconds : 120);
+    }
+
     int size_;
+    std::string signature_;
     std::vector<void*> buffers_;
+    std::vector<bool> joined_;
     std::mutex mutex_;
     std::condition_variable cv_;
     int arrived_ = 0;
     long generation_ = 0;
     bool aborted_ = false;
+    std::string reason_;
 };
+
+// One trainer's part of a world: its devices are global ranks first_rank...
+class SharedMemoryMembers final : public CommGroup {
+public:
+    SharedMemoryMembers(std::shared_ptr<SharedMemoryGroup> world, int first_rank)
+        : world_(std::move(world)), first_rank_(first_rank) {}
+    std::unique_ptr<Communicator> connect(int device, Backend&) override {
+        return std::make_unique<SharedMemoryCommunicator>(world_, first_rank_ + device);
+    }
+    void abort() override { world_->abort(); }
+
+private:
+    std::shared_ptr<SharedMemoryGroup> world_;
+    int first_rank_;
+};
+
+// The worlds of this process with an id, while a member lives.
+std::mutex worlds_mutex;
+std::map<std::string, std::weak_ptr<SharedMemoryGroup>>& worlds() {
+    static std::map<std::string, std::weak_ptr<SharedMemoryGroup>> by_id;
+    return by_id;
+}
 
 SharedMemoryCommunicator::SharedMemoryCommunicator(std::shared_ptr<SharedMemoryGroup> group, int rank)
     : group_(std::move(group)), rank_(rank) {}
@@ -157,6 +218,41 @@ std::int64_t SharedMemoryCommunicator::chunk_size(const Tensor& buffer) const {
 
 }  // namespace
 
-std::shared_ptr<CommGroup> make_shared_memory_group(int size) { return std::make_shared<SharedMemoryGroup>(size); }
+std::shared_ptr<CommGroup> make_shared_memory_group(const Topology& t) {
+    if (t.id.empty()) {
+        auto world = std::make_shared<SharedMemoryGroup>(t.world_size, t.signature);
+        world->join(t);
+        return std::make_shared<SharedMemoryMembers>(std::move(world), t.first_rank);
+    }
+    std::shared_ptr<SharedMemoryGroup> world;
+    {
+        std::lock_guard<std::mutex> lock(worlds_mutex);
+        auto& slot = worlds()[t.id];
+        world = slot.lock();
+        if (!world) {
+            world = std::make_shared<SharedMemoryGroup>(t.world_size, t.signature);
+            slot = world;
+        }
+    }
+    std::string mismatch;
+    if (world->size() != t.world_size)
+        mismatch = "a trainer asked for a world of " + std::to_string(t.world_size) + " ranks, but this communicator "
+                   "id names a world of " + std::to_string(world->size());
+    else if (world->signature() != t.signature)
+        mismatch = "the trainers of one communicator world must have the same model config and options (apart from "
+                   "devices, first_rank and threads); these differ: " + world->signature() + " vs " + t.signature;
+    if (!mismatch.empty()) {
+        world->abort(mismatch);  // the members already waiting fail too, instead of waiting for this one
+        throw InvalidArgument(mismatch);
+    }
+    world->join(t);
+    return std::make_shared<SharedMemoryMembers>(std::move(world), t.first_rank);
+}
+
+std::string new_shared_memory_id() {
+    static std::atomic<unsigned long long> next{0};
+    std::random_device random;
+    return "shm:" + std::to_string(random()) + ":" + std::to_string(++next);
+}
 
 }  // namespace nanoq

@@ -19,7 +19,8 @@
 namespace nanoq {
 namespace cuda {
 
-std::shared_ptr<CommGroup> make_nccl_group(int size);
+std::shared_ptr<CommGroup> make_nccl_group(const Topology& topology);
+std::string new_nccl_id();
 
 namespace {
 
@@ -79,7 +80,7 @@ cudaStream_t interface_stream(std::uintptr_t handle) {
     // Classifier chunks of 64M logits (128 MiB in bf16): a few hundred rows
     // of a 150k vocabulary, enough blocks and matmul rows to fill the GPU.
     register_backend(NANOQ_CUDA_BACKEND_NAME, BackendPlugin{&create, &make_nccl_group, &visible_devices, &plan,
-                                                            std::int64_t(1) << 26, MemoryKind::Pinned});
+                                                            std::int64_t(1) << 26, MemoryKind::Pinned, &new_nccl_id});
     return true;
 }();
 

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <string>
 
 #include "cuda/cuda_backend.h"
@@ -47,14 +48,21 @@ ncclDataType_t nccl_type(DType dtype) {
 
 class NcclGroup final : public CommGroup, public std::enable_shared_from_this<NcclGroup> {
 public:
-    explicit NcclGroup(int size) : size_(size) {
-        if (size > 1) {
+    // The world's unique id: the given one (Topology::id, made by
+    // new_nccl_id), else a fresh one for a world of this trainer alone.
+    explicit NcclGroup(const Topology& t) : size_(t.world_size), first_rank_(t.first_rank) {
+        if (!t.id.empty()) {
+            if (t.id.size() != sizeof(id_))
+                throw InvalidArgument("an NCCL communicator id has " + std::to_string(sizeof(id_)) + " bytes, got " +
+                                      std::to_string(t.id.size()) + " (make it with new_comm_id)");
+            std::memcpy(&id_, t.id.data(), sizeof(id_));
+        } else if (size_ > 1) {
             const ncclResult_t status = ncclGetUniqueId(&id_);
             if (status != ncclSuccess) throw NanoqError(nccl_message(status, "ncclGetUniqueId"));
         }
     }
 
-    std::unique_ptr<Communicator> connect(int rank, Backend& backend) override;
+    std::unique_ptr<Communicator> connect(int device, Backend& backend) override;
     void abort() override { aborted_ = true; }
     bool aborted() const { return aborted_; }
     int size() const { return size_; }
@@ -62,6 +70,7 @@ public:
 
 private:
     int size_;
+    int first_rank_;
     ncclUniqueId id_{};
     std::atomic<bool> aborted_{false};
 };
@@ -111,7 +120,8 @@ private:
     float* barrier_token_ = nullptr;  // 4 bytes of device memory, outside the named allocator
 };
 
-std::unique_ptr<Communicator> NcclGroup::connect(int rank, Backend& backend) {
+std::unique_ptr<Communicator> NcclGroup::connect(int device, Backend& backend) {
+    const int rank = first_rank_ + device;
     auto* cuda_backend = dynamic_cast<CudaBackend*>(&backend);
     if (!cuda_backend) throw InternalError("the NCCL communicator needs the cuda backend");
     NANOQ_CUDA_CHECK(cudaSetDevice(cuda_backend->device()));
@@ -295,7 +305,14 @@ void NcclCommunicator::barrier() {
 
 }  // namespace
 
-std::shared_ptr<CommGroup> make_nccl_group(int size) { return std::make_shared<NcclGroup>(size); }
+std::shared_ptr<CommGroup> make_nccl_group(const Topology& topology) { return std::make_shared<NcclGroup>(topology); }
+
+std::string new_nccl_id() {
+    ncclUniqueId id;
+    const ncclResult_t status = ncclGetUniqueId(&id);
+    if (status != ncclSuccess) throw NanoqError(nccl_message(status, "ncclGetUniqueId"));
+    return std::string(reinterpret_cast<const char*>(&id), sizeof(id));
+}
 
 }  // namespace cuda
 }  // namespace nanoq

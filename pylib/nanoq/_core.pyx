@@ -109,6 +109,8 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         CLoraTargetSet lora_targets
         uint64_t seed
         size_t memory_limit
+        int world_size, first_rank
+        string comm_id
 
     cdef cppclass CUpdateParams "nanoq::UpdateParams":
         float lr, beta1, beta2, weight_decay, grad_clip, eps
@@ -145,6 +147,8 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
     cdef cppclass CTrainer "nanoq::Trainer":
         CTrainer(const CModelConfig&, const CTrainOptions&) except +nanoq_raise_py_error
         int world_size()
+        int devices()
+        int first_rank()
         vector[CParameterInfo] parameters()
         void set_parameter(int, const float*) except +nanoq_raise_py_error
         void get_parameter(int, float*) except +nanoq_raise_py_error
@@ -168,6 +172,7 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
     vector[CParameterInfo] core_parameter_layout "nanoq::parameter_layout"(const CModelConfig&) \
         except +nanoq_raise_py_error
     cbool has_backend(const string&)
+    string core_new_comm_id "nanoq::new_comm_id"(const string&) except +nanoq_raise_py_error
     int backend_device_count(const string&) except +nanoq_raise_py_error
 
     cdef cppclass CCpuGemm "nanoq::CpuGemm":
@@ -179,6 +184,11 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
 def backend_built(str name):
     """Whether backend `name` ("cpu", "cuda") is compiled into this install (no loading)."""
     return has_backend(name.encode())
+
+
+def new_comm_id(str name):
+    """A fresh communicator id (bytes) of backend `name`, for TrainOptions.comm_id."""
+    return <bytes>core_new_comm_id(name.encode())
 
 
 def device_count(str name):
@@ -338,6 +348,12 @@ cdef CTrainOptions _core_options(dict options) except *:
             o.offload = offload_named(_names(value))
         elif key == "zero_stage":
             o.zero_stage = value
+        elif key == "world_size":
+            o.world_size = value
+        elif key == "first_rank":
+            o.first_rank = value
+        elif key == "comm_id":
+            o.comm_id = value
         elif key == "lora":
             if value:
                 o.lora_rank = value["rank"]
@@ -457,7 +473,16 @@ cdef class CoreTrainer:
 
     @property
     def world_size(self):
+        """Ranks in the world (this trainer's devices and other trainers')."""
         return self._get().world_size()
+
+    @property
+    def devices(self):
+        return self._get().devices()
+
+    @property
+    def first_rank(self):
+        return self._get().first_rank()
 
     @property
     def micro_steps(self):

@@ -51,6 +51,17 @@ def device_count(name: str) -> int:
     return _core.device_count(name)
 
 
+def new_comm_id(name: str) -> bytes:
+    """A fresh communicator id of backend ``name`` (bytes): hand the same
+    one to every Trainer of a world (``TrainOptions.comm_id``). On cpu it
+    names a world of Trainers in this process; on cuda it is an NCCL
+    unique id. Loads the backend's library (errors as ``device_count``)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; nanoq has {', '.join(BACKENDS)}")
+    _prepare(name)
+    return _core.new_comm_id(name)
+
+
 def gpu_names() -> list[str]:
     """Names of the NVIDIA GPUs NVML sees (empty without NVML or a driver)."""
     try:

@@ -278,6 +278,13 @@ class TrainOptions:
     model's weights and trains low-rank adapters instead (zero_stage 1).
     The choices, limits and rules between these fields are the core's
     (``nanoq.options``); breaking one raises ValueError here.
+    ``world_size``, ``first_rank`` and ``comm_id`` place this trainer's
+    devices in a larger world (other processes, or other Trainers of this
+    process, each driven from its own thread): they are global ranks
+    ``first_rank .. first_rank + devices - 1`` of ``world_size`` (0: the
+    devices are the whole world), and ``comm_id`` (bytes from
+    ``nanoq.backends.new_comm_id(backend)``, the same for every member) names
+    the world. Sharding, statistics and the optimizer then span the world.
     """
 
     backend: str = "auto"
@@ -296,6 +303,18 @@ class TrainOptions:
     offload: tuple = ()
     zero_stage: int = 1
     lora: Optional[Any] = None
+    world_size: int = 0
+    first_rank: int = 0
+    comm_id: bytes = b""
+
+    def _check_topology(self):
+        # Forms only: how the topology fits the devices is the core's rule
+        # (trainer.cpp check_config), raised when the Trainer is made.
+        for name in ("world_size", "first_rank"):
+            _integer(name, getattr(self, name))
+        if not isinstance(self.comm_id, bytes):
+            raise TypeError(f"comm_id must be bytes (from nanoq.backends.new_comm_id), got "
+                            f"{type(self.comm_id).__name__}")
 
     def __post_init__(self):
         # Python's forms and types here; the values' limits and the rules
@@ -311,6 +330,7 @@ class TrainOptions:
         _integer("seed", self.seed, _C_UINT64)
         _integer("memory_limit", self.memory_limit, _C_UINT64)
         _number("z_loss", self.z_loss)
+        self._check_topology()
         if self.lora is not None:
             from nanoq.lora import LoraConfig  # nanoq.lora imports this module
 

@@ -67,6 +67,16 @@ struct TrainOptions {
     float lora_alpha = 16.0f;
     float lora_dropout = 0.0f;  // applied in step() only
     LoraTargetSet lora_targets{kLoraQ, kLoraK, kLoraV, kLoraO};
+    // Topology: this trainer's devices may be a contiguous slice of a larger
+    // world (other processes, or other Trainers of this process, hold the
+    // rest). world_size 0: this trainer's devices are the whole world.
+    // first_rank: the global rank of this trainer's first device. comm_id:
+    // the communicator id that every member of the world was given
+    // (new_comm_id(); bytes); empty: made here, for a world of this
+    // trainer's devices alone.
+    int world_size = 0;
+    int first_rank = 0;
+    std::string comm_id;
 };
 
 struct UpdateParams {

@@ -26,21 +26,30 @@ public:
     Trainer(const Trainer&) = delete;
     Trainer& operator=(const Trainer&) = delete;
 
+    // The world's ranks; this trainer's devices (ranks first_rank() ..
+    // first_rank() + devices() - 1). One trainer alone: world_size() == devices().
     int world_size() const;
+    int devices() const;
+    int first_rank() const;
     const std::vector<ParameterInfo>& parameters() const;
 
     // Copies a full parameter (float32, parameters()[index].shape) to every device.
     void set_parameter(int index, const float* data);
     // Copies a full parameter out (from device 0; weights are replicated).
+    // A stage-3 layer weight is gathered from the shards: InvalidArgument
+    // when some of them belong to other trainers of the world.
     void get_parameter(int index, float* out);
     // The gradient of the mean loss over the tokens counted so far in this
-    // optimizer step, summed over devices, before clipping.
+    // optimizer step, summed over devices, before clipping. Needs the whole
+    // world in this trainer (else InvalidArgument).
     void get_gradient(int index, float* out);
 
     // Optimizer state of one parameter, as a full float32 tensor gathered
     // from (or scattered to) the shards of every device, so that it moves
     // between device counts: kind 0 = master weights, 1 = AdamW m, 2 = AdamW v.
     // Setting the master weights does not change the weights: set both.
+    // Getting needs the whole world in this trainer (else InvalidArgument);
+    // setting stores this trainer's shards of the full tensor.
     void get_optimizer_state(int index, int kind, float* out);
     void set_optimizer_state(int index, int kind, const float* data);
     // The AdamW step count (bias correction) to continue from; no micro-batch
@@ -95,6 +104,9 @@ std::vector<DevicePlan> plan_memory(const ModelConfig& config, const TrainOption
 // Whether a backend is compiled into this install ("cpu" always is); does
 // not load it.
 bool has_backend(const std::string& name);
+// A fresh communicator id (TrainOptions::comm_id) of the backend, to hand to
+// every trainer of one world; loads the backend's library.
+std::string new_comm_id(const std::string& backend);
 // Devices the backend can use now; loads the backend's library. Throws
 // InvalidArgument if it is not built, NanoqError if it cannot be loaded.
 int backend_device_count(const std::string& name);
