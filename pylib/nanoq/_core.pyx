@@ -473,12 +473,13 @@ cdef class CoreTrainer:
 
     @property
     def world_size(self):
-        """Ranks in the world (this trainer's devices and other trainers')."""
-        return self._get().world_size()
+        """This trainer's devices (the Python API's world_size)."""
+        return self._get().devices()
 
     @property
-    def devices(self):
-        return self._get().devices()
+    def world(self):
+        """Ranks in the whole world: this trainer's devices and other trainers'."""
+        return self._get().world_size()
 
     @property
     def first_rank(self):

@@ -148,6 +148,7 @@ def _write_checkpoint(trainer, directory: str, step: int, extra_state: dict, tok
     _save_tensors(os.path.join(directory, OPTIMIZER_FILE), optimizer)
     files = {name: os.path.getsize(os.path.join(directory, name)) for name in (WEIGHTS_FILE, OPTIMIZER_FILE)}
     options = dict(dataclasses.asdict(trainer.options), backend=trainer.backend, dtype=trainer.dtype)
+    del options["comm_id"]  # names this run's communicator world only (bytes, no JSON)
     write_json(os.path.join(directory, STATE_FILE), dict(
         format_version=FORMAT_VERSION,
         nanoq_version=nanoq.__version__,

@@ -195,12 +195,12 @@ class Trainer:
     def world_size(self) -> int:
         """Number of devices (worker threads) this trainer runs on (in a larger
         world, this trainer's part: see ``topology``)."""
-        return self._core.devices
+        return self._core.world_size
 
     @property
     def topology(self) -> tuple:
         """(world size, global rank of this trainer's first device)."""
-        return self._core.world_size, self._core.first_rank
+        return self._core.world, self._core.first_rank
 
     @property
     def parameter_names(self) -> list[str]:
