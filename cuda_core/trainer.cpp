@@ -86,7 +86,12 @@ std::string world_signature(const ModelConfig& c, const TrainOptions& o) {
     add("layers", std::to_string(c.num_layers));
     add("heads", std::to_string(c.num_heads) + "/" + std::to_string(c.num_kv_heads));
     add("head_dim", std::to_string(c.head_dim));
-    add("tied", std::to_string(c.tie_embeddings) + std::to_string(c.qkv_bias) + std::to_string(c.o_bias) + std::to_string(c.qk_norm));
+    add("flags(tied,qkv_bias,o_bias,qk_norm)", std::to_string(c.tie_embeddings) + std::to_string(c.qkv_bias) +
+                                                    std::to_string(c.o_bias) + std::to_string(c.qk_norm));
+    add("rope", std::to_string(c.rope_theta) + ":" + std::to_string(c.rope_llama3) + ":" +
+                    std::to_string(c.rope_factor) + ":" + std::to_string(c.rope_low_freq_factor) + ":" +
+                    std::to_string(c.rope_high_freq_factor) + ":" + std::to_string(c.rope_original_max_position));
+    add("rms_norm_eps", std::to_string(c.rms_norm_eps));
     add("backend", o.backend);
     add("batch_size", std::to_string(o.batch_size));
     add("seq_len", std::to_string(o.seq_len));
@@ -96,7 +101,9 @@ std::string world_signature(const ModelConfig& c, const TrainOptions& o) {
                       "/" + std::to_string(static_cast<int>(o.optimizer_dtype)));
     add("recompute", std::to_string(o.recompute.bits));
     add("offload", std::to_string(o.offload.bits));
-    add("lora", std::to_string(o.lora_rank) + ":" + std::to_string(o.lora_targets.bits));
+    add("lora", std::to_string(o.lora_rank) + ":" + std::to_string(o.lora_targets.bits) + ":" +
+                    std::to_string(o.lora_alpha) + ":" + std::to_string(o.lora_dropout));
+    add("z_loss", std::to_string(o.z_loss));
     add("seed", std::to_string(o.seed));
     s.pop_back();
     return s;
@@ -296,8 +303,9 @@ struct Trainer::Impl : TrainerSetup {
     // Calls that need every rank's shard cannot answer for a world beyond this trainer.
     void require_whole_world(const std::string& what) const {
         if (world != size())
-            throw InvalidArgument(what + " needs the shards of all " + std::to_string(world) + " ranks, and ranks "
-                                  "outside " + std::to_string(first_rank) + ".." + std::to_string(first_rank + size() - 1) +
+            throw InvalidArgument(what + " needs the shards of all " + std::to_string(world) +
+                                  " ranks, and ranks outside " + std::to_string(first_rank) + ".." +
+                                  std::to_string(first_rank + size() - 1) +
                                   " belong to other trainers: read it in a world of one trainer");
     }
 

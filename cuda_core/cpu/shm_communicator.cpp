@@ -49,8 +49,14 @@ private:
 
 class SharedMemoryGroup final : public std::enable_shared_from_this<SharedMemoryGroup> {
 public:
-    SharedMemoryGroup(int size, std::string signature)
-        : size_(size), signature_(std::move(signature)), buffers_(size, nullptr), joined_(size, false) {}
+    // `several_trainers`: the world's members are trainers made apart (a
+    // world with an id), whose first meeting may wait for one that never comes.
+    SharedMemoryGroup(int size, std::string signature, bool several_trainers)
+        : size_(size),
+          several_trainers_(several_trainers),
+          signature_(std::move(signature)),
+          buffers_(size, nullptr),
+          joined_(size, false) {}
 
     // Claims global ranks [first, first + count) for a joining trainer.
     void join(const Topology& t) {
@@ -72,8 +78,8 @@ public:
     int size() const { return size_; }
     const std::string& signature() const { return signature_; }
 
-    // Every rank of the world meets here. Until the world's first meeting
-    // (the trainers' rendezvous) is complete, the wait is bounded: a member
+    // Every rank of the world meets here. In a world of several trainers,
+    // the wait in the first meeting (their rendezvous) is bounded: a member
     // that never comes fails the others instead of hanging them.
     void barrier() {
         std::unique_lock<std::mutex> lock(mutex_);
@@ -86,7 +92,7 @@ public:
             return;
         }
         auto done = [&] { return generation_ != generation || aborted_; };
-        if (generation_ == 0 && size_ > 1) {
+        if (generation_ == 0 && several_trainers_) {
             if (!cv_.wait_for(lock, rendezvous_timeout(), done)) {
                 aborted_ = true;
                 reason_ = "the communicator world of " + std::to_string(size_) + " ranks did not gather within " +
@@ -113,6 +119,7 @@ private:
     }
 
     int size_;
+    bool several_trainers_;
     std::string signature_;
     std::vector<void*> buffers_;
     std::vector<bool> joined_;
@@ -220,7 +227,7 @@ std::int64_t SharedMemoryCommunicator::chunk_size(const Tensor& buffer) const {
 
 std::shared_ptr<CommGroup> make_shared_memory_group(const Topology& t) {
     if (t.id.empty()) {
-        auto world = std::make_shared<SharedMemoryGroup>(t.world_size, t.signature);
+        auto world = std::make_shared<SharedMemoryGroup>(t.world_size, t.signature, false);
         world->join(t);
         return std::make_shared<SharedMemoryMembers>(std::move(world), t.first_rank);
     }
@@ -230,7 +237,7 @@ std::shared_ptr<CommGroup> make_shared_memory_group(const Topology& t) {
         auto& slot = worlds()[t.id];
         world = slot.lock();
         if (!world) {
-            world = std::make_shared<SharedMemoryGroup>(t.world_size, t.signature);
+            world = std::make_shared<SharedMemoryGroup>(t.world_size, t.signature, true);
             slot = world;
         }
     }
