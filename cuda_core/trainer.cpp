@@ -530,7 +530,8 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options)
     const int n = options.devices;
     const BlockLayout& blocks = *m.blocks;
 
-    m.group = plugin.create_group(Topology{m.world, m.first_rank, n, options.comm_id, world_signature(config, options)});
+    m.group = plugin.create_group(
+        Topology{m.world, m.first_rank, n, options.comm_id, world_signature(config, options)});
     m.devices.resize(n);
     m.pool = std::make_unique<WorkerPool>(n, [&m](int rank) { m.abort_rank(rank); });
     // Should a worker fail, each releases its own communicator on its own
