@@ -18,7 +18,7 @@ from nanoq.testing import OpRunner, op_table
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Backend methods that move memory rather than compute: the harness uses
 # them to stage every op, so they have no entry of their own.
-STAGING = {"copy_from_host", "copy_from_device", "copy_to_host"}
+STAGING = {"copy_from_host", "copy_from_staging", "copy_from_device", "copy_to_host"}
 FIXED_DTYPES = {"float32", "float64", "int32"}
 
 
