@@ -4,7 +4,7 @@
 // D head dim, I intermediate, V vocab; "rows" = B*T.
 // The model owns its activations (saved for backward) and the RoPE table; the
 // parameters and their gradients are views into flat buffers owned by the
-// trainer, so that sharding and the optimizer see one contiguous range.
+// trainer (layout.h).
 // Backward computes gradients of the SUM of per-token losses; the trainer
 // divides by the number of counted tokens of the whole optimizer step.
 #pragma once
@@ -15,54 +15,10 @@
 
 #include "allocator.h"
 #include "backend.h"
+#include "layout.h"
 #include "nanoq/config.h"
 
 namespace nanoq {
-
-// LoRA settings as the model uses them (see TrainOptions::lora_*, checked by
-// validate_options). The projections are the LoraTarget of nanoq/options.h.
-struct Lora {
-    int rank = 0;  // 0: off
-    float scale = 0.0f;  // alpha / rank
-    float dropout = 0.0f;
-    bool targets[kLoraTargetCount] = {};
-
-    bool enabled() const { return rank > 0; }
-    // From validated options.
-    static Lora from(const TrainOptions& options);
-};
-
-struct LayerWeights {
-    Tensor input_norm, q, q_bias, k, k_bias, v, v_bias, o, o_bias, q_norm, k_norm, post_norm, gate, up, down;
-    // Adapters by LoraTarget: A [rank, in], B [out, rank]; empty when absent.
-    Tensor lora_a[kLoraTargetCount], lora_b[kLoraTargetCount];
-};
-
-struct ModelWeights {
-    Tensor embed, final_norm, lm_head;
-    std::vector<LayerWeights> layers;
-};
-
-// Views of each parameter inside a flat buffer laid out by parameter_layout().
-ModelWeights bind_weights(const ModelConfig& config, const Tensor& flat);
-// Views of one layer's parameters inside `block`, a buffer holding exactly
-// that layer's range of the flat layout (see layer_range).
-LayerWeights bind_layer(const ModelConfig& config, int layer, const Tensor& block);
-// The embedding, final norm and lm_head (the layers left empty) in two
-// buffers: `embed` holds the embedding, `head` the flat layout from
-// `head_begin` to its end.
-ModelWeights bind_outer(const ModelConfig& config, const Tensor& embed, const Tensor& head, std::int64_t head_begin);
-// The adapters' parameters (trainable, in their own flat buffer): layer by
-// layer, targets in LoraTarget order, A before B; PEFT's names without its
-// "base_model.model." prefix.
-std::vector<ParameterInfo> lora_layout(const ModelConfig& config, const Lora& lora);
-// Views of the adapters in `flat` (laid out by lora_layout) as the layers'
-// lora_a/lora_b; every other tensor is left empty.
-ModelWeights bind_lora(const ModelConfig& config, const Lora& lora, const Tensor& flat);
-// `base` with the adapters of `adapters` attached to its layers.
-ModelWeights attach_adapters(ModelWeights base, const ModelWeights& adapters);
-// [begin, end) of a layer's parameters in the flat layout.
-std::pair<std::int64_t, std::int64_t> layer_range(const ModelConfig& config, int layer);
 
 // Where the model finds each layer's weights and puts its gradients. The
 // trainer's sharding stages plug in here: weights may be gathered on demand
