@@ -1,5 +1,6 @@
 #include "layout.h"
 
+#include <initializer_list>
 #include <string>
 
 #include "nanoq/errors.h"
@@ -74,12 +75,16 @@ std::vector<ParameterInfo> parameter_layout(const ModelConfig& c) {
     for (int l = 0; l < c.num_layers; ++l) {
         const std::string p = "model.layers." + std::to_string(l) + ".";
         add(p + "input_layernorm.weight", {C});
+        // q, k, v (and their biases) contiguous: the packed projection's
+        // [q; k; v] weight; gate then up below: the packed gate|up weight.
         add(p + "self_attn.q_proj.weight", {q_out, C});
-        if (c.qkv_bias) add(p + "self_attn.q_proj.bias", {q_out});
         add(p + "self_attn.k_proj.weight", {kv_out, C});
-        if (c.qkv_bias) add(p + "self_attn.k_proj.bias", {kv_out});
         add(p + "self_attn.v_proj.weight", {kv_out, C});
-        if (c.qkv_bias) add(p + "self_attn.v_proj.bias", {kv_out});
+        if (c.qkv_bias) {
+            add(p + "self_attn.q_proj.bias", {q_out});
+            add(p + "self_attn.k_proj.bias", {kv_out});
+            add(p + "self_attn.v_proj.bias", {kv_out});
+        }
         add(p + "self_attn.o_proj.weight", {C, q_out});
         if (c.o_bias) add(p + "self_attn.o_proj.bias", {C});
         if (c.qk_norm) {
@@ -106,16 +111,33 @@ Tensor view(const ParameterInfo& p, const Tensor& buffer, std::int64_t base) {
     return t;
 }
 
+// One view over parameters that lie back to back in the layout, in the
+// given order, with their first dimensions summed (empty when they are).
+Tensor packed(std::initializer_list<const Tensor*> parts) {
+    const Tensor& first = **parts.begin();
+    if (!first.data) return Tensor();
+    Tensor whole = first;
+    char* end = static_cast<char*>(first.data) + first.bytes();
+    for (auto it = parts.begin() + 1; it != parts.end(); ++it) {
+        const Tensor& part = **it;
+        if (part.data != end || part.ndim != first.ndim || part.dtype != first.dtype)
+            throw InternalError("packed parameters are not contiguous in the layout");
+        whole.shape[0] += part.shape[0];
+        end += part.bytes();
+    }
+    return whole;
+}
+
 // The views of one layer, taking its parameters in layout order from `take`.
 template <class Take>
 LayerWeights take_layer(const ModelConfig& c, Take&& take) {
     LayerWeights l;
     l.input_norm = take(true);
     l.q = take(true);
-    l.q_bias = take(c.qkv_bias);
     l.k = take(true);
-    l.k_bias = take(c.qkv_bias);
     l.v = take(true);
+    l.q_bias = take(c.qkv_bias);
+    l.k_bias = take(c.qkv_bias);
     l.v_bias = take(c.qkv_bias);
     l.o = take(true);
     l.o_bias = take(c.o_bias);
@@ -125,6 +147,9 @@ LayerWeights take_layer(const ModelConfig& c, Take&& take) {
     l.gate = take(true);
     l.up = take(true);
     l.down = take(true);
+    l.qkv = packed({&l.q, &l.k, &l.v});
+    l.qkv_bias = packed({&l.q_bias, &l.k_bias, &l.v_bias});
+    l.gate_up = packed({&l.gate, &l.up});
     return l;
 }
 

@@ -2,6 +2,12 @@
 // their Hugging Face names) and of its LoRA adapters, and the views of each
 // parameter inside a flat buffer.
 //
+// Per layer the layout is: input norm, the q, k, v weights, their biases,
+// o (and its bias), the q/k norms, post norm, gate, up, down. q/k/v and
+// gate/up are thus contiguous, so that the packed projections (backend.h)
+// see one [q; k; v] and one [gate; up] matrix; the Hugging Face names stay
+// views into them.
+//
 // The trainer owns flat buffers (weights, gradients, master copy, moments)
 // so that sharding and the optimizer see one contiguous range; the model
 // sees the per-parameter views bound here. Checkpoints, import and export go
@@ -36,6 +42,9 @@ std::pair<std::int64_t, std::int64_t> projection_shape(const ModelConfig& config
 
 struct LayerWeights {
     Tensor input_norm, q, q_bias, k, k_bias, v, v_bias, o, o_bias, q_norm, k_norm, post_norm, gate, up, down;
+    // The same memory as q, k, v (their biases; gate, up) seen as one packed
+    // parameter: qkv [(H + 2K) * D, C], qkv_bias [(H + 2K) * D], gate_up [2I, C].
+    Tensor qkv, qkv_bias, gate_up;
     // Adapters by LoraTarget: A [rank, in], B [out, rank]; empty when absent.
     Tensor lora_a[kLoraTargetCount], lora_b[kLoraTargetCount];
 };
