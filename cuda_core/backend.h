@@ -29,6 +29,32 @@ namespace nanoq {
 
 constexpr DType kStatDType = DType::F64;  // of the statistics (StatValue, stat_slots.h)
 
+// The shapes of the packed q/k/v projection: rows = batch * time of
+// `attention`, `hidden` input channels; eps of the q/k norms.
+struct QkvShape {
+    AttentionShape attention;
+    int hidden;
+    float eps;
+};
+
+// The parameters (or their gradients) of the packed q/k/v projection:
+// views into the flat layout (layout.h), empty where absent or frozen.
+struct QkvWeights {
+    Tensor qkv;             // [(H + 2K) * D, C]: q rows, then k, then v
+    Tensor qkv_bias;        // [(H + 2K) * D] or empty
+    Tensor q_norm, k_norm;  // [D] each, with the q/k norms (Qwen3) only
+};
+
+// The activations of the packed q/k/v projection. q, k, v: [rows, H*D],
+// [rows, K*D], [rows, K*D] after norms and RoPE; with the q/k norms, q_raw
+// and k_raw hold the projections before them and q_rstd [rows*H], k_rstd
+// [rows*K] their saved rstd (all empty without q/k norms).
+struct QkvActivations {
+    Tensor q, k, v;
+    Tensor q_raw, k_raw;
+    Tensor q_rstd, k_rstd;
+};
+
 struct AdamWStep {
     float lr;
     float beta1;
@@ -151,6 +177,100 @@ public:
     // used is grad * scale[0]; nothing changes when scale[2] != 0.
     virtual void adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                        const Tensor& scale, const AdamWStep& step) = 0;
+
+    // ---- Composite ops ----------------------------------------------------
+    // Each has a default body (composites.cpp) that issues the primitives
+    // above in the order the model issued them before composites existed, so
+    // a backend that overrides nothing computes bitwise what it computed
+    // then. A backend overrides a composite where a fused kernel pays; the
+    // op tests compare every override with the default (Backend::op called
+    // explicitly) on the same inputs.
+
+    // out[M,N] = scale * op(a) @ op(b) + bias[N], or with `accumulate`
+    // out += op(a) @ op(b) + bias (scale must be 1 then). `bias` may be
+    // empty (none); out's dtype may differ from a and b as in matmul.
+    virtual void matmul_epilogue(const Tensor& out, const Tensor& a, const Tensor& b, const Tensor& bias, int M,
+                                 int N, int K, bool trans_a, bool trans_b, bool accumulate, float scale);
+    // The weight gradient of y[rows,n] = x[rows,k] W^T + bias:
+    // dweight[n,k] += dy^T x and, when dbias is not empty, dbias[n] += the
+    // column sums of dy.
+    virtual void matmul_weight_grad(const Tensor& dweight, const Tensor& dbias, const Tensor& dy, const Tensor& x,
+                                    int rows, int n, int k);
+
+    // residual_out = residual + delta, out = rmsnorm(residual_out) * weight
+    // with rstd[rows] saved. residual_out may alias residual or delta.
+    virtual void residual_rmsnorm_forward(const Tensor& residual_out, const Tensor& out, const Tensor& rstd,
+                                          const Tensor& residual, const Tensor& delta, const Tensor& weight, int rows,
+                                          int channels, float eps);
+    // Backward of the above: dresidual (in/out) holds d/d(residual_out) and
+    // gets the norm's input gradient added, which makes it the gradient of
+    // both residual and delta; dweight += d/dweight.
+    virtual void residual_rmsnorm_backward(const Tensor& dresidual, const Tensor& dweight, const Tensor& dout,
+                                           const Tensor& residual_out, const Tensor& weight, const Tensor& rstd,
+                                           int rows, int channels);
+
+    // The packed q/k/v projection of x[rows, C] (rows = batch * time):
+    // `weights.qkv` is [(H + 2K) * D, C], the q rows, then k, then v;
+    // `weights.qkv_bias` [(H + 2K) * D] or empty. qkv_projection writes
+    // x W^T + bias into q, k, v (into q_raw, k_raw instead of q, k when
+    // the q/k norms are on); qk_norm_rope_forward applies the q/k norms
+    // (q_raw -> q, rstd saved) and RoPE on q and k in place; qkv_forward
+    // is both. Between the two halves the caller may add to the projections
+    // (LoRA adapters).
+    virtual void qkv_projection(const QkvActivations& a, const Tensor& x, const QkvWeights& weights,
+                                const QkvShape& shape);
+    virtual void qk_norm_rope_forward(const QkvActivations& a, const QkvWeights& weights, const Tensor& cos_sin,
+                                      const QkvShape& shape);
+    virtual void qkv_forward(const QkvActivations& a, const Tensor& x, const QkvWeights& weights,
+                             const Tensor& cos_sin, const QkvShape& shape);
+    // Backward, in place on dq, dk (and dv): qk_norm_rope_backward turns the
+    // gradients of the rotated q, k into those of the projections (adding
+    // the q/k norm weight gradients into grads.q_norm, grads.k_norm);
+    // qkv_projection_backward writes dx[rows, C] (or adds into it with
+    // `accumulate`) and adds the packed weight and bias gradients into
+    // grads.qkv, grads.qkv_bias (skipped where those are empty: frozen);
+    // qkv_backward is both.
+    virtual void qk_norm_rope_backward(const Tensor& dq, const Tensor& dk, const QkvActivations& a,
+                                       const QkvWeights& weights, const QkvWeights& grads, const Tensor& cos_sin,
+                                       const QkvShape& shape);
+    virtual void qkv_projection_backward(const Tensor& dx, bool accumulate, const QkvWeights& grads,
+                                         const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& x,
+                                         const QkvWeights& weights, const QkvShape& shape);
+    virtual void qkv_backward(const Tensor& dx, bool accumulate, const QkvWeights& grads, const Tensor& dq,
+                              const Tensor& dk, const Tensor& dv, const QkvActivations& a, const Tensor& x,
+                              const QkvWeights& weights, const Tensor& cos_sin, const QkvShape& shape);
+
+    // The packed gate|up projection of x[rows, C] by gate_up [2I, C] (the
+    // gate rows, then up): gate, up [rows, I] = x W^T. gate_up_swiglu_forward
+    // also writes out = silu(gate) * up.
+    virtual void gate_up_projection(const Tensor& gate, const Tensor& up, const Tensor& x, const Tensor& gate_up,
+                                    int rows, int intermediate, int channels);
+    virtual void gate_up_swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up, const Tensor& x,
+                                        const Tensor& gate_up, int rows, int intermediate, int channels);
+    // Backward of the projection: dx[rows, C] = dgate Wg + dup Wu (added
+    // into dx with `accumulate`), dgate_up [2I, C] += the weight gradient
+    // (skipped when empty: frozen). swiglu_gate_up_backward first runs the
+    // SwiGLU backward from dout (which may alias dgate) into dgate and dup.
+    virtual void gate_up_projection_backward(const Tensor& dx, bool accumulate, const Tensor& dgate_up,
+                                             const Tensor& dgate, const Tensor& dup, const Tensor& x,
+                                             const Tensor& gate_up, int rows, int intermediate, int channels);
+    virtual void swiglu_gate_up_backward(const Tensor& dx, bool accumulate, const Tensor& dgate_up,
+                                         const Tensor& dgate, const Tensor& dup, const Tensor& dout,
+                                         const Tensor& gate, const Tensor& up, const Tensor& x,
+                                         const Tensor& gate_up, int rows, int intermediate, int channels);
+
+    // The classifier: logits = hidden[rows, C] lm_head[V, C]^T, the
+    // cross-entropy statistics of the counted rows added into stats (see
+    // cross_entropy; row r is at time index r % time) and, when dhidden is
+    // not empty, dhidden[rows, C] = dlogits lm_head (overwritten) and, when
+    // dlm_head is not empty, dlm_head += dlogits^T hidden. `workspace`
+    // (hidden's dtype) holds the logits of the backend's row chunk: the
+    // caller sizes it from BackendPlugin::classifier_chunk_elements (at least
+    // one row of V), so that a memory plan knows it without a backend; the
+    // default body works through the rows a workspace-full at a time.
+    virtual void classifier(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, const Tensor& stats,
+                            const Tensor& dhidden, const Tensor& dlm_head, const Tensor& workspace, int rows,
+                            int channels, int vocab, int time, float z_loss);
 };
 
 // One buffer that a backend's reserve_scratch allocates (context Workspace),

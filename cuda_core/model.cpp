@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <initializer_list>
 #include <numeric>
 #include <string>
 
@@ -72,6 +73,7 @@ ModelMemory::ModelMemory(const ModelConfig& config, int batch, int time, DType d
     const std::int64_t rows = rows_, C = c.hidden_size, I = c.intermediate_size;
     const std::int64_t HD = std::int64_t(c.num_heads) * c.head_dim, KD = std::int64_t(c.num_kv_heads) * c.head_dim;
     attention_shape_ = AttentionShape{B_, T_, c.num_heads, c.num_kv_heads, c.head_dim};
+    qkv_shape_ = QkvShape{attention_shape_, c.hidden_size, c.rms_norm_eps};
 
     cos_sin_ = alloc.allocate(Context::Workspace, "rope-cos-sin", DType::F32, {T_, c.head_dim / 2, 2});
 
@@ -199,6 +201,21 @@ void LlamaModel::forward(const ModelWeights& w, LayerSource& layers, const Tenso
                              c.rms_norm_eps);
 }
 
+QkvWeights LlamaModel::qkv_weights(const LayerWeights& w) const {
+    return QkvWeights{w.qkv, w.qkv_bias, w.q_norm, w.k_norm};
+}
+
+QkvWeights LlamaModel::qkv_grads(const LayerWeights& g) const {
+    if (!config_.qk_norm) return QkvWeights{g.qkv, g.qkv_bias, Tensor(), Tensor()};
+    return QkvWeights{g.qkv, g.qkv_bias, or_sink(g.q_norm), or_sink(g.k_norm)};
+}
+
+bool LlamaModel::has_adapter(const LayerWeights& w, std::initializer_list<int> targets) {
+    for (int t : targets)
+        if (w.lora_a[t].data) return true;
+    return false;
+}
+
 void LlamaModel::layer_steps(int layer, const LayerWeights& w, LayerActivations& a, const Tensor& input,
                              const Tensor* output, StackArena& stack) {
     const ModelConfig& c = config_;
@@ -207,40 +224,55 @@ void LlamaModel::layer_steps(int layer, const LayerWeights& w, LayerActivations&
     Backend& be = backend_;
     // A step runs in the forward pass, or in backward when its result is
     // recomputed; recomputing repeats the same ops on the same inputs, so
-    // the values are bitwise those of the forward pass.
+    // the values are bitwise those of the forward pass. (A composite that a
+    // backend fuses must therefore give bitwise the results of its parts
+    // where recompute runs a part alone: rmsnorm, swiglu.)
     auto runs = [&](Tensor LayerActivations::*result) { return output != nullptr || recomputed(result); };
     auto project = [&](int target, const Tensor& out, const Tensor& weight, const Tensor& bias, const Tensor& x, int n,
                        int k) {
-        be.matmul(out, x, weight, rows_, n, k, false, true, false);
-        if (bias.data) be.add_bias(out, bias, rows_, n);
+        be.matmul_epilogue(out, x, weight, bias, rows_, n, k, false, true, false, 1.0f);
         adapter_forward(layer, target, w, out, x, n, k, stack);
     };
+    const QkvWeights qkv = qkv_weights(w);
+    const QkvActivations qkv_out{a.q, a.k, a.v, a.q_raw, a.k_raw, a.q_rstd, a.k_rstd};
 
     if (runs(&LayerActivations::input_norm))
         be.rmsnorm_forward(a.input_norm, a.input_rstd, input, w.input_norm, rows_, C, c.rms_norm_eps);
     if (runs(&LayerActivations::q)) {
-        project(kLoraQ, c.qk_norm ? a.q_raw : a.q, w.q, w.q_bias, a.input_norm, HD, C);
-        project(kLoraK, c.qk_norm ? a.k_raw : a.k, w.k, w.k_bias, a.input_norm, KD, C);
-        project(kLoraV, a.v, w.v, w.v_bias, a.input_norm, KD, C);
-        if (c.qk_norm) {
-            be.rmsnorm_forward(a.q, a.q_rstd, a.q_raw, w.q_norm, rows_ * c.num_heads, D, c.rms_norm_eps);
-            be.rmsnorm_forward(a.k, a.k_rstd, a.k_raw, w.k_norm, rows_ * c.num_kv_heads, D, c.rms_norm_eps);
+        if (has_adapter(w, {kLoraQ, kLoraK, kLoraV})) {  // the adapters add to the projections before RoPE
+            be.qkv_projection(qkv_out, a.input_norm, qkv, qkv_shape_);
+            adapter_forward(layer, kLoraQ, w, c.qk_norm ? a.q_raw : a.q, a.input_norm, HD, C, stack);
+            adapter_forward(layer, kLoraK, w, c.qk_norm ? a.k_raw : a.k, a.input_norm, KD, C, stack);
+            adapter_forward(layer, kLoraV, w, a.v, a.input_norm, KD, C, stack);
+            be.qk_norm_rope_forward(qkv_out, qkv, cos_sin_, qkv_shape_);
+        } else {
+            be.qkv_forward(qkv_out, a.input_norm, qkv, cos_sin_, qkv_shape_);
         }
-        be.rope_forward(a.q, cos_sin_, B_, T_, c.num_heads, D);
-        be.rope_forward(a.k, cos_sin_, B_, T_, c.num_kv_heads, D);
     }
-    if (runs(&LayerActivations::attention)) {
+    const bool attention_runs = runs(&LayerActivations::attention), post_norm_runs = runs(&LayerActivations::post_norm);
+    if (attention_runs) {
         be.attention_forward(a.attention, a.lse, a.q, a.k, a.v, attention_shape_);
         project(kLoraO, a.residual_mid, w.o, w.o_bias, a.attention, C, HD);
+    }
+    // Recomputing the attention implies recomputing the norms (Recompute::parse).
+    if (attention_runs && post_norm_runs)
+        be.residual_rmsnorm_forward(a.residual_mid, a.post_norm, a.post_rstd, input, a.residual_mid, w.post_norm,
+                                    rows_, C, c.rms_norm_eps);
+    else if (attention_runs)
         be.accumulate(a.residual_mid, input);
-    }
-    if (runs(&LayerActivations::post_norm))
+    else if (post_norm_runs)
         be.rmsnorm_forward(a.post_norm, a.post_rstd, a.residual_mid, w.post_norm, rows_, C, c.rms_norm_eps);
-    if (runs(&LayerActivations::gate)) {
-        project(kLoraGate, a.gate, w.gate, Tensor(), a.post_norm, I, C);
-        project(kLoraUp, a.up, w.up, Tensor(), a.post_norm, I, C);
+    const bool gate_up_runs = runs(&LayerActivations::gate), swiglu_runs = runs(&LayerActivations::swiglu);
+    if (gate_up_runs && swiglu_runs && !has_adapter(w, {kLoraGate, kLoraUp})) {
+        be.gate_up_swiglu_forward(a.swiglu, a.gate, a.up, a.post_norm, w.gate_up, rows_, I, C);
+    } else {
+        if (gate_up_runs) {
+            be.gate_up_projection(a.gate, a.up, a.post_norm, w.gate_up, rows_, I, C);
+            adapter_forward(layer, kLoraGate, w, a.gate, a.post_norm, I, C, stack);
+            adapter_forward(layer, kLoraUp, w, a.up, a.post_norm, I, C, stack);
+        }
+        if (swiglu_runs) be.swiglu_forward(a.swiglu, a.gate, a.up);
     }
-    if (runs(&LayerActivations::swiglu)) be.swiglu_forward(a.swiglu, a.gate, a.up);
     if (output) {
         project(kLoraDown, *output, w.down, Tensor(), a.swiglu, C, I);
         be.accumulate(*output, a.residual_mid);
@@ -264,8 +296,7 @@ void LlamaModel::layer_backward(int layer, const LayerWeights& w, const LayerWei
                                 const Tensor& dbias, const Tensor& dy, const Tensor& weight, const Tensor& x, int n,
                                 int k) {
         be.matmul(dx, dy, weight, rows_, k, n, false, false, accumulate);
-        if (dweight.data) be.matmul(dweight, dy, x, n, k, rows_, true, false, true);
-        if (dbias.data) be.bias_backward(dbias, dy, rows_, n);
+        if (dweight.data) be.matmul_weight_grad(dweight, dbias, dy, x, rows_, n, k);
         adapter_backward(layer, target, w, g, dx, dy, x, n, k, stack);
     };
     {
@@ -273,11 +304,18 @@ void LlamaModel::layer_backward(int layer, const LayerWeights& w, const LayerWei
         Tensor dgate = frame.push("d-gate", dtype_, {rows_, I});
         Tensor dup = frame.push("d-up", dtype_, {rows_, I});
         project_backward(kLoraDown, dgate, false, g.down, Tensor(), dresidual, w.down, a.swiglu, C, I);
-        be.swiglu_backward(dgate, dup, dgate, a.gate, a.up);
         Tensor dnorm = frame.push("d-post-norm", dtype_, {rows_, C});
-        project_backward(kLoraGate, dnorm, false, g.gate, Tensor(), dgate, w.gate, a.post_norm, I, C);
-        project_backward(kLoraUp, dnorm, true, g.up, Tensor(), dup, w.up, a.post_norm, I, C);
-        be.rmsnorm_backward(dresidual, or_sink(g.post_norm), dnorm, a.residual_mid, w.post_norm, a.post_rstd, rows_, C, true);
+        if (has_adapter(w, {kLoraGate, kLoraUp})) {
+            be.swiglu_backward(dgate, dup, dgate, a.gate, a.up);
+            be.gate_up_projection_backward(dnorm, false, g.gate_up, dgate, dup, a.post_norm, w.gate_up, rows_, I, C);
+            adapter_backward(layer, kLoraGate, w, g, dnorm, dgate, a.post_norm, I, C, stack);
+            adapter_backward(layer, kLoraUp, w, g, dnorm, dup, a.post_norm, I, C, stack);
+        } else {
+            be.swiglu_gate_up_backward(dnorm, false, g.gate_up, dgate, dup, dgate, a.gate, a.up, a.post_norm,
+                                       w.gate_up, rows_, I, C);
+        }
+        be.residual_rmsnorm_backward(dresidual, or_sink(g.post_norm), dnorm, a.residual_mid, w.post_norm, a.post_rstd,
+                                     rows_, C);
     }
     {
         StackFrame frame(stack);
@@ -287,17 +325,20 @@ void LlamaModel::layer_backward(int layer, const LayerWeights& w, const LayerWei
         Tensor dk = frame.push("d-k", dtype_, {rows_, KD});
         Tensor dv = frame.push("d-v", dtype_, {rows_, KD});
         be.attention_backward(dq, dk, dv, datt, a.attention, a.lse, a.q, a.k, a.v, attention_shape_);
-        be.rope_backward(dq, cos_sin_, B_, T_, c.num_heads, D);
-        be.rope_backward(dk, cos_sin_, B_, T_, c.num_kv_heads, D);
-        if (c.qk_norm) {
-            be.rmsnorm_backward(dq, or_sink(g.q_norm), dq, a.q_raw, w.q_norm, a.q_rstd, rows_ * c.num_heads, D, false);
-            be.rmsnorm_backward(dk, or_sink(g.k_norm), dk, a.k_raw, w.k_norm, a.k_rstd, rows_ * c.num_kv_heads, D, false);
-        }
         Tensor dnorm = frame.push("d-input-norm", dtype_, {rows_, C});
-        project_backward(kLoraQ, dnorm, false, g.q, g.q_bias, dq, w.q, a.input_norm, HD, C);
-        project_backward(kLoraK, dnorm, true, g.k, g.k_bias, dk, w.k, a.input_norm, KD, C);
-        project_backward(kLoraV, dnorm, true, g.v, g.v_bias, dv, w.v, a.input_norm, KD, C);
-        be.rmsnorm_backward(dresidual, or_sink(g.input_norm), dnorm, input, w.input_norm, a.input_rstd, rows_, C, true);
+        const QkvActivations qkv_in{a.q, a.k, a.v, a.q_raw, a.k_raw, a.q_rstd, a.k_rstd};
+        const QkvWeights qkv = qkv_weights(w), dqkv = qkv_grads(g);
+        if (has_adapter(w, {kLoraQ, kLoraK, kLoraV})) {
+            be.qk_norm_rope_backward(dq, dk, qkv_in, qkv, dqkv, cos_sin_, qkv_shape_);
+            be.qkv_projection_backward(dnorm, false, dqkv, dq, dk, dv, a.input_norm, qkv, qkv_shape_);
+            adapter_backward(layer, kLoraQ, w, g, dnorm, dq, a.input_norm, HD, C, stack);
+            adapter_backward(layer, kLoraK, w, g, dnorm, dk, a.input_norm, KD, C, stack);
+            adapter_backward(layer, kLoraV, w, g, dnorm, dv, a.input_norm, KD, C, stack);
+        } else {
+            be.qkv_backward(dnorm, false, dqkv, dq, dk, dv, qkv_in, a.input_norm, qkv, cos_sin_, qkv_shape_);
+        }
+        be.residual_rmsnorm_backward(dresidual, or_sink(g.input_norm), dnorm, input, w.input_norm, a.input_rstd,
+                                     rows_, C);
     }
 }
 
@@ -310,8 +351,8 @@ std::pair<Tensor, Tensor> LlamaModel::adapter_hidden(int layer, int target, cons
         be.scale_dropout(input, x, 1.0f, lora_.dropout, adapter_seed(layer, target));
     }
     Tensor h = frame.push("lora-h", dtype_, {rows_, lora_.rank});
-    be.matmul(h, input, w.lora_a[target], rows_, lora_.rank, k, false, true, false);  // h = x A^T
-    be.scale_dropout(h, h, lora_.scale, 0.0f, 0);
+    be.matmul_epilogue(h, input, w.lora_a[target], Tensor(), rows_, lora_.rank, k, false, true, false,
+                       lora_.scale);  // h = scale * x A^T
     return {input, h};
 }
 
@@ -337,8 +378,8 @@ void LlamaModel::adapter_backward(int layer, int target, const LayerWeights& w, 
     const auto [input, h] = adapter_hidden(layer, target, w, x, k, frame);  // as in forward
     be.matmul(g.lora_b[target], dy, h, n, r, rows_, true, false, true);  // dB += dy^T h
     const Tensor dh = h;                                                  // h is no longer needed
-    be.matmul(dh, dy, w.lora_b[target], rows_, r, n, false, false, false);  // dh = scale * dy B
-    be.scale_dropout(dh, dh, lora_.scale, 0.0f, 0);
+    be.matmul_epilogue(dh, dy, w.lora_b[target], Tensor(), rows_, r, n, false, false, false,
+                       lora_.scale);  // dh = scale * dy B
     be.matmul(g.lora_a[target], dh, input, r, k, rows_, true, false, true);  // dA += dh^T dropout(x)
     if (!dropout_active_) return be.matmul(dx, dh, w.lora_a[target], rows_, k, r, false, false, true);  // dx += dh A
     be.matmul(input, dh, w.lora_a[target], rows_, k, r, false, false, false);  // the same mask on the way back
@@ -349,21 +390,10 @@ void LlamaModel::adapter_backward(int layer, int target, const LayerWeights& w, 
 void LlamaModel::classifier(const ModelWeights& w, const ModelWeights* g, const Tensor& targets,
                             const Tensor& stats, float z_loss, const Tensor* dhidden, StackArena& stack) {
     const int C = config_.hidden_size, V = config_.vocab_size;
-    const int chunk = classifier_chunk_rows();
     StackFrame frame(stack);
-    Tensor logits_storage = frame.push("logits", dtype_, {chunk, V});
-    for (int r0 = 0; r0 < rows_; r0 += chunk) {
-        const int rows = std::min(chunk, rows_ - r0);
-        Tensor logits = logits_storage.slice(0, std::int64_t(rows) * V);
-        Tensor hidden = final_norm_.slice(std::int64_t(r0) * C, std::int64_t(rows) * C);
-        backend_.matmul(logits, hidden, w.lm_head, rows, V, C, false, true, false);
-        backend_.cross_entropy(logits, targets.slice(r0, rows), stats, rows, V, r0 % T_, T_, z_loss, dhidden != nullptr);
-        if (dhidden) {
-            backend_.matmul(dhidden->slice(std::int64_t(r0) * C, std::int64_t(rows) * C), logits, w.lm_head, rows, C, V,
-                            false, false, false);
-            if (g->lm_head.data) backend_.matmul(g->lm_head, logits, hidden, V, C, rows, true, false, true);
-        }
-    }
+    Tensor workspace = frame.push("logits", dtype_, {classifier_chunk_rows(), V});
+    backend_.classifier(final_norm_, w.lm_head, targets, stats, dhidden ? *dhidden : Tensor(),
+                        dhidden ? g->lm_head : Tensor(), workspace, rows_, C, V, T_, z_loss);
 }
 
 void LlamaModel::forward_backward(const ModelWeights& w, const ModelWeights& g, LayerSource& layers,

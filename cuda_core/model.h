@@ -9,6 +9,7 @@
 // divides by the number of counted tokens of the whole optimizer step.
 #pragma once
 
+#include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
@@ -112,6 +113,7 @@ protected:
     DType dtype_;
     std::int64_t classifier_chunk_elements_;
     AttentionShape attention_shape_;
+    QkvShape qkv_shape_;
     Tensor cos_sin_;                   // [T, D/2, 2]
     std::vector<Tensor> residual_;     // L+1 tensors [rows, C]: residual stream before each layer, and after the last
     std::vector<ActivationSpec> specs_;
@@ -160,6 +162,13 @@ private:
     // and h = scale * input A^T.
     std::pair<Tensor, Tensor> adapter_hidden(int layer, int target, const LayerWeights& w, const Tensor& x, int k,
                                              StackFrame& frame);
+    // The packed q/k/v projection's parameters and gradients of a layer (the
+    // q/k norm gradients a sink when frozen).
+    QkvWeights qkv_weights(const LayerWeights& w) const;
+    QkvWeights qkv_grads(const LayerWeights& g) const;
+    // Whether any of `targets` has an adapter in this layer: then the packed
+    // composites run in their halves, with the adapters in between.
+    static bool has_adapter(const LayerWeights& w, std::initializer_list<int> targets);
     // The dropout mask of one adapter in this micro-batch.
     std::uint64_t adapter_seed(int layer, int target) const;
     // Where a gradient goes: `grad`, or a scratch sink when it is frozen

@@ -1,0 +1,205 @@
+// The default bodies of the composite ops (backend.h): each issues the
+// primitives in the order the model issued them before composites existed,
+// so that a backend without overrides computes bitwise the same. The packed
+// weights are used through their q/k/v (gate/up) row blocks: a matmul over
+// the whole block would be one kernel, but a different one (other blocking,
+// other rounding), which is an override's business, not the default's.
+#include <algorithm>
+#include <string>
+
+#include "backend.h"
+#include "nanoq/errors.h"
+
+namespace nanoq {
+
+namespace {
+
+// Rows [first, first + count) of a [rows, cols] matrix stored row-major.
+Tensor row_block(const Tensor& matrix, std::int64_t first, std::int64_t count, std::int64_t cols) {
+    Tensor t = matrix.slice(first * cols, count * cols);
+    t.ndim = 2;
+    t.shape[0] = count;
+    t.shape[1] = cols;
+    return t;
+}
+
+struct QkvWidths {
+    int rows, q, kv;  // rows of x; output features of q and of k (= of v)
+};
+
+QkvWidths widths(const QkvShape& s) {
+    const AttentionShape& a = s.attention;
+    return {a.batch * a.time, a.heads * a.head_dim, a.kv_heads * a.head_dim};
+}
+
+// The q, k and v row blocks of a packed [q + 2 kv, cols] matrix (or of a
+// packed bias, cols = 1); all empty when `packed` is.
+struct Blocks {
+    Tensor q, k, v;
+};
+Blocks split_qkv(const Tensor& packed, const QkvWidths& w, std::int64_t cols) {
+    if (!packed.data) return {};
+    if (packed.numel() != (std::int64_t(w.q) + 2 * w.kv) * cols)
+        throw InternalError("packed q/k/v tensor of " + std::to_string(packed.numel()) + " elements, expected " +
+                            std::to_string((std::int64_t(w.q) + 2 * w.kv) * cols));
+    return {row_block(packed, 0, w.q, cols), row_block(packed, w.q, w.kv, cols),
+            row_block(packed, std::int64_t(w.q) + w.kv, w.kv, cols)};
+}
+
+bool qk_norms(const QkvWeights& w) { return w.q_norm.data != nullptr; }
+
+}  // namespace
+
+void Backend::matmul_epilogue(const Tensor& out, const Tensor& a, const Tensor& b, const Tensor& bias, int M, int N,
+                              int K, bool trans_a, bool trans_b, bool accumulate, float scale) {
+    if (accumulate && scale != 1.0f)
+        throw InvalidArgument("matmul_epilogue: a scale applies to a fresh product only (accumulate with scale 1)");
+    matmul(out, a, b, M, N, K, trans_a, trans_b, accumulate);
+    if (scale != 1.0f) scale_dropout(out, out, scale, 0.0f, 0);
+    if (bias.data) add_bias(out, bias, M, N);
+}
+
+void Backend::matmul_weight_grad(const Tensor& dweight, const Tensor& dbias, const Tensor& dy, const Tensor& x,
+                                 int rows, int n, int k) {
+    matmul(dweight, dy, x, n, k, rows, true, false, true);
+    if (dbias.data) bias_backward(dbias, dy, rows, n);
+}
+
+void Backend::residual_rmsnorm_forward(const Tensor& residual_out, const Tensor& out, const Tensor& rstd,
+                                       const Tensor& residual, const Tensor& delta, const Tensor& weight, int rows,
+                                       int channels, float eps) {
+    if (residual_out.data == delta.data) accumulate(residual_out, residual);
+    else if (residual_out.data == residual.data) accumulate(residual_out, delta);
+    else add(residual_out, residual, delta);
+    rmsnorm_forward(out, rstd, residual_out, weight, rows, channels, eps);
+}
+
+void Backend::residual_rmsnorm_backward(const Tensor& dresidual, const Tensor& dweight, const Tensor& dout,
+                                        const Tensor& residual_out, const Tensor& weight, const Tensor& rstd,
+                                        int rows, int channels) {
+    rmsnorm_backward(dresidual, dweight, dout, residual_out, weight, rstd, rows, channels, true);
+}
+
+void Backend::qkv_projection(const QkvActivations& a, const Tensor& x, const QkvWeights& w, const QkvShape& s) {
+    const QkvWidths n = widths(s);
+    const Blocks weight = split_qkv(w.qkv, n, s.hidden), bias = split_qkv(w.qkv_bias, n, 1);
+    const bool norms = qk_norms(w);
+    matmul_epilogue(norms ? a.q_raw : a.q, x, weight.q, bias.q, n.rows, n.q, s.hidden, false, true, false, 1.0f);
+    matmul_epilogue(norms ? a.k_raw : a.k, x, weight.k, bias.k, n.rows, n.kv, s.hidden, false, true, false, 1.0f);
+    matmul_epilogue(a.v, x, weight.v, bias.v, n.rows, n.kv, s.hidden, false, true, false, 1.0f);
+}
+
+void Backend::qk_norm_rope_forward(const QkvActivations& a, const QkvWeights& w, const Tensor& cos_sin,
+                                   const QkvShape& s) {
+    const AttentionShape& t = s.attention;
+    const int rows = t.batch * t.time;
+    if (qk_norms(w)) {
+        rmsnorm_forward(a.q, a.q_rstd, a.q_raw, w.q_norm, rows * t.heads, t.head_dim, s.eps);
+        rmsnorm_forward(a.k, a.k_rstd, a.k_raw, w.k_norm, rows * t.kv_heads, t.head_dim, s.eps);
+    }
+    rope_forward(a.q, cos_sin, t.batch, t.time, t.heads, t.head_dim);
+    rope_forward(a.k, cos_sin, t.batch, t.time, t.kv_heads, t.head_dim);
+}
+
+void Backend::qkv_forward(const QkvActivations& a, const Tensor& x, const QkvWeights& w, const Tensor& cos_sin,
+                          const QkvShape& s) {
+    qkv_projection(a, x, w, s);
+    qk_norm_rope_forward(a, w, cos_sin, s);
+}
+
+void Backend::qk_norm_rope_backward(const Tensor& dq, const Tensor& dk, const QkvActivations& a,
+                                    const QkvWeights& w, const QkvWeights& g, const Tensor& cos_sin,
+                                    const QkvShape& s) {
+    const AttentionShape& t = s.attention;
+    const int rows = t.batch * t.time;
+    rope_backward(dq, cos_sin, t.batch, t.time, t.heads, t.head_dim);
+    rope_backward(dk, cos_sin, t.batch, t.time, t.kv_heads, t.head_dim);
+    if (qk_norms(w)) {
+        if (!g.q_norm.data || !g.k_norm.data)
+            throw InternalError("qk_norm_rope_backward needs q/k norm gradient tensors (a sink when frozen)");
+        rmsnorm_backward(dq, g.q_norm, dq, a.q_raw, w.q_norm, a.q_rstd, rows * t.heads, t.head_dim, false);
+        rmsnorm_backward(dk, g.k_norm, dk, a.k_raw, w.k_norm, a.k_rstd, rows * t.kv_heads, t.head_dim, false);
+    }
+}
+
+void Backend::qkv_projection_backward(const Tensor& dx, bool accumulate, const QkvWeights& g, const Tensor& dq,
+                                      const Tensor& dk, const Tensor& dv, const Tensor& x, const QkvWeights& w,
+                                      const QkvShape& s) {
+    const QkvWidths n = widths(s);
+    const Blocks weight = split_qkv(w.qkv, n, s.hidden);
+    const Blocks dweight = split_qkv(g.qkv, n, s.hidden), dbias = split_qkv(g.qkv_bias, n, 1);
+    const Tensor* dys[3] = {&dq, &dk, &dv};
+    const Tensor* weights[3] = {&weight.q, &weight.k, &weight.v};
+    const Tensor* dweights[3] = {&dweight.q, &dweight.k, &dweight.v};
+    const Tensor* dbiases[3] = {&dbias.q, &dbias.k, &dbias.v};
+    for (int i = 0; i < 3; ++i) {
+        const int width = i == 0 ? n.q : n.kv;
+        matmul(dx, *dys[i], *weights[i], n.rows, s.hidden, width, false, false, accumulate || i > 0);
+        if (dweights[i]->data) matmul_weight_grad(*dweights[i], *dbiases[i], *dys[i], x, n.rows, width, s.hidden);
+    }
+}
+
+void Backend::qkv_backward(const Tensor& dx, bool accumulate, const QkvWeights& grads, const Tensor& dq,
+                           const Tensor& dk, const Tensor& dv, const QkvActivations& a, const Tensor& x,
+                           const QkvWeights& weights, const Tensor& cos_sin, const QkvShape& shape) {
+    qk_norm_rope_backward(dq, dk, a, weights, grads, cos_sin, shape);
+    qkv_projection_backward(dx, accumulate, grads, dq, dk, dv, x, weights, shape);
+}
+
+void Backend::gate_up_projection(const Tensor& gate, const Tensor& up, const Tensor& x, const Tensor& gate_up,
+                                 int rows, int intermediate, int channels) {
+    matmul(gate, x, row_block(gate_up, 0, intermediate, channels), rows, intermediate, channels, false, true, false);
+    matmul(up, x, row_block(gate_up, intermediate, intermediate, channels), rows, intermediate, channels, false, true,
+           false);
+}
+
+void Backend::gate_up_swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up, const Tensor& x,
+                                     const Tensor& gate_up, int rows, int intermediate, int channels) {
+    gate_up_projection(gate, up, x, gate_up, rows, intermediate, channels);
+    swiglu_forward(out, gate, up);
+}
+
+void Backend::gate_up_projection_backward(const Tensor& dx, bool accumulate, const Tensor& dgate_up,
+                                          const Tensor& dgate, const Tensor& dup, const Tensor& x,
+                                          const Tensor& gate_up, int rows, int intermediate, int channels) {
+    const Tensor* dys[2] = {&dgate, &dup};
+    for (int i = 0; i < 2; ++i) {
+        const std::int64_t first = std::int64_t(i) * intermediate;
+        matmul(dx, *dys[i], row_block(gate_up, first, intermediate, channels), rows, channels, intermediate, false,
+               false, accumulate || i > 0);
+        if (dgate_up.data)
+            matmul_weight_grad(row_block(dgate_up, first, intermediate, channels), Tensor(), *dys[i], x, rows,
+                               intermediate, channels);
+    }
+}
+
+void Backend::swiglu_gate_up_backward(const Tensor& dx, bool accumulate, const Tensor& dgate_up, const Tensor& dgate,
+                                      const Tensor& dup, const Tensor& dout, const Tensor& gate, const Tensor& up,
+                                      const Tensor& x, const Tensor& gate_up, int rows, int intermediate,
+                                      int channels) {
+    swiglu_backward(dgate, dup, dout, gate, up);
+    gate_up_projection_backward(dx, accumulate, dgate_up, dgate, dup, x, gate_up, rows, intermediate, channels);
+}
+
+void Backend::classifier(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, const Tensor& stats,
+                         const Tensor& dhidden, const Tensor& dlm_head, const Tensor& workspace, int rows,
+                         int channels, int vocab, int time, float z_loss) {
+    const int chunk = static_cast<int>(std::min<std::int64_t>(rows, workspace.numel() / vocab));
+    if (chunk < 1)
+        throw InternalError("classifier workspace of " + std::to_string(workspace.numel()) +
+                            " elements holds no row of " + std::to_string(vocab) + " logits");
+    const bool with_grad = dhidden.data != nullptr;
+    for (int r0 = 0; r0 < rows; r0 += chunk) {
+        const int n = std::min(chunk, rows - r0);
+        const Tensor logits = workspace.slice(0, std::int64_t(n) * vocab);
+        const Tensor x = hidden.slice(std::int64_t(r0) * channels, std::int64_t(n) * channels);
+        matmul(logits, x, lm_head, n, vocab, channels, false, true, false);
+        cross_entropy(logits, targets.slice(r0, n), stats, n, vocab, r0 % time, time, z_loss, with_grad);
+        if (!with_grad) continue;
+        matmul(dhidden.slice(std::int64_t(r0) * channels, std::int64_t(n) * channels), logits, lm_head, n, channels,
+               vocab, false, false, false);
+        if (dlm_head.data) matmul(dlm_head, logits, x, vocab, channels, n, true, false, true);
+    }
+}
+
+}  // namespace nanoq
