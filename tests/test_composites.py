@@ -21,8 +21,10 @@ import torch
 from nanoq._core import OpRunner
 from conftest import IGNORE, assert_array_close, require_cuda_emulator
 
-# Shapes: rows = B*T = 16, GQA with 4 query heads over 2 kv heads.
-B, T, H, K, D, C, I = 2, 8, 4, 2, 8, 32, 48
+# Shapes: rows = B*T = 64, GQA with 4 query heads over 2 kv heads; rows at
+# least every width, so that the cpu backend runs its fused overrides (it
+# falls back to the default for fewer rows than columns), in two parts.
+B, T, H, K, D, C, I = 2, 32, 4, 2, 8, 32, 48
 ROWS = B * T
 QW, KW = H * D, K * D
 EPS = 1e-5
@@ -499,8 +501,16 @@ def check_backend_against_default(runner, case_id, dtype):
 
 
 @pytest.mark.parametrize("case_id", list(CASES))
-def test_backend_matches_default_composition_cpu(cpu, case_id):
-    check_backend_against_default(cpu, case_id, "fp32")
+def test_cpu_backend_matches_default_composition_bitwise(cpu, case_id):
+    """The cpu overrides are bitwise their default composition (each thread
+    runs the unfused ops' very arithmetic on its block of rows), which
+    recompute relies on: it reruns parts of a fused forward unfused."""
+    op, arrays, params, _, _ = build(case_id)
+    own = cpu.composite(op, arrays, params)
+    default = cpu.composite(op, arrays, params, default=True)
+    assert own.keys() == default.keys()
+    for name in own:
+        np.testing.assert_array_equal(own[name], default[name], f"{op} {name}")
 
 
 @pytest.mark.cuda_emulated

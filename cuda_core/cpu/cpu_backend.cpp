@@ -235,8 +235,7 @@ public:
         float* o = out.f32();
         const float* bb = bias.f32();
 #pragma omp parallel for num_threads(threads_) schedule(static)
-        for (int r = 0; r < rows; ++r)
-            for (int c = 0; c < cols; ++c) o[static_cast<std::int64_t>(r) * cols + c] += bb[c];
+        for (int r = 0; r < rows; ++r) add_bias_rows(o, bb, r, r + 1, cols);
     }
 
     void bias_backward(const Tensor& dbias, const Tensor& dout, int rows, int cols) override {
@@ -308,15 +307,7 @@ public:
         const float* x = inp.f32();
         const float* w = weight.f32();
 #pragma omp parallel for num_threads(threads_) schedule(static)
-        for (int r = 0; r < rows; ++r) {
-            const float* xr = x + static_cast<std::int64_t>(r) * channels;
-            float* orow = o + static_cast<std::int64_t>(r) * channels;
-            float sum = 0.0f;
-            for (int c = 0; c < channels; ++c) sum += xr[c] * xr[c];
-            const float s = 1.0f / std::sqrt(sum / channels + eps);
-            rs[r] = s;
-            for (int c = 0; c < channels; ++c) orow[c] = w[c] * (xr[c] * s);
-        }
+        for (int r = 0; r < rows; ++r) rmsnorm_rows(o, rs, x, w, r, r + 1, channels, eps);
     }
 
     void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
@@ -438,7 +429,7 @@ public:
         const float* u = up.f32();
         const std::int64_t n = out.numel();
 #pragma omp parallel for num_threads(threads_) schedule(static)
-        for (std::int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+        for (std::int64_t i = 0; i < n; ++i) swiglu_range(o, g, u, i, i + 1);
     }
 
     void swiglu_backward(const Tensor& dgate, const Tensor& dup, const Tensor& dout, const Tensor& gate,
@@ -450,13 +441,7 @@ public:
         const float* u = up.f32();
         const std::int64_t n = dout.numel();
 #pragma omp parallel for num_threads(threads_) schedule(static)
-        for (std::int64_t i = 0; i < n; ++i) {
-            const float sig = 1.0f / (1.0f + std::exp(-g[i]));
-            const float silu = g[i] * sig;
-            const float di = d[i];
-            du[i] = di * silu;
-            dg[i] = di * u[i] * (sig + silu * (1.0f - sig));
-        }
+        for (std::int64_t i = 0; i < n; ++i) swiglu_backward_range(dg, du, d, g, u, i, i + 1);
     }
 
     void cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& stats, int rows, int vocab,
@@ -584,18 +569,161 @@ public:
         }
     }
 
+    // ---- Fused composites ------------------------------------------------
+    // Each thread computes its block of rows of the matmuls (the block
+    // gemm() would give it, so the products are bitwise the unfused ones)
+    // and runs the row-wise steps on those rows while they are in its cache,
+    // in one parallel region instead of one per op. Where gemm() would split
+    // a product along N instead (fewer rows than columns) the default runs.
+
+    void residual_rmsnorm_forward(const Tensor& residual_out, const Tensor& out, const Tensor& rstd,
+                                  const Tensor& residual, const Tensor& delta, const Tensor& weight, int rows,
+                                  int channels, float eps) override {
+        float* sum = residual_out.f32();
+        const float* r = residual.f32();
+        const float* d = delta.f32();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+        for (int row = 0; row < rows; ++row) {
+            const std::int64_t off = std::int64_t(row) * channels;
+            for (int c = 0; c < channels; ++c) sum[off + c] = r[off + c] + d[off + c];
+            rmsnorm_rows(out.f32(), rstd.f32(), sum, weight.f32(), row, row + 1, channels, eps);
+        }
+    }
+
+    void qkv_forward(const QkvActivations& a, const Tensor& x, const QkvWeights& w, const Tensor& cos_sin,
+                     const QkvShape& s) override {
+        const AttentionShape& t = s.attention;
+        const int rows = t.batch * t.time, C = s.hidden, D = t.head_dim;
+        const int widths[3] = {t.heads * D, t.kv_heads * D, t.kv_heads * D};
+        if (rows < widths[0] || rows < widths[1]) return Backend::qkv_forward(a, x, w, cos_sin, s);
+        const bool norms = w.q_norm.data != nullptr;
+        float* outs[3] = {(norms ? a.q_raw : a.q).f32(), (norms ? a.k_raw : a.k).f32(), a.v.f32()};
+        const float* weights = w.qkv.f32();
+        const float* bias = w.qkv_bias.data ? w.qkv_bias.f32() : nullptr;
+        const int parts = gemm_parts(rows, widths[0]);
+#pragma omp parallel for num_threads(parts) schedule(static) if (parts > 1)
+        for (int part = 0; part < parts; ++part) {
+            const int begin = part_begin(rows, part, parts), end = part_begin(rows, part + 1, parts);
+            if (begin == end) continue;
+            std::int64_t first = 0;  // the projection's first row in the packed weight
+            for (int i = 0; i < 3; ++i) {
+                gemm_serial(outs[i] + std::int64_t(begin) * widths[i], x.f32() + std::int64_t(begin) * C,
+                            weights + first * C, end - begin, widths[i], C, C, C, widths[i], false, true, 1.0f, 0.0f);
+                if (bias) add_bias_rows(outs[i], bias + first, begin, end, widths[i]);
+                first += widths[i];
+            }
+            if (norms) {
+                rmsnorm_rows(a.q.f32(), a.q_rstd.f32(), a.q_raw.f32(), w.q_norm.f32(), std::int64_t(begin) * t.heads,
+                             std::int64_t(end) * t.heads, D, s.eps);
+                rmsnorm_rows(a.k.f32(), a.k_rstd.f32(), a.k_raw.f32(), w.k_norm.f32(),
+                             std::int64_t(begin) * t.kv_heads, std::int64_t(end) * t.kv_heads, D, s.eps);
+            }
+            rotate_rows(a.q.f32(), cos_sin.f32(), begin, end, t.time, t.heads, D, 1.0f);
+            rotate_rows(a.k.f32(), cos_sin.f32(), begin, end, t.time, t.kv_heads, D, 1.0f);
+        }
+    }
+
+    void qkv_backward(const Tensor& dx, bool accumulate, const QkvWeights& g, const Tensor& dq, const Tensor& dk,
+                      const Tensor& dv, const QkvActivations& a, const Tensor& x, const QkvWeights& w,
+                      const Tensor& cos_sin, const QkvShape& s) override {
+        const AttentionShape& t = s.attention;
+        const int rows = t.batch * t.time, C = s.hidden, D = t.head_dim;
+        // The q/k norms' weight gradients sum over all rows (not row-local):
+        // with them the default runs.
+        if (w.q_norm.data || rows < C) return Backend::qkv_backward(dx, accumulate, g, dq, dk, dv, a, x, w, cos_sin, s);
+        const int widths[3] = {t.heads * D, t.kv_heads * D, t.kv_heads * D};
+        float* dys[3] = {dq.f32(), dk.f32(), dv.f32()};
+        const float* weights = w.qkv.f32();
+        const int parts = gemm_parts(rows, C);
+#pragma omp parallel for num_threads(parts) schedule(static) if (parts > 1)
+        for (int part = 0; part < parts; ++part) {
+            const int begin = part_begin(rows, part, parts), end = part_begin(rows, part + 1, parts);
+            if (begin == end) continue;
+            rotate_rows(dys[0], cos_sin.f32(), begin, end, t.time, t.heads, D, -1.0f);
+            rotate_rows(dys[1], cos_sin.f32(), begin, end, t.time, t.kv_heads, D, -1.0f);
+            std::int64_t first = 0;
+            for (int i = 0; i < 3; ++i) {
+                gemm_serial(dx.f32() + std::int64_t(begin) * C, dys[i] + std::int64_t(begin) * widths[i],
+                            weights + first * C, end - begin, C, widths[i], widths[i], C, C, false, false, 1.0f,
+                            accumulate || i > 0 ? 1.0f : 0.0f);
+                first += widths[i];
+            }
+        }
+        if (!g.qkv.data) return;
+        std::int64_t first = 0;
+        for (int i = 0; i < 3; ++i) {
+            const Tensor dweight = g.qkv.slice(first * C, std::int64_t(widths[i]) * C);
+            const Tensor dbias = g.qkv_bias.data ? g.qkv_bias.slice(first, widths[i]) : Tensor();
+            matmul_weight_grad(dweight, dbias, i == 0 ? dq : i == 1 ? dk : dv, x, rows, widths[i], C);
+            first += widths[i];
+        }
+    }
+
+    void gate_up_swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up, const Tensor& x,
+                                const Tensor& gate_up, int rows, int intermediate, int channels) override {
+        if (rows < intermediate)
+            return Backend::gate_up_swiglu_forward(out, gate, up, x, gate_up, rows, intermediate, channels);
+        const int I = intermediate, C = channels, parts = gemm_parts(rows, I);
+        float* halves[2] = {gate.f32(), up.f32()};
+#pragma omp parallel for num_threads(parts) schedule(static) if (parts > 1)
+        for (int part = 0; part < parts; ++part) {
+            const int begin = part_begin(rows, part, parts), end = part_begin(rows, part + 1, parts);
+            if (begin == end) continue;
+            for (int i = 0; i < 2; ++i)
+                gemm_serial(halves[i] + std::int64_t(begin) * I, x.f32() + std::int64_t(begin) * C,
+                            gate_up.f32() + std::int64_t(i) * I * C, end - begin, I, C, C, C, I, false, true, 1.0f,
+                            0.0f);
+            swiglu_range(out.f32(), halves[0], halves[1], std::int64_t(begin) * I, std::int64_t(end) * I);
+        }
+    }
+
+    void swiglu_gate_up_backward(const Tensor& dx, bool accumulate, const Tensor& dgate_up, const Tensor& dgate,
+                                 const Tensor& dup, const Tensor& dout, const Tensor& gate, const Tensor& up,
+                                 const Tensor& x, const Tensor& gate_up, int rows, int intermediate,
+                                 int channels) override {
+        const int I = intermediate, C = channels;
+        if (rows < C)
+            return Backend::swiglu_gate_up_backward(dx, accumulate, dgate_up, dgate, dup, dout, gate, up, x, gate_up,
+                                                    rows, I, C);
+        float* dys[2] = {dgate.f32(), dup.f32()};
+        const int parts = gemm_parts(rows, C);
+#pragma omp parallel for num_threads(parts) schedule(static) if (parts > 1)
+        for (int part = 0; part < parts; ++part) {
+            const int begin = part_begin(rows, part, parts), end = part_begin(rows, part + 1, parts);
+            if (begin == end) continue;
+            swiglu_backward_range(dys[0], dys[1], dout.f32(), gate.f32(), up.f32(), std::int64_t(begin) * I,
+                                  std::int64_t(end) * I);
+            for (int i = 0; i < 2; ++i)
+                gemm_serial(dx.f32() + std::int64_t(begin) * C, dys[i] + std::int64_t(begin) * I,
+                            gate_up.f32() + std::int64_t(i) * I * C, end - begin, C, I, I, C, C, false, false, 1.0f,
+                            accumulate || i > 0 ? 1.0f : 0.0f);
+        }
+        if (!dgate_up.data) return;
+        for (int i = 0; i < 2; ++i)
+            matmul_weight_grad(dgate_up.slice(std::int64_t(i) * I * C, std::int64_t(I) * C), Tensor(),
+                               i == 0 ? dgate : dup, x, rows, I, C);
+    }
+
 private:
     // Row-major C[M,N] = alpha * op(A) @ op(B) + beta * C, split into one
     // block per thread along the larger of M and N.
+    // How gemm() splits an [M, N] product: into this many parts, along M
+    // when M >= N (else along N); part p covers [extent * p / parts,
+    // extent * (p + 1) / parts).
+    int gemm_parts(int M, int N) const { return std::min(threads_, std::max(M, N) >= 64 ? threads_ : 1); }
+    static int part_begin(int extent, int part, int parts) {
+        return static_cast<int>(std::int64_t(extent) * part / parts);
+    }
+
     void gemm(float* c, const float* a, const float* b, int M, int N, int K, int lda, int ldb, int ldc, bool trans_a,
               bool trans_b, float alpha, float beta) {
-        const int parts = std::min(threads_, std::max(M, N) >= 64 ? threads_ : 1);
+        const int parts = gemm_parts(M, N);
         const bool split_m = M >= N;
 #pragma omp parallel for num_threads(parts) schedule(static) if (parts > 1)
         for (int part = 0; part < parts; ++part) {
             const int extent = split_m ? M : N;
-            const int begin = static_cast<int>(std::int64_t(extent) * part / parts);
-            const int end = static_cast<int>(std::int64_t(extent) * (part + 1) / parts);
+            const int begin = part_begin(extent, part, parts);
+            const int end = part_begin(extent, part + 1, parts);
             if (begin == end) continue;
             if (split_m)
                 gemm_serial(c + std::int64_t(begin) * ldc, a + (trans_a ? begin : std::int64_t(begin) * lda), b,
@@ -638,10 +766,36 @@ private:
     }
 
     void rotate(float* x, const float* cos_sin, int batch, int time, int heads, int head_dim, float direction) {
-        const int half = head_dim / 2;
         const std::int64_t rows = static_cast<std::int64_t>(batch) * time;
 #pragma omp parallel for num_threads(threads_) schedule(static)
-        for (std::int64_t r = 0; r < rows; ++r) {
+        for (std::int64_t r = 0; r < rows; ++r) rotate_rows(x, cos_sin, r, r + 1, time, heads, head_dim, direction);
+    }
+
+    // The serial bodies of the row-wise and elementwise ops, over rows (or
+    // elements) [begin, end): the primitives run them one row per OpenMP
+    // iteration, the fused composites on each thread's block of a matmul's
+    // rows. One definition each, so fused and unfused results are bitwise
+    // equal (which recompute relies on).
+    static void add_bias_rows(float* o, const float* bias, std::int64_t begin, std::int64_t end, int cols) {
+        for (std::int64_t r = begin; r < end; ++r)
+            for (int c = 0; c < cols; ++c) o[r * cols + c] += bias[c];
+    }
+    static void rmsnorm_rows(float* o, float* rs, const float* x, const float* w, std::int64_t begin,
+                             std::int64_t end, int channels, float eps) {
+        for (std::int64_t r = begin; r < end; ++r) {
+            const float* xr = x + r * channels;
+            float* orow = o + r * channels;
+            float sum = 0.0f;
+            for (int c = 0; c < channels; ++c) sum += xr[c] * xr[c];
+            const float s = 1.0f / std::sqrt(sum / channels + eps);
+            rs[r] = s;
+            for (int c = 0; c < channels; ++c) orow[c] = w[c] * (xr[c] * s);
+        }
+    }
+    static void rotate_rows(float* x, const float* cos_sin, std::int64_t begin, std::int64_t end, int time,
+                            int heads, int head_dim, float direction) {
+        const int half = head_dim / 2;
+        for (std::int64_t r = begin; r < end; ++r) {
             const float* cs = cos_sin + static_cast<std::int64_t>(r % time) * half * 2;
             for (int h = 0; h < heads; ++h) {
                 float* xh = x + (r * heads + h) * head_dim;
@@ -652,6 +806,19 @@ private:
                     xh[i + half] = b * c + a * sn;
                 }
             }
+        }
+    }
+    static void swiglu_range(float* o, const float* g, const float* u, std::int64_t begin, std::int64_t end) {
+        for (std::int64_t i = begin; i < end; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    }
+    static void swiglu_backward_range(float* dg, float* du, const float* d, const float* g, const float* u,
+                                      std::int64_t begin, std::int64_t end) {
+        for (std::int64_t i = begin; i < end; ++i) {
+            const float sig = 1.0f / (1.0f + std::exp(-g[i]));
+            const float silu = g[i] * sig;
+            const float di = d[i];
+            du[i] = di * silu;
+            dg[i] = di * u[i] * (sig + silu * (1.0f - sig));
         }
     }
 
