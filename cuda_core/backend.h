@@ -188,7 +188,8 @@ public:
 
     // out[M,N] = scale * op(a) @ op(b) + bias[N], or with `accumulate`
     // out += op(a) @ op(b) + bias (scale must be 1 then). `bias` may be
-    // empty (none); out's dtype may differ from a and b as in matmul.
+    // empty (none); out's dtype may differ from a and b as in matmul (the
+    // bias has out's dtype).
     virtual void matmul_epilogue(const Tensor& out, const Tensor& a, const Tensor& b, const Tensor& bias, int M,
                                  int N, int K, bool trans_a, bool trans_b, bool accumulate, float scale);
     // The weight gradient of y[rows,n] = x[rows,k] W^T + bias:

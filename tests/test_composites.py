@@ -147,12 +147,12 @@ def forward_activations(a, qk_norm):
     return {name: ref[name].astype(np.float32) for name in ("q_raw", "k_raw", "q_rstd", "k_rstd") if name in ref}
 
 
-def case_matmul_epilogue(rng, accumulate, with_bias, scale):
+def case_matmul_epilogue(rng, accumulate, with_bias, scale, out_f32=False):
     M, N, Kd = 12, 20, 16
     a = dict(a=normal(rng, Kd, M), b=normal(rng, N, Kd), out=normal(rng, M, N))  # trans_a, trans_b
     if with_bias:
         a["bias"] = normal(rng, N)
-    p = dict(M=M, N=N, K=Kd, trans_a=1, trans_b=1, accumulate=int(accumulate), scale=scale)
+    p = dict(M=M, N=N, K=Kd, trans_a=1, trans_b=1, accumulate=int(accumulate), scale=scale, out_f32=int(out_f32))
 
     def ref(a):
         y = scale * (t64(a["a"]).T @ t64(a["b"]).T) + (t64(a["bias"]) if with_bias else 0.0)
@@ -423,6 +423,7 @@ CASES = {
     "matmul_epilogue": ("matmul_epilogue", lambda r: case_matmul_epilogue(r, False, True, 0.5)),
     "matmul_epilogue-accumulate": ("matmul_epilogue", lambda r: case_matmul_epilogue(r, True, True, 1.0)),
     "matmul_epilogue-nobias": ("matmul_epilogue", lambda r: case_matmul_epilogue(r, False, False, 1.0)),
+    "matmul_epilogue-float32-out": ("matmul_epilogue", lambda r: case_matmul_epilogue(r, True, True, 1.0, True)),
     "matmul_weight_grad": ("matmul_weight_grad", lambda r: case_matmul_weight_grad(r, True)),
     "matmul_weight_grad-nobias": ("matmul_weight_grad", lambda r: case_matmul_weight_grad(r, False)),
     "residual_rmsnorm_forward": ("residual_rmsnorm_forward", lambda r: case_residual_rmsnorm_forward(r, 0)),
