@@ -7,13 +7,10 @@ shown by their own tests (test_export.py, test_checkpoint.py, test_resume.py,
 test_reference.py), which go by name.
 """
 
-import math
-
 import pytest
 
 import nanoq
 from conftest import NANOQ_CONFIG, train_options
-from nanoq.memory import parameter_numels
 
 
 def layer_names(variant, layer=0):
@@ -37,10 +34,3 @@ def test_each_layer_keeps_qkv_and_gate_up_contiguous(variant):
     gate = names.index("mlp.gate_proj.weight")
     assert names[gate:gate + 3] == ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
     assert names[0] == "input_layernorm.weight"
-
-
-@pytest.mark.parametrize("variant", ["llama_attn_bias", "qwen3"])
-def test_memory_mirror_follows_the_core_layout(variant):
-    """nanoq.memory's element counts are those of the core's parameters, in order."""
-    _, parameters, cfg = layer_names(variant)
-    assert list(parameter_numels(cfg)) == [math.prod(shape) for _, shape, *_ in parameters]
