@@ -3,23 +3,26 @@ interface's default body, and the default bodies against a float64 PyTorch
 reference.
 
 A composite's default body composes the primitives; a backend may override
-it with a fused kernel. `test_backend_matches_default_composition` runs every
-composite through OpRunner.composite twice on the same inputs, once as the
-backend implements it and once with default=True (Backend::op called
-explicitly), on the cpu backend (float32) and the emulated cuda backend
-(float32 and bf16). `test_composite_matches_reference` holds both against an
+it with a fused kernel. The `..._matches_default_composition` tests run every
+composite through the op harness (its entries in op_table.cpp) twice on the
+same inputs, once as the backend implements it and once with
+use_default=True (Backend::op called explicitly), on the cpu backend
+(float32, bitwise) and the emulated cuda backend (float32 and bf16). `test_composite_matches_reference` holds both against an
 independent PyTorch float64 composition, so a wrong default (or a wrong
 override) fails there.
 """
 
-import math
+import pathlib
+import re
 
 import numpy as np
 import pytest
 import torch
 
-from nanoq._core import OpRunner
+from nanoq.testing import OpRunner, op_table
 from conftest import IGNORE, assert_array_close, require_cuda_emulator
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Shapes: rows = B*T = 64, GQA with 4 query heads over 2 kv heads; rows at
 # least every width, so that the cpu backend runs its fused overrides (it
@@ -176,20 +179,15 @@ def case_matmul_weight_grad(rng, with_bias):
     return a, dict(rows=ROWS, n=n, k=k), ref
 
 
-def case_residual_rmsnorm_forward(rng, alias):
+def case_residual_rmsnorm_forward(rng, into_delta):
     a = dict(residual=normal(rng, ROWS, C), delta=normal(rng, ROWS, C), weight=1.0 + normal(rng, C, scale=0.2))
-    if alias == 0:
-        a["residual_out"] = np.zeros((ROWS, C), np.float32)
-    a["out"] = np.zeros((ROWS, C), np.float32)
-    a["rstd"] = np.zeros(ROWS, np.float32)
-    into = {0: "residual_out", 1: "residual", 2: "delta"}[alias]
 
     def ref(a):
         r = t64(a["residual"]) + t64(a["delta"])
         y, rstd = ref_rmsnorm(r, t64(a["weight"]))
-        return {into: n64(r), "out": n64(y), "rstd": n64(rstd)}
+        return {"residual_out": n64(r), "out": n64(y), "rstd": n64(rstd)}
 
-    return a, dict(rows=ROWS, channels=C, eps=EPS, alias=alias), ref
+    return a, dict(eps=EPS, into_delta=into_delta), ref
 
 
 def case_residual_rmsnorm_backward(rng):
@@ -204,7 +202,7 @@ def case_residual_rmsnorm_backward(rng):
         torch.autograd.backward(ref_rmsnorm(x, wt)[0], t64(a["dout"]))
         return dict(dresidual=n64(t64(a["dresidual"]) + x.grad), dweight=n64(t64(a["dweight"]) + wt.grad))
 
-    return a, dict(rows=ROWS, channels=C), ref
+    return a, {}, ref
 
 
 def case_qkv_forward(rng, qk_norm, bias):
@@ -294,7 +292,7 @@ def case_qkv_projection_backward(rng, bias, accumulate, frozen):
                 out["dqkv_bias"] = n64(t64(a["dqkv_bias"]) + dy.sum(0))
         return out
 
-    p = dict(qkv_params(False), accumulate=int(accumulate))
+    p = dict(qkv_params(False), accumulate=int(accumulate), frozen=int(frozen))
     return a, p, ref
 
 
@@ -338,7 +336,7 @@ def case_gate_up_forward(rng, op):
             out["out"] = n64(silu(g) * u)
         return out
 
-    return a, dict(rows=ROWS, intermediate=I, channels=C), ref
+    return a, {}, ref
 
 
 def case_gate_up_projection_backward(rng, accumulate, frozen):
@@ -354,19 +352,16 @@ def case_gate_up_projection_backward(rng, accumulate, frozen):
             out["dgate_up"] = n64(t64(a["dgate_up"]) + dy.T @ t64(a["x"]))
         return out
 
-    return a, dict(rows=ROWS, intermediate=I, channels=C, accumulate=int(accumulate)), ref
+    return a, dict(accumulate=int(accumulate), frozen=int(frozen)), ref
 
 
 def case_swiglu_gate_up_backward(rng, accumulate, alias):
     x, w = normal(rng, ROWS, C), normal(rng, 2 * I, C, scale=0.3)
     y = x.astype(np.float64) @ w.T.astype(np.float64)
     a = dict(x=x, gate_up=w, gate=y[:, :I].astype(np.float32), up=y[:, I:].astype(np.float32),
-             dx=normal(rng, ROWS, C), dgate_up=normal(rng, 2 * I, C), dup=np.zeros((ROWS, I), np.float32))
+             dx=normal(rng, ROWS, C), dgate_up=normal(rng, 2 * I, C))
     dout = normal(rng, ROWS, I)
-    if alias:
-        a["dgate"] = dout
-    else:
-        a.update(dout=dout, dgate=np.zeros((ROWS, I), np.float32))
+    a["dout"] = dout
 
     def ref(a):
         g, u = t64(a["gate"]).requires_grad_(), t64(a["up"]).requires_grad_()
@@ -376,19 +371,18 @@ def case_swiglu_gate_up_backward(rng, accumulate, alias):
                     dx=n64(dy @ t64(a["gate_up"]) + (t64(a["dx"]) if accumulate else 0.0)),
                     dgate_up=n64(t64(a["dgate_up"]) + dy.T @ t64(a["x"])))
 
-    p = dict(rows=ROWS, intermediate=I, channels=C, accumulate=int(accumulate), dout_aliases_dgate=int(alias))
-    return a, p, ref
+    return a, dict(accumulate=int(accumulate), alias=int(alias)), ref
 
 
-def case_classifier(rng, with_grad, rows, vocab, z_loss=1e-3):
+def case_classifier(rng, with_grad, rows, vocab, chunk_rows, z_loss=1e-3):
     channels, time = 16, 96
     targets = rng.integers(0, vocab, rows).astype(np.int32)
     targets[::7] = IGNORE
     a = dict(hidden=normal(rng, rows, channels), lm_head=normal(rng, vocab, channels, scale=0.5), targets=targets,
              stats=np.array([1.5, 2.0, 1.0, 1.0, 3.0, 4.0, 0.5]))
     if with_grad:
-        a.update(dhidden=np.zeros((rows, channels), np.float32), dlm_head=normal(rng, vocab, channels))
-    p = dict(rows=rows, channels=channels, vocab=vocab, time=time, z_loss=z_loss, with_grad=int(with_grad))
+        a["dlm_head"] = normal(rng, vocab, channels)
+    p = dict(chunk_rows=chunk_rows, time=time, z_loss=z_loss, with_grad=int(with_grad))
 
     def ref(a):
         h, w = t64(a["hidden"]).requires_grad_(), t64(a["lm_head"]).requires_grad_()
@@ -426,11 +420,9 @@ CASES = {
     "matmul_epilogue-float32-out": ("matmul_epilogue", lambda r: case_matmul_epilogue(r, True, True, 1.0, True)),
     "matmul_weight_grad": ("matmul_weight_grad", lambda r: case_matmul_weight_grad(r, True)),
     "matmul_weight_grad-nobias": ("matmul_weight_grad", lambda r: case_matmul_weight_grad(r, False)),
-    "residual_rmsnorm_forward": ("residual_rmsnorm_forward", lambda r: case_residual_rmsnorm_forward(r, 0)),
-    "residual_rmsnorm_forward-into-residual": ("residual_rmsnorm_forward",
-                                               lambda r: case_residual_rmsnorm_forward(r, 1)),
+    "residual_rmsnorm_forward": ("residual_rmsnorm_forward", lambda r: case_residual_rmsnorm_forward(r, False)),
     "residual_rmsnorm_forward-into-delta": ("residual_rmsnorm_forward",
-                                            lambda r: case_residual_rmsnorm_forward(r, 2)),
+                                            lambda r: case_residual_rmsnorm_forward(r, True)),
     "residual_rmsnorm_backward": ("residual_rmsnorm_backward", case_residual_rmsnorm_backward),
     "qkv_forward": ("qkv_forward", lambda r: case_qkv_forward(r, False, False)),
     "qkv_forward-bias": ("qkv_forward", lambda r: case_qkv_forward(r, False, True)),
@@ -456,8 +448,9 @@ CASES = {
     "swiglu_gate_up_backward": ("swiglu_gate_up_backward", lambda r: case_swiglu_gate_up_backward(r, False, False)),
     "swiglu_gate_up_backward-aliased-accumulate": ("swiglu_gate_up_backward",
                                                    lambda r: case_swiglu_gate_up_backward(r, True, True)),
-    "classifier": ("classifier", lambda r: case_classifier(r, True, 40, 96)),
-    "classifier-loss-only": ("classifier", lambda r: case_classifier(r, False, 40, 96)),
+    "classifier": ("classifier", lambda r: case_classifier(r, True, 40, 96, 16)),  # chunks of 16, 16 and 8 rows
+    "classifier-loss-only": ("classifier", lambda r: case_classifier(r, False, 40, 96, 16)),
+    "classifier-one-chunk": ("classifier", lambda r: case_classifier(r, True, 40, 96, 64)),
 }
 
 
@@ -470,8 +463,54 @@ def build(case_id, seed=0):
     return op, op_arrays, params, ref, arrays
 
 
-def test_every_composite_has_cases():
-    assert {op for op, _ in CASES.values()} == set(OpRunner.composite_ops())
+# The table's shapes of the tensors the cases build flat: q/k/v-like ones
+# are [rows, heads, head_dim], the packed gate|up weight [2, I, C].
+TABLE_SHAPES = {
+    **{name: (ROWS, H, D) for name in ("q", "q_raw", "dq")},
+    **{name: (ROWS, K, D) for name in ("k", "k_raw", "v", "dk", "dv")},
+    "q_rstd": (ROWS, H), "k_rstd": (ROWS, K),
+    "gate_up": (2, I, C), "dgate_up": (2, I, C),
+}
+
+
+def call(runner, op, arrays, params, dtype="fp32", default=False):
+    """Runs `op` through the op harness; returns its results by name. Outputs
+    among `arrays` are the op's (left out), as are in/outs that only
+    accumulate (out, dx) when `accumulate` is off; sizes the table infers
+    from the tensors are left out of the params."""
+    spec = op_table()[op]
+    roles = {a["name"]: a["role"] for a in spec["args"]}
+    kwargs = {}
+    accumulating = bool(params.get("accumulate", 0))
+    for name, value in arrays.items():
+        assert name in roles, (op, name)
+        if roles[name] == "output" or (name in ("out", "dx") and not accumulating):
+            continue
+        value = np.asarray(value)
+        kwargs[name] = value.reshape(TABLE_SHAPES[name]) if name in TABLE_SHAPES else value
+    for name, value in params.items():
+        if name == "out_f32":
+            if value:
+                kwargs["out_dtype"] = "fp32"
+        elif name in roles:
+            kwargs[name] = bool(value) if roles[name] == "bool" else value
+    results = runner.run(op, **kwargs, dtype=dtype, use_default=default)
+    results = results if isinstance(results, tuple) else (results,)
+    return dict(zip(spec["results"], results))
+
+
+def composite_ops():
+    """The composite ops of the op interface: backend.h's methods after its composite marker."""
+    text = (ROOT / "cuda_core" / "backend.h").read_text()
+    section = text[text.index("---- Composite ops"):]
+    return set(re.findall(r"virtual void (\w+)\(", section[:section.index("};")]))
+
+
+def test_every_composite_has_a_harness_entry_and_cases():
+    ops = composite_ops()
+    assert {"qkv_forward", "classifier", "swiglu_gate_up_backward"} <= ops
+    assert ops <= set(op_table())
+    assert {op for op, _ in CASES.values()} == ops
 
 
 @pytest.fixture(scope="module")
@@ -491,14 +530,12 @@ def emulated():
 OVERRIDE_REL = {"fp32": 1e-5, "bf16": 3e-2}
 
 
-def check_backend_against_default(runner, case_id, dtype):
-    op, arrays, params, _, _ = build(case_id)
-    own = runner.composite(op, arrays, params, dtype=dtype)
-    default = runner.composite(op, arrays, params, dtype=dtype, default=True)
-    assert own.keys() == default.keys()
-    for name in own:
-        assert_array_close(own[name], default[name].astype(np.float64), OVERRIDE_REL[dtype], f"{op} {name}",
-                           atol=1e-6)
+def assert_same_nans_and_close(actual, expected, rel, what):
+    """Outputs an op does not write (q_raw without q/k norms) come back NaN from both."""
+    nan = np.isnan(expected)
+    np.testing.assert_array_equal(np.isnan(actual), nan, what)
+    if (~nan).any():
+        assert_array_close(actual[~nan], expected[~nan].astype(np.float64), rel, what, atol=1e-6)
 
 
 @pytest.mark.parametrize("case_id", list(CASES))
@@ -507,8 +544,8 @@ def test_cpu_backend_matches_default_composition_bitwise(cpu, case_id):
     runs the unfused ops' very arithmetic on its block of rows), which
     recompute relies on: it reruns parts of a fused forward unfused."""
     op, arrays, params, _, _ = build(case_id)
-    own = cpu.composite(op, arrays, params)
-    default = cpu.composite(op, arrays, params, default=True)
+    own = call(cpu, op, arrays, params)
+    default = call(cpu, op, arrays, params, default=True)
     assert own.keys() == default.keys()
     for name in own:
         np.testing.assert_array_equal(own[name], default[name], f"{op} {name}")
@@ -518,20 +555,22 @@ def test_cpu_backend_matches_default_composition_bitwise(cpu, case_id):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("case_id", list(CASES))
 def test_backend_matches_default_composition_cuda_emulated(emulated, case_id, dtype):
-    check_backend_against_default(emulated, case_id, dtype)
+    op, arrays, params, _, _ = build(case_id)
+    own = call(emulated, op, arrays, params, dtype=dtype)
+    default = call(emulated, op, arrays, params, dtype=dtype, default=True)
+    assert own.keys() == default.keys()
+    for name in own:
+        assert_same_nans_and_close(own[name], default[name], OVERRIDE_REL[dtype], f"{op} {name}")
 
 
 def check_against_reference(runner, case_id, default, rel):
     op, arrays, params, ref, all_arrays = build(case_id, seed=1)
-    result = runner.composite(op, arrays, params, default=default)
+    result = call(runner, op, arrays, params, default=default)
     expected = ref(all_arrays)
     assert expected, case_id
     for name, value in expected.items():
         assert_array_close(result[name], np.asarray(value, np.float64).reshape(result[name].shape), rel,
                            f"{op} {name}")
-    # Everything the reference does not name is an input the op must leave alone.
-    for name in set(arrays) - set(expected):
-        np.testing.assert_array_equal(result[name], np.asarray(arrays[name], result[name].dtype), f"{op} {name}")
 
 
 @pytest.mark.parametrize("default", [True, False], ids=["default", "cpu-override"])
@@ -547,31 +586,22 @@ def test_cuda_emulated_composite_matches_reference(emulated, case_id):
     check_against_reference(emulated, case_id, False, 2e-5)
 
 
-def test_classifier_over_several_chunks_matches_reference(cpu):
-    """Enough rows x vocab that the cpu backend works in more than one chunk."""
-    rows, vocab = 600, 8192
-    assert OpRunner.composite_ops()  # (the harness is there)
-    op, builder = "classifier", lambda r: case_classifier(r, True, rows, vocab)
-    arrays, params, ref = builder(np.random.default_rng(3))
-    result = cpu.composite(op, arrays, params)
-    default = cpu.composite(op, arrays, params, default=True)
-    expected = ref(arrays)
-    for name, value in expected.items():
+def test_classifier_over_many_chunks_matches_reference(cpu):
+    """600 rows of 8192 logits, in chunks of 128 rows (the last one 88)."""
+    arrays, params, ref = case_classifier(np.random.default_rng(3), True, 600, 8192, 128)
+    result = call(cpu, "classifier", arrays, params)
+    for name, value in ref(arrays).items():
         assert_array_close(result[name], np.asarray(value).reshape(result[name].shape), 2e-5, name)
-        assert_array_close(result[name], default[name].astype(np.float64), 1e-5, name, atol=1e-6)
 
 
 def test_bad_composite_calls_raise_value_errors(cpu):
-    op, arrays, params, _, _ = build("matmul_epilogue")
-    with pytest.raises(ValueError, match="unknown composite op 'nope'"):
-        cpu.composite("nope", arrays, params)
-    with pytest.raises(ValueError, match="takes no array 'extra'"):
-        cpu.composite(op, dict(arrays, extra=np.zeros(3)), params)
-    with pytest.raises(ValueError, match="needs the parameter 'M'"):
-        cpu.composite(op, arrays, {k: v for k, v in params.items() if k != "M"})
-    with pytest.raises(ValueError, match="'bias' has 19 elements, expected 20"):
-        cpu.composite(op, dict(arrays, bias=arrays["bias"][:19]), params)
+    op, arrays, params, _, _ = build("matmul_epilogue-accumulate")
     with pytest.raises(ValueError, match="a scale applies to a fresh product only"):
-        cpu.composite(op, arrays, dict(params, accumulate=1, scale=2.0))
+        call(cpu, op, arrays, dict(params, scale=2.0))
+    op, arrays, params, _, _ = build("qkv_forward-qk_norm")
+    with pytest.raises(ValueError, match="give q_norm and k_norm together"):
+        call(cpu, op, {k: v for k, v in arrays.items() if k != "k_norm"}, params)
+    with pytest.raises(ValueError, match=r"qkv must have \(heads \+ 2 kv_heads\) \* head_dim rows"):
+        call(cpu, op, dict(arrays, qkv=arrays["qkv"][:-1]), params)
     with pytest.raises(ValueError, match="float32 only"):
-        cpu.composite(op, arrays, params, dtype="bf16")
+        call(cpu, op, arrays, params, dtype="bf16")

@@ -112,6 +112,7 @@ public:
         return find(device_, name, "tensor");
     }
     bool given(const std::string& name) const override { return given_.count(name) > 0; }
+    bool has(const std::string& name) const override { return device_.count(name) > 0; }
     int i(const std::string& name) const override { return static_cast<int>(find(ints_, name, "int").value); }
     float f(const std::string& name) const override { return static_cast<float>(find(floats_, name, "float")); }
     bool b(const std::string& name) const override { return find(bools_, name, "bool"); }
@@ -121,6 +122,9 @@ public:
         Tensor t = allocator_->allocate(Context::Workspace, name, DType::F32, {std::int64_t(values.size())});
         backend_.copy_from_host(t, values.data());
         return t;
+    }
+    Tensor workspace(std::int64_t elements, const std::string& dtype_arg, const std::string& name) override {
+        return allocator_->allocate(Context::Workspace, name, dtypes_.at(dtype_arg), {elements});
     }
 
     // Resolves every argument; throws InvalidArgument for a bad call.

@@ -136,12 +136,16 @@ public:
     virtual Backend& backend() = 0;
     virtual const Tensor& operator[](const std::string& tensor) const = 0;  // its device tensor
     virtual bool given(const std::string& tensor) const = 0;  // whether the caller gave it
+    virtual bool has(const std::string& tensor) const = 0;    // whether the op declares it (in run)
     virtual int i(const std::string& name) const = 0;
     virtual float f(const std::string& name) const = 0;
     virtual bool b(const std::string& name) const = 0;
     virtual std::uint64_t seed(const std::string& name) const = 0;
     // A float32 input made from host values (for arguments the backend takes as a tensor).
     virtual Tensor upload(const std::vector<float>& values, const std::string& name) = 0;
+    // Device memory for the op alone, of the activation dtype `dtype_arg`
+    // names (a workspace the backend takes as a tensor; not read back).
+    virtual Tensor workspace(std::int64_t elements, const std::string& dtype_arg, const std::string& name) = 0;
 };
 
 // No scratch, rows = `rows`, time = 1 (the cpu backend's attention scratch

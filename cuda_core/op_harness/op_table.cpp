@@ -17,6 +17,7 @@
 // unless marked: .f32() (the interface keeps them float32 whatever the
 // dtype: weight gradients, rstd, lse, cos/sin), .f64() (statistics), or
 // .dtype("other_dtype_argument").
+#include <algorithm>
 #include <string>
 
 #include "op_harness/op_spec.h"
@@ -48,6 +49,103 @@ void check_attention(const OpCall& c) {
 
 const char* const kAttention = "batch,time,heads,head_dim";
 const char* const kAttentionKV = "batch,time,kv_heads,head_dim";
+
+// `op` on the call's backend: its own implementation, or with use_default
+// the interface's default body (Backend::op called explicitly).
+#define NANOQ_COMPOSITE(call, op, ...)                                                  \
+    ((call).b("use_default") ? (call).backend().Backend::op(__VA_ARGS__)                 \
+                             : (call).backend().op(__VA_ARGS__))
+
+// The packed q/k/v ops: activations [rows, heads, head_dim] (rows = batch *
+// time), the packed weight [packed, hidden] with packed = (heads + 2
+// kv_heads) * head_dim, and the q/k norms when q_norm and k_norm are given.
+const char* const kQ = "rows,heads,head_dim";
+const char* const kK = "rows,kv_heads,head_dim";
+const char* const kQRows = "rows,heads";
+const char* const kKRows = "rows,kv_heads";
+const char* const kCosSin = "time,head_dim/2,2";
+
+// The arguments every q/k/v op takes, then `tensors`; `packed`: the op
+// takes the packed weight (and bias), not only the q/k norms.
+std::vector<ArgSpec> qkv_args(bool packed, std::vector<ArgSpec> tensors) {
+    std::vector<ArgSpec> args = {integer("batch").at_least(1), integer("time").at_least(1),
+                                 integer("heads").at_least(1), integer("kv_heads").at_least(1),
+                                 integer("head_dim").at_least(2)};
+    if (packed) {
+        args.push_back(input("qkv", "packed,hidden"));
+        args.push_back(input("qkv_bias", "packed").optional());
+    }
+    for (ArgSpec a : {input("q_norm", "head_dim").optional(), input("k_norm", "head_dim").optional(),
+                      real("eps", 1e-6), flag("use_default", false)})
+        args.push_back(a);
+    args.insert(args.end(), tensors.begin(), tensors.end());
+    return args;
+}
+
+void check_qkv(const OpCall& c) {
+    check_attention(c);
+    require(c.i("rows") == c.i("batch") * c.i("time"), "rows (" + std::to_string(c.i("rows")) +
+                                                           ") must be batch * time");
+    require(c.given("q_norm") == c.given("k_norm"), "give q_norm and k_norm together");
+}
+
+void check_packed_qkv(const OpCall& c) {
+    check_qkv(c);
+    require(c.i("packed") == (c.i("heads") + 2 * c.i("kv_heads")) * c.i("head_dim"),
+            "qkv must have (heads + 2 kv_heads) * head_dim rows, got " + std::to_string(c.i("packed")));
+}
+
+ScratchShapes qkv_scratch(const OpCall& c) {
+    ScratchShapes s = attention_scratch(c);
+    s.hidden = c.i("hidden");
+    return s;
+}
+
+QkvShape qkv_shape(const OpCall& c) { return QkvShape{attention(c), c.i("hidden"), c.f("eps")}; }
+// The norm-and-RoPE halves see no projection: hidden is 0.
+QkvShape qk_norm_shape(const OpCall& c) { return QkvShape{attention(c), 0, c.f("eps")}; }
+
+Tensor if_declared(const OpCall& c, const char* name) { return c.has(name) ? c[name] : Tensor(); }
+
+QkvWeights qkv_weights(const OpCall& c) {
+    return QkvWeights{if_declared(c, "qkv"), if_declared(c, "qkv_bias"), c["q_norm"], c["k_norm"]};
+}
+
+// The gradients: empty when frozen; the bias's only with a bias, the norms'
+// only with the norms.
+QkvWeights qkv_grads(const OpCall& c) {
+    QkvWeights g;
+    if (c.has("dqkv") && !c.b("frozen")) {
+        g.qkv = c["dqkv"];
+        if (c.given("qkv_bias")) g.qkv_bias = c["dqkv_bias"];
+    }
+    if (c.given("q_norm") && c.has("dq_norm")) {
+        g.q_norm = c["dq_norm"];
+        g.k_norm = c["dk_norm"];
+    }
+    return g;
+}
+
+// The activations an op declares (the others empty); without the norms q_raw
+// and k_raw are not the op's.
+QkvActivations qkv_activations(const OpCall& c) {
+    auto get = [&](const char* name) { return if_declared(c, name); };
+    QkvActivations a{get("q"), get("k"), get("v"), Tensor(), Tensor(), Tensor(), Tensor()};
+    if (c.given("q_norm")) {
+        a.q_raw = get("q_raw");
+        a.k_raw = get("k_raw");
+        a.q_rstd = get("q_rstd");
+        a.k_rstd = get("k_rstd");
+    }
+    return a;
+}
+
+ScratchShapes gate_up_scratch(const OpCall& c) {
+    ScratchShapes s = row_scratch(c.i("rows"));
+    s.hidden = c.i("channels");
+    s.intermediate = c.i("intermediate");
+    return s;
+}
 
 std::vector<OpSpec> make_table() {
     return {
@@ -237,6 +335,213 @@ std::vector<OpSpec> make_table() {
                                AdamWStep{c.f("lr"), c.f("beta1"), c.f("beta2"), c.f("eps"), c.f("weight_decay"),
                                          c.i("step"), c.seed("seed")});
          }},
+        // ---- Composite ops (backend.h). Each takes use_default: run the
+        // interface's default body (its composition of primitives) even where
+        // the backend overrides the op, the reference an override is tested
+        // against (tests/test_composites.py).
+        {"matmul_epilogue",
+         "scale * op(a) @ op(b) + bias [M, N] (+ out when given, then scale must be 1); out_dtype is the "
+         "output's (and bias's) device dtype",
+         {input("a", "trans_a?K,M:M,K"), input("b", "trans_b?N,K:K,N"), input("bias", "N").optional().dtype("out_dtype"),
+          flag("trans_a", false), flag("trans_b", false),
+          in_out("out", "M,N").or_output().sets("accumulate").dtype("out_dtype"), real("scale", 1.0),
+          flag("use_default", false), dtype_arg("dtype"), dtype_arg("out_dtype", "dtype")},
+         {},
+         [](OpCall& c) {
+             NANOQ_COMPOSITE(c, matmul_epilogue, c["out"], c["a"], c["b"], c["bias"], c.i("M"), c.i("N"),
+                             c.i("K"), c.b("trans_a"), c.b("trans_b"), c.b("accumulate"), c.f("scale"));
+         }},
+        {"matmul_weight_grad",
+         "(dweight, dbias): dweight [n, k] + dy^T x and, when dbias is given, dbias [n] + column sums of dy "
+         "(float32, default zeros)",
+         {input("dy", "rows,n"), input("x", "rows,k"), in_out("dweight", "n,k").f32().or_zeros(),
+          in_out("dbias", "n").f32().or_zeros().sets("with_bias"), flag("use_default", false)},
+         {},
+         [](OpCall& c) {
+             NANOQ_COMPOSITE(c, matmul_weight_grad, c["dweight"], c.b("with_bias") ? c["dbias"] : Tensor(), c["dy"],
+                             c["x"], c.i("rows"), c.i("n"), c.i("k"));
+         },
+         [](const OpCall& c) {
+             ScratchShapes s = row_scratch(c.i("rows"));
+             s.hidden = c.i("n");
+             return s;
+         }},
+        {"residual_rmsnorm_forward",
+         "(residual_out, out, rstd): residual_out = residual + delta, out = rmsnorm(residual_out) * weight; "
+         "with into_delta the sum is written over delta's device tensor",
+         {input("residual", "*rows,channels"), input("delta", "*rows,channels"), input("weight", "channels"),
+          real("eps", 1e-6), flag("into_delta", false).aliases("residual_out", "delta"), flag("use_default", false),
+          output("residual_out", "*rows,channels"), output("out", "*rows,channels"), output("rstd", "*rows").f32()},
+         {},
+         [](OpCall& c) {
+             NANOQ_COMPOSITE(c, residual_rmsnorm_forward, c["residual_out"], c["out"], c["rstd"], c["residual"],
+                             c["delta"], c["weight"], c.i("rows"), c.i("channels"), c.f("eps"));
+         }},
+        {"residual_rmsnorm_backward",
+         "(dresidual, dweight): dresidual [rows, channels] + the norm's input gradient of dout, dweight "
+         "(float32, default zeros) + its weight gradient",
+         {input("dout", "*rows,channels"), input("residual_out", "*rows,channels"), input("weight", "channels"),
+          input("rstd", "*rows").f32(), in_out("dresidual", "*rows,channels").or_zeros(),
+          in_out("dweight", "channels").f32().or_zeros(), flag("use_default", false)},
+         {},
+         [](OpCall& c) {
+             NANOQ_COMPOSITE(c, residual_rmsnorm_backward, c["dresidual"], c["dweight"], c["dout"], c["residual_out"],
+                             c["weight"], c["rstd"], c.i("rows"), c.i("channels"));
+         },
+         [](const OpCall& c) {
+             ScratchShapes s = row_scratch(c.i("rows"));
+             s.hidden = c.i("channels");
+             return s;
+         }},
+        {"qkv_projection",
+         "(q, k, v, q_raw, k_raw): x [rows, hidden] by the packed qkv [(heads + 2 kv_heads) head_dim, hidden] "
+         "(+ qkv_bias); with q_norm/k_norm given the q and k projections go to q_raw, k_raw (else q, k)",
+         qkv_args(true, {input("x", "rows,hidden"), output("q", kQ), output("k", kK), output("v", kK),
+                         output("q_raw", kQ), output("k_raw", kK)}),
+         {},
+         [](OpCall& c) { NANOQ_COMPOSITE(c, qkv_projection, qkv_activations(c), c["x"], qkv_weights(c), qkv_shape(c)); },
+         qkv_scratch, check_packed_qkv},
+        {"qk_norm_rope_forward",
+         "(q, k, q_rstd, k_rstd): with q_norm/k_norm the per-head norms of q_raw, k_raw into q, k, then RoPE "
+         "on q and k in place (without norms q and k are in/out)",
+         qkv_args(false, {input("q_raw", kQ).optional(), input("k_raw", kK).optional(),
+                          in_out("q", kQ).or_output(), in_out("k", kK).or_output(), output("q_rstd", kQRows).f32(),
+                          output("k_rstd", kKRows).f32(), input("cos_sin", kCosSin).f32()}),
+         {},
+         [](OpCall& c) {
+             NANOQ_COMPOSITE(c, qk_norm_rope_forward, qkv_activations(c), qkv_weights(c), c["cos_sin"],
+                             qk_norm_shape(c));
+         },
+         attention_scratch, check_qkv},
+        {"qkv_forward",
+         "(q, k, v, q_raw, k_raw, q_rstd, k_rstd): qkv_projection then qk_norm_rope_forward",
+         qkv_args(true, {input("x", "rows,hidden"), input("cos_sin", kCosSin).f32(), output("q", kQ),
+                         output("k", kK), output("v", kK), output("q_raw", kQ), output("k_raw", kK),
+                         output("q_rstd", kQRows).f32(), output("k_rstd", kKRows).f32()}),
+         {},
+         [](OpCall& c) {
+             NANOQ_COMPOSITE(c, qkv_forward, qkv_activations(c), c["x"], qkv_weights(c), c["cos_sin"], qkv_shape(c));
+         },
+         qkv_scratch, check_packed_qkv},
+        {"qk_norm_rope_backward",
+         "(dq, dk, dq_norm, dk_norm): the gradients of the rotated q, k turned into those of the projections, in "
+         "place; with q_norm/k_norm (and the saved q_raw, k_raw, q_rstd, k_rstd) the norm weight gradients "
+         "(float32, default zeros) added",
+         qkv_args(false, {in_out("dq", kQ), in_out("dk", kK), input("q_raw", kQ).optional(),
+                          input("k_raw", kK).optional(), input("q_rstd", kQRows).f32().optional(),
+                          input("k_rstd", kKRows).f32().optional(), input("cos_sin", kCosSin).f32(),
+                          in_out("dq_norm", "head_dim").f32().or_zeros(),
+                          in_out("dk_norm", "head_dim").f32().or_zeros()}),
+         {},
+         [](OpCall& c) {
+             NANOQ_COMPOSITE(c, qk_norm_rope_backward, c["dq"], c["dk"], qkv_activations(c), qkv_weights(c),
+                             qkv_grads(c), c["cos_sin"], qk_norm_shape(c));
+         },
+         attention_scratch, check_qkv},
+        {"qkv_projection_backward",
+         "(dx, dqkv, dqkv_bias): dx [rows, hidden] = [dq dk dv] qkv (+ dx when given); unless frozen, "
+         "dqkv + [dq dk dv]^T x and, with qkv_bias, dqkv_bias + column sums (float32, default zeros)",
+         qkv_args(true, {input("dq", kQ), input("dk", kK), input("dv", kK), input("x", "rows,hidden"),
+                         in_out("dx", "rows,hidden").or_output().sets("accumulate"), flag("frozen", false),
+                         in_out("dqkv", "packed,hidden").f32().or_zeros(),
+                         in_out("dqkv_bias", "packed").f32().or_zeros()}),
+         {},
+         [](OpCall& c) {
+             NANOQ_COMPOSITE(c, qkv_projection_backward, c["dx"], c.b("accumulate"), qkv_grads(c), c["dq"], c["dk"],
+                             c["dv"], c["x"], qkv_weights(c), qkv_shape(c));
+         },
+         qkv_scratch, check_packed_qkv},
+        {"qkv_backward",
+         "(dx, dq, dk, dqkv, dqkv_bias, dq_norm, dk_norm): qk_norm_rope_backward then qkv_projection_backward",
+         qkv_args(true, {in_out("dq", kQ), in_out("dk", kK), input("dv", kK), input("x", "rows,hidden"),
+                         input("q_raw", kQ).optional(), input("k_raw", kK).optional(),
+                         input("q_rstd", kQRows).f32().optional(), input("k_rstd", kKRows).f32().optional(),
+                         input("cos_sin", kCosSin).f32(), in_out("dx", "rows,hidden").or_output().sets("accumulate"),
+                         flag("frozen", false), in_out("dqkv", "packed,hidden").f32().or_zeros(),
+                         in_out("dqkv_bias", "packed").f32().or_zeros(),
+                         in_out("dq_norm", "head_dim").f32().or_zeros(),
+                         in_out("dk_norm", "head_dim").f32().or_zeros()}),
+         {},
+         [](OpCall& c) {
+             NANOQ_COMPOSITE(c, qkv_backward, c["dx"], c.b("accumulate"), qkv_grads(c), c["dq"], c["dk"], c["dv"],
+                             qkv_activations(c), c["x"], qkv_weights(c), c["cos_sin"], qkv_shape(c));
+         },
+         qkv_scratch, check_packed_qkv},
+        {"gate_up_projection", "(gate, up): x [rows, channels] by the packed gate_up [2, intermediate, channels]",
+         {input("x", "rows,channels"), input("gate_up", "2,intermediate,channels"), flag("use_default", false),
+          output("gate", "rows,intermediate"), output("up", "rows,intermediate")},
+         {},
+         [](OpCall& c) {
+             NANOQ_COMPOSITE(c, gate_up_projection, c["gate"], c["up"], c["x"], c["gate_up"], c.i("rows"),
+                             c.i("intermediate"), c.i("channels"));
+         },
+         gate_up_scratch},
+        {"gate_up_swiglu_forward", "(gate, up, out): gate_up_projection, then out = silu(gate) * up",
+         {input("x", "rows,channels"), input("gate_up", "2,intermediate,channels"), flag("use_default", false),
+          output("gate", "rows,intermediate"), output("up", "rows,intermediate"), output("out", "rows,intermediate")},
+         {},
+         [](OpCall& c) {
+             NANOQ_COMPOSITE(c, gate_up_swiglu_forward, c["out"], c["gate"], c["up"], c["x"], c["gate_up"],
+                             c.i("rows"), c.i("intermediate"), c.i("channels"));
+         },
+         gate_up_scratch},
+        {"gate_up_projection_backward",
+         "(dx, dgate_up): dx [rows, channels] = dgate Wg + dup Wu (+ dx when given); unless frozen, "
+         "dgate_up (float32, default zeros) + the weight gradient",
+         {input("dgate", "rows,intermediate"), input("dup", "rows,intermediate"), input("x", "rows,channels"),
+          input("gate_up", "2,intermediate,channels"),
+          in_out("dx", "rows,channels").or_output().sets("accumulate"), flag("frozen", false),
+          in_out("dgate_up", "2,intermediate,channels").f32().or_zeros(), flag("use_default", false)},
+         {},
+         [](OpCall& c) {
+             NANOQ_COMPOSITE(c, gate_up_projection_backward, c["dx"], c.b("accumulate"),
+                             c.b("frozen") ? Tensor() : c["dgate_up"], c["dgate"], c["dup"], c["x"], c["gate_up"],
+                             c.i("rows"), c.i("intermediate"), c.i("channels"));
+         },
+         gate_up_scratch},
+        {"swiglu_gate_up_backward",
+         "(dx, dgate, dup, dgate_up): the SwiGLU backward of dout into dgate, dup (with alias dout's device "
+         "tensor is dgate's), then gate_up_projection_backward",
+         {input("dout", "rows,intermediate"), input("gate", "rows,intermediate"), input("up", "rows,intermediate"),
+          input("x", "rows,channels"), input("gate_up", "2,intermediate,channels"),
+          in_out("dx", "rows,channels").or_output().sets("accumulate"), flag("frozen", false),
+          in_out("dgate_up", "2,intermediate,channels").f32().or_zeros(),
+          flag("alias", false).aliases("dgate", "dout"), flag("use_default", false),
+          output("dgate", "rows,intermediate"), output("dup", "rows,intermediate")},
+         {},
+         [](OpCall& c) {
+             NANOQ_COMPOSITE(c, swiglu_gate_up_backward, c["dx"], c.b("accumulate"),
+                             c.b("frozen") ? Tensor() : c["dgate_up"], c["dgate"], c["dup"], c["dout"], c["gate"],
+                             c["up"], c["x"], c["gate_up"], c.i("rows"), c.i("intermediate"), c.i("channels"));
+         },
+         gate_up_scratch},
+        {"classifier",
+         "(stats, dhidden, dlm_head): logits = hidden [rows, channels] lm_head [vocab, channels]^T in chunks of "
+         "chunk_rows rows, the cross-entropy statistics (row r at position r % time) added to stats and, "
+         "with_grad, dhidden and dlm_head (float32, default zeros) + the gradients of sum(CE + z_loss lse^2)",
+         {input("hidden", "rows,channels"), input("lm_head", "vocab,channels"), targets("targets", "rows", "vocab"),
+          in_out("stats", "slots").f64().or_stat_init(), integer("chunk_rows").at_least(1),
+          integer_like("time", "rows").at_least(1), real("z_loss", 0.0), flag("with_grad", true),
+          in_out("dlm_head", "vocab,channels").f32().or_zeros(), flag("use_default", false),
+          output("dhidden", "rows,channels")},
+         {},
+         [](OpCall& c) {
+             const int rows = c.i("rows"), vocab = c.i("vocab"), chunk = std::min(c.i("chunk_rows"), rows);
+             const Tensor workspace = c.workspace(std::int64_t(chunk) * vocab, "dtype", "logits");
+             const bool grad = c.b("with_grad");
+             NANOQ_COMPOSITE(c, classifier, c["hidden"], c["lm_head"], c["targets"], c["stats"],
+                             grad ? c["dhidden"] : Tensor(), grad ? c["dlm_head"] : Tensor(), workspace, rows,
+                             c.i("channels"), vocab, c.i("time"), c.f("z_loss"));
+         },
+         [](const OpCall& c) {
+             ScratchShapes s = row_scratch(c.i("rows"));
+             s.hidden = c.i("channels");
+             s.vocab = c.i("vocab");
+             s.classifier_rows = std::min(c.i("chunk_rows"), c.i("rows"));
+             return s;
+         },
+         nullptr,
+         {{"slots", kStatCount}}},
     };
 }
 
