@@ -43,7 +43,7 @@ from nanoq.data import TokenFile, write_tokens
 from nanoq.hf_io import read_safetensors
 from nanoq.tokenization import InputError, import_nano, read_documents
 from nanoq.tokenization.nano import read_nano_lines
-from nanoq.training.config import SECTIONS, TrainConfig, load_config, settings as config_settings
+from nanoq.training.settings import SECTIONS, TrainConfig, load_config, settings as config_settings
 
 # Examples run per parser, printed when the module ends.
 EXAMPLES = collections.Counter()

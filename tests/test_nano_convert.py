@@ -24,8 +24,8 @@ from nanoq.nano_config import (
 )
 from nanoq.trainer import Trainer
 from nanoq.training import TrainConfig, load_config, read_log, train
-from nanoq.training.config import parse_curriculum
-from nanoq.training.schedule import learning_rate
+from nanoq.training.settings import parse_curriculum
+from nanoq.training.lr_schedule import learning_rate
 from nanoq_cli.main import cli
 
 QUIET = dict(say=lambda line: None, progress=False)

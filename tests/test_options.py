@@ -15,9 +15,9 @@ import nanoq
 from nanoq import _core
 from nanoq import options as schema
 from nanoq.backends import BACKENDS
-from nanoq.config import DTYPES, OFFLOAD, RECOMPUTE, STATE_DTYPES
+from nanoq.trainer_config import DTYPES, OFFLOAD, RECOMPUTE, STATE_DTYPES
 from nanoq.lora import MODULES, TARGETS, LoraConfig, parse_targets
-from nanoq.training.config import TrainConfig, settings
+from nanoq.training.settings import TrainConfig, settings
 from nanoq_cli.main import cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -150,12 +150,12 @@ def test_every_toml_limit_of_a_core_option_is_the_core_s():
 def test_python_choice_lists_equal_the_core_schema():
     core = {spec["name"]: tuple(c["name"] for c in spec["choices"]) for spec in _core.option_schema()["options"]}
     assert BACKENDS == core["backend"] == ("cpu", "cuda", "cuda_emulated")
-    assert nanoq.config.BACKENDS == ("auto",) + core["backend"]
+    assert nanoq.trainer_config.BACKENDS == ("auto",) + core["backend"]
     assert DTYPES == ("auto",) + core["dtype"] and STATE_DTYPES == core["master_dtype"] == core["optimizer_dtype"]
     assert RECOMPUTE == core["recompute"] and OFFLOAD == core["offload"]
     assert TARGETS == core["lora_targets"] == tuple(MODULES)
     toml = {item.name: item for item in settings()}
-    assert toml["backend"].choices == nanoq.config.BACKENDS
+    assert toml["backend"].choices == nanoq.trainer_config.BACKENDS
     assert toml["dtype"].choices == DTYPES
     assert toml["master_dtype"].choices == toml["optimizer_dtype"].choices == core["master_dtype"]
     for name in ("recompute", "offload", "lora_targets"):  # comma-separated in TOML: the help lists them
@@ -229,7 +229,7 @@ def test_cli_help_shows_the_core_s_choices_and_rules():
     for name in ("recompute", "offload", "lora_targets"):
         assert ", ".join(schema.choices(name)) in text
     flags = {param.name: param for param in cli.commands["train"].params}
-    assert tuple(flags["backend"].type.choices) == nanoq.config.BACKENDS
+    assert tuple(flags["backend"].type.choices) == nanoq.trainer_config.BACKENDS
     assert tuple(flags["dtype"].type.choices) == DTYPES
     assert tuple(flags["master_dtype"].type.choices) == STATE_DTYPES
 

@@ -1,7 +1,7 @@
 """The ``nanoq`` command line: train, tokenize, export, plot, info, convert.
 
 The options of ``nanoq train`` are generated from the settings table in
-``nanoq.training.config``, so the TOML schema, the flags and the docs cannot
+``nanoq.training.settings``, so the TOML schema, the flags and the docs cannot
 drift apart.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import click
 
 from nanoq import options as option_schema
-from nanoq.training.config import settings
+from nanoq.training.settings import settings
 
 _CLICK_TYPES = {int: click.INT, float: click.FLOAT, str: click.STRING, bool: click.BOOL}
 
@@ -223,7 +223,7 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, **flags):
     """
     from nanoq.memory import estimate_memory, visible_gpu_memory
     from nanoq.training import load_config
-    from nanoq.training.config import train_options
+    from nanoq.training.settings import train_options
 
     overrides = {name: value for name, value in flags.items() if value is not None}
     device_bytes = _parse_size(device_memory) if device_memory is not None else None

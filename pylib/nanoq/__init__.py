@@ -29,7 +29,7 @@ else:
 
 from nanoq._core import NanoqError, OutOfMemoryError  # noqa: E402
 from nanoq.backends import backends  # noqa: E402
-from nanoq.config import ModelConfig, TrainOptions  # noqa: E402
+from nanoq.trainer_config import ModelConfig, TrainOptions  # noqa: E402
 from nanoq.memory import MemoryEstimate, estimate_memory  # noqa: E402
 from nanoq.trainer import StepStats, Trainer  # noqa: E402
 

@@ -26,7 +26,7 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from nanoq.config import ModelConfig
+from nanoq.trainer_config import ModelConfig
 from nanoq.durable import new_directory, write_json
 from nanoq.hf_io import is_parameter, iter_weights
 from nanoq.lora import LoraConfig, merge, split_adapters, write_peft_adapter

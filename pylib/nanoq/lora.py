@@ -36,7 +36,7 @@ from typing import Dict, Iterable, Optional, Tuple
 import numpy as np
 
 from nanoq import options as option_schema
-from nanoq.config import MAX_SIZE, ModelConfig, _number
+from nanoq.trainer_config import MAX_SIZE, ModelConfig, _number
 from nanoq.durable import new_directory, read_json_object, write_json
 from nanoq.hf_io import read_safetensors
 

@@ -37,7 +37,7 @@ from typing import Dict, Iterator, List, Optional
 from nanoq import _core
 from nanoq import options as option_schema
 from nanoq.backends import CUDA_BACKENDS, device_count
-from nanoq.config import OFFLOAD, RECOMPUTE, ModelConfig, TrainOptions, auto_dtype
+from nanoq.trainer_config import OFFLOAD, RECOMPUTE, ModelConfig, TrainOptions, auto_dtype
 from nanoq.lora import adapter_shapes
 
 CONTEXTS = ("weights", "master", "gradients", "adam-m", "adam-v", "activations", "workspace", "stack")

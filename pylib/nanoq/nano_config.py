@@ -42,7 +42,7 @@ import shlex
 from typing import Any, Dict, List, Optional, Sequence
 
 from nanoq.durable import read_json_object
-from nanoq.training.config import TrainConfig, settings
+from nanoq.training.settings import TrainConfig, settings
 
 SECTION_OF = {item.name: item.section for item in settings()}
 

@@ -11,7 +11,7 @@ import numpy as np
 from nanoq import _core
 from nanoq import options as option_schema
 from nanoq.backends import resolve_backend
-from nanoq.config import ModelConfig, TrainOptions, auto_dtype
+from nanoq.trainer_config import ModelConfig, TrainOptions, auto_dtype
 from nanoq.hf_io import is_parameter, iter_weights, weight_shapes
 
 IGNORE_INDEX = -100

@@ -25,7 +25,7 @@ where batch_rows is the global batch (device d takes rows
 - Curriculum: stages (train loader, eval loader or None, optimizer steps) in order.
 """
 from nanoq.data.loader import IGNORE_INDEX, DataLoader, Dataset, EvalLoader
-from nanoq.data.schedule import Curriculum, MixtureLoader
+from nanoq.data.mixing import Curriculum, MixtureLoader
 from nanoq.data.token_file import TokenFile, write_token_shards, write_tokens
 
 __all__ = [

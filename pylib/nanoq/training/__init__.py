@@ -12,11 +12,11 @@
             the final model is written by nanoq.hf_export
 - log:      the JSONL run log and console lines
 """
-from nanoq.training.config import TrainConfig, load_config, schema_markdown, settings
+from nanoq.training.settings import TrainConfig, load_config, schema_markdown, settings
 from nanoq.training.log import JsonlLog, read_log
 from nanoq.training.loop import TrainResult, evaluate, train
 from nanoq.training.resume import FIXED_ON_RESUME, config_changes
-from nanoq.training.schedule import learning_rate
+from nanoq.training.lr_schedule import learning_rate
 from nanoq.training.stop import TrainingHalted
 
 __all__ = [

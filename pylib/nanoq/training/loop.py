@@ -30,15 +30,15 @@ import sys
 import time
 from typing import Callable, List, Optional
 
-from nanoq.config import ModelConfig
+from nanoq.trainer_config import ModelConfig
 from nanoq.hf_export import export_adapter
 from nanoq.data import Curriculum, DataLoader, Dataset, EvalLoader
 from nanoq.telemetry import GpuTelemetry
 from nanoq.trainer import Trainer
-from nanoq.training.config import TrainConfig, parse_curriculum, train_options
+from nanoq.training.settings import TrainConfig, parse_curriculum, train_options
 from nanoq.training.resume import CHECKPOINTS, Progress, extra_state, prepare_resume, restore
 from nanoq.training.log import JsonlLog, eval_line, format_duration, gpu_summary, memory_lines, train_line
-from nanoq.training.schedule import learning_rate
+from nanoq.training.lr_schedule import learning_rate
 from nanoq.training.stop import StopRequest, TrainingHalted
 
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional
 from nanoq.checkpoint import STATE_FILE, CheckpointError, list_checkpoints, read_state, step_dir_name
 from nanoq.data import DataLoader
 from nanoq.trainer import Trainer
-from nanoq.training.config import Setting, TrainConfig, settings
+from nanoq.training.settings import Setting, TrainConfig, settings
 
 CHECKPOINTS = "checkpoints"
 # Settings a resumed run must share with its checkpoint: they define the model,

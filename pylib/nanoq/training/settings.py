@@ -25,7 +25,7 @@ import tomllib
 from typing import Any, Dict, List, NamedTuple, Optional
 
 from nanoq import options as option_schema
-from nanoq.config import BACKENDS, DTYPES, OFFLOAD, RECOMPUTE, STATE_DTYPES, TrainOptions
+from nanoq.trainer_config import BACKENDS, DTYPES, OFFLOAD, RECOMPUTE, STATE_DTYPES, TrainOptions
 from nanoq.lora import LoraConfig
 
 SECTIONS = ("model", "data", "train", "lora", "checkpoint", "run")
