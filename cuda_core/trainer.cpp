@@ -1,13 +1,13 @@
-// The data-parallel trainer with ZeRO-1 sharding.
+// The data-parallel trainer: one worker per device, ZeRO sharding (zero.h).
 //
-// Each device keeps a full replica of the weights and a full float32 gradient
-// buffer, both flat in parameter_layout() order and padded to a multiple of
-// the device count. At update() the gradients are reduce-scattered so that
-// device r owns the summed gradient of shard r; it updates the master weights
-// and AdamW moments of that shard only, and the updated shards are
-// all-gathered. When weights and master weights share a dtype, the master
-// shard is a view into the weights buffer; otherwise it is its own tensor and
-// the updated master shard is cast into the weights before the gather.
+// Parameters are flat in parameter_layout() order (lora_layout() with LoRA),
+// padded to a multiple of the device count; device r owns shard r and keeps
+// the master weights and AdamW moments of that shard only. At update() the
+// gradients are summed into their owners' shards, each device updates its
+// shard, and the weights kept whole are refreshed from the owners. When
+// weights and master weights share a dtype, the master shard is a view into
+// the weights; otherwise it is its own tensor and the updated master shard
+// is cast into the weights before the gather.
 // What a device allocates is decided in one place, allocate_device_state():
 // the constructor runs it on each device's allocator, plan_memory() on
 // planning allocators, so the memory plan is the Trainer's own sequence.
@@ -122,9 +122,8 @@ struct DeviceState {
     std::unique_ptr<Communicator> comm;
     std::unique_ptr<LlamaModel> model;
     std::unique_ptr<StackArena> stack;
-    Tensor weights, grads;           // [padded], full (stage 1; weights also at stage 2)
     Tensor frozen;                   // LoRA: the frozen model weights, whole on every device
-    ShardedState sharded;            // stages 2 and 3
+    ZeroBuffers zero;                // weights and gradients, where the ZeRO stage keeps them
     Tensor master, adam_m, adam_v;   // [shard]; in host memory when offloaded
     bool master_is_weights = false;  // master is this rank's shard of `weights`
     // Device buffers that offloaded state streams through (empty when not offloaded).
@@ -156,11 +155,9 @@ struct TrainerSetup {
     std::vector<ParameterInfo> frozen;      // LoRA: the model's weights, laid out in DeviceState::frozen
     std::vector<ParameterInfo> parameters;  // layout, then frozen: the public list
     std::int64_t shard = 0;
-    std::int64_t padded = 0;                // shard * world
-    int stage = 1;
     int world = 1;       // ranks in the world (this trainer's devices and other trainers')
     int first_rank = 0;  // global rank of this trainer's device 0
-    std::unique_ptr<BlockLayout> blocks;
+    std::unique_ptr<ZeroSharding> zero;
     std::int64_t largest = 0;               // elements of the largest parameter
     int threads = 0;                        // per device
 };
@@ -186,11 +183,8 @@ TrainerSetup::TrainerSetup(const ModelConfig& c, const TrainOptions& o) : config
     const int n = o.devices;
     world = o.world_size ? o.world_size : n;
     first_rank = o.first_rank;
-    const std::int64_t total = layout.back().offset + layout.back().numel();
-    shard = (total + world - 1) / world;
-    padded = shard * world;
-    stage = o.zero_stage;
-    blocks = std::make_unique<BlockLayout>(c, world);
+    zero = std::make_unique<ZeroSharding>(o.zero_stage, c, layout, world);
+    shard = zero->shard();
     for (const ParameterInfo& p : parameters) largest = std::max(largest, p.numel());
     threads = o.threads;
     if (threads <= 0) threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / n);
@@ -206,39 +200,14 @@ namespace {
 // backend's plan lists, its libraries asked when `ask_libraries`.
 void allocate_device_state(const TrainerSetup& s, DeviceState& d, bool ask_libraries) {
     NamedAllocator& a = *d.allocator;
-    ShardedState& z = d.sharded;
-    const BlockLayout& blocks = *s.blocks;
     const OffloadSet offload = s.offload;
     const DType weight_dtype = s.weight_dtype, master_dtype = s.master_dtype, optimizer_dtype = s.optimizer_dtype;
-    const std::int64_t padded = s.padded;
     const int B = s.options.batch_size, T = s.options.seq_len;
     if (s.lora.enabled())
         d.frozen = a.allocate(Context::Weights, "frozen-weights", weight_dtype,
                               {s.frozen.back().offset + s.frozen.back().numel()});
-    if (s.stage < 3) {
-        d.weights = a.allocate(Context::Weights, s.lora.enabled() ? "adapters" : "weights", weight_dtype, {padded});
-    } else {
-        z.weight_shard = a.allocate(Context::Weights, "weight-shard", weight_dtype, {s.shard});
-        z.embed_weights = a.allocate(Context::Weights, "embed-weights", weight_dtype, {blocks.embed_end});
-        z.head_weights = a.allocate(Context::Weights, "head-weights", weight_dtype,
-                                    {blocks.total - blocks.head_begin});
-        for (int i = 0; i < 2; ++i)
-            z.layer_weights[i] = a.allocate(Context::Weights, "layer-weights." + std::to_string(i), weight_dtype,
-                                            {blocks.max_layer});
-    }
-    if (s.stage == 1) {
-        d.grads = a.allocate(Context::Gradients, "gradients", DType::F32, {padded});
-    } else {
-        z.grad_shard = a.allocate(Context::Gradients, "gradient-shard", DType::F32, {s.shard},
-                                  offload.has(kOffloadGradients) ? MemoryKind::Pinned : MemoryKind::Device);
-        z.embed_grads = a.allocate(Context::Gradients, "embed-gradients", DType::F32, {blocks.embed_end});
-        z.head_grads = a.allocate(Context::Gradients, "head-gradients", DType::F32,
-                                  {blocks.total - blocks.head_begin});
-        z.layer_grads = a.allocate(Context::Gradients, "layer-gradients", DType::F32, {blocks.max_layer});
-        z.reduce_scratch = a.allocate(Context::Workspace, "reduce-scratch", DType::F32,
-                                      {std::max({blocks.max_layer, blocks.embed_end,
-                                                 blocks.total - blocks.head_begin})});
-    }
+    s.zero->allocate(a, d.zero, weight_dtype, s.lora.enabled() ? "adapters" : "weights",
+                     offload.has(kOffloadGradients));
     const MemoryKind master_kind = offload.has(kOffloadMaster) ? MemoryKind::Pinned : MemoryKind::Device;
     const MemoryKind optimizer_kind = offload.has(kOffloadOptimizer) ? MemoryKind::Pinned : MemoryKind::Device;
     // Else the master shard is a view of the weights (bound by the caller).
@@ -439,33 +408,15 @@ struct Trainer::Impl : TrainerSetup {
         return {d.tokens, d.targets};
     }
 
-    // This rank's summed gradients and its part of the weights, [shard] each.
-    Tensor grad_shard(int rank, const DeviceState& d) const {
-        return stage == 1 ? d.grads.slice(global(rank) * shard, shard) : d.sharded.grad_shard;
-    }
-    Tensor weight_shard(int rank, const DeviceState& d) const {
-        return stage == 3 ? d.sharded.weight_shard : d.weights.slice(global(rank) * shard, shard);
-    }
-
-    // The full weights' views, layers included (stages 1 and 2).
-    const ModelWeights& resident(const DeviceState& d) const { return d.weight_views; }
-
-    // Where this rank holds parameter p whole: the full weights (stages 1
-    // and 2), or at stage 3 the replicated embedding/head; else empty (a
-    // stage-3 layer parameter, held only as shards).
+    // Where this rank holds parameter p whole (see ZeroSharding::whole_weights).
     Tensor whole_weights(const DeviceState& d, const ParameterInfo& p) const {
-        if (!p.trainable) return d.frozen.slice(p.offset, p.numel());
-        if (stage < 3) return d.weights.slice(p.offset, p.numel());
-        if (p.offset < blocks->embed_end) return d.sharded.embed_weights.slice(p.offset, p.numel());
-        if (p.offset >= blocks->head_begin)
-            return d.sharded.head_weights.slice(p.offset - blocks->head_begin, p.numel());
-        return Tensor();
+        return p.trainable ? zero->whole_weights(d.zero, p) : d.frozen.slice(p.offset, p.numel());
     }
 
     // out[0] += sum of squares of this rank's gradient shard, streamed
     // through the device buffer when the shard lives in host memory.
     void gradient_squares(int rank, DeviceState& d, const Tensor& out) {
-        const Tensor grads = grad_shard(rank, d);
+        const Tensor grads = zero->grad_shard(global(rank), d.zero);
         if (!d.staged_grads.data) return d.backend->sum_squares(out, grads);
         for (std::int64_t at = 0; at < shard; at += d.staged_grads.numel()) {
             const std::int64_t count = std::min(d.staged_grads.numel(), shard - at);
@@ -500,14 +451,14 @@ struct Trainer::Impl : TrainerSetup {
                 const Tensor adam_v = on_device(d.adam_v, d.staged_v);
                 // Distinct rounding noise for every chunk: the kernels index from the chunk start.
                 step.seed = options.seed * 0x9E3779B97F4A7C15ULL + static_cast<std::uint64_t>(at);
-                const Tensor grads = on_device(grad_shard(rank, d), d.staged_grads);
+                const Tensor grads = on_device(zero->grad_shard(global(rank), d.zero), d.staged_grads);
                 be.adamw(master, grads, adam_m, adam_v, d.optimizer_scale, step);
                 if (d.staged_master.data) be.copy(d.master.slice(at - lo, count), master);
                 if (d.staged_m.data) {
                     be.copy(d.adam_m.slice(at - lo, count), adam_m);
                     be.copy(d.adam_v.slice(at - lo, count), adam_v);
                 }
-                if (!d.master_is_weights) be.copy(weight_shard(rank, d).slice(at - lo, count), master);
+                if (!d.master_is_weights) be.copy(zero->weight_shard(global(rank), d.zero).slice(at - lo, count), master);
             }
         }
     }
@@ -528,7 +479,6 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options)
         throw InvalidArgument("asked for " + std::to_string(options.devices) + " " + options.backend +
                               " device(s), but " + std::to_string(available) + " are available");
     const int n = options.devices;
-    const BlockLayout& blocks = *m.blocks;
 
     m.group = plugin.create_group(
         Topology{m.world, m.first_rank, n, options.comm_id, world_signature(config, options)});
@@ -548,19 +498,17 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options)
         d.allocator = std::make_unique<NamedAllocator>(*d.backend, rank, options.memory_limit);
         d.comm = m.group->connect(rank, *d.backend);
         allocate_device_state(m, d, true);
-        ShardedState& z = d.sharded;
-        if (d.master_is_weights) d.master = m.weight_shard(rank, d);
+        if (d.master_is_weights) d.master = m.zero->weight_shard(m.global(rank), d.zero);
         if (m.lora.enabled()) {
-            d.weight_views = attach_adapters(bind_weights(config, d.frozen), bind_lora(config, m.lora, d.weights));
-            d.grad_views = bind_lora(config, m.lora, d.grads);
+            d.weight_views =
+                attach_adapters(bind_weights(config, d.frozen), bind_lora(config, m.lora, d.zero.weights));
+            d.grad_views = bind_lora(config, m.lora, d.zero.grads);
         } else {
-            d.weight_views = m.stage < 3 ? bind_weights(config, d.weights)
-                                         : bind_outer(config, z.embed_weights, z.head_weights, blocks.head_begin);
-            d.grad_views = m.stage == 1 ? bind_weights(config, d.grads)
-                                        : bind_outer(config, z.embed_grads, z.head_grads, blocks.head_begin);
+            d.weight_views = m.zero->weight_views(d.zero);
+            d.grad_views = m.zero->grad_views(d.zero);
         }
-        for (const Tensor& t : {d.frozen, d.weights, d.grads, d.adam_m, d.adam_v, d.master, z.grad_shard, z.embed_grads,
-                                z.head_grads, z.layer_grads, z.weight_shard, z.embed_weights, z.head_weights})
+        m.zero->fill_zero(*d.backend, d.zero);
+        for (const Tensor& t : {d.frozen, d.adam_m, d.adam_v, d.master})
             if (t.data) d.backend->fill(t, 0.0f);
         reset_stats(*d.backend, d.stats);
         d.backend->synchronize();
@@ -586,7 +534,7 @@ void Trainer::set_parameter(int index, const float* data) {
     const ParameterInfo& p = m.parameter_at(index, false);
     m.run([&](int rank, DeviceState& d) {
         const Tensor whole = m.whole_weights(d, p);
-        const Tensor shard = m.weight_shard(rank, d);
+        const Tensor shard = m.zero->weight_shard(m.global(rank), d.zero);
         const std::int64_t shard_begin = m.global(rank) * m.shard;
         for (std::int64_t done = 0; done < p.numel(); done += d.staging.numel()) {
             const std::int64_t count = std::min(d.staging.numel(), p.numel() - done);
@@ -600,7 +548,7 @@ void Trainer::set_parameter(int index, const float* data) {
             const std::int64_t end = std::min(p.offset + done + count, shard_begin + m.shard);
             if (begin >= end) continue;
             const Tensor part = staged.slice(begin - p.offset - done, end - begin);
-            if (m.stage == 3) d.backend->copy(shard.slice(begin - shard_begin, end - begin), part);
+            if (m.zero->separate_weight_shard()) d.backend->copy(shard.slice(begin - shard_begin, end - begin), part);
             if (!d.master_is_weights) d.backend->copy(d.master.slice(begin - shard_begin, end - begin), part);
         }
         d.backend->synchronize();
@@ -620,7 +568,8 @@ void Trainer::get_parameter(int index, float* out) {
         const std::int64_t end =
             whole.data ? p.offset + p.numel() : std::min(p.offset + p.numel(), (rank + 1) * m.shard);
         if (begin >= end) return;
-        const Tensor source = whole.data ? whole : m.weight_shard(rank, d).slice(begin - rank * m.shard, end - begin);
+        const Tensor source =
+            whole.data ? whole : m.zero->weight_shard(rank, d.zero).slice(begin - rank * m.shard, end - begin);
         for (std::int64_t done = 0; begin + done < end; done += d.staging.numel()) {
             const std::int64_t count = std::min(d.staging.numel(), end - begin - done);
             const Tensor staged = d.staging.slice(0, count);
@@ -705,27 +654,29 @@ void Trainer::get_gradient(int index, float* out) {
     const int n = world_size();
     std::vector<std::vector<float>> per_rank(n, std::vector<float>(p.numel()));
     std::vector<StatValue> rows;
+    const bool summed = m.zero->gradients_summed(m.devices[0].zero);
     m.run([&](int rank, DeviceState& d) {
         m.gather_stats(d, d.stats);
         std::vector<StatValue> gathered = m.read_gathered(d);
         if (rank == 0) rows = std::move(gathered);
-        if (m.stage == 1) {
-            d.backend->copy_to_host(per_rank[rank].data(), d.grads.slice(p.offset, p.numel()));
+        if (!summed) {
+            d.backend->copy_to_host(per_rank[rank].data(), d.zero.grads.slice(p.offset, p.numel()));
         } else {
             // Already summed over devices, in the owners' shards.
+            const Tensor grads = m.zero->grad_shard(rank, d.zero);
             for_each_shard_chunk(m.shard, rank, p, p.numel(), [&](std::int64_t in_shard, std::int64_t in_param,
                                                                   std::int64_t count) {
-                d.backend->copy_to_host(per_rank[0].data() + in_param, d.sharded.grad_shard.slice(in_shard, count));
+                d.backend->copy_to_host(per_rank[0].data() + in_param, grads.slice(in_shard, count));
             });
         }
         d.backend->synchronize();
     });
     const StepStats totals = m.combine(rows);
     const float scale = totals.tokens ? 1.0f / static_cast<float>(totals.tokens) : 0.0f;
-    const int summed = m.stage == 1 ? n : 1;
+    const int ranks = summed ? 1 : n;
     for (std::int64_t i = 0; i < p.numel(); ++i) {
         float sum = 0.0f;
-        for (int r = 0; r < summed; ++r) sum += per_rank[r][i];
+        for (int r = 0; r < ranks; ++r) sum += per_rank[r][i];
         out[i] = sum * scale;
     }
 }
@@ -789,18 +740,12 @@ void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int 
                 }
             }
             d.backend->mark_batch_read();
-            if (m.stage == 1) {
-                ResidentLayers layers(d.weight_views, d.grad_views);
-                const std::uint64_t dropout_seed =
-                    mix_seed(mix_seed(m.options.seed, dropout_step), std::uint64_t(m.global(rank)));
-                d.model->forward_backward(d.weight_views, d.grad_views, layers, d.tokens, d.targets, d.stats,
-                                          m.options.z_loss, *d.stack, dropout_seed);
-            } else {
-                ShardedLayers layers(m.stage, m.config, *m.blocks, d.sharded, m.resident(d), *d.backend, *d.comm);
-                d.model->forward_backward(d.weight_views, d.grad_views, layers, d.tokens, d.targets, d.stats,
-                                          m.options.z_loss, *d.stack);
-                layers.reduce_outer();
-            }
+            ZeroLayers layers(*m.zero, d.zero, d.weight_views, d.grad_views, *d.backend, *d.comm);
+            const std::uint64_t dropout_seed =
+                mix_seed(mix_seed(m.options.seed, dropout_step), std::uint64_t(m.global(rank)));
+            d.model->forward_backward(d.weight_views, d.grad_views, layers, d.tokens, d.targets, d.stats,
+                                      m.options.z_loss, *d.stack, dropout_seed);
+            layers.finish_backward();
             // After the step's work is queued, so that the device never idles
             // while this thread waits for the copies.
             d.backend->wait_batch_read();
@@ -826,13 +771,8 @@ StepStats Trainer::validate(const std::int32_t* inputs, const std::int32_t* targ
     m.run([&](int rank, DeviceState& d) {
         const auto [tokens, labels] = m.load_batch(rank, d, inputs, targets, source_device);
         reset_stats(*d.backend, d.eval_stats);
-        if (m.stage == 1) {
-            ResidentLayers layers(d.weight_views, d.grad_views);
-            d.model->forward_loss(d.weight_views, layers, tokens, labels, d.eval_stats, m.options.z_loss, *d.stack);
-        } else {
-            ShardedLayers layers(m.stage, m.config, *m.blocks, d.sharded, m.resident(d), *d.backend, *d.comm);
-            d.model->forward_loss(d.weight_views, layers, tokens, labels, d.eval_stats, m.options.z_loss, *d.stack);
-        }
+        ZeroLayers layers(*m.zero, d.zero, d.weight_views, d.grad_views, *d.backend, *d.comm);
+        d.model->forward_loss(d.weight_views, layers, tokens, labels, d.eval_stats, m.options.z_loss, *d.stack);
         m.gather_stats(d, d.eval_stats);
         std::vector<StatValue> gathered = m.read_gathered(d);
         if (rank == 0) rows = std::move(gathered);
@@ -850,7 +790,7 @@ StepStats Trainer::update(const UpdateParams& params) {
     float scale_norm_skip[3] = {0.0f, 0.0f, 0.0f};
     m.run([&](int rank, DeviceState& d) {
         Backend& be = *d.backend;
-        if (m.stage == 1) d.comm->reduce_scatter_sum(d.grads);
+        m.zero->reduce_gradients(d.zero, *d.comm);
         // This rank's row of `gathered`: its loss statistics and the sum of
         // squares of its gradient shard; the scale is computed on the device.
         const Tensor squares = d.gathered.slice(std::int64_t(m.global(rank)) * kGatherStride + kSumSquaresSlot, 1);
@@ -860,15 +800,8 @@ StepStats Trainer::update(const UpdateParams& params) {
         be.optimizer_scale(d.optimizer_scale, d.gathered, n, params.grad_clip);
 
         m.optimizer_step(rank, d, params, step_number);
-        if (m.stage < 3) {
-            d.comm->all_gather(d.weights);
-        } else {
-            // Layers are gathered when used; the embedding and head stay whole.
-            const BlockLayout& b = *m.blocks;
-            d.comm->gather_range(d.sharded.embed_weights, 0, b.embed_end, d.sharded.weight_shard, m.shard);
-            d.comm->gather_range(d.sharded.head_weights, b.head_begin, b.total, d.sharded.weight_shard, m.shard);
-        }
-        be.fill(m.stage == 1 ? d.grads : d.sharded.grad_shard, 0.0f);
+        m.zero->gather_weights(d.zero, *d.comm);
+        m.zero->clear_gradients(be, d.zero);
         reset_stats(be, d.stats);
         if (rank == 0) {
             rows = m.read_gathered(d);

@@ -1,38 +1,124 @@
 #include "zero.h"
 
 #include <algorithm>
+#include <string>
 
 #include "nanoq/errors.h"
 
 namespace nanoq {
 
-BlockLayout::BlockLayout(const ModelConfig& config, int devices) {
-    const auto layout = parameter_layout(config);
+BlockLayout::BlockLayout(const std::vector<ParameterInfo>& layout, int num_layers, int devices) {
     total = layout.back().offset + layout.back().numel();
     shard = (total + devices - 1) / devices;
-    embed_end = layout.front().numel();
-    for (int l = 0; l < config.num_layers; ++l) {
-        layers.push_back(layer_range(config, l));
-        max_layer = std::max(max_layer, layers.back().second - layers.back().first);
+    std::size_t next = 0;
+    auto end_of = [&](std::size_t i) { return layout[i].offset + layout[i].numel(); };
+    auto in_layer = [&](std::size_t i, int l) {
+        return layout[i].name.rfind("model.layers." + std::to_string(l) + ".", 0) == 0;
+    };
+    while (next < layout.size() && !in_layer(next, 0)) ++next;
+    embed_end = next ? end_of(next - 1) : 0;
+    for (int l = 0; l < num_layers; ++l) {
+        if (next == layout.size() || !in_layer(next, l))
+            throw InternalError("layer " + std::to_string(l) + "'s parameters are not contiguous in the layout");
+        const std::int64_t begin = layout[next].offset;
+        while (next < layout.size() && in_layer(next, l)) ++next;
+        layers.emplace_back(begin, end_of(next - 1));
+        max_layer = std::max(max_layer, layers.back().second - begin);
     }
-    head_begin = layers.back().second;
+    head_begin = layers.empty() ? embed_end : layers.back().second;
 }
 
-ShardedLayers::ShardedLayers(int stage, const ModelConfig& config, const BlockLayout& blocks, ShardedState& state,
-                             const ModelWeights& resident, Backend& backend, Communicator& comm)
-    : stage_(stage), config_(config), blocks_(blocks), state_(state), resident_(resident), backend_(backend),
-      comm_(comm) {}
+ZeroSharding::ZeroSharding(int stage, const ModelConfig& config, const std::vector<ParameterInfo>& layout,
+                           int devices)
+    : stage_(stage), devices_(devices), config_(config), blocks_(layout, config.num_layers, devices) {}
 
-void ShardedLayers::gather(int layer, int buffer, bool now) {
+void ZeroSharding::allocate(NamedAllocator& a, ZeroBuffers& z, DType weight_dtype, const std::string& weights_name,
+                            bool offload_gradients) const {
+    const BlockLayout& b = blocks_;
+    if (stage_ < 3) {
+        z.weights = a.allocate(Context::Weights, weights_name, weight_dtype, {padded()});
+    } else {
+        z.weight_shard = a.allocate(Context::Weights, "weight-shard", weight_dtype, {b.shard});
+        z.embed_weights = a.allocate(Context::Weights, "embed-weights", weight_dtype, {b.embed_end});
+        z.head_weights = a.allocate(Context::Weights, "head-weights", weight_dtype, {b.total - b.head_begin});
+        for (int i = 0; i < 2; ++i)
+            z.layer_weights[i] = a.allocate(Context::Weights, "layer-weights." + std::to_string(i), weight_dtype,
+                                            {b.max_layer});
+    }
+    if (stage_ == 1) {
+        z.grads = a.allocate(Context::Gradients, "gradients", DType::F32, {padded()});
+    } else {
+        z.grad_shard = a.allocate(Context::Gradients, "gradient-shard", DType::F32, {b.shard},
+                                  offload_gradients ? MemoryKind::Pinned : MemoryKind::Device);
+        z.embed_grads = a.allocate(Context::Gradients, "embed-gradients", DType::F32, {b.embed_end});
+        z.head_grads = a.allocate(Context::Gradients, "head-gradients", DType::F32, {b.total - b.head_begin});
+        z.layer_grads = a.allocate(Context::Gradients, "layer-gradients", DType::F32, {b.max_layer});
+        z.reduce_scratch = a.allocate(Context::Workspace, "reduce-scratch", DType::F32,
+                                      {std::max({b.max_layer, b.embed_end, b.total - b.head_begin})});
+    }
+}
+
+void ZeroSharding::fill_zero(Backend& backend, ZeroBuffers& z) const {
+    for (const Tensor& t : {z.weights, z.grads, z.grad_shard, z.embed_grads, z.head_grads, z.layer_grads,
+                            z.weight_shard, z.embed_weights, z.head_weights})
+        if (t.data) backend.fill(t, 0.0f);
+}
+
+ModelWeights ZeroSharding::weight_views(const ZeroBuffers& z) const {
+    return stage_ < 3 ? bind_weights(config_, z.weights)
+                      : bind_outer(config_, z.embed_weights, z.head_weights, blocks_.head_begin);
+}
+
+ModelWeights ZeroSharding::grad_views(const ZeroBuffers& z) const {
+    return stage_ == 1 ? bind_weights(config_, z.grads)
+                       : bind_outer(config_, z.embed_grads, z.head_grads, blocks_.head_begin);
+}
+
+Tensor ZeroSharding::weight_shard(int rank, const ZeroBuffers& z) const {
+    return stage_ == 3 ? z.weight_shard : z.weights.slice(rank * blocks_.shard, blocks_.shard);
+}
+
+Tensor ZeroSharding::grad_shard(int rank, const ZeroBuffers& z) const {
+    return stage_ == 1 ? z.grads.slice(rank * blocks_.shard, blocks_.shard) : z.grad_shard;
+}
+
+Tensor ZeroSharding::whole_weights(const ZeroBuffers& z, const ParameterInfo& p) const {
+    if (stage_ < 3) return z.weights.slice(p.offset, p.numel());
+    if (p.offset < blocks_.embed_end) return z.embed_weights.slice(p.offset, p.numel());
+    if (p.offset >= blocks_.head_begin) return z.head_weights.slice(p.offset - blocks_.head_begin, p.numel());
+    return Tensor();
+}
+
+void ZeroSharding::reduce_gradients(ZeroBuffers& z, Communicator& comm) const {
+    if (stage_ == 1) comm.reduce_scatter_sum(z.grads);
+}
+
+void ZeroSharding::gather_weights(ZeroBuffers& z, Communicator& comm) const {
+    if (stage_ < 3) return comm.all_gather(z.weights);
+    // Layers are gathered when used; the embedding and head stay whole.
+    comm.gather_range(z.embed_weights, 0, blocks_.embed_end, z.weight_shard, blocks_.shard);
+    comm.gather_range(z.head_weights, blocks_.head_begin, blocks_.total, z.weight_shard, blocks_.shard);
+}
+
+void ZeroSharding::clear_gradients(Backend& backend, ZeroBuffers& z) const {
+    backend.fill(stage_ == 1 ? z.grads : z.grad_shard, 0.0f);
+}
+
+ZeroLayers::ZeroLayers(const ZeroSharding& zero, ZeroBuffers& z, const ModelWeights& resident_weights,
+                       const ModelWeights& resident_grads, Backend& backend, Communicator& comm)
+    : zero_(zero), stage_(zero.stage()), config_(zero.config()), blocks_(zero.blocks()), z_(z),
+      resident_weights_(resident_weights), resident_grads_(resident_grads), backend_(backend), comm_(comm) {}
+
+void ZeroLayers::gather(int layer, int buffer, bool now) {
     const auto [begin, end] = blocks_.layers[layer];
-    const Tensor block = state_.layer_weights[buffer].slice(0, end - begin);
-    comm_.gather_range(block, begin, end, state_.weight_shard, blocks_.shard, now);
+    const Tensor block = z_.layer_weights[buffer].slice(0, end - begin);
+    comm_.gather_range(block, begin, end, z_.weight_shard, blocks_.shard, now);
     weight_views_[buffer] = bind_layer(config_, layer, block);
     holds_[buffer] = layer;
 }
 
-const LayerWeights& ShardedLayers::weights(int layer) {
-    if (stage_ < 3) return resident_.layers[layer];
+const LayerWeights& ZeroLayers::weights(int layer) {
+    if (stage_ < 3) return resident_weights_.layers[layer];
     const int direction = layer >= last_ ? 1 : -1;  // forward climbs, backward descends
     last_ = layer;
     int buffer = holds_[0] == layer ? 0 : holds_[1] == layer ? 1 : -1;
@@ -49,26 +135,28 @@ const LayerWeights& ShardedLayers::weights(int layer) {
     return weight_views_[buffer];
 }
 
-const LayerWeights& ShardedLayers::grads(int layer) {
+const LayerWeights& ZeroLayers::grads(int layer) {
+    if (stage_ == 1) return resident_grads_.layers[layer];
     const auto [begin, end] = blocks_.layers[layer];
-    grad_views_ = bind_layer(config_, layer, state_.layer_grads.slice(0, end - begin));
+    grad_views_ = bind_layer(config_, layer, z_.layer_grads.slice(0, end - begin));
     return grad_views_;
 }
 
-void ShardedLayers::grads_done(int layer) {
+void ZeroLayers::grads_done(int layer) {
+    if (stage_ == 1) return;
     const auto [begin, end] = blocks_.layers[layer];
-    const Tensor block = state_.layer_grads.slice(0, end - begin);
-    comm_.reduce_range_add(block, begin, end, state_.grad_shard, blocks_.shard, state_.reduce_scratch);
+    const Tensor block = z_.layer_grads.slice(0, end - begin);
+    comm_.reduce_range_add(block, begin, end, z_.grad_shard, blocks_.shard, z_.reduce_scratch);
     backend_.fill(block, 0.0f);  // weight gradients accumulate: the next layer starts from zero
 }
 
-void ShardedLayers::reduce_outer() {
-    comm_.reduce_range_add(state_.embed_grads, 0, blocks_.embed_end, state_.grad_shard, blocks_.shard,
-                           state_.reduce_scratch);
-    comm_.reduce_range_add(state_.head_grads, blocks_.head_begin, blocks_.total, state_.grad_shard, blocks_.shard,
-                           state_.reduce_scratch);
-    backend_.fill(state_.embed_grads, 0.0f);
-    backend_.fill(state_.head_grads, 0.0f);
+void ZeroLayers::finish_backward() {
+    if (stage_ == 1) return;
+    comm_.reduce_range_add(z_.embed_grads, 0, blocks_.embed_end, z_.grad_shard, blocks_.shard, z_.reduce_scratch);
+    comm_.reduce_range_add(z_.head_grads, blocks_.head_begin, blocks_.total, z_.grad_shard, blocks_.shard,
+                           z_.reduce_scratch);
+    backend_.fill(z_.embed_grads, 0.0f);
+    backend_.fill(z_.head_grads, 0.0f);
 }
 
 }  // namespace nanoq

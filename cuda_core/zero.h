@@ -1,22 +1,33 @@
-// ZeRO stages 2 and 3: where each layer's gradients and weights live.
+// ZeRO stages 1-3: where each device's weights and gradients live, and the
+// collectives that move them. The trainer knows the stage only through
+// ZeroSharding (buffers, shards, the reductions and gathers around the
+// optimizer) and ZeroLayers (the model's LayerSource during a pass).
 //
-// Stage 1 keeps full weights and full gradients on every device and shards
-// only the optimizer (trainer.cpp). Stage 2 also shards the gradients: a
-// layer's gradients are computed into one working buffer and, as soon as the
-// layer's backward is done, summed over devices into the owners' gradient
-// shards. Stage 3 also shards the weights: each device keeps its shard, and a
-// layer's weights are gathered into one of two buffers when the model asks for
-// them, the neighbouring layer's gather being issued before the layer computes
-// and waited for only when that layer is asked for (double buffering: on GPUs
-// the gather runs on the communication stream alongside the compute). The embedding and the head (final norm and an untied
-// lm_head) stay whole on every device: they are needed at both ends of a step.
-// Shards are the same contiguous ranges of the flat layout at every stage, so
+// Every stage shards the optimizer: device r owns the contiguous shard
+// [r * shard, (r + 1) * shard) of the flat parameter layout (padded to a
+// multiple of the device count), holds master weights and AdamW moments for
+// it only, and updates it; shards are the same ranges at every stage, so
 // optimizer state and checkpoints do not depend on the stage.
+//
+// Stage 1 keeps full weights and full float32 gradients on every device; the
+// gradients are summed over devices into the owners' shards (reduce-scatter)
+// before the optimizer, and the updated shards are all-gathered after it.
+// Stage 2 also shards the gradients: a layer's gradients are computed into a
+// working buffer and, as soon as the layer's backward is done, summed over
+// devices into the owners' gradient shards. Stage 3 also shards the weights:
+// each device keeps its shard, and a layer's weights are gathered into one of
+// two buffers when the model asks for them, the neighbouring layer's gather
+// being issued before the layer computes and waited for only when that layer
+// is asked for (double buffering: on GPUs the gather runs on the
+// communication stream alongside the compute). The embedding and the head
+// (final norm and an untied lm_head) stay whole on every device at stages 2
+// and 3: they are needed at both ends of a step.
 #pragma once
 
 #include <utility>
 #include <vector>
 
+#include "allocator.h"
 #include "backend.h"
 #include "comm.h"
 #include "model.h"
@@ -24,9 +35,12 @@
 
 namespace nanoq {
 
-// The flat parameter layout cut into the units the stages move.
+// The flat layout of the trainable parameters cut into the units the stages
+// move: the parameters before the first layer (the embedding), each layer's
+// ("model.layers.<l>." names, contiguous), and those after the last (the
+// head). With LoRA the layout holds only the adapters: no embedding, no head.
 struct BlockLayout {
-    BlockLayout(const ModelConfig& config, int devices);
+    BlockLayout(const std::vector<ParameterInfo>& layout, int num_layers, int devices);
 
     std::int64_t total = 0;       // parameters
     std::int64_t shard = 0;       // elements per device: ceil(total / devices)
@@ -36,37 +50,98 @@ struct BlockLayout {
     std::int64_t max_layer = 0;   // elements of the largest layer
 };
 
-// A device's buffers for stages 2 and 3 (unused ones stay empty).
-struct ShardedState {
-    Tensor grad_shard;                    // [shard] float32: this device's summed gradients
-    Tensor embed_grads, head_grads;       // whole, float32
-    Tensor layer_grads;                   // [max_layer] float32, one layer at a time
+// One device's weight and gradient buffers (those its stage does not use stay empty).
+struct ZeroBuffers {
+    Tensor weights;                       // [padded], full (stages 1 and 2)
+    Tensor grads;                         // [padded] float32, full (stage 1)
+    Tensor grad_shard;                    // [shard] float32: this device's summed gradients (stages 2, 3)
+    Tensor embed_grads, head_grads;       // whole, float32 (stages 2, 3)
+    Tensor layer_grads;                   // [max_layer] float32, one layer at a time (stages 2, 3)
     Tensor reduce_scratch;                // float32, as large as the largest of the three above
     Tensor weight_shard;                  // [shard] in the weights' dtype (stage 3)
     Tensor embed_weights, head_weights;   // whole (stage 3)
     Tensor layer_weights[2];              // [max_layer] each: the double buffer (stage 3)
 };
 
-// The model's LayerSource at stages 2 and 3 (one per step or validation).
-class ShardedLayers final : public LayerSource {
+// The stage's rules, shared by every device of a trainer.
+class ZeroSharding {
 public:
-    ShardedLayers(int stage, const ModelConfig& config, const BlockLayout& blocks, ShardedState& state,
-                  const ModelWeights& resident, Backend& backend, Communicator& comm);
+    // `layout`: the trainable parameters (what the flat buffers hold).
+    ZeroSharding(int stage, const ModelConfig& config, const std::vector<ParameterInfo>& layout, int devices);
+
+    int stage() const { return stage_; }
+    const ModelConfig& config() const { return config_; }
+    std::int64_t shard() const { return blocks_.shard; }
+    std::int64_t padded() const { return blocks_.shard * devices_; }  // the full buffers' length
+    const BlockLayout& blocks() const { return blocks_; }
+    // Whether the weights of this device's shard live in a buffer of their
+    // own (stage 3) rather than inside full weights.
+    bool separate_weight_shard() const { return stage_ == 3; }
+
+    // Allocates one device's buffers (or plans them, with a planning
+    // allocator); `weights_name` names the full weights ("weights", or
+    // "adapters" with LoRA).
+    void allocate(NamedAllocator& allocator, ZeroBuffers& z, DType weight_dtype, const std::string& weights_name,
+                  bool offload_gradients) const;
+    // Sets the allocated buffers to zero.
+    void fill_zero(Backend& backend, ZeroBuffers& z) const;
+    // The model's views of the embedding, final norm and head (and, at
+    // stages 1 and 2, of the layers' weights; at stage 1 of their gradients).
+    ModelWeights weight_views(const ZeroBuffers& z) const;
+    ModelWeights grad_views(const ZeroBuffers& z) const;
+
+    // This rank's part of the weights and its summed gradients, [shard] each
+    // (the gradients once reduce_gradients has run).
+    Tensor weight_shard(int rank, const ZeroBuffers& z) const;
+    Tensor grad_shard(int rank, const ZeroBuffers& z) const;
+    // Where this device holds trainable parameter p whole: the full weights
+    // (stages 1 and 2), or at stage 3 the replicated embedding/head; else
+    // empty (a stage-3 layer parameter, held only as shards).
+    Tensor whole_weights(const ZeroBuffers& z, const ParameterInfo& p) const;
+    // Whether this optimizer step's gradients are already summed over
+    // devices into the owners' shards (else each device holds its own sums
+    // in `grads`).
+    bool gradients_summed(const ZeroBuffers& z) const { return stage_ > 1; }
+
+    // Before the optimizer: every device's gradients summed into the owners' shards.
+    void reduce_gradients(ZeroBuffers& z, Communicator& comm) const;
+    // After the optimizer updated this rank's weight shard: the weights every
+    // device keeps whole, refreshed from their owners.
+    void gather_weights(ZeroBuffers& z, Communicator& comm) const;
+    // After the update: gradients back to zero for the next optimizer step.
+    void clear_gradients(Backend& backend, ZeroBuffers& z) const;
+
+private:
+    int stage_;
+    int devices_;
+    ModelConfig config_;
+    BlockLayout blocks_;
+};
+
+// The model's LayerSource for one forward (+ backward) pass of one device.
+class ZeroLayers final : public LayerSource {
+public:
+    // `resident`: the device's weight and gradient views (weight_views and
+    // grad_views, or the LoRA views at stage 1).
+    ZeroLayers(const ZeroSharding& zero, ZeroBuffers& z, const ModelWeights& resident_weights,
+               const ModelWeights& resident_grads, Backend& backend, Communicator& comm);
 
     const LayerWeights& weights(int layer) override;
     const LayerWeights& grads(int layer) override;
     void grads_done(int layer) override;
-    // After backward: the embedding's and the head's gradients to their owners.
-    void reduce_outer();
+    // After backward: the embedding's and the head's gradients to their owners (stages 2 and 3).
+    void finish_backward();
 
 private:
     void gather(int layer, int buffer, bool now);
 
+    const ZeroSharding& zero_;
     int stage_;
     const ModelConfig& config_;
     const BlockLayout& blocks_;
-    ShardedState& state_;
-    const ModelWeights& resident_;  // full weights (stage 2)
+    ZeroBuffers& z_;
+    const ModelWeights& resident_weights_;
+    const ModelWeights& resident_grads_;
     Backend& backend_;
     Communicator& comm_;
     int holds_[2] = {-1, -1};  // the layer in each weight buffer
