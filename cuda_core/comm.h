@@ -8,14 +8,52 @@
 // host wait on one) then throws WorkerAborted instead of waiting forever.
 #pragma once
 
+#include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "tensor.h"
 
 namespace nanoq {
 
 class Backend;
+
+// A collective's place in its rank's issue order (see Communicator).
+using CommTicket = std::int64_t;
+
+// How Communicator::reduce_range combines a sum with what its target held.
+enum class RangeSum { Store, Add };
+
+// A testing aid, off unless the trainer's testing interface turns it on:
+// what one rank's compute issued and waited for, and when its communication
+// ran, in the order it happened. Thread safe (the communication thread of
+// the cpu communicator records into it too).
+class CommTrace {
+public:
+    struct Event {
+        // "backward" (a layer's backward is done), "issue", "wait" (by the
+        // trainer); "comm-start", "comm-end" (cpu: the communication thread
+        // runs a collective), "compute-waits" (cuda: the compute stream is
+        // made to wait for a collective), by the communicator.
+        std::string what;
+        int layer;         // the layer; -1 for the embedding, num_layers for the head, -2 where not known
+        CommTicket ticket; // the collective's ticket; 0 for "backward"
+    };
+    void record(const char* what, int layer, CommTicket ticket) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        events_.push_back(Event{what, layer, ticket});
+    }
+    std::vector<Event> take() {
+        std::lock_guard<std::mutex> lock(mutex_);
+        return std::move(events_);
+    }
+
+private:
+    std::mutex mutex_;
+    std::vector<Event> events_;
+};
 
 class Communicator {
 public:
@@ -31,24 +69,44 @@ public:
     virtual void all_gather(const Tensor& buffer) = 0;
 
     // Ranges of a flat buffer of which rank r owns the contiguous shard
-    // [r * shard, (r + 1) * shard), held in its tensor `own` (ZeRO-2/3):
+    // [r * shard, (r + 1) * shard), held in its tensor `own` (ZeRO):
     // gather_range fills `out` with elements [begin, end) from their owners,
-    // on every rank; reduce_range_add sums `in` (every rank's values of
-    // [begin, end)) over ranks and adds the sum of the part a rank owns into
-    // its `own`. `scratch` holds at least end - begin float32 elements.
-    // With `now` false, gather_range only issues the copy: the device's
-    // compute may run alongside it until wait() (used to prefetch a layer).
-    virtual void gather_range(const Tensor& out, std::int64_t begin, std::int64_t end, const Tensor& own,
-                              std::int64_t shard, bool now = true) = 0;
-    virtual void reduce_range_add(const Tensor& in, std::int64_t begin, std::int64_t end, const Tensor& own,
-                                  std::int64_t shard, const Tensor& scratch) = 0;
-    // Orders the device's compute after every collective issued so far.
+    // on every rank; reduce_range sums `in` (every rank's values of
+    // [begin, end)) over ranks, and each rank adds (RangeSum::Add) or stores
+    // (RangeSum::Store) the sum of the part it owns into its `own`. With
+    // Store, `in` may be the part of the very buffer whose shards the `own`s
+    // are (an in-place reduce-scatter of a range); with Add, the part of `in`
+    // this rank owns is left unspecified.
+    //
+    // With `now` true a collective is complete, as far as the device's
+    // compute is concerned, when it returns. With `now` false it is only
+    // issued: it runs alongside the compute (on a communication thread or
+    // stream) until wait(ticket) for the ticket it returned, or wait(),
+    // orders the compute after it; until then its buffers must not be
+    // touched. Tickets grow in issue order and collectives complete in that
+    // order, so waiting for one waits for those issued before it too.
+    virtual CommTicket gather_range(const Tensor& out, std::int64_t begin, std::int64_t end, const Tensor& own,
+                                    std::int64_t shard, bool now = true) = 0;
+    virtual CommTicket reduce_range(const Tensor& in, std::int64_t begin, std::int64_t end, const Tensor& own,
+                                    std::int64_t shard, RangeSum mode, bool now = true) = 0;
+    // Orders the device's compute after collective `ticket`, or after every
+    // collective issued so far. Errors of the collective surface here.
+    virtual void wait(CommTicket ticket) = 0;
     virtual void wait() = 0;
     virtual void barrier() = 0;
     // Abandons this rank's collectives, queued or in flight, for good: called
     // on this rank's worker thread after it failed (a communicator is never
     // touched by another rank's thread). Idempotent.
     virtual void abort() {}
+
+    // Where this communicator records its testing trace (null: nowhere).
+    void set_trace(CommTrace* trace) { trace_ = trace; }
+
+protected:
+    void trace(const char* what, CommTicket ticket) {
+        if (trace_) trace_->record(what, -2, ticket);
+    }
+    CommTrace* trace_ = nullptr;
 };
 
 // Where one trainer's devices sit among the ranks of its world: global

@@ -120,6 +120,7 @@ struct DeviceState {
     std::unique_ptr<Backend> backend;
     std::unique_ptr<NamedAllocator> allocator;
     std::unique_ptr<Communicator> comm;
+    std::unique_ptr<CommTrace> trace;  // testing: the order of backward and communication (communication_trace)
     std::unique_ptr<LlamaModel> model;
     std::unique_ptr<StackArena> stack;
     Tensor frozen;                   // LoRA: the frozen model weights, whole on every device
@@ -527,6 +528,16 @@ int Trainer::micro_steps() const { return impl_->micro_steps; }
 int Trainer::optimizer_steps() const { return impl_->optimizer_steps; }
 TestingHooks& Trainer::testing_hooks() { return impl_->testing_hooks; }
 
+std::vector<CommEvent> Trainer::communication_trace(int device) {
+    std::lock_guard<std::mutex> serial(impl_->call_mutex);
+    if (device < 0 || device >= world_size()) throw InvalidArgument("no device " + std::to_string(device));
+    impl_->drain();  // the steps queued so far have recorded their events
+    std::vector<CommEvent> out;
+    if (const auto& trace = impl_->devices[device].trace)
+        for (CommTrace::Event& e : trace->take()) out.push_back(CommEvent{std::move(e.what), e.layer, e.ticket});
+    return out;
+}
+
 
 void Trainer::set_parameter(int index, const float* data) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
@@ -654,12 +665,16 @@ void Trainer::get_gradient(int index, float* out) {
     const int n = world_size();
     std::vector<std::vector<float>> per_rank(n, std::vector<float>(p.numel()));
     std::vector<StatValue> rows;
-    const bool summed = m.zero->gradients_summed(m.devices[0].zero);
+    bool summed = false;  // decided on the workers: after the steps queued before this call
     m.run([&](int rank, DeviceState& d) {
         m.gather_stats(d, d.stats);
         std::vector<StatValue> gathered = m.read_gathered(d);
-        if (rank == 0) rows = std::move(gathered);
-        if (!summed) {
+        const bool summed_here = m.zero->gradients_summed(d.zero);  // the same on every rank
+        if (rank == 0) {
+            rows = std::move(gathered);
+            summed = summed_here;
+        }
+        if (!summed_here) {
             d.backend->copy_to_host(per_rank[rank].data(), d.zero.grads.slice(p.offset, p.numel()));
         } else {
             // Already summed over devices, in the owners' shards.
@@ -712,9 +727,17 @@ void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int 
     const std::string label = "step() #" + std::to_string(m.steps_queued + 1) + " (micro-batch " +
                               std::to_string(m.micro_steps + 1) + " of optimizer step " +
                               std::to_string(m.optimizer_steps + 1) + ")";
+    const bool last_micro_batch = m.micro_steps + 1 == m.options.grad_accum;
+    const bool overlap = m.testing_hooks.get(TestingHook::kSynchronousReductions) == 0;
+    const bool tracing = m.testing_hooks.get(TestingHook::kTraceCommunication) != 0;
     const long ticket = m.pool->submit(
-        [&m, slot, rows, fault, delay_rank, delay, dropout_step, inputs, targets, source_device](int rank) {
+        [&m, slot, rows, fault, delay_rank, delay, dropout_step, inputs, targets, source_device, last_micro_batch,
+         overlap, tracing](int rank) {
             DeviceState& d = m.devices[rank];
+            if (tracing != static_cast<bool>(d.trace)) {  // each rank sets its own communicator's trace
+                d.trace = tracing ? std::make_unique<CommTrace>() : nullptr;
+                d.comm->set_trace(d.trace.get());
+            }
             if (rank == delay_rank) std::this_thread::sleep_for(std::chrono::milliseconds(delay));
             if (rank == fault) throw NanoqError("injected fault in worker " + std::to_string(rank));
             // The micro-batch moves into this device's own buffers, so that
@@ -740,7 +763,8 @@ void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int 
                 }
             }
             d.backend->mark_batch_read();
-            ZeroLayers layers(*m.zero, d.zero, d.weight_views, d.grad_views, *d.backend, *d.comm);
+            ZeroLayers layers(*m.zero, d.zero, d.weight_views, d.grad_views, *d.backend, *d.comm, last_micro_batch,
+                              overlap, d.trace.get());
             const std::uint64_t dropout_seed =
                 mix_seed(mix_seed(m.options.seed, dropout_step), std::uint64_t(m.global(rank)));
             d.model->forward_backward(d.weight_views, d.grad_views, layers, d.tokens, d.targets, d.stats,
@@ -790,7 +814,7 @@ StepStats Trainer::update(const UpdateParams& params) {
     float scale_norm_skip[3] = {0.0f, 0.0f, 0.0f};
     m.run([&](int rank, DeviceState& d) {
         Backend& be = *d.backend;
-        m.zero->reduce_gradients(d.zero, *d.comm);
+        m.zero->reduce_gradients(rank, d.zero, *d.comm);
         // This rank's row of `gathered`: its loss statistics and the sum of
         // squares of its gradient shard; the scale is computed on the device.
         const Tensor squares = d.gathered.slice(std::int64_t(m.global(rank)) * kGatherStride + kSumSquaresSlot, 1);

@@ -1,6 +1,7 @@
 #include "zero.h"
 
 #include <algorithm>
+#include <limits>
 #include <string>
 
 #include "nanoq/errors.h"
@@ -52,15 +53,15 @@ void ZeroSharding::allocate(NamedAllocator& a, ZeroBuffers& z, DType weight_dtyp
                                   offload_gradients ? MemoryKind::Pinned : MemoryKind::Device);
         z.embed_grads = a.allocate(Context::Gradients, "embed-gradients", DType::F32, {b.embed_end});
         z.head_grads = a.allocate(Context::Gradients, "head-gradients", DType::F32, {b.total - b.head_begin});
-        z.layer_grads = a.allocate(Context::Gradients, "layer-gradients", DType::F32, {b.max_layer});
-        z.reduce_scratch = a.allocate(Context::Workspace, "reduce-scratch", DType::F32,
-                                      {std::max({b.max_layer, b.embed_end, b.total - b.head_begin})});
+        for (int i = 0; i < 2; ++i)
+            z.layer_grads[i] = a.allocate(Context::Gradients, "layer-gradients." + std::to_string(i), DType::F32,
+                                          {b.max_layer});
     }
 }
 
 void ZeroSharding::fill_zero(Backend& backend, ZeroBuffers& z) const {
-    for (const Tensor& t : {z.weights, z.grads, z.grad_shard, z.embed_grads, z.head_grads, z.layer_grads,
-                            z.weight_shard, z.embed_weights, z.head_weights})
+    for (const Tensor& t : {z.weights, z.grads, z.grad_shard, z.embed_grads, z.head_grads, z.weight_shard,
+                            z.embed_weights, z.head_weights})
         if (t.data) backend.fill(t, 0.0f);
 }
 
@@ -89,8 +90,8 @@ Tensor ZeroSharding::whole_weights(const ZeroBuffers& z, const ParameterInfo& p)
     return Tensor();
 }
 
-void ZeroSharding::reduce_gradients(ZeroBuffers& z, Communicator& comm) const {
-    if (stage_ == 1) comm.reduce_scatter_sum(z.grads);
+void ZeroSharding::reduce_gradients(int, ZeroBuffers& z, Communicator& comm) const {
+    if (stage_ == 1 && !z.gradients_reduced) comm.reduce_scatter_sum(z.grads);
 }
 
 void ZeroSharding::gather_weights(ZeroBuffers& z, Communicator& comm) const {
@@ -102,17 +103,20 @@ void ZeroSharding::gather_weights(ZeroBuffers& z, Communicator& comm) const {
 
 void ZeroSharding::clear_gradients(Backend& backend, ZeroBuffers& z) const {
     backend.fill(stage_ == 1 ? z.grads : z.grad_shard, 0.0f);
+    z.gradients_reduced = false;
 }
 
 ZeroLayers::ZeroLayers(const ZeroSharding& zero, ZeroBuffers& z, const ModelWeights& resident_weights,
-                       const ModelWeights& resident_grads, Backend& backend, Communicator& comm)
-    : zero_(zero), stage_(zero.stage()), config_(zero.config()), blocks_(zero.blocks()), z_(z),
-      resident_weights_(resident_weights), resident_grads_(resident_grads), backend_(backend), comm_(comm) {}
+                       const ModelWeights& resident_grads, Backend& backend, Communicator& comm, bool last_micro_batch,
+                       bool overlap, CommTrace* trace)
+    : stage_(zero.stage()), config_(zero.config()), blocks_(zero.blocks()), z_(z),
+      resident_weights_(resident_weights), resident_grads_(resident_grads), backend_(backend), comm_(comm),
+      reduce_(zero.stage() > 1 || (last_micro_batch && overlap)), overlap_(overlap), trace_(trace) {}
 
 void ZeroLayers::gather(int layer, int buffer, bool now) {
     const auto [begin, end] = blocks_.layers[layer];
     const Tensor block = z_.layer_weights[buffer].slice(0, end - begin);
-    comm_.gather_range(block, begin, end, z_.weight_shard, blocks_.shard, now);
+    gathers_[buffer] = comm_.gather_range(block, begin, end, z_.weight_shard, blocks_.shard, now);
     weight_views_[buffer] = bind_layer(config_, layer, block);
     holds_[buffer] = layer;
 }
@@ -126,7 +130,7 @@ const LayerWeights& ZeroLayers::weights(int layer) {
         buffer = holds_[0] == layer - direction ? 1 : 0;  // keep the layer just used, if any
         gather(layer, buffer, true);
     } else {
-        comm_.wait();  // its prefetch, issued while the previous layer computed
+        comm_.wait(gathers_[buffer]);  // its prefetch, issued while the previous layer computed
     }
     // The next layer's gather runs while this one computes (on GPUs: on the
     // communication stream, waited for when that layer is asked for).
@@ -137,26 +141,76 @@ const LayerWeights& ZeroLayers::weights(int layer) {
 
 const LayerWeights& ZeroLayers::grads(int layer) {
     if (stage_ == 1) return resident_grads_.layers[layer];
+    const int b = grad_buffer_;
+    if (reducing_[b]) {  // the buffer is reused: its reduction must be done
+        comm_.wait(reducing_[b]);
+        waited(reducing_[b]);
+        reducing_[b] = 0;
+    }
     const auto [begin, end] = blocks_.layers[layer];
-    grad_views_ = bind_layer(config_, layer, z_.layer_grads.slice(0, end - begin));
+    const Tensor block = z_.layer_grads[b].slice(0, end - begin);
+    backend_.fill(block, 0.0f);  // weight gradients accumulate: each layer starts from zero
+    grad_views_ = bind_layer(config_, layer, block);
     return grad_views_;
 }
 
 void ZeroLayers::grads_done(int layer) {
-    if (stage_ == 1) return;
+    if (!reduce_) return;
+    if (trace_) trace_->record("backward", layer, 0);
     const auto [begin, end] = blocks_.layers[layer];
-    const Tensor block = z_.layer_grads.slice(0, end - begin);
-    comm_.reduce_range_add(block, begin, end, z_.grad_shard, blocks_.shard, z_.reduce_scratch);
-    backend_.fill(block, 0.0f);  // weight gradients accumulate: the next layer starts from zero
+    if (stage_ == 1) {
+        reduce(z_.grads.slice(begin, end - begin), begin, end, layer);
+        return;
+    }
+    const int b = grad_buffer_;
+    const CommTicket ticket = reduce(z_.layer_grads[b].slice(0, end - begin), begin, end, layer);
+    if (!overlap_) return;  // done already: the buffer is free
+    reducing_[b] = ticket;
+    grad_buffer_ = 1 - b;
+}
+
+CommTicket ZeroLayers::reduce(const Tensor& grads, std::int64_t begin, std::int64_t end, int label) {
+    if (begin == end) return 0;
+    const std::int64_t shard = blocks_.shard;
+    const Tensor own = stage_ == 1 ? z_.grads.slice(comm_.rank() * shard, shard) : z_.grad_shard;
+    const CommTicket ticket = comm_.reduce_range(grads, begin, end, own, shard,
+                                                 stage_ == 1 ? RangeSum::Store : RangeSum::Add, !overlap_);
+    if (trace_) {
+        trace_->record("issue", label, ticket);
+        unwaited_.emplace_back(label, ticket);
+    }
+    if (!overlap_) waited(ticket);
+    return ticket;
+}
+
+void ZeroLayers::waited(CommTicket ticket) {
+    if (!trace_) return;
+    auto done = [&](const std::pair<int, CommTicket>& r) { return r.second <= ticket; };
+    for (const auto& [label, issued] : unwaited_)
+        if (issued <= ticket) trace_->record("wait", label, issued);
+    unwaited_.erase(std::remove_if(unwaited_.begin(), unwaited_.end(), done), unwaited_.end());
 }
 
 void ZeroLayers::finish_backward() {
-    if (stage_ == 1) return;
-    comm_.reduce_range_add(z_.embed_grads, 0, blocks_.embed_end, z_.grad_shard, blocks_.shard, z_.reduce_scratch);
-    comm_.reduce_range_add(z_.head_grads, blocks_.head_begin, blocks_.total, z_.grad_shard, blocks_.shard,
-                           z_.reduce_scratch);
-    backend_.fill(z_.embed_grads, 0.0f);
-    backend_.fill(z_.head_grads, 0.0f);
+    if (!reduce_) return;
+    const int head = config_.num_layers;
+    if (stage_ == 1) {
+        reduce(z_.grads.slice(0, blocks_.embed_end), 0, blocks_.embed_end, -1);
+        reduce(z_.grads.slice(blocks_.head_begin, blocks_.total - blocks_.head_begin), blocks_.head_begin,
+               blocks_.total, head);
+    } else {
+        reduce(z_.embed_grads, 0, blocks_.embed_end, -1);
+        reduce(z_.head_grads, blocks_.head_begin, blocks_.total, head);
+    }
+    comm_.wait();
+    waited(std::numeric_limits<CommTicket>::max());
+    reducing_[0] = reducing_[1] = 0;
+    if (stage_ == 1) {
+        z_.gradients_reduced = true;
+    } else {
+        backend_.fill(z_.embed_grads, 0.0f);
+        backend_.fill(z_.head_grads, 0.0f);
+    }
 }
 
 }  // namespace nanoq

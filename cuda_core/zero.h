@@ -22,6 +22,19 @@
 // communication stream alongside the compute). The embedding and the head
 // (final norm and an untied lm_head) stay whole on every device at stages 2
 // and 3: they are needed at both ends of a step.
+//
+// Overlap. Gradient reductions are issued as soon as a layer's backward is
+// done and run on the communication thread (cpu) or stream (cuda) while the
+// layers below compute: at stage 1 on the last micro-batch of an optimizer
+// step, when each layer's range of the full gradients is final (it is summed
+// in place into its owners; an update() that comes before grad_accum
+// micro-batches sums the whole buffer instead), at stages 2 and 3 on every
+// micro-batch, the layer buffer alternating between two so that the next
+// layer's backward writes one while the other is being summed. The compute
+// waits for a reduction only when its buffer is reused and at the end of
+// the backward. The sums are those of the synchronous path, in the same
+// rank order: results are bitwise equal to it (ZeroLayers' `overlap`
+// keeps it, for tests).
 #pragma once
 
 #include <utility>
@@ -56,11 +69,13 @@ struct ZeroBuffers {
     Tensor grads;                         // [padded] float32, full (stage 1)
     Tensor grad_shard;                    // [shard] float32: this device's summed gradients (stages 2, 3)
     Tensor embed_grads, head_grads;       // whole, float32 (stages 2, 3)
-    Tensor layer_grads;                   // [max_layer] float32, one layer at a time (stages 2, 3)
-    Tensor reduce_scratch;                // float32, as large as the largest of the three above
+    Tensor layer_grads[2];                // [max_layer] float32 each: a layer computing, one reducing (stages 2, 3)
     Tensor weight_shard;                  // [shard] in the weights' dtype (stage 3)
     Tensor embed_weights, head_weights;   // whole (stage 3)
     Tensor layer_weights[2];              // [max_layer] each: the double buffer (stage 3)
+    // Stage 1: this optimizer step's gradients are summed into the owners'
+    // shards already (the last micro-batch's backward did it).
+    bool gradients_reduced = false;
 };
 
 // The stage's rules, shared by every device of a trainer.
@@ -101,10 +116,11 @@ public:
     // Whether this optimizer step's gradients are already summed over
     // devices into the owners' shards (else each device holds its own sums
     // in `grads`).
-    bool gradients_summed(const ZeroBuffers& z) const { return stage_ > 1; }
+    bool gradients_summed(const ZeroBuffers& z) const { return stage_ > 1 || z.gradients_reduced; }
 
-    // Before the optimizer: every device's gradients summed into the owners' shards.
-    void reduce_gradients(ZeroBuffers& z, Communicator& comm) const;
+    // Before the optimizer: every device's gradients summed into the owners'
+    // shards (stage 1, unless the backward did it already).
+    void reduce_gradients(int rank, ZeroBuffers& z, Communicator& comm) const;
     // After the optimizer updated this rank's weight shard: the weights every
     // device keeps whole, refreshed from their owners.
     void gather_weights(ZeroBuffers& z, Communicator& comm) const;
@@ -121,21 +137,33 @@ private:
 // The model's LayerSource for one forward (+ backward) pass of one device.
 class ZeroLayers final : public LayerSource {
 public:
-    // `resident`: the device's weight and gradient views (weight_views and
-    // grad_views, or the LoRA views at stage 1).
+    // `resident_*`: the device's weight and gradient views (weight_views and
+    // grad_views, or the LoRA views at stage 1). `last_micro_batch`: this
+    // backward completes the optimizer step's gradients. `overlap` false:
+    // reductions run synchronously, as before the overlap (stage 1: all at
+    // update()), kept for tests. `trace`: where to record the order of
+    // backward and reductions (tests), or null.
     ZeroLayers(const ZeroSharding& zero, ZeroBuffers& z, const ModelWeights& resident_weights,
-               const ModelWeights& resident_grads, Backend& backend, Communicator& comm);
+               const ModelWeights& resident_grads, Backend& backend, Communicator& comm, bool last_micro_batch = false,
+               bool overlap = true, CommTrace* trace = nullptr);
 
     const LayerWeights& weights(int layer) override;
     const LayerWeights& grads(int layer) override;
     void grads_done(int layer) override;
-    // After backward: the embedding's and the head's gradients to their owners (stages 2 and 3).
+    // After backward: the embedding's and the head's gradients to their
+    // owners, and the compute ordered after every reduction of the pass.
     void finish_backward();
 
 private:
     void gather(int layer, int buffer, bool now);
+    // Issues the reduction of [begin, end) of the flat layout from `grads`
+    // (a range of the full gradients at stage 1, stored in place; a
+    // gradient buffer at stages 2 and 3, added to the shard); `label` is the
+    // layer for the trace.
+    CommTicket reduce(const Tensor& grads, std::int64_t begin, std::int64_t end, int label);
+    // The compute was ordered after reduction `ticket` (and those before it): traced.
+    void waited(CommTicket ticket);
 
-    const ZeroSharding& zero_;
     int stage_;
     const ModelConfig& config_;
     const BlockLayout& blocks_;
@@ -144,10 +172,19 @@ private:
     const ModelWeights& resident_grads_;
     Backend& backend_;
     Communicator& comm_;
+    bool reduce_;              // this backward sums gradients over devices
+    bool overlap_;
+    CommTrace* trace_;
     int holds_[2] = {-1, -1};  // the layer in each weight buffer
+    CommTicket gathers_[2] = {0, 0};  // the gather that fills each weight buffer
     LayerWeights weight_views_[2];
-    LayerWeights grad_views_;
     int last_ = -1;            // the layer asked for last: gives the direction of travel
+    // Stages 2 and 3: the gradient buffer of the next layer, and for each
+    // the reduction still reading it (ticket 0: none).
+    int grad_buffer_ = 0;
+    CommTicket reducing_[2] = {0, 0};
+    LayerWeights grad_views_;
+    std::vector<std::pair<int, CommTicket>> unwaited_;  // traced reductions not waited for yet: (label, ticket)
 };
 
 }  // namespace nanoq

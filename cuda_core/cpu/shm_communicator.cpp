@@ -4,17 +4,30 @@
 // lets each rank work on the part it owns (reading the others' buffers), and
 // meets again before anyone may touch its buffer. In-place reduce-scatter is
 // safe because rank r writes only chunk r of its own buffer, which no other
-// rank reads; all-gather because each rank writes only its own buffer.
+// rank reads (the same holds for a range stored in place); all-gather because
+// each rank writes only its own buffer.
+//
+// Asynchronous collectives (`now` false) run on a communication thread of
+// each rank, in issue order, while the rank's worker computes. A synchronous
+// one first waits for that thread to finish what was issued before it, then
+// runs on the caller's thread: every rank still runs its collectives one at a
+// time and in the same order, which is all the barrier protocol needs. An
+// error on the communication thread (an abandoned collective) is kept and
+// thrown by the worker's next call.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <exception>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "comm.h"
@@ -28,23 +41,39 @@ class SharedMemoryGroup;
 class SharedMemoryCommunicator final : public Communicator {
 public:
     SharedMemoryCommunicator(std::shared_ptr<SharedMemoryGroup> group, int rank);
+    ~SharedMemoryCommunicator() override;
     int rank() const override { return rank_; }
     int size() const override;
     void reduce_scatter_sum(const Tensor& buffer) override;
     void all_gather(const Tensor& buffer) override;
-    void gather_range(const Tensor& out, std::int64_t begin, std::int64_t end, const Tensor& own,
-                      std::int64_t shard, bool now) override;
-    void wait() override {}  // every collective here is complete when it returns
-    void reduce_range_add(const Tensor& in, std::int64_t begin, std::int64_t end, const Tensor& own,
-                          std::int64_t shard, const Tensor& scratch) override;
+    CommTicket gather_range(const Tensor& out, std::int64_t begin, std::int64_t end, const Tensor& own,
+                            std::int64_t shard, bool now) override;
+    CommTicket reduce_range(const Tensor& in, std::int64_t begin, std::int64_t end, const Tensor& own,
+                            std::int64_t shard, RangeSum mode, bool now) override;
+    void wait(CommTicket ticket) override;
+    void wait() override { wait(issued_); }
     void barrier() override;
+    void abort() override;
 
 private:
+    // Runs `collective` now (after what was issued before it) or queues it
+    // for the communication thread.
+    CommTicket issue(std::function<void()> collective, bool now);
+    void communication_loop();
     void begin_collective(const Tensor& buffer, bool any_dtype = false);
     std::int64_t chunk_size(const Tensor& buffer) const;
 
     std::shared_ptr<SharedMemoryGroup> group_;
     int rank_;
+    std::thread thread_;  // the communication thread (none for a group of one)
+    std::mutex mutex_;
+    std::condition_variable changed_;
+    std::deque<std::pair<CommTicket, std::function<void()>>> queue_;
+    CommTicket issued_ = 0;     // tickets handed out (touched by the worker's thread only)
+    CommTicket completed_ = 0;  // collectives finished
+    bool running_ = false;      // the communication thread is inside a collective
+    bool stopping_ = false;
+    std::exception_ptr error_;  // the first failure; every later call throws it
 };
 
 class SharedMemoryGroup final : public std::enable_shared_from_this<SharedMemoryGroup> {
@@ -154,61 +183,156 @@ std::map<std::string, std::weak_ptr<SharedMemoryGroup>>& worlds() {
 }
 
 SharedMemoryCommunicator::SharedMemoryCommunicator(std::shared_ptr<SharedMemoryGroup> group, int rank)
-    : group_(std::move(group)), rank_(rank) {}
+    : group_(std::move(group)), rank_(rank) {
+    if (group_->size() > 1) thread_ = std::thread([this] { communication_loop(); });
+}
+
+SharedMemoryCommunicator::~SharedMemoryCommunicator() {
+    bool abandoned = false;
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        stopping_ = true;
+        abandoned = running_ || !queue_.empty();
+        queue_.clear();
+        changed_.notify_all();
+    }
+    // Collectives left behind would keep the peers waiting for this rank.
+    if (abandoned) group_->abort();
+    if (thread_.joinable()) thread_.join();
+}
 
 int SharedMemoryCommunicator::size() const { return group_->size(); }
+
+void SharedMemoryCommunicator::communication_loop() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+        changed_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (stopping_) return;
+        auto [ticket, collective] = std::move(queue_.front());
+        queue_.pop_front();
+        running_ = true;
+        lock.unlock();
+        trace("comm-start", ticket);
+        std::exception_ptr failure;
+        try {
+            collective();
+        } catch (...) {
+            failure = std::current_exception();
+        }
+        trace("comm-end", ticket);
+        lock.lock();
+        running_ = false;
+        if (failure && !error_) error_ = failure;
+        if (error_) queue_.clear();  // later collectives cannot meet their peers
+        completed_ = ticket;
+        changed_.notify_all();
+    }
+}
+
+CommTicket SharedMemoryCommunicator::issue(std::function<void()> collective, bool now) {
+    const CommTicket ticket = ++issued_;
+    if (!thread_.joinable()) {  // a group of one: nothing to overlap
+        collective();
+        completed_ = ticket;
+        return ticket;
+    }
+    if (now) {
+        wait(ticket - 1);
+        try {
+            collective();
+        } catch (...) {
+            std::lock_guard<std::mutex> lock(mutex_);
+            if (!error_) error_ = std::current_exception();
+            throw;
+        }
+        std::lock_guard<std::mutex> lock(mutex_);
+        completed_ = ticket;
+        return ticket;
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (error_) std::rethrow_exception(error_);
+    queue_.emplace_back(ticket, std::move(collective));
+    changed_.notify_all();
+    return ticket;
+}
+
+void SharedMemoryCommunicator::wait(CommTicket ticket) {
+    if (!thread_.joinable()) return;
+    std::unique_lock<std::mutex> lock(mutex_);
+    changed_.wait(lock, [&] { return completed_ >= ticket || error_; });
+    if (error_) std::rethrow_exception(error_);
+}
+
+void SharedMemoryCommunicator::abort() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.clear();
+    if (!error_) error_ = std::make_exception_ptr(WorkerAborted("collective abandoned: this worker failed"));
+    changed_.notify_all();
+}
 
 void SharedMemoryCommunicator::reduce_scatter_sum(const Tensor& buffer) {
     if (size() == 1) return;
     const std::int64_t chunk = chunk_size(buffer);
-    begin_collective(buffer);
-    float* own = buffer.f32() + rank_ * chunk;
-    for (std::int64_t i = 0; i < chunk; ++i) {
-        float acc = 0.0f;
-        for (int r = 0; r < size(); ++r) acc += group_->buffer(r)[rank_ * chunk + i];
-        own[i] = acc;
-    }
-    group_->barrier();
+    issue([=] {
+        begin_collective(buffer);
+        float* own = buffer.f32() + rank_ * chunk;
+        for (std::int64_t i = 0; i < chunk; ++i) {
+            float acc = 0.0f;
+            for (int r = 0; r < size(); ++r) acc += group_->buffer(r)[rank_ * chunk + i];
+            own[i] = acc;
+        }
+        group_->barrier();
+    }, true);
 }
 
 void SharedMemoryCommunicator::all_gather(const Tensor& buffer) {
     if (size() == 1) return;
     // Any dtype: the trainer gathers float64 statistics.
     const std::size_t chunk = static_cast<std::size_t>(chunk_size(buffer)) * dtype_size(buffer.dtype);
-    begin_collective(buffer, true);
-    char* data = static_cast<char*>(buffer.data);
-    for (int r = 0; r < size(); ++r)
-        if (r != rank_) std::memcpy(data + r * chunk, group_->bytes(r) + r * chunk, chunk);
-    group_->barrier();
+    issue([=] {
+        begin_collective(buffer, true);
+        char* data = static_cast<char*>(buffer.data);
+        for (int r = 0; r < size(); ++r)
+            if (r != rank_) std::memcpy(data + r * chunk, group_->bytes(r) + r * chunk, chunk);
+        group_->barrier();
+    }, true);
 }
 
-void SharedMemoryCommunicator::gather_range(const Tensor& out, std::int64_t begin, std::int64_t end,
-                                            const Tensor& own, std::int64_t shard, bool) {
-    begin_collective(own);
-    for (std::int64_t at = begin; at < end;) {
-        const int owner = static_cast<int>(at / shard);
-        const std::int64_t stop = std::min(end, (owner + 1) * shard);
-        std::memcpy(out.f32() + (at - begin), group_->buffer(owner) + (at - owner * shard), sizeof(float) * (stop - at));
-        at = stop;
-    }
-    group_->barrier();
+CommTicket SharedMemoryCommunicator::gather_range(const Tensor& out, std::int64_t begin, std::int64_t end,
+                                                  const Tensor& own, std::int64_t shard, bool now) {
+    return issue([=] {
+        begin_collective(own);
+        for (std::int64_t at = begin; at < end;) {
+            const int owner = static_cast<int>(at / shard);
+            const std::int64_t stop = std::min(end, (owner + 1) * shard);
+            std::memcpy(out.f32() + (at - begin), group_->buffer(owner) + (at - owner * shard),
+                        sizeof(float) * (stop - at));
+            at = stop;
+        }
+        group_->barrier();
+    }, now);
 }
 
-void SharedMemoryCommunicator::reduce_range_add(const Tensor& in, std::int64_t begin, std::int64_t end,
-                                                const Tensor& own, std::int64_t shard, const Tensor&) {
-    begin_collective(in);
-    // This rank adds, in rank order, every rank's values of the part it owns.
-    const std::int64_t lo = std::max(begin, rank_ * shard), hi = std::min(end, (rank_ + 1) * shard);
-    float* target = own.f32();
-    for (std::int64_t at = lo; at < hi; ++at) {
-        float sum = 0.0f;
-        for (int r = 0; r < size(); ++r) sum += group_->buffer(r)[at - begin];
-        target[at - rank_ * shard] += sum;
-    }
-    group_->barrier();
+CommTicket SharedMemoryCommunicator::reduce_range(const Tensor& in, std::int64_t begin, std::int64_t end,
+                                                  const Tensor& own, std::int64_t shard, RangeSum mode, bool now) {
+    return issue([=] {
+        begin_collective(in);
+        // This rank sums, in rank order, every rank's values of the part it owns.
+        const std::int64_t lo = std::max(begin, rank_ * shard), hi = std::min(end, (rank_ + 1) * shard);
+        float* target = own.f32();
+        for (std::int64_t at = lo; at < hi; ++at) {
+            float sum = 0.0f;
+            for (int r = 0; r < size(); ++r) sum += group_->buffer(r)[at - begin];
+            if (mode == RangeSum::Add) target[at - rank_ * shard] += sum;
+            else target[at - rank_ * shard] = sum;
+        }
+        group_->barrier();
+    }, now);
 }
 
-void SharedMemoryCommunicator::barrier() { group_->barrier(); }
+void SharedMemoryCommunicator::barrier() {
+    issue([this] { group_->barrier(); }, true);
+}
 
 void SharedMemoryCommunicator::begin_collective(const Tensor& buffer, bool any_dtype) {
     if (!any_dtype) buffer.f32();  // sums and ranges move float32 only; all_gather copies bytes

@@ -3,7 +3,10 @@
 // One communicator per device thread, created concurrently by all ranks from
 // the group's unique id. Collectives run on a communication stream of their
 // own, ordered against the device's compute stream with events: compute ->
-// collective -> compute, without blocking the host.
+// collective -> compute, without blocking the host. Each collective records
+// an event of its own, so that the compute may wait for one of them (an
+// asynchronous reduction of a layer, a prefetched gather) while the ones
+// issued after it still run.
 //
 // Failures. A communicator is only ever touched by its own rank's thread:
 // NCCL communicators are not thread safe, and aborting one while its thread
@@ -27,6 +30,7 @@
 #include "cuda/cuda_backend.h"
 #include "cuda/cuda_check.h"
 #include "cuda/host_wait.h"
+#include "cuda/kernels.h"
 
 namespace nanoq {
 namespace cuda {
@@ -85,19 +89,24 @@ public:
     int size() const override { return size_; }
     void reduce_scatter_sum(const Tensor& buffer) override;
     void all_gather(const Tensor& buffer) override;
-    void gather_range(const Tensor& out, std::int64_t begin, std::int64_t end, const Tensor& own,
-                      std::int64_t shard, bool now) override;
-    void wait() override;
-    void reduce_range_add(const Tensor& in, std::int64_t begin, std::int64_t end, const Tensor& own,
-                          std::int64_t shard, const Tensor& scratch) override;
+    CommTicket gather_range(const Tensor& out, std::int64_t begin, std::int64_t end, const Tensor& own,
+                            std::int64_t shard, bool now) override;
+    CommTicket reduce_range(const Tensor& in, std::int64_t begin, std::int64_t end, const Tensor& own,
+                            std::int64_t shard, RangeSum mode, bool now) override;
+    void wait(CommTicket ticket) override;
+    void wait() override { wait(issued_); }
     void barrier() override;
     void abort() override;
 
 private:
     std::size_t chunk(const Tensor& buffer) const;
     void start_collective();
-    // Records the collective's completion; with `now`, compute waits for it.
-    void finish_collective(bool now = true);
+    // Records the collective's completion under its ticket; with `now`,
+    // compute waits for it.
+    CommTicket finish_collective(bool now = true);
+    // The ticket of a collective run on the compute stream (a group of one):
+    // ordered already.
+    CommTicket on_compute_stream();
     // Throws when the group failed (WorkerAborted) or NCCL reports an
     // asynchronous error; called while this rank polls.
     void check();
@@ -116,7 +125,14 @@ private:
     CudaBackend& backend_;
     cudaStream_t compute_;
     cudaStream_t stream_ = nullptr;
-    cudaEvent_t compute_done_ = nullptr, comm_done_ = nullptr;
+    cudaEvent_t compute_done_ = nullptr;
+    // The completion events of the latest collectives, by ticket modulo their
+    // count. Waiting on a slot recorded again since waits for a later
+    // collective: longer than needed, never too short.
+    static constexpr int kTicketEvents = 8;
+    cudaEvent_t done_[kTicketEvents] = {};
+    CommTicket issued_ = 0;  // the last ticket handed out
+    CommTicket waited_ = 0;  // the compute is ordered after every collective up to this one
     float* barrier_token_ = nullptr;  // 4 bytes of device memory, outside the named allocator
 };
 
@@ -139,7 +155,7 @@ NcclCommunicator::NcclCommunicator(std::shared_ptr<NcclGroup> group, int rank, C
     : group_(std::move(group)), rank_(rank), size_(group_->size()), backend_(backend), compute_(backend.stream()) {
     NANOQ_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     NANOQ_CUDA_CHECK(cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));
-    NANOQ_CUDA_CHECK(cudaEventCreateWithFlags(&comm_done_, cudaEventDisableTiming));
+    for (cudaEvent_t& event : done_) NANOQ_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
     NANOQ_CUDA_CHECK(cudaMalloc(&barrier_token_, sizeof(float)));
     backend_.set_host_wait_check([this] { check(); });
 }
@@ -168,7 +184,7 @@ NcclCommunicator::~NcclCommunicator() {
     abort();
     cudaFree(barrier_token_);
     cudaEventDestroy(compute_done_);
-    cudaEventDestroy(comm_done_);
+    for (cudaEvent_t event : done_) cudaEventDestroy(event);
     cudaStreamDestroy(stream_);
 }
 
@@ -226,14 +242,23 @@ void NcclCommunicator::start_collective() {
     NANOQ_CUDA_CHECK(cudaStreamWaitEvent(stream_, compute_done_, 0));
 }
 
-void NcclCommunicator::finish_collective(bool now) {
-    NANOQ_CUDA_CHECK(cudaEventRecord(comm_done_, stream_));
-    if (now) NANOQ_CUDA_CHECK(cudaStreamWaitEvent(compute_, comm_done_, 0));
+CommTicket NcclCommunicator::finish_collective(bool now) {
+    const CommTicket ticket = ++issued_;
+    NANOQ_CUDA_CHECK(cudaEventRecord(done_[ticket % kTicketEvents], stream_));
+    if (now) wait(ticket);
+    return ticket;
 }
 
-void NcclCommunicator::wait() {
-    // The communication stream runs in order: its last event covers everything issued.
-    NANOQ_CUDA_CHECK(cudaStreamWaitEvent(compute_, comm_done_, 0));
+CommTicket NcclCommunicator::on_compute_stream() {
+    waited_ = ++issued_;
+    return issued_;
+}
+
+void NcclCommunicator::wait(CommTicket ticket) {
+    if (ticket <= waited_) return;
+    NANOQ_CUDA_CHECK(cudaStreamWaitEvent(compute_, done_[ticket % kTicketEvents], 0));
+    waited_ = ticket;
+    trace("compute-waits", ticket);
 }
 
 void NcclCommunicator::reduce_scatter_sum(const Tensor& buffer) {
@@ -258,13 +283,13 @@ void NcclCommunicator::all_gather(const Tensor& buffer) {
     finish_collective();
 }
 
-void NcclCommunicator::gather_range(const Tensor& out, std::int64_t begin, std::int64_t end, const Tensor& own,
-                                    std::int64_t shard, bool now) {
+CommTicket NcclCommunicator::gather_range(const Tensor& out, std::int64_t begin, std::int64_t end, const Tensor& own,
+                                          std::int64_t shard, bool now) {
     const std::size_t element = dtype_size(own.dtype);
-    if (size_ == 1) {  // a copy on the compute stream: ordered already
+    if (size_ == 1) {
         NANOQ_CUDA_CHECK(cudaMemcpyAsync(out.data, static_cast<const char*>(own.data) + begin * element,
                                          (end - begin) * element, cudaMemcpyDefault, compute_));
-        return;
+        return on_compute_stream();
     }
     // One broadcast per owner of a piece of the range, from its shard.
     start_collective();
@@ -273,24 +298,39 @@ void NcclCommunicator::gather_range(const Tensor& out, std::int64_t begin, std::
                              static_cast<char*>(out.data) + (at - begin) * element, stop - at, nccl_type(own.dtype),
                              owner, comm_, stream_);
     });
-    finish_collective(now);
+    return finish_collective(now);
 }
 
-void NcclCommunicator::reduce_range_add(const Tensor& in, std::int64_t begin, std::int64_t end, const Tensor& own,
-                                        std::int64_t shard, const Tensor& scratch) {
+CommTicket NcclCommunicator::reduce_range(const Tensor& in, std::int64_t begin, std::int64_t end, const Tensor& own,
+                                          std::int64_t shard, RangeSum mode, bool now) {
     const std::int64_t lo = std::max(begin, rank_ * shard), hi = std::min(end, (rank_ + 1) * shard);
     if (size_ == 1) {
-        if (lo < hi) backend_.accumulate(own.slice(lo - rank_ * shard, hi - lo), in.slice(lo - begin, hi - lo));
-        return;
+        float* target = own.f32() + (lo - rank_ * shard);
+        const float* mine = in.f32() + (lo - begin);
+        if (lo < hi && mode == RangeSum::Add) {
+            accumulate<float>(target, mine, hi - lo, compute_);
+            NANOQ_CUDA_CHECK_LAUNCH();
+        } else if (lo < hi && target != mine) {
+            NANOQ_CUDA_CHECK(cudaMemcpyAsync(target, mine, (hi - lo) * sizeof(float), cudaMemcpyDefault, compute_));
+        }
+        return on_compute_stream();
     }
-    // One reduce per owner into its scratch, then the owner adds its part.
+    // One reduce per owner of a piece. The owner receives its sum in place
+    // (to add it) or straight into its shard (to store it); the other ranks'
+    // receive buffers are unused, and name their input.
     start_collective();
     per_owner("ncclReduce", begin, end, shard, [&](int owner, std::int64_t at, std::int64_t stop) {
-        return ncclReduce(static_cast<const float*>(in.data) + (at - begin), scratch.data, stop - at, ncclFloat32,
-                          ncclSum, owner, comm_, stream_);
+        float* send = in.f32() + (at - begin);
+        float* receive = owner == rank_ && mode == RangeSum::Store ? own.f32() + (at - owner * shard) : send;
+        return ncclReduce(send, receive, stop - at, ncclFloat32, ncclSum, owner, comm_, stream_);
     });
-    finish_collective();
-    if (lo < hi) backend_.accumulate(own.slice(lo - rank_ * shard, hi - lo), scratch.slice(0, hi - lo));
+    // The owner's addition runs on the communication stream too: the
+    // compute does not wait for the sum.
+    if (lo < hi && mode == RangeSum::Add) {
+        accumulate<float>(own.f32() + (lo - rank_ * shard), in.f32() + (lo - begin), hi - lo, stream_);
+        NANOQ_CUDA_CHECK_LAUNCH();
+    }
+    return finish_collective(now);
 }
 
 void NcclCommunicator::barrier() {

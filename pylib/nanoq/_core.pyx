@@ -97,6 +97,11 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         float rms_norm_eps
         cbool tie_embeddings, qkv_bias, o_bias, qk_norm
 
+    cdef cppclass CCommEvent "nanoq::CommEvent":
+        string what
+        int layer
+        int64_t ticket
+
     cdef cppclass CTrainOptions "nanoq::TrainOptions":
         string backend
         CPrecision dtype, master_dtype, optimizer_dtype
@@ -165,6 +170,7 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         CStackInfo stack_info(int) except +nanoq_raise_py_error
         CMemoryInfo memory_info(int) except +nanoq_raise_py_error
         CTestingHooks& testing_hooks()
+        vector[CCommEvent] communication_trace(int) except +nanoq_raise_py_error
 
 
     vector[CDevicePlan] core_plan_memory "nanoq::plan_memory"(const CModelConfig&, const CTrainOptions&,
@@ -627,6 +633,14 @@ cdef class CoreTrainer:
     def arm_testing_hook(self, str name, int64_t value):
         """Arms the core's testing hook `name` (see nanoq.testing; never product code)."""
         self._get().testing_hooks().arm(name.encode(), value)
+
+    def communication_trace(self, int device):
+        """What `device` recorded while the "trace_communication" hook was armed (see nanoq.testing)."""
+        cdef CTrainer* t = self._get()
+        cdef vector[CCommEvent] events
+        with nogil:
+            events = t.communication_trace(device)
+        return [(e.what.decode(), e.layer, e.ticket) for e in events]
 
 
 def testing_hooks():

@@ -19,6 +19,18 @@
 
 namespace nanoq {
 
+// One entry of Trainer::communication_trace: `what` is "backward" (layer
+// `layer`'s backward is done), "issue" or "wait" (the reduction of `layer`'s
+// gradients, -1 the embedding, num_layers the head, with its `ticket`), or
+// "comm-start"/"comm-end" (cpu: the communication thread runs collective
+// `ticket`) or "compute-waits" (cuda: the compute stream is made to wait for
+// collective `ticket` and those before it); layer -2 for those.
+struct CommEvent {
+    std::string what;
+    int layer = 0;
+    std::int64_t ticket = 0;
+};
+
 class Trainer {
 public:
     Trainer(const ModelConfig& config, const TrainOptions& options);
@@ -81,6 +93,11 @@ public:
 
     // The hooks tests arm to reach failure paths (nanoq/testing_hooks.h).
     TestingHooks& testing_hooks();
+    // Testing: what each device recorded while the "trace_communication"
+    // hook is armed, in the order it happened (when each layer's backward
+    // finished, each reduction was issued and waited for, and the
+    // communicator ran it); returned and cleared.
+    std::vector<CommEvent> communication_trace(int device);
 
 private:
     struct Impl;

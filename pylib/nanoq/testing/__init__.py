@@ -5,13 +5,16 @@
 - Hooks that make a run fail or pause where a healthy one never would, so
   that failure paths can be tested (nanoq.testing.hooks): ``arm_hook``,
   ``fail_next_step`` and ``delay_next_step`` for the core's hooks, ``PAUSE_IN_SAVE_ENV`` for the
-  checkpoint writer's.
+  checkpoint writer's; ``synchronous_reductions``, ``trace_communication``
+  and ``communication_trace`` for the overlap of gradient reductions with
+  the backward.
 """
 
-from nanoq.testing.hooks import PAUSE_IN_SAVE_ENV, arm_hook, core_hooks, delay_next_step, fail_next_step
+from nanoq.testing.hooks import (PAUSE_IN_SAVE_ENV, arm_hook, communication_trace, core_hooks, delay_next_step,
+                                 fail_next_step, synchronous_reductions, trace_communication)
 
-__all__ = ["OpRunner", "op_table", "PAUSE_IN_SAVE_ENV", "arm_hook", "core_hooks", "delay_next_step",
-           "fail_next_step"]
+__all__ = ["OpRunner", "op_table", "PAUSE_IN_SAVE_ENV", "arm_hook", "communication_trace", "core_hooks",
+           "delay_next_step", "fail_next_step", "synchronous_reductions", "trace_communication"]
 
 
 def __getattr__(name):

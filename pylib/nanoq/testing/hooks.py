@@ -44,6 +44,31 @@ def delay_next_step(trainer, device: int, seconds: float) -> None:
     arm_hook(trainer, "delay_next_step_in_worker", trainer._check_device(device))
 
 
+def synchronous_reductions(trainer, on: bool = True) -> None:
+    """From the next step() on, gradient reductions run synchronously, as before
+    they overlapped the backward (ZeRO stage 1: all in update()); ``False``
+    restores the overlap."""
+    arm_hook(trainer, "synchronous_gradient_reductions", int(bool(on)))
+
+
+def trace_communication(trainer, on: bool = True) -> None:
+    """From the next step() on, every device records the order of its layers'
+    backward and its gradient reductions (read with ``communication_trace``)."""
+    arm_hook(trainer, "trace_communication", int(bool(on)))
+
+
+def communication_trace(trainer, device: int) -> list:
+    """The events `device` recorded since the last call, in order, as
+    ``(what, layer, ticket)``: ``"backward"`` (the layer's backward is done),
+    ``"issue"``/``"wait"`` (the reduction of the layer's gradients was issued /
+    the compute was ordered after it; layer -1 = embedding, num_layers =
+    head; ``ticket`` names the collective), ``"comm-start"``/``"comm-end"``
+    (cpu: the communication thread runs collective ``ticket``) or
+    ``"compute-waits"`` (cuda: the compute stream is made to wait for
+    collective ``ticket`` and those before it); layer -2 for those three."""
+    return trainer._core.communication_trace(trainer._check_device(device))
+
+
 def pause_in_save_if_armed() -> None:
     """Called by the checkpoint writer after the weights file: pauses there when armed."""
     marker = os.environ.get(PAUSE_IN_SAVE_ENV)
