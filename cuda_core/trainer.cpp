@@ -814,7 +814,7 @@ StepStats Trainer::update(const UpdateParams& params) {
     float scale_norm_skip[3] = {0.0f, 0.0f, 0.0f};
     m.run([&](int rank, DeviceState& d) {
         Backend& be = *d.backend;
-        m.zero->reduce_gradients(rank, d.zero, *d.comm);
+        m.zero->reduce_gradients(d.zero, *d.comm);
         // This rank's row of `gathered`: its loss statistics and the sum of
         // squares of its gradient shard; the scale is computed on the device.
         const Tensor squares = d.gathered.slice(std::int64_t(m.global(rank)) * kGatherStride + kSumSquaresSlot, 1);

@@ -90,7 +90,7 @@ Tensor ZeroSharding::whole_weights(const ZeroBuffers& z, const ParameterInfo& p)
     return Tensor();
 }
 
-void ZeroSharding::reduce_gradients(int, ZeroBuffers& z, Communicator& comm) const {
+void ZeroSharding::reduce_gradients(ZeroBuffers& z, Communicator& comm) const {
     if (stage_ == 1 && !z.gradients_reduced) comm.reduce_scatter_sum(z.grads);
 }
 

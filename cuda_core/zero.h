@@ -120,7 +120,7 @@ public:
 
     // Before the optimizer: every device's gradients summed into the owners'
     // shards (stage 1, unless the backward did it already).
-    void reduce_gradients(int rank, ZeroBuffers& z, Communicator& comm) const;
+    void reduce_gradients(ZeroBuffers& z, Communicator& comm) const;
     // After the optimizer updated this rank's weight shard: the weights every
     // device keeps whole, refreshed from their owners.
     void gather_weights(ZeroBuffers& z, Communicator& comm) const;
