@@ -46,8 +46,10 @@ public:
         events_.push_back(Event{what, layer, ticket});
     }
     std::vector<Event> take() {
+        std::vector<Event> out;
         std::lock_guard<std::mutex> lock(mutex_);
-        return std::move(events_);
+        out.swap(events_);
+        return out;
     }
 
 private:
