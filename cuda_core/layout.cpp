@@ -209,15 +209,6 @@ ModelWeights bind_outer(const ModelConfig& c, const Tensor& embed, const Tensor&
     return w;
 }
 
-std::pair<std::int64_t, std::int64_t> layer_range(const ModelConfig& c, int layer) {
-    const auto layout = parameter_layout(c);
-    const std::size_t first = first_parameter(c, layer), last = first_parameter(c, layer + 1) - 1;
-    const std::string prefix = "model.layers." + std::to_string(layer) + ".";
-    if (layout.at(first).name.rfind(prefix, 0) != 0 || layout.at(last).name.rfind(prefix, 0) != 0)
-        throw InternalError("layer " + std::to_string(layer) + " is not where first_parameter() expects it");
-    return {layout.at(first).offset, layout.at(last).offset + layout.at(last).numel()};
-}
-
 LayerWeights bind_layer(const ModelConfig& c, int layer, const Tensor& block) {
     const auto layout = parameter_layout(c);
     std::size_t next = first_parameter(c, layer);

@@ -57,7 +57,7 @@ struct ModelWeights {
 // Views of each parameter inside a flat buffer laid out by parameter_layout().
 ModelWeights bind_weights(const ModelConfig& config, const Tensor& flat);
 // Views of one layer's parameters inside `block`, a buffer holding exactly
-// that layer's range of the flat layout (see layer_range).
+// that layer's range of the flat layout (its "model.layers.<l>." parameters).
 LayerWeights bind_layer(const ModelConfig& config, int layer, const Tensor& block);
 // The embedding, final norm and lm_head (the layers left empty) in two
 // buffers: `embed` holds the embedding, `head` the flat layout from
@@ -72,7 +72,5 @@ std::vector<ParameterInfo> lora_layout(const ModelConfig& config, const Lora& lo
 ModelWeights bind_lora(const ModelConfig& config, const Lora& lora, const Tensor& flat);
 // `base` with the adapters of `adapters` attached to its layers.
 ModelWeights attach_adapters(ModelWeights base, const ModelWeights& adapters);
-// [begin, end) of a layer's parameters in the flat layout.
-std::pair<std::int64_t, std::int64_t> layer_range(const ModelConfig& config, int layer);
 
 }  // namespace nanoq

@@ -33,19 +33,6 @@ public:
     virtual void grads_done(int layer) = 0;            // after it
 };
 
-// All layers resident: the views of full weight and gradient buffers.
-class ResidentLayers final : public LayerSource {
-public:
-    ResidentLayers(const ModelWeights& weights, const ModelWeights& grads) : weights_(weights), grads_(grads) {}
-    const LayerWeights& weights(int layer) override { return weights_.layers[layer]; }
-    const LayerWeights& grads(int layer) override { return grads_.layers[layer]; }
-    void grads_done(int) override {}
-
-private:
-    const ModelWeights& weights_;
-    const ModelWeights& grads_;
-};
-
 struct LayerActivations {
     Tensor input_norm, input_rstd;   // [rows, C], [rows]
     Tensor q_raw, k_raw;             // before q/k norm (qk_norm only)
