@@ -12,7 +12,7 @@ import pytest
 
 import nanoq
 from nanoq import testing
-from conftest import cuda_cases, use_cuda_backend
+from conftest import cuda_cases, random_batch, use_cuda_backend
 
 CONFIG = nanoq.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2)
@@ -26,11 +26,7 @@ def options(devices, grad_accum=1, zero_stage=1, backend="cpu", batch_size=1):
 
 def batches(count, rows, seed=0):
     rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(count):
-        tokens = rng.integers(0, CONFIG.vocab_size, (rows, SEQ + 1), dtype=np.int32)
-        out.append((np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(tokens[:, 1:])))
-    return out
+    return [random_batch(rng, rows, SEQ, CONFIG.vocab_size) for _ in range(count)]
 
 
 def new_trainer(opts):
