@@ -1,7 +1,10 @@
 // The public face of the core: a data-parallel trainer over N devices.
 //
-// Every call blocks until all device workers have finished it; callers may
-// release their language's global lock around them. Arguments are validated
+// step() copies its batch into the trainer's staging buffers, queues the
+// work on every device's worker and returns; every other call first waits
+// for the queued work, then blocks until the workers have finished it (an
+// error of queued work is thrown there, naming its step). Callers may
+// release their language's global lock around any call. Arguments are validated
 // by the binding; the core re-checks what it must to stay memory safe and
 // throws InvalidArgument (bad call) or NanoqError (failure inside the core).
 // After a worker failure the trainer refuses further work; close() it and
