@@ -130,9 +130,16 @@ const std::vector<Field>& fields() {
              {"up", "mlp.up_proj", {}},
              {"down", "mlp.down_proj", {}}},
             [](const TrainOptions& o) { return o.lora_targets.bits; }),
+        integer("world_size", "ranks of the whole world (several trainers); 0 = this trainer's devices",
+                at_least(0), kNone, [](const TrainOptions& o) { return double(o.world_size); }),
+        integer("first_rank", "the global rank of this trainer's first device", at_least(0), kNone,
+                [](const TrainOptions& o) { return double(o.first_rank); }),
     };
     return table;
 }
+
+// The ranks of the world a trainer belongs to (world_size 0: its own devices).
+int world_of(const TrainOptions& o) { return o.world_size ? o.world_size : o.devices; }
 
 // Bit i of a set option is choice i: the enums of options.h must list as many values as the table has choices.
 void check_enum_counts() {
@@ -168,6 +175,20 @@ const std::vector<Rule>& rules() {
              return o.backend != "cpu" || (o.dtype == Precision::FP32 && o.master_dtype == Precision::FP32 &&
                                            o.optimizer_dtype == Precision::FP32);
          }},
+        {{"world_holds_the_devices",
+          {"world_size", "devices"},
+          "world_size must be 0 (this trainer's devices are the world) or at least devices"},
+         [](const TrainOptions& o) { return o.world_size == 0 || o.world_size >= o.devices; }},
+        {{"devices_fit_in_the_world",
+          {"first_rank", "devices", "world_size"},
+          "first_rank + devices must not exceed the world's ranks: this trainer's devices are the global ranks "
+          "first_rank .. first_rank + devices - 1"},
+         [](const TrainOptions& o) { return o.first_rank + o.devices <= world_of(o); }},
+        {{"world_needs_comm_id",
+          {"world_size", "devices", "comm_id"},
+          "a world of more ranks than this trainer's devices needs comm_id, the same for every member (made once "
+          "with nanoq.backends.new_comm_id)"},
+         [](const TrainOptions& o) { return world_of(o) == o.devices || !o.comm_id.empty(); }},
     };
     return table;
 }

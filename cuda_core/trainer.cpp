@@ -59,22 +59,6 @@ void check_config(const ModelConfig& c) {
     require(c.head_dim > 0 && c.head_dim % 2 == 0, "head_dim must be positive and even");
 }
 
-// How this trainer's devices sit in the world (TrainOptions' topology fields).
-void check_topology(const TrainOptions& o) {
-    auto require = [](bool ok, const std::string& what) {
-        if (!ok) throw InvalidArgument(what);
-    };
-    const int world = o.world_size ? o.world_size : o.devices;
-    require(o.world_size >= 0 && world >= o.devices,
-            "world_size must be 0 (this trainer's devices) or at least devices, got " + std::to_string(o.world_size));
-    require(o.first_rank >= 0 && o.first_rank + o.devices <= world,
-            "first_rank " + std::to_string(o.first_rank) + " with " + std::to_string(o.devices) +
-                " device(s) does not fit in a world of " + std::to_string(world) + " ranks");
-    require(world == o.devices || !o.comm_id.empty(),
-            "a world of " + std::to_string(world) + " ranks beyond this trainer's " + std::to_string(o.devices) +
-                " device(s) needs the communicator id every member was given (comm_id; see new_comm_id)");
-}
-
 // What every trainer of one world must agree on: the model and the options
 // that shape the sharding and the step (not devices, first_rank, threads).
 std::string world_signature(const ModelConfig& c, const TrainOptions& o) {
@@ -166,7 +150,6 @@ struct TrainerSetup {
 TrainerSetup::TrainerSetup(const ModelConfig& c, const TrainOptions& o) : config(c), options(o) {
     check_config(c);
     validate_options(o);
-    check_topology(o);
     weight_dtype = dtype_of(o.dtype);
     master_dtype = dtype_of(o.master_dtype);
     optimizer_dtype = dtype_of(o.optimizer_dtype);

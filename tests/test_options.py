@@ -34,6 +34,9 @@ BREAKS = {
     "lora_needs_zero_stage_1": dict(backend="cpu", devices=2, zero_stage=2, lora=LoraConfig(rank=4)),
     "lora_needs_targets": None,  # LoraConfig refuses empty targets itself: see the test below
     "cpu_computes_in_fp32": dict(backend="cpu", master_dtype="bf16"),
+    "world_holds_the_devices": dict(backend="cpu", devices=2, world_size=1),
+    "devices_fit_in_the_world": dict(backend="cpu", devices=2, world_size=2, first_rank=1, comm_id=b"x"),
+    "world_needs_comm_id": dict(backend="cpu", world_size=2),
 }
 
 
@@ -64,6 +67,9 @@ CORE_BREAKS = {
                                                                        targets=("q",))),
     "lora_needs_targets": dict(lora=dict(rank=4, alpha=16.0, dropout=0.0, targets=())),
     "cpu_computes_in_fp32": dict(master_dtype="bf16"),
+    "world_holds_the_devices": dict(devices=2, world_size=1),
+    "devices_fit_in_the_world": dict(devices=2, world_size=2, first_rank=1, comm_id=b"x"),
+    "world_needs_comm_id": dict(world_size=2),
 }
 
 

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 import nanoq
+import nanoq.options
+from nanoq import _core
 from nanoq.backends import new_comm_id
 from conftest import cuda_cases, random_batch, use_cuda_backend
 
@@ -175,16 +177,23 @@ def test_a_member_that_never_comes_ends_the_rendezvous_with_an_error(monkeypatch
 
 
 def test_topology_options_are_checked():
-    # The forms in Python, how they fit the devices in the core (when the Trainer is made).
+    # The forms in Python; how they fit the devices is the core's rules (nanoq.options), which
+    # TrainOptions applies when it is made and the core again when a Trainer is made.
     with pytest.raises(TypeError, match="comm_id must be bytes"):
         options(1, comm_id="text")
     with pytest.raises(ValueError, match="first_rank must be an integer"):
         options(1, first_rank=1.5)
-    for opts, message in ((options(1, world_size=2), "needs the communicator id every member was given"),
-                          (options(2, world_size=2, first_rank=1, comm_id=b"x"), "does not fit in a world of 2"),
-                          (options(2, world_size=1), "or at least devices, got 1")):
-        with pytest.raises(ValueError, match=message):
-            nanoq.Trainer(CONFIG, opts)
+    for fields, rule in ((dict(devices=1, world_size=2), "world_needs_comm_id"),
+                         (dict(devices=2, world_size=2, first_rank=1, comm_id=b"x"), "devices_fit_in_the_world"),
+                         (dict(devices=2, world_size=1), "world_holds_the_devices")):
+        message = nanoq.options.rule_message(rule)
+        with pytest.raises(ValueError) as caught:
+            options(**fields)
+        assert str(caught.value) == message
+        core_options = dict(dataclasses.asdict(options(1)), dtype="fp32", **fields)
+        with pytest.raises(ValueError) as caught:
+            _core.CoreTrainer(CONFIG.to_core(), core_options)
+        assert str(caught.value) == message
     # Defaults: the trainer's devices are the world, as before.
     with nanoq.Trainer(CONFIG, options(2)) as trainer:
         assert trainer.topology == (2, 0) and trainer.world_size == 2

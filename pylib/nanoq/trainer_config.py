@@ -308,8 +308,8 @@ class TrainOptions:
     comm_id: bytes = b""
 
     def _check_topology(self):
-        # Forms only: how the topology fits the devices is the core's rule
-        # (trainer.cpp check_config), raised when the Trainer is made.
+        # Forms only: how the topology fits the devices is the core's rules
+        # (nanoq.options), checked with the others below.
         for name in ("world_size", "first_rank"):
             _integer(name, getattr(self, name))
         if not isinstance(self.comm_id, bytes):
