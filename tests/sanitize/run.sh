@@ -55,7 +55,8 @@ case "$kind" in
   thread)
     sanitizers=thread
     runtime=libtsan.so
-    default_tests=(tests/test_worker_pool.py tests/test_equivalence.py tests/test_zero.py)
+    default_tests=(tests/test_worker_pool.py tests/test_equivalence.py tests/test_zero.py tests/test_async_steps.py
+                   tests/test_comm_overlap.py tests/test_topology.py)
     ;;
   *)
     echo "usage: $0 address|thread [pytest arguments]" >&2
