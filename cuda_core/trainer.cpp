@@ -507,6 +507,11 @@ int Trainer::world_size() const { return impl_->world; }
 int Trainer::devices() const { return impl_->size(); }
 int Trainer::first_rank() const { return impl_->first_rank; }
 const std::vector<ParameterInfo>& Trainer::parameters() const { return impl_->parameters; }
+void Trainer::wait() {
+    std::lock_guard<std::mutex> serial(impl_->call_mutex);
+    impl_->drain();
+}
+
 int Trainer::micro_steps() const { return impl_->micro_steps; }
 int Trainer::optimizer_steps() const { return impl_->optimizer_steps; }
 TestingHooks& Trainer::testing_hooks() { return impl_->testing_hooks; }

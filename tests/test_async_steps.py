@@ -170,6 +170,47 @@ def test_an_error_in_queued_work_surfaces_at_the_next_step():
             trainer.step(*micro_batches[2])
 
 
+def test_a_queued_error_is_never_lost_at_close_or_wait():
+    micro_batches = batches(2, 2, seed=8)
+    expected = ("step() #1 (micro-batch 1 of optimizer step 1) failed on device 1: injected fault in worker 1")
+    # close() after a failed step nobody waited for: the error comes out, the memory is freed anyway.
+    trainer = new_trainer(options(2, grad_accum=2))
+    testing.fail_next_step(trainer, 1)
+    trainer.step(*micro_batches[0])
+    with pytest.raises(nanoq.NanoqError) as error:
+        trainer.close()
+    assert str(error.value) == expected
+    trainer.close()  # closed: nothing more to say
+    with pytest.raises(RuntimeError, match="closed"):
+        trainer.step(*micro_batches[1])
+    # The end of a with block is a close(): same error.
+    with pytest.raises(nanoq.NanoqError) as error:
+        with new_trainer(options(2, grad_accum=2)) as trainer:
+            testing.fail_next_step(trainer, 1)
+            trainer.step(*micro_batches[0])
+    assert str(error.value) == expected
+    # ... unless another exception is already leaving the block: that one is seen.
+    with pytest.raises(KeyError):
+        with new_trainer(options(2, grad_accum=2)) as trainer:
+            testing.fail_next_step(trainer, 1)
+            trainer.step(*micro_batches[0])
+            raise KeyError("the caller's own error")
+    # wait() raises it too, and the trainer refuses work afterwards.
+    with new_trainer(options(2, grad_accum=2)) as trainer:
+        testing.fail_next_step(trainer, 1)
+        trainer.step(*micro_batches[0])
+        with pytest.raises(nanoq.NanoqError) as error:
+            trainer.wait()
+        assert str(error.value) == expected
+        with pytest.raises(nanoq.NanoqError, match="stopped after a worker failure"):
+            trainer.step(*micro_batches[1])
+    # Without a failure, wait() returns once the queued work is done.
+    with new_trainer(options(2, grad_accum=2)) as trainer:
+        trainer.step(*micro_batches[0])
+        trainer.wait()
+        assert trainer._core.micro_steps == 1
+
+
 @pytest.mark.parametrize("backend", cuda_cases())
 def test_cuda_steps_are_queued_and_match_waiting_after_every_step(backend, request):
     use_cuda_backend(backend, request)

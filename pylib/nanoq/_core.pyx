@@ -164,6 +164,7 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         void step(const int32_t*, const int32_t*, int, uintptr_t, uintptr_t) except +nanoq_raise_py_error
         CStepStats validate(const int32_t*, const int32_t*, int, uintptr_t, uintptr_t) except +nanoq_raise_py_error
         CStepStats update(const CUpdateParams&) except +nanoq_raise_py_error
+        void wait() except +nanoq_raise_py_error
         int micro_steps()
         int optimizer_steps()
         vector[CAllocationInfo] allocations(int) except +nanoq_raise_py_error
@@ -471,6 +472,15 @@ cdef class CoreTrainer:
         if trainer != NULL:
             with nogil:
                 del trainer
+
+    def wait(self):
+        """Waits for the queued steps; raises the error of a failed one (a
+        closed trainer has nothing to wait for)."""
+        cdef CTrainer* t = self._trainer
+        if t == NULL:
+            return
+        with nogil:
+            t.wait()
 
     cdef CTrainer* _get(self) except NULL:
         if self._trainer == NULL:

@@ -180,16 +180,35 @@ class Trainer:
         self.init_weights(options.seed)
 
     # -- lifecycle -----------------------------------------------------------
+    def wait(self) -> None:
+        """Waits until the devices have done the work ``step()`` queued.
+        A failure of that work is raised here (naming its step), as it is by
+        the next ``update()``, ``validate()`` or getter; the trainer then
+        refuses further work."""
+        self._core.wait()
+
     def close(self) -> None:
-        """Stops the device workers and frees all memory. Safe to call twice."""
-        if self._core is not None:
+        """Waits for queued work, then stops the device workers and frees all
+        memory (also when the queued work failed: its error is raised after
+        the memory is freed, so a failure is never lost). Safe to call twice."""
+        if self._core is None:
+            return
+        try:
+            self._core.wait()
+        finally:
             self._core.close()
 
     def __enter__(self) -> "Trainer":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception:
+            pass  # the exception already leaving the block is the one to see
 
     @property
     def world_size(self) -> int:

@@ -87,6 +87,10 @@ public:
                        std::uintptr_t inputs_stream = 0, std::uintptr_t targets_stream = 0);
     StepStats update(const UpdateParams& params);
 
+    // Waits for the work step() queued; an error of that work is thrown
+    // here, naming its step (close() and the destructor do not throw it).
+    void wait();
+
     int micro_steps() const;   // step() calls since the last update()
     int optimizer_steps() const;
 
