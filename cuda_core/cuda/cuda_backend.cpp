@@ -246,31 +246,34 @@ void CudaBackend::synchronize() {
     pinned_used_ = 0;  // every staged copy has completed
 }
 
-void CudaBackend::host_wait(cudaStream_t stream) {
+namespace {
+
+// Polls `query` (cudaStreamQuery or cudaEventQuery of one handle) until the
+// work is done, running `check` between polls so that a wait on a collective
+// a peer abandoned ends with its error instead of spinning forever.
+template <typename Query>
+void poll_until_done(Query query, const char* what, const std::function<void()>& check) {
     for (Backoff backoff;; backoff.pause()) {
-        const cudaError_t status = cudaStreamQuery(stream);
+        const cudaError_t status = query();
         if (status == cudaSuccess) return;
         if (status != cudaErrorNotReady) {
             // A collective that failed because a peer did: the check reports that.
-            if (host_wait_check_) host_wait_check_();
-            check_cuda(status, "cudaStreamQuery (host wait)", __FILE__, __LINE__);
+            if (check) check();
+            check_cuda(status, what, __FILE__, __LINE__);
         }
         cudaGetLastError();  // not-ready is no error, though the runtime may record it
-        if (host_wait_check_) host_wait_check_();
+        if (check) check();
     }
 }
 
+}  // namespace
+
+void CudaBackend::host_wait(cudaStream_t stream) {
+    poll_until_done([&] { return cudaStreamQuery(stream); }, "cudaStreamQuery (host wait)", host_wait_check_);
+}
+
 void CudaBackend::host_wait(cudaEvent_t event) {
-    for (Backoff backoff;; backoff.pause()) {
-        const cudaError_t status = cudaEventQuery(event);
-        if (status == cudaSuccess) return;
-        if (status != cudaErrorNotReady) {
-            if (host_wait_check_) host_wait_check_();
-            check_cuda(status, "cudaEventQuery (host wait)", __FILE__, __LINE__);
-        }
-        cudaGetLastError();
-        if (host_wait_check_) host_wait_check_();
-    }
+    poll_until_done([&] { return cudaEventQuery(event); }, "cudaEventQuery (host wait)", host_wait_check_);
 }
 
 void CudaBackend::copy_from_staging(const Tensor& dst, const void* src) {
