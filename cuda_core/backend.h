@@ -69,6 +69,12 @@ class Backend {
 public:
     virtual ~Backend() = default;
     virtual std::string name() const = 0;
+    // The run's options, given once right after the backend is made, before
+    // anything is allocated: a backend keeps the choices meant for it
+    // (attention, cuda_graphs, matmul_dtype) and throws InvalidArgument for
+    // one it cannot honour. The default keeps nothing: a backend without a
+    // fast path computes the same without one.
+    virtual void configure(const TrainOptions& options) { (void)options; }
 
     // Memory. raw_alloc returns nullptr when the memory is not available.
     virtual void* raw_alloc(std::size_t bytes, MemoryKind kind) = 0;

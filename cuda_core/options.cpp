@@ -23,6 +23,7 @@ struct Field {
     double (*number)(const TrainOptions&) = nullptr;
     std::string (*choice)(const TrainOptions&) = nullptr;  // the chosen name; "" if it is none of them
     std::uint32_t (*bits)(const TrainOptions&) = nullptr;
+    bool (*flag)(const TrainOptions&) = nullptr;
 };
 
 struct Rule {
@@ -39,10 +40,20 @@ constexpr OptionLimit kNone{};
 const std::vector<OptionChoice> kPrecisions = {{"fp32", "32-bit IEEE float", {}},
                                                {"bf16", "bfloat16 (8-bit exponent, 7-bit mantissa)", {}}};
 
-std::string precision_or_empty(Precision p) {
-    const int i = static_cast<int>(p);
-    return i >= 0 && i < static_cast<int>(kPrecisions.size()) ? kPrecisions[i].name : std::string();
+const std::vector<OptionChoice> kAttentionImpls = {
+    {"auto", "cuDNN's fused attention where the backend has it and supports the shape, else native", {}},
+    {"cudnn", "cuDNN's fused attention (tensor cores); an error where it is not available", {}},
+    {"native", "nanoq's own attention kernel", {}}};
+const std::vector<OptionChoice> kMatmulPrecisions = {
+    {"auto", "the dtype of the activations", {}},
+    {"fp8", "e4m3 inputs with per-tensor scales from their absolute maxima (cuda, dtype bf16)", {}}};
+
+// The name of choice `i` of `choices`; "" if there is none (a corrupt enum).
+std::string name_or_empty(const std::vector<OptionChoice>& choices, int i) {
+    return i >= 0 && i < static_cast<int>(choices.size()) ? choices[i].name : std::string();
 }
+
+std::string precision_or_empty(Precision p) { return name_or_empty(kPrecisions, static_cast<int>(p)); }
 
 Field integer(const char* name, const char* help, OptionLimit minimum, OptionLimit maximum,
               double (*get)(const TrainOptions&)) {
@@ -64,6 +75,13 @@ Field choice(const char* name, const char* help, std::vector<OptionChoice> choic
     Field f;
     f.spec = OptionSpec{name, OptionKind::Choice, help, std::move(choices), kNone, kNone};
     f.choice = get;
+    return f;
+}
+
+Field flag(const char* name, const char* help, bool (*get)(const TrainOptions&)) {
+    Field f;
+    f.spec = OptionSpec{name, OptionKind::Flag, help, {}, kNone, kNone};
+    f.flag = get;
     return f;
 }
 
@@ -134,6 +152,14 @@ const std::vector<Field>& fields() {
                 at_least(0), kNone, [](const TrainOptions& o) { return double(o.world_size); }),
         integer("first_rank", "the global rank of this trainer's first device", at_least(0), kNone,
                 [](const TrainOptions& o) { return double(o.first_rank); }),
+        choice("attention", "the attention implementation", kAttentionImpls,
+               [](const TrainOptions& o) { return name_or_empty(kAttentionImpls, static_cast<int>(o.attention)); }),
+        flag("cuda_graphs", "cuda: capture step() and update() once as CUDA graphs and replay them",
+             [](const TrainOptions& o) { return o.cuda_graphs; }),
+        choice("matmul_dtype", "the dtype of the projection matmuls' inputs", kMatmulPrecisions,
+               [](const TrainOptions& o) {
+                   return name_or_empty(kMatmulPrecisions, static_cast<int>(o.matmul_dtype));
+               }),
     };
     return table;
 }
@@ -174,6 +200,17 @@ const std::vector<Rule>& rules() {
          [](const TrainOptions& o) {
              return o.backend != "cpu" || (o.dtype == Precision::FP32 && o.master_dtype == Precision::FP32 &&
                                            o.optimizer_dtype == Precision::FP32);
+         }},
+        {{"cudnn_attention_needs_cuda",
+          {"attention", "backend"},
+          "attention \"cudnn\" needs the cuda backend (cuda, or cuda_emulated for tests): cpu has no cuDNN"},
+         [](const TrainOptions& o) { return o.attention != AttentionImpl::Cudnn || o.backend != "cpu"; }},
+        {{"fp8_matmuls_need_cuda_and_bf16",
+          {"matmul_dtype", "backend", "dtype"},
+          "matmul_dtype \"fp8\" needs the cuda backend and dtype \"bf16\": the fp8 matmuls read bf16 "
+          "activations and weights"},
+         [](const TrainOptions& o) {
+             return o.matmul_dtype != MatmulPrecision::FP8 || (o.backend != "cpu" && o.dtype == Precision::BF16);
          }},
         {{"world_holds_the_devices",
           {"world_size", "devices"},
@@ -271,6 +308,8 @@ void check_field(const Field& f, const TrainOptions& o) {
                 if (c.name == value) return;
             throw InvalidArgument(spec.name + " must be " + quoted_choices(spec) + ", got \"" + value + "\"");
         }
+        case OptionKind::Flag:
+            return;  // a bool holds nothing else
         case OptionKind::Set:
             if (f.bits(o) >> spec.choices.size())
                 throw InvalidArgument(spec.name + " holds values beyond its " + std::to_string(spec.choices.size()) +
@@ -312,6 +351,7 @@ const char* option_kind_name(OptionKind kind) {
         case OptionKind::Set: return "set";
         case OptionKind::Integer: return "integer";
         case OptionKind::Number: return "number";
+        case OptionKind::Flag: return "flag";
     }
     throw InternalError("unknown OptionKind");
 }
@@ -328,11 +368,26 @@ void validate_options(const TrainOptions& options, const std::vector<std::string
             throw InvalidArgument(r.spec.message);
 }
 
-Precision precision_named(const std::string& option, const std::string& name) {
+namespace {
+// The index of `name` among the choices of choice option `option`.
+int choice_named(const std::string& option, const std::string& name) {
     const Field& f = field(option);
     for (std::size_t i = 0; i < f.spec.choices.size(); ++i)
-        if (f.spec.choices[i].name == name) return static_cast<Precision>(i);
+        if (f.spec.choices[i].name == name) return static_cast<int>(i);
     throw InvalidArgument(option + " must be " + quoted_choices(f.spec) + ", got \"" + name + "\"");
+}
+}  // namespace
+
+Precision precision_named(const std::string& option, const std::string& name) {
+    return static_cast<Precision>(choice_named(option, name));
+}
+
+AttentionImpl attention_named(const std::string& name) {
+    return static_cast<AttentionImpl>(choice_named("attention", name));
+}
+
+MatmulPrecision matmul_dtype_named(const std::string& name) {
+    return static_cast<MatmulPrecision>(choice_named("matmul_dtype", name));
 }
 
 RecomputeSet recompute_named(const std::vector<std::string>& names) {

@@ -231,6 +231,8 @@ void allocate_device_state(const TrainerSetup& s, DeviceState& d, bool ask_libra
     d.stack = std::make_unique<StackArena>(a, model.stack_bytes());
     ScratchShapes scratch = model.scratch_shapes();
     scratch.max_reduce = s.shard;
+    scratch.attention_impl = s.options.attention;
+    scratch.matmul_dtype = s.options.matmul_dtype;
     if (d.backend) d.backend->reserve_scratch(a, scratch);
     else allocate_scratch(a, s.plugin->scratch_plan(scratch, s.threads, ask_libraries));
 }
@@ -479,6 +481,7 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options)
     } release_on_failure{m};
     m.run([&](int rank, DeviceState& d) {
         d.backend = plugin.create_backend(rank, m.threads);
+        d.backend->configure(options);
         d.allocator = std::make_unique<NamedAllocator>(*d.backend, rank, options.memory_limit);
         d.comm = m.group->connect(rank, *d.backend);
         allocate_device_state(m, d, true);

@@ -37,6 +37,8 @@ BREAKS = {
     "world_holds_the_devices": dict(backend="cpu", devices=2, world_size=1),
     "devices_fit_in_the_world": dict(backend="cpu", devices=2, world_size=2, first_rank=1, comm_id=b"x"),
     "world_needs_comm_id": dict(backend="cpu", world_size=2),
+    "cudnn_attention_needs_cuda": dict(backend="cpu", attention="cudnn"),
+    "fp8_matmuls_need_cuda_and_bf16": dict(backend="cpu", matmul_dtype="fp8"),
 }
 
 
@@ -70,6 +72,8 @@ CORE_BREAKS = {
     "world_holds_the_devices": dict(devices=2, world_size=1),
     "devices_fit_in_the_world": dict(devices=2, world_size=2, first_rank=1, comm_id=b"x"),
     "world_needs_comm_id": dict(world_size=2),
+    "cudnn_attention_needs_cuda": dict(attention="cudnn"),
+    "fp8_matmuls_need_cuda_and_bf16": dict(matmul_dtype="fp8"),
 }
 
 
@@ -166,6 +170,8 @@ def test_python_choice_lists_equal_the_core_schema():
     assert toml["master_dtype"].choices == toml["optimizer_dtype"].choices == core["master_dtype"]
     for name in ("recompute", "offload", "lora_targets"):  # comma-separated in TOML: the help lists them
         assert ", ".join(core[name]) in toml[name].help, name
+    assert core["attention"] == ("auto", "cudnn", "native") == toml["attention"].choices
+    assert core["matmul_dtype"] == ("auto", "fp8") == toml["matmul_dtype"].choices
     # What the core accepts is what the schema lists: each name alone, and nothing else.
     for name in ("recompute", "offload", "lora_targets"):
         for choice in core[name]:
@@ -221,6 +227,28 @@ def test_bad_names_are_refused_by_the_core_s_conversion():
         _core.check_options(dict(recompue=()))
     with pytest.raises(TypeError, match="tuple of strings"):
         _core.check_options(dict(recompute="ffn"))
+    with pytest.raises(ValueError, match='attention must be "auto", "cudnn" or "native", got "flash"'):
+        _core.check_options(dict(attention="flash"))
+    with pytest.raises(ValueError, match='matmul_dtype must be "auto" or "fp8", got "fp16"'):
+        _core.check_options(dict(matmul_dtype="fp16"))
+    with pytest.raises(ValueError, match='attention must be "auto", "cudnn" or "native", got "flash"'):
+        nanoq.TrainOptions(attention="flash")
+    with pytest.raises(TypeError, match="cuda_graphs must be True or False"):
+        nanoq.TrainOptions(cuda_graphs=1)
+
+
+def test_the_fast_path_options_reach_the_core_and_the_toml_settings():
+    # Every TrainConfig setting of the fast path becomes the TrainOptions field of the same name.
+    from nanoq.training.settings import train_options
+    config = TrainConfig(attention="native", cuda_graphs=False, matmul_dtype="auto")
+    options = train_options(config)
+    assert (options.attention, options.cuda_graphs, options.matmul_dtype) == ("native", False, "auto")
+    assert _core.option_schema()["options"][[s["name"] for s in _core.option_schema()["options"]].index(
+        "cuda_graphs")]["kind"] == "flag"
+    schema.check(dict(attention="cudnn", backend="cuda_emulated", cuda_graphs=False))
+    schema.check(dict(matmul_dtype="fp8", backend="cuda_emulated", dtype="bf16"))
+    with pytest.raises(ValueError, match=re.escape(schema.rule_message("fp8_matmuls_need_cuda_and_bf16"))):
+        schema.check(dict(matmul_dtype="fp8", backend="cuda_emulated", dtype="fp32"))
 
 
 def test_readme_lists_the_core_s_rules():

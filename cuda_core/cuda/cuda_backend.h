@@ -38,6 +38,9 @@ public:
     void set_host_wait_check(std::function<void()> check) { host_wait_check_ = std::move(check); }
 
     std::string name() const override { return NANOQ_CUDA_BACKEND_NAME; }
+    void configure(const TrainOptions& options) override { options_ = options; }
+    // The options configure() kept (the defaults until it is called, as in the op harness).
+    const TrainOptions& options() const { return options_; }
     // What reserve_scratch allocates (BackendPlugin::scratch_plan): the op
     // scratch of scratch_bytes(), the cuBLASLt workspace, pinned staging.
     static std::vector<ScratchBuffer> scratch_plan(const ScratchShapes& shapes, bool ask_libraries);
@@ -97,6 +100,7 @@ private:
     void* scratch(std::size_t bytes) const;
 
     int device_;
+    TrainOptions options_;
     cudaStream_t stream_ = nullptr;
     std::unique_ptr<LtMatmul> matmul_;
     Tensor scratch_;          // shared by all ops: they run in order on one stream

@@ -45,6 +45,12 @@ cdef extern from "nanoq/options.h" namespace "nanoq" nogil:
     cdef cppclass CPrecision "nanoq::Precision":
         pass
 
+    cdef cppclass CAttentionImpl "nanoq::AttentionImpl":
+        pass
+
+    cdef cppclass CMatmulPrecision "nanoq::MatmulPrecision":
+        pass
+
     cdef cppclass CRecomputeSet "nanoq::RecomputeSet":
         uint32_t bits
 
@@ -82,6 +88,8 @@ cdef extern from "nanoq/options.h" namespace "nanoq" nogil:
     const COptionSchema& core_option_schema "nanoq::option_schema"() except +nanoq_raise_py_error
     const char* option_kind_name(COptionKind) except +nanoq_raise_py_error
     CPrecision precision_named(const string&, const string&) except +nanoq_raise_py_error
+    CAttentionImpl attention_named(const string&) except +nanoq_raise_py_error
+    CMatmulPrecision matmul_dtype_named(const string&) except +nanoq_raise_py_error
     CRecomputeSet recompute_named(const vector[string]&) except +nanoq_raise_py_error
     COffloadSet offload_named(const vector[string]&) except +nanoq_raise_py_error
     CLoraTargetSet lora_targets_named(const vector[string]&) except +nanoq_raise_py_error
@@ -116,6 +124,9 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         size_t memory_limit
         int world_size, first_rank
         string comm_id
+        CAttentionImpl attention
+        cbool cuda_graphs
+        CMatmulPrecision matmul_dtype
 
     cdef cppclass CUpdateParams "nanoq::UpdateParams":
         float lr, beta1, beta2, weight_decay, grad_clip, eps
@@ -361,6 +372,12 @@ cdef CTrainOptions _core_options(dict options) except *:
             o.first_rank = value
         elif key == "comm_id":
             o.comm_id = value
+        elif key == "attention":
+            o.attention = attention_named(value.encode())
+        elif key == "cuda_graphs":
+            o.cuda_graphs = value
+        elif key == "matmul_dtype":
+            o.matmul_dtype = matmul_dtype_named(value.encode())
         elif key == "lora":
             if value:
                 o.lora_rank = value["rank"]
@@ -403,7 +420,7 @@ cdef list _decoded(const vector[string]& names):
 def option_schema():
     """The core's option schema (nanoq/options.h): dict(options=[...],
     rules=[...]). Each option: dict(name, kind ("choice", "set", "integer",
-    "number"), help, choices=[dict(name, help, implies=[names])], minimum,
+    "number", "flag"), help, choices=[dict(name, help, implies=[names])], minimum,
     maximum (None or dict(value, inclusive))). Each rule: dict(name,
     options=[names], message)."""
     cdef const COptionSchema* schema = &core_option_schema()

@@ -27,7 +27,7 @@ def names() -> Tuple[str, ...]:
 
 def option(name: str) -> dict:
     """The schema entry of option ``name``: dict(name, kind ("choice", "set",
-    "integer", "number"), help, choices, minimum, maximum)."""
+    "integer", "number", "flag"), help, choices, minimum, maximum)."""
     if name not in _OPTIONS:
         raise ValueError(f"no training option {name!r}; the options are {', '.join(_OPTIONS)}")
     return _OPTIONS[name]

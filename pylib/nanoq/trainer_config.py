@@ -285,6 +285,13 @@ class TrainOptions:
     devices are the whole world), and ``comm_id`` (bytes from
     ``nanoq.backends.new_comm_id(backend)``, the same for every member) names
     the world. Sharding, statistics and the optimizer then span the world.
+    ``attention`` picks the attention implementation: "auto" (cuDNN's fused
+    attention where the backend has it and supports the shape, else nanoq's
+    own kernel), "cudnn" (an error where it is not available) or "native".
+    ``cuda_graphs`` (cuda) captures step() and update() once as CUDA graphs
+    and replays them; the results are the same without. ``matmul_dtype``
+    "fp8" runs the projection matmuls on e4m3 inputs with per-tensor scales
+    (cuda, dtype bf16); "auto" in the activations' dtype.
     """
 
     backend: str = "auto"
@@ -306,6 +313,9 @@ class TrainOptions:
     world_size: int = 0
     first_rank: int = 0
     comm_id: bytes = b""
+    attention: str = "auto"
+    cuda_graphs: bool = True
+    matmul_dtype: str = "auto"
 
     def _check_topology(self):
         # Forms only: how the topology fits the devices is the core's rules
@@ -325,6 +335,12 @@ class TrainOptions:
         for name in ("master_dtype", "optimizer_dtype"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be one of {', '.join(STATE_DTYPES)}, got {getattr(self, name)!r}")
+        for name in ("attention", "matmul_dtype"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be one of {', '.join(option_schema.choices(name))}, "
+                                 f"got {getattr(self, name)!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         for name in ("devices", "batch_size", "seq_len", "grad_accum", "threads", "zero_stage"):
             _integer(name, getattr(self, name))
         _integer("seed", self.seed, _C_UINT64)

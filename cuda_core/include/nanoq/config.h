@@ -77,6 +77,13 @@ struct TrainOptions {
     int world_size = 0;
     int first_rank = 0;
     std::string comm_id;
+    // The fast path's choices (the cuda backend; others compute the same
+    // without them): the attention implementation, whether step() and
+    // update() are captured once as CUDA graphs and replayed, and the
+    // dtype of the projection matmuls.
+    AttentionImpl attention = AttentionImpl::Auto;
+    bool cuda_graphs = true;
+    MatmulPrecision matmul_dtype = MatmulPrecision::Auto;
 };
 
 struct UpdateParams {
@@ -158,6 +165,9 @@ struct ScratchShapes {
     int vocab;
     int classifier_rows;       // rows per classifier chunk
     std::int64_t max_reduce;   // longest sum_squares input
+    // The run's choices that change what a backend reserves (TrainOptions).
+    AttentionImpl attention_impl = AttentionImpl::Auto;
+    MatmulPrecision matmul_dtype = MatmulPrecision::Auto;
 };
 
 // The parameters of a config, in flat-buffer order, with Hugging Face names.

@@ -20,6 +20,13 @@ struct TrainOptions;
 
 // A dtype an option can name: "fp32" or "bf16".
 enum class Precision : int { FP32 = 0, BF16 = 1 };
+// The attention implementation (TrainOptions::attention): "auto" (cuDNN's
+// fused attention where the backend has it and supports the shape, else
+// native), "cudnn" (cuDNN or an error), "native" (nanoq's own kernel).
+enum class AttentionImpl : int { Auto = 0, Cudnn = 1, Native = 2 };
+// The dtype of the projection matmuls (TrainOptions::matmul_dtype): "auto"
+// (the activations' dtype) or "fp8" (e4m3 inputs with per-tensor scales).
+enum class MatmulPrecision : int { Auto = 0, FP8 = 1 };
 
 // Activations backward can recompute instead of keeping (TrainOptions::recompute).
 enum Recomputed : int { kRecomputeSwiglu, kRecomputeNorms, kRecomputeQkv, kRecomputeFfn, kRecomputeBlock,
@@ -62,6 +69,7 @@ enum class OptionKind {
     Set,      // any subset of `choices` (an OptionSet, bit i = choices[i])
     Integer,  // within the limits
     Number,   // finite, within the limits
+    Flag,     // true or false
 };
 
 struct OptionChoice {
@@ -97,7 +105,7 @@ struct OptionSchema {
 };
 
 const OptionSchema& option_schema();
-const char* option_kind_name(OptionKind kind);  // "choice", "set", "integer", "number"
+const char* option_kind_name(OptionKind kind);  // "choice", "set", "integer", "number", "flag"
 
 // Throws InvalidArgument with the message of the first limit or rule that
 // `options` breaks (limits first, in schema order, then rules in order).
@@ -109,6 +117,8 @@ void validate_options(const TrainOptions& options, const std::vector<std::string
 // Each throws InvalidArgument naming an unknown name and the choices.
 
 Precision precision_named(const std::string& option, const std::string& name);
+AttentionImpl attention_named(const std::string& name);
+MatmulPrecision matmul_dtype_named(const std::string& name);
 RecomputeSet recompute_named(const std::vector<std::string>& names);
 OffloadSet offload_named(const std::vector<std::string>& names);
 LoraTargetSet lora_targets_named(const std::vector<std::string>& names);

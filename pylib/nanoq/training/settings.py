@@ -162,6 +162,12 @@ class TrainConfig:
                                       f"(zero_stage >= 2); \"\" = none")
     zero_stage: int = setting("run", 1, "sharded across devices: 1 optimizer state, 2 also gradients, 3 also weights",
                               **core_limits("zero_stage"))
+    attention: str = setting("run", "auto", "attention implementation: auto = cuDNN where available, else native",
+                             choices=option_schema.choices("attention"))
+    cuda_graphs: bool = setting("run", True, "cuda: capture each step and update once as CUDA graphs and replay them")
+    matmul_dtype: str = setting("run", "auto", "dtype of the projection matmuls: auto = the activations' dtype; fp8 "
+                                               "= e4m3 with per-tensor scales (cuda, bf16)",
+                                choices=option_schema.choices("matmul_dtype"))
     out_dir: str = setting("run", "nanoq-out", "runs go to <out_dir>/<run_name>")
     run_name: str = setting("run", "", "name of this run's directory; \"\" = a timestamp (an existing "
                                        "run is never overwritten)")
@@ -360,7 +366,9 @@ def train_options(config: TrainConfig) -> TrainOptions:
                         seq_len=config.seq_len, grad_accum=config.grad_accum, seed=config.seed, z_loss=config.z_loss,
                         threads=config.threads, dtype=config.dtype, master_dtype=config.master_dtype,
                         optimizer_dtype=config.optimizer_dtype, recompute=config.recompute,
-                        offload=config.offload, zero_stage=config.zero_stage, lora=lora_config(config))
+                        offload=config.offload, zero_stage=config.zero_stage, lora=lora_config(config),
+                        attention=config.attention, cuda_graphs=config.cuda_graphs,
+                        matmul_dtype=config.matmul_dtype)
 
 
 def lora_config(config: TrainConfig) -> Optional[LoraConfig]:
