@@ -6,7 +6,8 @@
 // arguments against the op's spec (shapes, dtypes, token ranges), stages
 // its own device memory and scratch sized for that call, NaN-fills the
 // outputs, runs the op, copies the results back and frees everything:
-// calls are independent and slow, which is what a test wants.
+// calls are independent and slow, which is what a test wants. time() runs
+// one call many times on the same device tensors, for the op benchmark.
 //
 // Every call blocks until the device has finished. Calls from several
 // threads run one at a time; a cuda runner for a device other than 0 must be
@@ -90,6 +91,14 @@ public:
     // Runs op `op` (a name of the table); returns its result tensors in order.
     std::vector<HostResult> run(const std::string& op, const std::vector<HostArray>& tensors,
                                 const Scalars& scalars);
+
+    // Times op `op` for benchmarks: stages the call as run() does, runs the
+    // op once (warm-up: plans, autotuning, first-touch), then `repeats`
+    // times back to back on the same device tensors, and returns the mean
+    // seconds of one run, from an idle device to the device done (host
+    // clock around synchronize). In/out tensors carry over from run to run.
+    double time(const std::string& op, const std::vector<HostArray>& tensors, const Scalars& scalars,
+                int repeats);
 
 private:
     struct Impl;

@@ -68,6 +68,8 @@ cdef extern from "op_harness/op_runner.h" namespace "nanoq::ops" nogil:
         COpRunner(const string&, int, int) except +nanoq_raise_py_error
         vector[CHostResult] run(const string&, const vector[CHostArray]&,
                                 const CScalars&) except +nanoq_raise_py_error
+        double time(const string&, const vector[CHostArray]&, const CScalars&,
+                    int) except +nanoq_raise_py_error
 
 
 # HostType's values (op_runner.h) by host dtype, and back.
@@ -101,6 +103,32 @@ def op_table():
     return table
 
 
+cdef object _convert(dict tensors, dict scalars, vector[CHostArray]& arrays, CScalars& s):
+    """Fills arrays and s from run()'s arguments; returns the arrays to keep alive."""
+    cdef CHostArray array
+    keep = []
+    for name, (value, host_dtype) in tensors.items():
+        array.name = name.encode()
+        array.type = <CHostType><int>_HOST_TYPES[host_dtype]
+        array.shape = [int(d) for d in value.shape]
+        array.data = <const void*><uintptr_t>value.ctypes.data
+        arrays.push_back(array)
+        keep.append(value)
+    for name, (role, value) in scalars.items():
+        key = name.encode()
+        if role == "int":
+            s.ints[key] = value
+        elif role == "float":
+            s.floats[key] = value
+        elif role == "bool":
+            s.bools[key] = value
+        elif role == "seed":
+            s.seeds[key] = value
+        else:
+            s.dtypes[key] = value.encode()
+    return keep
+
+
 cdef class NativeOpRunner:
     """One backend's op runner. Use nanoq.testing.OpRunner, which checks the
     Python types of the arguments and names them as the table does."""
@@ -124,28 +152,8 @@ cdef class NativeOpRunner:
         name)}; scalars: {name: (role, value)}. Returns {name: new array}
         of the op's results, in order."""
         cdef vector[CHostArray] arrays
-        cdef CHostArray array
         cdef CScalars s
-        keep = []
-        for name, (value, host_dtype) in tensors.items():
-            array.name = name.encode()
-            array.type = <CHostType><int>_HOST_TYPES[host_dtype]
-            array.shape = [int(d) for d in value.shape]
-            array.data = <const void*><uintptr_t>value.ctypes.data
-            arrays.push_back(array)
-            keep.append(value)
-        for name, (role, value) in scalars.items():
-            key = name.encode()
-            if role == "int":
-                s.ints[key] = value
-            elif role == "float":
-                s.floats[key] = value
-            elif role == "bool":
-                s.bools[key] = value
-            elif role == "seed":
-                s.seeds[key] = value
-            else:
-                s.dtypes[key] = value.encode()
+        keep = _convert(tensors, scalars, arrays, s)
         cdef string op_name = op.encode()
         cdef vector[CHostResult] results
         with nogil:
@@ -160,3 +168,15 @@ cdef class NativeOpRunner:
             memcpy(<void*><uintptr_t>r.ctypes.data, results[i].bytes.data(), r.nbytes)
             out[results[i].name.decode()] = r
         return out
+
+    def time(self, str op, dict tensors, dict scalars, int repeats):
+        """Mean seconds of one run of `op` (arguments as for run) over
+        `repeats` back-to-back runs after one warm-up run on the device."""
+        cdef vector[CHostArray] arrays
+        cdef CScalars s
+        keep = _convert(tensors, scalars, arrays, s)
+        cdef string op_name = op.encode()
+        cdef double seconds
+        with nogil:
+            seconds = self._runner.time(op_name, arrays, s, repeats)
+        return seconds

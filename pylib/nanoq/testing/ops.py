@@ -21,6 +21,9 @@ Conventions, for every op:
 - outputs start as NaN on the device, so an element the op never writes
   comes back NaN. Each call allocates its own device memory and blocks
   until the device is done.
+
+``runner.time("matmul", a, b, repeats=20)`` times an op instead (for
+bench/bench_ops.py): mean seconds of one run on the device.
 """
 
 import inspect
@@ -203,6 +206,20 @@ class OpRunner:
         results = self._native.run(op, tensors, scalars)
         values = tuple(results[name] for name in spec.results)
         return values[0] if len(values) == 1 else values
+
+    def time(self, op: str, /, *args, repeats: int = 10, **kwargs) -> float:
+        """Mean seconds of one run of op `op` (arguments as for its method),
+        for benchmarks: the call is staged once, the op runs once untimed
+        (plans, autotuning), then ``repeats`` times back to back on the same
+        device tensors (in/out tensors carry over from run to run), timed
+        from an idle device to the device done. Returns only the time."""
+        spec = _SPECS.get(op)
+        if spec is None:
+            raise ValueError(f"unknown op {op!r}; the ops are: {', '.join(_SPECS)}")
+        if isinstance(repeats, (bool, np.bool_)) or not isinstance(repeats, numbers.Integral) or repeats < 1:
+            raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+        tensors, scalars = spec.convert(spec.signature.bind(self, *args, **kwargs))
+        return self._native.time(op, tensors, scalars, int(repeats))
 
 
 def _method(spec):
