@@ -756,7 +756,7 @@ def main(argv=None) -> int:
     for case_id in args.cases:
         if args.time_limit and time.perf_counter() - start > args.time_limit:
             rows.append(dict(case=case_id, op=CASES[case_id][0], variant="backend", ok=False,
-                             error=f"skipped: the time limit ({args.time_limit:.0f} s) was reached"))
+                             error=f"skipped: the time limit ({args.time_limit:g} s) was reached"))
             lines.append(format_row(rows[-1]))
             print(lines[-1], flush=True)
             continue

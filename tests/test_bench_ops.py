@@ -1,0 +1,124 @@
+"""The op benchmark's plumbing (bench/bench_ops.py) and the op harness's timing call.
+
+No timed assertions: the smoke runs check that every case of the table runs
+on nanoq and on PyTorch and lands in the report, not how fast.
+"""
+
+import importlib.util
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from conftest import require_cuda_emulator
+from nanoq.testing import OpRunner, op_table
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_bench_ops():
+    spec = importlib.util.spec_from_file_location("bench_ops", ROOT / "bench" / "bench_ops.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench_ops():
+    return load_bench_ops()
+
+
+def test_every_op_of_the_table_has_a_case(bench_ops):
+    assert {op for op, _ in bench_ops.CASES.values()} == set(op_table())
+
+
+def smoke_report(bench_ops, tmp_path, backend):
+    assert bench_ops.main(["--smoke", "--backend", backend, "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "bench_ops.json").read_text())
+    text = (tmp_path / "bench_ops.txt").read_text()
+    cases = {row["case"] for row in report["rows"]}
+    assert cases == set(bench_ops.CASES)
+    for row in report["rows"]:
+        assert row["ok"], row
+        assert row["nanoq_seconds"] > 0 and row["torch_seconds"] > 0, row
+        assert row["ratio"] == pytest.approx(row["torch_seconds"] / row["nanoq_seconds"])
+    # Every composite is also timed as its default composition.
+    composites = {row["case"] for row in report["rows"] if row["variant"] == "default composition"}
+    assert {"classifier", "qkv_forward", "residual_rmsnorm_forward", "swiglu_gate_up_backward"} <= composites
+    assert "matmul" not in composites
+    assert len(text.splitlines()) == 3 + len(report["rows"]) + 1
+    assert text.splitlines()[-1] == f"{len(report['rows'])} of {len(report['rows'])} timings ran"
+    return report
+
+
+def test_smoke_on_the_cpu_backend_times_every_case(bench_ops, tmp_path):
+    report = smoke_report(bench_ops, tmp_path, "cpu")
+    assert report["dtype"] == "fp32" and report["torch_device"] == "cpu"
+
+
+@pytest.mark.cuda_emulated
+def test_smoke_on_the_emulated_cuda_backend_times_every_case(bench_ops, tmp_path):
+    require_cuda_emulator()
+    report = smoke_report(bench_ops, tmp_path, "cuda_emulated")
+    assert report["dtype"] == "bf16"
+
+
+def test_cuda_without_a_gpu_exits_2_and_says_why(bench_ops, tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_ops.main(["--out", str(tmp_path)]) == 2
+    assert "needs an NVIDIA GPU" in json.loads((tmp_path / "bench_ops.json").read_text())["error"]
+
+
+def test_cases_past_the_time_limit_are_recorded_as_skipped(bench_ops, tmp_path):
+    # The limit is checked before each case: one over at once skips them all.
+    assert bench_ops.main(["--smoke", "--backend", "cpu", "--ops", "add,fill", "--time-limit", "1e-9",
+                           "--out", str(tmp_path)]) == 1
+    rows = json.loads((tmp_path / "bench_ops.json").read_text())["rows"]
+    assert [r["case"] for r in rows] == ["fill", "add"]
+    for row in rows:
+        assert not row["ok"] and row["error"] == "skipped: the time limit (1e-09 s) was reached"
+
+
+def test_bad_arguments_are_refused(bench_ops, capsys):
+    with pytest.raises(SystemExit):
+        bench_ops.parse_args(["--ops", "matmul,nope"])
+    assert "unknown case or op: nope" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_ops.parse_args(["--backend", "cpu", "--dtype", "bf16"])
+    with pytest.raises(SystemExit):
+        bench_ops.parse_args(["--repeats", "0"])
+    # An op name selects all of its cases.
+    assert bench_ops.parse_args(["--ops", "matmul"]).cases == [c for c in bench_ops.CASES if c.startswith("matmul-")]
+
+
+def test_op_runner_time_returns_the_mean_seconds_of_one_run():
+    cpu = OpRunner("cpu")
+    a = np.ones((32, 32), np.float32)
+    seconds = cpu.time("matmul", a, a, repeats=3)
+    assert isinstance(seconds, float) and seconds > 0
+    # The arguments are checked as for run().
+    with pytest.raises(ValueError, match="unknown op 'nope'"):
+        cpu.time("nope", a)
+    with pytest.raises(ValueError, match="repeats must be an int >= 1"):
+        cpu.time("matmul", a, a, repeats=0)
+    with pytest.raises(TypeError, match="missing a required argument: 'b'"):
+        cpu.time("matmul", a)
+    with pytest.raises(ValueError, match=r"add: b has shape"):
+        cpu.time("add", a, a.T[:, :3])
+
+
+def test_run_after_time_is_unchanged():
+    """time() shares run()'s staging: a run after timing (and the op's own
+    upload, adamw's scale) still gives the float64 AdamW step."""
+    cpu = OpRunner("cpu")
+    rng = np.random.default_rng(0)
+    p, g = rng.standard_normal(64).astype(np.float32), rng.standard_normal(64).astype(np.float32)
+    m, v = np.zeros(64, np.float32), np.zeros(64, np.float32)
+    cpu.time("adamw", p, g, m, v, lr=0.1, scale=0.5, repeats=2)
+    p1, m1, v1 = cpu.adamw(p, g, m, v, lr=0.1, scale=0.5)
+    g64 = g.astype(np.float64) * 0.5
+    m_hat, v_hat = 0.1 * g64 / (1 - 0.9), 0.001 * g64 ** 2 / (1 - 0.999)
+    np.testing.assert_allclose(p1, p - 0.1 * m_hat / (np.sqrt(v_hat) + 1e-8), rtol=1e-5, atol=1e-6)
