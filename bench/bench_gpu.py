@@ -1,43 +1,69 @@
 """nanoq's cuda backend against PyTorch + transformers on one GPU, in one run.
 
-The model is Qwen2.5-0.5B-shaped with random weights: hidden 896, 24 layers,
-14 query heads and 2 kv heads of head_dim 64, intermediate 4864, vocab 151936,
-tied embeddings, q/k/v biases, rope theta 1e6. The parent process builds it
-once (transformers, on the CPU) and saves it in bf16; each trainer then runs
-in its own fresh subprocess (so GPU memory is its own) from those weights, on
-the same random token batches, for the same full optimizer steps (forward,
-backward, clipping to norm 1.0, AdamW with lr 3e-4, betas (0.9, 0.95),
-weight decay 0.1 on matrices only):
+Models (random weights, the shapes of the published checkpoints' config.json):
+- Qwen2.5-0.5B: hidden 896, 24 layers, 14 query heads and 2 kv heads of
+  head_dim 64, intermediate 4864, vocab 151936, tied embeddings;
+- Qwen2.5-1.5B: hidden 1536, 28 layers, 12 query heads and 2 kv heads of
+  head_dim 128, intermediate 8960, vocab 151936, tied embeddings;
+both with q/k/v biases and rope theta 1e6. The parent process builds each
+model once (transformers; on the GPU when there is one) and saves it in
+bf16; each trainer then runs in its own fresh subprocess (so GPU memory is
+its own) from those weights, on the same random token batches, for the same
+full optimizer steps (forward, backward, clipping to norm 1.0, AdamW with lr
+3e-4, betas (0.9, 0.95), weight decay 0.1 on matrices only).
+
+Configurations: each model at each batch setting, seq 1024:
+- "b8": B=8 (--batch), no gradient accumulation (--grad-accum);
+- "llmq": llm.q's published settings for these models on one GPU, B=32 with
+  16 micro-batches per optimizer step (IST-DASLab/llmq, benchmarks/H100x1.md
+  at commit 7f895bd: `--batch-size=32 --grad-accumulation=16
+  --seq-length=1024` for both Qwen2.5-0.5B and -1.5B);
+and at each matmul dtype: "bf16" (nanoq's matmul_dtype "auto") and "fp8"
+(matmul_dtype "fp8": e4m3 projection matmuls). PyTorch runs once per model
+and setting, in bf16 (it has no fp8 path without extra libraries):
 
 - nanoq: backend "cuda", dtype "bf16" (weights, activations), master_dtype
-  and optimizer_dtype "fp32".
+  and optimizer_dtype "fp32", attention "auto", grad_accum as the setting.
 - torch: the model in fp32 (the master weights) under
   ``torch.autocast("cuda", torch.bfloat16)``, ``attn_implementation="sdpa"``,
   cross-entropy on fp32 logits, ``torch.optim.AdamW(fused=True)`` when
-  available, eager mode (no torch.compile).
+  available, eager mode (no torch.compile); the loss of each micro-batch
+  divided by the number of micro-batches.
 
-Reported per trainer: tokens/s over the timed steps (after warm-up steps; each
-step ends with its loss on the host, so the clock sees finished work), GPU
-memory, the losses, and MFU. Memory: nanoq's ``get_allocations`` total (it
-takes everything up front), torch's ``max_memory_allocated``, and for both the
-rise in the device's used memory (NVML) from before the trainer started to
-after the last step, CUDA context and library workspaces included: the
-like-for-like figure.
+Reported per trainer: tokens/s over the timed steps (after the warm-up
+steps; each step ends with its loss on the host, so the clock sees finished
+work), GPU memory, the losses, and MFU. Memory: nanoq's ``get_allocations``
+total (it takes everything up front), torch's ``max_memory_allocated``, and
+for both the rise in the device's used memory (NVML) from before the trainer
+started to after the last step, CUDA context and library workspaces
+included: the like-for-like figure.
 
-MFU = tokens/s * flops_per_token / 989e12 (the H100/H200 SXM dense bf16 peak),
-with the PaLM formula flops_per_token = 6 * N + 12 * L * H * Q * T: N counts
-all parameters, the tied embedding once (as the LM-head matmul; the lookup
-itself is free), L layers, H query heads, Q head_dim, T seq_len. The
+MFU = tokens/s * flops_per_token / 989e12 (the H100/H200 SXM dense bf16
+peak; fp8 runs are held to the same bf16 peak, so that MFU compares with
+bf16 runs), with the PaLM formula flops_per_token = 6 * N + 12 * L * H * Q * T:
+N counts all parameters, the tied embedding once (as the LM-head matmul; the
+lookup itself is free), L layers, H query heads, Q head_dim, T seq_len. The
 attention term counts the full T x T score matrix although causal attention
 needs half of it, as PaLM does.
 
-    python bench/bench_gpu.py [--batch 8 --seq 1024 --steps 10 --warmup 3] [--out DIR]
+Beside the measurements the report prints llm.q's published H100 figures for
+the same models and settings (PUBLISHED below), labelled as published: they
+were not measured in this run, on this GPU.
+
+    python bench/bench_gpu.py [--model 0.5b 1.5b] [--matmul-dtype bf16 fp8] [--settings b8 llmq]
+                              [--budget 90] [--time-limit 300] [--out DIR]
     python bench/bench_gpu.py --smoke     # a tiny model for 2 steps: checks the plumbing
 
-With ``--out`` (default: $OUT when set) it writes bench_gpu.json and
-bench_gpu.txt there. A trainer that fails (exception, crash, hang past
-``--worker-timeout``) is recorded as failed and the other still runs; the
-exit status is 1 when either failed, 2 when no GPU is visible.
+--budget bounds each trainer's process (model loading included): its timed
+steps stop early, after at least one, when the budget is nearly spent, and a
+process still running at the budget is killed (recorded as failed).
+--time-limit bounds the whole run: configurations not started by then are
+recorded as skipped. With ``--out`` (default: $OUT when set) it writes
+bench_gpu.json and bench_gpu.txt there, again after every configuration,
+so that a run stopped from outside keeps what it finished. A trainer that
+fails (exception, crash, hang) is recorded as failed and the others still
+run; the exit status is 1 when any failed or was skipped, 2 when no GPU is
+visible.
 """
 from __future__ import annotations
 
@@ -52,12 +78,35 @@ import traceback
 
 PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16, datasheet
 
-QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                  num_attention_heads=14, num_key_value_heads=2, head_dim=64, rope_theta=1e6,
-                  tie_word_embeddings=True)
+MODELS = {
+    "0.5b": ("Qwen2.5-0.5B", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                  num_attention_heads=14, num_key_value_heads=2, head_dim=64, rope_theta=1e6,
+                                  tie_word_embeddings=True)),
+    "1.5b": ("Qwen2.5-1.5B", dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                  num_attention_heads=12, num_key_value_heads=2, head_dim=128, rope_theta=1e6,
+                                  tie_word_embeddings=True)),
+}
 SMOKE = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1e6,
              tie_word_embeddings=True)
+LLMQ_SETTING = dict(batch=32, grad_accum=16)  # llm.q's commands for both models (see the module docstring)
+MATMUL_DTYPES = {"bf16": "auto", "fp8": "fp8"}  # our name -> nanoq's TrainOptions.matmul_dtype
+
+# llm.q's published figures, one H100, B=32 x 16 micro-batches, seq 1024, bf16
+# weights and AdamW moments, CUDA graphs: IST-DASLab/llmq benchmarks/H100x1.md
+# (commit 7f895bd), steady-state steps. Printed beside ours, never as measured.
+PUBLISHED = {
+    ("0.5b", "bf16"): dict(tokens_per_second=150e3, mfu=0.469),
+    ("0.5b", "fp8"): dict(tokens_per_second=164e3, mfu=None),
+    ("1.5b", "bf16"): dict(tokens_per_second=59e3, mfu=0.570),
+    ("1.5b", "fp8"): dict(tokens_per_second=73e3, mfu=None),
+}
+PUBLISHED_SOURCE = "llm.q, published, one H100 (IST-DASLab/llmq benchmarks/H100x1.md), B=32 x 16, not measured here"
+
+# Issue 15's targets (tokens/s on one H200, and ratios), checked where measured.
+TARGETS = {("0.5b", "bf16"): 180e3, ("1.5b", "bf16"): 65e3}
+TARGET_FP8_OVER_BF16 = 1.3  # at 1.5B
+TARGET_OVER_TORCH = 2.0
 
 
 # --------------------------------------------------------------------------
@@ -83,18 +132,18 @@ def flops_per_token(shape: dict, seq_len: int) -> float:
 
 
 # --------------------------------------------------------------------------
-# Shared by both workers
+# Shared by the workers
 # --------------------------------------------------------------------------
 
 
-def batches(args) -> list:
-    """The same random (inputs, targets) int32 batches for both trainers."""
+def batches(run: dict, micro_batches: int, first: int) -> list:
+    """The same random (inputs, targets) int32 micro-batches for every trainer of a model and setting."""
     import numpy as np
 
     out = []
-    for step in range(args.warmup + args.steps):
-        rng = np.random.default_rng(1000 + step)
-        tokens = rng.integers(0, args.shape["vocab_size"], (args.batch, args.seq + 1), dtype=np.int32)
+    for index in range(first, first + micro_batches):
+        rng = np.random.default_rng(1000 + index)
+        tokens = rng.integers(0, run["shape"]["vocab_size"], (run["batch"], run["seq"] + 1), dtype=np.int32)
         out.append((np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(tokens[:, 1:])))
     return out
 
@@ -130,16 +179,25 @@ def gpu_names() -> list[str]:
         pynvml.nvmlShutdown()
 
 
-def timed_loop(args, train_step) -> dict:
-    """Runs warm-up + timed steps; train_step(inputs, targets) -> loss (a float on the host)."""
-    data = batches(args)
-    losses, start = [], None
-    for step, (inputs, targets) in enumerate(data):
-        if step == args.warmup:
+def timed_loop(run: dict, train_step, started: float) -> dict:
+    """Runs the warm-up steps, then timed optimizer steps until run["steps"]
+    or, after at least one, until the next would likely end past the
+    process's budget. train_step(micro_batches) -> loss (a float on the host)."""
+    accum, losses, timed, start = run["grad_accum"], [], 0, None
+    budget_end = started + run["budget"] - 10.0 if run["budget"] else None  # 10 s for teardown
+    for step in range(run["warmup"] + run["steps"]):
+        if step == run["warmup"]:
             start = time.perf_counter()
-        losses.append(train_step(inputs, targets))
-        print(f"step {step}{' (warm-up)' if step < args.warmup else ''}: loss {losses[-1]:.4f}", flush=True)
-    return dict(seconds=time.perf_counter() - start, losses=losses)
+        elif step > run["warmup"] and budget_end is not None:
+            per_step = (time.perf_counter() - start) / timed
+            if time.perf_counter() + per_step > budget_end:
+                print(f"stopping after {timed} timed steps: the budget of {run['budget']:.0f} s is nearly spent",
+                      flush=True)
+                break
+        losses.append(train_step(batches(run, accum, step * accum)))
+        timed += step >= run["warmup"]
+        print(f"step {step}{' (warm-up)' if step < run['warmup'] else ''}: loss {losses[-1]:.4f}", flush=True)
+    return dict(seconds=time.perf_counter() - start, timed_steps=timed, losses=losses)
 
 
 # --------------------------------------------------------------------------
@@ -147,21 +205,25 @@ def timed_loop(args, train_step) -> dict:
 # --------------------------------------------------------------------------
 
 
-def run_nanoq(args) -> dict:
+def run_nanoq(run: dict, model_dir: str, started: float) -> dict:
     import nanoq
 
     used_before = gpu_used_bytes()
-    config = nanoq.ModelConfig.from_pretrained(args.model_dir)
-    options = nanoq.TrainOptions(backend="cuda", dtype="bf16", master_dtype="fp32", optimizer_dtype="fp32",
-                                 batch_size=args.batch, seq_len=args.seq)
-    with nanoq.Trainer(config, options) as trainer:
-        trainer.import_weights(args.model_dir)
+    config = nanoq.ModelConfig.from_pretrained(model_dir)
+    options = dict(backend=run["backend"], dtype="fp32" if run["backend"] == "cpu" else "bf16",
+                   master_dtype="fp32", optimizer_dtype="fp32", batch_size=run["batch"], seq_len=run["seq"],
+                   grad_accum=run["grad_accum"])
+    if run["matmul_dtype"] != "bf16":  # bf16 is the default ("auto"): builds without the option still run it
+        options["matmul_dtype"] = MATMUL_DTYPES[run["matmul_dtype"]]
+    with nanoq.Trainer(config, nanoq.TrainOptions(**options)) as trainer:
+        trainer.import_weights(model_dir)
 
-        def train_step(inputs, targets):
-            trainer.step(inputs, targets)
+        def train_step(micro_batches):
+            for inputs, targets in micro_batches:
+                trainer.step(inputs, targets)
             return trainer.update(lr=3e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, grad_clip=1.0).loss
 
-        result = timed_loop(args, train_step)
+        result = timed_loop(run, train_step, started)
         used_after = gpu_used_bytes()
         by_context = {}
         for a in trainer.get_allocations(0):
@@ -172,53 +234,63 @@ def run_nanoq(args) -> dict:
     return result
 
 
-def run_torch(args) -> dict:
+def run_torch(run: dict, model_dir: str, started: float) -> dict:
     import torch
     from transformers import Qwen2ForCausalLM
 
-    if not torch.cuda.is_available():
+    on_gpu = run["backend"] == "cuda"
+    if on_gpu and not torch.cuda.is_available():
         raise RuntimeError("torch sees no CUDA device")
     used_before = gpu_used_bytes()
-    device = torch.device("cuda", 0)
-    model = Qwen2ForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32,
-                                             attn_implementation="sdpa").to(device)
+    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+    model = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").to(device)
     model.train()
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
     try:
-        optimizer = torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
-        fused = True
+        optimizer = torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, fused=on_gpu)
+        fused = on_gpu
     except (TypeError, RuntimeError):
         optimizer = torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95), eps=1e-8)
         fused = False
-    torch.cuda.reset_peak_memory_stats(device)
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats(device)
 
-    def train_step(inputs, targets):
-        inputs, targets = (torch.from_numpy(a).to(device, dtype=torch.long) for a in (inputs, targets))
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(input_ids=inputs).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
-        loss.backward()
+    def train_step(micro_batches):
+        total = 0.0
+        for inputs, targets in micro_batches:
+            inputs, targets = (torch.from_numpy(a).to(device, dtype=torch.long) for a in (inputs, targets))
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                logits = model(input_ids=inputs).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+            (loss / len(micro_batches)).backward()
+            total += loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss.item()
+        return float(total) / len(micro_batches)
 
-    result = timed_loop(args, train_step)
-    torch.cuda.synchronize(device)
+    result = timed_loop(run, train_step, started)
+    peak = {}
+    if on_gpu:
+        torch.cuda.synchronize(device)
+        peak = dict(peak_bytes=int(torch.cuda.max_memory_allocated(device)),
+                    peak_reserved_bytes=int(torch.cuda.max_memory_reserved(device)))
     used_after = gpu_used_bytes()
-    result.update(peak_bytes=int(torch.cuda.max_memory_allocated(device)),
-                  peak_reserved_bytes=int(torch.cuda.max_memory_reserved(device)), fused_adamw=fused,
-                  torch_version=torch.__version__,
+    result.update(peak, fused_adamw=fused, torch_version=torch.__version__,
                   device_used_rise_bytes=None if used_before is None else used_after - used_before)
     return result
 
 
 def worker_main(args) -> int:
-    """Runs one trainer; writes its result (or its error) to args.result."""
+    """Runs one trainer (its run file says which); writes its result (or its error) to args.result."""
+    started = time.perf_counter()
     try:
-        result = run_nanoq(args) if args.worker == "nanoq" else run_torch(args)
+        with open(args.run) as f:
+            run = json.load(f)
+        runner = run_nanoq if run["trainer"] == "nanoq" else run_torch
+        result = runner(run, args.model_dir, started)
         status = 0
     except BaseException as e:  # noqa: BLE001 - recorded, then reported as a failure
         traceback.print_exc()
@@ -230,11 +302,12 @@ def worker_main(args) -> int:
 
 
 # --------------------------------------------------------------------------
-# Parent: model, workers, report
+# Parent: models, workers, report
 # --------------------------------------------------------------------------
 
 
 def make_model(shape: dict, seq: int, model_dir: str) -> None:
+    """Builds the model with random weights (on the GPU when torch sees one: faster) and saves it in bf16."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -245,33 +318,42 @@ def make_model(shape: dict, seq: int, model_dir: str) -> None:
                          num_attention_heads=shape["num_attention_heads"],
                          num_key_value_heads=shape["num_key_value_heads"], rope_theta=shape["rope_theta"],
                          tie_word_embeddings=shape["tie_word_embeddings"], max_position_embeddings=max(seq, 32768),
-                         rms_norm_eps=1e-6, use_sliding_window=False)
+                         rms_norm_eps=1e-6, use_sliding_window=False, head_dim=shape["head_dim"])
     rope = getattr(config, "rope_parameters", None) or {"rope_theta": getattr(config, "rope_theta", None)}
     if rope.get("rope_theta") != shape["rope_theta"]:
         raise RuntimeError(f"transformers did not take rope_theta {shape['rope_theta']}: {rope}")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if head_dim != shape["head_dim"]:
         raise RuntimeError(f"head_dim {head_dim} != {shape['head_dim']}")
-    model = Qwen2ForCausalLM(config)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    with device:
+        model = Qwen2ForCausalLM(config)
     count = sum(p.numel() for p in model.parameters())  # tied weights appear once
     if count != parameter_count(shape):
         raise RuntimeError(f"the model has {count} parameters, parameter_count() says {parameter_count(shape)}")
     model.to(torch.bfloat16).save_pretrained(model_dir)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
-def run_worker(name: str, args, model_dir: str, result_path: str) -> dict:
-    command = [sys.executable, "-X", "faulthandler", os.path.abspath(__file__), "--worker", name,
-               "--model-dir", model_dir, "--result", result_path] + args.passthrough
+def run_worker(run: dict, work_dir: str, model_dir: str) -> dict:
+    tag = f"{run['key'].replace(' ', '_')}_{run['trainer']}"
+    run_path, result_path = os.path.join(work_dir, f"{tag}.run.json"), os.path.join(work_dir, f"{tag}.json")
+    with open(run_path, "w") as f:
+        json.dump(run, f)
+    command = [sys.executable, "-X", "faulthandler", os.path.abspath(__file__), "--worker",
+               "--model-dir", model_dir, "--run", run_path, "--result", result_path]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    print(f"--- {name}: {' '.join(command[3:])}", flush=True)
+    print(f"--- {run['key']}: {run['trainer']} (budget {run['budget']:.0f} s)", flush=True)
     start = time.perf_counter()
     process = subprocess.Popen(command, env=env)
     try:
-        returncode = process.wait(timeout=args.worker_timeout)
+        returncode = process.wait(timeout=run["budget"] or None)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
-        return dict(ok=False, error=f"timed out after {args.worker_timeout} s (killed)")
+        return dict(ok=False, error=f"timed out after {run['budget']:.0f} s (killed)")
     result = {}
     if os.path.exists(result_path):
         with open(result_path) as f:
@@ -284,39 +366,97 @@ def run_worker(name: str, args, model_dir: str, result_path: str) -> dict:
     return dict(result, ok=True, wall_seconds=wall)
 
 
-def summarise(args, results: dict, gpu: str) -> tuple[dict, str]:
-    shape, tokens_per_step = args.shape, args.batch * args.seq
-    flops = flops_per_token(shape, args.seq)
-    lines = [f"{args.model_name}: {parameter_count(shape) / 1e6:.1f}M parameters (tied embedding counted once), "
-             f"B={args.batch}, T={args.seq}, bf16, {args.steps} timed steps after {args.warmup} warm-up, on {gpu}",
-             f"MFU = tokens/s * {flops / 1e9:.3f} GFLOP/token (6N + 12*L*H*Q*T) / {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s"]
+def configurations(args) -> list[dict]:
+    """The configurations in the order they run: per model, per setting: nanoq
+    in each matmul dtype and torch (bf16), the first dtype's nanoq first."""
+    out = []
+    for model in args.model:
+        name, shape = ("smoke model", SMOKE) if args.smoke else MODELS[model]
+        for setting in args.settings:
+            batch, accum = ((args.batch, args.grad_accum) if setting == "b8"
+                            else (LLMQ_SETTING["batch"], LLMQ_SETTING["grad_accum"]))
+            if args.smoke and setting == "llmq":
+                batch, accum = 2, 2  # the shape of the setting (accumulation), smoke-sized
+            steps, warmup = args.steps, args.warmup
+            if setting == "llmq":  # an optimizer step is 16 micro-batches of 32 rows: fewer of them
+                steps, warmup = (args.llmq_steps, args.llmq_warmup)
+            base = dict(model=model, model_name=name, shape=shape, setting=setting, batch=batch, grad_accum=accum,
+                        seq=args.seq, steps=steps, warmup=warmup, budget=args.budget, backend=args.backend)
+            trainers = [("nanoq", dtype) for dtype in args.matmul_dtype]
+            if not args.only or args.only == "torch":
+                trainers.insert(1, ("torch", "bf16"))
+            if args.only == "torch":
+                trainers = [("torch", "bf16")]
+            for trainer, dtype in trainers:
+                out.append(dict(base, trainer=trainer, matmul_dtype=dtype,
+                                key=f"{model} {setting} {dtype}"))
+    return out
+
+
+def summarise(args, runs: list[dict], gpu: str) -> tuple[dict, str]:
+    lines = [f"nanoq vs PyTorch eager on {gpu}, seq {args.seq}; MFU = tokens/s * FLOP/token (6N + 12*L*H*Q*T) / "
+             f"{PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s (bf16 peak, also for fp8)"]
     gib = 2.0 ** 30
-    for name, r in results.items():
+    measured = {}  # (model, setting, trainer, dtype) -> tokens/s
+    for run in runs:
+        r = run["result"]
+        tokens_per_step = run["batch"] * run["seq"] * run["grad_accum"]
+        flops = flops_per_token(run["shape"], run["seq"])
+        label = (f"{run['model_name']} B={run['batch']}x{run['grad_accum']} {run['trainer']:>5} "
+                 f"{run['matmul_dtype']}")
         if not r["ok"]:
-            lines.append(f"{name:>6}: FAILED: {r['error']}")
+            lines.append(f"{label}: FAILED: {r['error']}")
             continue
-        r["tokens_per_second"] = args.steps * tokens_per_step / r["seconds"]
+        r["tokens_per_second"] = r["timed_steps"] * tokens_per_step / r["seconds"]
         r["mfu"] = r["tokens_per_second"] * flops / PEAK_BF16_FLOPS
-        memory = f"peak {'allocations' if name == 'nanoq' else 'allocated'} {r['peak_bytes'] / gib:.2f} GiB"
+        measured[(run["model"], run["setting"], run["trainer"], run["matmul_dtype"])] = r["tokens_per_second"]
+        memory = ""
+        if r.get("peak_bytes") is not None:
+            memory = f"peak {'allocations' if run['trainer'] == 'nanoq' else 'allocated'} {r['peak_bytes'] / gib:.2f} GiB"
         if r.get("device_used_rise_bytes") is not None:
             memory += f", device used +{r['device_used_rise_bytes'] / gib:.2f} GiB"
-        lines.append(f"{name:>6}: {r['tokens_per_second']:9.0f} tokens/s  MFU {100 * r['mfu']:5.1f}%  {memory}  "
-                     f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}")
+        lines.append(f"{label}: {r['tokens_per_second']:9.0f} tokens/s  MFU {100 * r['mfu']:5.1f}%  {memory}  "
+                     f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}  ({r['timed_steps']} timed steps)")
     ratios = {}
-    nanoq, torch = results.get("nanoq", {}), results.get("torch", {})
-    if nanoq.get("ok") and torch.get("ok"):
-        ratios["speed"] = nanoq["tokens_per_second"] / torch["tokens_per_second"]
-        ratios["peak_memory"] = nanoq["peak_bytes"] / torch["peak_bytes"]
-        if nanoq.get("device_used_rise_bytes") and torch.get("device_used_rise_bytes"):
-            ratios["device_used"] = nanoq["device_used_rise_bytes"] / torch["device_used_rise_bytes"]
-        ratios["max_loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(nanoq["losses"], torch["losses"]))
-        lines.append("nanoq/torch: speed {speed:.2f}x, peak memory {peak_memory:.2f}x".format(**ratios)
-                     + (f", device used {ratios['device_used']:.2f}x" if "device_used" in ratios else "")
-                     + f"; losses agree to {ratios['max_loss_rel_diff']:.1e} (relative)")
-    report = dict(model=args.model_name, shape=shape, parameters=parameter_count(shape), batch=args.batch,
-                  seq_len=args.seq, steps=args.steps, warmup=args.warmup, gpu=gpu, flops_per_token=flops,
-                  peak_flops=PEAK_BF16_FLOPS, results=results, ratios=ratios,
-                  date=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+    for (model, setting, trainer, dtype), tps in measured.items():
+        if trainer != "nanoq":
+            continue
+        torch_tps = measured.get((model, setting, "torch", "bf16"))
+        if torch_tps:
+            ratios[f"{model} {setting} {dtype} nanoq/torch"] = tps / torch_tps
+        bf16 = measured.get((model, setting, "nanoq", "bf16"))
+        if dtype == "fp8" and bf16:
+            ratios[f"{model} {setting} nanoq fp8/bf16"] = tps / bf16
+    for name, value in ratios.items():
+        lines.append(f"ratio {name}: {value:.2f}x")
+    lines.append(f"published figures ({PUBLISHED_SOURCE}):")
+    for (model, dtype), figure in PUBLISHED.items():
+        if model not in args.model or args.smoke:
+            continue
+        ours = measured.get((model, "llmq", "nanoq", dtype)) or measured.get((model, "b8", "nanoq", dtype))
+        mfu = f" ({100 * figure['mfu']:.1f}% of peak, published)" if figure["mfu"] else ""
+        beside = f"; nanoq measured here {ours:.0f} tokens/s = {ours / figure['tokens_per_second']:.2f}x it" if ours else ""
+        lines.append(f"  llm.q {MODELS[model][0]} {dtype}: {figure['tokens_per_second']:.0f} tokens/s{mfu}{beside}")
+    if not args.smoke:
+        lines.append("issue 15 targets (on one H200):")
+        for (model, dtype), target in TARGETS.items():
+            ours = measured.get((model, "llmq", "nanoq", dtype)) or measured.get((model, "b8", "nanoq", dtype))
+            lines.append(f"  {MODELS[model][0]} {dtype} >= {target:.0f} tokens/s: "
+                         + (f"{ours:.0f} ({'met' if ours >= target else 'not met'})" if ours else "not measured"))
+        fp8 = ratios.get("1.5b llmq nanoq fp8/bf16") or ratios.get("1.5b b8 nanoq fp8/bf16")
+        lines.append(f"  fp8 >= {TARGET_FP8_OVER_BF16}x bf16 at 1.5B: "
+                     + (f"{fp8:.2f}x ({'met' if fp8 >= TARGET_FP8_OVER_BF16 else 'not met'})" if fp8 else "not measured"))
+        over = {k: v for k, v in ratios.items() if k.endswith("nanoq/torch")}
+        lines.append(f"  >= {TARGET_OVER_TORCH}x PyTorch eager: "
+                     + (", ".join(f"{k.replace(' nanoq/torch', '')} {v:.2f}x "
+                                  f"({'met' if v >= TARGET_OVER_TORCH else 'not met'})" for k, v in over.items())
+                        if over else "not measured"))
+    report = dict(gpu=gpu, seq_len=args.seq, peak_flops=PEAK_BF16_FLOPS, runs=runs, ratios=ratios,
+                  published=[dict(model=m, matmul_dtype=d, **f) for (m, d), f in PUBLISHED.items()],
+                  published_source=PUBLISHED_SOURCE, date=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+    for run in runs:
+        run["parameters"] = parameter_count(run["shape"])
+        run["flops_per_token"] = flops_per_token(run["shape"], run["seq"])
     return report, "\n".join(lines)
 
 
@@ -328,38 +468,54 @@ def write_outputs(out_dir: str | None, report: dict, text: str) -> None:
         json.dump(report, f, indent=2)
     with open(os.path.join(out_dir, "bench_gpu.txt"), "w") as f:
         f.write(text + "\n")
-    print(f"wrote {out_dir}/bench_gpu.json and bench_gpu.txt")
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, help="rows per step (default 8; smoke 2)")
+    parser.add_argument("--model", nargs="+", choices=list(MODELS), default=["0.5b"],
+                        help="models, in the order they run (default 0.5b)")
+    parser.add_argument("--matmul-dtype", nargs="+", choices=list(MATMUL_DTYPES), default=["bf16"],
+                        help="nanoq's matmul dtypes (default bf16); torch runs bf16 once per model and setting")
+    parser.add_argument("--settings", nargs="+", choices=["b8", "llmq"], default=["b8"],
+                        help="b8: --batch x --grad-accum; llmq: llm.q's B=32 x 16 (default b8)")
+    parser.add_argument("--batch", type=int, help="rows per micro-batch of the b8 setting (default 8; smoke 2)")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step of the b8 setting (default 1)")
     parser.add_argument("--seq", type=int, help="tokens per row (default 1024; smoke 128)")
-    parser.add_argument("--steps", type=int, help="timed optimizer steps (default 10; smoke 2)")
+    parser.add_argument("--steps", type=int, help="timed optimizer steps at most (default 10; smoke 2)")
     parser.add_argument("--warmup", type=int, help="untimed steps first (default 3; smoke 1)")
+    parser.add_argument("--llmq-steps", type=int, default=2, help="timed steps at most of the llmq setting (default 2)")
+    parser.add_argument("--llmq-warmup", type=int, default=1, help="untimed steps of the llmq setting (default 1)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model and few steps: checks the plumbing")
     parser.add_argument("--only", choices=["nanoq", "torch"], help="run one trainer only")
     parser.add_argument("--out", default=os.environ.get("OUT"),
                         help="directory for bench_gpu.json and bench_gpu.txt (default: $OUT if set)")
-    parser.add_argument("--worker-timeout", type=float, default=300.0,
+    parser.add_argument("--budget", "--worker-timeout", dest="budget", type=float, default=300.0,
                         help="seconds each trainer's process may take, model loading included (default 300)")
+    parser.add_argument("--time-limit", type=float, default=0.0,
+                        help="seconds for the whole run: configurations not started by then are skipped "
+                             "(default: no limit)")
     parser.add_argument("--no-gpu-check", action="store_true",
-                        help="run the trainers even when no GPU is visible (to test the failure reporting)")
-    parser.add_argument("--worker", choices=["nanoq", "torch"], help=argparse.SUPPRESS)
+                        help="run the trainers even when no GPU is visible (to test the plumbing)")
+    parser.add_argument("--backend", choices=["cuda", "cuda_emulated", "cpu"], default="cuda",
+                        help="nanoq's backend (default cuda; the others, with torch on the CPU, for plumbing tests)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--run", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     defaults = dict(batch=2, seq=128, steps=2, warmup=1) if args.smoke else dict(batch=8, seq=1024, steps=10, warmup=3)
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-        if getattr(args, name) < (0 if name == "warmup" else 1):
-            parser.error(f"--{name} must be {'>= 0' if name == 'warmup' else 'positive'}")
-    args.shape = SMOKE if args.smoke else QWEN25_05B
-    args.model_name = "smoke model" if args.smoke else "Qwen2.5-0.5B-shaped"
-    # What the workers need to rebuild the same run.
-    args.passthrough = [f"--batch={args.batch}", f"--seq={args.seq}", f"--steps={args.steps}",
-                        f"--warmup={args.warmup}"] + (["--smoke"] if args.smoke else [])
+    for name in ("batch", "grad_accum", "seq", "steps", "warmup", "llmq_steps", "llmq_warmup"):
+        if getattr(args, name) < (0 if "warmup" in name else 1):
+            parser.error(f"--{name.replace('_', '-')} must be {'>= 0' if 'warmup' in name else 'positive'}")
+    if args.budget < 0 or args.time_limit < 0:
+        parser.error("--budget and --time-limit must be >= 0")
+    if args.only == "torch" and args.matmul_dtype != ["bf16"]:
+        parser.error("--only torch runs bf16 only")
+    if args.smoke:
+        args.model = args.model[:1]
     return args
 
 
@@ -377,19 +533,35 @@ def main(argv=None) -> int:
         write_outputs(args.out, dict(error=message), message)
         return 2
 
-    names = [args.only] if args.only else ["nanoq", "torch"]
-    results = {}
+    runs, start = [], time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_gpu_") as work_dir:
-        model_dir = os.path.join(work_dir, "model")
-        start = time.perf_counter()
-        make_model(args.shape, args.seq, model_dir)
-        print(f"--- built and saved the {args.model_name} in {time.perf_counter() - start:.1f} s", flush=True)
-        for name in names:
-            results[name] = run_worker(name, args, model_dir, os.path.join(work_dir, f"{name}.json"))
-    report, text = summarise(args, results, gpu)
+        built = {}
+        for run in configurations(args):
+            if args.time_limit and time.perf_counter() - start > args.time_limit:
+                run["result"] = dict(ok=False, error=f"skipped: the time limit of {args.time_limit:.0f} s was reached")
+            else:
+                model_dir = os.path.join(work_dir, run["model"])
+                if run["model"] not in built:
+                    began = time.perf_counter()
+                    try:
+                        make_model(run["shape"], run["seq"], model_dir)
+                        built[run["model"]] = None
+                        print(f"--- built and saved the {run['model_name']} in {time.perf_counter() - began:.1f} s",
+                              flush=True)
+                    except Exception as e:  # noqa: BLE001 - every run of this model fails with it
+                        traceback.print_exc()
+                        built[run["model"]] = f"building the model failed: {type(e).__name__}: {e}"
+                if built[run["model"]]:
+                    run["result"] = dict(ok=False, error=built[run["model"]])
+                else:
+                    run["result"] = run_worker(run, work_dir, model_dir)
+            runs.append(run)
+            report, text = summarise(args, runs, gpu)
+            write_outputs(args.out, report, text)  # after every configuration: a stopped run keeps what it did
     print(text)
-    write_outputs(args.out, report, text)
-    return 0 if all(r["ok"] for r in results.values()) else 1
+    if args.out:
+        print(f"wrote {args.out}/bench_gpu.json and bench_gpu.txt")
+    return 0 if all(run["result"]["ok"] for run in runs) else 1
 
 
 if __name__ == "__main__":

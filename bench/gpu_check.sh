@@ -27,10 +27,16 @@
 # (NANOQ_CHECK_DEADLINE seconds, default 450: with the machine's start the
 # call stays near 8 minutes and a shorter rerun still fits the budget), and a
 # failed step does not stop the later ones, so summary.txt is always written.
-# The benchmark runs before the tests and keeps time back for them, so
-# neither can starve the other. Files under $OUT (flat): gpu_check.log
-# (everything), summary.txt, backends.json, pytest_gpu.log, pytest_gpu.xml
-# (junit), bench_gpu.json, bench_gpu.txt, and wheels_added.txt when wheels
+# Steps after the build, most valuable first: bench_0.5b (bench_gpu.py,
+# Qwen2.5-0.5B at B=8: nanoq bf16, torch, nanoq fp8), which keeps time back
+# for tests (pytest -m gpu); then bench_1.5b (the same at 1.5B), ops
+# (bench_ops.py) and bench_llmq (llm.q's B=32 x 16 settings, both models),
+# each with what is left. NANOQ_CHECK_STEPS picks steps for a rerun (below);
+# NANOQ_BUILD_LIMIT (default 240 s) is for simulating the machine on fewer
+# cores. Files under $OUT: gpu_check.log (everything), summary.txt,
+# backends.json, pytest_gpu.log, pytest_gpu.xml (junit),
+# bench_0.5b/ bench_1.5b/ bench_llmq/ (bench_gpu.json, bench_gpu.txt),
+# ops/ (bench_ops.json, bench_ops.txt), and wheels_added.txt when wheels
 # were carried.
 # Exit status: 0 when every step ran and passed (the wheels step may be skipped), 1 otherwise.
 set -euo pipefail
@@ -39,7 +45,7 @@ OUT=${OUT:-/tmp/nanoq_gpu_check}
 PY=${PYTHON:-python3}
 DEADLINE=${NANOQ_CHECK_DEADLINE:-450}
 WHEELS=.device_wheels
-STEPS=(environment wheels build backends bench tests)
+STEPS=(environment wheels build backends bench_0.5b tests bench_1.5b ops bench_llmq)
 # No network there: pip must not look for an index or a newer pip.
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PIP_NO_INPUT=1
 # Where packages go if the machine's Python environment refuses installs
@@ -56,6 +62,11 @@ mkdir -p "$OUT"
 cd "$(dirname "$SCRIPT")/.."
 
 declare -A STATUS DURATION
+# NANOQ_CHECK_STEPS: the steps to run (names as in STEPS, space-separated;
+# default all), e.g. for a rerun on a machine still warm from a first call:
+# NANOQ_CHECK_STEPS="bench_1.5b ops bench_llmq" (nanoq stays installed there).
+WANTED=${NANOQ_CHECK_STEPS:-all}
+wanted() { [[ $WANTED == all || " $WANTED " == *" $1 "* ]]; }
 
 # run_step NAME CAP RESERVE FUNCTION: runs FUNCTION (one of those below) in
 # a fresh `bash $SCRIPT --step FUNCTION` under `timeout`, for at most CAP
@@ -72,6 +83,10 @@ run_step() {
     local limit=$((cap < left ? cap : left))
     echo
     echo "=== $name (limit ${limit}s, ${SECONDS}s elapsed) ==="
+    if ! wanted "$name"; then
+        skip_step "$name" "not in NANOQ_CHECK_STEPS ($WANTED)"
+        return 0
+    fi
     if ((limit < 30)); then
         skip_step "$name" "out of time (${limit}s left for it before the ${DEADLINE}s deadline)"
         return 0
@@ -175,10 +190,28 @@ sys.exit(0 if cuda["built"] and cuda["devices"] > 0 else 1)
 EOF
 }
 
-bench() {
-    # Each trainer's process gets half of what is left after building the model.
-    local worker_timeout=$(((STEP_LIMIT - 40) / 2))
-    "$PY" bench/bench_gpu.py --out "$OUT" --worker-timeout "$worker_timeout"
+# bench_gpu.py for one model: nanoq bf16, torch, nanoq fp8 at B=8, each
+# trainer's process within a third of the step's limit (less the model's
+# build), its own files under $OUT/bench_<model>/.
+bench_model() {
+    local model=$1 budget=$(((STEP_LIMIT - 30) / 3))
+    "$PY" bench/bench_gpu.py --model "$model" --matmul-dtype bf16 fp8 --settings b8 --out "$OUT/bench_$model" \
+        --budget "$budget" --time-limit $((STEP_LIMIT - 30))
+}
+bench_05b() { bench_model 0.5b; }
+bench_15b() { bench_model 1.5b; }
+
+# llm.q's settings (B=32 x 16 micro-batches per step), both models, bf16 and
+# fp8: the costliest figures, so the last step.
+bench_llmq() {
+    local budget=$(((STEP_LIMIT - 40) / 6))
+    "$PY" bench/bench_gpu.py --model 0.5b 1.5b --matmul-dtype bf16 fp8 --settings llmq --out "$OUT/bench_llmq" \
+        --budget "$budget" --time-limit $((STEP_LIMIT - 40))
+}
+
+# Every op of the op table against PyTorch at the 0.5B shapes.
+ops() {
+    "$PY" bench/bench_ops.py --out "$OUT/ops" --time-limit $((STEP_LIMIT - 30))
 }
 
 # Test modules that import, at their top level, a package the machine lacks
@@ -308,8 +341,13 @@ for fail in fails:
 for reason, count in skips.most_common():
     print(f"  SKIP x{count}: {reason}")
 EOF
-        echo "bench:"
-        sed 's/^/  /' "$OUT/bench_gpu.txt" 2>/dev/null || echo "  no bench_gpu.txt"
+        local part
+        for part in bench_0.5b bench_1.5b bench_llmq; do
+            echo "$part:"
+            sed 's/^/  /' "$OUT/$part/bench_gpu.txt" 2>/dev/null || echo "  no $part/bench_gpu.txt"
+        done
+        echo "ops:"
+        sed 's/^/  /' "$OUT/ops/bench_ops.txt" 2>/dev/null || echo "  no ops/bench_ops.txt"
     } >"$OUT/summary.txt"
     echo
     echo "=== summary ($OUT/summary.txt) ==="
@@ -318,7 +356,7 @@ EOF
 
 main() {
     echo "nanoq GPU check, $(date -u), deadline ${DEADLINE}s, OUT=$OUT"
-    rm -f "$OUT"/{pytest_gpu.xml,pytest_gpu.log,backends.json,bench_gpu.json,bench_gpu.txt,wheels_added.txt}
+    rm -rf "$OUT"/{pytest_gpu.xml,pytest_gpu.log,backends.json,wheels_added.txt,bench_0.5b,bench_1.5b,bench_llmq,ops}
     run_step environment 30 0 environment
     if [[ -d $WHEELS ]]; then
         run_step wheels 60 0 install_wheels
@@ -326,22 +364,37 @@ main() {
     else
         skip_step wheels "nothing carried (no $WHEELS folder; it is optional)"
     fi
-    run_step build 240 0 build
-    if [[ ${STATUS[build]} == ok ]]; then
+    run_step build "${NANOQ_BUILD_LIMIT:-240}" 0 build
+    # A build not asked for (a rerun) counts when nanoq is installed.
+    local nanoq_ready=${STATUS[build]}
+    if [[ $nanoq_ready == skipped:* ]] && "$PY" -c "import nanoq" 2>/dev/null; then nanoq_ready=ok; fi
+    # The most valuable figures first: the 0.5B comparison (bf16, fp8,
+    # torch), then the GPU tests (the benchmark keeps 150 s, at most half of
+    # what is left, for them); the 1.5B comparison, the op benchmark and
+    # llm.q's settings get what is left (all of it in a rerun that asks for
+    # them alone).
+    if [[ $nanoq_ready == ok ]]; then
         run_step backends 30 0 backends
-        # The benchmark keeps 150 s (at most half) back for the tests; the tests get the rest.
-        run_step bench 180 150 bench
-        run_step tests 300 0 gpu_tests
+        run_step bench_0.5b 120 150 bench_05b
+        run_step tests 240 0 gpu_tests
     else
         skip_step backends "build failed"
-        # The benchmark runs even when nanoq did not build: torch's figures still count.
-        run_step bench 180 0 bench
+        # The benchmarks run even when nanoq did not build: torch's figures still count.
+        run_step bench_0.5b 120 0 bench_05b
         skip_step tests "build failed"
     fi
+    run_step bench_1.5b 150 60 bench_15b
+    if [[ $nanoq_ready == ok ]]; then
+        run_step ops 90 0 ops
+    else
+        skip_step ops "build failed"
+    fi
+    run_step bench_llmq 240 0 bench_llmq
     write_summary
     local step
-    for step in "${STEPS[@]}"; do  # only the optional wheels step may be skipped
-        [[ ${STATUS[$step]:-} == ok || ($step == wheels && ${STATUS[$step]:-} == skipped:*) ]] || return 1
+    for step in "${STEPS[@]}"; do  # only the optional wheels step and steps not asked for may be skipped
+        [[ ${STATUS[$step]:-} == ok || ($step == wheels && ${STATUS[$step]:-} == skipped:*) ||
+            ${STATUS[$step]:-} == "skipped: not in NANOQ_CHECK_STEPS"* ]] || return 1
     done
 }
 

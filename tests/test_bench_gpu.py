@@ -1,0 +1,164 @@
+"""The GPU benchmark's and the GPU check's plumbing (bench/bench_gpu.py, bench/gpu_check.sh).
+
+Without a GPU: the model shapes against transformers, the configurations
+and their order, the report's ratios, published figures and targets on
+made-up results, the exit status 2, the budget that stops the timed steps,
+one smoke run end to end with nanoq's cpu backend and PyTorch on the CPU,
+and the summary gpu_check.sh writes. No timed assertions.
+"""
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench_gpu():
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "bench" / "bench_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("model", ["0.5b", "1.5b"])
+def test_parameter_count_matches_transformers(bench_gpu, model):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    _, shape = bench_gpu.MODELS[model]
+    config = Qwen2Config(vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
+                         intermediate_size=shape["intermediate_size"], num_hidden_layers=shape["num_hidden_layers"],
+                         num_attention_heads=shape["num_attention_heads"],
+                         num_key_value_heads=shape["num_key_value_heads"], head_dim=shape["head_dim"],
+                         tie_word_embeddings=shape["tie_word_embeddings"])
+    with torch.device("meta"):
+        reference = Qwen2ForCausalLM(config)
+    assert bench_gpu.parameter_count(shape) == sum(p.numel() for p in reference.parameters())
+    # The published sizes: 0.49B and 1.54B.
+    assert round(bench_gpu.parameter_count(shape) / 1e9, 2) == {"0.5b": 0.49, "1.5b": 1.54}[model]
+
+
+def test_configurations_run_in_order_with_llmq_settings(bench_gpu):
+    args = bench_gpu.parse_args(["--model", "0.5b", "1.5b", "--matmul-dtype", "bf16", "fp8",
+                                 "--settings", "b8", "llmq"])
+    runs = [(r["model"], r["setting"], r["trainer"], r["matmul_dtype"], r["batch"], r["grad_accum"], r["steps"])
+            for r in bench_gpu.configurations(args)]
+    assert runs == [(m, s, t, d, *({"b8": (8, 1, 10), "llmq": (32, 16, 2)}[s]))
+                    for m in ("0.5b", "1.5b") for s in ("b8", "llmq")
+                    for t, d in (("nanoq", "bf16"), ("torch", "bf16"), ("nanoq", "fp8"))]
+    only_nanoq = bench_gpu.configurations(bench_gpu.parse_args(["--only", "nanoq", "--matmul-dtype", "fp8"]))
+    assert [(r["trainer"], r["matmul_dtype"]) for r in only_nanoq] == [("nanoq", "fp8")]
+    with pytest.raises(SystemExit):
+        bench_gpu.parse_args(["--only", "torch", "--matmul-dtype", "fp8"])
+    with pytest.raises(SystemExit):
+        bench_gpu.parse_args(["--steps", "0"])
+
+
+def made_up_run(bench_gpu, model, setting, trainer, dtype, tokens_per_second, ok=True):
+    args = bench_gpu.parse_args(["--model", model, "--settings", setting, "--matmul-dtype", dtype])
+    run = next(r for r in bench_gpu.configurations(args) if r["trainer"] == trainer)
+    tokens_per_step = run["batch"] * run["seq"] * run["grad_accum"]
+    run["result"] = (dict(ok=True, seconds=4 * tokens_per_step / tokens_per_second, timed_steps=4,
+                          losses=[12.0, 11.0], peak_bytes=2 ** 30, device_used_rise_bytes=None)
+                     if ok else dict(ok=False, error="boom"))
+    return run
+
+
+def test_summary_prints_ratios_published_figures_and_targets(bench_gpu):
+    runs = [made_up_run(bench_gpu, "0.5b", "b8", "nanoq", "bf16", 200e3),
+            made_up_run(bench_gpu, "0.5b", "b8", "torch", "bf16", 50e3),
+            made_up_run(bench_gpu, "1.5b", "b8", "nanoq", "bf16", 60e3),
+            made_up_run(bench_gpu, "1.5b", "b8", "nanoq", "fp8", 90e3),
+            made_up_run(bench_gpu, "1.5b", "b8", "torch", "bf16", 40e3, ok=False)]
+    args = bench_gpu.parse_args(["--model", "0.5b", "1.5b"])
+    report, text = bench_gpu.summarise(args, runs, "Test GPU")
+    assert report["ratios"] == pytest.approx({"0.5b b8 bf16 nanoq/torch": 4.0, "1.5b b8 nanoq fp8/bf16": 1.5})
+    assert runs[0]["result"]["tokens_per_second"] == pytest.approx(200e3)
+    flops = bench_gpu.flops_per_token(bench_gpu.MODELS["0.5b"][1], 1024)
+    assert runs[0]["result"]["mfu"] == pytest.approx(200e3 * flops / 989e12)
+    assert "Qwen2.5-1.5B B=8x1 torch bf16: FAILED: boom" in text
+    assert "ratio 0.5b b8 bf16 nanoq/torch: 4.00x" in text
+    # llm.q's figures are labelled as published, with ours beside them.
+    assert "published, one H100" in text and "not measured here" in text
+    assert "llm.q Qwen2.5-0.5B bf16: 150000 tokens/s (46.9% of peak, published); nanoq measured here 200000" in text
+    assert "Qwen2.5-0.5B bf16 >= 180000 tokens/s: 200000 (met)" in text
+    assert "Qwen2.5-1.5B bf16 >= 65000 tokens/s: 60000 (not met)" in text
+    assert "fp8 >= 1.3x bf16 at 1.5B: 1.50x (met)" in text
+    assert ">= 2.0x PyTorch eager: 0.5b b8 bf16 4.00x (met)" in text
+
+
+def test_no_gpu_exits_2_and_writes_why(bench_gpu, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_gpu, "gpu_names", lambda: [])
+    assert bench_gpu.main(["--out", str(tmp_path)]) == 2
+    assert "needs an NVIDIA GPU" in json.loads((tmp_path / "bench_gpu.json").read_text())["error"]
+    assert "needs an NVIDIA GPU" in (tmp_path / "bench_gpu.txt").read_text()
+
+
+def test_the_budget_stops_the_timed_steps_after_at_least_one(bench_gpu):
+    run = dict(grad_accum=1, warmup=1, steps=50, budget=10.3, batch=1, seq=4, shape=dict(vocab_size=16))
+    started = time.perf_counter()
+    result = bench_gpu.timed_loop(run, lambda micro_batches: (time.sleep(0.1), 1.0)[1], started)
+    # 10 s of the budget are kept for teardown: about 0.3 s of steps.
+    assert 1 <= result["timed_steps"] < 10
+    assert len(result["losses"]) == 1 + result["timed_steps"]
+
+
+def test_smoke_run_end_to_end_on_the_cpu(tmp_path):
+    """Both trainers in their own processes (nanoq's cpu backend, torch on
+    the CPU) at the accumulating setting: the report has both and their ratio."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_gpu.py"), "--smoke", "--backend", "cpu",
+                          "--no-gpu-check", "--settings", "llmq", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads((tmp_path / "bench_gpu.json").read_text())
+    assert [(r["trainer"], r["grad_accum"]) for r in report["runs"]] == [("nanoq", 2), ("torch", 2)]
+    for run in report["runs"]:
+        assert run["result"]["ok"] and run["result"]["tokens_per_second"] > 0
+        assert run["result"]["timed_steps"] == 2 and len(run["result"]["losses"]) == 3
+    # Same weights, same batches: the two trainers' losses agree.
+    nanoq_losses, torch_losses = (r["result"]["losses"] for r in report["runs"])
+    assert nanoq_losses == pytest.approx(torch_losses, rel=1e-2)
+    assert "0.5b llmq bf16 nanoq/torch" in report["ratios"]
+    assert "ratio 0.5b llmq bf16 nanoq/torch" in (tmp_path / "bench_gpu.txt").read_text()
+
+
+def test_gpu_check_summary_lists_every_step(tmp_path):
+    """gpu_check.sh asked for its backends step only (NANOQ_CHECK_STEPS): the
+    other steps are recorded as not asked for and summary.txt is complete."""
+    import nanoq
+
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, NANOQ_CHECK_STEPS="backends",
+               NANOQ_CHECK_DEADLINE="200")
+    out = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], env=env, capture_output=True, text=True,
+                         timeout=300)
+    summary = (tmp_path / "summary.txt").read_text()
+    cuda = next(b for b in nanoq.backends() if b["name"] == "cuda")
+    has_gpu = cuda["built"] and cuda["devices"] > 0
+    assert out.returncode == (0 if has_gpu else 1), out.stdout[-3000:]
+    steps = summary[summary.index("steps:\n"):summary.index("added from")].splitlines()[1:]
+    names = [line.split(":")[0].strip() for line in steps]
+    assert names == ["environment", "wheels", "build", "backends", "bench_0.5b", "tests", "bench_1.5b", "ops",
+                     "bench_llmq"]
+    for line in steps:
+        name = line.split(":")[0].strip()
+        if name == "backends":
+            assert ("ok" if has_gpu else "failed (rc 1)") in line
+        elif name == "wheels" and not (ROOT / ".device_wheels").is_dir():
+            assert "skipped: nothing carried" in line
+        else:
+            assert "skipped: not in NANOQ_CHECK_STEPS (backends)" in line, line
+    cpu = next(b for b in nanoq.backends() if b["name"] == "cpu")
+    assert f"backend cpu: {cpu['devices']} device(s) - {cpu['detail']}" in summary
+    assert "tests: not run" in summary
+    for part in ("bench_0.5b", "bench_1.5b", "bench_llmq"):
+        assert f"  no {part}/bench_gpu.txt" in summary
+    assert "  no ops/bench_ops.txt" in summary
+    assert json.loads((tmp_path / "backends.json").read_text())
