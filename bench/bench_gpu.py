@@ -378,7 +378,7 @@ def configurations(args) -> list[dict]:
             if args.smoke and setting == "llmq":
                 batch, accum = 2, 2  # the shape of the setting (accumulation), smoke-sized
             steps, warmup = args.steps, args.warmup
-            if setting == "llmq":  # an optimizer step is 16 micro-batches of 32 rows: fewer of them
+            if setting == "llmq" and not args.smoke:  # a step is 16 micro-batches of 32 rows: fewer of them
                 steps, warmup = (args.llmq_steps, args.llmq_warmup)
             base = dict(model=model, model_name=name, shape=shape, setting=setting, batch=batch, grad_accum=accum,
                         seq=args.seq, steps=steps, warmup=warmup, budget=args.budget, backend=args.backend)
@@ -429,7 +429,8 @@ def summarise(args, runs: list[dict], gpu: str) -> tuple[dict, str]:
             ratios[f"{model} {setting} nanoq fp8/bf16"] = tps / bf16
     for name, value in ratios.items():
         lines.append(f"ratio {name}: {value:.2f}x")
-    lines.append(f"published figures ({PUBLISHED_SOURCE}):")
+    if not args.smoke:
+        lines.append(f"published figures ({PUBLISHED_SOURCE}):")
     for (model, dtype), figure in PUBLISHED.items():
         if model not in args.model or args.smoke:
             continue
@@ -483,7 +484,7 @@ def parse_args(argv=None):
     parser.add_argument("--seq", type=int, help="tokens per row (default 1024; smoke 128)")
     parser.add_argument("--steps", type=int, help="timed optimizer steps at most (default 10; smoke 2)")
     parser.add_argument("--warmup", type=int, help="untimed steps first (default 3; smoke 1)")
-    parser.add_argument("--llmq-steps", type=int, default=2, help="timed steps at most of the llmq setting (default 2)")
+    parser.add_argument("--llmq-steps", type=int, default=1, help="timed steps at most of the llmq setting (default 1)")
     parser.add_argument("--llmq-warmup", type=int, default=1, help="untimed steps of the llmq setting (default 1)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model and few steps: checks the plumbing")
     parser.add_argument("--only", choices=["nanoq", "torch"], help="run one trainer only")
