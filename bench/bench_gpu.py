@@ -57,8 +57,9 @@ were not measured in this run, on this GPU.
 --budget bounds each trainer's process (model loading included): its timed
 steps stop early, after at least one, when the budget is nearly spent, and a
 process still running at the budget is killed (recorded as failed).
---time-limit bounds the whole run: configurations not started by then are
-recorded as skipped. With ``--out`` (default: $OUT when set) it writes
+--time-limit bounds the whole run: a trainer's budget never reaches past it,
+and configurations that would start with less than 20 s left are recorded
+as skipped. With ``--out`` (default: $OUT when set) it writes
 bench_gpu.json and bench_gpu.txt there, again after every configuration,
 so that a run stopped from outside keeps what it finished. A trainer that
 fails (exception, crash, hang) is recorded as failed and the others still
@@ -107,6 +108,7 @@ PUBLISHED_SOURCE = "llm.q, published, one H100 (IST-DASLab/llmq benchmarks/H100x
 TARGETS = {("0.5b", "bf16"): 180e3, ("1.5b", "bf16"): 65e3}
 TARGET_FP8_OVER_BF16 = 1.3  # at 1.5B
 TARGET_OVER_TORCH = 2.0
+MIN_BUDGET = 20.0  # seconds: a trainer is not started with less than this before the time limit
 
 
 # --------------------------------------------------------------------------
@@ -538,7 +540,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_gpu_") as work_dir:
         built = {}
         for run in configurations(args):
-            if args.time_limit and time.perf_counter() - start > args.time_limit:
+            left = args.time_limit - (time.perf_counter() - start) if args.time_limit else None
+            if left is not None and run["budget"]:
+                run["budget"] = min(run["budget"], left)  # a trainer never runs past the time limit
+            if left is not None and left < MIN_BUDGET:
                 run["result"] = dict(ok=False, error=f"skipped: the time limit of {args.time_limit:.0f} s was reached")
             else:
                 model_dir = os.path.join(work_dir, run["model"])

@@ -162,3 +162,26 @@ def test_gpu_check_summary_lists_every_step(tmp_path):
         assert f"  no {part}/bench_gpu.txt" in summary
     assert "  no ops/bench_ops.txt" in summary
     assert json.loads((tmp_path / "backends.json").read_text())
+
+
+def test_the_time_limit_skips_what_does_not_fit(bench_gpu, tmp_path, monkeypatch):
+    """No trainer's budget reaches past --time-limit; a configuration left
+    with less than MIN_BUDGET seconds is recorded as skipped, not started."""
+    budgets = []
+
+    def fake_worker(run, work_dir, model_dir):
+        budgets.append(run["budget"])
+        time.sleep(0.2)
+        return dict(ok=False, error="not run (test)")
+
+    monkeypatch.setattr(bench_gpu, "gpu_names", lambda: ["Test GPU"])
+    monkeypatch.setattr(bench_gpu, "make_model", lambda shape, seq, model_dir: None)
+    monkeypatch.setattr(bench_gpu, "run_worker", fake_worker)
+    monkeypatch.setattr(bench_gpu, "MIN_BUDGET", 29.9)
+    assert bench_gpu.main(["--matmul-dtype", "bf16", "fp8", "--budget", "100", "--time-limit", "30",
+                           "--out", str(tmp_path)]) == 1
+    # The first trainer gets the 30 s left, not its 100; after it, less than 29.9 s is left.
+    assert len(budgets) == 1 and 29.5 < budgets[0] <= 30
+    report = json.loads((tmp_path / "bench_gpu.json").read_text())
+    assert [r["result"]["error"] for r in report["runs"]] == ["not run (test)"] + [
+        "skipped: the time limit of 30 s was reached"] * 2
