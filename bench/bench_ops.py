@@ -195,7 +195,10 @@ def case_embedding_backward(i, d):
 
 
 def _rstd(x):
-    return (1.0 / (x.astype("float64") ** 2 + 0.0).mean(-1).__add__(EPS) ** 0.5).astype("float32")
+    """1 / rms of each row (float32), as rmsnorm_forward saves it."""
+    import numpy as np
+
+    return (1.0 / np.sqrt((x.astype(np.float64) ** 2).mean(-1) + EPS)).astype(np.float32)
 
 
 def case_rmsnorm_forward(i, d):
@@ -224,8 +227,11 @@ def case_rmsnorm_backward(i, d):
 
 
 def _torch_rope(x, cos, sin):
+    """RoPE by rotate-half (pairs (i, i + D/2)), as transformers' Qwen2 applies it."""
+    import torch
+
     half = x.shape[-1] // 2
-    rotated = __import__("torch").cat([-x[..., half:], x[..., :half]], -1)
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
     return x * cos + rotated * sin
 
 
@@ -363,7 +369,7 @@ def case_adamw(i, d):
     except (TypeError, RuntimeError):
         optimizer = torch.optim.AdamW([param], lr=1e-4, weight_decay=0.1)
     return dict(nanoq=dict(param=i.normal(n), grad=i.normal(n, scale=1e-3), m=i.normal(n, scale=1e-3),
-                           v=i.normal(n, scale=1e-6).__abs__(), lr=1e-4, weight_decay=0.1, dtype="fp32",
+                           v=i.np.abs(i.normal(n, scale=1e-6)), lr=1e-4, weight_decay=0.1, dtype="fp32",
                            state_dtype="fp32"),
                 torch=optimizer.step, bytes=28.0 * n,
                 shape=f"[{n}] float32 master, float32 moments (torch: AdamW fused={optimizer.defaults.get('fused')})")
