@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <sstream>
 #include <utility>
 
@@ -55,18 +56,22 @@ std::string name_or_empty(const std::vector<OptionChoice>& choices, int i) {
 
 std::string precision_or_empty(Precision p) { return name_or_empty(kPrecisions, static_cast<int>(p)); }
 
-Field integer(const char* name, const char* help, OptionLimit minimum, OptionLimit maximum,
-              double (*get)(const TrainOptions&)) {
+Field number(const char* name, const char* help, OptionLimit minimum, OptionLimit maximum,
+             double (*get)(const TrainOptions&)) {
     Field f;
-    f.spec = OptionSpec{name, OptionKind::Integer, help, {}, minimum, maximum};
+    f.spec = OptionSpec{name, OptionKind::Number, help, {}, minimum, maximum};
     f.number = get;
     return f;
 }
 
-Field number(const char* name, const char* help, OptionLimit minimum, OptionLimit maximum,
-             double (*get)(const TrainOptions&)) {
-    Field f = integer(name, help, minimum, maximum, get);
-    f.spec.kind = OptionKind::Number;
+// Every integer option is a C int of TrainOptions: without a stated
+// maximum, INT_MAX is its maximum, so that Python refuses a larger value
+// naming the option instead of failing to convert it.
+Field integer(const char* name, const char* help, OptionLimit minimum, OptionLimit maximum,
+              double (*get)(const TrainOptions&)) {
+    Field f = number(name, help, minimum,
+                     maximum.present ? maximum : at_most(double(std::numeric_limits<int>::max())), get);
+    f.spec.kind = OptionKind::Integer;
     return f;
 }
 

@@ -327,6 +327,16 @@ cdef vector[string] _names(object names) except *:
     return out
 
 
+cdef int _c_int(str name, object value) except? -1:
+    """`value` as the C int of integer option `name`: a ValueError naming
+    the option, with the core's limits, when it does not fit one."""
+    try:
+        return value
+    except OverflowError:
+        low, high = _SCHEMA_LIMITS[name]
+        raise ValueError(f"{name} must be an integer in [{low:g}, {high:g}], got {value!r}") from None
+
+
 cdef CTrainOptions _core_options(dict options) except *:
     """The core's TrainOptions of a dict of nanoq.TrainOptions' fields (a
     missing key keeps the core's default; "lora" is a dict of LoraConfig's
@@ -337,15 +347,15 @@ cdef CTrainOptions _core_options(dict options) except *:
         if key == "backend":
             o.backend = value.encode()
         elif key == "devices":
-            o.devices = value
+            o.devices = _c_int(key, value)
         elif key == "batch_size":
-            o.batch_size = value
+            o.batch_size = _c_int(key, value)
         elif key == "seq_len":
-            o.seq_len = value
+            o.seq_len = _c_int(key, value)
         elif key == "grad_accum":
-            o.grad_accum = value
+            o.grad_accum = _c_int(key, value)
         elif key == "threads":
-            o.threads = value
+            o.threads = _c_int(key, value)
         elif key == "z_loss":
             o.z_loss = value
         elif key == "seed":
@@ -365,11 +375,11 @@ cdef CTrainOptions _core_options(dict options) except *:
         elif key == "offload":
             o.offload = offload_named(_names(value))
         elif key == "zero_stage":
-            o.zero_stage = value
+            o.zero_stage = _c_int(key, value)
         elif key == "world_size":
-            o.world_size = value
+            o.world_size = _c_int(key, value)
         elif key == "first_rank":
-            o.first_rank = value
+            o.first_rank = _c_int(key, value)
         elif key == "comm_id":
             o.comm_id = value
         elif key == "attention":
@@ -380,7 +390,7 @@ cdef CTrainOptions _core_options(dict options) except *:
             o.matmul_dtype = matmul_dtype_named(value.encode())
         elif key == "lora":
             if value:
-                o.lora_rank = value["rank"]
+                o.lora_rank = _c_int("lora_rank", value["rank"])
                 o.lora_alpha = value["alpha"]
                 o.lora_dropout = value["dropout"]
                 o.lora_targets = lora_targets_named(_names(value["targets"]))
@@ -444,6 +454,10 @@ def option_schema():
 
 
 _SCHEMA = option_schema()
+# (minimum, maximum) of each integer option, for _c_int's message.
+_SCHEMA_LIMITS = {spec["name"]: tuple(limit["value"] if limit else bound for limit, bound in
+                                      ((spec["minimum"], -2.0 ** 31), (spec["maximum"], 2.0 ** 31 - 1)))
+                  for spec in _SCHEMA["options"] if spec["kind"] == "integer"}
 
 
 def set_option_names(str option, names):
