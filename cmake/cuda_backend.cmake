@@ -3,7 +3,7 @@
 #
 # nvcc comes from the CUDA toolkit; cuBLASLt and NCCL from the nvidia pip
 # wheels (nvidia-cublas, nvidia-nccl-cu13) of the Python that builds, so build
-# with --no-build-isolation. Architectures: CMAKE_CUDA_ARCHITECTURES
+# with --no-build-isolation; cuDNN too where its wheels are there (below). Architectures: CMAKE_CUDA_ARCHITECTURES
 # (default 80;90, i.e. A100 and H100/H200).
 if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
   set(CMAKE_CUDA_ARCHITECTURES 80 90)
@@ -44,18 +44,86 @@ set_target_properties(nanoq_nccl PROPERTIES
   IMPORTED_LOCATION "${NANOQ_NCCL_ROOT}/lib/libnccl.so.2"
   INTERFACE_INCLUDE_DIRECTORIES "${NANOQ_NCCL_ROOT}/include")
 
+# cuDNN's fused attention, optional: libcudnn and its headers from the
+# nvidia-cudnn-cu13 wheel, the frontend's header-only graph API from the
+# nvidia-cudnn-frontend wheel (its headers install into site-packages'
+# include/, found through the distribution's file list), and nvrtc.h, which
+# the frontend includes, from the toolkit or the nvidia-cuda-nvrtc wheel.
+# Without any of them the backend builds without cuDNN (attention runs in
+# the native kernels; attention="cudnn" is refused).
+execute_process(
+  COMMAND "${Python_EXECUTABLE}" -c [=[
+import importlib.metadata as metadata, os, sys
+import nvidia.cudnn
+print(nvidia.cudnn.__path__[0])
+header = metadata.distribution("nvidia-cudnn-frontend").locate_file("include/cudnn_frontend.h")
+if not os.path.isfile(header):
+    sys.exit("the nvidia-cudnn-frontend distribution has no include/cudnn_frontend.h")
+print(os.path.dirname(os.path.abspath(header)))
+]=]
+  OUTPUT_VARIABLE NANOQ_CUDNN_WHEELS ERROR_VARIABLE NANOQ_CUDNN_ERROR
+  OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE NANOQ_CUDNN_FOUND)
+set(NANOQ_CUDNN OFF)
+if(NANOQ_CUDNN_FOUND EQUAL 0)
+  string(REPLACE "\n" ";" NANOQ_CUDNN_WHEELS "${NANOQ_CUDNN_WHEELS}")
+  list(GET NANOQ_CUDNN_WHEELS 0 NANOQ_CUDNN_ROOT)
+  list(GET NANOQ_CUDNN_WHEELS 1 NANOQ_CUDNN_FRONTEND_INCLUDE)
+  find_file(NANOQ_NVRTC_HEADER nvrtc.h PATHS ${CUDAToolkit_INCLUDE_DIRS} "${NANOQ_CU13_ROOT}/include" NO_DEFAULT_PATH)
+  if(NOT EXISTS "${NANOQ_CUDNN_ROOT}/lib/libcudnn.so.9")
+    message(NOTICE "nanoq: building the cuda backend without cuDNN: no libcudnn.so.9 in ${NANOQ_CUDNN_ROOT}/lib")
+  elseif(NOT NANOQ_NVRTC_HEADER)
+    message(NOTICE "nanoq: building the cuda backend without cuDNN: the cuDNN frontend includes nvrtc.h, found "
+                   "neither in the CUDA toolkit nor in the nvidia-cuda-nvrtc wheel (pip install nvidia-cuda-nvrtc)")
+  else()
+    set(NANOQ_CUDNN ON)
+  endif()
+else()
+  message(NOTICE "nanoq: building the cuda backend without cuDNN (attention runs in the native kernels): "
+                 "pip install nvidia-cudnn-cu13 nvidia-cudnn-frontend, then rebuild with --no-build-isolation "
+                 "(${NANOQ_CUDNN_ERROR})")
+endif()
+if(NANOQ_CUDNN)
+  # The frontend's headers include each other as "../include/...", so they
+  # are linked into a folder named include; only they and nvrtc.h are, so
+  # that nothing else of site-packages' include/ or of the cu13 wheel's
+  # (its newer CUDA runtime headers) can shadow the toolkit's.
+  set(NANOQ_CUDNN_INCLUDE "${CMAKE_CURRENT_BINARY_DIR}/cudnn_frontend/include")
+  file(MAKE_DIRECTORY "${NANOQ_CUDNN_INCLUDE}")
+  file(GLOB NANOQ_CUDNN_FRONTEND_ENTRIES "${NANOQ_CUDNN_FRONTEND_INCLUDE}/cudnn_frontend*"
+       "${NANOQ_CUDNN_FRONTEND_INCLUDE}/cudnn_backend_base.h")
+  foreach(entry ${NANOQ_CUDNN_FRONTEND_ENTRIES} "${NANOQ_NVRTC_HEADER}")
+    get_filename_component(name "${entry}" NAME)
+    file(CREATE_LINK "${entry}" "${NANOQ_CUDNN_INCLUDE}/${name}" SYMBOLIC)
+  endforeach()
+  add_library(nanoq_cudnn SHARED IMPORTED)
+  set_target_properties(nanoq_cudnn PROPERTIES
+    IMPORTED_LOCATION "${NANOQ_CUDNN_ROOT}/lib/libcudnn.so.9"
+    INTERFACE_INCLUDE_DIRECTORIES "${NANOQ_CUDNN_INCLUDE};${NANOQ_CUDNN_ROOT}/include")
+  set(NANOQ_ATTENTION_ENGINE cuda_core/cuda/cudnn_attention.cpp)
+  message(STATUS "nanoq: the cuda backend's attention uses cuDNN from ${NANOQ_CUDNN_ROOT}")
+else()
+  set(NANOQ_ATTENTION_ENGINE cuda_core/cuda/no_attention_engine.cpp)
+endif()
+
 file(GLOB NANOQ_CUDA_KERNELS "${CMAKE_CURRENT_SOURCE_DIR}/cuda_core/cuda/kernels_*.cu")
 add_library(nanoq_cuda SHARED
   cuda_core/cuda/cuda_backend.cpp
   cuda_core/cuda/cublaslt_matmul.cpp
+  cuda_core/cuda/fused_attention.cpp
+  ${NANOQ_ATTENTION_ENGINE}
   cuda_core/cuda/nccl_communicator.cpp
   ${NANOQ_CUDA_KERNELS})
 target_link_libraries(nanoq_cuda PRIVATE nanoq_core CUDA::cudart nanoq_cublaslt nanoq_nccl)
+if(NANOQ_CUDNN)
+  target_link_libraries(nanoq_cuda PRIVATE nanoq_cudnn)
+  # The frontend is header-only and large: warnings of ours only.
+  set_source_files_properties(cuda_core/cuda/cudnn_attention.cpp PROPERTIES COMPILE_OPTIONS "-Wno-unused-parameter")
+endif()
 target_compile_options(nanoq_cuda PRIVATE
   $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -O3>
   $<$<COMPILE_LANGUAGE:CUDA>:-O3 --threads 2>)
 # The nvidia wheels' libraries are preloaded by nanoq.backends; the RPATH
 # finds them when nanoq and the wheels share a site-packages.
 set_target_properties(nanoq_cuda PROPERTIES
-  INSTALL_RPATH "$ORIGIN;$ORIGIN/../nvidia/cu13/lib;$ORIGIN/../nvidia/nccl/lib")
+  INSTALL_RPATH "$ORIGIN;$ORIGIN/../nvidia/cu13/lib;$ORIGIN/../nvidia/nccl/lib;$ORIGIN/../nvidia/cudnn/lib")
 install(TARGETS nanoq_cuda LIBRARY DESTINATION nanoq)

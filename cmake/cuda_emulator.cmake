@@ -1,9 +1,10 @@
 # The cuda backend built for the CPU emulator: libnanoq_cuda_emulated.so,
 # registering the backend "cuda_emulated". The same sources as the real cuda
 # backend (kernels_*.cu, cuda_backend.cpp, cublaslt_matmul.cpp,
-# nccl_communicator.cpp) compile with the host C++ compiler against the
+# nccl_communicator.cpp, fused_attention.cpp) compile with the host C++ compiler against the
 # emulator's headers (cuda_core/cuda/emulator: cuda_runtime.h, cuda_bf16.h,
-# cublasLt.h, nccl.h, cub), so the tests run every kernel and whole training
+# cublasLt.h, nccl.h, cub; emu_attention.cpp stands in for cuDNN's fused
+# attention), so the tests run every kernel and whole training
 # steps of the cuda backend's code on any machine. No CUDA toolkit is needed.
 #
 # Every symbol of the library is hidden: its cuda*/nccl*/cublasLt* functions
@@ -23,7 +24,9 @@ add_library(nanoq_cuda_emulated SHARED
   ${NANOQ_EMU_DIR}/emulator.cpp
   ${NANOQ_EMU_DIR}/emu_libraries.cpp
   ${NANOQ_EMU_DIR}/selftest.cpp
+  ${NANOQ_EMU_DIR}/emu_attention.cpp
   cuda_core/cuda/cuda_backend.cpp
+  cuda_core/cuda/fused_attention.cpp
   cuda_core/cuda/cublaslt_matmul.cpp
   cuda_core/cuda/nccl_communicator.cpp
   ${NANOQ_EMU_KERNEL_UNITS})

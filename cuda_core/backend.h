@@ -152,6 +152,11 @@ public:
     // lse: [B,H,T] saved for backward.
     virtual void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
                                    const Tensor& v, const AttentionShape& shape) = 0;
+    // Which attention this backend runs, as chosen by reserve_scratch (from
+    // ScratchShapes::attention_impl): "native" for its own kernels, else
+    // the fused library's name ("cuDNN 9.28.1"); `plans` counts the fused
+    // library's plans built so far (one per shape, dtype and pass).
+    virtual AttentionInfo attention_info() const { return AttentionInfo{}; }
     // dq, dk, dv are overwritten.
     virtual void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
                                     const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,

@@ -185,8 +185,10 @@ std::size_t ModelMemory::adapter_bytes() const {
 }
 
 ScratchShapes ModelMemory::scratch_shapes() const {
-    return ScratchShapes{attention_shape_, config_.hidden_size, config_.intermediate_size, config_.vocab_size,
+    ScratchShapes shapes{attention_shape_, config_.hidden_size, config_.intermediate_size, config_.vocab_size,
                          classifier_chunk_rows(), 0};
+    shapes.dtype = dtype_ == DType::BF16 ? Precision::BF16 : Precision::FP32;
+    return shapes;
 }
 
 void LlamaModel::forward(const ModelWeights& w, LayerSource& layers, const Tensor& tokens, StackArena& stack) {

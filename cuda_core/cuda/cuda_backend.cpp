@@ -13,6 +13,7 @@
 
 #include "cuda/cublaslt_matmul.h"
 #include "cuda/cuda_check.h"
+#include "cuda/fused_attention.h"
 #include "cuda/host_wait.h"
 #include "cuda/kernels.h"
 
@@ -57,8 +58,26 @@ int visible_devices() {
 
 std::unique_ptr<Backend> create(int device, int /*threads*/) { return std::make_unique<CudaBackend>(device); }
 
+// The fused attention of this build on the current device, or null: none
+// in the build, or it could not start (*why_none says why).
+std::unique_ptr<FusedAttention> start_fused_attention(std::string* why_none) {
+    try {
+        std::unique_ptr<AttentionEngine> engine = make_attention_engine();
+        return engine ? std::make_unique<FusedAttention>(std::move(engine)) : nullptr;
+    } catch (const std::exception& e) {
+        *why_none = e.what();
+        return nullptr;
+    }
+}
+
 std::vector<ScratchBuffer> plan(const ScratchShapes& shapes, int /*threads*/, bool ask_libraries) {
-    return CudaBackend::scratch_plan(shapes, ask_libraries);
+    // The fused attention's plans are asked of a temporary engine where one
+    // can run (a device); else its workspace is planned at the bound.
+    std::unique_ptr<FusedAttention> attention;
+    std::string why_none;
+    if (ask_libraries && attention_engine_wanted(shapes) && visible_devices() > 0)
+        attention = start_fused_attention(&why_none);
+    return CudaBackend::scratch_plan(shapes, ask_libraries, attention.get(), why_none);
 }
 
 // Whether the work before the latest record of `event` has completed.
@@ -110,17 +129,31 @@ std::size_t CudaBackend::scratch_bytes(const ScratchShapes& s, bool ask_librarie
     return std::max(bytes, embedding);
 }
 
-std::vector<ScratchBuffer> CudaBackend::scratch_plan(const ScratchShapes& s, bool ask_libraries) {
+std::vector<ScratchBuffer> CudaBackend::scratch_plan(const ScratchShapes& s, bool ask_libraries,
+                                                     FusedAttention* attention, const std::string& why_none,
+                                                     bool* fused) {
     bool exact = true;
     const std::size_t bytes = scratch_bytes(s, ask_libraries, &exact);
     const std::int64_t rows = std::int64_t(s.attention.batch) * s.attention.time;
-    return {
+    std::vector<ScratchBuffer> plan = {
         {"cuda-op-scratch", DType::F32, static_cast<std::int64_t>((bytes + 3) / 4), MemoryKind::Device, exact},
         {"cublaslt-workspace", DType::F32, static_cast<std::int64_t>(kMatmulWorkspaceBytes / 4), MemoryKind::Device,
          true},
         // Room for one batch of tokens and targets between synchronisations.
         {"host-staging", DType::I32, 2 * rows, MemoryKind::Pinned, true},
     };
+    const bool use_fused = choose_attention(s, attention, why_none);
+    if (fused) *fused = use_fused;
+    if (use_fused) {
+        const std::size_t workspace = attention ? attention->prepare(s.attention, s.dtype == Precision::BF16 ? DType::BF16 : DType::F32)
+                                                : attention_workspace_bound(s.attention);
+        // At least one element, so that the buffer shows in the plan even
+        // where the library needs none.
+        plan.push_back({"cudnn-attention-workspace", DType::F32,
+                        std::max<std::int64_t>(1, static_cast<std::int64_t>((workspace + 3) / 4)), MemoryKind::Device,
+                        attention != nullptr});
+    }
+    return plan;
 }
 
 CudaBackend::CudaBackend(int device) : device_(device) {
@@ -135,6 +168,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
 CudaBackend::~CudaBackend() {
     cudaSetDevice(device_);
     matmul_.reset();
+    fused_attention_.reset();
     for (cudaEvent_t event : batch_ready_)
         if (event) cudaEventDestroy(event);
     if (batch_read_) cudaEventDestroy(batch_read_);
@@ -172,10 +206,14 @@ void CudaBackend::raw_free(void* data, MemoryKind kind) {
 
 void CudaBackend::reserve_scratch(NamedAllocator& allocator, const ScratchShapes& s) {
     NANOQ_CUDA_CHECK(cudaSetDevice(device_));  // CUB sizes its storage for the current device
-    const std::vector<Tensor> scratch = allocate_scratch(allocator, scratch_plan(s, true));
+    std::string why_none;
+    if (!fused_attention_ && attention_engine_wanted(s)) fused_attention_ = start_fused_attention(&why_none);
+    const std::vector<Tensor> scratch =
+        allocate_scratch(allocator, scratch_plan(s, true, fused_attention_.get(), why_none, &attention_fused_));
     scratch_ = scratch[0];
     matmul_workspace_ = scratch[1];
     pinned_ = scratch[2];
+    attention_workspace_ = attention_fused_ ? scratch[3] : Tensor();
 }
 
 void* CudaBackend::scratch(std::size_t bytes) const {
@@ -429,8 +467,21 @@ void CudaBackend::rope_backward(const Tensor& dx, const Tensor& cos_sin, int bat
     NANOQ_CUDA_CHECK_LAUNCH();
 }
 
+AttentionInfo CudaBackend::attention_info() const {
+    AttentionInfo info;
+    if (attention_fused_) info.implementation = fused_attention_->engine().library();
+    if (fused_attention_) info.plans = fused_attention_->plans();
+    return info;
+}
+
 void CudaBackend::attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
                                     const Tensor& v, const AttentionShape& s) {
+    if (attention_fused_) {
+        AttentionTensors tensors;
+        tensors.out = out, tensors.lse = lse, tensors.q = q, tensors.k = k, tensors.v = v;
+        fused_attention_->forward(tensors, s, attention_workspace_, stream_);
+        return;
+    }
     with_dtype(q.dtype, [&](auto tag) {
         using T = decltype(tag);
         cuda::attention_forward<T>(ptr<T>(out), lse.f32(), ptr<T>(q), ptr<T>(k), ptr<T>(v), s.batch, s.time, s.heads,
@@ -442,6 +493,13 @@ void CudaBackend::attention_forward(const Tensor& out, const Tensor& lse, const 
 void CudaBackend::attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
                                      const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
                                      const Tensor& v, const AttentionShape& s) {
+    if (attention_fused_) {
+        AttentionTensors tensors;
+        tensors.out = out, tensors.lse = lse, tensors.q = q, tensors.k = k, tensors.v = v;
+        tensors.dout = dout, tensors.dq = dq, tensors.dk = dk, tensors.dv = dv;
+        fused_attention_->backward(tensors, s, attention_workspace_, stream_);
+        return;
+    }
     with_dtype(q.dtype, [&](auto tag) {
         using T = decltype(tag);
         void* work = scratch(attention_backward_scratch_bytes(s.batch, s.time, s.heads, s.kv_heads, s.head_dim));

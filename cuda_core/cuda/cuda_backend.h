@@ -18,6 +18,7 @@ namespace nanoq {
 namespace cuda {
 
 class LtMatmul;
+class FusedAttention;
 
 class CudaBackend final : public Backend {
 public:
@@ -42,8 +43,13 @@ public:
     // The options configure() kept (the defaults until it is called, as in the op harness).
     const TrainOptions& options() const { return options_; }
     // What reserve_scratch allocates (BackendPlugin::scratch_plan): the op
-    // scratch of scratch_bytes(), the cuBLASLt workspace, pinned staging.
-    static std::vector<ScratchBuffer> scratch_plan(const ScratchShapes& shapes, bool ask_libraries);
+    // scratch of scratch_bytes(), the cuBLASLt workspace, pinned staging and,
+    // when attention runs fused (choose_attention, fused_attention.h), the
+    // fused attention's workspace, asked of `attention` where given (else
+    // its upper bound, inexact). *fused (may be null) says whether it does.
+    static std::vector<ScratchBuffer> scratch_plan(const ScratchShapes& shapes, bool ask_libraries,
+                                                   FusedAttention* attention = nullptr,
+                                                   const std::string& why_none = "", bool* fused = nullptr);
     // One op scratch for the largest op's need (ops run in order on the
     // stream); *exact as ScratchBuffer::exact.
     static std::size_t scratch_bytes(const ScratchShapes& shapes, bool ask_libraries, bool* exact);
@@ -83,6 +89,7 @@ public:
                        int head_dim) override;
     void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                            const AttentionShape& shape) override;
+    AttentionInfo attention_info() const override;
     void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
                             const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                             const AttentionShape& shape) override;
@@ -106,6 +113,11 @@ private:
     Tensor scratch_;          // shared by all ops: they run in order on one stream
     Tensor matmul_workspace_;
     Tensor pinned_;           // host staging for copy_from_host
+    // Fused attention (cuDNN): started by reserve_scratch when the shapes may
+    // use it; attention_fused_ says whether attention runs there.
+    std::unique_ptr<FusedAttention> fused_attention_;
+    bool attention_fused_ = false;
+    Tensor attention_workspace_;
     std::size_t pinned_used_ = 0;
     // Recorded after the latest copy out of pinned_: once it has completed,
     // no staged copy is in flight and pinned_ may be reused from the start.

@@ -117,6 +117,7 @@ public:
     int i(const std::string& name) const override { return static_cast<int>(find(ints_, name, "int").value); }
     float f(const std::string& name) const override { return static_cast<float>(find(floats_, name, "float")); }
     bool b(const std::string& name) const override { return find(bools_, name, "bool"); }
+    DType dtype(const std::string& dtype_arg) const override { return find(dtypes_, dtype_arg, "dtype"); }
     std::uint64_t seed(const std::string& name) const override { return find(seeds_, name, "seed"); }
 
     // Both keep what they made by name, so that a timed call (repeats > 0)

@@ -141,6 +141,8 @@ public:
     virtual float f(const std::string& name) const = 0;
     virtual bool b(const std::string& name) const = 0;
     virtual std::uint64_t seed(const std::string& name) const = 0;
+    // The device dtype a dtype argument ("dtype", ...) resolved to.
+    virtual DType dtype(const std::string& dtype_arg) const = 0;
     // A float32 input made from host values (for arguments the backend takes as a tensor).
     virtual Tensor upload(const std::vector<float>& values, const std::string& name) = 0;
     // Device memory for the op alone, of the activation dtype `dtype_arg`

@@ -34,9 +34,19 @@ AttentionShape attention(const OpCall& c) {
     return AttentionShape{c.i("batch"), c.i("time"), c.i("heads"), c.i("kv_heads"), c.i("head_dim")};
 }
 
-ScratchShapes attention_scratch(const OpCall& c) {
+ScratchShapes attention_shapes(const OpCall& c) {
     ScratchShapes s = no_scratch();
     s.attention = attention(c);
+    s.attention_impl = AttentionImpl::Native;
+    return s;
+}
+
+// With `fused` the backend must run the attention in its fused library
+// (attention "cudnn"; an error where it has none), else in its own kernels.
+ScratchShapes attention_scratch(const OpCall& c) {
+    ScratchShapes s = attention_shapes(c);
+    s.dtype = c.dtype("dtype") == DType::BF16 ? Precision::BF16 : Precision::FP32;
+    if (c.b("fused")) s.attention_impl = AttentionImpl::Cudnn;
     return s;
 }
 
@@ -96,7 +106,7 @@ void check_packed_qkv(const OpCall& c) {
 }
 
 ScratchShapes qkv_scratch(const OpCall& c) {
-    ScratchShapes s = attention_scratch(c);
+    ScratchShapes s = attention_shapes(c);
     s.hidden = c.i("hidden");
     return s;
 }
@@ -256,16 +266,16 @@ std::vector<OpSpec> make_table() {
          }},
         {"attention_forward",
          "(out, lse): causal softmax(q k^T / sqrt(D)) v with grouped kv heads; q, out [B, T, H, D], "
-         "k, v [B, T, Hkv, D], lse [B, H, T] float32",
+         "k, v [B, T, Hkv, D], lse [B, H, T] float32; fused: in the backend's fused library (cuDNN)",
          {input("q", kAttention), input("k", kAttentionKV), input("v", kAttentionKV), output("out", kAttention),
-          output("lse", "batch,heads,time").f32()},
+          output("lse", "batch,heads,time").f32(), flag("fused", false)},
          {},
          [](OpCall& c) { c.backend().attention_forward(c["out"], c["lse"], c["q"], c["k"], c["v"], attention(c)); },
          attention_scratch, check_attention},
         {"attention_backward", "(dq, dk, dv) of attention_forward; shapes as there",
          {input("dout", kAttention), input("out", kAttention), input("lse", "batch,heads,time").f32(),
           input("q", kAttention), input("k", kAttentionKV), input("v", kAttentionKV), output("dq", kAttention),
-          output("dk", kAttentionKV), output("dv", kAttentionKV)},
+          output("dk", kAttentionKV), output("dv", kAttentionKV), flag("fused", false)},
          {},
          [](OpCall& c) {
              c.backend().attention_backward(c["dq"], c["dk"], c["dv"], c["dout"], c["out"], c["lse"], c["q"], c["k"],
@@ -412,7 +422,7 @@ std::vector<OpSpec> make_table() {
              NANOQ_COMPOSITE(c, qk_norm_rope_forward, qkv_activations(c), qkv_weights(c), c["cos_sin"],
                              qk_norm_shape(c));
          },
-         attention_scratch, check_qkv},
+         attention_shapes, check_qkv},
         {"qkv_forward",
          "(q, k, v, q_raw, k_raw, q_rstd, k_rstd): qkv_projection then qk_norm_rope_forward",
          qkv_args(true, {input("x", "rows,hidden"), input("cos_sin", kCosSin).f32(), output("q", kQ),
@@ -437,7 +447,7 @@ std::vector<OpSpec> make_table() {
              NANOQ_COMPOSITE(c, qk_norm_rope_backward, c["dq"], c["dk"], qkv_activations(c), qkv_weights(c),
                              qkv_grads(c), c["cos_sin"], qk_norm_shape(c));
          },
-         attention_scratch, check_qkv},
+         attention_shapes, check_qkv},
         {"qkv_projection_backward",
          "(dx, dqkv, dqkv_bias): dx [rows, hidden] = [dq dk dv] qkv (+ dx when given); unless frozen, "
          "dqkv + [dq dk dv]^T x and, with qkv_bias, dqkv_bias + column sums (float32, default zeros)",

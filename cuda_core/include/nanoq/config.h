@@ -155,6 +155,14 @@ struct AttentionShape {
     int batch, time, heads, kv_heads, head_dim;
 };
 
+// Which attention a device runs (Trainer::attention_info): "native" (the
+// backend's own kernels) or a fused library ("cuDNN 9.28.1"), and the
+// library's plans built so far (one per shape, dtype and pass).
+struct AttentionInfo {
+    std::string implementation = "native";
+    int plans = 0;
+};
+
 // The largest shapes a backend's ops will see, so that it can reserve its
 // scratch memory once, through the named allocator (and the memory plan can
 // ask how much that is, BackendPlugin::scratch_plan).
@@ -165,9 +173,12 @@ struct ScratchShapes {
     int vocab;
     int classifier_rows;       // rows per classifier chunk
     std::int64_t max_reduce;   // longest sum_squares input
-    // The run's choices that change what a backend reserves (TrainOptions).
+    // The run's choices that change what a backend reserves (TrainOptions),
+    // and the activations' dtype (a fused attention library's workspace
+    // depends on it).
     AttentionImpl attention_impl = AttentionImpl::Auto;
     MatmulPrecision matmul_dtype = MatmulPrecision::Auto;
+    Precision dtype = Precision::FP32;
 };
 
 // The parameters of a config, in flat-buffer order, with Hugging Face names.

@@ -1,0 +1,150 @@
+// cuDNN's fused attention (SDPA) through the cuDNN frontend's graph API
+// (fused_attention.h): one graph per shape, dtype and pass, built when a
+// shape is first asked for and kept by FusedAttention.
+//
+// Our q/out [B,T,H,D] and k/v [B,T,K,D] are row-major; cuDNN's logical dims
+// are [B,H,T,D], which our layout gives with strides (T*H*D, D, H*D, 1): no
+// transposes. Grouped kv heads are cuDNN's own (K of H heads in k/v).
+// Stats are [B,H,T,1] fp32, natural-log log-sum-exp of the scaled scores:
+// our lse. The causal mask is the top-left diagonal (query i sees keys <= i).
+// The backward asks for cuDNN's deterministic algorithm: nanoq's steps are
+// reproducible run to run, and its tests check that bitwise.
+#include <cudnn_frontend.h>
+
+#include <cmath>
+#include <string>
+#include <unordered_map>
+
+#include "cuda/fused_attention.h"
+#include "nanoq/errors.h"
+
+namespace nanoq {
+namespace cuda {
+namespace {
+
+namespace fe = cudnn_frontend;
+
+enum Uid : fe::graph::Tensor_attributes::uid_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV };
+
+void check(const fe::error_t& status, const char* what) {
+    if (!status.is_good()) throw NanoqError(std::string(what) + ": " + status.get_message());
+}
+
+void check(cudnnStatus_t status, const char* what) {
+    if (status != CUDNN_STATUS_SUCCESS) throw NanoqError(std::string(what) + ": " + cudnnGetErrorString(status));
+}
+
+class CudnnPlan final : public AttentionPlan {
+public:
+    std::shared_ptr<fe::graph::Graph> graph;
+    AttentionPass pass = AttentionPass::Forward;
+};
+
+class CudnnEngine final : public AttentionEngine {
+public:
+    CudnnEngine() { check(cudnnCreate(&handle_), "cudnnCreate"); }
+    ~CudnnEngine() override {
+        if (handle_) cudnnDestroy(handle_);
+    }
+
+    std::string library() const override { return attention_engine_library(); }
+
+    std::unique_ptr<AttentionPlan> build(const AttentionShape& s, DType dtype, AttentionPass pass) override {
+        if (dtype != DType::BF16) throw NanoqError("bf16 only");
+        const std::int64_t B = s.batch, T = s.time, H = s.heads, K = s.kv_heads, D = s.head_dim;
+        const std::vector<std::int64_t> q_dims{B, H, T, D}, q_strides{T * H * D, D, H * D, 1};
+        const std::vector<std::int64_t> kv_dims{B, K, T, D}, kv_strides{T * K * D, D, K * D, 1};
+        const std::vector<std::int64_t> stats_dims{B, H, T, 1}, stats_strides{H * T, T, 1, 1};
+        const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+
+        auto graph = std::make_shared<fe::graph::Graph>();
+        graph->set_io_data_type(fe::DataType_t::BFLOAT16)
+            .set_intermediate_data_type(fe::DataType_t::FLOAT)
+            .set_compute_data_type(fe::DataType_t::FLOAT);
+        auto tensor = [&](const char* name, Uid uid, const std::vector<std::int64_t>& dims,
+                          const std::vector<std::int64_t>& strides) {
+            return graph->tensor(
+                fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_dim(dims).set_stride(strides));
+        };
+        auto q = tensor("q", kQ, q_dims, q_strides);
+        auto k = tensor("k", kK, kv_dims, kv_strides);
+        auto v = tensor("v", kV, kv_dims, kv_strides);
+        if (pass == AttentionPass::Forward) {
+            auto options = fe::graph::SDPA_attributes()
+                               .set_name("nanoq_attention_forward")
+                               .set_generate_stats(true)
+                               .set_causal_mask(true)
+                               .set_attn_scale(scale);
+            auto [o, stats] = graph->sdpa(q, k, v, options);
+            o->set_output(true).set_dim(q_dims).set_stride(q_strides).set_uid(kO);
+            stats->set_output(true)
+                .set_data_type(fe::DataType_t::FLOAT)
+                .set_dim(stats_dims)
+                .set_stride(stats_strides)
+                .set_uid(kStats);
+        } else {
+            auto o = tensor("o", kO, q_dims, q_strides);
+            auto dout = tensor("dout", kDO, q_dims, q_strides);
+            auto stats = graph->tensor(fe::graph::Tensor_attributes()
+                                           .set_name("stats")
+                                           .set_uid(kStats)
+                                           .set_dim(stats_dims)
+                                           .set_stride(stats_strides)
+                                           .set_data_type(fe::DataType_t::FLOAT));
+            auto options = fe::graph::SDPA_backward_attributes()
+                               .set_name("nanoq_attention_backward")
+                               .set_causal_mask(true)
+                               .set_attn_scale(scale)
+                               .set_deterministic_algorithm(true);
+            auto [dq, dk, dv] = graph->sdpa_backward(q, k, v, o, dout, stats, options);
+            dq->set_output(true).set_dim(q_dims).set_stride(q_strides).set_uid(kDQ);
+            dk->set_output(true).set_dim(kv_dims).set_stride(kv_strides).set_uid(kDK);
+            dv->set_output(true).set_dim(kv_dims).set_stride(kv_strides).set_uid(kDV);
+        }
+        check(graph->validate(), "validate");
+        check(graph->build_operation_graph(handle_), "build_operation_graph");
+        check(graph->create_execution_plans({fe::HeurMode_t::A}), "create_execution_plans");
+        check(graph->check_support(handle_), "check_support");
+        check(graph->build_plans(handle_), "build_plans");
+        std::int64_t workspace = 0;
+        check(graph->get_workspace_size(workspace), "get_workspace_size");
+        auto plan = std::make_unique<CudnnPlan>();
+        plan->graph = std::move(graph);
+        plan->pass = pass;
+        plan->workspace_bytes = static_cast<std::size_t>(workspace);
+        return plan;
+    }
+
+    void run(const AttentionPlan& base, const AttentionTensors& t, void* workspace, std::size_t /*workspace_bytes*/,
+             cudaStream_t stream) override {
+        const auto& plan = static_cast<const CudnnPlan&>(base);
+        check(cudnnSetStream(handle_, stream), "cudnnSetStream");
+        std::unordered_map<fe::graph::Tensor_attributes::uid_t, void*> pack{
+            {kQ, t.q.data}, {kK, t.k.data}, {kV, t.v.data}, {kO, t.out.data}, {kStats, t.lse.data}};
+        if (plan.pass == AttentionPass::Backward) {
+            pack[kDO] = t.dout.data;
+            pack[kDQ] = t.dq.data;
+            pack[kDK] = t.dk.data;
+            pack[kDV] = t.dv.data;
+        }
+        check(plan.graph->execute(handle_, pack, workspace), "cuDNN attention execute");
+    }
+
+private:
+    cudnnHandle_t handle_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<AttentionEngine> make_attention_engine() { return std::make_unique<CudnnEngine>(); }
+
+std::string attention_engine_library() {
+    const std::size_t version = cudnnGetVersion();  // major * 10000 + minor * 100 + patch (cuDNN 9)
+    return "cuDNN " + std::to_string(version / 10000) + "." + std::to_string(version / 100 % 100) + "." +
+           std::to_string(version % 100);
+}
+
+bool attention_engine_preferred() { return true; }
+
+}  // namespace cuda
+}  // namespace nanoq

@@ -1,0 +1,132 @@
+// Attention through a library's fused kernels (cuDNN's SDPA), beside the
+// native kernels of kernels_attention.cu.
+//
+// An AttentionEngine is the library: it compiles a plan for one shape, dtype
+// and pass and runs it on a stream. The real one is cuDNN's frontend graph API
+// (cudnn_attention.cpp, in a cuda build that found cuDNN); the emulated build
+// links a stand-in with the same contract (emulator/emu_attention.cpp: a
+// float64 reference queued on the stream), because the emulator cannot run
+// cuDNN. Everything around the engine is shared and so runs under the
+// emulator in CI: which attention a run uses (choose_attention), the plans
+// built once per shape and cached (FusedAttention), and the workspace, which
+// the backend's scratch plan reserves through the named allocator.
+//
+// Tensors as in Backend::attention_forward: q/out [B,T,H,D], k/v [B,T,K,D]
+// row-major (the engine sees them as [B,H,T,D] with strides, no transposes),
+// lse [B,H,T] fp32, the natural-log log-sum-exp of the scaled scores, which
+// is what cuDNN's "stats" output is. So either attention's forward can feed
+// the other's backward.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+
+#include "nanoq/config.h"
+#include "tensor.h"
+
+namespace nanoq {
+namespace cuda {
+
+enum class AttentionPass { Forward, Backward };
+
+class FusedAttention;
+
+// What an engine compiled for one shape, dtype and pass.
+class AttentionPlan {
+public:
+    virtual ~AttentionPlan() = default;
+    std::size_t workspace_bytes = 0;
+};
+
+// The device tensors of one call; the backward's outputs are dq, dk, dv
+// (overwritten), the forward's out and lse.
+struct AttentionTensors {
+    Tensor out, lse, q, k, v;
+    Tensor dout, dq, dk, dv;
+};
+
+class AttentionEngine {
+public:
+    virtual ~AttentionEngine() = default;
+    // The library and its version, e.g. "cuDNN 9.28.1".
+    virtual std::string library() const = 0;
+    // Compiles the plan; throws NanoqError with the library's reason when it
+    // cannot run this shape.
+    virtual std::unique_ptr<AttentionPlan> build(const AttentionShape& shape, DType dtype, AttentionPass pass) = 0;
+    virtual void run(const AttentionPlan& plan, const AttentionTensors& tensors, void* workspace,
+                     std::size_t workspace_bytes, cudaStream_t stream) = 0;
+};
+
+// The engine of this build on the current device, or nullptr when the build
+// has none (a cuda build without cuDNN). Defined by the engine's source file.
+std::unique_ptr<AttentionEngine> make_attention_engine();
+// The engine's library in words ("cuDNN 9.28.1"), or "" when the build has
+// none; without creating one (no device needed).
+std::string attention_engine_library();
+// Whether "auto" picks the engine where it can run the shape: true for
+// cuDNN, false for the emulator's stand-in (a test double, slower than the
+// native kernels it would replace, so only attention="cudnn" selects it).
+bool attention_engine_preferred();
+
+// Why an engine cannot run this shape and dtype by the documented limits
+// that both engines share ("" when it can): bf16, head_dim a multiple of 8
+// up to 256. The library may still refuse a shape when it builds the plan.
+std::string attention_engine_limits(const AttentionShape& shape, DType dtype);
+
+// Which attention a backend runs for shapes.attention, shapes.dtype and
+// the option shapes.attention_impl ("auto", "cudnn" or "native"): true for
+// the engine. "auto" takes the engine when the build has one that is
+// preferred and can run the shape, else the native kernels; "cudnn" where
+// the build has no engine or it cannot run the shape throws InvalidArgument
+// naming why, never falling back. `engine`, when given, builds the plans
+// (so that a shape the library refuses counts as unsupported); null with
+// `why_none` set: no engine could be made (the reason); null with it empty:
+// none was asked (a plan without libraries), so the documented limits decide.
+bool choose_attention(const ScratchShapes& shapes, FusedAttention* engine, const std::string& why_none);
+
+// Whether the shapes may run in the engine, so that a backend should start
+// one (make_attention_engine) before choose_attention: attention not
+// "native", an attention shape, an engine in the build, and either
+// "cudnn" or an engine that "auto" prefers.
+bool attention_engine_wanted(const ScratchShapes& shapes);
+
+// A backend's fused attention: the engine and its plans, built on first use
+// of a shape, dtype and pass and kept for the backend's life.
+class FusedAttention {
+public:
+    explicit FusedAttention(std::unique_ptr<AttentionEngine> engine);
+    ~FusedAttention();
+    FusedAttention(const FusedAttention&) = delete;
+    FusedAttention& operator=(const FusedAttention&) = delete;
+
+    const AttentionEngine& engine() const { return *engine_; }
+    // Builds (or finds) the forward and backward plans of the shape and
+    // returns the workspace the larger one needs.
+    std::size_t prepare(const AttentionShape& shape, DType dtype);
+    void forward(const AttentionTensors& tensors, const AttentionShape& shape, const Tensor& workspace,
+                 cudaStream_t stream);
+    void backward(const AttentionTensors& tensors, const AttentionShape& shape, const Tensor& workspace,
+                  cudaStream_t stream);
+    // Plans built so far (one per shape, dtype and pass).
+    int plans() const { return static_cast<int>(plans_.size()); }
+
+private:
+    using Key = std::tuple<int, int, int, int, int, int, int>;  // B, T, H, K, D, dtype, pass
+    const AttentionPlan& plan(const AttentionShape& shape, DType dtype, AttentionPass pass);
+    void run(AttentionPass pass, const AttentionTensors& tensors, const AttentionShape& shape,
+             const Tensor& workspace, cudaStream_t stream);
+
+    std::unique_ptr<AttentionEngine> engine_;
+    std::map<Key, std::unique_ptr<AttentionPlan>> plans_;
+};
+
+// An upper bound on the workspace of the plans of `shape`, for a scratch
+// plan made where no engine can be asked (no device).
+std::size_t attention_workspace_bound(const AttentionShape& shape);
+
+}  // namespace cuda
+}  // namespace nanoq
