@@ -323,6 +323,9 @@ struct BackendPlugin {
     // A fresh communicator id (Topology::id) for a world of several trainers
     // or processes: bytes to hand to every member.
     std::string (*new_comm_id)();
+    // The fused attention library built into the backend, in words
+    // ("cuDNN 9.28.1"), or "" for none; null: the backend has no such notion.
+    std::string (*attention_library)() = nullptr;
 };
 void register_backend(const std::string& name, const BackendPlugin& plugin);
 // Loads the backend's library if needed; throws InvalidArgument when it is

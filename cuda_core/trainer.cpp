@@ -519,6 +519,13 @@ int Trainer::micro_steps() const { return impl_->micro_steps; }
 int Trainer::optimizer_steps() const { return impl_->optimizer_steps; }
 TestingHooks& Trainer::testing_hooks() { return impl_->testing_hooks; }
 
+AttentionInfo Trainer::attention_info(int device) {
+    std::lock_guard<std::mutex> serial(impl_->call_mutex);
+    if (device < 0 || device >= devices()) throw InvalidArgument("no device " + std::to_string(device));
+    impl_->drain();  // plans are built by the queued steps
+    return impl_->devices[device].backend->attention_info();
+}
+
 std::vector<CommEvent> Trainer::communication_trace(int device) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
     if (device < 0 || device >= world_size()) throw InvalidArgument("no device " + std::to_string(device));
@@ -888,5 +895,10 @@ bool has_backend(const std::string& name) { return backend_built(name); }
 std::string new_comm_id(const std::string& backend) { return find_backend(backend).new_comm_id(); }
 
 int backend_device_count(const std::string& name) { return find_backend(name).device_count(); }
+
+std::string backend_attention_library(const std::string& name) {
+    const BackendPlugin& plugin = find_backend(name);
+    return plugin.attention_library ? plugin.attention_library() : "";
+}
 
 }  // namespace nanoq

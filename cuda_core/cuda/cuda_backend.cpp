@@ -99,7 +99,8 @@ cudaStream_t interface_stream(std::uintptr_t handle) {
     // Classifier chunks of 64M logits (128 MiB in bf16): a few hundred rows
     // of a 150k vocabulary, enough blocks and matmul rows to fill the GPU.
     register_backend(NANOQ_CUDA_BACKEND_NAME, BackendPlugin{&create, &make_nccl_group, &visible_devices, &plan,
-                                                            std::int64_t(1) << 26, MemoryKind::Pinned, &new_nccl_id});
+                                                            std::int64_t(1) << 26, MemoryKind::Pinned, &new_nccl_id,
+                                                            &attention_engine_library});
     return true;
 }();
 

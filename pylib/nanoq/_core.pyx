@@ -110,6 +110,10 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         int layer
         int64_t ticket
 
+    cdef cppclass CAttentionInfo "nanoq::AttentionInfo":
+        string implementation
+        int plans
+
     cdef cppclass CTrainOptions "nanoq::TrainOptions":
         string backend
         CPrecision dtype, master_dtype, optimizer_dtype
@@ -183,6 +187,7 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         CMemoryInfo memory_info(int) except +nanoq_raise_py_error
         CTestingHooks& testing_hooks()
         vector[CCommEvent] communication_trace(int) except +nanoq_raise_py_error
+        CAttentionInfo attention_info(int) except +nanoq_raise_py_error
 
 
     vector[CDevicePlan] core_plan_memory "nanoq::plan_memory"(const CModelConfig&, const CTrainOptions&,
@@ -192,6 +197,7 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
     cbool has_backend(const string&)
     string core_new_comm_id "nanoq::new_comm_id"(const string&) except +nanoq_raise_py_error
     int backend_device_count(const string&) except +nanoq_raise_py_error
+    string backend_attention_library(const string&) except +nanoq_raise_py_error
 
     cdef cppclass CCpuGemm "nanoq::CpuGemm":
         string name
@@ -217,6 +223,16 @@ def device_count(str name):
     with nogil:
         count = backend_device_count(n)
     return count
+
+
+def attention_library(str name):
+    """The fused attention library backend `name` was built with ("cuDNN
+    9.28.1"), or "" for none. Loads its library (errors as device_count)."""
+    cdef string n = name.encode()
+    cdef string library
+    with nogil:
+        library = backend_attention_library(n)
+    return library.decode()
 
 
 def cpu_gemm():
@@ -682,6 +698,14 @@ cdef class CoreTrainer:
         with nogil:
             events = t.communication_trace(device)
         return [(e.what.decode(), e.layer, e.ticket) for e in events]
+
+    def attention_info(self, int device):
+        """dict(implementation, plans) of `device`: "native" or the fused library's name, and its plans built."""
+        cdef CTrainer* t = self._get()
+        cdef CAttentionInfo info
+        with nogil:
+            info = t.attention_info(device)
+        return dict(implementation=info.implementation.decode(), plans=info.plans)
 
 
 def testing_hooks():

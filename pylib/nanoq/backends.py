@@ -3,7 +3,8 @@
 The cpu backend is always built. The cuda backend is a separate library
 (``libnanoq_cuda.so`` beside the core, built with ``NANOQ_CUDA=ON``) that is
 loaded only when asked for, after the CUDA libraries of the nvidia wheels
-(cudart, cuBLAS, NCCL) have been located and loaded.
+(cudart, cuBLAS, NCCL and, when it was built with it, cuDNN) have been
+located and loaded.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ BACKENDS = option_schema.choices("backend")
 # of the CUDA execution model (``cuda_emulated``: for tests, very slow, never
 # chosen by "auto").
 CUDA_BACKENDS = ("cuda", "cuda_emulated")
-_CUDA_LIBRARIES = ("cudart", "cublas", "cublasLt", "nccl")
+# cudnn: only a cuda backend built with cuDNN links it (fused attention).
+_CUDA_LIBRARIES = ("cudart", "cublas", "cublasLt", "nccl", "cudnn")
 
 
 def _preload_cuda_libraries() -> None:
@@ -94,6 +96,22 @@ def cpu_gemm_detail() -> str:
     return f"GEMM: portable fallback ({why})"
 
 
+def attention_detail(name: str) -> str:
+    """Which fused attention backend ``name``'s build has, in words (for
+    nanoq.backends() and `nanoq info`); a Trainer's ``attention`` says what
+    it runs."""
+    try:
+        library = _core.attention_library(name)
+    except (ValueError, _core.NanoqError) as e:
+        return f"attention: {e}"
+    if not library:
+        return "attention: native kernels (built without cuDNN)"
+    if name == "cuda_emulated":  # a test double of cuDNN: "auto" never picks it
+        return f'attention: {library} with attention="cudnn"'
+    return f'attention: {library} (attention="auto" uses it where it supports the shape)'
+
+
+
 def backends() -> list[dict]:
     """One dict per backend: name, built (compiled into this install),
     devices (usable now), and detail (why it is unusable, GPU names, ...)."""
@@ -115,6 +133,8 @@ def backends() -> list[dict]:
                 entry["detail"] = "no usable GPU (no device or no driver)"
             elif entry["devices"]:
                 entry["detail"] = ", ".join(gpu_names())
+            if name in CUDA_BACKENDS:
+                entry["detail"] += "; " + attention_detail(name)
         report.append(entry)
     return report
 

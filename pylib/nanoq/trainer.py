@@ -462,6 +462,19 @@ class Trainer:
         (name, bytes) entries live at the high-water mark."""
         return self._core.stack_info(self._check_device(device))
 
+    def get_attention_info(self, device: int = 0) -> dict:
+        """Which attention ``device`` runs: ``implementation`` is "native"
+        (the backend's own kernels) or the fused library in use (e.g.
+        "cuDNN 9.28.1"), as TrainOptions.attention chose it; ``plans`` is how
+        many fused-attention plans it has built (one per shape and pass)."""
+        return self._core.attention_info(self._check_device(device))
+
+    @property
+    def attention(self) -> str:
+        """The attention implementation device 0 runs ("native" or e.g.
+        "cuDNN 9.28.1"): see ``get_attention_info``."""
+        return self.get_attention_info(0)["implementation"]
+
     def memory_summary(self) -> list[dict]:
         """Per device: ``contexts`` (bytes of device memory per context),
         ``allocated`` (their sum), ``host`` (pinned/host bytes), ``limit``

@@ -105,6 +105,9 @@ public:
     // finished, each reduction was issued and waited for, and the
     // communicator ran it); returned and cleared.
     std::vector<CommEvent> communication_trace(int device);
+    // Which attention `device` runs and the fused library's plans built so
+    // far (AttentionInfo, nanoq/config.h); waits for the queued steps.
+    AttentionInfo attention_info(int device);
 
 private:
     struct Impl;
@@ -134,6 +137,10 @@ std::string new_comm_id(const std::string& backend);
 // Devices the backend can use now; loads the backend's library. Throws
 // InvalidArgument if it is not built, NanoqError if it cannot be loaded.
 int backend_device_count(const std::string& name);
+// The fused attention library the backend was built with, in words
+// ("cuDNN 9.28.1"), or "" for none; loads the backend's library (errors as
+// backend_device_count).
+std::string backend_attention_library(const std::string& name);
 // The sgemm a cpu backend created now runs: name "openblas" (the
 // scipy-openblas32 library, when this build links it) or "portable" (nanoq's
 // own, always compiled). The environment variable NANOQ_CPU_GEMM

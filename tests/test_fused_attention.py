@@ -1,0 +1,327 @@
+"""Fused attention (cuDNN's SDPA) in the cuda backend, TrainOptions.attention.
+
+The emulator cannot run cuDNN, so the emulated build links a stand-in engine
+(cuda_core/cuda/emulator/emu_attention.cpp: a float64 reference on the
+stream) behind the same host path as cuDNN: the choice between fused and
+native attention, the plans built once per shape and pass, and the workspace
+reserved through the named allocator. The ``cuda_emulated`` tests check that
+path and the stand-in's numbers against the native kernel and the cpu
+backend; the ``gpu`` tests check cuDNN itself against PyTorch's SDPA in
+float64 and whole training steps against the native kernel (bench/gpu_check.sh
+runs them on a GPU).
+
+Tolerances: bf16 outputs against an fp32/float64 reference within 2e-2 of the
+output's max |value| (test_gpu_ops.py's bound: the output is rounded to bf16,
+relative step 2^-8, and cuDNN sums in fp32 in its own order); lse (fp32)
+within 1e-4 on the emulator (both sides compute in fp32 or better) and 2e-3 on
+a GPU (cuDNN's fp32 exponentials are approximate). Training losses of fused
+and native attention in bf16 within 2e-2 of each other over a few steps, the
+bound test_gpu_training.py uses for bf16 against fp32.
+"""
+
+import numpy as np
+import pytest
+
+import nanoq
+from nanoq.testing import OpRunner
+from conftest import (
+    assert_array_close,
+    assert_tensors_close,
+    random_batch,
+    require_cuda_emulator,
+)
+
+BF16_REL = 2e-2
+LSE_REL_EMULATED = 1e-4
+STANDIN = "cuDNN stand-in"
+
+emulated = pytest.mark.cuda_emulated
+gpu = pytest.mark.gpu
+
+
+def to_bf16(x):
+    """x rounded to the nearest bf16 (ties to even), as float32."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    bits = x.view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return rounded.astype(np.uint32).view(np.float32)
+
+
+def attention_inputs(seed, shape):
+    B, T, H, K, D = shape
+    rng = np.random.default_rng(seed)
+    q = to_bf16(rng.standard_normal((B, T, H, D)) * 2.0)
+    k = to_bf16(rng.standard_normal((B, T, K, D)) * 2.0)
+    v = to_bf16(rng.standard_normal((B, T, K, D)))
+    dout = to_bf16(rng.standard_normal((B, T, H, D)))
+    return q, k, v, dout
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    return OpRunner("cpu")
+
+
+@pytest.fixture(scope="module")
+def emulated_ops():
+    require_cuda_emulator()
+    return OpRunner("cuda_emulated", 0)
+
+
+# --------------------------------------------------------------------------
+# The emulated build: the host path around the engine, and the stand-in
+# --------------------------------------------------------------------------
+
+# GQA groups 1, 2 and 4, head_dim 64 and 128, T off the native kernel's tiles.
+EMULATED_SHAPES = [(1, 33, 4, 2, 64), (2, 17, 2, 2, 128), (1, 20, 8, 2, 64)]
+
+
+@emulated
+@pytest.mark.parametrize("shape", EMULATED_SHAPES)
+def test_fused_attention_forward_matches_native_kernel_and_cpu(cpu, emulated_ops, shape):
+    q, k, v, _ = attention_inputs(1, shape)
+    fused_out, fused_lse = emulated_ops.attention_forward(q, k, v, dtype="bf16", fused=True)
+    native_out, native_lse = emulated_ops.attention_forward(q, k, v, dtype="bf16")
+    cpu_out, cpu_lse = cpu.attention_forward(q, k, v)
+    assert_array_close(fused_out, cpu_out, BF16_REL, "fused out vs cpu fp32")
+    assert_array_close(fused_out, native_out, BF16_REL, "fused out vs native kernel")
+    assert_array_close(fused_lse, cpu_lse, LSE_REL_EMULATED, "fused lse vs cpu fp32")
+    assert_array_close(fused_lse, native_lse, LSE_REL_EMULATED, "fused lse vs native kernel")
+
+
+@emulated
+@pytest.mark.parametrize("shape", EMULATED_SHAPES)
+def test_fused_attention_backward_matches_native_kernel_and_cpu(cpu, emulated_ops, shape):
+    q, k, v, dout = attention_inputs(2, shape)
+    out, lse = cpu.attention_forward(q, k, v)
+    out = to_bf16(out)
+    fused = emulated_ops.attention_backward(dout, out, lse, q, k, v, dtype="bf16", fused=True)
+    native = emulated_ops.attention_backward(dout, out, lse, q, k, v, dtype="bf16")
+    expected = cpu.attention_backward(dout, out, lse, q, k, v)
+    for name, f, n, e in zip(("dq", "dk", "dv"), fused, native, expected):
+        assert_array_close(f, e, BF16_REL, f"fused {name} vs cpu fp32")
+        assert_array_close(f, n, BF16_REL, f"fused {name} vs native kernel")
+    again = emulated_ops.attention_backward(dout, out, lse, q, k, v, dtype="bf16", fused=True)
+    for name, f, g in zip(("dq", "dk", "dv"), fused, again):
+        assert np.array_equal(f, g), f"fused {name}: two runs differ"
+
+
+@emulated
+def test_fused_attention_forward_feeds_native_backward(emulated_ops):
+    """Both write the same lse (natural-log log-sum-exp of the scaled
+    scores), so either forward can feed either backward."""
+    shape = (1, 24, 4, 2, 64)
+    q, k, v, dout = attention_inputs(3, shape)
+    out, lse = emulated_ops.attention_forward(q, k, v, dtype="bf16", fused=True)
+    mixed = emulated_ops.attention_backward(dout, out, lse, q, k, v, dtype="bf16")
+    fused = emulated_ops.attention_backward(dout, out, lse, q, k, v, dtype="bf16", fused=True)
+    for name, m, f in zip(("dq", "dk", "dv"), mixed, fused):
+        assert_array_close(m, f, BF16_REL, f"native {name} from the fused forward")
+
+
+@emulated
+@pytest.mark.parametrize("dtype, head_dim, why", [("fp32", 64, "bf16 only"), ("bf16", 12, "head_dim")])
+def test_fused_attention_refuses_what_cudnn_cannot_run(emulated_ops, dtype, head_dim, why):
+    q, k, v, _ = attention_inputs(4, (1, 8, 2, 1, head_dim))
+    with pytest.raises(ValueError, match=why):
+        emulated_ops.attention_forward(q, k, v, dtype=dtype, fused=True)
+
+
+def tiny_config(head_dim=16, heads=4, kv_heads=2):
+    return nanoq.ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                             rope_theta=1e4)
+
+
+def emulated_options(attention, dtype="bf16", batch_size=2, seq_len=32):
+    return nanoq.TrainOptions(backend="cuda_emulated", dtype=dtype, batch_size=batch_size, seq_len=seq_len,
+                              attention=attention)
+
+
+def train(checkpoint, options, batches, lr=3e-3):
+    """Losses and the first step's gradients of a few AdamW steps, and the
+    trainer's attention info at the end."""
+    trainer = nanoq.Trainer(nanoq.ModelConfig.from_pretrained(checkpoint), options)
+    with trainer:
+        trainer.import_weights(checkpoint)
+        losses, gradients = [], None
+        for inputs, targets in batches:
+            trainer.step(inputs, targets)
+            if gradients is None:
+                gradients = trainer.get_gradients()
+            losses.append(trainer.update(lr=lr).loss)
+        validation = trainer.validate(*batches[0]).loss
+        return losses, gradients, validation, trainer.get_attention_info(0)
+
+
+@emulated
+@pytest.mark.parametrize("variant", ["llama", "qwen3"])
+def test_training_with_attention_cudnn_matches_native_on_the_emulator(checkpoints, variant):
+    """O(1) random weights (conftest.randomize_), so attention is far from
+    uniform and a wrong fused forward or backward would show."""
+    require_cuda_emulator()
+    rng = np.random.default_rng(5)
+    batches = [random_batch(rng, rows=2) for _ in range(3)]
+    path = checkpoints.path(variant)
+    seq_len = batches[0][0].shape[1]
+    native = train(path, emulated_options("native", seq_len=seq_len), batches)
+    fused = train(path, emulated_options("cudnn", seq_len=seq_len), batches)
+    for step, (f, n) in enumerate(zip(fused[0], native[0])):
+        assert abs(f - n) <= BF16_REL * abs(n), f"{variant} step {step}: fused loss {f} vs native {n}"
+    assert_tensors_close(fused[1], native[1], 5e-2, f"{variant} fused-attention gradients")
+    assert abs(fused[2] - native[2]) <= BF16_REL * abs(native[2]), "validate"
+    assert native[3] == dict(implementation="native", plans=0)
+    # One plan per pass for the run's one shape, however many steps and validations ran.
+    assert fused[3]["implementation"].startswith(STANDIN) and fused[3]["plans"] == 2, fused[3]
+
+
+def workspace(allocations):
+    return [a for a in allocations if a["name"] == "cudnn-attention-workspace"]
+
+
+@emulated
+def test_attention_workspace_comes_from_the_named_allocator_and_the_plan():
+    require_cuda_emulator()
+    config = tiny_config(head_dim=16, heads=4, kv_heads=2)
+    B, T, H, D = 2, 32, 4, 16
+    with nanoq.Trainer(config, emulated_options("cudnn", batch_size=B, seq_len=T)) as trainer:
+        (reserved,) = workspace(trainer.get_allocations(0))
+        assert trainer.attention.startswith(STANDIN)
+    # The stand-in's backward keeps a float64 dq accumulator: B*T*H*D doubles.
+    assert reserved["context"] == "workspace" and reserved["kind"] == "device"
+    assert reserved["bytes"] == 8 * B * T * H * D
+    estimate = nanoq.estimate_memory(config, emulated_options("cudnn", batch_size=B, seq_len=T))
+    (planned,) = [a for a in estimate.allocations if a.name == "cudnn-attention-workspace"]
+    assert planned.bytes == reserved["bytes"] and planned.exact
+    with nanoq.Trainer(config, emulated_options("native", batch_size=B, seq_len=T)) as trainer:
+        assert workspace(trainer.get_allocations(0)) == []
+    estimate = nanoq.estimate_memory(config, emulated_options("native", batch_size=B, seq_len=T))
+    assert not [a for a in estimate.allocations if a.name == "cudnn-attention-workspace"]
+
+
+@emulated
+def test_auto_keeps_the_native_kernel_on_the_emulator():
+    """The stand-in is a test double: "auto" never picks it (on a GPU, auto
+    picks cuDNN: test_auto_picks_cudnn_on_a_gpu)."""
+    require_cuda_emulator()
+    with nanoq.Trainer(tiny_config(), emulated_options("auto")) as trainer:
+        assert trainer.get_attention_info(0) == dict(implementation="native", plans=0)
+        assert workspace(trainer.get_allocations(0)) == []
+
+
+@emulated
+@pytest.mark.parametrize("dtype, head_dim, why", [
+    ("fp32", 16, "bf16 only"),
+    ("bf16", 12, "multiple of 8"),
+])
+def test_attention_cudnn_is_refused_at_trainer_creation_where_unsupported(dtype, head_dim, why):
+    require_cuda_emulator()
+    config = tiny_config(head_dim=head_dim)
+    with pytest.raises(ValueError, match=f'attention="cudnn" cannot be used: .*{why}'):
+        nanoq.Trainer(config, emulated_options("cudnn", dtype=dtype))
+    with pytest.raises(ValueError, match=why):
+        nanoq.estimate_memory(config, emulated_options("cudnn", dtype=dtype))
+    with nanoq.Trainer(config, emulated_options("auto", dtype=dtype)) as trainer:
+        assert trainer.attention == "native"
+
+
+@emulated
+def test_backends_say_which_attention_library_is_built():
+    require_cuda_emulator()
+    (entry,) = [b for b in nanoq.backends() if b["name"] == "cuda_emulated"]
+    assert f"attention: {STANDIN}" in entry["detail"]
+    assert nanoq._core.attention_library("cuda_emulated").startswith(STANDIN)
+    assert nanoq._core.attention_library("cpu") == ""
+
+
+# --------------------------------------------------------------------------
+# A GPU: cuDNN itself (bench/gpu_check.sh)
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpu_ops(cuda_device):
+    return OpRunner("cuda", cuda_device)
+
+
+def require_cudnn():
+    library = nanoq._core.attention_library("cuda")
+    if not library.startswith("cuDNN"):
+        pytest.fail(f"the cuda backend was built without cuDNN ({library!r}): install nvidia-cudnn-cu13 and "
+                    "nvidia-cudnn-frontend and rebuild with --no-build-isolation", pytrace=False)
+
+
+def torch_reference(q, k, v, dout):
+    """out, lse [B,H,T], dq, dk, dv of causal GQA attention in float64 (PyTorch)."""
+    import torch
+
+    B, T, H, D = q.shape
+    K = k.shape[2]
+    tq, tk, tv = (torch.tensor(x, dtype=torch.float64).permute(0, 2, 1, 3).requires_grad_() for x in (q, k, v))
+    ek, ev = (x.repeat_interleave(H // K, dim=1) for x in (tk, tv))
+    scores = tq @ ek.transpose(-1, -2) / np.sqrt(D)
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.softmax(scores, dim=-1) @ ev
+    out.backward(torch.tensor(dout, dtype=torch.float64).permute(0, 2, 1, 3))
+    back = lambda x: x.permute(0, 2, 1, 3).detach().numpy().astype(np.float32)  # noqa: E731
+    return back(out), lse.detach().numpy().astype(np.float32), back(tq.grad), back(tk.grad), back(tv.grad)
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(2, 512, 8, 2, 64), (2, 384, 8, 8, 128), (1, 1024, 12, 2, 128),
+                                   (4, 257, 4, 1, 64)])
+def test_cudnn_attention_matches_torch_float64(gpu_ops, shape):
+    require_cudnn()
+    q, k, v, dout = attention_inputs(6, shape)
+    expected_out, expected_lse, *expected_grads = torch_reference(q, k, v, dout)
+    out, lse = gpu_ops.attention_forward(q, k, v, dtype="bf16", fused=True)
+    assert_array_close(out, expected_out, BF16_REL, f"cuDNN out {shape}")
+    assert_array_close(lse, expected_lse, 2e-3, f"cuDNN lse {shape}")
+    grads = gpu_ops.attention_backward(dout, to_bf16(out), lse, q, k, v, dtype="bf16", fused=True)
+    for name, g, e in zip(("dq", "dk", "dv"), grads, expected_grads):
+        assert_array_close(g, e, BF16_REL, f"cuDNN {name} {shape}")
+    again = gpu_ops.attention_backward(dout, to_bf16(out), lse, q, k, v, dtype="bf16", fused=True)
+    for name, g, h in zip(("dq", "dk", "dv"), grads, again):
+        assert np.array_equal(g, h), f"cuDNN {name}: two runs differ (the deterministic backward was asked for)"
+
+
+def gpu_options(attention, dtype="bf16", batch_size=4, seq_len=256):
+    return nanoq.TrainOptions(backend="cuda", dtype=dtype, batch_size=batch_size, seq_len=seq_len,
+                              attention=attention)
+
+
+@gpu
+def test_training_with_cudnn_matches_native_on_a_gpu(cuda_device):
+    require_cudnn()
+    config = nanoq.ModelConfig(vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                               num_attention_heads=8, num_key_value_heads=2, head_dim=64, rope_theta=1e6)
+    rng = np.random.default_rng(7)
+    batches = [random_batch(rng, rows=4, seq_len=256, vocab=1000) for _ in range(4)]
+    runs = {}
+    for attention in ("native", "cudnn"):
+        with nanoq.Trainer(config, gpu_options(attention)) as trainer:  # the same seeded init
+            losses = []
+            for inputs, targets in batches:
+                trainer.step(inputs, targets)
+                losses.append(trainer.update(lr=3e-3).loss)
+            runs[attention] = (losses, trainer.get_attention_info(0))
+    (native, native_info), (fused, fused_info) = runs["native"], runs["cudnn"]
+    for step, (f, n) in enumerate(zip(fused, native)):
+        assert abs(f - n) <= BF16_REL * abs(n), f"step {step}: cuDNN loss {f} vs native {n}"
+    assert native_info["implementation"] == "native"
+    assert fused_info["implementation"].startswith("cuDNN") and fused_info["plans"] == 2, fused_info
+
+
+@gpu
+def test_auto_picks_cudnn_on_a_gpu_and_native_where_cudnn_cannot_run(cuda_device):
+    require_cudnn()
+    config = tiny_config(head_dim=64)
+    with nanoq.Trainer(config, gpu_options("auto", seq_len=64)) as trainer:
+        assert trainer.attention.startswith("cuDNN")
+        (reserved,) = workspace(trainer.get_allocations(0))
+    (planned,) = [a for a in nanoq.estimate_memory(config, gpu_options("auto", seq_len=64)).allocations
+                  if a.name == "cudnn-attention-workspace"]
+    assert planned.exact and planned.bytes == reserved["bytes"]
+    with nanoq.Trainer(config, gpu_options("auto", dtype="fp32", seq_len=64)) as trainer:
+        assert trainer.attention == "native"
