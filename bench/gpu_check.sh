@@ -14,12 +14,14 @@
 # optional parts: each wheel in it whose package the machine lacks is
 # installed (cython / scikit-build-core also when older than pyproject.toml
 # asks), nothing the machine has is replaced. Useful ones (CPython 3.12,
-# manylinux x86_64): scipy-openblas32 (OpenBLAS for the cpu backend) and
-# pytest-timeout (a per-test time limit, with stacks of a hung test):
+# manylinux x86_64): scipy-openblas32 (OpenBLAS for the cpu backend),
+# pytest-timeout (a per-test time limit, with stacks of a hung test) and
+# nvidia-cudnn-frontend (the cuDNN frontend's headers: without them the cuda
+# backend builds without cuDNN's fused attention):
 #
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-#     -d .device_wheels scipy-openblas32 pytest-timeout
+#     -d .device_wheels scipy-openblas32 pytest-timeout nvidia-cudnn-frontend
 #
 # summary.txt says which optional parts the run went without.
 #
@@ -269,11 +271,15 @@ gpu_tests() {
 # What this run went without, one line each.
 missing_parts() {
     "$PY" - <<'EOF'
-import importlib.util
+import importlib.metadata, importlib.util
 if importlib.util.find_spec("scipy_openblas32") is None:
     print("scipy-openblas32: the cpu backend (the GPU tests' reference) runs nanoq's portable sgemm")
 if importlib.util.find_spec("pytest_timeout") is None:
     print("pytest-timeout: no per-test time limit (only the tests step's own)")
+try:
+    importlib.metadata.distribution("nvidia-cudnn-frontend")
+except importlib.metadata.PackageNotFoundError:
+    print("nvidia-cudnn-frontend: the cuda backend was built without cuDNN (native attention; cuDNN tests skip)")
 EOF
     local path packages cost
     while IFS=$'\t' read -r path packages cost; do

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import nanoq
+from nanoq.backends import attention_library
 from nanoq.testing import OpRunner
 from conftest import (
     assert_array_close,
@@ -230,8 +231,8 @@ def test_backends_say_which_attention_library_is_built():
     require_cuda_emulator()
     (entry,) = [b for b in nanoq.backends() if b["name"] == "cuda_emulated"]
     assert f"attention: {STANDIN}" in entry["detail"]
-    assert nanoq._core.attention_library("cuda_emulated").startswith(STANDIN)
-    assert nanoq._core.attention_library("cpu") == ""
+    assert attention_library("cuda_emulated").startswith(STANDIN)
+    assert attention_library("cpu") == ""
 
 
 # --------------------------------------------------------------------------
@@ -245,10 +246,12 @@ def gpu_ops(cuda_device):
 
 
 def require_cudnn():
-    library = nanoq._core.attention_library("cuda")
-    if not library.startswith("cuDNN"):
-        pytest.fail(f"the cuda backend was built without cuDNN ({library!r}): install nvidia-cudnn-cu13 and "
-                    "nvidia-cudnn-frontend and rebuild with --no-build-isolation", pytrace=False)
+    """cuDNN is an optional part of the cuda backend (its build says whether
+    it found the wheels): its GPU tests skip, naming the fix, where it is
+    not built in (bench/gpu_check.sh's summary lists it as run without)."""
+    if not attention_library("cuda").startswith("cuDNN"):
+        pytest.skip("the cuda backend was built without cuDNN: install nvidia-cudnn-cu13 and nvidia-cudnn-frontend "
+                    "and rebuild with --no-build-isolation")
 
 
 def torch_reference(q, k, v, dout):

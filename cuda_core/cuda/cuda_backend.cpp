@@ -146,8 +146,8 @@ std::vector<ScratchBuffer> CudaBackend::scratch_plan(const ScratchShapes& s, boo
     const bool use_fused = choose_attention(s, attention, why_none);
     if (fused) *fused = use_fused;
     if (use_fused) {
-        const std::size_t workspace = attention ? attention->prepare(s.attention, s.dtype == Precision::BF16 ? DType::BF16 : DType::F32)
-                                                : attention_workspace_bound(s.attention);
+        const std::size_t workspace =
+            attention ? attention->prepare(s.attention, attention_dtype(s)) : attention_workspace_bound(s.attention);
         // At least one element, so that the buffer shows in the plan even
         // where the library needs none.
         plan.push_back({"cudnn-attention-workspace", DType::F32,
@@ -478,8 +478,7 @@ AttentionInfo CudaBackend::attention_info() const {
 void CudaBackend::attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
                                     const Tensor& v, const AttentionShape& s) {
     if (attention_fused_) {
-        AttentionTensors tensors;
-        tensors.out = out, tensors.lse = lse, tensors.q = q, tensors.k = k, tensors.v = v;
+        const AttentionTensors tensors{out, lse, q, k, v, {}, {}, {}, {}};
         fused_attention_->forward(tensors, s, attention_workspace_, stream_);
         return;
     }
@@ -495,9 +494,7 @@ void CudaBackend::attention_backward(const Tensor& dq, const Tensor& dk, const T
                                      const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
                                      const Tensor& v, const AttentionShape& s) {
     if (attention_fused_) {
-        AttentionTensors tensors;
-        tensors.out = out, tensors.lse = lse, tensors.q = q, tensors.k = k, tensors.v = v;
-        tensors.dout = dout, tensors.dq = dq, tensors.dk = dk, tensors.dv = dv;
+        const AttentionTensors tensors{out, lse, q, k, v, dout, dq, dk, dv};
         fused_attention_->backward(tensors, s, attention_workspace_, stream_);
         return;
     }

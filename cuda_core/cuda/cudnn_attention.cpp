@@ -26,7 +26,8 @@ namespace fe = cudnn_frontend;
 
 enum Uid : fe::graph::Tensor_attributes::uid_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV };
 
-void check(const fe::error_t& status, const char* what) {
+// By value: error_t::get_message() is not const.
+void check(fe::error_t status, const char* what) {
     if (!status.is_good()) throw NanoqError(std::string(what) + ": " + status.get_message());
 }
 

@@ -16,8 +16,6 @@ std::string describe(const AttentionShape& s, DType dtype) {
            " K=" + std::to_string(s.kv_heads) + " D=" + std::to_string(s.head_dim) + " " + dtype_name(dtype);
 }
 
-DType dtype_of(Precision precision) { return precision == Precision::BF16 ? DType::BF16 : DType::F32; }
-
 }  // namespace
 
 std::string attention_engine_limits(const AttentionShape& s, DType dtype) {
@@ -30,6 +28,8 @@ std::string attention_engine_limits(const AttentionShape& s, DType dtype) {
                std::to_string(s.kv_heads) + ")";
     return "";
 }
+
+DType attention_dtype(const ScratchShapes& s) { return s.dtype == Precision::BF16 ? DType::BF16 : DType::F32; }
 
 bool attention_engine_wanted(const ScratchShapes& s) {
     if (s.attention_impl == AttentionImpl::Native || s.attention.batch <= 0 || attention_engine_library().empty())
@@ -49,7 +49,7 @@ bool choose_attention(const ScratchShapes& s, FusedAttention* engine, const std:
         return refuse("this build of the cuda backend has no cuDNN (build it with the nvidia-cudnn-cu13 and "
                       "nvidia-cudnn-frontend wheels installed), or use attention=\"native\"");
     if (!required && !attention_engine_preferred()) return false;
-    const DType dtype = dtype_of(s.dtype);
+    const DType dtype = attention_dtype(s);
     const std::string limits = attention_engine_limits(s.attention, dtype);
     if (!limits.empty()) return refuse(limits);
     if (!engine) return why_none.empty() || refuse(library + " could not be started: " + why_none);

@@ -88,6 +88,9 @@ std::string attention_engine_limits(const AttentionShape& shape, DType dtype);
 // none was asked (a plan without libraries), so the documented limits decide.
 bool choose_attention(const ScratchShapes& shapes, FusedAttention* engine, const std::string& why_none);
 
+// The dtype of the shapes' activations (ScratchShapes::dtype).
+DType attention_dtype(const ScratchShapes& shapes);
+
 // Whether the shapes may run in the engine, so that a backend should start
 // one (make_attention_engine) before choose_attention: attention not
 // "native", an attention shape, an engine in the build, and either

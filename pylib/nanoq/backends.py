@@ -96,12 +96,23 @@ def cpu_gemm_detail() -> str:
     return f"GEMM: portable fallback ({why})"
 
 
+def attention_library(name: str) -> str:
+    """The fused attention library backend ``name`` was built with, in words
+    ("cuDNN 9.28.1"; the emulated build's stand-in for cuDNN on
+    cuda_emulated), or "" for none (cpu, or a cuda build without cuDNN).
+    Loads the backend's library (errors as ``device_count``)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; nanoq has {', '.join(BACKENDS)}")
+    _prepare(name)
+    return _core.attention_library(name)
+
+
 def attention_detail(name: str) -> str:
     """Which fused attention backend ``name``'s build has, in words (for
     nanoq.backends() and `nanoq info`); a Trainer's ``attention`` says what
     it runs."""
     try:
-        library = _core.attention_library(name)
+        library = attention_library(name)
     except (ValueError, _core.NanoqError) as e:
         return f"attention: {e}"
     if not library:

@@ -19,7 +19,13 @@ not built, when the plan comes from the cuda_emulated backend's copy of the
 same code without asking CUB), an upper bound is counted and the line is
 marked inexact (``Allocation.exact``, ``MemoryEstimate.approximate``). It
 decides the op scratch only when it is the largest op's need: models with
-few heads and narrow projections.
+few heads and narrow projections. The same holds for cuDNN's fused-attention
+workspace (``cudnn-attention-workspace``, when ``attention`` takes cuDNN):
+cuDNN sizes it from the plans it builds, which needs a GPU; without one the
+line is an upper bound, marked inexact. A cuda plan made by the
+cuda_emulated copy of the code cannot know whether "auto" would take cuDNN
+on the GPU (the emulator's stand-in never takes "auto"), so it plans native
+attention there; ``attention="cudnn"`` plans the workspace's bound.
 
 Bytes are those the allocator records (``Trainer.get_allocations``), which
 are also what ``TrainOptions.memory_limit`` counts: the device total here is
