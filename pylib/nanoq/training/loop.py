@@ -30,6 +30,7 @@ import sys
 import time
 from typing import Callable, List, Optional
 
+from nanoq.backends import CUDA_BACKENDS
 from nanoq.trainer_config import ModelConfig
 from nanoq.hf_export import export_adapter
 from nanoq.data import Curriculum, DataLoader, Dataset, EvalLoader
@@ -278,6 +279,8 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
         say(f"model: {parameters / 1e6:.2f}M parameters ({model.num_hidden_layers} layers, hidden "
             f"{model.hidden_size}, vocab {model.vocab_size}) on {trainer.backend} x{trainer.world_size} "
             f"({trainer.dtype}); {config.steps} steps of {tokens_per_step:,} tokens")
+        if trainer.backend in CUDA_BACKENDS:
+            say(f"attention: {trainer.attention} (attention = {options.attention!r})")
         if options.lora:
             trainable = sum(int(weights[name].size) for name in trainer.trainable_names)
             say(f"lora: rank {options.lora.rank}, alpha {options.lora.alpha:g}, dropout {options.lora.dropout:g} on "
