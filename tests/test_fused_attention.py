@@ -328,3 +328,16 @@ def test_auto_picks_cudnn_on_a_gpu_and_native_where_cudnn_cannot_run(cuda_device
     assert planned.exact and planned.bytes == reserved["bytes"]
     with nanoq.Trainer(config, gpu_options("auto", dtype="fp32", seq_len=64)) as trainer:
         assert trainer.attention == "native"
+
+
+@emulated
+def test_training_run_says_which_attention_it_uses(tmp_path):
+    from nanoq.training import train
+    from test_training import tiny_config as tiny_run
+
+    require_cuda_emulator()
+    lines = []
+    config = tiny_run(tmp_path, backend="cuda_emulated", dtype="bf16", attention="cudnn", steps=2, grad_accum=1,
+                      eval_every=2)
+    train(config, say=lines.append, progress=False)
+    assert any(line.startswith(f"attention: {STANDIN}") and "'cudnn'" in line for line in lines), lines
