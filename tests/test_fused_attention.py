@@ -24,6 +24,7 @@ import pytest
 
 import nanoq
 from nanoq.backends import attention_library
+from nanoq.memory import _planned_options
 from nanoq.testing import OpRunner
 from conftest import (
     assert_array_close,
@@ -326,6 +327,10 @@ def test_auto_picks_cudnn_on_a_gpu_and_native_where_cudnn_cannot_run(cuda_device
     (planned,) = [a for a in nanoq.estimate_memory(config, gpu_options("auto", seq_len=64)).allocations
                   if a.name == "cudnn-attention-workspace"]
     assert planned.exact and planned.bytes == reserved["bytes"]
+    # Without asking cuDNN (a plan made where no GPU can be asked), its upper bound.
+    unasked = nanoq._core.plan_memory(config.to_core(), _planned_options(gpu_options("auto", seq_len=64)), False)
+    (bound,) = [a for a in unasked[0]["allocations"] if a["name"] == "cudnn-attention-workspace"]
+    assert not bound["exact"] and bound["bytes"] >= reserved["bytes"]
     with nanoq.Trainer(config, gpu_options("auto", dtype="fp32", seq_len=64)) as trainer:
         assert trainer.attention == "native"
 
