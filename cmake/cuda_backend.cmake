@@ -79,7 +79,8 @@ if(NANOQ_CUDNN_FOUND EQUAL 0)
   endif()
 else()
   message(NOTICE "nanoq: building the cuda backend without cuDNN (attention runs in the native kernels): "
-                 "pip install nvidia-cudnn-cu13 nvidia-cudnn-frontend, then rebuild with --no-build-isolation "
+                 "pip install nvidia-cudnn-cu13, pip install --no-deps nvidia-cudnn-frontend, then rebuild with "
+                 "--no-build-isolation "
                  "(${NANOQ_CUDNN_ERROR})")
 endif()
 if(NANOQ_CUDNN)
