@@ -54,15 +54,20 @@ set_target_properties(nanoq_nccl PROPERTIES
 execute_process(
   COMMAND "${Python_EXECUTABLE}" -c [=[
 import importlib.metadata as metadata, os, sys
-import nvidia.cudnn
-print(nvidia.cudnn.__path__[0])
-header = metadata.distribution("nvidia-cudnn-frontend").locate_file("include/cudnn_frontend.h")
+try:
+    import nvidia.cudnn
+    header = metadata.distribution("nvidia-cudnn-frontend").locate_file("include/cudnn_frontend.h")
+except metadata.PackageNotFoundError:  # before ImportError, its base class
+    sys.exit("no nvidia-cudnn-frontend distribution in this Python")
+except ImportError:
+    sys.exit("no nvidia.cudnn (the nvidia-cudnn-cu13 wheel) in this Python")
 if not os.path.isfile(header):
     sys.exit("the nvidia-cudnn-frontend distribution has no include/cudnn_frontend.h")
+print(nvidia.cudnn.__path__[0])
 print(os.path.dirname(os.path.abspath(header)))
 ]=]
   OUTPUT_VARIABLE NANOQ_CUDNN_WHEELS ERROR_VARIABLE NANOQ_CUDNN_ERROR
-  OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE NANOQ_CUDNN_FOUND)
+  OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE NANOQ_CUDNN_FOUND)
 set(NANOQ_CUDNN OFF)
 if(NANOQ_CUDNN_FOUND EQUAL 0)
   string(REPLACE "\n" ";" NANOQ_CUDNN_WHEELS "${NANOQ_CUDNN_WHEELS}")
@@ -80,8 +85,7 @@ if(NANOQ_CUDNN_FOUND EQUAL 0)
 else()
   message(NOTICE "nanoq: building the cuda backend without cuDNN (attention runs in the native kernels): "
                  "pip install nvidia-cudnn-cu13, pip install --no-deps nvidia-cudnn-frontend, then rebuild with "
-                 "--no-build-isolation "
-                 "(${NANOQ_CUDNN_ERROR})")
+                 "--no-build-isolation (${NANOQ_CUDNN_ERROR})")
 endif()
 if(NANOQ_CUDNN)
   # The frontend's headers include each other as "../include/...", so they
