@@ -32,6 +32,9 @@ FAMILIES = {
     "kernels_elementwise.cu": "test_gpu_ops.py -k 'copy or fill or add or bias or dropout'",
     "kernels_optimizer.cu": "test_gpu_ops.py test_cuda_emulated.py -k 'adamw or sum_squares'",
     "kernels_rmsnorm.cu": "test_gpu_ops.py -k rmsnorm",
+    # The fused attention's host path and the emulator's stand-in for cuDNN.
+    "fused_attention.cpp": "test_fused_attention.py",
+    "emulator/emu_attention.cpp": "test_fused_attention.py",
 }
 
 
@@ -75,6 +78,16 @@ EDITS = [
      "(random >> 16) & 0xffffu", "(random >> 15) & 0xffffu"),
     ("embedding backward: run end off by one", "kernels_embedding.cu", 0,
      "for (int i = run_begin; i < run_end; ++i)", "for (int i = run_begin; i <= run_end && i < rows; ++i)"),
+    ("fused attention: plans keyed without the pass (backward reuses the forward's)", "fused_attention.cpp", 0,
+     "static_cast<int>(dtype), static_cast<int>(pass)};", "static_cast<int>(dtype), 0};"),
+    ("fused attention: attention=\"cudnn\" falls back silently", "fused_attention.cpp", 0,
+     "if (required) throw InvalidArgument", "if (false) throw InvalidArgument"),
+    ("fused attention stand-in: GQA heads mapped wrongly (forward)", "emulator/emu_attention.cpp", 0,
+     "kv.at(b, j, h / group, d)", "kv.at(b, j, h % s.kv_heads, d)"),
+    ("fused attention stand-in: causal mask off by one (backward)", "emulator/emu_attention.cpp", 0,
+     "for (int j = 0; j <= i; ++j) {\n                    const int g", "for (int j = 0; j < i; ++j) {\n                    const int g"),
+    ("fused attention stand-in: auto picks it", "emulator/emu_attention.cpp", 0,
+     "bool attention_engine_preferred() { return false; }", "bool attention_engine_preferred() { return true; }"),
 ]
 
 
@@ -127,11 +140,13 @@ def main():
             result = run(f"{sys.executable} -m pytest -q -x -p no:cacheprovider -m cuda_emulated {tests}",
                          env=env, capture_output=True, text=True, cwd=os.path.join(ROOT, "tests"))
             # 1: a test failed. A crash of the test process (a signal) fails
-            # the run too, but is reported as such.
-            caught = result.returncode == 1 or result.returncode < 0
+            # the run too, but is reported as such; the shell that runs
+            # pytest reports a signal as 128 + its number.
+            died = -result.returncode if result.returncode < 0 else result.returncode - 128
+            caught = result.returncode == 1 or died > 0
             failed = [line for line in result.stdout.splitlines() if line.startswith("FAILED")]
-            if result.returncode < 0:
-                failed = [f"FAILED (the test process died of signal {-result.returncode})"]
+            if died > 0:
+                failed = [f"FAILED (the test process died of signal {died})"]
             verdict = "caught  " if caught else "SURVIVED"
             print(f"{verdict} {name} ({time.time() - began:.0f}s): {failed[0][7:120] if failed else result.stdout[-200:]}",
                   flush=True)
