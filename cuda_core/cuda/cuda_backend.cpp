@@ -26,6 +26,8 @@ std::string new_nccl_id();
 namespace {
 
 constexpr std::size_t kMatmulWorkspaceBytes = std::size_t(32) << 20;
+// The fused attention's workspace in the scratch plan (when attention runs fused).
+constexpr const char* kAttentionWorkspaceName = "cudnn-attention-workspace";
 
 // Calls fn(T{}) with T the C++ type of an activation/weight dtype.
 template <class Fn>
@@ -150,7 +152,7 @@ std::vector<ScratchBuffer> CudaBackend::scratch_plan(const ScratchShapes& s, boo
             attention ? attention->prepare(s.attention, attention_dtype(s)) : attention_workspace_bound(s.attention);
         // At least one element, so that the buffer shows in the plan even
         // where the library needs none.
-        plan.push_back({"cudnn-attention-workspace", DType::F32,
+        plan.push_back({kAttentionWorkspaceName, DType::F32,
                         std::max<std::int64_t>(1, static_cast<std::int64_t>((workspace + 3) / 4)), MemoryKind::Device,
                         attention != nullptr});
     }
@@ -209,12 +211,14 @@ void CudaBackend::reserve_scratch(NamedAllocator& allocator, const ScratchShapes
     NANOQ_CUDA_CHECK(cudaSetDevice(device_));  // CUB sizes its storage for the current device
     std::string why_none;
     if (!fused_attention_ && attention_engine_wanted(s)) fused_attention_ = start_fused_attention(&why_none);
-    const std::vector<Tensor> scratch =
-        allocate_scratch(allocator, scratch_plan(s, true, fused_attention_.get(), why_none, &attention_fused_));
+    const std::vector<ScratchBuffer> plan = scratch_plan(s, true, fused_attention_.get(), why_none, &attention_fused_);
+    const std::vector<Tensor> scratch = allocate_scratch(allocator, plan);
     scratch_ = scratch[0];
     matmul_workspace_ = scratch[1];
     pinned_ = scratch[2];
-    attention_workspace_ = attention_fused_ ? scratch[3] : Tensor();
+    attention_workspace_ = Tensor();
+    for (std::size_t i = 0; i < plan.size(); ++i)
+        if (plan[i].name == kAttentionWorkspaceName) attention_workspace_ = scratch[i];
 }
 
 void* CudaBackend::scratch(std::size_t bytes) const {
