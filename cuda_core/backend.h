@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "adamw_slots.h"
 #include "allocator.h"
 #include "comm.h"
 #include "nanoq/config.h"
@@ -63,6 +64,32 @@ struct AdamWStep {
     float weight_decay;
     int step;            // 1-based, for bias correction
     std::uint64_t seed;  // for stochastic rounding of bf16 outputs
+};
+
+// The whole-shard AdamW update (Backend::adamw_shard); its tables' layout
+// is in adamw_slots.h.
+struct AdamWSegment {
+    std::int64_t begin;  // first element, relative to the shard
+    std::int64_t count;
+    bool decay;
+};
+
+// The values of step_values for one step (float32 expressions as adamw() uses them).
+std::vector<double> adamw_step_values(const AdamWStep& step, std::uint64_t seed);
+// The table of `segments` as adamw_shard reads it.
+std::vector<double> adamw_segment_table(const std::vector<AdamWSegment>& segments);
+
+// The tensors of one shard: master (float32 or bf16), weights (the copy
+// the model reads, written from the updated master; empty when master is
+// it), grad (float32), m and v (one dtype), all [n] but the tables.
+struct AdamWShard {
+    Tensor master, weights, grad, m, v;
+    Tensor scale;        // [3] as optimizer_scale writes it
+    Tensor step_values;  // [kAdamWStepSlots] float64
+    Tensor segments;     // [segments, kAdamWSegmentSlots] float64
+    // Elements of the rounding chunk: a segment is updated as adamw() calls
+    // on successive chunks of this many elements from its start.
+    std::int64_t chunk;
 };
 
 class Backend {
@@ -188,6 +215,12 @@ public:
     // used is grad * scale[0]; nothing changes when scale[2] != 0.
     virtual void adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                        const Tensor& scale, const AdamWStep& step) = 0;
+    // AdamW over a whole shard (AdamWShard above), each segment with its
+    // own weight decay, then the weights written from the updated master.
+    // The default body reads the two tables back to the host and calls
+    // adamw() and copy() per segment and chunk; an override does it in one
+    // launch, bitwise equal (the same per-element rounding noise).
+    virtual void adamw_shard(const AdamWShard& shard);
 
     // ---- Composite ops ----------------------------------------------------
     // Each has a default body (composites.cpp) that issues the primitives

@@ -5,7 +5,9 @@
 // the whole block would be one kernel, but a different one (other blocking,
 // other rounding), which is an override's business, not the default's.
 #include <algorithm>
+#include <cmath>
 #include <string>
+#include <vector>
 
 #include "backend.h"
 #include "nanoq/errors.h"
@@ -179,6 +181,67 @@ void Backend::swiglu_gate_up_backward(const Tensor& dx, bool accumulate, const T
                                       int channels) {
     swiglu_backward(dgate, dup, dout, gate, up);
     gate_up_projection_backward(dx, accumulate, dgate_up, dgate, dup, x, gate_up, rows, intermediate, channels);
+}
+
+std::vector<double> adamw_step_values(const AdamWStep& s, std::uint64_t seed) {
+    std::vector<double> v(kAdamWStepSlots);
+    v[kAdamWLr] = s.lr;
+    v[kAdamWBeta1] = s.beta1;
+    v[kAdamWBeta2] = s.beta2;
+    v[kAdamWEps] = s.eps;
+    v[kAdamWWeightDecay] = s.weight_decay;
+    v[kAdamWStepNumber] = s.step;
+    v[kAdamWSeedLow] = static_cast<double>(seed & 0xffffffffu);
+    v[kAdamWSeedHigh] = static_cast<double>(seed >> 32);
+    const float bias1 = 1.0f - std::pow(s.beta1, static_cast<float>(s.step));
+    v[kAdamWStepSize] = s.lr / bias1;
+    v[kAdamWBias2Sqrt] = std::sqrt(1.0f - std::pow(s.beta2, static_cast<float>(s.step)));
+    v[kAdamWDecay] = 1.0f - s.lr * s.weight_decay;
+    v[kAdamWNoDecay] = 1.0f - s.lr * 0.0f;
+    return v;
+}
+
+std::vector<double> adamw_segment_table(const std::vector<AdamWSegment>& segments) {
+    std::vector<double> table;
+    table.reserve(segments.size() * kAdamWSegmentSlots);
+    for (const AdamWSegment& s : segments) {
+        if (s.begin < 0 || s.count < 0 || s.begin + s.count > (std::int64_t(1) << 53))
+            throw InternalError("adamw segment [" + std::to_string(s.begin) + ", +" + std::to_string(s.count) +
+                                ") out of range");
+        table.push_back(static_cast<double>(s.begin));
+        table.push_back(static_cast<double>(s.count));
+        table.push_back(s.decay ? 1.0 : 0.0);
+    }
+    return table;
+}
+
+void Backend::adamw_shard(const AdamWShard& a) {
+    if (a.chunk < 1) throw InternalError("adamw_shard: chunk must be at least one element");
+    if (a.step_values.numel() != kAdamWStepSlots || a.segments.numel() % kAdamWSegmentSlots != 0)
+        throw InternalError("adamw_shard: malformed step values or segment table");
+    std::vector<double> v(kAdamWStepSlots), table(static_cast<std::size_t>(a.segments.numel()));
+    copy_to_host(v.data(), a.step_values);
+    if (!table.empty()) copy_to_host(table.data(), a.segments);
+    synchronize();
+    const std::uint64_t seed = static_cast<std::uint64_t>(v[kAdamWSeedLow]) |
+                               (static_cast<std::uint64_t>(v[kAdamWSeedHigh]) << 32);
+    AdamWStep step{static_cast<float>(v[kAdamWLr]), static_cast<float>(v[kAdamWBeta1]),
+                   static_cast<float>(v[kAdamWBeta2]), static_cast<float>(v[kAdamWEps]), 0.0f,
+                   static_cast<int>(v[kAdamWStepNumber]), 0};
+    const float weight_decay = static_cast<float>(v[kAdamWWeightDecay]);
+    for (std::size_t i = 0; i < table.size(); i += kAdamWSegmentSlots) {
+        const auto begin = static_cast<std::int64_t>(table[i + kAdamWSegmentBegin]);
+        const auto end = begin + static_cast<std::int64_t>(table[i + kAdamWSegmentCount]);
+        if (end > a.master.numel()) throw InternalError("adamw_shard: a segment ends past the shard");
+        step.weight_decay = table[i + kAdamWSegmentDecay] != 0.0 ? weight_decay : 0.0f;
+        for (std::int64_t at = begin; at < end; at += a.chunk) {
+            const std::int64_t count = std::min(a.chunk, end - at);
+            step.seed = seed + static_cast<std::uint64_t>(at);
+            const Tensor master = a.master.slice(at, count);
+            adamw(master, a.grad.slice(at, count), a.m.slice(at, count), a.v.slice(at, count), a.scale, step);
+            if (a.weights.data) copy(a.weights.slice(at, count), master);
+        }
+    }
 }
 
 void Backend::classifier(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, const Tensor& stats,

@@ -121,6 +121,12 @@ struct DeviceState {
     Tensor stats, eval_stats;        // [kStatCount] float64
     Tensor gathered;                 // [devices, kGatherStride] float64
     Tensor optimizer_scale;          // [3]: gradient factor, gradient norm, skip flag
+    // The whole-shard AdamW (Backend::adamw_shard; empty when offload streams
+    // the state through the staged buffers): this rank's segment table, and
+    // the per-step values, written into the host-writable staging at the
+    // start of each update() and copied to the device from there.
+    std::vector<AdamWSegment> adamw_segments;
+    Tensor adamw_segment_table, adamw_step_staging, adamw_step_values;
     Tensor staging;                  // float32 bounce buffer for parameters
 };
 
@@ -128,6 +134,13 @@ struct DeviceState {
 // a Trainer and the memory plan both start.
 struct TrainerSetup {
     TrainerSetup(const ModelConfig& config, const TrainOptions& options);
+
+    // Each trainable parameter's part of global rank `rank`'s shard, in layout order.
+    std::vector<AdamWSegment> adamw_segments(int rank) const;
+    // Whether AdamW runs as one adamw_shard (no state streamed through device buffers).
+    bool whole_shard_adamw() const {
+        return !offload.has(kOffloadMaster) && !offload.has(kOffloadOptimizer) && !offload.has(kOffloadGradients);
+    }
 
     ModelConfig config;
     TrainOptions options;
@@ -174,15 +187,25 @@ TrainerSetup::TrainerSetup(const ModelConfig& c, const TrainOptions& o) : config
     if (threads <= 0) threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / n);
 }
 
+std::vector<AdamWSegment> TrainerSetup::adamw_segments(int rank) const {
+    const std::int64_t lo = std::int64_t(rank) * shard, hi = lo + shard;
+    std::vector<AdamWSegment> segments;
+    for (const ParameterInfo& p : layout) {
+        const std::int64_t begin = std::max(lo, p.offset), end = std::min(hi, p.offset + p.numel());
+        if (begin < end) segments.push_back(AdamWSegment{begin - lo, end - begin, p.weight_decay});
+    }
+    return segments;
+}
+
 namespace {
 
-// Allocates one device's state into `d` from d.allocator, in the one order
-// that a Trainer and the memory plan share (views, which allocate nothing,
-// are bound by the caller). With d.backend (a Trainer) the model is built on
+// Allocates the state of local device `rank` into `d` from d.allocator, in
+// the one order that a Trainer and the memory plan share (views, which
+// allocate nothing, are bound by the caller). With d.backend (a Trainer) the model is built on
 // it and the backend reserves its op scratch. Without (the plan: d.allocator
 // plans) only the model's memory is planned, and the scratch is the one the
 // backend's plan lists, its libraries asked when `ask_libraries`.
-void allocate_device_state(const TrainerSetup& s, DeviceState& d, bool ask_libraries) {
+void allocate_device_state(const TrainerSetup& s, int rank, DeviceState& d, bool ask_libraries) {
     NamedAllocator& a = *d.allocator;
     const OffloadSet offload = s.offload;
     const DType weight_dtype = s.weight_dtype, master_dtype = s.master_dtype, optimizer_dtype = s.optimizer_dtype;
@@ -217,6 +240,16 @@ void allocate_device_state(const TrainerSetup& s, DeviceState& d, bool ask_libra
     d.eval_stats = a.allocate(Context::Workspace, "eval-stats", kStatDType, {kStatCount});
     d.gathered = a.allocate(Context::Workspace, "gathered-stats", kStatDType, {s.world, kGatherStride});
     d.optimizer_scale = a.allocate(Context::Workspace, "optimizer-scale", DType::F32, {3});
+    if (s.whole_shard_adamw()) {
+        d.adamw_segments = s.adamw_segments(s.first_rank + rank);
+        const std::int64_t table = std::int64_t(d.adamw_segments.size()) * kAdamWSegmentSlots;
+        d.adamw_segment_table =
+            a.allocate(Context::Workspace, "adamw-segments", DType::F64, {std::max<std::int64_t>(table, 1)})
+                .slice(0, table);
+        d.adamw_step_staging =
+            a.allocate(Context::Workspace, "adamw-step-staging", DType::F64, {kAdamWStepSlots}, s.plugin->staging_kind);
+        d.adamw_step_values = a.allocate(Context::Workspace, "adamw-step", DType::F64, {kAdamWStepSlots});
+    }
     d.staging = a.allocate(Context::Workspace, "parameter-staging", DType::F32,
                            {std::min(s.largest, kStagingElements)});
     const std::int64_t chunk_elements = s.plugin->classifier_chunk_elements;
@@ -412,14 +445,42 @@ struct Trainer::Impl : TrainerSetup {
         }
     }
 
-    // AdamW over this rank's shard, parameter by parameter (weight decay
-    // differs) and chunk by chunk: state in host memory is copied into the
-    // device buffers, updated there and copied back. The chunking is the same
-    // with or without offload, so the results are too.
+    // The rounding seed of this rank's chunk that starts at global element `at`.
+    std::uint64_t adamw_seed(std::int64_t at) const {
+        return options.seed * 0x9E3779B97F4A7C15ULL + static_cast<std::uint64_t>(at);
+    }
+
+    AdamWStep adamw_step(const UpdateParams& params, int step_number) const {
+        return AdamWStep{params.lr, params.beta1, params.beta2, params.eps, params.weight_decay, step_number, 0};
+    }
+
+    // The per-step values of the whole-shard AdamW, into the device from the
+    // host-writable staging (whose previous copy ended with the previous
+    // update's synchronize()).
+    void write_adamw_step(int rank, DeviceState& d, const UpdateParams& params, int step_number) {
+        if (!d.adamw_step_values.data) return;
+        const std::vector<double> values = adamw_step_values(adamw_step(params, step_number), adamw_seed(global(rank) * shard));
+        std::memcpy(d.adamw_step_staging.data, values.data(), values.size() * sizeof(double));
+        d.backend->copy(d.adamw_step_values, d.adamw_step_staging);
+    }
+
+    // AdamW over this rank's shard: one adamw_shard, or, when offload keeps
+    // state in host memory, parameter by parameter (weight decay differs)
+    // and chunk by chunk, each chunk copied into the device buffers, updated
+    // there and copied back. adamw_shard rounds as that loop does, so the
+    // results are the same either way.
     void optimizer_step(int rank, DeviceState& d, const UpdateParams& params, int step_number) {
         Backend& be = *d.backend;
+        const Tensor grad_shard = zero->grad_shard(global(rank), d.zero);
+        if (d.adamw_step_values.data) {
+            be.adamw_shard(AdamWShard{d.master,
+                                      d.master_is_weights ? Tensor() : zero->weight_shard(global(rank), d.zero),
+                                      grad_shard, d.adam_m, d.adam_v, d.optimizer_scale, d.adamw_step_values,
+                                      d.adamw_segment_table, kOptimizerChunk});
+            return;
+        }
         const std::int64_t lo = global(rank) * shard, hi = lo + shard;
-        AdamWStep step{params.lr, params.beta1, params.beta2, params.eps, 0.0f, step_number, 0};
+        AdamWStep step = adamw_step(params, step_number);
         for (const ParameterInfo& p : layout) {
             const std::int64_t begin = std::max(lo, p.offset), end = std::min(hi, p.offset + p.numel());
             step.weight_decay = p.weight_decay ? params.weight_decay : 0.0f;
@@ -436,8 +497,8 @@ struct Trainer::Impl : TrainerSetup {
                 const Tensor adam_m = on_device(d.adam_m, d.staged_m);
                 const Tensor adam_v = on_device(d.adam_v, d.staged_v);
                 // Distinct rounding noise for every chunk: the kernels index from the chunk start.
-                step.seed = options.seed * 0x9E3779B97F4A7C15ULL + static_cast<std::uint64_t>(at);
-                const Tensor grads = on_device(zero->grad_shard(global(rank), d.zero), d.staged_grads);
+                step.seed = adamw_seed(at);
+                const Tensor grads = on_device(grad_shard, d.staged_grads);
                 be.adamw(master, grads, adam_m, adam_v, d.optimizer_scale, step);
                 if (d.staged_master.data) be.copy(d.master.slice(at - lo, count), master);
                 if (d.staged_m.data) {
@@ -484,7 +545,7 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options)
         d.backend->configure(options);
         d.allocator = std::make_unique<NamedAllocator>(*d.backend, rank, options.memory_limit);
         d.comm = m.group->connect(rank, *d.backend);
-        allocate_device_state(m, d, true);
+        allocate_device_state(m, rank, d, true);
         if (d.master_is_weights) d.master = m.zero->weight_shard(m.global(rank), d.zero);
         if (m.lora.enabled()) {
             d.weight_views =
@@ -497,6 +558,8 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options)
         m.zero->fill_zero(*d.backend, d.zero);
         for (const Tensor& t : {d.frozen, d.adam_m, d.adam_v, d.master})
             if (t.data) d.backend->fill(t, 0.0f);
+        if (d.adamw_segment_table.numel() > 0)
+            d.backend->copy_from_host(d.adamw_segment_table, adamw_segment_table(d.adamw_segments).data());
         reset_stats(*d.backend, d.stats);
         d.backend->synchronize();
         d.comm->barrier();  // every rank is connected and ready
@@ -812,6 +875,7 @@ StepStats Trainer::update(const UpdateParams& params) {
     float scale_norm_skip[3] = {0.0f, 0.0f, 0.0f};
     m.run([&](int rank, DeviceState& d) {
         Backend& be = *d.backend;
+        m.write_adamw_step(rank, d, params, step_number);
         m.zero->reduce_gradients(d.zero, *d.comm);
         // This rank's row of `gathered`: its loss statistics and the sum of
         // squares of its gradient shard; the scale is computed on the device.
@@ -879,7 +943,7 @@ std::vector<DevicePlan> plan_memory(const ModelConfig& config, const TrainOption
     for (int rank = 0; rank < options.devices; ++rank) {
         DeviceState d;
         d.allocator = std::make_unique<NamedAllocator>(rank, options.memory_limit);
-        allocate_device_state(setup, d, ask_libraries);
+        allocate_device_state(setup, rank, d, ask_libraries);
         DevicePlan plan;
         for (const Segment& s : d.allocator->segments())
             plan.allocations.push_back(

@@ -566,5 +566,30 @@ void CudaBackend::adamw(const Tensor& param, const Tensor& grad, const Tensor& m
     NANOQ_CUDA_CHECK_LAUNCH();
 }
 
+void CudaBackend::adamw_shard(const AdamWShard& a) {
+    require_same_dtype(a.m, a.v, "adamw_shard moments");
+    if (a.step_values.numel() != kAdamWStepSlots || a.segments.numel() % kAdamWSegmentSlots != 0 || a.chunk < 1)
+        throw InternalError("adamw_shard: malformed step values, segment table or chunk");
+    const std::int64_t n = a.master.numel();
+    if (a.grad.numel() != n || a.m.numel() != n || a.v.numel() != n || (a.weights.data && a.weights.numel() != n))
+        throw InternalError("adamw_shard: master, weights, grad, m and v differ in size");
+    const int segment_count = static_cast<int>(a.segments.numel() / kAdamWSegmentSlots);
+    const double* segments = segment_count ? a.segments.f64() : nullptr;
+    with_dtype(a.master.dtype, [&](auto param_tag) {
+        using P = decltype(param_tag);
+        with_dtype(a.m.dtype, [&](auto state_tag) {
+            using S = decltype(state_tag);
+            with_dtype(a.weights.data ? a.weights.dtype : a.master.dtype, [&](auto weight_tag) {
+                using W = decltype(weight_tag);
+                cuda::adamw_shard<P, S, W>(ptr<P>(a.master), a.weights.data ? ptr<W>(a.weights) : nullptr,
+                                           a.grad.f32(), ptr<S>(a.m), ptr<S>(a.v), a.master.numel(),
+                                           a.step_values.f64(), segments, segment_count, a.chunk, a.scale.f32(),
+                                           stream_);
+            });
+        });
+    });
+    NANOQ_CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace cuda
 }  // namespace nanoq

@@ -102,6 +102,7 @@ public:
     void optimizer_scale(const Tensor& out, const Tensor& gathered, int ranks, float grad_clip) override;
     void adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const Tensor& scale,
                const AdamWStep& step) override;
+    void adamw_shard(const AdamWShard& shard) override;
 
 private:
     void* scratch(std::size_t bytes) const;

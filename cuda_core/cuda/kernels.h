@@ -140,6 +140,16 @@ template <class TParam, class TState>
 void adamw(TParam* param, const float* grad, TState* m, TState* v, std::int64_t n, float lr, float beta1,
            float beta2, float eps, float weight_decay, int step, const float* grad_scale, std::uint64_t seed,
            cudaStream_t stream);
+// AdamW over a whole shard of n elements in one launch, bitwise as adamw()
+// called per segment and per chunk of `chunk` elements from each segment's
+// start, with the seed step_values' seed + the chunk's first element, and
+// then weights (nullptr: none) written from the stored parameters.
+// step_values and segments are the float64 tables of adamw_slots.h (on the
+// device, read when the kernel runs); elements in no segment are untouched.
+template <class TParam, class TState, class TWeight>
+void adamw_shard(TParam* param, TWeight* weights, const float* grad, TState* m, TState* v, std::int64_t n,
+                 const double* step_values, const double* segments, int segment_count, std::int64_t chunk,
+                 const float* grad_scale, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace nanoq

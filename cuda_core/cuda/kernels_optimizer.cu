@@ -8,6 +8,7 @@
 // of it for the parameter, m and v.
 #include <cmath>
 
+#include "../adamw_slots.h"
 #include "kernel_utils.cuh"
 #include "kernels.h"
 
@@ -73,21 +74,91 @@ struct AdamWConstants {
     float beta1, beta2, eps, step_size, decay, bias2_sqrt;
 };
 
+// The key of a chunk's rounding noise: element i of the chunk draws
+// splitmix64(key + i).
+__host__ __device__ __forceinline__ std::uint64_t adamw_stream_key(std::uint64_t chunk_seed, int step) {
+    const std::uint64_t step_key = detail::splitmix64(static_cast<std::uint64_t>(static_cast<std::uint32_t>(step)));
+    return detail::splitmix64(chunk_seed ^ step_key);
+}
+
+// One element's update, shared by both kernels so that they round alike;
+// returns the stored parameter.
+template <class TParam, class TState>
+__device__ __forceinline__ TParam adamw_element(TParam* param, const float* grad, TState* m, TState* v, std::int64_t i,
+                                                float scale, const AdamWConstants& k, std::uint64_t random) {
+    const float g = grad[i] * scale;
+    const float m_new = k.beta1 * detail::to_float(m[i]) + (1.0f - k.beta1) * g;
+    const float v_new = k.beta2 * detail::to_float(v[i]) + (1.0f - k.beta2) * g * g;
+    const float p_new =
+        detail::to_float(param[i]) * k.decay - k.step_size * m_new / (sqrtf(v_new) / k.bias2_sqrt + k.eps);
+    const TParam stored = store_value<TParam>(p_new, static_cast<std::uint32_t>(random & 0xffffu));
+    param[i] = stored;
+    m[i] = store_value<TState>(m_new, static_cast<std::uint32_t>((random >> 16) & 0xffffu));
+    v[i] = store_value<TState>(v_new, static_cast<std::uint32_t>((random >> 32) & 0xffffu));
+    return stored;
+}
+
 template <class TParam, class TState>
 __global__ void adamw_kernel(TParam* param, const float* grad, TState* m, TState* v, std::int64_t n,
                              AdamWConstants k, const float* grad_scale, std::uint64_t stream_key) {
     if (grad_scale[2] != 0.0f) return;  // a non-finite loss or gradient: the update is skipped
     const float scale = *grad_scale;
+    for (std::int64_t i = detail::grid_stride_begin(); i < n; i += detail::grid_stride_step())
+        adamw_element(param, grad, m, v, i, scale, k,
+                      detail::splitmix64(stream_key + static_cast<std::uint64_t>(i)));
+}
+
+// The whole shard in one launch. Each thread walks its grid-stride elements
+// upwards, so it finds an element's segment (a binary search of the table)
+// and its rounding chunk only when it leaves the previous one; elements in
+// no segment (the shard's padding) are left alone.
+template <class TParam, class TState, class TWeight>
+__global__ void adamw_shard_kernel(TParam* param, TWeight* weights, const float* grad, TState* m, TState* v,
+                                   std::int64_t n, const double* values, const double* segments, int segment_count,
+                                   std::int64_t chunk, const float* grad_scale) {
+    if (grad_scale[2] != 0.0f) return;
+    const float scale = *grad_scale;
+    AdamWConstants k{static_cast<float>(values[kAdamWBeta1]), static_cast<float>(values[kAdamWBeta2]),
+                     static_cast<float>(values[kAdamWEps]), static_cast<float>(values[kAdamWStepSize]), 0.0f,
+                     static_cast<float>(values[kAdamWBias2Sqrt])};
+    const float decay = static_cast<float>(values[kAdamWDecay]), no_decay = static_cast<float>(values[kAdamWNoDecay]);
+    const int step = static_cast<int>(values[kAdamWStepNumber]);
+    const std::uint64_t seed = static_cast<std::uint64_t>(values[kAdamWSeedLow]) |
+                               (static_cast<std::uint64_t>(values[kAdamWSeedHigh]) << 32);
+    auto slot = [&](int s, int field) {
+        return static_cast<std::int64_t>(segments[static_cast<std::int64_t>(s) * kAdamWSegmentSlots + field]);
+    };
+    std::int64_t segment_begin = 0, segment_end = 0, chunk_begin = 0, chunk_end = 0;
+    std::uint64_t stream_key = 0;
     for (std::int64_t i = detail::grid_stride_begin(); i < n; i += detail::grid_stride_step()) {
-        const float g = grad[i] * scale;
-        const float m_new = k.beta1 * detail::to_float(m[i]) + (1.0f - k.beta1) * g;
-        const float v_new = k.beta2 * detail::to_float(v[i]) + (1.0f - k.beta2) * g * g;
-        const float p_new =
-            detail::to_float(param[i]) * k.decay - k.step_size * m_new / (sqrtf(v_new) / k.bias2_sqrt + k.eps);
-        const std::uint64_t random = detail::splitmix64(stream_key + static_cast<std::uint64_t>(i));
-        param[i] = store_value<TParam>(p_new, static_cast<std::uint32_t>(random & 0xffffu));
-        m[i] = store_value<TState>(m_new, static_cast<std::uint32_t>((random >> 16) & 0xffffu));
-        v[i] = store_value<TState>(v_new, static_cast<std::uint32_t>((random >> 32) & 0xffffu));
+        if (i >= segment_end) {
+            int lo = 0, hi = segment_count - 1, found = -1;  // the last segment beginning at or before i
+            while (lo <= hi) {
+                const int mid = (lo + hi) / 2;
+                if (slot(mid, kAdamWSegmentBegin) <= i) {
+                    found = mid;
+                    lo = mid + 1;
+                } else {
+                    hi = mid - 1;
+                }
+            }
+            if (found < 0) continue;
+            segment_begin = slot(found, kAdamWSegmentBegin);
+            segment_end = segment_begin + slot(found, kAdamWSegmentCount);
+            if (i >= segment_end) continue;
+            k.decay = segments[static_cast<std::int64_t>(found) * kAdamWSegmentSlots + kAdamWSegmentDecay] != 0.0
+                          ? decay
+                          : no_decay;
+            chunk_end = 0;
+        }
+        if (i >= chunk_end) {
+            chunk_begin = segment_begin + (i - segment_begin) / chunk * chunk;
+            chunk_end = chunk_begin + chunk < segment_end ? chunk_begin + chunk : segment_end;
+            stream_key = adamw_stream_key(seed + static_cast<std::uint64_t>(chunk_begin), step);
+        }
+        const TParam stored = adamw_element(param, grad, m, v, i, scale, k,
+                                            detail::splitmix64(stream_key + static_cast<std::uint64_t>(i - chunk_begin)));
+        if (weights) weights[i] = detail::from_float<TWeight>(detail::to_float(stored));
     }
 }
 
@@ -118,9 +189,17 @@ void adamw(TParam* param, const float* grad, TState* m, TState* v, std::int64_t 
     const float bias1 = 1.0f - std::pow(beta1, static_cast<float>(step));
     const float bias2_sqrt = std::sqrt(1.0f - std::pow(beta2, static_cast<float>(step)));
     const AdamWConstants k{beta1, beta2, eps, lr / bias1, 1.0f - lr * weight_decay, bias2_sqrt};
-    const std::uint64_t step_key = detail::splitmix64(static_cast<std::uint64_t>(static_cast<std::uint32_t>(step)));
-    const std::uint64_t stream_key = detail::splitmix64(seed ^ step_key);
-    detail::launch(adamw_kernel<TParam, TState>, detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream, param, grad, m, v, n, k, grad_scale, stream_key);
+    detail::launch(adamw_kernel<TParam, TState>, detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream, param,
+                   grad, m, v, n, k, grad_scale, adamw_stream_key(seed, step));
+}
+
+template <class TParam, class TState, class TWeight>
+void adamw_shard(TParam* param, TWeight* weights, const float* grad, TState* m, TState* v, std::int64_t n,
+                 const double* step_values, const double* segments, int segment_count, std::int64_t chunk,
+                 const float* grad_scale, cudaStream_t stream) {
+    if (n <= 0 || segment_count <= 0) return;
+    detail::launch(adamw_shard_kernel<TParam, TState, TWeight>, detail::grid_stride_blocks(n, kThreads), kThreads, 0,
+                   stream, param, weights, grad, m, v, n, step_values, segments, segment_count, chunk, grad_scale);
 }
 
 #define NANOQ_INSTANTIATE(TParam, TState)                                                                        \
@@ -130,6 +209,20 @@ NANOQ_INSTANTIATE(float, float)
 NANOQ_INSTANTIATE(float, bf16)
 NANOQ_INSTANTIATE(bf16, float)
 NANOQ_INSTANTIATE(bf16, bf16)
+#undef NANOQ_INSTANTIATE
+
+#define NANOQ_INSTANTIATE(TParam, TState, TWeight)                                                             \
+    template void adamw_shard<TParam, TState, TWeight>(TParam*, TWeight*, const float*, TState*, TState*,       \
+                                                       std::int64_t, const double*, const double*, int,        \
+                                                       std::int64_t, const float*, cudaStream_t);
+NANOQ_INSTANTIATE(float, float, float)
+NANOQ_INSTANTIATE(float, float, bf16)
+NANOQ_INSTANTIATE(float, bf16, float)
+NANOQ_INSTANTIATE(float, bf16, bf16)
+NANOQ_INSTANTIATE(bf16, float, float)
+NANOQ_INSTANTIATE(bf16, float, bf16)
+NANOQ_INSTANTIATE(bf16, bf16, float)
+NANOQ_INSTANTIATE(bf16, bf16, bf16)
 #undef NANOQ_INSTANTIATE
 
 }  // namespace cuda

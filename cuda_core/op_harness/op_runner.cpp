@@ -130,6 +130,11 @@ public:
         uploads_[name] = {values, t};
         return t;
     }
+    Tensor upload_f64(const std::vector<double>& values, const std::string& name) override {
+        Tensor t = allocator_->allocate(Context::Workspace, name, DType::F64, {std::int64_t(values.size())});
+        backend_.copy_from_host(t, values.data());
+        return t;
+    }
     Tensor workspace(std::int64_t elements, const std::string& dtype_arg, const std::string& name) override {
         auto kept = workspaces_.find(name);
         if (kept != workspaces_.end() && kept->second.numel() == elements && kept->second.dtype == dtypes_.at(dtype_arg))

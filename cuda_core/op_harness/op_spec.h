@@ -145,6 +145,8 @@ public:
     virtual DType dtype(const std::string& dtype_arg) const = 0;
     // A float32 input made from host values (for arguments the backend takes as a tensor).
     virtual Tensor upload(const std::vector<float>& values, const std::string& name) = 0;
+    // The same for float64 values (a table the backend reads on the device).
+    virtual Tensor upload_f64(const std::vector<double>& values, const std::string& name) = 0;
     // Device memory for the op alone, of the activation dtype `dtype_arg`
     // names (a workspace the backend takes as a tensor; not read back).
     virtual Tensor workspace(std::int64_t elements, const std::string& dtype_arg, const std::string& name) = 0;

@@ -345,6 +345,27 @@ std::vector<OpSpec> make_table() {
                                AdamWStep{c.f("lr"), c.f("beta1"), c.f("beta2"), c.f("eps"), c.f("weight_decay"),
                                          c.i("step"), c.seed("seed")});
          }},
+        {"adamw_shard",
+         "(master, m, v, weights) after one AdamW step over a whole shard: segments [count, 3] float64 rows "
+         "(first element, elements, decayed 0/1), each updated as adamw on successive chunks of `chunk` "
+         "elements with seed + the chunk's first element; weights (given: with_weights) gets the updated "
+         "master in weight_dtype",
+         {in_out("master", "*n"), input("grad", "*n").f32(), in_out("m", "*n").dtype("state_dtype"),
+          in_out("v", "*n").dtype("state_dtype"), in_out("weights", "*n").dtype("weight_dtype").or_zeros().sets("with_weights"),
+          input("segments", "segments,3").f64(), real("lr"), real("scale", 1.0), real("beta1", 0.9),
+          real("beta2", 0.999), real("eps", 1e-8), real("weight_decay", 0.0), integer("step", 1).at_least(1),
+          seed("seed", 0), integer("chunk", 4096).at_least(1), flag("use_default", false), dtype_arg("dtype"),
+          dtype_arg("state_dtype", "dtype"), dtype_arg("weight_dtype", "dtype")},
+         {},
+         [](OpCall& c) {
+             const Tensor scale = c.upload({c.f("scale"), 0.0f, 0.0f}, "scale");
+             const AdamWStep step{c.f("lr"), c.f("beta1"), c.f("beta2"), c.f("eps"), c.f("weight_decay"),
+                                  c.i("step"), 0};
+             const Tensor values = c.upload_f64(adamw_step_values(step, c.seed("seed")), "step-values");
+             const AdamWShard shard{c["master"], c.b("with_weights") ? c["weights"] : Tensor(), c["grad"], c["m"],
+                                    c["v"], scale, values, c["segments"], c.i("chunk")};
+             NANOQ_COMPOSITE(c, adamw_shard, shard);
+         }},
         // ---- Composite ops (backend.h). Each takes use_default: run the
         // interface's default body (its composition of primitives) even where
         // the backend overrides the op, the reference an override is tested
