@@ -121,7 +121,7 @@ struct DeviceState {
     Tensor stats, eval_stats;        // [kStatCount] float64
     Tensor gathered;                 // [devices, kGatherStride] float64
     Tensor optimizer_scale;          // [3]: gradient factor, gradient norm, skip flag
-    // The whole-shard AdamW (Backend::adamw_shard; empty when offload streams
+    // The whole-shard AdamW (Backend::adamw_shard; unused when offload streams
     // the state through the staged buffers): this rank's segment table, and
     // the per-step values, written into the host-writable staging at the
     // start of each update() and copied to the device from there.
@@ -240,16 +240,17 @@ void allocate_device_state(const TrainerSetup& s, int rank, DeviceState& d, bool
     d.eval_stats = a.allocate(Context::Workspace, "eval-stats", kStatDType, {kStatCount});
     d.gathered = a.allocate(Context::Workspace, "gathered-stats", kStatDType, {s.world, kGatherStride});
     d.optimizer_scale = a.allocate(Context::Workspace, "optimizer-scale", DType::F32, {3});
-    if (s.whole_shard_adamw()) {
-        d.adamw_segments = s.adamw_segments(s.first_rank + rank);
-        const std::int64_t table = std::int64_t(d.adamw_segments.size()) * kAdamWSegmentSlots;
-        d.adamw_segment_table =
-            a.allocate(Context::Workspace, "adamw-segments", DType::F64, {std::max<std::int64_t>(table, 1)})
-                .slice(0, table);
-        d.adamw_step_staging =
-            a.allocate(Context::Workspace, "adamw-step-staging", DType::F64, {kAdamWStepSlots}, s.plugin->staging_kind);
-        d.adamw_step_values = a.allocate(Context::Workspace, "adamw-step", DType::F64, {kAdamWStepSlots});
-    }
+    // Room for a segment of every parameter, so that every rank plans the same
+    // (and with offload too, which does without them: so that offload's
+    // saving is its state alone).
+    d.adamw_segments = s.adamw_segments(s.first_rank + rank);
+    const std::int64_t table = std::int64_t(d.adamw_segments.size()) * kAdamWSegmentSlots;
+    d.adamw_segment_table = a.allocate(Context::Workspace, "adamw-segments", DType::F64,
+                                       {std::int64_t(s.layout.size()) * kAdamWSegmentSlots})
+                                .slice(0, table);
+    d.adamw_step_staging =
+        a.allocate(Context::Workspace, "adamw-step-staging", DType::F64, {kAdamWStepSlots}, s.plugin->staging_kind);
+    d.adamw_step_values = a.allocate(Context::Workspace, "adamw-step", DType::F64, {kAdamWStepSlots});
     d.staging = a.allocate(Context::Workspace, "parameter-staging", DType::F32,
                            {std::min(s.largest, kStagingElements)});
     const std::int64_t chunk_elements = s.plugin->classifier_chunk_elements;
@@ -458,7 +459,7 @@ struct Trainer::Impl : TrainerSetup {
     // host-writable staging (whose previous copy ended with the previous
     // update's synchronize()).
     void write_adamw_step(int rank, DeviceState& d, const UpdateParams& params, int step_number) {
-        if (!d.adamw_step_values.data) return;
+        if (!whole_shard_adamw()) return;
         const std::vector<double> values = adamw_step_values(adamw_step(params, step_number), adamw_seed(global(rank) * shard));
         std::memcpy(d.adamw_step_staging.data, values.data(), values.size() * sizeof(double));
         d.backend->copy(d.adamw_step_values, d.adamw_step_staging);
@@ -472,7 +473,7 @@ struct Trainer::Impl : TrainerSetup {
     void optimizer_step(int rank, DeviceState& d, const UpdateParams& params, int step_number) {
         Backend& be = *d.backend;
         const Tensor grad_shard = zero->grad_shard(global(rank), d.zero);
-        if (d.adamw_step_values.data) {
+        if (whole_shard_adamw()) {
             be.adamw_shard(AdamWShard{d.master,
                                       d.master_is_weights ? Tensor() : zero->weight_shard(global(rank), d.zero),
                                       grad_shard, d.adam_m, d.adam_v, d.optimizer_scale, d.adamw_step_values,
@@ -558,7 +559,7 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options)
         m.zero->fill_zero(*d.backend, d.zero);
         for (const Tensor& t : {d.frozen, d.adam_m, d.adam_v, d.master})
             if (t.data) d.backend->fill(t, 0.0f);
-        if (d.adamw_segment_table.numel() > 0)
+        if (d.adamw_segment_table.data && !d.adamw_segments.empty())
             d.backend->copy_from_host(d.adamw_segment_table, adamw_segment_table(d.adamw_segments).data());
         reset_stats(*d.backend, d.stats);
         d.backend->synchronize();
