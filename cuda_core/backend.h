@@ -309,10 +309,12 @@ public:
     // cross_entropy; row r is at time index r % time) and, when dhidden is
     // not empty, dhidden[rows, C] = dlogits lm_head (overwritten) and, when
     // dlm_head is not empty, dlm_head += dlogits^T hidden. `workspace`
-    // (hidden's dtype) holds the logits of the backend's row chunk: the
-    // caller sizes it from BackendPlugin::classifier_chunk_elements (at least
-    // one row of V), so that a memory plan knows it without a backend; the
-    // default body works through the rows a workspace-full at a time.
+    // (hidden's dtype) holds the logits of a chunk of rows (at least one row
+    // of V): the caller sizes it (ModelMemory::classifier_chunk_rows, from
+    // BackendPlugin::classifier_chunk_elements and the memory budget), so
+    // that a memory plan knows it without a backend; the default body works
+    // through the rows a workspace-full at a time (one matmul for dlm_head
+    // when the workspace holds all rows).
     virtual void classifier(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, const Tensor& stats,
                             const Tensor& dhidden, const Tensor& dlm_head, const Tensor& workspace, int rows,
                             int channels, int vocab, int time, float z_loss);
@@ -344,10 +346,12 @@ struct BackendPlugin {
     // of it when `ask_libraries`; when it cannot answer (no device) or is not
     // asked, an upper bound stands in and the buffer is marked inexact.
     std::vector<ScratchBuffer> (*scratch_plan)(const ScratchShapes& shapes, int threads, bool ask_libraries);
-    // Elements of the logits chunk the fused classifier works on: large
-    // enough to keep the device busy, small enough to bound its memory.
-    // A property of the backend, not of a device, so that a run's memory
-    // can be planned without creating one.
+    // Elements of the smallest logits chunk the fused classifier works on:
+    // large enough to keep the device busy, small enough to bound its
+    // memory. A property of the backend, not of a device, so that a run's
+    // memory can be planned without creating one. The trainer's chunk grows
+    // from there (up to all rows) into the memory budget: the memory limit,
+    // or without one the device's memory (device_memory below).
     std::int64_t classifier_chunk_elements;
     // The host-writable memory that the trainer stages host batches in:
     // pinned where that makes the copies out of it asynchronous (cuda), the
@@ -359,6 +363,11 @@ struct BackendPlugin {
     // The fused attention library built into the backend, in words
     // ("cuDNN 9.28.1"), or "" for none; null: the backend has no such notion.
     std::string (*attention_library)() = nullptr;
+    // Total bytes of memory of device `device`, asked of the driver (the
+    // calling thread's current device is left as it was); 0 when unknown
+    // (no driver, no such device). Null: the backend's devices have no
+    // memory of their own to budget (cpu).
+    std::size_t (*device_memory)(int device) = nullptr;
 };
 void register_backend(const std::string& name, const BackendPlugin& plugin);
 // Loads the backend's library if needed; throws InvalidArgument when it is

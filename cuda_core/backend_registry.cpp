@@ -30,7 +30,8 @@ std::map<std::string, BackendPlugin>& registry() {
                               [] { return static_cast<int>(std::thread::hardware_concurrency()); },
                               &cpu_scratch_plan, std::int64_t(1) << 22,
                               // Its device memory is host memory: batches are staged there directly.
-                              MemoryKind::Device, &new_shared_memory_id}}};
+                              MemoryKind::Device, &new_shared_memory_id, /*attention_library=*/nullptr,
+                              /*device_memory=*/nullptr}}};
     return plugins;
 }
 

@@ -67,7 +67,8 @@ ModelMemory::ModelMemory(const ModelConfig& config, int batch, int time, DType d
       T_(time),
       rows_(batch * time),
       dtype_(dtype),
-      classifier_chunk_elements_(classifier_chunk_elements),
+      classifier_rows_(static_cast<int>(std::clamp<std::int64_t>(classifier_chunk_elements / config.vocab_size, 1,
+                                                                  std::int64_t(batch) * time))),
       lora_(lora) {
     const ModelConfig& c = config_;
     const std::int64_t rows = rows_, C = c.hidden_size, I = c.intermediate_size;
@@ -155,9 +156,11 @@ std::size_t ModelMemory::transient_bytes() const {
     return bytes;
 }
 
-int ModelMemory::classifier_chunk_rows() const {
-    const std::int64_t chunk = std::max<std::int64_t>(1, classifier_chunk_elements_ / config_.vocab_size);
-    return static_cast<int>(std::min<std::int64_t>(chunk, rows_));
+void ModelMemory::use_classifier_rows(int rows) {
+    if (rows < 1 || rows > rows_)
+        throw InternalError("classifier chunk of " + std::to_string(rows) + " rows, outside 1.." +
+                            std::to_string(rows_));
+    classifier_rows_ = rows;
 }
 
 std::size_t ModelMemory::stack_bytes() const {

@@ -75,6 +75,12 @@ public:
     std::size_t stack_bytes() const;
     // The shapes the backend's ops will see (max_reduce left for the caller).
     ScratchShapes scratch_shapes() const;
+    // Rows per classifier chunk: at first the backend's chunk
+    // (classifier_chunk_elements / vocab, at least 1), then what the caller
+    // chooses (at least 1, at most batch * time) before it sizes the stack
+    // and the scratch from stack_bytes() and scratch_shapes().
+    int classifier_chunk_rows() const { return classifier_rows_; }
+    void use_classifier_rows(int rows);
 
 protected:
     // One activation of a layer: where it lives in LayerActivations, and
@@ -93,12 +99,11 @@ protected:
     std::size_t transient_bytes() const;
     // Stack bytes an adapter needs while it runs (0 without LoRA).
     std::size_t adapter_bytes() const;
-    int classifier_chunk_rows() const;
 
     ModelConfig config_;
     int B_, T_, rows_;
     DType dtype_;
-    std::int64_t classifier_chunk_elements_;
+    int classifier_rows_;
     AttentionShape attention_shape_;
     QkvShape qkv_shape_;
     Tensor cos_sin_;                   // [T, D/2, 2]

@@ -199,6 +199,48 @@ std::vector<AdamWSegment> TrainerSetup::adamw_segments(int rank) const {
 
 namespace {
 
+ScratchShapes scratch_shapes(const TrainerSetup& s, const ModelMemory& model) {
+    ScratchShapes scratch = model.scratch_shapes();
+    scratch.max_reduce = s.shard;
+    scratch.attention_impl = s.options.attention;
+    scratch.matmul_dtype = s.options.matmul_dtype;
+    return scratch;
+}
+
+// The classifier's chunk: the backend's at least, and as many more rows, up
+// to all of them (one chunk), as the memory budget leaves room for once the
+// stack and the op scratch, the last allocations, are counted: the memory
+// limit or, without one, the device's memory less an eighth for what the
+// allocator does not see (the CUDA context, libraries' workspaces). Without
+// a budget (the cpu backend, or a plan that may not ask the device) the
+// backend's chunk stands. The Trainer and the plan both come here, with the
+// allocations so far in `a`, and so choose alike.
+void choose_classifier_rows(const TrainerSetup& s, int rank, const NamedAllocator& a, ModelMemory& model,
+                            bool ask_device) {
+    std::size_t budget = s.options.memory_limit;
+    if (!budget && ask_device && s.plugin->device_memory) {
+        const std::size_t total = s.plugin->device_memory(rank);
+        budget = total - total / 8;
+    }
+    const int least = model.classifier_chunk_rows(), all = s.options.batch_size * s.options.seq_len;
+    if (!budget || least >= all) return;
+    auto fits = [&](int rows) {
+        model.use_classifier_rows(rows);
+        std::size_t bytes = a.device_bytes() + model.stack_bytes();
+        for (const ScratchBuffer& b : s.plugin->scratch_plan(scratch_shapes(s, model), s.threads, ask_device))
+            if (b.kind == MemoryKind::Device) bytes += dtype_size(b.dtype) * static_cast<std::size_t>(b.elements);
+        return bytes <= budget;
+    };
+    int lo = least, hi = all;  // lo fits (or is the least there is), hi is tried last
+    if (fits(hi)) return;
+    if (fits(lo))
+        while (hi - lo > 1) {
+            const int mid = lo + (hi - lo) / 2;
+            (fits(mid) ? lo : hi) = mid;
+        }
+    model.use_classifier_rows(lo);
+}
+
 // Allocates the state of local device `rank` into `d` from d.allocator, in
 // the one order that a Trainer and the memory plan share (views, which
 // allocate nothing, are bound by the caller). With d.backend (a Trainer) the model is built on
@@ -261,12 +303,10 @@ void allocate_device_state(const TrainerSetup& s, int rank, DeviceState& d, bool
     } else {
         planned = std::make_unique<ModelMemory>(s.config, B, T, weight_dtype, s.recompute, s.lora, chunk_elements, a);
     }
-    const ModelMemory& model = d.backend ? static_cast<const ModelMemory&>(*d.model) : *planned;
+    ModelMemory& model = d.backend ? static_cast<ModelMemory&>(*d.model) : *planned;
+    choose_classifier_rows(s, rank, a, model, ask_libraries);
     d.stack = std::make_unique<StackArena>(a, model.stack_bytes());
-    ScratchShapes scratch = model.scratch_shapes();
-    scratch.max_reduce = s.shard;
-    scratch.attention_impl = s.options.attention;
-    scratch.matmul_dtype = s.options.matmul_dtype;
+    const ScratchShapes scratch = scratch_shapes(s, model);
     if (d.backend) d.backend->reserve_scratch(a, scratch);
     else allocate_scratch(a, s.plugin->scratch_plan(scratch, s.threads, ask_libraries));
 }

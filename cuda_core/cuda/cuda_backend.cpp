@@ -97,12 +97,27 @@ cudaStream_t interface_stream(std::uintptr_t handle) {
     return reinterpret_cast<cudaStream_t>(handle);
 }
 
+std::size_t device_memory(int device) {
+    int current = 0;
+    std::size_t free_bytes = 0, total_bytes = 0;
+    if (device < 0 || device >= visible_devices() || cudaGetDevice(&current) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    const bool known = cudaSetDevice(device) == cudaSuccess && cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess;
+    cudaGetLastError();
+    cudaSetDevice(current);
+    return known ? total_bytes : 0;
+}
+
 [[maybe_unused]] const bool registered = [] {
-    // Classifier chunks of 64M logits (128 MiB in bf16): a few hundred rows
-    // of a 150k vocabulary, enough blocks and matmul rows to fill the GPU.
+    // Classifier chunks of at least 64M logits (128 MiB in bf16): a few
+    // hundred rows of a 150k vocabulary, enough blocks and matmul rows to
+    // fill the GPU; more where the memory budget allows (one chunk of all
+    // rows when it fits).
     register_backend(NANOQ_CUDA_BACKEND_NAME, BackendPlugin{&create, &make_nccl_group, &visible_devices, &plan,
                                                             std::int64_t(1) << 26, MemoryKind::Pinned, &new_nccl_id,
-                                                            &attention_engine_library});
+                                                            &attention_engine_library, &device_memory});
     return true;
 }();
 
