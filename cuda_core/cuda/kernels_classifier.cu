@@ -1,11 +1,13 @@
 // Fused cross-entropy over logit rows, with optional in-place gradient.
 //
 // One block per row computes the log-sum-exp with an online (max, sum) pair
-// per thread, merged in a fixed tree. Per-row loss and lse go to scratch; a
+// per thread, merged in a fixed tree; rows are read in 16-byte packs where
+// the vocabulary allows (a multiple of 4 float32 or 8 bf16 logits). Per-row loss and lse go to scratch; a
 // single-block kernel then folds them into the statistics: each thread sums a
 // contiguous span of rows in double, and the spans are added in a fixed tree,
 // so the result does not depend on scheduling.
 #include <cmath>
+#include <cstdint>
 
 #include "kernel_utils.cuh"
 #include "kernels.h"
@@ -40,31 +42,55 @@ __device__ __forceinline__ MaxSum warp_merge(MaxSum x) {
     return x;
 }
 
+// L consecutive logits, loaded and stored as one access (16 bytes when L
+// fills them).
+template <class T, int L> struct alignas(sizeof(T) * L) Pack {
+    T v[L];
+};
+
+// Folds L logits into a thread's running (max, sum): the max moves once per
+// pack, so a pack costs L exponentials plus at most one rescale.
+template <int L> __device__ __forceinline__ MaxSum absorb(MaxSum local, const float (&x)[L]) {
+    float m = x[0];
+    for (int k = 1; k < L; ++k) m = fmaxf(m, x[k]);
+    if (m > local.max) {
+        local.sum *= expf(local.max - m);
+        local.max = m;
+    }
+    for (int k = 0; k < L; ++k) local.sum += expf(x[k] - local.max);
+    return local;
+}
+
 // Writes row_loss[r] and row_lse[r] (unused for ignored rows) and, with
-// `with_grad`, the gradient over the logits.
-template <class T>
+// `with_grad`, the gradient over the logits: one read of the row for the
+// log-sum-exp, one read and one write for the gradient, each in packs of L
+// (vocab % L == 0 and the rows 16-byte aligned for L > 1).
+template <class T, int L>
 __global__ void __launch_bounds__(kRowThreads)
     cross_entropy_row_kernel(T* logits, const std::int32_t* targets, float* row_loss, float* row_lse, int vocab,
                              float z_loss, bool with_grad) {
+    using P = Pack<T, L>;
     NANOQ_SHARED(MaxSum[detail::kWarpSize], warp_results);
     const int r = blockIdx.x;
     const int target = targets[r];
+    const int packs = vocab / L;
     T* row = logits + static_cast<std::int64_t>(r) * vocab;
+    P* row_packs = reinterpret_cast<P*>(row);
     if (target == kIgnoreIndex) {
-        if (with_grad)
-            for (int j = threadIdx.x; j < vocab; j += blockDim.x) row[j] = detail::from_float<T>(0.0f);
+        if (with_grad) {
+            P zeros;
+            for (int k = 0; k < L; ++k) zeros.v[k] = detail::from_float<T>(0.0f);
+            for (int j = threadIdx.x; j < packs; j += blockDim.x) row_packs[j] = zeros;
+        }
         return;
     }
     const float target_logit = detail::to_float(row[target]);
     MaxSum local{-INFINITY, 0.0f};
-    for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
-        const float x = detail::to_float(row[j]);
-        if (x > local.max) {
-            local.sum = local.sum * expf(local.max - x) + 1.0f;
-            local.max = x;
-        } else {
-            local.sum += expf(x - local.max);
-        }
+    for (int j = threadIdx.x; j < packs; j += blockDim.x) {
+        const P p = row_packs[j];
+        float x[L];
+        for (int k = 0; k < L; ++k) x[k] = detail::to_float(p.v[k]);
+        local = absorb(local, x);
     }
     const int lane = threadIdx.x % detail::kWarpSize, warp = threadIdx.x / detail::kWarpSize;
     local = warp_merge(local);
@@ -80,10 +106,14 @@ __global__ void __launch_bounds__(kRowThreads)
     }
     if (!with_grad) return;
     const float factor = 1.0f + 2.0f * z_loss * lse;
-    for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
-        float grad = expf(detail::to_float(row[j]) - lse) * factor;
-        if (j == target) grad -= 1.0f;
-        row[j] = detail::from_float<T>(grad);
+    for (int j = threadIdx.x; j < packs; j += blockDim.x) {
+        P p = row_packs[j];
+        for (int k = 0; k < L; ++k) {
+            float grad = expf(detail::to_float(p.v[k]) - lse) * factor;
+            if (j * L + k == target) grad -= 1.0f;
+            p.v[k] = detail::from_float<T>(grad);
+        }
+        row_packs[j] = p;
     }
 }
 
@@ -150,8 +180,14 @@ void cross_entropy(T* logits, const std::int32_t* targets, StatValue* stats, int
     if (rows <= 0) return;
     float* row_loss = scratch;
     float* row_lse = scratch + rows;
-    detail::launch(cross_entropy_row_kernel<T>, rows, kRowThreads, 0, stream, logits, targets, row_loss, row_lse, vocab, z_loss,
-                                                                  with_grad);
+    constexpr int lanes = 16 / sizeof(T);
+    const bool packed = vocab % lanes == 0 && reinterpret_cast<std::uintptr_t>(logits) % 16 == 0;
+    if (packed)
+        detail::launch(cross_entropy_row_kernel<T, lanes>, rows, kRowThreads, 0, stream, logits, targets, row_loss,
+                       row_lse, vocab, z_loss, with_grad);
+    else
+        detail::launch(cross_entropy_row_kernel<T, 1>, rows, kRowThreads, 0, stream, logits, targets, row_loss,
+                       row_lse, vocab, z_loss, with_grad);
     detail::launch(cross_entropy_stats_kernel, 1, kStatsThreads, 0, stream, stats, targets, row_loss, row_lse, rows,
                                                                 first_position, time, z_loss);
 }
