@@ -231,8 +231,9 @@ void choose_classifier_rows(const TrainerSetup& s, int rank, const NamedAllocato
             if (b.kind == MemoryKind::Device) bytes += dtype_size(b.dtype) * static_cast<std::size_t>(b.elements);
         return bytes <= budget;
     };
-    int lo = least, hi = all;  // lo fits (or is the least there is), hi is tried last
-    if (fits(hi)) return;
+    if (fits(all)) return;
+    // Bisect: `lo` fits (or is the least chunk, which the allocation then refuses), `hi` does not.
+    int lo = least, hi = all;
     if (fits(lo))
         while (hi - lo > 1) {
             const int mid = lo + (hi - lo) / 2;
@@ -243,8 +244,8 @@ void choose_classifier_rows(const TrainerSetup& s, int rank, const NamedAllocato
 
 // Allocates the state of local device `rank` into `d` from d.allocator, in
 // the one order that a Trainer and the memory plan share (views, which
-// allocate nothing, are bound by the caller). With d.backend (a Trainer) the model is built on
-// it and the backend reserves its op scratch. Without (the plan: d.allocator
+// allocate nothing, are bound by the caller). With d.backend (a Trainer) the
+// model is built on it and the backend reserves its op scratch. Without (the plan: d.allocator
 // plans) only the model's memory is planned, and the scratch is the one the
 // backend's plan lists, its libraries asked when `ask_libraries`.
 void allocate_device_state(const TrainerSetup& s, int rank, DeviceState& d, bool ask_libraries) {
@@ -500,7 +501,8 @@ struct Trainer::Impl : TrainerSetup {
     // update's synchronize()).
     void write_adamw_step(int rank, DeviceState& d, const UpdateParams& params, int step_number) {
         if (!whole_shard_adamw()) return;
-        const std::vector<double> values = adamw_step_values(adamw_step(params, step_number), adamw_seed(global(rank) * shard));
+        const std::vector<double> values =
+            adamw_step_values(adamw_step(params, step_number), adamw_seed(global(rank) * shard));
         std::memcpy(d.adamw_step_staging.data, values.data(), values.size() * sizeof(double));
         d.backend->copy(d.adamw_step_values, d.adamw_step_staging);
     }

@@ -130,3 +130,21 @@ def test_emulated_adamw_shard_rounding_noise_follows_the_chunk_seeds(emulated):
     other = emulated.adamw_shard(master, grad, m, v, segments=table(), scale=0.5, seed=SEED + 1, chunk=CHUNK,
                                  **HYPER, **kwargs)
     assert not np.array_equal(other[0], own[0])
+
+
+@pytest.mark.cuda_emulated
+def test_emulated_bf16_training_is_bitwise_with_and_without_offload():
+    """Without offload the trainer updates each rank's shard in one
+    adamw_shard kernel; with the optimizer and master offloaded it streams
+    them chunk by chunk (adamw per chunk, then the bf16 weight copy). With
+    bf16 weights over a float32 master and bf16 moments (stochastically
+    rounded), on two devices, both give the same bits."""
+    require_cuda_emulator()
+    from test_zero import run
+
+    overrides = dict(backend="cuda_emulated", dtype="bf16", master_dtype="fp32", optimizer_dtype="bf16")
+    fused = run(devices=2, steps=2, backend_overrides=overrides)
+    streamed = run(devices=2, steps=2, backend_overrides=overrides, offload=("optimizer", "master"))
+    assert fused[0] == streamed[0]
+    for name, value in fused[1].items():
+        assert np.array_equal(value, streamed[1][name]), name

@@ -92,7 +92,7 @@ def float64_reference(model, inputs, targets):
     ce = torch.logsumexp(logits, -1) - logits.gather(-1, tgt.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     loss = ce[mask].sum() / mask.sum()
     loss.backward()
-    return float(loss), {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+    return loss.item(), {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
 
 
 def test_one_chunk_and_two_give_the_float64_reference_loss_and_gradients(tmp_path):

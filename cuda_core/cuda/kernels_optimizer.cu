@@ -156,8 +156,8 @@ __global__ void adamw_shard_kernel(TParam* param, TWeight* weights, const float*
             chunk_end = chunk_begin + chunk < segment_end ? chunk_begin + chunk : segment_end;
             stream_key = adamw_stream_key(seed + static_cast<std::uint64_t>(chunk_begin), step);
         }
-        const TParam stored = adamw_element(param, grad, m, v, i, scale, k,
-                                            detail::splitmix64(stream_key + static_cast<std::uint64_t>(i - chunk_begin)));
+        const std::uint64_t random = detail::splitmix64(stream_key + static_cast<std::uint64_t>(i - chunk_begin));
+        const TParam stored = adamw_element(param, grad, m, v, i, scale, k, random);
         if (weights) weights[i] = detail::from_float<TWeight>(detail::to_float(stored));
     }
 }

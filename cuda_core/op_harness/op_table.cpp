@@ -351,7 +351,8 @@ std::vector<OpSpec> make_table() {
          "elements with seed + the chunk's first element; weights (given: with_weights) gets the updated "
          "master in weight_dtype",
          {in_out("master", "*n"), input("grad", "*n").f32(), in_out("m", "*n").dtype("state_dtype"),
-          in_out("v", "*n").dtype("state_dtype"), in_out("weights", "*n").dtype("weight_dtype").or_zeros().sets("with_weights"),
+          in_out("v", "*n").dtype("state_dtype"),
+          in_out("weights", "*n").dtype("weight_dtype").or_zeros().sets("with_weights"),
           input("segments", "segments,3").f64(), real("lr"), real("scale", 1.0), real("beta1", 0.9),
           real("beta2", 0.999), real("eps", 1e-8), real("weight_decay", 0.0), integer("step", 1).at_least(1),
           seed("seed", 0), integer("chunk", 4096).at_least(1), flag("use_default", false), dtype_arg("dtype"),
