@@ -8,14 +8,17 @@ default body is that loop, and the cuda override (one kernel) must match it
 bit for bit, including the stochastic rounding of bf16 values, whose noise
 is keyed by each chunk's start. Here the cpu op is held against that loop
 written in Python over the adamw op and against a float64 reference, and
-the emulated cuda override against its default body in every dtype mix.
+the cuda override (on a GPU when there is one, marked gpu, and on the CPU
+emulator everywhere) against its default body in every dtype mix.
 """
 
 import numpy as np
 import pytest
 
+import nanoq
+
 from nanoq.testing import OpRunner
-from conftest import require_cuda_emulator
+from conftest import CUDA_BACKENDS, use_cuda_backend
 from test_ops import ref_adamw
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3)
@@ -45,10 +48,14 @@ def cpu():
     return OpRunner("cpu")
 
 
-@pytest.fixture(scope="module")
-def emulated():
-    require_cuda_emulator()
-    return OpRunner("cuda_emulated")
+@pytest.fixture(params=[pytest.param(name, marks=mark, id=name) for name, mark in CUDA_BACKENDS])
+def backend(request):
+    return use_cuda_backend(request.param, request)
+
+
+@pytest.fixture
+def cuda(backend):
+    return OpRunner(backend)
 
 
 def per_chunk_loop(runner, master, grad, m, v, *, scale, seed, chunk, **kwargs):
@@ -96,15 +103,14 @@ DTYPES = [("fp32", "fp32", None), ("fp32", "fp32", "bf16"), ("fp32", "bf16", "bf
           ("bf16", "fp32", "fp32")]
 
 
-@pytest.mark.cuda_emulated
 @pytest.mark.parametrize("dtype,state_dtype,weight_dtype", DTYPES)
-def test_emulated_adamw_shard_kernel_is_bitwise_its_default_composition(emulated, dtype, state_dtype, weight_dtype):
+def test_cuda_adamw_shard_kernel_is_bitwise_its_default_composition(cuda, dtype, state_dtype, weight_dtype):
     master, grad, m, v = shard_inputs(2)
     kwargs = dict(segments=table(), scale=0.5, seed=SEED, chunk=CHUNK, dtype=dtype, state_dtype=state_dtype, **HYPER)
     if weight_dtype:
         kwargs.update(weights=np.full(N, 7.0, np.float32), weight_dtype=weight_dtype)
-    own = emulated.adamw_shard(master, grad, m, v, **kwargs)
-    default = emulated.adamw_shard(master, grad, m, v, use_default=True, **kwargs)
+    own = cuda.adamw_shard(master, grad, m, v, **kwargs)
+    default = cuda.adamw_shard(master, grad, m, v, use_default=True, **kwargs)
     for name, a, b in zip(("master", "m", "v", "weights"), own, default):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), (
             f"{name}: {int((a != b).sum())} of {N} elements differ from the per-chunk composition")
@@ -115,36 +121,34 @@ def test_emulated_adamw_shard_kernel_is_bitwise_its_default_composition(emulated
         assert np.all(own[3][667:] == 7.0)
 
 
-@pytest.mark.cuda_emulated
-def test_emulated_adamw_shard_rounding_noise_follows_the_chunk_seeds(emulated):
+def test_cuda_adamw_shard_rounding_noise_follows_the_chunk_seeds(cuda):
     """bf16 everywhere: another seed changes the rounding, and the kernel's
     result equals the per-chunk adamw loop on the same backend."""
     master, grad, m, v = shard_inputs(3)
     kwargs = dict(dtype="bf16", state_dtype="bf16")
-    own = emulated.adamw_shard(master, grad, m, v, segments=table(), scale=0.5, seed=SEED, chunk=CHUNK, **HYPER,
-                               **kwargs)
-    loop = per_chunk_loop(emulated, master, grad, m, v, scale=0.5, seed=SEED, chunk=CHUNK, **kwargs)
+    own = cuda.adamw_shard(master, grad, m, v, segments=table(), scale=0.5, seed=SEED, chunk=CHUNK, **HYPER,
+                           **kwargs)
+    loop = per_chunk_loop(cuda, master, grad, m, v, scale=0.5, seed=SEED, chunk=CHUNK, **kwargs)
     covered = slice(0, 487 + 180)  # the loop leaves the padding as given, unrounded float32
     for name, a, b in zip(("master", "m", "v"), own[:3], loop):
         np.testing.assert_array_equal(a[covered], b[covered], name)
-    other = emulated.adamw_shard(master, grad, m, v, segments=table(), scale=0.5, seed=SEED + 1, chunk=CHUNK,
-                                 **HYPER, **kwargs)
+    other = cuda.adamw_shard(master, grad, m, v, segments=table(), scale=0.5, seed=SEED + 1, chunk=CHUNK,
+                             **HYPER, **kwargs)
     assert not np.array_equal(other[0], own[0])
 
 
-@pytest.mark.cuda_emulated
-def test_emulated_bf16_training_is_bitwise_with_and_without_offload():
+def test_cuda_bf16_training_is_bitwise_with_and_without_offload(backend):
     """Without offload the trainer updates each rank's shard in one
     adamw_shard kernel; with the optimizer and master offloaded it streams
     them chunk by chunk (adamw per chunk, then the bf16 weight copy). With
     bf16 weights over a float32 master and bf16 moments (stochastically
-    rounded), on two devices, both give the same bits."""
-    require_cuda_emulator()
+    rounded), both give the same bits (on two devices where there are two)."""
     from test_zero import run
 
-    overrides = dict(backend="cuda_emulated", dtype="bf16", master_dtype="fp32", optimizer_dtype="bf16")
-    fused = run(devices=2, steps=2, backend_overrides=overrides)
-    streamed = run(devices=2, steps=2, backend_overrides=overrides, offload=("optimizer", "master"))
+    devices = min(2, next(entry for entry in nanoq.backends() if entry["name"] == backend)["devices"])
+    overrides = dict(backend=backend, dtype="bf16", master_dtype="fp32", optimizer_dtype="bf16")
+    fused = run(devices=devices, steps=2, backend_overrides=overrides)
+    streamed = run(devices=devices, steps=2, backend_overrides=overrides, offload=("optimizer", "master"))
     assert fused[0] == streamed[0]
     for name, value in fused[1].items():
         assert np.array_equal(value, streamed[1][name]), name

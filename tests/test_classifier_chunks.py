@@ -17,7 +17,7 @@ import torch
 
 import nanoq
 from nanoq import _core
-from conftest import IGNORE, assert_tensors_close, build_hf_model, require_cuda_emulator, save_hf_model
+from conftest import CUDA_BACKENDS, IGNORE, assert_tensors_close, build_hf_model, save_hf_model, use_cuda_backend
 
 # 65536 logits per row: the cpu backend's 4M-element chunk holds 64 of the 128 rows.
 VOCAB, BATCH, SEQ = 65536, 8, 16
@@ -62,13 +62,13 @@ def test_the_trainer_allocates_the_chunk_the_plan_chose():
             assert trainer.get_stack_info(0)["capacity"] == stack
 
 
-@pytest.mark.cuda_emulated
-def test_cuda_chunk_grows_into_the_device_memory_and_the_plan_knows_it():
-    """The emulator's devices report 16 GiB: without a limit the whole
-    logits fit; a limit just above the least need keeps the 64M-element
-    chunk (1024 of 2048 rows here). Plan and Trainer agree."""
-    require_cuda_emulator()
-    options = nanoq.TrainOptions(backend="cuda_emulated", dtype="bf16", devices=1, batch_size=2, seq_len=1024)
+@pytest.mark.parametrize("backend", [pytest.param(name, marks=mark, id=name) for name, mark in CUDA_BACKENDS])
+def test_cuda_chunk_grows_into_the_device_memory_and_the_plan_knows_it(backend, request):
+    """The emulator's devices report 16 GiB (a GPU its own memory): without
+    a limit the whole logits fit; a limit just short of that keeps the
+    64M-element chunk (1024 of 2048 rows here). Plan and Trainer agree."""
+    use_cuda_backend(backend, request)
+    options = nanoq.TrainOptions(backend=backend, dtype="bf16", devices=1, batch_size=2, seq_len=1024)
     _, stack, _ = plan(options)
     _, _, need = plan(dataclasses.replace(options, memory_limit=1 << 40))
     tight = dataclasses.replace(options, memory_limit=need - 1024 * 2 * VOCAB)
