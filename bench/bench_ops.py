@@ -375,6 +375,40 @@ def case_adamw(i, d):
                 shape=f"[{n}] float32 master, float32 moments (torch: AdamW fused={optimizer.defaults.get('fused')})")
 
 
+def case_adamw_shard(i, d):
+    """The whole shard in one call: four parameters, decay on every other one,
+    and the weight copy in the run's dtype (bf16 on a GPU); PyTorch: fused
+    AdamW over the same four tensors in two parameter groups, then the copies."""
+    import torch
+
+    n = ADAMW_ELEMENTS["smoke" if d is SMOKE else "full"]
+    sizes = [n // 2, n // 8, n // 4, n - n // 2 - n // 8 - n // 4]
+    begins = [sum(sizes[:k]) for k in range(4)]
+    segments = i.np.array([[b, c, k % 2 == 0] for k, (b, c) in enumerate(zip(begins, sizes))], dtype=i.np.float64)
+    params = [torch.nn.Parameter(i.t(c, dtype=torch.float32)) for c in sizes]
+    for p in params:
+        p.grad = i.t(p.numel(), dtype=torch.float32)
+    copies = [i.t(c) for c in sizes]
+    groups = [dict(params=params[0::2], weight_decay=0.1), dict(params=params[1::2], weight_decay=0.0)]
+    try:
+        optimizer = torch.optim.AdamW(groups, lr=1e-4, fused=i.device.type == "cuda")
+    except (TypeError, RuntimeError):
+        optimizer = torch.optim.AdamW(groups, lr=1e-4)
+
+    def torch_step():
+        optimizer.step()
+        for copy, p in zip(copies, params):
+            copy.copy_(p.detach())
+
+    return dict(nanoq=dict(master=i.normal(n), grad=i.normal(n, scale=1e-3), m=i.normal(n, scale=1e-3),
+                           v=i.np.abs(i.normal(n, scale=1e-6)), weights=i.normal(n), segments=segments, lr=1e-4,
+                           weight_decay=0.1, chunk=max(n // 4, 1), dtype="fp32", state_dtype="fp32",
+                           weight_dtype=i.dtype),
+                torch=torch_step, bytes=(28.0 + _act(i)) * n, composite=True,
+                shape=f"[{n}] float32 master in 4 segments, float32 moments, {i.dtype} weights "
+                      f"(torch: AdamW fused={optimizer.defaults.get('fused')} + copies)")
+
+
 def _qkv_sizes(d):
     return d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
 
@@ -587,6 +621,7 @@ CASES = {
     "sum_squares": ("sum_squares", case_sum_squares),
     "optimizer_scale": ("optimizer_scale", case_optimizer_scale),
     "adamw": ("adamw", case_adamw),
+    "adamw_shard": ("adamw_shard", case_adamw_shard),
     "matmul_epilogue": ("matmul_epilogue", case_matmul_epilogue),
     "matmul_weight_grad": ("matmul_weight_grad", case_matmul_weight_grad),
     "residual_rmsnorm_forward": ("residual_rmsnorm_forward", case_residual_rmsnorm_forward),

@@ -131,8 +131,11 @@ public:
         return t;
     }
     Tensor upload_f64(const std::vector<double>& values, const std::string& name) override {
+        auto kept = uploads_f64_.find(name);
+        if (kept != uploads_f64_.end() && kept->second.first == values) return kept->second.second;
         Tensor t = allocator_->allocate(Context::Workspace, name, DType::F64, {std::int64_t(values.size())});
         backend_.copy_from_host(t, values.data());
+        uploads_f64_[name] = {values, t};
         return t;
     }
     Tensor workspace(std::int64_t elements, const std::string& dtype_arg, const std::string& name) override {
@@ -487,6 +490,7 @@ private:
     std::unique_ptr<NamedAllocator> allocator_;
     std::map<std::string, Tensor> device_;
     std::map<std::string, std::pair<std::vector<float>, Tensor>> uploads_;
+    std::map<std::string, std::pair<std::vector<double>, Tensor>> uploads_f64_;
     std::map<std::string, Tensor> workspaces_;
 };
 
