@@ -1,13 +1,26 @@
 #include "cuda/cublaslt_matmul.h"
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <mutex>
 #include <string>
+#include <vector>
 
+#include "cuda/cuda_check.h"
 #include "nanoq/errors.h"
 
 namespace nanoq {
 namespace cuda {
 namespace {
+
+// The heuristic's best few: enough to find the fast one, few enough that
+// timing them all stays a small part of the first step.
+constexpr int kCandidates = 8;
+constexpr int kTimedRuns = 3;
 
 void check_lt(cublasStatus_t status, const char* what) {
     if (status != CUBLAS_STATUS_SUCCESS)
@@ -32,9 +45,40 @@ int alignment(const void* pointer) {
     return bytes;
 }
 
+// An environment switch: unset is `fallback`, "0" off, "1" on.
+bool env_flag(const char* name, bool fallback) {
+    const char* value = std::getenv(name);
+    if (!value || !*value) return fallback;
+    if (!std::strcmp(value, "0")) return false;
+    if (!std::strcmp(value, "1")) return true;
+    throw InvalidArgument(std::string(name) + " must be 0 or 1, got \"" + value + "\"");
+}
+
+template <class T>
+void set_desc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribute, const T& value, const char* what) {
+    check_lt(cublasLtMatmulDescSetAttribute(desc, attribute, &value, sizeof(value)), what);
+}
+
 }  // namespace
 
-LtMatmul::LtMatmul() { check_lt(cublasLtCreate(&handle_), "cublasLtCreate"); }
+struct LtMatmul::Product {
+    void* out;
+    const void* a;
+    const void* b;
+    const void* bias;  // null: none
+    cudaDataType_t out_type, a_type, b_type;
+    int bias_type;     // -1: none
+    int M, N, K;
+    bool trans_a, trans_b, accumulate;
+    float alpha;
+    const float* a_scale;  // fp8: the dequantization factors, else null
+    const float* b_scale;
+    std::size_t out_bytes;
+};
+
+LtMatmul::LtMatmul(std::function<void(cudaEvent_t)> host_wait) : host_wait_(std::move(host_wait)) {
+    check_lt(cublasLtCreate(&handle_), "cublasLtCreate");
+}
 
 LtMatmul::~LtMatmul() {
     for (auto& entry : plans_) {
@@ -47,76 +91,224 @@ LtMatmul::~LtMatmul() {
     if (handle_) cublasLtDestroy(handle_);
 }
 
-LtMatmul::Plan& LtMatmul::plan(const Key& key, std::size_t workspace_bytes) {
+LtMatmul::Plan& LtMatmul::plan(const Key& key, const Product& x, void* workspace, std::size_t workspace_bytes,
+                               cudaStream_t stream) {
     auto it = plans_.find(key);
     if (it != plans_.end()) return it->second;
-    const auto [M, N, K, trans_a, trans_b, accumulate, out_type, a_type, b_type, out_align, a_align, b_align] = key;
-    (void)accumulate;
+    const int M = x.M, N = x.N, K = x.K;
     Plan p;
     check_lt(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
     // Column-major view: D[N,M] = op(B') @ op(A'), B' being our b and A' our a.
-    const cublasOperation_t op_first = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-    const cublasOperation_t op_second = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-    check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)),
-             "TRANSA");
-    check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)),
-             "TRANSB");
+    const cublasOperation_t op_first = x.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t op_second = x.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    set_desc(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, op_first, "TRANSA");
+    set_desc(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, op_second, "TRANSB");
+    if (x.bias) {
+        // The bias runs along D's rows, which are our output's columns; its
+        // pointer tells the heuristic the alignment to plan for.
+        set_desc(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS, "EPILOGUE");
+        set_desc(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, x.bias, "BIAS_POINTER");
+    }
+    if (x.a_scale) {
+        set_desc(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, x.b_scale, "A_SCALE_POINTER");
+        set_desc(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, x.a_scale, "B_SCALE_POINTER");
+    }
     // Our b is stored [K,N] (ld N) or, transposed, [N,K] (ld K): column-major N x K or K x N.
-    check_lt(cublasLtMatrixLayoutCreate(&p.a, static_cast<cudaDataType_t>(b_type), trans_b ? K : N, trans_b ? N : K,
-                                        trans_b ? K : N),
+    check_lt(cublasLtMatrixLayoutCreate(&p.a, x.b_type, x.trans_b ? K : N, x.trans_b ? N : K, x.trans_b ? K : N),
              "layout b");
     // Our a is stored [M,K] (ld K) or, transposed, [K,M] (ld M).
-    check_lt(cublasLtMatrixLayoutCreate(&p.b, static_cast<cudaDataType_t>(a_type), trans_a ? M : K, trans_a ? K : M,
-                                        trans_a ? M : K),
+    check_lt(cublasLtMatrixLayoutCreate(&p.b, x.a_type, x.trans_a ? M : K, x.trans_a ? K : M, x.trans_a ? M : K),
              "layout a");
-    check_lt(cublasLtMatrixLayoutCreate(&p.c, static_cast<cudaDataType_t>(out_type), N, M, N), "layout out");
+    check_lt(cublasLtMatrixLayoutCreate(&p.c, x.out_type, N, M, N), "layout out");
 
     cublasLtMatmulPreference_t preference = nullptr;
     check_lt(cublasLtMatmulPreferenceCreate(&preference), "cublasLtMatmulPreferenceCreate");
+    const std::uint64_t max_workspace = workspace_bytes;
     check_lt(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                  &workspace_bytes, sizeof(workspace_bytes)),
+                                                  &max_workspace, sizeof(max_workspace)),
              "workspace preference");
     // cuBLASLt's A is our b and its B our a (operands swapped, see above).
-    const std::uint32_t aligns[4] = {static_cast<std::uint32_t>(b_align), static_cast<std::uint32_t>(a_align),
-                                     static_cast<std::uint32_t>(out_align), static_cast<std::uint32_t>(out_align)};
+    const std::uint32_t aligns[4] = {static_cast<std::uint32_t>(alignment(x.b)),
+                                     static_cast<std::uint32_t>(alignment(x.a)),
+                                     static_cast<std::uint32_t>(alignment(x.out)),
+                                     static_cast<std::uint32_t>(alignment(x.out))};
     const cublasLtMatmulPreferenceAttributes_t align_attrs[4] = {
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
     for (int i = 0; i < 4; ++i)
         check_lt(cublasLtMatmulPreferenceSetAttribute(preference, align_attrs[i], &aligns[i], sizeof(aligns[i])),
                  "alignment preference");
-    cublasLtMatmulHeuristicResult_t result{};
+    cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
     int found = 0;
     const cublasStatus_t status =
-        cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, preference, 1, &result, &found);
+        cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, preference, kCandidates, results, &found);
     cublasLtMatmulPreferenceDestroy(preference);
-    if (status != CUBLAS_STATUS_SUCCESS || found == 0)
-        throw NanoqError("cuBLASLt has no algorithm for a " + std::to_string(M) + "x" + std::to_string(N) + "x" +
-                         std::to_string(K) + " matmul of these dtypes");
-    p.algo = result.algo;
+    // Only those the heuristic vouches for that fit the workspace.
+    int usable = 0;
+    for (int i = 0; status == CUBLAS_STATUS_SUCCESS && i < found; ++i)
+        if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= workspace_bytes)
+            results[usable++] = results[i];
+    const std::string shape = std::to_string(M) + "x" + std::to_string(N) + "x" + std::to_string(K);
+    if (usable == 0) {
+        cublasLtMatrixLayoutDestroy(p.a);
+        cublasLtMatrixLayoutDestroy(p.b);
+        cublasLtMatrixLayoutDestroy(p.c);
+        cublasLtMatmulDescDestroy(p.desc);
+        throw NanoqError("cuBLASLt has no algorithm for a " + shape + " matmul of these dtypes");
+    }
+    std::string log = "untimed";
+    int chosen = 0;
+    if (usable > 1 && env_flag("NANOQ_MATMUL_AUTOTUNE", true)) {
+        int device = 0;
+        NANOQ_CUDA_CHECK(cudaGetDevice(&device));
+        chosen = remembered_choice(device, key, -1);
+        if (chosen >= 0 && chosen < usable) {
+            log = "chosen earlier in this process";
+        } else {
+            chosen = fastest(p, results, usable, x, workspace, workspace_bytes, stream, &log);
+            remembered_choice(device, key, chosen);
+        }
+    }
+    p.algo = results[chosen].algo;
+    if (env_flag("NANOQ_MATMUL_LOG", false))
+        std::fprintf(stderr, "nanoq matmul plan %s trans_a=%d trans_b=%d accumulate=%d types=%d/%d/%d bias=%d: "
+                             "%d algorithms, %s, chose %d\n",
+                     shape.c_str(), x.trans_a, x.trans_b, x.accumulate, x.out_type, x.a_type, x.b_type, x.bias_type,
+                     usable, log.c_str(), chosen);
     return plans_.emplace(key, p).first->second;
 }
 
-void LtMatmul::run(const Tensor& out, const Tensor& a, const Tensor& b, int M, int N, int K, bool trans_a,
-                   bool trans_b, bool accumulate, void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
-    if (a.dtype != b.dtype) throw InternalError("matmul operands of different dtypes");
-    const Key key{M,
-                  N,
-                  K,
-                  trans_a,
-                  trans_b,
-                  accumulate,
-                  lt_type(out.dtype),
-                  lt_type(a.dtype),
-                  lt_type(b.dtype),
-                  alignment(out.data),
-                  alignment(a.data),
-                  alignment(b.data)};
-    Plan& p = plan(key, workspace_bytes);
-    const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-    check_lt(cublasLtMatmul(handle_, p.desc, &alpha, b.data, p.a, a.data, p.b, &beta, out.data, p.c, out.data, p.c,
-                            &p.algo, workspace, workspace_bytes, stream),
+int LtMatmul::remembered_choice(int device, const Key& key, int choice) {
+    static std::mutex mutex;
+    static std::map<std::pair<int, Key>, int> choices;
+    std::lock_guard<std::mutex> lock(mutex);
+    if (choice >= 0) choices[{device, key}] = choice;
+    const auto it = choices.find({device, key});
+    return it == choices.end() ? -1 : it->second;
+}
+
+int LtMatmul::fastest(const Plan& p, const cublasLtMatmulHeuristicResult_t* results, int count, const Product& x,
+                      void* workspace, std::size_t workspace_bytes, cudaStream_t stream, std::string* log) {
+    // A fresh product may be timed into its own output (the call that
+    // follows overwrites it); one that accumulates into a scratch copy, so
+    // that out is left as it was. Without room for that, no timing.
+    void* out = x.out;
+    if (x.accumulate) {
+        if (cudaMalloc(&out, x.out_bytes) != cudaSuccess) {
+            cudaGetLastError();
+            *log = "untimed (no memory for a scratch output)";
+            return 0;
+        }
+        NANOQ_CUDA_CHECK(cudaMemsetAsync(out, 0, x.out_bytes, stream));
+    }
+    cudaEvent_t start = nullptr, stop = nullptr;
+    NANOQ_CUDA_CHECK(cudaEventCreate(&start));
+    NANOQ_CUDA_CHECK(cudaEventCreate(&stop));
+    const float beta = x.accumulate ? 1.0f : 0.0f;
+    auto launch = [&](int i) {
+        return cublasLtMatmul(handle_, p.desc, &x.alpha, x.b, p.a, x.a, p.b, &beta, out, p.c, out, p.c,
+                              &results[i].algo, workspace, workspace_bytes, stream);
+    };
+    int best = -1;
+    float best_ms = std::numeric_limits<float>::infinity();
+    std::string times;
+    std::exception_ptr failure;
+    try {
+        for (int i = 0; i < count; ++i) {
+            float ms = std::numeric_limits<float>::infinity();
+            if (launch(i) == CUBLAS_STATUS_SUCCESS) {  // warm-up; one that fails to launch is skipped
+                NANOQ_CUDA_CHECK(cudaEventRecord(start, stream));
+                bool ran = true;
+                for (int run = 0; run < kTimedRuns && ran; ++run) ran = launch(i) == CUBLAS_STATUS_SUCCESS;
+                NANOQ_CUDA_CHECK(cudaEventRecord(stop, stream));
+                host_wait_(stop);
+                if (ran) NANOQ_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+            }
+            char text[32];
+            std::snprintf(text, sizeof(text), "%s%.4g", i ? " " : "", ms / kTimedRuns);
+            times += text;
+            if (ms < best_ms) best = i, best_ms = ms;  // strict: ties keep the heuristic's order
+        }
+    } catch (...) {
+        failure = std::current_exception();
+    }
+    if (x.accumulate) {
+        host_wait_(stop);
+        cudaFree(out);
+    }
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    if (failure) std::rethrow_exception(failure);
+    if (best < 0) throw NanoqError("cuBLASLt: none of the heuristic's algorithms ran");
+    *log = "timed [" + times + "] ms";
+    return best;
+}
+
+void LtMatmul::execute(const Product& x, void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
+    const Key key{x.M,
+                  x.N,
+                  x.K,
+                  x.trans_a,
+                  x.trans_b,
+                  x.accumulate,
+                  x.out_type,
+                  x.a_type,
+                  x.b_type,
+                  x.bias_type,
+                  alignment(x.out),
+                  alignment(x.a),
+                  alignment(x.b),
+                  x.bias ? alignment(x.bias) : 0,
+                  x.a_scale != nullptr};
+    Plan& p = plan(key, x, workspace, workspace_bytes, stream);
+    // Pointers the descriptor holds are this call's.
+    if (x.bias) set_desc(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, x.bias, "BIAS_POINTER");
+    if (x.a_scale) {
+        set_desc(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, x.b_scale, "A_SCALE_POINTER");
+        set_desc(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, x.a_scale, "B_SCALE_POINTER");
+    }
+    const float beta = x.accumulate ? 1.0f : 0.0f;
+    check_lt(cublasLtMatmul(handle_, p.desc, &x.alpha, x.b, p.a, x.a, p.b, &beta, x.out, p.c, x.out, p.c, &p.algo,
+                            workspace, workspace_bytes, stream),
              "cublasLtMatmul");
+}
+
+void LtMatmul::run(const Tensor& out, const Tensor& a, const Tensor& b, int M, int N, int K, bool trans_a,
+                   bool trans_b, bool accumulate, void* workspace, std::size_t workspace_bytes, cudaStream_t stream,
+                   const Tensor& bias, float alpha) {
+    if (a.dtype != b.dtype) throw InternalError("matmul operands of different dtypes");
+    if (bias.data && !bias_supported(out, bias)) throw InternalError("matmul bias of another dtype than its output");
+    const Product x{out.data,
+                    a.data,
+                    b.data,
+                    bias.data,
+                    lt_type(out.dtype),
+                    lt_type(a.dtype),
+                    lt_type(b.dtype),
+                    bias.data ? static_cast<int>(lt_type(bias.dtype)) : -1,
+                    M,
+                    N,
+                    K,
+                    trans_a,
+                    trans_b,
+                    accumulate,
+                    alpha,
+                    nullptr,
+                    nullptr,
+                    out.bytes()};
+    execute(x, workspace, workspace_bytes, stream);
+}
+
+void LtMatmul::run_fp8(const Tensor& out, const void* a8, const void* b8, const float* a_scale, const float* b_scale,
+                       int M, int N, int K, bool accumulate, void* workspace, std::size_t workspace_bytes,
+                       cudaStream_t stream) {
+    if (!fp8_supported(M, N, K))
+        throw InternalError("an fp8 matmul needs M, N and K multiples of 16, got " + std::to_string(M) + "x" +
+                            std::to_string(N) + "x" + std::to_string(K));
+    const Product x{out.data, a8,    b8,         nullptr,    lt_type(out.dtype), CUDA_R_8F_E4M3, CUDA_R_8F_E4M3,
+                    -1,       M,     N,          K,          false,              true,           accumulate,
+                    1.0f,     a_scale, b_scale,  out.bytes()};
+    execute(x, workspace, workspace_bytes, stream);
 }
 
 }  // namespace cuda

@@ -180,7 +180,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
     NANOQ_CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming));
     for (cudaEvent_t& event : batch_ready_) NANOQ_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
     NANOQ_CUDA_CHECK(cudaEventCreateWithFlags(&batch_read_, cudaEventDisableTiming));
-    matmul_ = std::make_unique<LtMatmul>();
+    matmul_ = std::make_unique<LtMatmul>([this](cudaEvent_t event) { host_wait(event); });
 }
 
 CudaBackend::~CudaBackend() {
@@ -379,6 +379,17 @@ void CudaBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, in
                          bool trans_b, bool accumulate) {
     matmul_->run(out, a, b, M, N, K, trans_a, trans_b, accumulate, matmul_workspace_.data, matmul_workspace_.bytes(),
                  stream_);
+}
+
+void CudaBackend::matmul_epilogue(const Tensor& out, const Tensor& a, const Tensor& b, const Tensor& bias, int M,
+                                  int N, int K, bool trans_a, bool trans_b, bool accumulate, float scale) {
+    // The scale is cuBLASLt's alpha and the bias its epilogue: one pass over
+    // out. What the epilogue cannot take runs the default body (which
+    // rejects a scale on an accumulating product).
+    if ((accumulate && scale != 1.0f) || (bias.data && !LtMatmul::bias_supported(out, bias)))
+        return Backend::matmul_epilogue(out, a, b, bias, M, N, K, trans_a, trans_b, accumulate, scale);
+    matmul_->run(out, a, b, M, N, K, trans_a, trans_b, accumulate, matmul_workspace_.data, matmul_workspace_.bytes(),
+                 stream_, bias, scale);
 }
 
 void CudaBackend::add_bias(const Tensor& out, const Tensor& bias, int rows, int cols) {

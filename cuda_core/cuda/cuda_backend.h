@@ -71,6 +71,8 @@ public:
 
     void matmul(const Tensor& out, const Tensor& a, const Tensor& b, int M, int N, int K, bool trans_a, bool trans_b,
                 bool accumulate) override;
+    void matmul_epilogue(const Tensor& out, const Tensor& a, const Tensor& b, const Tensor& bias, int M, int N, int K,
+                         bool trans_a, bool trans_b, bool accumulate, float scale) override;
     void add_bias(const Tensor& out, const Tensor& bias, int rows, int cols) override;
     void bias_backward(const Tensor& dbias, const Tensor& dout, int rows, int cols) override;
     void add(const Tensor& out, const Tensor& a, const Tensor& b) override;

@@ -3,7 +3,12 @@
 // queued on the stream in place of cublasLtMatmul. It checks what the real
 // library would reject or silently get wrong: inconsistent shapes and leading
 // dimensions, pointers less aligned than the preference promised, and a
-// workspace smaller than the heuristic's result asked for.
+// workspace smaller than the heuristic's result asked for. Of the epilogues
+// it knows the default and the bias (an unknown one is refused); fp8 (e4m3,
+// e5m2) operands need Hopper's "TN" form and dimensions that are multiples of
+// 16, and take per-tensor scale pointers. The heuristic offers several
+// algorithms (the same reference math, each slower by a known delay) so that
+// choosing among them by timing runs in tests.
 #pragma once
 
 #include <cstddef>
@@ -11,7 +16,7 @@
 
 #include "cuda_runtime.h"
 
-enum cudaDataType_t : int { CUDA_R_32F = 0, CUDA_R_16BF = 14 };
+enum cudaDataType_t : int { CUDA_R_32F = 0, CUDA_R_16BF = 14, CUDA_R_8F_E4M3 = 28, CUDA_R_8F_E5M2 = 29 };
 typedef cudaDataType_t cudaDataType;
 
 enum cublasStatus_t : int {
@@ -27,6 +32,15 @@ enum cublasComputeType_t : int { CUBLAS_COMPUTE_32F = 68 };
 enum cublasLtMatmulDescAttributes_t : int {
     CUBLASLT_MATMUL_DESC_TRANSA = 3,
     CUBLASLT_MATMUL_DESC_TRANSB = 4,
+    CUBLASLT_MATMUL_DESC_EPILOGUE = 7,
+    CUBLASLT_MATMUL_DESC_BIAS_POINTER = 8,
+    CUBLASLT_MATMUL_DESC_A_SCALE_POINTER = 17,
+    CUBLASLT_MATMUL_DESC_B_SCALE_POINTER = 18,
+    CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE = 26,
+};
+enum cublasLtEpilogue_t : int {
+    CUBLASLT_EPILOGUE_DEFAULT = 1,
+    CUBLASLT_EPILOGUE_BIAS = 4,
 };
 enum cublasLtMatmulPreferenceAttributes_t : int {
     CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES = 1,

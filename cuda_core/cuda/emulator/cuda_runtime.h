@@ -81,6 +81,9 @@ cudaError_t cudaEventDestroy(cudaEvent_t event);
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream = nullptr);
 cudaError_t cudaEventSynchronize(cudaEvent_t event);
 cudaError_t cudaEventQuery(cudaEvent_t event);
+// Host time between the two events' latest completed records, as on a GPU
+// (the emulator's streams run on host threads).
+cudaError_t cudaEventElapsedTime(float* milliseconds, cudaEvent_t start, cudaEvent_t end);
 
 namespace nanoq_emu {
 // Queues `work` on `stream` (the host continues at once); an Error it

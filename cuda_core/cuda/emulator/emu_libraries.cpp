@@ -14,6 +14,7 @@
 
 #include "cublasLt.h"
 #include "cuda_bf16.h"
+#include "cuda_fp8.h"
 #include "nccl.h"
 
 // ---- cuBLASLt -------------------------------------------------------------------------
@@ -22,6 +23,11 @@ struct nanoq_emu_lt_handle {
 };
 struct nanoq_emu_lt_desc {
     cublasOperation_t trans_a = CUBLAS_OP_N, trans_b = CUBLAS_OP_N;
+    cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+    const void* bias = nullptr;
+    int bias_type = -1;  // -1: D's type
+    const float* a_scale = nullptr;  // device pointers; null: 1
+    const float* b_scale = nullptr;
 };
 struct nanoq_emu_lt_layout {
     cudaDataType_t type;
@@ -36,9 +42,18 @@ struct nanoq_emu_lt_preference {
 namespace {
 
 constexpr std::size_t kEmulatedWorkspace = 1 << 20;
+// The heuristic's algorithms: the same reference GEMM, algorithm i of n
+// slower by (n - 1 - i) * kAlgorithmDelay, so that the fastest one is known.
+constexpr int kEmulatedAlgorithms = 3;
+constexpr auto kAlgorithmDelay = std::chrono::microseconds(500);
+
+bool is_fp8(int type) { return type == CUDA_R_8F_E4M3 || type == CUDA_R_8F_E5M2; }
 
 double load(const void* p, cudaDataType_t type, std::int64_t i) {
     if (type == CUDA_R_16BF) return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    if (is_fp8(type))
+        return nanoq_emu::fp8_decode(static_cast<const __nv_fp8_storage_t*>(p)[i],
+                                     type == CUDA_R_8F_E4M3 ? __NV_E4M3 : __NV_E5M2);
     return static_cast<const float*>(p)[i];
 }
 
@@ -78,20 +93,48 @@ cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t desc) {
 }
 cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribute,
                                               const void* buffer, std::size_t bytes) {
-    if (bytes != sizeof(cublasOperation_t)) return CUBLAS_STATUS_INVALID_VALUE;
-    const auto op = *static_cast<const cublasOperation_t*>(buffer);
-    if (op != CUBLAS_OP_N && op != CUBLAS_OP_T) return CUBLAS_STATUS_INVALID_VALUE;
-    if (attribute == CUBLASLT_MATMUL_DESC_TRANSA)
-        desc->trans_a = op;
-    else if (attribute == CUBLASLT_MATMUL_DESC_TRANSB)
-        desc->trans_b = op;
-    else
-        return CUBLAS_STATUS_INVALID_VALUE;
-    return CUBLAS_STATUS_SUCCESS;
+    switch (attribute) {
+        case CUBLASLT_MATMUL_DESC_TRANSA:
+        case CUBLASLT_MATMUL_DESC_TRANSB: {
+            if (bytes != sizeof(cublasOperation_t)) return CUBLAS_STATUS_INVALID_VALUE;
+            const auto op = *static_cast<const cublasOperation_t*>(buffer);
+            if (op != CUBLAS_OP_N && op != CUBLAS_OP_T) return CUBLAS_STATUS_INVALID_VALUE;
+            (attribute == CUBLASLT_MATMUL_DESC_TRANSA ? desc->trans_a : desc->trans_b) = op;
+            return CUBLAS_STATUS_SUCCESS;
+        }
+        case CUBLASLT_MATMUL_DESC_EPILOGUE: {
+            if (bytes != sizeof(std::uint32_t)) return CUBLAS_STATUS_INVALID_VALUE;
+            const auto epilogue = *static_cast<const std::uint32_t*>(buffer);
+            if (epilogue != CUBLASLT_EPILOGUE_DEFAULT && epilogue != CUBLASLT_EPILOGUE_BIAS)
+                return CUBLAS_STATUS_NOT_SUPPORTED;  // an epilogue the stand-in does not implement
+            desc->epilogue = static_cast<cublasLtEpilogue_t>(epilogue);
+            return CUBLAS_STATUS_SUCCESS;
+        }
+        case CUBLASLT_MATMUL_DESC_BIAS_POINTER:
+        case CUBLASLT_MATMUL_DESC_A_SCALE_POINTER:
+        case CUBLASLT_MATMUL_DESC_B_SCALE_POINTER: {
+            if (bytes != sizeof(void*)) return CUBLAS_STATUS_INVALID_VALUE;
+            const void* pointer = *static_cast<const void* const*>(buffer);
+            if (attribute == CUBLASLT_MATMUL_DESC_BIAS_POINTER)
+                desc->bias = pointer;
+            else
+                (attribute == CUBLASLT_MATMUL_DESC_A_SCALE_POINTER ? desc->a_scale : desc->b_scale) =
+                    static_cast<const float*>(pointer);
+            return CUBLAS_STATUS_SUCCESS;
+        }
+        case CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE: {
+            if (bytes != sizeof(std::int32_t)) return CUBLAS_STATUS_INVALID_VALUE;
+            const auto type = *static_cast<const std::int32_t*>(buffer);
+            if (type != -1 && type != CUDA_R_32F && type != CUDA_R_16BF) return CUBLAS_STATUS_INVALID_VALUE;
+            desc->bias_type = type;
+            return CUBLAS_STATUS_SUCCESS;
+        }
+    }
+    return CUBLAS_STATUS_INVALID_VALUE;  // an attribute the stand-in does not know
 }
 cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* layout, cudaDataType_t type, std::uint64_t rows,
                                           std::uint64_t cols, std::int64_t ld) {
-    if (type != CUDA_R_32F && type != CUDA_R_16BF) return CUBLAS_STATUS_NOT_SUPPORTED;
+    if (type != CUDA_R_32F && type != CUDA_R_16BF && !is_fp8(type)) return CUBLAS_STATUS_NOT_SUPPORTED;
     if (ld < static_cast<std::int64_t>(std::max<std::uint64_t>(rows, 1))) return CUBLAS_STATUS_INVALID_VALUE;
     *layout = new nanoq_emu_lt_layout{type, rows, cols, ld};
     return CUBLAS_STATUS_SUCCESS;
@@ -122,6 +165,41 @@ cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p
     return CUBLAS_STATUS_SUCCESS;
 }
 
+namespace {
+
+// The bias type an epilogue reads: D's, except fp8 products into float32,
+// which take a bf16 bias (as cuBLASLt's table has it).
+int bias_type(const nanoq_emu_lt_desc& desc, const nanoq_emu_lt_layout& a, const nanoq_emu_lt_layout& d) {
+    if (desc.bias_type != -1) return desc.bias_type;
+    return is_fp8(a.type) && d.type == CUDA_R_32F ? CUDA_R_16BF : d.type;
+}
+
+// What the real library refuses for this combination (NOT_SUPPORTED), or success.
+cublasStatus_t supported(const nanoq_emu_lt_desc& desc, const nanoq_emu_lt_layout& a, const nanoq_emu_lt_layout& b,
+                         const nanoq_emu_lt_layout& d, std::uint64_t k) {
+    const bool fp8 = is_fp8(a.type) || is_fp8(b.type);
+    if (fp8) {
+        // Hopper's fp8 kernels: A transposed, B not ("TN"), not both e5m2, a 16-bit or float32
+        // output, and every dimension and leading dimension a multiple of 16.
+        if (!is_fp8(a.type) || !is_fp8(b.type) || (a.type == CUDA_R_8F_E5M2 && b.type == CUDA_R_8F_E5M2))
+            return CUBLAS_STATUS_NOT_SUPPORTED;
+        if (desc.trans_a != CUBLAS_OP_T || desc.trans_b != CUBLAS_OP_N) return CUBLAS_STATUS_NOT_SUPPORTED;
+        if (d.type != CUDA_R_16BF && d.type != CUDA_R_32F) return CUBLAS_STATUS_NOT_SUPPORTED;
+        for (std::uint64_t extent : {d.rows, d.cols, k, static_cast<std::uint64_t>(a.ld),
+                                     static_cast<std::uint64_t>(b.ld), static_cast<std::uint64_t>(d.ld)})
+            if (extent % 16) return CUBLAS_STATUS_NOT_SUPPORTED;
+    } else if (a.type != b.type || desc.a_scale || desc.b_scale) {
+        return CUBLAS_STATUS_NOT_SUPPORTED;
+    }
+    if (desc.epilogue == CUBLASLT_EPILOGUE_BIAS) {
+        const int type = bias_type(desc, a, d);
+        if (fp8 ? type != CUDA_R_16BF && type != d.type : type != d.type) return CUBLAS_STATUS_NOT_SUPPORTED;
+    }
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+}  // namespace
+
 cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
                                               cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c,
                                               cublasLtMatrixLayout_t d, cublasLtMatmulPreference_t preference,
@@ -133,20 +211,27 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDe
     const std::uint64_t k = desc->trans_a == CUBLAS_OP_N ? a->cols : a->rows;
     const std::uint64_t b_rows = desc->trans_b == CUBLAS_OP_N ? b->rows : b->cols;
     const std::uint64_t b_cols = desc->trans_b == CUBLAS_OP_N ? b->cols : b->rows;
-    if (a_rows != m || b_rows != k || b_cols != n || c->rows != m || c->cols != n || a->type != b->type)
+    if (a_rows != m || b_rows != k || b_cols != n || c->rows != m || c->cols != n || c->type != d->type)
         return CUBLAS_STATUS_INVALID_VALUE;
+    if (const cublasStatus_t status = supported(*desc, *a, *b, *d, k); status != CUBLAS_STATUS_SUCCESS) return status;
     for (int i = 0; i < 4; ++i)
         if (preference->align[i] == 0 || (preference->align[i] & (preference->align[i] - 1)))
             return CUBLAS_STATUS_INVALID_VALUE;
-    cublasLtMatmulHeuristicResult_t r{};
-    // The algorithm remembers the alignments it was chosen for.
-    for (int i = 0; i < 4; ++i) r.algo.data[i] = preference->align[i];
-    r.workspaceSize = std::min(preference->max_workspace, kEmulatedWorkspace);
-    r.algo.data[4] = r.workspaceSize;
-    r.state = CUBLAS_STATUS_SUCCESS;
-    r.wavesCount = 1.0f;
-    results[0] = r;
-    *returned = 1;
+    const int count = std::min(requested, kEmulatedAlgorithms);
+    for (int index = 0; index < count; ++index) {
+        cublasLtMatmulHeuristicResult_t r{};
+        // The algorithm remembers the alignments it was chosen for (the
+        // bias's from the pointer the descriptor holds, as the library does).
+        for (int i = 0; i < 4; ++i) r.algo.data[i] = preference->align[i];
+        r.workspaceSize = std::min(preference->max_workspace, kEmulatedWorkspace);
+        r.algo.data[4] = r.workspaceSize;
+        r.algo.data[5] = static_cast<std::uint64_t>(count - 1 - index);  // its delay, in kAlgorithmDelay
+        r.algo.data[6] = desc->epilogue == CUBLASLT_EPILOGUE_BIAS ? alignment_of(desc->bias) : 1;
+        r.state = CUBLAS_STATUS_SUCCESS;
+        r.wavesCount = 1.0f;
+        results[index] = r;
+    }
+    *returned = count;
     return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -164,13 +249,23 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t desc, const
     const std::int64_t m = static_cast<std::int64_t>(dl->rows), n = static_cast<std::int64_t>(dl->cols);
     const std::int64_t k = static_cast<std::int64_t>(ta ? al->rows : al->cols);
     if ((ta ? al->cols : al->rows) != dl->rows || (tb ? bl->cols : bl->rows) != static_cast<std::uint64_t>(k) ||
-        (tb ? bl->rows : bl->cols) != dl->cols || cl->rows != dl->rows || cl->cols != dl->cols)
+        (tb ? bl->rows : bl->cols) != dl->cols || cl->rows != dl->rows || cl->cols != dl->cols || cl->type != dl->type)
         return CUBLAS_STATUS_INVALID_VALUE;
+    if (supported(*desc, *al, *bl, *dl, k) != CUBLAS_STATUS_SUCCESS) return CUBLAS_STATUS_INVALID_VALUE;
+    const bool with_bias = desc->epilogue == CUBLASLT_EPILOGUE_BIAS;
+    if (with_bias && (!desc->bias || alignment_of(desc->bias) < algo->data[6])) return CUBLAS_STATUS_INVALID_VALUE;
     const float alpha = *static_cast<const float*>(alpha_p), beta = *static_cast<const float*>(beta_p);
     const nanoq_emu_lt_layout A = *al, B = *bl, C = *cl, D = *dl;
+    const auto bias_kind = static_cast<cudaDataType_t>(bias_type(*desc, A, D));
+    const void* bias = with_bias ? desc->bias : nullptr;
+    const float *a_scale = desc->a_scale, *b_scale = desc->b_scale;
+    const auto delay = static_cast<int>(algo->data[5]) * kAlgorithmDelay;
     nanoq_emu::enqueue(
         stream,
         [=] {
+            if (delay.count()) std::this_thread::sleep_for(delay);
+            // The scales are read when the product runs, as on the device.
+            const double scale = double(alpha) * (a_scale ? *a_scale : 1.0f) * (b_scale ? *b_scale : 1.0f);
             std::vector<double> column(m);
             for (std::int64_t j = 0; j < n; ++j) {
                 std::fill(column.begin(), column.end(), 0.0);
@@ -181,8 +276,9 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t desc, const
                         column[i] += load(a, A.type, ta ? p + i * A.ld : i + p * A.ld) * bv;
                 }
                 for (std::int64_t i = 0; i < m; ++i) {
-                    double value = alpha * column[i];
+                    double value = scale * column[i];
                     if (beta != 0.0f) value += beta * load(c, C.type, i + j * C.ld);  // beta 0: C is not read
+                    if (bias) value += load(bias, bias_kind, i);  // D's rows: our output's columns
                     store(d, D.type, i + j * D.ld, value);
                 }
             }

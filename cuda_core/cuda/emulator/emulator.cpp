@@ -823,6 +823,9 @@ struct nanoq_emu_event {
     std::mutex mutex;
     std::condition_variable done;
     std::uint64_t recorded = 0, completed = 0;
+    bool timing = true;  // not cudaEventDisableTiming
+    // When the stream reached the latest completed record (cudaEventElapsedTime).
+    std::chrono::steady_clock::time_point completed_at{};
 };
 
 namespace nanoq_emu {
@@ -1195,8 +1198,9 @@ cudaError_t cudaStreamQuery(cudaStream_t stream) {
     return code == cudaSuccess || code == cudaErrorNotReady ? code : report(code, message);
 }
 
-cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int) {
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int flags) {
     *event = new nanoq_emu_event();
+    (*event)->timing = !(flags & cudaEventDisableTiming);
     return cudaSuccess;
 }
 
@@ -1216,6 +1220,7 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
     nanoq_emu::resolve(stream)->push(
         [event, target] {
             std::lock_guard<std::mutex> lock(event->mutex);
+            if (target > event->completed) event->completed_at = std::chrono::steady_clock::now();
             event->completed = std::max(event->completed, target);
             event->done.notify_all();
         },
@@ -1249,6 +1254,18 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
 cudaError_t cudaEventQuery(cudaEvent_t event) {
     std::lock_guard<std::mutex> lock(event->mutex);
     return event->completed >= event->recorded ? cudaSuccess : cudaErrorNotReady;
+}
+
+cudaError_t cudaEventElapsedTime(float* milliseconds, cudaEvent_t start, cudaEvent_t end) {
+    std::chrono::steady_clock::time_point from, to;
+    for (auto [event, when] : {std::pair{start, &from}, std::pair{end, &to}}) {
+        std::lock_guard<std::mutex> lock(event->mutex);
+        if (!event->timing) return report(cudaErrorInvalidResourceHandle, "cudaEventElapsedTime of an event without timing");
+        if (event->recorded == 0 || event->completed < event->recorded) return cudaErrorNotReady;
+        *when = event->completed_at;
+    }
+    *milliseconds = std::chrono::duration<float, std::milli>(to - from).count();
+    return cudaSuccess;
 }
 
 // ---- emulator control for tests (exported: tests reach them with ctypes) ---------------

@@ -1,0 +1,134 @@
+"""The cuda backend's cuBLASLt matmuls (cuda_core/cuda/cublaslt_matmul.h):
+the bias epilogue, the algorithm chosen by measurement, on the emulator's
+cuBLASLt stand-in (cuda_core/cuda/emulator/cublasLt.h).
+
+The stand-in's heuristic offers three algorithms, the same float64 reference
+GEMM, algorithm i of 3 delayed by (2 - i) * 0.5 ms, so timing them runs the
+selection code for real. NANOQ_MATMUL_LOG=1 makes each new plan print its
+choice to stderr, which these tests read:
+  "nanoq matmul plan MxNxK ... bias=<type>: 3 algorithms, timed [t0 t1 t2] ms, chose i".
+Plans are cached per backend and choices per device for the process, so each
+test uses shapes of its own (no other test runs them first).
+"""
+
+import re
+
+import numpy as np
+import pytest
+
+from nanoq.testing import OpRunner
+from conftest import assert_array_close, require_cuda_emulator
+
+pytestmark = pytest.mark.cuda_emulated
+
+PLAN = re.compile(r"nanoq matmul plan (\d+)x(\d+)x(\d+) trans_a=(\d) trans_b=(\d) accumulate=(\d) "
+                  r"types=(-?\d+)/(-?\d+)/(-?\d+) bias=(-?\d+): (\d+) algorithms, (.*), chose (\d+)")
+CUDA_R_32F, CUDA_R_16BF = 0, 14
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    require_cuda_emulator()
+    monkeypatch.setenv("NANOQ_MATMUL_LOG", "1")
+    return OpRunner("cuda_emulated")
+
+
+def plans(capfd):
+    """The plans built since the last call: (M, N, K, accumulate, bias type, algorithms, how, chosen)."""
+    found = []
+    for line in capfd.readouterr().err.splitlines():
+        m = PLAN.search(line)
+        if m:
+            g = m.groups()
+            found.append(dict(shape=(int(g[0]), int(g[1]), int(g[2])), accumulate=int(g[5]), bias=int(g[9]),
+                              algorithms=int(g[10]), how=g[11], chosen=int(g[12])))
+    return found
+
+
+def times(how):
+    m = re.fullmatch(r"timed \[([^\]]*)\] ms", how)
+    assert m, how
+    return [float(t) for t in m.group(1).split()]
+
+
+def normal(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def test_a_plan_times_every_algorithm_and_keeps_the_fastest(emulated, capfd):
+    rng = np.random.default_rng(0)
+    M, N, K = 37, 29, 23
+    a, b = normal(rng, M, K), normal(rng, K, N)
+    out = emulated.run("matmul", a=a, b=b)
+    assert_array_close(out, a.astype(np.float64) @ b, 1e-5, "out")
+    [plan] = plans(capfd)
+    assert plan["shape"] == (M, N, K)
+    assert plan["algorithms"] == 3
+    measured = times(plan["how"])
+    assert len(measured) == 3 and all(np.isfinite(measured))
+    assert plan["chosen"] == int(np.argmin(measured))
+    # Cached: the same shape again builds no plan.
+    emulated.run("matmul", a=a, b=b)
+    assert plans(capfd) == []
+    # A second backend of the device reuses the choice (a second trainer computes bitwise as the first).
+    again = OpRunner("cuda_emulated").run("matmul", a=a, b=b)
+    [second] = plans(capfd)
+    assert second["how"] == "chosen earlier in this process" and second["chosen"] == plan["chosen"]
+    np.testing.assert_array_equal(again, out)
+
+
+def test_an_accumulating_plan_is_timed_without_touching_its_output(emulated, capfd):
+    """Timing runs the product several times; into the real output they
+    would add it several times over."""
+    rng = np.random.default_rng(1)
+    M, N, K = 41, 19, 31
+    a, b, c = normal(rng, K, M), normal(rng, N, K), normal(rng, M, N)  # trans_a, trans_b
+    out = emulated.run("matmul", a=a, b=b, trans_a=True, trans_b=True, accumulate_into=c)
+    assert_array_close(out, c + a.T.astype(np.float64) @ b.T, 1e-5, "out")
+    [plan] = plans(capfd)
+    assert plan["accumulate"] == 1 and plan["how"].startswith("timed")
+    assert plan["chosen"] == int(np.argmin(times(plan["how"])))
+
+
+def test_without_autotuning_the_heuristics_first_algorithm_runs(emulated, capfd, monkeypatch):
+    monkeypatch.setenv("NANOQ_MATMUL_AUTOTUNE", "0")
+    rng = np.random.default_rng(2)
+    a, b = normal(rng, 43, 17), normal(rng, 17, 13)
+    out = emulated.run("matmul", a=a, b=b)
+    assert_array_close(out, a.astype(np.float64) @ b, 1e-5, "out")
+    [plan] = plans(capfd)
+    assert plan["how"] == "untimed" and plan["chosen"] == 0 and plan["algorithms"] == 3
+
+
+def test_a_bad_autotune_setting_is_a_value_error(emulated, monkeypatch):
+    monkeypatch.setenv("NANOQ_MATMUL_AUTOTUNE", "yes")
+    rng = np.random.default_rng(3)
+    with pytest.raises(ValueError, match='NANOQ_MATMUL_AUTOTUNE must be 0 or 1, got "yes"'):
+        emulated.run("matmul", a=normal(rng, 47, 11), b=normal(rng, 11, 7))
+
+
+@pytest.mark.parametrize("dtype,out_dtype,bias_type", [("fp32", "fp32", CUDA_R_32F), ("bf16", "bf16", CUDA_R_16BF),
+                                                       ("bf16", "fp32", CUDA_R_32F)])
+def test_the_bias_is_added_in_the_epilogue(emulated, capfd, dtype, out_dtype, bias_type):
+    """matmul_epilogue's bias and scale go to cuBLASLt (one plan with the
+    bias epilogue, no separate kernel); against float64, with the inputs
+    as the device sees them (bf16-rounded)."""
+    rng = np.random.default_rng(4)
+    M, N, K = 24, 40, 16
+    a, b, bias = normal(rng, M, K), normal(rng, N, K), normal(rng, N)
+    out = emulated.run("matmul_epilogue", a=a, b=b, bias=bias, trans_b=True, scale=0.5, dtype=dtype,
+                       out_dtype=out_dtype)
+    [plan] = [p for p in plans(capfd) if p["bias"] != -1]
+    assert plan["bias"] == bias_type
+    if dtype == "bf16":
+        a, b = bf16(a), bf16(b)
+    if out_dtype == "bf16":
+        bias = bf16(bias)
+    expected = 0.5 * (a.astype(np.float64) @ b.T) + bias
+    assert_array_close(out, expected, 1e-2 if out_dtype == "bf16" else 1e-5, "out")
+
+
+def bf16(x):
+    """x rounded to the nearest bf16 (ties to even), as float32."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
