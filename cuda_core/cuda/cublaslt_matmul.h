@@ -59,11 +59,11 @@ public:
     // Whether the bias epilogue takes this bias for this output.
     static bool bias_supported(const Tensor& out, const Tensor& bias) { return bias.dtype == out.dtype; }
 
-    // out[M,N] (+)= (a_scale[0] * a8[M,K]) @ (b_scale[0] * b8[N,K])^T for
-    // e4m3 operands (row-major, K contiguous in both: the "TN" layout fp8
-    // needs); M, N, K multiples of 16 (fp8_supported).
+    // out[M,N] = (a_scale[0] * a8[M,K]) @ (b_scale[0] * b8[N,K])^T (+ bias[N],
+    // bf16 like out, unless empty) for e4m3 operands (row-major, K contiguous
+    // in both: the "TN" layout fp8 needs); M, N, K multiples of 16 (fp8_supported).
     void run_fp8(const Tensor& out, const void* a8, const void* b8, const float* a_scale, const float* b_scale, int M,
-                 int N, int K, bool accumulate, void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
+                 int N, int K, const Tensor& bias, void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
     static bool fp8_supported(int M, int N, int K) { return M % 16 == 0 && N % 16 == 0 && K % 16 == 0; }
 
 private:

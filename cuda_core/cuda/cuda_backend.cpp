@@ -28,6 +28,12 @@ namespace {
 constexpr std::size_t kMatmulWorkspaceBytes = std::size_t(32) << 20;
 // The fused attention's workspace in the scratch plan (when attention runs fused).
 constexpr const char* kAttentionWorkspaceName = "cudnn-attention-workspace";
+// The fp8 operands buffer: the four scale floats (amax and inverse scale of
+// the input, then of the weight), then the input, then the weight, each
+// 256-byte aligned as cuBLASLt prefers.
+constexpr std::size_t kFp8Align = 256;
+constexpr const char* kFp8OperandsName = "fp8-operands";
+std::size_t fp8_aligned(std::size_t bytes) { return (bytes + kFp8Align - 1) / kFp8Align * kFp8Align; }
 
 // Calls fn(T{}) with T the C++ type of an activation/weight dtype.
 template <class Fn>
@@ -147,6 +153,17 @@ std::size_t CudaBackend::scratch_bytes(const ScratchShapes& s, bool ask_librarie
     return std::max(bytes, embedding);
 }
 
+std::size_t CudaBackend::fp8_operand_bytes(const ScratchShapes& s) {
+    const AttentionShape& a = s.attention;
+    const std::size_t rows = std::size_t(a.batch) * a.time, q_width = std::size_t(a.heads) * a.head_dim;
+    // Inputs: the norms' output (hidden) for q/k/v and gate/up, the attention
+    // output (q_width) for o, the SwiGLU output (intermediate) for down.
+    const std::size_t widest_input = std::max({std::size_t(s.hidden), std::size_t(s.intermediate), q_width});
+    // Weights: q and o are q_width x hidden, gate, up and down intermediate x hidden (k, v smaller).
+    const std::size_t largest_weight = std::max(std::size_t(s.intermediate), q_width) * s.hidden;
+    return kFp8Align + fp8_aligned(rows * widest_input) + fp8_aligned(largest_weight);
+}
+
 std::vector<ScratchBuffer> CudaBackend::scratch_plan(const ScratchShapes& s, bool ask_libraries,
                                                      FusedAttention* attention, const std::string& why_none,
                                                      bool* fused) {
@@ -171,6 +188,9 @@ std::vector<ScratchBuffer> CudaBackend::scratch_plan(const ScratchShapes& s, boo
                         std::max<std::int64_t>(1, static_cast<std::int64_t>((workspace + 3) / 4)), MemoryKind::Device,
                         attention != nullptr});
     }
+    if (s.matmul_dtype == MatmulPrecision::FP8)
+        plan.push_back({kFp8OperandsName, DType::F32, static_cast<std::int64_t>(fp8_operand_bytes(s) / 4),
+                        MemoryKind::Device, true});
     return plan;
 }
 
@@ -224,6 +244,16 @@ void CudaBackend::raw_free(void* data, MemoryKind kind) {
 
 void CudaBackend::reserve_scratch(NamedAllocator& allocator, const ScratchShapes& s) {
     NANOQ_CUDA_CHECK(cudaSetDevice(device_));  // CUB sizes its storage for the current device
+    if (s.matmul_dtype == MatmulPrecision::FP8) {
+        // cuBLASLt's fp8 matmuls need Ada or Hopper (compute capability 8.9 or newer).
+        int major = 0, minor = 0;
+        NANOQ_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_));
+        NANOQ_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device_));
+        if (major * 10 + minor < 89)
+            throw InvalidArgument("matmul_dtype \"fp8\" needs a GPU of compute capability 8.9 or newer (Ada, "
+                                  "Hopper); device " + std::to_string(device_) + " is " + std::to_string(major) +
+                                  "." + std::to_string(minor));
+    }
     std::string why_none;
     if (!fused_attention_ && attention_engine_wanted(s)) fused_attention_ = start_fused_attention(&why_none);
     const std::vector<ScratchBuffer> plan = scratch_plan(s, true, fused_attention_.get(), why_none, &attention_fused_);
@@ -232,8 +262,11 @@ void CudaBackend::reserve_scratch(NamedAllocator& allocator, const ScratchShapes
     matmul_workspace_ = scratch[1];
     pinned_ = scratch[2];
     attention_workspace_ = Tensor();
-    for (std::size_t i = 0; i < plan.size(); ++i)
+    fp8_operands_ = Tensor();
+    for (std::size_t i = 0; i < plan.size(); ++i) {
         if (plan[i].name == kAttentionWorkspaceName) attention_workspace_ = scratch[i];
+        if (plan[i].name == kFp8OperandsName) fp8_operands_ = scratch[i];
+    }
 }
 
 void* CudaBackend::scratch(std::size_t bytes) const {
@@ -375,8 +408,42 @@ bool CudaBackend::memory_info(std::size_t* free_bytes, std::size_t* total_bytes)
     return true;
 }
 
+// The projections (q/k/v, o, gate/up, down: x[M,K] @ W[N,K]^T, fresh, scale
+// 1, bias or none) run in fp8 when matmul_dtype is fp8: the input and the
+// weight are quantized to e4m3 with their own current scales, cuBLASLt
+// multiplies them ("TN": both K-contiguous, as they are stored) into a bf16
+// output, bias in the epilogue. Not in fp8: the backward (dgrad and wgrad
+// stay bf16, from the bf16 input and weight), the classifier, products
+// that accumulate or scale (LoRA's), and shapes with a dimension that is
+// not a multiple of 16. Master weights and optimizer are untouched.
+bool CudaBackend::fp8_projection(const Tensor& out, const Tensor& a, const Tensor& b, const Tensor& bias, int M, int N,
+                                 int K, bool trans_a, bool trans_b, bool accumulate, float scale) {
+    if (options_.matmul_dtype != MatmulPrecision::FP8 || !fp8_operands_.data || in_classifier_) return false;
+    if (trans_a || !trans_b || accumulate || scale != 1.0f || !LtMatmul::fp8_supported(M, N, K)) return false;
+    if (a.dtype != DType::BF16 || b.dtype != DType::BF16 || out.dtype != DType::BF16 ||
+        (bias.data && bias.dtype != DType::BF16))
+        return false;
+    const std::size_t input_bytes = std::size_t(M) * K, weight_bytes = std::size_t(N) * K;
+    if (kFp8Align + fp8_aligned(input_bytes) + weight_bytes > fp8_operands_.bytes())
+        throw InternalError("an fp8 projection of " + std::to_string(M) + "x" + std::to_string(N) + "x" +
+                            std::to_string(K) + " needs more fp8 operand room than was reserved");
+    char* base = static_cast<char*>(fp8_operands_.data);
+    float* scales = reinterpret_cast<float*>(base);  // amax a, amax b, inverse scale a, inverse scale b
+    auto* a8 = reinterpret_cast<std::uint8_t*>(base + kFp8Align);
+    auto* b8 = reinterpret_cast<std::uint8_t*>(base + kFp8Align + fp8_aligned(input_bytes));
+    NANOQ_CUDA_CHECK(cudaMemsetAsync(scales, 0, 2 * sizeof(float), stream_));
+    cuda::fp8_quantize<bf16>(a8, &scales[0], &scales[2], ptr<bf16>(a), std::int64_t(input_bytes), stream_);
+    NANOQ_CUDA_CHECK_LAUNCH();
+    cuda::fp8_quantize<bf16>(b8, &scales[1], &scales[3], ptr<bf16>(b), std::int64_t(weight_bytes), stream_);
+    NANOQ_CUDA_CHECK_LAUNCH();
+    matmul_->run_fp8(out, a8, b8, &scales[2], &scales[3], M, N, K, bias, matmul_workspace_.data,
+                     matmul_workspace_.bytes(), stream_);
+    return true;
+}
+
 void CudaBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, int M, int N, int K, bool trans_a,
                          bool trans_b, bool accumulate) {
+    if (fp8_projection(out, a, b, Tensor(), M, N, K, trans_a, trans_b, accumulate, 1.0f)) return;
     matmul_->run(out, a, b, M, N, K, trans_a, trans_b, accumulate, matmul_workspace_.data, matmul_workspace_.bytes(),
                  stream_);
 }
@@ -388,8 +455,21 @@ void CudaBackend::matmul_epilogue(const Tensor& out, const Tensor& a, const Tens
     // rejects a scale on an accumulating product).
     if ((accumulate && scale != 1.0f) || (bias.data && !LtMatmul::bias_supported(out, bias)))
         return Backend::matmul_epilogue(out, a, b, bias, M, N, K, trans_a, trans_b, accumulate, scale);
+    if (fp8_projection(out, a, b, bias, M, N, K, trans_a, trans_b, accumulate, scale)) return;
     matmul_->run(out, a, b, M, N, K, trans_a, trans_b, accumulate, matmul_workspace_.data, matmul_workspace_.bytes(),
                  stream_, bias, scale);
+}
+
+void CudaBackend::classifier(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, const Tensor& stats,
+                             const Tensor& dhidden, const Tensor& dlm_head, const Tensor& workspace, int rows,
+                             int channels, int vocab, int time, float z_loss) {
+    struct Scope {
+        bool& flag;
+        explicit Scope(bool& f) : flag(f) { flag = true; }
+        ~Scope() { flag = false; }
+    } scope(in_classifier_);
+    Backend::classifier(hidden, lm_head, targets, stats, dhidden, dlm_head, workspace, rows, channels, vocab, time,
+                        z_loss);
 }
 
 void CudaBackend::add_bias(const Tensor& out, const Tensor& bias, int rows, int cols) {

@@ -43,8 +43,9 @@ public:
     // The options configure() kept (the defaults until it is called, as in the op harness).
     const TrainOptions& options() const { return options_; }
     // What reserve_scratch allocates (BackendPlugin::scratch_plan): the op
-    // scratch of scratch_bytes(), the cuBLASLt workspace, pinned staging and,
-    // when attention runs fused (choose_attention, fused_attention.h), the
+    // scratch of scratch_bytes(), the cuBLASLt workspace, pinned staging, with
+    // matmul_dtype fp8 the fp8 operands (fp8_operand_bytes) and, when
+    // attention runs fused (choose_attention, fused_attention.h), the
     // fused attention's workspace, asked of `attention` where given (else
     // its upper bound, inexact). *fused (may be null) says whether it does.
     static std::vector<ScratchBuffer> scratch_plan(const ScratchShapes& shapes, bool ask_libraries,
@@ -53,6 +54,9 @@ public:
     // One op scratch for the largest op's need (ops run in order on the
     // stream); *exact as ScratchBuffer::exact.
     static std::size_t scratch_bytes(const ScratchShapes& shapes, bool ask_libraries, bool* exact);
+    // The fp8 projections' quantized input and weight and their scales: room
+    // for the largest projection of the shapes.
+    static std::size_t fp8_operand_bytes(const ScratchShapes& shapes);
     void* raw_alloc(std::size_t bytes, MemoryKind kind) override;
     void raw_free(void* data, MemoryKind kind) override;
     void reserve_scratch(NamedAllocator& allocator, const ScratchShapes& shapes) override;
@@ -73,6 +77,10 @@ public:
                 bool accumulate) override;
     void matmul_epilogue(const Tensor& out, const Tensor& a, const Tensor& b, const Tensor& bias, int M, int N, int K,
                          bool trans_a, bool trans_b, bool accumulate, float scale) override;
+    // With matmul_dtype fp8, the classifier's matmuls stay in the activations' dtype.
+    void classifier(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, const Tensor& stats,
+                    const Tensor& dhidden, const Tensor& dlm_head, const Tensor& workspace, int rows, int channels,
+                    int vocab, int time, float z_loss) override;
     void add_bias(const Tensor& out, const Tensor& bias, int rows, int cols) override;
     void bias_backward(const Tensor& dbias, const Tensor& dout, int rows, int cols) override;
     void add(const Tensor& out, const Tensor& a, const Tensor& b) override;
@@ -108,6 +116,10 @@ public:
 
 private:
     void* scratch(std::size_t bytes) const;
+    // The fp8 path of a projection out = a @ b^T (+ bias): true when it ran,
+    // false when the call is not one (see cuda_backend.cpp) or fp8 is off.
+    bool fp8_projection(const Tensor& out, const Tensor& a, const Tensor& b, const Tensor& bias, int M, int N, int K,
+                        bool trans_a, bool trans_b, bool accumulate, float scale);
 
     int device_;
     TrainOptions options_;
@@ -115,6 +127,8 @@ private:
     std::unique_ptr<LtMatmul> matmul_;
     Tensor scratch_;          // shared by all ops: they run in order on one stream
     Tensor matmul_workspace_;
+    Tensor fp8_operands_;     // empty unless matmul_dtype is fp8
+    bool in_classifier_ = false;
     Tensor pinned_;           // host staging for copy_from_host
     // Fused attention (cuDNN): started by reserve_scratch when the shapes may
     // use it; attention_fused_ says whether attention runs there.

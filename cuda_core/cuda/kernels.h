@@ -103,6 +103,18 @@ template <class T>
 void swiglu_backward(T* dgate, T* dup, const T* dout, const T* gate, const T* up, std::int64_t n,
                      cudaStream_t stream);
 
+// ---- fp8 operands (kernels_fp8.cu) -----------------------------------------
+// e4m3's largest finite value.
+constexpr float kE4m3Max = 448.0f;
+// Current per-tensor scaling of x[n]: amax (which must hold 0 on entry)
+// becomes max|x|, out[i] = e4m3(x[i] * scale) with scale = 448 / amax
+// (1 when amax is 0 or not finite), rounded to nearest even and saturated
+// to +-448, and inverse_scale[0] = 1 / scale, the factor cuBLASLt
+// multiplies the product by. amax and inverse_scale are device floats.
+template <class T>
+void fp8_quantize(std::uint8_t* out, float* amax, float* inverse_scale, const T* x, std::int64_t n,
+                  cudaStream_t stream);
+
 // ---- fused classifier (kernels_classifier.cu) ------------------------------
 // For rows with target != -100: lse = logsumexp(logits[r]), loss = lse -
 // logits[r, target]; adds into the float64 stats[kStatCount] (slots of

@@ -38,7 +38,11 @@ constexpr unsigned int cudaHostAllocDefault = 0x0;
 #define cudaStreamLegacy (reinterpret_cast<cudaStream_t>(0x1))
 #define cudaStreamPerThread (reinterpret_cast<cudaStream_t>(0x2))
 
+// The attributes nanoq asks for; the emulated devices are of compute capability 9.0 (Hopper).
+enum cudaDeviceAttr : int { cudaDevAttrComputeCapabilityMajor = 75, cudaDevAttrComputeCapabilityMinor = 76 };
+
 cudaError_t cudaGetDeviceCount(int* count);
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int device);
 cudaError_t cudaSetDevice(int device);
 cudaError_t cudaGetDevice(int* device);
 cudaError_t cudaDeviceSynchronize();

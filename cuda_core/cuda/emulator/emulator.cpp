@@ -1008,6 +1008,16 @@ cudaError_t cudaGetDeviceCount(int* count) {
     return cudaSuccess;
 }
 
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int device) {
+    if (device < 0 || device >= nanoq_emu::device_count())
+        return report(cudaErrorInvalidDevice, "invalid device ordinal " + std::to_string(device));
+    switch (attribute) {
+        case cudaDevAttrComputeCapabilityMajor: *value = 9; return cudaSuccess;
+        case cudaDevAttrComputeCapabilityMinor: *value = 0; return cudaSuccess;
+    }
+    return report(cudaErrorInvalidValue, "cudaDeviceGetAttribute of an attribute the emulator does not know");
+}
+
 cudaError_t cudaSetDevice(int device) {
     if (device < 0 || device >= nanoq_emu::device_count())
         return report(cudaErrorInvalidDevice, "invalid device ordinal " + std::to_string(device));
