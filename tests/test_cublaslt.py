@@ -132,3 +132,25 @@ def bf16(x):
     """x rounded to the nearest bf16 (ties to even), as float32."""
     bits = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+
+
+def test_the_cublaslt_stand_in_refuses_what_the_library_refuses():
+    """The emulator's cuBLASLt implements the epilogues nanoq asks for and
+    refuses the rest, and holds fp8 to Hopper's rules (15 = NOT_SUPPORTED,
+    7 = INVALID_VALUE), so that a wrong call fails here as on a GPU."""
+    import ctypes
+    import os
+
+    import nanoq
+
+    require_cuda_emulator()
+    nanoq.backends()
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(nanoq._core.__file__), "libnanoq_cuda_emulated.so"))
+    report = ctypes.create_string_buffer(4096)
+    assert lib.nanoq_emu_cublaslt_refusals(report, 4096) == 0
+    statuses = dict(word.split("=") for word in report.value.decode().split())
+    assert statuses == {
+        "relu_epilogue": "15", "bias_epilogue": "0", "unknown_attribute": "7",
+        "fp8_tn": "0", "fp8_tn_algorithms": "3", "fp8_nn": "15", "fp8_m24": "15", "fp8_into_fp8": "15",
+        "scale_on_bf16": "15", "f32_bias_on_bf16": "15", "bias_epilogue_without_bias": "7",
+    }

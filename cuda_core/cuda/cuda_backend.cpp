@@ -159,8 +159,11 @@ std::size_t CudaBackend::fp8_operand_bytes(const ScratchShapes& s) {
     // Inputs: the norms' output (hidden) for q/k/v and gate/up, the attention
     // output (q_width) for o, the SwiGLU output (intermediate) for down.
     const std::size_t widest_input = std::max({std::size_t(s.hidden), std::size_t(s.intermediate), q_width});
-    // Weights: q and o are q_width x hidden, gate, up and down intermediate x hidden (k, v smaller).
-    const std::size_t largest_weight = std::max(std::size_t(s.intermediate), q_width) * s.hidden;
+    // Weights: room for the packed ones a fused override may multiply at once:
+    // gate|up (2 intermediate x hidden) and q|k|v ((heads + 2 kv_heads) head_dim
+    // x hidden); o and down are smaller than those.
+    const std::size_t packed_qkv = std::size_t(a.heads + 2 * a.kv_heads) * a.head_dim;
+    const std::size_t largest_weight = std::max(2 * std::size_t(s.intermediate), packed_qkv) * s.hidden;
     return kFp8Align + fp8_aligned(rows * widest_input) + fp8_aligned(largest_weight);
 }
 

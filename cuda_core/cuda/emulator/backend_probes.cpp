@@ -1,11 +1,13 @@
-// Entry points for tests that drive the cuda backend's fp8 path below the
-// trainer (tests/test_fp8.py, through ctypes): the quantize kernels alone,
-// and one projection through CudaBackend configured for fp8. The op harness
-// cannot reach them: the fp8 path needs TrainOptions and its own scratch.
-// Compiled into the emulated backend only. Each returns 0, or 1 with the
-// error in `message`.
+// Entry points for tests that reach below the trainer and the op harness
+// (through ctypes): the fp8 quantize kernels alone and one projection
+// through CudaBackend configured for fp8 (tests/test_fp8.py; the fp8 path
+// needs TrainOptions and its own scratch, which the op harness does not
+// give), and what the cuBLASLt stand-in refuses (tests/test_cublaslt.py).
+// Compiled into the emulated backend only. The fp8 ones return 0, or 1 with
+// the error in `message`.
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -13,6 +15,7 @@
 #include "cuda/cuda_backend.h"
 #include "cuda/cuda_check.h"
 #include "cuda/kernels.h"
+#include "cublasLt.h"
 
 namespace {
 
@@ -108,4 +111,100 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_projection(i
     } catch (const std::exception& e) {
         return fail(e, message, message_bytes);
     }
+}
+
+// The stand-in's statuses for calls the real library refuses (or accepts),
+// as "name=status" words: what tests/test_cublaslt.py holds them to.
+extern "C" __attribute__((visibility("default"))) int nanoq_emu_cublaslt_refusals(char* report, int report_bytes) {
+    std::string out;
+    auto note = [&](const char* name, int status) { out += std::string(name) + "=" + std::to_string(status) + " "; };
+    cublasLtHandle_t handle = nullptr;
+    cublasLtCreate(&handle);
+    // A product of m x n from (op A) m x k and (op B) k x n, column-major.
+    auto heuristic = [&](cudaDataType_t ab, cudaDataType_t d, bool a_transposed, int m, int n, int k,
+                         const std::function<void(cublasLtMatmulDesc_t)>& extra, int* returned) {
+        cublasLtMatmulDesc_t desc = nullptr;
+        cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+        const cublasOperation_t ta = a_transposed ? CUBLAS_OP_T : CUBLAS_OP_N;
+        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta));
+        if (extra) extra(desc);
+        cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+        cublasLtMatrixLayoutCreate(&a, ab, a_transposed ? k : m, a_transposed ? m : k, a_transposed ? k : m);
+        cublasLtMatrixLayoutCreate(&b, ab, k, n, k);
+        cublasLtMatrixLayoutCreate(&c, d, m, n, m);
+        cublasLtMatmulPreference_t preference = nullptr;
+        cublasLtMatmulPreferenceCreate(&preference);
+        cublasLtMatmulHeuristicResult_t results[8];
+        const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, desc, a, b, c, c, preference, 8, results,
+                                                                     returned);
+        cublasLtMatmulPreferenceDestroy(preference);
+        cublasLtMatrixLayoutDestroy(a);
+        cublasLtMatrixLayoutDestroy(b);
+        cublasLtMatrixLayoutDestroy(c);
+        cublasLtMatmulDescDestroy(desc);
+        return static_cast<int>(status);
+    };
+    int returned = 0;
+    {
+        cublasLtMatmulDesc_t desc = nullptr;
+        cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+        const std::uint32_t relu = 2, bias = CUBLASLT_EPILOGUE_BIAS;
+        note("relu_epilogue", cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &relu, sizeof(relu)));
+        note("bias_epilogue", cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &bias, sizeof(bias)));
+        const std::int8_t fast = 1;  // CUBLASLT_MATMUL_DESC_FAST_ACCUM: not one the stand-in knows
+        note("unknown_attribute", cublasLtMatmulDescSetAttribute(
+                                      desc, static_cast<cublasLtMatmulDescAttributes_t>(25), &fast, sizeof(fast)));
+        cublasLtMatmulDescDestroy(desc);
+    }
+    note("fp8_tn", heuristic(CUDA_R_8F_E4M3, CUDA_R_16BF, true, 32, 16, 48, nullptr, &returned));
+    note("fp8_tn_algorithms", returned);
+    note("fp8_nn", heuristic(CUDA_R_8F_E4M3, CUDA_R_16BF, false, 32, 16, 48, nullptr, &returned));
+    note("fp8_m24", heuristic(CUDA_R_8F_E4M3, CUDA_R_16BF, true, 24, 16, 48, nullptr, &returned));
+    note("fp8_into_fp8", heuristic(CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, true, 32, 16, 48, nullptr, &returned));
+    const float one = 1.0f;
+    const float* scale = &one;
+    note("scale_on_bf16", heuristic(CUDA_R_16BF, CUDA_R_16BF, false, 8, 8, 8,
+                                    [&](cublasLtMatmulDesc_t desc) {
+                                        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                                                       &scale, sizeof(scale));
+                                    },
+                                    &returned));
+    note("f32_bias_on_bf16", heuristic(CUDA_R_16BF, CUDA_R_16BF, false, 8, 8, 8,
+                                       [&](cublasLtMatmulDesc_t desc) {
+                                           const std::uint32_t bias = CUBLASLT_EPILOGUE_BIAS;
+                                           const std::int32_t type = CUDA_R_32F;
+                                           cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &bias,
+                                                                          sizeof(bias));
+                                           cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                                                                          &type, sizeof(type));
+                                       },
+                                       &returned));
+    {
+        // The bias epilogue run without a bias pointer.
+        cublasLtMatmulDesc_t desc = nullptr;
+        cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+        const std::uint32_t bias = CUBLASLT_EPILOGUE_BIAS;
+        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &bias, sizeof(bias));
+        cublasLtMatrixLayout_t layout = nullptr;
+        cublasLtMatrixLayoutCreate(&layout, CUDA_R_32F, 8, 8, 8);
+        cublasLtMatmulPreference_t preference = nullptr;
+        cublasLtMatmulPreferenceCreate(&preference);
+        cublasLtMatmulHeuristicResult_t result;
+        cublasLtMatmulAlgoGetHeuristic(handle, desc, layout, layout, layout, layout, preference, 1, &result, &returned);
+        void* data = nullptr;
+        cudaMalloc(&data, 3 * 64 * sizeof(float));
+        float* m = static_cast<float*>(data);
+        const float zero = 0.0f;
+        note("bias_epilogue_without_bias", cublasLtMatmul(handle, desc, &one, m, layout, m + 64, layout, &zero, m + 128,
+                                                          layout, m + 128, layout, &result.algo, nullptr, 0, nullptr));
+        cudaDeviceSynchronize();
+        cudaFree(data);
+        cublasLtMatmulPreferenceDestroy(preference);
+        cublasLtMatrixLayoutDestroy(layout);
+        cublasLtMatmulDescDestroy(desc);
+    }
+    cublasLtDestroy(handle);
+    std::strncpy(report, out.c_str(), report_bytes - 1);
+    report[report_bytes - 1] = '\0';
+    return 0;
 }
