@@ -190,11 +190,13 @@ int LtMatmul::remembered_choice(int device, const Key& key, int choice) {
 int LtMatmul::fastest(const Plan& p, const cublasLtMatmulHeuristicResult_t* results, int count, const Product& x,
                       void* workspace, std::size_t workspace_bytes, cudaStream_t stream, std::string* log) {
     // A fresh product may be timed into its own output (the call that
-    // follows overwrites it); one that accumulates into a scratch copy, so
-    // that out is left as it was. Without room for that, no timing.
+    // follows overwrites it); one that accumulates into a scratch output, so
+    // that out is left as it was. Stream-ordered, so that no device-wide
+    // synchronisation (cudaFree's) waits on collectives of other streams.
+    // Without room for it, no timing.
     void* out = x.out;
     if (x.accumulate) {
-        if (cudaMalloc(&out, x.out_bytes) != cudaSuccess) {
+        if (cudaMallocAsync(&out, x.out_bytes, stream) != cudaSuccess) {
             cudaGetLastError();
             *log = "untimed (no memory for a scratch output)";
             return 0;
@@ -232,10 +234,7 @@ int LtMatmul::fastest(const Plan& p, const cublasLtMatmulHeuristicResult_t* resu
     } catch (...) {
         failure = std::current_exception();
     }
-    if (x.accumulate) {
-        host_wait_(stop);
-        cudaFree(out);
-    }
+    if (x.accumulate) cudaFreeAsync(out, stream);
     cudaEventDestroy(start);
     cudaEventDestroy(stop);
     if (failure) std::rethrow_exception(failure);

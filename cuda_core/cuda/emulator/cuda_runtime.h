@@ -56,6 +56,9 @@ template <class T> inline cudaError_t cudaMalloc(T** pointer, std::size_t bytes)
     return cudaMalloc(reinterpret_cast<void**>(pointer), bytes);
 }
 cudaError_t cudaFree(void* pointer);
+// Stream-ordered allocation (the runtime's default memory pool on a GPU).
+cudaError_t cudaMallocAsync(void** pointer, std::size_t bytes, cudaStream_t stream);
+cudaError_t cudaFreeAsync(void* pointer, cudaStream_t stream);
 cudaError_t cudaMallocHost(void** pointer, std::size_t bytes);
 template <class T> inline cudaError_t cudaMallocHost(T** pointer, std::size_t bytes) {
     return cudaMallocHost(reinterpret_cast<void**>(pointer), bytes);

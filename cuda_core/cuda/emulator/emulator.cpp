@@ -1093,6 +1093,17 @@ cudaError_t cudaFree(void* pointer) {
     return pending;
 }
 
+cudaError_t cudaMallocAsync(void** pointer, std::size_t bytes, cudaStream_t) {
+    return cudaMalloc(pointer, bytes);  // host memory: usable at once, so by the stream's later work too
+}
+
+cudaError_t cudaFreeAsync(void* pointer, cudaStream_t stream) {
+    if (!pointer) return cudaSuccess;
+    // Stream-ordered: freed once the stream's earlier work has run, without waiting for the device.
+    nanoq_emu::resolve(stream)->push([pointer] { memory().release(pointer, false); }, "cudaFreeAsync", true);
+    return cudaSuccess;
+}
+
 cudaError_t cudaMallocHost(void** pointer, std::size_t bytes) {
     *pointer = memory().allocate(bytes, -1);
     return *pointer ? cudaSuccess : report(cudaErrorMemoryAllocation, "out of pinned host memory");
