@@ -2,9 +2,11 @@
 the bias epilogue, the algorithm chosen by measurement, on the emulator's
 cuBLASLt stand-in (cuda_core/cuda/emulator/cublasLt.h).
 
-The stand-in's heuristic offers three algorithms, the same float64 reference
-GEMM, algorithm i of 3 delayed by (2 - i) * 0.5 ms, so timing them runs the
-selection code for real. NANOQ_MATMUL_LOG=1 makes each new plan print its
+Asked to (NANOQ_EMU_LT_ALGORITHMS=3; it offers one by default), the stand-in's
+heuristic offers three algorithms, the same float64 reference GEMM, algorithm
+i of 3 delayed by (2 - i) * 0.5 ms, so timing them runs the selection code
+for real; since all three compute alike, tuning must leave results bitwise
+as they are without it. NANOQ_MATMUL_LOG=1 makes each new plan print its
 choice to stderr, which these tests read:
   "nanoq matmul plan MxNxK ... bias=<type>: 3 algorithms, timed [t0 t1 t2] ms, chose i".
 Plans are cached per backend and choices per device for the process, so each
@@ -14,6 +16,7 @@ test uses shapes of its own (no other test runs them first).
 import re
 
 import numpy as np
+import nanoq
 import pytest
 
 from nanoq.testing import OpRunner
@@ -30,6 +33,7 @@ CUDA_R_32F, CUDA_R_16BF = 0, 14
 def emulated(monkeypatch):
     require_cuda_emulator()
     monkeypatch.setenv("NANOQ_MATMUL_LOG", "1")
+    monkeypatch.setenv("NANOQ_EMU_LT_ALGORITHMS", "3")
     return OpRunner("cuda_emulated")
 
 
@@ -134,7 +138,7 @@ def bf16(x):
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
 
 
-def test_the_cublaslt_stand_in_refuses_what_the_library_refuses():
+def test_the_cublaslt_stand_in_refuses_what_the_library_refuses(monkeypatch):
     """The emulator's cuBLASLt implements the epilogues nanoq asks for and
     refuses the rest, and holds fp8 to Hopper's rules (15 = NOT_SUPPORTED,
     7 = INVALID_VALUE), so that a wrong call fails here as on a GPU."""
@@ -144,6 +148,7 @@ def test_the_cublaslt_stand_in_refuses_what_the_library_refuses():
     import nanoq
 
     require_cuda_emulator()
+    monkeypatch.setenv("NANOQ_EMU_LT_ALGORITHMS", "3")
     nanoq.backends()
     lib = ctypes.CDLL(os.path.join(os.path.dirname(nanoq._core.__file__), "libnanoq_cuda_emulated.so"))
     report = ctypes.create_string_buffer(4096)
@@ -154,3 +159,41 @@ def test_the_cublaslt_stand_in_refuses_what_the_library_refuses():
         "fp8_tn": "0", "fp8_tn_algorithms": "3", "fp8_nn": "15", "fp8_m24": "15", "fp8_into_fp8": "15",
         "scale_on_bf16": "15", "f32_bias_on_bf16": "15", "bias_epilogue_without_bias": "7",
     }
+
+
+def test_tuned_training_is_bitwise_untuned_training(monkeypatch, capfd):
+    """Two devices, two micro-batches per step (weight gradients accumulate):
+    every plan timed on the first use of its shape, into the output or a
+    scratch one, must leave the run bitwise as with NANOQ_MATMUL_AUTOTUNE=0
+    (on the emulator every algorithm computes alike). A model shape of its
+    own, so that no earlier test's choices are reused."""
+    require_cuda_emulator()
+    monkeypatch.setenv("NANOQ_MATMUL_LOG", "1")
+    monkeypatch.setenv("NANOQ_EMU_LT_ALGORITHMS", "3")
+    config = nanoq.ModelConfig(vocab_size=96, hidden_size=40, intermediate_size=56, num_hidden_layers=1,
+                               num_attention_heads=5, num_key_value_heads=1)
+    options = nanoq.TrainOptions(backend="cuda_emulated", dtype="bf16", devices=2, batch_size=2, seq_len=12,
+                                 grad_accum=2, seed=0)
+    rng = np.random.default_rng(5)
+    batches = [(rng.integers(0, 96, (4, 12), dtype=np.int32), rng.integers(0, 96, (4, 12), dtype=np.int32))
+               for _ in range(4)]
+
+    def run():
+        with nanoq.Trainer(config, options) as trainer:
+            trainer.init_weights(3)
+            losses = []
+            for i in range(0, 4, 2):
+                for inputs, targets in batches[i:i + 2]:
+                    trainer.step(inputs, targets)
+                losses.append(trainer.update(lr=1e-2).loss)
+            return losses, trainer.get_weights()
+
+    tuned_losses, tuned = run()
+    tuned_plans = plans(capfd)
+    monkeypatch.setenv("NANOQ_MATMUL_AUTOTUNE", "0")
+    plain_losses, plain = run()
+    assert any(p["accumulate"] == 1 and p["how"].startswith("timed") for p in tuned_plans), tuned_plans
+    assert all(p["how"].startswith("timed") or p["how"] == "chosen earlier in this process" for p in tuned_plans)
+    assert tuned_losses == plain_losses
+    for name in plain:
+        np.testing.assert_array_equal(tuned[name], plain[name], name)

@@ -6,9 +6,9 @@
 // workspace smaller than the heuristic's result asked for. Of the epilogues
 // it knows the default and the bias (an unknown one is refused); fp8 (e4m3,
 // e5m2) operands need Hopper's "TN" form and dimensions that are multiples of
-// 16, and take per-tensor scale pointers. The heuristic offers several
-// algorithms (the same reference math, each slower by a known delay) so that
-// choosing among them by timing runs in tests.
+// 16, and take per-tensor scale pointers. The heuristic can offer several
+// algorithms (NANOQ_EMU_LT_ALGORITHMS: the same reference math, each slower
+// by a known delay) so that choosing among them by timing runs in tests.
 #pragma once
 
 #include <cstddef>

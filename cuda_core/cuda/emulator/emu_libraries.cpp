@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstdio>
 #include <condition_variable>
 #include <map>
@@ -42,10 +43,20 @@ struct nanoq_emu_lt_preference {
 namespace {
 
 constexpr std::size_t kEmulatedWorkspace = 1 << 20;
-// The heuristic's algorithms: the same reference GEMM, algorithm i of n
+// The heuristic offers NANOQ_EMU_LT_ALGORITHMS algorithms (default 1, at
+// most 8; read at each call): the same reference GEMM, algorithm i of n
 // slower by (n - 1 - i) * kAlgorithmDelay, so that the fastest one is known.
-constexpr int kEmulatedAlgorithms = 3;
+// One by default because timing several multiplies the emulator's slowest
+// work, the reference GEMM, on the first use of every shape; the tests of
+// the choice (test_cublaslt.py) ask for more.
+constexpr int kMaxEmulatedAlgorithms = 8;
 constexpr auto kAlgorithmDelay = std::chrono::microseconds(500);
+
+int offered_algorithms() {
+    const char* text = std::getenv("NANOQ_EMU_LT_ALGORITHMS");
+    const int count = text && *text ? std::atoi(text) : 1;
+    return std::clamp(count, 1, kMaxEmulatedAlgorithms);
+}
 
 bool is_fp8(int type) { return type == CUDA_R_8F_E4M3 || type == CUDA_R_8F_E5M2; }
 
@@ -217,7 +228,7 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDe
     for (int i = 0; i < 4; ++i)
         if (preference->align[i] == 0 || (preference->align[i] & (preference->align[i] - 1)))
             return CUBLAS_STATUS_INVALID_VALUE;
-    const int count = std::min(requested, kEmulatedAlgorithms);
+    const int count = std::min(requested, offered_algorithms());
     for (int index = 0; index < count; ++index) {
         cublasLtMatmulHeuristicResult_t r{};
         // The algorithm remembers the alignments it was chosen for (the
