@@ -11,10 +11,11 @@ Checked here on the emulator (cuda_core/cuda/emulator: an e4m3 type with
 CUDA's rounding and saturation, and a float64 reference GEMM that reads fp8
 operands and their scale pointers):
   - the quantize kernels against PyTorch's float8_e4m3fn rounding (bitwise);
-  - one projection against float64: bitwise-close to the product of the
-    dequantized operands (only the bf16 output rounding differs, 1e-2 of
-    max |out|), and within 0.1 of max |out| of the unquantized product
-    (e4m3 keeps 3 mantissa bits: each operand is off by up to 2^-4 relative);
+  - one projection against float64: within 1e-2 of max |out| of the
+    product of the dequantized operands (what differs is the bf16 rounding
+    of the output), and within 0.1 of max |out| of the unquantized product
+    (e4m3 keeps 3 mantissa bits: each operand is off by up to 2^-4 relative;
+    measured 0.035 on these inputs);
   - training steps with fp8 against bf16: losses within FP8_LOSS_REL;
   - the memory plan holds the fp8 operand buffer.
 On a GPU (marked gpu): the same steps, and 200 steps of the demo whose final
@@ -35,7 +36,8 @@ from conftest import CUDA_BACKENDS, assert_array_close, random_batch, require_cu
 
 E4M3_MAX = np.float32(448.0)
 CUDA_R_16BF, CUDA_R_8F_E4M3 = 14, 28
-# Relative difference of the loss, fp8 against bf16, over the steps below.
+# Relative difference of the loss, fp8 against bf16, over the steps below
+# (measured up to 4.2e-3 on the emulator).
 FP8_LOSS_REL = 1.5e-2
 
 

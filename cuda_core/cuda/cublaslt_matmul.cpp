@@ -6,8 +6,10 @@
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cuda/cuda_check.h"
@@ -54,6 +56,10 @@ bool env_flag(const char* name, bool fallback) {
     throw InvalidArgument(std::string(name) + " must be 0 or 1, got \"" + value + "\"");
 }
 
+struct PreferenceDeleter {
+    void operator()(cublasLtMatmulPreference_t preference) const { cublasLtMatmulPreferenceDestroy(preference); }
+};
+
 template <class T>
 void set_desc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribute, const T& value, const char* what) {
     check_lt(cublasLtMatmulDescSetAttribute(desc, attribute, &value, sizeof(value)), what);
@@ -80,14 +86,16 @@ LtMatmul::LtMatmul(std::function<void(cudaEvent_t)> host_wait) : host_wait_(std:
     check_lt(cublasLtCreate(&handle_), "cublasLtCreate");
 }
 
+void LtMatmul::destroy(Plan& p) {
+    if (p.a) cublasLtMatrixLayoutDestroy(p.a);
+    if (p.b) cublasLtMatrixLayoutDestroy(p.b);
+    if (p.c) cublasLtMatrixLayoutDestroy(p.c);
+    if (p.desc) cublasLtMatmulDescDestroy(p.desc);
+    p = Plan{};
+}
+
 LtMatmul::~LtMatmul() {
-    for (auto& entry : plans_) {
-        Plan& p = entry.second;
-        cublasLtMatrixLayoutDestroy(p.a);
-        cublasLtMatrixLayoutDestroy(p.b);
-        cublasLtMatrixLayoutDestroy(p.c);
-        cublasLtMatmulDescDestroy(p.desc);
-    }
+    for (auto& entry : plans_) destroy(entry.second);
     if (handle_) cublasLtDestroy(handle_);
 }
 
@@ -95,8 +103,20 @@ LtMatmul::Plan& LtMatmul::plan(const Key& key, const Product& x, void* workspace
                                cudaStream_t stream) {
     auto it = plans_.find(key);
     if (it != plans_.end()) return it->second;
-    const int M = x.M, N = x.N, K = x.K;
+    const bool autotune = env_flag("NANOQ_MATMUL_AUTOTUNE", true), log_plan = env_flag("NANOQ_MATMUL_LOG", false);
     Plan p;
+    try {
+        build(p, x, workspace, workspace_bytes, stream, autotune, log_plan, key);
+    } catch (...) {
+        destroy(p);
+        throw;
+    }
+    return plans_.emplace(key, p).first->second;
+}
+
+void LtMatmul::build(Plan& p, const Product& x, void* workspace, std::size_t workspace_bytes, cudaStream_t stream,
+                     bool autotune, bool log_plan, const Key& key) {
+    const int M = x.M, N = x.N, K = x.K;
     check_lt(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
     // Column-major view: D[N,M] = op(B') @ op(A'), B' being our b and A' our a.
     const cublasOperation_t op_first = x.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -123,6 +143,7 @@ LtMatmul::Plan& LtMatmul::plan(const Key& key, const Product& x, void* workspace
 
     cublasLtMatmulPreference_t preference = nullptr;
     check_lt(cublasLtMatmulPreferenceCreate(&preference), "cublasLtMatmulPreferenceCreate");
+    const std::unique_ptr<std::remove_pointer_t<cublasLtMatmulPreference_t>, PreferenceDeleter> owned(preference);
     const std::uint64_t max_workspace = workspace_bytes;
     check_lt(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                   &max_workspace, sizeof(max_workspace)),
@@ -142,23 +163,16 @@ LtMatmul::Plan& LtMatmul::plan(const Key& key, const Product& x, void* workspace
     int found = 0;
     const cublasStatus_t status =
         cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, preference, kCandidates, results, &found);
-    cublasLtMatmulPreferenceDestroy(preference);
     // Only those the heuristic vouches for that fit the workspace.
     int usable = 0;
     for (int i = 0; status == CUBLAS_STATUS_SUCCESS && i < found; ++i)
         if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= workspace_bytes)
             results[usable++] = results[i];
     const std::string shape = std::to_string(M) + "x" + std::to_string(N) + "x" + std::to_string(K);
-    if (usable == 0) {
-        cublasLtMatrixLayoutDestroy(p.a);
-        cublasLtMatrixLayoutDestroy(p.b);
-        cublasLtMatrixLayoutDestroy(p.c);
-        cublasLtMatmulDescDestroy(p.desc);
-        throw NanoqError("cuBLASLt has no algorithm for a " + shape + " matmul of these dtypes");
-    }
+    if (usable == 0) throw NanoqError("cuBLASLt has no algorithm for a " + shape + " matmul of these dtypes");
     std::string log = "untimed";
     int chosen = 0;
-    if (usable > 1 && env_flag("NANOQ_MATMUL_AUTOTUNE", true)) {
+    if (usable > 1 && autotune) {
         int device = 0;
         NANOQ_CUDA_CHECK(cudaGetDevice(&device));
         chosen = remembered_choice(device, key, -1);
@@ -170,12 +184,11 @@ LtMatmul::Plan& LtMatmul::plan(const Key& key, const Product& x, void* workspace
         }
     }
     p.algo = results[chosen].algo;
-    if (env_flag("NANOQ_MATMUL_LOG", false))
+    if (log_plan)
         std::fprintf(stderr, "nanoq matmul plan %s trans_a=%d trans_b=%d accumulate=%d types=%d/%d/%d bias=%d: "
                              "%d algorithms, %s, chose %d\n",
                      shape.c_str(), x.trans_a, x.trans_b, x.accumulate, x.out_type, x.a_type, x.b_type, x.bias_type,
                      usable, log.c_str(), chosen);
-    return plans_.emplace(key, p).first->second;
 }
 
 int LtMatmul::remembered_choice(int device, const Key& key, int choice) {

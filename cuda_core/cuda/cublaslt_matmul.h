@@ -79,6 +79,10 @@ private:
     void execute(const Product& product, void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
     Plan& plan(const Key& key, const Product& product, void* workspace, std::size_t workspace_bytes,
                cudaStream_t stream);
+    // Fills `plan`'s descriptors and algorithm (plan() destroys it if this throws).
+    void build(Plan& plan, const Product& product, void* workspace, std::size_t workspace_bytes, cudaStream_t stream,
+               bool autotune, bool log_plan, const Key& key);
+    static void destroy(Plan& plan);
     // The index of the fastest of `count` algorithms for `product`, timed on `stream`.
     int fastest(const Plan& plan, const cublasLtMatmulHeuristicResult_t* results, int count, const Product& product,
                 void* workspace, std::size_t workspace_bytes, cudaStream_t stream, std::string* log);
