@@ -245,7 +245,7 @@ CURVE_STEPS = 200
 
 @pytest.mark.gpu
 def test_fp8_demo_loss_curve_follows_bf16(tmp_path, cuda_device):
-    """bench/gpu_check.sh runs this: `pytest -m gpu tests/test_fp8.py`."""
+    """bench/gpu_check.sh runs this with the other gpu tests (`pytest -m gpu`)."""
     from nanoq.training import TrainConfig, train
 
     results = {}
