@@ -6,7 +6,8 @@ A composite's default body composes the primitives; a backend may override
 it with a fused kernel. The `..._matches_default_composition` tests run every
 composite through the op harness (its entries in op_table.cpp) twice on the
 same inputs, once as the backend implements it and once with
-use_default=True (Backend::op called explicitly), on the cpu backend
+use_default=True (the default body, and the default bodies of the composites
+it calls, over the backend's primitives), on the cpu backend
 (float32, bitwise) and the emulated cuda backend (float32 and bf16). `test_composite_matches_reference` holds both against an
 independent PyTorch float64 composition, so a wrong default (or a wrong
 override) fails there.

@@ -114,6 +114,15 @@ public:
                const AdamWStep& step) override;
     void adamw_shard(const AdamWShard& shard) override;
 
+    // Fused composites (the rest keep their default bodies).
+    void residual_rmsnorm_forward(const Tensor& residual_out, const Tensor& out, const Tensor& rstd,
+                                  const Tensor& residual, const Tensor& delta, const Tensor& weight, int rows,
+                                  int channels, float eps) override;
+    void qk_norm_rope_forward(const QkvActivations& a, const QkvWeights& weights, const Tensor& cos_sin,
+                              const QkvShape& shape) override;
+    void qk_norm_rope_backward(const Tensor& dq, const Tensor& dk, const QkvActivations& a, const QkvWeights& weights,
+                               const QkvWeights& grads, const Tensor& cos_sin, const QkvShape& shape) override;
+
 private:
     void* scratch(std::size_t bytes) const;
     // The fp8 path of a projection out = a @ b^T (+ bias): true when it ran,

@@ -115,6 +115,92 @@ __device__ __forceinline__ bf16 bf16_stochastic(float x, std::uint32_t random16)
     return __ushort_as_bfloat16(static_cast<unsigned short>(bits >> 16));
 }
 
+// ---- 16-byte vector access ------------------------------------------------
+// A chunk of kPack<T> consecutive elements (4 fp32 or 8 bf16): kernels that
+// stream rows map elements to threads by whole chunks, and load a chunk with
+// one 16-byte access when the row's pointers are 16-byte aligned and the row
+// length is a multiple of the chunk (`vector`), else element by element with
+// the same mapping (so both paths compute bitwise the same). Elements past
+// `end` read as 0 and are not written.
+template <class T> constexpr int kPack = 16 / static_cast<int>(sizeof(T));
+template <class T> struct alignas(16) Pack {
+    T v[kPack<T>];
+};
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
+
+template <class T>
+__device__ __forceinline__ void load_chunk(float (&out)[kPack<T>], const T* p, std::int64_t begin, std::int64_t end,
+                                           bool vector) {
+    if (vector) {
+        const Pack<T> pack = *reinterpret_cast<const Pack<T>*>(p + begin);
+        for (int j = 0; j < kPack<T>; ++j) out[j] = to_float(pack.v[j]);
+    } else {
+        for (int j = 0; j < kPack<T>; ++j) out[j] = begin + j < end ? to_float(p[begin + j]) : 0.0f;
+    }
+}
+
+// Stores the chunk rounded to T (round to nearest even).
+template <class T>
+__device__ __forceinline__ void store_chunk(T* p, const float (&in)[kPack<T>], std::int64_t begin, std::int64_t end,
+                                            bool vector) {
+    if (vector) {
+        Pack<T> pack;
+        for (int j = 0; j < kPack<T>; ++j) pack.v[j] = from_float<T>(in[j]);
+        *reinterpret_cast<Pack<T>*>(p + begin) = pack;
+    } else {
+        for (int j = 0; j < kPack<T>; ++j)
+            if (begin + j < end) p[begin + j] = from_float<T>(in[j]);
+    }
+}
+
+// x rounded to T and back: what a kernel that stores x and reloads it sees.
+template <class T> __device__ __forceinline__ float rounded(float x) { return to_float(from_float<T>(x)); }
+
+// ---- one-kernel deterministic column sums ----------------------------------
+// A kernel whose blocks each leave per-column partial sums in
+// partials[blockIdx.x * stride + c] ends with last_block_done: the block that
+// finishes last (a counter, zeroed before the launch, says which) then adds
+// the partials into the outputs in block order (add_block_partials). Which
+// block that is varies from run to run; the order of the additions does not,
+// so the result is bitwise reproducible. Every thread of every block must
+// call last_block_done, after its block's partials are written.
+__device__ __forceinline__ bool last_block_done(unsigned* blocks_done, smem_ptr<int> is_last) {
+    __threadfence();  // this block's partials are visible before it counts itself done
+    __syncthreads();
+    if (threadIdx.x == 0) is_last[0] = atomicAdd(blocks_done, 1u) == gridDim.x - 1;
+    __syncthreads();
+    const bool last = is_last[0] != 0;
+    if (last) __threadfence();
+    return last;
+}
+
+// out[c] += sum over blocks b (in order) of partials[b * stride + first + c], c < count.
+__device__ __forceinline__ void add_block_partials(float* out, const float* partials, int stride, int first,
+                                                   int count) {
+    const volatile float* all = partials;  // written by other blocks: bypass this SM's L1
+    for (int c = threadIdx.x; c < count; c += blockDim.x) {
+        float total = 0.0f;
+        for (unsigned b = 0; b < gridDim.x; ++b) total += all[static_cast<std::int64_t>(b) * stride + first + c];
+        out[c] += total;
+    }
+}
+
+__device__ __forceinline__ void finish_column_sums(float* out, const float* partials, unsigned* blocks_done,
+                                                   int cols, smem_ptr<int> is_last) {
+    if (last_block_done(blocks_done, is_last)) add_block_partials(out, partials, cols, 0, cols);
+}
+
+// The layout of such a kernel's scratch: the counter, then the partials.
+constexpr std::size_t kCounterBytes = 16;
+inline std::size_t column_partials_scratch_bytes(int blocks, int cols) {
+    return kCounterBytes + sizeof(float) * static_cast<std::size_t>(blocks) * static_cast<std::size_t>(cols);
+}
+inline unsigned* column_partials_counter(void* scratch) { return static_cast<unsigned*>(scratch); }
+inline float* column_partials(void* scratch) {
+    return reinterpret_cast<float*>(static_cast<unsigned char*>(scratch) + kCounterBytes);
+}
+
 // ---- deterministic column sums -------------------------------------------
 constexpr int kColumnTile = 32;      // columns per block (one per lane)
 constexpr int kColumnRowLanes = 8;   // rows handled in parallel inside a block

@@ -61,15 +61,43 @@ std::size_t embedding_backward_scratch_bytes(int rows, int vocab, bool ask_cub =
 
 // ---- rmsnorm (kernels_rmsnorm.cu) ----------------------------------------
 // out = weight * inp * rstd, rstd[r] = 1/sqrt(mean(inp[r]^2) + eps) (fp32).
+// Channels up to 8192 chunks of 16 bytes (32768 fp32, 65536 bf16);
+// InvalidArgument beyond.
 template <class T>
 void rmsnorm_forward(T* out, float* rstd, const T* inp, const T* weight, int rows, int channels, float eps,
                      cudaStream_t stream);
+// residual_out = residual + delta (rounded to T; it may alias either), then
+// rmsnorm_forward of residual_out in the same kernel, with bitwise its result.
+template <class T>
+void residual_rmsnorm_forward(T* residual_out, T* out, float* rstd, const T* residual, const T* delta,
+                              const T* weight, int rows, int channels, float eps, cudaStream_t stream);
 // dinp (+)= d/dinp (dinp may alias dout when !accumulate); dweight += d/dweight.
-// `scratch` holds rmsnorm_backward_scratch_floats(rows, channels) floats.
+// One kernel; `scratch` holds rmsnorm_backward_scratch_bytes(rows, channels) bytes.
 template <class T>
 void rmsnorm_backward(T* dinp, float* dweight, const T* dout, const T* inp, const T* weight, const float* rstd,
-                      int rows, int channels, bool accumulate, float* scratch, cudaStream_t stream);
-std::size_t rmsnorm_backward_scratch_floats(int rows, int channels);
+                      int rows, int channels, bool accumulate, void* scratch, cudaStream_t stream);
+std::size_t rmsnorm_backward_scratch_bytes(int rows, int channels);
+
+// ---- q/k norms and rope in one pass (kernels_qk_norm_rope.cu) ---------------
+// Whether the fused pass handles this head_dim (even, at most 256).
+template <class T> bool qk_norm_rope_supported(int head_dim);
+// q [B, T, H, D], k [B, T, Hkv, D]. With the q/k norms (q_raw given, and
+// then all of k_raw, rstds and norm weights): q = rope(rmsnorm(q_raw) *
+// q_norm), rstd [B*T*H] saved, likewise k; without: q, k rotated in place.
+template <class T>
+void qk_norm_rope_forward(T* q, T* k, float* q_rstd, float* k_rstd, const T* q_raw, const T* k_raw,
+                          const T* q_norm, const T* k_norm, const float* cos_sin, int batch, int time, int heads,
+                          int kv_heads, int head_dim, float eps, cudaStream_t stream);
+// In place: dq, dk (of the rotated q, k) become the gradients of q_raw,
+// k_raw (of q, k before RoPE without norms); with the norms dq_norm,
+// dk_norm += their weight gradients. `scratch` holds
+// qk_norm_rope_backward_scratch_bytes(...) bytes (used with the norms only).
+template <class T>
+void qk_norm_rope_backward(T* dq, T* dk, float* dq_norm, float* dk_norm, const T* q_raw, const T* k_raw,
+                           const float* q_rstd, const float* k_rstd, const T* q_norm, const T* k_norm,
+                           const float* cos_sin, int batch, int time, int heads, int kv_heads, int head_dim,
+                           void* scratch, cudaStream_t stream);
+std::size_t qk_norm_rope_backward_scratch_bytes(int batch, int time, int heads, int kv_heads, int head_dim);
 
 // ---- rope (kernels_rope.cu) ------------------------------------------------
 // In place on x[batch, time, heads, head_dim], half-split convention
@@ -97,6 +125,7 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* out, const 
 std::size_t attention_backward_scratch_bytes(int batch, int time, int heads, int kv_heads, int head_dim);
 
 // ---- swiglu (kernels_swiglu.cu) --------------------------------------------
+// Elementwise with 16-byte accesses where aligned.
 template <class T> void swiglu_forward(T* out, const T* gate, const T* up, std::int64_t n, cudaStream_t stream);
 // dgate may alias dout.
 template <class T>

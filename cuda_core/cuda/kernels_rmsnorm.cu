@@ -1,95 +1,210 @@
-// RMSNorm forward and backward, one block per row.
+// RMSNorm forward (optionally fused with the residual add before it) and
+// backward with its weight gradient, one kernel each.
 //
-// The backward launches the weight gradient (chunked column sums through
-// scratch, fixed order) before the input gradient, because dinp may alias
-// dout. Within a row, each thread writes only the elements it read, after the
-// block reduction barrier, so the in-place input gradient is safe too.
+// Rows stream through 16-byte chunks (kernel_utils.cuh: 4 fp32 or 8 bf16
+// elements per load, element-wise when a row is not aligned): thread t of a
+// row's block owns chunks t, t + threads, ..., holds them in registers
+// between the sum of squares and the normalisation, and writes only the
+// elements it read. The thread count and the chunk mapping depend on the
+// channel count alone, so rmsnorm_forward and residual_rmsnorm_forward give
+// bitwise the same norm of the same sum (recompute reruns the norm alone).
+//
+// The backward runs a fixed grid of blocks over the rows; each block keeps
+// its weight-gradient partials in registers, and the last block to finish
+// adds all blocks' partials in block order (finish_column_sums), so the
+// result is reproducible without float atomics. A thread reads dout and inp
+// of its elements before the row's reduction and writes dinp after it,
+// which makes dinp aliasing dout (without accumulate) safe.
+#include <algorithm>
+#include <initializer_list>
+#include <string>
+
 #include "kernel_utils.cuh"
 #include "kernels.h"
+#include "nanoq/errors.h"
 
 namespace nanoq {
 namespace cuda {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kMaxThreads = 1024;
+constexpr int kMaxChunks = 8;        // per thread: rows up to 8 * 1024 chunks
+constexpr int kBackwardBlocks = 512;  // the fixed grid of the backward (fewer for fewer rows)
 
-template <class T>
-__global__ void __launch_bounds__(kThreads)
-    rmsnorm_forward_kernel(T* out, float* rstd, const T* inp, const T* weight, int channels, float eps) {
+template <class T> struct RowLayout {
+    int threads, chunks;
+};
+
+template <class T> RowLayout<T> row_layout(int channels) {
+    const int total = (channels + detail::kPack<T> - 1) / detail::kPack<T>;
+    if (total > kMaxThreads * kMaxChunks)
+        throw InvalidArgument("rmsnorm of " + std::to_string(channels) + " channels: at most " +
+                                    std::to_string(kMaxThreads * kMaxChunks * detail::kPack<T>) +
+                                    " are supported");
+    const int threads = std::min(kMaxThreads, (total + detail::kWarpSize - 1) / detail::kWarpSize * detail::kWarpSize);
+    int chunks = (total + threads - 1) / threads;
+    chunks = chunks <= 1 ? 1 : chunks <= 2 ? 2 : chunks <= 4 ? 4 : 8;
+    return {threads, chunks};
+}
+
+bool rows_vectorizable(int channels, int pack, std::initializer_list<const void*> pointers) {
+    if (channels % pack != 0) return false;
+    for (const void* p : pointers)
+        if (p && !detail::aligned16(p)) return false;
+    return true;
+}
+
+// residual_out = residual + delta (when delta is given; residual_out may
+// alias either), then out = weight * x * rstd of x = residual_out (or of
+// residual alone without delta).
+template <class T, int kChunks>
+__global__ void rmsnorm_forward_kernel(T* out, float* rstd, T* residual_out, const T* residual, const T* delta,
+                                       const T* weight, int channels, float eps, bool vector) {
     NANOQ_SHARED(float[detail::kWarpSize], reduce_space);
+    constexpr int P = detail::kPack<T>;
     const std::int64_t offset = static_cast<std::int64_t>(blockIdx.x) * channels;
-    const T* x = inp + offset;
+    float x[kChunks][P];
     float sum = 0.0f;
-    for (int c = threadIdx.x; c < channels; c += blockDim.x) {
-        const float value = detail::to_float(x[c]);
-        sum += value * value;
+    for (int k = 0; k < kChunks; ++k) {
+        const int begin = (k * blockDim.x + threadIdx.x) * P;
+        if (begin >= channels) {
+            for (int j = 0; j < P; ++j) x[k][j] = 0.0f;
+            continue;
+        }
+        detail::load_chunk<T>(x[k], residual + offset, begin, channels, vector);
+        if (delta) {
+            float d[P];
+            detail::load_chunk<T>(d, delta + offset, begin, channels, vector);
+            for (int j = 0; j < P; ++j) x[k][j] = detail::rounded<T>(x[k][j] + d[j]);
+            detail::store_chunk<T>(residual_out + offset, x[k], begin, channels, vector);
+        }
+        for (int j = 0; j < P; ++j) sum += x[k][j] * x[k][j];
     }
     sum = detail::block_sum(sum, reduce_space);
     const float scale = 1.0f / sqrtf(sum / channels + eps);
     if (threadIdx.x == 0) rstd[blockIdx.x] = scale;
-    T* o = out + offset;
-    for (int c = threadIdx.x; c < channels; c += blockDim.x)
-        o[c] = detail::from_float<T>(detail::to_float(weight[c]) * (detail::to_float(x[c]) * scale));
+    for (int k = 0; k < kChunks; ++k) {
+        const int begin = (k * blockDim.x + threadIdx.x) * P;
+        if (begin >= channels) continue;
+        float w[P], y[P];
+        detail::load_chunk<T>(w, weight, begin, channels, vector);
+        for (int j = 0; j < P; ++j) y[j] = w[j] * (x[k][j] * scale);
+        detail::store_chunk<T>(out + offset, y, begin, channels, vector);
+    }
 }
+
+template <class T, int kChunks>
+__global__ void rmsnorm_backward_kernel(T* dinp, float* dweight, const T* dout, const T* inp, const T* weight,
+                                        const float* rstd, int rows, int channels, bool accumulate, bool vector,
+                                        float* partials, unsigned* blocks_done) {
+    NANOQ_SHARED(float[detail::kWarpSize], reduce_space);
+    NANOQ_SHARED(int[1], is_last);
+    constexpr int P = detail::kPack<T>;
+    float w[kChunks][P], dw[kChunks][P];
+    for (int k = 0; k < kChunks; ++k) {
+        const int begin = (k * blockDim.x + threadIdx.x) * P;
+        for (int j = 0; j < P; ++j) w[k][j] = dw[k][j] = 0.0f;
+        if (begin < channels) detail::load_chunk<T>(w[k], weight, begin, channels, vector);
+    }
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        const std::int64_t offset = static_cast<std::int64_t>(r) * channels;
+        const float scale = rstd[r];
+        float dy[kChunks][P], x[kChunks][P];
+        float dot = 0.0f;
+        for (int k = 0; k < kChunks; ++k) {
+            const int begin = (k * blockDim.x + threadIdx.x) * P;
+            if (begin >= channels) continue;
+            detail::load_chunk<T>(dy[k], dout + offset, begin, channels, vector);
+            detail::load_chunk<T>(x[k], inp + offset, begin, channels, vector);
+            for (int j = 0; j < P; ++j) dot += dy[k][j] * w[k][j] * x[k][j] * scale;
+        }
+        dot = detail::block_sum(dot, reduce_space) / channels;
+        for (int k = 0; k < kChunks; ++k) {
+            const int begin = (k * blockDim.x + threadIdx.x) * P;
+            if (begin >= channels) continue;
+            float dx[P];
+            if (accumulate) detail::load_chunk<T>(dx, dinp + offset, begin, channels, vector);
+            for (int j = 0; j < P; ++j) {
+                const float grad = scale * (dy[k][j] * w[k][j] - x[k][j] * scale * dot);
+                dx[j] = accumulate ? grad + dx[j] : grad;
+                dw[k][j] += dy[k][j] * x[k][j] * scale;
+            }
+            detail::store_chunk<T>(dinp + offset, dx, begin, channels, vector);
+        }
+    }
+    float* mine = partials + static_cast<std::int64_t>(blockIdx.x) * channels;
+    for (int k = 0; k < kChunks; ++k) {
+        const int begin = (k * blockDim.x + threadIdx.x) * P;
+        for (int j = 0; j < P; ++j)
+            if (begin + j < channels) mine[begin + j] = dw[k][j];
+    }
+    detail::finish_column_sums(dweight, partials, blocks_done, channels, is_last);
+}
+
+int backward_blocks(int rows) { return std::min(rows, kBackwardBlocks); }
 
 template <class T>
-__global__ void __launch_bounds__(kThreads)
-    rmsnorm_backward_input_kernel(T* dinp, const T* dout, const T* inp, const T* weight, const float* rstd,
-                                  int channels, bool accumulate) {
-    NANOQ_SHARED(float[detail::kWarpSize], reduce_space);
-    const std::int64_t offset = static_cast<std::int64_t>(blockIdx.x) * channels;
-    const T* dy = dout + offset;
-    const T* x = inp + offset;
-    const float scale = rstd[blockIdx.x];
-    float dot = 0.0f;
-    for (int c = threadIdx.x; c < channels; c += blockDim.x)
-        dot += detail::to_float(dy[c]) * detail::to_float(weight[c]) * detail::to_float(x[c]) * scale;
-    dot = detail::block_sum(dot, reduce_space) / channels;
-    T* dx = dinp + offset;
-    for (int c = threadIdx.x; c < channels; c += blockDim.x) {
-        const float xc = detail::to_float(x[c]);
-        float grad = scale * (detail::to_float(dy[c]) * detail::to_float(weight[c]) - xc * scale * dot);
-        if (accumulate) grad += detail::to_float(dx[c]);
-        dx[c] = detail::from_float<T>(grad);
+void launch_forward(T* out, float* rstd, T* residual_out, const T* residual, const T* delta, const T* weight,
+                    int rows, int channels, float eps, cudaStream_t stream) {
+    if (rows <= 0 || channels <= 0) return;
+    const RowLayout<T> layout = row_layout<T>(channels);
+    const bool vector = rows_vectorizable(channels, detail::kPack<T>, {out, residual_out, residual, delta, weight});
+    auto go = [&](auto kernel) {
+        detail::launch(kernel, rows, layout.threads, 0, stream, out, rstd, residual_out, residual, delta, weight,
+                       channels, eps, vector);
+    };
+    switch (layout.chunks) {
+        case 1: go(rmsnorm_forward_kernel<T, 1>); break;
+        case 2: go(rmsnorm_forward_kernel<T, 2>); break;
+        case 4: go(rmsnorm_forward_kernel<T, 4>); break;
+        default: go(rmsnorm_forward_kernel<T, 8>); break;
     }
 }
-
-template <class T> struct WeightGradTerm {
-    const T* dout;
-    const T* inp;
-    const float* rstd;
-    int cols;
-    __device__ float operator()(int r, int c) const {
-        const std::int64_t i = static_cast<std::int64_t>(r) * cols + c;
-        return detail::to_float(dout[i]) * detail::to_float(inp[i]) * rstd[r];
-    }
-};
 
 }  // namespace
 
 template <class T>
 void rmsnorm_forward(T* out, float* rstd, const T* inp, const T* weight, int rows, int channels, float eps,
                      cudaStream_t stream) {
-    if (rows <= 0 || channels <= 0) return;
-    detail::launch(rmsnorm_forward_kernel<T>, rows, kThreads, 0, stream, out, rstd, inp, weight, channels, eps);
+    launch_forward<T>(out, rstd, nullptr, inp, nullptr, weight, rows, channels, eps, stream);
+}
+
+template <class T>
+void residual_rmsnorm_forward(T* residual_out, T* out, float* rstd, const T* residual, const T* delta,
+                              const T* weight, int rows, int channels, float eps, cudaStream_t stream) {
+    launch_forward<T>(out, rstd, residual_out, residual, delta, weight, rows, channels, eps, stream);
 }
 
 template <class T>
 void rmsnorm_backward(T* dinp, float* dweight, const T* dout, const T* inp, const T* weight, const float* rstd,
-                      int rows, int channels, bool accumulate, float* scratch, cudaStream_t stream) {
+                      int rows, int channels, bool accumulate, void* scratch, cudaStream_t stream) {
     if (rows <= 0 || channels <= 0) return;
-    detail::column_sums(dweight, rows, channels, scratch, WeightGradTerm<T>{dout, inp, rstd, channels}, stream);
-    detail::launch(rmsnorm_backward_input_kernel<T>, rows, kThreads, 0, stream, dinp, dout, inp, weight, rstd, channels,
-                                                                    accumulate);
+    const RowLayout<T> layout = row_layout<T>(channels);
+    const bool vector = rows_vectorizable(channels, detail::kPack<T>, {dinp, dout, inp, weight});
+    unsigned* blocks_done = detail::column_partials_counter(scratch);
+    cudaMemsetAsync(blocks_done, 0, sizeof(unsigned), stream);
+    auto go = [&](auto kernel) {
+        detail::launch(kernel, backward_blocks(rows), layout.threads, 0, stream, dinp, dweight, dout, inp, weight,
+                       rstd, rows, channels, accumulate, vector, detail::column_partials(scratch), blocks_done);
+    };
+    switch (layout.chunks) {
+        case 1: go(rmsnorm_backward_kernel<T, 1>); break;
+        case 2: go(rmsnorm_backward_kernel<T, 2>); break;
+        case 4: go(rmsnorm_backward_kernel<T, 4>); break;
+        default: go(rmsnorm_backward_kernel<T, 8>); break;
+    }
 }
 
-std::size_t rmsnorm_backward_scratch_floats(int rows, int channels) {
-    return detail::column_sums_scratch_floats(rows, channels);
+std::size_t rmsnorm_backward_scratch_bytes(int rows, int channels) {
+    if (rows <= 0 || channels <= 0) return 0;
+    return detail::column_partials_scratch_bytes(backward_blocks(rows), channels);
 }
 
-#define NANOQ_INSTANTIATE(T)                                                                                       \
-    template void rmsnorm_forward<T>(T*, float*, const T*, const T*, int, int, float, cudaStream_t);               \
-    template void rmsnorm_backward<T>(T*, float*, const T*, const T*, const T*, const float*, int, int, bool, float*, \
+#define NANOQ_INSTANTIATE(T)                                                                                        \
+    template void rmsnorm_forward<T>(T*, float*, const T*, const T*, int, int, float, cudaStream_t);                \
+    template void residual_rmsnorm_forward<T>(T*, T*, float*, const T*, const T*, const T*, int, int, float,       \
+                                              cudaStream_t);                                                        \
+    template void rmsnorm_backward<T>(T*, float*, const T*, const T*, const T*, const float*, int, int, bool, void*, \
                                       cudaStream_t);
 NANOQ_INSTANTIATE(float)
 NANOQ_INSTANTIATE(bf16)

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <string>
 
+#include "op_harness/default_composites.h"
 #include "op_harness/op_spec.h"
 #include "stat_slots.h"
 
@@ -61,9 +62,10 @@ const char* const kAttention = "batch,time,heads,head_dim";
 const char* const kAttentionKV = "batch,time,kv_heads,head_dim";
 
 // `op` on the call's backend: its own implementation, or with use_default
-// the interface's default body (Backend::op called explicitly).
-#define NANOQ_COMPOSITE(call, op, ...)                                                  \
-    ((call).b("use_default") ? (call).backend().Backend::op(__VA_ARGS__)                 \
+// the interface's default body, with the default bodies of the composites
+// it calls in turn (DefaultComposites), over the backend's primitives.
+#define NANOQ_COMPOSITE(call, op, ...)                                                          \
+    ((call).b("use_default") ? ::nanoq::ops::DefaultComposites((call).backend()).op(__VA_ARGS__) \
                              : (call).backend().op(__VA_ARGS__))
 
 // The packed q/k/v ops: activations [rows, heads, head_dim] (rows = batch *

@@ -1,0 +1,292 @@
+// Qwen3's per-head q/k RMSNorms and RoPE in one pass over q and k.
+//
+// One launch covers the head rows of q and then of k (a head row is the
+// head_dim values of one head at one position). A head row belongs to a
+// group of `lanes` consecutive threads of a warp (a power of two, at most
+// 32): lane l owns the rotated pairs [l * P, l * P + P) of the half-split
+// convention, i.e. the chunks x[l * P ...] and x[D/2 + l * P ...], loaded
+// with 16-byte accesses when aligned (kernel_utils.cuh). The group reduces
+// its sums of squares (forward) or dot products (backward) with shuffles,
+// so no barrier is needed, and every lane writes only the elements it read,
+// which makes the in-place updates safe.
+//
+// The arithmetic, including the rounding to T between the norm and the
+// rotation, is that of rmsnorm_forward followed by rope_forward (backward:
+// rope_backward then rmsnorm_backward), so the fused pass differs from the
+// composition only in the order of the row sums. The backward's norm weight
+// gradients are deterministic: a fixed grid, partial sums reduced across the
+// groups of a warp by shuffles, across warps in shared memory and across
+// blocks by the last block in block order (kernel_utils.cuh).
+#include <algorithm>
+
+#include "kernel_utils.cuh"
+#include "kernels.h"
+
+namespace nanoq {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / detail::kWarpSize;
+constexpr int kMaxHeadDim = 256;
+constexpr int kBackwardBlocks = 512;
+
+// q or k: x is the output (forward; without norms also its input, rotated
+// in place) or the gradient rotated in place (backward); raw, rstd, norm are
+// set only with the q/k norms.
+template <class T> struct Side {
+    T* x;
+    const T* raw;
+    float* rstd;
+    const T* norm;
+    int heads;
+    std::int64_t head_rows;
+};
+
+template <class T> int group_lanes(int half) {
+    const int chunks = (half + detail::kPack<T> - 1) / detail::kPack<T>;
+    int lanes = 1;
+    while (lanes < chunks) lanes *= 2;
+    return lanes;
+}
+
+__device__ __forceinline__ float group_sum(float x, int lanes) {
+    for (int offset = lanes / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(detail::kFullMask, x, offset);
+    return x;
+}
+
+// Rotates (a, b) pairs by the angles of position t; direction -1 undoes it.
+template <int P>
+__device__ __forceinline__ void rotate(float (&a)[P], float (&b)[P], const float* cos_sin, int t, int half, int begin,
+                                       float direction) {
+    const float* cs = cos_sin + (static_cast<std::int64_t>(t) * half + begin) * 2;
+    for (int j = 0; j < P; ++j) {
+        if (begin + j >= half) break;
+        const float c = cs[2 * j], s = direction * cs[2 * j + 1];
+        const float x = a[j], y = b[j];
+        a[j] = x * c - y * s;
+        b[j] = y * c + x * s;
+    }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    qk_norm_rope_forward_kernel(Side<T> q, Side<T> k, const float* cos_sin, int time, int half, int lanes, float eps,
+                                bool vector) {
+    constexpr int P = detail::kPack<T>;
+    const std::int64_t thread = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const std::int64_t head_row = thread / lanes;
+    const int begin = static_cast<int>(thread % lanes) * P;
+    const bool is_k = head_row >= q.head_rows;
+    const Side<T>& side = is_k ? k : q;
+    const std::int64_t row = is_k ? head_row - q.head_rows : head_row;
+    const bool active = head_row < q.head_rows + k.head_rows && begin < half;
+    const std::int64_t offset = row * 2 * half;
+    float a[P] = {}, b[P] = {};
+    if (active) {
+        const T* src = side.raw ? side.raw : side.x;
+        detail::load_chunk<T>(a, src + offset, begin, half, vector);
+        detail::load_chunk<T>(b, src + offset + half, begin, half, vector);
+    }
+    if (q.raw) {  // the q/k norms (uniform over the launch: both or neither)
+        float sum = 0.0f;
+        for (int j = 0; j < P; ++j) sum += a[j] * a[j];
+        for (int j = 0; j < P; ++j) sum += b[j] * b[j];
+        sum = group_sum(sum, lanes);
+        const float scale = 1.0f / sqrtf(sum / (2 * half) + eps);
+        if (active) {
+            if (begin == 0) side.rstd[row] = scale;
+            float wa[P], wb[P];
+            detail::load_chunk<T>(wa, side.norm, begin, half, vector);
+            detail::load_chunk<T>(wb, side.norm + half, begin, half, vector);
+            for (int j = 0; j < P; ++j) {
+                a[j] = detail::rounded<T>(wa[j] * (a[j] * scale));
+                b[j] = detail::rounded<T>(wb[j] * (b[j] * scale));
+            }
+        }
+    }
+    if (!active) return;
+    rotate<P>(a, b, cos_sin, static_cast<int>((row / side.heads) % time), half, begin, 1.0f);
+    detail::store_chunk<T>(side.x + offset, a, begin, half, vector);
+    detail::store_chunk<T>(side.x + offset + half, b, begin, half, vector);
+}
+
+// Sums v over the groups of the warp (lanes with the same position in their group).
+template <int P> __device__ __forceinline__ void warp_groups_sum(float (&v)[P], int lanes) {
+    for (int offset = detail::kWarpSize / 2; offset >= lanes; offset /= 2)
+        for (int j = 0; j < P; ++j) v[j] += __shfl_xor_sync(detail::kFullMask, v[j], offset);
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    qk_norm_rope_backward_kernel(Side<T> q, Side<T> k, float* dq_norm, float* dk_norm, const float* cos_sin,
+                                 int time, int half, int lanes, bool vector, float* partials,
+                                 unsigned* blocks_done) {
+    NANOQ_SHARED(float[kWarps][2][kMaxHeadDim], warp_sums);
+    NANOQ_SHARED(int[1], is_last);
+    constexpr int P = detail::kPack<T>;
+    const int head_dim = 2 * half;
+    const bool norms = q.raw != nullptr;
+    const int begin = static_cast<int>(threadIdx.x % lanes) * P;
+    const int groups = blockDim.x / lanes;
+    const std::int64_t total = q.head_rows + k.head_rows;
+    // The norm weight gradient partials of this lane's columns: q then k,
+    // first half (a) then second half (b).
+    float dqa[P] = {}, dqb[P] = {}, dka[P] = {}, dkb[P] = {};
+    // The loop bound depends on the block only, so whole warps iterate together (shuffles).
+    for (std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * groups; first < total;
+         first += static_cast<std::int64_t>(gridDim.x) * groups) {
+        const std::int64_t head_row = first + threadIdx.x / lanes;
+        const bool is_k = head_row >= q.head_rows;
+        const Side<T>& side = is_k ? k : q;
+        const std::int64_t row = is_k ? head_row - q.head_rows : head_row;
+        const bool active = head_row < total && begin < half;
+        const std::int64_t offset = row * head_dim;
+        float a[P] = {}, b[P] = {};
+        if (active) {
+            detail::load_chunk<T>(a, side.x + offset, begin, half, vector);
+            detail::load_chunk<T>(b, side.x + offset + half, begin, half, vector);
+            rotate<P>(a, b, cos_sin, static_cast<int>((row / side.heads) % time), half, begin, -1.0f);
+            for (int j = 0; j < P; ++j) {
+                a[j] = detail::rounded<T>(a[j]);
+                b[j] = detail::rounded<T>(b[j]);
+            }
+        }
+        if (norms) {
+            float xa[P] = {}, xb[P] = {}, wa[P] = {}, wb[P] = {};
+            float scale = 0.0f, dot = 0.0f;
+            if (active) {
+                detail::load_chunk<T>(xa, side.raw + offset, begin, half, vector);
+                detail::load_chunk<T>(xb, side.raw + offset + half, begin, half, vector);
+                detail::load_chunk<T>(wa, side.norm, begin, half, vector);
+                detail::load_chunk<T>(wb, side.norm + half, begin, half, vector);
+                scale = side.rstd[row];
+                for (int j = 0; j < P; ++j) dot += a[j] * wa[j] * xa[j] * scale;
+                for (int j = 0; j < P; ++j) dot += b[j] * wb[j] * xb[j] * scale;
+            }
+            dot = group_sum(dot, lanes) / head_dim;
+            auto add_weight_grad = [&](float (&dwa)[P], float (&dwb)[P]) {
+                for (int j = 0; j < P; ++j) {
+                    dwa[j] += a[j] * xa[j] * scale;
+                    dwb[j] += b[j] * xb[j] * scale;
+                }
+            };
+            if (active) {
+                if (is_k) add_weight_grad(dka, dkb);
+                else add_weight_grad(dqa, dqb);
+                for (int j = 0; j < P; ++j) {
+                    a[j] = scale * (a[j] * wa[j] - xa[j] * scale * dot);
+                    b[j] = scale * (b[j] * wb[j] - xb[j] * scale * dot);
+                }
+            }
+        }
+        if (active) {
+            detail::store_chunk<T>(side.x + offset, a, begin, half, vector);
+            detail::store_chunk<T>(side.x + offset + half, b, begin, half, vector);
+        }
+    }
+    if (!norms) return;
+    warp_groups_sum<P>(dqa, lanes);
+    warp_groups_sum<P>(dqb, lanes);
+    warp_groups_sum<P>(dka, lanes);
+    warp_groups_sum<P>(dkb, lanes);
+    const int warp = threadIdx.x / detail::kWarpSize;
+    if (threadIdx.x % detail::kWarpSize < lanes)  // the warp's first group holds its sums
+        for (int j = 0; j < P && begin + j < half; ++j) {
+            warp_sums[warp][0][begin + j] = dqa[j];
+            warp_sums[warp][0][half + begin + j] = dqb[j];
+            warp_sums[warp][1][begin + j] = dka[j];
+            warp_sums[warp][1][half + begin + j] = dkb[j];
+        }
+    __syncthreads();
+    for (int c = threadIdx.x; c < 2 * head_dim; c += blockDim.x) {
+        float sum = 0.0f;
+        for (int w = 0; w < kWarps; ++w) sum += warp_sums[w][c / head_dim][c % head_dim];
+        partials[static_cast<std::int64_t>(blockIdx.x) * 2 * head_dim + c] = sum;
+    }
+    if (detail::last_block_done(blocks_done, is_last)) {
+        detail::add_block_partials(dq_norm, partials, 2 * head_dim, 0, head_dim);
+        detail::add_block_partials(dk_norm, partials, 2 * head_dim, head_dim, head_dim);
+    }
+}
+
+template <class T> bool sides_vectorizable(const Side<T>& q, const Side<T>& k, int half) {
+    if (half % detail::kPack<T> != 0) return false;
+    for (const void* p : {static_cast<const void*>(q.x), static_cast<const void*>(q.raw),
+                          static_cast<const void*>(q.norm), static_cast<const void*>(k.x),
+                          static_cast<const void*>(k.raw), static_cast<const void*>(k.norm)})
+        if (p && !detail::aligned16(p)) return false;
+    return true;
+}
+
+int backward_blocks(std::int64_t head_rows, int lanes) {
+    const std::int64_t groups = kThreads / lanes;
+    return static_cast<int>(std::min<std::int64_t>((head_rows + groups - 1) / groups, kBackwardBlocks));
+}
+
+}  // namespace
+
+template <class T> bool qk_norm_rope_supported(int head_dim) {
+    return head_dim > 0 && head_dim % 2 == 0 && head_dim <= kMaxHeadDim &&
+           group_lanes<T>(head_dim / 2) <= detail::kWarpSize;
+}
+
+template <class T>
+void qk_norm_rope_forward(T* q, T* k, float* q_rstd, float* k_rstd, const T* q_raw, const T* k_raw,
+                          const T* q_norm, const T* k_norm, const float* cos_sin, int batch, int time, int heads,
+                          int kv_heads, int head_dim, float eps, cudaStream_t stream) {
+    const std::int64_t rows = static_cast<std::int64_t>(batch) * time;
+    const Side<T> qs{q, q_raw, q_rstd, q_norm, heads, rows * heads};
+    const Side<T> ks{k, k_raw, k_rstd, k_norm, kv_heads, rows * kv_heads};
+    const int half = head_dim / 2, lanes = group_lanes<T>(half);
+    const std::int64_t threads = (qs.head_rows + ks.head_rows) * lanes;
+    if (threads <= 0) return;
+    detail::launch(qk_norm_rope_forward_kernel<T>, static_cast<int>((threads + kThreads - 1) / kThreads), kThreads, 0,
+                   stream, qs, ks, cos_sin, time, half, lanes, eps, sides_vectorizable(qs, ks, half));
+}
+
+template <class T>
+void qk_norm_rope_backward(T* dq, T* dk, float* dq_norm, float* dk_norm, const T* q_raw, const T* k_raw,
+                           const float* q_rstd, const float* k_rstd, const T* q_norm, const T* k_norm,
+                           const float* cos_sin, int batch, int time, int heads, int kv_heads, int head_dim,
+                           void* scratch, cudaStream_t stream) {
+    const std::int64_t rows = static_cast<std::int64_t>(batch) * time;
+    // rstd is only read here.
+    const Side<T> qs{dq, q_raw, const_cast<float*>(q_rstd), q_norm, heads, rows * heads};
+    const Side<T> ks{dk, k_raw, const_cast<float*>(k_rstd), k_norm, kv_heads, rows * kv_heads};
+    const int half = head_dim / 2, lanes = group_lanes<T>(half);
+    const std::int64_t head_rows = qs.head_rows + ks.head_rows;
+    if (head_rows <= 0) return;
+    unsigned* blocks_done = nullptr;
+    float* partials = nullptr;
+    if (q_raw) {
+        blocks_done = detail::column_partials_counter(scratch);
+        partials = detail::column_partials(scratch);
+        cudaMemsetAsync(blocks_done, 0, sizeof(unsigned), stream);
+    }
+    detail::launch(qk_norm_rope_backward_kernel<T>, backward_blocks(head_rows, lanes), kThreads, 0, stream, qs, ks,
+                   dq_norm, dk_norm, cos_sin, time, half, lanes, sides_vectorizable(qs, ks, half), partials,
+                   blocks_done);
+}
+
+std::size_t qk_norm_rope_backward_scratch_bytes(int batch, int time, int heads, int kv_heads, int head_dim) {
+    const std::int64_t head_rows = static_cast<std::int64_t>(batch) * time * (heads + kv_heads);
+    if (head_rows <= 0 || head_dim <= 0) return 0;
+    // More lanes per group (fp32) make more blocks.
+    const int lanes = std::max(group_lanes<float>(head_dim / 2), group_lanes<bf16>(head_dim / 2));
+    return detail::column_partials_scratch_bytes(backward_blocks(head_rows, lanes), 2 * head_dim);
+}
+
+#define NANOQ_INSTANTIATE(T)                                                                                          \
+    template bool qk_norm_rope_supported<T>(int);                                                                    \
+    template void qk_norm_rope_forward<T>(T*, T*, float*, float*, const T*, const T*, const T*, const T*,            \
+                                          const float*, int, int, int, int, int, float, cudaStream_t);               \
+    template void qk_norm_rope_backward<T>(T*, T*, float*, float*, const T*, const T*, const float*, const float*,   \
+                                           const T*, const T*, const float*, int, int, int, int, int, void*,         \
+                                           cudaStream_t);
+NANOQ_INSTANTIATE(float)
+NANOQ_INSTANTIATE(bf16)
+#undef NANOQ_INSTANTIATE
+
+}  // namespace cuda
+}  // namespace nanoq
