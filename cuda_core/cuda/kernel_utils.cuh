@@ -175,13 +175,24 @@ __device__ __forceinline__ bool last_block_done(unsigned* blocks_done, smem_ptr<
     return last;
 }
 
+// A load of what other blocks of the same launch wrote: from L2 (coherent),
+// never from this SM's L1.
+__device__ __forceinline__ float load_from_other_blocks(const float* p) {
+#ifdef NANOQ_CUDA_EMULATED
+    return *p;
+#else
+    return __ldcg(p);
+#endif
+}
+
 // out[c] += sum over blocks b (in order) of partials[b * stride + first + c], c < count.
 __device__ __forceinline__ void add_block_partials(float* out, const float* partials, int stride, int first,
                                                    int count) {
-    const volatile float* all = partials;  // written by other blocks: bypass this SM's L1
     for (int c = threadIdx.x; c < count; c += blockDim.x) {
         float total = 0.0f;
-        for (unsigned b = 0; b < gridDim.x; ++b) total += all[static_cast<std::int64_t>(b) * stride + first + c];
+#pragma unroll 8
+        for (unsigned b = 0; b < gridDim.x; ++b)
+            total += load_from_other_blocks(partials + static_cast<std::int64_t>(b) * stride + first + c);
         out[c] += total;
     }
 }
