@@ -167,7 +167,7 @@ template <class T> __device__ __forceinline__ float rounded(float x) { return to
 // call last_block_done, after its block's partials are written.
 __device__ __forceinline__ bool last_block_done(unsigned* blocks_done, smem_ptr<int> is_last) {
     __threadfence();  // this block's partials are visible before it counts itself done
-    __syncthreads();
+    __syncthreads();  // (orders this block before the others: only a GPU can check it)
     if (threadIdx.x == 0) is_last[0] = atomicAdd(blocks_done, 1u) == gridDim.x - 1;
     __syncthreads();
     const bool last = is_last[0] != 0;

@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(kThreads)
     const std::int64_t head_row = thread / lanes;
     const int begin = static_cast<int>(thread % lanes) * P;
     const bool is_k = head_row >= q.head_rows;
-    const Side<T>& side = is_k ? k : q;
+    const Side<T> side = is_k ? k : q;
     const std::int64_t row = is_k ? head_row - q.head_rows : head_row;
     const bool active = head_row < q.head_rows + k.head_rows && begin < half;
     const std::int64_t offset = row * 2 * half;
@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(kThreads)
          first += static_cast<std::int64_t>(gridDim.x) * groups) {
         const std::int64_t head_row = first + threadIdx.x / lanes;
         const bool is_k = head_row >= q.head_rows;
-        const Side<T>& side = is_k ? k : q;
+        const Side<T> side = is_k ? k : q;
         const std::int64_t row = is_k ? head_row - q.head_rows : head_row;
         const bool active = head_row < total && begin < half;
         const std::int64_t offset = row * head_dim;

@@ -57,9 +57,12 @@ bool rows_vectorizable(int channels, int pack, std::initializer_list<const void*
 // residual_out = residual + delta (when delta is given; residual_out may
 // alias either), then out = weight * x * rstd of x = residual_out (or of
 // residual alone without delta).
+// Launch bounds of the largest block: the register arrays of the larger
+// chunk counts spill rather than make the launch fail.
 template <class T, int kChunks>
-__global__ void rmsnorm_forward_kernel(T* out, float* rstd, T* residual_out, const T* residual, const T* delta,
-                                       const T* weight, int channels, float eps, bool vector) {
+__global__ void __launch_bounds__(kMaxThreads)
+    rmsnorm_forward_kernel(T* out, float* rstd, T* residual_out, const T* residual, const T* delta, const T* weight,
+                           int channels, float eps, bool vector) {
     NANOQ_SHARED(float[detail::kWarpSize], reduce_space);
     constexpr int P = detail::kPack<T>;
     const std::int64_t offset = static_cast<std::int64_t>(blockIdx.x) * channels;
@@ -94,9 +97,10 @@ __global__ void rmsnorm_forward_kernel(T* out, float* rstd, T* residual_out, con
 }
 
 template <class T, int kChunks>
-__global__ void rmsnorm_backward_kernel(T* dinp, float* dweight, const T* dout, const T* inp, const T* weight,
-                                        const float* rstd, int rows, int channels, bool accumulate, bool vector,
-                                        float* partials, unsigned* blocks_done) {
+__global__ void __launch_bounds__(kMaxThreads)
+    rmsnorm_backward_kernel(T* dinp, float* dweight, const T* dout, const T* inp, const T* weight, const float* rstd,
+                            int rows, int channels, bool accumulate, bool vector, float* partials,
+                            unsigned* blocks_done) {
     NANOQ_SHARED(float[detail::kWarpSize], reduce_space);
     NANOQ_SHARED(int[1], is_last);
     constexpr int P = detail::kPack<T>;

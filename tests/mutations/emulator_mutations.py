@@ -6,6 +6,7 @@ rebuilds the library once per mutation: about 20-40 s each on two cores).
 
     python tests/mutations/emulator_mutations.py            # all of them
     python tests/mutations/emulator_mutations.py -k barrier # names containing "barrier"
+    python tests/mutations/emulator_mutations.py -k 'swiglu|q/k' # -k is a regular expression
 
 Needs nanoq installed (the tests run against a copy of the installed
 package with the mutated library swapped in) and cmake + ninja.
@@ -28,24 +29,36 @@ FAMILIES = {
     "kernels_attention.cu": ATTENTION_TESTS,
     "kernels_classifier.cu": "test_gpu_ops.py -k cross_entropy",
     "kernels_embedding.cu": "test_gpu_ops.py -k embedding",
-    "kernel_utils.cuh": "test_gpu_ops.py test_cuda_emulated.py -k 'rmsnorm or bias or sum_squares or block or nearest'",
+    "kernel_utils.cuh": "test_gpu_ops.py test_cuda_emulated.py test_composites.py "
+                        "-k 'rmsnorm or bias or sum_squares or block or nearest or fused'",
     "kernels_elementwise.cu": "test_gpu_ops.py -k 'copy or fill or add or bias or dropout'",
     "kernels_optimizer.cu": "test_gpu_ops.py test_cuda_emulated.py test_adamw_shard.py -k 'adamw or sum_squares'",
-    "kernels_rmsnorm.cu": "test_gpu_ops.py -k rmsnorm",
     # The fused attention's host path and the emulator's stand-in for cuDNN.
     "fused_attention.cpp": "test_fused_attention.py",
     "emulator/emu_attention.cpp": "test_fused_attention.py",
+    "kernels_rmsnorm.cu": "test_gpu_ops.py test_composites.py -k 'rmsnorm or deterministic'",
+    "kernels_qk_norm_rope.cu": "test_composites.py -k 'qk_norm or qkv or fused_qk or deterministic'",
+    "kernels_swiglu.cu": "test_gpu_ops.py test_composites.py -k swiglu",
 }
+
+
+# A barrier commented so orders a block's writes before other blocks read
+# them: the emulator runs a launch's blocks one after another, so only a GPU
+# can show what its removal breaks.
+CROSS_BLOCK_BARRIER = "only a GPU can check it"
 
 
 def barrier_mutations():
     """One mutation per __syncthreads() of the attention kernels, the block
-    reductions and every other kernel that has one: that barrier removed."""
+    reductions and every other kernel that has one: that barrier removed
+    (except the cross-block ones)."""
     out = []
     for name in FAMILIES:
         text = open(os.path.join(ROOT, CUDA, name)).read()
         for i, match in enumerate(re.finditer(r"__syncthreads\(\);", text)):
             line = text.count("\n", 0, match.start()) + 1
+            if CROSS_BLOCK_BARRIER in text.splitlines()[line - 1]:
+                continue
             out.append((f"barrier {name}:{line} removed", name, i, "__syncthreads();", ";"))
     return out
 
@@ -95,6 +108,24 @@ EDITS = [
      "for (int j = 0; j <= i; ++j) {\n                    const int g", "for (int j = 0; j < i; ++j) {\n                    const int g"),
     ("fused attention stand-in: auto picks it", "emulator/emu_attention.cpp", 0,
      "bool attention_engine_preferred() { return false; }", "bool attention_engine_preferred() { return true; }"),
+    ("one-kernel column sums: the first block to finish adds them", "kernel_utils.cuh", 0,
+     "== gridDim.x - 1;", "== 0;"),
+    ("residual add not rounded before the norm", "kernels_rmsnorm.cu", 0,
+     "x[k][j] = detail::rounded<T>(x[k][j] + d[j]);", "x[k][j] = x[k][j] + d[j];"),
+    ("rmsnorm backward: a block skips every other row of its stride", "kernels_rmsnorm.cu", 0,
+     "r += gridDim.x", "r += 2 * gridDim.x"),
+    ("q/k norm: mean over half the head", "kernels_qk_norm_rope.cu", 0,
+     "sum / (2 * half) + eps", "sum / half + eps"),
+    ("fused RoPE backward rotates forwards", "kernels_qk_norm_rope.cu", 0,
+     "half, begin, -1.0f);", "half, begin, 1.0f);"),
+    ("q/k groups reduce over half their lanes", "kernels_qk_norm_rope.cu", 0,
+     "for (int offset = lanes / 2; offset > 0;", "for (int offset = lanes / 4; offset > 0;"),
+    ("k norm weight gradient: partials dropped", "kernels_qk_norm_rope.cu", 0,
+     "warp_sums[warp][1][begin + j] = dka[j];", "warp_sums[warp][1][begin + j] = 0.0f;"),
+    ("q/k norm weight gradient: only the warp's first group counted", "kernels_qk_norm_rope.cu", 0,
+     "offset >= lanes; offset /= 2)", "offset >= 2 * detail::kWarpSize; offset /= 2)"),
+    ("swiglu: the partial last chunk dropped", "kernels_swiglu.cu", 0,
+     "detail::grid_stride_begin() * P; i < n;", "detail::grid_stride_begin() * P; i + P <= n;"),
 ]
 
 
@@ -104,7 +135,7 @@ def run(cmd, **kw):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-k", default="", help="only mutations whose name contains this")
+    parser.add_argument("-k", default="", help="only mutations whose name matches this regular expression")
     args = parser.parse_args()
 
     import nanoq
@@ -122,7 +153,7 @@ def main():
     if run(configure, capture_output=True).returncode:
         sys.exit("cmake configure failed")
 
-    mutations = [m for m in barrier_mutations() + EDITS if args.k in m[0]]
+    mutations = [m for m in barrier_mutations() + EDITS if re.search(args.k, m[0])]
     survivors = []
     for name, file, occurrence, old, new in mutations:
         path = os.path.join(src, CUDA, file)
