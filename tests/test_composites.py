@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from nanoq.testing import OpRunner, op_table
-from conftest import IGNORE, assert_array_close, require_cuda_emulator
+from conftest import IGNORE, assert_array_close, cuda_cases, require_cuda_emulator, use_cuda_backend
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -564,6 +564,25 @@ def test_backend_matches_default_composition_cuda_emulated(emulated, case_id, dt
         assert_same_nans_and_close(own[name], default[name], OVERRIDE_REL[dtype], f"{op} {name}")
 
 
+@pytest.fixture(scope="module")
+def gpu(cuda_device):
+    return OpRunner("cuda", cuda_device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_backend_matches_default_composition_on_gpu(gpu, case_id, dtype):
+    """The same on the real cuda backend, where the overrides' blocks run
+    concurrently and the matmuls are cuBLASLt's."""
+    op, arrays, params, _, _ = build(case_id)
+    own = call(gpu, op, arrays, params, dtype=dtype)
+    default = call(gpu, op, arrays, params, dtype=dtype, default=True)
+    assert own.keys() == default.keys()
+    for name in own:
+        assert_same_nans_and_close(own[name], default[name], OVERRIDE_REL[dtype], f"{op} {name}")
+
+
 def check_against_reference(runner, case_id, default, rel):
     op, arrays, params, ref, all_arrays = build(case_id, seed=1)
     result = call(runner, op, arrays, params, default=default)
@@ -619,6 +638,12 @@ def test_bad_composite_calls_raise_value_errors(cpu):
 # --------------------------------------------------------------------------
 
 
+@pytest.fixture
+def cuda_runner(backend, request):
+    """The OpRunner of the test's cuda backend: the emulator everywhere, a GPU where there is one."""
+    return request.getfixturevalue("gpu" if use_cuda_backend(backend, request) == "cuda" else "emulated")
+
+
 def run_own_and_default(runner, op, dtype, **kwargs):
     spec = op_table()[op]
     own = runner.run(op, **kwargs, dtype=dtype, use_default=False)
@@ -640,35 +665,35 @@ def qk_norm_inputs(rng, head_dim, batch=2, time=4, heads=4, kv_heads=2):
                        cos_sin=rope_table(time, head_dim))
 
 
-@pytest.mark.cuda_emulated
+@pytest.mark.parametrize("backend", cuda_cases())
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("head_dim", [12, 16, 64])
-def test_fused_qk_norm_rope_matches_default_composition_at_other_head_dims(emulated, head_dim, dtype):
+def test_fused_qk_norm_rope_matches_default_composition_at_other_head_dims(cuda_runner, head_dim, dtype):
     """head_dim 12: element-wise (6 pairs per half); 16: vectors in both
     dtypes; 64: 4 (bf16) or 8 (fp32) lanes per head."""
     rng = np.random.default_rng(head_dim)
     shape, a = qk_norm_inputs(rng, head_dim)
-    own, default = run_own_and_default(emulated, "qk_norm_rope_forward", dtype, **shape, **a)
+    own, default = run_own_and_default(cuda_runner, "qk_norm_rope_forward", dtype, **shape, **a)
     assert_override_close(own, default, dtype, "qk_norm_rope_forward")
     backward = dict(q_raw=a["q_raw"], k_raw=a["k_raw"], q_norm=a["q_norm"], k_norm=a["k_norm"],
                     cos_sin=a["cos_sin"], q_rstd=default["q_rstd"], k_rstd=default["k_rstd"],
                     dq=normal(rng, *a["q_raw"].shape), dk=normal(rng, *a["k_raw"].shape),
                     dq_norm=normal(rng, head_dim), dk_norm=normal(rng, head_dim))
-    own, default = run_own_and_default(emulated, "qk_norm_rope_backward", dtype, **shape, **backward)
+    own, default = run_own_and_default(cuda_runner, "qk_norm_rope_backward", dtype, **shape, **backward)
     assert_override_close(own, default, dtype, "qk_norm_rope_backward")
     # Without the norms: RoPE alone on q and k, in place.
     rope = dict(q=a["q_raw"], k=a["k_raw"], cos_sin=a["cos_sin"])
-    own, default = run_own_and_default(emulated, "qk_norm_rope_forward", dtype, **shape, **rope)
+    own, default = run_own_and_default(cuda_runner, "qk_norm_rope_forward", dtype, **shape, **rope)
     assert_override_close(own, default, dtype, "qk_norm_rope_forward without norms")
-    own, default = run_own_and_default(emulated, "qk_norm_rope_backward", dtype, **shape,
+    own, default = run_own_and_default(cuda_runner, "qk_norm_rope_backward", dtype, **shape,
                                        dq=backward["dq"], dk=backward["dk"], cos_sin=a["cos_sin"])
     assert_override_close(own, default, dtype, "qk_norm_rope_backward without norms")
 
 
-@pytest.mark.cuda_emulated
+@pytest.mark.parametrize("backend", cuda_cases())
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("channels", [36, 4100])
-def test_fused_residual_rmsnorm_is_bitwise_the_composition(emulated, channels, dtype):
+def test_fused_residual_rmsnorm_is_bitwise_the_composition(cuda_runner, channels, dtype):
     """The fused forward gives bitwise the add and the norm of the default
     (recompute reruns the norm alone); 36 channels are element-wise in bf16,
     4100 take two chunks per thread in float32 (and are element-wise in both
@@ -678,7 +703,7 @@ def test_fused_residual_rmsnorm_is_bitwise_the_composition(emulated, channels, d
     a = dict(residual=normal(rng, rows, channels), delta=normal(rng, rows, channels),
              weight=1.0 + normal(rng, channels, scale=0.2))
     for into_delta in (False, True):
-        own, default = run_own_and_default(emulated, "residual_rmsnorm_forward", dtype, **a, eps=EPS,
+        own, default = run_own_and_default(cuda_runner, "residual_rmsnorm_forward", dtype, **a, eps=EPS,
                                            into_delta=into_delta)
         for name in own:
             np.testing.assert_array_equal(own[name], default[name], f"residual_rmsnorm_forward {name}")
@@ -686,33 +711,34 @@ def test_fused_residual_rmsnorm_is_bitwise_the_composition(emulated, channels, d
     rstd = (1.0 / np.sqrt((r.astype(np.float64) ** 2).mean(-1) + EPS)).astype(np.float32)
     b = dict(dout=normal(rng, rows, channels), residual_out=r, weight=w, rstd=rstd,
              dresidual=normal(rng, rows, channels), dweight=normal(rng, channels))
-    dresidual, dweight = emulated.run("residual_rmsnorm_backward", **b, dtype="fp32")
+    dresidual, dweight = cuda_runner.run("residual_rmsnorm_backward", **b, dtype="fp32")
     x, wt = t64(r).requires_grad_(), t64(w).requires_grad_()
     torch.autograd.backward(ref_rmsnorm(x, wt)[0], t64(b["dout"]))
     assert_array_close(dresidual, n64(t64(b["dresidual"]) + x.grad), 2e-5, "dresidual")
     assert_array_close(dweight, n64(t64(b["dweight"]) + wt.grad), 2e-5, "dweight")
 
 
-@pytest.mark.cuda_emulated
-def test_fused_weight_gradient_sums_are_deterministic(emulated):
+@pytest.mark.parametrize("backend", cuda_cases())
+def test_fused_weight_gradient_sums_are_deterministic(cuda_runner):
     """The q/k norm and rmsnorm weight gradients of the one-kernel backwards
     are bitwise equal over runs (each launch shuffles the emulator's block
-    order, so the block that adds the partials differs)."""
+    order, and a GPU's blocks race, so the block that adds the partials
+    differs)."""
     rng = np.random.default_rng(7)
     shape, a = qk_norm_inputs(rng, 16, batch=4, time=16, heads=4, kv_heads=2)  # 384 head rows: 12 blocks in fp32
     fwd = dict(zip(op_table()["qk_norm_rope_forward"]["results"],
-                   emulated.run("qk_norm_rope_forward", **shape, **a)))
+                   cuda_runner.run("qk_norm_rope_forward", **shape, **a)))
     b = dict(q_raw=a["q_raw"], k_raw=a["k_raw"], q_norm=a["q_norm"], k_norm=a["k_norm"], cos_sin=a["cos_sin"],
              q_rstd=fwd["q_rstd"], k_rstd=fwd["k_rstd"], dq=normal(rng, *a["q_raw"].shape),
              dk=normal(rng, *a["k_raw"].shape))
-    runs = [emulated.run("qk_norm_rope_backward", **shape, **b) for _ in range(3)]
+    runs = [cuda_runner.run("qk_norm_rope_backward", **shape, **b) for _ in range(3)]
     for other in runs[1:]:
         for first, again in zip(runs[0], other):
             np.testing.assert_array_equal(first, again)
     x, w = normal(rng, 600, 8), 1.0 + normal(rng, 8, scale=0.2)  # 600 rows: 512 blocks, some with two rows
     rstd = (1.0 / np.sqrt((x.astype(np.float64) ** 2).mean(-1) + EPS)).astype(np.float32)
     dy = normal(rng, 600, 8)
-    runs = [emulated.run("residual_rmsnorm_backward", dout=dy, residual_out=x, weight=w, rstd=rstd)
+    runs = [cuda_runner.run("residual_rmsnorm_backward", dout=dy, residual_out=x, weight=w, rstd=rstd)
             for _ in range(3)]
     for other in runs[1:]:
         for first, again in zip(runs[0], other):
