@@ -743,3 +743,11 @@ def test_fused_weight_gradient_sums_are_deterministic(cuda_runner):
     for other in runs[1:]:
         for first, again in zip(runs[0], other):
             np.testing.assert_array_equal(first, again)
+
+
+@pytest.mark.cuda_emulated
+def test_rmsnorm_rows_beyond_the_cuda_kernels_reach_raise_value_error(emulated):
+    """8192 16-byte chunks per row at most: 32768 float32 channels."""
+    w = np.ones(32772, np.float32)
+    with pytest.raises(ValueError, match="rmsnorm of 32772 channels: at most 32768 are supported"):
+        emulated.rmsnorm_forward(np.ones((1, 32772), np.float32), w)
