@@ -31,16 +31,16 @@ constexpr int kMaxThreads = 1024;
 constexpr int kMaxChunks = 8;        // per thread: rows up to 8 * 1024 chunks
 constexpr int kBackwardBlocks = 512;  // the fixed grid of the backward (fewer for fewer rows)
 
-template <class T> struct RowLayout {
+// A row's block: threads (a multiple of 32) and chunks per thread (1, 2, 4, 8).
+struct RowLayout {
     int threads, chunks;
 };
 
-template <class T> RowLayout<T> row_layout(int channels) {
+template <class T> RowLayout row_layout(int channels) {
     const int total = (channels + detail::kPack<T> - 1) / detail::kPack<T>;
     if (total > kMaxThreads * kMaxChunks)
         throw InvalidArgument("rmsnorm of " + std::to_string(channels) + " channels: at most " +
-                                    std::to_string(kMaxThreads * kMaxChunks * detail::kPack<T>) +
-                                    " are supported");
+                              std::to_string(kMaxThreads * kMaxChunks * detail::kPack<T>) + " are supported");
     const int threads = std::min(kMaxThreads, (total + detail::kWarpSize - 1) / detail::kWarpSize * detail::kWarpSize);
     int chunks = (total + threads - 1) / threads;
     chunks = chunks <= 1 ? 1 : chunks <= 2 ? 2 : chunks <= 4 ? 4 : 8;
@@ -56,9 +56,9 @@ bool rows_vectorizable(int channels, int pack, std::initializer_list<const void*
 
 // residual_out = residual + delta (when delta is given; residual_out may
 // alias either), then out = weight * x * rstd of x = residual_out (or of
-// residual alone without delta).
-// Launch bounds of the largest block: the register arrays of the larger
-// chunk counts spill rather than make the launch fail.
+// residual alone without delta). Both kernels are bounded for the largest
+// block, so that the register arrays of 4 or 8 chunks spill rather than make
+// the launch fail.
 template <class T, int kChunks>
 __global__ void __launch_bounds__(kMaxThreads)
     rmsnorm_forward_kernel(T* out, float* rstd, T* residual_out, const T* residual, const T* delta, const T* weight,
@@ -151,7 +151,7 @@ template <class T>
 void launch_forward(T* out, float* rstd, T* residual_out, const T* residual, const T* delta, const T* weight,
                     int rows, int channels, float eps, cudaStream_t stream) {
     if (rows <= 0 || channels <= 0) return;
-    const RowLayout<T> layout = row_layout<T>(channels);
+    const RowLayout layout = row_layout<T>(channels);
     const bool vector = rows_vectorizable(channels, detail::kPack<T>, {out, residual_out, residual, delta, weight});
     auto go = [&](auto kernel) {
         detail::launch(kernel, rows, layout.threads, 0, stream, out, rstd, residual_out, residual, delta, weight,
@@ -183,7 +183,7 @@ template <class T>
 void rmsnorm_backward(T* dinp, float* dweight, const T* dout, const T* inp, const T* weight, const float* rstd,
                       int rows, int channels, bool accumulate, void* scratch, cudaStream_t stream) {
     if (rows <= 0 || channels <= 0) return;
-    const RowLayout<T> layout = row_layout<T>(channels);
+    const RowLayout layout = row_layout<T>(channels);
     const bool vector = rows_vectorizable(channels, detail::kPack<T>, {dinp, dout, inp, weight});
     unsigned* blocks_done = detail::column_partials_counter(scratch);
     cudaMemsetAsync(blocks_done, 0, sizeof(unsigned), stream);
