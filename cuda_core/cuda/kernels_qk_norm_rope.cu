@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(kThreads)
     warp_groups_sum<P>(dka, lanes);
     warp_groups_sum<P>(dkb, lanes);
     const int warp = threadIdx.x / detail::kWarpSize;
-    if (threadIdx.x % detail::kWarpSize < lanes)  // the warp's first group holds its sums
+    if (static_cast<int>(threadIdx.x % detail::kWarpSize) < lanes)  // the warp's first group holds its sums
         for (int j = 0; j < P && begin + j < half; ++j) {
             warp_sums[warp][0][begin + j] = dqa[j];
             warp_sums[warp][0][half + begin + j] = dqb[j];
