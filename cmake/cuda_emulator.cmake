@@ -26,6 +26,7 @@ add_library(nanoq_cuda_emulated SHARED
   ${NANOQ_EMU_DIR}/selftest.cpp
   ${NANOQ_EMU_DIR}/emu_attention.cpp
   ${NANOQ_EMU_DIR}/backend_probes.cpp
+  ${NANOQ_EMU_DIR}/graph_selftest.cpp
   cuda_core/cuda/cuda_backend.cpp
   cuda_core/cuda/fused_attention.cpp
   cuda_core/cuda/cublaslt_matmul.cpp

@@ -1,7 +1,9 @@
 // The CUDA runtime API subset nanoq uses, implemented by the CPU emulator
 // (emulator.cpp). Device memory is host memory with canaries after every
 // buffer; streams are in-order queues drained by worker threads; events
-// order streams as on a GPU. Error codes and their numbers are CUDA's.
+// order streams as on a GPU; stream capture records work into graphs that
+// are replayed later (CUDA graphs, with CUDA's rules on what a capture may
+// not do). Error codes and their numbers are CUDA's.
 #pragma once
 
 #include "nanoq_emulator.h"
@@ -13,9 +15,18 @@ enum cudaError_t : int {
     cudaErrorInvalidConfiguration = 9,
     cudaErrorInvalidDevice = 101,
     cudaErrorInvalidResourceHandle = 400,
+    cudaErrorIllegalState = 401,
     cudaErrorNotReady = 600,
     cudaErrorIllegalAddress = 700,
     cudaErrorLaunchFailure = 719,
+    cudaErrorStreamCaptureUnsupported = 900,
+    cudaErrorStreamCaptureInvalidated = 901,
+    cudaErrorStreamCaptureMerge = 902,
+    cudaErrorStreamCaptureUnmatched = 903,
+    cudaErrorStreamCaptureUnjoined = 904,
+    cudaErrorStreamCaptureIsolation = 905,
+    cudaErrorCapturedEvent = 907,
+    cudaErrorStreamCaptureWrongThread = 908,
 };
 typedef cudaError_t cudaError;
 
@@ -91,6 +102,41 @@ cudaError_t cudaEventQuery(cudaEvent_t event);
 // Host time between the two events' latest completed records, as on a GPU
 // (the emulator's streams run on host threads).
 cudaError_t cudaEventElapsedTime(float* milliseconds, cudaEvent_t start, cudaEvent_t end);
+
+// ---- stream capture and graphs ---------------------------------------------
+// Work queued on a capturing stream is recorded, not run; a stream that
+// waits on an event recorded in a capture joins it (fork), and the capture
+// must end with every joined stream's work joined back into the stream that
+// began it. What CUDA forbids during a capture is an error here too, and
+// invalidates the capture: synchronising or querying a capturing stream or
+// the device, querying or synchronising an event recorded in a capture,
+// copies to or from pageable host memory on a capturing stream, waiting on
+// an event recorded outside the capture, and calls that may synchronise
+// implicitly (cudaMalloc, cudaFree, cudaMallocHost, cudaFreeHost, cudaMemcpy,
+// cudaMemset) from any thread while a global-mode capture runs, or from the
+// capturing thread of a thread-local one. A launched graph runs its nodes in
+// a random order that honours the recorded dependencies (from the seed), so
+// a dependency missing from the capture shows.
+enum cudaStreamCaptureMode : int {
+    cudaStreamCaptureModeGlobal = 0,
+    cudaStreamCaptureModeThreadLocal = 1,
+    cudaStreamCaptureModeRelaxed = 2,
+};
+enum cudaStreamCaptureStatus : int {
+    cudaStreamCaptureStatusNone = 0,
+    cudaStreamCaptureStatusActive = 1,
+    cudaStreamCaptureStatusInvalidated = 2,
+};
+typedef struct nanoq_emu_graph* cudaGraph_t;
+typedef struct nanoq_emu_graph_exec* cudaGraphExec_t;
+
+cudaError_t cudaStreamBeginCapture(cudaStream_t stream, cudaStreamCaptureMode mode);
+cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* graph);
+cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* status);
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long flags = 0);
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream);
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec);
+cudaError_t cudaGraphDestroy(cudaGraph_t graph);
 
 namespace nanoq_emu {
 // Queues `work` on `stream` (the host continues at once); an Error it

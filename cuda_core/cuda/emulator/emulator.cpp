@@ -715,8 +715,67 @@ bool device_lost(int device) {
     return f && f->lost.load();
 }
 
+// ---- stream capture ------------------------------------------------------------------
+// One recorded operation of a capture: its work and the earlier nodes it
+// waits for (the stream order and the events waited on during the capture).
+struct GraphNode {
+    std::function<void()> work;
+    const char* what;
+    std::vector<std::size_t> deps;
+};
+
+// A capture in progress, begun on `origin`; `members` are the streams in it
+// (origin first, then those that joined by waiting on a captured event).
+struct Capture {
+    std::vector<GraphNode> nodes;
+    int device;
+    cudaStreamCaptureMode mode;
+    std::thread::id thread;
+    cudaStream_t origin;
+    std::vector<cudaStream_t> members;
+    bool active = true;
+    bool invalidated = false;
+    std::string why;  // the first call that invalidated it
+};
+
+namespace {
+// Guards the capture state of every stream, event and capture.
+std::mutex capture_mutex;
+std::vector<std::shared_ptr<Capture>>& active_captures() {
+    static auto* captures = new std::vector<std::shared_ptr<Capture>>();
+    return *captures;
+}
+std::atomic<unsigned long long> graphs_captured{0}, graphs_launched{0};
+
+// Marks `c` invalid, keeping the first reason; capture_mutex held.
+void invalidate(Capture& c, const std::string& why) {
+    if (c.invalidated) return;
+    c.invalidated = true;
+    c.why = why;
+}
+
+const char* mode_name(cudaStreamCaptureMode mode) {
+    switch (mode) {
+        case cudaStreamCaptureModeGlobal: return "global";
+        case cudaStreamCaptureModeThreadLocal: return "thread-local";
+        case cudaStreamCaptureModeRelaxed: return "relaxed";
+    }
+    return "?";
+}
+}  // namespace
+
 // ---- streams and events ------------------------------------------------------------
 }  // namespace nanoq_emu
+
+struct nanoq_emu_graph {
+    std::vector<nanoq_emu::GraphNode> nodes;
+    int device;
+};
+
+struct nanoq_emu_graph_exec {
+    std::shared_ptr<const std::vector<nanoq_emu::GraphNode>> nodes;
+    std::atomic<std::uint64_t> launches{0};
+};
 
 struct nanoq_emu_stream {
     struct Task {
@@ -737,11 +796,25 @@ struct nanoq_emu_stream {
     }
 
     void push(std::function<void()> work, const char* what, bool always = false) {
+        if (record_if_captured(work, what)) return;
         {
             std::lock_guard<std::mutex> lock(mutex);
             tasks.push_back(Task{std::move(work), what, always});
         }
         ready.notify_one();
+    }
+
+    // While the stream is in a capture, its work is recorded there (after
+    // the stream's frontier, the capture's latest nodes it is ordered after)
+    // instead of queued; an invalidated capture records nothing more.
+    bool record_if_captured(std::function<void()>& work, const char* what) {
+        std::lock_guard<std::mutex> lock(nanoq_emu::capture_mutex);
+        if (!capture) return false;
+        if (!capture->invalidated) {
+            capture->nodes.push_back(nanoq_emu::GraphNode{std::move(work), what, frontier});
+            frontier.assign(1, capture->nodes.size() - 1);
+        }
+        return true;
     }
 
     // Waits for every queued task; returns the sticky error (and its message).
@@ -816,6 +889,9 @@ struct nanoq_emu_stream {
     bool busy = false, stop = false;
     cudaError_t error = cudaSuccess;
     std::string message;
+    // The capture the stream is in and its frontier there (capture_mutex).
+    std::shared_ptr<nanoq_emu::Capture> capture;
+    std::vector<std::size_t> frontier;
     std::thread worker;
 };
 
@@ -826,6 +902,12 @@ struct nanoq_emu_event {
     bool timing = true;  // not cudaEventDisableTiming
     // When the stream reached the latest completed record (cudaEventElapsedTime).
     std::chrono::steady_clock::time_point completed_at{};
+    return cudaSuccess;
+}
+
+    // Set when the latest record was in a capture: its nodes then (capture_mutex).
+    std::shared_ptr<nanoq_emu::Capture> capture;
+    std::vector<std::size_t> capture_nodes;
 };
 
 namespace nanoq_emu {
@@ -870,6 +952,76 @@ cudaError_t synchronize_device(int device) {
         }
     }
     return first == cudaSuccess ? cudaSuccess : report(first, text);
+}
+
+// cudaErrorStreamCaptureUnsupported when `what`, a call that may
+// synchronise implicitly, is forbidden by a capture in progress: by any
+// global-mode capture, or by a thread-local one begun on this thread. Those
+// captures are invalidated, as CUDA does.
+cudaError_t check_unsafe_call(const char* what) {
+    std::lock_guard<std::mutex> lock(capture_mutex);
+    const Capture* forbidding = nullptr;
+    for (const auto& c : active_captures()) {
+        if (c->mode == cudaStreamCaptureModeGlobal ||
+            (c->mode == cudaStreamCaptureModeThreadLocal && c->thread == std::this_thread::get_id())) {
+            invalidate(*c, std::string(what) + " (a call that may synchronise) during the capture");
+            forbidding = c.get();
+        }
+    }
+    if (!forbidding) return cudaSuccess;
+    return report(cudaErrorStreamCaptureUnsupported,
+                  std::string(what) + " is not allowed while a stream is being captured in " +
+                      mode_name(forbidding->mode) + " mode (it may synchronise; the capture is invalidated)");
+}
+
+// cudaErrorStreamCaptureUnsupported when `stream`, which `what` waits for or
+// queries, is being captured: its work is only recorded, so waiting for it
+// (a host read of a result inside a captured region) cannot work.
+cudaError_t check_not_captured(cudaStream_t stream, const char* what) {
+    std::lock_guard<std::mutex> lock(capture_mutex);
+    if (!stream->capture) return cudaSuccess;
+    invalidate(*stream->capture, std::string(what) + " of a captured stream");
+    return report(cudaErrorStreamCaptureUnsupported,
+                  std::string(what) + " of a stream that is being captured: its work is recorded, not run, so it "
+                                      "cannot be waited for or read back inside the capture (the capture is invalidated)");
+}
+
+// cudaErrorCapturedEvent when the latest record of `event` was in a
+// capture: it stands for recorded work, not work that runs.
+cudaError_t check_event_not_captured(cudaEvent_t event, const char* what) {
+    std::lock_guard<std::mutex> lock(capture_mutex);
+    if (!event->capture) return cudaSuccess;
+    if (event->capture->active) invalidate(*event->capture, std::string(what) + " of an event recorded in it");
+    return report(cudaErrorCapturedEvent, std::string(what) + " of an event last recorded in a stream capture");
+}
+
+// Runs a launched graph's nodes on the calling stream worker, one at a time
+// in a random order that honours every recorded dependency.
+void run_graph(const std::vector<GraphNode>& nodes, std::uint64_t launch) {
+    const std::size_t n = nodes.size();
+    std::vector<std::size_t> waiting(n);
+    std::vector<std::vector<std::size_t>> users(n);
+    std::vector<std::size_t> ready;
+    for (std::size_t i = 0; i < n; ++i) {
+        waiting[i] = nodes[i].deps.size();
+        for (std::size_t d : nodes[i].deps) users[d].push_back(i);
+        if (waiting[i] == 0) ready.push_back(i);
+    }
+    std::uint64_t state = mix(the_seed() ^ mix(launch + 0x6a09e667f3bcc909ull));
+    while (!ready.empty()) {
+        state = mix(state);
+        const std::size_t at = state % ready.size();
+        const std::size_t i = ready[at];
+        ready[at] = ready.back();
+        ready.pop_back();
+        try {
+            nodes[i].work();
+        } catch (const std::exception& e) {
+            throw Error(std::string(nodes[i].what) + " (graph node " + std::to_string(i) + "): " + e.what());
+        }
+        for (std::size_t u : users[i])
+            if (--waiting[u] == 0) ready.push_back(u);
+    }
 }
 
 // NANOQ_EMU_PROFILE=1: time spent per launch site, printed at exit.
@@ -1030,7 +1182,22 @@ cudaError_t cudaGetDevice(int* device) {
     return cudaSuccess;
 }
 
-cudaError_t cudaDeviceSynchronize() { return nanoq_emu::synchronize_device(nanoq_emu::tl_device); }
+cudaError_t cudaDeviceSynchronize() {
+    {
+        std::lock_guard<std::mutex> lock(nanoq_emu::capture_mutex);
+        bool capturing = false;
+        for (const auto& c : nanoq_emu::active_captures())
+            if (c->device == nanoq_emu::tl_device) {
+                nanoq_emu::invalidate(*c, "cudaDeviceSynchronize during the capture");
+                capturing = true;
+            }
+        if (capturing)
+            return report(cudaErrorStreamCaptureUnsupported,
+                          "cudaDeviceSynchronize while a stream of the device is being captured (the capture is "
+                          "invalidated)");
+    }
+    return nanoq_emu::synchronize_device(nanoq_emu::tl_device);
+}
 
 cudaError_t cudaGetLastError() {
     const cudaError_t e = nanoq_emu::tl_last_error;
@@ -1051,6 +1218,15 @@ const char* cudaGetErrorName(cudaError_t error) {
         case cudaErrorNotReady: return "cudaErrorNotReady";
         case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
         case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+        case cudaErrorIllegalState: return "cudaErrorIllegalState";
+        case cudaErrorStreamCaptureUnsupported: return "cudaErrorStreamCaptureUnsupported";
+        case cudaErrorStreamCaptureInvalidated: return "cudaErrorStreamCaptureInvalidated";
+        case cudaErrorStreamCaptureMerge: return "cudaErrorStreamCaptureMerge";
+        case cudaErrorStreamCaptureUnmatched: return "cudaErrorStreamCaptureUnmatched";
+        case cudaErrorStreamCaptureUnjoined: return "cudaErrorStreamCaptureUnjoined";
+        case cudaErrorStreamCaptureIsolation: return "cudaErrorStreamCaptureIsolation";
+        case cudaErrorCapturedEvent: return "cudaErrorCapturedEvent";
+        case cudaErrorStreamCaptureWrongThread: return "cudaErrorStreamCaptureWrongThread";
     }
     return "cudaErrorUnknown";
 }
@@ -1071,6 +1247,7 @@ const char* cudaGetErrorString(cudaError_t error) {
 
 cudaError_t cudaMalloc(void** pointer, std::size_t bytes) {
     *pointer = nullptr;
+    if (const cudaError_t forbidden = nanoq_emu::check_unsafe_call("cudaMalloc")) return forbidden;
     if (const cudaError_t lost = nanoq_emu::check_device(nanoq_emu::tl_device)) return lost;
     *pointer = memory().allocate(bytes, nanoq_emu::tl_device);
     if (!*pointer)
@@ -1083,6 +1260,7 @@ cudaError_t cudaMalloc(void** pointer, std::size_t bytes) {
 
 cudaError_t cudaFree(void* pointer) {
     if (!pointer) return cudaSuccess;
+    if (const cudaError_t forbidden = nanoq_emu::check_unsafe_call("cudaFree")) return forbidden;
     // As on a GPU, freeing waits for the device's queued work.
     const cudaError_t pending = nanoq_emu::synchronize_device(nanoq_emu::tl_device);
     try {
@@ -1105,6 +1283,8 @@ cudaError_t cudaFreeAsync(void* pointer, cudaStream_t stream) {
 }
 
 cudaError_t cudaMallocHost(void** pointer, std::size_t bytes) {
+    *pointer = nullptr;
+    if (const cudaError_t forbidden = nanoq_emu::check_unsafe_call("cudaMallocHost")) return forbidden;
     *pointer = memory().allocate(bytes, -1);
     return *pointer ? cudaSuccess : report(cudaErrorMemoryAllocation, "out of pinned host memory");
 }
@@ -1113,6 +1293,7 @@ cudaError_t cudaHostAlloc(void** pointer, std::size_t bytes, unsigned int) { ret
 
 cudaError_t cudaFreeHost(void* pointer) {
     if (!pointer) return cudaSuccess;
+    if (const cudaError_t forbidden = nanoq_emu::check_unsafe_call("cudaFreeHost")) return forbidden;
     const cudaError_t pending = nanoq_emu::synchronize_device(-1);
     try {
         memory().release(pointer, true);
@@ -1133,6 +1314,16 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaM
     cudaStream_t s = nanoq_emu::resolve(stream);
     const bool src_pageable = !memory().registered(src);
     const bool dst_pageable = !memory().registered(dst);
+    if (src_pageable || dst_pageable) {
+        // A graph cannot hold a copy of pageable memory (the runtime stages it at the call).
+        std::lock_guard<std::mutex> lock(nanoq_emu::capture_mutex);
+        if (s->capture) {
+            nanoq_emu::invalidate(*s->capture, "cudaMemcpyAsync of pageable host memory");
+            return report(cudaErrorStreamCaptureUnsupported,
+                          "cudaMemcpyAsync to or from pageable host memory on a stream that is being captured "
+                          "(use pinned memory, or copy outside the captured region; the capture is invalidated)");
+        }
+    }
     if (src_pageable && dst_pageable) {
         std::memcpy(dst, src, bytes);
         return cudaSuccess;
@@ -1157,6 +1348,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaM
 }
 
 cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind) {
+    if (const cudaError_t forbidden = nanoq_emu::check_unsafe_call("cudaMemcpy")) return forbidden;
     const cudaError_t pending = nanoq_emu::synchronize_device(nanoq_emu::tl_device);
     if (pending != cudaSuccess) return pending;
     const cudaError_t e = cudaMemcpyAsync(dst, src, bytes, kind, nullptr);
@@ -1176,6 +1368,7 @@ cudaError_t cudaMemsetAsync(void* dst, int value, std::size_t bytes, cudaStream_
 }
 
 cudaError_t cudaMemset(void* dst, int value, std::size_t bytes) {
+    if (const cudaError_t forbidden = nanoq_emu::check_unsafe_call("cudaMemset")) return forbidden;
     cudaMemsetAsync(dst, value, bytes, nullptr);
     std::string message;
     const cudaError_t code = nanoq_emu::resolve(nullptr)->synchronize(&message);
@@ -1199,6 +1392,8 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
         auto& streams = nanoq_emu::live_streams();
         auto it = std::find(streams.begin(), streams.end(), stream);
         if (it == streams.end()) return report(cudaErrorInvalidResourceHandle, "cudaStreamDestroy of an unknown stream");
+        std::lock_guard<std::mutex> capture_lock(nanoq_emu::capture_mutex);
+        if (stream->capture) return report(cudaErrorIllegalState, "cudaStreamDestroy of a stream that is being captured");
         streams.erase(it);
     }
     std::string message;
@@ -1208,12 +1403,16 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
 }
 
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+    if (const cudaError_t captured = nanoq_emu::check_not_captured(nanoq_emu::resolve(stream), "cudaStreamSynchronize"))
+        return captured;
     std::string message;
     const cudaError_t code = nanoq_emu::resolve(stream)->synchronize(&message);
     return code == cudaSuccess ? cudaSuccess : report(code, message);
 }
 
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
+    if (const cudaError_t captured = nanoq_emu::check_not_captured(nanoq_emu::resolve(stream), "cudaStreamQuery"))
+        return captured;
     std::string message;
     const cudaError_t code = nanoq_emu::resolve(stream)->query(&message);
     return code == cudaSuccess || code == cudaErrorNotReady ? code : report(code, message);
@@ -1233,6 +1432,18 @@ cudaError_t cudaEventDestroy(cudaEvent_t event) {
 }
 
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+    {
+        // In a capture the event stands for the stream's frontier there.
+        cudaStream_t s = nanoq_emu::resolve(stream);
+        std::lock_guard<std::mutex> lock(nanoq_emu::capture_mutex);
+        if (s->capture) {
+            event->capture = s->capture;
+            event->capture_nodes = s->frontier;
+            return cudaSuccess;
+        }
+        event->capture.reset();
+        event->capture_nodes.clear();
+    }
     std::uint64_t target;
     {
         std::lock_guard<std::mutex> lock(event->mutex);
@@ -1250,6 +1461,42 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
 }
 
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int) {
+    {
+        cudaStream_t s = nanoq_emu::resolve(stream);
+        std::lock_guard<std::mutex> lock(nanoq_emu::capture_mutex);
+        const std::shared_ptr<nanoq_emu::Capture>& c = event->capture;
+        if (c) {
+            if (!c->active)
+                return report(cudaErrorCapturedEvent,
+                              "cudaStreamWaitEvent on an event last recorded in a capture that has ended");
+            if (s->capture && s->capture != c) {
+                nanoq_emu::invalidate(*c, "a wait that merges two captures");
+                nanoq_emu::invalidate(*s->capture, "a wait that merges two captures");
+                return report(cudaErrorStreamCaptureMerge,
+                              "cudaStreamWaitEvent would merge two separate captures (the event is from another)");
+            }
+            if (!s->capture) {  // the stream joins the capture: a fork
+                s->capture = c;
+                s->frontier = event->capture_nodes;
+                c->members.push_back(s);
+                return cudaSuccess;
+            }
+            for (std::size_t node : event->capture_nodes)
+                if (std::find(s->frontier.begin(), s->frontier.end(), node) == s->frontier.end())
+                    s->frontier.push_back(node);
+            return cudaSuccess;
+        }
+        if (s->capture) {
+            std::lock_guard<std::mutex> event_lock(event->mutex);
+            if (event->recorded > 0) {
+                nanoq_emu::invalidate(*s->capture, "a wait on an event recorded outside the capture");
+                return report(cudaErrorStreamCaptureIsolation,
+                              "cudaStreamWaitEvent in a capture on an event recorded outside it (the graph would "
+                              "depend on work outside it; the capture is invalidated)");
+            }
+            return cudaSuccess;  // a never-recorded event: nothing to wait for
+        }
+    }
     std::uint64_t target;
     {
         std::lock_guard<std::mutex> lock(event->mutex);
@@ -1267,12 +1514,14 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
 }
 
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+    if (const cudaError_t captured = nanoq_emu::check_event_not_captured(event, "cudaEventSynchronize")) return captured;
     std::unique_lock<std::mutex> lock(event->mutex);
     event->done.wait(lock, [&] { return event->completed >= event->recorded; });
     return cudaSuccess;
 }
 
 cudaError_t cudaEventQuery(cudaEvent_t event) {
+    if (const cudaError_t captured = nanoq_emu::check_event_not_captured(event, "cudaEventQuery")) return captured;
     std::lock_guard<std::mutex> lock(event->mutex);
     return event->completed >= event->recorded ? cudaSuccess : cudaErrorNotReady;
 }
@@ -1289,7 +1538,120 @@ cudaError_t cudaEventElapsedTime(float* milliseconds, cudaEvent_t start, cudaEve
     return cudaSuccess;
 }
 
+cudaError_t cudaStreamBeginCapture(cudaStream_t stream, cudaStreamCaptureMode mode) {
+    if (stream == nullptr || stream == cudaStreamLegacy)
+        return report(cudaErrorStreamCaptureUnsupported, "cudaStreamBeginCapture of the legacy default stream");
+    cudaStream_t s = nanoq_emu::resolve(stream);
+    std::lock_guard<std::mutex> lock(nanoq_emu::capture_mutex);
+    if (s->capture) return report(cudaErrorIllegalState, "cudaStreamBeginCapture of a stream already being captured");
+    auto c = std::make_shared<nanoq_emu::Capture>();
+    c->device = s->device;
+    c->mode = mode;
+    c->thread = std::this_thread::get_id();
+    c->origin = s;
+    c->members.push_back(s);
+    s->capture = c;
+    s->frontier.clear();
+    nanoq_emu::active_captures().push_back(c);
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* graph) {
+    if (!graph) return report(cudaErrorInvalidValue, "cudaStreamEndCapture without a graph to return");
+    *graph = nullptr;
+    cudaStream_t s = nanoq_emu::resolve(stream);
+    std::shared_ptr<nanoq_emu::Capture> c;
+    std::string unjoined;
+    {
+        std::lock_guard<std::mutex> lock(nanoq_emu::capture_mutex);
+        c = s->capture;
+        if (!c) return report(cudaErrorIllegalState, "cudaStreamEndCapture of a stream that is not being captured");
+        if (c->origin != s) {
+            nanoq_emu::invalidate(*c, "cudaStreamEndCapture on a stream that joined it");
+            return report(cudaErrorStreamCaptureUnmatched,
+                          "cudaStreamEndCapture on a stream that joined the capture, not the one that began it");
+        }
+        if (c->mode != cudaStreamCaptureModeRelaxed && c->thread != std::this_thread::get_id()) {
+            nanoq_emu::invalidate(*c, "cudaStreamEndCapture from another thread");
+            return report(cudaErrorStreamCaptureWrongThread,
+                          "cudaStreamEndCapture from another thread than the one that began the capture");
+        }
+        // Joined: the last work of every other stream in the capture is an
+        // ancestor of the origin's (its frontier's).
+        std::vector<char> reached(c->nodes.size(), 0);
+        std::vector<std::size_t> todo = s->frontier;
+        while (!todo.empty()) {
+            const std::size_t node = todo.back();
+            todo.pop_back();
+            if (reached[node]) continue;
+            reached[node] = 1;
+            for (std::size_t d : c->nodes[node].deps) todo.push_back(d);
+        }
+        for (cudaStream_t member : c->members)
+            for (std::size_t node : member->frontier)
+                if (!reached[node] && unjoined.empty()) unjoined = c->nodes[node].what;
+        for (cudaStream_t member : c->members) {
+            member->capture.reset();
+            member->frontier.clear();
+        }
+        c->active = false;
+        auto& active = nanoq_emu::active_captures();
+        active.erase(std::find(active.begin(), active.end(), c));
+    }
+    if (c->invalidated)
+        return report(cudaErrorStreamCaptureInvalidated, "the capture was invalidated by " + c->why);
+    if (!unjoined.empty())
+        return report(cudaErrorStreamCaptureUnjoined,
+                      "the capture ends with work on another stream (" + unjoined +
+                          ") that the capturing stream never waited for: join every forked stream back with an event");
+    *graph = new nanoq_emu_graph{std::move(c->nodes), c->device};
+    ++nanoq_emu::graphs_captured;
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* status) {
+    cudaStream_t s = nanoq_emu::resolve(stream);
+    std::lock_guard<std::mutex> lock(nanoq_emu::capture_mutex);
+    *status = !s->capture ? cudaStreamCaptureStatusNone
+              : s->capture->invalidated ? cudaStreamCaptureStatusInvalidated
+                                        : cudaStreamCaptureStatusActive;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long) {
+    if (!exec || !graph) return report(cudaErrorInvalidValue, "cudaGraphInstantiate of a null graph");
+    *exec = new nanoq_emu_graph_exec();
+    (*exec)->nodes = std::make_shared<const std::vector<nanoq_emu::GraphNode>>(graph->nodes);
+    return cudaSuccess;
+}
+
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {
+    if (!exec) return report(cudaErrorInvalidResourceHandle, "cudaGraphLaunch of a null executable graph");
+    std::shared_ptr<const std::vector<nanoq_emu::GraphNode>> nodes = exec->nodes;
+    const std::uint64_t launch = exec->launches++;
+    ++nanoq_emu::graphs_launched;
+    nanoq_emu::resolve(stream)->push([nodes, launch] { nanoq_emu::run_graph(*nodes, launch); }, "cudaGraphLaunch");
+    return cudaSuccess;
+}
+
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+    delete exec;  // launches in flight hold the nodes
+    return cudaSuccess;
+}
+
+cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+    delete graph;
+    return cudaSuccess;
+}
+
 // ---- emulator control for tests (exported: tests reach them with ctypes) ---------------
+// Graphs made by cudaStreamEndCapture and launches of graphs, so far.
+extern "C" __attribute__((visibility("default"))) void nanoq_emu_graph_counts(unsigned long long* captured,
+                                                                              unsigned long long* launched) {
+    *captured = nanoq_emu::graphs_captured.load();
+    *launched = nanoq_emu::graphs_launched.load();
+}
+
 // Device `device` is lost now (after_kernels <= 0) or when the after_kernels-th
 // kernel from now runs on it; see DeviceFault above. There is no way back.
 extern "C" __attribute__((visibility("default"))) void nanoq_emu_lose_device(int device, long after_kernels) {
