@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -55,6 +56,13 @@ struct QkvActivations {
     Tensor q_raw, k_raw;
     Tensor q_rstd, k_rstd;
 };
+
+// The uint64 a scale_dropout seed_base holds (an int32 tensor of 2).
+inline const std::uint64_t* seed_base_value(const Tensor& seed_base) {
+    if (seed_base.dtype != DType::I32 || seed_base.numel() != 2)
+        throw InternalError("a dropout seed base is one uint64, stored as an int32 tensor of 2");
+    return static_cast<const std::uint64_t*>(seed_base.data);
+}
 
 struct AdamWStep {
     float lr;
@@ -103,6 +111,22 @@ public:
     // fast path computes the same without one.
     virtual void configure(const TrainOptions& options) { (void)options; }
 
+    // Runs `body`, which issues this device's work for a piece of a step
+    // that repeats: the same ops on the same buffers whenever `key` repeats.
+    // A backend with CUDA graphs (cuda, unless cuda_graphs is off) captures
+    // the body's stream work the first time it sees `key` and launches that
+    // graph instead of running the body from then on. So the body must
+    // leave no host-side effect that later work relies on, `key` must name
+    // everything that changes the issued work (which ops, shapes, pointers,
+    // kernel arguments, collectives), and values that change between runs
+    // (seeds, learning rate, step) must reach the kernels through device
+    // memory written before the call. The body may not wait for the device
+    // or read results back. The default runs the body.
+    virtual void run_captured(const std::string& key, const std::function<void()>& body) {
+        (void)key;
+        body();
+    }
+
     // Memory. raw_alloc returns nullptr when the memory is not available.
     virtual void* raw_alloc(std::size_t bytes, MemoryKind kind) = 0;
     virtual void raw_free(void* data, MemoryKind kind) = 0;
@@ -149,10 +173,13 @@ public:
     virtual void add(const Tensor& out, const Tensor& a, const Tensor& b) = 0;   // out = a + b
     virtual void accumulate(const Tensor& out, const Tensor& a) = 0;             // out += a
     // out = in * scale, with dropout when drop > 0: element i is zeroed
-    // unless dropout_keep(seed, i, drop) (dropout.h), and kept ones are
-    // scaled by 1 / (1 - drop). out may alias in.
-    virtual void scale_dropout(const Tensor& out, const Tensor& in, float scale, float drop,
-                               std::uint64_t seed) = 0;
+    // unless dropout_keep(s, i, drop) (dropout.h), and kept ones are
+    // scaled by 1 / (1 - drop). out may alias in. The mask's seed s is
+    // `seed`, or, when `seed_base` is given (one uint64 in this device's
+    // memory, as an int32 tensor of 2), dropout_mask_seed(seed, seed_base):
+    // read when the op runs, so that a replayed graph draws new masks.
+    virtual void scale_dropout(const Tensor& out, const Tensor& in, float scale, float drop, std::uint64_t seed,
+                               const Tensor& seed_base) = 0;
 
     virtual void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& table, int rows,
                                    int channels) = 0;

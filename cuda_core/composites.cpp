@@ -57,7 +57,7 @@ void Backend::matmul_epilogue(const Tensor& out, const Tensor& a, const Tensor& 
     if (accumulate && scale != 1.0f)
         throw InvalidArgument("matmul_epilogue: a scale applies to a fresh product only (accumulate with scale 1)");
     matmul(out, a, b, M, N, K, trans_a, trans_b, accumulate);
-    if (scale != 1.0f) scale_dropout(out, out, scale, 0.0f, 0);
+    if (scale != 1.0f) scale_dropout(out, out, scale, 0.0f, 0, Tensor());
     if (bias.data) add_bias(out, bias, M, N);
 }
 

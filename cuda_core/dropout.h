@@ -34,4 +34,11 @@ NANOQ_HOST_DEVICE inline std::uint64_t mix_seed(std::uint64_t seed, std::uint64_
     return splitmix64(seed ^ (stream * 0xD1B54A32D192ED03ULL + 0x632BE59BD9B4E019ULL));
 }
 
+// The seed of a mask (Backend::scale_dropout): `seed` itself, or stream
+// `seed` of the seed at `base` (device memory: a value that changes between
+// replays of a CUDA graph without changing its kernel arguments).
+NANOQ_HOST_DEVICE inline std::uint64_t dropout_mask_seed(std::uint64_t seed, const std::uint64_t* base) {
+    return base ? mix_seed(*base, seed) : seed;
+}
+
 }  // namespace nanoq

@@ -353,7 +353,7 @@ std::pair<Tensor, Tensor> LlamaModel::adapter_hidden(int layer, int target, cons
     Tensor input = x;
     if (dropout_active_) {
         input = frame.push("lora-dropout", dtype_, {rows_, k});
-        be.scale_dropout(input, x, 1.0f, lora_.dropout, adapter_seed(layer, target));
+        be.scale_dropout(input, x, 1.0f, lora_.dropout, adapter_seed(layer, target), dropout_seed_);
     }
     Tensor h = frame.push("lora-h", dtype_, {rows_, lora_.rank});
     be.matmul_epilogue(h, input, w.lora_a[target], Tensor(), rows_, lora_.rank, k, false, true, false,
@@ -361,8 +361,8 @@ std::pair<Tensor, Tensor> LlamaModel::adapter_hidden(int layer, int target, cons
     return {input, h};
 }
 
-std::uint64_t LlamaModel::adapter_seed(int layer, int target) const {
-    return mix_seed(dropout_seed_, std::uint64_t(layer) * kLoraTargetCount + target);
+std::uint64_t LlamaModel::adapter_seed(int layer, int target) {
+    return std::uint64_t(layer) * kLoraTargetCount + target;
 }
 
 void LlamaModel::adapter_forward(int layer, int target, const LayerWeights& w, const Tensor& out, const Tensor& x,
@@ -388,7 +388,7 @@ void LlamaModel::adapter_backward(int layer, int target, const LayerWeights& w, 
     be.matmul(g.lora_a[target], dh, input, r, k, rows_, true, false, true);  // dA += dh^T dropout(x)
     if (!dropout_active_) return be.matmul(dx, dh, w.lora_a[target], rows_, k, r, false, false, true);  // dx += dh A
     be.matmul(input, dh, w.lora_a[target], rows_, k, r, false, false, false);  // the same mask on the way back
-    be.scale_dropout(input, input, 1.0f, lora_.dropout, adapter_seed(layer, target));
+    be.scale_dropout(input, input, 1.0f, lora_.dropout, adapter_seed(layer, target), dropout_seed_);
     be.accumulate(dx, input);
 }
 
@@ -403,9 +403,10 @@ void LlamaModel::classifier(const ModelWeights& w, const ModelWeights* g, const 
 
 void LlamaModel::forward_backward(const ModelWeights& w, const ModelWeights& g, LayerSource& layers,
                                   const Tensor& tokens, const Tensor& targets, const Tensor& stats, float z_loss,
-                                  StackArena& stack, std::uint64_t dropout_seed) {
+                                  StackArena& stack, const Tensor& dropout_seed) {
     const ModelConfig& c = config_;
     dropout_active_ = lora_.dropout > 0.0f;
+    if (dropout_active_ && !dropout_seed.data) throw InternalError("LoRA dropout needs the micro-batch's seed");
     dropout_seed_ = dropout_seed;
     forward(w, layers, tokens, stack);
     StackFrame frame(stack);

@@ -127,11 +127,13 @@ public:
     // `stats`. tokens/targets: int32 [B, T] on the device.
     // `weights`/`grads` give the embedding, final norm and head; `layers`
     // the transformer layers. An empty gradient tensor is a frozen
-    // parameter: its gradient is not computed. `dropout_seed` keys the
-    // adapters' dropout masks of this micro-batch.
+    // parameter: its gradient is not computed. `dropout_seed` (one uint64
+    // on the device, as Backend::scale_dropout's seed_base; empty without
+    // LoRA dropout) keys the adapters' dropout masks of this micro-batch:
+    // read by the kernels, so that a captured step draws new masks.
     void forward_backward(const ModelWeights& weights, const ModelWeights& grads, LayerSource& layers,
                           const Tensor& tokens, const Tensor& targets, const Tensor& stats, float z_loss,
-                          StackArena& stack, std::uint64_t dropout_seed = 0);
+                          StackArena& stack, const Tensor& dropout_seed);
     // Forward and loss statistics only.
     void forward_loss(const ModelWeights& weights, LayerSource& layers, const Tensor& tokens, const Tensor& targets,
                       const Tensor& stats, float z_loss, StackArena& stack);
@@ -161,8 +163,8 @@ private:
     // Whether any of `targets` has an adapter in this layer: then the packed
     // composites run in their halves, with the adapters in between.
     static bool has_adapter(const LayerWeights& w, std::initializer_list<int> targets);
-    // The dropout mask of one adapter in this micro-batch.
-    std::uint64_t adapter_seed(int layer, int target) const;
+    // The dropout mask of one adapter: its stream of the micro-batch's seed.
+    static std::uint64_t adapter_seed(int layer, int target);
     // Where a gradient goes: `grad`, or a scratch sink when it is frozen
     // (an empty tensor); for the norms, whose backward always writes one.
     const Tensor& or_sink(const Tensor& grad) const { return grad.data ? grad : frozen_grad_sink_; }
@@ -172,7 +174,8 @@ private:
 
     Backend& backend_;
     bool dropout_active_ = false;    // in forward_backward, when lora_.dropout > 0
-    std::uint64_t dropout_seed_ = 0;
+    Tensor dropout_seed_;            // forward_backward's
+
 };
 
 }  // namespace nanoq

@@ -127,6 +127,9 @@ struct DeviceState {
     // start of each update() and copied to the device from there.
     std::vector<AdamWSegment> adamw_segments;
     Tensor adamw_segment_table, adamw_step_staging, adamw_step_values;
+    // LoRA dropout: the micro-batch's mask seed (one uint64 as int32 [2]),
+    // written before each step so that a captured step reads a new one.
+    Tensor dropout_seed;
     Tensor staging;                  // float32 bounce buffer for parameters
 };
 
@@ -294,6 +297,7 @@ void allocate_device_state(const TrainerSetup& s, int rank, DeviceState& d, bool
     d.adamw_step_staging =
         a.allocate(Context::Workspace, "adamw-step-staging", DType::F64, {kAdamWStepSlots}, s.plugin->staging_kind);
     d.adamw_step_values = a.allocate(Context::Workspace, "adamw-step", DType::F64, {kAdamWStepSlots});
+    if (s.lora.dropout > 0.0f) d.dropout_seed = a.allocate(Context::Workspace, "dropout-seed", DType::I32, {2});
     d.staging = a.allocate(Context::Workspace, "parameter-staging", DType::F32,
                            {std::min(s.largest, kStagingElements)});
     const std::int64_t chunk_elements = s.plugin->classifier_chunk_elements;
@@ -867,13 +871,29 @@ void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int 
                 }
             }
             d.backend->mark_batch_read();
+            if (d.dropout_seed.data) {
+                const std::uint64_t dropout_seed =
+                    mix_seed(mix_seed(m.options.seed, dropout_step), std::uint64_t(m.global(rank)));
+                d.backend->copy_from_host(d.dropout_seed, &dropout_seed);
+            }
             ZeroLayers layers(*m.zero, d.zero, d.weight_views, d.grad_views, *d.backend, *d.comm, last_micro_batch,
                               overlap, d.trace.get());
-            const std::uint64_t dropout_seed =
-                mix_seed(mix_seed(m.options.seed, dropout_step), std::uint64_t(m.global(rank)));
-            d.model->forward_backward(d.weight_views, d.grad_views, layers, d.tokens, d.targets, d.stats,
-                                      m.options.z_loss, *d.stack, dropout_seed);
-            layers.finish_backward();
+            // Forward and backward issue the same work for every micro-batch
+            // but the last (which may start the ZeRO reductions): captured
+            // once per kind. Not while tracing: the trace records the issue
+            // order on the host, which a replay does not repeat.
+            const auto forward_backward = [&] {
+                d.model->forward_backward(d.weight_views, d.grad_views, layers, d.tokens, d.targets, d.stats,
+                                          m.options.z_loss, *d.stack, d.dropout_seed);
+                layers.finish_backward();
+            };
+            if (d.trace)
+                forward_backward();
+            else
+                d.backend->run_captured(std::string("step:last=") + (last_micro_batch ? "1" : "0") +
+                                            ":overlap=" + (overlap ? "1" : "0"),
+                                        forward_backward);
+            if (layers.reduced_in_backward()) d.zero.gradients_reduced = true;
             // After the step's work is queued, so that the device never idles
             // while this thread waits for the copies.
             d.backend->wait_batch_read();

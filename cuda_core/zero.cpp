@@ -205,9 +205,7 @@ void ZeroLayers::finish_backward() {
     comm_.wait();
     waited(std::numeric_limits<CommTicket>::max());
     reducing_[0] = reducing_[1] = 0;
-    if (stage_ == 1) {
-        z_.gradients_reduced = true;
-    } else {
+    if (stage_ > 1) {
         backend_.fill(z_.embed_grads, 0.0f);
         backend_.fill(z_.head_grads, 0.0f);
     }

@@ -152,7 +152,11 @@ public:
     void grads_done(int layer) override;
     // After backward: the embedding's and the head's gradients to their
     // owners, and the compute ordered after every reduction of the pass.
+    // Device work only (it may be captured as a CUDA graph): the caller sets
+    // ZeroBuffers::gradients_reduced from reduced_in_backward().
     void finish_backward();
+    // Stage 1: whether this pass sums the gradients into the owners' shards.
+    bool reduced_in_backward() const { return stage_ == 1 && reduce_; }
 
 private:
     void gather(int layer, int buffer, bool now);

@@ -93,3 +93,72 @@ def test_a_capture_whose_fork_is_never_joined_fails_to_end(emulator):
     status, out, message = run_scenario(emulator, "unjoined")
     assert status == 0, message
     assert out[0] == UNJOINED and out[1] == 0
+
+
+# ---- the trainer's captured steps ---------------------------------------------
+# A tiny Qwen3-like model (q/k norms, biases, GQA) so that every op runs in
+# the captured step; grad_accum 2, so both kinds of micro-batch (the last
+# starts the ZeRO reductions) are captured and replayed, and the per-step
+# values (the dropout seed) change under the graphs.
+GRAPH_CONFIG = nanoq.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, qkv_bias=True,
+                                 qk_norm=True)
+GRAPH_SEQ, GRAPH_ROWS, GRAPH_STEPS, GRAPH_ACCUM = 8, 4, 3, 2
+
+
+def train_emulated(cuda_graphs, devices=1, **options):
+    """Losses, gradient norms and weights after GRAPH_STEPS optimizer steps
+    of grad_accum 2 on cuda_emulated, and the graphs captured and launched."""
+    from nanoq.lora import LoraConfig
+
+    if "lora" in options:
+        options["lora"] = LoraConfig(**options["lora"])
+    opts = nanoq.TrainOptions(backend="cuda_emulated", dtype="fp32", devices=devices,
+                              batch_size=GRAPH_ROWS // devices, seq_len=GRAPH_SEQ, grad_accum=GRAPH_ACCUM, seed=5,
+                              z_loss=1e-3, cuda_graphs=cuda_graphs, **options)
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(nanoq._core.__file__), "libnanoq_cuda_emulated.so"))
+    lib.nanoq_emu_graph_counts.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.POINTER(ctypes.c_ulonglong)]
+    with nanoq.Trainer(GRAPH_CONFIG, opts) as trainer:
+        trainer.init_weights(seed=7)
+        if opts.lora is not None:
+            trainer.init_adapters(seed=8)
+        before = graph_counts(lib)
+        stats = []
+        for step in range(GRAPH_STEPS):
+            for micro in range(GRAPH_ACCUM):
+                rng = np.random.default_rng(100 * step + micro)
+                tokens = rng.integers(0, GRAPH_CONFIG.vocab_size, (GRAPH_ROWS, GRAPH_SEQ + 1), dtype=np.int32)
+                targets = np.ascontiguousarray(tokens[:, 1:])
+                targets[rng.random(targets.shape) < 0.2] = -100
+                trainer.step(np.ascontiguousarray(tokens[:, :-1]), targets)
+            result = trainer.update(lr=1e-2 / (step + 1), grad_clip=0.5)
+            stats.append((result.loss, result.grad_norm))
+        after = graph_counts(lib)
+        weights = trainer.get_weights(trainable_only=opts.lora is not None)
+    return stats, weights, (after[0] - before[0], after[1] - before[1])
+
+
+GRAPH_CASES = [
+    pytest.param(1, {}, id="1-device"),
+    pytest.param(2, {"zero_stage": 1}, id="2-devices-zero1"),
+    pytest.param(2, {"zero_stage": 2}, id="2-devices-zero2"),
+    pytest.param(2, {"zero_stage": 3}, id="2-devices-zero3"),
+    pytest.param(2, {"lora": {"rank": 2, "alpha": 4.0, "dropout": 0.25, "targets": "all"}}, id="lora-dropout"),
+    pytest.param(1, {"recompute": ("block",)}, id="recompute"),
+]
+
+
+@pytest.mark.parametrize("devices, options", GRAPH_CASES)
+def test_captured_steps_train_bitwise_like_uncaptured_ones(devices, options):
+    require_cuda_emulator()
+    stats, weights, (captured, launched) = train_emulated(True, devices, **dict(options))
+    plain_stats, plain_weights, (plain_captured, plain_launched) = train_emulated(False, devices, **dict(options))
+    assert stats == plain_stats
+    assert sorted(weights) == sorted(plain_weights)
+    for name in weights:
+        assert np.array_equal(weights[name], plain_weights[name]), name
+    # One graph per kind of micro-batch and device, launched for every
+    # micro-batch: the later ones are replays. Without graphs: none at all.
+    assert captured == 2 * devices
+    assert launched == GRAPH_STEPS * GRAPH_ACCUM * devices
+    assert (plain_captured, plain_launched) == (0, 0)

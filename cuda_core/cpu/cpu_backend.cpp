@@ -259,8 +259,9 @@ public:
         for (std::int64_t i = 0; i < n; ++i) o[i] += x[i];
     }
 
-    void scale_dropout(const Tensor& out, const Tensor& in, float scale, float drop,
-                       std::uint64_t seed) override {
+    void scale_dropout(const Tensor& out, const Tensor& in, float scale, float drop, std::uint64_t seed,
+                       const Tensor& seed_base) override {
+        if (seed_base.data) seed = dropout_mask_seed(seed, seed_base_value(seed_base));
         float* o = out.f32();
         const float* x = in.f32();
         const std::int64_t n = out.numel();

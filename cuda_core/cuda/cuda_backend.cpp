@@ -209,6 +209,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
 
 CudaBackend::~CudaBackend() {
     cudaSetDevice(device_);
+    for (const auto& graph : graphs_) cudaGraphExecDestroy(graph.second);
     matmul_.reset();
     fused_attention_.reset();
     for (cudaEvent_t event : batch_ready_)
@@ -371,6 +372,42 @@ void CudaBackend::host_wait(cudaEvent_t event) {
     poll_until_done([&] { return cudaEventQuery(event); }, "cudaEventQuery (host wait)", host_wait_check_);
 }
 
+void CudaBackend::run_captured(const std::string& key, const std::function<void()>& body) {
+    if (!options_.cuda_graphs) return body();
+    auto found = graphs_.find(key);
+    if (found == graphs_.end()) {
+        // Thread-local mode: only this worker's calls that may synchronise
+        // break the capture, not the other devices' workers.
+        NANOQ_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+        try {
+            body();
+        } catch (const std::exception& e) {
+            cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+            cudaStreamIsCapturing(stream_, &status);
+            cudaGraph_t discarded = nullptr;
+            cudaStreamEndCapture(stream_, &discarded);
+            if (discarded) cudaGraphDestroy(discarded);
+            cudaGetLastError();
+            if (status == cudaStreamCaptureStatusInvalidated)
+                throw InternalError(std::string(e.what()) + " (inside the CUDA graph capture of \"" + key +
+                                    "\": a call that CUDA forbids while capturing; cuda_graphs = false runs "
+                                    "without graphs)");
+            throw;
+        }
+        cudaGraph_t graph = nullptr;
+        const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
+        if (ended != cudaSuccess)
+            throw InternalError(std::string("the CUDA graph capture of \"") + key +
+                                "\" failed at cudaStreamEndCapture: " + cudaGetErrorString(ended));
+        cudaGraphExec_t exec = nullptr;
+        const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
+        cudaGraphDestroy(graph);
+        NANOQ_CUDA_CHECK(made);
+        found = graphs_.emplace(key, exec).first;
+    }
+    NANOQ_CUDA_CHECK(cudaGraphLaunch(found->second, stream_));
+}
+
 void CudaBackend::copy_from_staging(const Tensor& dst, const void* src) {
     // The source is pinned: the copy is asynchronous, and the trainer keeps
     // it unchanged until wait_batch_read().
@@ -512,11 +549,13 @@ void CudaBackend::accumulate(const Tensor& out, const Tensor& a) {
     NANOQ_CUDA_CHECK_LAUNCH();
 }
 
-void CudaBackend::scale_dropout(const Tensor& out, const Tensor& in, float scale, float drop, std::uint64_t seed) {
+void CudaBackend::scale_dropout(const Tensor& out, const Tensor& in, float scale, float drop, std::uint64_t seed,
+                                const Tensor& seed_base) {
     require_same_dtype(out, in, "scale_dropout");
+    const std::uint64_t* base = seed_base.data ? seed_base_value(seed_base) : nullptr;
     with_dtype(out.dtype, [&](auto tag) {
         using T = decltype(tag);
-        cuda::scale_dropout<T>(ptr<T>(out), ptr<T>(in), scale, drop, seed, out.numel(), stream_);
+        cuda::scale_dropout<T>(ptr<T>(out), ptr<T>(in), scale, drop, seed, base, out.numel(), stream_);
     });
     NANOQ_CUDA_CHECK_LAUNCH();
 }

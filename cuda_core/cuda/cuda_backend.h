@@ -4,7 +4,9 @@
 #include <cuda_runtime.h>
 
 #include <functional>
+#include <map>
 #include <memory>
+#include <string>
 
 #include "backend.h"
 
@@ -42,6 +44,10 @@ public:
     void configure(const TrainOptions& options) override { options_ = options; }
     // The options configure() kept (the defaults until it is called, as in the op harness).
     const TrainOptions& options() const { return options_; }
+    // With options().cuda_graphs: the body's work on this device's streams
+    // is captured as a CUDA graph on the first call with `key` and the
+    // graph launched on every call (see Backend::run_captured).
+    void run_captured(const std::string& key, const std::function<void()>& body) override;
     // What reserve_scratch allocates (BackendPlugin::scratch_plan): the op
     // scratch of scratch_bytes(), the cuBLASLt workspace, pinned staging, with
     // matmul_dtype fp8 the fp8 operands (fp8_operand_bytes) and, when
@@ -85,7 +91,8 @@ public:
     void bias_backward(const Tensor& dbias, const Tensor& dout, int rows, int cols) override;
     void add(const Tensor& out, const Tensor& a, const Tensor& b) override;
     void accumulate(const Tensor& out, const Tensor& a) override;
-    void scale_dropout(const Tensor& out, const Tensor& in, float scale, float drop, std::uint64_t seed) override;
+    void scale_dropout(const Tensor& out, const Tensor& in, float scale, float drop, std::uint64_t seed,
+                       const Tensor& seed_base) override;
     void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& table, int rows,
                            int channels) override;
     void embedding_backward(const Tensor& table_grad, const Tensor& dout, const Tensor& tokens, int rows,
@@ -154,6 +161,8 @@ private:
     int batch_ready_count_ = 0;
     // mark_batch_read's mark: recorded after the latest micro-batch copies.
     cudaEvent_t batch_read_ = nullptr;
+    // run_captured's graphs, by key.
+    std::map<std::string, cudaGraphExec_t> graphs_;
 };
 
 }  // namespace cuda

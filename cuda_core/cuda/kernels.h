@@ -31,11 +31,12 @@ void cast_f32_to_bf16(bf16* out, const float* in, std::int64_t n, cudaStream_t s
 void cast_bf16_to_f32(float* out, const bf16* in, std::int64_t n, cudaStream_t stream);
 template <class T> void add(T* out, const T* a, const T* b, std::int64_t n, cudaStream_t stream);   // out = a + b
 template <class T> void accumulate(T* out, const T* a, std::int64_t n, cudaStream_t stream);       // out += a
-// out = in * scale, zeroing elements dropped by dropout_keep(seed, i, drop) and
-// scaling kept ones by 1 / (1 - drop) when drop > 0; out may alias in.
+// out = in * scale, zeroing elements dropped by dropout_keep(s, i, drop) and
+// scaling kept ones by 1 / (1 - drop) when drop > 0; out may alias in. The
+// mask seed s = dropout_mask_seed(seed, seed_base) (seed_base: device memory or null).
 template <class T>
-void scale_dropout(T* out, const T* in, float scale, float drop, std::uint64_t seed, std::int64_t n,
-                   cudaStream_t stream);
+void scale_dropout(T* out, const T* in, float scale, float drop, std::uint64_t seed, const std::uint64_t* seed_base,
+                   std::int64_t n, cudaStream_t stream);
 // out[r, c] += bias[c]
 template <class T> void add_bias(T* out, const T* bias, int rows, int cols, cudaStream_t stream);
 // dbias[c] += sum_r dout[r, c]; `scratch` holds bias_backward_scratch_floats(rows, cols) floats.

@@ -39,9 +39,10 @@ template <class T> __global__ void accumulate_kernel(T* out, const T* a, std::in
 }
 
 template <class T>
-__global__ void scale_dropout_kernel(T* out, const T* in, float scale, float drop, std::uint64_t seed,
-                                     std::int64_t n) {
+__global__ void scale_dropout_kernel(T* out, const T* in, float scale, float drop, std::uint64_t site,
+                                     const std::uint64_t* seed_base, std::int64_t n) {
     const float kept = drop > 0.0f ? scale / (1.0f - drop) : scale;
+    const std::uint64_t seed = drop > 0.0f ? dropout_mask_seed(site, seed_base) : 0;
     for (std::int64_t i = detail::grid_stride_begin(); i < n; i += detail::grid_stride_step()) {
         const bool keep = drop <= 0.0f || dropout_keep(seed, static_cast<std::uint64_t>(i), drop);
         out[i] = detail::from_float<T>(keep ? detail::to_float(in[i]) * kept : 0.0f);
@@ -89,11 +90,11 @@ template <class T> void accumulate(T* out, const T* a, std::int64_t n, cudaStrea
 }
 
 template <class T>
-void scale_dropout(T* out, const T* in, float scale, float drop, std::uint64_t seed, std::int64_t n,
-                   cudaStream_t stream) {
+void scale_dropout(T* out, const T* in, float scale, float drop, std::uint64_t seed, const std::uint64_t* seed_base,
+                   std::int64_t n, cudaStream_t stream) {
     if (n <= 0) return;
-    detail::launch(scale_dropout_kernel<T>, detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream, out, in, scale, drop,
-                                                                                              seed, n);
+    detail::launch(scale_dropout_kernel<T>, detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream, out, in, scale,
+                   drop, seed, seed_base, n);
 }
 
 template <class T> void add_bias(T* out, const T* bias, int rows, int cols, cudaStream_t stream) {
@@ -113,7 +114,8 @@ std::size_t bias_backward_scratch_floats(int rows, int cols) { return detail::co
     template void fill<T>(T*, float, std::int64_t, cudaStream_t);                                  \
     template void add<T>(T*, const T*, const T*, std::int64_t, cudaStream_t);                      \
     template void accumulate<T>(T*, const T*, std::int64_t, cudaStream_t);                         \
-    template void scale_dropout<T>(T*, const T*, float, float, std::uint64_t, std::int64_t, cudaStream_t); \
+    template void scale_dropout<T>(T*, const T*, float, float, std::uint64_t, const std::uint64_t*, std::int64_t, \
+                                   cudaStream_t);                                                  \
     template void add_bias<T>(T*, const T*, int, int, cudaStream_t);                               \
     template void bias_backward<T>(float*, const T*, int, int, float*, cudaStream_t);
 NANOQ_INSTANTIATE(float)

@@ -207,7 +207,8 @@ std::vector<OpSpec> make_table() {
          "the others are scaled by 1 / (1 - drop)",
          {input("x", "*n"), real("scale"), real("drop"), seed("seed"), output("out", "*n")},
          {},
-         [](OpCall& c) { c.backend().scale_dropout(c["out"], c["x"], c.f("scale"), c.f("drop"), c.seed("seed")); },
+         [](OpCall& c) { c.backend().scale_dropout(c["out"], c["x"], c.f("scale"), c.f("drop"), c.seed("seed"), Tensor());
+         },
          nullptr,
          [](const OpCall& c) { require(c.f("drop") >= 0.0f && c.f("drop") < 1.0f, "drop must be in [0, 1)"); }},
         {"embedding_forward", "table [vocab, channels] rows picked by tokens (any shape)",
