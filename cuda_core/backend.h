@@ -114,8 +114,9 @@ public:
     // Runs `body`, which issues this device's work for a piece of a step
     // that repeats: the same ops on the same buffers whenever `key` repeats.
     // A backend with CUDA graphs (cuda, unless cuda_graphs is off) captures
-    // the body's stream work the first time it sees `key` and launches that
-    // graph instead of running the body from then on. So the body must
+    // the body's stream work when it sees `key` again (the first call is a
+    // warm-up, run as it is) and launches that graph instead of running the
+    // body from then on. So the body must
     // leave no host-side effect that later work relies on, `key` must name
     // everything that changes the issued work (which ops, shapes, pointers,
     // kernel arguments, collectives), and values that change between runs

@@ -451,17 +451,29 @@ struct Trainer::Impl : TrainerSetup {
         return host;
     }
 
-    // This device's views of the micro-batch: in place when the caller's
-    // memory is on this device, else copied into the device's buffers.
-    std::pair<Tensor, Tensor> load_batch(int rank, DeviceState& d, const std::int32_t* inputs,
-                                         const std::int32_t* targets, int source_device) {
+    // Runs `body`, device work that repeats whenever `key` does, through the
+    // backend's run_captured (a CUDA graph on cuda); directly while the
+    // communication is traced: the trace records the host's issue order,
+    // which a replay does not repeat.
+    void run_repeating(DeviceState& d, const std::string& key, const std::function<void()>& body) {
+        if (d.trace) return body();
+        d.backend->run_captured(key, body);
+    }
+
+    // Copies this device's part of a batch into d.tokens and d.targets (also
+    // from this device's own memory: the work after it then reads the same
+    // buffers whatever the caller passed, so that it can be captured).
+    void load_batch(int rank, DeviceState& d, const std::int32_t* inputs, const std::int32_t* targets,
+                    int source_device) {
         const std::int64_t offset = std::int64_t(rank) * options.batch_size * options.seq_len;
         if (source_device >= 0) d.backend->wait_batch_ready(*devices[source_device].backend);
         if (source_device == rank) {
             auto view = [&](const std::int32_t* p) {
                 return Tensor(const_cast<std::int32_t*>(p + offset), DType::I32, {options.batch_size, options.seq_len});
             };
-            return {view(inputs), view(targets)};
+            d.backend->copy(d.tokens, view(inputs));
+            d.backend->copy(d.targets, view(targets));
+            return;
         }
         if (source_device < 0) {
             d.backend->copy_from_host(d.tokens, inputs + offset);
@@ -470,7 +482,6 @@ struct Trainer::Impl : TrainerSetup {
             d.backend->copy_from_device(d.tokens, inputs + offset, source_device);
             d.backend->copy_from_device(d.targets, targets + offset, source_device);
         }
-        return {d.tokens, d.targets};
     }
 
     // Where this rank holds parameter p whole (see ZeroSharding::whole_weights).
@@ -880,19 +891,16 @@ void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int 
                               overlap, d.trace.get());
             // Forward and backward issue the same work for every micro-batch
             // but the last (which may start the ZeRO reductions): captured
-            // once per kind. Not while tracing: the trace records the issue
-            // order on the host, which a replay does not repeat.
+            // once per kind.
             const auto forward_backward = [&] {
                 d.model->forward_backward(d.weight_views, d.grad_views, layers, d.tokens, d.targets, d.stats,
                                           m.options.z_loss, *d.stack, d.dropout_seed);
                 layers.finish_backward();
             };
-            if (d.trace)
-                forward_backward();
-            else
-                d.backend->run_captured(std::string("step:last=") + (last_micro_batch ? "1" : "0") +
-                                            ":overlap=" + (overlap ? "1" : "0"),
-                                        forward_backward);
+            m.run_repeating(d,
+                            std::string("step:last=") + (last_micro_batch ? "1" : "0") +
+                                ":overlap=" + (overlap ? "1" : "0"),
+                            forward_backward);
             if (layers.reduced_in_backward()) d.zero.gradients_reduced = true;
             // After the step's work is queued, so that the device never idles
             // while this thread waits for the copies.
@@ -917,11 +925,14 @@ StepStats Trainer::validate(const std::int32_t* inputs, const std::int32_t* targ
     m.record_batch_streams(source_device, inputs_stream, targets_stream);
     std::vector<StatValue> rows;
     m.run([&](int rank, DeviceState& d) {
-        const auto [tokens, labels] = m.load_batch(rank, d, inputs, targets, source_device);
-        reset_stats(*d.backend, d.eval_stats);
-        ZeroLayers layers(*m.zero, d.zero, d.weight_views, d.grad_views, *d.backend, *d.comm);
-        d.model->forward_loss(d.weight_views, layers, tokens, labels, d.eval_stats, m.options.z_loss, *d.stack);
-        m.gather_stats(d, d.eval_stats);
+        m.load_batch(rank, d, inputs, targets, source_device);
+        m.run_repeating(d, "validate", [&] {
+            reset_stats(*d.backend, d.eval_stats);
+            ZeroLayers layers(*m.zero, d.zero, d.weight_views, d.grad_views, *d.backend, *d.comm);
+            d.model->forward_loss(d.weight_views, layers, d.tokens, d.targets, d.eval_stats, m.options.z_loss,
+                                  *d.stack);
+            m.gather_stats(d, d.eval_stats);
+        });
         std::vector<StatValue> gathered = m.read_gathered(d);
         if (rank == 0) rows = std::move(gathered);
     });
@@ -938,20 +949,35 @@ StepStats Trainer::update(const UpdateParams& params) {
     float scale_norm_skip[3] = {0.0f, 0.0f, 0.0f};
     m.run([&](int rank, DeviceState& d) {
         Backend& be = *d.backend;
+        // Per-step AdamW values: host-writable staging copied into the device
+        // table before any graph, which reads them from there.
         m.write_adamw_step(rank, d, params, step_number);
-        m.zero->reduce_gradients(d.zero, *d.comm);
-        // This rank's row of `gathered`: its loss statistics and the sum of
-        // squares of its gradient shard; the scale is computed on the device.
-        const Tensor squares = d.gathered.slice(std::int64_t(m.global(rank)) * kGatherStride + kSumSquaresSlot, 1);
-        be.fill(squares, 0.0f);
-        m.gradient_squares(rank, d, squares);
-        m.gather_stats(d, d.stats);
+        // The work before the optimizer repeats from step to step: captured.
+        const bool reduce = m.zero->reduces_at_update(d.zero);
+        m.run_repeating(d, std::string("update:before-optimizer:reduce=") + (reduce ? "1" : "0"), [&] {
+            m.zero->reduce_gradients(d.zero, *d.comm);
+            // This rank's row of `gathered`: its loss statistics and the sum of
+            // squares of its gradient shard; the scale is computed on the device.
+            const Tensor squares =
+                d.gathered.slice(std::int64_t(m.global(rank)) * kGatherStride + kSumSquaresSlot, 1);
+            be.fill(squares, 0.0f);
+            m.gradient_squares(rank, d, squares);
+            m.gather_stats(d, d.stats);
+        });
+        // grad_clip reaches optimizer_scale as a kernel argument: uncaptured.
         be.optimizer_scale(d.optimizer_scale, d.gathered, n, params.grad_clip);
-
-        m.optimizer_step(rank, d, params, step_number);
-        m.zero->gather_weights(d.zero, *d.comm);
-        m.zero->clear_gradients(be, d.zero);
-        reset_stats(be, d.stats);
+        // adamw_shard reads its per-step values from the device table, so it
+        // is captured with the weight gather; the offload loop passes them
+        // as kernel arguments and runs uncaptured.
+        const bool whole_shard = m.whole_shard_adamw();
+        if (!whole_shard) m.optimizer_step(rank, d, params, step_number);
+        m.run_repeating(d, whole_shard ? "update:optimizer" : "update:after-optimizer", [&] {
+            if (whole_shard) m.optimizer_step(rank, d, params, step_number);
+            m.zero->gather_weights(d.zero, *d.comm);
+            m.zero->clear_gradients(be, d.zero);
+            reset_stats(be, d.stats);
+        });
+        d.zero.gradients_reduced = false;
         if (rank == 0) {
             rows = m.read_gathered(d);
             be.copy_to_host(scale_norm_skip, d.optimizer_scale);

@@ -91,7 +91,7 @@ Tensor ZeroSharding::whole_weights(const ZeroBuffers& z, const ParameterInfo& p)
 }
 
 void ZeroSharding::reduce_gradients(ZeroBuffers& z, Communicator& comm) const {
-    if (stage_ == 1 && !z.gradients_reduced) comm.reduce_scatter_sum(z.grads);
+    if (reduces_at_update(z)) comm.reduce_scatter_sum(z.grads);
 }
 
 void ZeroSharding::gather_weights(ZeroBuffers& z, Communicator& comm) const {
@@ -101,9 +101,8 @@ void ZeroSharding::gather_weights(ZeroBuffers& z, Communicator& comm) const {
     comm.gather_range(z.head_weights, blocks_.head_begin, blocks_.total, z.weight_shard, blocks_.shard);
 }
 
-void ZeroSharding::clear_gradients(Backend& backend, ZeroBuffers& z) const {
+void ZeroSharding::clear_gradients(Backend& backend, const ZeroBuffers& z) const {
     backend.fill(stage_ == 1 ? z.grads : z.grad_shard, 0.0f);
-    z.gradients_reduced = false;
 }
 
 ZeroLayers::ZeroLayers(const ZeroSharding& zero, ZeroBuffers& z, const ModelWeights& resident_weights,

@@ -119,13 +119,15 @@ public:
     bool gradients_summed(const ZeroBuffers& z) const { return stage_ > 1 || z.gradients_reduced; }
 
     // Before the optimizer: every device's gradients summed into the owners'
-    // shards (stage 1, unless the backward did it already).
+    // shards (stage 1, unless the backward did it already: reduces_at_update).
     void reduce_gradients(ZeroBuffers& z, Communicator& comm) const;
+    bool reduces_at_update(const ZeroBuffers& z) const { return stage_ == 1 && !z.gradients_reduced; }
     // After the optimizer updated this rank's weight shard: the weights every
     // device keeps whole, refreshed from their owners.
     void gather_weights(ZeroBuffers& z, Communicator& comm) const;
-    // After the update: gradients back to zero for the next optimizer step.
-    void clear_gradients(Backend& backend, ZeroBuffers& z) const;
+    // After the update: gradients back to zero for the next optimizer step
+    // (device work only: the caller resets ZeroBuffers::gradients_reduced).
+    void clear_gradients(Backend& backend, const ZeroBuffers& z) const;
 
 private:
     int stage_;

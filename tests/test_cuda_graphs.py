@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import nanoq
+from nanoq.backends import device_count
 from conftest import require_cuda_emulator
 
 pytestmark = pytest.mark.cuda_emulated
@@ -97,68 +98,99 @@ def test_a_capture_whose_fork_is_never_joined_fails_to_end(emulator):
 
 # ---- the trainer's captured steps ---------------------------------------------
 # A tiny Qwen3-like model (q/k norms, biases, GQA) so that every op runs in
-# the captured step; grad_accum 2, so both kinds of micro-batch (the last
-# starts the ZeRO reductions) are captured and replayed, and the per-step
-# values (the dropout seed) change under the graphs.
+# the captured work; grad_accum 2, so both kinds of micro-batch (the last
+# starts the ZeRO reductions) are captured and replayed, and the values that
+# change from step to step (the dropout seed, lr, the AdamW step) do so
+# under the graphs. Each run captures, per device, the two kinds of
+# micro-batch, the update's work before and after the optimizer, and
+# validate: five graphs, each called once per optimizer step: the first
+# call runs uncaptured (the warm-up), the second captures and launches the
+# graph, the third replays it.
 GRAPH_CONFIG = nanoq.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, qkv_bias=True,
                                  qk_norm=True)
 GRAPH_SEQ, GRAPH_ROWS, GRAPH_STEPS, GRAPH_ACCUM = 8, 4, 3, 2
+GRAPHS_PER_DEVICE = 5
+LAUNCHES_PER_DEVICE = GRAPHS_PER_DEVICE * (GRAPH_STEPS - 1)
 
 
-def train_emulated(cuda_graphs, devices=1, **options):
-    """Losses, gradient norms and weights after GRAPH_STEPS optimizer steps
-    of grad_accum 2 on cuda_emulated, and the graphs captured and launched."""
+def graph_batch(seed):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, GRAPH_CONFIG.vocab_size, (GRAPH_ROWS, GRAPH_SEQ + 1), dtype=np.int32)
+    targets = np.ascontiguousarray(tokens[:, 1:])
+    targets[rng.random(targets.shape) < 0.2] = -100
+    return np.ascontiguousarray(tokens[:, :-1]), targets
+
+
+def train(backend, cuda_graphs, devices=1, **options):
+    """The statistics of every update and validate and the weights after
+    GRAPH_STEPS optimizer steps; on cuda_emulated also the graphs captured
+    and launched meanwhile (else None)."""
     from nanoq.lora import LoraConfig
 
     if "lora" in options:
         options["lora"] = LoraConfig(**options["lora"])
-    opts = nanoq.TrainOptions(backend="cuda_emulated", dtype="fp32", devices=devices,
-                              batch_size=GRAPH_ROWS // devices, seq_len=GRAPH_SEQ, grad_accum=GRAPH_ACCUM, seed=5,
-                              z_loss=1e-3, cuda_graphs=cuda_graphs, **options)
-    lib = ctypes.CDLL(os.path.join(os.path.dirname(nanoq._core.__file__), "libnanoq_cuda_emulated.so"))
-    lib.nanoq_emu_graph_counts.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.POINTER(ctypes.c_ulonglong)]
+    opts = nanoq.TrainOptions(backend=backend, dtype="fp32", devices=devices, batch_size=GRAPH_ROWS // devices,
+                              seq_len=GRAPH_SEQ, grad_accum=GRAPH_ACCUM, seed=5, z_loss=1e-3,
+                              cuda_graphs=cuda_graphs, **options)
+    counts = None
+    if backend == "cuda_emulated":
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(nanoq._core.__file__), "libnanoq_cuda_emulated.so"))
+        lib.nanoq_emu_graph_counts.argtypes = [ctypes.POINTER(ctypes.c_ulonglong),
+                                               ctypes.POINTER(ctypes.c_ulonglong)]
+        counts = lambda: graph_counts(lib)  # noqa: E731
     with nanoq.Trainer(GRAPH_CONFIG, opts) as trainer:
         trainer.init_weights(seed=7)
         if opts.lora is not None:
             trainer.init_adapters(seed=8)
-        before = graph_counts(lib)
+        before = counts() if counts else None
         stats = []
         for step in range(GRAPH_STEPS):
             for micro in range(GRAPH_ACCUM):
-                rng = np.random.default_rng(100 * step + micro)
-                tokens = rng.integers(0, GRAPH_CONFIG.vocab_size, (GRAPH_ROWS, GRAPH_SEQ + 1), dtype=np.int32)
-                targets = np.ascontiguousarray(tokens[:, 1:])
-                targets[rng.random(targets.shape) < 0.2] = -100
-                trainer.step(np.ascontiguousarray(tokens[:, :-1]), targets)
+                trainer.step(*graph_batch(100 * step + micro))
             result = trainer.update(lr=1e-2 / (step + 1), grad_clip=0.5)
-            stats.append((result.loss, result.grad_norm))
-        after = graph_counts(lib)
+            check = trainer.validate(*graph_batch(1000 + step))
+            stats.append((result.loss, result.grad_norm, check.loss, check.tokens))
+        after = counts() if counts else None
         weights = trainer.get_weights(trainable_only=opts.lora is not None)
-    return stats, weights, (after[0] - before[0], after[1] - before[1])
+    launched = (after[0] - before[0], after[1] - before[1]) if counts else None
+    return stats, weights, launched
 
 
 GRAPH_CASES = [
-    pytest.param(1, {}, id="1-device"),
-    pytest.param(2, {"zero_stage": 1}, id="2-devices-zero1"),
-    pytest.param(2, {"zero_stage": 2}, id="2-devices-zero2"),
-    pytest.param(2, {"zero_stage": 3}, id="2-devices-zero3"),
-    pytest.param(2, {"lora": {"rank": 2, "alpha": 4.0, "dropout": 0.25, "targets": "all"}}, id="lora-dropout"),
-    pytest.param(1, {"recompute": ("block",)}, id="recompute"),
+    (1, {"recompute": ("block",)}),
+    (2, {"zero_stage": 1}),
+    (2, {"zero_stage": 2}),
+    (2, {"zero_stage": 3}),
+    (2, {"lora": {"rank": 2, "alpha": 4.0, "dropout": 0.25, "targets": "all"}}),
 ]
+GRAPH_IDS = ["1-device-recompute", "2-devices-zero1", "2-devices-zero2", "2-devices-zero3", "2-devices-lora-dropout"]
 
 
-@pytest.mark.parametrize("devices, options", GRAPH_CASES)
+def assert_bitwise_same_training(a, b):
+    (stats, weights, _), (other_stats, other_weights, _) = a, b
+    assert stats == other_stats
+    assert sorted(weights) == sorted(other_weights)
+    for name in weights:
+        assert np.array_equal(weights[name], other_weights[name]), name
+
+
+@pytest.mark.parametrize("devices, options", GRAPH_CASES, ids=GRAPH_IDS)
 def test_captured_steps_train_bitwise_like_uncaptured_ones(devices, options):
     require_cuda_emulator()
-    stats, weights, (captured, launched) = train_emulated(True, devices, **dict(options))
-    plain_stats, plain_weights, (plain_captured, plain_launched) = train_emulated(False, devices, **dict(options))
-    assert stats == plain_stats
-    assert sorted(weights) == sorted(plain_weights)
-    for name in weights:
-        assert np.array_equal(weights[name], plain_weights[name]), name
-    # One graph per kind of micro-batch and device, launched for every
-    # micro-batch: the later ones are replays. Without graphs: none at all.
-    assert captured == 2 * devices
-    assert launched == GRAPH_STEPS * GRAPH_ACCUM * devices
-    assert (plain_captured, plain_launched) == (0, 0)
+    captured = train("cuda_emulated", True, devices, **dict(options))
+    plain = train("cuda_emulated", False, devices, **dict(options))
+    assert_bitwise_same_training(captured, plain)
+    # Each graph captured once per device and launched at every call after
+    # the warm-up. Without graphs: none at all.
+    assert captured[2] == (GRAPHS_PER_DEVICE * devices, LAUNCHES_PER_DEVICE * devices)
+    assert plain[2] == (0, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("devices, options", GRAPH_CASES, ids=GRAPH_IDS)
+def test_captured_steps_train_bitwise_like_uncaptured_ones_on_the_gpu(devices, options, cuda_device):
+    if devices > device_count("cuda"):
+        pytest.skip(f"needs {devices} GPUs")
+    assert_bitwise_same_training(train("cuda", True, devices, **dict(options)),
+                                 train("cuda", False, devices, **dict(options)))

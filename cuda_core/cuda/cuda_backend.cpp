@@ -209,7 +209,8 @@ CudaBackend::CudaBackend(int device) : device_(device) {
 
 CudaBackend::~CudaBackend() {
     cudaSetDevice(device_);
-    for (const auto& graph : graphs_) cudaGraphExecDestroy(graph.second);
+    for (const auto& graph : graphs_)
+        if (graph.second) cudaGraphExecDestroy(graph.second);
     matmul_.reset();
     fused_attention_.reset();
     for (cudaEvent_t event : batch_ready_)
@@ -376,6 +377,10 @@ void CudaBackend::run_captured(const std::string& key, const std::function<void(
     if (!options_.cuda_graphs) return body();
     auto found = graphs_.find(key);
     if (found == graphs_.end()) {
+        graphs_.emplace(key, nullptr);
+        return body();
+    }
+    if (!found->second) {
         // Thread-local mode: only this worker's calls that may synchronise
         // break the capture, not the other devices' workers.
         NANOQ_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
@@ -399,11 +404,10 @@ void CudaBackend::run_captured(const std::string& key, const std::function<void(
         if (ended != cudaSuccess)
             throw InternalError(std::string("the CUDA graph capture of \"") + key +
                                 "\" failed at cudaStreamEndCapture: " + cudaGetErrorString(ended));
-        cudaGraphExec_t exec = nullptr;
-        const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
+        const cudaError_t made = cudaGraphInstantiate(&found->second, graph, 0);
         cudaGraphDestroy(graph);
+        if (made != cudaSuccess) found->second = nullptr;
         NANOQ_CUDA_CHECK(made);
-        found = graphs_.emplace(key, exec).first;
     }
     NANOQ_CUDA_CHECK(cudaGraphLaunch(found->second, stream_));
 }

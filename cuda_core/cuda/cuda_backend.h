@@ -44,9 +44,11 @@ public:
     void configure(const TrainOptions& options) override { options_ = options; }
     // The options configure() kept (the defaults until it is called, as in the op harness).
     const TrainOptions& options() const { return options_; }
-    // With options().cuda_graphs: the body's work on this device's streams
-    // is captured as a CUDA graph on the first call with `key` and the
-    // graph launched on every call (see Backend::run_captured).
+    // With options().cuda_graphs: the first call with `key` runs the body
+    // as it is (a warm-up: libraries may allocate or build plans on first
+    // use, which a capture forbids), the second captures its work on this
+    // device's streams as a CUDA graph, and that and every later call
+    // launch the graph (see Backend::run_captured).
     void run_captured(const std::string& key, const std::function<void()>& body) override;
     // What reserve_scratch allocates (BackendPlugin::scratch_plan): the op
     // scratch of scratch_bytes(), the cuBLASLt workspace, pinned staging, with
@@ -161,7 +163,7 @@ private:
     int batch_ready_count_ = 0;
     // mark_batch_read's mark: recorded after the latest micro-batch copies.
     cudaEvent_t batch_read_ = nullptr;
-    // run_captured's graphs, by key.
+    // run_captured's graphs by key (null after the warm-up, until captured).
     std::map<std::string, cudaGraphExec_t> graphs_;
 };
 

@@ -324,7 +324,7 @@ struct Call {
 };
 
 struct Clique {
-    explicit Clique(int n) : nranks(n), rank_aborted(n, 0) {}
+    explicit Clique(int n) : nranks(n), rank_aborted(n, 0), executed(n, 0) {}
     const int nranks;
     std::mutex mutex;
     std::condition_variable changed;
@@ -342,6 +342,10 @@ struct Clique {
         bool done = false;
     };
     std::map<std::uint64_t, Pending> pending;  // by collective sequence number
+    // Per rank, the collectives it has started running: the i-th one of
+    // every rank make up collective i. The order of execution matches them,
+    // as with the real library, also for collectives replayed from a graph.
+    std::vector<std::uint64_t> executed;
 };
 
 std::mutex registry_mutex;
@@ -441,7 +445,6 @@ struct nanoq_emu_nccl_comm {
     std::shared_ptr<Clique> clique;
     int rank;
     bool blocking;
-    std::uint64_t next = 0;  // sequence number of the next collective
     // A nonblocking call returned ncclInProgress and ncclCommGetAsyncError has
     // not reported its end yet. The real library may not even have queued
     // the work by then, so relying on it (or calling again) is undefined;
@@ -492,12 +495,12 @@ ncclResult_t enqueue_collective(ncclComm_t comm, cudaStream_t stream, Call call)
         if (clique->joined < clique->nranks) return ncclInvalidUsage;  // not initialised yet
     }
     if (call.root < 0 || call.root >= clique->nranks) return ncclInvalidArgument;
-    const std::uint64_t seq = comm->next++;
     const int rank = comm->rank;
     nanoq_emu::enqueue(
         stream,
-        [clique, seq, rank, call] {
+        [clique, rank, call] {
             std::unique_lock<std::mutex> lock(clique->mutex);
+            const std::uint64_t seq = clique->executed[rank]++;
             const auto aborted_here = [&] {
                 return std::string(collective_name(call.what)) + ": communicator aborted";
             };

@@ -4,9 +4,10 @@
 // must be polled with ncclCommGetAsyncError before the next call), finalize,
 // abort (of one rank: as with the real library, peers waiting for that rank
 // are not released until they abort their own communicators), and the
-// collectives, queued on the caller's stream. A collective
-// waits on its stream until every rank of the communicator has reached the
-// same call, then the last rank to arrive carries it out for all (sums in
+// collectives, queued on the caller's stream (or recorded into a graph
+// being captured there). A collective waits on its stream until every rank
+// of the communicator has reached the same call (the ranks' collectives are
+// matched in the order each rank runs them), then the last rank to arrive carries it out for all (sums in
 // rank order, so results are deterministic); the ranks' calls are checked to
 // agree (operation, count, type, root), which the real library cannot do.
 #pragma once
