@@ -18,7 +18,8 @@ import nanoq
 from nanoq.backends import device_count
 from conftest import require_cuda_emulator
 
-pytestmark = pytest.mark.cuda_emulated
+# Every test here runs on the emulator (cuda_emulated) but the GPU one.
+emulated = pytest.mark.cuda_emulated
 
 UNSUPPORTED = 900       # cudaErrorStreamCaptureUnsupported
 INVALIDATED = 901       # cudaErrorStreamCaptureInvalidated
@@ -53,6 +54,7 @@ def graph_counts(lib):
     return captured.value, launched.value
 
 
+@emulated
 def test_a_captured_fork_and_join_is_recorded_then_replayed_in_order(emulator):
     before = graph_counts(emulator)
     status, out, message = run_scenario(emulator, "replay")
@@ -66,6 +68,7 @@ def test_a_captured_fork_and_join_is_recorded_then_replayed_in_order(emulator):
     assert after[0] - before[0] == 1 and after[1] - before[1] == 3
 
 
+@emulated
 @pytest.mark.parametrize("scenario, code, words", [
     ("stream_synchronize", UNSUPPORTED, "cudaStreamSynchronize of a stream that is being captured"),
     ("stream_query", UNSUPPORTED, "cudaStreamQuery of a stream that is being captured"),
@@ -84,12 +87,14 @@ def test_a_call_cuda_forbids_in_a_capture_fails_and_invalidates_it(emulator, sce
     assert out[0] == INVALIDATED and out[1] == 0, "the capture must end invalidated, without a graph"
 
 
+@emulated
 def test_cudamalloc_is_allowed_in_a_relaxed_capture(emulator):
     status, out, message = run_scenario(emulator, "malloc_relaxed")
     assert status == 0, message
     assert out[0] == 0 and out[1] == 1
 
 
+@emulated
 def test_a_capture_whose_fork_is_never_joined_fails_to_end(emulator):
     status, out, message = run_scenario(emulator, "unjoined")
     assert status == 0, message
@@ -175,6 +180,7 @@ def assert_bitwise_same_training(a, b):
         assert np.array_equal(weights[name], other_weights[name]), name
 
 
+@emulated
 @pytest.mark.parametrize("devices, options", GRAPH_CASES, ids=GRAPH_IDS)
 def test_captured_steps_train_bitwise_like_uncaptured_ones(devices, options):
     require_cuda_emulator()
