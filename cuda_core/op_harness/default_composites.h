@@ -55,8 +55,9 @@ public:
     }
     void add(const Tensor& out, const Tensor& a, const Tensor& b) override { be_.add(out, a, b); }
     void accumulate(const Tensor& out, const Tensor& a) override { be_.accumulate(out, a); }
-    void scale_dropout(const Tensor& out, const Tensor& in, float scale, float drop, std::uint64_t seed) override {
-        be_.scale_dropout(out, in, scale, drop, seed);
+    void scale_dropout(const Tensor& out, const Tensor& in, float scale, float drop, std::uint64_t seed,
+                       const Tensor& seed_base) override {
+        be_.scale_dropout(out, in, scale, drop, seed, seed_base);
     }
     void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& table, int rows,
                            int channels) override {

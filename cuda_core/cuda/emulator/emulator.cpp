@@ -902,9 +902,6 @@ struct nanoq_emu_event {
     bool timing = true;  // not cudaEventDisableTiming
     // When the stream reached the latest completed record (cudaEventElapsedTime).
     std::chrono::steady_clock::time_point completed_at{};
-    return cudaSuccess;
-}
-
     // Set when the latest record was in a capture: its nodes then (capture_mutex).
     std::shared_ptr<nanoq_emu::Capture> capture;
     std::vector<std::size_t> capture_nodes;
