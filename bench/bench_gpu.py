@@ -208,6 +208,25 @@ def timed_loop(run: dict, train_step, started: float) -> dict:
 
 
 def run_nanoq(run: dict, model_dir: str, started: float) -> dict:
+    """nanoq's run, with CUDA graphs (the default) on cuda; should that fail
+    (graphs have never run on a GPU before this benchmark's first GPU run),
+    once more without them in the time left, the failure recorded beside the
+    figures as ``cuda_graphs_error``."""
+    import nanoq
+
+    if run["backend"] != "cuda":
+        return _run_nanoq(run, model_dir, started, cuda_graphs=True)
+    try:
+        return _run_nanoq(run, model_dir, started, cuda_graphs=True)
+    except nanoq.NanoqError as e:
+        traceback.print_exc()
+        print("--- nanoq failed with CUDA graphs: running again with cuda_graphs=False", flush=True)
+        result = _run_nanoq(run, model_dir, started, cuda_graphs=False)
+        result["cuda_graphs_error"] = f"{type(e).__name__}: {e}"
+        return result
+
+
+def _run_nanoq(run: dict, model_dir: str, started: float, cuda_graphs: bool) -> dict:
     import nanoq
 
     used_before = gpu_used_bytes()
@@ -217,6 +236,8 @@ def run_nanoq(run: dict, model_dir: str, started: float) -> dict:
                    grad_accum=run["grad_accum"])
     if run["matmul_dtype"] != "bf16":  # bf16 is the default ("auto"): builds without the option still run it
         options["matmul_dtype"] = MATMUL_DTYPES[run["matmul_dtype"]]
+    if not cuda_graphs:
+        options["cuda_graphs"] = False
     with nanoq.Trainer(config, nanoq.TrainOptions(**options)) as trainer:
         trainer.import_weights(model_dir)
 
@@ -226,12 +247,14 @@ def run_nanoq(run: dict, model_dir: str, started: float) -> dict:
             return trainer.update(lr=3e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, grad_clip=1.0).loss
 
         result = timed_loop(run, train_step, started)
+        attention = trainer.attention
         used_after = gpu_used_bytes()
         by_context = {}
         for a in trainer.get_allocations(0):
             if a["kind"] == "device":
                 by_context[a["context"]] = by_context.get(a["context"], 0) + a["bytes"]
-    result.update(allocations_by_context=by_context, peak_bytes=sum(by_context.values()),
+    result.update(cuda_graphs=cuda_graphs, attention=attention,
+                  allocations_by_context=by_context, peak_bytes=sum(by_context.values()),
                   device_used_rise_bytes=None if used_before is None else used_after - used_before)
     return result
 
@@ -419,6 +442,10 @@ def summarise(args, runs: list[dict], gpu: str) -> tuple[dict, str]:
             memory += f", device used +{r['device_used_rise_bytes'] / gib:.2f} GiB"
         lines.append(f"{label}: {r['tokens_per_second']:9.0f} tokens/s  MFU {100 * r['mfu']:5.1f}%  {memory}  "
                      f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}  ({r['timed_steps']} timed steps)")
+        if run["trainer"] == "nanoq" and "cuda_graphs" in r:
+            lines.append(f"  (attention {r.get('attention')}, CUDA graphs {'on' if r['cuda_graphs'] else 'off'})")
+        if r.get("cuda_graphs_error"):
+            lines.append(f"  CUDA GRAPHS FAILED, these figures are without them: {r['cuda_graphs_error'][:300]}")
     ratios = {}
     for (model, setting, trainer, dtype), tps in measured.items():
         if trainer != "nanoq":

@@ -185,3 +185,29 @@ def test_the_time_limit_skips_what_does_not_fit(bench_gpu, tmp_path, monkeypatch
     report = json.loads((tmp_path / "bench_gpu.json").read_text())
     assert [r["result"]["error"] for r in report["runs"]] == ["not run (test)"] + [
         "skipped: the time limit of 30 s was reached"] * 2
+
+
+def test_a_nanoq_run_that_fails_with_cuda_graphs_runs_again_without_them(bench_gpu, monkeypatch):
+    # CUDA graphs have never run on a GPU before the benchmark's first GPU run: should they fail
+    # there, the figures come from a run without them, and the failure is recorded beside them.
+    import nanoq
+
+    module = bench_gpu
+    calls = []
+
+    def fake(run, model_dir, started, cuda_graphs):
+        calls.append(cuda_graphs)
+        if cuda_graphs and run["backend"] == "cuda":
+            raise nanoq.NanoqError("capture failed")
+        return dict(ok=True, cuda_graphs=cuda_graphs)
+
+    monkeypatch.setattr(module, "_run_nanoq", fake)
+    result = module.run_nanoq(dict(backend="cuda"), "unused", 0.0)
+    assert calls == [True, False]
+    assert result["cuda_graphs"] is False and "capture failed" in result["cuda_graphs_error"]
+    calls.clear()
+    assert module.run_nanoq(dict(backend="cpu"), "unused", 0.0) == dict(ok=True, cuda_graphs=True)
+    assert calls == [True]  # no second run off cuda
+    with pytest.raises(ValueError):  # only nanoq's own errors are retried
+        monkeypatch.setattr(module, "_run_nanoq", lambda *a, **k: (_ for _ in ()).throw(ValueError("bad")))
+        module.run_nanoq(dict(backend="cuda"), "unused", 0.0)
