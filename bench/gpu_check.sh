@@ -4,7 +4,7 @@
 # summary under $OUT. Meant for the device tool (one H200, 16 cores, Python
 # 3.12, no network; see the team notes on the GPU machine), from the repo root:
 #
-#   run(command="NANOQ_COMMIT=<short hash> bash bench/gpu_check.sh", timeout_s=480)
+#   run(command="NANOQ_COMMIT=<short hash> bash bench/gpu_check.sh", carry=[".device_wheels"], timeout_s=480)
 #
 # with <short hash> from `git rev-parse --short HEAD`. It needs nothing the
 # machine lacks: the build and `import nanoq` use only its own packages
