@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "nanoq/transport.h"
 #include "tensor.h"
 
 namespace nanoq {
@@ -121,8 +122,14 @@ struct Topology {
     int devices = 1;
     std::string id;
     // What every member of the world must agree on (model and options),
-    // compared where the backend can (the shared-memory world).
+    // compared where the backend can (the shared-memory world, also across
+    // processes).
     std::string signature;
+    // The other processes of the world (null: all its trainers are in this
+    // process). With one, every process holds `devices` ranks, process p
+    // ranks p * devices ..., and the cpu communicator moves what crosses
+    // processes through it; the cuda communicator needs only `id`.
+    std::shared_ptr<ProcessTransport> transport;
 };
 
 // The communicators of one trainer's devices.
@@ -140,7 +147,8 @@ public:
 };
 
 // Collectives for worker threads that share host memory (the cpu backend).
-// Trainers of one process with the same topology id form one world.
+// Trainers of one process with the same topology id form one world; with a
+// transport, the trainer's devices and those of the other processes do.
 std::shared_ptr<CommGroup> make_shared_memory_group(const Topology& topology);
 // A fresh id for make_shared_memory_group: unique within the process.
 std::string new_shared_memory_id();

@@ -575,7 +575,9 @@ struct Trainer::Impl : TrainerSetup {
     }
 };
 
-Trainer::Trainer(const ModelConfig& config, const TrainOptions& options)
+Trainer::Trainer(const ModelConfig& config, const TrainOptions& options) : Trainer(config, options, nullptr) {}
+
+Trainer::Trainer(const ModelConfig& config, const TrainOptions& options, std::shared_ptr<ProcessTransport> transport)
     : impl_(std::make_unique<Impl>(config, options)) {
     Impl& m = *impl_;
     const BackendPlugin& plugin = *m.plugin;
@@ -586,7 +588,7 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options)
     const int n = options.devices;
 
     m.group = plugin.create_group(
-        Topology{m.world, m.first_rank, n, options.comm_id, world_signature(config, options)});
+        Topology{m.world, m.first_rank, n, options.comm_id, world_signature(config, options), std::move(transport)});
     m.devices.resize(n);
     m.pool = std::make_unique<WorkerPool>(n, [&m](int rank) { m.abort_rank(rank); });
     // Should a worker fail, each releases its own communicator on its own

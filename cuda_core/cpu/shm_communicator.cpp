@@ -18,6 +18,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -31,6 +32,7 @@
 #include <vector>
 
 #include "comm.h"
+#include "nanoq/transport.h"
 #include "nanoq/errors.h"
 
 namespace nanoq {
@@ -82,10 +84,66 @@ public:
     // world with an id), whose first meeting may wait for one that never comes.
     SharedMemoryGroup(int size, std::string signature, bool several_trainers)
         : size_(size),
+          members_(size),
           several_trainers_(several_trainers),
           signature_(std::move(signature)),
           buffers_(size, nullptr),
           joined_(size, false) {}
+
+    // A world of processes of `local` ranks each, of which this process's
+    // are ranks first .. first + local - 1; what crosses processes goes
+    // through `transport` (see the file's header).
+    SharedMemoryGroup(int size, std::string signature, int first, int local,
+                      std::shared_ptr<ProcessTransport> transport)
+        : SharedMemoryGroup(size, std::move(signature), false) {
+        members_ = local;
+        local_first_ = first;
+        transport_ = std::move(transport);
+        received_offsets_.assign(static_cast<std::size_t>(processes()) + 1, 0);
+    }
+
+    // -- across processes ---------------------------------------------------
+    bool bridged() const { return transport_ != nullptr; }
+    int local() const { return members_; }
+    int local_first() const { return local_first_; }
+    int processes() const { return size_ / members_; }
+    int process() const { return local_first_ / members_; }
+    // The leader's swap: `pack(q, out)` appends to `out` what process q
+    // needs from this process (nothing for this process itself), `expected(q)`
+    // is how many bytes process q sends here. A failure aborts the group, so
+    // that the other local ranks stop at their next meeting.
+    template <typename Pack, typename Expected>
+    void swap(Pack pack, Expected expected) {
+        try {
+            const int p = processes();
+            std::vector<std::int64_t> send_bytes(p, 0), recv_bytes(p, 0);
+            sent_.clear();
+            for (int q = 0; q < p; ++q) {
+                const std::size_t before = sent_.size();
+                if (q != process()) pack(q, sent_);
+                send_bytes[q] = static_cast<std::int64_t>(sent_.size() - before);
+                recv_bytes[q] = q == process() ? 0 : expected(q);
+                received_offsets_[q + 1] = received_offsets_[q] + recv_bytes[q];
+            }
+            received_.resize(static_cast<std::size_t>(received_offsets_[p]));
+            transport_->alltoallv(sent_.data(), send_bytes, received_.data(), recv_bytes);
+        } catch (const std::exception& e) {
+            abort(std::string("a collective between processes failed: ") + e.what());
+            throw;
+        }
+    }
+    void transport_barrier() {
+        try {
+            transport_->barrier();
+        } catch (const std::exception& e) {
+            abort(std::string("a barrier between processes failed: ") + e.what());
+            throw;
+        }
+    }
+    // What process q sent in the last swap.
+    const char* received(int q) const { return received_.data() + received_offsets_[q]; }
+    const float* received_f32(int q) const { return reinterpret_cast<const float*>(received(q)); }
+    bool is_local(int rank) const { return rank >= local_first_ && rank < local_first_ + members_; }
 
     // Claims global ranks [first, first + count) for a joining trainer.
     void join(const Topology& t) {
@@ -114,7 +172,7 @@ public:
         std::unique_lock<std::mutex> lock(mutex_);
         if (aborted_) throw WorkerAborted(reason_);
         const long generation = generation_;
-        if (++arrived_ == size_) {
+        if (++arrived_ == members_) {
             arrived_ = 0;
             ++generation_;
             cv_.notify_all();
@@ -148,6 +206,11 @@ private:
     }
 
     int size_;
+    int members_;  // the ranks that meet at barrier(): this process's
+    int local_first_ = 0;
+    std::shared_ptr<ProcessTransport> transport_;
+    std::vector<char> sent_, received_;
+    std::vector<std::int64_t> received_offsets_;
     bool several_trainers_;
     std::string signature_;
     std::vector<void*> buffers_;
@@ -270,18 +333,52 @@ void SharedMemoryCommunicator::abort() {
     changed_.notify_all();
 }
 
+namespace {
+
+void append(std::vector<char>& out, const void* data, std::int64_t bytes) {
+    const char* begin = static_cast<const char*>(data);
+    out.insert(out.end(), begin, begin + bytes);
+}
+
+// The part [lo, hi) of [begin, end) that ranks first .. first + count - 1
+// own, each `shard` elements from first * shard on (empty: lo == hi).
+std::pair<std::int64_t, std::int64_t> owned_part(std::int64_t begin, std::int64_t end, int first, int count,
+                                                 std::int64_t shard) {
+    const std::int64_t lo = std::max(begin, first * shard), hi = std::min(end, (first + count) * shard);
+    return {lo, std::max(lo, hi)};
+}
+
+}  // namespace
+
 void SharedMemoryCommunicator::reduce_scatter_sum(const Tensor& buffer) {
     if (size() == 1) return;
     const std::int64_t chunk = chunk_size(buffer);
     issue([=] {
         begin_collective(buffer);
+        SharedMemoryGroup& g = *group_;
+        const int local = g.local(), first = g.local_first();
+        if (g.bridged()) {
+            // Process q gets, from each rank here, the chunks of q's ranks.
+            if (rank_ == first)
+                g.swap([&](int q, std::vector<char>& out) {
+                           for (int l = 0; l < local; ++l)
+                               append(out, g.buffer(first + l) + q * local * chunk, sizeof(float) * local * chunk);
+                       },
+                       [&](int) { return std::int64_t(sizeof(float)) * local * local * chunk; });
+            g.barrier();
+        }
+        // sources[r][i]: rank r's value of element i of this rank's chunk.
+        std::vector<const float*> sources(size());
+        for (int r = 0; r < size(); ++r)
+            sources[r] = g.is_local(r) ? g.buffer(r) + rank_ * chunk
+                                       : g.received_f32(r / local) + ((r % local) * local + rank_ - first) * chunk;
         float* own = buffer.f32() + rank_ * chunk;
         for (std::int64_t i = 0; i < chunk; ++i) {
             float acc = 0.0f;
-            for (int r = 0; r < size(); ++r) acc += group_->buffer(r)[rank_ * chunk + i];
+            for (int r = 0; r < size(); ++r) acc += sources[r][i];
             own[i] = acc;
         }
-        group_->barrier();
+        g.barrier();
     }, true);
 }
 
@@ -291,10 +388,23 @@ void SharedMemoryCommunicator::all_gather(const Tensor& buffer) {
     const std::size_t chunk = static_cast<std::size_t>(chunk_size(buffer)) * dtype_size(buffer.dtype);
     issue([=] {
         begin_collective(buffer, true);
+        SharedMemoryGroup& g = *group_;
+        const int local = g.local(), first = g.local_first();
+        if (g.bridged()) {
+            if (rank_ == first)
+                g.swap([&](int, std::vector<char>& out) {
+                           for (int r = first; r < first + local; ++r) append(out, g.bytes(r) + r * chunk, chunk);
+                       },
+                       [&](int) { return static_cast<std::int64_t>(chunk) * local; });
+            g.barrier();
+        }
         char* data = static_cast<char*>(buffer.data);
-        for (int r = 0; r < size(); ++r)
-            if (r != rank_) std::memcpy(data + r * chunk, group_->bytes(r) + r * chunk, chunk);
-        group_->barrier();
+        for (int r = 0; r < size(); ++r) {
+            if (r == rank_) continue;
+            const char* source = g.is_local(r) ? g.bytes(r) + r * chunk : g.received(r / local) + (r % local) * chunk;
+            std::memcpy(data + r * chunk, source, chunk);
+        }
+        g.barrier();
     }, true);
 }
 
@@ -302,14 +412,37 @@ CommTicket SharedMemoryCommunicator::gather_range(const Tensor& out, std::int64_
                                                   const Tensor& own, std::int64_t shard, bool now) {
     return issue([=] {
         begin_collective(own);
+        SharedMemoryGroup& g = *group_;
+        const int local = g.local(), first = g.local_first();
+        if (g.bridged()) {
+            // Every process gets this process's part of the range, in rank order.
+            if (rank_ == first)
+                g.swap([&](int, std::vector<char>& bytes) {
+                           for (int r = first; r < first + local; ++r) {
+                               const auto [lo, hi] = owned_part(begin, end, r, 1, shard);
+                               append(bytes, g.buffer(r) + (lo - r * shard), sizeof(float) * (hi - lo));
+                           }
+                       },
+                       [&](int q) {
+                           const auto [lo, hi] = owned_part(begin, end, q * local, local, shard);
+                           return std::int64_t(sizeof(float)) * (hi - lo);
+                       });
+            g.barrier();
+        }
         for (std::int64_t at = begin; at < end;) {
             const int owner = static_cast<int>(at / shard);
             const std::int64_t stop = std::min(end, (owner + 1) * shard);
-            std::memcpy(out.f32() + (at - begin), group_->buffer(owner) + (at - owner * shard),
-                        sizeof(float) * (stop - at));
+            const float* source;
+            if (g.is_local(owner)) {
+                source = g.buffer(owner) + (at - owner * shard);
+            } else {
+                const int q = owner / local;
+                source = g.received_f32(q) + (at - owned_part(begin, end, q * local, local, shard).first);
+            }
+            std::memcpy(out.f32() + (at - begin), source, sizeof(float) * (stop - at));
             at = stop;
         }
-        group_->barrier();
+        g.barrier();
     }, now);
 }
 
@@ -317,21 +450,46 @@ CommTicket SharedMemoryCommunicator::reduce_range(const Tensor& in, std::int64_t
                                                   const Tensor& own, std::int64_t shard, RangeSum mode, bool now) {
     return issue([=] {
         begin_collective(in);
+        SharedMemoryGroup& g = *group_;
+        const int local = g.local(), first = g.local_first();
+        // This process's part of the range, which the swap brings every process's values of.
+        const auto [here_lo, here_hi] = owned_part(begin, end, first, local, shard);
+        if (g.bridged()) {
+            if (rank_ == first)
+                g.swap([&](int q, std::vector<char>& bytes) {
+                           const auto [lo, hi] = owned_part(begin, end, q * local, local, shard);
+                           for (int r = first; r < first + local; ++r)
+                               append(bytes, g.buffer(r) + (lo - begin), sizeof(float) * (hi - lo));
+                       },
+                       [&](int) { return std::int64_t(sizeof(float)) * local * (here_hi - here_lo); });
+            g.barrier();
+        }
+        // sources[r][at - begin]: rank r's value of element `at` (of this rank's part).
+        std::vector<const float*> sources(size());
+        for (int r = 0; r < size(); ++r)
+            sources[r] = g.is_local(r) ? g.buffer(r)
+                                       : g.received_f32(r / local) + (r % local) * (here_hi - here_lo) -
+                                             (here_lo - begin);
         // This rank sums, in rank order, every rank's values of the part it owns.
-        const std::int64_t lo = std::max(begin, rank_ * shard), hi = std::min(end, (rank_ + 1) * shard);
+        const auto [lo, hi] = owned_part(begin, end, rank_, 1, shard);
         float* target = own.f32();
         for (std::int64_t at = lo; at < hi; ++at) {
             float sum = 0.0f;
-            for (int r = 0; r < size(); ++r) sum += group_->buffer(r)[at - begin];
+            for (int r = 0; r < size(); ++r) sum += sources[r][at - begin];
             if (mode == RangeSum::Add) target[at - rank_ * shard] += sum;
             else target[at - rank_ * shard] = sum;
         }
-        group_->barrier();
+        g.barrier();
     }, now);
 }
 
 void SharedMemoryCommunicator::barrier() {
-    issue([this] { group_->barrier(); }, true);
+    issue([this] {
+        group_->barrier();
+        if (!group_->bridged()) return;
+        if (rank_ == group_->local_first()) group_->transport_barrier();
+        group_->barrier();
+    }, true);
 }
 
 void SharedMemoryCommunicator::begin_collective(const Tensor& buffer, bool any_dtype) {
@@ -349,7 +507,56 @@ std::int64_t SharedMemoryCommunicator::chunk_size(const Tensor& buffer) const {
 
 }  // namespace
 
+namespace {
+
+// Every process's `signature`, through the transport (all of them call this).
+std::vector<std::string> exchange_signatures(ProcessTransport& transport, const std::string& signature) {
+    const int p = transport.size();
+    const std::int64_t mine = static_cast<std::int64_t>(signature.size());
+    std::vector<std::int64_t> lengths(p), eight(p, sizeof(std::int64_t));
+    std::vector<std::int64_t> sent(p, mine);
+    transport.alltoallv(sent.data(), eight, lengths.data(), eight);
+    std::string all_sent;
+    for (int q = 0; q < p; ++q) all_sent += signature;
+    std::int64_t total = 0;
+    for (std::int64_t n : lengths) total += n;
+    std::string received(static_cast<std::size_t>(total), '\0');
+    transport.alltoallv(all_sent.data(), std::vector<std::int64_t>(p, mine), received.data(), lengths);
+    std::vector<std::string> out;
+    std::size_t at = 0;
+    for (std::int64_t n : lengths) {
+        out.push_back(received.substr(at, static_cast<std::size_t>(n)));
+        at += static_cast<std::size_t>(n);
+    }
+    return out;
+}
+
+std::shared_ptr<CommGroup> make_process_group(const Topology& t) {
+    ProcessTransport& transport = *t.transport;
+    const int p = transport.size(), q = transport.rank();
+    if (p < 1 || q < 0 || q >= p)
+        throw InvalidArgument("the process transport says rank " + std::to_string(q) + " of " + std::to_string(p));
+    if (t.world_size != p * t.devices || t.first_rank != q * t.devices)
+        throw InvalidArgument("a world across " + std::to_string(p) + " processes of " + std::to_string(t.devices) +
+                              " devices each has " + std::to_string(p * t.devices) + " ranks, process " +
+                              std::to_string(q) + "'s from " + std::to_string(q * t.devices) + "; got world_size " +
+                              std::to_string(t.world_size) + " and first_rank " + std::to_string(t.first_rank));
+    // Every process compares every signature with process 0's, so all of them refuse together.
+    const std::vector<std::string> signatures = exchange_signatures(transport, t.signature);
+    for (int other = 1; other < p; ++other)
+        if (signatures[other] != signatures[0])
+            throw InvalidArgument("the processes of one world must have the same model config and options (apart "
+                                  "from threads); process " + std::to_string(other) + " differs from process 0: " +
+                                  signatures[other] + " vs " + signatures[0]);
+    auto world = std::make_shared<SharedMemoryGroup>(t.world_size, t.signature, t.first_rank, t.devices, t.transport);
+    world->join(t);
+    return std::make_shared<SharedMemoryMembers>(std::move(world), t.first_rank);
+}
+
+}  // namespace
+
 std::shared_ptr<CommGroup> make_shared_memory_group(const Topology& t) {
+    if (t.transport) return make_process_group(t);
     if (t.id.empty()) {
         auto world = std::make_shared<SharedMemoryGroup>(t.world_size, t.signature, false);
         world->join(t);

@@ -8,6 +8,7 @@ into the core releases the GIL.
 """
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t, uintptr_t
 from libcpp cimport bool as cbool
+from libcpp.memory cimport shared_ptr
 from libcpp.string cimport string
 from libcpp.utility cimport pair
 from libcpp.vector cimport vector
@@ -28,6 +29,14 @@ cdef extern from "binding_errors.h":
     void nanoq_set_error_types(object error, object oom_error)
 
 nanoq_set_error_types(NanoqError, OutOfMemoryError)
+
+cdef extern from "nanoq/transport.h" namespace "nanoq" nogil:
+    cdef cppclass CProcessTransport "nanoq::ProcessTransport":
+        pass
+
+cdef extern from "py_transport.h":
+    cdef cppclass CPyTransport "NanoqPyTransport"(CProcessTransport):
+        CPyTransport(object, int, int)
 
 
 cdef extern from "nanoq/testing_hooks.h" namespace "nanoq" nogil:
@@ -165,7 +174,8 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         vector[pair[string, size_t]] live_at_high_water
 
     cdef cppclass CTrainer "nanoq::Trainer":
-        CTrainer(const CModelConfig&, const CTrainOptions&) except +nanoq_raise_py_error
+        CTrainer(const CModelConfig&, const CTrainOptions&, shared_ptr[CProcessTransport]) \
+            except +nanoq_raise_py_error
         int world_size()
         int devices()
         int first_rank()
@@ -502,13 +512,19 @@ cdef class CoreTrainer:
     cdef readonly int batch_rows
     cdef readonly int seq_len
 
-    def __cinit__(self, dict config, dict options):
+    def __cinit__(self, dict config, dict options, transport=None):
+        """transport: None, or an object with rank, size, alltoallv(send,
+        send_counts, recv, recv_counts) and barrier() (nanoq.distributed.MPITransport)
+        reaching the other processes of the world."""
         cdef CModelConfig c = _model_config(config)
         cdef CTrainOptions o = _core_options(options)
+        cdef shared_ptr[CProcessTransport] t
+        if transport is not None:
+            t.reset(<CProcessTransport*>new CPyTransport(transport, int(transport.rank), int(transport.size)))
         self.batch_rows = o.devices * o.batch_size
         self.seq_len = o.seq_len
         with nogil:
-            self._trainer = new CTrainer(c, o)
+            self._trainer = new CTrainer(c, o, t)
 
     def __dealloc__(self):
         self.close()

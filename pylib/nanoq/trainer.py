@@ -9,8 +9,9 @@ from typing import Dict
 import numpy as np
 
 from nanoq import _core
+from nanoq import distributed
 from nanoq import options as option_schema
-from nanoq.backends import resolve_backend
+from nanoq.backends import new_comm_id, resolve_backend
 from nanoq.trainer_config import ModelConfig, TrainOptions, auto_dtype
 from nanoq.hf_io import is_parameter, iter_weights, weight_shapes
 
@@ -151,24 +152,38 @@ class Trainer:
     micro-batches since the last update. Weights are initialised from
     ``options.seed`` at construction; ``import_weights`` replaces them.
     Use as a context manager or call ``close()``.
+
+    Under a launcher (``mpiexec``, ``srun``; see nanoq.distributed), every
+    process makes its Trainer with the same config and options, and
+    together they train as one world of processes x ``options.devices``
+    devices: process p's devices are global ranks p*devices...; ``step``
+    takes this process's rows of each global batch (``devices *
+    batch_size`` of them). ``processes`` overrides the launcher's
+    ProcessGroup (tests); options that place the trainer in a world
+    themselves (``world_size`` > 0) are left as they are.
     """
 
-    def __init__(self, config: ModelConfig, options: TrainOptions):
+    def __init__(self, config: ModelConfig, options: TrainOptions, *,
+                 processes: distributed.ProcessGroup | None = None):
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a nanoq.ModelConfig, got {type(config).__name__}")
         if not isinstance(options, TrainOptions):
             raise TypeError(f"options must be a nanoq.TrainOptions, got {type(options).__name__}")
+        if processes is not None and not isinstance(processes, distributed.ProcessGroup):
+            raise TypeError(f"processes must be a nanoq.distributed.ProcessGroup, got {type(processes).__name__}")
         self.config = config
         self.options = options
         self._core = None
+        self.processes = distributed.processes() if processes is None else processes
         self.backend = resolve_backend(options.backend)
-        core_options = dataclasses.asdict(options)
+        core_options = dataclasses.asdict(self._place_in_world(options))
         core_options["backend"] = self.backend
         if options.dtype == "auto":
             core_options["dtype"] = auto_dtype(self.backend)
         option_schema.check(core_options)  # now that backend and dtype are known
         self.dtype = core_options["dtype"]
-        self._core = _core.CoreTrainer(config.to_core(), core_options)
+        transport = self.processes.transport() if self._joined else None
+        self._core = _core.CoreTrainer(config.to_core(), core_options, transport)
         parameters = self._core.parameters()
         self._parameters = [(name, shape, decay) for name, shape, decay, _ in parameters]
         # Indices of the parameters that train (all, unless LoRA froze the model's weights).
@@ -178,6 +193,21 @@ class Trainer:
         self.base_model: str | None = None  # the directory import_weights read (LoRA checkpoints refer to it)
         self._batch_shape = (options.devices * options.batch_size, options.seq_len)
         self.init_weights(options.seed)
+
+    def _place_in_world(self, options: TrainOptions) -> TrainOptions:
+        """``options`` placed in the world of this trainer's processes: every
+        process's devices one after the other, and rank 0's communicator id."""
+        group = self.processes
+        self._joined = group.size > 1 and not options.world_size
+        if not self._joined:
+            return options
+        devices = group.allgather(options.devices)
+        if len(set(devices)) != 1:
+            raise ValueError(f"every process of a run must drive the same number of devices; run.devices per "
+                             f"process: {devices}")
+        comm_id = group.broadcast(new_comm_id(self.backend) if group.is_root else None)
+        return dataclasses.replace(options, world_size=group.size * options.devices,
+                                   first_rank=group.rank * options.devices, comm_id=comm_id)
 
     # -- lifecycle -----------------------------------------------------------
     def wait(self) -> None:

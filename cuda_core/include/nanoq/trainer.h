@@ -19,6 +19,7 @@
 #include "nanoq/config.h"
 #include "nanoq/errors.h"
 #include "nanoq/testing_hooks.h"
+#include "nanoq/transport.h"
 
 namespace nanoq {
 
@@ -37,6 +38,13 @@ struct CommEvent {
 class Trainer {
 public:
     Trainer(const ModelConfig& config, const TrainOptions& options);
+    // One process's trainer in a world across processes: options.world_size
+    // is processes x options.devices and options.first_rank this process's
+    // rank x options.devices; `transport` reaches the other processes, which
+    // make their trainers at the same time with the same config and options
+    // (InvalidArgument on every process, naming the difference, when they
+    // disagree). Null: as the constructor above.
+    Trainer(const ModelConfig& config, const TrainOptions& options, std::shared_ptr<ProcessTransport> transport);
     ~Trainer();
     Trainer(const Trainer&) = delete;
     Trainer& operator=(const Trainer&) = delete;

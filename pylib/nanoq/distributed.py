@@ -1,0 +1,221 @@
+"""Several processes: the world that a launcher (``mpiexec``, Slurm's ``srun``) starts.
+
+nanoq never starts processes itself. Under a launcher, every process runs
+the same program; MPI (through mpi4py, ``pip install "nanoq[mpi]"``) tells
+each its rank among the processes, hands rank 0's communicator id to all
+(the NCCL unique id on cuda), and carries the collectives between processes
+on cpu. A process started without a launcher is a world of one process and
+never imports mpi4py.
+
+The world of devices is processes x devices: process p drives
+``options.devices`` local devices, global ranks ``p * devices ..
+(p + 1) * devices - 1``. ``Trainer(config, options)`` under a launcher
+joins that world by itself (see ``Trainer``); so do ``nanoq train`` and the
+training loop.
+
+``processes()`` is this process's ProcessGroup: rank, size and the few
+host-side collectives the Python layer needs (barrier, broadcast and
+all-gather of small picklable objects, agreement on a flag) on top of the
+device collectives the core runs.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Any, List, Optional
+
+# Environment variables by which launchers tell a process its rank and the
+# number of processes: MPICH/Hydra and Intel MPI (PMI_*), Open MPI
+# (OMPI_COMM_WORLD_*), PMIx launchers (PMIX_RANK with the size in the
+# universe variables), and Slurm (SLURM_PROCID/SLURM_NTASKS, which srun sets
+# for every task whatever MPI it then brings up).
+_RANK_SIZE_VARIABLES = (
+    ("PMI_RANK", "PMI_SIZE"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("PMIX_RANK", "OMPI_UNIVERSE_SIZE"),
+    ("SLURM_PROCID", "SLURM_NTASKS"),
+)
+
+
+def launcher_world() -> Optional[tuple]:
+    """(rank, size) from the launcher's environment, or None when this
+    process was not started by a launcher of several processes."""
+    for rank_name, size_name in _RANK_SIZE_VARIABLES:
+        rank, size = os.environ.get(rank_name), os.environ.get(size_name)
+        if rank is None or size is None:
+            continue
+        try:
+            rank, size = int(rank), int(size)
+        except ValueError:
+            continue
+        if size > 1 and 0 <= rank < size:
+            return rank, size
+    return None
+
+
+class ProcessGroup:
+    """The processes of one run. Every method is collective: every process
+    calls it, in the same order."""
+
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+    def broadcast(self, value: Any, root: int = 0) -> Any:
+        """Process ``root``'s ``value`` (picklable), on every process."""
+        raise NotImplementedError
+
+    def allgather(self, value: Any) -> List[Any]:
+        """Every process's ``value`` (picklable), in rank order, on every process."""
+        raise NotImplementedError
+
+    def any(self, flag: bool) -> bool:
+        """True on every process when ``flag`` is true on any."""
+        return any(self.allgather(bool(flag)))
+
+    def abort(self, code: int = 1) -> None:
+        """Ends every process of the run now, with exit status ``code``."""
+        raise NotImplementedError
+
+    def transport(self):
+        """What the core's cpu communicator uses between processes (see
+        MPITransport), or None for a world of one process."""
+        return None
+
+
+class SingleProcess(ProcessGroup):
+    """A process started without a launcher: a world of one."""
+
+    def barrier(self) -> None:
+        pass
+
+    def broadcast(self, value: Any, root: int = 0) -> Any:
+        _check_root(root, 1)
+        return value
+
+    def allgather(self, value: Any) -> List[Any]:
+        return [value]
+
+    def abort(self, code: int = 1) -> None:
+        os._exit(code)
+
+
+class MPITransport:
+    """Byte exchanges between processes for the core's cpu communicator,
+    over an mpi4py communicator. The core calls ``alltoallv`` from one
+    thread of each process at a time (the leader of its devices), with the
+    GIL taken for the call; mpi4py releases it while MPI moves the data."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+
+    def alltoallv(self, send, send_counts, recv, recv_counts) -> None:
+        """Sends ``send_counts[q]`` bytes of ``send`` (consecutive blocks, in
+        process order) to process q and receives ``recv_counts[q]`` bytes
+        from each into ``recv``: writable and readable buffers of bytes."""
+        from mpi4py import MPI
+
+        send_displacements = _displacements(send_counts)
+        recv_displacements = _displacements(recv_counts)
+        self.comm.Alltoallv([send, (list(send_counts), send_displacements), MPI.BYTE],
+                            [recv, (list(recv_counts), recv_displacements), MPI.BYTE])
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+
+def _displacements(counts) -> List[int]:
+    out, at = [], 0
+    for count in counts:
+        out.append(at)
+        at += int(count)
+    return out
+
+
+def _check_root(root: int, size: int) -> None:
+    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < size:
+        raise ValueError(f"root must be a process rank in [0, {size}), got {root!r}")
+
+
+class MPIGroup(ProcessGroup):
+    """The processes of an MPI communicator (mpi4py's COMM_WORLD by default)."""
+
+    def __init__(self, comm=None):
+        from mpi4py import MPI
+
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self._transport = MPITransport(self.comm)
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def broadcast(self, value: Any, root: int = 0) -> Any:
+        _check_root(root, self.size)
+        return self.comm.bcast(value, root=root)
+
+    def allgather(self, value: Any) -> List[Any]:
+        return self.comm.allgather(value)
+
+    def abort(self, code: int = 1) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.comm.Abort(code)
+
+    def transport(self):
+        return self._transport
+
+
+_lock = threading.Lock()
+_processes: Optional[ProcessGroup] = None
+
+
+def processes() -> ProcessGroup:
+    """This process's ProcessGroup: the launcher's processes through MPI, or
+    a SingleProcess when no launcher started several. Made once."""
+    global _processes
+    with _lock:
+        if _processes is None:
+            _processes = _connect()
+        return _processes
+
+
+def _connect() -> ProcessGroup:
+    world = launcher_world()
+    if world is None:
+        return SingleProcess()
+    try:
+        from mpi4py import MPI  # noqa: F401 - initialises MPI
+    except ImportError as e:
+        raise RuntimeError(
+            f"this process is rank {world[0]} of {world[1]} started by a launcher, but mpi4py cannot be "
+            f"imported ({e}): install nanoq with the mpi extra (pip install \"nanoq[mpi]\") or mpi4py for "
+            f"your MPI") from None
+    group = MPIGroup()
+    if (group.rank, group.size) != world:
+        raise RuntimeError(
+            f"the launcher's environment says this is process {world[0]} of {world[1]}, but MPI says "
+            f"{group.rank} of {group.size}: mpi4py is built for another MPI than the one that launched "
+            f"the run (run mpiexec of the MPI that mpi4py uses: python -m mpi4py --mpi-library)")
+    return group
+
+
+def set_processes(group: ProcessGroup) -> ProcessGroup:
+    """Makes ``group`` this process's ProcessGroup (for tests and for
+    programs that bring their own MPI communicator); returns the previous one."""
+    global _processes
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(f"group must be a nanoq.distributed.ProcessGroup, got {type(group).__name__}")
+    with _lock:
+        previous, _processes = _processes, group
+    return previous
