@@ -202,12 +202,53 @@ def _connect() -> ProcessGroup:
             f"imported ({e}): install nanoq with the mpi extra (pip install \"nanoq[mpi]\") or mpi4py for "
             f"your MPI") from None
     group = MPIGroup()
+    _abort_world_on_uncaught_exception(group)
     if (group.rank, group.size) != world:
         raise RuntimeError(
             f"the launcher's environment says this is process {world[0]} of {world[1]}, but MPI says "
             f"{group.rank} of {group.size}: mpi4py is built for another MPI than the one that launched "
             f"the run (run mpiexec of the MPI that mpi4py uses: python -m mpi4py --mpi-library)")
     return group
+
+
+def _abort_world_on_uncaught_exception(group: ProcessGroup) -> None:
+    """An exception that ends one process would leave the others waiting in
+    their next collective for good: print it once, as this process's, then
+    end every process of the run (the launcher reports a non-zero status)."""
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):
+        try:
+            sys.stderr.write(f"nanoq: process {group.rank} of {group.size} failed; ending the run\n")
+            previous(kind, value, traceback)
+        finally:
+            group.abort(1)
+
+    sys.excepthook = hook
+
+
+def exit_status(code) -> int:
+    """The process exit status of ``SystemExit(code)``."""
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
+
+
+def abort_on_failure(main):
+    """Runs ``main()``; under a launcher, a non-zero exit (an error click
+    reported, sys.exit(n)) ends every process of the run, so that none waits
+    for one that is gone. Uncaught exceptions are ended so by the excepthook
+    that processes() installs."""
+    try:
+        return main()
+    except SystemExit as e:
+        status = exit_status(e.code)
+        group = _processes
+        if status and group is not None and group.size > 1:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            group.abort(status)
+        raise
 
 
 def set_processes(group: ProcessGroup) -> ProcessGroup:

@@ -1,0 +1,132 @@
+"""Several processes under a real launcher: mpiexec (from the mpich wheel the
+test extra installs) starts P processes of tests/processes/worker.py, each a
+Trainer of D cpu devices; the core's cpu communicator carries the
+collectives between processes through MPI (mpi4py). P x D must train
+bitwise like one process of P*D devices (the sums run in the same order),
+and a process that fails or dies must end the whole run within seconds."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import nanoq
+from processes.world import CONFIG, global_batches, to_options
+
+STEPS = 3
+
+
+def mpiexec_path() -> str:
+    """The mpiexec beside this Python (the mpich wheel's), else one on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    found = beside if os.path.exists(beside) else shutil.which("mpiexec")
+    assert found, "mpiexec not found: install the test extra (it brings mpi4py and the mpich wheel)"
+    return found
+
+
+def launch(processes: int, spec: dict, timeout: float = 120):
+    """Runs the worker under mpiexec; returns (CompletedProcess, seconds)."""
+    command = [mpiexec_path(), "-n", str(processes), sys.executable,
+               os.path.join(os.path.dirname(__file__), "processes", "worker.py"), json.dumps(spec)]
+    began = time.monotonic()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    return result, time.monotonic() - began
+
+
+def single_process(fields: dict, world: int):
+    """Losses, norms and weights of one process of `world` devices."""
+    options = to_options(dict(fields, devices=world))
+    losses, norms = [], []
+    with nanoq.Trainer(CONFIG, options) as trainer:
+        trainer.init_weights(seed=3)
+        for index, (inputs, targets) in enumerate(global_batches(STEPS * options.grad_accum,
+                                                                  world * options.batch_size, options.seq_len)):
+            trainer.step(inputs, targets)
+            if (index + 1) % options.grad_accum == 0:
+                stats = trainer.update(lr=1e-2)
+                losses.append(stats.loss)
+                norms.append(stats.grad_norm)
+        weights = trainer.get_weights() if options.zero_stage < 3 else {}
+    return np.array(losses), np.array(norms), weights
+
+
+VARIANTS = [
+    dict(zero_stage=1),
+    dict(zero_stage=2),
+    dict(zero_stage=3),
+    dict(zero_stage=2, recompute=["block"]),
+    dict(zero_stage=3, offload=["optimizer", "master", "gradients"], recompute=["qkv", "swiglu"]),
+    dict(zero_stage=1, offload=["optimizer"], grad_accum=3),
+]
+
+
+@pytest.mark.parametrize("fields", VARIANTS, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+def test_two_processes_of_two_devices_train_like_one_process_of_four(tmp_path, fields):
+    result, _ = launch(2, dict(options=dict(fields, devices=2), steps=STEPS, out=str(tmp_path)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses, norms, weights = single_process(fields, world=4)
+    for rank in range(2):
+        got = np.load(tmp_path / f"rank{rank}.npz")
+        assert tuple(got["topology"]) == (4, 2 * rank)
+        np.testing.assert_array_equal(got["losses"], losses)
+        np.testing.assert_array_equal(got["norms"], norms)
+        for name, value in weights.items():
+            np.testing.assert_array_equal(got[f"w.{name}"], value, err_msg=name)
+
+
+def test_four_processes_of_one_device_train_like_one_process_of_four(tmp_path):
+    fields = dict(zero_stage=2)
+    result, _ = launch(4, dict(options=dict(fields, devices=1), steps=STEPS, out=str(tmp_path)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses, norms, weights = single_process(fields, world=4)
+    for rank in range(4):
+        got = np.load(tmp_path / f"rank{rank}.npz")
+        np.testing.assert_array_equal(got["losses"], losses)
+        np.testing.assert_array_equal(got["norms"], norms)
+        for name, value in weights.items():
+            np.testing.assert_array_equal(got[f"w.{name}"], value, err_msg=name)
+
+
+@pytest.mark.parametrize("mode", ["raise", "core_failure", "kill"])
+def test_a_failing_process_ends_every_process_within_seconds(tmp_path, mode):
+    spec = dict(mode=mode, failing=1, options=dict(devices=2), steps=1000, out=str(tmp_path))
+    result, seconds = launch(2, spec, timeout=60)
+    assert result.returncode != 0
+    assert seconds < 20, f"the run took {seconds:.1f} s to end after process 1 failed"
+    assert not list(tmp_path.glob("rank*.npz")), "a process finished its run although another failed"
+    if mode != "kill":
+        # The failing process's error, printed once.
+        assert result.stderr.count("nanoq: process 1 of 2 failed") == 1, result.stderr[-3000:]
+        assert "nanoq: process 0 of 2 failed" not in result.stderr
+        expected = "deliberate failure on process 1" if mode == "raise" else "injected fault in worker 0"
+        assert expected in result.stderr, result.stderr[-3000:]
+
+
+def test_processes_that_disagree_on_the_options_refuse_to_start(tmp_path):
+    # Process 1 asks for another z_loss: the core compares every process's
+    # signature with process 0's and every process refuses, naming it.
+    script = tmp_path / "disagree.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "import nanoq\n"
+        "from nanoq import distributed\n"
+        "from processes.world import CONFIG, to_options\n"
+        "group = distributed.processes()\n"
+        "options = to_options(dict(devices=1, z_loss=1e-4 * group.rank))\n"
+        "try:\n"
+        "    nanoq.Trainer(CONFIG, options)\n"
+        "except ValueError as e:\n"
+        "    print(f'refused {group.rank}: {e}')\n")
+    result = subprocess.run([mpiexec_path(), "-n", "2", sys.executable, str(script)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in range(2):
+        assert f"refused {rank}: the processes of one world must have the same model config and options" \
+            in result.stdout, result.stdout
+    assert "z_loss" in result.stdout
