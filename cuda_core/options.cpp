@@ -157,6 +157,8 @@ const std::vector<Field>& fields() {
                 at_least(0), kNone, [](const TrainOptions& o) { return double(o.world_size); }),
         integer("first_rank", "the global rank of this trainer's first device", at_least(0), kNone,
                 [](const TrainOptions& o) { return double(o.first_rank); }),
+        integer("first_device", "the machine's index of this trainer's first device (several processes per node)",
+                at_least(0), kNone, [](const TrainOptions& o) { return double(o.first_device); }),
         choice("attention", "the attention implementation", kAttentionImpls,
                [](const TrainOptions& o) { return name_or_empty(kAttentionImpls, static_cast<int>(o.attention)); }),
         flag("cuda_graphs", "cuda: capture step() and update() once as CUDA graphs and replay them",

@@ -222,7 +222,7 @@ void choose_classifier_rows(const TrainerSetup& s, int rank, const NamedAllocato
                             bool ask_device) {
     std::size_t budget = s.options.memory_limit;
     if (!budget && ask_device && s.plugin->device_memory) {
-        const std::size_t total = s.plugin->device_memory(rank);
+        const std::size_t total = s.plugin->device_memory(s.options.first_device + rank);
         budget = total - total / 8;
     }
     const int least = model.classifier_chunk_rows(), all = s.options.batch_size * s.options.seq_len;
@@ -582,9 +582,11 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options, std::sh
     Impl& m = *impl_;
     const BackendPlugin& plugin = *m.plugin;
     const int available = plugin.device_count();
-    if (options.backend != "cpu" && options.devices > available)
+    if (options.backend != "cpu" && options.first_device + options.devices > available)
         throw InvalidArgument("asked for " + std::to_string(options.devices) + " " + options.backend +
-                              " device(s), but " + std::to_string(available) + " are available");
+                              " device(s)" +
+                              (options.first_device ? " from device " + std::to_string(options.first_device) : "") +
+                              ", but " + std::to_string(available) + " are available");
     const int n = options.devices;
 
     m.group = plugin.create_group(
@@ -601,7 +603,7 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options, std::sh
         }
     } release_on_failure{m};
     m.run([&](int rank, DeviceState& d) {
-        d.backend = plugin.create_backend(rank, m.threads);
+        d.backend = plugin.create_backend(options.first_device + rank, m.threads);
         d.backend->configure(options);
         d.allocator = std::make_unique<NamedAllocator>(*d.backend, rank, options.memory_limit);
         d.comm = m.group->connect(rank, *d.backend);

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import nanoq
+import nanoq.distributed
 from processes.world import CONFIG, global_batches, to_options
 
 STEPS = 3
@@ -130,3 +131,57 @@ def test_processes_that_disagree_on_the_options_refuse_to_start(tmp_path):
         assert f"refused {rank}: the processes of one world must have the same model config and options" \
             in result.stdout, result.stdout
     assert "z_loss" in result.stdout
+
+
+# -- without a launcher ----------------------------------------------------------
+
+class NodeGroup(nanoq.distributed.SingleProcess):
+    """A stand-in: this process is `index` of `count` on its node."""
+
+    def __init__(self, index, count):
+        self._node = (index, count)
+
+    def node_local(self):
+        return self._node
+
+
+@pytest.mark.parametrize("index,count,devices,visible,first", [
+    (0, 1, 2, 8, 0),   # alone on its node
+    (1, 2, 2, 4, 2),   # two processes share the node's four GPUs
+    (3, 8, 1, 8, 3),   # one process per GPU
+    (1, 2, 2, 2, 0),   # the launcher gave each process its own two GPUs
+])
+def test_processes_on_one_node_take_consecutive_gpus(index, count, devices, visible, first):
+    assert nanoq.distributed.local_devices(NodeGroup(index, count), devices, visible) == first
+
+
+def test_too_few_gpus_for_the_processes_of_a_node_is_a_clear_error():
+    with pytest.raises(ValueError, match="should drive 4 GPU"):
+        nanoq.distributed.local_devices(NodeGroup(0, 2), 4, 2)
+
+
+def test_first_device_beyond_the_machines_devices_is_refused():
+    from nanoq.backends import device_count
+
+    available = device_count("cuda_emulated")
+    options = to_options(dict(backend="cuda_emulated", devices=1, first_device=available))
+    with pytest.raises(ValueError, match=f"from device {available}, but {available} are available"):
+        nanoq.Trainer(CONFIG, options)
+
+
+@pytest.mark.parametrize("variables,world", [
+    ({}, None),
+    ({"PMI_RANK": "1", "PMI_SIZE": "4"}, (1, 4)),
+    ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "3"}, (2, 3)),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"}, (0, 2)),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, None),  # a batch script's shell, not a task of srun
+    ({"PMI_RANK": "0", "PMI_SIZE": "1"}, None),          # a launcher of one process: as without one
+    ({"PMI_RANK": "x", "PMI_SIZE": "2"}, None),
+])
+def test_the_launchers_environment_names_rank_and_size(monkeypatch, variables, world):
+    for name in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
+                 "OMPI_UNIVERSE_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    assert nanoq.distributed.launcher_world() == world

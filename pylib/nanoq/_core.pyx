@@ -135,7 +135,7 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         CLoraTargetSet lora_targets
         uint64_t seed
         size_t memory_limit
-        int world_size, first_rank
+        int world_size, first_rank, first_device
         string comm_id
         CAttentionImpl attention
         cbool cuda_graphs
@@ -406,6 +406,8 @@ cdef CTrainOptions _core_options(dict options) except *:
             o.world_size = _c_int(key, value)
         elif key == "first_rank":
             o.first_rank = _c_int(key, value)
+        elif key == "first_device":
+            o.first_device = _c_int(key, value)
         elif key == "comm_id":
             o.comm_id = value
         elif key == "attention":

@@ -29,7 +29,8 @@ from typing import Any, List, Optional
 # number of processes: MPICH/Hydra and Intel MPI (PMI_*), Open MPI
 # (OMPI_COMM_WORLD_*), PMIx launchers (PMIX_RANK with the size in the
 # universe variables), and Slurm (SLURM_PROCID/SLURM_NTASKS, which srun sets
-# for every task whatever MPI it then brings up).
+# for every task whatever MPI it then brings up; only inside a job step, with
+# SLURM_STEP_ID, since a batch script's own shell has them too).
 _RANK_SIZE_VARIABLES = (
     ("PMI_RANK", "PMI_SIZE"),
     ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
@@ -43,7 +44,7 @@ def launcher_world() -> Optional[tuple]:
     process was not started by a launcher of several processes."""
     for rank_name, size_name in _RANK_SIZE_VARIABLES:
         rank, size = os.environ.get(rank_name), os.environ.get(size_name)
-        if rank is None or size is None:
+        if rank is None or size is None or (rank_name == "SLURM_PROCID" and "SLURM_STEP_ID" not in os.environ):
             continue
         try:
             rank, size = int(rank), int(size)
@@ -83,6 +84,10 @@ class ProcessGroup:
     def abort(self, code: int = 1) -> None:
         """Ends every process of the run now, with exit status ``code``."""
         raise NotImplementedError
+
+    def node_local(self) -> tuple:
+        """(this process's index, number of processes) among those on its node."""
+        return 0, 1
 
     def transport(self):
         """What the core's cpu communicator uses between processes (see
@@ -156,6 +161,7 @@ class MPIGroup(ProcessGroup):
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self._transport = MPITransport(self.comm)
+        self._node = None
 
     def barrier(self) -> None:
         self.comm.Barrier()
@@ -174,6 +180,15 @@ class MPIGroup(ProcessGroup):
 
     def transport(self):
         return self._transport
+
+    def node_local(self) -> tuple:
+        if self._node is None:
+            from mpi4py import MPI
+
+            node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+            self._node = (node.Get_rank(), node.Get_size())
+            node.Free()
+        return self._node
 
 
 _lock = threading.Lock()
@@ -209,6 +224,22 @@ def _connect() -> ProcessGroup:
             f"{group.rank} of {group.size}: mpi4py is built for another MPI than the one that launched "
             f"the run (run mpiexec of the MPI that mpi4py uses: python -m mpi4py --mpi-library)")
     return group
+
+
+def local_devices(group: ProcessGroup, devices: int, visible: int) -> int:
+    """The first of the ``devices`` GPUs this process drives, of the
+    ``visible`` ones it sees (collective). Processes that share a node and
+    see the same GPUs take consecutive ones in node order; where the
+    launcher gave each process GPUs of its own (Slurm's --gpus-per-task,
+    CUDA_VISIBLE_DEVICES per rank), each starts at its first."""
+    index, count = group.node_local()
+    if count > 1 and visible >= count * devices:
+        return index * devices
+    if visible >= devices:
+        return 0
+    raise ValueError(f"this process should drive {devices} GPU(s) but sees {visible} ({count} process(es) of the run "
+                     f"on this node): start fewer processes per node, lower run.devices, or give each process its "
+                     f"own GPUs")
 
 
 def _abort_world_on_uncaught_exception(group: ProcessGroup) -> None:

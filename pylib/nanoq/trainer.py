@@ -11,7 +11,7 @@ import numpy as np
 from nanoq import _core
 from nanoq import distributed
 from nanoq import options as option_schema
-from nanoq.backends import new_comm_id, resolve_backend
+from nanoq.backends import CUDA_BACKENDS, device_count, new_comm_id, resolve_backend
 from nanoq.trainer_config import ModelConfig, TrainOptions, auto_dtype
 from nanoq.hf_io import is_parameter, iter_weights, weight_shapes
 
@@ -205,9 +205,16 @@ class Trainer:
         if len(set(devices)) != 1:
             raise ValueError(f"every process of a run must drive the same number of devices; run.devices per "
                              f"process: {devices}")
+        if self.backend in CUDA_BACKENDS and group.transport() is not None and self.backend != "cuda":
+            raise ValueError(f"the {self.backend} backend connects the trainers of one process only (its NCCL is a "
+                             f"stand-in); several processes need backend cuda or cpu")
+        first_device = options.first_device
+        if self.backend == "cuda" and not first_device:
+            first_device = distributed.local_devices(group, options.devices, device_count(self.backend))
         comm_id = group.broadcast(new_comm_id(self.backend) if group.is_root else None)
         return dataclasses.replace(options, world_size=group.size * options.devices,
-                                   first_rank=group.rank * options.devices, comm_id=comm_id)
+                                   first_rank=group.rank * options.devices, comm_id=comm_id,
+                                   first_device=first_device)
 
     # -- lifecycle -----------------------------------------------------------
     def wait(self) -> None:

@@ -285,6 +285,10 @@ class TrainOptions:
     devices are the whole world), and ``comm_id`` (bytes from
     ``nanoq.backends.new_comm_id(backend)``, the same for every member) names
     the world. Sharding, statistics and the optimizer then span the world.
+    ``first_device`` is the machine's index of the first device this trainer
+    drives (cuda: GPUs first_device .. first_device + devices - 1), for
+    several processes on one node; under a launcher nanoq sets it itself
+    (see nanoq.distributed.local_devices).
     ``attention`` picks the attention implementation: "auto" (cuDNN's fused
     attention where the backend has it and supports the shape, else nanoq's
     own kernel), "cudnn" (an error where it is not available) or "native".
@@ -313,6 +317,7 @@ class TrainOptions:
     world_size: int = 0
     first_rank: int = 0
     comm_id: bytes = b""
+    first_device: int = 0
     attention: str = "auto"
     cuda_graphs: bool = True
     matmul_dtype: str = "auto"
@@ -320,7 +325,7 @@ class TrainOptions:
     def _check_topology(self):
         # Forms only: how the topology fits the devices is the core's rules
         # (nanoq.options), checked with the others below.
-        for name in ("world_size", "first_rank"):
+        for name in ("world_size", "first_rank", "first_device"):
             _integer(name, getattr(self, name))
         if not isinstance(self.comm_id, bytes):
             raise TypeError(f"comm_id must be bytes (from nanoq.backends.new_comm_id), got "

@@ -77,6 +77,10 @@ struct TrainOptions {
     int world_size = 0;
     int first_rank = 0;
     std::string comm_id;
+    // The index of this trainer's first device among the machine's (the
+    // cuda backend's devices first_device .. first_device + devices - 1):
+    // several processes on one node drive different GPUs.
+    int first_device = 0;
     // The fast path's choices (the cuda backend; others compute the same
     // without them): the attention implementation, whether step() and
     // update() are captured once as CUDA graphs and replayed, and the

@@ -58,6 +58,9 @@ class ThreadGroup(ProcessGroup):
     def broadcast(self, value: Any, root: int = 0) -> Any:
         return self.allgather(value if self.rank == root else None)[root]
 
+    def node_local(self) -> tuple:
+        return self.rank, self.size
+
     def abort(self, code: int = 1) -> None:
         self.world.aborted_with = code
         self.world._barrier.abort()
