@@ -16,6 +16,7 @@ import pytest
 
 import nanoq
 import nanoq.distributed
+from conftest import require_cuda_emulator
 from processes.world import CONFIG, global_batches, to_options
 
 STEPS = 3
@@ -160,9 +161,11 @@ def test_too_few_gpus_for_the_processes_of_a_node_is_a_clear_error():
         nanoq.distributed.local_devices(NodeGroup(0, 2), 4, 2)
 
 
+@pytest.mark.cuda_emulated
 def test_first_device_beyond_the_machines_devices_is_refused():
     from nanoq.backends import device_count
 
+    require_cuda_emulator()
     available = device_count("cuda_emulated")
     options = to_options(dict(backend="cuda_emulated", devices=1, first_device=available))
     with pytest.raises(ValueError, match=f"from device {available}, but {available} are available"):
