@@ -17,6 +17,9 @@ where batch_rows is the global batch (device d takes rows
     state = loader.state_dict()                           # small, JSON-serialisable
     loader.load_state_dict(state)                         # resumes exactly
 
+Under a launcher, process p of P passes ``part=(p, P)`` (and the world's
+devices) to serve and read only its rows of every global batch.
+
 - DataLoader: endless; each epoch is a seeded permutation of all windows of all
   files; batches are consecutive slices of the epoch stream (one may span two
   epochs); the same seed gives the same global batches for any device count.

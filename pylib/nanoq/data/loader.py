@@ -9,6 +9,13 @@ divide: when an epoch ends inside a batch, the batch is completed from the next
 epoch, so every window is used exactly once per epoch and no window is dropped.
 The loader's position is a window index into that stream, which is why resuming
 is exact and even survives a change of batch_rows.
+
+Under a launcher every process serves only its part of each global batch
+(``part=(index, count)``: rows [index * batch_rows / count, (index + 1) *
+batch_rows / count)), the rows of its devices. Every process computes the
+same global order, reads from the token files only the windows of its own
+rows, and keeps the same (global) position, so P processes together consume
+exactly the batches one process would.
 """
 from __future__ import annotations
 
@@ -36,6 +43,21 @@ def check_seed(seed) -> int:
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     return int(seed)
+
+
+def check_part(part, batch_rows: int) -> Tuple[int, int]:
+    """(index, count) of a loader's ``part`` argument: part ``index`` of
+    ``count`` equal parts of each batch of ``batch_rows`` rows."""
+    if not (isinstance(part, (tuple, list)) and len(part) == 2
+            and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in part)):
+        raise ValueError(f"part must be (index, count): this process's part of each global batch, got {part!r}")
+    index, count = int(part[0]), int(part[1])
+    if count <= 0 or not 0 <= index < count:
+        raise ValueError(f"part (index, count) needs count >= 1 and 0 <= index < count, got {part!r}")
+    if batch_rows % count:
+        raise ValueError(f"batch_rows {batch_rows} is not divisible into {count} parts (part {part!r}): every "
+                         f"process takes the same number of rows")
+    return index, count
 
 
 def check_state(state, kind: str, keys: Sequence[str]) -> dict:
@@ -153,9 +175,16 @@ class DataLoader:
     shuffles files and windows together). Batches are consecutive slices of
     the concatenated epochs, so a batch may end one epoch and start the next.
     ``epoch`` and ``position`` name the next window to be served.
+
+    part: (index, count) serves only rows [index * part_rows, (index + 1) *
+    part_rows) of every global batch, part_rows = batch_rows // count, and
+    reads only their windows: one process's rows under a launcher (process
+    p of P: part (p, P), with devices the world's). The order, the position
+    and state_dict are the global ones, the same for every part.
     """
 
-    def __init__(self, dataset: Dataset, batch_rows: int, seed: int, devices: int = 1):
+    def __init__(self, dataset: Dataset, batch_rows: int, seed: int, devices: int = 1,
+                 part: Tuple[int, int] = (0, 1)):
         self.dataset = dataset
         self.batch_rows = positive_int("batch_rows", batch_rows)
         devices = positive_int("devices", devices)
@@ -163,6 +192,8 @@ class DataLoader:
             raise ValueError(f"batch_rows {self.batch_rows} is not divisible by devices {devices}")
         self.devices = devices
         self.rows_per_device = self.batch_rows // devices
+        self.part = check_part(part, self.batch_rows)
+        self.part_rows = self.batch_rows // self.part[1]
         self.seed = check_seed(seed)
         self.epoch = 0
         self.position = 0
@@ -180,7 +211,8 @@ class DataLoader:
         return self._order
 
     def next_batch(self) -> Batch:
-        """The next global batch: inputs, targets int32 [batch_rows, seq_len]."""
+        """This part's rows of the next global batch: inputs, targets int32
+        [part_rows, seq_len] (the whole batch, [batch_rows, seq_len], by default)."""
         chosen = []
         needed = self.batch_rows
         while needed:
@@ -192,7 +224,8 @@ class DataLoader:
             if self.position == order.size:
                 self.epoch += 1
                 self.position = 0
-        return self.dataset.read_windows(np.concatenate(chosen))
+        first = self.part[0] * self.part_rows
+        return self.dataset.read_windows(np.concatenate(chosen)[first:first + self.part_rows])
 
     def __iter__(self) -> Iterator[Batch]:
         return self
@@ -230,11 +263,17 @@ class EvalLoader:
     has the trainer's shape and the padding counts for nothing in the loss.
     Each iteration starts again from the first window; len() is the number of
     batches.
+
+    part: (index, count) yields only rows [index * part_rows, (index + 1) *
+    part_rows) of every batch, part_rows = batch_rows // count, padded
+    alike, and reads only their windows (see DataLoader).
     """
 
-    def __init__(self, dataset: Dataset, batch_rows: int):
+    def __init__(self, dataset: Dataset, batch_rows: int, part: Tuple[int, int] = (0, 1)):
         self.dataset = dataset
         self.batch_rows = positive_int("batch_rows", batch_rows)
+        self.part = check_part(part, self.batch_rows)
+        self.part_rows = self.batch_rows // self.part[1]
 
     @property
     def seq_len(self) -> int:
@@ -245,12 +284,13 @@ class EvalLoader:
 
     def __iter__(self) -> Iterator[Batch]:
         total = self.dataset.num_windows
-        for start in range(0, total, self.batch_rows):
-            stop = min(start + self.batch_rows, total)
+        for batch_start in range(0, total, self.batch_rows):
+            start = min(batch_start + self.part[0] * self.part_rows, total)
+            stop = min(start + self.part_rows, total)
             inputs, targets = self.dataset.read_windows(np.arange(start, stop))
-            if stop - start < self.batch_rows:
-                padded_inputs = np.zeros((self.batch_rows, self.seq_len), dtype=np.int32)
-                padded_targets = np.full((self.batch_rows, self.seq_len), IGNORE_INDEX, dtype=np.int32)
+            if stop - start < self.part_rows:
+                padded_inputs = np.zeros((self.part_rows, self.seq_len), dtype=np.int32)
+                padded_targets = np.full((self.part_rows, self.seq_len), IGNORE_INDEX, dtype=np.int32)
                 padded_inputs[:stop - start] = inputs
                 padded_targets[:stop - start] = targets
                 inputs, targets = padded_inputs, padded_targets

@@ -29,12 +29,22 @@ def _load_all(loaders, states) -> None:
         raise
 
 
+def _common_part(loaders, who: str) -> Tuple[int, int]:
+    """The one ``part`` (index, count) that all ``loaders`` serve (a loader
+    without the attribute serves whole batches, (0, 1))."""
+    parts = {tuple(getattr(loader, "part", (0, 1))) for loader in loaders}
+    if len(parts) != 1:
+        raise ValueError(f"{who} must serve the same part (index, count) of each batch; got {sorted(parts)}")
+    return parts.pop()
+
+
 class MixtureLoader:
     """Endless global batches, each drawn whole from one sub-loader.
 
     loaders_and_weights: [(loader, weight), ...]; weights are positive and
     need not sum to 1. Every loader must serve the same batch shape
-    (batch_rows, seq_len). Batch k comes from loader i with probability
+    (batch_rows, seq_len) and the same ``part`` (see DataLoader: under a
+    launcher each process mixes its part of every loader). Batch k comes from loader i with probability
     weight_i / sum(weights), decided by the k-th draw of the mixture's seed;
     the chosen loader advances, the others do not. ``draws`` counts batches served.
     """
@@ -55,6 +65,7 @@ class MixtureLoader:
             raise ValueError(f"all loaders of a mixture must serve one batch shape (batch_rows, seq_len); "
                              f"got {sorted(shapes)}")
         self.batch_rows, self.seq_len = shapes.pop()
+        self.part = _common_part(self.loaders, "all loaders of a mixture")
         self.seed = check_seed(seed)
         self.draws = 0
         self._cumulative = np.cumsum(self.weights) / sum(self.weights)
@@ -64,7 +75,8 @@ class MixtureLoader:
         return min(int(np.searchsorted(self._cumulative, uniform, side="right")), len(self.loaders) - 1)
 
     def next_batch(self) -> Batch:
-        """The next global batch: inputs, targets int32 [batch_rows, seq_len]."""
+        """This part's rows of the next global batch (drawn whole from one
+        loader): inputs, targets int32 [batch_rows // part count, seq_len]."""
         loader = self.loaders[self._choose(self.draws)]
         self.draws += 1
         return loader.next_batch()
@@ -111,6 +123,8 @@ class Curriculum:
     stage's last step ``eval_loader()`` still returns that stage's eval loader
     and ``stage_complete`` is True. ``next_batch()`` raises StopIteration once
     the last stage is complete; iterating yields every remaining batch.
+    Under a launcher every stage's loaders serve this process's ``part``
+    (see DataLoader); they must all serve the same one.
     """
 
     def __init__(self, stages: Sequence[Tuple[object, Optional[object], int]], batches_per_step: int = 1):
@@ -123,6 +137,9 @@ class Curriculum:
             self.stages.append((train, evaluation, positive_int(f"steps of curriculum stage {index}", steps)))
         if not self.stages:
             raise ValueError("a curriculum needs at least one stage")
+        self.part = _common_part([loader for train, evaluation, _ in self.stages
+                                  for loader in (train, evaluation) if loader is not None],
+                                 "the train and eval loaders of a curriculum")
         self.batches_per_step = positive_int("batches_per_step", batches_per_step)
         self.current_stage = 0
         self.batches_in_stage = 0
@@ -149,8 +166,9 @@ class Curriculum:
         return self.stages[self.current_stage][0].batch_rows
 
     def next_batch(self) -> Batch:
-        """The next global batch of the current stage (moving to the next stage
-        when this one is complete): inputs, targets int32 [batch_rows, seq_len]."""
+        """This part's rows of the next global batch of the current stage
+        (moving to the next stage when this one is complete): inputs, targets
+        int32 [batch_rows // part count, seq_len]."""
         if self.finished:
             raise StopIteration("the curriculum is finished")
         if self.stage_complete:
