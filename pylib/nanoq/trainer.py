@@ -265,6 +265,12 @@ class Trainer:
         return [name for name, _, _ in self._parameters]
 
     @property
+    def parameter_shapes(self) -> Dict[str, tuple]:
+        """{Hugging Face name: shape} of every parameter, in the core's order
+        (no weights are read: this needs no collective in a larger world)."""
+        return {name: shape for name, shape, _ in self._parameters}
+
+    @property
     def trainable_names(self) -> list[str]:
         """Names of the parameters that have gradients and optimizer state."""
         return [self._parameters[i][0] for i in self._trainable]

@@ -124,12 +124,17 @@ class Dataset:
     def __len__(self) -> int:
         return self.num_windows
 
+    def file_sizes(self) -> List[Tuple[str, int]]:
+        """(file name without its directory, bytes) of every file, in order:
+        what identifies the files (see ``fingerprint``)."""
+        return [(os.path.basename(f.path), os.path.getsize(f.path)) for f in self.files]
+
     def fingerprint(self) -> dict:
         """Identifies the windows for state checks: file names (not directories,
         so a dataset may move), file sizes and seq_len."""
         digest = hashlib.sha256(str(self.seq_len).encode())
-        for f in self.files:
-            digest.update(f"\0{os.path.basename(f.path)}\0{os.path.getsize(f.path)}".encode())
+        for name, size in self.file_sizes():
+            digest.update(f"\0{name}\0{size}".encode())
         return {"files": len(self.files), "windows": self.num_windows, "sha256": digest.hexdigest()[:32]}
 
     def read_windows(self, indices) -> Batch:

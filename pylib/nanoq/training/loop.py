@@ -18,6 +18,18 @@ imports init_from again first).
 Resuming (``train(config, resume="auto" | path)``) loads the newest checkpoint
 of a run and continues in that run's directory, appending to its log (see
 nanoq.training.resume for what may change on resume).
+
+Under a launcher (``mpiexec -n P``, ``srun``; see nanoq.distributed) every
+process runs ``train`` with the same config and drives ``run.devices``
+devices of one world of P x devices. The processes first check that they
+agree (nanoq version, every setting, the data files: ValueError on every
+process naming what differs); the root process (rank 0) chooses and creates
+the run directory, prepares the demo corpus and writes config.toml,
+log.jsonl, the final model and the console lines, while each process reads
+only its rows of every global batch (the data's ``part``). A failure in
+these steps on one process fails them on every process (nanoq.distributed's
+``together``). A stop signal on any process stops every process after the
+same step.
 """
 from __future__ import annotations
 
@@ -30,7 +42,8 @@ import sys
 import time
 from typing import Callable, List, Optional
 
-from nanoq.backends import CUDA_BACKENDS
+from nanoq import __version__, distributed
+from nanoq.backends import CUDA_BACKENDS, resolve_backend
 from nanoq.trainer_config import ModelConfig
 from nanoq.hf_export import export_adapter
 from nanoq.data import Curriculum, DataLoader, Dataset, EvalLoader
@@ -68,6 +81,23 @@ class TrainResult:
 
 def _print(line: str) -> None:
     print(line, flush=True)
+
+
+def _silent(line: str) -> None:
+    """The console of a process other than the root: it prints only errors."""
+
+
+class _NoLog:
+    """The log of a process other than the root, which writes no run files."""
+
+    def write(self, **record) -> None:
+        pass
+
+    def __enter__(self) -> "_NoLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
 
 
 def new_run_dir(config: TrainConfig) -> str:
@@ -130,12 +160,12 @@ class _CurrentStageEval:
         return iter(self.curriculum.eval_loader())
 
 
-def _curriculum(config: TrainConfig, rows: int, say: Callable[[str], None]):
+def _curriculum(config: TrainConfig, world: "_World", say: Callable[[str], None]):
     """The data of ``data.curriculum``: (Curriculum, eval loader of the current
     stage or None, largest vocab size of the files, tokenizer dir of the first
-    stage's files or None)."""
+    stage's files or None, [(role, Dataset)] of every file set)."""
     parsed = parse_curriculum(config.curriculum)
-    stages, vocab = [], 0
+    stages, vocab, datasets = [], 0, []
     for number, stage in enumerate(parsed, 1):
         try:
             train_set = Dataset(stage.train_data, config.seq_len)
@@ -143,14 +173,17 @@ def _curriculum(config: TrainConfig, rows: int, say: Callable[[str], None]):
         except (ValueError, FileNotFoundError) as e:
             raise type(e)(f"data.curriculum stage {number}: {e}") from None
         vocab = max(vocab, train_set.vocab_size, eval_set.vocab_size if eval_set else 0)
-        stages.append((DataLoader(train_set, batch_rows=rows, seed=config.seed, devices=config.devices),
-                       EvalLoader(eval_set, batch_rows=rows) if eval_set else None, stage.steps))
+        datasets.append((f"data.curriculum stage {number} train_data", train_set))
+        if eval_set:
+            datasets.append((f"data.curriculum stage {number} eval_data", eval_set))
+        stages.append((world.train_loader(train_set, config),
+                       world.eval_loader(eval_set, config) if eval_set else None, stage.steps))
         evaluation = f", eval {stage.eval_data} ({eval_set.num_windows:,})" if eval_set else ""
         say(f"curriculum stage {number}: {stage.steps} steps on {stage.train_data} ({train_set.num_windows:,} "
             f"windows){evaluation}")
     curriculum = Curriculum(stages, batches_per_step=config.grad_accum)
     evaluation = _CurrentStageEval(curriculum) if stages[0][1] is not None else None
-    return curriculum, evaluation, vocab, _tokenizer_dir(parsed[0].train_data)
+    return curriculum, evaluation, vocab, _tokenizer_dir(parsed[0].train_data), datasets
 
 
 def model_config(config: TrainConfig, data_vocab_size: int) -> ModelConfig:
@@ -187,20 +220,73 @@ def evaluate(trainer: Trainer, loader: EvalLoader, max_batches: int = 0) -> tupl
     return (total_loss / total_tokens if total_tokens else math.nan), total_tokens
 
 
-def _setup(config: TrainConfig, run_dir: str, say: Callable[[str], None]):
-    """Opens the data and checks it against the model: (ModelConfig,
-    TrainOptions, DataLoader or Curriculum, eval loader or None, tokenizer dir or None)."""
-    rows = config.devices * config.batch_size
-    if config.curriculum:
-        loader, eval_loader, data_vocab, tokenizer_dir = _curriculum(config, rows, say)
-    else:
-        train_spec, eval_spec, tokenizer_dir = _data_paths(config, run_dir, say)
+class _World:
+    """This process's place in the run: its ProcessGroup, and the loaders of
+    its part of every global batch (of processes x devices x batch_size rows)."""
+
+    def __init__(self, group: distributed.ProcessGroup, config: TrainConfig):
+        self.group = group
+        self.devices = group.size * config.devices  # the world's
+        self.rows = self.devices * config.batch_size
+
+    @property
+    def part(self) -> tuple:
+        return self.group.rank, self.group.size
+
+    def train_loader(self, dataset: Dataset, config: TrainConfig) -> DataLoader:
+        return DataLoader(dataset, batch_rows=self.rows, seed=config.seed, devices=self.devices, part=self.part)
+
+    def eval_loader(self, dataset: Dataset, config: TrainConfig) -> EvalLoader:
+        return EvalLoader(dataset, batch_rows=self.rows, part=self.part)
+
+
+def _agreed_settings(group: distributed.ProcessGroup, config: TrainConfig) -> None:
+    """Every process runs the same nanoq version, settings and backend (ValueError on every process if not)."""
+    try:
+        backend = resolve_backend(config.backend)
+    except Exception as e:  # noqa: BLE001 - compared, so every process learns of it
+        backend = f"unavailable here ({e})"
+    values = {"nanoq version": __version__, "run.backend (resolved)": backend}
+    for section, entries in config.sections().items():
+        values.update({f"{section}.{name}": value for name, value in entries.items()})
+    distributed.check_agreement(group, values, "the nanoq version and settings")
+
+
+def _agreed_data(group: distributed.ProcessGroup, datasets) -> None:
+    """Every process sees the same data files (names and sizes, as
+    Dataset.fingerprint): ValueError on every process naming the file if not."""
+    values = {}
+    for role, dataset in datasets:
+        for name, size in dataset.file_sizes():
+            key = f"{role} file {name}"
+            while key in values:  # files of the same name in different directories
+                key += "'"
+            values[key] = f"{size:,} bytes"
+    distributed.check_agreement(group, values, "the data files")
+
+
+def _setup(config: TrainConfig, run_dir: str, say: Callable[[str], None], group: distributed.ProcessGroup):
+    """Opens the data (the root process prepares the demo corpus, the others
+    then read it) and checks it against the model and the other processes:
+    (ModelConfig, TrainOptions, DataLoader or Curriculum, eval loader or None,
+    tokenizer dir or None)."""
+    world = _World(group, config)
+
+    def open_data():
+        if config.curriculum:
+            return _curriculum(config, world, say)
+        train_spec, eval_spec, tokenizer_dir = paths
         train_set = Dataset(train_spec, config.seq_len)
         eval_set = Dataset(eval_spec, config.seq_len) if eval_spec else None
         data_vocab = max(train_set.vocab_size, eval_set.vocab_size if eval_set else 0)
-        loader = DataLoader(train_set, batch_rows=rows, seed=config.seed, devices=config.devices)
-        eval_loader = EvalLoader(eval_set, batch_rows=rows) if eval_set else None
-    model = model_config(config, data_vocab)
+        datasets = [("data.train_data", train_set)] + ([("data.eval_data", eval_set)] if eval_set else [])
+        return (world.train_loader(train_set, config), world.eval_loader(eval_set, config) if eval_set else None,
+                data_vocab, tokenizer_dir, datasets)
+
+    paths = None if config.curriculum else distributed.on_root(group, lambda: _data_paths(config, run_dir, say))
+    loader, eval_loader, data_vocab, tokenizer_dir, datasets = distributed.together(group, open_data)
+    _agreed_data(group, datasets)
+    model = distributed.together(group, lambda: model_config(config, data_vocab))
     options = train_options(config)
     return model, options, loader, eval_loader, tokenizer_dir
 
@@ -221,15 +307,40 @@ def _final_model_dir(run_dir: str, step: int, say: Callable[[str], None]) -> str
 
 def _telemetry(config: TrainConfig, trainer: Trainer) -> GpuTelemetry:
     """NVML telemetry of the trainer's GPUs when the run asks for it and runs
-    on cuda; otherwise one of no GPUs (off, with no ``reason``)."""
-    wanted = config.telemetry_every and trainer.backend == "cuda"
+    on cuda (under a launcher: the root process's GPUs, which it logs);
+    otherwise one of no GPUs (off, with no ``reason``)."""
+    wanted = config.telemetry_every and trainer.backend == "cuda" and trainer.processes.is_root
     return GpuTelemetry(devices=trainer.world_size if wanted else 0)
+
+
+def _world_memory(trainer: Trainer) -> List[dict]:
+    """Trainer.memory_summary() of every device of the world, numbered by
+    global rank (collective: every process sends its own devices')."""
+    first = trainer.topology[1]
+    own = [dict(entry, device=first + entry["device"]) for entry in trainer.memory_summary()]
+    return [entry for part in trainer.processes.allgather(own) for entry in part]
+
+
+def _export_final_model(trainer: Trainer, directory: str, tokenizer_dir: Optional[str], lora: bool,
+                        say: Callable[[str], None]) -> str:
+    """Writes the final model (and with LoRA the PEFT adapter) into
+    ``directory``; returns its path on every process. Under a launcher the
+    root process writes it and the others wait: Trainer.export_model is not
+    yet collective (issue 16, item 4), so it runs on the root alone, which
+    holds every weight whole at ZeRO stages 1 and 2."""
+    def export() -> str:
+        model_dir = trainer.export_model(directory, tokenizer_dir=tokenizer_dir)
+        if lora:  # also unmerged, for peft
+            say(f"adapter (PEFT): {export_adapter(trainer, os.path.join(model_dir, 'adapter'))}")
+        return model_dir
+
+    return distributed.on_root(trainer.processes, export)
 
 
 # -- the loop -----------------------------------------------------------------------
 
 def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, say: Callable[[str], None] = _print,
-          progress: Optional[bool] = None) -> TrainResult:
+          progress: Optional[bool] = None, processes: Optional[distributed.ProcessGroup] = None) -> TrainResult:
     """Trains a model as ``config`` says and writes the run directory (see the
     module docstring).
 
@@ -237,25 +348,35 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
     or a step directory) continues that run from its newest checkpoint, in
     its directory. "auto" continues ``<out_dir>/<run_name>`` or, without a
     run_name, the run in out_dir with the newest checkpoint; with none, it
-    starts a fresh run. say: receives the console lines. progress: a tqdm bar
-    on stderr (None: only when stderr is a terminal).
+    starts a fresh run. say: receives the console lines (on the root
+    process only). progress: a tqdm bar on stderr (None: only when stderr
+    is a terminal; never on other processes than the root). processes: the
+    ProcessGroup of the run (default nanoq.distributed.processes(): the
+    launcher's processes, or this one alone); every member calls ``train``.
 
-    Raises ValueError for inconsistent settings and data, and for a resume
-    whose config changes a setting in FIXED_ON_RESUME, before any step.
+    Raises ValueError for inconsistent settings and data, for processes
+    that disagree on them, and for a resume whose config changes a setting
+    in FIXED_ON_RESUME, before any step.
     """
+    group = distributed.processes() if processes is None else processes
+    if not isinstance(group, distributed.ProcessGroup):
+        raise TypeError(f"processes must be a nanoq.distributed.ProcessGroup, got {type(group).__name__}")
+    if not group.is_root:
+        say, progress = _silent, False
     if config.warmup_steps > config.steps:
         raise ValueError(f"train.warmup_steps ({config.warmup_steps}) exceeds train.steps ({config.steps})")
     start = time.time()
-    resumed = None if resume is None else prepare_resume(config, resume, say)
+    _agreed_settings(group, config)
+    resumed = None if resume is None else distributed.together(group, lambda: prepare_resume(config, resume, say))
     if resumed is None:
-        run_dir = new_run_dir(config)
+        run_dir = distributed.on_root(group, lambda: new_run_dir(config))
     else:
         run_dir, config = resumed.run_dir, resumed.config
     say(f"run directory: {os.path.abspath(run_dir)}")
     trainer = None
     try:
-        model, options, loader, eval_loader, tokenizer_dir = _setup(config, run_dir, say)
-        trainer = Trainer(model, options)
+        model, options, loader, eval_loader, tokenizer_dir = _setup(config, run_dir, say, group)
+        trainer = Trainer(model, options, processes=group)
         if config.init_from:
             say(f"weights: {config.init_from}" + (" (frozen; LoRA adapters train)" if options.lora else ""))
             trainer.import_weights(config.init_from)
@@ -265,34 +386,36 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
     except BaseException:
         if trainer is not None:
             trainer.close()
-        if resumed is None:
+        if resumed is None and group.is_root:
             shutil.rmtree(run_dir, ignore_errors=True)  # nothing ran: leave no half-made run behind
         raise
-    with open(os.path.join(run_dir, "config.toml"), "w", encoding="utf-8") as f:
-        f.write(config.to_toml())
-    tokens_per_step = loader.batch_rows * config.seq_len * config.grad_accum
+    if group.is_root:
+        with open(os.path.join(run_dir, "config.toml"), "w", encoding="utf-8") as f:
+            f.write(config.to_toml())
+    tokens_per_step = loader.batch_rows * config.seq_len * config.grad_accum  # the global batch
+    world_devices = trainer.topology[0]
+    log_file = JsonlLog(os.path.join(run_dir, "log.jsonl")) if group.is_root else _NoLog()
 
-    with trainer, JsonlLog(os.path.join(run_dir, "log.jsonl")) as log, _telemetry(config, trainer) as telemetry, \
-            StopRequest() as stop:
-        weights = trainer.get_weights()
-        parameters = sum(int(w.size) for w in weights.values())
+    with trainer, log_file as log, _telemetry(config, trainer) as telemetry, StopRequest() as stop:
+        shapes = trainer.parameter_shapes
+        parameters = sum(math.prod(shape) for shape in shapes.values())
+        placement = f" ({group.size} processes x {trainer.world_size})" if group.size > 1 else ""
         say(f"model: {parameters / 1e6:.2f}M parameters ({model.num_hidden_layers} layers, hidden "
-            f"{model.hidden_size}, vocab {model.vocab_size}) on {trainer.backend} x{trainer.world_size} "
+            f"{model.hidden_size}, vocab {model.vocab_size}) on {trainer.backend} x{world_devices}{placement} "
             f"({trainer.dtype}); {config.steps} steps of {tokens_per_step:,} tokens")
         if trainer.backend in CUDA_BACKENDS:
             say(f"attention: {trainer.attention} (attention = {options.attention!r})")
         if options.lora:
-            trainable = sum(int(weights[name].size) for name in trainer.trainable_names)
+            trainable = sum(math.prod(shapes[name]) for name in trainer.trainable_names)
             say(f"lora: rank {options.lora.rank}, alpha {options.lora.alpha:g}, dropout {options.lora.dropout:g} on "
                 f"{','.join(options.lora.targets)}: {trainable / 1e6:.3f}M trainable parameters "
                 f"({100 * trainable / parameters:.2f}%)")
-        del weights
-        memory = trainer.memory_summary()
+        memory = _world_memory(trainer)
         for line in memory_lines(memory):
             say(line)
         if telemetry.reason:
             say(f"gpu telemetry off: {telemetry.reason}")
-        about = dict(parameters=parameters, backend=trainer.backend, devices=trainer.world_size,
+        about = dict(parameters=parameters, backend=trainer.backend, devices=world_devices, processes=group.size,
                      run_dir=os.path.abspath(run_dir), config=config.sections(), memory=memory)
         if resumed is None:
             log.write(type="start", time=0.0, **about)
@@ -334,6 +457,7 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
             return path
 
         skipped_in_a_row = 0
+        stopped_by = None
         try:
             for step in range(done.step, config.steps):
                 if config.eval_every and step % config.eval_every == 0:
@@ -376,11 +500,11 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
                             f"{skipped_in_a_row} updates in a row had a non-finite loss or gradient; stopped at "
                             f"step {done.step}. The weights and optimizer state are those of the last good update, "
                             f"saved in {path} (lower train.lr or raise train.grad_clip, then resume)")
-                if stop.requested:
+                stopped_by = stop.agreed(group)
+                if stopped_by:
                     path = save_checkpoint()
-                    log.write(type="stopped", step=done.step, signal=stop.signal_name, checkpoint=path,
-                              time=done.time)
-                    emit(f"{stop.signal_name}: stopped after step {done.step}; checkpoint {path} (the same command "
+                    log.write(type="stopped", step=done.step, signal=stopped_by, checkpoint=path, time=done.time)
+                    emit(f"{stopped_by}: stopped after step {done.step}; checkpoint {path} (the same command "
                          f"with --resume continues)")
                     break
                 if config.checkpoint_every and ((step + 1) % config.checkpoint_every == 0
@@ -388,20 +512,19 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
                     save_checkpoint()
         finally:
             bar.close()
-        if stop.requested:
+        if stopped_by:
             return TrainResult(run_dir=os.path.abspath(run_dir), model_dir="",
                                log_path=os.path.abspath(os.path.join(run_dir, "log.jsonl")), steps=done.step,
                                parameters=parameters, final_train_loss=done.train_loss,
                                final_eval_loss=done.evals[-1][1] if done.evals else None, evals=done.evals,
                                seconds=time.time() - start,
                                resumed_from=None if resumed is None else resumed.state["path"],
-                               stopped_by=stop.signal_name)
+                               stopped_by=stopped_by)
         run_eval(config.steps)
 
         # The tokenizer's eos id goes into config.json (see nanoq.hf_export.write_model).
-        model_dir = trainer.export_model(_final_model_dir(run_dir, config.steps, say), tokenizer_dir=tokenizer_dir)
-        if options.lora:  # also unmerged, for peft
-            say(f"adapter (PEFT): {export_adapter(trainer, os.path.join(model_dir, 'adapter'))}")
+        model_dir = distributed.on_root(group, lambda: _final_model_dir(run_dir, config.steps, say))
+        model_dir = _export_final_model(trainer, model_dir, tokenizer_dir, bool(options.lora), say)
         seconds = time.time() - start
         log.write(type="end", step=config.steps, time=time.time() - train_start, model_dir=model_dir)
     evals = done.evals

@@ -5,7 +5,8 @@ in flight (the core call is not interrupted), writes a checkpoint and returns.
 The handler also restores the default action for both signals, so a second
 one ends the process at once, even inside a core call. That is safe: every
 checkpoint is written to a temporary directory and renamed into place, so the
-last complete one is never damaged.
+last complete one is never damaged. Under a launcher the processes agree
+after every step whether any of them was asked to stop (``agreed``).
 """
 from __future__ import annotations
 
@@ -47,3 +48,10 @@ class StopRequest:
     @property
     def requested(self) -> bool:
         return self.signal_name is not None
+
+    def agreed(self, group) -> Optional[str]:
+        """The signal that asked any process of ``group`` (a
+        nanoq.distributed.ProcessGroup) to stop, or None: every process gets
+        the same answer, so all stop after the same step (collective)."""
+        names = [name for name in group.allgather(self.signal_name) if name is not None]
+        return names[0] if names else None

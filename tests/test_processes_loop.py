@@ -1,0 +1,206 @@
+"""The training loop of several processes: P processes x D devices train
+exactly like one process of P*D devices (ThreadWorld members in threads, and
+one real `mpiexec -n 2 nanoq train`); only the root process writes the run
+and prints; processes that disagree on settings or data refuse to start on
+every process, naming the difference."""
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from nanoq import distributed
+from nanoq.data import Dataset, write_tokens
+from nanoq.testing.threads import ThreadWorld
+from nanoq.training import TrainConfig, read_log, train
+from nanoq.training.stop import StopRequest
+from test_topology import in_threads
+
+VOCAB = 64
+
+
+def tiny_config(tmp_path, **overrides):
+    """Token files of a learnable pattern and a tiny model of cpu devices."""
+    rng = np.random.default_rng(0)
+    pattern = np.tile(np.arange(1, 17), 200) + rng.integers(0, 2, 3200) * 16
+    data = tmp_path / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    write_tokens(data / "train_000000.bin", pattern, VOCAB)
+    write_tokens(data / "eval_000000.bin", pattern[:700], VOCAB)
+    values = dict(train_data=str(data / "train_*.bin"), eval_data=str(data / "eval_000000.bin"),
+                  hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, seq_len=16, batch_size=2, grad_accum=2, steps=4, warmup_steps=1,
+                  lr=1e-2, eval_every=2, eval_batches=0, backend="cpu", threads=1, checkpoint_every=0,
+                  out_dir=str(tmp_path / "runs"), run_name="run")
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def train_in_world(configs):
+    """train(configs[r]) for every member r of one ThreadWorld, each in its
+    own thread; (results, errors, console lines) per member."""
+    world = ThreadWorld(len(configs))
+    lines = [[] for _ in configs]
+    results, errors = in_threads([
+        (lambda r=r: train(configs[r], processes=world.member(r), say=lines[r].append, progress=False))
+        for r in range(len(configs))])
+    return results, errors, lines
+
+
+def losses(log_path):
+    records = read_log(log_path)
+    return ([(r["step"], r["loss"], r["grad_norm"], r["tokens"]) for r in records if r["type"] == "train"],
+            [(r["step"], r["loss"], r["tokens"]) for r in records if r["type"] == "eval"])
+
+
+def test_two_processes_of_two_devices_train_like_one_process_of_four(tmp_path):
+    alone_lines = []
+    alone = train(tiny_config(tmp_path / "alone", devices=4), say=alone_lines.append, progress=False)
+    config = tiny_config(tmp_path / "world", devices=2)
+    (root, other), errors, lines = train_in_world([config, config])
+    assert errors == [None, None]
+
+    assert losses(root.log_path) == losses(alone.log_path)  # bitwise: same world, same order of sums
+    assert root.evals == other.evals == alone.evals and len(alone.evals) == 3
+    assert root.final_train_loss == other.final_train_loss == alone.final_train_loss
+    assert root.model_dir == other.model_dir == os.path.join(root.run_dir, "model")
+    exported = load_file(os.path.join(root.model_dir, "model.safetensors"))
+    expected = load_file(os.path.join(alone.model_dir, "model.safetensors"))
+    assert exported.keys() == expected.keys()
+    assert all(np.array_equal(exported[name], expected[name]) for name in expected)
+
+    # Only the root writes the run and prints; its lines speak of the world.
+    assert sorted(os.listdir(root.run_dir)) == ["config.toml", "log.jsonl", "model"]
+    assert lines[1] == []
+    model_line = next(line for line in lines[0] if line.startswith("model: "))
+    assert "on cpu x4 (2 processes x 2)" in model_line and "4 steps of 256 tokens" in model_line
+    assert "4 steps of 256 tokens" in next(line for line in alone_lines if line.startswith("model: "))
+    start = read_log(root.log_path)[0]
+    alone_start = read_log(alone.log_path)[0]
+    assert (start["devices"], start["processes"]) == (4, 2)
+    assert [m["device"] for m in start["memory"]] == [0, 1, 2, 3]
+    assert [m["contexts"] for m in start["memory"]] == [m["contexts"] for m in alone_start["memory"]]
+    assert sum(line.startswith("memory per device (x4)") for line in lines[0]) == 1
+
+
+def test_processes_that_disagree_on_a_setting_refuse_on_every_process(tmp_path):
+    config = tiny_config(tmp_path, devices=1)
+    other = TrainConfig(**dict(vars(config), lr=2e-2, seq_len=8))
+    _, errors, lines = train_in_world([config, other, config])
+    for error in errors:
+        assert isinstance(error, ValueError)
+        message = str(error)
+        assert "the 3 processes of this run disagree on the nanoq version and settings" in message
+        assert "train.lr: 0.01 on processes 0, 2; 0.02 on process 1" in message
+        assert "data.seq_len: 16 on processes 0, 2; 8 on process 1" in message
+        assert "train.steps" not in message
+    assert not os.path.exists(config.out_dir)  # refused before a run directory was made
+    assert lines == [[], [], []]
+
+
+def test_processes_that_see_other_data_files_refuse_on_every_process(tmp_path, monkeypatch):
+    # One member's node holds another file under the same name (a stale copy, say).
+    sizes = Dataset.file_sizes
+    ranks = {}
+
+    def file_sizes(dataset):
+        found = sizes(dataset)
+        if ranks.get(threading.get_ident()) == 1 and found[0][0] == "train_000000.bin":
+            return [(found[0][0], found[0][1] + 4)] + found[1:]
+        return found
+
+    monkeypatch.setattr(Dataset, "file_sizes", file_sizes)
+    config = tiny_config(tmp_path, devices=1)
+    world = ThreadWorld(2)
+
+    def member(rank):
+        ranks[threading.get_ident()] = rank
+        return train(config, processes=world.member(rank), say=lambda line: None, progress=False)
+
+    _, errors = in_threads([lambda: member(0), lambda: member(1)])
+    size = os.path.getsize(tmp_path / "data" / "train_000000.bin")
+    for error in errors:
+        assert isinstance(error, ValueError)
+        assert "disagree on the data files" in str(error)
+        assert (f"data.train_data file train_000000.bin: '{size:,} bytes' on process 0; "
+                f"'{size + 4:,} bytes' on process 1") in str(error)
+        assert "eval_000000.bin" not in str(error)
+    assert os.listdir(config.out_dir) == []  # the root removed the run it had begun
+
+
+def test_a_step_that_fails_on_one_process_fails_on_every_process():
+    world = ThreadWorld(2)
+
+    def member(rank):
+        group = world.member(rank)
+
+        def action():
+            if rank == 1:
+                raise FileNotFoundError("no such file: data/train_000000.bin")
+            return "done"
+
+        return distributed.together(group, action)
+
+    results, errors = in_threads([lambda: member(0), lambda: member(1)])
+    assert isinstance(errors[1], FileNotFoundError)  # its own error
+    assert isinstance(errors[0], distributed.ProcessFailed)
+    assert str(errors[0]) == "process 1 of 2 failed: FileNotFoundError: no such file: data/train_000000.bin"
+    ok, _ = in_threads([lambda r=r: distributed.on_root(world.member(r), lambda: f"made by {r}") for r in (0, 1)])
+    assert ok == ["made by 0", "made by 0"]
+
+
+def test_agreement_names_every_difference_and_the_processes_holding_each_value():
+    world = ThreadWorld(3)
+    values = [{"a": [1, 2], "b": 1, "c": "x"}, {"a": [1, 2], "b": 2}, {"a": [1, 3], "b": 1, "c": "x"}]
+    _, errors = in_threads([lambda r=r: distributed.check_agreement(world.member(r), values[r], "things")
+                            for r in range(3)])
+    expected = ("the 3 processes of this run disagree on things:\n"
+                "  a: [1, 2] on processes 0, 1; [1, 3] on process 2\n"
+                "  b: 1 on processes 0, 2; 2 on process 1\n"
+                "  c: 'x' on processes 0, 2; absent on process 1\n"
+                "every process must run with the same things")
+    assert [str(e) for e in errors] == [expected] * 3
+    same, errors = in_threads([lambda r=r: distributed.check_agreement(world.member(r), values[0], "things")
+                               for r in range(3)])
+    assert errors == [None] * 3
+
+
+def test_a_stop_signal_on_any_process_stops_every_process():
+    world = ThreadWorld(2)
+    requests = [StopRequest(), StopRequest()]
+    assert in_threads([lambda r=r: requests[r].agreed(world.member(r)) for r in (0, 1)])[0] == [None, None]
+    requests[1].signal_name = "SIGTERM"  # as its handler sets it
+    assert in_threads([lambda r=r: requests[r].agreed(world.member(r)) for r in (0, 1)])[0] == ["SIGTERM"] * 2
+
+
+def test_mpiexec_two_processes_of_the_demo_train_like_one_process_of_two_devices(tmp_path):
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    assert os.path.isfile(mpiexec), "the test extra brings mpich's mpiexec beside python"
+    flags = ["--hidden_size", "32", "--intermediate_size", "64", "--num_hidden_layers", "1",
+             "--num_attention_heads", "2", "--seq_len", "32", "--batch_size", "2", "--threads", "1",
+             "--backend", "cpu", "--steps", "3", "--warmup_steps", "0", "--eval_every", "0",
+             "--eval_batches", "1", "--checkpoint_every", "0", "--run_name", "run"]
+    command = [mpiexec, "-n", "2", sys.executable, "-m", "nanoq_cli.main", "train", *flags,
+               "--devices", "1", "--out_dir", str(tmp_path / "mpi")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("run directory: ") == 1 and "on cpu x2 (2 processes x 1)" in done.stdout
+    assert done.stdout.count("demo corpus: ") == 1
+
+    from nanoq.training import load_config
+
+    alone = train(load_config(overrides=dict(_flag_values(flags), devices=2, out_dir=str(tmp_path / "alone"))),
+                  say=lambda line: None, progress=False)
+    run = tmp_path / "mpi" / "run"
+    assert sorted(os.listdir(run)) == ["config.toml", "data", "log.jsonl", "model"]
+    assert losses(run / "log.jsonl") == losses(alone.log_path)
+
+
+def _flag_values(flags):
+    """{setting: value} of --name VALUE pairs, typed as TrainConfig's fields."""
+    defaults = TrainConfig()
+    return {name.lstrip("-"): type(getattr(defaults, name.lstrip("-")))(value)
+            for name, value in zip(flags[::2], flags[1::2])}
