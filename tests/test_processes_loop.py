@@ -204,3 +204,24 @@ def _flag_values(flags):
     defaults = TrainConfig()
     return {name.lstrip("-"): type(getattr(defaults, name.lstrip("-")))(value)
             for name, value in zip(flags[::2], flags[1::2])}
+
+
+def test_mpiexec_processes_that_read_other_files_refuse_naming_the_file(tmp_path):
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    # The same relative data paths name other files on each "node" (another working directory).
+    for node, tokens in (("node0", 400), ("node1", 408)):
+        data = tmp_path / node / "data"
+        data.mkdir(parents=True)
+        write_tokens(data / "train_000000.bin", np.arange(tokens) % VOCAB, VOCAB)
+    flags = ["train", "--train_data", "data/train_*.bin", "--hidden_size", "32", "--intermediate_size", "64",
+             "--num_hidden_layers", "1", "--num_attention_heads", "2", "--seq_len", "16", "--backend", "cpu",
+             "--threads", "1", "--steps", "1", "--warmup_steps", "0", "--checkpoint_every", "0", "--out_dir", "runs"]
+    program = [sys.executable, "-m", "nanoq_cli.main", *flags]
+    command = [mpiexec, "-n", "1", "-wdir", str(tmp_path / "node0"), *program, ":",
+               "-n", "1", "-wdir", str(tmp_path / "node1"), *program]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    difference = "data.train_data file train_000000.bin: '2,624 bytes' on process 0; '2,656 bytes' on process 1"
+    assert done.stderr.count(difference) == 2, done.stdout + done.stderr  # every process refuses
+    assert os.listdir(tmp_path / "node0" / "runs") == []  # the root removed the run it had begun
+    assert not os.path.exists(tmp_path / "node1" / "runs")  # the other process made nothing
