@@ -57,7 +57,9 @@ def _rules_epilog() -> str:
 @_setting_options
 def train(config_file, print_config, resume, **flags):
     """Train a model. Settings come from the defaults (the demo), then
-    CONFIG.toml, then the flags; see configs/example.toml."""
+    CONFIG.toml, then the flags; see configs/example.toml. Under a launcher
+    (mpiexec -n P, srun) the P processes train one world of P x devices;
+    the first writes the run and prints."""
     from nanoq.training import load_config
     from nanoq.training import train as run_training
 
@@ -213,15 +215,19 @@ def _memory_model(config, model_path):
               "cuBLASLt, NCCL), added when judging the fit; default 1GiB on cuda, 0 on cpu.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Also draw the contexts per device as stacked bars (png, svg, pdf; needs matplotlib).")
+@click.option("--processes", type=click.IntRange(1), metavar="P",
+              help="Processes of the run (mpiexec -n P), each driving --devices devices of one world; default: "
+              "the launcher's under a launcher, else 1.")
 @_setting_options
-def memory(config_file, model_path, device_memory, reserve, plot_path, **flags):
+def memory(config_file, model_path, device_memory, reserve, plot_path, processes, **flags):
     """Estimate the memory per device of a run, without allocating.
 
     The run is read as `nanoq train` reads it (defaults, CONFIG.toml, flags);
     --model replaces its [model]. Prints the bytes per context, whether they
     fit the device and, when they do not, what would. --backend auto counts
     as cuda only when a GPU is usable here; give --backend cuda to estimate
-    a GPU run anywhere.
+    a GPU run anywhere. With --processes P the world is P x devices
+    devices (as under mpiexec -n P).
     """
     from nanoq.memory import estimate_memory, visible_gpu_memory
     from nanoq.training import load_config
@@ -233,7 +239,7 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, **flags):
     try:
         config = load_config(config_file, overrides)
         model = _memory_model(config, model_path)
-        estimate = estimate_memory(model, train_options(config), reserve_bytes=reserve_bytes)
+        estimate = estimate_memory(model, train_options(config), reserve_bytes=reserve_bytes, processes=processes)
     except (ValueError, FileNotFoundError) as e:
         raise _fail(e) from None
     from_nvml = device_bytes is None and estimate.options.backend == "cuda"

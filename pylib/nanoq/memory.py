@@ -33,6 +33,11 @@ exactly the figure the limit is checked against. Not counted by the
 allocator, and so not here: the CUDA context, cuBLASLt's handle and NCCL's
 buffers (``reserve_bytes`` stands in for them when judging a fit), and the
 allocation granularity of cudaMalloc.
+
+Under a launcher the devices are a world of processes x devices
+(``processes``, see nanoq.distributed): the plan is that of every device of
+the world, each process's devices planned as its Trainer places them
+(global ranks p * devices ...), so the shards are those of the whole world.
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ import math
 from typing import Dict, Iterator, List, Optional
 
 from nanoq import _core
+from nanoq import distributed
 from nanoq import options as option_schema
 from nanoq.backends import CUDA_BACKENDS, device_count
 from nanoq.trainer_config import OFFLOAD, RECOMPUTE, ModelConfig, TrainOptions, auto_dtype
@@ -69,8 +75,11 @@ LORA_CONTEXT_MEANING = {
 # context, cuBLASLt and NCCL (an assumption, adjustable; 0 on the cpu and on
 # the emulator, which has none of them).
 CUDA_RESERVE_BYTES = 1 << 30
-# The largest device count `suggestions` tries.
+# The largest device count `suggestions` tries (of the whole world, under a launcher).
 MAX_SUGGESTED_DEVICES = 64
+# Names the world of a plan of several processes: the rules ask one of a
+# world larger than a trainer's devices, but a plan opens no communicator.
+_PLANNED_COMM_ID = b"memory-plan"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +100,9 @@ class Allocation:
 class MemoryEstimate:
     """Per-device memory of a run, as the core plans it. ``per_device``
     holds every device's allocations in allocation order (today all devices
-    hold the same list) and ``stack_capacities`` their activation stacks'
-    bytes; ``allocations`` is the list of the device that needs the most
+    hold the same list), for all ``processes`` x ``options.devices``
+    devices of the world in global rank order, and ``stack_capacities``
+    their activation stacks' bytes; ``allocations`` is the list of the device that needs the most
     device memory (the first such), which the totals, the table and the fit
     judge. ``options`` has ``backend`` and ``dtype`` resolved;
     ``parameters`` counts the model's, ``trainable_parameters`` those with
@@ -108,6 +118,12 @@ class MemoryEstimate:
     reserve_bytes: int
     per_device: List[List[Allocation]] = dataclasses.field(default_factory=list)
     stack_capacities: List[int] = dataclasses.field(default_factory=list)
+    processes: int = 1
+
+    @property
+    def world_devices(self) -> int:
+        """Devices of the whole run: processes x devices per process."""
+        return self.processes * self.options.devices
 
     @property
     def contexts(self) -> Dict[str, int]:
@@ -137,7 +153,7 @@ class MemoryEstimate:
     @property
     def tokens_per_step(self) -> int:
         o = self.options
-        return o.devices * o.batch_size * o.seq_len * o.grad_accum
+        return self.world_devices * o.batch_size * o.seq_len * o.grad_accum
 
     def fits(self, device_memory_bytes: int) -> bool:
         """Whether allocations plus ``reserve_bytes`` fit a device of that size."""
@@ -219,13 +235,18 @@ class MemoryEstimate:
                 + (f", recompute {','.join(o.recompute)}" if o.recompute else "")
                 + (f", offload {','.join(o.offload)}" if o.offload else "")
                 + (f", zero_stage {o.zero_stage}" if o.zero_stage != 1 else "")
-                + f"; {_devices(o.devices)} x batch {o.batch_size} x seq {o.seq_len}, grad_accum {o.grad_accum} = "
+                + f"; {self._placement()} x batch {o.batch_size} x seq {o.seq_len}, grad_accum {o.grad_accum} = "
                   f"{self.tokens_per_step:,} tokens per step")
+
+    def _placement(self, devices: Optional[int] = None) -> str:
+        """``4 devices``, or under a launcher ``2 processes x 2 devices``."""
+        devices = self.options.devices if devices is None else devices
+        return _devices(devices) if self.processes == 1 else f"{self.processes} processes x {_devices(devices)}"
 
     # -- suggestions ------------------------------------------------------------------
     def _with(self, **changes) -> "MemoryEstimate":
         return estimate_memory(self.config, dataclasses.replace(self.options, **changes),
-                               reserve_bytes=self.reserve_bytes)
+                               reserve_bytes=self.reserve_bytes, processes=self.processes)
 
     def _highest_stage(self) -> int:
         """The highest ZeRO stage this run may use (LoRA trains at stage 1 only)."""
@@ -297,13 +318,13 @@ class MemoryEstimate:
 
     def _zero_stage(self, limit: int) -> Optional[str]:
         o = self.options
-        if o.devices == 1:
+        if self.world_devices == 1:
             return None  # one device holds every shard: higher stages only add buffers
         for stage in range(o.zero_stage + 1, self._highest_stage() + 1):
             lighter = self._with(zero_stage=stage)
             if lighter.fits(limit):
                 what = "gradients" if stage == 2 else "gradients and weights"
-                return (f"zero_stage {stage} ({what} sharded across the {o.devices} devices): needs "
+                return (f"zero_stage {stage} ({what} sharded across the {self.world_devices} devices): needs "
                         f"{human_bytes(lighter.device_bytes + self.reserve_bytes)}")
         return None
 
@@ -311,7 +332,7 @@ class MemoryEstimate:
         o = self.options
         highest = self._highest_stage()
         stages = (o.zero_stage,) + ((highest,) if shrink_batch and o.zero_stage < highest else ())
-        for devices in range(o.devices + 1, MAX_SUGGESTED_DEVICES + 1):
+        for devices in range(o.devices + 1, MAX_SUGGESTED_DEVICES // self.processes + 1):  # per process
             for stage in stages:
                 smallest = o.batch_size if not shrink_batch else 1
                 if not self._with(devices=devices, zero_stage=stage, batch_size=smallest, grad_accum=1).fits(limit):
@@ -320,23 +341,25 @@ class MemoryEstimate:
                     more = self._with(devices=devices, zero_stage=stage, batch_size=batch, grad_accum=1)
                     if more.fits(limit):
                         break
-                sequences = o.devices * o.batch_size * o.grad_accum
-                accum = max(1, math.ceil(sequences / (devices * batch)))
-                tokens = devices * batch * accum * o.seq_len
+                sequences = self.world_devices * o.batch_size * o.grad_accum
+                accum = max(1, math.ceil(sequences / (self.processes * devices * batch)))
+                tokens = self.processes * devices * batch * accum * o.seq_len
                 keep = "same" if tokens == self.tokens_per_step else f"{tokens:,} instead of {self.tokens_per_step:,}"
                 shape = f"batch_size {batch}, " if batch != o.batch_size else ""
                 stage_text = f"zero_stage {stage}, " if stage != o.zero_stage else ""
-                alone = f"nothing else fits {_devices(o.devices)}; " if shrink_batch else ""
-                return (f"{alone}{devices} devices ({stage_text}{shape}grad_accum {accum}: {keep} tokens per step): "
+                alone = f"nothing else fits {self._placement()}; " if shrink_batch else ""
+                return (f"{alone}{self._placement(devices)} ({stage_text}{shape}grad_accum {accum}: {keep} tokens "
+                        f"per step): "
                         f"needs {human_bytes(more.device_bytes + self.reserve_bytes)}")
         return None
 
     def _nothing_fits(self) -> str:
         stage = self._highest_stage()
         offload = self._offloadable(stage)
-        best = self._with(devices=MAX_SUGGESTED_DEVICES, zero_stage=stage, batch_size=1, grad_accum=1,
+        most = max(1, MAX_SUGGESTED_DEVICES // self.processes)  # per process
+        best = self._with(devices=most, zero_stage=stage, batch_size=1, grad_accum=1,
                           recompute=("block",), offload=offload)
-        return (f"nothing fits: even {_devices(MAX_SUGGESTED_DEVICES)} with zero_stage {stage}, batch_size 1, "
+        return (f"nothing fits: even {self._placement(most)} with zero_stage {stage}, batch_size 1, "
                 f"recompute block and offload {','.join(offload)} need "
                 f"{human_bytes(best.device_bytes + self.reserve_bytes)} per device; shorten seq_len "
                 f"({self.options.seq_len}) or train a smaller model")
@@ -385,7 +408,7 @@ def _resolve(options: TrainOptions, backend: Optional[str]) -> TrainOptions:
 
 
 def estimate_memory(config: ModelConfig, options: TrainOptions, *, backend: Optional[str] = None,
-                    reserve_bytes: Optional[int] = None) -> MemoryEstimate:
+                    reserve_bytes: Optional[int] = None, processes: Optional[int] = None) -> MemoryEstimate:
     """Per-device memory of ``Trainer(config, options)``, without allocating:
     the core's plan of that Trainer (see the module's note).
 
@@ -397,7 +420,11 @@ def estimate_memory(config: ModelConfig, options: TrainOptions, *, backend: Opti
     otherwise). The cpu backend's attention scratch depends on the threads
     per device: ``options.threads``, or 0 for this machine's cores shared out.
     ``options.memory_limit`` is not applied: the estimate reports what the
-    run needs, ``fits`` judges it. Raises ValueError for options the Trainer
+    run needs, ``fits`` judges it. processes: the processes of the run, each
+    driving ``options.devices`` devices of one world (default: the
+    launcher's under a launcher, else 1; see nanoq.distributed); every
+    device of the world is planned. With ``options.world_size`` set (a
+    trainer that is a slice of a world) only its own devices are planned. Raises ValueError for options the Trainer
     refuses (cpu: fp32 only; on cuda, head_dim > 256); nanoq.NanoqError
     when the scratch cannot be planned (a cuda estimate on an install with
     neither cuda nor cuda_emulated built).
@@ -406,8 +433,12 @@ def estimate_memory(config: ModelConfig, options: TrainOptions, *, backend: Opti
         raise TypeError(f"config must be a nanoq.ModelConfig, got {type(config).__name__}")
     if not isinstance(options, TrainOptions):
         raise TypeError(f"options must be a nanoq.TrainOptions, got {type(options).__name__}")
+    processes = _processes(processes, options)
     options = _resolve(options, backend)
-    plans = _core.plan_memory(config.to_core(), _planned_options(options), _asks_libraries(options.backend))
+    plans = []
+    for process in range(processes):
+        plans += _core.plan_memory(config.to_core(), _planned_options(options, processes, process),
+                                   _asks_libraries(options.backend))
     per_device, converted = [], {}
     for plan in plans:  # devices with equal plans share one list: convert it once
         key = id(plan["allocations"])
@@ -423,15 +454,33 @@ def estimate_memory(config: ModelConfig, options: TrainOptions, *, backend: Opti
         reserve_bytes = CUDA_RESERVE_BYTES if options.backend == "cuda" else 0
     return MemoryEstimate(config=config, options=options, allocations=allocations, parameters=parameters,
                           trainable_parameters=trainable, reserve_bytes=reserve_bytes, per_device=per_device,
-                          stack_capacities=[plan["stack_capacity"] for plan in plans])
+                          stack_capacities=[plan["stack_capacity"] for plan in plans], processes=processes)
 
 
-def _planned_options(options: TrainOptions) -> dict:
+def _processes(processes: Optional[int], options: TrainOptions) -> int:
+    """The number of processes to plan for: ``processes``, or the launcher's."""
+    if processes is None:
+        world = distributed.launcher_world()
+        processes = 1 if world is None or options.world_size else world[1]
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        raise ValueError(f"processes must be a positive integer, got {processes!r}")
+    if processes > 1 and options.world_size:
+        raise ValueError(f"processes ({processes}) and options.world_size ({options.world_size}) both place the "
+                         f"devices in a world: give processes for a whole run, world_size for a trainer's slice")
+    return processes
+
+
+def _planned_options(options: TrainOptions, processes: int = 1, process: int = 0) -> dict:
     """The options the core plans, as the binding takes them: those of the
-    Trainer, with no memory limit (the estimate reports what the run needs).
-    A cuda estimate without the cuda backend's library is planned by the
-    same code built as cuda_emulated."""
-    planned = dataclasses.asdict(dataclasses.replace(options, memory_limit=0))
+    Trainer of process ``process`` of ``processes`` (placed in the world as
+    Trainer places it), with no memory limit (the estimate reports what the
+    run needs). A cuda estimate without the cuda backend's library is
+    planned by the same code built as cuda_emulated."""
+    changes = dict(memory_limit=0)
+    if processes > 1:
+        changes.update(world_size=processes * options.devices, first_rank=process * options.devices,
+                       comm_id=_PLANNED_COMM_ID)
+    planned = dataclasses.asdict(dataclasses.replace(options, **changes))
     if options.backend == "cuda" and not _loadable("cuda"):
         if not _core.backend_built("cuda_emulated"):
             raise _core.NanoqError("cannot estimate the cuda backend's scratch: this install has neither the cuda "
