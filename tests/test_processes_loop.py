@@ -4,6 +4,7 @@ one real `mpiexec -n 2 nanoq train`); only the root process writes the run
 and prints; processes that disagree on settings or data refuse to start on
 every process, naming the difference."""
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -39,13 +40,13 @@ def tiny_config(tmp_path, **overrides):
     return TrainConfig(**values)
 
 
-def train_in_world(configs):
-    """train(configs[r]) for every member r of one ThreadWorld, each in its
-    own thread; (results, errors, console lines) per member."""
+def train_in_world(configs, **options):
+    """train(configs[r], **options) for every member r of one ThreadWorld,
+    each in its own thread; (results, errors, console lines) per member."""
     world = ThreadWorld(len(configs))
     lines = [[] for _ in configs]
     results, errors = in_threads([
-        (lambda r=r: train(configs[r], processes=world.member(r), say=lines[r].append, progress=False))
+        (lambda r=r: train(configs[r], processes=world.member(r), say=lines[r].append, progress=False, **options))
         for r in range(len(configs))])
     return results, errors, lines
 
@@ -84,6 +85,25 @@ def test_two_processes_of_two_devices_train_like_one_process_of_four(tmp_path):
     assert [m["device"] for m in start["memory"]] == [0, 1, 2, 3]
     assert [m["contexts"] for m in start["memory"]] == [m["contexts"] for m in alone_start["memory"]]
     assert sum(line.startswith("memory per device (x4)") for line in lines[0]) == 1
+
+
+def test_two_processes_resume_a_one_process_checkpoint_like_one_process(tmp_path):
+    # A checkpoint of 1 x 4 devices (written by one process), continued by 2 x 2 and by 1 x 4.
+    first = train(tiny_config(tmp_path / "first", devices=4, steps=2, checkpoint_every=2), say=lambda line: None,
+                  progress=False)
+    copy = tmp_path / "copy"
+    shutil.copytree(first.run_dir, copy)
+    alone = train(tiny_config(tmp_path / "first", devices=4, steps=4), resume=first.run_dir,
+                  say=lambda line: None, progress=False)
+    config = tiny_config(tmp_path / "first", devices=2, steps=4)
+    (root, other), errors, lines = train_in_world([config, config], resume=str(copy))
+    assert errors == [None, None]
+    assert root.resumed_from == other.resumed_from == os.path.join(str(copy), "checkpoints", "step_00000002")
+    resumed, expected = losses(root.log_path), losses(alone.log_path)
+    assert [entry[0] for entry in resumed[0]] == [1, 2, 3, 4]  # the log goes on from the checkpoint's
+    assert resumed == expected
+    assert root.evals == other.evals == alone.evals
+    assert lines[1] == [] and any("resuming from" in line for line in lines[0])
 
 
 def test_processes_that_disagree_on_a_setting_refuse_on_every_process(tmp_path):
