@@ -9,7 +9,8 @@
 - schedule: learning_rate(step, ...), cosine / linear / wsd / constant with warmup
 - loop:     train(config, resume=None | "auto" | path) -> TrainResult, evaluate(...):
             checkpoints, resuming (FIXED_ON_RESUME: what a resumed run may not change);
-            the final model is written by nanoq.hf_export
+            the final model is written by nanoq.hf_export; under a launcher every
+            process calls train and they train one world (processes=: a ProcessGroup)
 - log:      the JSONL run log and console lines
 """
 from nanoq.training.settings import TrainConfig, load_config, schema_markdown, settings
