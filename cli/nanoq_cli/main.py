@@ -76,13 +76,11 @@ def train(config_file, print_config, resume, **flags):
                                f"(nanoq train {resume} --resume) or write --resume auto")
     import nanoq
 
-    from nanoq.distributed import ProcessFailed
     from nanoq.training import TrainingHalted
 
     try:
         run_training(config, resume=resume)
-    except (ValueError, TypeError, FileNotFoundError, FileExistsError, nanoq.NanoqError, TrainingHalted,
-            ProcessFailed) as e:
+    except (ValueError, TypeError, FileNotFoundError, FileExistsError, nanoq.NanoqError, TrainingHalted) as e:
         raise _fail(e) from None
     except KeyboardInterrupt:
         click.echo("interrupted: no final model written; the log and checkpoints so far are in the run "

@@ -16,19 +16,17 @@ training loop.
 ``processes()`` is this process's ProcessGroup: rank, size and the few
 host-side collectives the Python layer needs (barrier, broadcast and
 all-gather of small picklable objects, agreement on a flag) on top of the
-device collectives the core runs. ``together`` and ``on_root`` run a step
-on every process (or the root) so that a failure anywhere fails it
-everywhere, and ``check_agreement`` refuses a run whose processes differ
-in what must match (settings, data files, the nanoq version).
+device collectives the core runs. ``check_agreement`` refuses a run whose
+processes differ in what must match (settings, data files, the nanoq
+version); nanoq.agreement runs a step on every process (or the root) so
+that a failure anywhere fails it everywhere.
 """
 from __future__ import annotations
 
 import os
 import sys
 import threading
-from typing import Any, Callable, Dict, List, Optional, TypeVar
-
-T = TypeVar("T")
+from typing import Any, Dict, List, Optional
 
 # Environment variables by which launchers tell a process its rank and the
 # number of processes: MPICH/Hydra and Intel MPI (PMI_*), Open MPI
@@ -194,41 +192,6 @@ class MPIGroup(ProcessGroup):
             self._node = (node.Get_rank(), node.Get_size())
             node.Free()
         return self._node
-
-
-class ProcessFailed(RuntimeError):
-    """Raised on every other process when a step that all processes take
-    together (``together``, ``on_root``) failed on one of them; the failing
-    process raises its own error."""
-
-
-def together(group: ProcessGroup, action: Callable[[], T]) -> T:
-    """Runs ``action()`` on every process and returns its result; if it
-    raises on any process, it fails on every one (collective): the failing
-    processes raise their own error, the others ProcessFailed naming the
-    first failing process and its error. So no process goes on to a
-    collective that a failed one will never reach."""
-    error: Optional[Exception] = None
-    try:
-        result = action()
-    except Exception as e:  # noqa: BLE001 - re-raised below, after the others heard of it
-        error, result = e, None
-    failures = group.allgather(None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    failed = [(rank, text) for rank, text in enumerate(failures) if text is not None]
-    if failed:
-        rank, text = failed[0]
-        raise ProcessFailed(f"process {rank} of {group.size} failed: {text}")
-    return result
-
-
-def on_root(group: ProcessGroup, action: Callable[[], T]) -> T:
-    """Runs ``action()`` on the root process only and returns its result
-    (picklable) on every process; the others wait for it. An error on the
-    root is raised there and as ProcessFailed on the others (collective)."""
-    result = together(group, lambda: action() if group.is_root else None)
-    return group.broadcast(result)
 
 
 _ABSENT = object()

@@ -27,8 +27,8 @@ process naming what differs); the root process (rank 0) chooses and creates
 the run directory, prepares the demo corpus and writes config.toml,
 log.jsonl, the final model and the console lines, while each process reads
 only its rows of every global batch (the data's ``part``). A failure in
-these steps on one process fails them on every process (nanoq.distributed's
-``together``). A stop signal on any process stops every process after the
+these steps on one process fails them on every process (nanoq.agreement).
+A stop signal on any process stops every process after the
 same step.
 """
 from __future__ import annotations
@@ -40,9 +40,10 @@ import os
 import shutil
 import sys
 import time
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, TypeVar
 
 from nanoq import __version__, distributed
+from nanoq.agreement import agree, on_root
 from nanoq.backends import CUDA_BACKENDS, resolve_backend
 from nanoq.trainer_config import ModelConfig
 from nanoq.hf_export import export_adapter
@@ -85,6 +86,22 @@ def _print(line: str) -> None:
 
 def _silent(line: str) -> None:
     """The console of a process other than the root: it prints only errors."""
+
+
+T = TypeVar("T")
+
+
+def _on_every_process(group: distributed.ProcessGroup, work: Callable[[], T], action: str) -> T:
+    """``work()`` run by every process; a failure on any process fails it on
+    every one (nanoq.agreement.agree), so none goes on to a collective that
+    a failed one will never reach."""
+    result, error = None, None
+    try:
+        result = work()
+    except Exception as e:  # noqa: BLE001 - raised by agree, after every process heard of it
+        error = e
+    agree(group, error, action=action)
+    return result
 
 
 class _NoLog:
@@ -283,10 +300,11 @@ def _setup(config: TrainConfig, run_dir: str, say: Callable[[str], None], group:
         return (world.train_loader(train_set, config), world.eval_loader(eval_set, config) if eval_set else None,
                 data_vocab, tokenizer_dir, datasets)
 
-    paths = None if config.curriculum else distributed.on_root(group, lambda: _data_paths(config, run_dir, say))
-    loader, eval_loader, data_vocab, tokenizer_dir, datasets = distributed.together(group, open_data)
+    paths = None if config.curriculum else on_root(group, lambda: _data_paths(config, run_dir, say),
+                                                   action="preparing the data")
+    loader, eval_loader, data_vocab, tokenizer_dir, datasets = _on_every_process(group, open_data, "opening the data")
     _agreed_data(group, datasets)
-    model = distributed.together(group, lambda: model_config(config, data_vocab))
+    model = _on_every_process(group, lambda: model_config(config, data_vocab), "reading the model config")
     options = train_options(config)
     return model, options, loader, eval_loader, tokenizer_dir
 
@@ -307,9 +325,8 @@ def _final_model_dir(run_dir: str, step: int, say: Callable[[str], None]) -> str
 
 def _telemetry(config: TrainConfig, trainer: Trainer) -> GpuTelemetry:
     """NVML telemetry of the trainer's GPUs when the run asks for it and runs
-    on cuda (under a launcher: the root process's GPUs, which it logs);
-    otherwise one of no GPUs (off, with no ``reason``)."""
-    wanted = config.telemetry_every and trainer.backend == "cuda" and trainer.processes.is_root
+    on cuda; otherwise one of no GPUs (off, with no ``reason``)."""
+    wanted = config.telemetry_every and trainer.backend == "cuda"
     return GpuTelemetry(devices=trainer.world_size if wanted else 0)
 
 
@@ -334,7 +351,7 @@ def _export_final_model(trainer: Trainer, directory: str, tokenizer_dir: Optiona
             say(f"adapter (PEFT): {export_adapter(trainer, os.path.join(model_dir, 'adapter'))}")
         return model_dir
 
-    return distributed.on_root(trainer.processes, export)
+    return on_root(trainer.processes, export, action=f"exporting the model to {directory}")
 
 
 # -- the loop -----------------------------------------------------------------------
@@ -367,9 +384,10 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
         raise ValueError(f"train.warmup_steps ({config.warmup_steps}) exceeds train.steps ({config.steps})")
     start = time.time()
     _agreed_settings(group, config)
-    resumed = None if resume is None else distributed.together(group, lambda: prepare_resume(config, resume, say))
+    resumed = None if resume is None else _on_every_process(group, lambda: prepare_resume(config, resume, say),
+                                                            "finding the checkpoint to resume")
     if resumed is None:
-        run_dir = distributed.on_root(group, lambda: new_run_dir(config))
+        run_dir = on_root(group, lambda: new_run_dir(config), action="making the run directory")
     else:
         run_dir, config = resumed.run_dir, resumed.config
     say(f"run directory: {os.path.abspath(run_dir)}")
@@ -395,8 +413,10 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
     tokens_per_step = loader.batch_rows * config.seq_len * config.grad_accum  # the global batch
     world_devices = trainer.topology[0]
     log_file = JsonlLog(os.path.join(run_dir, "log.jsonl")) if group.is_root else _NoLog()
+    # Under a launcher the root samples its own GPUs, which it logs.
+    sampler = _telemetry(config, trainer) if group.is_root else GpuTelemetry(devices=0)
 
-    with trainer, log_file as log, _telemetry(config, trainer) as telemetry, StopRequest() as stop:
+    with trainer, log_file as log, sampler as telemetry, StopRequest() as stop:
         shapes = trainer.parameter_shapes
         parameters = sum(math.prod(shape) for shape in shapes.values())
         placement = f" ({group.size} processes x {trainer.world_size})" if group.size > 1 else ""
@@ -523,7 +543,8 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
         run_eval(config.steps)
 
         # The tokenizer's eos id goes into config.json (see nanoq.hf_export.write_model).
-        model_dir = distributed.on_root(group, lambda: _final_model_dir(run_dir, config.steps, say))
+        model_dir = on_root(group, lambda: _final_model_dir(run_dir, config.steps, say),
+                            action="choosing the model directory")
         model_dir = _export_final_model(trainer, model_dir, tokenizer_dir, bool(options.lora), say)
         seconds = time.time() - start
         log.write(type="end", step=config.steps, time=time.time() - train_start, model_dir=model_dir)
