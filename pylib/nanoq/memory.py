@@ -102,9 +102,9 @@ class MemoryEstimate:
     holds every device's allocations in allocation order (today all devices
     hold the same list), for all ``processes`` x ``options.devices``
     devices of the world in global rank order, and ``stack_capacities``
-    their activation stacks' bytes; ``allocations`` is the list of the device that needs the most
-    device memory (the first such), which the totals, the table and the fit
-    judge. ``options`` has ``backend`` and ``dtype`` resolved;
+    their activation stacks' bytes; ``allocations`` is the list of the
+    device that needs the most device memory (the first such), which the
+    totals, the table and the fit judge. ``options`` has ``backend`` and ``dtype`` resolved;
     ``parameters`` counts the model's, ``trainable_parameters`` those with
     gradients and AdamW state (the LoRA adapters' with LoRA, else the same);
     ``reserve_bytes`` is what ``fits`` adds for memory outside nanoq's
@@ -424,8 +424,9 @@ def estimate_memory(config: ModelConfig, options: TrainOptions, *, backend: Opti
     driving ``options.devices`` devices of one world (default: the
     launcher's under a launcher, else 1; see nanoq.distributed); every
     device of the world is planned. With ``options.world_size`` set (a
-    trainer that is a slice of a world) only its own devices are planned. Raises ValueError for options the Trainer
-    refuses (cpu: fp32 only; on cuda, head_dim > 256); nanoq.NanoqError
+    trainer that is a slice of a world) only its own devices are planned.
+    Raises ValueError for options the Trainer refuses (cpu: fp32 only; on
+    cuda, head_dim > 256) and a bad ``processes``; nanoq.NanoqError
     when the scratch cannot be planned (a cuda estimate on an install with
     neither cuda nor cuda_emulated built).
     """
