@@ -58,10 +58,12 @@ def losses(log_path):
             [(r["step"], r["loss"], r["tokens"]) for r in records if r["type"] == "eval"])
 
 
-def test_two_processes_of_two_devices_train_like_one_process_of_four(tmp_path):
+@pytest.mark.parametrize("stage", [1, 2])
+def test_two_processes_of_two_devices_train_like_one_process_of_four(tmp_path, stage):
     alone_lines = []
-    alone = train(tiny_config(tmp_path / "alone", devices=4), say=alone_lines.append, progress=False)
-    config = tiny_config(tmp_path / "world", devices=2)
+    alone = train(tiny_config(tmp_path / "alone", devices=4, zero_stage=stage), say=alone_lines.append,
+                  progress=False)
+    config = tiny_config(tmp_path / "world", devices=2, zero_stage=stage)
     (root, other), errors, lines = train_in_world([config, config])
     assert errors == [None, None]
 
