@@ -188,3 +188,21 @@ def test_the_launchers_environment_names_rank_and_size(monkeypatch, variables, w
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     assert nanoq.distributed.launcher_world() == world
+
+
+def test_a_command_line_error_on_one_process_ends_every_process(tmp_path):
+    # The config file exists on "node" 0 only: process 1's `nanoq train` exits
+    # with click's error while process 0 goes on into its first collective;
+    # the entry point's guard ends process 0 too instead of leaving it waiting.
+    for node in ("node0", "node1"):
+        (tmp_path / node).mkdir()
+    (tmp_path / "node0" / "run.toml").write_text("[train]\nsteps = 1\n")
+    program = [sys.executable, "-m", "nanoq_cli.main", "train", "run.toml", "--backend", "cpu", "--threads", "1",
+               "--out_dir", "runs"]
+    command = [mpiexec_path(), "-n", "1", "-wdir", str(tmp_path / "node0"), *program, ":",
+               "-n", "1", "-wdir", str(tmp_path / "node1"), *program]
+    began = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert time.monotonic() - began < 30, "the other process waited for the one that exited"
+    assert "run.toml" in done.stderr, done.stdout + done.stderr

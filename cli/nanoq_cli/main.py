@@ -391,5 +391,14 @@ def nano_config(model_config, train_config, output, force, data_dir, stage_steps
     click.echo(f"then train: nanoq train {output}")
 
 
+def main():
+    """The `nanoq` command: under a launcher, an error that ends one process
+    (click's usage errors and `Error:` exits included) ends every process of
+    the run, so that none waits for a process that is gone."""
+    from nanoq.distributed import abort_on_failure
+
+    return abort_on_failure(cli)
+
+
 if __name__ == "__main__":
-    cli()
+    main()

@@ -312,16 +312,19 @@ def abort_on_failure(main):
     """Runs ``main()``; under a launcher, a non-zero exit (an error click
     reported, sys.exit(n)) ends every process of the run, so that none waits
     for one that is gone. Uncaught exceptions are ended so by the excepthook
-    that processes() installs."""
+    that processes() installs, here before ``main`` starts."""
+    if launcher_world() is not None:
+        processes()
     try:
         return main()
     except SystemExit as e:
         status = exit_status(e.code)
-        group = _processes
-        if status and group is not None and group.size > 1:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            group.abort(status)
+        if status and launcher_world() is not None:
+            group = processes()
+            if group.size > 1:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                group.abort(status)
         raise
 
 
