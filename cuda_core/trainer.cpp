@@ -21,6 +21,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "allocator.h"
 #include "backend.h"
@@ -132,6 +133,60 @@ struct DeviceState {
     Tensor dropout_seed;
     Tensor staging;                  // float32 bounce buffer for parameters
 };
+
+namespace {
+
+const Tensor& optimizer_tensor(const DeviceState& d, int kind) {
+    switch (kind) {
+        case 0: return d.master;
+        case 1: return d.adam_m;
+        case 2: return d.adam_v;
+    }
+    throw InvalidArgument("optimizer state kind must be 0 (master), 1 (adam m) or 2 (adam v), got " +
+                          std::to_string(kind));
+}
+
+// The elements [begin, end) of parameter p (flattened) that lie in [lo, hi)
+// of the flat layout; begin == end when none do. The one place that maps
+// shards to parameters: a rank's shard is [rank * shard, (rank + 1) * shard),
+// a trainer's ranks own the union of theirs.
+std::pair<std::int64_t, std::int64_t> part_in_range(const ParameterInfo& p, std::int64_t lo, std::int64_t hi) {
+    const std::int64_t begin = std::max(lo, p.offset), end = std::min(hi, p.offset + p.numel());
+    if (begin >= end) return {0, 0};
+    return {begin - p.offset, end - p.offset};
+}
+
+// fn(offset in the shard, offset in the parameter, count) over rank `rank`'s
+// part of parameter p, in chunks of at most `chunk` elements.
+void for_each_shard_chunk(std::int64_t shard, int rank, const ParameterInfo& p, std::int64_t chunk,
+                          const std::function<void(std::int64_t, std::int64_t, std::int64_t)>& fn) {
+    const std::int64_t lo = std::int64_t(rank) * shard;
+    const auto [begin, end] = part_in_range(p, lo, lo + shard);
+    for (std::int64_t at = begin; at < end; at += chunk)
+        fn(p.offset + at - lo, at, std::min(chunk, end - at));
+}
+
+// Host <-> device copies of a float32 host range and a tensor of any dtype,
+// through the device's float32 staging buffer (which casts).
+void copy_to_host_staged(DeviceState& d, const Tensor& source, float* out) {
+    for (std::int64_t done = 0; done < source.numel(); done += d.staging.numel()) {
+        const std::int64_t count = std::min(d.staging.numel(), source.numel() - done);
+        const Tensor staged = d.staging.slice(0, count);
+        d.backend->copy(staged, source.slice(done, count));
+        d.backend->copy_to_host(out + done, staged);
+    }
+}
+
+void copy_from_host_staged(DeviceState& d, const float* data, const Tensor& target) {
+    for (std::int64_t done = 0; done < target.numel(); done += d.staging.numel()) {
+        const std::int64_t count = std::min(d.staging.numel(), target.numel() - done);
+        const Tensor staged = d.staging.slice(0, count);
+        d.backend->copy_from_host(staged, data + done);
+        d.backend->copy(target.slice(done, count), staged);
+    }
+}
+
+}  // namespace
 
 // The options checked and resolved, and the sizes derived from them: where
 // a Trainer and the memory plan both start.
@@ -341,6 +396,58 @@ struct Trainer::Impl : TrainerSetup {
                                   " ranks, and ranks outside " + std::to_string(first_rank) + ".." +
                                   std::to_string(first_rank + size() - 1) +
                                   " belong to other trainers: read it in a world of one trainer");
+    }
+
+    // The elements [begin, end) of trainable parameter p that this trainer's
+    // ranks own (all of it for a trainer alone in its world).
+    std::pair<std::int64_t, std::int64_t> owned_range(const ParameterInfo& p) const {
+        return part_in_range(p, std::int64_t(first_rank) * shard, std::int64_t(first_rank + options.devices) * shard);
+    }
+
+    // fn(device, rank, offset in the rank's shard, offset in owned_range(p),
+    // count) over each rank's part of trainable parameter p, on the rank's
+    // worker, which then synchronizes.
+    void for_each_owned_chunk(const ParameterInfo& p,
+                              const std::function<void(DeviceState&, int, std::int64_t, std::int64_t, std::int64_t)>& fn) {
+        const std::int64_t first = owned_range(p).first;
+        run([&](int rank, DeviceState& d) {
+            for_each_shard_chunk(shard, global(rank), p, p.numel(),
+                                 [&](std::int64_t in_shard, std::int64_t in_param, std::int64_t count) {
+                                     fn(d, rank, in_shard, in_param - first, count);
+                                 });
+            d.backend->synchronize();
+        });
+    }
+
+    // This trainer's part (owned_range) of trainable parameter p's weights
+    // to `out`: each rank copies its shard's part, from the weights it holds
+    // whole or, for a stage-3 layer weight, from its weight shard.
+    void read_owned_weights(const ParameterInfo& p, float* out) {
+        for_each_owned_chunk(p, [&](DeviceState& d, int rank, std::int64_t in_shard, std::int64_t in_part,
+                                    std::int64_t count) {
+            const Tensor whole = whole_weights(d, p);
+            const std::int64_t in_param = owned_range(p).first + in_part;
+            copy_to_host_staged(d, whole.data ? whole.slice(in_param, count)
+                                              : zero->weight_shard(global(rank), d.zero).slice(in_shard, count),
+                                out + in_part);
+        });
+    }
+
+    // This trainer's part (owned_range) of optimizer state `kind` of p: read
+    // into `out`, or written from `part`.
+    void read_owned_optimizer_state(const ParameterInfo& p, int kind, float* out) {
+        optimizer_tensor(devices[0], kind);  // a bad kind throws here, before any work
+        for_each_owned_chunk(p, [&](DeviceState& d, int, std::int64_t in_shard, std::int64_t in_part,
+                                    std::int64_t count) {
+            copy_to_host_staged(d, optimizer_tensor(d, kind).slice(in_shard, count), out + in_part);
+        });
+    }
+    void write_owned_optimizer_state(const ParameterInfo& p, int kind, const float* part) {
+        optimizer_tensor(devices[0], kind);
+        for_each_owned_chunk(p, [&](DeviceState& d, int, std::int64_t in_shard, std::int64_t in_part,
+                                    std::int64_t count) {
+            copy_from_host_staged(d, part + in_part, optimizer_tensor(d, kind).slice(in_shard, count));
+        });
     }
 
     // parameters[index]; with `trainable`, one that has a gradient and optimizer state.
@@ -693,83 +800,54 @@ void Trainer::get_parameter(int index, float* out) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
     Impl& m = *impl_;
     const ParameterInfo& p = m.parameter_at(index, false);
-    if (!m.whole_weights(m.devices[0], p).data) m.require_whole_world("get_parameter of a stage-3 layer weight");
-    m.run([&](int rank, DeviceState& d) {
-        const Tensor whole = m.whole_weights(d, p);
-        // Rank 0 copies a whole parameter; shards come from every rank.
-        if (whole.data && rank != 0) return;
-        const std::int64_t begin = whole.data ? p.offset : std::max(p.offset, rank * m.shard);
-        const std::int64_t end =
-            whole.data ? p.offset + p.numel() : std::min(p.offset + p.numel(), (rank + 1) * m.shard);
-        if (begin >= end) return;
-        const Tensor source =
-            whole.data ? whole : m.zero->weight_shard(rank, d.zero).slice(begin - rank * m.shard, end - begin);
-        for (std::int64_t done = 0; begin + done < end; done += d.staging.numel()) {
-            const std::int64_t count = std::min(d.staging.numel(), end - begin - done);
-            const Tensor staged = d.staging.slice(0, count);
-            d.backend->copy(staged, source.slice(done, count));
-            d.backend->copy_to_host(out + (begin - p.offset) + done, staged);
-        }
-        d.backend->synchronize();
-    });
-}
-
-namespace {
-
-const Tensor& optimizer_tensor(const DeviceState& d, int kind) {
-    switch (kind) {
-        case 0: return d.master;
-        case 1: return d.adam_m;
-        case 2: return d.adam_v;
+    if (m.whole_weights(m.devices[0], p).data) {
+        m.run([&](int rank, DeviceState& d) {
+            if (rank != 0) return;  // weights held whole are the same on every rank
+            copy_to_host_staged(d, m.whole_weights(d, p), out);
+            d.backend->synchronize();
+        });
+        return;
     }
-    throw InvalidArgument("optimizer state kind must be 0 (master), 1 (adam m) or 2 (adam v), got " +
-                          std::to_string(kind));
+    m.require_whole_world("get_parameter of a stage-3 layer weight");
+    m.read_owned_weights(p, out);  // the whole world's part is the whole parameter
 }
 
-// fn(offset in the shard, offset in the parameter, count) over this rank's
-// part of parameter p, in chunks of at most `chunk` elements.
-void for_each_shard_chunk(std::int64_t shard, int rank, const ParameterInfo& p, std::int64_t chunk,
-                          const std::function<void(std::int64_t, std::int64_t, std::int64_t)>& fn) {
-    const std::int64_t lo = rank * shard;
-    const std::int64_t begin = std::max(lo, p.offset), end = std::min(lo + shard, p.offset + p.numel());
-    for (std::int64_t at = begin; at < end; at += chunk) fn(at - lo, at - p.offset, std::min(chunk, end - at));
+void Trainer::get_parameter_part(int index, float* out) {
+    std::lock_guard<std::mutex> serial(impl_->call_mutex);
+    Impl& m = *impl_;
+    m.read_owned_weights(m.parameter_at(index, true), out);
 }
-
-}  // namespace
 
 void Trainer::get_optimizer_state(int index, int kind, float* out) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
     Impl& m = *impl_;
     const ParameterInfo& p = m.parameter_at(index, true);
-    optimizer_tensor(m.devices[0], kind);
     m.require_whole_world("get_optimizer_state");
-    m.run([&](int rank, DeviceState& d) {
-        const Tensor& state = optimizer_tensor(d, kind);
-        for_each_shard_chunk(m.shard, rank, p, d.staging.numel(),
-                                  [&](std::int64_t in_shard, std::int64_t in_param, std::int64_t count) {
-                                      const Tensor staged = d.staging.slice(0, count);
-                                      d.backend->copy(staged, state.slice(in_shard, count));
-                                      d.backend->copy_to_host(out + in_param, staged);
-                                  });
-        d.backend->synchronize();
-    });
+    m.read_owned_optimizer_state(p, kind, out);
 }
 
 void Trainer::set_optimizer_state(int index, int kind, const float* data) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
     Impl& m = *impl_;
     const ParameterInfo& p = m.parameter_at(index, true);
-    optimizer_tensor(m.devices[0], kind);
-    m.run([&](int rank, DeviceState& d) {
-        const Tensor& state = optimizer_tensor(d, kind);
-        for_each_shard_chunk(m.shard, m.global(rank), p, d.staging.numel(),
-                                  [&](std::int64_t in_shard, std::int64_t in_param, std::int64_t count) {
-                                      const Tensor staged = d.staging.slice(0, count);
-                                      d.backend->copy_from_host(staged, data + in_param);
-                                      d.backend->copy(state.slice(in_shard, count), staged);
-                                  });
-        d.backend->synchronize();
-    });
+    m.write_owned_optimizer_state(p, kind, data + m.owned_range(p).first);  // reads only this part
+}
+
+void Trainer::get_optimizer_state_part(int index, int kind, float* out) {
+    std::lock_guard<std::mutex> serial(impl_->call_mutex);
+    Impl& m = *impl_;
+    m.read_owned_optimizer_state(m.parameter_at(index, true), kind, out);
+}
+
+void Trainer::set_optimizer_state_part(int index, int kind, const float* data) {
+    std::lock_guard<std::mutex> serial(impl_->call_mutex);
+    Impl& m = *impl_;
+    m.write_owned_optimizer_state(m.parameter_at(index, true), kind, data);
+}
+
+std::pair<std::int64_t, std::int64_t> Trainer::owned_range(int index) const {
+    std::lock_guard<std::mutex> serial(impl_->call_mutex);
+    return impl_->owned_range(impl_->parameter_at(index, true));
 }
 
 void Trainer::set_optimizer_steps(int steps) {

@@ -186,6 +186,10 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         void get_optimizer_state(int, int, float*) except +nanoq_raise_py_error
         void set_optimizer_state(int, int, const float*) except +nanoq_raise_py_error
         void set_optimizer_steps(int) except +nanoq_raise_py_error
+        pair[int64_t, int64_t] owned_range(int) except +nanoq_raise_py_error
+        void get_parameter_part(int, float*) except +nanoq_raise_py_error
+        void get_optimizer_state_part(int, int, float*) except +nanoq_raise_py_error
+        void set_optimizer_state_part(int, int, const float*) except +nanoq_raise_py_error
         void step(const int32_t*, const int32_t*, int, uintptr_t, uintptr_t) except +nanoq_raise_py_error
         CStepStats validate(const int32_t*, const int32_t*, int, uintptr_t, uintptr_t) except +nanoq_raise_py_error
         CStepStats update(const CUpdateParams&) except +nanoq_raise_py_error
@@ -606,6 +610,58 @@ cdef class CoreTrainer:
 
     def set_optimizer_steps(self, int steps):
         self._get().set_optimizer_steps(steps)
+
+    def owned_range(self, int index):
+        """(begin, end): the elements of trainable parameter ``index``
+        (flattened) in the shards of this trainer's devices."""
+        cdef CTrainer* t = self._get()
+        self._check_index(index)
+        cdef pair[int64_t, int64_t] r = t.owned_range(index)
+        return int(r.first), int(r.second)
+
+    def get_parameter_part(self, int index):
+        """This trainer's part (owned_range) of a trainable parameter's
+        weights: float32 [end - begin]."""
+        return self._read_part(index, _WEIGHTS)
+
+    def get_optimizer_state_part(self, int index, int kind):
+        """This trainer's part (owned_range) of optimizer state ``kind`` (0
+        master weights, 1 AdamW m, 2 AdamW v): float32 [end - begin]."""
+        if kind not in (0, 1, 2):
+            raise ValueError(f"optimizer state kind must be 0, 1 or 2, got {kind}")
+        return self._read_part(index, kind)
+
+    def set_optimizer_state_part(self, int index, int kind, const float[::1] data):
+        """Writes this trainer's part (owned_range) of optimizer state ``kind``."""
+        if kind not in (0, 1, 2):
+            raise ValueError(f"optimizer state kind must be 0, 1 or 2, got {kind}")
+        begin, end = self.owned_range(index)
+        if data.shape[0] != end - begin:
+            raise ValueError(f"this trainer's part of parameter {index} has {end - begin} elements "
+                             f"([{begin}, {end})), got {data.shape[0]}")
+        if end == begin:
+            return
+        cdef CTrainer* t = self._get()
+        with nogil:
+            t.set_optimizer_state_part(index, kind, &data[0])
+
+    cdef _read_part(self, int index, int what):
+        begin, end = self.owned_range(index)
+        out = np.empty(end - begin, dtype=np.float32)
+        if end == begin:
+            return out
+        cdef CTrainer* t = self._get()
+        cdef float[::1] view = out
+        with nogil:
+            if what == _WEIGHTS:
+                t.get_parameter_part(index, &view[0])
+            else:
+                t.get_optimizer_state_part(index, what, &view[0])
+        return out
+
+    def _check_index(self, int index):
+        if index < 0 or index >= <int>self._get().parameters().size():
+            raise ValueError(f"parameter index {index} out of range")
 
     cdef _read(self, int index, int what):
         cdef CTrainer* t = self._get()

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "nanoq/config.h"
@@ -75,6 +76,18 @@ public:
     // setting stores this trainer's shards of the full tensor.
     void get_optimizer_state(int index, int kind, float* out);
     void set_optimizer_state(int index, int kind, const float* data);
+    // This trainer's part of a trainable parameter, for checkpoints written
+    // by every trainer of a world: owned_range is the elements [begin, end)
+    // of the flattened parameter that lie in the shards of this trainer's
+    // ranks (the ZeRO owners; begin == end when none do, [0, numel) for a
+    // trainer alone in its world). The _part calls read or write those
+    // end - begin elements of the weights (from whole weights or the
+    // stage-3 shards) or of optimizer state `kind`; they never need the
+    // other trainers. Frozen (LoRA) parameters have no part: InvalidArgument.
+    std::pair<std::int64_t, std::int64_t> owned_range(int index) const;
+    void get_parameter_part(int index, float* out);
+    void get_optimizer_state_part(int index, int kind, float* out);
+    void set_optimizer_state_part(int index, int kind, const float* data);
     // The AdamW step count (bias correction) to continue from; no micro-batch
     // may be pending.
     void set_optimizer_steps(int steps);
