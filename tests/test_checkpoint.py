@@ -99,7 +99,7 @@ def test_layout_latest_pointer_and_state(tmp_path):
         train(trainer, 1, 2)
         second = trainer.save_checkpoint(tmp_path, 2)
     assert os.path.basename(first) == "step_00000001"
-    assert sorted(os.listdir(second)) == ["model.safetensors", "optimizer.safetensors", "trainer_state.json"]
+    assert sorted(os.listdir(second)) == ["part-00000-of-00001.safetensors", "trainer_state.json"]
     assert (tmp_path / "latest").read_text().strip() == "step_00000002"
     assert checkpoint.resolve(tmp_path) == second
     state = checkpoint.read_state(first)
@@ -144,7 +144,7 @@ def test_sigkill_during_save_leaves_previous_checkpoint_and_is_cleaned_up(tmp_pa
         assert process.poll() is None, "the saving process ended before pausing"
         assert time.monotonic() < deadline, "the save never reached its pause"
         time.sleep(0.05)
-    # The weights of step 2 are on disk, the optimizer state and JSON are not.
+    # The part of step 2 is on disk, the JSON state is not.
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=30)
     partials = [name for name in os.listdir(root) if ".partial-" in name]
@@ -165,12 +165,12 @@ def test_full_disk_during_save_raises_and_keeps_previous_checkpoint(tmp_path, mo
         trainer.save_checkpoint(tmp_path, 1)
         real_save = checkpoint._save_tensors
 
-        def save_until_full(path, tensors):
-            if path.endswith(checkpoint.OPTIMIZER_FILE):
+        def save_until_full(path, tensors, metadata):
+            if path.endswith(checkpoint.part_file_name(0, 1)):
                 with open(path, "wb") as f:
                     f.write(b"\0" * 100)
                 raise OSError(errno.ENOSPC, "No space left on device")
-            real_save(path, tensors)
+            real_save(path, tensors, metadata)
 
         monkeypatch.setattr(checkpoint, "_save_tensors", save_until_full)
         train(trainer, 1, 2)
@@ -199,16 +199,19 @@ def saved(tmp_path):
         return trainer.save_checkpoint(tmp_path, 2)
 
 
+PART = checkpoint.part_file_name(0, 1)
+
+
 def corrupt_truncate(step_dir):
-    path = os.path.join(step_dir, "model.safetensors")
+    path = os.path.join(step_dir, PART)
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - 10)
-    return "model.safetensors", "bytes"
+    return PART, "bytes"
 
 
 def corrupt_offsets(step_dir):
     # Same size as recorded, but the header claims data beyond the file.
-    path = os.path.join(step_dir, "optimizer.safetensors")
+    path = os.path.join(step_dir, PART)
     raw = open(path, "rb").read()
     size = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8:8 + size])
@@ -220,7 +223,7 @@ def corrupt_offsets(step_dir):
     assert len(text) <= size, "the edited header must fit in place"
     text = text + b" " * (size - len(text))
     open(path, "wb").write(raw[:8] + text + raw[8 + size:])
-    return "optimizer.safetensors", "data_offsets"
+    return PART, "data_offsets"
 
 
 def corrupt_json(step_dir):

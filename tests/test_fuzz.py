@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as npst
 
 import nanoq
-from nanoq.checkpoint import CheckpointError, read_state
+from nanoq.checkpoint import CheckpointError, part_file_name, read_state
 from nanoq.data import TokenFile, write_tokens
 from nanoq.hf_io import read_safetensors
 from nanoq.tokenization import InputError, import_nano, read_documents
@@ -138,6 +138,13 @@ def saved_checkpoint(tmp_path_factory):
         tr.step(*GOOD)
         tr.update(lr=1e-3)
         return str(root), tr.save_checkpoint(root, 1)
+
+
+@pytest.fixture(scope="module")
+def exported_weights(tmp_path_factory):
+    """The tiny model's weights as a Hugging Face model.safetensors."""
+    with nanoq.Trainer(CONFIG, OPTIONS) as tr:
+        return os.path.join(tr.export_model(tmp_path_factory.mktemp("fuzz-model") / "model"), "model.safetensors")
 
 
 NUMPY_DTYPES = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
@@ -331,7 +338,7 @@ def test_fuzz_call_order(trainer, saved_checkpoint, calls):
 @given(calls=st.lists(st.sampled_from(["step", "validate", "update", "get_gradients", "get_weights",
                                         "init_weights", "import_weights", "save_checkpoint", "load_checkpoint",
                                         "get_allocations", "memory_summary", "close"]), min_size=1, max_size=6))
-def test_fuzz_use_after_close(saved_checkpoint, tmp_path_factory, calls):
+def test_fuzz_use_after_close(saved_checkpoint, exported_weights, tmp_path_factory, calls):
     """After close() every call raises RuntimeError ("closed"); close() again is a no-op."""
     EXAMPLES["Trainer after close"] += 1
     root, step_dir = saved_checkpoint
@@ -339,7 +346,7 @@ def test_fuzz_use_after_close(saved_checkpoint, tmp_path_factory, calls):
     tr.step(*GOOD)
     tr.close()
     arguments = {"step": GOOD, "validate": GOOD, "update": (1e-3,), "init_weights": (0,),
-                 "import_weights": (os.path.join(step_dir, "model.safetensors"),),
+                 "import_weights": (exported_weights,),
                  "save_checkpoint": (str(tmp_path_factory.mktemp("closed")), 2),
                  "load_checkpoint": (step_dir,), "get_allocations": (0,)}
     for call in calls:
@@ -654,7 +661,7 @@ def test_fuzz_model_config_from_pretrained(tmp_path_factory, content):
 # --------------------------------------------------------------------------
 
 STATE_FIELDS = ["format_version", "nanoq_version", "step", "optimizer_steps", "model_config", "options",
-                "extra_state", "files"]
+                "extra_state", "files", "parts"]
 
 
 @st.composite
@@ -669,12 +676,16 @@ def state_documents(draw, original):
             content[position % len(content)] = value
         return bytes(content)
     state = json.loads(json.dumps(original))
-    for field in draw(st.lists(st.sampled_from(STATE_FIELDS + ["files.model.safetensors"]), min_size=1,
+    part = part_file_name(0, 1)
+    for field in draw(st.lists(st.sampled_from(STATE_FIELDS + [f"files.{part}", "parts.processes"]), min_size=1,
                                max_size=3, unique=True)):
         value = draw(st.one_of(json_values, st.integers(-3, 3)))
         if field.startswith("files."):
             if isinstance(state.get("files"), dict):
-                state["files"]["model.safetensors"] = value
+                state["files"][part] = value
+        elif field == "parts.processes":
+            if isinstance(state.get("parts"), dict):
+                state["parts"]["processes"] = value
         elif draw(st.integers(0, 3)) == 0:
             del state[field]
         else:

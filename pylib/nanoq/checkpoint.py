@@ -2,50 +2,83 @@
 
 A checkpoint root holds::
 
-    step_00001000/            one complete checkpoint
-        model.safetensors       the trainable weights (float32, Hugging Face names): all of the
-                                model's, or with LoRA only the adapters (the frozen base is the
-                                model directory named by ``base_model`` in the state)
-        optimizer.safetensors   master weights and AdamW moments: master.<name>, adam_m.<name>, adam_v.<name>
-        trainer_state.json      step, AdamW step count, model config, options, the caller's
-                                extra state (data loader, schedule), file sizes, versions
-    latest                    the name of the newest complete checkpoint
-    .lock                     held (flock) while a save or a rotation runs
+    step_00001000/                      one complete checkpoint
+        part-00000-of-00002.safetensors   what process 0's devices own, as ZeRO shards
+        part-00001-of-00002.safetensors   ... and process 1's (one part per process)
+        trainer_state.json                step, AdamW step count, model config, options, the
+                                          caller's extra state (data loader, schedule), the
+                                          manifest of the parts, versions
+    latest                              the name of the newest complete checkpoint
+    .lock                               held (flock) while a save or a rotation runs
 
-A save builds ``.step_<N>.partial-<pid>/``, fsyncs every file and the folder,
-renames it to ``step_<N>/`` (atomic), and only then rewrites ``latest``
-through a temporary file and a rename. A process killed at any point leaves
-the previous checkpoints intact; its partial folder is never read and is
-removed by the next save. A failed write (a full disk) removes the partial
-folder and raises. Loading checks every file before the trainer is touched.
+Each part holds, for every trainable parameter (all of the model's, or with
+LoRA only the adapters: the frozen base is the model directory named by
+``base_model`` in the state), the slice [begin, end) of the flattened
+tensor that lies in the shards of the process's devices (the ZeRO owners,
+``Trainer.owned_range``): ``weights.<name>``, ``master.<name>``,
+``adam_m.<name>`` and ``adam_v.<name>``, float32 and one-dimensional, under
+Hugging Face names. The part's safetensors metadata ``nanoq_part`` (JSON)
+says which process wrote it and, per name, the slice and the full shape.
+The parts of all processes tile every tensor exactly. A run of one process
+writes one part, the same format. ``trainer_state.json`` records the
+manifest: ``parts`` (``processes``, ``world_size``: the devices of all
+processes) and ``files`` (every part file and its size in bytes).
 
-Optimizer state is stored as full tensors (gathered from the device shards),
-so a checkpoint written on N devices loads on any number of devices. The
-only randomness in training is derived from the seed, the step and the data
-loader's position (all stored), so a resumed run continues bit for bit.
+Saving is collective: in a world of several processes (``Trainer.world_group``,
+e.g. under ``mpiexec``) every process calls ``save_checkpoint`` with the same
+arguments, and all directories are on one filesystem that every process
+sees (a shared filesystem across nodes). Process 0 takes the root's lock,
+makes ``.step_<N>.partial-<pid>/`` and tells the others its name; every
+process writes and fsyncs its part there; the processes agree that every
+part is durable (a failure on any fails the save on every process, naming
+the process that failed, and the partial folder is removed); only then does
+process 0 write and fsync the state, rename the folder to ``step_<N>/``
+(atomic) and rewrite ``latest`` through a temporary file and a rename. A
+process killed at any point (or a whole run) leaves the previous
+checkpoints intact and ``latest`` unmoved; its partial folder is never read
+and is removed by the next save. Loading checks every file before the
+trainer is touched.
+
+Loading works on any number of processes and devices: each trainer reads,
+one tensor at a time, the whole weights (every device keeps those it holds
+whole) and, of the master weights and AdamW moments, only the slices its
+devices own. The only randomness in training is derived from the seed, the
+step and the data loader's position (all stored), so a resumed run continues
+bit for bit.
+
+Format version 1 (written before several processes were supported), still
+read: ``model.safetensors`` (the full trainable weights) and
+``optimizer.safetensors`` (``master.<name>``, ``adam_m.<name>``,
+``adam_v.<name>``, full tensors) in place of the parts.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import json
+import math
 import os
 import re
 import shutil
 import time
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from nanoq.agreement import agree, on_root
 from nanoq.durable import fsync_path, read_json_object, write_json
-from nanoq.hf_io import read_safetensors
+from nanoq.hf_io import as_float32, safetensors_file
 from nanoq.testing import hooks as testing_hooks
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 STATE_FILE = "trainer_state.json"
-WEIGHTS_FILE = "model.safetensors"
-OPTIMIZER_FILE = "optimizer.safetensors"
+V1_WEIGHTS_FILE = "model.safetensors"
+V1_OPTIMIZER_FILE = "optimizer.safetensors"
+PART_METADATA = "nanoq_part"
+TENSOR_KINDS = ("weights", "master", "adam_m", "adam_v")  # the tensors of a part, per parameter
 LATEST = "latest"
 REQUIRED_FIELDS = ("format_version", "nanoq_version", "step", "optimizer_steps", "model_config", "options",
                    "extra_state", "files")
@@ -58,6 +91,11 @@ class CheckpointError(ValueError):
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def part_file_name(process: int, processes: int) -> str:
+    """The file of process ``process``'s part in a checkpoint of ``processes`` parts."""
+    return f"part-{process:05d}-of-{processes:05d}.safetensors"
 
 
 # -- writing -----------------------------------------------------------------
@@ -89,12 +127,23 @@ def _remove_partials(root: str) -> None:
                 os.remove(path)
 
 
-def _save_tensors(path: str, tensors: Dict[str, np.ndarray]) -> None:
+def _save_tensors(path: str, tensors: Dict[str, np.ndarray], metadata: Dict[str, str]) -> None:
     from safetensors.numpy import save_file
 
-    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}, path,
-              metadata={"format": "pt"})
+    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}, path, metadata=metadata)
     fsync_path(path)
+
+
+def _save_group(trainer):
+    """The processes that save ``trainer``'s world together."""
+    group = trainer.world_group
+    if group is None:
+        world, first = trainer.topology
+        raise ValueError(f"this trainer holds ranks {first}..{first + trainer.world_size - 1} of a world of {world} "
+                         f"placed by hand (TrainOptions.world_size), so it cannot reach the other shards to "
+                         f"save a checkpoint: make the trainers of several processes with a process group "
+                         f"(under a launcher, or Trainer(..., processes=...)) and save from every one")
+    return group
 
 
 def save_checkpoint(trainer, root: str | os.PathLike, step: int, extra_state: Optional[dict] = None, *,
@@ -103,7 +152,14 @@ def save_checkpoint(trainer, root: str | os.PathLike, step: int, extra_state: Op
     and, if ``keep_last`` > 0, rotates (see ``rotate``). Returns the step
     directory. Raises FileExistsError if that step was already saved, and
     OSError (with the previous checkpoints intact) if writing fails.
-    tokenizer_dir is recorded for ``nanoq export``."""
+    tokenizer_dir is recorded for ``nanoq export``.
+
+    Collective in a world of several processes: every process calls it with
+    the same arguments, writes its own part, and returns (or raises) only
+    once the checkpoint is complete (or has failed) on all; the directories
+    must be on a filesystem that every process sees (see the module
+    docstring). Process 0 takes the root's lock, writes the state, moves
+    ``latest`` and rotates."""
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
     step = int(step)
@@ -112,43 +168,92 @@ def save_checkpoint(trainer, root: str | os.PathLike, step: int, extra_state: Op
         json.dumps(extra_state, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise ValueError(f"extra_state must be JSON-serialisable: {e}") from None
-    root = os.path.abspath(os.fspath(root))
-    os.makedirs(root, exist_ok=True)
-    with _RootLock(root):
-        _remove_partials(root)
-        final = os.path.join(root, step_dir_name(step))
-        if os.path.exists(final):
-            raise FileExistsError(f"checkpoint {final} already exists; not overwriting it")
-        partial = os.path.join(root, f".{step_dir_name(step)}.partial-{os.getpid()}")
-        os.mkdir(partial)
+    group = _save_group(trainer)
+    action = f"saving checkpoint step {step}"
+    with contextlib.ExitStack() as root_only:  # process 0's lock, held to the end
+        def prepare() -> Tuple[str, str, str]:
+            directory = os.path.abspath(os.fspath(root))
+            os.makedirs(directory, exist_ok=True)
+            root_only.enter_context(_RootLock(directory))
+            _remove_partials(directory)
+            final = os.path.join(directory, step_dir_name(step))
+            if os.path.exists(final):
+                raise FileExistsError(f"checkpoint {final} already exists; not overwriting it")
+            partial = os.path.join(directory, f".{step_dir_name(step)}.partial-{os.getpid()}")
+            os.mkdir(partial)
+            return directory, partial, final
+
+        directory, partial, final = on_root(group, prepare, action=action)
+        where = f" in {directory}" + (f" on process {group.rank} of {group.size}" if group.size > 1 else "")
+
+        error, size = None, None
         try:
-            _write_checkpoint(trainer, partial, step, extra_state, tokenizer_dir)
-            fsync_path(partial)
-            os.rename(partial, final)
-            fsync_path(root)
-            _point_latest(root, step_dir_name(step))
-        except BaseException as e:
-            shutil.rmtree(partial, ignore_errors=True)
-            if isinstance(e, OSError):
-                raise OSError(e.errno, f"saving checkpoint step {step} in {root} failed ({e.strerror or e}); "
-                                       f"earlier checkpoints are intact") from e
+            size = _write_part(trainer, partial, group.rank, group.size)
+        except BaseException as e:  # noqa: BLE001 - every process must learn of it
+            error = _save_error(e, step, where)
+        try:
+            sizes = agree(group, error, size, action=action)
+        except BaseException:
+            if group.is_root:
+                shutil.rmtree(partial, ignore_errors=True)
             raise
-        if keep_last:
-            _rotate_locked(root, keep_last, keep_every)
-    return final
+
+        def finish() -> str:
+            try:
+                files = {part_file_name(process, group.size): sizes[process] for process in range(group.size)}
+                _write_state(trainer, partial, step, extra_state, tokenizer_dir, files, group.size)
+                fsync_path(partial)
+                os.rename(partial, final)
+                fsync_path(directory)
+                _point_latest(directory, step_dir_name(step))
+            except BaseException as e:
+                shutil.rmtree(partial, ignore_errors=True)
+                raise _save_error(e, step, where) from e
+            if keep_last:
+                _rotate_locked(directory, keep_last, keep_every)
+            return final
+
+        return on_root(group, finish, action=action)
 
 
-def _write_checkpoint(trainer, directory: str, step: int, extra_state: dict, tokenizer_dir: Optional[str]) -> None:
+def _save_error(error: BaseException, step: int, where: str) -> BaseException:
+    """The error a failed save raises: an OSError says where and that the earlier checkpoints are intact."""
+    if isinstance(error, OSError):
+        wrapped = OSError(error.errno, f"saving checkpoint step {step}{where} failed "
+                                       f"({error.strerror or error}); earlier checkpoints are intact")
+        wrapped.__cause__ = error
+        return wrapped
+    return error
+
+
+def _write_part(trainer, directory: str, process: int, processes: int) -> int:
+    """Writes this process's part (see the module docstring); returns its size in bytes."""
+    tensors, slices = {}, {}
+    for name in trainer.trainable_names:
+        begin, end = trainer.owned_range(name)
+        if begin == end:
+            continue
+        slices[name] = dict(begin=begin, end=end, shape=list(trainer._parameters[trainer._index[name]][1]))
+        tensors[f"weights.{name}"] = trainer.get_parameter_part(name)
+        for kind in trainer.OPTIMIZER_STATE:
+            tensors[f"{kind}.{name}"] = trainer.get_optimizer_state_part(name, kind)
+    world, first = trainer.topology
+    description = dict(process=process, processes=processes, world_size=world,
+                       ranks=[first, first + trainer.world_size], slices=slices)
+    path = os.path.join(directory, part_file_name(process, processes))
+    _save_tensors(path, tensors, {PART_METADATA: json.dumps(description)})
+    fsync_path(directory)
+    testing_hooks.pause_in_save_if_armed()
+    return os.path.getsize(path)
+
+
+def _write_state(trainer, directory: str, step: int, extra_state: dict, tokenizer_dir: Optional[str],
+                 files: Dict[str, int], processes: int) -> None:
     import nanoq
 
-    _save_tensors(os.path.join(directory, WEIGHTS_FILE), trainer.get_weights(trainable_only=True))
-    testing_hooks.pause_in_save_if_armed()
-    optimizer = {f"{kind}.{name}": array for kind, arrays in trainer.get_optimizer_state().items()
-                 for name, array in arrays.items()}
-    _save_tensors(os.path.join(directory, OPTIMIZER_FILE), optimizer)
-    files = {name: os.path.getsize(os.path.join(directory, name)) for name in (WEIGHTS_FILE, OPTIMIZER_FILE)}
     options = dict(dataclasses.asdict(trainer.options), backend=trainer.backend, dtype=trainer.dtype)
     del options["comm_id"]  # names this run's communicator world only (bytes, no JSON)
+    world = trainer.topology[0]
     write_json(os.path.join(directory, STATE_FILE), dict(
         format_version=FORMAT_VERSION,
         nanoq_version=nanoq.__version__,
@@ -158,10 +263,11 @@ def _write_checkpoint(trainer, directory: str, step: int, extra_state: dict, tok
         max_position_embeddings=max(trainer.config.max_position_embeddings or 0, trainer.options.seq_len),
         tokenizer_dir=None if tokenizer_dir is None else os.path.abspath(tokenizer_dir),
         options=options,
-        devices=trainer.world_size,
+        devices=world,
         lora=None if trainer.lora is None else dataclasses.asdict(trainer.lora),
         base_model=trainer.base_model,
         extra_state=extra_state,
+        parts=dict(processes=processes, world_size=world),
         files=files,
         saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     ))
@@ -179,10 +285,15 @@ def _point_latest(root: str, name: str) -> None:
 
 # -- finding and reading -------------------------------------------------------
 
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def read_state(path: str | os.PathLike) -> dict:
     """The checked ``trainer_state.json`` of a step directory (or of the
-    newest valid checkpoint of a root), with ``path`` added. Raises
-    CheckpointError naming the file and the problem."""
+    newest valid checkpoint of a root), with ``path`` added; every data file
+    it lists must exist with its recorded size. Raises CheckpointError
+    naming the file and the problem."""
     directory = resolve(path)
     file = os.path.join(directory, STATE_FILE)
     try:
@@ -192,15 +303,15 @@ def read_state(path: str | os.PathLike) -> dict:
     missing = [field for field in REQUIRED_FIELDS if field not in state]
     if missing:
         raise CheckpointError(f"{file} lacks {', '.join(missing)}")
-    if state["format_version"] != FORMAT_VERSION:
+    if state["format_version"] not in READABLE_VERSIONS or isinstance(state["format_version"], bool):
         raise CheckpointError(f"{file} has format version {state['format_version']!r}; this nanoq reads "
-                              f"version {FORMAT_VERSION}")
+                              f"versions {', '.join(map(str, READABLE_VERSIONS))}")
     for field in ("step", "optimizer_steps"):
-        if isinstance(state[field], bool) or not isinstance(state[field], int) or state[field] < 0:
+        if not _is_count(state[field]):
             raise CheckpointError(f"{file}: {field} must be a non-negative integer, got {state[field]!r}")
     if not isinstance(state["model_config"], dict) or not isinstance(state["files"], dict):
         raise CheckpointError(f"{file}: model_config and files must be objects")
-    for name in (WEIGHTS_FILE, OPTIMIZER_FILE):
+    for name in _data_files(state, file):
         expected = state["files"].get(name)
         actual = os.path.getsize(os.path.join(directory, name)) if os.path.exists(os.path.join(directory, name)) \
             else None
@@ -209,6 +320,25 @@ def read_state(path: str | os.PathLike) -> dict:
                                   f"{'no file' if actual is None else f'{actual} bytes'}")
     state["path"] = directory
     return state
+
+
+def _data_files(state: dict, file: str) -> List[str]:
+    """The data files a checked state lists: the version-1 pair, or the parts of its manifest."""
+    if state["format_version"] == 1:
+        return [V1_WEIGHTS_FILE, V1_OPTIMIZER_FILE]
+    parts = state.get("parts")
+    if not isinstance(parts, dict) or not all(_is_count(parts.get(key)) and parts.get(key) > 0
+                                              for key in ("processes", "world_size")):
+        raise CheckpointError(f"{file}: parts must be an object with positive integers processes and world_size, "
+                              f"got {parts!r}")
+    processes = parts["processes"]
+    if len(state["files"]) != processes:  # checked before the names are made: processes may be absurd
+        raise CheckpointError(f"{file}: files lists {len(state['files'])} file(s) for {processes} part(s)")
+    names = [part_file_name(process, processes) for process in range(processes)]
+    unexpected = sorted(set(state["files"]) - set(names))
+    if unexpected:
+        raise CheckpointError(f"{file}: files lists {unexpected[0]!r}, which is not a part of {processes}")
+    return names
 
 
 def _is_valid(directory: str) -> bool:
@@ -252,25 +382,160 @@ def resolve(path: str | os.PathLike) -> str:
     return os.path.join(path, step_dir_name(steps[-1]))
 
 
-def _read_file(directory: str, name: str) -> Dict[str, np.ndarray]:
-    path = os.path.join(directory, name)
-    try:
-        return dict(read_safetensors(path))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: {e}") from None
+class _Slices:
+    """Where a checkpoint's tensors lie: for each (kind, name) of
+    TENSOR_KINDS, the slices [begin, end) of the flattened tensor and the
+    memory-mapped views that hold them, and each name's full shape. Only
+    headers are read to make it; ``read`` reads the data a range needs."""
+
+    def __init__(self, state: dict):
+        self.directory = state["path"]
+        self.shapes: Dict[str, Tuple[int, ...]] = {}
+        self.slices: Dict[Tuple[str, str], list] = {}  # (kind, name) -> [(begin, end, dtype name, view, file)]
+        if state["format_version"] == 1:
+            self._add_version_1()
+        else:
+            processes = state["parts"]["processes"]
+            for process in range(processes):
+                self._add_part(part_file_name(process, processes), process, processes)
+
+    def _views(self, name: str):
+        path = os.path.join(self.directory, name)
+        try:
+            return safetensors_file(path)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{path}: {e}") from None
+
+    def _add(self, kind: str, name: str, shape, begin: int, end: int, dtype_name: str, view, file: str) -> None:
+        shape = tuple(shape)
+        if self.shapes.setdefault(name, shape) != shape:
+            raise CheckpointError(f"{os.path.join(self.directory, file)}: {name} has shape {shape}, another part "
+                                  f"says {self.shapes[name]}")
+        self.slices.setdefault((kind, name), []).append((begin, end, dtype_name, view.reshape(-1), file))
+
+    def _add_version_1(self) -> None:
+        for file, prefixed in ((V1_WEIGHTS_FILE, False), (V1_OPTIMIZER_FILE, True)):
+            for key, dtype_name, view in self._views(file)[1]:
+                kind, name = key.partition(".")[::2] if prefixed else ("weights", key)
+                if prefixed and kind not in TENSOR_KINDS[1:]:
+                    raise CheckpointError(f"{os.path.join(self.directory, file)}: unexpected tensor {key!r}")
+                self._add(kind, name, view.shape, 0, view.size, dtype_name, view, file)
+
+    def _add_part(self, file: str, process: int, processes: int) -> None:
+        path = os.path.join(self.directory, file)
+        metadata, views = self._views(file)
+        try:
+            description = json.loads((metadata or {})[PART_METADATA])
+            slices = description["slices"]
+            if (description["process"], description["processes"]) != (process, processes) or \
+                    not isinstance(slices, dict):
+                raise ValueError(f"it says it is part {description['process']!r} of {description['processes']!r}")
+            for name, entry in slices.items():
+                shape, begin, end = entry["shape"], entry["begin"], entry["end"]
+                if not (isinstance(shape, list) and all(_is_count(d) for d in shape) and _is_count(begin)
+                        and _is_count(end) and begin < end <= math.prod(shape)):
+                    raise ValueError(f"slice {entry!r} of {name!r} is not a range of its shape")
+        except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as e:
+            raise CheckpointError(f"{path}: not a part {process} of {processes} of a nanoq checkpoint: "
+                                  f"{PART_METADATA} metadata missing or malformed ({e})") from None
+        expected = {f"{kind}.{name}" for kind in TENSOR_KINDS for name in slices}
+        found = {key for key, _, _ in views}
+        if found != expected:
+            odd = sorted(found - expected) or [f"{key} (missing)" for key in sorted(expected - found)]
+            raise CheckpointError(f"{path}: tensors do not match its slices: {', '.join(odd[:3])}")
+        for key, dtype_name, view in views:
+            kind, _, name = key.partition(".")
+            entry = slices[name]
+            if view.shape != (entry["end"] - entry["begin"],):
+                raise CheckpointError(f"{path}: {key} has shape {view.shape}, its slice "
+                                      f"[{entry['begin']}, {entry['end']}) needs ({entry['end'] - entry['begin']},)")
+            self._add(kind, name, entry["shape"], entry["begin"], entry["end"], dtype_name, view, file)
+
+    def check(self, expected: Dict[str, Tuple[int, ...]]) -> None:
+        """CheckpointError unless every name in ``expected`` is present with
+        its shape, every kind of it tiled exactly by its slices, and nothing
+        else is there."""
+        problems = [f"{name}: not a parameter of this model" for name in sorted(set(self.shapes) - set(expected))]
+        for name, shape in expected.items():
+            if name not in self.shapes:
+                problems.append(f"{name}: missing")
+                continue
+            if self.shapes[name] != tuple(shape):
+                problems.append(f"{name}: shape {self.shapes[name]}, expected {tuple(shape)}")
+                continue
+            for kind in TENSOR_KINDS:
+                at = 0
+                for begin, end, _, _, file in sorted(self.slices.get((kind, name), []), key=lambda s: s[:2]):
+                    if begin != at:
+                        problems.append(f"{kind}.{name}: {'overlapping' if begin < at else 'no'} elements at "
+                                        f"{min(at, begin)} (in {file})")
+                        break
+                    at = end
+                else:
+                    if at != math.prod(shape):
+                        problems.append(f"{kind}.{name}: missing" if at == 0 else
+                                        f"{kind}.{name}: elements from {at} missing")
+        if problems:
+            raise CheckpointError(f"{self.directory}: {'; '.join(problems[:3])}")
+
+    def read(self, kind: str, name: str, begin: int, end: int) -> np.ndarray:
+        """Elements [begin, end) of the flattened tensor, float32; only
+        the slices that overlap the range are read."""
+        out = np.empty(end - begin, np.float32)
+        for slice_begin, slice_end, dtype_name, view, _ in self.slices[(kind, name)]:
+            lo, hi = max(begin, slice_begin), min(end, slice_end)
+            if lo < hi:
+                out[lo - begin:hi - begin] = as_float32(view[lo - slice_begin:hi - slice_begin], dtype_name)
+        return out
 
 
 def read_weights(path: str | os.PathLike) -> Dict[str, np.ndarray]:
-    """The weights of a checkpoint (step directory or root), float32 by Hugging Face name."""
-    return _read_file(read_state(path)["path"], WEIGHTS_FILE)
+    """The weights of a checkpoint (step directory or root), float32 by
+    Hugging Face name, assembled from every process's part."""
+    slices = _Slices(read_state(path))
+    slices.check(slices.shapes)
+    return {name: slices.read("weights", name, 0, math.prod(shape)).reshape(shape)
+            for name, shape in slices.shapes.items()}
 
 
 def load_checkpoint(trainer, path: str | os.PathLike) -> dict:
-    """Loads a checkpoint into ``trainer`` (any device count) and returns its
-    state (see ``read_state``). The model config and LoRA setting must match
-    the trainer's; a LoRA checkpoint loads only the adapters, so import the
-    base model (``state["base_model"]``) first. Every file is read and
-    checked before anything is set."""
+    """Loads a checkpoint into ``trainer`` (any number of processes and
+    devices) and returns its state (see ``read_state``). The model config
+    and LoRA setting must match the trainer's; a LoRA checkpoint loads only
+    the adapters, so import the base model (``state["base_model"]``) first.
+    Every file's header is read and checked before anything is set; then
+    the weights are set one tensor at a time, and of the optimizer state
+    only this trainer's part (``Trainer.owned_range``) is read.
+
+    In a world of several processes every process calls it; they agree that
+    each found the same valid checkpoint before any sets anything (else
+    every process raises, naming the process that failed)."""
+    error, slices = None, None
+    try:
+        state, slices = _check_loadable(trainer, path)
+    except Exception as e:  # noqa: BLE001 - the other processes must learn of it
+        error, state = e, None
+    group = trainer.world_group
+    if group is not None and group.size > 1:
+        directories = agree(group, error, None if state is None else state["path"], action="loading a checkpoint",
+                            fallback=CheckpointError)
+        if len(set(directories)) > 1:
+            raise CheckpointError(f"the processes found different checkpoints at {path}: "
+                                  f"{', '.join(f'process {p}: {d}' for p, d in enumerate(directories))}")
+    elif error is not None:
+        raise error
+    for i in trainer._trainable:
+        name, shape, _ = trainer._parameters[i]
+        trainer._core.set_parameter(i, slices.read("weights", name, 0, math.prod(shape)))
+        begin, end = trainer.owned_range(name)
+        for kind in trainer.OPTIMIZER_STATE:
+            trainer.set_optimizer_state_part(name, kind, slices.read(kind, name, begin, end))
+    trainer._core.set_optimizer_steps(state["optimizer_steps"])
+    return state
+
+
+def _check_loadable(trainer, path) -> Tuple[dict, _Slices]:
+    """The state and the slices of the checkpoint at ``path``, checked against ``trainer``."""
     state = read_state(path)
     directory = state["path"]
     ours = trainer.config.to_core()
@@ -290,29 +555,12 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> dict:
     base = state.get("base_model")
     if saved_lora and base and trainer.base_model and os.path.realpath(base) != os.path.realpath(trainer.base_model):
         warnings.warn(f"{directory} trained its adapters on {base}, but the trainer's frozen weights come from "
-                      f"{trainer.base_model}", stacklevel=2)
+                      f"{trainer.base_model}", stacklevel=3)
     if trainer._core.micro_steps:
         raise ValueError("cannot load a checkpoint with micro-batches pending: call update() first")
-    weights = _read_file(directory, WEIGHTS_FILE)
-    flat = _read_file(directory, OPTIMIZER_FILE)
-    optimizer = {kind: {} for kind in trainer.OPTIMIZER_STATE}
-    for key, array in flat.items():
-        kind, _, name = key.partition(".")
-        if kind not in optimizer:
-            raise CheckpointError(f"{os.path.join(directory, OPTIMIZER_FILE)}: unexpected tensor {key!r}")
-        optimizer[kind][name] = array
-    expected = {trainer._parameters[i][0]: trainer._parameters[i][1] for i in trainer._trainable}
-    for label, tensors in [(WEIGHTS_FILE, weights)] + [(f"{OPTIMIZER_FILE} ({k})", v) for k, v in optimizer.items()]:
-        unknown = sorted(set(tensors) - set(expected))
-        problems = [f"{name}: missing" for name in expected if name not in tensors]
-        problems += [f"{name}: shape {tensors[name].shape}, expected {expected[name]}" for name in expected
-                     if name in tensors and tensors[name].shape != expected[name]]
-        problems += [f"{name}: not a parameter of this model" for name in unknown]
-        if problems:
-            raise CheckpointError(f"{os.path.join(directory, label.split(' ')[0])}: {'; '.join(problems[:3])}")
-    trainer.set_weights(weights, trainable_only=True)
-    trainer.set_optimizer_state(optimizer, state["optimizer_steps"])
-    return state
+    slices = _Slices(state)
+    slices.check({trainer._parameters[i][0]: trainer._parameters[i][1] for i in trainer._trainable})
+    return state, slices
 
 
 # -- rotation ------------------------------------------------------------------

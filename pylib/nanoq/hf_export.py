@@ -26,6 +26,7 @@ from typing import Dict, Optional
 
 import numpy as np
 
+from nanoq.agreement import on_root
 from nanoq.trainer_config import ModelConfig
 from nanoq.durable import new_directory, write_json
 from nanoq.hf_io import is_parameter, iter_weights
@@ -177,7 +178,10 @@ def export_model(trainer, directory: str | os.PathLike, *, max_position_embeddin
     """Writes a ``nanoq.Trainer``'s current weights as a Hugging Face model
     directory (see ``write_model``); returns its absolute path. With LoRA
     the adapters are merged into the frozen weights (``nanoq.lora.merge``);
-    ``export_adapter`` writes them unmerged.
+    ``export_adapter`` writes them unmerged. Collective in a world of
+    several processes: every process calls it (the weights are gathered
+    from all), process 0 writes, and every process returns the path once
+    the directory is complete (or raises if writing failed).
 
     max_position_embeddings: default the config's (what an imported model
     declared), raised to the trainer's seq_len if that is longer; the seq_len
@@ -187,10 +191,13 @@ def export_model(trainer, directory: str | os.PathLike, *, max_position_embeddin
     if max_position_embeddings is None:
         max_position_embeddings = max(config.max_position_embeddings or 0, trainer.options.seq_len)
     weights = trainer.get_weights()
-    if trainer.lora is not None:
-        weights = merge(*split_adapters(weights), trainer.lora)
-    return write_model(directory, weights, config, max_position_embeddings=max_position_embeddings,
-                       tokenizer_dir=tokenizer_dir, eos_token_id=eos_token_id, max_shard_bytes=max_shard_bytes)
+
+    def write() -> str:
+        merged = merge(*split_adapters(weights), trainer.lora) if trainer.lora is not None else weights
+        return write_model(directory, merged, config, max_position_embeddings=max_position_embeddings,
+                           tokenizer_dir=tokenizer_dir, eos_token_id=eos_token_id, max_shard_bytes=max_shard_bytes)
+
+    return _written_by_root(trainer, write, f"exporting the model to {directory}")
 
 
 def export_adapter(trainer, directory: str | os.PathLike, *, overwrite: bool = False) -> str:
@@ -199,8 +206,20 @@ def export_adapter(trainer, directory: str | os.PathLike, *, overwrite: bool = F
     ``peft.PeftModel.from_pretrained`` loads onto the base model."""
     if trainer.lora is None:
         raise ValueError("this trainer has no LoRA adapters: use export_model")
-    return write_peft_adapter(directory, trainer.get_weights(trainable_only=True), trainer.lora,
-                              base_model_name_or_path=trainer.base_model or "", overwrite=overwrite)
+    adapters = trainer.get_weights(trainable_only=True)
+    return _written_by_root(trainer, lambda: write_peft_adapter(
+        directory, adapters, trainer.lora, base_model_name_or_path=trainer.base_model or "", overwrite=overwrite),
+        f"exporting the adapters to {directory}")
+
+
+def _written_by_root(trainer, write, action: str) -> str:
+    """``write()``'s path: run here alone, or, for a trainer in a world of
+    several processes (which all call this), on process 0 only, its path
+    (or its failure) given to every process."""
+    group = trainer.world_group
+    if group is None or group.size == 1:
+        return write()
+    return on_root(group, write, action=action)
 
 
 def _checkpoint_base(state: dict, base_model: str | os.PathLike | None) -> str:

@@ -39,9 +39,15 @@ def read_safetensors(path: str | os.PathLike) -> Iterator[Tuple[str, np.ndarray]
     ``safetensors_views``).
     """
     for name, dtype_name, view in safetensors_views(path):
-        array = _bf16_to_f32(view) if dtype_name == "BF16" else view
-        # reshape: ascontiguousarray makes 0-d (scalar) tensors 1-d
-        yield name, np.ascontiguousarray(array, dtype=np.float32).reshape(view.shape)
+        yield name, as_float32(view, dtype_name)
+
+
+def as_float32(view: np.ndarray, dtype_name: str) -> np.ndarray:
+    """A float32 copy of a view that ``safetensors_views`` gave, of the
+    safetensors dtype ``dtype_name`` (bf16 widened), with the view's shape."""
+    array = _bf16_to_f32(view) if dtype_name == "BF16" else view
+    # reshape: ascontiguousarray makes 0-d (scalar) tensors 1-d
+    return np.ascontiguousarray(array, dtype=np.float32).reshape(view.shape)
 
 
 def safetensors_views(path: str | os.PathLike) -> List[Tuple[str, str, np.ndarray]]:
@@ -50,6 +56,13 @@ def safetensors_views(path: str | os.PathLike) -> List[Tuple[str, str, np.ndarra
     As the safetensors format requires, the tensors' data_offsets must tile
     the data buffer exactly: no overlaps, no holes, no bytes after the last.
     """
+    return safetensors_file(path)[1]
+
+
+def safetensors_file(path: str | os.PathLike) -> Tuple[object, List[Tuple[str, str, np.ndarray]]]:
+    """The header's ``__metadata__`` as the file has it (None when absent;
+    unchecked: its meaning is the writer's) and the views of
+    ``safetensors_views``, checked as it says."""
     path = os.fspath(path)
     size = os.path.getsize(path)
     with open(path, "rb") as f:
@@ -65,6 +78,7 @@ def safetensors_views(path: str | os.PathLike) -> List[Tuple[str, str, np.ndarra
             raise ValueError(f"{path}: header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: header is not a JSON object")
+    metadata = header.get("__metadata__")
     data_start = 8 + header_len
     data_bytes = size - data_start
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start, shape=(data_bytes,)) \
@@ -102,7 +116,7 @@ def safetensors_views(path: str | os.PathLike) -> List[Tuple[str, str, np.ndarra
     if position != data_bytes:
         raise ValueError(f"{path}: {data_bytes - position} bytes past the last tensor's data; "
                          f"tensors must cover the data buffer exactly")
-    return [(name, dtype_name, view) for _, _, name, dtype_name, view in tensors]
+    return metadata, [(name, dtype_name, view) for _, _, name, dtype_name, view in tensors]
 
 
 # Tensors some Hugging Face checkpoints carry that are not parameters.

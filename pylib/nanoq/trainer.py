@@ -183,6 +183,12 @@ class Trainer:
         option_schema.check(core_options)  # now that backend and dtype are known
         self.dtype = core_options["dtype"]
         transport = self.processes.transport() if self._joined else None
+        if self._joined:
+            self._world_group = self.processes
+        elif not options.world_size or options.world_size == options.devices:
+            self._world_group = distributed.SingleProcess()
+        else:
+            self._world_group = None  # a world of trainers placed by hand (TrainOptions.world_size)
         self._core = _core.CoreTrainer(config.to_core(), core_options, transport)
         parameters = self._core.parameters()
         self._parameters = [(name, shape, decay) for name, shape, decay, _ in parameters]
@@ -257,6 +263,16 @@ class Trainer:
     def topology(self) -> tuple:
         """(world size, global rank of this trainer's first device)."""
         return self._core.world, self._core.first_rank
+
+    @property
+    def world_group(self) -> distributed.ProcessGroup | None:
+        """The processes whose trainers make up this trainer's world: its
+        ProcessGroup when it joined the world of several processes, a
+        SingleProcess when it is alone in its world, None for a world
+        placed by hand (TrainOptions.world_size), whose other trainers it
+        cannot reach. Calls that need the whole world's state (checkpoints,
+        exports, the getters below) are collective over this group."""
+        return self._world_group
 
     @property
     def parameter_names(self) -> list[str]:
@@ -336,9 +352,39 @@ class Trainer:
     def get_weights(self, trainable_only: bool = False) -> Dict[str, np.ndarray]:
         """All parameters (or only the trainable ones) as float32 arrays
         under Hugging Face names; with LoRA the adapters are
-        ``...q_proj.lora_A.weight`` and ``...q_proj.lora_B.weight``."""
+        ``...q_proj.lora_A.weight`` and ``...q_proj.lora_B.weight``.
+
+        In a world of several processes at ZeRO stage 3 this is collective
+        (every process calls it; each gets the full tensors, the layers'
+        gathered from every process's shards, one tensor at a time)."""
         indices = self._trainable if trainable_only else range(len(self._parameters))
-        return {self._parameters[i][0]: self._core.get_parameter(i) for i in indices}
+        gather = self._gathers() and self.options.zero_stage == 3
+        trainable = set(self._trainable)
+        out = {}
+        for i in indices:
+            if gather and i in trainable:
+                out[self._parameters[i][0]] = self._gather_parts(i, self._core.get_parameter_part)
+            else:
+                out[self._parameters[i][0]] = self._core.get_parameter(i)
+        return out
+
+    def _gathers(self) -> bool:
+        """Whether whole-world reads gather the parts of other processes."""
+        return self._world_group is not None and self._world_group.size > 1
+
+    def _gather_parts(self, index: int, read_part) -> np.ndarray:
+        """Trainable parameter ``index``'s full tensor from every process's
+        part (``read_part(index)``, of ``owned_range``); collective."""
+        name, shape, _ = self._parameters[index]
+        begin, _ = self._core.owned_range(index)
+        full = np.empty(math.prod(shape), np.float32)
+        covered = 0
+        for part_begin, part in self._world_group.allgather((begin, read_part(index))):
+            full[part_begin:part_begin + part.size] = part
+            covered += part.size
+        if covered != full.size:  # the processes' trainers are not one world's ranks, in order
+            raise RuntimeError(f"the processes' parts of {name} cover {covered} of its {full.size} elements")
+        return full.reshape(shape)
 
     def get_gradients(self) -> Dict[str, np.ndarray]:
         """Gradients (float32, Hugging Face names) of the mean loss over the
@@ -357,7 +403,9 @@ class Trainer:
         schedule, ...) returned by ``load_checkpoint``. With keep_last > 0,
         older checkpoints are then deleted except the newest keep_last and
         every step divisible by keep_every. tokenizer_dir is recorded for
-        ``nanoq export``."""
+        ``nanoq export``. In a world of several processes every process calls
+        it: each writes its own part, and all return once the checkpoint is
+        complete (see nanoq.checkpoint)."""
         from nanoq.checkpoint import save_checkpoint
 
         return save_checkpoint(self, directory, step, extra_state, keep_last=keep_last, keep_every=keep_every,
@@ -366,15 +414,18 @@ class Trainer:
     def load_checkpoint(self, directory: str | os.PathLike) -> dict:
         """Restores weights, master weights, AdamW state and step count from a
         step directory, or from the newest valid one of a checkpoint root.
-        Works with any device count. Returns the checkpoint's JSON state
-        (``step``, ``extra_state``, ...). Everything is read and checked before
-        the trainer is touched."""
+        Works with any number of processes and devices, whatever wrote it.
+        Returns the checkpoint's JSON state (``step``, ``extra_state``, ...).
+        Everything is checked before the trainer is touched. In a world of
+        several processes every process calls it."""
         from nanoq.checkpoint import load_checkpoint
 
         return load_checkpoint(self, directory)
 
     def export_model(self, directory: str | os.PathLike, **kwargs) -> str:
-        """Writes a Hugging Face model directory (see nanoq.hf_export.export_model)."""
+        """Writes a Hugging Face model directory (see nanoq.hf_export.export_model);
+        returns its path. In a world of several processes every process
+        calls it, process 0 writes, and every process gets the path."""
         from nanoq.hf_export import export_model
 
         return export_model(self, directory, **kwargs)
@@ -383,9 +434,50 @@ class Trainer:
 
     def get_optimizer_state(self) -> Dict[str, Dict[str, np.ndarray]]:
         """{"master" | "adam_m" | "adam_v": {Hugging Face name: float32 array}}
-        of the trainable parameters, gathered from every device's shard."""
+        of the trainable parameters, gathered from every device's shard (in
+        a world of several processes: collective, every process gets the
+        full tensors). A trainer in a world placed by hand (``world_group``
+        None) cannot reach the other shards: ValueError."""
+        if self._gathers():
+            return {kind: {self._parameters[i][0]: self._gather_parts(
+                i, lambda index, k=k: self._core.get_optimizer_state_part(index, k)) for i in self._trainable}
+                for k, kind in enumerate(self.OPTIMIZER_STATE)}
         return {kind: {self._parameters[i][0]: self._core.get_optimizer_state(i, k) for i in self._trainable}
                 for k, kind in enumerate(self.OPTIMIZER_STATE)}
+
+    # -- this trainer's part of the world's state ----------------------------
+    def owned_range(self, name: str) -> tuple[int, int]:
+        """(begin, end): the elements of trainable parameter ``name``
+        (flattened in C order) that lie in the ZeRO shards of this trainer's
+        devices, the part of it this trainer writes to a checkpoint.
+        (0, size) for a trainer alone in its world; begin == end when none."""
+        return self._core.owned_range(self._trainable_index(name))
+
+    def get_parameter_part(self, name: str) -> np.ndarray:
+        """The ``owned_range`` part of trainable parameter ``name``'s
+        weights: float32 [end - begin]. Never needs other trainers."""
+        return self._core.get_parameter_part(self._trainable_index(name))
+
+    def get_optimizer_state_part(self, name: str, kind: str) -> np.ndarray:
+        """The ``owned_range`` part of ``kind`` ("master", "adam_m" or
+        "adam_v") of trainable parameter ``name``: float32 [end - begin]."""
+        return self._core.get_optimizer_state_part(self._trainable_index(name), self._optimizer_kind(kind))
+
+    def set_optimizer_state_part(self, name: str, kind: str, part: np.ndarray) -> None:
+        """Writes what ``get_optimizer_state_part`` reads (float32 [end - begin])."""
+        index, k = self._trainable_index(name), self._optimizer_kind(kind)
+        self._core.set_optimizer_state_part(index, k, np.ascontiguousarray(part, np.float32).reshape(-1))
+
+    def _trainable_index(self, name: str) -> int:
+        index = self._index.get(name)
+        if index is None or index not in self._trainable:
+            raise ValueError(f"{name!r} is not a trainable parameter of this model")
+        return index
+
+    def _optimizer_kind(self, kind: str) -> int:
+        if kind not in self.OPTIMIZER_STATE:
+            raise ValueError(f"optimizer state kind must be one of {', '.join(self.OPTIMIZER_STATE)}, got {kind!r}")
+        return self.OPTIMIZER_STATE.index(kind)
 
     def set_optimizer_state(self, state: Dict[str, Dict[str, np.ndarray]], optimizer_steps: int) -> None:
         """Restores what ``get_optimizer_state`` returned and the AdamW step

@@ -12,8 +12,9 @@ import time
 
 from nanoq import _core
 
-# Set to a file path: the checkpoint writer creates that file once the
-# weights file is written, then sleeps (for an hour), so that a test can
+# Set to a file path: the checkpoint writer creates that file once this
+# process's part is written (before the processes agree that every part
+# is, and before the state), then sleeps (for an hour), so that a test can
 # signal or kill the process in the middle of a save.
 PAUSE_IN_SAVE_ENV = "NANOQ_TEST_PAUSE_IN_SAVE"
 
@@ -70,7 +71,7 @@ def communication_trace(trainer, device: int) -> list:
 
 
 def pause_in_save_if_armed() -> None:
-    """Called by the checkpoint writer after the weights file: pauses there when armed."""
+    """Called by the checkpoint writer after this process's part: pauses there when armed."""
     marker = os.environ.get(PAUSE_IN_SAVE_ENV)
     if marker:
         open(marker, "w").close()
