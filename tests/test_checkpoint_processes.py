@@ -5,12 +5,14 @@ one world through the shared-memory communicator) and, once, real mpiexec
 processes. A checkpoint holds one part per process; it loads on any
 number of processes and devices, exactly: P x D -> 1 x N -> N x 1 -> P x D
 continues bit for bit like a run that never stopped, at every ZeRO stage.
-A process that fails mid-save fails the save on every process and leaves
-the previous checkpoint as it was. Version-1 checkpoints (one file of
+A process that fails mid-save fails the save on every process, and one
+that is killed mid-save ends the run; either way the previous checkpoint
+stays the newest, as it was. Version-1 checkpoints (one file of
 weights, one of optimizer state) still load."""
 import errno
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -376,3 +378,60 @@ def test_a_checkpoint_saved_by_two_mpi_processes_loads_in_one(tmp_path):
         assert train(resumed, range(2, 3)) == expected_losses == ranks[0]["losses"] == ranks[1]["losses"]
         assert_same_state(state_of(resumed), expected_after)
     assert time.monotonic() - began < 60
+
+
+MPI_KILL_SCRIPT = """
+import os, sys
+sys.path.insert(0, {tests!r})
+import nanoq
+from nanoq.testing import PAUSE_IN_SAVE_ENV
+from test_checkpoint_processes import CONFIG, options, train
+out = sys.argv[1]
+with nanoq.Trainer(CONFIG, options(1)) as trainer:
+    rank = trainer.processes.rank
+    trainer.init_weights(seed=3)
+    train(trainer, range(1))
+    trainer.save_checkpoint(os.path.join(out, "ckpt"), 1)
+    train(trainer, range(1, 2))
+    with open(os.path.join(out, f"pid{{rank}}"), "w") as f:
+        f.write(str(os.getpid()))
+    if rank == 1:  # process 1 pauses once its part of step 2 is written, to be killed there
+        os.environ[PAUSE_IN_SAVE_ENV] = os.path.join(out, "paused")
+    trainer.save_checkpoint(os.path.join(out, "ckpt"), 2)
+"""
+
+
+def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_as_the_newest(tmp_path):
+    script = tmp_path / "kill.py"
+    script.write_text(MPI_KILL_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    root, marker = tmp_path / "ckpt", tmp_path / "paused"
+    run = subprocess.Popen([mpiexec_path(), "-n", "2", sys.executable, str(script), str(tmp_path)],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert run.poll() is None, run.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "process 1 never reached its pause in the save"
+            time.sleep(0.05)
+        os.kill(int((tmp_path / "pid1").read_text()), signal.SIGKILL)
+        run.wait(timeout=30)  # the launcher ends process 0, which waits for process 1's report
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert run.returncode != 0
+    # Step 2's partial folder holds process 1's part, but step 1 is still the newest checkpoint.
+    partials = [name for name in os.listdir(root) if ".partial-" in name]
+    assert len(partials) == 1 and checkpoint.part_file_name(1, 2) in os.listdir(root / partials[0])
+    assert (root / "latest").read_text().strip() == "step_00000001"
+    assert checkpoint.list_checkpoints(root) == [1]
+    with nanoq.Trainer(CONFIG, options(2)) as straight:
+        straight.init_weights(seed=3)
+        train(straight, range(1))
+        expected = state_of(straight)
+    with nanoq.Trainer(CONFIG, options(2)) as resumed:
+        assert resumed.load_checkpoint(root)["step"] == 1
+        assert_same_state(state_of(resumed), expected)
+        resumed.save_checkpoint(root, 2)  # and the next save clears what the killed one left
+    assert not [name for name in os.listdir(root) if ".partial-" in name]
+    assert checkpoint.list_checkpoints(root) == [1, 2]
