@@ -27,33 +27,11 @@ from nanoq import checkpoint
 from nanoq.backends import new_comm_id
 from nanoq.hf_export import export_checkpoint
 from nanoq.testing.threads import ThreadWorld
-from processes.world import CONFIG, global_batches
+from processes.checkpoints import CONFIG, options, train
 from test_processes import mpiexec_path
 from test_topology import in_threads
 
-SEQ = 8
-WORLD = 4  # devices in every world of these tests, however split into processes
 V1_FIXTURE = os.path.join(os.path.dirname(__file__), "data", "checkpoint_v1", "step_00000002")
-
-
-def options(devices, **overrides):
-    return nanoq.TrainOptions(**dict(dict(backend="cpu", devices=devices, batch_size=1, seq_len=SEQ, threads=1),
-                                     **overrides))
-
-
-BATCHES = global_batches(8, WORLD, SEQ, seed=11)
-
-
-def train(trainer, steps):
-    """One update per global batch of `steps`, on this trainer's rows; the losses."""
-    rows_per_process = trainer.world_size * trainer.options.batch_size
-    first = trainer.topology[1] * trainer.options.batch_size
-    rows = slice(first, first + rows_per_process)
-    losses = []
-    for inputs, targets in (BATCHES[step] for step in steps):
-        trainer.step(np.ascontiguousarray(inputs[rows]), np.ascontiguousarray(targets[rows]))
-        losses.append(trainer.update(lr=1e-2).loss)
-    return losses
 
 
 def in_world(processes, devices, body, **overrides):
@@ -343,7 +321,7 @@ import json, os, sys
 import numpy as np
 sys.path.insert(0, {tests!r})
 import nanoq
-from test_checkpoint_processes import CONFIG, options, train
+from processes.checkpoints import CONFIG, options, train
 out = sys.argv[1]
 with nanoq.Trainer(CONFIG, options(1)) as trainer:  # one device per process, the world from mpiexec
     trainer.init_weights(seed=3)
@@ -385,7 +363,7 @@ import os, sys
 sys.path.insert(0, {tests!r})
 import nanoq
 from nanoq.testing import PAUSE_IN_SAVE_ENV
-from test_checkpoint_processes import CONFIG, options, train
+from processes.checkpoints import CONFIG, options, train
 out = sys.argv[1]
 with nanoq.Trainer(CONFIG, options(1)) as trainer:
     rank = trainer.processes.rank
