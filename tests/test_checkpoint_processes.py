@@ -27,6 +27,7 @@ from nanoq import checkpoint
 from nanoq.backends import new_comm_id
 from nanoq.hf_export import export_checkpoint
 from nanoq.testing.threads import ThreadWorld
+from conftest import cuda_cases, use_cuda_backend
 from processes.checkpoints import CONFIG, options, train
 from test_processes import mpiexec_path
 from test_topology import in_threads
@@ -70,14 +71,16 @@ def assert_same_state(got, expected):
             np.testing.assert_array_equal(optimizer[kind][name], value, err_msg=f"{kind}.{name}")
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2, 3])
-def test_checkpoints_move_between_2x2_1x4_4x1_and_back_bitwise(tmp_path, zero_stage):
+@pytest.mark.parametrize("fields", [dict(zero_stage=1), dict(zero_stage=2), dict(zero_stage=3),
+                                    dict(zero_stage=3, offload=("optimizer", "master"))],
+                         ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+def test_checkpoints_move_between_2x2_1x4_4x1_and_back_bitwise(tmp_path, fields):
     # The run that never stops: 8 updates on 2 processes x 2 devices.
     def straight(trainer):
         trainer.init_weights(seed=3)
         return train(trainer, range(8)), state_of(trainer)
 
-    (expected_losses, expected_state), _ = in_world(2, 2, straight, zero_stage=zero_stage)
+    (expected_losses, expected_state), _ = in_world(2, 2, straight, **fields)
 
     # The same 8 updates in four legs, each resumed from the last one's checkpoint by another layout.
     legs = [(2, 2, range(0, 2)), (1, 4, range(2, 4)), (4, 1, range(4, 6)), (2, 2, range(6, 8))]
@@ -95,7 +98,7 @@ def test_checkpoints_move_between_2x2_1x4_4x1_and_back_bitwise(tmp_path, zero_st
             trainer.save_checkpoint(tmp_path, steps.stop)
             return leg_losses, saved, state_of(trainer)
 
-        results = in_world(processes, devices, leg, zero_stage=zero_stage)
+        results = in_world(processes, devices, leg, **fields)
         if number > 0:  # every process of this layout holds exactly what the last layout saved
             for _, saved, _ in results:
                 assert_same_state(saved, left)
@@ -314,6 +317,23 @@ def test_export_from_two_processes_equals_export_from_one(tmp_path):
         assert sorted(got) == sorted(reference)
         for name, value in reference.items():
             np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize("backend, optimizer_dtype", cuda_cases(("fp32", "bf16"), ("bf16",)))
+def test_cuda_parts_of_bf16_weights_and_state_move_between_device_counts_exactly(backend, optimizer_dtype, request,
+                                                                              tmp_path):
+    # The parts go through the cuda backend's casts (bf16 weights and state
+    # to float32 and back): what 2 devices saved, 1 device holds exactly.
+    use_cuda_backend(backend, request)
+    fields = dict(backend=backend, dtype="bf16", optimizer_dtype=optimizer_dtype, zero_stage=3)
+    with nanoq.Trainer(CONFIG, options(2, **fields)) as saving:
+        saving.init_weights(seed=3)
+        train(saving, range(1))
+        saving.save_checkpoint(tmp_path, 1)
+        saved = state_of(saving)
+    with nanoq.Trainer(CONFIG, options(1, **fields)) as loading:
+        loading.load_checkpoint(tmp_path)
+        assert_same_state(state_of(loading), saved)
 
 
 MPI_SCRIPT = """
