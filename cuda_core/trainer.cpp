@@ -407,8 +407,8 @@ struct Trainer::Impl : TrainerSetup {
     // fn(device, rank, offset in the rank's shard, offset in owned_range(p),
     // count) over each rank's part of trainable parameter p, on the rank's
     // worker, which then synchronizes.
-    void for_each_owned_chunk(const ParameterInfo& p,
-                              const std::function<void(DeviceState&, int, std::int64_t, std::int64_t, std::int64_t)>& fn) {
+    using OwnedChunkFn = std::function<void(DeviceState&, int, std::int64_t, std::int64_t, std::int64_t)>;
+    void for_each_owned_chunk(const ParameterInfo& p, const OwnedChunkFn& fn) {
         const std::int64_t first = owned_range(p).first;
         run([&](int rank, DeviceState& d) {
             for_each_shard_chunk(shard, global(rank), p, p.numel(),

@@ -349,7 +349,8 @@ with nanoq.Trainer(CONFIG, options(1)) as trainer:  # one device per process, th
     path = trainer.save_checkpoint(os.path.join(out, "ckpt"), 2)
     losses = train(trainer, range(2, 3))
     rank = trainer.processes.rank
-    json.dump(dict(topology=trainer.topology, path=path, losses=losses), open(os.path.join(out, f"rank{{rank}}.json"), "w"))
+    with open(os.path.join(out, f"rank{{rank}}.json"), "w") as f:
+        json.dump(dict(topology=trainer.topology, path=path, losses=losses), f)
 """
 
 
