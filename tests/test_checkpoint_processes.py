@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
@@ -27,6 +28,7 @@ from nanoq import checkpoint
 from nanoq.backends import new_comm_id
 from nanoq.hf_export import export_checkpoint
 from nanoq.testing.threads import ThreadWorld
+from nanoq_cli.main import cli
 from conftest import cuda_cases, use_cuda_backend
 from processes.checkpoints import CONFIG, options, train
 from test_processes import mpiexec_path
@@ -311,8 +313,11 @@ def test_export_from_two_processes_equals_export_from_one(tmp_path):
     assert_same_state(two[0][2], one_state)
     assert two[0][0] == two[1][0] == str(tmp_path / "two")  # every process gets the path
     reference = load_file(os.path.join(one_dir, "model.safetensors"))
+    # nanoq export of the 2-process checkpoint, too.
+    result = CliRunner().invoke(cli, ["export", two[0][1], "-o", str(tmp_path / "from-checkpoint")])
+    assert result.exit_code == 0, result.output
     for exported in (os.path.join(two[0][0], "model.safetensors"),
-                     os.path.join(export_checkpoint(two[0][1], tmp_path / "from-checkpoint"), "model.safetensors")):
+                     os.path.join(tmp_path / "from-checkpoint", "model.safetensors")):
         got = load_file(exported)
         assert sorted(got) == sorted(reference)
         for name, value in reference.items():
