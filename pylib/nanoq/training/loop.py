@@ -341,17 +341,14 @@ def _world_memory(trainer: Trainer) -> List[dict]:
 def _export_final_model(trainer: Trainer, directory: str, tokenizer_dir: Optional[str], lora: bool,
                         say: Callable[[str], None]) -> str:
     """Writes the final model (and with LoRA the PEFT adapter) into
-    ``directory``; returns its path on every process. Under a launcher the
-    root process writes it and the others wait: Trainer.export_model is not
-    yet collective (issue 16, item 4), so it runs on the root alone, which
-    holds every weight whole at ZeRO stages 1 and 2."""
-    def export() -> str:
-        model_dir = trainer.export_model(directory, tokenizer_dir=tokenizer_dir)
-        if lora:  # also unmerged, for peft
-            say(f"adapter (PEFT): {export_adapter(trainer, os.path.join(model_dir, 'adapter'))}")
-        return model_dir
-
-    return on_root(trainer.processes, export, action=f"exporting the model to {directory}")
+    ``directory``; returns its path on every process. Collective under a
+    launcher: every process calls Trainer.export_model and export_adapter,
+    which gather the weights from every process (at any ZeRO stage) and
+    have the root write them (a failure there fails it on every process)."""
+    model_dir = trainer.export_model(directory, tokenizer_dir=tokenizer_dir)
+    if lora:  # also unmerged, for peft
+        say(f"adapter (PEFT): {export_adapter(trainer, os.path.join(model_dir, 'adapter'))}")
+    return model_dir
 
 
 # -- the loop -----------------------------------------------------------------------
