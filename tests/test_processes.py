@@ -53,7 +53,7 @@ def single_process(fields: dict, world: int):
                 stats = trainer.update(lr=1e-2)
                 losses.append(stats.loss)
                 norms.append(stats.grad_norm)
-        weights = trainer.get_weights() if options.zero_stage < 3 else {}
+        weights = trainer.get_weights()
     return np.array(losses), np.array(norms), weights
 
 

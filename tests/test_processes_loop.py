@@ -3,6 +3,7 @@ exactly like one process of P*D devices (ThreadWorld members in threads, and
 one real `mpiexec -n 2 nanoq train`); only the root process writes the run
 and prints; processes that disagree on settings or data refuse to start on
 every process, naming the difference."""
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -58,7 +59,7 @@ def losses(log_path):
             [(r["step"], r["loss"], r["tokens"]) for r in records if r["type"] == "eval"])
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_two_processes_of_two_devices_train_like_one_process_of_four(tmp_path, stage):
     alone_lines = []
     alone = train(tiny_config(tmp_path / "alone", devices=4, zero_stage=stage), say=alone_lines.append,
@@ -252,3 +253,46 @@ def test_mpiexec_processes_that_read_other_files_refuse_naming_the_file(tmp_path
     assert difference in done.stderr, done.stdout + done.stderr
     assert os.listdir(tmp_path / "node0" / "runs") == []  # the root removed the run it had begun
     assert not os.path.exists(tmp_path / "node1" / "runs")  # the other process made nothing
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT"])
+def test_a_signal_to_mpiexec_stops_every_process_after_one_step_with_a_checkpoint(tmp_path, signal_name):
+    """mpiexec forwards the signal to every process; they agree on the step to
+    stop after, checkpoint together and exit 0; a single process of the same
+    world size resumes it and trains on bitwise like a run never stopped."""
+    import signal as signals
+    import time
+
+    config = tiny_config(tmp_path / "mpi", devices=1, steps=100000, warmup_steps=0, schedule="constant",
+                         eval_every=0, eval_data="")
+    flags = [f"--{name}={value}" for name, value in dict(
+        train_data=config.train_data, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, seq_len=16, batch_size=2, grad_accum=2, steps=100000,
+        warmup_steps=0, schedule="constant", lr=1e-2, eval_every=0, backend="cpu", threads=1,
+        checkpoint_every=0, out_dir=config.out_dir, run_name="run", devices=1).items()]
+    process = subprocess.Popen([mpiexec_path(), "-n", "2", sys.executable, "-m", "nanoq_cli.main", "train", *flags],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = os.path.join(config.out_dir, "run", "log.jsonl")
+    deadline = time.monotonic() + 120
+    while not (os.path.exists(log) and sum(r["type"] == "train" for r in read_log(log)) >= 3):
+        assert process.poll() is None, process.stdout.read()
+        assert time.monotonic() < deadline, "no three steps within 120 s"
+        time.sleep(0.05)
+    process.send_signal(getattr(signals, signal_name))
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output
+    assert output.count(f"{signal_name}: stopped after step") == 1, output
+    (stopped,) = [r for r in read_log(log) if r["type"] == "stopped"]
+    from nanoq import checkpoint
+
+    state = checkpoint.read_state(stopped["checkpoint"])
+    assert state["step"] == stopped["step"] and state["parts"]["processes"] == 2
+
+    # One process of two devices continues for two more steps ...
+    steps = stopped["step"] + 2
+    resumed = train(dataclasses.replace(config, devices=2, steps=steps), resume=os.path.join(config.out_dir, "run"),
+                    say=lambda line: None, progress=False)
+    # ... exactly as one that never stopped.
+    alone = train(dataclasses.replace(config, devices=2, steps=steps, out_dir=str(tmp_path / "alone")),
+                  say=lambda line: None, progress=False)
+    assert losses(resumed.log_path)[0] == losses(alone.log_path)[0]

@@ -45,6 +45,6 @@ with nanoq.Trainer(CONFIG, options) as trainer:
             stats = trainer.update(lr=1e-2)
             losses.append(stats.loss)
             norms.append(stats.grad_norm)
-    weights = trainer.get_weights() if options.zero_stage < 3 else {}
+    weights = trainer.get_weights()  # collective: every process gathers the stage-3 shards
     np.savez(os.path.join(spec["out"], f"rank{group.rank}.npz"), losses=np.array(losses), norms=np.array(norms),
              topology=np.array(trainer.topology), **{f"w.{k}": v for k, v in weights.items()})
