@@ -296,3 +296,31 @@ def test_a_signal_to_mpiexec_stops_every_process_after_one_step_with_a_checkpoin
     alone = train(dataclasses.replace(config, devices=2, steps=steps, out_dir=str(tmp_path / "alone")),
                   say=lambda line: None, progress=False)
     assert losses(resumed.log_path)[0] == losses(alone.log_path)[0]
+
+
+def test_a_run_moves_between_2x2_1x4_and_4x1_processes_like_one_that_never_stopped(tmp_path):
+    """Real mpiexec: 2 processes x 2 devices train and checkpoint, one process
+    of 4 devices resumes, then 4 processes of 1 device; every step's loss is
+    that of one process x 4 devices that never stopped (same world, bitwise)."""
+    config = tiny_config(tmp_path / "moved", steps=6, warmup_steps=0, schedule="constant", eval_every=0,
+                         eval_data="", checkpoint_every=2, zero_stage=2)
+    settings = dict(train_data=config.train_data, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, seq_len=16, batch_size=2, grad_accum=2,
+                    warmup_steps=0, schedule="constant", lr=1e-2, eval_every=0, backend="cpu", threads=1,
+                    checkpoint_every=2, zero_stage=2, out_dir=config.out_dir, run_name="run")
+
+    def nanoq_train(processes, devices, steps, resume):
+        flags = [f"--{name}={value}" for name, value in dict(settings, devices=devices, steps=steps).items()]
+        program = [sys.executable, "-m", "nanoq_cli.main", "train", *flags] + (["--resume"] if resume else [])
+        command = ([mpiexec_path(), "-n", str(processes)] if processes > 1 else []) + program
+        done = subprocess.run(command, capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    nanoq_train(2, 2, steps=2, resume=False)
+    nanoq_train(1, 4, steps=4, resume=True)
+    nanoq_train(4, 1, steps=6, resume=True)
+    alone = train(dataclasses.replace(config, devices=4, out_dir=str(tmp_path / "alone")), say=lambda line: None,
+                  progress=False)
+    moved = losses(os.path.join(config.out_dir, "run", "log.jsonl"))[0]
+    assert [step for step, *_ in moved] == [1, 2, 3, 4, 5, 6]
+    assert moved == losses(alone.log_path)[0]
