@@ -138,13 +138,7 @@ def test_processes_that_see_other_data_files_refuse_on_every_process(tmp_path, m
 
     monkeypatch.setattr(Dataset, "file_sizes", file_sizes)
     config = tiny_config(tmp_path, devices=1)
-    world = ThreadWorld(2)
-
-    def member(rank):
-        ranks[threading.get_ident()] = rank
-        return train(config, processes=world.member(rank), say=lambda line: None, progress=False)
-
-    _, errors = in_threads([lambda: member(0), lambda: member(1)])
+    errors = train_two_members(config, ranks)
     size = os.path.getsize(tmp_path / "data" / "train_000000.bin")
     for error in errors:
         assert isinstance(error, ValueError)
@@ -153,6 +147,19 @@ def test_processes_that_see_other_data_files_refuse_on_every_process(tmp_path, m
                 f"'{size + 4:,} bytes' on process 1") in str(error)
         assert "eval_000000.bin" not in str(error)
     assert os.listdir(config.out_dir) == []  # the root removed the run it had begun
+
+
+def train_two_members(config, ranks):
+    """train(config) on both members of a ThreadWorld of 2, each in a thread
+    whose ident ``ranks`` maps to its rank (for the patched functions);
+    returns their errors."""
+    world = ThreadWorld(2)
+
+    def member(rank):
+        ranks[threading.get_ident()] = rank
+        return train(config, processes=world.member(rank), say=lambda line: None, progress=False)
+
+    return in_threads([lambda: member(0), lambda: member(1)])[1]
 
 
 def test_data_that_fails_to_open_on_one_process_fails_every_process(tmp_path, monkeypatch):
@@ -166,13 +173,7 @@ def test_data_that_fails_to_open_on_one_process_fails_every_process(tmp_path, mo
 
     monkeypatch.setattr(Dataset, "__init__", open_dataset)
     config = tiny_config(tmp_path, devices=1)
-    world = ThreadWorld(2)
-
-    def member(rank):
-        ranks[threading.get_ident()] = rank
-        return train(config, processes=world.member(rank), say=lambda line: None, progress=False)
-
-    _, errors = in_threads([lambda: member(0), lambda: member(1)])
+    errors = train_two_members(config, ranks)
     assert isinstance(errors[1], FileNotFoundError) and "is gone on this node" in str(errors[1])
     assert isinstance(errors[0], FileNotFoundError)  # the same kind of error, naming the process
     assert str(errors[0]).startswith("opening the data failed on process 1 of 2: FileNotFoundError: token file")
