@@ -26,6 +26,8 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
+from traceback import format_exception_only
 from typing import Any, Dict, List, Optional
 
 # Environment variables by which launchers tell a process its rank and the
@@ -179,6 +181,7 @@ class MPIGroup(ProcessGroup):
     def abort(self, code: int = 1) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
+        time.sleep(0.5)  # the launcher forwards what was printed before it ends the processes
         self.comm.Abort(code)
 
     def transport(self):
@@ -293,7 +296,11 @@ def _abort_world_on_uncaught_exception(group: ProcessGroup) -> None:
 
     def hook(kind, value, traceback):
         try:
-            sys.stderr.write(f"nanoq: process {group.rank} of {group.size} failed; ending the run\n")
+            # The error first, whole, on one line: the launcher may cut what
+            # follows when it ends the processes.
+            summary = "".join(format_exception_only(kind, value)).strip().replace("\n", " ")
+            sys.stderr.write(f"nanoq: process {group.rank} of {group.size} failed: {summary}; ending the run\n")
+            sys.stderr.flush()
             previous(kind, value, traceback)
         finally:
             group.abort(1)
