@@ -6,6 +6,7 @@ drift apart.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -14,7 +15,81 @@ import click
 from nanoq import options as option_schema
 from nanoq.training.settings import settings
 
-_CLICK_TYPES = {int: click.INT, float: click.FLOAT, str: click.STRING, bool: click.BOOL}
+
+# -- numbers on the command line -------------------------------------------------------
+# Every numeric option goes through one of these types, so that a value that
+# overflows or is not finite ("1e400", "nan", "inf", 10**30) is a usage error
+# naming the option, never a traceback further down.
+
+INT_RANGE = (-(2**63), 2**64 - 1)  # what the core and numpy hold: int64, or uint64 for seeds
+
+
+class Integer(click.IntRange):
+    """An integer within 64 bits (signed, or unsigned for seeds), and within
+    [min, max] when given (as click.IntRange)."""
+
+    name = "integer"
+
+    def convert(self, value, param, ctx):
+        number = click.INT.convert(value, param, ctx)
+        if not INT_RANGE[0] <= number <= INT_RANGE[1]:
+            self.fail(f"{value!r} does not fit in a 64-bit integer", param, ctx)
+        return super().convert(number, param, ctx)
+
+
+class FiniteFloat(click.FloatRange):
+    """A finite float (not nan, inf or a literal beyond the float range such
+    as 1e400), and within [min, max] when given (as click.FloatRange)."""
+
+    name = "float"
+
+    def convert(self, value, param, ctx):
+        number = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return super().convert(number, param, ctx)
+
+
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE_LIMIT = 2**63 - 1
+
+
+def _parse_size(text: str, allow_zero: bool = False) -> int:
+    """Bytes of "5GB" (10**9), "2GiB" (2**30), "500MB", "1048576"; ValueError otherwise."""
+    stripped = text.strip().upper()
+    digits = stripped.rstrip("KMGTIB").strip()
+    unit = stripped[len(digits):].strip() or "B"
+    try:
+        number = float(digits) * _SIZE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise ValueError(f"{text!r} is not a size such as 5GB, 2GiB, 500MB or 1048576") from None
+    if not math.isfinite(number) or number > _SIZE_LIMIT:
+        raise ValueError(f"{text!r} is not a finite size of at most {_SIZE_LIMIT} bytes")
+    size = int(number)
+    if size < 0 or (size == 0 and not allow_zero):
+        raise ValueError(f"{text!r}: the size must be positive")
+    return size
+
+
+class Size(click.ParamType):
+    """Bytes given as "5GB" (10**9), "2GiB" (2**30), "500MB" or "1048576"."""
+
+    name = "size"
+
+    def __init__(self, allow_zero: bool = False):
+        self.allow_zero = allow_zero
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        try:
+            return _parse_size(value, self.allow_zero)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+_CLICK_TYPES = {int: Integer(), float: FiniteFloat(), str: click.STRING, bool: click.BOOL}
 
 
 def _fail(error: Exception) -> click.ClickException:
@@ -101,14 +176,14 @@ def train(config_file, print_config, resume, **flags):
 @click.option("--tokenizer", type=click.Path(exists=True),
               help="A Hugging Face tokenizer.json, or a model directory holding one.")
 @click.option("--train-tokenizer", is_flag=True, help="Train a byte-level BPE on the training documents.")
-@click.option("--vocab-size", type=int, help="Vocabulary of --train-tokenizer; nano: the model's vocabulary.")
+@click.option("--vocab-size", type=Integer(), help="Vocabulary of --train-tokenizer; nano: the model's vocabulary.")
 @click.option("--eos-token", help="The end-of-sequence token written between documents (default: detected).")
-@click.option("--eos-id", type=int, help="nano: a token id appended after every line (default: none).")
-@click.option("--eval-fraction", type=click.FloatRange(0.0, 1.0, max_open=True), default=0.0, show_default=True,
+@click.option("--eos-id", type=Integer(), help="nano: a token id appended after every line (default: none).")
+@click.option("--eval-fraction", type=FiniteFloat(0.0, 1.0, max_open=True), default=0.0, show_default=True,
               help="Share of documents held out as eval_*.bin.")
-@click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed of the eval split.")
-@click.option("--workers", type=click.IntRange(1), default=1, show_default=True, help="Encoding processes.")
-@click.option("--shard-tokens", type=click.IntRange(1), default=100_000_000, show_default=True,
+@click.option("--seed", type=Integer(0), default=0, show_default=True, help="Seed of the eval split.")
+@click.option("--workers", type=Integer(1), default=1, show_default=True, help="Encoding processes.")
+@click.option("--shard-tokens", type=Integer(1), default=100_000_000, show_default=True,
               help="Most tokens per .bin shard.")
 def tokenize(inputs, output, fmt, text_field, split, tokenizer, train_tokenizer, vocab_size, eos_token, eos_id,
              eval_fraction, seed, workers, shard_tokens):
@@ -162,24 +237,6 @@ def plot(log, output):
     click.echo(f"wrote {output}")
 
 
-_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def _parse_size(text: str, allow_zero: bool = False) -> int:
-    """Bytes of "5GB" (10**9), "2GiB" (2**30), "500MB", "1048576"; click.BadParameter otherwise."""
-    stripped = text.strip().upper()
-    digits = stripped.rstrip("KMGTIB").strip()
-    unit = stripped[len(digits):].strip() or "B"
-    try:
-        size = int(float(digits) * _SIZE_UNITS[unit])
-    except (ValueError, KeyError):
-        raise click.BadParameter(f"{text!r} is not a size such as 5GB, 2GiB, 500MB or 1048576") from None
-    if size < 0 or (size == 0 and not allow_zero):
-        raise click.BadParameter(f"{text!r}: the size must be positive")
-    return size
-
-
 def _memory_model(config, model_path):
     """The ModelConfig to estimate: ``--model``'s config.json, else
     model.init_from's, else the settings' [model] (vocab_size 0 means the
@@ -206,14 +263,15 @@ def _memory_model(config, model_path):
 @click.argument("config_file", metavar="[CONFIG.toml]", required=False, type=click.Path(dir_okay=False))
 @click.option("--model", "model_path", type=click.Path(exists=True), metavar="HF_DIR_OR_CONFIG_JSON",
               help="Estimate this Hugging Face model (a directory or its config.json) instead of [model].")
-@click.option("--device-memory", metavar="SIZE",
+@click.option("--device-memory", type=Size(), metavar="SIZE",
               help="Memory of one device to check the fit against (80GB = 80*10^9 bytes, 80GiB = 80*2^30); "
               "default: the smallest GPU that nvidia-ml-py sees, on the cuda backend.")
-@click.option("--reserve", metavar="SIZE", help="Device memory taken outside nanoq's allocator (CUDA context, "
-              "cuBLASLt, NCCL), added when judging the fit; default 1GiB on cuda, 0 on cpu.")
+@click.option("--reserve", type=Size(allow_zero=True), metavar="SIZE",
+              help="Device memory taken outside nanoq's allocator (CUDA context, cuBLASLt, NCCL), added when "
+              "judging the fit; default 1GiB on cuda, 0 on cpu.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Also draw the contexts per device as stacked bars (png, svg, pdf; needs matplotlib).")
-@click.option("--processes", type=click.IntRange(1), metavar="P",
+@click.option("--processes", type=Integer(1), metavar="P",
               help="Processes of the run (mpiexec -n P), each driving --devices devices of one world; default: "
               "the launcher's under a launcher, else 1.")
 @_setting_options
@@ -232,8 +290,7 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, processes
     from nanoq.training.settings import train_options
 
     overrides = {name: value for name, value in flags.items() if value is not None}
-    device_bytes = _parse_size(device_memory) if device_memory is not None else None
-    reserve_bytes = _parse_size(reserve, allow_zero=True) if reserve is not None else None
+    device_bytes, reserve_bytes = device_memory, reserve
     try:
         config = load_config(config_file, overrides)
         model = _memory_model(config, model_path)
@@ -263,12 +320,12 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, processes
 @click.argument("checkpoint", type=click.Path())
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False),
               help="New directory for the Hugging Face model (must not exist).")
-@click.option("--max-shard-size", default="5GiB", show_default=True,
+@click.option("--max-shard-size", type=Size(), default="5GiB", show_default=True,
               help="Largest safetensors file; bigger models are sharded with an index (5GB = 5*10^9 bytes, "
               "5GiB = 5*2^30).")
 @click.option("--tokenizer", type=click.Path(exists=True, file_okay=False),
               help="Directory whose tokenizer files to include (default: the checkpoint's tokenizer).")
-@click.option("--max-position-embeddings", type=click.IntRange(1),
+@click.option("--max-position-embeddings", type=Integer(1),
               help="Context length written to config.json (default: the checkpoint's).")
 @click.option("--merge", is_flag=True,
               help="LoRA checkpoints: merge the adapters into the base model and write the full model "
@@ -288,7 +345,7 @@ def export(checkpoint, output, max_shard_size, tokenizer, max_position_embedding
     from nanoq.checkpoint import read_state
     from nanoq.hf_export import export_checkpoint
 
-    max_shard_bytes = _parse_size(max_shard_size)
+    max_shard_bytes = max_shard_size
     if not os.path.exists(checkpoint):
         raise click.ClickException(f"no checkpoint at {checkpoint}: give a step directory or a checkpoint root")
     try:
@@ -325,13 +382,14 @@ def convert():
     """Convert another trainer's configs to a nanoq config."""
 
 
-def _stage_steps(text):
+def _stage_steps(ctx, param, text):
+    """--stage-steps "N[,N...]" as a list of integers (None when not given)."""
     if text is None:
         return None
     try:
-        return [int(part) for part in text.split(",")]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint="--stage-steps")
+        return [Integer().convert(part, param, ctx) for part in text.split(",")]
+    except click.BadParameter:
+        raise click.BadParameter(f"expected comma-separated integers (each within 64 bits), got {text!r}") from None
 
 
 @convert.command("nano-config")
@@ -342,7 +400,7 @@ def _stage_steps(text):
 @click.option("--data-dir", default="data", show_default=True,
               help="Where Nano's data files are imported, one directory each (paths in the config are relative "
               "to where nanoq train runs).")
-@click.option("--stage-steps", metavar="N[,N...]",
+@click.option("--stage-steps", metavar="N[,N...]", callback=_stage_steps,
               help="Optimizer steps of each dataset_path pair (default: one pass over each train file's lines).")
 @click.option("--init-from", type=click.Path(file_okay=False),
               help="A Hugging Face model directory to start from, in place of Nano's from_checkpoint "
@@ -362,7 +420,7 @@ def nano_config(model_config, train_config, output, force, data_dir, stage_steps
     try:
         model_values, train_values = read_nano_configs(model_config, train_config)
         conversion = convert_nano_config(model_values, train_values, data_dir=data_dir,
-                                         stage_steps=_stage_steps(stage_steps), init_from=init_from or "")
+                                         stage_steps=stage_steps, init_from=init_from or "")
         write_nano_toml(conversion, output, sources=(model_config, train_config), force=force)
     except (ValueError, TypeError, OSError) as e:
         raise _fail(e) from None

@@ -8,6 +8,9 @@ located and loaded.
 """
 from __future__ import annotations
 
+import os
+from typing import Optional
+
 from nanoq import _core
 from nanoq import options as option_schema
 
@@ -148,6 +151,29 @@ def backends() -> list[dict]:
                 entry["detail"] += "; " + attention_detail(name)
         report.append(entry)
     return report
+
+
+def usable_cores() -> tuple[int, str]:
+    """(CPU cores this process may run on, where that count comes from):
+    its affinity mask where the OS has one (``os.sched_getaffinity``), else
+    ``os.cpu_count()``."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)), "os.sched_getaffinity"
+    return os.cpu_count() or 1, "os.cpu_count"
+
+
+def cpu_oversubscription(devices: int, threads: int) -> Optional[str]:
+    """A warning, in words, when a cpu run of ``devices`` worker threads with
+    ``threads`` compute threads each (0: the cores shared out, at least one
+    each) asks for more threads than this process has cores; None when it
+    fits. Such a run is correct, only much slower."""
+    cores, source = usable_cores()
+    wanted = devices * max(threads, 1)
+    if wanted <= cores:
+        return None
+    asked = f"run.devices {devices}" if threads == 0 else f"run.devices {devices} x run.threads {threads}"
+    return (f"{asked} asks for {wanted} cpu threads but this process may use {cores} cores ({source}): the run "
+            f"is oversubscribed and much slower; use at most {cores} (run.threads 0 shares the cores out)")
 
 
 def resolve_backend(name: str) -> str:

@@ -44,7 +44,7 @@ from typing import Callable, List, Optional, TypeVar
 
 from nanoq import __version__, distributed
 from nanoq.agreement import agree, on_root
-from nanoq.backends import CUDA_BACKENDS, resolve_backend
+from nanoq.backends import CUDA_BACKENDS, cpu_oversubscription, resolve_backend
 from nanoq.trainer_config import ModelConfig
 from nanoq.hf_export import export_adapter
 from nanoq.data import Curriculum, DataLoader, Dataset, EvalLoader
@@ -392,6 +392,10 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
     try:
         model, options, loader, eval_loader, tokenizer_dir = _setup(config, run_dir, say, group)
         trainer = Trainer(model, options, processes=group)
+        if trainer.backend == "cpu":
+            warning = cpu_oversubscription(trainer.world_size, options.threads)
+            if warning:
+                say(f"warning: {warning}")
         if config.init_from:
             say(f"weights: {config.init_from}" + (" (frozen; LoRA adapters train)" if options.lora else ""))
             trainer.import_weights(config.init_from)

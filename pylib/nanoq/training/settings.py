@@ -24,6 +24,8 @@ import re
 import tomllib
 from typing import Any, Dict, List, NamedTuple, Optional
 
+import numpy as np
+
 from nanoq import options as option_schema
 from nanoq.trainer_config import BACKENDS, DTYPES, OFFLOAD, RECOMPUTE, STATE_DTYPES, TrainOptions
 from nanoq.lora import LoraConfig
@@ -124,7 +126,7 @@ class TrainConfig:
     max_skipped_steps: int = setting("train", 5, "stop (with a checkpoint of the last good state) after this "
                                                  "many updates in a row with a non-finite loss or gradient",
                                      minimum=1)
-    seed: int = setting("train", 0, "seed of the weights and the data order", minimum=0)
+    seed: int = setting("train", 0, "seed of the weights and the data order", minimum=0, maximum=2**64 - 1)
 
     # -- lora: low-rank adapters on a frozen base (usually model.init_from) ----
     lora_rank: int = setting("lora", 0, "adapter rank r; 0 = full fine-tuning (no adapters)",
@@ -277,6 +279,13 @@ _TYPES = {"int": int, "float": float, "str": str, "bool": bool, int: int, float:
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 
+# The widest numbers a setting may hold: an integer without a maximum of its
+# own is at most a signed 64-bit one where it lands (numpy, the core), and
+# floats reach the core as float32, where a larger magnitude would be inf.
+INT_LIMIT = 2**63 - 1
+FLOAT_LIMIT = float(np.finfo(np.float32).max)
+
+
 def _checked(item: Setting, value):
     """``value`` converted to the setting's type (int -> float only), or a
     ValueError that names the setting."""
@@ -290,6 +299,11 @@ def _checked(item: Setting, value):
         raise ValueError(f"{item.key} must be {_TYPE_NAMES[item.type]}, got {value!r}")
     if item.type is float and not math.isfinite(value):
         raise ValueError(f"{item.key} must be finite, got {value!r}")
+    if item.type is float and abs(value) > FLOAT_LIMIT:
+        raise ValueError(f"{item.key} must be at most {FLOAT_LIMIT:.7g} in magnitude (the float32 range the "
+                         f"core computes in), got {value!r}")
+    if item.type is int and item.maximum is None and item.below is None and abs(value) > INT_LIMIT:
+        raise ValueError(f"{item.key} must be at most {INT_LIMIT} (a signed 64-bit integer), got {value!r}")
     if item.choices and value not in item.choices:
         raise ValueError(f"{item.key} must be one of {', '.join(item.choices)}, got {value!r}")
     if item.minimum is not None and value < item.minimum:
