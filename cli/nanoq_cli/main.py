@@ -151,11 +151,12 @@ def train(config_file, print_config, resume, **flags):
                                f"(nanoq train {resume} --resume) or write --resume auto")
     import nanoq
 
-    from nanoq.training import TrainingHalted
+    from nanoq.training import RunInUse, TrainingHalted
 
     try:
         run_training(config, resume=resume)
-    except (ValueError, TypeError, FileNotFoundError, FileExistsError, nanoq.NanoqError, TrainingHalted) as e:
+    except (ValueError, TypeError, FileNotFoundError, FileExistsError, nanoq.NanoqError, TrainingHalted,
+            RunInUse) as e:
         raise _fail(e) from None
     except KeyboardInterrupt:
         click.echo("interrupted: no final model written; the log and checkpoints so far are in the run "

@@ -12,17 +12,20 @@
             the final model is written by nanoq.hf_export; under a launcher every
             process calls train and they train one world (processes=: a ProcessGroup)
 - log:      the JSONL run log and console lines
+- run_lock: one trainer per run directory (RunInUse when another holds it)
 """
 from nanoq.training.settings import TrainConfig, load_config, schema_markdown, settings
 from nanoq.training.log import JsonlLog, read_log
 from nanoq.training.loop import TrainResult, evaluate, train
 from nanoq.training.resume import FIXED_ON_RESUME, config_changes
 from nanoq.training.lr_schedule import learning_rate
+from nanoq.training.run_lock import RunInUse
 from nanoq.training.stop import TrainingHalted
 
 __all__ = [
     "FIXED_ON_RESUME",
     "JsonlLog",
+    "RunInUse",
     "TrainConfig",
     "TrainResult",
     "TrainingHalted",

@@ -3,6 +3,7 @@
 A run lives in its own directory ``<out_dir>/<run_name>``:
 
     config.toml     the merged configuration (``nanoq train config.toml`` repeats the run)
+    run.lock        while a trainer runs here: its lock and process id (see nanoq.training.run_lock)
     log.jsonl       one JSON object per line (see nanoq.training.log)
     data/           the tokenized demo corpus (demo runs only)
     checkpoints/    step_XXXXXXXX/ every checkpoint_every steps and after the last (see nanoq.checkpoint)
@@ -51,7 +52,8 @@ from nanoq.data import Curriculum, DataLoader, Dataset, EvalLoader
 from nanoq.telemetry import GpuTelemetry
 from nanoq.trainer import Trainer
 from nanoq.training.settings import TrainConfig, parse_curriculum, train_options
-from nanoq.training.resume import CHECKPOINTS, Progress, extra_state, prepare_resume, restore
+from nanoq.training.resume import CHECKPOINTS, Progress, Resume, extra_state, prepare_resume, restore
+from nanoq.training.run_lock import lock_run
 from nanoq.training.log import JsonlLog, eval_line, format_duration, gpu_summary, memory_lines, train_line
 from nanoq.training.lr_schedule import learning_rate
 from nanoq.training.stop import StopRequest, TrainingHalted
@@ -370,7 +372,9 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
 
     Raises ValueError for inconsistent settings and data, for processes
     that disagree on them, and for a resume whose config changes a setting
-    in FIXED_ON_RESUME, before any step.
+    in FIXED_ON_RESUME, before any step; RunInUse when another trainer is
+    running in the run directory (the run holds a lock on it until it
+    returns, see nanoq.training.run_lock).
     """
     group = distributed.processes() if processes is None else processes
     if not isinstance(group, distributed.ProcessGroup):
@@ -387,6 +391,17 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
         run_dir = on_root(group, lambda: new_run_dir(config), action="making the run directory")
     else:
         run_dir, config = resumed.run_dir, resumed.config
+    lock = lock_run(run_dir, group)
+    try:
+        return _train_in(run_dir, config, resumed, start, say, progress, group)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], start: float,
+              say: Callable[[str], None], progress: Optional[bool], group: distributed.ProcessGroup) -> TrainResult:
+    """The run of ``train`` in ``run_dir``, which its root process has locked."""
     say(f"run directory: {os.path.abspath(run_dir)}")
     trainer = None
     try:
