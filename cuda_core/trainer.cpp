@@ -384,6 +384,7 @@ struct Trainer::Impl : TrainerSetup {
     long steps_queued = 0;             // step() calls so far, for the failure messages
     long slot_ticket[kBatchSlots] = {};  // the pool ticket of the step that last used each batch slot
     bool failed = false;
+    std::string stopped_by = "a worker failure";  // why `failed`, for the refusal's message
     std::mutex call_mutex;  // public calls from several threads run one at a time
     TestingHooks testing_hooks;
 
@@ -470,7 +471,8 @@ struct Trainer::Impl : TrainerSetup {
     }
 
     void refuse_if_failed() const {
-        if (failed) throw NanoqError("this trainer stopped after a worker failure; close it and create a new one");
+        if (failed)
+            throw NanoqError("this trainer stopped after " + stopped_by + "; close it and create a new one");
     }
 
     // Runs task(rank, device) on every worker after the work queued before
@@ -745,6 +747,37 @@ const std::vector<ParameterInfo>& Trainer::parameters() const { return impl_->pa
 void Trainer::wait() {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
     impl_->drain();
+}
+
+bool Trainer::wait_ready(int milliseconds, bool for_step) {
+    std::lock_guard<std::mutex> serial(impl_->call_mutex);
+    Impl& m = *impl_;
+    if (m.failed) return true;
+    const auto timeout = std::chrono::milliseconds(std::max(0, milliseconds));
+    if (for_step) return m.pool->wait_for_within(m.slot_ticket[m.steps_queued % kBatchSlots], timeout);
+    return m.pool->wait_idle_for(timeout);
+}
+
+void Trainer::discard_micro_batches() {
+    std::lock_guard<std::mutex> serial(impl_->call_mutex);
+    Impl& m = *impl_;
+    if (m.failed || m.micro_steps == 0) return;
+    if (m.world != m.size()) {
+        m.failed = true;
+        m.stopped_by = "an interrupt in a world of several trainers (the others' collectives would not match)";
+        return;
+    }
+    m.pool->drop_unstarted();
+    m.pool->submit(
+        [&m](int rank) {
+            DeviceState& d = m.devices[rank];
+            m.zero->clear_gradients(*d.backend, d.zero);
+            reset_stats(*d.backend, d.stats);
+            d.zero.gradients_reduced = false;
+            d.backend->synchronize();
+        },
+        "discarding the interrupted micro-batches");
+    m.micro_steps = 0;
 }
 
 int Trainer::micro_steps() const { return impl_->micro_steps; }

@@ -12,6 +12,7 @@ WorkerPool::WorkerPool(int size, Task on_failure)
       queues_(size),
       busy_(size, false),
       finished_(size, 0),
+      started_(size, 0),
       failure_seen_(size, false),
       failures_(size) {
     for (int rank = 0; rank < size; ++rank) threads_.emplace_back([this, rank] { loop(rank); });
@@ -90,6 +91,33 @@ bool WorkerPool::failed() {
     return failed_;
 }
 
+bool WorkerPool::wait_idle_for(std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    return work_done_.wait_for(lock, timeout, [&] { return idle(); });
+}
+
+bool WorkerPool::wait_for_within(long ticket, std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    return work_done_.wait_for(lock, timeout, [&] {
+        return failed_ || std::all_of(finished_.begin(), finished_.end(), [&](long t) { return t >= ticket; });
+    });
+}
+
+long WorkerPool::drop_unstarted() {
+    static const auto nothing = std::make_shared<const Task>([](int) {});
+    std::lock_guard<std::mutex> lock(mutex_);
+    // Tickets up to the newest one any worker has begun must run everywhere.
+    const long first_dropped = *std::max_element(started_.begin(), started_.end()) + 1;
+    long last_dropped = first_dropped - 1;
+    for (auto& queue : queues_)
+        for (Queued& queued : queue)
+            if (queued.ticket >= first_dropped) {
+                queued.task = nothing;
+                last_dropped = std::max(last_dropped, queued.ticket);
+            }
+    return last_dropped - first_dropped + 1;
+}
+
 void WorkerPool::loop(int rank) {
     std::unique_lock<std::mutex> lock(mutex_);
     for (;;) {
@@ -119,6 +147,7 @@ void WorkerPool::loop(int rank) {
         Queued next = std::move(queues_[rank].front());
         queues_[rank].pop_front();
         const long ticket = next.ticket;
+        started_[rank] = ticket;
         busy_[rank] = true;
         lock.unlock();
         std::exception_ptr error;

@@ -13,8 +13,13 @@
 // rank's own failure rather than the peers' WorkerAborted), with the label
 // of the task it came from in front of its message, and the pool is usable
 // again. Thread safe.
+//
+// A caller that must not block for long (one that checks for interrupts)
+// waits with the timed waits, and drop_unstarted() discards the work that
+// has not begun anywhere.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -54,6 +59,17 @@ public:
     bool wait_for(long ticket);
     // Whether a queued task failed (not yet reported by wait()).
     bool failed();
+    // wait() for at most `timeout`, without rethrowing: whether every queued
+    // task has finished (or the pool failed and every worker has seen it).
+    bool wait_idle_for(std::chrono::milliseconds timeout);
+    // wait_for(ticket) for at most `timeout`: whether that task finished on
+    // every worker or the pool failed.
+    bool wait_for_within(long ticket, std::chrono::milliseconds timeout);
+    // Turns every queued task that no worker has started into one that does
+    // nothing (its ticket still completes). A ticket runs on every worker or
+    // on none, so the collectives of the tasks that do run stay matched.
+    // Returns how many tickets were dropped.
+    long drop_unstarted();
 
 private:
     struct Queued {
@@ -77,6 +93,7 @@ private:
     std::vector<std::deque<Queued>> queues_;
     std::vector<bool> busy_;
     std::vector<long> finished_;      // per worker: the ticket of its latest finished (or dropped) task
+    std::vector<long> started_;       // per worker: the ticket of its latest started task
     std::vector<bool> failure_seen_;  // per worker: on_failure has run in the current failure
     std::vector<Failure> failures_;   // per worker: its failure in the current failure, if any
     long next_ticket_ = 1;

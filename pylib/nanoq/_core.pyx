@@ -194,6 +194,8 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         CStepStats validate(const int32_t*, const int32_t*, int, uintptr_t, uintptr_t) except +nanoq_raise_py_error
         CStepStats update(const CUpdateParams&) except +nanoq_raise_py_error
         void wait() except +nanoq_raise_py_error
+        cbool wait_ready(int, cbool) except +nanoq_raise_py_error
+        void discard_micro_batches() except +nanoq_raise_py_error
         int micro_steps()
         int optimizer_steps()
         vector[CAllocationInfo] allocations(int) except +nanoq_raise_py_error
@@ -550,6 +552,28 @@ cdef class CoreTrainer:
             return
         with nogil:
             t.wait()
+
+    def wait_ready(self, int milliseconds, cbool for_step):
+        """Whether what the next call waits for first (the queued steps; for
+        a step, its batch slot) is done, after waiting at most
+        ``milliseconds`` for it. Raises nothing of the queued work: the next
+        call does. A closed trainer is always ready."""
+        cdef CTrainer* t = self._trainer
+        cdef cbool done
+        if t == NULL:
+            return True
+        with nogil:
+            done = t.wait_ready(milliseconds, for_step)
+        return done
+
+    def discard_micro_batches(self):
+        """After an interrupt: the micro-batches since the last update are
+        discarded (see nanoq::Trainer::discard_micro_batches); returns at once."""
+        cdef CTrainer* t = self._trainer
+        if t == NULL:
+            return
+        with nogil:
+            t.discard_micro_batches()
 
     cdef CTrainer* _get(self) except NULL:
         if self._trainer == NULL:

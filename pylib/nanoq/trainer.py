@@ -1,6 +1,7 @@
 """nanoq.Trainer: the Python face of the core's data-parallel trainer."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -16,6 +17,9 @@ from nanoq.trainer_config import ModelConfig, TrainOptions, auto_dtype
 from nanoq.hf_io import is_parameter, iter_weights, weight_shapes
 
 IGNORE_INDEX = -100
+# Waits for the devices are cut into slices this long, so that Python runs a
+# signal's handler (Ctrl-C's KeyboardInterrupt) between them.
+_WAIT_SLICE_MS = 50
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +165,19 @@ class Trainer:
     batch_size`` of them). ``processes`` overrides the launcher's
     ProcessGroup (tests); options that place the trainer in a world
     themselves (``world_size`` > 0) are left as they are.
+
+    Interrupts: Ctrl-C (KeyboardInterrupt) while ``step``, ``validate``,
+    ``update`` or ``wait`` waits for the devices arrives at once (within
+    about 50 ms). It discards every micro-batch since the last ``update``:
+    those queued and not begun never run, the one running finishes in the
+    background and its gradients are then cleared, so the trainer is as
+    after the last ``update`` (``micro_steps`` is 0; the next ``step`` or
+    ``validate`` is valid, ``update`` needs a new ``step`` first, and a
+    later call first waits for that running micro-batch). An ``update``
+    whose own optimizer work had begun completes (``optimizer_steps`` says
+    whether it counted), and a ``validate``'s own forward pass finishes
+    before the interrupt is raised. In a world of several trainers
+    (processes) an interrupted trainer refuses further work: close it.
     """
 
     def __init__(self, config: ModelConfig, options: TrainOptions, *,
@@ -228,7 +245,32 @@ class Trainer:
         A failure of that work is raised here (naming its step), as it is by
         the next ``update()``, ``validate()`` or getter; the trainer then
         refuses further work."""
-        self._core.wait()
+        with self._interruptible():
+            self._wait_for_devices(for_step=False)
+            self._core.wait()
+
+    @property
+    def micro_steps(self) -> int:
+        """Micro-batches ``step()`` took since the last ``update()`` (0 after an interrupt)."""
+        return self._core.micro_steps
+
+    @contextlib.contextmanager
+    def _interruptible(self):
+        """A KeyboardInterrupt inside the block discards the micro-batches
+        since the last update (see the class docstring), then goes on up."""
+        try:
+            yield
+        except KeyboardInterrupt:
+            if self._core is not None:
+                self._core.discard_micro_batches()
+            raise
+
+    def _wait_for_devices(self, for_step: bool) -> None:
+        """Waits, in slices that let signal handlers run, for what the next
+        core call would wait for first (the queued steps; for a step, its
+        batch slot), so that the call itself then waits no more for them."""
+        while not self._core.wait_ready(_WAIT_SLICE_MS, for_step):
+            pass
 
     def close(self) -> None:
         """Waits for queued work, then stops the device workers and frees all
@@ -555,17 +597,21 @@ class Trainer:
         if self._core.micro_steps >= self.options.grad_accum:
             raise ValueError(f"step() called {self.options.grad_accum + 1} times without update(); "
                              f"grad_accum is {self.options.grad_accum}")
-        if device_batch is None:
-            self._core.step(inputs, targets)
-        else:
-            self._core.step_device(*device_batch)
+        with self._interruptible():
+            self._wait_for_devices(for_step=True)
+            if device_batch is None:
+                self._core.step(inputs, targets)
+            else:
+                self._core.step_device(*device_batch)
 
     def validate(self, inputs, targets) -> StepStats:
         """Loss of one batch (same arrays as ``step``) without touching gradients."""
         device_batch = self._device_batch(inputs, targets)
-        if device_batch is None:
-            return StepStats(**self._core.validate(inputs, targets))
-        return StepStats(**self._core.validate_device(*device_batch))
+        with self._interruptible():
+            self._wait_for_devices(for_step=False)
+            if device_batch is None:
+                return StepStats(**self._core.validate(inputs, targets))
+            return StepStats(**self._core.validate_device(*device_batch))
 
     def update(self, lr: float, beta1: float = 0.9, beta2: float = 0.95, weight_decay: float = 0.1,
                grad_clip: float = 1.0, eps: float = 1e-8) -> StepStats:
@@ -580,7 +626,9 @@ class Trainer:
         eps = _check_hyper("eps", eps, 0.0, low_inclusive=False)
         if self._core.micro_steps == 0:
             raise ValueError("update() called before any step(): there are no gradients to apply")
-        return StepStats(**self._core.update(lr, beta1, beta2, weight_decay, grad_clip, eps))
+        with self._interruptible():
+            self._wait_for_devices(for_step=False)
+            return StepStats(**self._core.update(lr, beta1, beta2, weight_decay, grad_clip, eps))
 
     @property
     def optimizer_steps(self) -> int:

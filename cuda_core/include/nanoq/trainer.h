@@ -111,6 +111,22 @@ public:
     // Waits for the work step() queued; an error of that work is thrown
     // here, naming its step (close() and the destructor do not throw it).
     void wait();
+    // Interrupts. wait_ready() waits at most `milliseconds` for what the next
+    // call would wait for first: the queued work (for_step: only until the
+    // next step()'s batch slot is free). It returns whether that is done (or
+    // has failed; the next call throws), so a caller can wait in slices and
+    // check for interrupts in between.
+    bool wait_ready(int milliseconds, bool for_step);
+    // For a caller interrupted while micro-batches run: discards every
+    // micro-batch since the last update() and returns at once. Queued ones
+    // that no device has begun never run; the one running finishes on the
+    // devices, and then its gradients and statistics are cleared with the
+    // others', so the trainer is as after the last update() (micro_steps()
+    // is 0, the next step() or validate() is valid, and an update() waits
+    // for that work). In a world of several trainers, whose collectives
+    // would then not match, the trainer refuses further work instead (close
+    // it). Nothing to discard (micro_steps() is 0): does nothing.
+    void discard_micro_batches();
 
     int micro_steps() const;   // step() calls since the last update()
     int optimizer_steps() const;
