@@ -384,6 +384,8 @@ struct Trainer::Impl : TrainerSetup {
     long steps_queued = 0;             // step() calls so far, for the failure messages
     long slot_ticket[kBatchSlots] = {};  // the pool ticket of the step that last used each batch slot
     bool failed = false;
+    bool validate_pending = false;           // queue_validate() ran, validate_result() not yet
+    std::vector<StatValue> validate_rows;    // what the queued validate gathered (rank 0's copy)
     std::string stopped_by = "a worker failure";  // why `failed`, for the refusal's message
     std::mutex call_mutex;  // public calls from several threads run one at a time
     TestingHooks testing_hooks;
@@ -752,7 +754,6 @@ void Trainer::wait() {
 bool Trainer::wait_ready(int milliseconds, bool for_step) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
     Impl& m = *impl_;
-    if (m.failed) return true;
     const auto timeout = std::chrono::milliseconds(std::max(0, milliseconds));
     if (for_step) return m.pool->wait_for_within(m.slot_ticket[m.steps_queued % kBatchSlots], timeout);
     return m.pool->wait_idle_for(timeout);
@@ -761,13 +762,16 @@ bool Trainer::wait_ready(int milliseconds, bool for_step) {
 void Trainer::discard_micro_batches() {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
     Impl& m = *impl_;
-    if (m.failed || m.micro_steps == 0) return;
+    const bool validating = m.validate_pending;
+    m.validate_pending = false;  // its result, once computed, is never read
+    if (m.failed || (m.micro_steps == 0 && !validating)) return;
     if (m.world != m.size()) {
         m.failed = true;
         m.stopped_by = "an interrupt in a world of several trainers (the others' collectives would not match)";
         return;
     }
     m.pool->drop_unstarted();
+    if (m.micro_steps == 0) return;
     m.pool->submit(
         [&m](int rank) {
             DeviceState& d = m.devices[rank];
@@ -1034,24 +1038,49 @@ void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int 
 
 StepStats Trainer::validate(const std::int32_t* inputs, const std::int32_t* targets, int source_device,
                             std::uintptr_t inputs_stream, std::uintptr_t targets_stream) {
+    queue_validate(inputs, targets, source_device, inputs_stream, targets_stream);
+    return validate_result();
+}
+
+void Trainer::queue_validate(const std::int32_t* inputs, const std::int32_t* targets, int source_device,
+                             std::uintptr_t inputs_stream, std::uintptr_t targets_stream) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
     Impl& m = *impl_;
     m.check_source(source_device);
+    m.refuse_if_failed();
+    if (m.validate_pending) throw InvalidArgument("validate() queued twice: collect the first with validate_result()");
     m.record_batch_streams(source_device, inputs_stream, targets_stream);
-    std::vector<StatValue> rows;
-    m.run([&](int rank, DeviceState& d) {
-        m.load_batch(rank, d, inputs, targets, source_device);
-        m.run_repeating(d, "validate", [&] {
-            reset_stats(*d.backend, d.eval_stats);
-            ZeroLayers layers(*m.zero, d.zero, d.weight_views, d.grad_views, *d.backend, *d.comm);
-            d.model->forward_loss(d.weight_views, layers, d.tokens, d.targets, d.eval_stats, m.options.z_loss,
-                                  *d.stack);
-            m.gather_stats(d, d.eval_stats);
-        });
-        std::vector<StatValue> gathered = m.read_gathered(d);
-        if (rank == 0) rows = std::move(gathered);
-    });
-    return m.combine(rows);
+    const std::int64_t delay_rank = m.testing_hooks.take(TestingHook::kDelayNextValidateInWorker);
+    const std::int64_t delay = m.testing_hooks.get(TestingHook::kDelayNextStepMilliseconds);
+    // The task reads the batch and writes its result only into the trainer: it
+    // may outlive this call (validate_result() collects it).
+    m.pool->submit(
+        [&m, inputs, targets, source_device, delay_rank, delay](int rank) {
+            DeviceState& d = m.devices[rank];
+            if (rank == delay_rank) std::this_thread::sleep_for(std::chrono::milliseconds(delay));
+            m.load_batch(rank, d, inputs, targets, source_device);
+            m.run_repeating(d, "validate", [&] {
+                reset_stats(*d.backend, d.eval_stats);
+                ZeroLayers layers(*m.zero, d.zero, d.weight_views, d.grad_views, *d.backend, *d.comm);
+                d.model->forward_loss(d.weight_views, layers, d.tokens, d.targets, d.eval_stats, m.options.z_loss,
+                                      *d.stack);
+                m.gather_stats(d, d.eval_stats);
+            });
+            std::vector<StatValue> gathered = m.read_gathered(d);
+            if (rank == 0) m.validate_rows = std::move(gathered);
+        },
+        std::string());
+    m.validate_pending = true;
+}
+
+StepStats Trainer::validate_result() {
+    std::lock_guard<std::mutex> serial(impl_->call_mutex);
+    Impl& m = *impl_;
+    if (!m.validate_pending) throw InvalidArgument("validate_result() without a queued validate()");
+    m.validate_pending = false;
+    m.refuse_if_failed();
+    m.drain();
+    return m.combine(m.validate_rows);
 }
 
 StepStats Trainer::update(const UpdateParams& params) {

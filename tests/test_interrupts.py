@@ -12,7 +12,7 @@ SCRIPT = r"""
 import json, os, signal, sys, threading, time
 import numpy as np
 import nanoq
-from nanoq.testing.hooks import delay_next_step
+from nanoq.testing.hooks import delay_next_step, delay_next_validate
 
 config = nanoq.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2)
@@ -25,11 +25,14 @@ HYPER = dict(lr=1e-2, weight_decay=0.1, grad_clip=1.0)
 SIGNAL_AFTER = 0.3
 
 
-def interrupted(trainer, call, then=()):
+def interrupted(trainer, call, then=(), slow_step=True):
     # Seconds from SIGINT to the KeyboardInterrupt out of call(), which waits for a slow micro-batch
-    # (queued first, then the micro-batches `then`).
-    delay_next_step(trainer, 0, 3.0)
-    trainer.step(*batches[7])  # queued: returns at once
+    # (queued first, then the micro-batches `then`), or else is a slow validate.
+    if slow_step:
+        delay_next_step(trainer, 0, 3.0)
+        trainer.step(*batches[7])  # queued: returns at once
+    else:
+        delay_next_validate(trainer, 1, 3.0)
     for index in then:
         trainer.step(*batches[index])
     threading.Timer(SIGNAL_AFTER, os.kill, (os.getpid(), signal.SIGINT)).start()
@@ -59,6 +62,10 @@ with nanoq.Trainer(config, options) as trainer:
     report["after"]["validate"] = [trainer.micro_steps, trainer.optimizer_steps]
     report["latency"]["wait"] = interrupted(trainer, trainer.wait)
     report["after"]["wait"] = [trainer.micro_steps, trainer.optimizer_steps]
+    # validate's own forward pass, slow on device 1, after a micro-batch that it discards too
+    report["latency"]["forward"] = interrupted(trainer, lambda: trainer.validate(*batches[6]), then=[3],
+                                               slow_step=False)
+    report["after"]["forward"] = [trainer.micro_steps, trainer.optimizer_steps]
     try:
         trainer.update(**HYPER)
     except ValueError as e:
@@ -90,7 +97,7 @@ def test_ctrl_c_interrupts_a_waiting_call_at_once_and_discards_the_micro_batches
     report = run_script(zero_stage=1)
     for call, seconds in report["latency"].items():
         assert seconds < 1.0, f"KeyboardInterrupt out of {call}() came {seconds:.2f} s after SIGINT"
-    assert report["after"] == {call: [0, 1] for call in ("step", "update", "validate", "wait")}
+    assert report["after"] == {call: [0, 1] for call in ("step", "update", "validate", "wait", "forward")}
     assert report["update_without_step"] == "update() called before any step(): there are no gradients to apply"
     assert report["same_stats"] == [True, True, True] and report["same_weights"]
     assert 0 < report["loss"] < 10

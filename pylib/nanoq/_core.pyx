@@ -192,6 +192,9 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         void set_optimizer_state_part(int, int, const float*) except +nanoq_raise_py_error
         void step(const int32_t*, const int32_t*, int, uintptr_t, uintptr_t) except +nanoq_raise_py_error
         CStepStats validate(const int32_t*, const int32_t*, int, uintptr_t, uintptr_t) except +nanoq_raise_py_error
+        void queue_validate(const int32_t*, const int32_t*, int, uintptr_t, uintptr_t) \
+            except +nanoq_raise_py_error
+        CStepStats validate_result() except +nanoq_raise_py_error
         CStepStats update(const CUpdateParams&) except +nanoq_raise_py_error
         void wait() except +nanoq_raise_py_error
         cbool wait_ready(int, cbool) except +nanoq_raise_py_error
@@ -732,6 +735,31 @@ cdef class CoreTrainer:
         self._check_batch_shape(targets.shape[0], targets.shape[1])
         with nogil:
             s = t.validate(&inputs[0, 0], &targets[0, 0], -1, 0, 0)
+        return _stats_dict(s)
+
+    def queue_validate(self, const int32_t[:, ::1] inputs, const int32_t[:, ::1] targets):
+        """validate()'s first half (host batch): queues it and returns; the
+        caller keeps the arrays alive and unchanged until the work has run."""
+        cdef CTrainer* t = self._get()
+        self._check_batch_shape(inputs.shape[0], inputs.shape[1])
+        self._check_batch_shape(targets.shape[0], targets.shape[1])
+        with nogil:
+            t.queue_validate(&inputs[0, 0], &targets[0, 0], -1, 0, 0)
+
+    def queue_validate_device(self, uintptr_t inputs, uintptr_t targets, int device, uintptr_t inputs_stream=0,
+                              uintptr_t targets_stream=0):
+        """validate()'s first half for a device batch (as step_device)."""
+        cdef CTrainer* t = self._get()
+        with nogil:
+            t.queue_validate(<const int32_t*>inputs, <const int32_t*>targets, device, inputs_stream,
+                             targets_stream)
+
+    def validate_result(self):
+        """validate()'s second half: waits for the queued validate; its statistics."""
+        cdef CTrainer* t = self._get()
+        cdef CStepStats s
+        with nogil:
+            s = t.validate_result()
         return _stats_dict(s)
 
     def step_device(self, uintptr_t inputs, uintptr_t targets, int device, uintptr_t inputs_stream=0,

@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import threading
 from typing import Dict
 
 import numpy as np
@@ -175,8 +176,8 @@ class Trainer:
     ``validate`` is valid, ``update`` needs a new ``step`` first, and a
     later call first waits for that running micro-batch). An ``update``
     whose own optimizer work had begun completes (``optimizer_steps`` says
-    whether it counted), and a ``validate``'s own forward pass finishes
-    before the interrupt is raised. In a world of several trainers
+    whether it counted); an interrupted ``validate`` returns nothing (its
+    forward pass may finish in the background). In a world of several trainers
     (processes) an interrupted trainer refuses further work: close it.
     """
 
@@ -191,6 +192,9 @@ class Trainer:
         self.config = config
         self.options = options
         self._core = None
+        self._validated_batch = None
+        # step/validate/update/wait from several threads run one at a time (validate is two core calls)
+        self._calls = threading.RLock()
         self.processes = distributed.processes() if processes is None else processes
         self.backend = resolve_backend(options.backend)
         core_options = dataclasses.asdict(self._place_in_world(options))
@@ -256,13 +260,16 @@ class Trainer:
 
     @contextlib.contextmanager
     def _interruptible(self):
-        """A KeyboardInterrupt inside the block discards the micro-batches
-        since the last update (see the class docstring), then goes on up."""
+        """The block runs as this thread's call alone; a KeyboardInterrupt
+        inside it discards the micro-batches since the last update (see the
+        class docstring), then goes on up."""
         try:
-            yield
+            with self._calls:
+                yield
         except KeyboardInterrupt:
-            if self._core is not None:
-                self._core.discard_micro_batches()
+            with self._calls:
+                if self._core is not None:
+                    self._core.discard_micro_batches()
             raise
 
     def _wait_for_devices(self, for_step: bool) -> None:
@@ -271,6 +278,8 @@ class Trainer:
         batch slot), so that the call itself then waits no more for them."""
         while not self._core.wait_ready(_WAIT_SLICE_MS, for_step):
             pass
+        if not for_step:  # all queued work is done: a validate queued before has read its batch
+            self._validated_batch = None
 
     def close(self) -> None:
         """Waits for queued work, then stops the device workers and frees all
@@ -610,8 +619,13 @@ class Trainer:
         with self._interruptible():
             self._wait_for_devices(for_step=False)
             if device_batch is None:
-                return StepStats(**self._core.validate(inputs, targets))
-            return StepStats(**self._core.validate_device(*device_batch))
+                self._core.queue_validate(inputs, targets)
+            else:
+                self._core.queue_validate_device(*device_batch)
+            # The devices read the arrays after this call if it is interrupted: keep them until they are done.
+            self._validated_batch = (inputs, targets)
+            self._wait_for_devices(for_step=False)
+            return StepStats(**self._core.validate_result())
 
     def update(self, lr: float, beta1: float = 0.9, beta2: float = 0.95, weight_decay: float = 0.1,
                grad_clip: float = 1.0, eps: float = 1e-8) -> StepStats:

@@ -24,7 +24,10 @@
       "the next step()'s work on worker <value> starts delay_next_step_milliseconds late "      \
       "(step() itself returns without waiting), as a slow device would")                        \
     X(kDelayNextStepMilliseconds, "delay_next_step_milliseconds", 0,                            \
-      "how late delay_next_step_in_worker starts that work")                                    \
+      "how late delay_next_step_in_worker (and delay_next_validate_in_worker) starts that work") \
+    X(kDelayNextValidateInWorker, "delay_next_validate_in_worker", -1,                          \
+      "the next validate()'s work on worker <value> starts delay_next_step_milliseconds late, "  \
+      "as a slow device would")                                                                 \
     X(kSynchronousReductions, "synchronous_gradient_reductions", 0,                             \
       "nonzero: step() runs gradient reductions synchronously, as before they overlapped the "   \
       "backward (ZeRO stage 1: all in update())")                                               \

@@ -107,6 +107,16 @@ public:
     StepStats validate(const std::int32_t* inputs, const std::int32_t* targets, int source_device = -1,
                        std::uintptr_t inputs_stream = 0, std::uintptr_t targets_stream = 0);
     StepStats update(const UpdateParams& params);
+    // validate() in two halves, for a caller that waits in slices
+    // (wait_ready()): queue_validate() queues the batch's loss on the devices
+    // and returns; the batch must stay valid and unchanged until that work has
+    // run (validate_result() returns, or wait_ready() says it is done).
+    // validate_result() waits for it and returns the statistics; one
+    // validate may be queued at a time. An interrupt's
+    // discard_micro_batches() drops the result.
+    void queue_validate(const std::int32_t* inputs, const std::int32_t* targets, int source_device = -1,
+                        std::uintptr_t inputs_stream = 0, std::uintptr_t targets_stream = 0);
+    StepStats validate_result();
 
     // Waits for the work step() queued; an error of that work is thrown
     // here, naming its step (close() and the destructor do not throw it).
@@ -125,7 +135,9 @@ public:
     // is 0, the next step() or validate() is valid, and an update() waits
     // for that work). In a world of several trainers, whose collectives
     // would then not match, the trainer refuses further work instead (close
-    // it). Nothing to discard (micro_steps() is 0): does nothing.
+    // it). A validate() queued and not collected is dropped too (as the
+    // micro-batches, if no device has begun it). Nothing else to discard
+    // (micro_steps() is 0): does nothing more.
     void discard_micro_batches();
 
     int micro_steps() const;   // step() calls since the last update()

@@ -4,17 +4,19 @@
   table (nanoq.testing.ops), for op-level tests and backend parity.
 - Hooks that make a run fail or pause where a healthy one never would, so
   that failure paths can be tested (nanoq.testing.hooks): ``arm_hook``,
-  ``fail_next_step`` and ``delay_next_step`` for the core's hooks, ``PAUSE_IN_SAVE_ENV`` for the
-  checkpoint writer's; ``synchronous_reductions``, ``trace_communication``
-  and ``communication_trace`` for the overlap of gradient reductions with
-  the backward.
+  ``fail_next_step``, ``delay_next_step`` and ``delay_next_validate`` for
+  the core's hooks, ``PAUSE_IN_SAVE_ENV`` for the checkpoint writer's;
+  ``synchronous_reductions``, ``trace_communication`` and
+  ``communication_trace`` for the overlap of gradient reductions with the
+  backward.
 """
 
 from nanoq.testing.hooks import (PAUSE_IN_SAVE_ENV, arm_hook, communication_trace, core_hooks, delay_next_step,
-                                 fail_next_step, synchronous_reductions, trace_communication)
+                                 delay_next_validate, fail_next_step, synchronous_reductions, trace_communication)
 
 __all__ = ["OpRunner", "op_table", "PAUSE_IN_SAVE_ENV", "arm_hook", "communication_trace", "core_hooks",
-           "delay_next_step", "fail_next_step", "synchronous_reductions", "trace_communication"]
+           "delay_next_step", "delay_next_validate", "fail_next_step", "synchronous_reductions",
+           "trace_communication"]
 
 
 def __getattr__(name):

@@ -45,6 +45,15 @@ def delay_next_step(trainer, device: int, seconds: float) -> None:
     arm_hook(trainer, "delay_next_step_in_worker", trainer._check_device(device))
 
 
+def delay_next_validate(trainer, device: int, seconds: float) -> None:
+    """The work of the trainer's next validate() on the worker of `device`
+    starts `seconds` late (validate() waits for it, as for a slow forward pass)."""
+    if not 0 <= seconds <= 600:
+        raise ValueError(f"seconds must be in [0, 600], got {seconds!r}")
+    arm_hook(trainer, "delay_next_step_milliseconds", int(round(seconds * 1000)))
+    arm_hook(trainer, "delay_next_validate_in_worker", trainer._check_device(device))
+
+
 def synchronous_reductions(trainer, on: bool = True) -> None:
     """From the next step() on, gradient reductions run synchronously, as before
     they overlapped the backward (ZeRO stage 1: all in update()); ``False``
