@@ -163,11 +163,16 @@ def test_device_batch_streams_reach_the_core(monkeypatch):
         micro_steps = 0
         world_size = 1
 
+        def wait_ready(self, milliseconds, for_step):
+            return True
+
         def step_device(self, *args):
             calls.append(("step",) + args)
 
-        def validate_device(self, *args):
+        def queue_validate_device(self, *args):
             calls.append(("validate",) + args)
+
+        def validate_result(self):
             return dict(loss=0.0, loss_1k=0.0, z_loss=0.0, grad_norm=0.0, lse_max=0.0, lse_mean=0.0, tokens=0)
 
     monkeypatch.setattr("nanoq.trainer._check_device_tokens", lambda name, array, stream, vocab, ignore: 0)

@@ -618,12 +618,12 @@ class Trainer:
         device_batch = self._device_batch(inputs, targets)
         with self._interruptible():
             self._wait_for_devices(for_step=False)
+            # The devices read the arrays after this call if it is interrupted: keep them until they are done.
+            self._validated_batch = (inputs, targets)
             if device_batch is None:
                 self._core.queue_validate(inputs, targets)
             else:
                 self._core.queue_validate_device(*device_batch)
-            # The devices read the arrays after this call if it is interrupted: keep them until they are done.
-            self._validated_batch = (inputs, targets)
             self._wait_for_devices(for_step=False)
             return StepStats(**self._core.validate_result())
 
