@@ -17,6 +17,7 @@ const char* context_name(Context context) {
         case Context::Activations: return "activations";
         case Context::Workspace: return "workspace";
         case Context::Stack: return "stack";
+        case Context::KvCache: return "kv-cache";
         case Context::Count: break;
     }
     return "?";

@@ -33,6 +33,7 @@ enum class Context : int {
     Activations,
     Workspace,
     Stack,
+    KvCache,  // generation: the keys and values of the sequence so far, and its activations
     Count
 };
 const char* context_name(Context context);

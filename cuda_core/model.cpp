@@ -348,15 +348,15 @@ void LlamaModel::layer_backward(int layer, const LayerWeights& w, const LayerWei
 }
 
 std::pair<Tensor, Tensor> LlamaModel::adapter_hidden(int layer, int target, const LayerWeights& w, const Tensor& x,
-                                                     int k, StackFrame& frame) {
+                                                     int k, int rows, StackFrame& frame) {
     Backend& be = backend_;
     Tensor input = x;
     if (dropout_active_) {
-        input = frame.push("lora-dropout", dtype_, {rows_, k});
+        input = frame.push("lora-dropout", dtype_, {rows, k});
         be.scale_dropout(input, x, 1.0f, lora_.dropout, adapter_seed(layer, target), dropout_seed_);
     }
-    Tensor h = frame.push("lora-h", dtype_, {rows_, lora_.rank});
-    be.matmul_epilogue(h, input, w.lora_a[target], Tensor(), rows_, lora_.rank, k, false, true, false,
+    Tensor h = frame.push("lora-h", dtype_, {rows, lora_.rank});
+    be.matmul_epilogue(h, input, w.lora_a[target], Tensor(), rows, lora_.rank, k, false, true, false,
                        lora_.scale);  // h = scale * x A^T
     return {input, h};
 }
@@ -366,11 +366,12 @@ std::uint64_t LlamaModel::adapter_seed(int layer, int target) {
 }
 
 void LlamaModel::adapter_forward(int layer, int target, const LayerWeights& w, const Tensor& out, const Tensor& x,
-                                 int n, int k, StackArena& stack) {
+                                 int n, int k, StackArena& stack, int rows) {
     if (!w.lora_a[target].data) return;
+    if (rows < 0) rows = rows_;
     StackFrame frame(stack);
-    const Tensor h = adapter_hidden(layer, target, w, x, k, frame).second;
-    backend_.matmul(out, h, w.lora_b[target], rows_, n, lora_.rank, false, true, true);  // out += h B^T
+    const Tensor h = adapter_hidden(layer, target, w, x, k, rows, frame).second;
+    backend_.matmul(out, h, w.lora_b[target], rows, n, lora_.rank, false, true, true);  // out += h B^T
 }
 
 void LlamaModel::adapter_backward(int layer, int target, const LayerWeights& w, const LayerWeights& g,
@@ -380,7 +381,7 @@ void LlamaModel::adapter_backward(int layer, int target, const LayerWeights& w, 
     Backend& be = backend_;
     const int r = lora_.rank;
     StackFrame frame(stack);
-    const auto [input, h] = adapter_hidden(layer, target, w, x, k, frame);  // as in forward
+    const auto [input, h] = adapter_hidden(layer, target, w, x, k, rows_, frame);  // as in forward
     be.matmul(g.lora_b[target], dy, h, n, r, rows_, true, false, true);  // dB += dy^T h
     const Tensor dh = h;                                                  // h is no longer needed
     be.matmul_epilogue(dh, dy, w.lora_b[target], Tensor(), rows_, r, n, false, false, false,

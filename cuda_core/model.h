@@ -9,6 +9,7 @@
 // divides by the number of counted tokens of the whole optimizer step.
 #pragma once
 
+#include <functional>
 #include <initializer_list>
 #include <string>
 #include <utility>
@@ -115,6 +116,25 @@ protected:
     Tensor frozen_grad_sink_;        // [max(C, D)] float32, with LoRA only
 };
 
+// What generation keeps for one sequence of up to `capacity` positions
+// (context KvCache): every layer's keys and values after RoPE, the tokens,
+// and one layer's activations for up to `capacity` rows, reused layer by
+// layer (generation keeps nothing for a backward).
+struct KvCache {
+    int capacity = 0;
+    std::vector<Tensor> keys, values;  // per layer [capacity, K*D]
+    Tensor tokens;                     // int32 [capacity]
+    Tensor residual, residual_mid;     // [capacity, C]
+    Tensor norm, rstd;                 // [capacity, C], [capacity]: the layer's two norms in turn, then the final
+    Tensor q, q_raw, k_raw;            // [capacity, H*D], with q/k norms [capacity, H*D], [capacity, K*D]
+    Tensor q_rstd, k_rstd;             // [capacity*H], [capacity*K] (q/k norms only)
+    Tensor attention, lse;             // [capacity, H*D], [H, capacity]
+    Tensor gate, up, swiglu;           // [capacity, I]
+    Tensor decode_workspace;           // [2 * capacity * H*D]: Backend::attention_decode's
+    Tensor logits;                     // float32 [logit_rows, V]
+    int logit_rows = 0;
+};
+
 class LlamaModel : public ModelMemory {
 public:
     // Allocates as ModelMemory does, then fills the RoPE table on `backend`.
@@ -138,8 +158,23 @@ public:
     void forward_loss(const ModelWeights& weights, LayerSource& layers, const Tensor& tokens, const Tensor& targets,
                       const Tensor& stats, float z_loss, StackArena& stack);
 
+    // Generation's cache for sequences of up to seq_len positions, allocated
+    // in context KvCache.
+    KvCache allocate_kv_cache(NamedAllocator& allocator) const;
+    // Runs the `count` tokens at cache.tokens[position, position + count)
+    // through the model, keeping their keys and values in the cache: a whole
+    // prompt (position 0), or one token after the `position` cached ones
+    // (count 1). Then `emit(logits, first, rows)` receives float32 logits
+    // [rows, V] of positions position + first ..: of every new position when
+    // `all_positions` (in chunks of cache.logit_rows), else of the last.
+    void forward_cached(const ModelWeights& weights, LayerSource& layers, KvCache& cache, int position, int count,
+                        bool all_positions, StackArena& stack,
+                        const std::function<void(const Tensor& logits, int first, int rows)>& emit);
+
 private:
     void forward(const ModelWeights& w, LayerSource& layers, const Tensor& tokens, StackArena& stack);
+    // One layer of forward_cached, in place on cache.residual.
+    void layer_cached(int layer, const LayerWeights& w, KvCache& cache, int position, int count, StackArena& stack);
     // The layer's forward steps. With `output`, all of them (the forward
     // pass); without, only those whose results are recomputed (backward).
     void layer_steps(int layer, const LayerWeights& w, LayerActivations& a, const Tensor& input,
@@ -148,14 +183,15 @@ private:
                         const Tensor& input, const Tensor& dresidual, StackArena& stack);
     // The adapter of projection `target` (if any): out[rows, n] += scale *
     // dropout(x[rows, k]) A^T B^T. Backward: adapter gradients, dx += d/dx.
+    // `rows` defaults to the micro-batch's (generation passes its own).
     void adapter_forward(int layer, int target, const LayerWeights& w, const Tensor& out, const Tensor& x, int n,
-                         int k, StackArena& stack);
+                         int k, StackArena& stack, int rows = -1);
     void adapter_backward(int layer, int target, const LayerWeights& w, const LayerWeights& g, const Tensor& dx,
                           const Tensor& dy, const Tensor& x, int n, int k, StackArena& stack);
     // On `frame`: the adapter's input (x after dropout; x itself without)
     // and h = scale * input A^T.
     std::pair<Tensor, Tensor> adapter_hidden(int layer, int target, const LayerWeights& w, const Tensor& x, int k,
-                                             StackFrame& frame);
+                                             int rows, StackFrame& frame);
     // The packed q/k/v projection's parameters and gradients of a layer (the
     // q/k norm gradients a sink when frozen).
     QkvWeights qkv_weights(const LayerWeights& w) const;

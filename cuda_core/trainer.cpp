@@ -132,6 +132,7 @@ struct DeviceState {
     // written before each step so that a captured step reads a new one.
     Tensor dropout_seed;
     Tensor staging;                  // float32 bounce buffer for parameters
+    KvCache kv_cache;                // generation's (capacity 0 until the first forward_cached)
 };
 
 namespace {
@@ -387,6 +388,7 @@ struct Trainer::Impl : TrainerSetup {
     bool validate_pending = false;           // queue_validate() ran, validate_result() not yet
     std::vector<StatValue> validate_rows;    // what the queued validate gathered (rank 0's copy)
     std::string stopped_by = "a worker failure";  // why `failed`, for the refusal's message
+    int cached_length = 0;  // positions in the devices' KV caches (forward_cached)
     std::mutex call_mutex;  // public calls from several threads run one at a time
     TestingHooks testing_hooks;
 
@@ -1081,6 +1083,42 @@ StepStats Trainer::validate_result() {
     m.refuse_if_failed();
     m.drain();
     return m.combine(m.validate_rows);
+}
+
+void Trainer::forward_cached(const std::int32_t* tokens, int count, int position, bool all_positions,
+                             float* logits) {
+    std::lock_guard<std::mutex> serial(impl_->call_mutex);
+    Impl& m = *impl_;
+    m.refuse_if_failed();
+    m.require_whole_world("generation (forward_cached)");
+    const int capacity = m.options.seq_len, vocab = m.config.vocab_size;
+    if (count < 1) throw InvalidArgument("forward_cached needs at least one token, got " + std::to_string(count));
+    if (position < 0 || position > m.cached_length)
+        throw InvalidArgument("forward_cached at position " + std::to_string(position) + ", but the cache holds " +
+                              std::to_string(m.cached_length) + " positions");
+    if (position > 0 && count != 1)
+        throw InvalidArgument("after the prompt (position 0) forward_cached takes one token at a time, got " +
+                              std::to_string(count));
+    if (position + count > capacity)
+        throw InvalidArgument("positions up to " + std::to_string(position + count) + " exceed seq_len " +
+                              std::to_string(capacity) + ", the longest sequence this trainer runs");
+    for (int i = 0; i < count; ++i)
+        if (tokens[i] < 0 || tokens[i] >= vocab)
+            throw InvalidArgument("token id " + std::to_string(tokens[i]) + " at " + std::to_string(i) +
+                                  " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+    m.run([&](int rank, DeviceState& d) {
+        if (d.kv_cache.capacity == 0) d.kv_cache = d.model->allocate_kv_cache(*d.allocator);
+        d.backend->copy_from_host(d.kv_cache.tokens.slice(position, count), tokens);
+        ZeroLayers layers(*m.zero, d.zero, d.weight_views, d.grad_views, *d.backend, *d.comm);
+        d.model->forward_cached(d.weight_views, layers, d.kv_cache, position, count, all_positions, *d.stack,
+                                [&](const Tensor& out, int first, int /*rows*/) {
+                                    if (rank != 0) return;
+                                    const int row = all_positions ? first : 0;
+                                    d.backend->copy_to_host(logits + std::int64_t(row) * vocab, out);
+                                });
+        d.backend->synchronize();
+    });
+    m.cached_length = position + count;
 }
 
 StepStats Trainer::update(const UpdateParams& params) {

@@ -19,6 +19,7 @@
 // .dtype("other_dtype_argument").
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "op_harness/default_composites.h"
 #include "op_harness/op_spec.h"
@@ -285,6 +286,27 @@ std::vector<OpSpec> make_table() {
                                             c["v"], attention(c));
          },
          attention_scratch, check_attention},
+        {"attention_decode",
+         "out [H, D]: the query q [H, D] of position time-1 attending to the cached k, v [time, Hkv, D] (batch 1, "
+         "as attention_forward's last row); use_default: the interface's default body",
+         {input("q", "heads,head_dim"), input("k", "time,kv_heads,head_dim"), input("v", "time,kv_heads,head_dim"),
+          flag("use_default", false), output("out", "heads,head_dim")},
+         {},
+         [](OpCall& c) {
+             const AttentionShape shape{1, c.i("time"), c.i("heads"), c.i("kv_heads"), c.i("head_dim")};
+             const std::int64_t width = std::int64_t(shape.heads) * shape.head_dim;
+             const Tensor workspace = c.workspace(2 * shape.time * width, "dtype", "decode-workspace");
+             const Tensor lse = c.upload(std::vector<float>(std::size_t(shape.heads) * shape.time, 0.0f),
+                                         "decode-lse-workspace");
+             NANOQ_COMPOSITE(c, attention_decode, c["out"], c["q"], c["k"], c["v"], shape, workspace, lse);
+         },
+         [](const OpCall& c) {
+             ScratchShapes s = no_scratch();
+             s.attention = AttentionShape{1, c.i("time"), c.i("heads"), c.i("kv_heads"), c.i("head_dim")};
+             s.attention_impl = AttentionImpl::Native;
+             return s;
+         },
+         check_attention},
         {"swiglu_forward", "silu(gate) * up, elementwise",
          {input("gate", "*n"), input("up", "*n"), output("out", "*n")},
          {},

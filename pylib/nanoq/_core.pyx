@@ -196,6 +196,7 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
             except +nanoq_raise_py_error
         CStepStats validate_result() except +nanoq_raise_py_error
         CStepStats update(const CUpdateParams&) except +nanoq_raise_py_error
+        void forward_cached(const int32_t*, int, int, cbool, float*) except +nanoq_raise_py_error
         void wait() except +nanoq_raise_py_error
         cbool wait_ready(int, cbool) except +nanoq_raise_py_error
         void discard_micro_batches() except +nanoq_raise_py_error
@@ -522,6 +523,7 @@ cdef class CoreTrainer:
     cdef CTrainer* _trainer
     cdef readonly int batch_rows
     cdef readonly int seq_len
+    cdef readonly int vocab_size
 
     def __cinit__(self, dict config, dict options, transport=None):
         """transport: None, or an object with rank, size, alltoallv(send,
@@ -534,6 +536,7 @@ cdef class CoreTrainer:
             t.reset(<CProcessTransport*>new CPyTransport(transport, int(transport.rank), int(transport.size)))
         self.batch_rows = o.devices * o.batch_size
         self.seq_len = o.seq_len
+        self.vocab_size = c.vocab_size
         with nogil:
             self._trainer = new CTrainer(c, o, t)
 
@@ -779,6 +782,23 @@ cdef class CoreTrainer:
         with nogil:
             s = t.validate(<const int32_t*>inputs, <const int32_t*>targets, device, inputs_stream, targets_stream)
         return _stats_dict(s)
+
+    def forward_cached(self, const int32_t[::1] tokens, int position, cbool all_positions, float[::1] logits not None):
+        """Tokens int32 [count] through the model with the KV cache at
+        `position` (0: a prompt; else one token after the cached ones);
+        logits float32 [count * vocab] (all_positions) or [vocab] is written."""
+        cdef CTrainer* t = self._get()
+        cdef int count = tokens.shape[0]
+        if count < 1:
+            raise ValueError("forward_cached needs at least one token")
+        if logits.shape[0] < 1:
+            raise ValueError("logits is empty")
+        cdef Py_ssize_t vocab = self.vocab_size
+        cdef Py_ssize_t needed = vocab * (count if all_positions else 1)
+        if logits.shape[0] != needed:
+            raise ValueError(f"logits has {logits.shape[0]} elements, forward_cached writes {needed}")
+        with nogil:
+            t.forward_cached(&tokens[0], count, position, all_positions, &logits[0])
 
     def update(self, float lr, float beta1, float beta2, float weight_decay, float grad_clip, float eps):
         cdef CTrainer* t = self._get()

@@ -12,6 +12,7 @@ import numpy as np
 
 from nanoq import _core
 from nanoq import distributed
+from nanoq import generation
 from nanoq import options as option_schema
 from nanoq.backends import CUDA_BACKENDS, device_count, new_comm_id, resolve_backend
 from nanoq.trainer_config import ModelConfig, TrainOptions, auto_dtype
@@ -626,6 +627,44 @@ class Trainer:
                 self._core.queue_validate_device(*device_batch)
             self._wait_for_devices(for_step=False)
             return StepStats(**self._core.validate_result())
+
+    # -- inference -------------------------------------------------------------
+    def _require_alone(self, what: str) -> None:
+        if self.processes.size > 1 or self.topology[0] != self.world_size:
+            raise ValueError(f"{what} runs in a trainer that holds its whole world; this one is one of "
+                             f"{self.processes.size} processes ({self.topology[0]} devices in all): call it in a "
+                             f"single-process run")
+
+    def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, stop=()) -> list[int]:
+        """Continues ``prompt_ids`` (a sequence of token ids) by up to
+        ``max_new_tokens`` tokens; returns the new ids (a list of ints).
+
+        The core runs the prompt in one pass that fills a KV cache (its own
+        allocation context, "kv-cache", kept after the first call), then one
+        token at a time attending to the cache; LoRA adapters apply unmerged.
+        Each token is chosen on the host from the last position's logits
+        (nanoq.generation.Sampler): temperature 0 (or top_k 1) is greedy;
+        else softmax(logits / temperature) restricted to the top_k highest
+        (0: all) and the top_p nucleus (1: all), drawn with a generator
+        seeded by ``seed`` (the same seed gives the same tokens). Generation
+        ends after a token of ``stop`` (an id or ids; it is included) or
+        after max_new_tokens. The prompt and the new tokens must fit in
+        ``options.seq_len`` positions. One sequence at a time, in a
+        single-process trainer; gradients and optimizer state are untouched.
+        """
+        self._require_alone("generate()")
+        sampler = generation.Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        return generation.generate(self._core, prompt_ids, max_new_tokens, sampler, stop)
+
+    def logits(self, inputs) -> np.ndarray:
+        """The model's logits for each row of ``inputs``, an integer array
+        [rows, T] of token ids (T <= options.seq_len; any number of rows):
+        numpy float32 [rows, T, vocab_size], position t of row r being the
+        logits for the token after inputs[r, :t+1]. Runs through the KV-cache
+        path of ``generate``, one row at a time; LoRA adapters apply."""
+        self._require_alone("logits()")
+        return generation.logits(self._core, inputs)
 
     def update(self, lr: float, beta1: float = 0.9, beta2: float = 0.95, weight_decay: float = 0.1,
                grad_clip: float = 1.0, eps: float = 1e-8) -> StepStats:

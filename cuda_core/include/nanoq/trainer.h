@@ -117,6 +117,15 @@ public:
     void queue_validate(const std::int32_t* inputs, const std::int32_t* targets, int source_device = -1,
                         std::uintptr_t inputs_stream = 0, std::uintptr_t targets_stream = 0);
     StepStats validate_result();
+    // Inference over one sequence with a KV cache (context "kv-cache",
+    // allocated on the first call and kept): runs tokens[count] at positions
+    // position .. position + count - 1, either a prompt (position 0, count <=
+    // seq_len: the cache restarts) or one token after the `position` ones
+    // the cache holds (count 1). Writes float32 logits of every new position
+    // ([count, vocab]) when all_positions, else of the last ([vocab]).
+    // Every device runs it (their weights may be sharded); device 0 writes.
+    // Needs the whole world in this trainer (else InvalidArgument).
+    void forward_cached(const std::int32_t* tokens, int count, int position, bool all_positions, float* logits);
 
     // Waits for the work step() queued; an error of that work is thrown
     // here, naming its step (close() and the destructor do not throw it).

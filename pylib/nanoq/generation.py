@@ -1,0 +1,135 @@
+"""Text generation on a Trainer: the KV-cache decode loop and host-side sampling.
+
+The core runs the model (``CoreTrainer.forward_cached``): the prompt in one
+pass that fills the KV cache, then one token at a time attending to it. This
+module checks the arguments, picks each next token from the last position's
+logits (greedy, temperature, top-k, top-p, with a seeded generator) and
+stops at ``max_new_tokens`` or a stop token. One sequence at a time.
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+
+def _int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return int(value)
+
+
+def _real(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def token_ids(name: str, ids, vocab_size: int) -> np.ndarray:
+    """`ids` (a sequence of ints or a 1-D integer array) as int32, each in [0, vocab_size)."""
+    if isinstance(ids, (str, bytes)):
+        raise TypeError(f"{name} must be token ids (ints), not text: tokenize it first")
+    array = np.asarray(ids)
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D sequence of token ids, got shape {array.shape}")
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"{name} must hold ints, got dtype {array.dtype}")
+    bad = np.flatnonzero((array < 0) | (array >= vocab_size))
+    if bad.size:
+        raise ValueError(f"token id {int(array[bad[0]])} at {name}[{int(bad[0])}] is outside the vocabulary "
+                         f"[0, {vocab_size})")
+    return np.ascontiguousarray(array, dtype=np.int32)
+
+
+class Sampler:
+    """Chooses the next token from a row of logits.
+
+    temperature 0 (or top_k 1) is greedy: the highest logit, the lowest id
+    among equals. Otherwise the logits are divided by ``temperature``,
+    restricted to the ``top_k`` highest (0: all), then to the smallest set of
+    highest-probability tokens whose probability reaches ``top_p`` (1: all),
+    and one token is drawn with numpy's PCG64 generator seeded by ``seed``.
+    """
+
+    def __init__(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0):
+        self.temperature = _real("temperature", temperature)
+        self.top_k = _int("top_k", top_k)
+        self.top_p = _real("top_p", top_p)
+        seed = _int("seed", seed)
+        if not self.temperature >= 0.0 or not np.isfinite(self.temperature):
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: no limit), got {top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        self.greedy = self.temperature == 0.0 or self.top_k == 1
+        self._rng = np.random.Generator(np.random.PCG64(seed))
+
+    def __call__(self, logits: np.ndarray) -> int:
+        if self.greedy:
+            return int(np.argmax(logits))
+        scaled = logits.astype(np.float64) / self.temperature
+        order = np.argsort(-scaled, kind="stable")  # highest first, lower ids first among equals
+        if self.top_k:
+            order = order[:self.top_k]
+        chosen = scaled[order]
+        probs = np.exp(chosen - chosen[0])
+        probs /= probs.sum()
+        if self.top_p < 1.0:
+            # Keep the tokens before the cumulative probability reaches top_p, and the one that reaches it.
+            keep = int(np.searchsorted(np.cumsum(probs), self.top_p)) + 1
+            order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+        return int(order[self._rng.choice(len(order), p=probs)])
+
+
+def generate(core, prompt_ids, max_new_tokens: int, sampler: Sampler, stop=()) -> list[int]:
+    """The decode loop over ``core`` (a CoreTrainer); see Trainer.generate."""
+    vocab, capacity = core.vocab_size, core.seq_len
+    prompt = token_ids("prompt_ids", prompt_ids, vocab)
+    max_new_tokens = _int("max_new_tokens", max_new_tokens)
+    if not prompt.size:
+        raise ValueError("prompt_ids is empty: generation needs at least one token to continue")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if isinstance(stop, numbers.Integral):
+        stop = (stop,)
+    stop_ids = set(int(t) for t in token_ids("stop", list(stop), vocab))
+    if prompt.size + max_new_tokens > capacity:
+        raise ValueError(f"the prompt ({prompt.size} tokens) and max_new_tokens ({max_new_tokens}) make "
+                         f"{prompt.size + max_new_tokens} positions, more than seq_len {capacity} (the "
+                         f"trainer's longest sequence): shorten them or make the Trainer with a larger seq_len")
+    new: list[int] = []
+    if max_new_tokens == 0:
+        return new
+    logits = np.empty(vocab, np.float32)
+    core.forward_cached(prompt, 0, False, logits)
+    position = prompt.size
+    while True:
+        token = sampler(logits)
+        new.append(token)
+        if token in stop_ids or len(new) == max_new_tokens:
+            return new
+        core.forward_cached(np.array([token], np.int32), position, False, logits)
+        position += 1
+
+
+def logits(core, inputs) -> np.ndarray:
+    """The logits of each row of ``inputs``; see Trainer.logits."""
+    array = np.asarray(inputs)
+    if array.ndim != 2:
+        raise ValueError(f"inputs must be a 2-D array [rows, time] of token ids, got shape {array.shape}")
+    rows, time = array.shape
+    if rows < 1 or time < 1:
+        raise ValueError(f"inputs must have at least one row and one position, got shape {array.shape}")
+    if time > core.seq_len:
+        raise ValueError(f"inputs has {time} positions, more than seq_len {core.seq_len} (the trainer's longest "
+                         f"sequence)")
+    if not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"inputs must hold int token ids, got dtype {array.dtype}")
+    out = np.empty((rows, time, core.vocab_size), np.float32)
+    for r in range(rows):
+        row = token_ids(f"inputs[{r}]", array[r], core.vocab_size)
+        core.forward_cached(row, 0, True, out[r].reshape(-1))
+    return out
