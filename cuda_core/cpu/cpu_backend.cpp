@@ -17,7 +17,6 @@
 #include <memory>
 #include <new>
 #include <string>
-#include <vector>
 
 #include "backend.h"
 #include "dropout.h"
@@ -380,43 +379,6 @@ public:
                 l[t] = m + std::log(sum);
             }
             gemm_serial(out.f32() + qoff, probs, v.f32() + koff, T, D, T, T, ldk, ldq, false, false, 1.0f, 0.0f);
-        }
-    }
-
-    // One query over the cache: each head's scores, softmax and weighted sum
-    // of values directly (no workspace).
-    void attention_decode(const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
-                          const AttentionShape& s, const Tensor&, const Tensor&) override {
-        if (s.batch != 1) throw InternalError("attention_decode attends for one sequence (batch 1)");
-        const int T = s.time, D = s.head_dim, group = s.heads / s.kv_heads, ldk = s.kv_heads * D;
-        const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-        const float* qp = q.f32();
-        const float* kp = k.f32();
-        const float* vp = v.f32();
-        float* op = out.f32();
-#pragma omp parallel for num_threads(threads_) schedule(static)
-        for (int h = 0; h < s.heads; ++h) {
-            const float* qh = qp + std::int64_t(h) * D;
-            const std::int64_t kv = std::int64_t(h / group) * D;
-            std::vector<float> scores(T);
-            float m = -std::numeric_limits<float>::infinity();
-            for (int u = 0; u < T; ++u) {
-                float dot = 0.0f;
-                for (int d = 0; d < D; ++d) dot += qh[d] * kp[std::int64_t(u) * ldk + kv + d];
-                scores[u] = dot * scale;
-                m = std::max(m, scores[u]);
-            }
-            float sum = 0.0f;
-            for (int u = 0; u < T; ++u) {
-                scores[u] = std::exp(scores[u] - m);
-                sum += scores[u];
-            }
-            float* oh = op + std::int64_t(h) * D;
-            for (int d = 0; d < D; ++d) oh[d] = 0.0f;
-            for (int u = 0; u < T; ++u) {
-                const float p = scores[u] / sum;
-                for (int d = 0; d < D; ++d) oh[d] += p * vp[std::int64_t(u) * ldk + kv + d];
-            }
         }
     }
 

@@ -84,8 +84,10 @@ class Sampler:
         return int(order[self._rng.choice(len(order), p=probs)])
 
 
-def generate(core, prompt_ids, max_new_tokens: int, sampler: Sampler, stop=()) -> list[int]:
-    """The decode loop over ``core`` (a CoreTrainer); see Trainer.generate."""
+def generate(core, prompt_ids, max_new_tokens: int, sampler: Sampler, stop=(),
+             max_positions: int | None = None) -> list[int]:
+    """The decode loop over ``core`` (a CoreTrainer); see Trainer.generate.
+    max_positions: the model's max_position_embeddings (None: unknown)."""
     vocab, capacity = core.vocab_size, core.seq_len
     prompt = token_ids("prompt_ids", prompt_ids, vocab)
     max_new_tokens = _int("max_new_tokens", max_new_tokens)
@@ -100,6 +102,10 @@ def generate(core, prompt_ids, max_new_tokens: int, sampler: Sampler, stop=()) -
         raise ValueError(f"the prompt ({prompt.size} tokens) and max_new_tokens ({max_new_tokens}) make "
                          f"{prompt.size + max_new_tokens} positions, more than seq_len {capacity} (the "
                          f"trainer's longest sequence): shorten them or make the Trainer with a larger seq_len")
+    if max_positions and prompt.size + max_new_tokens > max_positions:
+        raise ValueError(f"the prompt ({prompt.size} tokens) and max_new_tokens ({max_new_tokens}) make "
+                         f"{prompt.size + max_new_tokens} positions, more than the model's "
+                         f"max_position_embeddings {max_positions}")
     new: list[int] = []
     if max_new_tokens == 0:
         return new

@@ -650,12 +650,13 @@ class Trainer:
         seeded by ``seed`` (the same seed gives the same tokens). Generation
         ends after a token of ``stop`` (an id or ids; it is included) or
         after max_new_tokens. The prompt and the new tokens must fit in
-        ``options.seq_len`` positions. One sequence at a time, in a
+        ``options.seq_len`` positions (and the model's max_position_embeddings). One sequence at a time, in a
         single-process trainer; gradients and optimizer state are untouched.
         """
         self._require_alone("generate()")
         sampler = generation.Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        return generation.generate(self._core, prompt_ids, max_new_tokens, sampler, stop)
+        return generation.generate(self._core, prompt_ids, max_new_tokens, sampler, stop,
+                                   self.config.max_position_embeddings)
 
     def logits(self, inputs) -> np.ndarray:
         """The model's logits for each row of ``inputs``, an integer array

@@ -1,0 +1,238 @@
+"""Generation with the core's KV cache (Trainer.generate, Trainer.logits,
+nanoq.generation.Sampler) against transformers on the same weights.
+
+The prompt runs as one causal pass that fills the cache, each later token as
+one query over it (Backend::attention_decode); greedy decoding must give
+transformers' greedy `generate` token for token, and the logits of every
+position those of the model's forward.
+"""
+import numpy as np
+import peft
+import pytest
+import torch
+
+import nanoq
+from conftest import VOCAB, open_trainer, random_batch, require_cuda_emulator
+from nanoq.generation import Sampler
+from nanoq.lora import PEFT_NAMES, LoraConfig
+from test_lora import nanoq_name, random_adapters, set_adapters
+
+LOGITS_ABS = 2e-5  # fp32 against fp32 torch: |logits| ~ 5, differences ~4e-6
+GEN_SEQ = 32       # positions of the generating trainers (prompt + new tokens)
+PROMPT = [5, 9, 3, 77, 101]
+
+
+def hf_greedy(model, prompt, new_tokens):
+    """transformers' greedy continuation of `prompt` (no eos: exactly new_tokens)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def kv_cache_bytes(trainer):
+    return sum(a["bytes"] for a in trainer.get_allocations(0) if a["context"] == "kv-cache")
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama_tied", "qwen2", "qwen3"])
+def test_logits_match_transformers(checkpoints, variant):
+    inputs = np.random.default_rng(0).integers(0, VOCAB, (3, 12)).astype(np.int32)
+    with open_trainer(checkpoints.path(variant)) as tr:
+        logits = tr.logits(inputs)
+    with torch.no_grad():
+        expected = checkpoints.model(variant)(torch.tensor(inputs).long()).logits.numpy()
+    assert logits.dtype == np.float32 and logits.shape == (3, 12, VOCAB)
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=LOGITS_ABS)
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen3"])
+def test_greedy_generate_matches_transformers_token_for_token(checkpoints, variant):
+    with open_trainer(checkpoints.path(variant), seq_len=GEN_SEQ) as tr:
+        tokens = tr.generate(PROMPT, 24, temperature=0)
+    assert tokens == hf_greedy(checkpoints.model(variant), PROMPT, 24)
+    assert len(tokens) == 24 and all(isinstance(t, int) for t in tokens)
+
+
+def test_greedy_generate_with_lora_adapters_matches_peft(checkpoints):
+    lora = LoraConfig(rank=4, alpha=8.0, targets="all")
+    path = checkpoints.path("qwen2")
+    options = nanoq.TrainOptions(backend="cpu", batch_size=1, seq_len=GEN_SEQ, lora=lora)
+    with nanoq.Trainer(nanoq.ModelConfig.from_pretrained(path), options) as tr:
+        tr.import_weights(path)
+        adapters = random_adapters(tr, seed=3)
+        set_adapters(tr, adapters)
+        tokens = tr.generate(PROMPT, 20, temperature=0)
+        with_adapters = tr.logits(np.array([PROMPT], np.int32))
+    model = peft.get_peft_model(checkpoints.model("qwen2"), peft.LoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, target_modules=[PEFT_NAMES[t] for t in lora.targets])).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if ".lora_" in name:
+                parameter.copy_(torch.from_numpy(adapters[nanoq_name(name)]))
+        expected = model(torch.tensor([PROMPT])).logits.numpy()
+        plain = checkpoints.model("qwen2")(torch.tensor([PROMPT])).logits.numpy()
+    assert np.abs(expected - plain).max() > 1e-2  # the adapters matter
+    np.testing.assert_allclose(with_adapters, expected, rtol=0, atol=LOGITS_ABS)
+    assert tokens == hf_greedy(model, PROMPT, 20)
+
+
+def test_generate_on_two_devices_with_sharded_weights_equals_one_device(checkpoints):
+    path = checkpoints.path("llama")
+    with open_trainer(path, seq_len=GEN_SEQ) as one:
+        expected = one.generate(PROMPT, 16, temperature=0.8, seed=4)
+        expected_logits = one.logits(np.array([PROMPT], np.int32))
+    config = nanoq.ModelConfig.from_pretrained(path)
+    options = nanoq.TrainOptions(backend="cpu", devices=2, batch_size=1, seq_len=GEN_SEQ, zero_stage=3)
+    with nanoq.Trainer(config, options) as two:
+        two.import_weights(path)
+        assert two.generate(PROMPT, 16, temperature=0.8, seed=4) == expected
+        np.testing.assert_array_equal(two.logits(np.array([PROMPT], np.int32)), expected_logits)
+
+
+def test_top_k_one_is_greedy_and_seeded_sampling_is_reproducible(checkpoints):
+    with open_trainer(checkpoints.path("llama"), seq_len=GEN_SEQ) as tr:
+        greedy = tr.generate(PROMPT, 20, temperature=0)
+        assert tr.generate(PROMPT, 20, temperature=1.5, top_k=1, seed=9) == greedy
+        first = tr.generate(PROMPT, 20, temperature=1.0, seed=1)
+        again = tr.generate(PROMPT, 20, temperature=1.0, seed=1)
+        other = tr.generate(PROMPT, 20, temperature=1.0, seed=2)
+        nucleus = tr.generate(PROMPT, 20, temperature=1.0, top_k=10, top_p=0.9, seed=1)
+    assert first == again
+    assert first != other
+    assert first != greedy
+    assert len(nucleus) == 20
+
+
+def test_stop_tokens_end_generation_after_the_stop_token(checkpoints):
+    with open_trainer(checkpoints.path("llama"), seq_len=GEN_SEQ) as tr:
+        free = tr.generate(PROMPT, 20, temperature=0)
+        stop = free[3]
+        first = free.index(stop)
+        assert tr.generate(PROMPT, 20, temperature=0, stop=[stop, VOCAB - 1]) == free[:first + 1]
+        assert tr.generate(PROMPT, 20, temperature=0, stop=stop) == free[:first + 1]
+        assert tr.generate(PROMPT, 0) == []
+
+
+def test_the_kv_cache_is_an_allocation_context_the_inspector_shows(checkpoints):
+    with open_trainer(checkpoints.path("qwen3"), seq_len=GEN_SEQ) as tr:
+        assert kv_cache_bytes(tr) == 0  # allocated by the first generation
+        tr.generate(PROMPT, 3, temperature=0)
+        names = {a["name"]: a["bytes"] for a in tr.get_allocations(0) if a["context"] == "kv-cache"}
+        cfg = tr.config
+        # Keys and values of every layer, for seq_len positions of the kv heads (float32).
+        per_layer = GEN_SEQ * cfg.num_key_value_heads * cfg.head_dim * 4
+        for layer in range(cfg.num_hidden_layers):
+            assert names[f"kv-cache.layer.{layer}.keys"] == per_layer
+            assert names[f"kv-cache.layer.{layer}.values"] == per_layer
+        held = kv_cache_bytes(tr)
+        tr.generate(PROMPT, 3, temperature=0)
+        assert kv_cache_bytes(tr) == held  # kept and reused
+        assert tr.memory_summary()[0]["contexts"]["kv-cache"] == held
+
+
+def test_generation_leaves_training_bitwise_unchanged(checkpoints):
+    """A generate() between steps changes neither the gradients nor the update."""
+    batch = random_batch(np.random.default_rng(5), rows=2)
+    results = []
+    for generate in (False, True):
+        with open_trainer(checkpoints.path("llama")) as tr:
+            tr.step(*batch)
+            if generate:
+                tr.generate(PROMPT, 6, temperature=0.7, seed=3)
+                tr.logits(batch[0])
+            stats = tr.update(lr=1e-2)
+            tr.step(*batch)
+            results.append((stats.loss, tr.get_gradients(), tr.get_weights()))
+    (loss_a, grads_a, weights_a), (loss_b, grads_b, weights_b) = results
+    assert loss_a == loss_b
+    for name in weights_a:
+        np.testing.assert_array_equal(weights_a[name], weights_b[name], name)
+        np.testing.assert_array_equal(grads_a[name], grads_b[name], name)
+
+
+def test_bad_generation_arguments_raise_naming_the_argument(checkpoints):
+    with open_trainer(checkpoints.path("llama"), seq_len=GEN_SEQ) as tr:
+        cases = [
+            (dict(prompt_ids=[]), ValueError, "prompt_ids is empty"),
+            (dict(prompt_ids=[1, VOCAB]), ValueError, rf"token id {VOCAB} at prompt_ids\[1\] is outside"),
+            (dict(prompt_ids=[1, -1]), ValueError, r"token id -1 at prompt_ids\[1\]"),
+            (dict(prompt_ids="hello"), TypeError, "not text"),
+            (dict(prompt_ids=[[1, 2]]), ValueError, "1-D"),
+            (dict(prompt_ids=[1.5]), TypeError, "ints"),
+            (dict(max_new_tokens=GEN_SEQ), ValueError, "more than seq_len 32"),
+            (dict(max_new_tokens=-1), ValueError, "max_new_tokens must be >= 0"),
+            (dict(max_new_tokens=2.0), TypeError, "max_new_tokens must be an int"),
+            (dict(temperature=-0.1), ValueError, "temperature must be >= 0"),
+            (dict(temperature="hot"), TypeError, "temperature must be a number"),
+            (dict(top_p=0.0), ValueError, r"top_p must be in \(0, 1\]"),
+            (dict(top_p=1.5), ValueError, r"top_p must be in \(0, 1\]"),
+            (dict(top_k=-1), ValueError, "top_k must be >= 0"),
+            (dict(seed=-3), ValueError, "seed must be >= 0"),
+            (dict(stop=[VOCAB + 5]), ValueError, r"token id 133 at stop\[0\]"),
+        ]
+        for change, error, words in cases:
+            kwargs = dict(dict(prompt_ids=PROMPT, max_new_tokens=4), **change)
+            with pytest.raises(error, match=words):
+                tr.generate(**kwargs)
+        with pytest.raises(ValueError, match="more than seq_len"):
+            tr.logits(np.zeros((1, GEN_SEQ + 1), np.int32))
+        with pytest.raises(ValueError, match="2-D"):
+            tr.logits(np.zeros(4, np.int32))
+        with pytest.raises(ValueError, match=r"token id 200 at inputs\[0\]\[2\]"):
+            tr.logits(np.array([[1, 2, 200]]))
+        # Nothing above broke the trainer.
+        assert tr.generate(PROMPT, 4, temperature=0) == tr.generate(PROMPT, 4, temperature=0)
+
+
+def test_generate_refuses_a_trainer_of_several_processes(checkpoints):
+    class TwoProcesses(nanoq.distributed.SingleProcess):
+        size = 2
+
+    with open_trainer(checkpoints.path("llama")) as tr:
+        tr.processes = TwoProcesses()
+        with pytest.raises(ValueError, match="generate\\(\\) runs in a trainer that holds its whole world"):
+            tr.generate(PROMPT, 2)
+        with pytest.raises(ValueError, match="logits\\(\\) runs in a trainer"):
+            tr.logits(np.array([PROMPT], np.int32))
+
+
+def test_sampler_draws_from_the_top_k_and_nucleus_with_softmax_frequencies():
+    logits = np.log(np.array([0.05, 0.4, 0.1, 0.3, 0.15], np.float32))
+    draws = 4000
+
+    def frequencies(**kwargs):
+        sampler = Sampler(seed=11, **kwargs)
+        counts = np.bincount([sampler(logits) for _ in range(draws)], minlength=5)
+        return counts / draws
+
+    np.testing.assert_allclose(frequencies(), [0.05, 0.4, 0.1, 0.3, 0.15], atol=0.03)
+    # top_k 2: tokens 1 and 3 only, renormalised.
+    np.testing.assert_allclose(frequencies(top_k=2), [0, 0.4 / 0.7, 0, 0.3 / 0.7, 0], atol=0.03)
+    # top_p 0.8: 0.4 + 0.3 < 0.8 <= 0.4 + 0.3 + 0.15, so tokens 1, 3 and 4.
+    np.testing.assert_allclose(frequencies(top_p=0.8), [0, 0.4 / 0.85, 0, 0.3 / 0.85, 0.15 / 0.85], atol=0.03)
+    # temperature 0.5 squares the probabilities (before normalising).
+    squared = np.array([0.05, 0.4, 0.1, 0.3, 0.15]) ** 2
+    np.testing.assert_allclose(frequencies(temperature=0.5), squared / squared.sum(), atol=0.03)
+    assert Sampler(temperature=0)(logits) == 1
+    assert Sampler(temperature=0)(np.array([1.0, 3.0, 3.0], np.float32)) == 1  # ties: the lowest id
+
+
+@pytest.mark.cuda_emulated
+def test_emulated_cuda_backend_generates_as_the_cpu_backend(checkpoints):
+    """The generation path on the cuda backend's kernels (under the CPU
+    emulator): prefill attention, attention_decode's default body over the
+    attention kernel, and the rest of the forward."""
+    require_cuda_emulator()
+    path = checkpoints.path("qwen3")
+    config = nanoq.ModelConfig.from_pretrained(path)
+    options = nanoq.TrainOptions(backend="cuda_emulated", dtype="fp32", batch_size=1, seq_len=GEN_SEQ)
+    prompt = PROMPT[:3]
+    with nanoq.Trainer(config, options) as tr:
+        tr.import_weights(path)
+        tokens = tr.generate(prompt, 5, temperature=0)
+        logits = tr.logits(np.array([prompt + tokens[:-1]], np.int32))
+        assert kv_cache_bytes(tr) > 0
+    with open_trainer(path, seq_len=GEN_SEQ) as cpu:
+        assert cpu.generate(prompt, 5, temperature=0) == tokens
+        expected = cpu.logits(np.array([prompt + tokens[:-1]], np.int32))
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=LOGITS_ABS)
