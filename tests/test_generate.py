@@ -6,6 +6,8 @@ one query over it (Backend::attention_decode); greedy decoding must give
 transformers' greedy `generate` token for token, and the logits of every
 position those of the model's forward.
 """
+import json
+
 import numpy as np
 import peft
 import pytest
@@ -236,3 +238,108 @@ def test_emulated_cuda_backend_generates_as_the_cpu_backend(checkpoints):
         assert cpu.generate(prompt, 5, temperature=0) == tokens
         expected = cpu.logits(np.array([prompt + tokens[:-1]], np.int32))
     np.testing.assert_allclose(logits, expected, rtol=0, atol=LOGITS_ABS)
+
+
+# --------------------------------------------------------------------------
+# nanoq generate / nanoq eval
+# --------------------------------------------------------------------------
+
+CLI_TEXT = ["The quick brown fox jumps over the lazy dog. " * 3, "A stitch in time saves nine, they say. " * 3]
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    """A tiny random Llama with a trained byte-level BPE tokenizer beside it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from conftest import TINY, randomize_
+    from nanoq.tokenization.tokenizer import train_bpe_tokenizer, tokenizer_vocab_size
+
+    tokenizer = train_bpe_tokenizer(CLI_TEXT, 300)
+    vocab = tokenizer_vocab_size(tokenizer)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**dict(TINY, vocab_size=vocab, max_position_embeddings=64))).eval()
+    randomize_(model, 0)
+    path = tmp_path_factory.mktemp("hf") / "tiny"
+    model.save_pretrained(str(path))
+    tokenizer.save(str(path / "tokenizer.json"))
+    return path, model, tokenizer
+
+
+def invoke(*args):
+    from click.testing import CliRunner
+
+    from nanoq_cli.main import cli
+
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_nanoq_generate_prints_transformers_greedy_continuation(hf_folder, tmp_path):
+    path, model, tokenizer = hf_folder
+    prompt = "The quick brown"
+    ids = tokenizer.encode(prompt).ids
+    result = invoke("generate", path, "--prompt", prompt, "--max-new-tokens", 12, "--temperature", 0,
+                    "--backend", "cpu", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    expected = hf_greedy(model, ids, 12)
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    if eos in expected:  # nanoq stops at the tokenizer's end-of-sequence token, included
+        expected = expected[:expected.index(eos) + 1]
+    assert out["prompt"] == prompt and out["prompt_ids"] == ids
+    assert out["completion_ids"] == expected
+    assert out["completion"] == tokenizer.decode(expected, skip_special_tokens=True)
+    text = invoke("generate", path, "--prompt", prompt, "--max-new-tokens", 12, "--temperature", 0,
+                  "--backend", "cpu")
+    assert text.exit_code == 0 and text.output == out["completion"] + "\n"
+
+    # The same weights as a nanoq checkpoint (recording the tokenizer) generate the same.
+    config = nanoq.ModelConfig.from_pretrained(path)
+    with nanoq.Trainer(config, nanoq.TrainOptions(backend="cpu", batch_size=1, seq_len=16)) as tr:
+        tr.import_weights(path)
+        tr.save_checkpoint(tmp_path / "checkpoints", 7, tokenizer_dir=str(path))
+    again = invoke("generate", tmp_path / "checkpoints", "--prompt", prompt, "--max-new-tokens", 12,
+                   "--temperature", 0, "--backend", "cpu", "--json")
+    assert again.exit_code == 0, again.output
+    assert json.loads(again.output)["completion_ids"] == expected
+    # A run folder: its checkpoints.
+    run = invoke("generate", tmp_path, "--prompt", prompt, "--max-new-tokens", 12, "--temperature", 0,
+                 "--backend", "cpu", "--json")
+    assert run.exit_code == 0 and json.loads(run.output)["completion_ids"] == expected
+
+
+def test_nanoq_generate_refuses_what_it_cannot_run(hf_folder, tmp_path):
+    path, _, _ = hf_folder
+    result = invoke("generate", path, "--prompt", "The", "--max-new-tokens", 100, "--backend", "cpu")
+    assert result.exit_code != 0 and "exceed the model's 64 positions" in result.output
+    result = invoke("generate", tmp_path, "--prompt", "The", "--backend", "cpu")
+    assert result.exit_code != 0 and "is not a Hugging Face model folder" in result.output
+    result = invoke("generate", path, "--prompt", "The", "--top-p", 0)
+    assert result.exit_code != 0 and "--top-p" in result.output
+
+
+def test_nanoq_eval_equals_transformers_mean_loss_on_the_same_windows(hf_folder, tmp_path):
+    from nanoq.data import Dataset
+    from nanoq.data.token_file import write_tokens
+
+    path, model, tokenizer = hf_folder
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(7)
+    for i, count in enumerate([70, 45]):  # 6 + 4 windows of 11 tokens, tails dropped
+        write_tokens(tmp_path / f"eval_{i}.bin", rng.integers(0, vocab, count), vocab)
+    result = invoke("eval", path, "--data", tmp_path / "eval_*.bin", "--seq-len", 10, "--batch-size", 4,
+                    "--backend", "cpu", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+
+    inputs, targets = Dataset(str(tmp_path / "eval_*.bin"), 10).read_windows(np.arange(10))
+    with torch.no_grad():
+        logits = model(torch.tensor(inputs).long()).logits
+        expected = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab).double(),
+                                                     torch.tensor(targets).long().reshape(-1)).item()
+    assert out["tokens"] == 100 and out["windows"] == 10 and out["batches"] == 3  # the last batch padded
+    assert out["loss"] == pytest.approx(expected, rel=1e-5)
+    assert out["perplexity"] == pytest.approx(np.exp(expected), rel=1e-5)
+    text = invoke("eval", path, "--data", tmp_path / "eval_*.bin", "--seq-len", 10, "--batches", 1,
+                  "--backend", "cpu")
+    assert text.exit_code == 0 and text.output.startswith("loss ") and "1 batches" in text.output

@@ -1,4 +1,4 @@
-"""The ``nanoq`` command line: train, tokenize, export, plot, info, convert.
+"""The ``nanoq`` command line: train, tokenize, export, generate, eval, plot, info, convert.
 
 The options of ``nanoq train`` are generated from the settings table in
 ``nanoq.training.settings``, so the TOML schema, the flags and the docs cannot
@@ -13,6 +13,7 @@ import sys
 import click
 
 from nanoq import options as option_schema
+from nanoq_cli import inference
 from nanoq.training.settings import settings
 
 
@@ -448,6 +449,10 @@ def nano_config(model_config, train_config, output, force, data_dir, stage_steps
         for item in conversion.imports:
             click.echo(f"  {item.command(vocab)}")
     click.echo(f"then train: nanoq train {output}")
+
+
+cli.add_command(inference.generate)
+cli.add_command(inference.eval_command)
 
 
 def main():

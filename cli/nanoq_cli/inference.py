@@ -1,0 +1,201 @@
+"""`nanoq generate` and `nanoq eval`: a trained model's text and loss.
+
+MODEL is a Hugging Face model folder (config.json + safetensors), a nanoq
+run folder (its final model/ if there is one, else its newest checkpoint)
+or a checkpoint (a step directory or a checkpoint root). A LoRA checkpoint
+runs its adapters unmerged on the base model it recorded.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import click
+
+BACKENDS = ("auto", "cpu", "cuda", "cuda_emulated")
+RUN_MODEL = "model"          # the final model a finished run exports
+RUN_CHECKPOINTS = "checkpoints"
+
+
+@dataclass
+class ModelSource:
+    """Where a model's weights, architecture and tokenizer come from."""
+    kind: str                   # "hf" or "checkpoint"
+    path: str                   # the HF folder, or the checkpoint's step directory
+    config: object              # nanoq.ModelConfig
+    tokenizer_dir: Optional[str]
+    max_positions: Optional[int]
+    trained_seq_len: Optional[int] = None
+    lora: object = None         # nanoq.lora.LoraConfig of a LoRA checkpoint
+    base_model: Optional[str] = None
+
+
+def find_model(path: str) -> ModelSource:
+    """The ModelSource of MODEL (see the module docstring); ValueError when
+    `path` is none of those."""
+    from nanoq import ModelConfig
+    from nanoq.checkpoint import CheckpointError, read_state
+    from nanoq.lora import LoraConfig
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        config = ModelConfig.from_pretrained(path)
+        tokenizer = path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
+        return ModelSource("hf", path, config, tokenizer, config.max_position_embeddings)
+    if os.path.isfile(os.path.join(path, RUN_MODEL, "config.json")):
+        return find_model(os.path.join(path, RUN_MODEL))
+    root = os.path.join(path, RUN_CHECKPOINTS) if os.path.isdir(os.path.join(path, RUN_CHECKPOINTS)) else path
+    try:
+        state = read_state(root)
+    except CheckpointError as e:
+        raise ValueError(f"{path} is not a Hugging Face model folder (no config.json), a run folder or a "
+                         f"checkpoint: {e}") from None
+    lora = LoraConfig(**state["lora"]) if state.get("lora") else None
+    tokenizer = state.get("tokenizer_dir")
+    if tokenizer and not os.path.isfile(os.path.join(tokenizer, "tokenizer.json")):
+        tokenizer = None
+    return ModelSource("checkpoint", state["path"], ModelConfig(**state["model_config"]), tokenizer,
+                       state.get("max_position_embeddings"),
+                       trained_seq_len=state["options"].get("seq_len"), lora=lora, base_model=state.get("base_model"))
+
+
+def open_trainer(source: ModelSource, backend: str, seq_len: int, batch_size: int = 1):
+    """A Trainer of `source`'s model with its weights (one device)."""
+    import nanoq
+    from nanoq.checkpoint import read_weights
+
+    options = nanoq.TrainOptions(backend=backend, batch_size=batch_size, seq_len=seq_len, lora=source.lora)
+    trainer = nanoq.Trainer(source.config, options)
+    try:
+        if source.kind == "hf":
+            trainer.import_weights(source.path)
+        else:
+            if source.lora is not None:
+                if not source.base_model or not os.path.exists(source.base_model):
+                    raise ValueError(f"{source.path}: the LoRA checkpoint's base model {source.base_model!r} is "
+                                     f"not there any more; export it with nanoq export --merge --base-model")
+                trainer.import_weights(source.base_model)
+            trainer.set_weights(read_weights(source.path), trainable_only=True)
+    except BaseException:
+        trainer.close()
+        raise
+    return trainer
+
+
+def _load_tokenizer(source: ModelSource, what: str):
+    from nanoq.tokenization.tokenizer import load_tokenizer
+
+    if source.tokenizer_dir is None:
+        raise ValueError(f"{source.path} has no tokenizer (tokenizer.json) for {what}; give a model folder that "
+                         f"holds one, or a checkpoint whose run recorded one")
+    return load_tokenizer(source.tokenizer_dir)
+
+
+@click.command("generate")
+@click.argument("model", type=click.Path(exists=True, file_okay=False))
+@click.option("--prompt", required=True, help="The text to continue.")
+@click.option("--max-new-tokens", type=click.IntRange(0), default=64, show_default=True,
+              help="Most tokens to generate (fewer when the tokenizer's end-of-sequence token comes first).")
+@click.option("--temperature", type=click.FloatRange(0.0), default=1.0, show_default=True,
+              help="Softmax temperature; 0 is greedy (the most likely token each time).")
+@click.option("--top-k", type=click.IntRange(0), default=0, show_default=True,
+              help="Sample among the K most likely tokens only (0: all).")
+@click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True,
+              help="Sample among the most likely tokens whose probability reaches P (1: all).")
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed of the sampling.")
+@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
+@click.option("--json", "as_json", is_flag=True,
+              help="Print an object {prompt, completion, prompt_ids, completion_ids} instead of the text.")
+def generate(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, backend, as_json):
+    """Continue PROMPT with MODEL (a Hugging Face model folder with its
+    tokenizer, a run folder or a checkpoint) and print the continuation."""
+    from nanoq.tokenization.tokenizer import find_eos_id
+
+    try:
+        source = find_model(model)
+        tokenizer = _load_tokenizer(source, "--prompt")
+        prompt_ids = tokenizer.encode(prompt).ids
+        if not prompt_ids:
+            raise ValueError("--prompt encodes to no tokens: give some text")
+        try:
+            stop = [find_eos_id(tokenizer, source=os.path.join(source.tokenizer_dir, "tokenizer.json"))]
+        except ValueError:
+            stop = []
+        seq_len = len(prompt_ids) + max_new_tokens
+        if source.max_positions and seq_len > source.max_positions:
+            raise ValueError(f"the prompt ({len(prompt_ids)} tokens) and --max-new-tokens ({max_new_tokens}) "
+                             f"exceed the model's {source.max_positions} positions")
+        with open_trainer(source, backend, max(seq_len, 1)) as trainer:
+            completion_ids = trainer.generate(prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                                              top_p=top_p, seed=seed, stop=stop)
+    except (ValueError, TypeError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    completion = tokenizer.decode(completion_ids, skip_special_tokens=True)
+    if as_json:
+        click.echo(json.dumps(dict(prompt=prompt, completion=completion, prompt_ids=prompt_ids,
+                                   completion_ids=completion_ids)))
+    else:
+        click.echo(completion)
+
+
+def evaluate(trainer, dataset, max_batches: int = 0) -> dict:
+    """Mean loss (over every counted target token) and perplexity of
+    `trainer` on the windows of `dataset` (nanoq.data.Dataset), in batches of
+    the trainer's rows; at most `max_batches` batches (0: all)."""
+    from nanoq.data import EvalLoader
+
+    loader = EvalLoader(dataset, batch_rows=trainer.options.devices * trainer.options.batch_size)
+    loss_sum, tokens, batches = 0.0, 0, 0
+    for inputs, targets in loader:
+        if max_batches and batches == max_batches:
+            break
+        stats = trainer.validate(inputs, targets)
+        loss_sum += stats.loss * stats.tokens
+        tokens += stats.tokens
+        batches += 1
+    if tokens == 0:
+        raise ValueError("the evaluated windows hold no counted target tokens (every target is masked)")
+    loss = loss_sum / tokens
+    return dict(loss=loss, perplexity=math.exp(loss) if loss < 700 else math.inf, tokens=tokens,
+                batches=batches, windows=min(dataset.num_windows, batches * loader.batch_rows))
+
+
+@click.command("eval")
+@click.argument("model", type=click.Path(exists=True, file_okay=False))
+@click.option("--data", required=True, metavar="GLOB", help='Token files (.bin) to evaluate on, e.g. "eval_*.bin".')
+@click.option("--seq-len", type=click.IntRange(1),
+              help="Window length (default: a checkpoint's training seq_len, else the model's positions, at "
+              "most 1024).")
+@click.option("--batches", type=click.IntRange(0), default=0, show_default=True,
+              help="Evaluate at most this many batches (0: every window).")
+@click.option("--batch-size", type=click.IntRange(1), default=4, show_default=True, help="Windows per batch.")
+@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
+def eval_command(model, data, seq_len, batches, batch_size, backend, as_json):
+    """Mean loss and perplexity of MODEL (a Hugging Face model folder, a run
+    folder or a checkpoint) on the windows of seq_len + 1 tokens of token
+    files, as training evaluates them."""
+    from nanoq.data import Dataset
+
+    try:
+        source = find_model(model)
+        if seq_len is None:
+            seq_len = source.trained_seq_len or min(source.max_positions or 1024, 1024)
+        if source.max_positions and seq_len > source.max_positions:
+            raise ValueError(f"--seq-len {seq_len} exceeds the model's {source.max_positions} positions")
+        dataset = Dataset(data, seq_len)
+        if dataset.vocab_size > source.config.vocab_size:
+            raise ValueError(f"the token files have vocab size {dataset.vocab_size}, more than the model's "
+                             f"{source.config.vocab_size}: they were tokenized for another model")
+        with open_trainer(source, backend, seq_len, batch_size) as trainer:
+            result = evaluate(trainer, dataset, batches)
+    except (ValueError, TypeError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    result = dict(model=model, data=data, seq_len=seq_len, **result)
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        click.echo(f"loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}  ({result['tokens']:,} tokens "
+                   f"in {result['windows']} windows of {seq_len}, {result['batches']} batches)")
