@@ -343,3 +343,23 @@ def test_nanoq_eval_equals_transformers_mean_loss_on_the_same_windows(hf_folder,
     text = invoke("eval", path, "--data", tmp_path / "eval_*.bin", "--seq-len", 10, "--batches", 1,
                   "--backend", "cpu")
     assert text.exit_code == 0 and text.output.startswith("loss ") and "1 batches" in text.output
+
+
+def test_nanoq_generate_runs_a_lora_checkpoint_unmerged_on_its_base(hf_folder, tmp_path):
+    path, _, tokenizer = hf_folder
+    prompt = "A stitch in"
+    ids = tokenizer.encode(prompt).ids
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    lora = LoraConfig(rank=4, alpha=8.0, targets="q,v,down")
+    options = nanoq.TrainOptions(backend="cpu", batch_size=1, seq_len=16, lora=lora)
+    with nanoq.Trainer(nanoq.ModelConfig.from_pretrained(path), options) as tr:
+        tr.import_weights(path)
+        base = tr.logits(np.array([ids], np.int32))
+        set_adapters(tr, random_adapters(tr, seed=5))
+        assert np.abs(tr.logits(np.array([ids], np.int32)) - base).max() > 1e-2  # the adapters matter
+        expected = tr.generate(ids, 10, temperature=0, stop=[eos])
+        tr.save_checkpoint(tmp_path / "lora", 1, tokenizer_dir=str(path))
+    result = invoke("generate", tmp_path / "lora", "--prompt", prompt, "--max-new-tokens", 10, "--temperature", 0,
+                    "--backend", "cpu", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["completion_ids"] == expected
