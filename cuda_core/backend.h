@@ -217,6 +217,17 @@ public:
                                     const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
                                     const Tensor& v, const AttentionShape& shape) = 0;
 
+    // Generation's attention (batch 1): the query of position time-1,
+    // q/out [H*D], over the cached keys and values k/v [time, Hkv*D] of
+    // positions 0 .. time-1 (shape.batch 1, shape.time the cached length);
+    // the same as attention_forward's last row. `workspace` (q's dtype,
+    // 2 * time * H * D elements) and `lse_workspace` (float32, H * time)
+    // are the caller's, for a backend that computes it as a causal attention
+    // over `time` positions (cuda); the cpu attends with the one query alone.
+    virtual void attention_decode(const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const AttentionShape& shape, const Tensor& workspace,
+                                  const Tensor& lse_workspace) = 0;
+
     // out = silu(gate) * up, elementwise. dgate may alias dout.
     virtual void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) = 0;
     virtual void swiglu_backward(const Tensor& dgate, const Tensor& dup, const Tensor& dout, const Tensor& gate,
@@ -345,20 +356,7 @@ public:
     // when the workspace holds all rows).
     virtual void classifier(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, const Tensor& stats,
                             const Tensor& dhidden, const Tensor& dlm_head, const Tensor& workspace, int rows,
-                            int channels, int vocab, int time, float z_loss);
-    // Generation's attention (batch 1): the query of position time-1,
-    // q/out [H*D], over the cached keys and values k/v [time, Hkv*D] of
-    // positions 0 .. time-1 (shape.batch is 1, shape.time the cached length).
-    // The default body places q in the last row of `workspace` (q's dtype,
-    // at least 2 * time * H * D elements: queries, then outputs; the other
-    // rows zero) and keeps the last row of attention_forward over `time`
-    // positions, with `lse_workspace` (float32, at least H * time) for its
-    // lse: causal rows are independent, so that row is exact, at the cost of
-    // computing the others. A backend may override it with a kernel that
-    // attends with the one query alone (and ignores the workspaces).
-    virtual void attention_decode(const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
-                                  const AttentionShape& shape, const Tensor& workspace, const Tensor& lse_workspace);
-};
+                            int channels, int vocab, int time, float z_loss);};
 
 // One buffer that a backend's reserve_scratch allocates (context Workspace),
 // planned from the ScratchShapes alone; `exact` as in AllocationInfo.

@@ -244,22 +244,6 @@ void Backend::adamw_shard(const AdamWShard& a) {
     }
 }
 
-void Backend::attention_decode(const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
-                               const AttentionShape& shape, const Tensor& workspace, const Tensor& lse_workspace) {
-    if (shape.batch != 1) throw InternalError("attention_decode attends for one sequence (batch 1)");
-    const std::int64_t time = shape.time, width = std::int64_t(shape.heads) * shape.head_dim;
-    if (workspace.numel() < 2 * time * width || lse_workspace.numel() < shape.heads * time)
-        throw InternalError("attention_decode's workspace is smaller than 2 * time * heads * head_dim");
-    // Rows of a causal attention are independent: the last one, with the
-    // query in it, attends to every cached position; the others (zeros) are
-    // computed and dropped.
-    const Tensor queries = workspace.slice(0, time * width), outputs = workspace.slice(time * width, time * width);
-    if (time > 1) fill(queries.slice(0, (time - 1) * width), 0.0f);
-    copy(queries.slice((time - 1) * width, width), q);
-    attention_forward(outputs, lse_workspace.slice(0, shape.heads * time), queries, k, v, shape);
-    copy(out, outputs.slice((time - 1) * width, width));
-}
-
 void Backend::classifier(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, const Tensor& stats,
                          const Tensor& dhidden, const Tensor& dlm_head, const Tensor& workspace, int rows,
                          int channels, int vocab, int time, float z_loss) {

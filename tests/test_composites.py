@@ -411,21 +411,6 @@ def case_classifier(rng, with_grad, rows, vocab, chunk_rows, z_loss=1e-3):
     return a, p, ref
 
 
-def case_attention_decode(rng, time):
-    """One query (the last position's) over `time` cached keys and values."""
-    a = dict(query=normal(rng, H, D, scale=2.0), keys=normal(rng, time, K, D, scale=2.0),
-             values=normal(rng, time, K, D))
-    p = dict(time=time, heads=H, kv_heads=K, head_dim=D)
-
-    def ref(a):
-        q, k, v = t64(a["query"]), t64(a["keys"]), t64(a["values"])
-        k, v = k.repeat_interleave(H // K, dim=1), v.repeat_interleave(H // K, dim=1)  # [time, H, D]
-        probs = torch.softmax(torch.einsum("hd,thd->ht", q, k) / np.sqrt(D), -1)
-        return dict(out=n64(torch.einsum("ht,thd->hd", probs, v)))
-
-    return a, p, ref
-
-
 # id -> (op, case builder). Each builder takes an rng and returns the arrays,
 # the params, the reference (arrays -> the expected written arrays) and
 # optionally the names that are the reference's inputs only.
@@ -467,8 +452,6 @@ CASES = {
     "classifier": ("classifier", lambda r: case_classifier(r, True, 40, 96, 16)),  # chunks of 16, 16 and 8 rows
     "classifier-loss-only": ("classifier", lambda r: case_classifier(r, False, 40, 96, 16)),
     "classifier-one-chunk": ("classifier", lambda r: case_classifier(r, True, 40, 96, 64)),
-    "attention_decode": ("attention_decode", lambda r: case_attention_decode(r, 37)),
-    "attention_decode-first-position": ("attention_decode", lambda r: case_attention_decode(r, 1)),
 }
 
 

@@ -288,6 +288,18 @@ def test_attention_forward(cpu, gpu, dtype, shape):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("backend, shape", ATTENTION_CASES)
+def test_attention_decode(cpu, gpu, dtype, shape):
+    """Generation's one query (the last position's) over the cache: batch 1."""
+    _, T, H, Hkv, D = shape
+    q, k, v, _ = attention_inputs(np.random.default_rng(13), dtype, (1, T, H, Hkv, D))
+    out = gpu.attention_decode(q[0, -1], k[0], v[0], dtype=dtype)
+    expected = cpu.attention_decode(q[0, -1], k[0], v[0])
+    assert_array_close(out, expected, tolerance(dtype, FP32_SUM_REL), "attention_decode out")
+    assert_bitwise_equal(gpu.attention_decode(q[0, -1], k[0], v[0], dtype=dtype), out, "attention_decode")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend, shape", ATTENTION_CASES)
 def test_attention_backward(cpu, gpu, dtype, shape):
     q, k, v, dout = attention_inputs(np.random.default_rng(10), dtype, shape)
     out, lse = cpu.attention_forward(q, k, v)

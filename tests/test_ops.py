@@ -332,6 +332,18 @@ def test_attention_forward(cpu, shape):
 
 
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_attention_decode_is_the_last_row_of_causal_attention(cpu, shape):
+    """Generation's one query over the cache (one sequence: the shapes' batch is unused)."""
+    _, T, H, Hkv, D = shape
+    rng = np.random.default_rng(12)
+    q, k, v = normal(rng, 1, T, H, D, scale=2.0), normal(rng, 1, T, Hkv, D, scale=2.0), normal(rng, 1, T, Hkv, D)
+    out = cpu.attention_decode(q[0, -1], k[0], v[0])
+    expected_out, _, _ = ref_attention(q, k, v)
+    assert out.shape == (H, D)
+    assert_array_close(out, expected_out[0, -1], REL, "attention_decode out")
+
+
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_attention_backward(cpu, shape):
     B, T, H, Hkv, D = shape
     rng = np.random.default_rng(11)

@@ -382,6 +382,44 @@ public:
         }
     }
 
+    // One query over the cache, one head per thread: scores, softmax and the
+    // weighted sum of values, without the workspaces.
+    void attention_decode(const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
+                          const AttentionShape& s, const Tensor&, const Tensor&) override {
+        if (s.batch != 1) throw InternalError("attention_decode attends for one sequence (batch 1)");
+        const int T = s.time, D = s.head_dim, group = s.heads / s.kv_heads;
+        const std::int64_t ldk = std::int64_t(s.kv_heads) * D;
+        const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+        float* scratch = attention_scratch(T);  // [threads, T, T]: row 0 of each thread's block
+        const float* keys = k.f32();
+        const float* values = v.f32();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+        for (int h = 0; h < s.heads; ++h) {
+            float* probs = scratch + std::int64_t(omp_get_thread_num()) * T * T;
+            const float* qh = q.f32() + std::int64_t(h) * D;
+            const std::int64_t kv = std::int64_t(h / group) * D;
+            float m = -std::numeric_limits<float>::infinity();
+            for (int u = 0; u < T; ++u) {
+                float dot = 0.0f;
+                for (int d = 0; d < D; ++d) dot += qh[d] * keys[u * ldk + kv + d];
+                probs[u] = dot * scale;
+                m = std::max(m, probs[u]);
+            }
+            float sum = 0.0f;
+            for (int u = 0; u < T; ++u) {
+                probs[u] = std::exp(probs[u] - m);
+                sum += probs[u];
+            }
+            const float inv = 1.0f / sum;
+            float* oh = out.f32() + std::int64_t(h) * D;
+            for (int d = 0; d < D; ++d) oh[d] = 0.0f;
+            for (int u = 0; u < T; ++u) {
+                const float p = probs[u] * inv;
+                for (int d = 0; d < D; ++d) oh[d] += p * values[u * ldk + kv + d];
+            }
+        }
+    }
+
     void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
                             const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                             const AttentionShape& s) override {

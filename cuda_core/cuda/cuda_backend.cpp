@@ -647,6 +647,28 @@ void CudaBackend::attention_forward(const Tensor& out, const Tensor& lse, const 
     NANOQ_CUDA_CHECK_LAUNCH();
 }
 
+// The last row of a causal attention over the cached positions, with the
+// query in the workspace's last row and zeros above it (rows are
+// independent; the others are computed and dropped). Always the native
+// kernel: a fused library would plan anew for every length.
+void CudaBackend::attention_decode(const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
+                                   const AttentionShape& s, const Tensor& workspace, const Tensor& lse_workspace) {
+    if (s.batch != 1) throw InternalError("attention_decode attends for one sequence (batch 1)");
+    const std::int64_t time = s.time, width = std::int64_t(s.heads) * s.head_dim;
+    if (workspace.numel() < 2 * time * width || lse_workspace.numel() < s.heads * time)
+        throw InternalError("attention_decode's workspace is smaller than 2 * time * heads * head_dim");
+    const Tensor queries = workspace.slice(0, time * width), outputs = workspace.slice(time * width, time * width);
+    if (time > 1) fill(queries.slice(0, (time - 1) * width), 0.0f);
+    copy(queries.slice((time - 1) * width, width), q);
+    with_dtype(q.dtype, [&](auto tag) {
+        using T = decltype(tag);
+        cuda::attention_forward<T>(ptr<T>(outputs), lse_workspace.f32(), ptr<T>(queries), ptr<T>(k), ptr<T>(v), 1,
+                                   s.time, s.heads, s.kv_heads, s.head_dim, stream_);
+    });
+    NANOQ_CUDA_CHECK_LAUNCH();
+    copy(out, outputs.slice((time - 1) * width, width));
+}
+
 void CudaBackend::attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
                                      const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
                                      const Tensor& v, const AttentionShape& s) {

@@ -112,6 +112,8 @@ public:
     void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
                             const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                             const AttentionShape& shape) override;
+    void attention_decode(const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
+                          const AttentionShape& shape, const Tensor& workspace, const Tensor& lse_workspace) override;
     void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) override;
     void swiglu_backward(const Tensor& dgate, const Tensor& dup, const Tensor& dout, const Tensor& gate,
                          const Tensor& up) override;

@@ -92,6 +92,10 @@ public:
                             const AttentionShape& shape) override {
         be_.attention_backward(dq, dk, dv, dout, out, lse, q, k, v, shape);
     }
+    void attention_decode(const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
+                          const AttentionShape& shape, const Tensor& workspace, const Tensor& lse_workspace) override {
+        be_.attention_decode(out, q, k, v, shape, workspace, lse_workspace);
+    }
     void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) override {
         be_.swiglu_forward(out, gate, up);
     }

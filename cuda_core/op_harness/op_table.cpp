@@ -288,9 +288,9 @@ std::vector<OpSpec> make_table() {
          attention_scratch, check_attention},
         {"attention_decode",
          "out [H, D]: the query [H, D] of position time-1 attending to the cached keys, values [time, Hkv, D] "
-         "(batch 1, as attention_forward's last row); use_default: the interface's default body",
+         "(batch 1, as attention_forward's last row)",
          {input("query", "heads,head_dim"), input("keys", "time,kv_heads,head_dim"),
-          input("values", "time,kv_heads,head_dim"), flag("use_default", false), output("out", "heads,head_dim")},
+          input("values", "time,kv_heads,head_dim"), output("out", "heads,head_dim")},
          {},
          [](OpCall& c) {
              const AttentionShape shape{1, c.i("time"), c.i("heads"), c.i("kv_heads"), c.i("head_dim")};
@@ -298,8 +298,7 @@ std::vector<OpSpec> make_table() {
              const Tensor workspace = c.workspace(2 * shape.time * width, "dtype", "decode-workspace");
              const Tensor lse = c.upload(std::vector<float>(std::size_t(shape.heads) * shape.time, 0.0f),
                                          "decode-lse-workspace");
-             NANOQ_COMPOSITE(c, attention_decode, c["out"], c["query"], c["keys"], c["values"], shape, workspace,
-                             lse);
+             c.backend().attention_decode(c["out"], c["query"], c["keys"], c["values"], shape, workspace, lse);
          },
          [](const OpCall& c) {
              ScratchShapes s = no_scratch();
