@@ -356,7 +356,8 @@ public:
     // when the workspace holds all rows).
     virtual void classifier(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, const Tensor& stats,
                             const Tensor& dhidden, const Tensor& dlm_head, const Tensor& workspace, int rows,
-                            int channels, int vocab, int time, float z_loss);};
+                            int channels, int vocab, int time, float z_loss);
+};
 
 // One buffer that a backend's reserve_scratch allocates (context Workspace),
 // planned from the ScratchShapes alone; `exact` as in AllocationInfo.

@@ -95,7 +95,9 @@ def generate(core, prompt_ids, max_new_tokens: int, sampler: Sampler, stop=(),
         raise ValueError("prompt_ids is empty: generation needs at least one token to continue")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if isinstance(stop, numbers.Integral):
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, numbers.Integral):
         stop = (stop,)
     stop_ids = set(int(t) for t in token_ids("stop", list(stop), vocab))
     if prompt.size + max_new_tokens > capacity:
