@@ -300,6 +300,23 @@ def case_attention_backward(i, d, runner=None):
                 shape=_attention_shape(d))
 
 
+def case_attention_decode(i, d):
+    """One query (a sequence's next token) over `time` cached positions: torch's SDPA with one query row."""
+    t, h, kv, hd = d["time"], d["heads"], d["kv_heads"], d["head_dim"]
+    q, k, v = i.t(1, 1, h, hd), i.t(1, t, kv, hd), i.t(1, t, kv, hd)
+
+    def torch_decode():
+        import torch
+
+        qq, kk, vv = (x.transpose(1, 2) for x in (q, k, v))
+        kk, vv = (x.repeat_interleave(h // kv, 1) for x in (kk, vv))
+        return torch.nn.functional.scaled_dot_product_attention(qq, kk, vv)
+
+    return dict(nanoq=dict(query=i.normal(h, hd), keys=i.normal(t, kv, hd), values=i.normal(t, kv, hd)),
+                torch=torch_decode, flops=4.0 * h * t * hd,
+                shape=f"one query over T={t} cached, H={h} KV={kv} D={hd}")
+
+
 def case_swiglu_forward(i, d):
     n = _rows(d) * d["intermediate"]
     g, u = i.t(n), i.t(n)
@@ -615,6 +632,7 @@ CASES = {
     "rope_backward": ("rope_backward", lambda i, d: _rope_case(i, d, "rope_backward")),
     "attention_forward": ("attention_forward", case_attention_forward),
     "attention_backward": ("attention_backward", case_attention_backward),
+    "attention_decode": ("attention_decode", case_attention_decode),
     "swiglu_forward": ("swiglu_forward", case_swiglu_forward),
     "swiglu_backward": ("swiglu_backward", case_swiglu_backward),
     "cross_entropy": ("cross_entropy", case_cross_entropy),
