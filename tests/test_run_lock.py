@@ -16,6 +16,7 @@ from nanoq.testing.threads import ThreadWorld
 from nanoq.training import RunInUse, TrainConfig, read_log, train
 from nanoq.training.run_lock import LOCK_FILE, RunLock, lock_run
 from nanoq_cli.main import cli
+from test_resume import snapshot
 
 QUIET = dict(say=lambda line: None, progress=False)
 
@@ -26,17 +27,9 @@ def config(tmp_path, **overrides):
     write_tokens(data / "train_000000.bin", np.tile(np.arange(1, 17), 100), 32)
     values = dict(train_data=str(data / "train_*.bin"), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                   num_attention_heads=2, seq_len=16, batch_size=2, steps=4, warmup_steps=0, lr=1e-2,
-                  schedule="constant", checkpoint_every=2, backend="cpu", threads=1, out_dir=str(tmp_path / "runs"), run_name="run")
+                  schedule="constant", checkpoint_every=2, backend="cpu", threads=1, out_dir=str(tmp_path / "runs"),
+                  run_name="run")
     return TrainConfig(**{**values, **overrides})
-
-
-def snapshot(directory):
-    files = {}
-    for folder, _, names in os.walk(directory):
-        for name in names:
-            path = os.path.join(folder, name)
-            files[os.path.relpath(path, directory)] = open(path, "rb").read()
-    return files
 
 
 # A resume of the run that stops (holding the run, as a long step would) once it has started.
