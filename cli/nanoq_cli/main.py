@@ -156,8 +156,7 @@ def train(config_file, print_config, resume, **flags):
 
     try:
         run_training(config, resume=resume)
-    except (ValueError, TypeError, FileNotFoundError, FileExistsError, nanoq.NanoqError, TrainingHalted,
-            RunInUse) as e:
+    except (ValueError, TypeError, OSError, nanoq.NanoqError, TrainingHalted, RunInUse) as e:
         raise _fail(e) from None
     except KeyboardInterrupt:
         click.echo("interrupted: no final model written; the log and checkpoints so far are in the run "
@@ -335,7 +334,10 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, processes
 @click.option("--base-model", type=click.Path(exists=True),
               help="LoRA checkpoints: the base model the adapters were trained on (default: the one the "
               "checkpoint recorded).")
-def export(checkpoint, output, max_shard_size, tokenizer, max_position_embeddings, merge, base_model):
+@click.option("--allow-non-finite", is_flag=True,
+              help="Write the weights even if some are NaN or infinite (refused by default).")
+def export(checkpoint, output, max_shard_size, tokenizer, max_position_embeddings, merge, base_model,
+           allow_non_finite):
     """Write a checkpoint's weights as a Hugging Face model directory.
 
     CHECKPOINT is a step directory or a checkpoint root (its newest valid
@@ -356,7 +358,8 @@ def export(checkpoint, output, max_shard_size, tokenizer, max_position_embedding
                                    "without --merge)")
         directory = export_checkpoint(checkpoint, output, max_position_embeddings=max_position_embeddings,
                                       tokenizer_dir=tokenizer, max_shard_bytes=max_shard_bytes,
-                                      merge_adapters=merge, base_model=base_model)
+                                      merge_adapters=merge, base_model=base_model,
+                                      allow_non_finite=allow_non_finite)
     except (ValueError, TypeError, OSError) as e:
         raise click.ClickException(f"cannot export {checkpoint}: {e}") from None
     click.echo(f"wrote {directory}")

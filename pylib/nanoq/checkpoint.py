@@ -22,7 +22,30 @@ says which process wrote it and, per name, the slice and the full shape.
 The parts of all processes tile every tensor exactly. A run of one process
 writes one part, the same format. ``trainer_state.json`` records the
 manifest: ``parts`` (``processes``, ``world_size``: the devices of all
-processes) and ``files`` (every part file and its size in bytes).
+processes), ``files`` (every part file and its size in bytes),
+``checksums`` (every part file's CRC-32, ``"crc32:<8 hex digits>"``) and
+``finite`` (whether every weight, master weight and AdamW moment is
+finite; ``non_finite`` names the first tensors that are not).
+
+The checksum is zlib's CRC-32, streamed over the file in chunks: it is
+there to catch accidental damage (a flipped bit, a block of zeros, a file
+from another save), which a 32-bit CRC detects with certainty for bursts up
+to 32 bits and otherwise misses with odds of 2^-32, and it runs several
+times faster than a cryptographic hash such as BLAKE2 (it guards against
+accidents, not against someone forging a checkpoint). Loading verifies
+every recorded checksum before the trainer is touched; checkpoints written
+before checksums existed (format 1, and format 2 without ``checksums``)
+load without that check. ``trainer_state.json`` carries no checksum of its
+own: it is parsed and checked field by field instead.
+
+Rotation (``keep_last``, ``keep_every``) never deletes the newest
+checkpoint whose state is finite, however many newer ones are not. Before
+a save, process 0 checks the free space of the root against the size of
+the checkpoint; if it is short and ``keep_last`` > 0, it first deletes the
+checkpoints the rotation after this save would delete anyway (oldest
+first, never the newest finite one), and warns; if that cannot make enough
+room, it deletes nothing and the save fails with an OSError naming the size needed, the space free and the
+folder.
 
 Saving is collective: in a world of several processes (``Trainer.world_group``,
 e.g. under ``mpiexec``) every process calls ``save_checkpoint`` with the same
@@ -55,6 +78,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import json
 import math
@@ -63,6 +87,7 @@ import re
 import shutil
 import time
 import warnings
+import zlib
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -80,6 +105,7 @@ V1_OPTIMIZER_FILE = "optimizer.safetensors"
 PART_METADATA = "nanoq_part"
 TENSOR_KINDS = ("weights", "master", "adam_m", "adam_v")  # the tensors of a part, per parameter
 LATEST = "latest"
+CHECKSUM_CHUNK = 16 << 20  # bytes read at a time to checksum a file
 REQUIRED_FIELDS = ("format_version", "nanoq_version", "step", "optimizer_steps", "model_config", "options",
                    "extra_state", "files")
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -179,6 +205,7 @@ def save_checkpoint(trainer, root: str | os.PathLike, step: int, extra_state: Op
             final = os.path.join(directory, step_dir_name(step))
             if os.path.exists(final):
                 raise FileExistsError(f"checkpoint {final} already exists; not overwriting it")
+            _make_room(directory, checkpoint_bytes(trainer), keep_last, keep_every)
             partial = os.path.join(directory, f".{step_dir_name(step)}.partial-{os.getpid()}")
             os.mkdir(partial)
             return directory, partial, final
@@ -186,13 +213,13 @@ def save_checkpoint(trainer, root: str | os.PathLike, step: int, extra_state: Op
         directory, partial, final = on_root(group, prepare, action=action)
         where = f" in {directory}" + (f" on process {group.rank} of {group.size}" if group.size > 1 else "")
 
-        error, size = None, None
+        error, written = None, None
         try:
-            size = _write_part(trainer, partial, group.rank, group.size)
+            written = _write_part(trainer, partial, group.rank, group.size)
         except BaseException as e:  # noqa: BLE001 - every process must learn of it
             error = _save_error(e, step, where)
         try:
-            sizes = agree(group, error, size, action=action)
+            parts = agree(group, error, written, action=action)
         except BaseException:
             if group.is_root:
                 shutil.rmtree(partial, ignore_errors=True)
@@ -200,8 +227,7 @@ def save_checkpoint(trainer, root: str | os.PathLike, step: int, extra_state: Op
 
         def finish() -> str:
             try:
-                files = {part_file_name(process, group.size): sizes[process] for process in range(group.size)}
-                _write_state(trainer, partial, step, extra_state, tokenizer_dir, files, group.size)
+                _write_state(trainer, partial, step, extra_state, tokenizer_dir, parts)
                 fsync_path(partial)
                 os.rename(partial, final)
                 fsync_path(directory)
@@ -226,8 +252,9 @@ def _save_error(error: BaseException, step: int, where: str) -> BaseException:
     return error
 
 
-def _write_part(trainer, directory: str, process: int, processes: int) -> int:
-    """Writes this process's part (see the module docstring); returns its size in bytes."""
+def _write_part(trainer, directory: str, process: int, processes: int) -> dict:
+    """Writes this process's part (see the module docstring); returns its
+    file name, size in bytes, checksum and the tensors in it that are not finite."""
     tensors, slices = {}, {}
     for name in trainer.trainable_names:
         begin, end = trainer.owned_range(name)
@@ -237,18 +264,81 @@ def _write_part(trainer, directory: str, process: int, processes: int) -> int:
         tensors[f"weights.{name}"] = trainer.get_parameter_part(name)
         for kind in trainer.OPTIMIZER_STATE:
             tensors[f"{kind}.{name}"] = trainer.get_optimizer_state_part(name, kind)
+    non_finite = [key for key, tensor in tensors.items() if not np.isfinite(tensor).all()]
     world, first = trainer.topology
     description = dict(process=process, processes=processes, world_size=world,
                        ranks=[first, first + trainer.world_size], slices=slices)
-    path = os.path.join(directory, part_file_name(process, processes))
+    file = part_file_name(process, processes)
+    path = os.path.join(directory, file)
     _save_tensors(path, tensors, {PART_METADATA: json.dumps(description)})
     fsync_path(directory)
     testing_hooks.pause_in_save_if_armed()
-    return os.path.getsize(path)
+    return dict(file=file, size=os.path.getsize(path), checksum=file_checksum(path), non_finite=non_finite)
+
+
+def file_checksum(path: str | os.PathLike) -> str:
+    """``"crc32:<8 hex digits>"``: zlib's CRC-32 of the file's bytes, read in chunks (see the module docstring)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(CHECKSUM_CHUNK)
+            if not chunk:
+                break
+            crc = zlib.crc32(chunk, crc)
+    return f"crc32:{crc:08x}"
+
+
+def checkpoint_bytes(trainer) -> int:
+    """About the size of a checkpoint of ``trainer``'s world: four float32
+    tensors (weights, master, AdamW m and v) per trainable element, the
+    tensor headers of every part and the state file."""
+    elements = sum(math.prod(trainer.parameter_shapes[name]) for name in trainer.trainable_names)
+    headers = 4 * len(trainer.trainable_names) * 200 * trainer.topology[0]
+    return 16 * elements + headers + (64 << 10)
+
+
+def _make_room(root: str, needed: int, keep_last: int, keep_every: int) -> None:
+    """Makes sure ``root`` has ``needed`` bytes free for the next save:
+    deletes, oldest first, the checkpoints the rotation after it would
+    delete (with ``keep_last`` > 0; never the newest finite one) while
+    space is short, warning for each; OSError (ENOSPC), deleting nothing,
+    when even deleting them all would not make room."""
+    free = shutil.disk_usage(root).free
+    if free >= needed:
+        return
+    steps = list_checkpoints(root)
+    doomed = [step for step in steps if step not in _kept(root, steps, keep_last - 1, keep_every)] \
+        if keep_last else []
+    if free + sum(_directory_bytes(os.path.join(root, step_dir_name(step))) for step in doomed) < needed:
+        doomed = []  # deleting them would not make room: keep them, and fail
+    for step in doomed:
+        _delete(root, step)
+        free = shutil.disk_usage(root).free
+        warnings.warn(f"only {_size(free)} free in {root}, short of the {_size(needed)} a checkpoint needs: "
+                      f"deleted {step_dir_name(step)} before writing the next one (keep_last = {keep_last} "
+                      f"would have deleted it after)", stacklevel=4)
+        if free >= needed:
+            return
+    raise OSError(errno.ENOSPC, f"not enough disk space for a checkpoint in {root}: it needs about "
+                                f"{_size(needed)}, {_size(free)} is free; free some space (or lower "
+                                f"keep_last) and resume")
+
+
+def _directory_bytes(directory: str) -> int:
+    return sum(entry.stat().st_size for entry in os.scandir(directory) if entry.is_file())
+
+
+def _size(count: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} bytes"
 
 
 def _write_state(trainer, directory: str, step: int, extra_state: dict, tokenizer_dir: Optional[str],
-                 files: Dict[str, int], processes: int) -> None:
+                 parts: List[dict]) -> None:
+    """Writes ``trainer_state.json``, with the manifest of ``parts`` (what
+    ``_write_part`` returned on each process, in rank order)."""
     import nanoq
 
     options = dict(dataclasses.asdict(trainer.options), backend=trainer.backend, dtype=trainer.dtype)
@@ -267,8 +357,11 @@ def _write_state(trainer, directory: str, step: int, extra_state: dict, tokenize
         lora=None if trainer.lora is None else dataclasses.asdict(trainer.lora),
         base_model=trainer.base_model,
         extra_state=extra_state,
-        parts=dict(processes=processes, world_size=world),
-        files=files,
+        parts=dict(processes=len(parts), world_size=world),
+        files={part["file"]: part["size"] for part in parts},
+        checksums={part["file"]: part["checksum"] for part in parts},
+        finite=not any(part["non_finite"] for part in parts),
+        non_finite=[key for part in parts for key in part["non_finite"]][:8],
         saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     ))
 
@@ -341,12 +434,75 @@ def _data_files(state: dict, file: str) -> List[str]:
     return names
 
 
+def verify(state: dict) -> None:
+    """Recomputes the checksum of every file the manifest of ``state`` (from
+    ``read_state``) records one for; CheckpointError naming the first file
+    whose bytes differ. Checkpoints without checksums pass unchecked."""
+    checksums = state.get("checksums")
+    if checksums is None:
+        return
+    file = os.path.join(state["path"], STATE_FILE)
+    if not isinstance(checksums, dict) or set(checksums) != set(state["files"]) or \
+            not all(isinstance(value, str) and value.startswith("crc32:") for value in checksums.values()):
+        raise CheckpointError(f"{file}: checksums must give a \"crc32:...\" value for each of the files "
+                              f"{sorted(state['files'])}, got {checksums!r}")
+    for name in sorted(checksums):
+        path = os.path.join(state["path"], name)
+        actual = file_checksum(path)
+        if actual != checksums[name]:
+            raise CheckpointError(f"{path} is corrupt: its checksum is {actual}, the checkpoint recorded "
+                                  f"{checksums[name]} when it wrote it")
+
+
+def is_finite(state: dict) -> bool:
+    """Whether the checkpoint of ``state`` recorded its weights and optimizer
+    state as finite (checkpoints from before that record count as finite)."""
+    return state.get("finite", True) is not False
+
+
+def newest_finite(root: str | os.PathLike) -> Optional[str]:
+    """The step directory of the newest complete checkpoint under ``root``
+    whose state is finite, or None."""
+    root = os.path.abspath(os.fspath(root))
+    for step in reversed(list_checkpoints(root)):
+        directory = os.path.join(root, step_dir_name(step))
+        if is_finite(read_state(directory)):
+            return directory
+    return None
+
+
+def set_aside(directory: str | os.PathLike) -> str:
+    """Renames a damaged step directory to ``step_<N>.corrupt-<UTC time>``
+    beside it (kept for inspection, never read again, and its step may be
+    saved anew); returns the new path."""
+    directory = os.path.abspath(os.fspath(directory))
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = f"{directory}.corrupt-{stamp}"
+    suffix = 0
+    while os.path.exists(target):
+        suffix += 1
+        target = f"{directory}.corrupt-{stamp}-{suffix}"
+    os.rename(directory, target)
+    fsync_path(os.path.dirname(directory))
+    return target
+
+
 def _is_valid(directory: str) -> bool:
     try:
         read_state(directory)
         return True
     except CheckpointError:
         return False
+
+
+def list_step_dirs(root: str | os.PathLike) -> List[int]:
+    """Steps of every ``step_<N>`` directory under ``root``, complete or
+    not (see ``list_checkpoints``), ascending."""
+    root = os.fspath(root)
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(match.group(1)) for match in map(_STEP_DIR.match, os.listdir(root))
+                  if match and os.path.isdir(os.path.join(root, match.group(0))))
 
 
 def list_checkpoints(root: str | os.PathLike) -> List[int]:
@@ -492,8 +648,10 @@ class _Slices:
 def read_weights(path: str | os.PathLike) -> Dict[str, np.ndarray]:
     """The weights of a checkpoint (step directory or root), float32 by
     Hugging Face name, assembled from every process's part."""
-    slices = _Slices(read_state(path))
+    state = read_state(path)
+    slices = _Slices(state)
     slices.check(slices.shapes)
+    verify(state)
     return {name: slices.read("weights", name, 0, math.prod(shape)).reshape(shape)
             for name, shape in slices.shapes.items()}
 
@@ -503,7 +661,8 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> dict:
     devices) and returns its state (see ``read_state``). The model config
     and LoRA setting must match the trainer's; a LoRA checkpoint loads only
     the adapters, so import the base model (``state["base_model"]``) first.
-    Every file's header is read and checked before anything is set; then
+    Every file's header is read and checked, and its checksum verified,
+    before anything is set; then
     the weights are set one tensor at a time, and of the optimizer state
     only this trainer's part (``Trainer.owned_range``) is read.
 
@@ -560,15 +719,17 @@ def _check_loadable(trainer, path) -> Tuple[dict, _Slices]:
         raise ValueError("cannot load a checkpoint with micro-batches pending: call update() first")
     slices = _Slices(state)
     slices.check({trainer._parameters[i][0]: trainer._parameters[i][1] for i in trainer._trainable})
+    verify(state)  # after the headers, whose checks name the problem more precisely
     return state, slices
 
 
 # -- rotation ------------------------------------------------------------------
 
 def rotate(root: str | os.PathLike, keep_last: int, keep_every: int = 0) -> List[int]:
-    """Deletes complete checkpoints except the newest ``keep_last`` and every
-    step divisible by ``keep_every``; never the newest one, never while a save
-    holds the root's lock. Returns the deleted steps."""
+    """Deletes complete checkpoints except the newest ``keep_last``, every
+    step divisible by ``keep_every`` and the newest one whose state is
+    finite (``is_finite``); never the newest one, never while a save holds
+    the root's lock. Returns the deleted steps."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
     root = os.path.abspath(os.fspath(root))
@@ -576,18 +737,32 @@ def rotate(root: str | os.PathLike, keep_last: int, keep_every: int = 0) -> List
         return _rotate_locked(root, keep_last, keep_every)
 
 
-def _rotate_locked(root: str, keep_last: int, keep_every: int) -> List[int]:
-    steps = list_checkpoints(root)
-    keep = set(steps[-max(1, keep_last):])
+def _kept(root: str, steps: List[int], keep_last: int, keep_every: int) -> set:
+    """The steps rotation keeps of ``steps`` (ascending): the newest
+    ``keep_last``, those divisible by ``keep_every``, and the newest finite one."""
+    keep = set(steps[-keep_last:]) if keep_last > 0 else set()
     if keep_every:
         keep |= {s for s in steps if s % keep_every == 0}
+    for step in reversed(steps):
+        if is_finite(read_state(os.path.join(root, step_dir_name(step)))):
+            keep.add(step)
+            break
+    return keep
+
+
+def _delete(root: str, step: int) -> None:
+    # Renamed first, so a crash mid-delete leaves no half checkpoint under a valid name.
+    doomed = os.path.join(root, f".deleting-{step_dir_name(step)}")
+    os.rename(os.path.join(root, step_dir_name(step)), doomed)
+    shutil.rmtree(doomed)
+
+
+def _rotate_locked(root: str, keep_last: int, keep_every: int) -> List[int]:
+    steps = list_checkpoints(root)
+    keep = _kept(root, steps, max(1, keep_last), keep_every)
     deleted = []
     for step in steps:
-        if step in keep:
-            continue
-        # Renamed first, so a crash mid-delete leaves no half checkpoint under a valid name.
-        doomed = os.path.join(root, f".deleting-{step_dir_name(step)}")
-        os.rename(os.path.join(root, step_dir_name(step)), doomed)
-        shutil.rmtree(doomed)
-        deleted.append(step)
+        if step not in keep:
+            _delete(root, step)
+            deleted.append(step)
     return deleted

@@ -238,7 +238,8 @@ def _checkpoint_base(state: dict, base_model: str | os.PathLike | None) -> str:
 def export_checkpoint(checkpoint_path: str | os.PathLike, directory: str | os.PathLike, *,
                       max_position_embeddings: Optional[int] = None, tokenizer_dir: str | os.PathLike | None = None,
                       eos_token_id: Optional[int] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                      merge_adapters: bool = True, base_model: str | os.PathLike | None = None) -> str:
+                      merge_adapters: bool = True, base_model: str | os.PathLike | None = None,
+                      allow_non_finite: bool = False) -> str:
     """Writes the weights of a nanoq checkpoint (a step directory, or the
     newest valid step of a checkpoint root) as a Hugging Face model directory
     (see ``write_model``); returns its absolute path. No trainer is built.
@@ -249,7 +250,8 @@ def export_checkpoint(checkpoint_path: str | os.PathLike, directory: str | os.Pa
     written as a PEFT adapter directory. max_position_embeddings and
     tokenizer_dir default to what the checkpoint recorded; a recorded
     tokenizer directory that no longer holds a tokenizer.json is skipped
-    with a warning.
+    with a warning. Weights with a NaN or an infinity are refused
+    (ValueError naming the tensors) unless ``allow_non_finite``.
     """
     from nanoq.checkpoint import read_state, read_weights
 
@@ -261,7 +263,8 @@ def export_checkpoint(checkpoint_path: str | os.PathLike, directory: str | os.Pa
         raise ValueError(f"{step_directory} is not a LoRA checkpoint: it holds every weight, so it takes no "
                          f"base model")
     if lora is not None and not merge_adapters:
-        return write_peft_adapter(directory, read_weights(step_directory), lora,
+        return write_peft_adapter(directory, _finite(read_weights(step_directory), step_directory, allow_non_finite),
+                                  lora,
                                   base_model_name_or_path=_checkpoint_base(state, base_model))
     if max_position_embeddings is None:
         max_position_embeddings = state.get("max_position_embeddings")
@@ -275,13 +278,25 @@ def export_checkpoint(checkpoint_path: str | os.PathLike, directory: str | os.Pa
                           f"more; exporting without a tokenizer (pass tokenizer_dir to include one)",
                           stacklevel=2)
             tokenizer_dir = None
-    weights = read_weights(step_directory)
+    weights = _finite(read_weights(step_directory), step_directory, allow_non_finite)
     if lora is not None:
         base = _checkpoint_base(state, base_model)
         weights = merge(_base_weights(base, config), weights, lora)
     return write_model(directory, weights, config,
                        max_position_embeddings=max_position_embeddings, tokenizer_dir=tokenizer_dir,
                        eos_token_id=eos_token_id, max_shard_bytes=max_shard_bytes)
+
+
+def _finite(weights: Dict[str, np.ndarray], step_directory: str, allow_non_finite: bool) -> Dict[str, np.ndarray]:
+    """``weights``, unless one holds a NaN or an infinity and that is not allowed (ValueError naming them)."""
+    if not allow_non_finite:
+        bad = [f"{name} ({int(np.count_nonzero(~np.isfinite(array)))} of {array.size})"
+               for name, array in weights.items() if not np.isfinite(array).all()]
+        if bad:
+            raise ValueError(f"{step_directory} has non-finite weights (NaN or infinity) in {', '.join(bad[:3])}"
+                             f"{f' and {len(bad) - 3} more tensors' if len(bad) > 3 else ''}: export an earlier "
+                             f"checkpoint, or allow it (nanoq export --allow-non-finite)")
+    return weights
 
 
 def _base_weights(path: str, config: ModelConfig) -> Dict[str, np.ndarray]:

@@ -45,6 +45,7 @@ from typing import Callable, List, Optional, TypeVar
 
 from nanoq import __version__, distributed
 from nanoq.agreement import agree, on_root
+from nanoq.checkpoint import newest_finite
 from nanoq.backends import CUDA_BACKENDS, cpu_oversubscription, resolve_backend
 from nanoq.trainer_config import ModelConfig
 from nanoq.hf_export import export_adapter
@@ -52,7 +53,7 @@ from nanoq.data import Curriculum, DataLoader, Dataset, EvalLoader
 from nanoq.telemetry import GpuTelemetry
 from nanoq.trainer import Trainer
 from nanoq.training.settings import TrainConfig, parse_curriculum, train_options
-from nanoq.training.resume import CHECKPOINTS, Progress, Resume, extra_state, prepare_resume, restore
+from nanoq.training.resume import CHECKPOINTS, Progress, Resume, extra_state, find_run, prepare_resume, restore
 from nanoq.training.run_lock import lock_run
 from nanoq.training.log import JsonlLog, eval_line, format_duration, gpu_summary, memory_lines, train_line
 from nanoq.training.lr_schedule import learning_rate
@@ -353,6 +354,22 @@ def _export_final_model(trainer: Trainer, directory: str, tokenizer_dir: Optiona
     return model_dir
 
 
+def _halt_message(skipped: int, step: int, path: str, good: Optional[str]) -> str:
+    """What a run stopped by ``skipped`` non-finite updates in a row tells
+    the user: the checkpoint it just wrote (``path``) and the newest one
+    whose state is finite (``good``, None when there is none)."""
+    message = f"{skipped} updates in a row had a non-finite loss or gradient; stopped at step {step}. "
+    if good == path:
+        return message + (f"The weights and optimizer state are those of the last good update, saved in {path} "
+                          f"(lower train.lr or raise train.grad_clip, then resume)")
+    if good is None:
+        return message + (f"The state saved in {path} is not finite, and no checkpoint of this run is: start the "
+                          f"run again (lower train.lr or raise train.grad_clip)")
+    return message + (f"The state saved in {path} is not finite; the last good checkpoint is {good}: move the "
+                      f"later step directories away and resume from it (lower train.lr or raise "
+                      f"train.grad_clip)")
+
+
 # -- the loop -----------------------------------------------------------------------
 
 def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, say: Callable[[str], None] = _print,
@@ -385,14 +402,17 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
         raise ValueError(f"train.warmup_steps ({config.warmup_steps}) exceeds train.steps ({config.steps})")
     start = time.time()
     _agreed_settings(group, config)
-    resumed = None if resume is None else _on_every_process(group, lambda: prepare_resume(config, resume, say),
-                                                            "finding the checkpoint to resume")
-    if resumed is None:
-        run_dir = on_root(group, lambda: new_run_dir(config), action="making the run directory")
-    else:
-        run_dir, config = resumed.run_dir, resumed.config
-    lock = lock_run(run_dir, group)
+    run = None if resume is None else _on_every_process(group, lambda: find_run(config, resume, say),
+                                                        "finding the run to resume")
+    run_dir = on_root(group, lambda: new_run_dir(config), action="making the run directory") if run is None \
+        else run.run_dir
+    lock = lock_run(run_dir, group)  # before anything in the run directory changes
     try:
+        resumed = None
+        if run is not None:  # the root verifies the checkpoints and sets damaged ones aside
+            resumed = on_root(group, lambda: prepare_resume(config, run, say),
+                              action="finding the checkpoint to resume", fallback=ValueError)
+            config = resumed.config
         return _train_in(run_dir, config, resumed, start, say, progress, group)
     finally:
         if lock is not None:
@@ -531,11 +551,10 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
                          f"row, at most {config.max_skipped_steps})")
                     if skipped_in_a_row >= config.max_skipped_steps:
                         path = save_checkpoint()
-                        log.write(type="halted", step=done.step, checkpoint=path, time=done.time)
-                        raise TrainingHalted(
-                            f"{skipped_in_a_row} updates in a row had a non-finite loss or gradient; stopped at "
-                            f"step {done.step}. The weights and optimizer state are those of the last good update, "
-                            f"saved in {path} (lower train.lr or raise train.grad_clip, then resume)")
+                        good = newest_finite(os.path.join(run_dir, CHECKPOINTS))
+                        log.write(type="halted", step=done.step, checkpoint=path, last_good_checkpoint=good,
+                                  time=done.time)
+                        raise TrainingHalted(_halt_message(skipped_in_a_row, done.step, path, good))
                 stopped_by = stop.agreed(group)
                 if stopped_by:
                     path = save_checkpoint()

@@ -7,6 +7,14 @@ run's config. Settings that define the model or the stream of training
 windows must match (``FIXED_ON_RESUME``); every other change is applied and
 reported, so a resumed run is bit for bit the uninterrupted one unless a
 setting changed.
+
+Resuming from a run (or its checkpoints/) takes the newest checkpoint that
+passes verification (its files complete and their checksums right, see
+nanoq.checkpoint.verify). Each newer one that fails is reported and moved
+aside to ``step_<N>.corrupt-<time>``, so that the run can save that step
+again. That happens only once the run is locked (``find_run``, then
+``nanoq.training.run_lock.lock_run``, then ``prepare_resume``); under a
+launcher only the root process does it.
 """
 from __future__ import annotations
 
@@ -15,7 +23,8 @@ import math
 import os
 from typing import Any, Callable, Dict, List, Optional
 
-from nanoq.checkpoint import STATE_FILE, CheckpointError, list_checkpoints, read_state, step_dir_name
+from nanoq.checkpoint import (STATE_FILE, CheckpointError, list_checkpoints, list_step_dirs, read_state, set_aside,
+                              step_dir_name, verify)
 from nanoq.data import DataLoader
 from nanoq.trainer import Trainer
 from nanoq.training.settings import Setting, TrainConfig, settings
@@ -109,18 +118,28 @@ def _auto_run_dir(config: TrainConfig, say: Callable[[str], None]) -> Optional[s
     return os.path.join(config.out_dir, newest[1])
 
 
-def _locate_checkpoint(path: str) -> tuple:
-    """(run directory, checkpoint root, step directory) of a resume path: a
-    step directory itself, or the newest complete checkpoint of a run
-    directory or of its checkpoints/ (newest by step, not ``latest``, which a
-    crash between a save's rename and its pointer update can leave behind)."""
+@dataclasses.dataclass
+class RunToResume:
+    """Where a resume continues (``find_run``): the run directory, its
+    checkpoint root and the step directory the caller named, if any."""
+
+    run_dir: str
+    root: str
+    step_dir: Optional[str] = None  # None: the newest good checkpoint of root
+
+
+def _locate(path: str) -> RunToResume:
+    """The run of a resume path: a step directory itself, or a run
+    directory or its checkpoints/ (whose newest good checkpoint, by step,
+    not ``latest``, which a crash between a save's rename and its pointer
+    update can leave behind, ``prepare_resume`` picks)."""
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         raise FileNotFoundError(f"cannot resume from {path}: no such directory (give a run directory, its "
                                 f"checkpoints/ or a checkpoint step directory)")
     if os.path.isfile(os.path.join(path, STATE_FILE)):
         root = os.path.dirname(path)
-        return os.path.dirname(root), root, path
+        return RunToResume(os.path.dirname(root), root, path)
     if os.path.isdir(os.path.join(path, CHECKPOINTS)):
         run_dir, root = path, os.path.join(path, CHECKPOINTS)
     elif os.path.isfile(os.path.join(path, "config.toml")):
@@ -128,23 +147,52 @@ def _locate_checkpoint(path: str) -> tuple:
                          f"or stopped before its first checkpoint)")
     else:
         run_dir, root = os.path.dirname(path), path
-    steps = list_checkpoints(root)
-    if not steps:
+    if not list_step_dirs(root):
         raise CheckpointError(f"cannot resume from {path}: {root} holds no complete checkpoint")
-    return run_dir, root, os.path.join(root, step_dir_name(steps[-1]))
+    return RunToResume(run_dir, root)
 
 
-def prepare_resume(config: TrainConfig, resume, say: Callable[[str], None]) -> Optional[Resume]:
-    """The checkpoint ``resume`` names, checked against ``config``; None to
-    start fresh (only for "auto"). Touches nothing on disk."""
+def find_run(config: TrainConfig, resume, say: Callable[[str], None]) -> Optional[RunToResume]:
+    """The run ``resume`` names (None, "auto" or a path; see
+    ``nanoq.training.train``); None to start fresh (only for "auto").
+    Touches nothing on disk."""
     if resume == "auto":
         resume = _auto_run_dir(config, say)
         if resume is None:
             return None
     elif not isinstance(resume, (str, os.PathLike)):
         raise TypeError(f"resume must be None, \"auto\" or a path, got {resume!r}")
-    run_dir, root, step_dir = _locate_checkpoint(resume)
-    state = read_state(step_dir)
+    return _locate(resume)
+
+
+def _newest_good(root: str, say: Callable[[str], None]) -> dict:
+    """The verified state of the newest good checkpoint under ``root``;
+    each newer one that fails verification is reported and set aside."""
+    for step in reversed(list_step_dirs(root)):
+        step_dir = os.path.join(root, step_dir_name(step))
+        try:
+            state = read_state(step_dir)
+            verify(state)
+            return state
+        except CheckpointError as e:
+            moved = set_aside(step_dir)
+            say(f"warning: skipping checkpoint {step_dir}: {e}; moved it aside to {moved}")
+    raise CheckpointError(f"cannot resume from {root}: it holds no good checkpoint (the damaged ones were moved "
+                          f"aside)")
+
+
+def prepare_resume(config: TrainConfig, run: RunToResume, say: Callable[[str], None]) -> Resume:
+    """The checkpoint to continue ``run`` (from ``find_run``) from, checked
+    against ``config``. The newest good one when ``run`` names no step
+    directory: newer ones that fail verification are moved aside (call it
+    with the run locked, on one process)."""
+    root = run.root
+    if run.step_dir is None:
+        state = _newest_good(root, say)
+    else:
+        state = read_state(run.step_dir)
+        verify(state)
+    run_dir, step_dir = run.run_dir, state["path"]
     extra = state["extra_state"]
     missing = [key for key in _STATE_KEYS if key not in extra]
     if missing:

@@ -8,6 +8,11 @@ dies, however it dies: a lock file left by a killed run never blocks. The file
 holds the holder's process id and host, for the message the second run gets,
 and is removed when the run ends.
 
+Taking the lock first checks that the run directory (and its checkpoints/,
+when it has one) can be written (``require_writable``), so that a read-only
+run folder is a clear error before any training, not a traceback at the
+first save.
+
 Under a launcher only the root process takes the lock (the run directory is
 the root's); the others learn the outcome from it, so that every process of a
 run fails together.
@@ -42,7 +47,10 @@ class RunLock:
         """Locks ``run_dir`` for this process, or raises RunInUse naming the holder."""
         path = os.path.join(run_dir, LOCK_FILE)
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise _not_writable(run_dir, e) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -95,15 +103,54 @@ def _holder(fd: int) -> str:
     return "a process that has not written its id yet"
 
 
+def _probe(directory: str) -> None:
+    """Creates and removes a file in ``directory``: an OSError when it cannot be written."""
+    path = os.path.join(directory, f".write-probe-{os.getpid()}")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, b"nanoq")
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def _not_writable(directory: str, error: OSError) -> OSError:
+    wrapped = OSError(error.errno, f"the run directory {directory} is not writable ({error.strerror or error}): "
+                                   f"nanoq writes its lock, log and checkpoints there; make it writable or choose "
+                                   f"another out_dir")
+    wrapped.filename = directory
+    return wrapped
+
+
+def require_writable(run_dir: str) -> None:
+    """OSError naming the folder unless ``run_dir`` and, if it exists, its
+    checkpoints/ accept new files (tried by writing one: the permission
+    bits alone say nothing on a read-only mount or to root)."""
+    from nanoq.training.resume import CHECKPOINTS
+
+    for directory in (run_dir, os.path.join(run_dir, CHECKPOINTS)):
+        if directory != run_dir and not os.path.isdir(directory):
+            continue
+        try:
+            _probe(directory)
+        except OSError as e:
+            raise _not_writable(directory, e) from None
+
+
 def lock_run(run_dir: str, group: Optional[ProcessGroup] = None) -> Optional[RunLock]:
     """Locks ``run_dir`` for the run about to use it (collective: every
     process of ``group``, default ``nanoq.distributed.processes()``, calls
     it). The root process takes the lock and gets the RunLock; the others
-    get None. RunInUse on every process when another trainer holds it (an
-    OSError of the root's, say a read-only directory, as an OSError; see
+    get None. RunInUse on every process when another trainer holds it; an
+    OSError naming the folder on every process when the run directory or
+    its checkpoints/ cannot be written (``require_writable``; see
     nanoq.agreement.on_root)."""
     group = group if group is not None else processes()
     held = []
-    on_root(group, lambda: held.append(RunLock.acquire(run_dir)), action=f"locking the run directory {run_dir}",
-            fallback=RunInUse)
+
+    def lock() -> None:
+        require_writable(run_dir)
+        held.append(RunLock.acquire(run_dir))
+
+    on_root(group, lock, action=f"locking the run directory {run_dir}", fallback=RunInUse)
     return held[0] if held else None

@@ -1,0 +1,381 @@
+"""Checkpoints that a damaged file, a non-finite state, a full disk or a
+read-only folder can neither poison nor block: checksums verified before
+loading, rotation that keeps the newest finite checkpoint, damaged newest
+checkpoints set aside on resume, free space checked before a save, and
+unwritable run folders refused before any training."""
+import collections
+import errno
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from nanoq import checkpoint
+from nanoq.checkpoint import CheckpointError
+from nanoq.training import RunInUse, TrainingHalted, train
+from nanoq.training import run_lock
+from nanoq_cli.main import cli
+from test_checkpoint import make_trainer, train as train_steps
+from test_resume import QUIET, config, records
+
+PART = checkpoint.part_file_name(0, 1)
+Usage = collections.namedtuple("Usage", "total used free")
+
+
+def flip_data_byte(step_dir):
+    """Flips one bit in the tensor data of the part (the header, hence the size and layout, stay valid)."""
+    flip_data_byte_of(os.path.join(step_dir, PART))
+
+
+def flip_data_byte_of(path):
+    raw = bytearray(open(path, "rb").read())
+    raw[-5] ^= 0x01
+    open(path, "wb").write(bytes(raw))
+
+
+def first_name(trainer):
+    return trainer.trainable_names[0]
+
+
+def poison_moments(trainer):
+    name = first_name(trainer)
+    moments = trainer.get_optimizer_state_part(name, "adam_m")
+    moments[3] = np.nan
+    trainer.set_optimizer_state_part(name, "adam_m", moments)
+    return name
+
+
+# -- checksums -------------------------------------------------------------------
+
+def test_a_flipped_byte_in_tensor_data_is_refused_naming_the_file(tmp_path):
+    with make_trainer() as trainer:
+        train_steps(trainer, 0, 2)
+        saved = trainer.save_checkpoint(tmp_path, 2)
+    state = checkpoint.read_state(saved)
+    assert state["checksums"][PART] == checkpoint.file_checksum(os.path.join(saved, PART))
+    flip_data_byte(saved)
+    checkpoint.read_state(saved)  # sizes and headers still look right: only the checksum can tell
+    with make_trainer() as trainer:
+        before = trainer.get_weights()
+        with pytest.raises(CheckpointError, match=f"{PART} is corrupt: its checksum is crc32:"):
+            trainer.load_checkpoint(saved)
+        assert trainer.optimizer_steps == 0
+        for name, value in trainer.get_weights().items():
+            assert np.array_equal(value, before[name]), name
+    with pytest.raises(CheckpointError, match=f"{PART} is corrupt"):
+        checkpoint.read_weights(saved)
+
+
+def test_the_checksum_is_zlibs_crc32_of_the_whole_file(tmp_path):
+    import zlib
+
+    path = tmp_path / "file"
+    data = np.random.default_rng(0).bytes(3 * 1000 + 7)
+    path.write_bytes(data)
+    original = checkpoint.CHECKSUM_CHUNK
+    try:
+        checkpoint.CHECKSUM_CHUNK = 1000  # several chunks
+        assert checkpoint.file_checksum(path) == f"crc32:{zlib.crc32(data):08x}"
+    finally:
+        checkpoint.CHECKSUM_CHUNK = original
+
+
+def test_a_checkpoint_without_checksums_still_loads(tmp_path):
+    with make_trainer() as trainer:
+        train_steps(trainer, 0, 2)
+        saved = trainer.save_checkpoint(tmp_path, 2)
+        expected = trainer.get_weights()
+    state_file = os.path.join(saved, checkpoint.STATE_FILE)
+    state = json.load(open(state_file))
+    for key in ("checksums", "finite", "non_finite"):  # as written before these existed
+        del state[key]
+    json.dump(state, open(state_file, "w"))
+    with make_trainer(seed=5) as trainer:
+        trainer.load_checkpoint(saved)
+        for name, value in trainer.get_weights().items():
+            assert np.array_equal(value, expected[name]), name
+
+
+# -- nothing poisoned kept at the expense of something good -------------------------
+
+def test_nan_in_adam_moments_is_recorded_and_rotation_keeps_the_newest_finite(tmp_path):
+    with make_trainer() as trainer:
+        train_steps(trainer, 0, 1)
+        trainer.save_checkpoint(tmp_path, 1, keep_last=2)
+        name = poison_moments(trainer)
+        for step in (2, 3, 4):
+            trainer.save_checkpoint(tmp_path, step, keep_last=2)
+    assert checkpoint.read_state(tmp_path / "step_00000001")["finite"] is True
+    poisoned = checkpoint.read_state(tmp_path / "step_00000004")
+    assert poisoned["finite"] is False and poisoned["non_finite"] == [f"adam_m.{name}"]
+    # keep_last = 2 alone would keep only 3 and 4, both poisoned.
+    assert checkpoint.list_checkpoints(tmp_path) == [1, 3, 4]
+    assert checkpoint.newest_finite(tmp_path) == str(tmp_path / "step_00000001")
+    assert checkpoint.rotate(tmp_path, keep_last=1) == [3]
+
+
+def test_a_run_halted_by_a_poisoned_state_names_the_last_good_checkpoint(tmp_path):
+    cfg = config(tmp_path, steps=8, checkpoint_every=2, keep_last=1, max_skipped_steps=2, eval_every=0)
+    run_dir = tmp_path / "runs" / "run"
+    with pytest.raises(RuntimeError):  # a crash after the checkpoint of step 4
+        train(cfg, say=_raise_after("checkpoint @ step 4:"), progress=False)
+    root = run_dir / "checkpoints"
+    good = str(root / "step_00000004")
+    # Poison the moments of the checkpoint the run will resume from (step 5, with step 4's loop state).
+    with make_trainer_for(cfg) as trainer:
+        state = trainer.load_checkpoint(good)
+        poison_moments(trainer)
+        trainer.save_checkpoint(root, 5, state["extra_state"])
+    with pytest.raises(TrainingHalted) as halted:
+        train(cfg, resume=str(run_dir), **QUIET)
+    message = str(halted.value)
+    assert f"the last good checkpoint is {good}" in message and "is not finite" in message
+    assert os.path.isdir(good)  # kept by the rotation after every poisoned save (keep_last = 1)
+    assert records(str(run_dir), "halted")[-1]["last_good_checkpoint"] == good
+
+
+def _raise_after(prefix):
+    def say(line):
+        if line.startswith(prefix):
+            raise RuntimeError("stopped by the test")
+    return say
+
+
+def make_trainer_for(cfg):
+    import nanoq
+    from nanoq.training.settings import train_options
+
+    with open(os.path.join(cfg.out_dir, cfg.run_name, "checkpoints", "step_00000004", "trainer_state.json")) as f:
+        model = json.load(f)["model_config"]
+    return nanoq.Trainer(nanoq.ModelConfig(**model), train_options(cfg))
+
+
+# -- a bad newest checkpoint never blocks ---------------------------------------------
+
+def interrupted_run(tmp_path, **overrides):
+    """A run of 12 steps (checkpoints every 4) killed after its checkpoint of step 8: its config and directory."""
+    cfg = config(tmp_path, keep_last=3, **overrides)
+    with pytest.raises(RuntimeError):
+        train(cfg, say=_raise_after("checkpoint @ step 8:"), progress=False)
+    return cfg, tmp_path / "runs" / "run"
+
+
+def test_a_truncated_newest_checkpoint_is_set_aside_and_the_run_continues(tmp_path):
+    cfg, run_dir = interrupted_run(tmp_path)
+    first = {r["step"]: r["loss"] for r in records(str(run_dir), "train")}
+    root = run_dir / "checkpoints"
+    part = root / "step_00000008" / PART
+    with open(part, "r+b") as f:
+        f.truncate(os.path.getsize(part) - 100)
+    lines = []
+    result = train(cfg, resume=str(run_dir), say=lines.append, progress=False)
+    assert result.resumed_from == str(root / "step_00000004")
+    assert result.steps == 12
+    set_aside = [name for name in os.listdir(root) if name.startswith("step_00000008.corrupt-")]
+    assert len(set_aside) == 1
+    assert any(line.startswith(f"warning: skipping checkpoint {root / 'step_00000008'}") and set_aside[0] in line
+               for line in lines)
+    assert checkpoint.list_checkpoints(root) == [4, 8, 12]  # step 8 saved again
+    again = {r["step"]: r["loss"] for r in records(str(run_dir), "train")[8:]}
+    assert again[5] == first[5] and again[8] == first[8]  # the same steps as before, bit for bit
+
+
+def test_a_checkpoint_with_a_bad_checksum_is_set_aside_on_resume(tmp_path):
+    cfg, run_dir = interrupted_run(tmp_path)
+    root = run_dir / "checkpoints"
+    flip_data_byte(root / "step_00000008")
+    result = train(cfg, resume=str(run_dir), **QUIET)
+    assert result.resumed_from == str(root / "step_00000004")
+    assert any(name.startswith("step_00000008.corrupt-") for name in os.listdir(root))
+
+
+def test_a_resume_blocked_by_the_run_lock_moves_nothing_aside(tmp_path):
+    cfg, run_dir = interrupted_run(tmp_path)
+    flip_data_byte(run_dir / "checkpoints" / "step_00000008")
+    before = sorted(os.listdir(run_dir / "checkpoints"))
+    with run_lock.RunLock.acquire(str(run_dir)):
+        with pytest.raises(RunInUse):
+            train(cfg, resume=str(run_dir), **QUIET)
+    assert sorted(os.listdir(run_dir / "checkpoints")) == before
+
+
+def test_a_named_damaged_step_directory_is_an_error_not_set_aside(tmp_path):
+    cfg, run_dir = interrupted_run(tmp_path)
+    step_dir = run_dir / "checkpoints" / "step_00000008"
+    flip_data_byte(step_dir)
+    with pytest.raises(CheckpointError, match=f"{PART} is corrupt"):
+        train(cfg, resume=str(step_dir), **QUIET)
+    assert step_dir.is_dir()
+
+
+# -- disks ------------------------------------------------------------------------------
+
+def fake_free(monkeypatch, free):
+    """Makes shutil.disk_usage report ``free(path)`` bytes free."""
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(1 << 40, 0, free(path)))
+
+
+def test_a_full_disk_fails_the_save_with_sizes_and_folder_and_keeps_the_rest(tmp_path, monkeypatch):
+    with make_trainer() as trainer:
+        train_steps(trainer, 0, 1)
+        trainer.save_checkpoint(tmp_path, 1)
+        needed = checkpoint.checkpoint_bytes(trainer)
+        assert needed >= sum(os.path.getsize(tmp_path / "step_00000001" / name)
+                             for name in os.listdir(tmp_path / "step_00000001"))
+        fake_free(monkeypatch, lambda path: 1000)
+        with pytest.raises(OSError) as error:
+            trainer.save_checkpoint(tmp_path, 2)
+    assert error.value.errno == errno.ENOSPC
+    message = str(error.value)
+    assert "not enough disk space" in message and str(tmp_path) in message and "1000 bytes is free" in message
+    assert f"{needed / 1024:.1f} KiB" in message or f"{needed / 2 ** 20:.1f} MiB" in message
+    assert checkpoint.list_checkpoints(tmp_path) == [1]
+    assert sorted(os.listdir(tmp_path)) == [".lock", "latest", "step_00000001"]
+
+
+def test_a_disk_too_small_for_one_more_deletes_the_oldest_kept_first(tmp_path, monkeypatch):
+    with make_trainer() as trainer:
+        for step in (1, 2):
+            train_steps(trainer, step - 1, step)
+            trainer.save_checkpoint(tmp_path, step, keep_last=2)
+        needed = checkpoint.checkpoint_bytes(trainer)
+        # Room for one more only once step 1 is gone.
+        fake_free(monkeypatch, lambda path: needed - 1 if (tmp_path / "step_00000001").exists() else needed)
+        with pytest.warns(UserWarning, match="deleted step_00000001 before writing the next one"):
+            trainer.save_checkpoint(tmp_path, 3, keep_last=2)
+    assert checkpoint.list_checkpoints(tmp_path) == [2, 3]
+
+
+def test_making_room_never_deletes_the_newest_finite_checkpoint(tmp_path, monkeypatch):
+    with make_trainer() as trainer:
+        train_steps(trainer, 0, 1)
+        trainer.save_checkpoint(tmp_path, 1, keep_last=1)
+        poison_moments(trainer)
+        trainer.save_checkpoint(tmp_path, 2, keep_last=1)
+        assert checkpoint.list_checkpoints(tmp_path) == [1, 2]
+        needed = checkpoint.checkpoint_bytes(trainer)
+        fake_free(monkeypatch, lambda path: needed - 1 if (tmp_path / "step_00000002").exists() else needed)
+        with pytest.warns(UserWarning, match="deleted step_00000002"):
+            trainer.save_checkpoint(tmp_path, 3, keep_last=1)
+        assert checkpoint.list_checkpoints(tmp_path) == [1, 3]
+        # Deleting step 3 (all the rotation would delete) cannot make room: nothing is deleted, the save fails.
+        fake_free(monkeypatch, lambda path: 1000)
+        with pytest.raises(OSError, match="not enough disk space"):
+            trainer.save_checkpoint(tmp_path, 4, keep_last=1)
+    assert checkpoint.list_checkpoints(tmp_path) == [1, 3]
+
+
+def refuse_writes_in(monkeypatch, directory):
+    """Makes ``directory`` unwritable to nanoq: really (chmod) when not root, else through the write probe
+    (root writes through permission bits; the probe is what a read-only mount would fail)."""
+    if os.geteuid() != 0:
+        os.chmod(directory, 0o555)
+        return
+    real = run_lock._probe
+
+    def probe(path):
+        if os.path.realpath(path) == os.path.realpath(directory):
+            raise PermissionError(errno.EROFS, os.strerror(errno.EROFS))
+        real(path)
+
+    monkeypatch.setattr(run_lock, "_probe", probe)
+
+
+def test_the_write_probe_creates_and_removes_a_file(tmp_path):
+    run_lock.require_writable(str(tmp_path))
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(OSError, match="is not writable"):
+        run_lock.require_writable(str(tmp_path / "missing"))
+
+
+def test_a_read_only_run_folder_fails_before_any_training(tmp_path, monkeypatch):
+    cfg, run_dir = interrupted_run(tmp_path)
+    log_before = records(str(run_dir))
+    refuse_writes_in(monkeypatch, run_dir)
+    try:
+        with pytest.raises(OSError, match=f"the run directory {run_dir} is not writable"):
+            train(cfg, resume=str(run_dir), **QUIET)
+    finally:
+        os.chmod(run_dir, 0o755)
+    assert records(str(run_dir)) == log_before  # nothing trained, nothing logged
+    assert not (run_dir / "run.lock").exists()
+
+
+def test_a_read_only_checkpoint_folder_fails_before_any_training(tmp_path, monkeypatch):
+    cfg, run_dir = interrupted_run(tmp_path)
+    refuse_writes_in(monkeypatch, run_dir / "checkpoints")
+    try:
+        result = CliRunner().invoke(cli, ["train", str(run_dir / "config.toml"), "--resume", str(run_dir)])
+    finally:
+        os.chmod(run_dir / "checkpoints", 0o755)
+    assert result.exit_code == 1, result.output
+    assert f"the run directory {run_dir / 'checkpoints'} is not writable" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_the_run_lock_turns_an_unwritable_folder_into_a_clear_error(tmp_path, monkeypatch):
+    real = os.open
+
+    def refusing_open(path, *args, **kwargs):
+        if os.path.basename(os.fspath(path)) == run_lock.LOCK_FILE:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    with pytest.raises(OSError, match=f"the run directory {tmp_path} is not writable") as error:
+        run_lock.RunLock.acquire(str(tmp_path))
+    assert error.value.errno == errno.EACCES
+
+
+# -- export ----------------------------------------------------------------------------
+
+def test_export_refuses_non_finite_weights_unless_allowed(tmp_path):
+    with make_trainer() as trainer:
+        train_steps(trainer, 0, 1)
+        weights = trainer.get_weights()
+        name = first_name(trainer)
+        weights[name][0, 0] = np.inf
+        trainer.set_weights(weights)
+        saved = trainer.save_checkpoint(tmp_path / "checkpoints", 1)
+    assert checkpoint.read_state(saved)["non_finite"][0] == f"weights.{name}"
+    refused = CliRunner().invoke(cli, ["export", saved, "-o", str(tmp_path / "model")])
+    assert refused.exit_code == 1
+    assert f"non-finite weights (NaN or infinity) in {name} (1 of" in refused.output
+    assert "--allow-non-finite" in refused.output and not (tmp_path / "model").exists()
+    allowed = CliRunner().invoke(cli, ["export", saved, "-o", str(tmp_path / "model"), "--allow-non-finite"])
+    assert allowed.exit_code == 0, allowed.output
+    assert (tmp_path / "model" / "config.json").is_file()
+
+
+# -- a world of several processes --------------------------------------------------------
+
+def test_every_process_checksums_its_part_and_reports_non_finite_state(tmp_path):
+    from test_checkpoint_processes import in_world
+
+    def save(trainer):
+        name = None
+        if trainer.processes.rank == 1:  # only process 1's shard of the moments is poisoned
+            name = next(n for n in trainer.trainable_names if trainer.owned_range(n)[1] > trainer.owned_range(n)[0])
+            moments = trainer.get_optimizer_state_part(name, "adam_v")
+            moments[0] = np.inf
+            trainer.set_optimizer_state_part(name, "adam_v", moments)
+        trainer.save_checkpoint(tmp_path, 1)
+        return name
+
+    poisoned = in_world(2, 2, save)[1]
+    state = checkpoint.read_state(tmp_path / "step_00000001")
+    parts = [checkpoint.part_file_name(process, 2) for process in range(2)]
+    assert state["checksums"] == {part: checkpoint.file_checksum(tmp_path / "step_00000001" / part)
+                                  for part in parts}
+    assert state["finite"] is False and state["non_finite"] == [f"adam_v.{poisoned}"]
+    flip_data_byte_of(tmp_path / "step_00000001" / parts[1])
+
+    def load(trainer):
+        with pytest.raises(Exception, match=f"{parts[1]} is corrupt"):
+            trainer.load_checkpoint(tmp_path / "step_00000001")
+        return trainer.optimizer_steps
+
+    assert in_world(2, 2, load) == [0, 0]
