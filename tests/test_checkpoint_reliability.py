@@ -4,6 +4,7 @@ loading, rotation that keeps the newest finite checkpoint, damaged newest
 checkpoints set aside on resume, free space checked before a save, and
 unwritable run folders refused before any training."""
 import collections
+import dataclasses
 import errno
 import json
 import os
@@ -379,3 +380,21 @@ def test_every_process_checksums_its_part_and_reports_non_finite_state(tmp_path)
         return trainer.optimizer_steps
 
     assert in_world(2, 2, load) == [0, 0]
+
+
+def test_processes_resume_past_a_damaged_checkpoint_that_only_the_root_moves_aside(tmp_path):
+    from test_processes_loop import tiny_config, train_in_world
+
+    config = tiny_config(tmp_path, devices=2, steps=4, checkpoint_every=2, keep_last=3, eval_every=0)
+    first, errors, _ = train_in_world([config, config])
+    assert errors == [None, None]
+    root = os.path.join(first[0].run_dir, "checkpoints")
+    flip_data_byte_of(os.path.join(root, "step_00000004", checkpoint.part_file_name(1, 2)))
+    config = dataclasses.replace(config, steps=6)
+    (result, other), errors, lines = train_in_world([config, config], resume=first[0].run_dir)
+    assert errors == [None, None]
+    assert result.resumed_from == other.resumed_from == os.path.join(root, "step_00000002")
+    assert [name for name in os.listdir(root) if ".corrupt-" in name] == \
+        [next(name for name in os.listdir(root) if name.startswith("step_00000004.corrupt-"))]
+    assert any(line.startswith("warning: skipping checkpoint") for line in lines[0]) and lines[1] == []
+    assert checkpoint.list_checkpoints(root) == [2, 4, 6]
