@@ -398,3 +398,18 @@ def test_processes_resume_past_a_damaged_checkpoint_that_only_the_root_moves_asi
         [next(name for name in os.listdir(root) if name.startswith("step_00000004.corrupt-"))]
     assert any(line.startswith("warning: skipping checkpoint") for line in lines[0]) and lines[1] == []
     assert checkpoint.list_checkpoints(root) == [2, 4, 6]
+
+
+def test_a_run_in_an_out_dir_that_cannot_be_written_is_a_clear_error(tmp_path, monkeypatch):
+    from nanoq.training import loop
+
+    cfg = config(tmp_path)
+    os.makedirs(cfg.out_dir)
+
+    def refusing_makedirs(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+
+    monkeypatch.setattr(loop.os, "makedirs", refusing_makedirs)  # as a read-only out_dir does, even to root
+    with pytest.raises(OSError, match=f"cannot create the run directory {os.path.join(cfg.out_dir, 'run')} "
+                                      f"\\(Permission denied\\): make run.out_dir writable"):
+        train(cfg, **QUIET)

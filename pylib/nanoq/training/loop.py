@@ -120,13 +120,24 @@ class _NoLog:
         pass
 
 
+def _make_run_dir(path: str) -> None:
+    """os.makedirs(path); an OSError other than FileExistsError (a read-only out_dir) says what to do."""
+    try:
+        os.makedirs(path)
+    except FileExistsError:
+        raise
+    except OSError as e:
+        raise OSError(e.errno, f"cannot create the run directory {path} ({e.strerror or e}): make run.out_dir "
+                               f"writable or choose another") from None
+
+
 def new_run_dir(config: TrainConfig) -> str:
     """Creates and returns ``<out_dir>/<run_name>``. A named run that exists
     is an error; an unnamed run gets a timestamp, suffixed if it is taken."""
     if config.run_name:
         path = os.path.join(config.out_dir, config.run_name)
         try:
-            os.makedirs(path)
+            _make_run_dir(path)
         except FileExistsError:
             raise FileExistsError(f"run directory {path} already exists; choose another run_name "
                                   f"or remove it") from None
@@ -135,7 +146,7 @@ def new_run_dir(config: TrainConfig) -> str:
     for suffix in range(1000):
         path = os.path.join(config.out_dir, stamp + (f"-{suffix}" if suffix else ""))
         try:
-            os.makedirs(path)
+            _make_run_dir(path)
             return path
         except FileExistsError:
             continue
