@@ -8,6 +8,7 @@ A checkpoint root holds::
         trainer_state.json                step, AdamW step count, model config, options, the
                                           caller's extra state (data loader, schedule), the
                                           manifest of the parts, versions
+    step_00000900.corrupt-<time>/       a damaged checkpoint that a resume set aside (never read)
     latest                              the name of the newest complete checkpoint
     .lock                               held (flock) while a save or a rotation runs
 
@@ -44,8 +45,8 @@ a save, process 0 checks the free space of the root against the size of
 the checkpoint; if it is short and ``keep_last`` > 0, it first deletes the
 checkpoints the rotation after this save would delete anyway (oldest
 first, never the newest finite one), and warns; if that cannot make enough
-room, it deletes nothing and the save fails with an OSError naming the size needed, the space free and the
-folder.
+room, it deletes nothing and the save fails with an OSError naming the size
+needed, the space free and the folder.
 
 Saving is collective: in a world of several processes (``Trainer.world_group``,
 e.g. under ``mpiexec``) every process calls ``save_checkpoint`` with the same
