@@ -413,3 +413,37 @@ def test_a_run_in_an_out_dir_that_cannot_be_written_is_a_clear_error(tmp_path, m
     with pytest.raises(OSError, match=f"cannot create the run directory {os.path.join(cfg.out_dir, 'run')} "
                                       f"\\(Permission denied\\): make run.out_dir writable"):
         train(cfg, **QUIET)
+
+
+def test_mpiexec_processes_resume_past_a_damaged_checkpoint(tmp_path):
+    """Real mpiexec: 2 processes resume a run whose newest checkpoint has a flipped
+    byte; the root alone sets it aside, both continue from the one before."""
+    import subprocess
+    import sys
+
+    from test_processes import mpiexec_path
+    from test_processes_loop import tiny_config
+
+    config = tiny_config(tmp_path, devices=1, steps=4, checkpoint_every=2, keep_last=3, eval_every=0,
+                         eval_data="")
+    settings = dict(train_data=config.train_data, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, seq_len=16, batch_size=2, grad_accum=2,
+                    warmup_steps=1, eval_every=0, backend="cpu", threads=1, checkpoint_every=2, keep_last=3,
+                    devices=1, out_dir=config.out_dir, run_name="run")
+
+    def nanoq_train(steps, resume):
+        flags = [f"--{name}={value}" for name, value in dict(settings, steps=steps).items()]
+        command = [mpiexec_path(), "-n", "2", sys.executable, "-m", "nanoq_cli.main", "train", *flags] + \
+            (["--resume"] if resume else [])
+        done = subprocess.run(command, capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    nanoq_train(4, resume=False)
+    root = os.path.join(config.out_dir, "run", "checkpoints")
+    flip_data_byte_of(os.path.join(root, "step_00000004", checkpoint.part_file_name(0, 2)))
+    output = nanoq_train(6, resume=True)
+    assert output.count("warning: skipping checkpoint") == 1
+    assert f"resuming from {os.path.join(root, 'step_00000002')} at step 2" in output
+    assert len([name for name in os.listdir(root) if name.startswith("step_00000004.corrupt-")]) == 1
+    assert checkpoint.list_checkpoints(root) == [2, 4, 6]
