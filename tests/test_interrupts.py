@@ -1,6 +1,7 @@
 """Ctrl-C in a Python script: KeyboardInterrupt arrives at once while step(), update(), validate() or wait()
-wait for a slow micro-batch, and the trainer then trains on as if the micro-batches since the last update had
-never been given (compared with a trainer that never had them)."""
+wait for a slow micro-batch, and the trainer then trains on as if the interrupted step's micro-batch (for
+step()) or the micro-batches since the last update (the other calls) had never been given (compared with a
+trainer that never had them)."""
 import json
 import subprocess
 import sys
@@ -56,6 +57,8 @@ with nanoq.Trainer(config, options) as trainer:
     # step(4) waits for the batch slot of the slow micro-batch, two steps back
     report["latency"]["step"] = interrupted(trainer, lambda: trainer.step(*batches[4]), then=[3])
     report["after"]["step"] = [trainer.micro_steps, trainer.optimizer_steps]
+    # ... discards micro-batch 4 alone: the two before it (7 and 3) stay and update() applies them.
+    kept = trainer.update(**HYPER)
     report["latency"]["update"] = interrupted(trainer, lambda: trainer.update(**HYPER))
     report["after"]["update"] = [trainer.micro_steps, trainer.optimizer_steps]
     report["latency"]["validate"] = interrupted(trainer, lambda: trainer.validate(*batches[5]))
@@ -75,11 +78,13 @@ with nanoq.Trainer(config, options) as trainer:
     weights = trainer.get_weights()
 with nanoq.Trainer(config, options) as fresh:  # never had the interrupted micro-batches
     fresh_first = train_steps(fresh, [0, 1, 2])
+    fresh_kept = train_steps(fresh, [7, 3])
     fresh_second = train_steps(fresh, [8, 9, 10])
     fresh_evaluation = fresh.validate(*batches[11])
     fresh_weights = fresh.get_weights()
 same = lambda a, b: repr(a) == repr(b)  # noqa: E731 - StepStats, with nan where a statistic has none
-report["same_stats"] = [same(first, fresh_first), same(second, fresh_second), same(evaluation, fresh_evaluation)]
+report["same_stats"] = [same(first, fresh_first), same(kept, fresh_kept), same(second, fresh_second),
+                        same(evaluation, fresh_evaluation)]
 report["same_weights"] = all(np.array_equal(weights[name], fresh_weights[name]) for name in weights)
 report["loss"] = second.loss
 print(json.dumps(report))
@@ -97,9 +102,11 @@ def test_ctrl_c_interrupts_a_waiting_call_at_once_and_discards_the_micro_batches
     report = run_script(zero_stage=1)
     for call, seconds in report["latency"].items():
         assert seconds < 1.0, f"KeyboardInterrupt out of {call}() came {seconds:.2f} s after SIGINT"
-    assert report["after"] == {call: [0, 1] for call in ("step", "update", "validate", "wait", "forward")}
+    # step() keeps the two micro-batches before the interrupted one; the other calls discard all since the update.
+    assert report["after"] == dict({call: [0, 2] for call in ("update", "validate", "wait", "forward")},
+                                   step=[2, 1])
     assert report["update_without_step"] == "update() called before any step(): there are no gradients to apply"
-    assert report["same_stats"] == [True, True, True] and report["same_weights"]
+    assert report["same_stats"] == [True, True, True, True] and report["same_weights"]
     assert 0 < report["loss"] < 10
 
 
@@ -107,4 +114,4 @@ def test_interrupted_micro_batches_are_discarded_with_sharded_gradients_too():
     # Stage 2 sums each micro-batch's gradients into the owners' shards as its backward ends.
     report = run_script(zero_stage=2)
     assert max(report["latency"].values()) < 1.0
-    assert report["same_stats"] == [True, True, True] and report["same_weights"]
+    assert report["same_stats"] == [True, True, True, True] and report["same_weights"]

@@ -170,12 +170,16 @@ class Trainer:
 
     Interrupts: Ctrl-C (KeyboardInterrupt) while ``step``, ``validate``,
     ``update`` or ``wait`` waits for the devices arrives at once (within
-    about 50 ms). It discards every micro-batch since the last ``update``:
-    those queued and not begun never run, the one running finishes in the
-    background and its gradients are then cleared, so the trainer is as
-    after the last ``update`` (``micro_steps`` is 0; the next ``step`` or
-    ``validate`` is valid, ``update`` needs a new ``step`` first, and a
-    later call first waits for that running micro-batch). An ``update``
+    about 50 ms). In ``step`` it discards that micro-batch alone: it is
+    never queued, the micro-batches before it stay (``micro_steps`` counts
+    them; the one running goes on in the background), and the next call is
+    valid. In ``update``, ``validate`` and ``wait`` it discards every
+    micro-batch since the last ``update``: those queued and not begun never
+    run, the one running finishes in the background and its gradients are
+    then cleared, so the trainer is as after the last ``update``
+    (``micro_steps`` is 0; the next ``step`` or ``validate`` is valid,
+    ``update`` needs a new ``step`` first, and a later call first waits for
+    that running micro-batch). An ``update``
     whose own optimizer work had begun completes (``optimizer_steps`` says
     whether it counted); an interrupted ``validate`` returns nothing (its
     forward pass may finish in the background). In a world of several trainers
@@ -260,16 +264,16 @@ class Trainer:
         return self._core.micro_steps
 
     @contextlib.contextmanager
-    def _interruptible(self):
+    def _interruptible(self, discard: bool = True):
         """The block runs as this thread's call alone; a KeyboardInterrupt
         inside it discards the micro-batches since the last update (see the
-        class docstring), then goes on up."""
+        class docstring) unless ``discard`` is false, then goes on up."""
         try:
             with self._calls:
                 yield
         except KeyboardInterrupt:
             with self._calls:
-                if self._core is not None:
+                if self._core is not None and discard:
                     self._core.discard_micro_batches()
             raise
 
@@ -607,7 +611,11 @@ class Trainer:
         if self._core.micro_steps >= self.options.grad_accum:
             raise ValueError(f"step() called {self.options.grad_accum + 1} times without update(); "
                              f"grad_accum is {self.options.grad_accum}")
-        with self._interruptible():
+        # An interrupt discards only this micro-batch: it is not queued (or, should the
+        # interrupt come just after, it counts, as micro_steps says), and those before
+        # it stay. Alone in its world, that is; the members of a larger world must
+        # step together, so there the interrupt ends the trainer's part (see above).
+        with self._interruptible(discard=self.topology[0] != self.world_size):
             self._wait_for_devices(for_step=True)
             if device_batch is None:
                 self._core.step(inputs, targets)
