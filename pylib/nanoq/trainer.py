@@ -223,6 +223,7 @@ class Trainer:
         self._index = {name: i for i, (name, _, _) in enumerate(self._parameters)}
         self.lora = options.lora
         self.base_model: str | None = None  # the directory import_weights read (LoRA checkpoints refer to it)
+        self._alone_in_world = self.topology[0] == self.world_size
         self._batch_shape = (options.devices * options.batch_size, options.seq_len)
         self.init_weights(options.seed)
 
@@ -615,7 +616,7 @@ class Trainer:
         # interrupt come just after, it counts, as micro_steps says), and those before
         # it stay. Alone in its world, that is; the members of a larger world must
         # step together, so there the interrupt ends the trainer's part (see above).
-        with self._interruptible(discard=self.topology[0] != self.world_size):
+        with self._interruptible(discard=not self._alone_in_world):
             self._wait_for_devices(for_step=True)
             if device_batch is None:
                 self._core.step(inputs, targets)
