@@ -247,7 +247,10 @@ public:
     // the factor applied to the stored (summed-loss) gradients, and out[1] =
     // the mean-loss gradient norm, where norm = sqrt(sum squares) / tokens and
     // clip = grad_clip / norm when 0 < grad_clip < norm, else 1; out[2] = 1
-    // when the loss or the gradient is not finite (skip the update), else 0.
+    // (skip the update) when the loss or the gradient is not finite or when
+    // no token counted (then out[0] = out[1] = 0: there is nothing to learn
+    // from, and a zero-gradient AdamW step would still move the weights
+    // through weight decay and momentum), else 0.
     // Stays on the device so that update() needs no host round trip.
     virtual void optimizer_scale(const Tensor& out, const Tensor& gathered, int ranks, float grad_clip) = 0;
     // AdamW on a contiguous range of the master copy `param`; the gradient

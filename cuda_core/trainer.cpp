@@ -541,12 +541,14 @@ struct Trainer::Impl : TrainerSetup {
         }
         StepStats out;
         const double nan = std::numeric_limits<double>::quiet_NaN();
+        // A mean over no counted tokens is reported as 0 (tokens == 0 says
+        // there were none), never NaN, which would read as a diverged run.
         out.tokens = static_cast<std::int64_t>(sums[kTokens]);
-        out.loss = out.tokens ? sums[kLossSum] / sums[kTokens] : nan;
-        out.loss_1k = sums[kTokens1k] > 0 ? sums[kLoss1kSum] / sums[kTokens1k] : nan;
-        out.z_loss = out.tokens ? sums[kZLossSum] / sums[kTokens] : nan;
-        out.lse_mean = out.tokens ? sums[kLseSum] / sums[kTokens] : nan;
-        out.lse_max = out.tokens ? lse_max : nan;
+        out.loss = out.tokens ? sums[kLossSum] / sums[kTokens] : 0.0;
+        out.loss_1k = sums[kTokens1k] > 0 ? sums[kLoss1kSum] / sums[kTokens1k] : 0.0;
+        out.z_loss = out.tokens ? sums[kZLossSum] / sums[kTokens] : 0.0;
+        out.lse_mean = out.tokens ? sums[kLseSum] / sums[kTokens] : 0.0;
+        out.lse_max = out.tokens ? lse_max : 0.0;
         out.grad_norm = nan;
         return out;
     }

@@ -211,11 +211,15 @@ def test_bad_header_is_named(tmp_path, header, message):
     assert "bad_header.bin" in str(error.value)
 
 
-def test_token_beyond_header_vocab_is_named_at_open(tmp_path):
+def test_token_beyond_the_models_vocab_is_named_and_a_negative_one_at_open(tmp_path):
     path = tmp_path / "corrupt.bin"
     path.write_bytes(llmq_header(4, 10, 0) + struct.pack("<4i", 1, 2, 10, 3))
-    with pytest.raises(ValueError, match=r"corrupt\.bin.*token id 10 at index 2 is outside \[0, 10\)"):
-        TokenFile(path)
+    token_file = TokenFile(path)  # past the header's vocab: llm.q does that for an added EOS
+    assert token_file.max_token == 10
+    token_file.check_vocab(11)
+    with pytest.raises(ValueError, match=r"corrupt\.bin.*token id 10 at index 2 is outside the vocabulary of "
+                                         r"the model \(10 ids, \[0, 10\)\)"):
+        token_file.check_vocab(10)
     path.write_bytes(llmq_header(4, 10, 0) + struct.pack("<4i", 1, -7, 0, 3))
     with pytest.raises(ValueError, match=r"token id -7 at index 1"):
         Dataset(str(path), seq_len=1)
@@ -227,24 +231,25 @@ def test_token_beyond_header_vocab_is_named_at_open(tmp_path):
 
 
 def test_windows_never_cross_files_and_tails_are_dropped(tmp_path):
-    a = ascending_file(tmp_path, "a.bin", 0, 11)       # 2 windows of 5, tail [10] dropped
+    # Windows of 5 tokens stepping by 4: [0, 5) and [4, 9); the tail [9, 10] is too short for [8, 13).
+    a = ascending_file(tmp_path, "a.bin", 0, 11)
     b = ascending_file(tmp_path, "b.bin", 100, 5)      # 1 window
     dataset = Dataset([a, b], seq_len=4)
     assert len(dataset) == 3
     inputs, targets = dataset.read_windows([0, 1, 2])
-    assert inputs.tolist() == [[0, 1, 2, 3], [5, 6, 7, 8], [100, 101, 102, 103]]
-    assert targets.tolist() == [[1, 2, 3, 4], [6, 7, 8, 9], [101, 102, 103, 104]]
+    assert inputs.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [100, 101, 102, 103]]
+    assert targets.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [101, 102, 103, 104]]
     assert inputs.dtype == targets.dtype == np.int32
     assert inputs.flags.c_contiguous and targets.flags.c_contiguous
 
 
 def test_masked_tokens_become_ignored_targets(tmp_path):
     mask = np.ones(10, dtype=bool)
-    mask[[0, 2, 5, 9]] = False  # 0 and 5 only ever appear as inputs: their bits do not matter
+    mask[[0, 2, 5, 9]] = False  # 0 is only ever an input and 9 in the dropped tail: their bits do not matter
     path = ascending_file(tmp_path, "m.bin", 0, 10, mask=mask)
-    inputs, targets = Dataset(path, seq_len=4).read_windows([0, 1])
-    assert inputs.tolist() == [[0, 1, 2, 3], [5, 6, 7, 8]]
-    assert targets.tolist() == [[1, IGNORE_INDEX, 3, 4], [6, 7, 8, IGNORE_INDEX]]
+    inputs, targets = Dataset(path, seq_len=4).read_windows([0, 1])  # tokens [0, 5) and [4, 9)
+    assert inputs.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]  # a mask bit hides a target, never an input
+    assert targets.tolist() == [[1, IGNORE_INDEX, 3, 4], [IGNORE_INDEX, 6, 7, 8]]
 
 
 def test_globs_expand_sorted_and_vocab_is_the_largest(tmp_path):
@@ -285,9 +290,10 @@ def test_bad_dataset_arguments_are_rejected(tmp_path):
 
 @pytest.fixture
 def two_files(tmp_path):
-    """13 windows of seq_len 4 in two files; a window is named by its first token."""
-    ascending_file(tmp_path, "train_0.bin", 0, 8 * 5 + 2)
-    ascending_file(tmp_path, "train_1.bin", 500, 5 * 5)
+    """13 windows of seq_len 4 (5 tokens, stepping by 4) in two files, 8 and 5 of
+    them (the first with a 2-token tail); a window is named by its first token."""
+    ascending_file(tmp_path, "train_0.bin", 0, 8 * 4 + 1 + 2)
+    ascending_file(tmp_path, "train_1.bin", 500, 5 * 4 + 1)
     return Dataset(str(tmp_path / "train_*.bin"), seq_len=4)
 
 
@@ -379,11 +385,11 @@ def test_eval_is_in_order_and_pads_the_last_batch(two_files):
     batches = list(loader)
     assert len(batches) == 3
     starts = [row for inputs, _ in batches[:2] for row in inputs[:, 0].tolist()]
-    assert starts == [0, 5, 10, 15, 20, 25, 30, 35, 500, 505]
+    assert starts == [0, 4, 8, 12, 16, 20, 24, 28, 500, 504]
     inputs, targets = batches[2]
     assert inputs.shape == targets.shape == (5, 4)
-    assert inputs[:3, 0].tolist() == [510, 515, 520]
-    assert targets[2].tolist() == [521, 522, 523, 524]
+    assert inputs[:3, 0].tolist() == [508, 512, 516]
+    assert targets[2].tolist() == [517, 518, 519, 520]
     assert np.all(inputs[3:] == 0) and np.all(targets[3:] == IGNORE_INDEX)
     assert_same_batches(list(loader), batches)  # re-iterable
 
@@ -395,9 +401,9 @@ def test_eval_is_in_order_and_pads_the_last_batch(two_files):
 
 @pytest.fixture
 def two_sources(tmp_path):
-    """Two datasets of seq_len 4: source A tokens < 500, source B tokens >= 500."""
-    a = Dataset(ascending_file(tmp_path, "a.bin", 0, 5 * 40), seq_len=4)
-    b = Dataset(ascending_file(tmp_path, "b.bin", 500, 5 * 30), seq_len=4)
+    """Two datasets of seq_len 4: source A (40 windows) tokens < 500, source B (30 windows) tokens >= 500."""
+    a = Dataset(ascending_file(tmp_path, "a.bin", 0, 4 * 40 + 1), seq_len=4)
+    b = Dataset(ascending_file(tmp_path, "b.bin", 500, 4 * 30 + 1), seq_len=4)
     return a, b
 
 

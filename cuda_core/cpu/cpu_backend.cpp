@@ -576,8 +576,9 @@ public:
         }
         float* o = out.f32();
         o[2] = std::isfinite(squares) && std::isfinite(loss) ? 0.0f : 1.0f;
-        if (tokens == 0.0) {
+        if (tokens == 0.0) {  // no counted token: skipped (see Backend::optimizer_scale)
             o[0] = o[1] = 0.0f;
+            o[2] = 1.0f;
             return;
         }
         const double norm = std::sqrt(squares) / tokens;

@@ -54,8 +54,9 @@ __global__ void optimizer_scale_kernel(float* out, const StatValue* gathered, in
         squares += row[kSumSquaresSlot];
         loss += row[kLossSum];
     }
-    out[2] = isfinite(squares) && isfinite(loss) ? 0.0f : 1.0f;
     const std::int64_t token_count = static_cast<std::int64_t>(tokens);
+    // No counted token skips the update too (see Backend::optimizer_scale).
+    out[2] = token_count && isfinite(squares) && isfinite(loss) ? 0.0f : 1.0f;
     const double inv_tokens = token_count ? 1.0 / static_cast<double>(token_count) : 0.0;
     const double norm = sqrt(squares) * inv_tokens;
     double clip = 1.0;

@@ -23,6 +23,30 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it where the system
+    allows (os.umask can only be read by setting it, which races with
+    other threads creating files)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _give_created_mode(path: str | os.PathLike) -> None:
+    """Gives the file ``path`` the mode a plain ``open(path, "w")`` would:
+    0666 less the umask. Writers that go through a private temporary file
+    (safetensors' save_file makes its files 0600) would otherwise leave
+    files others cannot read beside JSON files they can."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
 def write_json(path: str | os.PathLike, value, **dump_options) -> None:
     """Writes ``value`` as indented JSON (no NaN/inf) and fsyncs the file."""
     with open(path, "w", encoding="utf-8") as f:
@@ -52,7 +76,9 @@ def new_directory(directory: str | os.PathLike, *, overwrite: bool = False) -> I
 
     Yields the absolute path of ``<directory>.partial-<pid>`` to fill; when
     the block ends, every file in it and the folder itself are fsynced and it
-    is renamed to ``directory``, and the parent folder is fsynced. If the
+    is renamed to ``directory``, and the parent folder is fsynced. Every
+    file in it gets the mode of a file the user creates (0666 less the
+    umask; see _give_created_mode), whoever wrote it. If the
     block raises, the partial folder is removed. An existing ``directory``
     raises FileExistsError first unless ``overwrite`` (then it is replaced:
     moved aside, the new one renamed in, the old one deleted).
@@ -69,7 +95,10 @@ def new_directory(directory: str | os.PathLike, *, overwrite: bool = False) -> I
     try:
         yield partial
         for name in os.listdir(partial):
-            fsync_path(os.path.join(partial, name))
+            path = os.path.join(partial, name)
+            if os.path.isfile(path) and not os.path.islink(path):
+                _give_created_mode(path)
+            fsync_path(path)
         fsync_path(partial)
         if os.path.lexists(directory):
             replaced = f"{directory}.replaced-{os.getpid()}"

@@ -33,9 +33,11 @@ class StepStats:
     z_loss: mean z_loss * lse**2 (in the gradient, not in ``loss``);
     grad_norm: norm of the mean-loss gradient before clipping (nan for
     validation); lse_max / lse_mean: per-token log-sum-exp of the logits;
-    tokens: number of counted tokens. skipped: the loss or the gradient
-    was not finite, so update() applied nothing (weights, AdamW state and
-    step count unchanged; the gradients are discarded).
+    tokens: number of counted tokens; with none (every target -100) the
+    means (loss, loss_1k, z_loss, lse_*) are 0.0, not NaN. skipped: the
+    loss or the gradient was not finite, or no token counted (tokens == 0),
+    so update() applied nothing (weights, AdamW state and step count
+    unchanged; the gradients are discarded).
     """
 
     loss: float

@@ -99,6 +99,7 @@ struct UpdateParams {
     float eps = 1e-8f;
 };
 
+// Means over no counted tokens (tokens == 0) are 0.
 struct StepStats {
     double loss = 0.0;       // mean cross-entropy over counted tokens
     double loss_1k = 0.0;    // the same over positions < 1024
@@ -107,7 +108,7 @@ struct StepStats {
     double lse_max = 0.0;
     double lse_mean = 0.0;
     std::int64_t tokens = 0;
-    bool skipped = false;    // the loss or gradient was not finite: no update was applied
+    bool skipped = false;    // the loss or gradient was not finite, or no token counted: no update was applied
 };
 
 struct ParameterInfo {

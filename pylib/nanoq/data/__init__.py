@@ -5,13 +5,15 @@ Token files (.bin) are llm.q's tokenizer output, version 2: a 1024-byte header
 vocab size, has-mask), the int32 tokens, and optionally one mask bit per token
 (LSB first; 1 = train on it). ``write_tokens`` writes one atomically,
 ``write_token_shards`` splits a long stream into numbered shards, ``TokenFile``
-memory-maps one and checks it (header, exact size, every token < vocab size).
+memory-maps one and checks it (header, exact size, no negative token; the
+ids are checked against the model's vocabulary, which may exceed the
+header's: llm.q writes an added EOS token as id = header vocab).
 
 Loaders serve (inputs, targets), int32 C-contiguous [batch_rows, seq_len],
 where batch_rows is the global batch (device d takes rows
 [d * rows_per_device, (d + 1) * rows_per_device)):
 
-    dataset = Dataset("data/train_*.bin", seq_len=1024)   # windows of seq_len + 1 tokens
+    dataset = Dataset("data/train_*.bin", seq_len=1024)   # windows of seq_len + 1 tokens, every seq_len
     loader = DataLoader(dataset, batch_rows=devices * batch_size, seed=0)
     inputs, targets = loader.next_batch()                 # masked targets are -100
     state = loader.state_dict()                           # small, JSON-serialisable

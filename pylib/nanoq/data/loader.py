@@ -1,7 +1,15 @@
 """Windows of token files, served as shuffled training batches or in-order eval batches.
 
-A Dataset cuts each file into non-overlapping windows of seq_len + 1 tokens;
-window tokens [0, seq_len) are the inputs and [1, seq_len] the targets.
+A Dataset cuts each file into windows of seq_len + 1 tokens that step by
+seq_len, as llm.q and nanoGPT-style loaders do: window i covers tokens
+[i * seq_len, i * seq_len + seq_len + 1), its tokens [0, seq_len) are the
+inputs and [1, seq_len] the targets, so consecutive windows share one token
+(the last target of one is the first input of the next) and every token but
+a file's first is a target exactly once per epoch.
+
+Runs from before nanoq stepped by seq_len cut windows every seq_len + 1
+tokens (``window_step = seq_len + 1``); a DataLoader state saved then lacks
+``window_step`` and resumes with those windows (see DataLoader.load_state_dict).
 
 DataLoader streams windows in a per-epoch permutation and cuts the stream into
 global batches of batch_rows rows. The stream, not the batch, is what epochs
@@ -22,7 +30,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
-from typing import Iterator, List, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -95,20 +103,39 @@ def _expand(paths_or_globs) -> List[str]:
 
 
 class Dataset:
-    """Token files cut into windows of seq_len + 1 tokens.
+    """Token files cut into windows of seq_len + 1 tokens, stepping by seq_len.
 
     paths_or_globs: a path or glob, or a list of them; globs expand sorted and
-    must match something. Windows never cross files; a file's tail shorter than
-    a window is dropped. Windows are numbered file by file in the given order.
-    A target whose token has mask bit 0 becomes -100. vocab_size is the largest
-    header vocab size of the files.
+    must match something. Window i of a file covers its tokens
+    [i * window_step, i * window_step + seq_len + 1); windows never cross
+    files, and a file's tail too short for another window is dropped.
+    Windows are numbered file by file in the given order. A target whose
+    token has mask bit 0 becomes -100.
+
+    window_step: seq_len (the default: every token but a file's first is a
+    target once) or seq_len + 1 (the non-overlapping windows of runs from
+    before; see ``with_window_step``).
+
+    vocab_size: the largest header vocab size of the files (what the
+    tokenizer says); max_token: the largest token id in them, which may
+    reach past vocab_size (llm.q writes an added EOS token as id = header
+    vocab). ``check_vocab(model_vocab)`` checks the tokens against a model.
     """
 
-    def __init__(self, paths_or_globs, seq_len: int):
+    def __init__(self, paths_or_globs, seq_len: int, window_step: Optional[int] = None):
         self.seq_len = positive_int("seq_len", seq_len)
         self.files = [TokenFile(path) for path in _expand(paths_or_globs)]
+        self._cut(window_step)
+
+    def _cut(self, window_step: Optional[int]) -> None:
+        step = self.seq_len if window_step is None else window_step
+        if step not in (self.seq_len, self.seq_len + 1):
+            raise ValueError(f"window_step must be seq_len ({self.seq_len}) or, for the windows of runs from "
+                             f"before nanoq stepped by seq_len, seq_len + 1; got {window_step!r}")
+        self.window_step = step
         window = self.seq_len + 1
-        windows_per_file = np.array([len(f) // window for f in self.files], dtype=np.int64)
+        windows_per_file = np.array([(len(f) - window) // step + 1 if len(f) >= window else 0
+                                     for f in self.files], dtype=np.int64)
         # _first_window[i] = global index of file i's first window; last entry = total.
         self._first_window = np.concatenate([[0], np.cumsum(windows_per_file)])
         if self.num_windows == 0:
@@ -116,6 +143,22 @@ class Dataset:
             raise ValueError(f"no complete window of seq_len + 1 = {window} tokens in "
                              f"{', '.join(repr(f.path) for f in self.files)} ({tokens} tokens in all)")
         self.vocab_size = max(f.vocab_size for f in self.files)
+        self.max_token = max(f.max_token for f in self.files)
+
+    def with_window_step(self, window_step: int) -> "Dataset":
+        """The same files cut with another window_step (this one if it already is)."""
+        if window_step == self.window_step:
+            return self
+        other = object.__new__(Dataset)
+        other.seq_len, other.files = self.seq_len, self.files
+        other._cut(window_step)
+        return other
+
+    def check_vocab(self, model_vocab: int, what: str = "the model") -> None:
+        """ValueError naming the file, the index and ``model_vocab`` when a
+        token id is >= model_vocab (an embedding row the model lacks)."""
+        for token_file in self.files:
+            token_file.check_vocab(model_vocab, what)
 
     @property
     def num_windows(self) -> int:
@@ -131,7 +174,8 @@ class Dataset:
 
     def fingerprint(self) -> dict:
         """Identifies the windows for state checks: file names (not directories,
-        so a dataset may move), file sizes and seq_len."""
+        so a dataset may move), file sizes, seq_len and the number of windows
+        (which differs between window steps)."""
         digest = hashlib.sha256(str(self.seq_len).encode())
         for name, size in self.file_sizes():
             digest.update(f"\0{name}\0{size}".encode())
@@ -154,7 +198,7 @@ class Dataset:
         if not 0 <= index < self.num_windows:
             raise IndexError(f"window {index} outside [0, {self.num_windows})")
         token_file = self.files[file_index]
-        start = (index - int(self._first_window[file_index])) * (self.seq_len + 1)
+        start = (index - int(self._first_window[file_index])) * self.window_step
         stop = start + self.seq_len + 1
         window = token_file.tokens[start:stop]
         inputs[:] = window[:-1]
@@ -164,7 +208,8 @@ class Dataset:
             targets[~mask] = IGNORE_INDEX
 
     def __repr__(self) -> str:
-        return f"Dataset({len(self.files)} files, seq_len={self.seq_len}, windows={self.num_windows})"
+        step = "" if self.window_step == self.seq_len else f", window_step={self.window_step}"
+        return f"Dataset({len(self.files)} files, seq_len={self.seq_len}{step}, windows={self.num_windows})"
 
 
 class DataLoader:
@@ -239,24 +284,38 @@ class DataLoader:
         return self.next_batch()
 
     def state_dict(self) -> dict:
-        """JSON-serialisable position: seed, epoch, position and the dataset's fingerprint."""
+        """JSON-serialisable position: seed, epoch, position, the window layout
+        (window_step) and the dataset's fingerprint."""
         return {"kind": "DataLoader", "seed": self.seed, "epoch": self.epoch, "position": self.position,
-                "dataset": self.dataset.fingerprint()}
+                "window_step": self.dataset.window_step, "dataset": self.dataset.fingerprint()}
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from ``state``: the next batches are those the saving loader
-        would have served next. The dataset and seed must match (ValueError)."""
+        would have served next. The dataset and seed must match (ValueError).
+
+        The loader takes the state's window layout: a state without
+        ``window_step`` was saved before windows stepped by seq_len, and the
+        loader goes on with that run's windows of seq_len + 1 tokens apart
+        (``dataset`` becomes ``dataset.with_window_step(seq_len + 1)``)."""
         check_state(state, "DataLoader", ("seed", "epoch", "position", "dataset"))
-        if state["dataset"] != self.dataset.fingerprint():
+        step = state.get("window_step", self.seq_len + 1)
+        if isinstance(step, bool) or not isinstance(step, int) or step not in (self.seq_len, self.seq_len + 1):
+            raise ValueError(f"DataLoader state has window_step {step!r}; this loader's windows are "
+                             f"{self.seq_len + 1} tokens long and step by {self.seq_len} (or, for runs from "
+                             f"before that, {self.seq_len + 1})")
+        dataset = self.dataset.with_window_step(step)
+        if state["dataset"] != dataset.fingerprint():
             raise ValueError(f"DataLoader state is from a different dataset (saved {state['dataset']}, "
-                             f"this one {self.dataset.fingerprint()}); same files and seq_len are needed")
+                             f"this one {dataset.fingerprint()}); same files and seq_len are needed")
         if state["seed"] != self.seed:
             raise ValueError(f"DataLoader state was saved with seed {state['seed']}, this loader has seed "
                              f"{self.seed}")
         epoch, position = state["epoch"], state["position"]
         if not (isinstance(epoch, int) and epoch >= 0 and isinstance(position, int)
-                and 0 <= position < self.dataset.num_windows):
+                and 0 <= position < dataset.num_windows):
             raise ValueError(f"DataLoader state has an invalid epoch {epoch!r} or position {position!r}")
+        if dataset is not self.dataset:
+            self.dataset, self._order_epoch, self._order = dataset, None, None
         self.epoch, self.position = epoch, position
 
 

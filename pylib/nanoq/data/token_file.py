@@ -17,10 +17,15 @@ Layout, all little-endian:
 
 Writers go through a temporary file that is renamed into place only once it is
 complete and on disk, so a crash never leaves a file that looks whole.
-Readers memory-map the file and check every token against the header's
-vocabulary size when the file is opened (one sequential pass, in chunks of
-bounded memory), so a corrupt token is reported with its file and index before
-training starts rather than as an out-of-range id somewhere later.
+Readers memory-map the file and scan every token when the file is opened
+(one sequential pass, in chunks of bounded memory): a negative id is
+refused at once, and the largest id is kept (``max_token``) for
+``check_vocab``, which checks the ids against the model's vocabulary before
+training starts, so a bad token is reported with its file and index rather
+than as an out-of-range id somewhere later. Ids are not checked against the
+header's vocabulary size: llm.q's tokenizer writes an EOS that is an added
+token (Qwen2.5's, say) as id = header vocab, and llm.q's reader checks the
+ids against the model.
 """
 from __future__ import annotations
 
@@ -165,11 +170,13 @@ class TokenFile:
     tokens: int32 array [len(self)] (a view of the file, no copy).
     mask: bool array [len(self)] (True = train on the token) or None; unpacked
     on first access. ``mask_range(start, stop)`` unpacks just a slice.
-    vocab_size, version, has_mask: from the header.
+    vocab_size, version, has_mask: from the header. max_token: the largest
+    token id (-1 for an empty file); it may reach past vocab_size (see the
+    module docstring).
 
-    Opening checks the header, the exact file size and every token against
-    vocab_size (see the module docstring); each problem raises FileNotFoundError
-    or ValueError naming the file.
+    Opening checks the header, the exact file size and that no token is
+    negative; each problem raises FileNotFoundError or ValueError naming the
+    file. ``check_vocab`` checks the ids against a model's vocabulary.
     """
 
     def __init__(self, path):
@@ -226,13 +233,30 @@ class TokenFile:
         self._check_token_range()
 
     def _check_token_range(self) -> None:
+        """Refuses negative ids and finds max_token (one pass)."""
+        self.max_token = -1
         for start in range(0, self._count, _CHUNK_TOKENS):
             chunk = self.tokens[start:start + _CHUNK_TOKENS]
-            if int(chunk.min()) < 0 or int(chunk.max()) >= self.vocab_size:
-                index = start + int(np.argmax((chunk < 0) | (chunk >= self.vocab_size)))
+            if int(chunk.min()) < 0:
+                index = start + int(np.argmax(chunk < 0))
                 raise ValueError(f"token file {self.path!r}: token id {int(self.tokens[index])} at index "
-                                 f"{index} is outside [0, {self.vocab_size}) (the header's vocab size); "
-                                 f"the file is corrupt or its header is wrong")
+                                 f"{index} is negative; the file is corrupt")
+            self.max_token = max(self.max_token, int(chunk.max()))
+
+    def check_vocab(self, model_vocab: int, what: str = "the model") -> None:
+        """ValueError naming this file, the first index of an id >= model_vocab
+        and ``what`` has that vocabulary (``what``: e.g. "the model")."""
+        if self.max_token < model_vocab:
+            return
+        for start in range(0, self._count, _CHUNK_TOKENS):
+            chunk = self.tokens[start:start + _CHUNK_TOKENS]
+            bad = chunk >= model_vocab
+            if bad.any():
+                index = start + int(np.argmax(bad))
+                raise ValueError(f"token file {self.path!r}: token id {int(self.tokens[index])} at index {index} "
+                                 f"is outside the vocabulary of {what} ({model_vocab} ids, [0, {model_vocab})); "
+                                 f"the file's header says vocab {self.vocab_size}. Tokenize with the model's "
+                                 f"tokenizer or give the model a vocabulary of at least {self.max_token + 1}")
 
     def __len__(self) -> int:
         return self._count

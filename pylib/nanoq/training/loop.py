@@ -193,20 +193,21 @@ class _CurrentStageEval:
 
 def _curriculum(config: TrainConfig, world: "_World", say: Callable[[str], None]):
     """The data of ``data.curriculum``: (Curriculum, eval loader of the current
-    stage or None, largest vocab size of the files, tokenizer dir of the first
-    stage's files or None, [(role, Dataset)] of every file set)."""
+    stage or None, tokenizer dir of the first stage's files or None,
+    [(role, Dataset)] of every file set, [(train role, train Dataset, eval
+    role, eval Dataset)] of the stages with eval data)."""
     parsed = parse_curriculum(config.curriculum)
-    stages, vocab, datasets = [], 0, []
+    stages, datasets, evaluated = [], [], []
     for number, stage in enumerate(parsed, 1):
         try:
             train_set = Dataset(stage.train_data, config.seq_len)
             eval_set = Dataset(stage.eval_data, config.seq_len) if stage.eval_data else None
         except (ValueError, FileNotFoundError) as e:
             raise type(e)(f"data.curriculum stage {number}: {e}") from None
-        vocab = max(vocab, train_set.vocab_size, eval_set.vocab_size if eval_set else 0)
         datasets.append((f"data.curriculum stage {number} train_data", train_set))
         if eval_set:
             datasets.append((f"data.curriculum stage {number} eval_data", eval_set))
+            evaluated.append(datasets[-2] + datasets[-1])
         stages.append((world.train_loader(train_set, config),
                        world.eval_loader(eval_set, config) if eval_set else None, stage.steps))
         evaluation = f", eval {stage.eval_data} ({eval_set.num_windows:,})" if eval_set else ""
@@ -214,19 +215,42 @@ def _curriculum(config: TrainConfig, world: "_World", say: Callable[[str], None]
             f"windows){evaluation}")
     curriculum = Curriculum(stages, batches_per_step=config.grad_accum)
     evaluation = _CurrentStageEval(curriculum) if stages[0][1] is not None else None
-    return curriculum, evaluation, vocab, _tokenizer_dir(parsed[0].train_data), datasets
+    return curriculum, evaluation, _tokenizer_dir(parsed[0].train_data), datasets, evaluated
 
 
-def model_config(config: TrainConfig, data_vocab_size: int) -> ModelConfig:
+def check_data_vocab(config: TrainConfig, model: ModelConfig, datasets, evaluated) -> None:
+    """Refuses data the model cannot read (ValueError naming the files and
+    both vocabularies): every token id must be < the model's vocab_size, and
+    every eval file set (``evaluated``: [(train role, train Dataset, eval
+    role, eval Dataset)]) must have its train files' header vocab, or with
+    model.init_from the model's: eval data from another tokenizer would
+    measure nothing."""
+    for train_role, train_set, eval_role, eval_set in evaluated:
+        allowed = {train_set.vocab_size} | ({model.vocab_size} if config.init_from else set())
+        if eval_set.vocab_size not in allowed:
+            model_part = f" nor model.init_from's ({model.vocab_size})" if config.init_from else ""
+            raise ValueError(f"{eval_role} has vocab size {eval_set.vocab_size} but {train_role} has "
+                             f"{train_set.vocab_size}{model_part}: the eval files come from another tokenizer; "
+                             f"tokenize them with the train files' tokenizer")
+    what = f"model.init_from {config.init_from}" if config.init_from else "the model"
+    for _, dataset in datasets:
+        dataset.check_vocab(model.vocab_size, what)
+
+
+def model_config(config: TrainConfig, data_vocab_size: int, token_vocab_size: int = 0) -> ModelConfig:
     """The ModelConfig of a TrainConfig: that of the model.init_from
-    directory, else built from the [model] sizes (vocab_size 0 takes the data's)."""
+    directory, else built from the [model] sizes. data_vocab_size: the token
+    files' (largest header) vocab size, which the model's must reach;
+    token_vocab_size: their largest token id + 1, which may pass it (llm.q
+    writes an added EOS token as id = header vocab). [model] vocab_size 0
+    takes the larger of the two."""
     if config.init_from:
         model = ModelConfig.from_pretrained(config.init_from)
         if model.vocab_size < data_vocab_size:
             raise ValueError(f"model.init_from {config.init_from} has a vocabulary of {model.vocab_size}, smaller "
                              f"than the token files' vocab size {data_vocab_size}: tokenize with its tokenizer")
         return model
-    vocab = config.vocab_size or data_vocab_size
+    vocab = config.vocab_size or max(data_vocab_size, token_vocab_size)
     if vocab < data_vocab_size:
         raise ValueError(f"model.vocab_size {vocab} is smaller than the token files' vocab size "
                          f"{data_vocab_size}")
@@ -309,16 +333,23 @@ def _setup(config: TrainConfig, run_dir: str, say: Callable[[str], None], group:
         train_spec, eval_spec, tokenizer_dir = paths
         train_set = Dataset(train_spec, config.seq_len)
         eval_set = Dataset(eval_spec, config.seq_len) if eval_spec else None
-        data_vocab = max(train_set.vocab_size, eval_set.vocab_size if eval_set else 0)
         datasets = [("data.train_data", train_set)] + ([("data.eval_data", eval_set)] if eval_set else [])
         return (world.train_loader(train_set, config), world.eval_loader(eval_set, config) if eval_set else None,
-                data_vocab, tokenizer_dir, datasets)
+                tokenizer_dir, datasets, [datasets[0] + datasets[1]] if eval_set else [])
 
     paths = None if config.curriculum else on_root(group, lambda: _data_paths(config, run_dir, say),
                                                    action="preparing the data")
-    loader, eval_loader, data_vocab, tokenizer_dir, datasets = _on_every_process(group, open_data, "opening the data")
+    loader, eval_loader, tokenizer_dir, datasets, evaluated = _on_every_process(group, open_data,
+                                                                                 "opening the data")
     _agreed_data(group, datasets)
-    model = _on_every_process(group, lambda: model_config(config, data_vocab), "reading the model config")
+
+    def checked_model() -> ModelConfig:
+        model = model_config(config, max(dataset.vocab_size for _, dataset in datasets),
+                             max(dataset.max_token for _, dataset in datasets) + 1)
+        check_data_vocab(config, model, datasets, evaluated)
+        return model
+
+    model = _on_every_process(group, checked_model, "reading the model config")
     options = train_options(config)
     return model, options, loader, eval_loader, tokenizer_dir
 
@@ -554,8 +585,12 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
                     line = train_line(step + 1, config.steps, stats.loss, stats.grad_norm, lr, tokens_per_s,
                                       done.time, eta)
                     emit(f"{line} | {gpu_summary(gpus)}" if gpus else line)
-                skipped_in_a_row = skipped_in_a_row + 1 if stats.skipped else 0
-                if stats.skipped:
+                if stats.skipped and stats.tokens == 0:  # every target -100: nothing to learn, nothing wrong
+                    log.write(type="skipped", step=step + 1, loss=stats.loss, grad_norm=stats.grad_norm,
+                              reason="no counted tokens", time=done.time)
+                    emit(f"step {step + 1}: no counted tokens (every target is -100), update skipped")
+                skipped_in_a_row = skipped_in_a_row + 1 if stats.skipped and stats.tokens else 0
+                if stats.skipped and stats.tokens:
                     log.write(type="skipped", step=step + 1, loss=stats.loss, grad_norm=stats.grad_norm,
                               in_a_row=skipped_in_a_row, time=done.time)
                     emit(f"step {step + 1}: non-finite loss or gradient, update skipped ({skipped_in_a_row} in a "
