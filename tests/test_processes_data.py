@@ -35,9 +35,10 @@ class CountingDataset(Dataset):
 
 @pytest.fixture
 def files(tmp_path):
-    """17 windows of seq_len 4 in two files: a 12-row batch crosses an epoch boundary every 17 windows."""
-    ascending(tmp_path, "train_0.bin", 0, 9 * (SEQ + 1) + 3)
-    ascending(tmp_path, "train_1.bin", 500, 8 * (SEQ + 1))
+    """17 windows of seq_len 4 (SEQ + 1 tokens, stepping by SEQ) in two files, 9 and 8
+    of them: a 12-row batch crosses an epoch boundary every 17 windows."""
+    ascending(tmp_path, "train_0.bin", 0, 9 * SEQ + 1 + 3)
+    ascending(tmp_path, "train_1.bin", 500, 8 * SEQ + 1)
     return str(tmp_path / "train_*.bin")
 
 
@@ -107,8 +108,8 @@ def test_eval_parts_together_are_the_single_process_batches_padding_included(fil
 
 
 def test_mixture_and_curriculum_parts_together_are_the_single_process_batches(tmp_path):
-    a = ascending(tmp_path, "a.bin", 0, 40 * (SEQ + 1))
-    b = ascending(tmp_path, "b.bin", 500, 30 * (SEQ + 1))
+    a = ascending(tmp_path, "a.bin", 0, 40 * SEQ + 1)  # 40 windows
+    b = ascending(tmp_path, "b.bin", 500, 30 * SEQ + 1)  # 30 windows
 
     def curriculum(part):
         mixture = MixtureLoader([(DataLoader(Dataset(a, SEQ), ROWS, seed=1, part=part), 1.0),
@@ -125,7 +126,7 @@ def test_mixture_and_curriculum_parts_together_are_the_single_process_batches(tm
 
 
 def test_loaders_of_different_parts_do_not_mix(tmp_path):
-    data = Dataset(ascending(tmp_path, "a.bin", 0, 40 * (SEQ + 1)), SEQ)
+    data = Dataset(ascending(tmp_path, "a.bin", 0, 40 * SEQ + 1), SEQ)  # 40 windows
     with pytest.raises(ValueError, match=r"same part.*\(0, 2\), \(1, 2\)"):
         MixtureLoader([(DataLoader(data, 4, seed=0, part=(0, 2)), 1.0),
                        (DataLoader(data, 4, seed=0, part=(1, 2)), 1.0)], seed=0)

@@ -39,7 +39,7 @@ from test_cli import invoke
 LOSS_REL = 1e-5
 GRAD_REL = 3e-5
 DEVICES, BATCH_SIZE, GRAD_ACCUM = 2, 2, 2
-LOADER_SEED = 1  # a step whose (micro-batch, device) groups train on 5, 18, 3 and 10 tokens
+LOADER_SEED = 0  # a step whose (micro-batch, device) groups train on 9, 5, 12 and 15 tokens
 VOCAB_SIZE = 300  # of the BPE trained on the corpus
 
 WORDS = "the a fox dog quick lazy brown jumps over river stone light tree bird sings morning wind".split()
@@ -77,11 +77,10 @@ def response_texts(records):
 
 def file_windows(token_file):
     """(tokens int32, mask bool), both [complete windows, SEQ + 1]: the token
-    file cut as the loader cuts it."""
-    window = SEQ + 1
-    count = len(token_file) // window
-    return (np.asarray(token_file.tokens[:count * window]).reshape(count, window),
-            token_file.mask[:count * window].reshape(count, window))
+    file cut as the loader cuts it (window i is tokens [i * SEQ, i * SEQ + SEQ + 1))."""
+    count = (len(token_file) - 1) // SEQ
+    positions = np.arange(count)[:, None] * SEQ + np.arange(SEQ + 1)
+    return np.asarray(token_file.tokens)[positions], token_file.mask[positions]
 
 
 def device_groups(micro_batches):

@@ -165,9 +165,9 @@ def test_exported_model_loads_in_transformers_with_the_same_loss(tmp_path):
     assert (config["vocab_size"], config["num_key_value_heads"], config["head_dim"]) == (VOCAB, 2, 8)
     assert AutoConfig.from_pretrained(result.model_dir).tie_word_embeddings is True
     model = LlamaForCausalLM.from_pretrained(result.model_dir, torch_dtype=torch.float32).eval()
-    rng = np.random.default_rng(0)  # the eval file's windows, rebuilt
+    rng = np.random.default_rng(0)  # the eval file's windows (17 tokens, stepping by 16), rebuilt
     tokens = (np.tile(np.arange(1, 17), 200) + rng.integers(0, 2, 3200) * 16)[:700]
-    windows = tokens[:(len(tokens) // 17) * 17].reshape(-1, 17)
+    windows = tokens[np.arange((len(tokens) - 1) // 16)[:, None] * 16 + np.arange(17)]
     with torch.no_grad():
         logits = model(input_ids=torch.from_numpy(windows[:, :-1]).long()).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),

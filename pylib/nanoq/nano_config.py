@@ -210,7 +210,9 @@ def _map_architecture(model: _Fields, train: _Fields, out: _Mapping) -> None:
     missing = [field for field in REQUIRED_MODEL_KEYS if not model.has(field)]
     if missing:
         raise ValueError(f"the Nano model config lacks {', '.join(missing)}")
-    out.put("model.block_size", seq_len=model.get("block_size", "int"))
+    # A Nano line is one window of block_size + 1 tokens: disjoint windows keep them apart.
+    block_size = model.get("block_size", "int")
+    out.put("model.block_size", seq_len=block_size, window_step=block_size + 1)
     out.put("model.vocab_size", vocab_size=model.get("vocab_size", "int"))
     out.put("model.n_layer", num_hidden_layers=model.get("n_layer", "int"))
     out.put("model.n_embd", hidden_size=model.get("n_embd", "int"))

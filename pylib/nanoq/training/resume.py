@@ -33,6 +33,7 @@ CHECKPOINTS = "checkpoints"
 # Settings a resumed run must share with its checkpoint: they define the model,
 # or which training windows the data loader serves and in which order.
 FIXED_ON_RESUME = ("model.*", "lora.*", "data.train_data", "data.eval_data", "data.curriculum", "data.seq_len",
+                   "data.window_step",
                    "train.seed")
 # Where the run lives: a resumed run stays in its own directory, so these keep
 # the checkpoint's values and are never compared.

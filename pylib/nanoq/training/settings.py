@@ -85,7 +85,9 @@ class TrainConfig:
     """Everything ``nanoq train`` needs; see ``settings()`` for the help of each field."""
 
     # -- model: a Llama-style decoder -------------------------------------------
-    vocab_size: int = setting("model", 0, "vocabulary size; 0 = the token files' vocab size", minimum=0)
+    vocab_size: int = setting("model", 0, "vocabulary size; 0 = the token files' vocab size (or their "
+                                         "largest token id + 1 when that is larger: llm.q writes an added EOS as "
+                                         "id = header vocab)", minimum=0)
     hidden_size: int = setting("model", 256, "model width", minimum=1)
     intermediate_size: int = setting("model", 704, "SwiGLU MLP width", minimum=1)
     num_hidden_layers: int = setting("model", 4, "transformer blocks", minimum=1)
@@ -99,11 +101,16 @@ class TrainConfig:
 
     # -- data ------------------------------------------------------------------
     train_data: str = setting("data", "", "training token files (.bin path or glob); \"\" = the bundled demo corpus")
-    eval_data: str = setting("data", "", "eval token files (path or glob); \"\" = none (the demo's own with the demo)")
+    eval_data: str = setting("data", "", "eval token files (path or glob), with the train files' vocab "
+                                         "size (or model.init_from's); \"\" = none (the demo's own with the demo)")
     curriculum: str = setting("data", "", "stages trained in order, replacing train_data/eval_data: "
                                           "\"TRAIN[|EVAL]@STEPS; ...\" (token-file paths or globs; the STEPS add "
                                           "up to train.steps); \"\" = none")
-    seq_len: int = setting("data", 128, "tokens per sequence", **core_limits("seq_len"))
+    seq_len: int = setting("data", 128, "tokens per sequence; windows of seq_len + 1 tokens step by "
+                                       "seq_len, so every token is a target once per epoch", **core_limits("seq_len"))
+    window_step: int = setting("data", 0, "tokens from one window's start to the next: 0 = seq_len (consecutive "
+                                          "windows share a token, as in llm.q); seq_len + 1 = disjoint windows "
+                                          "(one per Nano line)", minimum=0)
     eval_batches: int = setting("data", 16, "batches per evaluation; 0 = the whole eval set", minimum=0)
 
     # -- train: optimisation and schedule --------------------------------------
@@ -180,6 +187,10 @@ class TrainConfig:
     def __post_init__(self):
         for item in settings():
             setattr(self, item.name, _checked(item, getattr(self, item.name)))
+        if self.window_step not in (0, self.seq_len, self.seq_len + 1):
+            raise ValueError(f"data.window_step must be 0 or data.seq_len ({self.seq_len}: windows sharing a "
+                             f"token) or data.seq_len + 1 ({self.seq_len + 1}: disjoint windows); got "
+                             f"{self.window_step}")
         if self.curriculum:
             stages = parse_curriculum(self.curriculum)
             if self.train_data or self.eval_data:
