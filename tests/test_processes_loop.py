@@ -166,10 +166,10 @@ def test_data_that_fails_to_open_on_one_process_fails_every_process(tmp_path, mo
     opened = Dataset.__init__
     ranks = {}
 
-    def open_dataset(dataset, paths, seq_len):
+    def open_dataset(dataset, paths, seq_len, **options):
         if ranks.get(threading.get_ident()) == 1:
             raise FileNotFoundError(f"token file {paths} is gone on this node")
-        opened(dataset, paths, seq_len)
+        opened(dataset, paths, seq_len, **options)
 
     monkeypatch.setattr(Dataset, "__init__", open_dataset)
     config = tiny_config(tmp_path, devices=1)

@@ -200,8 +200,8 @@ def _curriculum(config: TrainConfig, world: "_World", say: Callable[[str], None]
     stages, datasets, evaluated = [], [], []
     for number, stage in enumerate(parsed, 1):
         try:
-            train_set = Dataset(stage.train_data, config.seq_len, config.window_step or None)
-            eval_set = (Dataset(stage.eval_data, config.seq_len, config.window_step or None)
+            train_set = Dataset(stage.train_data, config.seq_len, window_step=config.window_step or None)
+            eval_set = (Dataset(stage.eval_data, config.seq_len, window_step=config.window_step or None)
                         if stage.eval_data else None)
         except (ValueError, FileNotFoundError) as e:
             raise type(e)(f"data.curriculum stage {number}: {e}") from None
@@ -332,8 +332,8 @@ def _setup(config: TrainConfig, run_dir: str, say: Callable[[str], None], group:
         if config.curriculum:
             return _curriculum(config, world, say)
         train_spec, eval_spec, tokenizer_dir = paths
-        train_set = Dataset(train_spec, config.seq_len, config.window_step or None)
-        eval_set = Dataset(eval_spec, config.seq_len, config.window_step or None) if eval_spec else None
+        train_set = Dataset(train_spec, config.seq_len, window_step=config.window_step or None)
+        eval_set = Dataset(eval_spec, config.seq_len, window_step=config.window_step or None) if eval_spec else None
         datasets = [("data.train_data", train_set)] + ([("data.eval_data", eval_set)] if eval_set else [])
         return (world.train_loader(train_set, config), world.eval_loader(eval_set, config) if eval_set else None,
                 tokenizer_dir, datasets, [datasets[0] + datasets[1]] if eval_set else [])
@@ -593,7 +593,7 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
                 skipped_in_a_row = skipped_in_a_row + 1 if stats.skipped and stats.tokens else 0
                 if stats.skipped and stats.tokens:
                     log.write(type="skipped", step=step + 1, loss=stats.loss, grad_norm=stats.grad_norm,
-                              in_a_row=skipped_in_a_row, time=done.time)
+                              reason="non-finite loss or gradient", in_a_row=skipped_in_a_row, time=done.time)
                     emit(f"step {step + 1}: non-finite loss or gradient, update skipped ({skipped_in_a_row} in a "
                          f"row, at most {config.max_skipped_steps})")
                     if skipped_in_a_row >= config.max_skipped_steps:
