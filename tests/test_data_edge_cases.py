@@ -196,6 +196,24 @@ def test_a_token_past_the_models_vocab_is_refused_naming_the_model_vocab(tmp_pat
         train(run_config(tmp_path, train_data=path, vocab_size=64, run_name="sized"), **QUIET)
 
 
+def test_nanoq_eval_checks_the_ids_against_the_models_vocab(tmp_path, model_of_vocab_64):
+    from click.testing import CliRunner
+    from nanoq_cli.main import cli
+
+    def evaluate(path):
+        return CliRunner().invoke(cli, ["eval", model_of_vocab_64, "--data", path, "--seq-len", str(SEQ),
+                                        "--backend", "cpu", "--json"])
+
+    covered = evaluate(llmq_file(tmp_path / "eos.bin", eos_terminated(12, 63, eos=63), header_vocab=63))
+    assert covered.exit_code == 0, covered.output
+    assert json.loads(covered.output)["tokens"] > 0
+    tokens = eos_terminated(12, 64, eos=64)
+    refused = evaluate(llmq_file(tmp_path / "past.bin", tokens, header_vocab=64))
+    assert refused.exit_code == 1
+    assert f"token id 64 at index {int(np.flatnonzero(tokens == 64)[0])} is outside the vocabulary of the model " \
+           f"(64 ids" in refused.output
+
+
 # --------------------------------------------------------------------------
 # Windows step by seq_len
 # --------------------------------------------------------------------------

@@ -189,6 +189,7 @@ def eval_command(model, data, seq_len, batches, batch_size, backend, as_json):
         if dataset.vocab_size > source.config.vocab_size:
             raise ValueError(f"the token files have vocab size {dataset.vocab_size}, more than the model's "
                              f"{source.config.vocab_size}: they were tokenized for another model")
+        dataset.check_vocab(source.config.vocab_size)  # ids may pass the header's vocab (llm.q's added EOS)
         with open_trainer(source, backend, seq_len, batch_size) as trainer:
             result = evaluate(trainer, dataset, batches)
     except (ValueError, TypeError, OSError) as e:
