@@ -113,8 +113,9 @@ class Dataset:
     token has mask bit 0 becomes -100.
 
     window_step: seq_len (the default: every token but a file's first is a
-    target once) or seq_len + 1 (the non-overlapping windows of runs from
-    before; see ``with_window_step``).
+    target once) or seq_len + 1 (disjoint windows: one per line of a Nano
+    import, see the data.window_step setting, and the windows of runs from
+    before nanoq stepped by seq_len, see ``with_window_step``).
 
     vocab_size: the largest header vocab size of the files (what the
     tokenizer says); max_token: the largest token id in them, which may
@@ -130,8 +131,8 @@ class Dataset:
     def _cut(self, window_step: Optional[int]) -> None:
         step = self.seq_len if window_step is None else window_step
         if step not in (self.seq_len, self.seq_len + 1):
-            raise ValueError(f"window_step must be seq_len ({self.seq_len}) or, for the windows of runs from "
-                             f"before nanoq stepped by seq_len, seq_len + 1; got {window_step!r}")
+            raise ValueError(f"window_step must be seq_len ({self.seq_len}: windows sharing a token) or "
+                             f"seq_len + 1 ({self.seq_len + 1}: disjoint windows); got {window_step!r}")
         self.window_step = step
         window = self.seq_len + 1
         windows_per_file = np.array([(len(f) - window) // step + 1 if len(f) >= window else 0
