@@ -464,18 +464,17 @@ CommTicket SharedMemoryCommunicator::reduce_range(const Tensor& in, std::int64_t
                        [&](int) { return std::int64_t(sizeof(float)) * local * (here_hi - here_lo); });
             g.barrier();
         }
-        // sources[r][at - begin]: rank r's value of element `at` (of this rank's part).
+        // sources[r][at - here_lo]: rank r's value of element `at` (of this rank's part).
         std::vector<const float*> sources(size());
         for (int r = 0; r < size(); ++r)
-            sources[r] = g.is_local(r) ? g.buffer(r)
-                                       : g.received_f32(r / local) + (r % local) * (here_hi - here_lo) -
-                                             (here_lo - begin);
+            sources[r] = g.is_local(r) ? g.buffer(r) + (here_lo - begin)
+                                       : g.received_f32(r / local) + (r % local) * (here_hi - here_lo);
         // This rank sums, in rank order, every rank's values of the part it owns.
         const auto [lo, hi] = owned_part(begin, end, rank_, 1, shard);
         float* target = own.f32();
         for (std::int64_t at = lo; at < hi; ++at) {
             float sum = 0.0f;
-            for (int r = 0; r < size(); ++r) sum += sources[r][at - begin];
+            for (int r = 0; r < size(); ++r) sum += sources[r][at - here_lo];
             if (mode == RangeSum::Add) target[at - rank_ * shard] += sum;
             else target[at - rank_ * shard] = sum;
         }
