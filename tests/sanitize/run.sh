@@ -34,6 +34,14 @@
 #   PYTHONMALLOC=malloc puts Python objects on the malloc heap, where LeakSanitizer sees the references
 #   they hold to nanoq's objects. Leak checks run at exit and never change the
 #   exit code (LSAN_OPTIONS=exitcode=0); this script judges them.
+# - intercept_tls_get_addr=0: LeakSanitizer's at-exit tracer can crash while
+#   walking the dynamic TLS blocks of dlopen'ed libraries (Python's extensions,
+#   OpenBLAS, MPICH), which aborts a process whose work had succeeded (seen in
+#   CI in mpiexec-launched test processes; the sanitizer project's issue 1322
+#   names this flag as the cure). The cost is that pointers held only in
+#   dynamic TLS are not scanned; nanoq's sanitizer build has no thread_local
+#   (the emulator, which has, is left out), so no leak of ours can hide or be
+#   invented by it.
 # - ThreadSanitizer with OpenMP: GCC's libgomp is not built with TSan, so TSan
 #   cannot see the synchronisation inside its barriers and reports every
 #   parallel loop's hand-off as a race (seen on the first test).
@@ -87,7 +95,7 @@ sanitizer_env=(
   PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
   LD_PRELOAD="$preload"
   PYTHONMALLOC=malloc
-  ASAN_OPTIONS="$common:detect_leaks=1:detect_stack_use_after_return=1:log_path=$reports/asan"
+  ASAN_OPTIONS="$common:detect_leaks=1:detect_stack_use_after_return=1:intercept_tls_get_addr=0:log_path=$reports/asan"
   LSAN_OPTIONS=exitcode=0
   UBSAN_OPTIONS="$common"
   TSAN_OPTIONS="$common:second_deadlock_stack=1:log_path=$reports/tsan"
@@ -123,6 +131,28 @@ echo "== sanitize $kind: tests ran in $((SECONDS - start)) s (pytest exit $statu
 # which aborts a process whose tests all passed. That is no finding about
 # nanoq: accept it with a warning when pytest reported no failure. Every other
 # report is still judged below.
+# The same crash in a test's subprocess (an mpiexec-launched process that
+# finished its work) fails that test: when the reports hold the crash, the
+# failed tests run once more, and their second result is the one judged.
+failed_tests=$(sed -n 's/^FAILED \([^ ]*\).*/\1/p' "$reports/console.log" | sort -u)
+if [ "$status" -ne 0 ] && [ -n "$failed_tests" ] &&
+   grep -qs "LeakSanitizer has encountered a fatal error" "$reports"/asan.*; then
+  echo "== warning: LeakSanitizer crashed at exit in some process; running the failed tests again:" $failed_tests
+  mkdir -p "$reports/first-try"
+  mv "$reports"/asan.* "$reports/first-try/" 2>/dev/null || true
+  mv "$reports/console.log" "$reports/first-try/console-first-try.log"
+  set +e
+  # shellcheck disable=SC2086
+  env "${sanitizer_env[@]}" "$python" -m pytest -q -p no:cacheprovider --capture=sys -m "not cuda_emulated" \
+    $failed_tests 2>&1 | tee "$reports/console.log"
+  status=${PIPESTATUS[0]}
+  set -e
+  # What the first try reported, other than the tracer's crash, still counts.
+  for path in "$reports"/first-try/*; do
+    grep -qs "LeakSanitizer has encountered a fatal error" "$path" || mv "$path" "$reports/"
+  done
+  rm -rf "$reports/first-try"
+fi
 summary=$(grep -E "^[0-9]+ (passed|failed)|[0-9]+ passed" "$reports/console.log" | tail -n 1)
 if [ "$status" -ne 0 ] && grep -qs "LeakSanitizer has encountered a fatal error" "$reports"/asan.* &&
    [[ $summary =~ [0-9]+\ passed ]] && ! [[ $summary =~ failed|error ]]; then
