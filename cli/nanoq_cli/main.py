@@ -108,6 +108,12 @@ def _setting_options(command):
     """Adds ``--name VALUE`` (also ``--name-with-dashes``) for every setting."""
     for item in reversed(settings()):
         flags = [f"--{item.name}"] + ([f"--{item.name.replace('_', '-')}"] if "_" in item.name else [])
+        if item.type is list:  # repeated: --name A --name B; not given: None, like the other flags
+            command = click.option(*flags, item.name, type=click.STRING, multiple=True, metavar="TEXT",
+                                   callback=lambda ctx, param, value: list(value) if value else None,
+                                   help=f"[{item.section}] {item.help} (repeat for several; default "
+                                        f"{item.default!r})")(command)
+            continue
         kind = click.Choice(item.choices) if item.choices else _CLICK_TYPES[item.type]
         default = str(item.default).lower() if item.type is bool else repr(item.default) \
             if item.type is str else item.default

@@ -8,6 +8,7 @@ Every line of ``log.jsonl`` is one JSON object, written and flushed whole:
      "trained_tokens": ..., "tokens_per_s": ..., "time": ...}
     {"type": "eval", "step": 0, "loss": ..., "tokens": ..., "time": ...}
     {"type": "telemetry", "step": 10, "time": ..., "gpus": [{"device": 0, "gpu_util": 97, ...}, ...]}
+    {"type": "sample", "step": 60, "index": 0, "prompt": "...", "completion": "...", "time": ...}
     {"type": "end", "step": N, "time": ..., "model_dir": ...}
 
 ``step`` counts finished optimizer updates (a train line's step is 1 after the
@@ -30,22 +31,32 @@ from nanoq.memory import human_bytes
 
 
 class JsonlLog:
-    """Appends one JSON object per line to ``path`` and flushes each line."""
+    """Appends one JSON object per line to ``path`` and flushes each line.
 
-    def __init__(self, path: str | os.PathLike):
+    tracker: a nanoq.training.tracking.Tracker that receives every record
+    written (the same dict as the line), so a tracker logs what log.jsonl
+    holds; ``close`` closes it too."""
+
+    def __init__(self, path: str | os.PathLike, tracker=None):
         self.path = os.fspath(path)
         self._file: Optional[IO[str]] = open(self.path, "a", encoding="utf-8")
+        self.tracker = tracker
 
     def write(self, **record) -> None:
         # NaN/inf are not JSON: they become null so every line parses anywhere.
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
+        if self.tracker is not None:
+            self.tracker.record(clean)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self.tracker is not None:
+            tracker, self.tracker = self.tracker, None
+            tracker.close()
 
     def __enter__(self) -> "JsonlLog":
         return self

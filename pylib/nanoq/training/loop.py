@@ -55,6 +55,8 @@ from nanoq.trainer import Trainer
 from nanoq.training.settings import TrainConfig, parse_curriculum, train_options
 from nanoq.training.resume import CHECKPOINTS, Progress, Resume, extra_state, find_run, prepare_resume, restore
 from nanoq.training.run_lock import lock_run
+from nanoq.training.samples import Samples, prepare_samples, sampling_note
+from nanoq.training.tracking import check_tracker, open_tracker
 from nanoq.training.log import JsonlLog, eval_line, format_duration, gpu_summary, memory_lines, train_line
 from nanoq.training.lr_schedule import learning_rate
 from nanoq.training.stop import StopRequest, TrainingHalted
@@ -355,6 +357,30 @@ def _setup(config: TrainConfig, run_dir: str, say: Callable[[str], None], group:
     return model, options, loader, eval_loader, tokenizer_dir
 
 
+def _sample_dataset(loader, eval_loader) -> Dataset:
+    """The Dataset whose first document is the default sample prompt: the
+    eval data's (the first curriculum stage's), else the train data's."""
+    if isinstance(eval_loader, _CurrentStageEval):
+        return eval_loader.curriculum.stages[0][1].dataset
+    if eval_loader is not None:
+        return eval_loader.dataset
+    return loader.stages[0][0].dataset if isinstance(loader, Curriculum) else loader.dataset
+
+
+def _samples(config: TrainConfig, trainer: Trainer, loader, eval_loader, tokenizer_dir: Optional[str],
+             say: Callable[[str], None]) -> Optional[Samples]:
+    """The run's Samples (None when train.sample_every is 0, or when the
+    trainer cannot generate: then a console line says why)."""
+    if not config.sample_every:
+        return None
+    note = sampling_note(trainer)
+    if note:
+        say(note)
+        return None
+    return prepare_samples(config.sample_every, config.sample_prompts, config.sample_tokens, config.seq_len,
+                           _sample_dataset(loader, eval_loader), tokenizer_dir)
+
+
 def _final_model_dir(run_dir: str, step: int, say: Callable[[str], None]) -> str:
     """``run/model``, or where an earlier finish of this run wrote that,
     ``run/model-step<step>`` (then -2, -3, ...): an export never replaces another."""
@@ -445,6 +471,7 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
         raise ValueError(f"train.warmup_steps ({config.warmup_steps}) exceeds train.steps ({config.steps})")
     start = time.time()
     _agreed_settings(group, config)
+    on_root(group, lambda: check_tracker(config.tracker), action="checking run.tracker", fallback=ImportError)
     run = None if resume is None else _on_every_process(group, lambda: find_run(config, resume, say),
                                                         "finding the run to resume")
     run_dir = on_root(group, lambda: new_run_dir(config), action="making the run directory") if run is None \
@@ -480,6 +507,10 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
         elif options.lora:
             say("warning: LoRA on randomly initialised weights (set model.init_from to adapt a trained model)")
         done = Progress() if resumed is None else restore(trainer, loader, resumed)
+        samples = _samples(config, trainer, loader, eval_loader, tokenizer_dir, say)
+        resume_step = None if resumed is None else done.step
+        tracker = _on_every_process(group, lambda: open_tracker(config.tracker, run_dir, resume_step)
+                                    if group.is_root else None, "opening run.tracker")
     except BaseException:
         if trainer is not None:
             trainer.close()
@@ -491,7 +522,7 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
             f.write(config.to_toml())
     tokens_per_step = loader.batch_rows * config.seq_len * config.grad_accum  # the global batch
     world_devices = trainer.topology[0]
-    log_file = JsonlLog(os.path.join(run_dir, "log.jsonl")) if group.is_root else _NoLog()
+    log_file = JsonlLog(os.path.join(run_dir, "log.jsonl"), tracker=tracker) if group.is_root else _NoLog()
     # Under a launcher the root samples its own GPUs, which it logs.
     sampler = _telemetry(config, trainer) if group.is_root else GpuTelemetry(devices=0)
 
@@ -586,6 +617,8 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
                     line = train_line(step + 1, config.steps, stats.loss, stats.grad_norm, lr, tokens_per_s,
                                       done.time, eta)
                     emit(f"{line} | {gpu_summary(gpus)}" if gpus else line)
+                if samples is not None and samples.due(step + 1):
+                    samples.write(trainer, step + 1, log, emit, time.time() - train_start)
                 if stats.skipped and stats.tokens == 0:  # every target -100: nothing to learn, nothing wrong
                     log.write(type="skipped", step=step + 1, loss=stats.loss, grad_norm=stats.grad_norm,
                               reason="no counted tokens", time=done.time)

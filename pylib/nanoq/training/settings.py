@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import os
 import re
@@ -32,13 +33,16 @@ from nanoq.lora import LoraConfig
 
 SECTIONS = ("model", "data", "train", "lora", "checkpoint", "run")
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
+TRACKERS = ("", "tensorboard", "wandb")
 LORA_TARGETS = option_schema.choices("lora_targets")
 
 
 def setting(section: str, default, help: str, choices=(), minimum=None, maximum=None, above=None, below=None):
     """A TrainConfig field: its section, default, help and allowed values
-    (``choices``, or a range: ``minimum``/``maximum`` inclusive, ``above``/``below`` exclusive)."""
-    return dataclasses.field(default=default, metadata=dict(section=section, help=help, choices=tuple(choices),
+    (``choices``, or a range: ``minimum``/``maximum`` inclusive, ``above``/``below`` exclusive).
+    A list default (a list-of-strings setting) is copied for each TrainConfig."""
+    initial = dict(default_factory=lambda: list(default)) if isinstance(default, list) else dict(default=default)
+    return dataclasses.field(**initial, metadata=dict(section=section, help=help, choices=tuple(choices),
                                                             minimum=minimum, maximum=maximum, above=above,
                                                             below=below))
 
@@ -134,6 +138,14 @@ class TrainConfig:
                                                  "many updates in a row with a non-finite loss or gradient",
                                      minimum=1)
     seed: int = setting("train", 0, "seed of the weights and the data order", minimum=0, maximum=2**64 - 1)
+    sample_every: int = setting("train", 60, "generate greedy samples from train.sample_prompts every N steps "
+                                             "(and after the last step), printed and logged; 0 = off", minimum=0)
+    sample_prompts: List[str] = setting("train", [], "prompts of the samples (needs the data's tokenizer.json); "
+                                                     "[] = the start of the first eval document (of the train data "
+                                                     "without eval data)")
+    sample_tokens: int = setting("train", 32, "most new tokens per sample (fewer when the end-of-sequence token "
+                                              "comes first); prompt and sample must fit in data.seq_len",
+                                 minimum=1)
 
     # -- lora: low-rank adapters on a frozen base (usually model.init_from) ----
     lora_rank: int = setting("lora", 0, "adapter rank r; 0 = full fine-tuning (no adapters)",
@@ -181,6 +193,10 @@ class TrainConfig:
     run_name: str = setting("run", "", "name of this run's directory; \"\" = a timestamp (an existing "
                                        "run is never overwritten)")
     log_every: int = setting("run", 1, "print a console line every N steps", minimum=1)
+    tracker: str = setting("run", "", "also log the run's figures and samples to TensorBoard (<run>/tensorboard; "
+                                      "extra nanoq[tensorboard]) or Weights & Biases (<run>/wandb, offline with "
+                                      "WANDB_MODE=offline; extra nanoq[wandb]); \"\" = log.jsonl only",
+                           choices=TRACKERS)
     telemetry_every: int = setting("run", 10, "cuda: log GPU utilisation, power, clocks and temperature "
                                               "(NVML) every N steps; 0 = off", minimum=0)
 
@@ -279,15 +295,18 @@ def parse_curriculum(text: str) -> List[CurriculumStage]:
 
 def settings() -> List[Setting]:
     """The schema: one Setting per TrainConfig field, in declaration order."""
-    return [Setting(section=f.metadata["section"], name=f.name, type=_TYPES[f.type], default=f.default,
+    return [Setting(section=f.metadata["section"], name=f.name, type=_TYPES[f.type],
+                    default=f.default_factory() if f.default is dataclasses.MISSING else f.default,
                     help=f.metadata["help"], choices=f.metadata["choices"], minimum=f.metadata["minimum"],
                     maximum=f.metadata["maximum"], above=f.metadata["above"],
                     below=f.metadata["below"])
             for f in dataclasses.fields(TrainConfig)]
 
 
-_TYPES = {"int": int, "float": float, "str": str, "bool": bool, int: int, float: float, str: str, bool: bool}
-_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "List[str]": list, int: int, float: float, str: str,
+          bool: bool}
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+               list: "a list of strings"}
 
 
 # The widest numbers a setting may hold: an integer without a maximum of its
@@ -301,6 +320,9 @@ def _checked(item: Setting, value):
     """``value`` converted to the setting's type (int -> float only), or a
     ValueError that names the setting."""
     ok = isinstance(value, item.type) and not (item.type is int and isinstance(value, bool))
+    if item.type is list and ok:
+        ok = all(isinstance(entry, str) for entry in value)
+        value = list(value)
     if item.type is float and isinstance(value, int) and not isinstance(value, bool):
         try:
             value, ok = float(value), True
@@ -336,8 +358,10 @@ def _suggest(name: str, known) -> str:
 def _toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, str):  # a TOML basic string: JSON's escapes are TOML's, and DEL must be escaped too
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(entry) for entry in value) + "]"
     return repr(value)
 
 
