@@ -368,10 +368,10 @@ def _sample_dataset(loader, eval_loader) -> Dataset:
 
 
 def _samples(config: TrainConfig, trainer: Trainer, loader, eval_loader, tokenizer_dir: Optional[str],
-             say: Callable[[str], None]) -> Optional[Samples]:
-    """The run's Samples (None when train.sample_every is 0, or when the
-    trainer cannot generate: then a console line says why)."""
-    if not config.sample_every:
+             first_step: int, say: Callable[[str], None]) -> Optional[Samples]:
+    """The run's Samples (None when no step after ``first_step`` is due for
+    samples, or when the trainer cannot generate: then a console line says why)."""
+    if not config.sample_every or config.steps // config.sample_every == first_step // config.sample_every:
         return None
     note = sampling_note(trainer)
     if note:
@@ -507,7 +507,7 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
         elif options.lora:
             say("warning: LoRA on randomly initialised weights (set model.init_from to adapt a trained model)")
         done = Progress() if resumed is None else restore(trainer, loader, resumed)
-        samples = _samples(config, trainer, loader, eval_loader, tokenizer_dir, say)
+        samples = _samples(config, trainer, loader, eval_loader, tokenizer_dir, done.step, say)
         resume_step = None if resumed is None else done.step
         tracker = _on_every_process(group, lambda: open_tracker(config.tracker, run_dir, resume_step)
                                     if group.is_root else None, "opening run.tracker")

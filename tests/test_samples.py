@@ -1,0 +1,145 @@
+"""Samples during training (train.sample_every, sample_prompts, sample_tokens): greedy continuations
+written to the console and log.jsonl, equal to transformers' greedy generate on the same weights, and
+leaving the training bitwise unchanged."""
+import os
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.numpy import load_file
+
+from nanoq.data import write_tokens
+from nanoq.testing.threads import ThreadWorld
+from nanoq.training import TrainConfig, load_config, read_log, train
+from nanoq.training.samples import document_start
+from nanoq_cli.main import cli
+from test_resume import QUIET, TINY, config, records
+from test_topology import in_threads
+
+TEXT = ["the cat sat on the mat and the dog sat on the log. " * 3,
+        "a bird in the hand is worth two in the bush, said the cat. " * 3,
+        "to be or not to be, that is the question of the dog. " * 3] * 8
+
+
+def hf_greedy(model_dir, prompt, new_tokens, eos=None):
+    """transformers' greedy continuation of ``prompt`` by the exported model in ``model_dir``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                             eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_default_prompt_is_the_start_of_the_first_eval_document_and_the_sample_is_transformers_greedy(tmp_path):
+    result = train(config(tmp_path, steps=8, sample_every=4, sample_tokens=5, checkpoint_every=0), **QUIET)
+    samples = records(result.run_dir, "sample")
+    assert [(r["step"], r["index"]) for r in samples] == [(4, 0), (8, 0)]
+    eval_tokens = np.fromfile(os.path.join(tmp_path, "data", "eval_000000.bin"), dtype="<i4", offset=1024)
+    prompt = [int(t) for t in eval_tokens[:8]]  # no tokenizer: half of seq_len 16, shown as ids
+    assert all(r["prompt"] == " ".join(map(str, prompt)) for r in samples)
+    # The last sample is made with the final weights, which the exported model holds.
+    expected = hf_greedy(result.model_dir, prompt, 5)
+    assert samples[-1]["completion"] == " ".join(map(str, expected))
+
+
+@pytest.mark.parametrize("lora", [{}, dict(lora_rank=2, lora_dropout=0.25)], ids=["full", "lora-dropout"])
+def test_a_run_with_samples_trains_bitwise_as_one_without(tmp_path, lora):
+    base = dict(steps=6, checkpoint_every=0, eval_every=2, **lora)
+    plain = train(config(tmp_path, run_name="plain", sample_every=0, **base), **QUIET)
+    sampled = train(config(tmp_path, run_name="sampled", sample_every=1, **base), **QUIET)
+    assert len(records(sampled.run_dir, "sample")) == 6 and not records(plain.run_dir, "sample")
+
+    def figures(run_dir):
+        return [(r["type"], r["step"], r["loss"], r.get("grad_norm")) for r in records(run_dir)
+                if r["type"] in ("train", "eval")]
+
+    assert figures(sampled.run_dir) == figures(plain.run_dir)
+    a, b = (load_file(os.path.join(r.model_dir, "model.safetensors")) for r in (plain, sampled))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def tokenized_data(directory):
+    """Token files of TEXT with a byte-level BPE tokenizer.json beside them; (train glob, eval path, tokenizer)."""
+    from nanoq.tokenization.tokenizer import tokenizer_vocab_size, train_bpe_tokenizer
+
+    tokenizer = train_bpe_tokenizer(TEXT, 300)
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    tokens = np.concatenate([[eos] + tokenizer.encode(text).ids for text in TEXT])
+    directory.mkdir()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    vocab = tokenizer_vocab_size(tokenizer)
+    write_tokens(directory / "train_000000.bin", tokens, vocab)
+    write_tokens(directory / "eval_000000.bin", tokens[: len(tokens) // 4], vocab)
+    return str(directory / "train_*.bin"), str(directory / "eval_000000.bin"), tokenizer
+
+
+def test_sample_prompts_are_encoded_with_the_data_tokenizer_and_completions_decoded(tmp_path):
+    train_data, eval_data, tokenizer = tokenized_data(tmp_path / "data")
+    prompts = ["the cat", "to be or\nnot"]
+    lines = []
+    settings = dict(TINY, train_data=train_data, eval_data=eval_data, steps=4, checkpoint_every=0, sample_every=4,
+                    sample_tokens=6, seq_len=32, out_dir=str(tmp_path / "runs"), run_name="run")
+    result = train(TrainConfig(sample_prompts=prompts, **settings), say=lines.append, progress=False)
+    samples = records(result.run_dir, "sample")
+    assert [(r["step"], r["index"], r["prompt"]) for r in samples] == [(4, 0, prompts[0]), (4, 1, prompts[1])]
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    for record, prompt in zip(samples, prompts):
+        expected = hf_greedy(result.model_dir, tokenizer.encode(prompt).ids, 6, eos=eos)
+        assert record["completion"] == tokenizer.decode(expected, skip_special_tokens=True)
+        assert f"sample @ step 4: {prompt!r} -> {record['completion']!r}" in lines
+    # Without prompts: the start of the first eval document, after its leading EOS, decoded.
+    default = train(TrainConfig(**dict(settings, run_name="default")), **QUIET)
+    first = document_start(np.fromfile(eval_data, dtype="<i4", offset=1024), eos, 16)
+    assert first[0] != eos and records(default.run_dir, "sample")[0]["prompt"] == tokenizer.decode(first)
+
+
+def test_document_start_skips_leading_eos_and_stops_at_the_next():
+    assert document_start(np.array([0, 0, 5, 6, 0, 7]), 0, 10) == [5, 6]
+    assert document_start(np.array([5, 6, 7, 8]), 0, 3) == [5, 6, 7]
+    assert document_start(np.array([5, 0, 7]), None, 3) == [5, 0, 7]
+    assert document_start(np.array([0, 0]), 0, 3) == []
+
+
+def test_bad_sample_prompts_fail_before_training_naming_the_setting(tmp_path):
+    with pytest.raises(ValueError, match=r"train\.sample_prompts needs the data's tokenizer"):
+        train(config(tmp_path, sample_every=2, sample_prompts=["hello"]), **QUIET)
+    assert not os.path.exists(tmp_path / "runs" / "run")  # nothing ran: no run directory left behind
+    train_data, eval_data, _ = tokenized_data(tmp_path / "tok")
+    long = TrainConfig(**dict(TINY, train_data=train_data, eval_data=eval_data, steps=2, sample_every=2,
+                              sample_prompts=["the cat sat on the mat " * 4], out_dir=str(tmp_path / "runs")))
+    with pytest.raises(ValueError, match=r"train\.sample_prompts\[0\] is \d+ tokens, which leaves no room"):
+        train(long, **QUIET)
+    for bad in ("hello", [1], ["a", None]):
+        with pytest.raises(ValueError, match=r"train\.sample_prompts must be a list of strings"):
+            TrainConfig(sample_prompts=bad)
+
+
+def test_sample_prompts_come_from_repeated_flags_and_toml_arrays(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[train]\nsample_prompts = ["To be", "a \\"quoted\\"\\nline"]\nsample_every = 5\n')
+    config_ = load_config(path)
+    assert config_.sample_prompts == ["To be", 'a "quoted"\nline'] and config_.sample_every == 5
+    (tmp_path / "round.toml").write_text(config_.to_toml())
+    assert load_config(tmp_path / "round.toml") == config_
+    result = CliRunner().invoke(cli, ["train", str(path), "--sample-prompts", "one", "--sample_prompts", "two",
+                                      "--print-config"])
+    assert result.exit_code == 0, result.output
+    assert 'sample_prompts = ["one", "two"]' in result.output
+    result = CliRunner().invoke(cli, ["train", str(path), "--print-config"])
+    assert 'sample_prompts = ["To be", "a \\"quoted\\"\\nline"]' in result.output  # no flag: the file's
+
+
+def test_several_processes_train_without_samples_and_say_why(tmp_path):
+    world = ThreadWorld(2)
+    lines = [[], []]
+    settings = config(tmp_path, steps=4, sample_every=2, checkpoint_every=0, batch_size=2)
+    results, errors = in_threads([
+        (lambda r=r: train(settings, processes=world.member(r), say=lines[r].append, progress=False))
+        for r in range(2)])
+    assert errors == [None, None]
+    assert any(line.startswith("samples off: generation needs a single-process run") for line in lines[0])
+    assert not lines[1]
+    assert not [r for r in read_log(results[0].log_path) if r["type"] == "sample"]
