@@ -1,4 +1,5 @@
-"""Figures: loss curves of a run log (``nanoq plot LOG -o loss.png``) and
+"""Figures: loss and learning-rate curves of a run log, with its resume points
+(``nanoq plot LOG -o loss.png``), and
 memory per device by context (``nanoq memory --plot mem.png``).
 
 Needs matplotlib, the ``plot`` extra: ``pip install "nanoq[plot]"``.
@@ -22,26 +23,59 @@ def _pyplot(command: str):
     return plt
 
 
-def plot_losses(log_path: str | os.PathLike, output: str | os.PathLike) -> None:
-    """Draws the train loss (per step) and eval loss (per evaluation) of a
-    log.jsonl against the optimizer step and saves the figure to ``output``."""
+def _by_step(records, kind: str, field: str) -> list:
+    """[(step, value)] of the ``kind`` records' ``field``, sorted by step; a
+    step logged twice (a resumed run repeats the steps after its checkpoint)
+    keeps its later value, the one the run continued from."""
+    values = {r["step"]: r[field] for r in records if r.get("type") == kind and r.get(field) is not None}
+    return sorted(values.items())
+
+
+def loss_figure(records: list, title: str = "loss"):
+    """The matplotlib Figure of a run's log records: the train loss (per
+    step) and eval loss (per evaluation) on top, the learning rate below,
+    against the optimizer step; a dashed vertical line on both marks each
+    step a run was resumed from. ValueError when there are no losses."""
     plt = _pyplot("nanoq plot")
-    records = read_log(log_path)
-    train = [(r["step"], r["loss"]) for r in records if r.get("type") == "train" and r.get("loss") is not None]
-    evals = [(r["step"], r["loss"]) for r in records if r.get("type") == "eval" and r.get("loss") is not None]
+    train = _by_step(records, "train", "loss")
+    evals = _by_step(records, "eval", "loss")
+    rates = _by_step(records, "train", "lr")
+    resumes = sorted({r["step"] for r in records if r.get("type") == "resume" and r.get("step") is not None})
     if not train and not evals:
-        raise ValueError(f"{log_path}: no train or eval losses to plot")
-    figure, axes = plt.subplots(figsize=(7, 4.5))
+        raise ValueError("no train or eval losses to plot")
+    figure, (losses, lr) = plt.subplots(2, 1, figsize=(7, 6), sharex=True,
+                                       gridspec_kw=dict(height_ratios=(3, 1)))
     if train:
-        axes.plot(*zip(*train), label="train", linewidth=1, alpha=0.8)
+        losses.plot(*zip(*train), label="train", linewidth=1, alpha=0.8)
     if evals:
-        axes.plot(*zip(*evals), label="eval", marker="o", linewidth=1.5)
-    axes.set_xlabel("step")
-    axes.set_ylabel("loss")
-    axes.set_title(os.path.basename(os.path.dirname(os.path.abspath(log_path))) or "loss")
-    axes.grid(alpha=0.3)
-    axes.legend()
+        losses.plot(*zip(*evals), label="eval", marker="o", linewidth=1.5)
+    if rates:
+        lr.plot(*zip(*rates), label="lr", color="tab:green", linewidth=1)
+    for number, step in enumerate(resumes):
+        for axes in (losses, lr):
+            axes.axvline(step, color="gray", linestyle="--", linewidth=1,
+                         label="resumed" if number == 0 and axes is losses else None)
+    losses.set_ylabel("loss")
+    losses.set_title(title)
+    losses.grid(alpha=0.3)
+    losses.legend()
+    lr.set_xlabel("step")
+    lr.set_ylabel("lr")
+    lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+    lr.grid(alpha=0.3)
     figure.tight_layout()
+    return figure
+
+
+def plot_losses(log_path: str | os.PathLike, output: str | os.PathLike) -> None:
+    """Draws ``loss_figure`` of a log.jsonl (titled by its run directory)
+    and saves it to ``output``."""
+    plt = _pyplot("nanoq plot")
+    title = os.path.basename(os.path.dirname(os.path.abspath(log_path))) or "loss"
+    try:
+        figure = loss_figure(read_log(log_path), title)
+    except ValueError as e:
+        raise ValueError(f"{log_path}: {e}") from None
     figure.savefig(os.fspath(output), dpi=120)
     plt.close(figure)
 

@@ -1,0 +1,52 @@
+"""`nanoq plot`: the loss figure's panels (losses, learning rate) and its resume marks."""
+import numpy as np
+import pytest
+
+from nanoq.plot import loss_figure, plot_losses
+from nanoq.training import JsonlLog
+
+pytest.importorskip("matplotlib")  # the test extra installs it
+
+
+def resumed_log():
+    """Records of a run that logged steps 1-10, died, and resumed from its step-8 checkpoint to step 12."""
+    records = [dict(type="start", time=0.0), dict(type="eval", step=0, loss=4.0)]
+    records += [dict(type="train", step=s, loss=4.0 - 0.1 * s, lr=1e-3 * min(s, 4)) for s in range(1, 11)]
+    records += [dict(type="eval", step=8, loss=3.3), dict(type="resume", step=8, time=1.0),
+                dict(type="eval", step=8, loss=3.3)]
+    records += [dict(type="train", step=s, loss=3.0 - 0.05 * s, lr=2e-3) for s in range(9, 13)]
+    return records + [dict(type="eval", step=12, loss=2.5), dict(type="end", step=12)]
+
+
+def test_loss_figure_has_a_loss_panel_an_lr_panel_and_marks_the_resume():
+    import matplotlib.pyplot as plt
+
+    records = resumed_log()
+    figure = loss_figure(records, "run")
+    losses, lr = figure.axes
+    train, evals = (line for line in losses.lines if line.get_label() in ("train", "eval"))
+    assert list(train.get_xdata()) == list(range(1, 13))
+    # Steps 9 and 10 keep the resumed run's values, the ones it continued from.
+    expected = [4.0 - 0.1 * s for s in range(1, 9)] + [3.0 - 0.05 * s for s in range(9, 13)]
+    np.testing.assert_array_equal(train.get_ydata(), expected)
+    assert list(evals.get_xdata()) == [0, 8, 12] and list(evals.get_ydata()) == [4.0, 3.3, 2.5]
+    (rate,) = [line for line in lr.lines if line.get_label() == "lr"]
+    assert list(rate.get_xdata()) == list(range(1, 13))
+    np.testing.assert_array_equal(rate.get_ydata(), [1e-3 * min(s, 4) for s in range(1, 9)] + [2e-3] * 4)
+    for axes in (losses, lr):
+        marks = [line for line in axes.lines if line.get_linestyle() == "--"]
+        assert [list(line.get_xdata()) for line in marks] == [[8, 8]]
+    assert "resumed" in [text.get_text() for text in losses.get_legend().get_texts()]
+    assert lr.get_ylabel() == "lr" and losses.get_ylabel() == "loss" and losses.get_title() == "run"
+    plt.close(figure)
+
+
+def test_plot_writes_the_figure_of_a_log_file(tmp_path):
+    with JsonlLog(tmp_path / "log.jsonl") as log:
+        for record in resumed_log():
+            log.write(**record)
+    plot_losses(tmp_path / "log.jsonl", tmp_path / "loss.png")
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "empty.jsonl").write_text('{"type": "start"}\n')
+    with pytest.raises(ValueError, match=r"empty\.jsonl: no train or eval losses to plot"):
+        plot_losses(tmp_path / "empty.jsonl", tmp_path / "none.png")
