@@ -215,6 +215,6 @@ def test_a_missing_tracker_library_fails_before_training_naming_the_extra(tmp_pa
 
 
 def test_tracker_setting_refuses_unknown_trackers():
-    with pytest.raises(ValueError, match="run.tracker must be one of , tensorboard, wandb"):
+    with pytest.raises(ValueError, match=r"run\.tracker must be one of \"\", tensorboard, wandb, got .mlflow."):
         TrainConfig(tracker="mlflow")
     check_tracker("")

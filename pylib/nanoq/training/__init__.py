@@ -12,6 +12,8 @@
             the final model is written by nanoq.hf_export; under a launcher every
             process calls train and they train one world (processes=: a ProcessGroup)
 - log:      the JSONL run log and console lines
+- samples:  greedy samples every train.sample_every steps (``sample`` log lines)
+- tracking: run.tracker, every log record also sent to TensorBoard or Weights & Biases
 - run_lock: one trainer per run directory (RunInUse when another holds it)
 """
 from nanoq.training.settings import TrainConfig, load_config, schema_markdown, settings

@@ -16,6 +16,8 @@ first update; an eval at step 0 scores the initial weights). ``tokens`` on a
 train line is the running total of tokens fed to the model, and
 ``trained_tokens`` the number of them the step's loss averaged (targets not
 masked out: the responses of SFT data); on an eval line, the tokens scored. ``time`` is seconds since the start of training.
+A ``sample`` line is the greedy continuation of prompt ``index`` of
+train.sample_prompts after ``step`` updates (see nanoq.training.samples).
 ``memory`` (also on a ``resume`` line) is Trainer.memory_summary(): each
 device's allocations summed by context, and more; ``gpus`` holds GpuTelemetry.sample()
 (see nanoq.telemetry: cuda runs with NVML only, every run.telemetry_every steps).

@@ -30,10 +30,11 @@ import numpy as np
 from nanoq import options as option_schema
 from nanoq.trainer_config import BACKENDS, DTYPES, OFFLOAD, RECOMPUTE, STATE_DTYPES, TrainOptions
 from nanoq.lora import LoraConfig
+from nanoq.training.tracking import TRACKER_PACKAGES
 
 SECTIONS = ("model", "data", "train", "lora", "checkpoint", "run")
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
-TRACKERS = ("", "tensorboard", "wandb")
+TRACKERS = ("",) + tuple(TRACKER_PACKAGES)
 LORA_TARGETS = option_schema.choices("lora_targets")
 
 
@@ -338,7 +339,7 @@ def _checked(item: Setting, value):
     if item.type is int and item.maximum is None and item.below is None and abs(value) > INT_LIMIT:
         raise ValueError(f"{item.key} must be at most {INT_LIMIT} (a signed 64-bit integer), got {value!r}")
     if item.choices and value not in item.choices:
-        raise ValueError(f"{item.key} must be one of {', '.join(item.choices)}, got {value!r}")
+        raise ValueError(f"{item.key} must be one of {', '.join(map(_choice_text, item.choices))}, got {value!r}")
     if item.minimum is not None and value < item.minimum:
         raise ValueError(f"{item.key} must be >= {item.minimum}, got {value!r}")
     if item.maximum is not None and value > item.maximum:
@@ -348,6 +349,11 @@ def _checked(item: Setting, value):
     if item.below is not None and value >= item.below:
         raise ValueError(f"{item.key} must be < {item.below}, got {value!r}")
     return value
+
+
+def _choice_text(choice: str) -> str:
+    """A choice as the docs and errors show it ("" quoted, so it can be seen)."""
+    return choice if choice else '""'
 
 
 def _suggest(name: str, known) -> str:
@@ -432,6 +438,7 @@ def schema_markdown() -> str:
     """The schema as a Markdown table (the README's is generated from this)."""
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for item in settings():
-        meaning = (item.help + (f" ({' / '.join(item.choices)})" if item.choices else "")).replace("|", "\\|")
+        meaning = (item.help + (f" ({' / '.join(map(_choice_text, item.choices))})" if item.choices else "")
+                   ).replace("|", "\\|")
         rows.append(f"| `{item.key}` | {item.type.__name__} | `{_toml_value(item.default)}` | {meaning} |")
     return "\n".join(rows)

@@ -41,7 +41,7 @@ import string
 import time
 from typing import Dict, Optional, Tuple
 
-TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb"}  # run.tracker -> the package and extra it needs
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # run.tracker -> the package (and extra) it needs
 WANDB_ID_FILE = "wandb_run_id"
 TENSORBOARD_DIR = "tensorboard"
 
@@ -51,10 +51,10 @@ def check_tracker(kind: str) -> None:
     library is missing ("" needs nothing); ValueError for an unknown kind."""
     if not kind:
         return
-    if kind not in TRACKERS:
-        raise ValueError(f"run.tracker must be one of {', '.join(repr(k) for k in ('',) + tuple(TRACKERS))}, "
+    if kind not in TRACKER_PACKAGES:
+        raise ValueError(f"run.tracker must be one of {', '.join(repr(k) for k in ('',) + tuple(TRACKER_PACKAGES))}, "
                          f"got {kind!r}")
-    package = TRACKERS[kind]
+    package = TRACKER_PACKAGES[kind]
     try:
         __import__(package)
     except ImportError:
