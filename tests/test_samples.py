@@ -143,3 +143,20 @@ def test_several_processes_train_without_samples_and_say_why(tmp_path):
     assert any(line.startswith("samples off: generation needs a single-process run") for line in lines[0])
     assert not lines[1]
     assert not [r for r in read_log(results[0].log_path) if r["type"] == "sample"]
+
+
+@pytest.mark.parametrize("with_eval", [True, False], ids=["stage-eval", "stage-train"])
+def test_a_curriculum_samples_from_its_first_stage(tmp_path, with_eval):
+    data = tmp_path / "data"
+    data.mkdir()
+    files = dict(a_train=np.tile(np.arange(1, 17), 40), a_eval=np.arange(20, 50).repeat(20),
+                 b_train=np.arange(30, 60).repeat(20), b_eval=np.arange(40, 64).repeat(20))
+    for name, tokens in files.items():
+        write_tokens(data / f"{name}.bin", tokens, 64)
+    stages = [f"{data}/{stage}_train.bin" + (f"|{data}/{stage}_eval.bin" if with_eval else "") + "@2"
+              for stage in ("a", "b")]
+    settings = TrainConfig(**dict(TINY, curriculum="; ".join(stages), steps=4, sample_every=2, checkpoint_every=0,
+                                  out_dir=str(tmp_path / "runs"), run_name="curriculum"))
+    result = train(settings, **QUIET)
+    first = " ".join(map(str, files["a_eval" if with_eval else "a_train"][:8]))
+    assert [(r["step"], r["prompt"]) for r in records(result.run_dir, "sample")] == [(2, first), (4, first)]

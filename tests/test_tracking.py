@@ -218,3 +218,18 @@ def test_tracker_setting_refuses_unknown_trackers():
     with pytest.raises(ValueError, match=r"run\.tracker must be one of \"\", tensorboard, wandb, got .mlflow."):
         TrainConfig(tracker="mlflow")
     check_tracker("")
+
+
+def test_only_the_root_process_tracks(tmp_path):
+    from nanoq.testing.threads import ThreadWorld
+    from test_topology import in_threads
+
+    world = ThreadWorld(2)
+    settings = config(tmp_path, steps=4, batch_size=2, checkpoint_every=0, tracker="tensorboard")
+    results, errors = in_threads([(lambda r=r: train(settings, processes=world.member(r), **QUIET))
+                                  for r in range(2)])
+    assert errors == [None, None]
+    run_dir = results[0].run_dir
+    assert len(glob.glob(os.path.join(run_dir, "tensorboard", "events.out.tfevents.*"))) == 1
+    events = tensorboard_events(run_dir)
+    assert tb_scalars(events, "train/loss") == [(r["step"], f32(r["loss"])) for r in records(run_dir, "train")]
