@@ -5,8 +5,6 @@ import pytest
 from nanoq.plot import loss_figure, plot_losses
 from nanoq.training import JsonlLog
 
-pytest.importorskip("matplotlib")  # the test extra installs it
-
 
 def resumed_log():
     """Records of a run that logged steps 1-10, died, and resumed from its step-8 checkpoint to step 12."""

@@ -7,6 +7,8 @@ A run lives in its own directory ``<out_dir>/<run_name>``:
     log.jsonl       one JSON object per line (see nanoq.training.log)
     data/           the tokenized demo corpus (demo runs only)
     checkpoints/    step_XXXXXXXX/ every checkpoint_every steps and after the last (see nanoq.checkpoint)
+    tensorboard/    with run.tracker = "tensorboard": its event files (see nanoq.training.tracking)
+    wandb/          with run.tracker = "wandb": the W&B run files, and wandb_run_id the run's id
     model/          the final weights, a Hugging Face model directory (see nanoq.hf_export);
                     with LoRA the adapters merged in, and model/adapter/ the adapters unmerged
                     (a PEFT adapter directory, see nanoq.lora)
