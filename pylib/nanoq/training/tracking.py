@@ -33,6 +33,7 @@ again. Only the root process tracks.
 from __future__ import annotations
 
 import abc
+import importlib
 import math
 import numbers
 import os
@@ -56,7 +57,7 @@ def check_tracker(kind: str) -> None:
                          f"got {kind!r}")
     package = TRACKER_PACKAGES[kind]
     try:
-        __import__(package)
+        importlib.import_module(package)  # a fixed name of the table above
     except ImportError:
         raise ImportError(f'run.tracker = "{kind}" needs the {package} package: pip install "nanoq[{package}]" '
                           f'(from a source checkout: pip install ".[{package}]"; or pip install {package})') \
