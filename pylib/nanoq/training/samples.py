@@ -36,7 +36,11 @@ class Prompt(NamedTuple):
 
 
 class Samples:
-    """The prompts of a run and how to continue and show them."""
+    """The prompts of a run and how to continue and show them: samples after
+    every ``every`` steps, of at most ``max_new_tokens`` new tokens within
+    ``seq_len`` positions (the trainer's), decoded with ``tokenizer`` (a
+    tokenizers.Tokenizer; None: shown as ids) and ending after the token
+    ``stop`` (the end-of-sequence id; None: none)."""
 
     def __init__(self, every: int, prompts: List[Prompt], max_new_tokens: int, seq_len: int, tokenizer=None,
                  stop: Optional[int] = None):
