@@ -160,3 +160,24 @@ def test_a_curriculum_samples_from_its_first_stage(tmp_path, with_eval):
     result = train(settings, **QUIET)
     first = " ".join(map(str, files["a_eval" if with_eval else "a_train"][:8]))
     assert [(r["step"], r["prompt"]) for r in records(result.run_dir, "sample")] == [(2, first), (4, first)]
+
+
+def test_the_demo_shows_samples_of_text_from_an_eval_play(tmp_path):
+    from nanoq.tokenization.tokenizer import load_tokenizer
+
+    defaults = TrainConfig()
+    assert 0 < defaults.sample_every <= defaults.steps and defaults.steps % defaults.sample_every == 0
+    lines = []
+    settings = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, steps=2,
+                    warmup_steps=0, eval_every=0, eval_batches=1, checkpoint_every=0, batch_size=2, threads=1,
+                    backend="cpu", seq_len=32, sample_every=2, sample_tokens=4, out_dir=str(tmp_path))
+    result = train(load_config(overrides=settings), say=lines.append, progress=False)
+    (sample,) = records(result.run_dir, "sample")
+    data = os.path.join(result.run_dir, "data")
+    tokenizer = load_tokenizer(data)
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    (eval_file,) = [name for name in os.listdir(data) if name.startswith("eval_")]
+    first = document_start(np.fromfile(os.path.join(data, eval_file), dtype="<i4", offset=1024), eos, 16)
+    assert sample["prompt"] == tokenizer.decode(first, skip_special_tokens=True)
+    assert sample["prompt"].startswith("THE ") and sample["completion"]  # a play's title page, decoded
+    assert any(line.startswith(f"sample @ step 2: {sample['prompt']!r} -> ") for line in lines)
