@@ -102,15 +102,8 @@ void LlamaModel::layer_cached(int layer, const LayerWeights& w, KvCache& cache, 
     }
     project(kLoraO, mid, w.o, w.o_bias, attention, C, HD);
     be.residual_rmsnorm_forward(mid, norm, rstd, x, mid, w.post_norm, count, C, c.rms_norm_eps);
-    if (has_adapter(w, {kLoraGate, kLoraUp})) {
-        be.gate_up_projection(gate, up, norm, w.gate_up, count, I, C);
-        adapter_forward(layer, kLoraGate, w, gate, norm, I, C, stack, count);
-        adapter_forward(layer, kLoraUp, w, up, norm, I, C, stack, count);
-        be.swiglu_forward(swiglu, gate, up);
-    } else {
-        be.gate_up_swiglu_forward(swiglu, gate, up, norm, w.gate_up, count, I, C);
-    }
-    project(kLoraDown, x, w.down, Tensor(), swiglu, C, I);  // the layer input is no longer needed
+    mlp_input_forward(layer, w, gate, up, swiglu, norm, count, true, true, stack);
+    project(kLoraDown, x, w.down, w.down_bias, swiglu, C, I);  // the layer input is no longer needed
     be.accumulate(x, mid);
 }
 
@@ -123,9 +116,11 @@ void LlamaModel::forward_cached(const ModelWeights& w, LayerSource& layers, KvCa
                             std::to_string(position) + " do not fit a cache of " + std::to_string(cache.capacity));
     const ModelConfig& c = config_;
     const int C = c.hidden_size, V = c.vocab_size;
-    dropout_active_ = false;  // inference: no dropout
+    dropout_active_ = model_dropout_active_ = false;  // inference: no dropout
     const Tensor x = cache.residual.slice(0, std::int64_t(count) * C);
-    backend_.embedding_forward(x, cache.tokens.slice(position, count), w.embed, count, C);
+    // position_ids_ starts with 0 .. T-1.
+    embed(w, x, cache.tokens.slice(position, count), position_ids_.data ? position_ids_.slice(position, count) : Tensor(),
+          count, stack);
     for (int l = 0; l < c.num_layers; ++l) layer_cached(l, layers.weights(l), cache, position, count, stack);
     const Tensor norm = cache.norm.slice(0, std::int64_t(count) * C);
     backend_.rmsnorm_forward(norm, cache.rstd.slice(0, count), x, w.final_norm, count, C, c.rms_norm_eps);

@@ -72,6 +72,7 @@ std::vector<ParameterInfo> parameter_layout(const ModelConfig& c) {
     const std::int64_t C = c.hidden_size, I = c.intermediate_size, V = c.vocab_size;
     const std::int64_t q_out = std::int64_t(c.num_heads) * c.head_dim, kv_out = std::int64_t(c.num_kv_heads) * c.head_dim;
     add("model.embed_tokens.weight", {V, C});
+    if (c.max_positions > 0) add("model.embed_positions.weight", {c.max_positions, C});
     for (int l = 0; l < c.num_layers; ++l) {
         const std::string p = "model.layers." + std::to_string(l) + ".";
         add(p + "input_layernorm.weight", {C});
@@ -95,6 +96,11 @@ std::vector<ParameterInfo> parameter_layout(const ModelConfig& c) {
         add(p + "mlp.gate_proj.weight", {I, C});
         add(p + "mlp.up_proj.weight", {I, C});
         add(p + "mlp.down_proj.weight", {C, I});
+        if (c.mlp_bias) {
+            add(p + "mlp.gate_proj.bias", {I});
+            add(p + "mlp.up_proj.bias", {I});
+            add(p + "mlp.down_proj.bias", {C});
+        }
     }
     add("model.norm.weight", {C});
     if (!c.tie_embeddings) add("lm_head.weight", {V, C});
@@ -147,6 +153,9 @@ LayerWeights take_layer(const ModelConfig& c, Take&& take) {
     l.gate = take(true);
     l.up = take(true);
     l.down = take(true);
+    l.gate_bias = take(c.mlp_bias);
+    l.up_bias = take(c.mlp_bias);
+    l.down_bias = take(c.mlp_bias);
     l.qkv = packed({&l.q, &l.k, &l.v});
     l.qkv_bias = packed({&l.q_bias, &l.k_bias, &l.v_bias});
     l.gate_up = packed({&l.gate, &l.up});
@@ -155,8 +164,9 @@ LayerWeights take_layer(const ModelConfig& c, Take&& take) {
 
 // Index in parameter_layout() of the first parameter of `layer`.
 std::size_t first_parameter(const ModelConfig& c, int layer) {
-    const std::size_t per_layer = 9 + (c.qkv_bias ? 3 : 0) + (c.o_bias ? 1 : 0) + (c.qk_norm ? 2 : 0);
-    return 1 + static_cast<std::size_t>(layer) * per_layer;
+    const std::size_t per_layer =
+        9 + (c.qkv_bias ? 3 : 0) + (c.o_bias ? 1 : 0) + (c.qk_norm ? 2 : 0) + (c.mlp_bias ? 3 : 0);
+    return (c.max_positions > 0 ? 2 : 1) + static_cast<std::size_t>(layer) * per_layer;
 }
 
 }  // namespace
@@ -192,6 +202,7 @@ ModelWeights bind_weights(const ModelConfig& c, const Tensor& flat) {
     auto take = [&](bool present) -> Tensor { return present ? view(layout.at(next++), flat, 0) : Tensor(); };
     ModelWeights w;
     w.embed = take(true);
+    w.positions = take(c.max_positions > 0);
     for (int l = 0; l < c.num_layers; ++l) w.layers.push_back(take_layer(c, take));
     w.final_norm = take(true);
     w.lm_head = c.tie_embeddings ? w.embed : take(true);
@@ -203,6 +214,7 @@ ModelWeights bind_outer(const ModelConfig& c, const Tensor& embed, const Tensor&
     const auto layout = parameter_layout(c);
     ModelWeights w;
     w.embed = view(layout.front(), embed, 0);
+    if (c.max_positions > 0) w.positions = view(layout.at(1), embed, 0);
     const std::size_t first_head = first_parameter(c, c.num_layers);
     w.final_norm = view(layout.at(first_head), head, head_begin);
     w.lm_head = c.tie_embeddings ? w.embed : view(layout.at(first_head + 1), head, head_begin);

@@ -3,7 +3,9 @@
 // parameter inside a flat buffer.
 //
 // Per layer the layout is: input norm, the q, k, v weights, their biases,
-// o (and its bias), the q/k norms, post norm, gate, up, down. q/k/v and
+// o (and its bias), the q/k norms, post norm, gate, up, down (and their
+// biases, gate and up contiguous). A learned position table follows the
+// token embedding, before the first layer. q/k/v and
 // gate/up are thus contiguous, so that the packed projections (backend.h)
 // see one [q; k; v] and one [gate; up] matrix; the Hugging Face names stay
 // views into them.
@@ -42,6 +44,7 @@ std::pair<std::int64_t, std::int64_t> projection_shape(const ModelConfig& config
 
 struct LayerWeights {
     Tensor input_norm, q, q_bias, k, k_bias, v, v_bias, o, o_bias, q_norm, k_norm, post_norm, gate, up, down;
+    Tensor gate_bias, up_bias, down_bias;  // mlp_bias only
     // The same memory as q, k, v (their biases; gate, up) seen as one packed
     // parameter: qkv [(H + 2K) * D, C], qkv_bias [(H + 2K) * D], gate_up [2I, C].
     Tensor qkv, qkv_bias, gate_up;
@@ -51,6 +54,7 @@ struct LayerWeights {
 
 struct ModelWeights {
     Tensor embed, final_norm, lm_head;
+    Tensor positions;  // [max_positions, C], learned positions only
     std::vector<LayerWeights> layers;
 };
 
@@ -59,8 +63,8 @@ ModelWeights bind_weights(const ModelConfig& config, const Tensor& flat);
 // Views of one layer's parameters inside `block`, a buffer holding exactly
 // that layer's range of the flat layout (its "model.layers.<l>." parameters).
 LayerWeights bind_layer(const ModelConfig& config, int layer, const Tensor& block);
-// The embedding, final norm and lm_head (the layers left empty) in two
-// buffers: `embed` holds the embedding, `head` the flat layout from
+// The embedding (and position table), final norm and lm_head (the layers
+// left empty) in two buffers: `embed` holds the embedding, `head` the flat layout from
 // `head_begin` to its end.
 ModelWeights bind_outer(const ModelConfig& config, const Tensor& embed, const Tensor& head, std::int64_t head_begin);
 // The adapters' parameters (trainable, in their own flat buffer): layer by

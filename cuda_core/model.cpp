@@ -15,8 +15,15 @@ namespace nanoq {
 namespace {
 
 // cos/sin of position * inverse frequency, with Llama-3 scaling when asked.
+// With learned positions the model has no RoPE: the table is the identity
+// rotation (cos 1, sin 0), which leaves q and k bitwise as they are.
 std::vector<float> rope_table(const ModelConfig& c, int time) {
     const int half = c.head_dim / 2;
+    if (c.max_positions > 0) {
+        std::vector<float> identity(static_cast<std::size_t>(time) * half * 2, 0.0f);
+        for (std::size_t i = 0; i < identity.size(); i += 2) identity[i] = 1.0f;
+        return identity;
+    }
     std::vector<double> inv_freq(half);
     for (int i = 0; i < half; ++i) {
         double f = 1.0 / std::pow(c.rope_theta, (2.0 * i) / c.head_dim);
@@ -77,6 +84,7 @@ ModelMemory::ModelMemory(const ModelConfig& config, int batch, int time, DType d
     qkv_shape_ = QkvShape{attention_shape_, c.hidden_size, c.rms_norm_eps};
 
     cos_sin_ = alloc.allocate(Context::Workspace, "rope-cos-sin", DType::F32, {T_, c.head_dim / 2, 2});
+    if (c.max_positions > 0) position_ids_ = alloc.allocate(Context::Workspace, "position-ids", DType::I32, {rows});
 
     for (int l = 0; l <= c.num_layers; ++l)
         residual_.push_back(
@@ -129,6 +137,11 @@ LlamaModel::LlamaModel(const ModelConfig& config, int batch, int time, DType dty
                        NamedAllocator& alloc)
     : ModelMemory(config, batch, time, dtype, recompute, lora, classifier_chunk_elements, alloc), backend_(backend) {
     backend_.copy_from_host(cos_sin_, rope_table(config_, T_).data());
+    if (position_ids_.data) {
+        std::vector<std::int32_t> positions(rows_);
+        for (int r = 0; r < rows_; ++r) positions[r] = r % T_;
+        backend_.copy_from_host(position_ids_, positions.data());
+    }
 }
 
 bool ModelMemory::recomputed(Tensor LayerActivations::*member) const {
@@ -170,9 +183,14 @@ std::size_t ModelMemory::stack_bytes() const {
     const std::int64_t HD = std::int64_t(c.num_heads) * c.head_dim, KD = std::int64_t(c.num_kv_heads) * c.head_dim;
     auto bytes = [&](std::int64_t elements) { return StackArena::aligned(dtype_size(dtype_) * elements); };
     const std::size_t classifier = bytes(rows * C) + bytes(std::int64_t(classifier_chunk_rows()) * c.vocab_size);
-    const std::size_t mlp = 2 * bytes(rows * I) + bytes(rows * C);
-    const std::size_t attention = 2 * bytes(rows * HD) + 2 * bytes(rows * KD) + bytes(rows * C);
-    const std::size_t forward = transient_bytes() + adapter_bytes();
+    // Model dropout keeps the masked gradient of each block's output apart
+    // from the residual stream's.
+    const std::size_t dropped = c.dropout > 0.0f ? bytes(rows * C) : 0;
+    const std::size_t mlp = 2 * bytes(rows * I) + bytes(rows * C) + dropped;
+    const std::size_t attention = 2 * bytes(rows * HD) + 2 * bytes(rows * KD) + bytes(rows * C) + dropped;
+    // The looked-up positions, before the layers run.
+    const std::size_t positions = c.max_positions > 0 ? bytes(rows * C) : 0;
+    const std::size_t forward = std::max(positions, transient_bytes() + adapter_bytes());
     const std::size_t backward =
         bytes(rows * C) + std::max(classifier, transient_bytes() + std::max(mlp, attention) + adapter_bytes());
     return std::max(forward, backward);
@@ -196,7 +214,10 @@ ScratchShapes ModelMemory::scratch_shapes() const {
 
 void LlamaModel::forward(const ModelWeights& w, LayerSource& layers, const Tensor& tokens, StackArena& stack) {
     const ModelConfig& c = config_;
-    backend_.embedding_forward(residual_[0], tokens, w.embed, rows_, c.hidden_size);
+    embed(w, residual_[0], tokens, position_ids_, rows_, stack);
+    if (model_dropout_active_)
+        backend_.scale_dropout(residual_[0], residual_[0], 1.0f, c.dropout, dropout_stream(c.num_layers, 0),
+                               dropout_seed_);
     for (int l = 0; l < c.num_layers; ++l) {
         StackFrame frame(stack);
         LayerActivations a = with_transients(layers_[l], frame);
@@ -213,6 +234,45 @@ QkvWeights LlamaModel::qkv_weights(const LayerWeights& w) const {
 QkvWeights LlamaModel::qkv_grads(const LayerWeights& g) const {
     if (!config_.qk_norm) return QkvWeights{g.qkv, g.qkv_bias, Tensor(), Tensor()};
     return QkvWeights{g.qkv, g.qkv_bias, or_sink(g.q_norm), or_sink(g.k_norm)};
+}
+
+void LlamaModel::embed(const ModelWeights& w, const Tensor& out, const Tensor& tokens, const Tensor& positions,
+                       int rows, StackArena& stack) {
+    const int C = config_.hidden_size;
+    backend_.embedding_forward(out, tokens, w.embed, rows, C);
+    if (!w.positions.data) return;
+    StackFrame frame(stack);
+    const Tensor looked_up = frame.push("position-embedding", dtype_, {rows, C});
+    backend_.embedding_forward(looked_up, positions, w.positions, rows, C);
+    backend_.accumulate(out, looked_up);
+}
+
+void LlamaModel::mlp_input_forward(int layer, const LayerWeights& w, const Tensor& gate, const Tensor& up,
+                                   const Tensor& swiglu, const Tensor& x, int rows, bool gate_up_runs,
+                                   bool swiglu_runs, StackArena& stack) {
+    const int C = config_.hidden_size, I = config_.intermediate_size;
+    Backend& be = backend_;
+    if (gate_up_runs && swiglu_runs && !config_.mlp_bias && !has_adapter(w, {kLoraGate, kLoraUp}))
+        return be.gate_up_swiglu_forward(swiglu, gate, up, x, w.gate_up, rows, I, C);
+    if (gate_up_runs) {
+        be.gate_up_projection(gate, up, x, w.gate_up, rows, I, C);
+        if (config_.mlp_bias) {
+            be.add_bias(gate, w.gate_bias, rows, I);
+            be.add_bias(up, w.up_bias, rows, I);
+        }
+        adapter_forward(layer, kLoraGate, w, gate, x, I, C, stack, rows);
+        adapter_forward(layer, kLoraUp, w, up, x, I, C, stack, rows);
+    }
+    if (swiglu_runs) be.swiglu_forward(swiglu, gate, up);
+}
+
+std::uint64_t LlamaModel::dropout_stream(int layer, int site) {
+    // Past every adapter's stream (adapter_seed): 2^32 + two sites per layer.
+    return (std::uint64_t(1) << 32) + std::uint64_t(layer) * 2 + site;
+}
+
+void LlamaModel::block_dropout(int layer, int site, const Tensor& out, const Tensor& in) {
+    backend_.scale_dropout(out, in, 1.0f, config_.dropout, dropout_stream(layer, site), dropout_seed_);
 }
 
 bool LlamaModel::has_adapter(const LayerWeights& w, std::initializer_list<int> targets) {
@@ -258,6 +318,7 @@ void LlamaModel::layer_steps(int layer, const LayerWeights& w, LayerActivations&
     if (attention_runs) {
         be.attention_forward(a.attention, a.lse, a.q, a.k, a.v, attention_shape_);
         project(kLoraO, a.residual_mid, w.o, w.o_bias, a.attention, C, HD);
+        if (model_dropout_active_) block_dropout(layer, 0, a.residual_mid, a.residual_mid);
     }
     // Recomputing the attention implies recomputing the norms (Recompute::parse).
     if (attention_runs && post_norm_runs)
@@ -267,19 +328,11 @@ void LlamaModel::layer_steps(int layer, const LayerWeights& w, LayerActivations&
         be.accumulate(a.residual_mid, input);
     else if (post_norm_runs)
         be.rmsnorm_forward(a.post_norm, a.post_rstd, a.residual_mid, w.post_norm, rows_, C, c.rms_norm_eps);
-    const bool gate_up_runs = runs(&LayerActivations::gate), swiglu_runs = runs(&LayerActivations::swiglu);
-    if (gate_up_runs && swiglu_runs && !has_adapter(w, {kLoraGate, kLoraUp})) {
-        be.gate_up_swiglu_forward(a.swiglu, a.gate, a.up, a.post_norm, w.gate_up, rows_, I, C);
-    } else {
-        if (gate_up_runs) {
-            be.gate_up_projection(a.gate, a.up, a.post_norm, w.gate_up, rows_, I, C);
-            adapter_forward(layer, kLoraGate, w, a.gate, a.post_norm, I, C, stack);
-            adapter_forward(layer, kLoraUp, w, a.up, a.post_norm, I, C, stack);
-        }
-        if (swiglu_runs) be.swiglu_forward(a.swiglu, a.gate, a.up);
-    }
+    mlp_input_forward(layer, w, a.gate, a.up, a.swiglu, a.post_norm, rows_, runs(&LayerActivations::gate),
+                      runs(&LayerActivations::swiglu), stack);
     if (output) {
-        project(kLoraDown, *output, w.down, Tensor(), a.swiglu, C, I);
+        project(kLoraDown, *output, w.down, w.down_bias, a.swiglu, C, I);
+        if (model_dropout_active_) block_dropout(layer, 1, *output, *output);
         be.accumulate(*output, a.residual_mid);
     }
 }
@@ -304,15 +357,28 @@ void LlamaModel::layer_backward(int layer, const LayerWeights& w, const LayerWei
         if (dweight.data) be.matmul_weight_grad(dweight, dbias, dy, x, rows_, n, k);
         adapter_backward(layer, target, w, g, dx, dy, x, n, k, stack);
     };
+    // The gradient of a block's output before its dropout: the residual
+    // stream's gradient through the same mask (itself without dropout).
+    auto block_output_grad = [&](int site, StackFrame& frame) {
+        if (!model_dropout_active_) return dresidual;
+        Tensor d = frame.push("d-block-output", dtype_, {rows_, C});
+        block_dropout(layer, site, d, dresidual);
+        return d;
+    };
     {
         StackFrame frame(stack);
         Tensor dgate = frame.push("d-gate", dtype_, {rows_, I});
         Tensor dup = frame.push("d-up", dtype_, {rows_, I});
-        project_backward(kLoraDown, dgate, false, g.down, Tensor(), dresidual, w.down, a.swiglu, C, I);
+        const Tensor dmlp = block_output_grad(1, frame);
+        project_backward(kLoraDown, dgate, false, g.down, g.down_bias, dmlp, w.down, a.swiglu, C, I);
         Tensor dnorm = frame.push("d-post-norm", dtype_, {rows_, C});
-        if (has_adapter(w, {kLoraGate, kLoraUp})) {
+        if (c.mlp_bias || has_adapter(w, {kLoraGate, kLoraUp})) {
             be.swiglu_backward(dgate, dup, dgate, a.gate, a.up);
             be.gate_up_projection_backward(dnorm, false, g.gate_up, dgate, dup, a.post_norm, w.gate_up, rows_, I, C);
+            if (g.gate_bias.data) {
+                be.bias_backward(g.gate_bias, dgate, rows_, I);
+                be.bias_backward(g.up_bias, dup, rows_, I);
+            }
             adapter_backward(layer, kLoraGate, w, g, dnorm, dgate, a.post_norm, I, C, stack);
             adapter_backward(layer, kLoraUp, w, g, dnorm, dup, a.post_norm, I, C, stack);
         } else {
@@ -325,7 +391,8 @@ void LlamaModel::layer_backward(int layer, const LayerWeights& w, const LayerWei
     {
         StackFrame frame(stack);
         Tensor datt = frame.push("d-attention", dtype_, {rows_, HD});
-        project_backward(kLoraO, datt, false, g.o, g.o_bias, dresidual, w.o, a.attention, C, HD);
+        const Tensor dattention_out = block_output_grad(0, frame);
+        project_backward(kLoraO, datt, false, g.o, g.o_bias, dattention_out, w.o, a.attention, C, HD);
         Tensor dq = frame.push("d-q", dtype_, {rows_, HD});
         Tensor dk = frame.push("d-k", dtype_, {rows_, KD});
         Tensor dv = frame.push("d-v", dtype_, {rows_, KD});
@@ -407,7 +474,9 @@ void LlamaModel::forward_backward(const ModelWeights& w, const ModelWeights& g, 
                                   StackArena& stack, const Tensor& dropout_seed) {
     const ModelConfig& c = config_;
     dropout_active_ = lora_.dropout > 0.0f;
-    if (dropout_active_ && !dropout_seed.data) throw InternalError("LoRA dropout needs the micro-batch's seed");
+    model_dropout_active_ = c.dropout > 0.0f;
+    if ((dropout_active_ || model_dropout_active_) && !dropout_seed.data)
+        throw InternalError("dropout needs the micro-batch's seed");
     dropout_seed_ = dropout_seed;
     forward(w, layers, tokens, stack);
     StackFrame frame(stack);
@@ -425,13 +494,16 @@ void LlamaModel::forward_backward(const ModelWeights& w, const ModelWeights& g, 
         layer_backward(l, weights, layers.grads(l), layers_[l], residual_[l], dresidual, stack);
         layers.grads_done(l);
     }
+    if (model_dropout_active_)
+        backend_.scale_dropout(dresidual, dresidual, 1.0f, c.dropout, dropout_stream(c.num_layers, 0), dropout_seed_);
     if (g.embed.data) backend_.embedding_backward(g.embed, dresidual, tokens, rows_, c.hidden_size);
-    dropout_active_ = false;
+    if (g.positions.data) backend_.embedding_backward(g.positions, dresidual, position_ids_, rows_, c.hidden_size);
+    dropout_active_ = model_dropout_active_ = false;
 }
 
 void LlamaModel::forward_loss(const ModelWeights& w, LayerSource& layers, const Tensor& tokens,
                               const Tensor& targets, const Tensor& stats, float z_loss, StackArena& stack) {
-    dropout_active_ = false;  // evaluation: no dropout
+    dropout_active_ = model_dropout_active_ = false;  // evaluation: no dropout
     forward(w, layers, tokens, stack);
     classifier(w, nullptr, targets, stats, z_loss, nullptr, stack);
 }

@@ -107,7 +107,8 @@ protected:
     int classifier_rows_;
     AttentionShape attention_shape_;
     QkvShape qkv_shape_;
-    Tensor cos_sin_;                   // [T, D/2, 2]
+    Tensor cos_sin_;                   // [T, D/2, 2] (the identity with learned positions)
+    Tensor position_ids_;              // int32 [rows]: r % T, learned positions only
     std::vector<Tensor> residual_;     // L+1 tensors [rows, C]: residual stream before each layer, and after the last
     std::vector<ActivationSpec> specs_;
     std::vector<LayerActivations> layers_;  // stored activations; recomputed ones are empty
@@ -149,7 +150,7 @@ public:
     // the transformer layers. An empty gradient tensor is a frozen
     // parameter: its gradient is not computed. `dropout_seed` (one uint64
     // on the device, as Backend::scale_dropout's seed_base; empty without
-    // LoRA dropout) keys the adapters' dropout masks of this micro-batch:
+    // LoRA or model dropout) keys the dropout masks of this micro-batch:
     // read by the kernels, so that a captured step draws new masks.
     void forward_backward(const ModelWeights& weights, const ModelWeights& grads, LayerSource& layers,
                           const Tensor& tokens, const Tensor& targets, const Tensor& stats, float z_loss,
@@ -173,6 +174,21 @@ public:
 
 private:
     void forward(const ModelWeights& w, LayerSource& layers, const Tensor& tokens, StackArena& stack);
+    // out[rows, C] = the tokens' embeddings (plus those of `positions`, with
+    // learned positions).
+    void embed(const ModelWeights& w, const Tensor& out, const Tensor& tokens, const Tensor& positions, int rows,
+               StackArena& stack);
+    // gate, up (with their biases and adapters) and swiglu of x[rows, C],
+    // each when asked to run: the packed composite where nothing comes
+    // between the projection and SwiGLU.
+    void mlp_input_forward(int layer, const LayerWeights& w, const Tensor& gate, const Tensor& up,
+                           const Tensor& swiglu, const Tensor& x, int rows, bool gate_up_runs, bool swiglu_runs,
+                           StackArena& stack);
+    // Model dropout: site 0 is the attention output, 1 the MLP output of
+    // `layer`; layer num_layers, site 0 the embedding. Each its own stream of
+    // the micro-batch's seed, so backward and recompute redraw the mask.
+    static std::uint64_t dropout_stream(int layer, int site);
+    void block_dropout(int layer, int site, const Tensor& out, const Tensor& in);
     // One layer of forward_cached, in place on cache.residual.
     void layer_cached(int layer, const LayerWeights& w, KvCache& cache, int position, int count, StackArena& stack);
     // The layer's forward steps. With `output`, all of them (the forward
@@ -210,6 +226,7 @@ private:
 
     Backend& backend_;
     bool dropout_active_ = false;    // in forward_backward, when lora_.dropout > 0
+    bool model_dropout_active_ = false;  // in forward_backward, when config_.dropout > 0
     Tensor dropout_seed_;            // forward_backward's
 
 };

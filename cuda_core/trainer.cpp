@@ -58,6 +58,8 @@ void check_config(const ModelConfig& c) {
     require(c.num_heads > 0 && c.num_kv_heads > 0 && c.num_heads % c.num_kv_heads == 0,
             "num_heads must be a positive multiple of num_kv_heads");
     require(c.head_dim > 0 && c.head_dim % 2 == 0, "head_dim must be positive and even");
+    require(c.max_positions >= 0, "max_positions must be >= 0 (0: RoPE)");
+    require(c.dropout >= 0.0f && c.dropout < 1.0f, "model dropout must be in [0, 1)");
 }
 
 // What every trainer of one world must agree on: the model and the options
@@ -77,6 +79,8 @@ std::string world_signature(const ModelConfig& c, const TrainOptions& o) {
                     std::to_string(c.rope_factor) + ":" + std::to_string(c.rope_low_freq_factor) + ":" +
                     std::to_string(c.rope_high_freq_factor) + ":" + std::to_string(c.rope_original_max_position));
     add("rms_norm_eps", std::to_string(c.rms_norm_eps));
+    add("nano(positions,mlp_bias,dropout)", std::to_string(c.max_positions) + ":" + std::to_string(c.mlp_bias) +
+                                                ":" + std::to_string(c.dropout));
     add("backend", o.backend);
     add("batch_size", std::to_string(o.batch_size));
     add("seq_len", std::to_string(o.seq_len));
@@ -222,6 +226,9 @@ struct TrainerSetup {
 TrainerSetup::TrainerSetup(const ModelConfig& c, const TrainOptions& o) : config(c), options(o) {
     check_config(c);
     validate_options(o);
+    if (c.max_positions > 0 && o.seq_len > c.max_positions)
+        throw InvalidArgument("seq_len " + std::to_string(o.seq_len) + " exceeds the learned position table's " +
+                              std::to_string(c.max_positions) + " positions (max_positions)");
     weight_dtype = dtype_of(o.dtype);
     master_dtype = dtype_of(o.master_dtype);
     optimizer_dtype = dtype_of(o.optimizer_dtype);
@@ -353,7 +360,8 @@ void allocate_device_state(const TrainerSetup& s, int rank, DeviceState& d, bool
     d.adamw_step_staging =
         a.allocate(Context::Workspace, "adamw-step-staging", DType::F64, {kAdamWStepSlots}, s.plugin->staging_kind);
     d.adamw_step_values = a.allocate(Context::Workspace, "adamw-step", DType::F64, {kAdamWStepSlots});
-    if (s.lora.dropout > 0.0f) d.dropout_seed = a.allocate(Context::Workspace, "dropout-seed", DType::I32, {2});
+    if (s.lora.dropout > 0.0f || s.config.dropout > 0.0f)
+        d.dropout_seed = a.allocate(Context::Workspace, "dropout-seed", DType::I32, {2});
     d.staging = a.allocate(Context::Workspace, "parameter-staging", DType::F32,
                            {std::min(s.largest, kStagingElements)});
     const std::int64_t chunk_elements = s.plugin->classifier_chunk_elements;

@@ -113,6 +113,9 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         int rope_original_max_position
         float rms_norm_eps
         cbool tie_embeddings, qkv_bias, o_bias, qk_norm
+        int max_positions
+        cbool mlp_bias
+        float dropout
 
     cdef cppclass CCommEvent "nanoq::CommEvent":
         string what
@@ -298,6 +301,9 @@ cdef CModelConfig _model_config(dict config) except *:
     c.qkv_bias = config["qkv_bias"]
     c.o_bias = config["o_bias"]
     c.qk_norm = config["qk_norm"]
+    c.max_positions = config["max_position_embeddings"] if config["position_embedding"] == "learned" else 0
+    c.mlp_bias = config["mlp_bias"]
+    c.dropout = config["dropout"]
     return c
 
 

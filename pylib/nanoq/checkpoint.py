@@ -107,6 +107,9 @@ PART_METADATA = "nanoq_part"
 TENSOR_KINDS = ("weights", "master", "adam_m", "adam_v")  # the tensors of a part, per parameter
 LATEST = "latest"
 CHECKSUM_CHUNK = 16 << 20  # bytes read at a time to checksum a file
+# Model options added after checkpoints were first written, and the value a
+# checkpoint without them had.
+_NEWER_MODEL_FIELDS = {"position_embedding": "rope", "mlp_bias": False, "dropout": 0.0}
 REQUIRED_FIELDS = ("format_version", "nanoq_version", "step", "optimizer_steps", "model_config", "options",
                    "extra_state", "files")
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -703,6 +706,8 @@ def _check_loadable(trainer, path) -> Tuple[dict, _Slices]:
     directory = state["path"]
     ours = trainer.config.to_core()
     theirs = state["model_config"]
+    # Options newer than the checkpoint's format are at their defaults there.
+    theirs = dict(_NEWER_MODEL_FIELDS, **theirs)
     differences = [f"{key}: checkpoint {theirs.get(key)!r}, trainer {ours[key]!r}" for key in ours
                    if theirs.get(key) != ours[key]]
     if differences:

@@ -8,9 +8,12 @@
 
 Which architecture a ModelConfig is: q/k norm makes it Qwen3; q/k/v biases
 without an o bias make it Qwen2 (the one layout Qwen2 has); everything else is
-Llama, whose ``attention_bias`` puts biases on q, k, v and o together. A config
-none of them can express (an o bias without q/k/v biases) is refused rather
-than written as something transformers would load differently.
+Llama, whose ``attention_bias`` puts biases on q, k, v and o together (and
+whose ``mlp_bias`` those on gate, up and down). A config none of them can
+express (an o bias without q/k/v biases, MLP biases beside Qwen's attention,
+a learned position table) is refused rather than written as something
+transformers would load differently. Model dropout is a training setting:
+the exported model is the same with or without it.
 
 The config is written with transformers 4.x keys (``rope_theta``,
 ``rope_scaling``, ``torch_dtype``), which transformers 5.x also reads; the
@@ -42,6 +45,15 @@ def architecture(config: ModelConfig) -> str:
     """"LlamaForCausalLM", "Qwen2ForCausalLM" or "Qwen3ForCausalLM": the
     Hugging Face class that computes what ``config`` describes. ValueError if
     none does."""
+    if config.learned_positions:
+        raise ValueError("a model with learned position embeddings (position_embedding 'learned') has no Hugging "
+                         "Face Llama/Qwen architecture: those classes only rotate q and k (RoPE) and would drop "
+                         "the position table; such a model's checkpoints save, resume and generate in nanoq, but "
+                         "do not export")
+    if config.mlp_bias and (config.qk_norm or (config.qkv_bias and not config.o_bias)):
+        raise ValueError("mlp_bias is written as Llama's mlp_bias, but this config's attention is Qwen's "
+                         f"(qk_norm={config.qk_norm}, qkv_bias={config.qkv_bias}, o_bias={config.o_bias}), whose "
+                         "classes have no MLP biases; no Hugging Face architecture computes this model")
     if config.qk_norm:
         if config.qkv_bias != config.o_bias:
             raise ValueError(f"qk_norm models are written as Qwen3ForCausalLM, whose attention_bias puts biases "
@@ -86,7 +98,7 @@ def hf_config_dict(config: ModelConfig, max_position_embeddings: int, eos_token_
         dtype="float32",
     )
     if arch == "LlamaForCausalLM":
-        out.update(attention_bias=config.qkv_bias, mlp_bias=False)
+        out.update(attention_bias=config.qkv_bias, mlp_bias=config.mlp_bias)
     else:
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_hidden_layers)
         if arch == "Qwen3ForCausalLM":
@@ -188,6 +200,7 @@ def export_model(trainer, directory: str | os.PathLike, *, max_position_embeddin
     for a model defined here.
     """
     config = trainer.config
+    architecture(config)  # refuses a model transformers cannot compute before gathering anything
     if max_position_embeddings is None:
         max_position_embeddings = max(config.max_position_embeddings or 0, trainer.options.seq_len)
     weights = trainer.get_weights()
@@ -258,6 +271,7 @@ def export_checkpoint(checkpoint_path: str | os.PathLike, directory: str | os.Pa
     state = read_state(checkpoint_path)
     step_directory = state.get("path", checkpoint_path)  # weights of the very step whose state this is
     config = ModelConfig(**state["model_config"])
+    architecture(config)
     lora = LoraConfig(**state["lora"]) if state.get("lora") else None
     if lora is None and base_model is not None:
         raise ValueError(f"{step_directory} is not a LoRA checkpoint: it holds every weight, so it takes no "
@@ -303,8 +317,9 @@ def _base_weights(path: str, config: ModelConfig) -> Dict[str, np.ndarray]:
     """The float32 parameters of the Hugging Face model directory ``path``,
     which must have the architecture ``config`` (the adapters were trained on it)."""
     theirs = ModelConfig.from_pretrained(path).to_core()
+    # Dropout is a training setting: the base model has none, and needs none.
     differences = [f"{key}: {theirs.get(key)!r}, the checkpoint's {value!r}" for key, value in config.to_core().items()
-                   if theirs.get(key) != value]
+                   if theirs.get(key) != value and key != "dropout"]
     if differences:
         raise ValueError(f"the base model {path} is not the model the adapters were trained on: "
                          f"{'; '.join(differences[:3])}")

@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+POSITION_EMBEDDINGS = ("rope", "learned")
 # The core holds sizes as C ints.
 MAX_SIZE = 2**31 - 1
 
@@ -54,6 +55,17 @@ class ModelConfig:
     ``max_position_embeddings`` is the context length a Hugging Face config
     declared (None for a model defined here); training does not use it, an
     export writes it back.
+
+    Nano-style options (Nano's ``use_rope``, ``bias`` and ``dropout``):
+    ``position_embedding`` "rope" (the default) or "learned": a trained
+    ``[max_position_embeddings, hidden_size]`` table
+    (``model.embed_positions.weight``) added to the token embedding, and no
+    RoPE; ``max_position_embeddings`` is then required and bounds seq_len.
+    ``mlp_bias`` puts biases on gate, up and down (with ``qkv_bias`` and
+    ``o_bias``: Nano's ``bias = true``). ``dropout`` in [0, 1) drops elements
+    of the embedding, of each attention output and of each MLP output
+    (before they join the residual stream, as Nano does) in ``step()`` only;
+    ``validate``, ``logits`` and ``generate`` run without it.
     """
 
     vocab_size: int
@@ -71,6 +83,9 @@ class ModelConfig:
     o_bias: bool = False
     qk_norm: bool = False
     max_position_embeddings: Optional[int] = None
+    position_embedding: str = "rope"
+    mlp_bias: bool = False
+    dropout: float = 0.0
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
@@ -100,6 +115,17 @@ class ModelConfig:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.max_position_embeddings is not None:
             _positive_int("max_position_embeddings", self.max_position_embeddings)
+        if self.position_embedding not in POSITION_EMBEDDINGS:
+            raise ValueError(f"position_embedding must be one of {', '.join(POSITION_EMBEDDINGS)}, got "
+                             f"{self.position_embedding!r}")
+        if self.position_embedding == "learned" and self.max_position_embeddings is None:
+            raise ValueError("position_embedding 'learned' needs max_position_embeddings (the table's rows)")
+        if not isinstance(self.mlp_bias, bool):
+            raise TypeError(f"mlp_bias must be a bool, got {self.mlp_bias!r}")
+        if (isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float))
+                or not 0 <= self.dropout < 1):
+            raise ValueError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
+        self.dropout = float(self.dropout)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
@@ -138,8 +164,8 @@ class ModelConfig:
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
-        if raw.get("mlp_bias"):
-            raise ValueError(f"{source}: mlp_bias is not supported")
+        if raw.get("mlp_bias") and family != "llama":
+            raise ValueError(f"{source}: mlp_bias is supported for Llama only")
         if raw.get("use_sliding_window"):
             raise ValueError(f"{source}: sliding-window attention is not supported")
 
@@ -180,15 +206,24 @@ class ModelConfig:
                 qkv_bias=attention_bias or family == "qwen2",
                 o_bias=attention_bias and family in ("llama", "qwen3"),
                 qk_norm=family == "qwen3",
+                mlp_bias=bool(raw.get("mlp_bias", False)),
                 max_position_embeddings=raw.get("max_position_embeddings"),
             )
         except (TypeError, ValueError) as e:
             raise ValueError(f"{source}: {e}") from None
 
+    @property
+    def learned_positions(self) -> bool:
+        """Whether the model adds a learned position table (and has no RoPE)."""
+        return self.position_embedding == "learned"
+
     def to_core(self) -> dict:
-        """The fields the C++ core reads (max_position_embeddings is metadata)."""
+        """The fields the C++ core reads (max_position_embeddings is metadata,
+        unless it sizes a learned position table). ``ModelConfig(**to_core())``
+        is this config again, but for that metadata."""
         core = dataclasses.asdict(self)
-        del core["max_position_embeddings"]
+        if not self.learned_positions:
+            del core["max_position_embeddings"]
         return core
 
 

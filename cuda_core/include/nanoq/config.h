@@ -31,6 +31,14 @@ struct ModelConfig {
     bool qkv_bias = false;  // Qwen2
     bool o_bias = false;    // Llama with attention_bias
     bool qk_norm = false;   // Qwen3
+    // Nano-style options (all off for Llama and Qwen). max_positions > 0: a
+    // learned [max_positions, hidden] position table is added to the token
+    // embedding and there is no RoPE. mlp_bias: biases on gate, up and down.
+    // dropout: on the embedding, the attention output and the MLP output, in
+    // step() only.
+    int max_positions = 0;
+    bool mlp_bias = false;
+    float dropout = 0.0f;
 };
 
 // What each field may hold, and the rules between fields, are defined once
