@@ -29,6 +29,10 @@ QWEN3 = nanoq.ModelConfig(vocab_size=80, hidden_size=24, intermediate_size=40, n
                           num_attention_heads=3, num_key_value_heads=1, head_dim=16, qk_norm=True)
 BIAS = nanoq.ModelConfig(vocab_size=70, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
                          num_attention_heads=2, qkv_bias=True, tie_word_embeddings=True)
+# Nano's options: a learned position table, biases on every projection, dropout.
+NANO = nanoq.ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                         num_attention_heads=2, qkv_bias=True, o_bias=True, mlp_bias=True, tie_word_embeddings=True,
+                         position_embedding="learned", max_position_embeddings=12, dropout=0.1)
 
 
 def planned(config, options):
@@ -57,6 +61,8 @@ CPU_SETUPS = [
     (SMALL, 3, 1, "", "", LoraConfig(4, dropout=0.1, targets="all")),
     (QWEN3, 2, 1, "block", "optimizer", LoraConfig(2, targets="o,down")),
     (BIAS, 1, 1, "ffn", "optimizer,master", LoraConfig(3, dropout=0.2, targets="q,v")),
+    (NANO, 2, 3, "block", "optimizer", None),
+    (NANO, 1, 1, "", "", LoraConfig(2, dropout=0.1, targets="all")),
 ]
 
 
@@ -81,6 +87,7 @@ EMULATED_SETUPS = [
     (QWEN3, 2, 2, "bf16", "bf16", "ffn", "optimizer,gradients", None),
     (BIAS, 3, 3, "bf16", "fp32", "block", "master", None),
     (SMALL, 2, 1, "fp32", "fp32", "swiglu", "", LoraConfig(2, dropout=0.1, targets="q,down")),
+    (NANO, 2, 2, "bf16", "fp32", "qkv", "", None),
 ]
 
 
