@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import nanoq
 from nanoq.checkpoint import list_checkpoints, step_dir_name
 from nanoq.nano_config import (
     MODEL_KEYS,
@@ -349,3 +350,59 @@ def test_fuzz_any_nano_values_give_a_loadable_config_or_a_value_error(tmp_path_f
     path = tmp_path_factory.getbasetemp() / "fuzz-nano.toml"
     write_nano_toml(conversion, path, force=True)
     assert load_config(path) == conversion.config
+
+
+# -- Nano's model options ----------------------------------------------------------------------
+
+# Nano's shipped model shape, scaled down (same heads ratio, GQA, SwiGLU width ratio).
+SMALL_NANO_MODEL = dict(NANO_MODEL, block_size=16, vocab_size=64, n_layer=2, n_embd=32, n_head=4, n_kv_head=2,
+                        n_hidden=88)
+
+
+@pytest.mark.parametrize("option,expected", [
+    (dict(use_rope=False), dict(position_embedding="learned", max_position_embeddings=16)),
+    (dict(bias=True), dict(qkv_bias=True, o_bias=True, mlp_bias=True)),
+    (dict(dropout=0.1), dict(dropout=0.1)),
+    (dict(use_rope=False, bias=True, dropout=0.2), dict(position_embedding="learned", mlp_bias=True, dropout=0.2)),
+])
+def test_a_nano_model_of_each_kind_converts_and_trains(option, expected):
+    from nanoq.nano_config import nano_model_config
+
+    config = nano_model_config(dict(SMALL_NANO_MODEL, **option))
+    assert {name: getattr(config, name) for name in expected} == expected
+    assert (config.num_key_value_heads, config.intermediate_size, config.tie_word_embeddings) == (2, 88, True)
+    rng = np.random.default_rng(0)
+    inputs = rng.integers(0, 64, size=(2, 16), dtype=np.int32)
+    targets = np.roll(inputs, -1, axis=1)
+    with Trainer(config, nanoq.TrainOptions(backend="cpu", batch_size=2, seq_len=16, seed=1)) as trainer:
+        trainer.init_weights(0)
+        losses = []
+        for _ in range(6):
+            trainer.step(inputs, targets)
+            losses.append(trainer.update(lr=1e-2).loss)
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.1
+
+
+def test_a_bidirectional_nano_model_needs_model_causal():
+    from nanoq.nano_config import nano_model_config
+
+    if "causal" in {f.name for f in dataclasses.fields(nanoq.ModelConfig)}:
+        assert nano_model_config(dict(SMALL_NANO_MODEL, is_causal=False)).causal is False
+    else:
+        with pytest.raises(ValueError, match="needs model.causal"):
+            nano_model_config(dict(SMALL_NANO_MODEL, is_causal=False))
+
+
+def test_nano_model_options_map_or_name_the_setting_they_need():
+    from nanoq.nano_config import NANO_OPTIONS, SECTION_OF
+
+    model = dict(NANO_MODEL, use_rope=False, bias=True, is_causal=False, dropout=0.1)
+    conversion = convert_nano_config(model, nano_train(dropout=0.1), stage_steps=[10])
+    for field, _, setting, value in NANO_OPTIONS + (("dropout", 0.0, "dropout", 0.1),):
+        if setting in SECTION_OF:
+            assert getattr(conversion.config, setting) == value
+            assert f"model.{field}" in conversion.mapped
+        else:
+            assert any(entry.startswith(f"model.{field} = ") and f"needs model.{setting}" in entry
+                       for entry in conversion.unmapped), field
+    assert "train.dropout" in conversion.mapped  # the model's dropout is the one Nano applies

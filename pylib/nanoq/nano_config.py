@@ -10,7 +10,13 @@ from its train.py, dataloader.py, data.py and export.py.
 - model config: block_size, vocab_size, n_layer, n_embd, n_head, n_kv_head,
   n_hidden, dropout, bias, use_rope, norm_eps, is_causal. Nano's model is
   Llama-style (RMSNorm, RoPE, GQA, SwiGLU, tied embeddings), so nanoq trains
-  the same architecture.
+  the same architecture; ``nano_model_config`` gives its nanoq.ModelConfig,
+  Nano's options included (use_rope false: a learned position table; bias:
+  biases on every projection; dropout on the embedding and each block's
+  attention and MLP outputs; is_causal false needs ModelConfig.causal). The
+  training config maps them to model.position_embedding, model.linear_bias,
+  model.dropout and model.causal where it has those settings, and reports
+  them where it does not.
 - train config: use_lora, lora_rank, lora_alpha, lora_dropout,
   from_checkpoint, save_checkpoint_to, dataset_path (a list of [train file,
   val file] pairs, trained one after another: Nano's curriculum),
@@ -42,6 +48,7 @@ import shlex
 from typing import Any, Dict, List, Optional, Sequence
 
 from nanoq.durable import read_json_object
+from nanoq.trainer_config import ModelConfig
 from nanoq.training.settings import TrainConfig, settings
 
 SECTION_OF = {item.name: item.section for item in settings()}
@@ -229,22 +236,82 @@ def _map_architecture(model: _Fields, train: _Fields, out: _Mapping) -> None:
                    f"stays at {_DEFAULTS.intermediate_size}: set it to your model's width")
     if model.has("norm_eps"):
         out.put("model.norm_eps", rms_norm_eps=model.get("norm_eps", "number"))
-    for field, nanoq_does, problem in (("bias", False, "nanoq's Llama layers have no biases"),
-                                       ("use_rope", True, "nanoq has RoPE only, no learned position embeddings"),
-                                       ("is_causal", True, "nanoq trains causal language models only")):
-        if model.has(field):
-            if model.get(field, "bool") == nanoq_does:
-                out.same(model.key(field), f"nanoq does the same: {field} = {str(nanoq_does).lower()}")
-            else:
-                out.report(f"{model.key(field)} = {str(not nanoq_does).lower()}: {problem}")
-    for fields in (model, train):
-        if fields.has("dropout"):
-            dropout = fields.get("dropout", "number")
-            if dropout == 0:
-                out.same(fields.key("dropout"), "nanoq's model has no dropout; 0 is the same")
-            else:
-                out.report(f"{fields.key('dropout')} = {dropout}: nanoq's model has no dropout (only "
-                           f"lora.lora_dropout, on the adapters' input)")
+    _map_nano_options(model, train, out)
+
+
+# Nano's model options, the nanoq setting each becomes, and that setting's
+# value for Nano's non-default choice: use_rope false is a learned position
+# table, bias true biases on every projection (q/k/v/o and gate/up/down),
+# is_causal false bidirectional attention. Nano's defaults need no setting.
+NANO_OPTIONS = (("use_rope", True, "position_embedding", "learned"),
+                ("bias", False, "linear_bias", True),
+                ("is_causal", True, "causal", False))
+
+
+def _map_nano_options(model: _Fields, train: _Fields, out: _Mapping) -> None:
+    for field, nano_default, setting, value in NANO_OPTIONS:
+        if not model.has(field):
+            continue
+        if model.get(field, "bool") == nano_default:
+            out.same(model.key(field), f"nanoq does the same: {field} = {str(nano_default).lower()}")
+        elif setting in SECTION_OF:
+            out.put(model.key(field), **{setting: value})
+        else:
+            out.report(f"{model.key(field)} = {str(not nano_default).lower()}: needs model.{setting}, which this "
+                       f"nanoq's training config lacks")
+    dropout = model.get("dropout", "number", default=0.0)
+    if model.has("dropout") and dropout == 0:
+        out.same(model.key("dropout"), "no dropout, as nanoq's default")
+    elif model.has("dropout") and "dropout" in SECTION_OF:
+        out.put(model.key("dropout"), dropout=dropout)
+    elif model.has("dropout"):
+        out.report(f"{model.key('dropout')} = {dropout}: needs model.dropout, which this nanoq's training config "
+                   f"lacks")
+    if train.has("dropout"):
+        # Nano's train.py builds the model from the model config alone.
+        ignored = train.get("dropout", "number")
+        if ignored == dropout:
+            out.same(train.key("dropout"), f"the model config's dropout ({dropout}) is the one Nano applies")
+        else:
+            out.report(f"{train.key('dropout')} = {ignored}: Nano's train.py builds the model from the model "
+                       f"config, whose dropout ({dropout}) applies; nanoq's model.dropout follows it")
+
+
+def nano_model_config(model_config: Dict[str, Any], *, intermediate_size: Optional[int] = None) -> ModelConfig:
+    """The nanoq.ModelConfig of Nano's model config (the parsed JSON object)
+    as Nano's train.py builds the model: tied embeddings, RMSNorm with
+    norm_eps, n_kv_head key/value heads, n_hidden the SwiGLU width (or
+    ``intermediate_size`` where Nano's is null), use_rope false a learned
+    [block_size, n_embd] position table, bias true biases on q/k/v/o and
+    gate/up/down, dropout the model dropout. is_causal false needs
+    ModelConfig.causal (bidirectional attention). ValueError naming the Nano
+    key for a missing or wrong value."""
+    model = _Fields(model_config, "model", MODEL_KEYS)
+    missing = [field for field in REQUIRED_MODEL_KEYS if not model.has(field)]
+    if missing:
+        raise ValueError(f"the Nano model config lacks {', '.join(missing)}")
+    width = model.get("n_hidden", "int") if model.values.get("n_hidden") is not None else intermediate_size
+    if width is None:
+        raise ValueError("Nano model.n_hidden is not given: pass intermediate_size (the SwiGLU width)")
+    bias = model.get("bias", "bool", default=False)
+    values = dict(vocab_size=model.get("vocab_size", "int"), hidden_size=model.get("n_embd", "int"),
+                  intermediate_size=width, num_hidden_layers=model.get("n_layer", "int"),
+                  num_attention_heads=model.get("n_head", "int"),
+                  num_key_value_heads=None if model.values.get("n_kv_head") is None else model.get("n_kv_head",
+                                                                                                   "int"),
+                  rms_norm_eps=model.get("norm_eps", "number", default=1e-5), tie_word_embeddings=True,
+                  qkv_bias=bias, o_bias=bias, mlp_bias=bias, dropout=model.get("dropout", "number", default=0.0),
+                  max_position_embeddings=model.get("block_size", "int"),
+                  position_embedding="rope" if model.get("use_rope", "bool", default=True) else "learned")
+    if not model.get("is_causal", "bool", default=True):
+        if "causal" not in {f.name for f in dataclasses.fields(ModelConfig)}:
+            raise ValueError("Nano model.is_causal = false needs model.causal (bidirectional attention), which "
+                             "this nanoq's ModelConfig lacks")
+        values["causal"] = False
+    try:
+        return ModelConfig(**values)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"the Nano model config is not a valid nanoq model: {e}") from None
 
 
 def _map_optimization(train: _Fields, out: _Mapping) -> None:
