@@ -467,3 +467,29 @@ def test_cuda_backend_steps_match_the_cpu_backend_with_every_option(cuda_backend
     assert losses == pytest.approx(cpu_losses, rel=rel / 10)
     if dtype == "fp32":  # bf16 weights: Adam turns rounding in tiny gradients into O(lr) steps
         assert_close(weights, cpu_weights, WEIGHT_REL, "weight")
+
+
+def test_checkpoints_from_before_the_options_still_load(tmp_path):
+    """A trainer_state.json written before these options existed has no
+    position_embedding, mlp_bias or dropout: it is a RoPE model without them."""
+    import json
+
+    from nanoq.checkpoint import STATE_FILE, CheckpointError, read_state
+
+    config = nano_config(learned=False, bias=False)
+    with make_trainer(config) as tr:
+        tr.save_checkpoint(tmp_path / "ckpt", step=1)
+        expected = tr.get_weights()
+    state_file = tmp_path / "ckpt" / read_state(tmp_path / "ckpt")["path"].split("/")[-1] / STATE_FILE
+    state = json.loads(state_file.read_text())
+    for key in ("position_embedding", "mlp_bias", "dropout"):
+        del state["model_config"][key]
+    state_file.write_text(json.dumps(state))
+    with nanoq.Trainer(config, options()) as tr:
+        tr.load_checkpoint(tmp_path / "ckpt")
+        assert all(np.array_equal(w, expected[name]) for name, w in tr.get_weights().items())
+    with nanoq.Trainer(nano_config(learned=False, bias=False, dropout=0.1), options()) as tr:
+        tr.load_checkpoint(tmp_path / "ckpt")  # dropout changes no weight
+    with nanoq.Trainer(nano_config(learned=True, bias=False), options()) as tr:
+        with pytest.raises(CheckpointError, match="position_embedding"):
+            tr.load_checkpoint(tmp_path / "ckpt")

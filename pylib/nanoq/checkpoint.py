@@ -708,8 +708,9 @@ def _check_loadable(trainer, path) -> Tuple[dict, _Slices]:
     theirs = state["model_config"]
     # Options newer than the checkpoint's format are at their defaults there.
     theirs = dict(_NEWER_MODEL_FIELDS, **theirs)
+    # Dropout changes no parameter: a run may resume with another (as Nano's can).
     differences = [f"{key}: checkpoint {theirs.get(key)!r}, trainer {ours[key]!r}" for key in ours
-                   if theirs.get(key) != ours[key]]
+                   if theirs.get(key) != ours[key] and key != "dropout"]
     if differences:
         raise CheckpointError(f"{directory} is for another model: {'; '.join(differences)}")
     trainer_lora = None if trainer.lora is None else dataclasses.asdict(trainer.lora)
