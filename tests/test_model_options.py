@@ -8,6 +8,7 @@ dropout masks are drawn here in numpy from the hash of cuda_core/dropout.h
 with the seeds the trainer documents, so a wrong mask, a wrong seed or a
 mask that backward does not reuse shows as a gradient mismatch.
 """
+import dataclasses
 import math
 
 import numpy as np
@@ -493,3 +494,33 @@ def test_checkpoints_from_before_the_options_still_load(tmp_path):
     with nanoq.Trainer(nano_config(learned=True, bias=False), options()) as tr:
         with pytest.raises(CheckpointError, match="position_embedding"):
             tr.load_checkpoint(tmp_path / "ckpt")
+
+
+def test_nanoq_generate_runs_a_learned_position_checkpoint(tmp_path):
+    """`nanoq generate` on a checkpoint of a model that does not export."""
+    import json
+
+    from click.testing import CliRunner
+
+    from nanoq.tokenization.tokenizer import tokenizer_vocab_size, train_bpe_tokenizer
+    from nanoq_cli.main import cli
+
+    tokenizer = train_bpe_tokenizer(["the cat sat on the mat; the dog sat on the log. " * 40], 280)
+    (tmp_path / "tok").mkdir()
+    tokenizer.save(str(tmp_path / "tok" / "tokenizer.json"))
+    vocab = tokenizer_vocab_size(tokenizer)
+    config = dataclasses.replace(nano_config(dropout=0.1), vocab_size=vocab)
+    prompt = "the cat sat"
+    ids = tokenizer.encode(prompt).ids
+    with make_trainer(config) as tr:
+        expected = tr.generate(ids, max_new_tokens=SEQ - len(ids), temperature=0.0)
+        tr.save_checkpoint(tmp_path / "checkpoints", 3, tokenizer_dir=str(tmp_path / "tok"))
+    result = CliRunner().invoke(cli, ["generate", str(tmp_path / "checkpoints"), "--prompt", prompt,
+                                      "--max-new-tokens", str(SEQ - len(ids)), "--temperature", "0", "--backend",
+                                      "cpu", "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    completion = json.loads(result.output)["completion_ids"]
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    if eos in expected:
+        expected = expected[:expected.index(eos) + 1]
+    assert completion == expected
