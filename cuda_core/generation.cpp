@@ -14,7 +14,7 @@
 
 namespace nanoq {
 
-KvCache LlamaModel::allocate_kv_cache(NamedAllocator& alloc) const {
+KvCache ModelMemory::allocate_kv_cache(NamedAllocator& alloc) const {
     const ModelConfig& c = config_;
     const std::int64_t T = T_, C = c.hidden_size, I = c.intermediate_size;
     const std::int64_t HD = std::int64_t(c.num_heads) * c.head_dim, KD = std::int64_t(c.num_kv_heads) * c.head_dim;

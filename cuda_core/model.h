@@ -59,6 +59,25 @@ struct Recompute {
     static Recompute from(RecomputeSet chosen);
 };
 
+// What generation keeps for one sequence of up to `capacity` positions
+// (context KvCache): every layer's keys and values after RoPE, the tokens,
+// and one layer's activations for up to `capacity` rows, reused layer by
+// layer (generation keeps nothing for a backward).
+struct KvCache {
+    int capacity = 0;
+    std::vector<Tensor> keys, values;  // per layer [capacity, K*D]
+    Tensor tokens;                     // int32 [capacity]
+    Tensor residual, residual_mid;     // [capacity, C]
+    Tensor norm, rstd;                 // [capacity, C], [capacity]: the layer's two norms in turn, then the final
+    Tensor q, q_raw, k_raw;            // [capacity, H*D], with q/k norms [capacity, H*D], [capacity, K*D]
+    Tensor q_rstd, k_rstd;             // [capacity*H], [capacity*K] (q/k norms only)
+    Tensor attention, lse;             // [capacity, H*D], [H, capacity]
+    Tensor gate, up, swiglu;           // [capacity, I]
+    Tensor decode_workspace;           // [2 * capacity * H*D]: Backend::attention_decode's
+    Tensor logits;                     // float32 [logit_rows, V]
+    int logit_rows = 0;
+};
+
 // What a LlamaModel allocates (the RoPE table, the residual stream, each
 // layer's kept activations, the final norm, the LoRA gradient sink) and the
 // sizes derived from its shapes (the activation stack, the backend's op
@@ -82,6 +101,10 @@ public:
     // and the scratch from stack_bytes() and scratch_shapes().
     int classifier_chunk_rows() const { return classifier_rows_; }
     void use_classifier_rows(int rows);
+    // Generation's cache for sequences of up to seq_len positions, allocated
+    // in context KvCache (by LlamaModel::forward_cached's caller, and by the
+    // memory plan against its planning allocator).
+    KvCache allocate_kv_cache(NamedAllocator& allocator) const;
 
 protected:
     // One activation of a layer: where it lives in LayerActivations, and
@@ -117,25 +140,6 @@ protected:
     Tensor frozen_grad_sink_;        // [max(C, D)] float32, with LoRA only
 };
 
-// What generation keeps for one sequence of up to `capacity` positions
-// (context KvCache): every layer's keys and values after RoPE, the tokens,
-// and one layer's activations for up to `capacity` rows, reused layer by
-// layer (generation keeps nothing for a backward).
-struct KvCache {
-    int capacity = 0;
-    std::vector<Tensor> keys, values;  // per layer [capacity, K*D]
-    Tensor tokens;                     // int32 [capacity]
-    Tensor residual, residual_mid;     // [capacity, C]
-    Tensor norm, rstd;                 // [capacity, C], [capacity]: the layer's two norms in turn, then the final
-    Tensor q, q_raw, k_raw;            // [capacity, H*D], with q/k norms [capacity, H*D], [capacity, K*D]
-    Tensor q_rstd, k_rstd;             // [capacity*H], [capacity*K] (q/k norms only)
-    Tensor attention, lse;             // [capacity, H*D], [H, capacity]
-    Tensor gate, up, swiglu;           // [capacity, I]
-    Tensor decode_workspace;           // [2 * capacity * H*D]: Backend::attention_decode's
-    Tensor logits;                     // float32 [logit_rows, V]
-    int logit_rows = 0;
-};
-
 class LlamaModel : public ModelMemory {
 public:
     // Allocates as ModelMemory does, then fills the RoPE table on `backend`.
@@ -159,9 +163,6 @@ public:
     void forward_loss(const ModelWeights& weights, LayerSource& layers, const Tensor& tokens, const Tensor& targets,
                       const Tensor& stats, float z_loss, StackArena& stack);
 
-    // Generation's cache for sequences of up to seq_len positions, allocated
-    // in context KvCache.
-    KvCache allocate_kv_cache(NamedAllocator& allocator) const;
     // Runs the `count` tokens at cache.tokens[position, position + count)
     // through the model, keeping their keys and values in the cache: a whole
     // prompt (position 0), or one token after the `position` cached ones

@@ -111,6 +111,7 @@ struct DeviceState {
     std::unique_ptr<Communicator> comm;
     std::unique_ptr<CommTrace> trace;  // testing: the order of backward and communication (communication_trace)
     std::unique_ptr<LlamaModel> model;
+    std::unique_ptr<ModelMemory> planned_model;  // in place of `model` when planning (plan_memory)
     std::unique_ptr<StackArena> stack;
     Tensor frozen;                   // LoRA: the frozen model weights, whole on every device
     ZeroBuffers zero;                // weights and gradients, where the ZeRO stage keeps them
@@ -365,14 +366,14 @@ void allocate_device_state(const TrainerSetup& s, int rank, DeviceState& d, bool
     d.staging = a.allocate(Context::Workspace, "parameter-staging", DType::F32,
                            {std::min(s.largest, kStagingElements)});
     const std::int64_t chunk_elements = s.plugin->classifier_chunk_elements;
-    std::unique_ptr<ModelMemory> planned;
     if (d.backend) {
         d.model = std::make_unique<LlamaModel>(s.config, B, T, weight_dtype, s.recompute, s.lora, chunk_elements,
                                                *d.backend, a);
     } else {
-        planned = std::make_unique<ModelMemory>(s.config, B, T, weight_dtype, s.recompute, s.lora, chunk_elements, a);
+        d.planned_model =
+            std::make_unique<ModelMemory>(s.config, B, T, weight_dtype, s.recompute, s.lora, chunk_elements, a);
     }
-    ModelMemory& model = d.backend ? static_cast<ModelMemory&>(*d.model) : *planned;
+    ModelMemory& model = d.backend ? static_cast<ModelMemory&>(*d.model) : *d.planned_model;
     choose_classifier_rows(s, rank, a, model, ask_libraries);
     d.stack = std::make_unique<StackArena>(a, model.stack_bytes());
     const ScratchShapes scratch = scratch_shapes(s, model);
@@ -1225,10 +1226,16 @@ std::vector<DevicePlan> plan_memory(const ModelConfig& config, const TrainOption
         DeviceState d;
         d.allocator = std::make_unique<NamedAllocator>(rank, options.memory_limit);
         allocate_device_state(setup, rank, d, ask_libraries);
+        // The KV cache as forward_cached allocates it, apart: a run that never
+        // generates never holds it.
+        NamedAllocator generation(rank, 0);
+        d.planned_model->allocate_kv_cache(generation);
+        auto info = [](const Segment& s) {
+            return AllocationInfo{context_name(s.context), s.name, s.bytes, memory_kind_name(s.kind), s.exact};
+        };
         DevicePlan plan;
-        for (const Segment& s : d.allocator->segments())
-            plan.allocations.push_back(
-                AllocationInfo{context_name(s.context), s.name, s.bytes, memory_kind_name(s.kind), s.exact});
+        for (const Segment& s : d.allocator->segments()) plan.allocations.push_back(info(s));
+        for (const Segment& s : generation.segments()) plan.generation.push_back(info(s));
         plan.stack_capacity = d.stack->capacity();
         plans.push_back(std::move(plan));
     }

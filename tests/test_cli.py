@@ -7,6 +7,7 @@ import tomllib
 import pytest
 from click.testing import CliRunner
 
+from nanoq.install import extra_install_command
 from nanoq_cli.main import cli
 
 TINY_MODEL = ["--hidden_size", "32", "--intermediate_size", "64", "--num_hidden_layers", "1",
@@ -116,7 +117,28 @@ def test_plot_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch):
     log.write_text('{"type": "train", "step": 1, "loss": 3.0}\n')
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     result = invoke("plot", log, "-o", tmp_path / "loss.png")
-    assert result.exit_code == 1 and 'pip install "nanoq[plot]"' in result.output
+    assert result.exit_code == 1 and extra_install_command("plot") in result.output
+
+
+def test_the_extra_install_hint_names_the_source_folder_of_a_source_install(monkeypatch, tmp_path):
+    import importlib.metadata
+
+    class Installed:
+        def __init__(self, direct_url):
+            self.direct_url = direct_url
+
+        def read_text(self, name):
+            return self.direct_url if name == "direct_url.json" else None
+
+    source = tmp_path / "my src"
+    local = json.dumps({"url": source.as_uri(), "dir_info": {"editable": True}})
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: Installed(local))
+    assert extra_install_command("plot") == f'pip install "{source}[plot]"'
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: Installed(None))  # from an index
+    assert extra_install_command("plot") == 'pip install "nanoq[plot]"'
+    wheel = json.dumps({"url": "file:///tmp/nanoq-0.1.0-cp311-linux_x86_64.whl", "archive_info": {}})
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: Installed(wheel))
+    assert extra_install_command("plot") == 'pip install "nanoq[plot]"'
 
 
 def test_recompute_and_offload_settings_reach_the_trainer_and_change_nothing_but_memory(tmp_path):

@@ -14,12 +14,14 @@ import dataclasses
 import re
 import time
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
 import nanoq
 from nanoq._core import backend_built
 from nanoq.backends import device_count
+from nanoq.data import write_token_shards
 from nanoq.lora import LoraConfig, adapter_shapes
 from nanoq.memory import CONTEXTS, estimate_memory, human_bytes, parameter_count_text, parameter_numels
 from nanoq_cli.main import cli
@@ -415,10 +417,25 @@ def test_cli_estimates_lora_from_the_lora_settings():
     assert "the frozen model weights (" in result.output
 
 
-def test_cli_asks_for_the_vocab_size_of_token_files_it_does_not_read():
-    result = invoke("memory", "--train_data", "data/train_*.bin", "--backend", "cpu")
-    assert result.exit_code != 0
-    assert "give --vocab-size N or --model" in result.output
+def test_cli_reads_the_vocab_size_from_the_configs_token_files(tmp_path):
+    folder = tmp_path / "configs"
+    (folder / "data").mkdir(parents=True)
+    write_token_shards(str(folder / "data" / "train"), np.arange(400) % 250, vocab_size=250)
+    write_token_shards(str(folder / "data" / "eval"), np.arange(100) % 7, vocab_size=250)
+    config = folder / "run.toml"
+    config.write_text('[data]\ntrain_data = "data/train_*.bin"\neval_data = "data/eval_*.bin"\n')
+    assert TINY_FLAGS[0] == "--vocab_size"
+    flags = TINY_FLAGS[2:]  # the vocab size comes from the token files
+    result = invoke("memory", config, *flags)  # from another working directory: paths are the file's
+    assert result.exit_code == 0, result.output
+    model = nanoq.ModelConfig(**dict(TINY, vocab_size=250, num_key_value_heads=4), rms_norm_eps=1e-5,
+                              tie_word_embeddings=True)
+    estimate = estimate_memory(model, cpu_options(2, batch_size=4, seq_len=32))
+    assert "vocab 250, tied" in result.output
+    assert re.search(rf"^total +{re.escape(human_bytes(estimate.device_bytes))} ", result.output, re.M)
+    config.write_text('[data]\ntrain_data = "missing/train_*.bin"\n')
+    result = invoke("memory", config, *flags)
+    assert result.exit_code == 1 and str(folder / "missing" / "train_*.bin") in result.output
 
 
 def test_cli_plot_writes_a_png(tmp_path):

@@ -13,6 +13,7 @@ exactly as it fails the Trainer.
 import dataclasses
 import math
 import os
+import re
 import time
 
 import pytest
@@ -20,7 +21,7 @@ import pytest
 import nanoq
 from nanoq import _core
 from nanoq.lora import LoraConfig
-from nanoq.memory import estimate_memory
+from nanoq.memory import estimate_memory, human_bytes
 from conftest import require_cuda_emulator
 
 SMALL = nanoq.ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -177,3 +178,32 @@ def test_parameter_layout_is_the_trainers():
     layout = _core.parameter_layout(QWEN3.to_core())
     assert [name for name, _ in layout] == names
     assert all(weights[name].shape == shape for name, shape in layout)
+
+
+def kv_cache_entries(allocations):
+    return [(a["context"], a["name"], a["bytes"], a["kind"]) for a in allocations if a["context"] == "kv-cache"]
+
+
+@pytest.mark.parametrize("config,devices,stage,lora", [
+    (SMALL, 1, 1, None),
+    (QWEN3, 2, 3, None),  # q/k norms add their own rows; the weights gathered per layer
+    (BIAS, 2, 1, LoraConfig(2, targets="q,v")),
+])
+def test_the_plan_holds_the_kv_cache_that_generation_allocates(config, devices, stage, lora):
+    options = nanoq.TrainOptions(backend="cpu", dtype="fp32", devices=devices, batch_size=3, seq_len=12, threads=1,
+                                 zero_stage=stage, lora=lora)
+    plans = _core.plan_memory(config.to_core(), dataclasses.asdict(options))
+    estimate = estimate_memory(config, options)
+    with nanoq.Trainer(config, options) as trainer:
+        trainer.init_weights()
+        trainer.generate([1, 2, 3], 4, temperature=0)
+        allocated = [kv_cache_entries(trainer.get_allocations(device)) for device in range(devices)]
+        summary = trainer.memory_summary()
+    for device in range(devices):
+        assert allocated[device] and kv_cache_entries(plans[device]["generation"]) == allocated[device]
+        # The training plan itself is unchanged: a run that never generates holds no KV cache.
+        assert not kv_cache_entries(plans[device]["allocations"])
+        assert estimate.kv_cache_bytes == sum(entry[2] for entry in allocated[device]) \
+            == summary[device]["contexts"]["kv-cache"]
+    size = re.escape(human_bytes(estimate.kv_cache_bytes))
+    assert re.search(rf"^kv-cache +{size}  generation", estimate.table(), re.MULTILINE)

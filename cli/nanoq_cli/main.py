@@ -6,6 +6,7 @@ drift apart.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -104,9 +105,12 @@ def cli():
     demo model on a bundled Shakespeare corpus."""
 
 
-def _setting_options(command):
-    """Adds ``--name VALUE`` (also ``--name-with-dashes``) for every setting."""
+def _setting_options(command, memory_only: bool = False):
+    """Adds ``--name VALUE`` (also ``--name-with-dashes``) for every setting
+    (memory_only: for those that change memory, marked in the settings table)."""
     for item in reversed(settings()):
+        if memory_only and not item.memory:
+            continue
         flags = [f"--{item.name}"] + ([f"--{item.name.replace('_', '-')}"] if "_" in item.name else [])
         if item.type is list:  # repeated: --name A --name B; not given: None, like the other flags
             command = click.option(*flags, item.name, type=click.STRING, multiple=True, metavar="TEXT",
@@ -245,25 +249,23 @@ def plot(log, output):
 
 
 def _memory_model(config, model_path):
-    """The ModelConfig to estimate: ``--model``'s config.json, else
-    model.init_from's, else the settings' [model] (vocab_size 0 means the
-    data's: the demo tokenizer's when training on the demo, else it must be
-    given, since the data is not read here)."""
+    """The ModelConfig to estimate: ``--model``'s config.json, else the one
+    training builds: model.init_from's, or the settings' [model] with
+    vocab_size 0 meaning the token files' (read as training reads them),
+    or on the demo corpus its tokenizer's."""
     from nanoq import ModelConfig
-    from nanoq.training.loop import model_config
+    from nanoq.training.loop import data_model_config, model_config
 
-    if model_path is not None or config.init_from:
-        return ModelConfig.from_pretrained(model_path if model_path is not None else config.init_from)
-    vocab = config.vocab_size
-    if vocab == 0:
-        if config.train_data or config.curriculum:
-            raise ValueError("model.vocab_size is 0 (the token files' vocab size, read when training); give "
-                             "--vocab-size N or --model HF_DIR_OR_CONFIG_JSON")
-        from nanoq.demo import DEMO_DIR
-        from nanoq.tokenization.tokenizer import load_tokenizer, tokenizer_vocab_size
+    if model_path is not None:
+        return ModelConfig.from_pretrained(model_path)
+    if config.train_data or config.curriculum:
+        return data_model_config(config)
+    if config.init_from or config.vocab_size:
+        return model_config(config, 0)
+    from nanoq.demo import DEMO_DIR
+    from nanoq.tokenization.tokenizer import load_tokenizer, tokenizer_vocab_size
 
-        vocab = tokenizer_vocab_size(load_tokenizer(DEMO_DIR))
-    return model_config(config, vocab)
+    return model_config(config, tokenizer_vocab_size(load_tokenizer(DEMO_DIR)))
 
 
 @cli.command(context_settings=dict(max_content_width=110))
@@ -281,12 +283,13 @@ def _memory_model(config, model_path):
 @click.option("--processes", type=Integer(1), metavar="P",
               help="Processes of the run (mpiexec -n P), each driving --devices devices of one world; default: "
               "the launcher's under a launcher, else 1.")
-@_setting_options
+@functools.partial(_setting_options, memory_only=True)
 def memory(config_file, model_path, device_memory, reserve, plot_path, processes, **flags):
     """Estimate the memory per device of a run, without allocating.
 
-    The run is read as `nanoq train` reads it (defaults, CONFIG.toml, flags);
-    --model replaces its [model]. Prints the bytes per context, whether they
+    The run is read as `nanoq train` reads it (defaults, CONFIG.toml, flags;
+    the flags are the settings that change memory, CONFIG.toml may hold any),
+    the vocab size from the token files too; --model replaces its [model]. Prints the bytes per context, whether they
     fit the device and, when they do not, what would. --backend auto counts
     as cuda only when a GPU is usable here; give --backend cuda to estimate
     a GPU run anywhere. With --processes P the world is P x devices
@@ -409,8 +412,8 @@ def _stage_steps(ctx, param, text):
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The nanoq TOML to write.")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option("--data-dir", default="data", show_default=True,
-              help="Where Nano's data files are imported, one directory each (paths in the config are relative "
-              "to where nanoq train runs).")
+              help="Where Nano's data files are imported, one directory each (relative to the working directory; "
+              "the config names the files by their absolute paths).")
 @click.option("--stage-steps", metavar="N[,N...]", callback=_stage_steps,
               help="Optimizer steps of each dataset_path pair (default: one pass over each train file's lines).")
 @click.option("--init-from", type=click.Path(file_okay=False),
@@ -430,8 +433,10 @@ def nano_config(model_config, train_config, output, force, data_dir, stage_steps
 
     try:
         model_values, train_values = read_nano_configs(model_config, train_config)
-        conversion = convert_nano_config(model_values, train_values, data_dir=data_dir,
-                                         stage_steps=stage_steps, init_from=init_from or "")
+        # Absolute: the imports run here, and a TOML's paths are relative to its own folder.
+        conversion = convert_nano_config(model_values, train_values, data_dir=os.path.abspath(data_dir),
+                                         stage_steps=stage_steps,
+                                         init_from=os.path.abspath(init_from) if init_from else "")
         write_nano_toml(conversion, output, sources=(model_config, train_config), force=force)
     except (ValueError, TypeError, OSError) as e:
         raise _fail(e) from None

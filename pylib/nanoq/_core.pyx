@@ -167,6 +167,7 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
     cdef cppclass CDevicePlan "nanoq::DevicePlan":
         vector[CAllocationInfo] allocations
         size_t stack_capacity
+        vector[CAllocationInfo] generation
 
     cdef cppclass CMemoryInfo "nanoq::MemoryInfo":
         size_t allocated, limit, free, total
@@ -311,13 +312,14 @@ def plan_memory(dict config, dict options, cbool ask_libraries=True):
     """What CoreTrainer(config, options) would allocate, per device, computed
     by the core without a device (nanoq::plan_memory): a list with one dict
     per device, allocations (dicts context, name, bytes, kind, exact, in
-    allocation order) and stack_capacity. Devices whose lists are equal
-    share one list object. Raises as the Trainer does for bad options, and
-    OutOfMemoryError where memory_limit would be exceeded."""
+    allocation order), stack_capacity, and generation: the allocations
+    (same dicts) that the trainer's first generation adds, its KV cache.
+    Devices whose allocation lists are equal share one list object. Raises
+    as the Trainer does for bad options, and OutOfMemoryError where
+    memory_limit would be exceeded (the KV cache is planned without it)."""
     cdef CModelConfig c = _model_config(config)
     cdef CTrainOptions o = _core_options(options)
     cdef vector[CDevicePlan] plans
-    cdef CAllocationInfo a
     with nogil:
         plans = core_plan_memory(c, o, ask_libraries)
     out = []
@@ -326,11 +328,18 @@ def plan_memory(dict config, dict options, cbool ask_libraries=True):
         if device and _same_allocations(plans[device].allocations, plans[device - 1].allocations):
             allocations = out[device - 1]["allocations"]
         else:
-            allocations = []
-            for a in plans[device].allocations:
-                allocations.append(dict(context=a.context.decode(), name=a.name.decode(), bytes=a.bytes,
-                                        kind=a.kind.decode(), exact=a.exact))
-        out.append(dict(allocations=allocations, stack_capacity=plans[device].stack_capacity))
+            allocations = _allocation_dicts(plans[device].allocations)
+        out.append(dict(allocations=allocations, stack_capacity=plans[device].stack_capacity,
+                        generation=_allocation_dicts(plans[device].generation)))
+    return out
+
+
+cdef list _allocation_dicts(const vector[CAllocationInfo]& allocations):
+    out = []
+    cdef size_t i
+    for i in range(allocations.size()):
+        out.append(dict(context=allocations[i].context.decode(), name=allocations[i].name.decode(),
+                        bytes=allocations[i].bytes, kind=allocations[i].kind.decode(), exact=allocations[i].exact))
     return out
 
 

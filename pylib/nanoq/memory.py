@@ -27,6 +27,12 @@ cuda_emulated copy of the code cannot know whether "auto" would take cuDNN
 on the GPU (the emulator's stand-in never takes "auto"), so it plans native
 attention there; ``attention="cudnn"`` plans the workspace's bound.
 
+Generation (``Trainer.generate``, ``Trainer.logits``, samples during training)
+adds the KV cache, context "kv-cache": the core plans it too, as its first
+call allocates it (``MemoryEstimate.generation``, for one sequence of up to
+``seq_len`` positions). It is listed apart from the total, since a run that
+never generates never holds it; ``fits`` judges the training alone.
+
 Bytes are those the allocator records (``Trainer.get_allocations``), which
 are also what ``TrainOptions.memory_limit`` counts: the device total here is
 exactly the figure the limit is checked against. Not counted by the
@@ -108,7 +114,9 @@ class MemoryEstimate:
     ``parameters`` counts the model's, ``trainable_parameters`` those with
     gradients and AdamW state (the LoRA adapters' with LoRA, else the same);
     ``reserve_bytes`` is what ``fits`` adds for memory outside nanoq's
-    allocator."""
+    allocator. ``generation`` is what that device's first generation
+    (Trainer.generate or logits) adds: the KV cache of one sequence of up
+    to ``seq_len`` positions, context "kv-cache"; not in the totals."""
 
     config: ModelConfig
     options: TrainOptions
@@ -119,6 +127,7 @@ class MemoryEstimate:
     per_device: List[List[Allocation]] = dataclasses.field(default_factory=list)
     stack_capacities: List[int] = dataclasses.field(default_factory=list)
     processes: int = 1
+    generation: List[Allocation] = dataclasses.field(default_factory=list)
 
     @property
     def world_devices(self) -> int:
@@ -144,6 +153,13 @@ class MemoryEstimate:
         """Device memory the allocator takes on each device (what
         ``TrainOptions.memory_limit`` is checked against)."""
         return sum(a.bytes for a in self.allocations if a.kind == "device")
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Device bytes of generation's KV cache on that device (what
+        get_allocations reports for the "kv-cache" context after a
+        generate or logits call)."""
+        return sum(a.bytes for a in self.generation if a.kind == "device")
 
     @property
     def pinned_bytes(self) -> int:
@@ -195,6 +211,9 @@ class MemoryEstimate:
                                     f"every device) and the LoRA adapters ({human_bytes(sizes['adapters'])})")
         rows = [(name, human_bytes(value), meanings[name]) for name, value in self.contexts.items()]
         rows.append(("total", human_bytes(self.device_bytes), "what nanoq allocates per device"))
+        rows.append(("kv-cache", human_bytes(self.kv_cache_bytes),
+                     f"generation (Trainer.generate and logits): one sequence of up to {o.seq_len} "
+                     f"positions, allocated by the first call; not in the total"))
         if self.reserve_bytes:
             rows.append(("reserve", human_bytes(self.reserve_bytes),
                          "assumed for the CUDA context, cuBLASLt and NCCL (not nanoq's allocator)"))
@@ -447,7 +466,9 @@ def estimate_memory(config: ModelConfig, options: TrainOptions, *, backend: Opti
             converted[key] = [Allocation(**a) for a in plan["allocations"]]
         per_device.append(converted[key])
     device_totals = [sum(a.bytes for a in allocations if a.kind == "device") for allocations in per_device]
-    allocations = per_device[device_totals.index(max(device_totals))]
+    largest = device_totals.index(max(device_totals))
+    allocations = per_device[largest]
+    generation = [Allocation(**a) for a in plans[largest]["generation"]]
     parameters = sum(parameter_numels(config))
     trainable = parameters if options.lora is None else \
         sum(rows * cols for rows, cols in adapter_shapes(config, options.lora).values())
@@ -455,7 +476,8 @@ def estimate_memory(config: ModelConfig, options: TrainOptions, *, backend: Opti
         reserve_bytes = CUDA_RESERVE_BYTES if options.backend == "cuda" else 0
     return MemoryEstimate(config=config, options=options, allocations=allocations, parameters=parameters,
                           trainable_parameters=trainable, reserve_bytes=reserve_bytes, per_device=per_device,
-                          stack_capacities=[plan["stack_capacity"] for plan in plans], processes=processes)
+                          stack_capacities=[plan["stack_capacity"] for plan in plans], processes=processes,
+                          generation=generation)
 
 
 def _processes(processes: Optional[int], options: TrainOptions) -> int:

@@ -2,7 +2,8 @@
 (``nanoq plot LOG -o loss.png``), and
 memory per device by context (``nanoq memory --plot mem.png``).
 
-Needs matplotlib, the ``plot`` extra: ``pip install "nanoq[plot]"``.
+Needs matplotlib, the ``plot`` extra: ``pip install "nanoq[plot]"``, or from a
+source folder ``pip install ".[plot]"`` (the error says which, see nanoq.install).
 """
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ def _pyplot(command: str):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ImportError(f'{command} needs matplotlib: pip install "nanoq[plot]" (or pip install matplotlib)') \
-            from None
+        from nanoq.install import extra_install_command
+
+        raise ImportError(f"{command} needs matplotlib: {extra_install_command('plot')} (or pip install "
+                          f"matplotlib)") from None
     return plt
 
 

@@ -143,10 +143,13 @@ struct AllocationInfo {
 };
 
 // What a Trainer would allocate on one device (plan_memory, nanoq/trainer.h):
-// its allocations in order and the activation stack's capacity.
+// its allocations in order and the activation stack's capacity; and, in
+// `generation`, what its first forward_cached (generation) adds: the
+// context "kv-cache", one sequence of seq_len positions.
 struct DevicePlan {
     std::vector<AllocationInfo> allocations;
     std::size_t stack_capacity = 0;
+    std::vector<AllocationInfo> generation;
 };
 
 struct MemoryInfo {

@@ -175,7 +175,10 @@ private:
 // What Trainer(config, options) would allocate, per device in rank order,
 // computed without a device: the Trainer's own allocation sequence run
 // against planning allocators, so the lists equal allocations(device) and
-// StackInfo::capacity of such a trainer, entry for entry. No backend is
+// StackInfo::capacity of such a trainer, entry for entry; `generation` lists
+// what its first forward_cached then allocates (the KV cache, planned
+// without the memory_limit, which the Trainer checks when it allocates).
+// No backend is
 // created (the backend's library is loaded for its scratch plan), so it
 // works for any device count, and for "cuda" on a machine without a GPU.
 // Options are checked as the Trainer checks them (the count of available

@@ -34,11 +34,12 @@ from nanoq.tokenization.pipeline import (
     write_split,
     write_summary,
 )
-from nanoq.tokenization.sources import Document, InputError, read_documents
+from nanoq.tokenization.sources import Document, InputError, chat_template, read_documents
 from nanoq.tokenization.tokenizer import (
     EOS_TOKEN,
     find_eos_id,
     load_tokenizer,
+    set_chat_template,
     tokenizer_file,
     tokenizer_vocab_size,
     train_bpe_tokenizer,
@@ -49,6 +50,7 @@ __all__ = [
     "Document",
     "InputError",
     "TokenizeResult",
+    "chat_template",
     "decode_line",
     "find_eos_id",
     "import_nano",
@@ -90,7 +92,8 @@ def tokenize_documents(documents: Sequence[Document], output: str | os.PathLike,
                        tokenizer: Optional[str | os.PathLike] = None, train_tokenizer_vocab: int = 0,
                        eos_token: Optional[str] = None, eval_fraction: float = 0.0, seed: int = 0,
                        workers: int = 1, shard_tokens: int = DEFAULT_SHARD_TOKENS,
-                       progress: Optional[bool] = None, inputs: Sequence[str] = ()) -> TokenizeResult:
+                       progress: Optional[bool] = None, inputs: Sequence[str] = (),
+                       sft_template: bool = False) -> TokenizeResult:
     """Tokenizes documents into ``output`` (a new or empty directory).
 
     tokenizer: a tokenizer.json file or model directory; or train_tokenizer_vocab
@@ -98,6 +101,9 @@ def tokenize_documents(documents: Sequence[Document], output: str | os.PathLike,
     (exactly one of the two). eos_token: overrides the EOS token's detection.
     eval_fraction: share of documents held out as eval_*.bin. workers:
     encoding processes. progress: bar on/off (None: on a terminal only).
+    sft_template: write nanoq's SFT chat template (``chat_template``, with
+    this EOS) into the saved tokenizer_config.json, replacing any the given
+    tokenizer had (SFT data is formatted with nanoq's own).
     """
     start = time.time()
     if not documents:
@@ -124,6 +130,11 @@ def tokenize_documents(documents: Sequence[Document], output: str | os.PathLike,
             config = os.path.join(os.path.dirname(source_file), "tokenizer_config.json")
             if os.path.isfile(config):
                 shutil.copyfile(config, out.file("tokenizer_config.json"))
+        if sft_template:
+            config = out.file("tokenizer_config.json")
+            if not os.path.isfile(config):
+                write_tokenizer_config(config, model.id_to_token(eos))
+            set_chat_template(config, chat_template(model.id_to_token(eos)))
         vocab = tokenizer_vocab_size(model)
 
         with _progress_bar(len(documents), progress) as bar:
@@ -151,7 +162,7 @@ def tokenize_files(inputs: Sequence[str | os.PathLike], output: str | os.PathLik
     documents: List[Document] = []
     for path in paths:
         documents += read_documents(path, fmt, text_field, split)
-    return tokenize_documents(documents, output, inputs=paths, **options)
+    return tokenize_documents(documents, output, inputs=paths, sft_template=fmt == "sft", **options)
 
 
 def import_nano(inputs: Sequence[str | os.PathLike], output: str | os.PathLike, *, vocab_size: int,

@@ -18,6 +18,11 @@ SFT lines (``--format sft``) are JSON objects of one of two shapes:
       <|user|>\\n{content}\\n            mask 0
       <|assistant|>\\n                   mask 0
       {content}<EOS>                     mask 1  (every assistant turn)
+      <EOS>                              mask 0  (when the last turn is not the assistant's)
+
+``chat_template(eos)`` is the same template in Jinja, for Hugging Face's
+``tokenizer.apply_chat_template`` (``nanoq tokenize --format sft`` writes it
+into tokenizer_config.json).
 """
 from __future__ import annotations
 
@@ -120,6 +125,39 @@ def sft_document(record: dict, where: str) -> Document:
         raise InputError(f"{where}: an SFT line needs string fields 'prompt' and 'response', or "
                          f"'messages' (keys: {', '.join(sorted(record)) or 'none'})")
     return Document([(prompt, False), (response, True), (None, True)], eos_trained=False)
+
+
+# Jinja for transformers' apply_chat_template, rendering as sft_document does.
+# The assistant's content and its EOS (what nanoq trains on) sit in a
+# {% generation %} block, so return_assistant_tokens_mask gives nanoq's mask.
+_CHAT_TEMPLATE = """\
+{%- for message in messages -%}
+{%- if message['role'] == 'assistant' -%}
+{{- '<|assistant|>\\n' -}}
+{%- generation -%}{{- message['content'] + EOS -}}{%- endgeneration -%}
+{%- else -%}
+{{- '<|' + message['role'] + '|>\\n' + message['content'] + '\\n' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|assistant|>\\n' -}}
+{%- elif messages[-1]['role'] != 'assistant' -%}
+{{- EOS -}}
+{%- endif -%}"""
+
+
+def chat_template(eos_token: str) -> str:
+    """The template of ``messages`` SFT lines (module docstring) as a Jinja
+    chat template with ``eos_token`` (the EOS token's text) written in:
+    ``apply_chat_template(messages)`` renders the text nanoq tokenizes, its
+    ``{% generation %}`` blocks the trained part (the assistant's turns and
+    their EOS), and ``add_generation_prompt=True`` ends with the assistant's
+    marker instead of the closing EOS, to prompt a model. nanoq encodes each
+    segment apart; a tokenizer whose markers are single tokens (as those
+    nanoq trains) then gives the same ids for the whole text, where no
+    content starts with whitespace that its pre-tokenizer would join to the
+    newline before it."""
+    return "{%- set EOS = " + json.dumps(eos_token) + " -%}\n" + _CHAT_TEMPLATE
 
 
 def read_sft(path: str) -> Iterator[Document]:

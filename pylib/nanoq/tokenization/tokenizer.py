@@ -101,10 +101,28 @@ def tokenizer_vocab_size(tokenizer: Tokenizer) -> int:
     return tokenizer.get_vocab_size(with_added_tokens=True)
 
 
-def write_tokenizer_config(path: str, eos_token: str) -> None:
+def write_tokenizer_config(path: str, eos_token: str, chat_template: Optional[str] = None) -> None:
     """A tokenizer_config.json that lets transformers' AutoTokenizer load the
-    tokenizer.json beside it and know its EOS token."""
+    tokenizer.json beside it and know its EOS token (and, given one, its
+    Jinja chat template)."""
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token, "model_max_length": 1_000_000}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    _write_json(path, config)
+
+
+def set_chat_template(path: str, chat_template: str) -> None:
+    """Sets ``chat_template`` in the tokenizer_config.json at ``path`` (whose
+    other keys stay), replacing the one it had."""
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    config["chat_template"] = chat_template
+    _write_json(path, config)
+
+
+def _write_json(path: str, value: dict) -> None:
     with open(path, "w", encoding="utf-8") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token,
-                   "model_max_length": 1_000_000}, f, indent=2)
+        json.dump(value, f, indent=2)
         f.write("\n")

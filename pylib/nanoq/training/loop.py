@@ -203,12 +203,7 @@ def _curriculum(config: TrainConfig, world: "_World", say: Callable[[str], None]
     parsed = parse_curriculum(config.curriculum)
     stages, datasets, evaluated = [], [], []
     for number, stage in enumerate(parsed, 1):
-        try:
-            train_set = Dataset(stage.train_data, config.seq_len, window_step=config.window_step or None)
-            eval_set = (Dataset(stage.eval_data, config.seq_len, window_step=config.window_step or None)
-                        if stage.eval_data else None)
-        except (ValueError, FileNotFoundError) as e:
-            raise type(e)(f"data.curriculum stage {number}: {e}") from None
+        train_set, eval_set = _stage_datasets(config, number, stage)
         datasets.append((f"data.curriculum stage {number} train_data", train_set))
         if eval_set:
             datasets.append((f"data.curriculum stage {number} eval_data", eval_set))
@@ -221,6 +216,57 @@ def _curriculum(config: TrainConfig, world: "_World", say: Callable[[str], None]
     curriculum = Curriculum(stages, batches_per_step=config.grad_accum)
     evaluation = _CurrentStageEval(curriculum) if stages[0][1] is not None else None
     return curriculum, evaluation, _tokenizer_dir(parsed[0].train_data), datasets, evaluated
+
+
+def _dataset(config: TrainConfig, spec: str) -> Dataset:
+    return Dataset(spec, config.seq_len, window_step=config.window_step or None)
+
+
+def _stage_datasets(config: TrainConfig, number: int, stage) -> tuple:
+    """(train Dataset, eval Dataset or None) of curriculum stage ``number``;
+    errors name the stage."""
+    try:
+        return (_dataset(config, stage.train_data),
+                _dataset(config, stage.eval_data) if stage.eval_data else None)
+    except (ValueError, FileNotFoundError) as e:
+        raise type(e)(f"data.curriculum stage {number}: {e}") from None
+
+
+def data_model_config(config: TrainConfig) -> ModelConfig:
+    """The ModelConfig that ``train`` builds for ``config``'s token files
+    (data.train_data and data.eval_data, or data.curriculum's): their vocab
+    sizes and largest token ids decide [model] vocab_size 0, as in training
+    (see ``model_config``). The files are read, the demo corpus is not made:
+    without train data this is a ValueError."""
+    if config.curriculum:
+        datasets = [dataset for number, stage in enumerate(parse_curriculum(config.curriculum), 1)
+                    for dataset in _stage_datasets(config, number, stage) if dataset is not None]
+    elif config.train_data:
+        datasets = [_dataset(config, config.train_data)] + \
+            ([_dataset(config, config.eval_data)] if config.eval_data else [])
+    else:
+        raise ValueError("no token files to read the vocab size from (data.train_data and data.curriculum are \"\")")
+    return _model_for_data(config, datasets)
+
+
+def _model_for_data(config: TrainConfig, datasets) -> ModelConfig:
+    """model_config of the largest vocab size and token id of ``datasets``."""
+    return model_config(config, max(dataset.vocab_size for dataset in datasets),
+                        max(dataset.max_token for dataset in datasets) + 1)
+
+
+def small_data_warnings(datasets, rows_per_step: int, seq_len: int) -> List[str]:
+    """A warning for each training Dataset (role ending in train_data) with
+    fewer windows than the ``rows_per_step`` sequences of one optimizer step,
+    saying how many times each step repeats its data."""
+    out = []
+    for role, dataset in datasets:
+        if role.endswith("train_data") and dataset.num_windows < rows_per_step:
+            out.append(f"{role} has {dataset.num_windows} window(s) of seq_len + 1 = {seq_len + 1} tokens, fewer "
+                       f"than the {rows_per_step} sequences of one step: each step repeats that data "
+                       f"{rows_per_step / dataset.num_windows:.1f} times (use more data, a smaller "
+                       f"train.batch_size or train.grad_accum, or a shorter data.seq_len)")
+    return out
 
 
 def check_data_vocab(config: TrainConfig, model: ModelConfig, datasets, evaluated) -> None:
@@ -264,6 +310,12 @@ def model_config(config: TrainConfig, data_vocab_size: int, token_vocab_size: in
                        num_attention_heads=config.num_attention_heads,
                        num_key_value_heads=config.num_key_value_heads or None, rope_theta=config.rope_theta,
                        rms_norm_eps=config.rms_norm_eps, tie_word_embeddings=config.tie_word_embeddings)
+
+
+def warmup_steps(config: TrainConfig) -> int:
+    """The warmup the schedule uses: train.warmup_steps, clamped to the
+    run's train.steps (``train`` warns when it clamps)."""
+    return min(config.warmup_steps, config.steps)
 
 
 def evaluate(trainer: Trainer, loader: EvalLoader, max_batches: int = 0) -> tuple:
@@ -336,8 +388,8 @@ def _setup(config: TrainConfig, run_dir: str, say: Callable[[str], None], group:
         if config.curriculum:
             return _curriculum(config, world, say)
         train_spec, eval_spec, tokenizer_dir = paths
-        train_set = Dataset(train_spec, config.seq_len, window_step=config.window_step or None)
-        eval_set = Dataset(eval_spec, config.seq_len, window_step=config.window_step or None) if eval_spec else None
+        train_set = _dataset(config, train_spec)
+        eval_set = _dataset(config, eval_spec) if eval_spec else None
         datasets = [("data.train_data", train_set)] + ([("data.eval_data", eval_set)] if eval_set else [])
         return (world.train_loader(train_set, config), world.eval_loader(eval_set, config) if eval_set else None,
                 tokenizer_dir, datasets, [datasets[0] + datasets[1]] if eval_set else [])
@@ -347,10 +399,11 @@ def _setup(config: TrainConfig, run_dir: str, say: Callable[[str], None], group:
     loader, eval_loader, tokenizer_dir, datasets, evaluated = _on_every_process(group, open_data,
                                                                                  "opening the data")
     _agreed_data(group, datasets)
+    for warning in small_data_warnings(datasets, world.rows * config.grad_accum, config.seq_len):
+        say(f"warning: {warning}")
 
     def checked_model() -> ModelConfig:
-        model = model_config(config, max(dataset.vocab_size for _, dataset in datasets),
-                             max(dataset.max_token for _, dataset in datasets) + 1)
+        model = _model_for_data(config, [dataset for _, dataset in datasets])
         check_data_vocab(config, model, datasets, evaluated)
         return model
 
@@ -470,7 +523,9 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
     if not group.is_root:
         say, progress = _silent, False
     if config.warmup_steps > config.steps:
-        raise ValueError(f"train.warmup_steps ({config.warmup_steps}) exceeds train.steps ({config.steps})")
+        say(f"warning: train.warmup_steps ({config.warmup_steps}) is longer than the run's train.steps "
+            f"({config.steps}): warming up over all {config.steps} steps (set --warmup_steps N, N <= "
+            f"{config.steps}, to choose)")
     start = time.time()
     _agreed_settings(group, config)
     on_root(group, lambda: check_tracker(config.tracker), action="checking run.tracker", fallback=ImportError)
@@ -590,12 +645,13 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
 
         skipped_in_a_row = 0
         stopped_by = None
+        first_step, step_seconds = done.step, 0.0  # this call's steps and their time (for the ETA: no evals)
         try:
             for step in range(done.step, config.steps):
                 if config.eval_every and step % config.eval_every == 0:
                     run_eval(step)
                 lr = learning_rate(step, kind=config.schedule, peak=config.lr, total_steps=config.steps,
-                                   warmup_steps=config.warmup_steps, final_lr_fraction=config.final_lr_fraction,
+                                   warmup_steps=warmup_steps(config), final_lr_fraction=config.final_lr_fraction,
                                    cooldown_fraction=config.cooldown_fraction)
                 began = time.time()
                 for _ in range(config.grad_accum):
@@ -605,6 +661,7 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
                 now = time.time()
                 done.step, done.tokens, done.train_loss = step + 1, done.tokens + tokens_per_step, stats.loss
                 done.time = now - train_start
+                step_seconds += now - began
                 tokens_per_s = tokens_per_step / max(now - began, 1e-9)
                 log.write(type="train", step=step + 1, loss=stats.loss, lr=lr, grad_norm=stats.grad_norm,
                           tokens=done.tokens, trained_tokens=stats.tokens, tokens_per_s=tokens_per_s,
@@ -615,9 +672,10 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
                     gpus = telemetry.sample()
                     log.write(type="telemetry", step=step + 1, time=done.time, gpus=gpus)
                 if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
-                    eta = done.time / (step + 1) * (config.steps - step - 1)
+                    eta = step_seconds / (step + 1 - first_step) * (config.steps - step - 1)
                     line = train_line(step + 1, config.steps, stats.loss, stats.grad_norm, lr, tokens_per_s,
                                       done.time, eta)
+                    line += f" | {stats.tokens / max(now - began, 1e-9):,.0f} trained tok/s"
                     emit(f"{line} | {gpu_summary(gpus)}" if gpus else line)
                 if samples is not None and samples.due(step + 1):
                     samples.write(trainer, step + 1, log, emit, time.time() - train_start)

@@ -38,14 +38,18 @@ TRACKERS = ("",) + tuple(TRACKER_PACKAGES)
 LORA_TARGETS = option_schema.choices("lora_targets")
 
 
-def setting(section: str, default, help: str, choices=(), minimum=None, maximum=None, above=None, below=None):
+def setting(section: str, default, help: str, choices=(), minimum=None, maximum=None, above=None, below=None,
+            memory=False, path=False):
     """A TrainConfig field: its section, default, help and allowed values
     (``choices``, or a range: ``minimum``/``maximum`` inclusive, ``above``/``below`` exclusive).
+    memory: the setting changes the memory a run takes (``nanoq memory`` takes
+    these flags only). path: the value is made of file paths, which a TOML
+    file gives relative to its own folder (see ``load_config``).
     A list default (a list-of-strings setting) is copied for each TrainConfig."""
     initial = dict(default_factory=lambda: list(default)) if isinstance(default, list) else dict(default=default)
     return dataclasses.field(**initial, metadata=dict(section=section, help=help, choices=tuple(choices),
                                                             minimum=minimum, maximum=maximum, above=above,
-                                                            below=below))
+                                                            below=below, memory=memory, path=path))
 
 
 def core_limits(name: str) -> dict:
@@ -79,6 +83,8 @@ class Setting:
     maximum: Optional[float]
     above: Optional[float]
     below: Optional[float]
+    memory: bool = False
+    path: bool = False
 
     @property
     def key(self) -> str:
@@ -92,27 +98,32 @@ class TrainConfig:
     # -- model: a Llama-style decoder -------------------------------------------
     vocab_size: int = setting("model", 0, "vocabulary size; 0 = the token files' vocab size (or their "
                                          "largest token id + 1 when that is larger: llm.q writes an added EOS as "
-                                         "id = header vocab)", minimum=0)
-    hidden_size: int = setting("model", 256, "model width", minimum=1)
-    intermediate_size: int = setting("model", 704, "SwiGLU MLP width", minimum=1)
-    num_hidden_layers: int = setting("model", 4, "transformer blocks", minimum=1)
-    num_attention_heads: int = setting("model", 4, "query heads", minimum=1)
-    num_key_value_heads: int = setting("model", 0, "key/value heads (GQA); 0 = num_attention_heads", minimum=0)
+                                         "id = header vocab)", minimum=0, memory=True)
+    hidden_size: int = setting("model", 256, "model width", minimum=1, memory=True)
+    intermediate_size: int = setting("model", 704, "SwiGLU MLP width", minimum=1, memory=True)
+    num_hidden_layers: int = setting("model", 4, "transformer blocks", minimum=1, memory=True)
+    num_attention_heads: int = setting("model", 4, "query heads", minimum=1, memory=True)
+    num_key_value_heads: int = setting("model", 0, "key/value heads (GQA); 0 = num_attention_heads", minimum=0,
+                                     memory=True)
     rope_theta: float = setting("model", 10000.0, "RoPE base", above=0)
     rms_norm_eps: float = setting("model", 1e-5, "RMSNorm epsilon", above=0)
-    tie_word_embeddings: bool = setting("model", True, "share the embedding and output matrices")
+    tie_word_embeddings: bool = setting("model", True, "share the embedding and output matrices", memory=True)
     init_from: str = setting("model", "", "a Hugging Face model directory to start from (its config.json sets the "
-                                          "architecture and the [model] sizes are ignored); \"\" = random weights")
+                                          "architecture and the [model] sizes are ignored); \"\" = random weights",
+                            memory=True, path=True)
 
     # -- data ------------------------------------------------------------------
-    train_data: str = setting("data", "", "training token files (.bin path or glob); \"\" = the bundled demo corpus")
+    train_data: str = setting("data", "", "training token files (.bin path or glob); \"\" = the bundled demo corpus",
+                              memory=True, path=True)
     eval_data: str = setting("data", "", "eval token files (path or glob), with the train files' vocab "
-                                         "size (or model.init_from's); \"\" = none (the demo's own with the demo)")
+                                         "size (or model.init_from's); \"\" = none (the demo's own with the demo)",
+                             memory=True, path=True)
     curriculum: str = setting("data", "", "stages trained in order, replacing train_data/eval_data: "
                                           "\"TRAIN[|EVAL]@STEPS; ...\" (token-file paths or globs; the STEPS add "
-                                          "up to train.steps); \"\" = none")
+                                          "up to train.steps); \"\" = none", memory=True, path=True)
     seq_len: int = setting("data", 128, "tokens per sequence; windows of seq_len + 1 tokens step by "
-                                       "seq_len, so every token is a target once per epoch", **core_limits("seq_len"))
+                                       "seq_len, so every token is a target once per epoch", **core_limits("seq_len"),
+                           memory=True)
     window_step: int = setting("data", 0, "tokens from one window's start to the next: 0 = seq_len (consecutive "
                                           "windows share a token, as in llm.q); seq_len + 1 = disjoint windows "
                                           "(one per Nano line)", minimum=0)
@@ -120,7 +131,8 @@ class TrainConfig:
 
     # -- train: optimisation and schedule --------------------------------------
     steps: int = setting("train", 240, "optimizer steps", minimum=1)
-    batch_size: int = setting("train", 16, "sequences per device per micro-batch", **core_limits("batch_size"))
+    batch_size: int = setting("train", 16, "sequences per device per micro-batch", **core_limits("batch_size"),
+                              memory=True)
     grad_accum: int = setting("train", 1, "micro-batches per optimizer step", **core_limits("grad_accum"))
     lr: float = setting("train", 2e-3, "peak learning rate", above=0)
     schedule: str = setting("train", "cosine", "learning-rate schedule after warmup", choices=SCHEDULES)
@@ -150,13 +162,13 @@ class TrainConfig:
 
     # -- lora: low-rank adapters on a frozen base (usually model.init_from) ----
     lora_rank: int = setting("lora", 0, "adapter rank r; 0 = full fine-tuning (no adapters)",
-                             **core_limits("lora_rank"))
+                             **core_limits("lora_rank"), memory=True)
     lora_alpha: float = setting("lora", 16.0, "adapter scale numerator: updates are scaled by lora_alpha / lora_rank",
                                 **core_limits("lora_alpha"))
     lora_dropout: float = setting("lora", 0.0, "dropout on the adapters' input while training",
-                                  **core_limits("lora_dropout"))
+                                  **core_limits("lora_dropout"), memory=True)
     lora_targets: str = setting("lora", "q,k,v,o", f"projections that get adapters, comma-separated: "
-                                                    f"{', '.join(LORA_TARGETS)} (or all)")
+                                                    f"{', '.join(LORA_TARGETS)} (or all)", memory=True)
 
     # -- checkpoint: <run>/checkpoints/step_XXXXXXXX, for --resume and nanoq export --
     checkpoint_every: int = setting("checkpoint", 100, "save a checkpoint every N steps and after the last "
@@ -169,27 +181,28 @@ class TrainConfig:
     # -- run: where and how ----------------------------------------------------
     backend: str = setting("run", "auto", "compute backend; auto = cuda if a GPU is usable, else cpu; cuda_emulated "
                            "runs the cuda code on a CPU emulator (tests only)",
-                           choices=BACKENDS)
-    devices: int = setting("run", 1, "devices (GPUs, or worker threads on cpu)", **core_limits("devices"))
-    threads: int = setting("run", 0, "cpu threads per device; 0 = the cores shared out", **core_limits("threads"))
+                           choices=BACKENDS, memory=True)
+    devices: int = setting("run", 1, "devices (GPUs, or worker threads on cpu)", **core_limits("devices"), memory=True)
+    threads: int = setting("run", 0, "cpu threads per device; 0 = the cores shared out", **core_limits("threads"),
+                           memory=True)
     dtype: str = setting("run", "auto", "weights/activations dtype; auto = bf16 on cuda, fp32 on cpu",
-                         choices=DTYPES)
+                         choices=DTYPES, memory=True)
     master_dtype: str = setting("run", "fp32", "dtype of the master weights the optimizer updates",
-                                choices=STATE_DTYPES)
+                                choices=STATE_DTYPES, memory=True)
     optimizer_dtype: str = setting("run", "fp32", "dtype of the AdamW moments (bf16: stochastic rounding)",
-                                   choices=STATE_DTYPES)
+                                   choices=STATE_DTYPES, memory=True)
     recompute: str = setting("run", "", f"activations recomputed in backward, comma-separated: "
-                                        f"{', '.join(RECOMPUTE)}; \"\" = keep all")
+                                        f"{', '.join(RECOMPUTE)}; \"\" = keep all", memory=True)
     offload: str = setting("run", "", f"state kept in host memory, comma-separated: {', '.join(OFFLOAD)} "
-                                      f"(zero_stage >= 2); \"\" = none")
+                                      f"(zero_stage >= 2); \"\" = none", memory=True)
     zero_stage: int = setting("run", 1, "sharded across devices: 1 optimizer state, 2 also gradients, 3 also weights",
-                              **core_limits("zero_stage"))
+                              **core_limits("zero_stage"), memory=True)
     attention: str = setting("run", "auto", "attention implementation: auto = cuDNN where available, else native",
-                             choices=option_schema.choices("attention"))
+                             choices=option_schema.choices("attention"), memory=True)
     cuda_graphs: bool = setting("run", True, "cuda: capture each step and update once as CUDA graphs and replay them")
     matmul_dtype: str = setting("run", "auto", "dtype of the projection matmuls: auto = the activations' dtype; fp8 "
                                                "= e4m3 with per-tensor scales (cuda, bf16)",
-                                choices=option_schema.choices("matmul_dtype"))
+                                choices=option_schema.choices("matmul_dtype"), memory=True)
     out_dir: str = setting("run", "nanoq-out", "runs go to <out_dir>/<run_name>")
     run_name: str = setting("run", "", "name of this run's directory; \"\" = a timestamp (an existing "
                                        "run is never overwritten)")
@@ -300,7 +313,7 @@ def settings() -> List[Setting]:
                     default=f.default_factory() if f.default is dataclasses.MISSING else f.default,
                     help=f.metadata["help"], choices=f.metadata["choices"], minimum=f.metadata["minimum"],
                     maximum=f.metadata["maximum"], above=f.metadata["above"],
-                    below=f.metadata["below"])
+                    below=f.metadata["below"], memory=f.metadata["memory"], path=f.metadata["path"])
             for f in dataclasses.fields(TrainConfig)]
 
 
@@ -403,15 +416,49 @@ def read_toml(path: str | os.PathLike) -> Dict[str, Any]:
 
 def load_config(path: Optional[str | os.PathLike] = None, overrides: Optional[Dict[str, Any]] = None) -> TrainConfig:
     """The defaults, updated by the TOML file at ``path`` (if any), then by
-    ``overrides`` (flat ``{name: value}``). ValueError names the bad key."""
+    ``overrides`` (flat ``{name: value}``). ValueError names the bad key.
+
+    Relative file paths in the TOML file (the settings marked ``path``:
+    data.train_data, data.eval_data, the files of data.curriculum,
+    model.init_from) are relative to the file's folder and become absolute
+    here, so that a config means the same from any working directory (and a
+    missing file's error names the folder searched). Paths in ``overrides``
+    (the command line's) stay relative to the working directory, as does
+    run.out_dir.
+    """
     values = {}
     if path is not None:
-        values = read_toml(path)
+        values = resolve_paths(read_toml(path), os.path.dirname(os.path.abspath(path)))
         try:
             TrainConfig.from_dict(values)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
     return TrainConfig.from_dict({**values, **(overrides or {})})
+
+
+def resolve_paths(values: Dict[str, Any], folder: str) -> Dict[str, Any]:
+    """``values`` (flat, as read_toml returns them) with the relative paths
+    of the settings marked ``path`` joined to ``folder``; "" stays "" and a
+    value that is not a string is left for TrainConfig to refuse."""
+    def absolute(text: str) -> str:
+        return os.path.normpath(os.path.join(folder, os.path.expanduser(text))) if text else text
+
+    out = dict(values)
+    for item in settings():
+        value = out.get(item.name)
+        if not item.path or not isinstance(value, str) or not value:
+            continue
+        if item.name == "curriculum":
+            try:
+                stages = parse_curriculum(value)
+            except ValueError:
+                continue  # TrainConfig reports it
+            out[item.name] = "; ".join(absolute(stage.train_data) + (f"|{absolute(stage.eval_data)}"
+                                                                     if stage.eval_data else "") + f"@{stage.steps}"
+                                       for stage in stages)
+        else:
+            out[item.name] = absolute(value)
+    return out
 
 
 def train_options(config: TrainConfig) -> TrainOptions:
