@@ -25,7 +25,7 @@ from nanoq.nano_config import (
 )
 from nanoq.trainer import Trainer
 from nanoq.training import TrainConfig, load_config, read_log, train
-from nanoq.training.settings import parse_curriculum
+from nanoq.training.settings import parse_curriculum, resolve_paths
 from nanoq.training.lr_schedule import learning_rate
 from nanoq_cli.main import cli
 
@@ -163,6 +163,11 @@ def test_bad_nano_values_name_the_key(tmp_path):
         read_nano_configs(tmp_path / "missing.json", broken)
 
 
+def in_folder(config, folder):
+    """``config`` as a TOML file in ``folder`` means it: its relative paths joined to the folder."""
+    return TrainConfig.from_dict(resolve_paths(dataclasses.asdict(config), str(folder)))
+
+
 def test_written_toml_loads_and_round_trips(tmp_path):
     pairs = [["/nano/a.base64", "/nano/a_val.base64"], ["/nano/b.base64", "/nano/b_val.base64"]]
     conversion = convert_nano_config(NANO_MODEL, nano_train(dataset_path=pairs), stage_steps=[30, 20])
@@ -172,7 +177,7 @@ def test_written_toml_loads_and_round_trips(tmp_path):
     assert "#   nanoq tokenize --format nano /nano/a.base64 -o data/a --vocab-size 16384" in text
     assert all(f"#   {entry}" in text for entry in conversion.unmapped)
     loaded = load_config(path)
-    assert loaded == conversion.config
+    assert loaded == in_folder(conversion.config, tmp_path)  # a TOML's relative paths are its folder's
     again = tmp_path / "again.toml"
     again.write_text(loaded.to_toml())
     assert load_config(again) == loaded
@@ -349,7 +354,7 @@ def test_fuzz_any_nano_values_give_a_loadable_config_or_a_value_error(tmp_path_f
         return
     path = tmp_path_factory.getbasetemp() / "fuzz-nano.toml"
     write_nano_toml(conversion, path, force=True)
-    assert load_config(path) == conversion.config
+    assert load_config(path) == in_folder(conversion.config, path.parent)
 
 
 # -- Nano's model options ----------------------------------------------------------------------

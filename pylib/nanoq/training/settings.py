@@ -136,7 +136,8 @@ class TrainConfig:
     grad_accum: int = setting("train", 1, "micro-batches per optimizer step", **core_limits("grad_accum"))
     lr: float = setting("train", 2e-3, "peak learning rate", above=0)
     schedule: str = setting("train", "cosine", "learning-rate schedule after warmup", choices=SCHEDULES)
-    warmup_steps: int = setting("train", 20, "steps of linear warmup from 0 to lr", minimum=0)
+    warmup_steps: int = setting("train", 20, "steps of linear warmup from 0 to lr (a warmup longer than "
+                                                  "train.steps is cut to the run, with a warning)", minimum=0)
     final_lr_fraction: float = setting("train", 0.1, "final lr as a fraction of lr", minimum=0, maximum=1)
     cooldown_fraction: float = setting("train", 0.2, "wsd only: share of all steps spent decaying at the end",
                                        minimum=0, maximum=1)

@@ -1,0 +1,160 @@
+"""The README's shell examples, so that they cannot drift from the code.
+
+Every `nanoq ...` command of a ```bash block must parse: its subcommand and
+flags exist. The blocks right after a `<!-- readme-test: run -->` line also
+run, in README order and in one temporary folder, so each sees what the
+blocks before it wrote; the folder starts with small stand-ins for the files
+they name (books/, web.jsonl, chats.jsonl, a tokenizer in path/to/hf-model/,
+my.toml, ...). `nanoq train` gets a tiny model and 2 steps on the cpu
+backend, added after the README's own flags where the README gives none.
+"""
+import base64
+import glob
+import json
+import os
+import pickle
+import re
+import shlex
+import shutil
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from nanoq.demo import DEMO_DIR
+from nanoq_cli.main import cli
+
+README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+RUN_MARK = "<!-- readme-test: run -->"
+# What a README `nanoq train` gets unless it gives the flag itself: small and quick.
+SMALL_TRAIN = {"--hidden_size": "32", "--intermediate_size": "64", "--num_hidden_layers": "1",
+               "--num_attention_heads": "2", "--seq_len": "16", "--batch_size": "2", "--threads": "1",
+               "--backend": "cpu", "--steps": "2", "--eval_batches": "1"}
+
+
+def shell_blocks():
+    """(line number, run?, text) of every ```bash block of the README."""
+    with open(README, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    blocks, index = [], 0
+    while index < len(lines):
+        if lines[index].strip() == "```bash":
+            start = index + 1
+            end = lines.index("```", start)
+            marked = index > 0 and lines[index - 1].strip() == RUN_MARK
+            blocks.append((start, marked, "\n".join(lines[start:end])))
+            index = end
+        index += 1
+    return blocks
+
+
+def shell_words(line):
+    """The words of a shell line as bash would pass them: quotes removed,
+    unquoted globs expanded (kept as they are when nothing matches), a
+    comment dropped."""
+    lexer = shlex.shlex(line, posix=False)
+    lexer.whitespace_split, lexer.commenters = True, "#"
+    words = []
+    for word in lexer:
+        if word[:1] in "\"'" and word[-1:] == word[:1]:
+            words.append(word[1:-1])
+        else:
+            words += sorted(glob.glob(word)) or [word] if glob.has_magic(word) else [word]
+    return words
+
+
+def nanoq_commands(text):
+    """The argument lists of the `nanoq` commands of a shell block (after a
+    launcher such as mpiexec, between && and ;), comments and line
+    continuations removed; globs are expanded in the working directory."""
+    commands = []
+    for line in text.replace("\\\n", " ").split("\n"):
+        command = []
+        for word in shell_words(line) + [";"]:
+            if word in ("&&", ";", "|", "||"):
+                if "nanoq" in command:
+                    commands.append(command[command.index("nanoq") + 1:])
+                command = []
+            else:
+                command.append(word)
+    return commands
+
+
+def parsed_command(args):
+    """The click command that ``nanoq args`` names, its options parsed (no
+    values converted, no files looked at): NoSuchOption for a flag it lacks."""
+    command, context, name = cli, None, "nanoq"
+    args = list(args)
+    while True:
+        context = click.Context(command, info_name=name, parent=context)
+        _, rest, _ = command.make_parser(context).parse_args(args=args)
+        if not isinstance(command, click.Group):
+            return command
+        name, args = rest[0], rest[1:]
+        command = command.get_command(context, name)
+        assert command is not None, f"no command {name!r}"
+
+
+def test_the_readme_has_shell_examples_to_run():
+    blocks = shell_blocks()
+    assert len(blocks) > 10 and sum(marked for _, marked, _ in blocks) >= 4
+    assert sum(len(nanoq_commands(text)) for _, _, text in blocks) > 20
+
+
+def test_every_nanoq_command_in_the_readme_parses():
+    for line, _, text in shell_blocks():
+        for args in nanoq_commands(text):
+            try:
+                parsed_command(args)
+            except (click.UsageError, AssertionError) as e:
+                pytest.fail(f"README.md line {line}: nanoq {shlex.join(args)}: {e}")
+
+
+def with_small_training(args):
+    if args[:1] != ["train"]:
+        return args
+    given = {word.split("=")[0].replace("-", "_") for word in args if word.startswith("--")}
+    extra = [word for flag, value in SMALL_TRAIN.items() if flag.replace("-", "_") not in given
+             for word in (flag, value)]
+    return args + extra
+
+
+def write_stand_ins(folder):
+    """The files the README's runnable examples read."""
+    (folder / "books").mkdir()
+    words = "the quick brown fox jumps over the lazy dog by a river under tall trees".split()
+    for book in range(2):
+        paragraphs = [" ".join(words[(i + j) % 7:] + words[:(i + j) % 7]) + "." for i in range(40)
+                      for j in range(book, book + 4)]  # long enough for windows of the default seq_len
+        (folder / "books" / f"book{book}.txt").write_text("\n\n".join(paragraphs) + "\n")
+    (folder / "web.jsonl").write_text("".join(json.dumps({"content": f"page {i}: {' '.join(words[i:])}"}) + "\n"
+                                              for i in range(10)))
+    model = folder / "path" / "to" / "hf-model"
+    model.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(os.path.join(DEMO_DIR, name), model / name)
+    chats = [{"prompt": f"Q: {word}?\nA:", "response": f" {word}."} for word in words] + \
+        [{"messages": [{"role": "user", "content": word}, {"role": "assistant", "content": word.upper()}]}
+         for word in words]
+    (folder / "chats.jsonl").write_text("".join(json.dumps(chat) + "\n" for chat in chats))
+    lines = [base64.b64encode(pickle.dumps(list(range(i, i + 40)))).decode() for i in range(20)]
+    (folder / "nano_lines.txt").write_text("\n".join(lines) + "\n")
+    (folder / "my.toml").write_text('[data]\ntrain_data = "data/train_*.bin"\neval_data = "data/eval_*.bin"\n')
+
+
+def test_the_marked_readme_examples_run(tmp_path, monkeypatch):
+    write_stand_ins(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    ran = []
+    for line, marked, text in shell_blocks():
+        if not marked:
+            continue
+        for args in nanoq_commands(text):
+            args = with_small_training(args)
+            result = CliRunner().invoke(cli, args, catch_exceptions=False)
+            assert result.exit_code == 0, f"README.md line {line}: nanoq {shlex.join(args)}:\n{result.output}"
+            ran.append(args[0])
+    assert {"tokenize", "train", "plot", "memory"} <= set(ran)
+    assert os.path.isfile(tmp_path / "nanoq-out" / "first" / "model" / "config.json")
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert re.search(r"chat_template", (tmp_path / "sft" / "tokenizer_config.json").read_text())
