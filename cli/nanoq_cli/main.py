@@ -180,7 +180,8 @@ def train(config_file, print_config, resume, **flags):
               help="New (or empty) directory for train_*.bin, eval_*.bin, tokenizer.json and tokenize.json.")
 @click.option("--format", "fmt", type=click.Choice(["auto", "text", "jsonl", "sft", "nano"]), default="auto",
               show_default=True, help="auto: .jsonl/.json files are jsonl, others text. sft: prompt/response "
-              "or messages lines, trained on responses only. nano: base64-pickled token lines.")
+              "or messages lines, trained on responses only (the template goes into tokenizer_config.json as "
+              "its chat_template). nano: base64-pickled token lines.")
 @click.option("--text-field", default="text", show_default=True, help="jsonl: the field holding the text.")
 @click.option("--split", type=click.Choice(["file", "paragraph", "line"]), default="file", show_default=True,
               help="text: what one document is.")

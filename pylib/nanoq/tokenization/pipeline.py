@@ -6,6 +6,8 @@ complete, so a directory with this name is always whole):
     train_000000.bin, ...   training tokens (shards of at most shard_tokens)
     eval_000000.bin         held-out documents (only with eval_fraction > 0)
     tokenizer.json          the tokenizer used (absent for Nano imports without one)
+    tokenizer_config.json   for transformers' AutoTokenizer: the EOS token and, for SFT
+                            data, nanoq's chat template (nanoq.tokenization.sources)
     tokenize.json           what was done: inputs, counts, vocab size, EOS id, seed
 
 Documents are separated by the EOS token. Files get a mask only when some
