@@ -290,8 +290,9 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, processes
 
     The run is read as `nanoq train` reads it (defaults, CONFIG.toml, flags;
     the flags are the settings that change memory, CONFIG.toml may hold any),
-    the vocab size from the token files too; --model replaces its [model]. Prints the bytes per context, whether they
-    fit the device and, when they do not, what would. --backend auto counts
+    the vocab size from the token files too; --model replaces its [model].
+    Prints the bytes per context, whether they fit the device and, when they
+    do not, what would. --backend auto counts
     as cuda only when a GPU is usable here; give --backend cuda to estimate
     a GPU run anywhere. With --processes P the world is P x devices
     devices (as under mpiexec -n P).

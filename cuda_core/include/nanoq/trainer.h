@@ -178,9 +178,9 @@ private:
 // StackInfo::capacity of such a trainer, entry for entry; `generation` lists
 // what its first forward_cached then allocates (the KV cache, planned
 // without the memory_limit, which the Trainer checks when it allocates).
-// No backend is
-// created (the backend's library is loaded for its scratch plan), so it
-// works for any device count, and for "cuda" on a machine without a GPU.
+// No backend is created (the backend's library is loaded for its scratch
+// plan), so it works for any device count, and for "cuda" on a machine
+// without a GPU.
 // Options are checked as the Trainer checks them (the count of available
 // devices aside), and a memory_limit that the Trainer would exceed throws
 // the same OutOfMemory. Library-sized scratch (CUB's) is asked of the
