@@ -207,3 +207,15 @@ def test_the_plan_holds_the_kv_cache_that_generation_allocates(config, devices, 
             == summary[device]["contexts"]["kv-cache"]
     size = re.escape(human_bytes(estimate.kv_cache_bytes))
     assert re.search(rf"^kv-cache +{size}  generation", estimate.table(), re.MULTILINE)
+
+
+@pytest.mark.cuda_emulated
+def test_the_emulated_cuda_plan_holds_the_kv_cache_that_generation_allocates():
+    require_cuda_emulator()
+    options = nanoq.TrainOptions(backend="cuda_emulated", dtype="bf16", devices=2, batch_size=1, seq_len=8)
+    plans = _core.plan_memory(QWEN3.to_core(), dataclasses.asdict(options))
+    with nanoq.Trainer(QWEN3, options) as trainer:
+        trainer.init_weights()
+        trainer.generate([1, 2], 2, temperature=0)
+        allocated = [kv_cache_entries(trainer.get_allocations(device)) for device in range(2)]
+    assert all(allocated) and [kv_cache_entries(plan["generation"]) for plan in plans] == allocated

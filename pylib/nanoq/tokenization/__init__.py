@@ -7,7 +7,8 @@
 Input formats (``fmt``): ``text`` (UTF-8; a document per file, paragraph or
 line, see ``split``), ``jsonl`` (a document per line, the string field
 ``text_field``), ``sft`` (prompt/response or chat ``messages`` lines, trained
-on the responses only; the template is in ``nanoq.tokenization.sources``), and
+on the responses only; the template is in ``nanoq.tokenization.sources``,
+and goes into the saved tokenizer_config.json as its Jinja chat_template), and
 ``auto`` (.jsonl/.json files are jsonl, the rest text). Nano's base64-pickled
 line files go through ``import_nano`` (formats in ``nanoq.tokenization.nano``).
 
