@@ -1,7 +1,12 @@
 """The chat template that `nanoq tokenize --format sft` writes: transformers'
 apply_chat_template on the saved (and the exported) tokenizer gives exactly
 the token ids nanoq trained on, and with return_assistant_tokens_mask the
-mask nanoq trained with."""
+mask nanoq trained with.
+
+(nanoq encodes the assistant's marker and its reply apart, as a prompt made
+with add_generation_prompt=True is encoded; transformers encodes a whole
+conversation at once, so a reply that starts with whitespace may be joined
+to the marker's newline by a tokenizer's merges. The replies here do not.)"""
 import json
 import shutil
 

@@ -153,10 +153,11 @@ def chat_template(eos_token: str) -> str:
     ``{% generation %}`` blocks the trained part (the assistant's turns and
     their EOS), and ``add_generation_prompt=True`` ends with the assistant's
     marker instead of the closing EOS, to prompt a model. nanoq encodes each
-    segment apart; a tokenizer whose markers are single tokens (as those
-    nanoq trains) then gives the same ids for the whole text, where no
-    content starts with whitespace that its pre-tokenizer would join to the
-    newline before it."""
+    segment apart (the assistant's marker apart from its reply, as a prompt
+    made with add_generation_prompt=True is encoded), transformers the whole
+    text at once: the ids agree for a tokenizer whose markers are single
+    tokens (as those nanoq trains), except where a reply starts with
+    whitespace that the tokenizer's merges join to the marker's newline."""
     return "{%- set EOS = " + json.dumps(eos_token) + " -%}\n" + _CHAT_TEMPLATE
 
 
