@@ -388,10 +388,11 @@ def test_cli_reads_the_model_from_a_toml_file_and_suggests_when_it_does_not_fit(
                       "[run]\nbackend = \"cpu\"\nthreads = 1\n")
     options = cpu_options(1, batch_size=8, seq_len=128)
     model = nanoq.ModelConfig(**dict(TINY, num_key_value_heads=4), rms_norm_eps=1e-5, tie_word_embeddings=True)
-    limit = estimate_memory(model, dataclasses.replace(options, batch_size=2)).device_bytes
+    # The run samples during training (train.sample_every's default): its KV cache counts.
+    limit = estimate_memory(model, dataclasses.replace(options, batch_size=2), generates=True).device_bytes
     result = invoke("memory", config, "--seq-len", 128, "--device-memory", limit)
     assert result.exit_code == 0, result.output
-    assert human_bytes(estimate_memory(model, options).device_bytes) in result.output
+    assert human_bytes(estimate_memory(model, options, generates=True).device_bytes) in result.output
     assert "does NOT fit" in result.output
     assert "suggestion: batch_size 2 with grad_accum 4 (same 1,024 tokens per step)" in result.output
 
@@ -411,7 +412,7 @@ def test_cli_estimates_lora_from_the_lora_settings():
     assert result.exit_code == 0, result.output
     model = nanoq.ModelConfig(**dict(TINY, num_key_value_heads=4), rms_norm_eps=1e-5, tie_word_embeddings=True)
     options = cpu_options(2, batch_size=4, seq_len=32, lora=LoraConfig(8, dropout=0.1, targets="q,v,down"))
-    estimate = estimate_memory(model, options)
+    estimate = estimate_memory(model, options, generates=True)  # samples during training (the default)
     assert "frozen; LoRA rank 8 on q,v,down, dropout 0.1" in result.output
     assert re.search(rf"^total +{re.escape(human_bytes(estimate.device_bytes))} ", result.output, re.M)
     assert "the frozen model weights (" in result.output
@@ -430,12 +431,28 @@ def test_cli_reads_the_vocab_size_from_the_configs_token_files(tmp_path):
     assert result.exit_code == 0, result.output
     model = nanoq.ModelConfig(**dict(TINY, vocab_size=250, num_key_value_heads=4), rms_norm_eps=1e-5,
                               tie_word_embeddings=True)
-    estimate = estimate_memory(model, cpu_options(2, batch_size=4, seq_len=32))
+    estimate = estimate_memory(model, cpu_options(2, batch_size=4, seq_len=32), generates=True)
     assert "vocab 250, tied" in result.output
     assert re.search(rf"^total +{re.escape(human_bytes(estimate.device_bytes))} ", result.output, re.M)
     config.write_text('[data]\ntrain_data = "missing/train_*.bin"\n')
     result = invoke("memory", config, *flags)
     assert result.exit_code == 1 and str(folder / "missing" / "train_*.bin") in result.output
+
+
+def test_the_kv_cache_counts_in_the_fit_of_a_run_that_samples_during_training():
+    model = nanoq.ModelConfig(**TINY, rms_norm_eps=1e-5, tie_word_embeddings=True)  # TINY_FLAGS' model
+    options = cpu_options(2, batch_size=4, seq_len=32)
+    alone, sampling = estimate_memory(model, options), estimate_memory(model, options, generates=True)
+    assert sampling.kv_cache_bytes == alone.kv_cache_bytes > 0
+    assert sampling.device_bytes == alone.device_bytes + alone.kv_cache_bytes
+    assert sampling.contexts == dict(alone.contexts, **{"kv-cache": alone.kv_cache_bytes})
+    assert alone.fits(alone.device_bytes) and not sampling.fits(alone.device_bytes)
+    assert re.search(r"^kv-cache .* not in the total$", alone.table(), re.M)
+    assert not re.search(r"not in the total", sampling.table())
+    flags = [*TINY_FLAGS, "--num_key_value_heads", "2"]
+    for every, expected in (("60", sampling), ("0", alone)):
+        result = invoke("memory", *flags, "--sample_every", every)
+        assert re.search(rf"^total +{re.escape(human_bytes(expected.device_bytes))} ", result.output, re.M)
 
 
 def test_cli_plot_writes_a_png(tmp_path):

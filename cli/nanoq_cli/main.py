@@ -291,8 +291,9 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, processes
     The run is read as `nanoq train` reads it (defaults, CONFIG.toml, flags;
     the flags are the settings that change memory, CONFIG.toml may hold any),
     the vocab size from the token files too; --model replaces its [model].
-    Prints the bytes per context, whether they fit the device and, when they
-    do not, what would. --backend auto counts
+    Prints the bytes per context (the generation KV cache counted when
+    train.sample_every > 0 samples during training), whether they fit the
+    device and, when they do not, what would. --backend auto counts
     as cuda only when a GPU is usable here; give --backend cuda to estimate
     a GPU run anywhere. With --processes P the world is P x devices
     devices (as under mpiexec -n P).
@@ -306,7 +307,9 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, processes
     try:
         config = load_config(config_file, overrides)
         model = _memory_model(config, model_path)
-        estimate = estimate_memory(model, train_options(config), reserve_bytes=reserve_bytes, processes=processes)
+        # Samples during training generate: the KV cache is then part of the run.
+        estimate = estimate_memory(model, train_options(config), reserve_bytes=reserve_bytes, processes=processes,
+                                   generates=config.sample_every > 0)
     except (ValueError, FileNotFoundError) as e:
         raise _fail(e) from None
     from_nvml = device_bytes is None and estimate.options.backend == "cuda"

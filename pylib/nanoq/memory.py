@@ -30,8 +30,9 @@ attention there; ``attention="cudnn"`` plans the workspace's bound.
 Generation (``Trainer.generate``, ``Trainer.logits``, samples during training)
 adds the KV cache, context "kv-cache": the core plans it too, as its first
 call allocates it (``MemoryEstimate.generation``, for one sequence of up to
-``seq_len`` positions). It is listed apart from the total, since a run that
-never generates never holds it; ``fits`` judges the training alone.
+``seq_len`` positions). It counts in the total and the fit of a run that
+generates (``generates``: train.sample_every > 0 for ``nanoq memory``);
+otherwise it is listed below the total, apart.
 
 Bytes are those the allocator records (``Trainer.get_allocations``), which
 are also what ``TrainOptions.memory_limit`` counts: the device total here is
@@ -58,7 +59,7 @@ from nanoq.backends import CUDA_BACKENDS, device_count
 from nanoq.trainer_config import OFFLOAD, RECOMPUTE, ModelConfig, TrainOptions, auto_dtype
 from nanoq.lora import adapter_shapes
 
-CONTEXTS = ("weights", "master", "gradients", "adam-m", "adam-v", "activations", "workspace", "stack")
+CONTEXTS = ("weights", "master", "gradients", "adam-m", "adam-v", "activations", "workspace", "stack", "kv-cache")
 CONTEXT_MEANING = {
     "weights": "the weights: a full copy (stages 1-2) or a shard, embedding, head and two layers (3)",
     "master": "this device's shard of the master weights (none when they are the weights or offloaded)",
@@ -68,6 +69,7 @@ CONTEXT_MEANING = {
     "activations": "kept for backward: residual stream and each layer's (not recomputed) ones",
     "workspace": "tokens, statistics, staging, RoPE table, op scratch",
     "stack": "backward's temporaries (one arena, sized for its peak)",
+    "kv-cache": "generation's (samples during training): one sequence of up to seq_len positions",
 }
 # With LoRA the trained parameters are the adapters; the weights context
 # also holds the frozen model (its share is spelled out in the table).
@@ -116,7 +118,9 @@ class MemoryEstimate:
     ``reserve_bytes`` is what ``fits`` adds for memory outside nanoq's
     allocator. ``generation`` is what that device's first generation
     (Trainer.generate or logits) adds: the KV cache of one sequence of up
-    to ``seq_len`` positions, context "kv-cache"; not in the totals."""
+    to ``seq_len`` positions, context "kv-cache"; counted in ``contexts``,
+    ``device_bytes`` and ``fits`` when ``generates`` (the run generates:
+    samples during training), else in none of them."""
 
     config: ModelConfig
     options: TrainOptions
@@ -128,6 +132,7 @@ class MemoryEstimate:
     stack_capacities: List[int] = dataclasses.field(default_factory=list)
     processes: int = 1
     generation: List[Allocation] = dataclasses.field(default_factory=list)
+    generates: bool = False
 
     @property
     def world_devices(self) -> int:
@@ -138,7 +143,7 @@ class MemoryEstimate:
     def contexts(self) -> Dict[str, int]:
         """Device bytes per context, every context present (0 when unused)."""
         totals = dict.fromkeys(CONTEXTS, 0)
-        for a in self.allocations:
+        for a in self.allocations + (self.generation if self.generates else []):
             if a.kind == "device":
                 totals[a.context] += a.bytes
         return totals
@@ -151,8 +156,10 @@ class MemoryEstimate:
     @property
     def device_bytes(self) -> int:
         """Device memory the allocator takes on each device (what
-        ``TrainOptions.memory_limit`` is checked against)."""
-        return sum(a.bytes for a in self.allocations if a.kind == "device")
+        ``TrainOptions.memory_limit`` is checked against), with the KV
+        cache when the run ``generates``."""
+        return sum(a.bytes for a in self.allocations if a.kind == "device") + \
+            (self.kv_cache_bytes if self.generates else 0)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -209,11 +216,13 @@ class MemoryEstimate:
             meanings.update(LORA_CONTEXT_MEANING,
                             weights=f"the frozen model weights ({human_bytes(sizes['frozen-weights'])}, whole on "
                                     f"every device) and the LoRA adapters ({human_bytes(sizes['adapters'])})")
-        rows = [(name, human_bytes(value), meanings[name]) for name, value in self.contexts.items()]
+        rows = [(name, human_bytes(value), meanings[name]) for name, value in self.contexts.items()
+                if name != "kv-cache" or self.generates]
         rows.append(("total", human_bytes(self.device_bytes), "what nanoq allocates per device"))
-        rows.append(("kv-cache", human_bytes(self.kv_cache_bytes),
-                     f"generation (Trainer.generate and logits): one sequence of up to {o.seq_len} "
-                     f"positions, allocated by the first call; not in the total"))
+        if not self.generates:
+            rows.append(("kv-cache", human_bytes(self.kv_cache_bytes),
+                         f"generation (Trainer.generate and logits): one sequence of up to {o.seq_len} "
+                         f"positions, allocated by the first call; not in the total"))
         if self.reserve_bytes:
             rows.append(("reserve", human_bytes(self.reserve_bytes),
                          "assumed for the CUDA context, cuBLASLt and NCCL (not nanoq's allocator)"))
@@ -265,7 +274,7 @@ class MemoryEstimate:
     # -- suggestions ------------------------------------------------------------------
     def _with(self, **changes) -> "MemoryEstimate":
         return estimate_memory(self.config, dataclasses.replace(self.options, **changes),
-                               reserve_bytes=self.reserve_bytes, processes=self.processes)
+                               reserve_bytes=self.reserve_bytes, processes=self.processes, generates=self.generates)
 
     def _highest_stage(self) -> int:
         """The highest ZeRO stage this run may use (LoRA trains at stage 1 only)."""
@@ -427,7 +436,8 @@ def _resolve(options: TrainOptions, backend: Optional[str]) -> TrainOptions:
 
 
 def estimate_memory(config: ModelConfig, options: TrainOptions, *, backend: Optional[str] = None,
-                    reserve_bytes: Optional[int] = None, processes: Optional[int] = None) -> MemoryEstimate:
+                    reserve_bytes: Optional[int] = None, processes: Optional[int] = None,
+                    generates: bool = False) -> MemoryEstimate:
     """Per-device memory of ``Trainer(config, options)``, without allocating:
     the core's plan of that Trainer (see the module's note).
 
@@ -444,6 +454,8 @@ def estimate_memory(config: ModelConfig, options: TrainOptions, *, backend: Opti
     launcher's under a launcher, else 1; see nanoq.distributed); every
     device of the world is planned. With ``options.world_size`` set (a
     trainer that is a slice of a world) only its own devices are planned.
+    generates: the run generates (samples during training), so its KV cache
+    counts in the totals and the fit (it is planned either way).
     Raises ValueError for options the Trainer refuses (cpu: fp32 only; on
     cuda, head_dim > 256) and a bad ``processes``; nanoq.NanoqError
     when the scratch cannot be planned (a cuda estimate on an install with
@@ -453,6 +465,8 @@ def estimate_memory(config: ModelConfig, options: TrainOptions, *, backend: Opti
         raise TypeError(f"config must be a nanoq.ModelConfig, got {type(config).__name__}")
     if not isinstance(options, TrainOptions):
         raise TypeError(f"options must be a nanoq.TrainOptions, got {type(options).__name__}")
+    if not isinstance(generates, bool):
+        raise TypeError(f"generates must be True or False, got {generates!r}")
     processes = _processes(processes, options)
     options = _resolve(options, backend)
     plans = []
@@ -477,7 +491,7 @@ def estimate_memory(config: ModelConfig, options: TrainOptions, *, backend: Opti
     return MemoryEstimate(config=config, options=options, allocations=allocations, parameters=parameters,
                           trainable_parameters=trainable, reserve_bytes=reserve_bytes, per_device=per_device,
                           stack_capacities=[plan["stack_capacity"] for plan in plans], processes=processes,
-                          generation=generation)
+                          generation=generation, generates=generates)
 
 
 def _processes(processes: Optional[int], options: TrainOptions) -> int:

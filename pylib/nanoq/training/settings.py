@@ -153,7 +153,8 @@ class TrainConfig:
                                      minimum=1)
     seed: int = setting("train", 0, "seed of the weights and the data order", minimum=0, maximum=2**64 - 1)
     sample_every: int = setting("train", 60, "generate greedy samples from train.sample_prompts every N steps "
-                                             "(and after the last step), printed and logged; 0 = off", minimum=0)
+                                             "(and after the last step), printed and logged; 0 = off", minimum=0,
+                                memory=True)
     sample_prompts: List[str] = setting("train", [], "prompts of the samples (needs the data's tokenizer.json); "
                                                      "[] = the start of the first eval document (of the train data "
                                                      "without eval data)")
