@@ -143,8 +143,9 @@ def test_toml_paths_are_relative_to_the_files_folder(tmp_path, monkeypatch):
     assert loaded.train_data == str(folder / "data" / "train_*.bin")
     assert loaded.eval_data == "/abs/eval.bin"
     assert loaded.out_dir == "runs"  # where runs go: the working directory's
-    # Flags are the command line's: relative to the working directory.
-    assert load_config(config, {"train_data": "mine/*.bin"}).train_data == "mine/*.bin"
+    # Flags are the command line's: relative to the working directory, made
+    # absolute so that the run's own config.toml names the same files.
+    assert load_config(config, {"train_data": "mine/*.bin"}).train_data == str(tmp_path / "mine" / "*.bin")
     config.write_text('[data]\ncurriculum = "a/train_*.bin|a/eval_*.bin@3; /b/train.bin| b/eval.bin @2"\n'
                       '[train]\nsteps = 5\n')
     assert load_config(config).curriculum == \
@@ -221,3 +222,36 @@ def test_settings_not_marked_memory_do_not_change_the_memory_plan(lora_rank):
         checked.append(item.name)
     assert {"grad_accum", "z_loss", "seed", "rope_theta", "cuda_graphs"} <= set(checked)
     assert lora_rank == 0 or "lora_alpha" in checked
+
+
+def test_a_run_started_with_relative_flags_resumes_from_its_own_config_anywhere(tmp_path, monkeypatch):
+    # Relative --train-data from the working directory; the run's config.toml
+    # then names the same files, read from any directory.
+    project = tmp_path / "project"
+    token_data(project / "data")
+    monkeypatch.chdir(project)
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in SMALL.items()]
+    common = flags + ["--train-data=data/train_*.bin", "--eval-data=data/eval_*.bin", "--out-dir=runs",
+                      "--run-name=run", "--warmup-steps=0", "--checkpoint-every=2", "--eval-every=0",
+                      "--sample-every=0"]
+    runner = CliRunner()
+    first = runner.invoke(cli, ["train", "--steps=2", *common])
+    assert first.exit_code == 0, first.output
+    run_dir = project / "runs" / "run"
+    monkeypatch.chdir(tmp_path)  # elsewhere
+    resumed = runner.invoke(cli, ["train", str(run_dir / "config.toml"), "--steps=4", "--resume", str(run_dir)])
+    assert resumed.exit_code == 0, resumed.output
+    assert "step 4/4" in resumed.output
+
+
+def test_a_checkpoint_that_saved_relative_paths_resumes_from_the_same_working_directory(tmp_path, monkeypatch):
+    # Runs from before paths became absolute stored them as given.
+    from nanoq.training.resume import config_changes
+    monkeypatch.chdir(tmp_path)
+    config = load_config(None, {"train_data": "data/train_*.bin", "steps": 3})
+    assert config.train_data == str(tmp_path / "data" / "train_*.bin")
+    saved = config.sections()
+    saved["data"]["train_data"] = "data/train_*.bin"
+    assert config_changes(saved, config) == {}
+    saved["data"]["train_data"] = "other/train_*.bin"
+    assert list(config_changes(saved, config)) == ["data.train_data"]

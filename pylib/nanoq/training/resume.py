@@ -27,7 +27,7 @@ from nanoq.checkpoint import (STATE_FILE, CheckpointError, list_checkpoints, lis
                               step_dir_name, verify)
 from nanoq.data import DataLoader
 from nanoq.trainer import Trainer
-from nanoq.training.settings import Setting, TrainConfig, settings
+from nanoq.training.settings import Setting, TrainConfig, resolve_paths, settings
 
 CHECKPOINTS = "checkpoints"
 # Settings a resumed run must share with its checkpoint: they define the model,
@@ -85,6 +85,9 @@ def config_changes(saved: Dict[str, Dict[str, Any]], config: TrainConfig) -> Dic
     saved: ``TrainConfig.sections()`` of a checkpoint's run (a setting it lacks
     counts as its default). run.out_dir and run.run_name are left out."""
     flat = {name: value for values in saved.values() for name, value in values.items()}
+    # Runs from before paths were made absolute saved them as given, relative
+    # to the working directory: compare them as resolved there.
+    flat = resolve_paths(flat, os.getcwd())
     changes = {}
     for item in settings():
         old, new = flat.get(item.name, item.default), getattr(config, item.name)

@@ -425,8 +425,10 @@ def load_config(path: Optional[str | os.PathLike] = None, overrides: Optional[Di
     model.init_from) are relative to the file's folder and become absolute
     here, so that a config means the same from any working directory (and a
     missing file's error names the folder searched). Paths in ``overrides``
-    (the command line's) stay relative to the working directory, as does
-    run.out_dir.
+    (the command line's) are relative to the working directory and become
+    absolute too, so that the config.toml a run writes into its directory
+    names the same files when it is read again (``nanoq train
+    RUN/config.toml --resume RUN``). run.out_dir stays as given.
     """
     values = {}
     if path is not None:
@@ -435,7 +437,7 @@ def load_config(path: Optional[str | os.PathLike] = None, overrides: Optional[Di
             TrainConfig.from_dict(values)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
-    return TrainConfig.from_dict({**values, **(overrides or {})})
+    return TrainConfig.from_dict({**values, **resolve_paths(overrides or {}, os.getcwd())})
 
 
 def resolve_paths(values: Dict[str, Any], folder: str) -> Dict[str, Any]:
