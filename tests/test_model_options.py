@@ -524,3 +524,30 @@ def test_nanoq_generate_runs_a_learned_position_checkpoint(tmp_path):
     if eos in expected:
         expected = expected[:expected.index(eos) + 1]
     assert completion == expected
+
+
+@pytest.mark.parametrize("checkpoint_every", [0, 3])
+def test_nanoq_train_with_the_model_settings_ends_on_a_checkpoint_when_transformers_cannot_hold_it(
+        tmp_path, checkpoint_every):
+    # The [model] settings reach the core; a learned-position model cannot be
+    # exported, so the run's last checkpoint is its model (written once).
+    from nanoq.checkpoint import list_checkpoints, read_state
+    from nanoq.data import write_tokens
+    from nanoq.training import TrainConfig, train
+
+    write_tokens(tmp_path / "train_0.bin", np.arange(3000) % 64, 64)
+    config = TrainConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         seq_len=16, batch_size=2, backend="cpu", threads=1, steps=3, warmup_steps=0,
+                         train_data=str(tmp_path / "train_0.bin"), eval_data="", eval_every=0, sample_every=0,
+                         checkpoint_every=checkpoint_every, out_dir=str(tmp_path / "runs"), run_name="r",
+                         position_embedding="learned", linear_bias=True, dropout=0.1)
+    lines = []
+    result = train(config, say=lines.append, progress=False)
+    assert any(line.startswith("no Hugging Face export: a model with learned position embeddings") for line in lines)
+    root = tmp_path / "runs" / "r" / "checkpoints"
+    assert list_checkpoints(str(root)) == [3]
+    assert result.model_dir == str(root / "step_00000003")
+    assert sum("checkpoint @ step 3" in line for line in lines) == 1
+    model = read_state(result.model_dir)["model_config"]
+    assert (model["position_embedding"], model["max_position_embeddings"], model["mlp_bias"], model["qkv_bias"],
+            model["o_bias"], model["dropout"]) == ("learned", 16, True, True, True, 0.1)

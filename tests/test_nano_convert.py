@@ -134,8 +134,9 @@ def test_every_nano_key_is_mapped_or_reported_never_both():
     given = {f"model.{k}" for k in model} | {f"train.{k}" for k in nano}
     assert set(conversion.mapped) | set(reported) == given
     assert not set(conversion.mapped) & set(reported)
-    assert {"model.bias", "model.n_hidden", "model.rope_scaling", "train.dropout", "train.device", "train.dtype",
+    assert {"model.n_hidden", "model.rope_scaling", "train.dropout", "train.device", "train.dtype",
             "train.compile", "train.from_checkpoint", "train.tokenizer_path"} == set(reported)
+    assert conversion.config.linear_bias is True and "model.bias" in conversion.mapped
     assert conversion.config.intermediate_size == TrainConfig().intermediate_size
     assert set(MODEL_KEYS) <= set(NANO_MODEL) | {"bias"} and set(TRAIN_KEYS) == set(NANO_LORA)
 

@@ -41,29 +41,33 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
+class NotExportable(ValueError):
+    """No Hugging Face class computes this model (the message says why)."""
+
+
 def architecture(config: ModelConfig) -> str:
     """"LlamaForCausalLM", "Qwen2ForCausalLM" or "Qwen3ForCausalLM": the
-    Hugging Face class that computes what ``config`` describes. ValueError if
-    none does."""
+    Hugging Face class that computes what ``config`` describes.
+    NotExportable (a ValueError) if none does."""
     if config.learned_positions:
-        raise ValueError("a model with learned position embeddings (position_embedding 'learned') has no Hugging "
+        raise NotExportable("a model with learned position embeddings (position_embedding 'learned') has no Hugging "
                          "Face Llama/Qwen architecture: those classes only rotate q and k (RoPE) and would drop "
                          "the position table; such a model's checkpoints save, resume and generate in nanoq, but "
                          "do not export")
     if config.mlp_bias and (config.qk_norm or (config.qkv_bias and not config.o_bias)):
-        raise ValueError("mlp_bias is written as Llama's mlp_bias, but this config's attention is Qwen's "
+        raise NotExportable("mlp_bias is written as Llama's mlp_bias, but this config's attention is Qwen's "
                          f"(qk_norm={config.qk_norm}, qkv_bias={config.qkv_bias}, o_bias={config.o_bias}), whose "
                          "classes have no MLP biases; no Hugging Face architecture computes this model")
     if config.qk_norm:
         if config.qkv_bias != config.o_bias:
-            raise ValueError(f"qk_norm models are written as Qwen3ForCausalLM, whose attention_bias puts biases "
+            raise NotExportable(f"qk_norm models are written as Qwen3ForCausalLM, whose attention_bias puts biases "
                              f"on q, k, v and o together; this config has qkv_bias={config.qkv_bias} and "
                              f"o_bias={config.o_bias}")
         return "Qwen3ForCausalLM"
     if config.qkv_bias and not config.o_bias:
         return "Qwen2ForCausalLM"
     if config.o_bias and not config.qkv_bias:
-        raise ValueError("o_bias without qkv_bias has no Hugging Face architecture (Llama's attention_bias "
+        raise NotExportable("o_bias without qkv_bias has no Hugging Face architecture (Llama's attention_bias "
                          "covers q, k, v and o together; Qwen2 has q/k/v biases only); set qkv_bias too, or "
                          "drop o_bias")
     return "LlamaForCausalLM"

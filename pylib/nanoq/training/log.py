@@ -94,10 +94,13 @@ def format_duration(seconds: float) -> str:
 
 
 def train_line(step: int, steps: int, loss: float, grad_norm: float, lr: float, tokens_per_s: float,
-               elapsed: float, eta: float) -> str:
+               trained_per_s: float, elapsed: float, eta: float) -> str:
+    """The console line of a step: tokens/s of all tokens fed and of the
+    trained ones (targets not masked out), which differ on SFT data."""
     width = len(str(steps))
     return (f"step {step:>{width}}/{steps} | loss {loss:.4f} | grad norm {grad_norm:.3f} | lr {lr:.2e} | "
-            f"{tokens_per_s:,.0f} tok/s | {format_duration(elapsed)} elapsed, ETA {format_duration(eta)}")
+            f"{tokens_per_s:,.0f} tok/s ({trained_per_s:,.0f} trained) | {format_duration(elapsed)} elapsed, "
+            f"ETA {format_duration(eta)}")
 
 
 def eval_line(step: int, loss: float, tokens: int, seconds: float) -> str:

@@ -50,7 +50,7 @@ from nanoq.agreement import agree, on_root
 from nanoq.checkpoint import newest_finite
 from nanoq.backends import CUDA_BACKENDS, cpu_oversubscription, resolve_backend
 from nanoq.trainer_config import ModelConfig
-from nanoq.hf_export import export_adapter
+from nanoq.hf_export import NotExportable, architecture, export_adapter
 from nanoq.data import Curriculum, DataLoader, Dataset, EvalLoader
 from nanoq.telemetry import GpuTelemetry
 from nanoq.trainer import Trainer
@@ -309,7 +309,11 @@ def model_config(config: TrainConfig, data_vocab_size: int, token_vocab_size: in
                        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
                        num_attention_heads=config.num_attention_heads,
                        num_key_value_heads=config.num_key_value_heads or None, rope_theta=config.rope_theta,
-                       rms_norm_eps=config.rms_norm_eps, tie_word_embeddings=config.tie_word_embeddings)
+                       rms_norm_eps=config.rms_norm_eps, tie_word_embeddings=config.tie_word_embeddings,
+                       position_embedding=config.position_embedding,
+                       max_position_embeddings=config.seq_len if config.position_embedding == "learned" else None,
+                       qkv_bias=config.linear_bias, o_bias=config.linear_bias, mlp_bias=config.linear_bias,
+                       dropout=config.dropout)
 
 
 def warmup_steps(config: TrainConfig) -> int:
@@ -634,6 +638,8 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
             else:
                 bar.write(line)
 
+        saved = {}  # step -> path of the checkpoints this call wrote
+
         def save_checkpoint() -> str:
             began = time.time()
             path = trainer.save_checkpoint(os.path.join(run_dir, CHECKPOINTS), done.step,
@@ -641,6 +647,7 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
                                            keep_every=config.keep_every, tokenizer_dir=tokenizer_dir)
             log.write(type="checkpoint", step=done.step, path=path, time=time.time() - train_start)
             emit(f"checkpoint @ step {done.step}: {path} ({time.time() - began:.1f}s)")
+            saved[done.step] = path
             return path
 
         skipped_in_a_row = 0
@@ -674,8 +681,7 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
                 if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
                     eta = step_seconds / (step + 1 - first_step) * (config.steps - step - 1)
                     line = train_line(step + 1, config.steps, stats.loss, stats.grad_norm, lr, tokens_per_s,
-                                      done.time, eta)
-                    line += f" | {stats.tokens / max(now - began, 1e-9):,.0f} trained tok/s"
+                                      stats.tokens / max(now - began, 1e-9), done.time, eta)
                     emit(f"{line} | {gpu_summary(gpus)}" if gpus else line)
                 if samples is not None and samples.due(step + 1):
                     samples.write(trainer, step + 1, log, emit, time.time() - train_start)
@@ -718,9 +724,21 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
         run_eval(config.steps)
 
         # The tokenizer's eos id goes into config.json (see nanoq.hf_export.write_model).
-        model_dir = on_root(group, lambda: _final_model_dir(run_dir, config.steps, say),
-                            action="choosing the model directory")
-        model_dir = _export_final_model(trainer, model_dir, tokenizer_dir, bool(options.lora), say)
+        try:
+            architecture(trainer.config)
+            unexportable = None
+        except NotExportable as why:
+            unexportable = why
+        if unexportable is None:
+            model_dir = on_root(group, lambda: _final_model_dir(run_dir, config.steps, say),
+                                action="choosing the model directory")
+            model_dir = _export_final_model(trainer, model_dir, tokenizer_dir, bool(options.lora), say)
+        else:
+            # A model transformers cannot compute (learned positions,
+            # bidirectional attention): the final checkpoint is the model.
+            model_dir = saved.get(done.step) or save_checkpoint()
+            say(f"no Hugging Face export: {unexportable}")
+            say("the final checkpoint holds the model: nanoq generate, nanoq eval and --resume take it")
         seconds = time.time() - start
         log.write(type="end", step=config.steps, time=time.time() - train_start, model_dir=model_dir)
     evals = done.evals

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, NamedTuple, Optional
 import numpy as np
 
 from nanoq import options as option_schema
-from nanoq.trainer_config import BACKENDS, DTYPES, OFFLOAD, RECOMPUTE, STATE_DTYPES, TrainOptions
+from nanoq.trainer_config import BACKENDS, DTYPES, OFFLOAD, POSITION_EMBEDDINGS, RECOMPUTE, STATE_DTYPES, TrainOptions
 from nanoq.lora import LoraConfig
 from nanoq.training.tracking import TRACKER_PACKAGES
 
@@ -108,6 +108,15 @@ class TrainConfig:
     rope_theta: float = setting("model", 10000.0, "RoPE base", above=0)
     rms_norm_eps: float = setting("model", 1e-5, "RMSNorm epsilon", above=0)
     tie_word_embeddings: bool = setting("model", True, "share the embedding and output matrices", memory=True)
+    position_embedding: str = setting("model", "rope", "positions: \"rope\" (rotary, Llama's) or \"learned\" (a "
+                                                       "trained [seq_len, hidden] table added to the token embedding, "
+                                                       "Nano's use_rope = false; not exportable to transformers)",
+                                      choices=POSITION_EMBEDDINGS, memory=True)
+    linear_bias: bool = setting("model", False, "biases on the q/k/v/o and gate/up/down projections (Nano's "
+                                                "bias = true)", memory=True)
+    dropout: float = setting("model", 0.0, "dropout on the embedding, each attention output and each MLP output "
+                                           "while training (Nano's dropout); off in evaluation and generation",
+                             minimum=0.0, below=1.0, memory=True)
     init_from: str = setting("model", "", "a Hugging Face model directory to start from (its config.json sets the "
                                           "architecture and the [model] sizes are ignored); \"\" = random weights",
                             memory=True, path=True)
