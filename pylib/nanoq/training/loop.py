@@ -54,7 +54,7 @@ from nanoq.hf_export import NotExportable, architecture, export_adapter
 from nanoq.data import Curriculum, DataLoader, Dataset, EvalLoader
 from nanoq.telemetry import GpuTelemetry
 from nanoq.trainer import Trainer
-from nanoq.training.settings import TrainConfig, parse_curriculum, train_options
+from nanoq.training.settings import TrainConfig, parse_curriculum, settings, train_options
 from nanoq.training.resume import CHECKPOINTS, Progress, Resume, extra_state, find_run, prepare_resume, restore
 from nanoq.training.run_lock import lock_run
 from nanoq.training.samples import Samples, prepare_samples, sampling_note
@@ -357,14 +357,20 @@ class _World:
 
 
 def _agreed_settings(group: distributed.ProcessGroup, config: TrainConfig) -> None:
-    """Every process runs the same nanoq version, settings and backend (ValueError on every process if not)."""
+    """Every process runs the same nanoq version, settings and backend (ValueError on every process if not).
+
+    Path settings are left out: each process resolves them in its own
+    working directory (nodes may mount the data in different places), and
+    what they name is compared instead (``_agreed_data``; the core compares
+    the models an init_from gives)."""
     try:
         backend = resolve_backend(config.backend)
     except Exception as e:  # noqa: BLE001 - compared, so every process learns of it
         backend = f"unavailable here ({e})"
     values = {"nanoq version": __version__, "run.backend (resolved)": backend}
+    paths = {item.name for item in settings() if item.path}
     for section, entries in config.sections().items():
-        values.update({f"{section}.{name}": value for name, value in entries.items()})
+        values.update({f"{section}.{name}": value for name, value in entries.items() if name not in paths})
     distributed.check_agreement(group, values, "the nanoq version and settings")
 
 
@@ -398,8 +404,14 @@ def _setup(config: TrainConfig, run_dir: str, say: Callable[[str], None], group:
         return (world.train_loader(train_set, config), world.eval_loader(eval_set, config) if eval_set else None,
                 tokenizer_dir, datasets, [datasets[0] + datasets[1]] if eval_set else [])
 
-    paths = None if config.curriculum else on_root(group, lambda: _data_paths(config, run_dir, say),
-                                                   action="preparing the data")
+    # The root prepares the demo corpus; given files are each process's own
+    # (its paths resolved in its own working directory, see load_config).
+    if config.curriculum:
+        paths = None
+    elif config.train_data:
+        paths = _data_paths(config, run_dir, say)
+    else:
+        paths = on_root(group, lambda: _data_paths(config, run_dir, say), action="preparing the data")
     loader, eval_loader, tokenizer_dir, datasets, evaluated = _on_every_process(group, open_data,
                                                                                  "opening the data")
     _agreed_data(group, datasets)
