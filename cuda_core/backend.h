@@ -198,24 +198,30 @@ public:
 
     // In-place rotary embedding of x[batch, time, heads, head_dim] with the
     // half-split convention; cos_sin is [time, head_dim/2, 2] (cos, sin).
+    // Tokens at positions of their own (packed documents) are rotated as
+    // batch 1, time batch * time, with a table of one row per token.
     virtual void rope_forward(const Tensor& x, const Tensor& cos_sin, int batch, int time, int heads,
                               int head_dim) = 0;
     virtual void rope_backward(const Tensor& dx, const Tensor& cos_sin, int batch, int time, int heads,
                                int head_dim) = 0;
 
-    // Causal attention with grouped kv heads. q/out: [B,T,H,D]; k/v: [B,T,Hkv,D];
-    // lse: [B,H,T] saved for backward.
+    // Attention with grouped kv heads. q/out: [B,T,H,D]; k/v: [B,T,Hkv,D];
+    // lse: [B,H,T] saved for backward. shape.causal false: every query
+    // attends every key of its row. `positions` is empty, or (causal only)
+    // int32 [B,T]: each token's position in its document, 0 where a
+    // document starts, so that query t attends keys t - positions[t] .. t
+    // (packed documents do not see each other). Empty costs nothing.
     virtual void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
-                                   const Tensor& v, const AttentionShape& shape) = 0;
+                                   const Tensor& v, const Tensor& positions, const AttentionShape& shape) = 0;
     // Which attention this backend runs, as chosen by reserve_scratch (from
     // ScratchShapes::attention_impl): "native" for its own kernels, else
     // the fused library's name ("cuDNN 9.28.1"); `plans` counts the fused
     // library's plans built so far (one per shape, dtype and pass).
     virtual AttentionInfo attention_info() const { return AttentionInfo{}; }
-    // dq, dk, dv are overwritten.
+    // dq, dk, dv are overwritten; positions and shape as in attention_forward.
     virtual void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
                                     const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
-                                    const Tensor& v, const AttentionShape& shape) = 0;
+                                    const Tensor& v, const Tensor& positions, const AttentionShape& shape) = 0;
 
     // Generation's attention (batch 1): the query of position time-1,
     // q/out [H*D], over the cached keys and values k/v [time, Hkv*D] of

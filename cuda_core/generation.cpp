@@ -69,7 +69,9 @@ void LlamaModel::layer_cached(int layer, const LayerWeights& w, KvCache& cache, 
     };
 
     // The new positions' keys and values go straight into the cache.
-    const AttentionShape shape{1, count, c.num_heads, c.num_kv_heads, D};
+    // A bidirectional model's prompt pass attends both ways (its logits);
+    // the trainer refuses decoding after it (Trainer::forward_cached).
+    const AttentionShape shape{1, count, c.num_heads, c.num_kv_heads, D, c.causal};
     const QkvShape qkv_shape{shape, C, c.rms_norm_eps};
     const QkvActivations qkv_out{rows(cache.q, HD),
                                  cache.keys[layer].slice(position * std::int64_t(KD), n * KD),
@@ -93,7 +95,8 @@ void LlamaModel::layer_cached(int layer, const LayerWeights& w, KvCache& cache, 
         be.qkv_forward(qkv_out, norm, qkv, cos_sin, qkv_shape);
     }
     if (position == 0) {
-        be.attention_forward(attention, rows(cache.lse, c.num_heads), qkv_out.q, qkv_out.k, qkv_out.v, shape);
+        be.attention_forward(attention, rows(cache.lse, c.num_heads), qkv_out.q, qkv_out.k, qkv_out.v, Tensor(),
+                             shape);
     } else {
         const std::int64_t cached = position + 1;
         const AttentionShape decode{1, position + 1, c.num_heads, c.num_kv_heads, D};

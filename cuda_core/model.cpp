@@ -80,7 +80,7 @@ ModelMemory::ModelMemory(const ModelConfig& config, int batch, int time, DType d
     const ModelConfig& c = config_;
     const std::int64_t rows = rows_, C = c.hidden_size, I = c.intermediate_size;
     const std::int64_t HD = std::int64_t(c.num_heads) * c.head_dim, KD = std::int64_t(c.num_kv_heads) * c.head_dim;
-    attention_shape_ = AttentionShape{B_, T_, c.num_heads, c.num_kv_heads, c.head_dim};
+    attention_shape_ = AttentionShape{B_, T_, c.num_heads, c.num_kv_heads, c.head_dim, c.causal};
     qkv_shape_ = QkvShape{attention_shape_, c.hidden_size, c.rms_norm_eps};
 
     cos_sin_ = alloc.allocate(Context::Workspace, "rope-cos-sin", DType::F32, {T_, c.head_dim / 2, 2});
@@ -309,14 +309,14 @@ void LlamaModel::layer_steps(int layer, const LayerWeights& w, LayerActivations&
             adapter_forward(layer, kLoraQ, w, c.qk_norm ? a.q_raw : a.q, a.input_norm, HD, C, stack);
             adapter_forward(layer, kLoraK, w, c.qk_norm ? a.k_raw : a.k, a.input_norm, KD, C, stack);
             adapter_forward(layer, kLoraV, w, a.v, a.input_norm, KD, C, stack);
-            be.qk_norm_rope_forward(qkv_out, qkv, cos_sin_, qkv_shape_);
+            be.qk_norm_rope_forward(qkv_out, qkv, rope_angles(), rope_shape());
         } else {
-            be.qkv_forward(qkv_out, a.input_norm, qkv, cos_sin_, qkv_shape_);
+            be.qkv_forward(qkv_out, a.input_norm, qkv, rope_angles(), rope_shape());
         }
     }
     const bool attention_runs = runs(&LayerActivations::attention), post_norm_runs = runs(&LayerActivations::post_norm);
     if (attention_runs) {
-        be.attention_forward(a.attention, a.lse, a.q, a.k, a.v, attention_shape_);
+        be.attention_forward(a.attention, a.lse, a.q, a.k, a.v, positions_, attention_shape_);
         project(kLoraO, a.residual_mid, w.o, w.o_bias, a.attention, C, HD);
         if (model_dropout_active_) block_dropout(layer, 0, a.residual_mid, a.residual_mid);
     }
@@ -396,18 +396,18 @@ void LlamaModel::layer_backward(int layer, const LayerWeights& w, const LayerWei
         Tensor dq = frame.push("d-q", dtype_, {rows_, HD});
         Tensor dk = frame.push("d-k", dtype_, {rows_, KD});
         Tensor dv = frame.push("d-v", dtype_, {rows_, KD});
-        be.attention_backward(dq, dk, dv, datt, a.attention, a.lse, a.q, a.k, a.v, attention_shape_);
+        be.attention_backward(dq, dk, dv, datt, a.attention, a.lse, a.q, a.k, a.v, positions_, attention_shape_);
         Tensor dnorm = frame.push("d-input-norm", dtype_, {rows_, C});
         const QkvActivations qkv_in{a.q, a.k, a.v, a.q_raw, a.k_raw, a.q_rstd, a.k_rstd};
         const QkvWeights qkv = qkv_weights(w), dqkv = qkv_grads(g);
         if (has_adapter(w, {kLoraQ, kLoraK, kLoraV})) {
-            be.qk_norm_rope_backward(dq, dk, qkv_in, qkv, dqkv, cos_sin_, qkv_shape_);
+            be.qk_norm_rope_backward(dq, dk, qkv_in, qkv, dqkv, rope_angles(), rope_shape());
             be.qkv_projection_backward(dnorm, false, dqkv, dq, dk, dv, a.input_norm, qkv, qkv_shape_);
             adapter_backward(layer, kLoraQ, w, g, dnorm, dq, a.input_norm, HD, C, stack);
             adapter_backward(layer, kLoraK, w, g, dnorm, dk, a.input_norm, KD, C, stack);
             adapter_backward(layer, kLoraV, w, g, dnorm, dv, a.input_norm, KD, C, stack);
         } else {
-            be.qkv_backward(dnorm, false, dqkv, dq, dk, dv, qkv_in, a.input_norm, qkv, cos_sin_, qkv_shape_);
+            be.qkv_backward(dnorm, false, dqkv, dq, dk, dv, qkv_in, a.input_norm, qkv, rope_angles(), rope_shape());
         }
         be.residual_rmsnorm_backward(dresidual, or_sink(g.input_norm), dnorm, input, w.input_norm, a.input_rstd,
                                      rows_, C);
@@ -499,6 +499,22 @@ void LlamaModel::forward_backward(const ModelWeights& w, const ModelWeights& g, 
     if (g.embed.data) backend_.embedding_backward(g.embed, dresidual, tokens, rows_, c.hidden_size);
     if (g.positions.data) backend_.embedding_backward(g.positions, dresidual, position_ids_, rows_, c.hidden_size);
     dropout_active_ = model_dropout_active_ = false;
+}
+
+void LlamaModel::use_positions(const Tensor& positions, NamedAllocator& allocator) {
+    positions_ = positions;
+    if (!positions.data) return;
+    if (!config_.causal) throw InvalidArgument("positions (packed documents) need a causal model (model.causal)");
+    const int half = config_.head_dim / 2;
+    if (!rope_rows_.data) {
+        rope_rows_ = allocator.allocate(Context::Workspace, "rope-cos-sin-per-token", DType::F32, {rows_, half, 2});
+        rope_rows_shape_ = qkv_shape_;
+        rope_rows_shape_.attention.batch = 1;
+        rope_rows_shape_.attention.time = rows_;
+    }
+    // Row r of the table is the angles of position positions[r]: a lookup
+    // of the per-time table, as an embedding of width D/2 * 2.
+    backend_.embedding_forward(rope_rows_, positions, cos_sin_, rows_, half * 2);
 }
 
 void LlamaModel::forward_loss(const ModelWeights& w, LayerSource& layers, const Tensor& tokens,

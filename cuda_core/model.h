@@ -159,6 +159,14 @@ public:
     void forward_backward(const ModelWeights& weights, const ModelWeights& grads, LayerSource& layers,
                           const Tensor& tokens, const Tensor& targets, const Tensor& stats, float z_loss,
                           StackArena& stack, const Tensor& dropout_seed);
+    // Whether the micro-batches that follow carry per-token positions
+    // (packed documents): `positions` int32 [B, T] on the device, each
+    // token's position in its document (Backend::attention_forward), or
+    // empty for none (positions 0 .. T-1 in every row, the default). With
+    // positions, issues the gather of their RoPE angles (a [B*T, D/2, 2]
+    // table allocated in `allocator` on first use); the tensor must keep
+    // its values while the micro-batches run.
+    void use_positions(const Tensor& positions, NamedAllocator& allocator);
     // Forward and loss statistics only.
     void forward_loss(const ModelWeights& weights, LayerSource& layers, const Tensor& tokens, const Tensor& targets,
                       const Tensor& stats, float z_loss, StackArena& stack);
@@ -225,7 +233,15 @@ private:
     void classifier(const ModelWeights& w, const ModelWeights* g, const Tensor& targets, const Tensor& stats,
                     float z_loss, const Tensor* dhidden, StackArena& stack);
 
+    // The RoPE table and shape the layers rotate q, k with: per row of the
+    // micro-batch (batch 1, time B*T) with positions, else per time index.
+    const Tensor& rope_angles() const { return positions_.data ? rope_rows_ : cos_sin_; }
+    const QkvShape& rope_shape() const { return positions_.data ? rope_rows_shape_ : qkv_shape_; }
+
     Backend& backend_;
+    Tensor positions_;               // use_positions'
+    Tensor rope_rows_;               // [B*T, D/2, 2] float32, with positions
+    QkvShape rope_rows_shape_;
     bool dropout_active_ = false;    // in forward_backward, when lora_.dropout > 0
     bool model_dropout_active_ = false;  // in forward_backward, when config_.dropout > 0
     Tensor dropout_seed_;            // forward_backward's

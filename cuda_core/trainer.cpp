@@ -73,8 +73,9 @@ std::string world_signature(const ModelConfig& c, const TrainOptions& o) {
     add("layers", std::to_string(c.num_layers));
     add("heads", std::to_string(c.num_heads) + "/" + std::to_string(c.num_kv_heads));
     add("head_dim", std::to_string(c.head_dim));
-    add("flags(tied,qkv_bias,o_bias,qk_norm)", std::to_string(c.tie_embeddings) + std::to_string(c.qkv_bias) +
-                                                    std::to_string(c.o_bias) + std::to_string(c.qk_norm));
+    add("flags(tied,qkv_bias,o_bias,qk_norm,causal)", std::to_string(c.tie_embeddings) + std::to_string(c.qkv_bias) +
+                                                           std::to_string(c.o_bias) + std::to_string(c.qk_norm) +
+                                                           std::to_string(c.causal));
     add("rope", std::to_string(c.rope_theta) + ":" + std::to_string(c.rope_llama3) + ":" +
                     std::to_string(c.rope_factor) + ":" + std::to_string(c.rope_low_freq_factor) + ":" +
                     std::to_string(c.rope_high_freq_factor) + ":" + std::to_string(c.rope_original_max_position));
@@ -121,6 +122,7 @@ struct DeviceState {
     Tensor staged_master, staged_m, staged_v, staged_grads;
     ModelWeights weight_views, grad_views;
     Tensor tokens, targets;          // [B, T]
+    Tensor positions;                // [B, T], allocated with the first batch that has positions
     // Host batches: kBatchSlots slots of inputs then targets, [B * T] each,
     // in pinned host memory; step() writes them on the caller's thread.
     Tensor batch_staging;
@@ -396,6 +398,9 @@ struct Trainer::Impl : TrainerSetup {
     bool failed = false;
     bool validate_pending = false;           // queue_validate() ran, validate_result() not yet
     std::vector<StatValue> validate_rows;    // what the queued validate gathered (rank 0's copy)
+    // Per-token positions (packed documents) of the batch in each slot and
+    // of the queued validate, for all of this trainer's devices; empty: none.
+    std::vector<std::int32_t> slot_positions[kBatchSlots], validate_positions;
     std::string stopped_by = "a worker failure";  // why `failed`, for the refusal's message
     int cached_length = 0;  // positions in the devices' KV caches (forward_cached)
     std::mutex call_mutex;  // public calls from several threads run one at a time
@@ -582,6 +587,38 @@ struct Trainer::Impl : TrainerSetup {
     void run_repeating(DeviceState& d, const std::string& key, const std::function<void()>& body) {
         if (d.trace) return body();
         d.backend->run_captured(key, body);
+    }
+
+    // The host copy of a batch's positions (empty for none), checked: each
+    // row starts a document, and a position is 0 (a new document) or one
+    // more than the one before it.
+    std::vector<std::int32_t> take_positions(const std::int32_t* positions) const {
+        if (!positions) return {};
+        if (!config.causal)
+            throw InvalidArgument("positions (packed documents) need a causal model; this one has causal false");
+        const int T = options.seq_len;
+        const std::int64_t rows = std::int64_t(size()) * options.batch_size;
+        for (std::int64_t r = 0; r < rows; ++r)
+            for (int t = 0; t < T; ++t) {
+                const std::int32_t p = positions[r * T + t];
+                const std::int32_t before = t == 0 ? -1 : positions[r * T + t - 1];
+                if (p != 0 && p != before + 1)
+                    throw InvalidArgument("positions[" + std::to_string(r) + ", " + std::to_string(t) + "] is " +
+                                          std::to_string(p) + ": a position is 0 (a document starts) or one more "
+                                          "than the one before it (" + std::to_string(before) + ")");
+            }
+        return std::vector<std::int32_t>(positions, positions + rows * T);
+    }
+
+    // Gives the model this device's part of `positions` (empty: none).
+    void load_positions(int rank, DeviceState& d, const std::vector<std::int32_t>& positions) {
+        if (positions.empty()) return d.model->use_positions(Tensor(), *d.allocator);
+        if (!d.positions.data)
+            d.positions = d.allocator->allocate(Context::Workspace, "positions", DType::I32,
+                                                {options.batch_size, options.seq_len});
+        d.backend->copy_from_host(d.positions,
+                                  positions.data() + std::int64_t(rank) * options.batch_size * options.seq_len);
+        d.model->use_positions(d.positions, *d.allocator);
     }
 
     // Copies this device's part of a batch into d.tokens and d.targets (also
@@ -948,7 +985,7 @@ void Trainer::get_gradient(int index, float* out) {
 }
 
 void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int source_device,
-                   std::uintptr_t inputs_stream, std::uintptr_t targets_stream) {
+                   std::uintptr_t inputs_stream, std::uintptr_t targets_stream, const std::int32_t* positions) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
     Impl& m = *impl_;
     m.check_source(source_device);
@@ -959,9 +996,14 @@ void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int 
     if (m.pool->failed()) m.drain();  // an earlier step's failure surfaces here
     const std::int64_t rows = std::int64_t(m.options.batch_size) * m.options.seq_len;
     const int slot = static_cast<int>(m.steps_queued % kBatchSlots);
-    if (source_device < 0) {
-        // The slot is free once the step that used it last has read it.
+    std::vector<std::int32_t> checked_positions = m.take_positions(positions);
+    const bool packed = !checked_positions.empty();
+    // The slot is free once the step that used it last has read it (its
+    // batch, its positions).
+    if (source_device < 0 || packed || !m.slot_positions[slot].empty())
         if (!m.pool->wait_for(m.slot_ticket[slot])) m.drain();
+    m.slot_positions[slot] = std::move(checked_positions);
+    if (source_device < 0) {
         for (int rank = 0; rank < m.size(); ++rank) {
             auto* staged = static_cast<std::int32_t*>(m.devices[rank].batch_staging.data) + slot * 2 * rows;
             std::memcpy(staged, inputs + rank * rows, sizeof(std::int32_t) * rows);
@@ -983,7 +1025,7 @@ void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int 
     const bool tracing = m.testing_hooks.get(TestingHook::kTraceCommunication) != 0;
     const long ticket = m.pool->submit(
         [&m, slot, rows, fault, delay_rank, delay, dropout_step, inputs, targets, source_device, last_micro_batch,
-         overlap, tracing](int rank) {
+         overlap, tracing, packed](int rank) {
             DeviceState& d = m.devices[rank];
             if (tracing != static_cast<bool>(d.trace)) {  // each rank sets its own communicator's trace
                 d.trace = tracing ? std::make_unique<CommTrace>() : nullptr;
@@ -1014,6 +1056,7 @@ void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int 
                 }
             }
             d.backend->mark_batch_read();
+            m.load_positions(rank, d, m.slot_positions[slot]);
             if (d.dropout_seed.data) {
                 const std::uint64_t dropout_seed =
                     mix_seed(mix_seed(m.options.seed, dropout_step), std::uint64_t(m.global(rank)));
@@ -1031,7 +1074,7 @@ void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int 
             };
             m.run_repeating(d,
                             std::string("step:last=") + (last_micro_batch ? "1" : "0") +
-                                ":overlap=" + (overlap ? "1" : "0"),
+                                ":overlap=" + (overlap ? "1" : "0") + ":positions=" + (packed ? "1" : "0"),
                             forward_backward);
             if (layers.reduced_in_backward()) d.zero.gradients_reduced = true;
             // After the step's work is queued, so that the device never idles
@@ -1050,18 +1093,21 @@ void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int 
 }
 
 StepStats Trainer::validate(const std::int32_t* inputs, const std::int32_t* targets, int source_device,
-                            std::uintptr_t inputs_stream, std::uintptr_t targets_stream) {
-    queue_validate(inputs, targets, source_device, inputs_stream, targets_stream);
+                            std::uintptr_t inputs_stream, std::uintptr_t targets_stream,
+                            const std::int32_t* positions) {
+    queue_validate(inputs, targets, source_device, inputs_stream, targets_stream, positions);
     return validate_result();
 }
 
 void Trainer::queue_validate(const std::int32_t* inputs, const std::int32_t* targets, int source_device,
-                             std::uintptr_t inputs_stream, std::uintptr_t targets_stream) {
+                             std::uintptr_t inputs_stream, std::uintptr_t targets_stream,
+                             const std::int32_t* positions) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
     Impl& m = *impl_;
     m.check_source(source_device);
     m.refuse_if_failed();
     if (m.validate_pending) throw InvalidArgument("validate() queued twice: collect the first with validate_result()");
+    m.validate_positions = m.take_positions(positions);
     m.record_batch_streams(source_device, inputs_stream, targets_stream);
     const std::int64_t delay_rank = m.testing_hooks.take(TestingHook::kDelayNextValidateInWorker);
     const std::int64_t delay = m.testing_hooks.get(TestingHook::kDelayNextStepMilliseconds);
@@ -1072,7 +1118,8 @@ void Trainer::queue_validate(const std::int32_t* inputs, const std::int32_t* tar
             DeviceState& d = m.devices[rank];
             if (rank == delay_rank) std::this_thread::sleep_for(std::chrono::milliseconds(delay));
             m.load_batch(rank, d, inputs, targets, source_device);
-            m.run_repeating(d, "validate", [&] {
+            m.load_positions(rank, d, m.validate_positions);
+            m.run_repeating(d, m.validate_positions.empty() ? "validate" : "validate:positions", [&] {
                 reset_stats(*d.backend, d.eval_stats);
                 ZeroLayers layers(*m.zero, d.zero, d.weight_views, d.grad_views, *d.backend, *d.comm);
                 d.model->forward_loss(d.weight_views, layers, d.tokens, d.targets, d.eval_stats, m.options.z_loss,
@@ -1110,6 +1157,9 @@ void Trainer::forward_cached(const std::int32_t* tokens, int count, int position
     if (position > 0 && count != 1)
         throw InvalidArgument("after the prompt (position 0) forward_cached takes one token at a time, got " +
                               std::to_string(count));
+    if (position > 0 && !m.config.causal)
+        throw InvalidArgument("a bidirectional model (causal false) has no token-by-token generation: "
+                              "forward_cached runs whole sequences (position 0) only");
     if (position + count > capacity)
         throw InvalidArgument("positions up to " + std::to_string(position + count) + " exceed seq_len " +
                               std::to_string(capacity) + ", the longest sequence this trainer runs");

@@ -71,16 +71,43 @@ def ref_rope(x, cos_sin, direction=1.0):
     return np.concatenate([a * c - b * s, b * c + a * s], axis=-1)
 
 
-def ref_attention(q, k, v):
-    """Causal softmax(q k^T / sqrt(D)) v, kv head h // (H / Hkv). Returns out, lse [B,H,T], probs."""
+def attention_mask(B, T, positions=None, causal=True):
+    """[B, T, T] bool: whether query t attends key u. Causal: u <= t and, with
+    per-token positions [B, T] (packed documents), u in t's document, which
+    starts at t - positions[t]; not causal: every key."""
+    if not causal:
+        return np.ones((B, T, T), dtype=bool)
+    t, u = np.arange(T)[:, None], np.arange(T)[None, :]
+    mask = np.broadcast_to(u <= t, (B, T, T))
+    if positions is not None:
+        start = np.arange(T)[None, :] - np.asarray(positions)  # [B, T]: each query's document start
+        mask = mask & (u[None] >= start[:, :, None])
+    return mask
+
+
+def packed_positions(rng, B, T):
+    """Random document lengths packed into each row: positions [B, T] int32."""
+    positions = np.zeros((B, T), np.int32)
+    for b in range(B):
+        t = 0
+        while t < T:
+            n = int(rng.integers(1, max(2, T // 2) + 1))
+            positions[b, t:t + n] = np.arange(min(n, T - t))
+            t += n
+    return positions
+
+
+def ref_attention(q, k, v, mask=None):
+    """softmax(q k^T / sqrt(D)) v, kv head h // (H / Hkv), over the keys of
+    `mask` (attention_mask; default causal). Returns out, lse [B,H,T], probs."""
     q, k, v = f64(q), f64(k), f64(v)
     B, T, H, D = q.shape
     group = H // k.shape[2]
     kh = np.repeat(k, group, axis=2)  # [B, T, H, D]
     vh = np.repeat(v, group, axis=2)
     scores = np.einsum("bthd,buhd->bhtu", q, kh) / math.sqrt(D)
-    causal = np.tril(np.ones((T, T), dtype=bool))
-    scores = np.where(causal, scores, -np.inf)
+    visible = attention_mask(B, T) if mask is None else mask
+    scores = np.where(visible[:, None], scores, -np.inf)
     m = scores.max(-1, keepdims=True)
     lse = m[..., 0] + np.log(np.exp(scores - m).sum(-1))
     probs = np.exp(scores - lse[..., None])
@@ -88,12 +115,12 @@ def ref_attention(q, k, v):
     return out, lse, probs
 
 
-def ref_attention_backward(dout, q, k, v):
+def ref_attention_backward(dout, q, k, v, mask=None):
     q, k, v, dout = f64(q), f64(k), f64(v), f64(dout)
     B, T, H, D = q.shape
     Hkv = k.shape[2]
     group = H // Hkv
-    _, _, probs = ref_attention(q, k, v)
+    _, _, probs = ref_attention(q, k, v, mask)
     kh = np.repeat(k, group, axis=2)
     vh = np.repeat(v, group, axis=2)
     dprobs = np.einsum("bthd,buhd->bhtu", dout, vh)
@@ -355,6 +382,41 @@ def test_attention_backward(cpu, shape):
     # atol: at T = 1, dq is exactly zero but fp32 rounding of the softmax leaves ~1e-7.
     for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), expected):
         assert_array_close(got, want, SUM_REL, f"attention {name}", atol=1e-6)
+
+
+MASKED_ATTENTION_SHAPES = [(2, 17, 4, 2, 8), (1, 40, 2, 1, 6)]
+
+
+@pytest.mark.parametrize("mask", ["documents", "bidirectional"])
+@pytest.mark.parametrize("shape", MASKED_ATTENTION_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_attention_with_document_positions_or_bidirectional_matches_reference(cpu, shape, mask):
+    """positions keep each query inside its packed document; causal=False attends every key."""
+    B, T, H, Hkv, D = shape
+    rng = np.random.default_rng(14)
+    q, k, v = normal(rng, B, T, H, D, scale=2.0), normal(rng, B, T, Hkv, D, scale=2.0), normal(rng, B, T, Hkv, D)
+    dout = normal(rng, B, T, H, D)
+    if mask == "documents":
+        positions = packed_positions(rng, B, T)
+        assert (positions == 0).sum() > B  # several documents per row
+        args, reference_mask = {"positions": positions}, attention_mask(B, T, positions)
+    else:
+        args, reference_mask = {"causal": False}, attention_mask(B, T, causal=False)
+    out, lse = cpu.attention_forward(q, k, v, **args)
+    expected_out, expected_lse, _ = ref_attention(q, k, v, reference_mask)
+    assert_array_close(out, expected_out, REL, "attention out")
+    assert_array_close(lse, expected_lse, REL, "attention lse")
+    # The mask matters: the plain causal attention differs.
+    assert np.abs(out - cpu.attention_forward(q, k, v)[0]).max() > 1e-3
+    got = cpu.attention_backward(dout, out, lse, q, k, v, **args)
+    for name, g, want in zip(("dq", "dk", "dv"), got, ref_attention_backward(dout, q, k, v, reference_mask)):
+        assert_array_close(g, want, SUM_REL, f"attention {name}", atol=1e-6)
+
+
+def test_attention_refuses_positions_without_the_causal_mask(cpu):
+    rng = np.random.default_rng(15)
+    q = normal(rng, 1, 4, 2, 8)
+    with pytest.raises(ValueError, match="causal"):
+        cpu.attention_forward(q, q, q, positions=np.zeros((1, 4), np.int32), causal=False)
 
 
 def test_swiglu_forward_and_backward(cpu):

@@ -345,12 +345,22 @@ public:
         rotate(dx.f32(), cos_sin.f32(), batch, time, heads, head_dim, -1.0f);
     }
 
+    // The keys query t of row b attends (Backend::attention_forward).
+    struct KeyRange {
+        int first, last;
+    };
+    static KeyRange visible_keys(const Tensor& positions, const AttentionShape& s, int b, int t) {
+        if (!s.causal) return {0, s.time - 1};
+        if (!positions.data) return {0, t};
+        return {std::max(0, t - positions.i32()[std::int64_t(b) * s.time + t]), t};
+    }
+
     // Attention runs one (batch, head) pair per thread, each with its own
     // [T, T] scratch and single-threaded sgemm calls. Backward goes by kv head
     // so that the heads sharing a kv head accumulate dk/dv in one thread.
 
     void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
-                           const AttentionShape& s) override {
+                           const Tensor& positions, const AttentionShape& s) override {
         const int T = s.time, D = s.head_dim, group = s.heads / s.kv_heads;
         const int ldq = s.heads * D, ldk = s.kv_heads * D;
         const float scale = 1.0f / std::sqrt(static_cast<float>(D));
@@ -366,16 +376,18 @@ public:
             float* l = lse.f32() + (std::int64_t(b) * s.heads + h) * T;
             for (int t = 0; t < T; ++t) {
                 float* row = probs + std::int64_t(t) * T;
+                const KeyRange keys = visible_keys(positions, s, b, t);
                 float m = -std::numeric_limits<float>::infinity();
-                for (int u = 0; u <= t; ++u) m = std::max(m, row[u]);
+                for (int u = keys.first; u <= keys.last; ++u) m = std::max(m, row[u]);
                 float sum = 0.0f;
-                for (int u = 0; u <= t; ++u) {
+                for (int u = keys.first; u <= keys.last; ++u) {
                     row[u] = std::exp(row[u] - m);
                     sum += row[u];
                 }
                 const float inv = 1.0f / sum;
-                for (int u = 0; u <= t; ++u) row[u] *= inv;
-                for (int u = t + 1; u < T; ++u) row[u] = 0.0f;
+                for (int u = 0; u < keys.first; ++u) row[u] = 0.0f;
+                for (int u = keys.first; u <= keys.last; ++u) row[u] *= inv;
+                for (int u = keys.last + 1; u < T; ++u) row[u] = 0.0f;
                 l[t] = m + std::log(sum);
             }
             gemm_serial(out.f32() + qoff, probs, v.f32() + koff, T, D, T, T, ldk, ldq, false, false, 1.0f, 0.0f);
@@ -422,7 +434,7 @@ public:
 
     void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
                             const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
-                            const AttentionShape& s) override {
+                            const Tensor& positions, const AttentionShape& s) override {
         const int T = s.time, D = s.head_dim, group = s.heads / s.kv_heads;
         const int ldq = s.heads * D, ldk = s.kv_heads * D;
         const float scale = 1.0f / std::sqrt(static_cast<float>(D));
@@ -448,11 +460,13 @@ public:
                     float* ds = dscores + std::int64_t(t) * T;
                     float delta = 0.0f;  // sum_u p[u] dp[u] == dot(dO_t, O_t)
                     for (int d = 0; d < D; ++d) delta += dO[std::int64_t(t) * ldq + d] * o[std::int64_t(t) * ldq + d];
-                    for (int u = 0; u <= t; ++u) {
+                    const KeyRange keys = visible_keys(positions, s, b, t);
+                    for (int u = 0; u < keys.first; ++u) p[u] = ds[u] = 0.0f;
+                    for (int u = keys.first; u <= keys.last; ++u) {
                         p[u] = std::exp(p[u] - l[t]);
                         ds[u] = p[u] * (ds[u] - delta) * scale;
                     }
-                    for (int u = t + 1; u < T; ++u) p[u] = ds[u] = 0.0f;
+                    for (int u = keys.last + 1; u < T; ++u) p[u] = ds[u] = 0.0f;
                 }
                 const float first = h == kv * group ? 0.0f : 1.0f;  // overwrite dk/dv on the group's first head
                 gemm_serial(dq.f32() + qoff, dscores, k.f32() + koff, T, D, T, T, ldk, ldq, false, false, 1.0f, 0.0f);

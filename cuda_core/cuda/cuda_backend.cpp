@@ -632,9 +632,18 @@ AttentionInfo CudaBackend::attention_info() const {
     return info;
 }
 
+// The fused library's plans are causal attention without document masks
+// (cuDNN's SDPA could take a padding or arbitrary mask, at the price of a
+// plan and a mask tensor per step), so a bidirectional attention or one
+// over packed documents always runs the native kernels, even with
+// attention="cudnn": never the fused causal mask in their place.
+namespace {
+bool fused_attention_fits(const Tensor& positions, const AttentionShape& s) { return s.causal && !positions.data; }
+}  // namespace
+
 void CudaBackend::attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
-                                    const Tensor& v, const AttentionShape& s) {
-    if (attention_fused_) {
+                                    const Tensor& v, const Tensor& positions, const AttentionShape& s) {
+    if (attention_fused_ && fused_attention_fits(positions, s)) {
         const AttentionTensors tensors{out, lse, q, k, v, {}, {}, {}, {}};
         fused_attention_->forward(tensors, s, attention_workspace_, stream_);
         return;
@@ -642,7 +651,8 @@ void CudaBackend::attention_forward(const Tensor& out, const Tensor& lse, const 
     with_dtype(q.dtype, [&](auto tag) {
         using T = decltype(tag);
         cuda::attention_forward<T>(ptr<T>(out), lse.f32(), ptr<T>(q), ptr<T>(k), ptr<T>(v), s.batch, s.time, s.heads,
-                                   s.kv_heads, s.head_dim, stream_);
+                                   s.kv_heads, s.head_dim, s.causal,
+                                   positions.data ? positions.i32() : nullptr, stream_);
     });
     NANOQ_CUDA_CHECK_LAUNCH();
 }
@@ -663,7 +673,7 @@ void CudaBackend::attention_decode(const Tensor& out, const Tensor& q, const Ten
     with_dtype(q.dtype, [&](auto tag) {
         using T = decltype(tag);
         cuda::attention_forward<T>(ptr<T>(outputs), lse_workspace.f32(), ptr<T>(queries), ptr<T>(k), ptr<T>(v), 1,
-                                   s.time, s.heads, s.kv_heads, s.head_dim, stream_);
+                                   s.time, s.heads, s.kv_heads, s.head_dim, true, nullptr, stream_);
     });
     NANOQ_CUDA_CHECK_LAUNCH();
     copy(out, outputs.slice((time - 1) * width, width));
@@ -671,8 +681,8 @@ void CudaBackend::attention_decode(const Tensor& out, const Tensor& q, const Ten
 
 void CudaBackend::attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
                                      const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
-                                     const Tensor& v, const AttentionShape& s) {
-    if (attention_fused_) {
+                                     const Tensor& v, const Tensor& positions, const AttentionShape& s) {
+    if (attention_fused_ && fused_attention_fits(positions, s)) {
         const AttentionTensors tensors{out, lse, q, k, v, dout, dq, dk, dv};
         fused_attention_->backward(tensors, s, attention_workspace_, stream_);
         return;
@@ -682,7 +692,7 @@ void CudaBackend::attention_backward(const Tensor& dq, const Tensor& dk, const T
         void* work = scratch(attention_backward_scratch_bytes(s.batch, s.time, s.heads, s.kv_heads, s.head_dim));
         cuda::attention_backward<T>(ptr<T>(dq), ptr<T>(dk), ptr<T>(dv), ptr<T>(dout), ptr<T>(out), lse.f32(),
                                     ptr<T>(q), ptr<T>(k), ptr<T>(v), s.batch, s.time, s.heads, s.kv_heads, s.head_dim,
-                                    work, stream_);
+                                    s.causal, positions.data ? positions.i32() : nullptr, work, stream_);
     });
     NANOQ_CUDA_CHECK_LAUNCH();
 }

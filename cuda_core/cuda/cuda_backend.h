@@ -107,11 +107,11 @@ public:
     void rope_backward(const Tensor& dx, const Tensor& cos_sin, int batch, int time, int heads,
                        int head_dim) override;
     void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
-                           const AttentionShape& shape) override;
+                           const Tensor& positions, const AttentionShape& shape) override;
     AttentionInfo attention_info() const override;
     void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
                             const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
-                            const AttentionShape& shape) override;
+                            const Tensor& positions, const AttentionShape& shape) override;
     void attention_decode(const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
                           const AttentionShape& shape, const Tensor& workspace, const Tensor& lse_workspace) override;
     void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) override;

@@ -110,19 +110,22 @@ template <class T>
 void rope_backward(T* dx, const float* cos_sin, int batch, int time, int heads, int head_dim, cudaStream_t stream);
 
 // ---- attention (kernels_attention.cu) ------------------------------------
-// Causal softmax(q k^T / sqrt(D)) v with grouped kv heads (head h uses kv
+// softmax(q k^T / sqrt(D)) v with grouped kv heads (head h uses kv
 // head h / (heads / kv_heads)). q, out: [B, T, H, D]; k, v: [B, T, Hkv, D];
 // lse: [B, H, T] fp32 natural-log log-sum-exp of the scaled scores.
 // head_dim <= 256 and even. Tiled online softmax; fp32 accumulation.
+// causal: query t attends keys <= t, and with `positions` ([B, T], each
+// token's position in its document; null: none) only keys >= t -
+// positions[t]; not causal: every key.
 template <class T>
 void attention_forward(T* out, float* lse, const T* q, const T* k, const T* v, int batch, int time, int heads,
-                       int kv_heads, int head_dim, cudaStream_t stream);
+                       int kv_heads, int head_dim, bool causal, const std::int32_t* positions, cudaStream_t stream);
 // dq, dk, dv are written (=). dk/dv sum over the heads of a group in a fixed
 // order. `scratch` holds attention_backward_scratch_bytes(...) bytes.
 template <class T>
 void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* out, const float* lse, const T* q,
                         const T* k, const T* v, int batch, int time, int heads, int kv_heads, int head_dim,
-                        void* scratch, cudaStream_t stream);
+                        bool causal, const std::int32_t* positions, void* scratch, cudaStream_t stream);
 std::size_t attention_backward_scratch_bytes(int batch, int time, int heads, int kv_heads, int head_dim);
 
 // ---- swiglu (kernels_swiglu.cu) --------------------------------------------

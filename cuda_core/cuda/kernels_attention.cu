@@ -1,6 +1,11 @@
-// Causal attention with grouped kv heads: tiled online-softmax forward, and a
+// Attention with grouped kv heads: tiled online-softmax forward, and a
 // backward in three kernels (delta = rowsum(dO * O), dq, then dk/dv) without
-// atomics.
+// atomics. Causal by default; Layout::causal false attends every key, and
+// Layout::positions (per-token positions in packed documents) narrows the
+// causal window of query t to keys t - positions[t] .. t. Key tiles past
+// the diagonal are skipped only in the causal case; a row may then see no
+// key in a tile (before its document starts), which the online softmax
+// treats as a no-op.
 //
 // Tiles are 32 queries by 32 keys, so a lane owns one key (forward, dq) or
 // one query (dk/dv) of the tile when computing scores: a block stages one
@@ -38,8 +43,22 @@ template <int kMaxD> struct Shape {
 struct Layout {
     int time, heads, kv_heads, head_dim;
     float scale;
+    bool causal;
+    const std::int32_t* positions;  // [B, T] or null
     __device__ std::int64_t q_stride() const { return static_cast<std::int64_t>(heads) * head_dim; }
     __device__ std::int64_t kv_stride() const { return static_cast<std::int64_t>(kv_heads) * head_dim; }
+    // The last key tile a query tile sees.
+    __device__ int last_key_tile(int query_tile) const {
+        return causal ? query_tile : (time + kTile - 1) / kTile - 1;
+    }
+    // Whether query `query` of row b attends key `key` (both < time, or
+    // the query past the end, whose results are dropped).
+    __device__ bool visible(int b, int query, int key) const {
+        if (!causal) return key < time;
+        if (key > query) return false;
+        if (!positions || query >= time) return true;
+        return key >= query - positions[static_cast<std::int64_t>(b) * time + query];
+    }
 };
 
 // tile[row, d] = src[(first_row + row) * row_stride + d], zero outside time x head_dim.
@@ -144,7 +163,7 @@ __global__ void __launch_bounds__(Shape<kMaxD>::kThreads)
         row_sum[r] = 0.0f;
     }
 
-    for (int key_tile = 0; key_tile <= query_tile; ++key_tile) {
+    for (int key_tile = 0; key_tile <= layout.last_key_tile(query_tile); ++key_tile) {
         const int key = key_tile * kTile + lane;
         __syncthreads();
         load_tile<kMaxD>(tile, k + kv_offset, kv_stride, key_tile * kTile, layout.time, layout.head_dim);
@@ -153,11 +172,13 @@ __global__ void __launch_bounds__(Shape<kMaxD>::kThreads)
         dot_with_lane_row<kMaxD>(p, q_rows, tile);
 #pragma unroll
         for (int r = 0; r < S::kRows; ++r) {
-            // Key key_tile * kTile is visible to every query of the block, so new_max is finite.
-            const float score = key <= first_query + r ? p[r] * layout.scale : -INFINITY;
+            const float score = layout.visible(b, first_query + r, key) ? p[r] * layout.scale : -INFINITY;
             const float new_max = fmaxf(row_max[r], detail::warp_max(score));
-            const float correction = expf(row_max[r] - new_max);
-            p[r] = expf(score - new_max);
+            // Without positions, key tile 0 is visible to every query, so
+            // new_max is finite; a row whose document starts later sees no key yet.
+            const bool none_yet = new_max == -INFINITY;
+            const float correction = none_yet ? 1.0f : expf(row_max[r] - new_max);
+            p[r] = none_yet ? 0.0f : expf(score - new_max);
             row_sum[r] = row_sum[r] * correction + detail::warp_sum(p[r]);
 #pragma unroll
             for (int c = 0; c < S::kChunks; ++c) acc[r][c] *= correction;
@@ -234,7 +255,7 @@ __global__ void __launch_bounds__(Shape<kMaxD>::kThreads)
         row_delta[r] = valid ? delta[lse_offset + t] : 0.0f;
     }
 
-    for (int key_tile = 0; key_tile <= query_tile; ++key_tile) {
+    for (int key_tile = 0; key_tile <= layout.last_key_tile(query_tile); ++key_tile) {
         const int key = key_tile * kTile + lane;
         __syncthreads();
         load_tile<kMaxD>(tile, k + kv_offset, kv_stride, key_tile * kTile, layout.time, layout.head_dim);
@@ -243,7 +264,7 @@ __global__ void __launch_bounds__(Shape<kMaxD>::kThreads)
         dot_with_lane_row<kMaxD>(p, q_rows, tile);
 #pragma unroll
         for (int r = 0; r < S::kRows; ++r)
-            p[r] = key <= first_query + r ? expf(p[r] * layout.scale - row_lse[r]) : 0.0f;
+            p[r] = layout.visible(b, first_query + r, key) ? expf(p[r] * layout.scale - row_lse[r]) : 0.0f;
         __syncthreads();
         load_tile<kMaxD>(tile, v + kv_offset, kv_stride, key_tile * kTile, layout.time, layout.head_dim);
         __syncthreads();
@@ -299,7 +320,7 @@ __global__ void __launch_bounds__(Shape<kMaxD>::kThreads)
         const std::int64_t q_offset = static_cast<std::int64_t>(b) * layout.time * q_stride +
                                       static_cast<std::int64_t>(h) * layout.head_dim;
         const std::int64_t lse_offset = (static_cast<std::int64_t>(b) * layout.heads + h) * layout.time;
-        for (int query_tile = key_tile; query_tile < query_tiles; ++query_tile) {
+        for (int query_tile = layout.causal ? key_tile : 0; query_tile < query_tiles; ++query_tile) {
             const int query = query_tile * kTile + lane;
             const bool valid_query = query < layout.time;
             const float query_lse = valid_query ? lse[lse_offset + query] : 0.0f;
@@ -311,7 +332,8 @@ __global__ void __launch_bounds__(Shape<kMaxD>::kThreads)
             dot_with_lane_row<kMaxD>(p, k_rows, tile);
 #pragma unroll
             for (int r = 0; r < S::kRows; ++r)
-                p[r] = valid_query && query >= first_key + r ? expf(p[r] * layout.scale - query_lse) : 0.0f;
+                p[r] = valid_query && layout.visible(b, query, first_key + r) ? expf(p[r] * layout.scale - query_lse)
+                                                                              : 0.0f;
             __syncthreads();
             load_tile<kMaxD>(tile, dout + q_offset, q_stride, query_tile * kTile, layout.time, layout.head_dim);
             __syncthreads();
@@ -347,17 +369,17 @@ template <class Launch> void with_max_head_dim(int head_dim, Launch launch) {
         launch(std::integral_constant<int, 256>());
 }
 
-Layout make_layout(int time, int heads, int kv_heads, int head_dim) {
-    return {time, heads, kv_heads, head_dim, 1.0f / std::sqrt(static_cast<float>(head_dim))};
+Layout make_layout(int time, int heads, int kv_heads, int head_dim, bool causal, const std::int32_t* positions) {
+    return {time, heads, kv_heads, head_dim, 1.0f / std::sqrt(static_cast<float>(head_dim)), causal, positions};
 }
 
 }  // namespace
 
 template <class T>
 void attention_forward(T* out, float* lse, const T* q, const T* k, const T* v, int batch, int time, int heads,
-                       int kv_heads, int head_dim, cudaStream_t stream) {
+                       int kv_heads, int head_dim, bool causal, const std::int32_t* positions, cudaStream_t stream) {
     if (batch <= 0 || time <= 0 || heads <= 0 || head_dim <= 0) return;
-    const Layout layout = make_layout(time, heads, kv_heads, head_dim);
+    const Layout layout = make_layout(time, heads, kv_heads, head_dim, causal, positions);
     const dim3 grid((time + kTile - 1) / kTile, heads, batch);
     with_max_head_dim(head_dim, [&](auto max_dim) {
         constexpr int kMaxD = decltype(max_dim)::value;
@@ -368,9 +390,9 @@ void attention_forward(T* out, float* lse, const T* q, const T* k, const T* v, i
 template <class T>
 void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* out, const float* lse, const T* q,
                         const T* k, const T* v, int batch, int time, int heads, int kv_heads, int head_dim,
-                        void* scratch, cudaStream_t stream) {
+                        bool causal, const std::int32_t* positions, void* scratch, cudaStream_t stream) {
     if (batch <= 0 || time <= 0 || heads <= 0 || head_dim <= 0) return;
-    const Layout layout = make_layout(time, heads, kv_heads, head_dim);
+    const Layout layout = make_layout(time, heads, kv_heads, head_dim, causal, positions);
     float* delta = static_cast<float*>(scratch);
     const std::int64_t rows = static_cast<std::int64_t>(batch) * time * heads;
     const int threads = 256;
@@ -390,10 +412,10 @@ std::size_t attention_backward_scratch_bytes(int batch, int time, int heads, int
 }
 
 #define NANOQ_INSTANTIATE(T)                                                                                        \
-    template void attention_forward<T>(T*, float*, const T*, const T*, const T*, int, int, int, int, int,          \
-                                       cudaStream_t);                                                              \
+    template void attention_forward<T>(T*, float*, const T*, const T*, const T*, int, int, int, int, int, bool,    \
+                                       const std::int32_t*, cudaStream_t);                                         \
     template void attention_backward<T>(T*, T*, T*, const T*, const T*, const float*, const T*, const T*, const T*, \
-                                        int, int, int, int, int, void*, cudaStream_t);
+                                        int, int, int, int, int, bool, const std::int32_t*, void*, cudaStream_t);
 NANOQ_INSTANTIATE(float)
 NANOQ_INSTANTIATE(bf16)
 #undef NANOQ_INSTANTIATE

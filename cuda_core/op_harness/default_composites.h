@@ -83,14 +83,14 @@ public:
         be_.rope_backward(dx, cos_sin, batch, time, heads, head_dim);
     }
     void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
-                           const AttentionShape& shape) override {
-        be_.attention_forward(out, lse, q, k, v, shape);
+                           const Tensor& positions, const AttentionShape& shape) override {
+        be_.attention_forward(out, lse, q, k, v, positions, shape);
     }
     AttentionInfo attention_info() const override { return be_.attention_info(); }
     void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
                             const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
-                            const AttentionShape& shape) override {
-        be_.attention_backward(dq, dk, dv, dout, out, lse, q, k, v, shape);
+                            const Tensor& positions, const AttentionShape& shape) override {
+        be_.attention_backward(dq, dk, dv, dout, out, lse, q, k, v, positions, shape);
     }
     void attention_decode(const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
                           const AttentionShape& shape, const Tensor& workspace, const Tensor& lse_workspace) override {

@@ -36,6 +36,13 @@ AttentionShape attention(const OpCall& c) {
     return AttentionShape{c.i("batch"), c.i("time"), c.i("heads"), c.i("kv_heads"), c.i("head_dim")};
 }
 
+// The shape of attention_forward/backward, with their `causal` flag.
+AttentionShape masked_attention(const OpCall& c) {
+    AttentionShape s = attention(c);
+    s.causal = c.b("causal");
+    return s;
+}
+
 ScratchShapes attention_shapes(const OpCall& c) {
     ScratchShapes s = no_scratch();
     s.attention = attention(c);
@@ -57,6 +64,11 @@ void check_attention(const OpCall& c) {
                                                      ") must be a multiple of kv_heads (" +
                                                      std::to_string(c.i("kv_heads")) + ")");
     require(c.i("head_dim") % 2 == 0, "head_dim must be even, got " + std::to_string(c.i("head_dim")));
+}
+
+void check_masked_attention(const OpCall& c) {
+    check_attention(c);
+    require(c.b("causal") || !c.given("positions"), "positions (packed documents) need a causal attention");
 }
 
 const char* const kAttention = "batch,time,heads,head_dim";
@@ -269,23 +281,29 @@ std::vector<OpSpec> make_table() {
              c.backend().rope_backward(c["dx"], c["cos_sin"], c.i("batch"), c.i("time"), c.i("heads"), c.i("head_dim"));
          }},
         {"attention_forward",
-         "(out, lse): causal softmax(q k^T / sqrt(D)) v with grouped kv heads; q, out [B, T, H, D], "
-         "k, v [B, T, Hkv, D], lse [B, H, T] float32; fused: in the backend's fused library (cuDNN)",
-         {input("q", kAttention), input("k", kAttentionKV), input("v", kAttentionKV), output("out", kAttention),
-          output("lse", "batch,heads,time").f32(), flag("fused", false)},
+         "(out, lse): softmax(q k^T / sqrt(D)) v with grouped kv heads, causal unless causal=False; q, out "
+         "[B, T, H, D], k, v [B, T, Hkv, D], lse [B, H, T] float32; positions [B, T] int32 (each token's "
+         "position in its document): query t attends keys t - positions[t] .. t; fused: in the backend's "
+         "fused library (cuDNN)",
+         {input("q", kAttention), input("k", kAttentionKV), input("v", kAttentionKV),
+          tokens("positions", "batch,time", "time").optional(), output("out", kAttention),
+          output("lse", "batch,heads,time").f32(), flag("causal", true), flag("fused", false)},
          {},
-         [](OpCall& c) { c.backend().attention_forward(c["out"], c["lse"], c["q"], c["k"], c["v"], attention(c)); },
-         attention_scratch, check_attention},
-        {"attention_backward", "(dq, dk, dv) of attention_forward; shapes as there",
+         [](OpCall& c) {
+             c.backend().attention_forward(c["out"], c["lse"], c["q"], c["k"], c["v"], c["positions"], masked_attention(c));
+         },
+         attention_scratch, check_masked_attention},
+        {"attention_backward", "(dq, dk, dv) of attention_forward; shapes, positions and causal as there",
          {input("dout", kAttention), input("out", kAttention), input("lse", "batch,heads,time").f32(),
-          input("q", kAttention), input("k", kAttentionKV), input("v", kAttentionKV), output("dq", kAttention),
-          output("dk", kAttentionKV), output("dv", kAttentionKV), flag("fused", false)},
+          input("q", kAttention), input("k", kAttentionKV), input("v", kAttentionKV),
+          tokens("positions", "batch,time", "time").optional(), output("dq", kAttention),
+          output("dk", kAttentionKV), output("dv", kAttentionKV), flag("causal", true), flag("fused", false)},
          {},
          [](OpCall& c) {
              c.backend().attention_backward(c["dq"], c["dk"], c["dv"], c["dout"], c["out"], c["lse"], c["q"], c["k"],
-                                            c["v"], attention(c));
+                                            c["v"], c["positions"], masked_attention(c));
          },
-         attention_scratch, check_attention},
+         attention_scratch, check_masked_attention},
         {"attention_decode",
          "out [H, D]: the query [H, D] of position time-1 attending to the cached keys, values [time, Hkv, D] "
          "(batch 1, as attention_forward's last row)",

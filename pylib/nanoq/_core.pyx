@@ -112,7 +112,7 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         double rope_factor, rope_low_freq_factor, rope_high_freq_factor
         int rope_original_max_position
         float rms_norm_eps
-        cbool tie_embeddings, qkv_bias, o_bias, qk_norm
+        cbool tie_embeddings, qkv_bias, o_bias, qk_norm, causal
         int max_positions
         cbool mlp_bias
         float dropout
@@ -194,9 +194,11 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         void get_parameter_part(int, float*) except +nanoq_raise_py_error
         void get_optimizer_state_part(int, int, float*) except +nanoq_raise_py_error
         void set_optimizer_state_part(int, int, const float*) except +nanoq_raise_py_error
-        void step(const int32_t*, const int32_t*, int, uintptr_t, uintptr_t) except +nanoq_raise_py_error
-        CStepStats validate(const int32_t*, const int32_t*, int, uintptr_t, uintptr_t) except +nanoq_raise_py_error
-        void queue_validate(const int32_t*, const int32_t*, int, uintptr_t, uintptr_t) \
+        void step(const int32_t*, const int32_t*, int, uintptr_t, uintptr_t,
+                  const int32_t*) except +nanoq_raise_py_error
+        CStepStats validate(const int32_t*, const int32_t*, int, uintptr_t, uintptr_t,
+                            const int32_t*) except +nanoq_raise_py_error
+        void queue_validate(const int32_t*, const int32_t*, int, uintptr_t, uintptr_t, const int32_t*) \
             except +nanoq_raise_py_error
         CStepStats validate_result() except +nanoq_raise_py_error
         CStepStats update(const CUpdateParams&) except +nanoq_raise_py_error
@@ -305,6 +307,7 @@ cdef CModelConfig _model_config(dict config) except *:
     c.max_positions = config["max_position_embeddings"] if config["position_embedding"] == "learned" else 0
     c.mlp_bias = config["mlp_bias"]
     c.dropout = config["dropout"]
+    c.causal = config.get("causal", True)
     return c
 
 
@@ -738,39 +741,55 @@ cdef class CoreTrainer:
         if rows != self.batch_rows or cols != self.seq_len:
             raise ValueError(f"batch must have shape ({self.batch_rows}, {self.seq_len}), got ({rows}, {cols})")
 
-    def step(self, const int32_t[:, ::1] inputs, const int32_t[:, ::1] targets):
-        """Host (numpy) batch: int32 C-contiguous [devices*batch_size, seq_len]."""
+    cdef const int32_t* _positions(self, const int32_t[:, ::1] positions) except? NULL:
+        # A host batch's positions (None: none); the core checks their values.
+        if positions is None:
+            return NULL
+        self._check_batch_shape(positions.shape[0], positions.shape[1])
+        return &positions[0, 0]
+
+    def step(self, const int32_t[:, ::1] inputs, const int32_t[:, ::1] targets,
+             const int32_t[:, ::1] positions=None):
+        """Host (numpy) batch: int32 C-contiguous [devices*batch_size, seq_len];
+        positions (optional, host) the same shape."""
         cdef CTrainer* t = self._get()
         self._check_batch_shape(inputs.shape[0], inputs.shape[1])
         self._check_batch_shape(targets.shape[0], targets.shape[1])
+        cdef const int32_t* p = self._positions(positions)
         with nogil:
-            t.step(&inputs[0, 0], &targets[0, 0], -1, 0, 0)
+            t.step(&inputs[0, 0], &targets[0, 0], -1, 0, 0, p)
 
-    def validate(self, const int32_t[:, ::1] inputs, const int32_t[:, ::1] targets):
+    def validate(self, const int32_t[:, ::1] inputs, const int32_t[:, ::1] targets,
+                 const int32_t[:, ::1] positions=None):
         cdef CTrainer* t = self._get()
         cdef CStepStats s
         self._check_batch_shape(inputs.shape[0], inputs.shape[1])
         self._check_batch_shape(targets.shape[0], targets.shape[1])
+        cdef const int32_t* p = self._positions(positions)
         with nogil:
-            s = t.validate(&inputs[0, 0], &targets[0, 0], -1, 0, 0)
+            s = t.validate(&inputs[0, 0], &targets[0, 0], -1, 0, 0, p)
         return _stats_dict(s)
 
-    def queue_validate(self, const int32_t[:, ::1] inputs, const int32_t[:, ::1] targets):
+    def queue_validate(self, const int32_t[:, ::1] inputs, const int32_t[:, ::1] targets,
+                       const int32_t[:, ::1] positions=None):
         """validate()'s first half (host batch): queues it and returns; the
-        caller keeps the arrays alive and unchanged until the work has run."""
+        caller keeps the arrays alive and unchanged until the work has run
+        (positions are copied at once)."""
         cdef CTrainer* t = self._get()
         self._check_batch_shape(inputs.shape[0], inputs.shape[1])
         self._check_batch_shape(targets.shape[0], targets.shape[1])
+        cdef const int32_t* p = self._positions(positions)
         with nogil:
-            t.queue_validate(&inputs[0, 0], &targets[0, 0], -1, 0, 0)
+            t.queue_validate(&inputs[0, 0], &targets[0, 0], -1, 0, 0, p)
 
     def queue_validate_device(self, uintptr_t inputs, uintptr_t targets, int device, uintptr_t inputs_stream=0,
-                              uintptr_t targets_stream=0):
+                              uintptr_t targets_stream=0, const int32_t[:, ::1] positions=None):
         """validate()'s first half for a device batch (as step_device)."""
         cdef CTrainer* t = self._get()
+        cdef const int32_t* p = self._positions(positions)
         with nogil:
             t.queue_validate(<const int32_t*>inputs, <const int32_t*>targets, device, inputs_stream,
-                             targets_stream)
+                             targets_stream, p)
 
     def validate_result(self):
         """validate()'s second half: waits for the queued validate; its statistics."""
@@ -781,21 +800,25 @@ cdef class CoreTrainer:
         return _stats_dict(s)
 
     def step_device(self, uintptr_t inputs, uintptr_t targets, int device, uintptr_t inputs_stream=0,
-                    uintptr_t targets_stream=0):
+                    uintptr_t targets_stream=0, const int32_t[:, ::1] positions=None):
         """Device batch: pointers to int32 C-contiguous [devices*batch_size,
         seq_len] arrays in the memory of `device` (checked by the caller),
         and the streams they are written on, as the CUDA Array Interface v3
-        names them (0: none); the step's reads wait for those streams."""
+        names them (0: none); the step's reads wait for those streams.
+        positions (optional) is a host array."""
         cdef CTrainer* t = self._get()
+        cdef const int32_t* p = self._positions(positions)
         with nogil:
-            t.step(<const int32_t*>inputs, <const int32_t*>targets, device, inputs_stream, targets_stream)
+            t.step(<const int32_t*>inputs, <const int32_t*>targets, device, inputs_stream, targets_stream, p)
 
     def validate_device(self, uintptr_t inputs, uintptr_t targets, int device, uintptr_t inputs_stream=0,
-                        uintptr_t targets_stream=0):
+                        uintptr_t targets_stream=0, const int32_t[:, ::1] positions=None):
         cdef CTrainer* t = self._get()
         cdef CStepStats s
+        cdef const int32_t* p = self._positions(positions)
         with nogil:
-            s = t.validate(<const int32_t*>inputs, <const int32_t*>targets, device, inputs_stream, targets_stream)
+            s = t.validate(<const int32_t*>inputs, <const int32_t*>targets, device, inputs_stream, targets_stream,
+                           p)
         return _stats_dict(s)
 
     def forward_cached(self, const int32_t[::1] tokens, int position, cbool all_positions, float[::1] logits not None):

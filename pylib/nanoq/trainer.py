@@ -81,6 +81,31 @@ def _check_host_tokens(name: str, array, shape, vocab_size: int, allow_ignore: b
     return array
 
 
+def _check_positions(positions, shape):
+    """Checks a batch's per-token positions (None: none): a numpy int32
+    C-contiguous array of the batch's shape, each row a run of documents,
+    position 0 where one starts (every row starts one) and one more than
+    the position before inside it. Returns it unchanged (or None)."""
+    if positions is None:
+        return None
+    if not isinstance(positions, np.ndarray):
+        raise TypeError(f"positions must be a numpy int32 array (host memory), got {type(positions).__name__}")
+    if positions.dtype != np.int32:
+        raise TypeError(f"positions must have dtype int32, got {positions.dtype}")
+    if positions.shape != shape:
+        raise ValueError(f"positions must have shape {shape} (devices*batch_size, seq_len), got {positions.shape}")
+    if not positions.flags.c_contiguous:
+        raise ValueError("positions must be C-contiguous (use np.ascontiguousarray)")
+    previous = np.concatenate([np.full((shape[0], 1), -1, np.int32), positions[:, :-1]], axis=1)
+    bad = np.argwhere((positions != 0) & (positions != previous + 1))
+    if bad.size:
+        r, t = (int(i) for i in bad[0])
+        raise ValueError(f"positions[{r}, {t}] is {positions[r, t]}: a position is 0 (a document starts; "
+                         f"every row starts with one) or one more than the position before it "
+                         f"({previous[r, t]})")
+    return positions
+
+
 def _interface_stream(name: str, interface) -> int:
     """The stream a device array's producer says its data is (being) written
     on: CUDA Array Interface v3 ``stream``, as the core takes it. 1 is the
@@ -593,7 +618,13 @@ class Trainer:
                              f"0..{self.world_size - 1}")
         return inputs_ptr, targets_ptr, inputs_device, inputs_stream, targets_stream
 
-    def step(self, inputs, targets) -> None:
+    def _positions(self, positions):
+        positions = _check_positions(positions, self._batch_shape)
+        if positions is not None and not self.config.causal:
+            raise ValueError("positions (packed documents) need a causal model; this one has model.causal False")
+        return positions
+
+    def step(self, inputs, targets, positions=None) -> None:
         """Forward and backward of one micro-batch on every device.
 
         inputs, targets: int32 C-contiguous arrays of shape
@@ -605,12 +636,22 @@ class Trainer:
         should follow inputs[b, :t+1], or -100 for no loss. The arrays are
         copied before step returns and may be reused at once.
 
+        positions (optional; numpy int32, the same shape, host memory even
+        for device batches) packs several documents into a row: each
+        token's position in its document, 0 where one starts (every row
+        starts with one), else one more than the position before. Attention
+        then stays inside each document and RoPE restarts with it, so a row
+        computes what each document would alone. None: positions 0 ..
+        seq_len-1 in every row (one sequence per row, or a stream that
+        attends across documents). Needs ``config.causal``.
+
         The work is queued on the devices: step returns without waiting for
         it. ``update``, ``validate`` and the getters wait for it, and a
         failure in it is raised there (or by the next step), naming the
         step; the trainer then refuses further work.
         """
         device_batch = self._device_batch(inputs, targets)
+        positions = self._positions(positions)
         if self._core.micro_steps >= self.options.grad_accum:
             raise ValueError(f"step() called {self.options.grad_accum + 1} times without update(); "
                              f"grad_accum is {self.options.grad_accum}")
@@ -621,21 +662,23 @@ class Trainer:
         with self._interruptible(discard=not self._alone_in_world):
             self._wait_for_devices(for_step=True)
             if device_batch is None:
-                self._core.step(inputs, targets)
+                self._core.step(inputs, targets, positions)
             else:
-                self._core.step_device(*device_batch)
+                self._core.step_device(*device_batch, positions=positions)
 
-    def validate(self, inputs, targets) -> StepStats:
-        """Loss of one batch (same arrays as ``step``) without touching gradients."""
+    def validate(self, inputs, targets, positions=None) -> StepStats:
+        """Loss of one batch (same arrays and positions as ``step``) without
+        touching gradients."""
         device_batch = self._device_batch(inputs, targets)
+        positions = self._positions(positions)
         with self._interruptible():
             self._wait_for_devices(for_step=False)
             # The devices read the arrays after this call if it is interrupted: keep them until they are done.
             self._validated_batch = (inputs, targets)
             if device_batch is None:
-                self._core.queue_validate(inputs, targets)
+                self._core.queue_validate(inputs, targets, positions)
             else:
-                self._core.queue_validate_device(*device_batch)
+                self._core.queue_validate_device(*device_batch, positions=positions)
             self._wait_for_devices(for_step=False)
             return StepStats(**self._core.validate_result())
 
@@ -665,6 +708,9 @@ class Trainer:
         single-process trainer; gradients and optimizer state are untouched.
         """
         self._require_alone("generate()")
+        if not self.config.causal:
+            raise ValueError("generate() runs causal models; this one is bidirectional (model.causal False), "
+                             "which has no token-by-token generation yet (logits() works)")
         sampler = generation.Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         return generation.generate(self._core, prompt_ids, max_new_tokens, sampler, stop,
                                    self.config.max_position_embeddings)
@@ -673,8 +719,10 @@ class Trainer:
         """The model's logits for each row of ``inputs``, an integer array
         [rows, T] of token ids (T <= options.seq_len; any number of rows):
         numpy float32 [rows, T, vocab_size], position t of row r being the
-        logits for the token after inputs[r, :t+1]. Runs through the KV-cache
-        path of ``generate``, one row at a time; LoRA adapters apply."""
+        logits for the token after inputs[r, :t+1] (a bidirectional model,
+        ``config.causal`` False: of position t given the whole row). Runs
+        through the KV-cache path of ``generate``, one row at a time; LoRA
+        adapters apply."""
         self._require_alone("logits()")
         return generation.logits(self._core, inputs)
 

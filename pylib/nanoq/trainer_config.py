@@ -66,6 +66,9 @@ class ModelConfig:
     of the embedding, of each attention output and of each MLP output
     (before they join the residual stream, as Nano does) in ``step()`` only;
     ``validate``, ``logits`` and ``generate`` run without it.
+    ``causal`` False makes attention bidirectional (every token attends
+    every token of its sequence, as Nano's ``is_causal = false``); such a
+    model has no token-by-token generation and no Hugging Face export.
     """
 
     vocab_size: int
@@ -82,6 +85,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    causal: bool = True
     max_position_embeddings: Optional[int] = None
     position_embedding: str = "rope"
     mlp_bias: bool = False
@@ -110,7 +114,7 @@ class ModelConfig:
         _finite_positive("rms_norm_eps", self.rms_norm_eps)
         if self.rope_scaling is not None:
             self.rope_scaling = _llama3_scaling(self.rope_scaling)
-        for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "qk_norm"):
+        for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "qk_norm", "causal"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.max_position_embeddings is not None:

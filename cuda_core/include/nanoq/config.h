@@ -39,6 +39,9 @@ struct ModelConfig {
     int max_positions = 0;
     bool mlp_bias = false;
     float dropout = 0.0f;
+    // Causal self-attention (a language model); false: bidirectional, every
+    // token attends every token of its sequence (issue 19).
+    bool causal = true;
 };
 
 // What each field may hold, and the rules between fields, are defined once
@@ -166,9 +169,12 @@ struct StackInfo {
     std::vector<std::pair<std::string, std::size_t>> live_at_high_water;
 };
 
-// A causal attention's shape (the backends' ops take it whole).
+// An attention's shape (the backends' ops take it whole). causal: query t
+// attends keys 0 .. t (further narrowed to its document by the ops' optional
+// positions); false: every query attends every key of its row.
 struct AttentionShape {
     int batch, time, heads, kv_heads, head_dim;
+    bool causal = true;
 };
 
 // Which attention a device runs (Trainer::attention_info): "native" (the

@@ -102,10 +102,17 @@ public:
     // thread's per-thread default stream, else a cudaStream_t; 0: nothing
     // to wait for), and the trainer's reads are ordered after the work they
     // hold when the call is made.
+    // positions: null, or host int32 [devices * batch_size, seq_len], each
+    // token's position in its document for rows that pack several
+    // (attention stays inside a document, RoPE restarts): 0 where a
+    // document starts (every row starts one), else one more than the
+    // position before; copied before the call returns. Needs a causal model.
     void step(const std::int32_t* inputs, const std::int32_t* targets, int source_device = -1,
-              std::uintptr_t inputs_stream = 0, std::uintptr_t targets_stream = 0);
+              std::uintptr_t inputs_stream = 0, std::uintptr_t targets_stream = 0,
+              const std::int32_t* positions = nullptr);
     StepStats validate(const std::int32_t* inputs, const std::int32_t* targets, int source_device = -1,
-                       std::uintptr_t inputs_stream = 0, std::uintptr_t targets_stream = 0);
+                       std::uintptr_t inputs_stream = 0, std::uintptr_t targets_stream = 0,
+                       const std::int32_t* positions = nullptr);
     StepStats update(const UpdateParams& params);
     // validate() in two halves, for a caller that waits in slices
     // (wait_ready()): queue_validate() queues the batch's loss on the devices
@@ -115,7 +122,8 @@ public:
     // validate may be queued at a time. An interrupt's
     // discard_micro_batches() drops the result.
     void queue_validate(const std::int32_t* inputs, const std::int32_t* targets, int source_device = -1,
-                        std::uintptr_t inputs_stream = 0, std::uintptr_t targets_stream = 0);
+                        std::uintptr_t inputs_stream = 0, std::uintptr_t targets_stream = 0,
+                        const std::int32_t* positions = nullptr);
     StepStats validate_result();
     // Inference over one sequence with a KV cache (context "kv-cache",
     // allocated on the first call and kept): runs tokens[count] at positions
