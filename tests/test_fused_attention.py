@@ -79,6 +79,31 @@ EMULATED_SHAPES = [(1, 33, 4, 2, 64), (2, 17, 2, 2, 128), (1, 20, 8, 2, 64)]
 
 
 @emulated
+@pytest.mark.parametrize("mask", ["documents", "bidirectional"])
+def test_masked_attention_runs_the_native_kernels_even_when_fused_is_asked(cpu, emulated_ops, mask):
+    """The fused plans are causal without document masks: with positions or
+    causal=False the backend routes to its native kernels (bitwise their
+    results), which honour the mask (the cpu's within bf16), never the
+    fused causal attention in their place."""
+    q, k, v, dout = attention_inputs(21, (1, 33, 4, 2, 64))
+    positions = np.array([list(range(10)) + list(range(23))], np.int32)
+    args = {"positions": positions} if mask == "documents" else {"causal": False}
+    fused_out, fused_lse = emulated_ops.attention_forward(q, k, v, dtype="bf16", fused=True, **args)
+    native_out, native_lse = emulated_ops.attention_forward(q, k, v, dtype="bf16", **args)
+    np.testing.assert_array_equal(fused_out, native_out)
+    np.testing.assert_array_equal(fused_lse, native_lse)
+    cpu_out, _ = cpu.attention_forward(q, k, v, **args)
+    assert_array_close(fused_out, cpu_out, BF16_REL, "masked attention out")
+    causal_out, _ = emulated_ops.attention_forward(q, k, v, dtype="bf16", fused=True)
+    assert np.abs(causal_out - fused_out).max() > 0.1 * np.abs(cpu_out).max()
+    out, lse = cpu.attention_forward(q, k, v, **args)
+    fused = emulated_ops.attention_backward(dout, to_bf16(out), lse, q, k, v, dtype="bf16", fused=True, **args)
+    native = emulated_ops.attention_backward(dout, to_bf16(out), lse, q, k, v, dtype="bf16", **args)
+    for name, f, n in zip(("dq", "dk", "dv"), fused, native):
+        np.testing.assert_array_equal(f, n, err_msg=name)
+
+
+@emulated
 @pytest.mark.parametrize("shape", EMULATED_SHAPES)
 def test_fused_attention_forward_matches_native_kernel_and_cpu(cpu, emulated_ops, shape):
     q, k, v, _ = attention_inputs(1, shape)

@@ -314,6 +314,41 @@ def test_attention_backward(cpu, gpu, dtype, shape):
         assert_bitwise_equal(g, h, f"attention {name}")
 
 
+def document_positions(B, T, lengths):
+    """positions [B, T] of documents of `lengths` packed in turn into each row (cut at T)."""
+    row, t = [], 0
+    while len(row) < T:
+        n = lengths[t % len(lengths)]
+        row.extend(range(n))
+        t += 1
+    return np.tile(np.array(row[:T], np.int32), (B, 1))
+
+
+# Documents that start inside a tile, at a tile's edge and one longer than a tile.
+MASKED_ATTENTION_CASES = cuda_cases([((2, 300, 4, 2, 128),), ((1, 77, 7, 1, 64),)],
+                                    [((1, 70, 4, 2, 64),), ((2, 33, 2, 2, 48),)])
+
+
+@pytest.mark.parametrize("mask", ["documents", "bidirectional"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend, shape", MASKED_ATTENTION_CASES)
+def test_attention_with_document_positions_or_bidirectional(cpu, gpu, dtype, shape, mask):
+    """The native kernels' masks: per-token document positions, and causal=False."""
+    q, k, v, dout = attention_inputs(np.random.default_rng(14), dtype, shape)
+    B, T = shape[:2]
+    args = {"positions": document_positions(B, T, [5, 32, 1, 40, 9])} if mask == "documents" else {"causal": False}
+    out, lse = gpu.attention_forward(q, k, v, dtype=dtype, **args)
+    expected_out, expected_lse = cpu.attention_forward(q, k, v, **args)
+    assert_array_close(out, expected_out, tolerance(dtype, FP32_SUM_REL), "attention out")
+    assert_array_close(lse, expected_lse, FP32_SUM_REL, "attention lse (fp32)")
+    cpu_out, lse = cpu.attention_forward(q, k, v, **args)
+    (cpu_out,) = inputs(dtype, cpu_out)
+    got = gpu.attention_backward(dout, cpu_out, lse, q, k, v, dtype=dtype, **args)
+    expected = cpu.attention_backward(dout, cpu_out, lse, q, k, v, **args)
+    for name, g, e in zip(("dq", "dk", "dv"), got, expected):
+        assert_array_close(g, e, tolerance(dtype, FP32_SUM_REL), f"attention {name}", atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("backend, n", cuda_cases([1_000_003], [70_001]))
 def test_swiglu_forward_and_backward(cpu, gpu, dtype, n):
