@@ -197,8 +197,12 @@ def train(config_file, print_config, resume, **flags):
 @click.option("--workers", type=Integer(1), default=1, show_default=True, help="Encoding processes.")
 @click.option("--shard-tokens", type=Integer(1), default=100_000_000, show_default=True,
               help="Most tokens per .bin shard.")
+@click.option("--packing", type=click.Choice(["stream", "pack"]),
+              help="How training serves the files (recorded in tokenize.json): pack = whole documents per "
+              "window, attending only to themselves; stream = windows of the document stream. Default: pack "
+              "for --format sft, else stream.")
 def tokenize(inputs, output, fmt, text_field, split, tokenizer, train_tokenizer, vocab_size, eos_token, eos_id,
-             eval_fraction, seed, workers, shard_tokens):
+             eval_fraction, seed, workers, shard_tokens, packing):
     """Tokenize text, JSONL, SFT JSONL or Nano line files into token files.
 
     Documents are separated by the EOS token; the train/eval split is by
@@ -210,6 +214,8 @@ def tokenize(inputs, output, fmt, text_field, split, tokenizer, train_tokenizer,
         if fmt == "nano":
             if vocab_size is None:
                 raise click.UsageError("--format nano needs --vocab-size (the model's vocabulary)")
+            if packing is not None:
+                raise click.UsageError("--packing is for documents closed by EOS, not --format nano's lines")
             result = import_nano(inputs, output, vocab_size=vocab_size, eos_id=eos_id,
                                  eval_fraction=eval_fraction, seed=seed, shard_tokens=shard_tokens)
         else:
@@ -221,10 +227,11 @@ def tokenize(inputs, output, fmt, text_field, split, tokenizer, train_tokenizer,
                 raise click.UsageError("--vocab-size goes with --train-tokenizer or --format nano")
             if eos_id is not None:
                 raise click.UsageError("--eos-id is for --format nano; use --eos-token")
+            extra = {} if packing is None else {"packing": packing}
             result = tokenize_files(inputs, output, fmt=fmt, text_field=text_field, split=split,
                                     tokenizer=tokenizer, train_tokenizer_vocab=vocab_size or 0,
                                     eos_token=eos_token, eval_fraction=eval_fraction, seed=seed,
-                                    workers=workers, shard_tokens=shard_tokens)
+                                    workers=workers, shard_tokens=shard_tokens, **extra)
     except (InputError, ValueError, FileNotFoundError, FileExistsError) as e:
         raise _fail(e) from None
     files = len(result.train_files) + len(result.eval_files)

@@ -18,6 +18,22 @@ epoch, so every window is used exactly once per epoch and no window is dropped.
 The loader's position is a window index into that stream, which is why resuming
 is exact and even survives a change of batch_rows.
 
+With ``packing="pack"`` (token files of whole documents, each closed by
+EOS, as ``nanoq tokenize`` writes them), a window is instead whole
+documents packed in file order, never split: a document of n tokens fills
+n - 1 positions (its tokens but the last as inputs, but the first as
+targets, so its last target is its EOS), a document that does not fit the
+rest of a window starts the next one, and the rest of a window is padding
+(input 0, target -100, position 0: one-token documents that count for
+nothing). Batches then carry positions [rows, seq_len] as a third array,
+each token's position in its document, which Trainer.step takes so that
+attention stays inside each document and RoPE restarts with it. A document
+longer than a window is the one exception: it is cut into pieces of
+seq_len positions (with a warning), each piece its own document (positions
+restart at 0), so no piece attends past its window. The packing is
+computed once, when the Dataset opens, and the loaders treat its windows as
+they treat stream windows: shuffling, resume and parts are unchanged.
+
 Under a launcher every process serves only its part of each global batch
 (``part=(index, count)``: rows [index * batch_rows / count, (index + 1) *
 batch_rows / count)), the rows of its devices. Every process computes the
@@ -29,7 +45,9 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import os
+import warnings
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -37,8 +55,10 @@ import numpy as np
 from nanoq.data.token_file import TokenFile
 
 IGNORE_INDEX = -100
+PACKINGS = ("stream", "pack")
 
-Batch = Tuple[np.ndarray, np.ndarray]
+# (inputs, targets), or with packing "pack" (inputs, targets, positions).
+Batch = Tuple[np.ndarray, ...]
 
 
 def positive_int(name: str, value) -> int:
@@ -102,6 +122,24 @@ def _expand(paths_or_globs) -> List[str]:
     return paths
 
 
+def tokenize_summary(path: str) -> dict:
+    """The tokenize.json that ``nanoq tokenize`` wrote beside token file
+    ``path`` ({} when there is none)."""
+    summary = os.path.join(os.path.dirname(os.path.abspath(path)), "tokenize.json")
+    if not os.path.isfile(summary):
+        return {}
+    with open(summary, encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def default_packing(paths_or_globs) -> str:
+    """The packing the files' tokenization chose (tokenize.json's
+    ``packing``: "pack" for ``--format sft``), "stream" where none did."""
+    choices = {tokenize_summary(path).get("packing", "stream") for path in _expand(paths_or_globs)}
+    return "pack" if choices == {"pack"} else "stream"
+
+
 class Dataset:
     """Token files cut into windows of seq_len + 1 tokens, stepping by seq_len.
 
@@ -121,12 +159,90 @@ class Dataset:
     tokenizer says); max_token: the largest token id in them, which may
     reach past vocab_size (llm.q writes an added EOS token as id = header
     vocab). ``check_vocab(model_vocab)`` checks the tokens against a model.
+
+    packing: "stream" (the default, the windows above) or "pack" (whole
+    documents packed into windows, see the module docstring; then
+    read_windows also returns positions). "auto" is what the files'
+    tokenization chose (``default_packing``: pack for SFT files). eos_id:
+    the token that closes each document, for pack (default: the eos_id of
+    the tokenize.json beside the files).
     """
 
-    def __init__(self, paths_or_globs, seq_len: int, window_step: Optional[int] = None):
+    def __init__(self, paths_or_globs, seq_len: int, window_step: Optional[int] = None,
+                 packing: str = "stream", eos_id: Optional[int] = None):
         self.seq_len = positive_int("seq_len", seq_len)
+        if packing == "auto":
+            packing = default_packing(paths_or_globs)
+        if packing not in PACKINGS:
+            raise ValueError(f"packing must be one of {', '.join(PACKINGS)} or auto, got {packing!r}")
+        self.packing = packing
         self.files = [TokenFile(path) for path in _expand(paths_or_globs)]
-        self._cut(window_step)
+        if packing == "pack":
+            if window_step not in (None, self.seq_len):
+                raise ValueError(f"packing pack fills windows with whole documents: window_step must be unset "
+                                 f"(or seq_len {self.seq_len}), got {window_step!r}")
+            self.eos_id = self._document_end(eos_id)
+            self._pack()
+        else:
+            self.eos_id = None
+            self._cut(window_step)
+
+    def _document_end(self, eos_id: Optional[int]) -> int:
+        if eos_id is None:
+            ids = {tokenize_summary(f.path).get("eos_id") for f in self.files}
+            if len(ids) != 1 or None in ids:
+                raise ValueError(f"packing pack needs the EOS id that closes each document: give eos_id, or "
+                                 f"tokenize the files with nanoq tokenize (its tokenize.json names it); "
+                                 f"found {sorted(map(str, ids))} for {', '.join(repr(f.path) for f in self.files)}")
+            eos_id = ids.pop()
+        if isinstance(eos_id, bool) or not isinstance(eos_id, (int, np.integer)) or eos_id < 0:
+            raise ValueError(f"eos_id must be a non-negative integer, got {eos_id!r}")
+        return int(eos_id)
+
+    def _pack(self) -> None:
+        """Packs each file's documents in order into windows of seq_len
+        positions: segments (file, first token, positions) in window order,
+        _first_segment[w] the first segment of window w (CSR)."""
+        T = self.seq_len
+        seg_file, seg_start, seg_length, first_segment = [], [], [], [0]
+        split = 0
+        for file_index, token_file in enumerate(self.files):
+            ends = np.flatnonzero(np.asarray(token_file.tokens) == self.eos_id) + 1
+            if len(token_file) and (ends.size == 0 or ends[-1] != len(token_file)):
+                ends = np.append(ends, len(token_file))  # a last document without its EOS
+            starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+            filled = 0
+            for start, end in zip(starts.tolist(), ends.tolist()):
+                positions = end - start - 1  # inputs of the document (its last token is only a target)
+                if positions <= 0:
+                    continue
+                if positions > T:
+                    split += 1
+                pieces = [(start + p, min(T, positions - p)) for p in range(0, positions, T)]
+                for piece_start, length in pieces:
+                    if filled and filled + length > T:
+                        first_segment.append(len(seg_file))
+                        filled = 0
+                    seg_file.append(file_index)
+                    seg_start.append(piece_start)
+                    seg_length.append(length)
+                    filled += length
+            if filled:
+                first_segment.append(len(seg_file))
+        if split:
+            warnings.warn(f"packing: {split} document(s) longer than a window of seq_len {T} positions were cut "
+                          f"into pieces of {T} (each its own document: positions restart, no piece attends to "
+                          f"another)", stacklevel=3)
+        self._segments = (np.array(seg_file, np.int64), np.array(seg_start, np.int64),
+                          np.array(seg_length, np.int64))
+        self._first_segment = np.array(first_segment, np.int64)
+        self.window_step = T
+        self._first_window = np.array([0, len(first_segment) - 1], np.int64)
+        if self.num_windows == 0:
+            raise ValueError(f"no document of two or more tokens in {', '.join(repr(f.path) for f in self.files)} "
+                             f"(EOS id {self.eos_id})")
+        self.vocab_size = max(f.vocab_size for f in self.files)
+        self.max_token = max(f.max_token for f in self.files)
 
     def _cut(self, window_step: Optional[int]) -> None:
         step = self.seq_len if window_step is None else window_step
@@ -150,8 +266,11 @@ class Dataset:
         """The same files cut with another window_step (this one if it already is)."""
         if window_step == self.window_step:
             return self
+        if self.packing == "pack":
+            raise ValueError(f"a packed dataset's windows are seq_len {self.seq_len} positions of whole "
+                             f"documents; there is no window_step {window_step}")
         other = object.__new__(Dataset)
-        other.seq_len, other.files = self.seq_len, self.files
+        other.seq_len, other.files, other.packing, other.eos_id = self.seq_len, self.files, self.packing, None
         other._cut(window_step)
         return other
 
@@ -176,18 +295,24 @@ class Dataset:
     def fingerprint(self) -> dict:
         """Identifies the windows for state checks: file names (not directories,
         so a dataset may move), file sizes, seq_len and the number of windows
-        (which differs between window steps)."""
+        (which differs between window steps), and for a packed dataset its
+        packing and EOS id."""
         digest = hashlib.sha256(str(self.seq_len).encode())
+        if self.packing == "pack":
+            digest.update(f"\0pack\0{self.eos_id}".encode())
         for name, size in self.file_sizes():
             digest.update(f"\0{name}\0{size}".encode())
         return {"files": len(self.files), "windows": self.num_windows, "sha256": digest.hexdigest()[:32]}
 
     def read_windows(self, indices) -> Batch:
-        """inputs, targets: int32 [len(indices), seq_len], C-contiguous.
+        """inputs, targets: int32 [len(indices), seq_len], C-contiguous; with
+        packing "pack" also positions (the same shape).
 
         indices: global window numbers in [0, len(self)).
         """
         indices = np.asarray(indices, dtype=np.int64)
+        if self.packing == "pack":
+            return self._read_packed(indices)
         inputs = np.empty((indices.size, self.seq_len), dtype=np.int32)
         targets = np.empty((indices.size, self.seq_len), dtype=np.int32)
         file_of = np.searchsorted(self._first_window, indices, side="right") - 1
@@ -208,7 +333,32 @@ class Dataset:
         if mask is not None:
             targets[~mask] = IGNORE_INDEX
 
+    def _read_packed(self, indices: np.ndarray) -> Batch:
+        rows = indices.size
+        inputs = np.zeros((rows, self.seq_len), dtype=np.int32)
+        targets = np.full((rows, self.seq_len), IGNORE_INDEX, dtype=np.int32)
+        positions = np.zeros((rows, self.seq_len), dtype=np.int32)
+        seg_file, seg_start, seg_length = self._segments
+        for row, index in enumerate(indices.tolist()):
+            if not 0 <= index < self.num_windows:
+                raise IndexError(f"window {index} outside [0, {self.num_windows})")
+            at = 0
+            for s in range(int(self._first_segment[index]), int(self._first_segment[index + 1])):
+                token_file, start, n = self.files[int(seg_file[s])], int(seg_start[s]), int(seg_length[s])
+                piece = token_file.tokens[start:start + n + 1]
+                inputs[row, at:at + n] = piece[:-1]
+                targets[row, at:at + n] = piece[1:]
+                mask = token_file.mask_range(start + 1, start + n + 1)
+                if mask is not None:
+                    targets[row, at:at + n][~mask] = IGNORE_INDEX
+                positions[row, at:at + n] = np.arange(n, dtype=np.int32)
+                at += n
+        return inputs, targets, positions
+
     def __repr__(self) -> str:
+        if self.packing == "pack":
+            return (f"Dataset({len(self.files)} files, seq_len={self.seq_len}, packing=pack, "
+                    f"windows={self.num_windows})")
         step = "" if self.window_step == self.seq_len else f", window_step={self.window_step}"
         return f"Dataset({len(self.files)} files, seq_len={self.seq_len}{step}, windows={self.num_windows})"
 
@@ -263,7 +413,8 @@ class DataLoader:
 
     def next_batch(self) -> Batch:
         """This part's rows of the next global batch: inputs, targets int32
-        [part_rows, seq_len] (the whole batch, [batch_rows, seq_len], by default)."""
+        [part_rows, seq_len] (the whole batch, [batch_rows, seq_len], by
+        default), and positions with a packed dataset."""
         chosen = []
         needed = self.batch_rows
         while needed:
@@ -288,7 +439,8 @@ class DataLoader:
         """JSON-serialisable position: seed, epoch, position, the window layout
         (window_step) and the dataset's fingerprint."""
         return {"kind": "DataLoader", "seed": self.seed, "epoch": self.epoch, "position": self.position,
-                "window_step": self.dataset.window_step, "dataset": self.dataset.fingerprint()}
+                "window_step": self.dataset.window_step, "packing": self.dataset.packing,
+                "dataset": self.dataset.fingerprint()}
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from ``state``: the next batches are those the saving loader
@@ -299,6 +451,10 @@ class DataLoader:
         loader goes on with that run's windows of seq_len + 1 tokens apart
         (``dataset`` becomes ``dataset.with_window_step(seq_len + 1)``)."""
         check_state(state, "DataLoader", ("seed", "epoch", "position", "dataset"))
+        packing = state.get("packing", "stream")
+        if packing != self.dataset.packing:
+            raise ValueError(f"DataLoader state was saved with packing {packing!r}, this loader's dataset has "
+                             f"packing {self.dataset.packing!r}: its windows differ")
         step = state.get("window_step", self.seq_len + 1)
         if isinstance(step, bool) or not isinstance(step, int) or step not in (self.seq_len, self.seq_len + 1):
             raise ValueError(f"DataLoader state has window_step {step!r}; this loader's windows are "
@@ -323,9 +479,10 @@ class DataLoader:
 class EvalLoader:
     """One in-order pass over a dataset in batches of batch_rows rows.
 
-    Yields inputs, targets int32 [batch_rows, seq_len]. The last batch is
-    padded to full size with rows of inputs 0 and targets -100, so every batch
-    has the trainer's shape and the padding counts for nothing in the loss.
+    Yields inputs, targets int32 [batch_rows, seq_len] (and positions with a
+    packed dataset). The last batch is padded to full size with rows of
+    inputs 0 and targets -100 (positions 0), so every batch has the
+    trainer's shape and the padding counts for nothing in the loss.
     Each iteration starts again from the first window; len() is the number of
     batches.
 
@@ -352,11 +509,11 @@ class EvalLoader:
         for batch_start in range(0, total, self.batch_rows):
             start = min(batch_start + self.part[0] * self.part_rows, total)
             stop = min(start + self.part_rows, total)
-            inputs, targets = self.dataset.read_windows(np.arange(start, stop))
+            arrays = self.dataset.read_windows(np.arange(start, stop))
             if stop - start < self.part_rows:
-                padded_inputs = np.zeros((self.part_rows, self.seq_len), dtype=np.int32)
-                padded_targets = np.full((self.part_rows, self.seq_len), IGNORE_INDEX, dtype=np.int32)
-                padded_inputs[:stop - start] = inputs
-                padded_targets[:stop - start] = targets
-                inputs, targets = padded_inputs, padded_targets
-            yield inputs, targets
+                padded = [np.zeros((self.part_rows, self.seq_len), dtype=np.int32) for _ in arrays]
+                padded[1][:] = IGNORE_INDEX
+                for full, part in zip(padded, arrays):
+                    full[:stop - start] = part
+                arrays = tuple(padded)
+            yield arrays

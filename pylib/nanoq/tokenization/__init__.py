@@ -94,7 +94,7 @@ def tokenize_documents(documents: Sequence[Document], output: str | os.PathLike,
                        eos_token: Optional[str] = None, eval_fraction: float = 0.0, seed: int = 0,
                        workers: int = 1, shard_tokens: int = DEFAULT_SHARD_TOKENS,
                        progress: Optional[bool] = None, inputs: Sequence[str] = (),
-                       sft_template: bool = False) -> TokenizeResult:
+                       sft_template: bool = False, packing: str = "stream") -> TokenizeResult:
     """Tokenizes documents into ``output`` (a new or empty directory).
 
     tokenizer: a tokenizer.json file or model directory; or train_tokenizer_vocab
@@ -105,7 +105,13 @@ def tokenize_documents(documents: Sequence[Document], output: str | os.PathLike,
     sft_template: write nanoq's SFT chat template (``chat_template``, with
     this EOS) into the saved tokenizer_config.json, replacing any the given
     tokenizer had (SFT data is formatted with nanoq's own).
+    packing: how a Dataset with packing "auto" serves the files, recorded in
+    tokenize.json: "stream" (windows of the concatenated documents) or
+    "pack" (whole documents per window, attention inside each; see
+    nanoq.data.loader).
     """
+    if packing not in ("stream", "pack"):
+        raise ValueError(f"packing must be stream or pack, got {packing!r}")
     start = time.time()
     if not documents:
         raise InputError(f"no documents in {', '.join(inputs) or 'the input'}: the corpus is empty")
@@ -148,7 +154,8 @@ def tokenize_documents(documents: Sequence[Document], output: str | os.PathLike,
                                 documents=len(documents), eval_documents=len(eval_docs),
                                 train_tokens=int(train_encoded[0].size), eval_tokens=int(eval_encoded[0].size),
                                 vocab_size=vocab, eos_id=eos, seconds=time.time() - start)
-        write_summary(out, result, inputs=list(inputs), eval_fraction=eval_fraction, seed=seed, masked=force_mask)
+        write_summary(out, result, inputs=list(inputs), eval_fraction=eval_fraction, seed=seed, masked=force_mask,
+                      packing=packing)
         out.commit()
     return result
 
@@ -156,7 +163,10 @@ def tokenize_documents(documents: Sequence[Document], output: str | os.PathLike,
 def tokenize_files(inputs: Sequence[str | os.PathLike], output: str | os.PathLike, *, fmt: str = "auto",
                    text_field: str = "text", split: str = "file", **options) -> TokenizeResult:
     """Reads ``inputs`` (see the module docstring for ``fmt``, ``text_field``
-    and ``split``) and tokenizes them with ``tokenize_documents(**options)``."""
+    and ``split``) and tokenizes them with ``tokenize_documents(**options)``;
+    ``packing`` defaults to "pack" for sft (each example whole in a window,
+    attending only to itself), else "stream"."""
+    options.setdefault("packing", "pack" if fmt == "sft" else "stream")
     paths = [os.fspath(p) for p in inputs]
     if not paths:
         raise ValueError("no input files given")
