@@ -49,6 +49,9 @@ def architecture(config: ModelConfig) -> str:
     """"LlamaForCausalLM", "Qwen2ForCausalLM" or "Qwen3ForCausalLM": the
     Hugging Face class that computes what ``config`` describes.
     NotExportable (a ValueError) if none does."""
+    if not config.causal:
+        raise NotExportable("a bidirectional model (causal False) has no Hugging Face causal-LM class to "
+                            "export to; its checkpoints save, resume and run logits() as they are")
     if config.learned_positions:
         raise NotExportable("a model with learned position embeddings (position_embedding 'learned') has no Hugging "
                          "Face Llama/Qwen architecture: those classes only rotate q and k (RoPE) and would drop "
