@@ -176,7 +176,7 @@ def llama_logits(model, inputs, is_causal):
     return norm(x, m.norm.weight) @ model.lm_head.weight.T
 
 
-def test_bidirectional_attention_matches_torch_sdpa(checkpoints):
+def test_bidirectional_attention_matches_torch_sdpa(checkpoints, tmp_path):
     rng = np.random.default_rng(5)
     inputs = rng.integers(0, VOCAB, (2, SEQ)).astype(np.int32)
     targets = rng.integers(0, VOCAB, (2, SEQ)).astype(np.int32)
@@ -198,6 +198,7 @@ def test_bidirectional_attention_matches_torch_sdpa(checkpoints):
     config.causal = False
     with nanoq.Trainer(config, train_options()) as tr:
         tr.import_weights(checkpoints.path("llama"))
+        logits = tr.logits(inputs)  # the whole-sequence pass of the KV-cache path
         tr.step(inputs, targets)
         grads = tr.get_gradients()
         stats = tr.update(lr=1e-3)
@@ -205,6 +206,11 @@ def test_bidirectional_attention_matches_torch_sdpa(checkpoints):
             tr.step(inputs, targets, positions=np.zeros_like(inputs))
         with pytest.raises(ValueError, match="bidirectional"):
             tr.generate([1, 2, 3], 2)
+        with pytest.raises(ValueError, match="bidirectional"):
+            tr.export_model(tmp_path / "export")
+    with torch.no_grad():
+        reference_logits = llama_logits(checkpoints.model("llama"), tokens, False).numpy()
+    np.testing.assert_allclose(logits, reference_logits, rtol=0, atol=1e-5 * np.abs(reference_logits).max())
     assert stats.tokens == int(counted.sum())
     assert stats.loss == pytest.approx(float(loss.detach()) / int(counted.sum()), rel=LOSS_REL)
     assert_tensors_close(grads, expected_grads, GRAD_REL, "bidirectional grad")
