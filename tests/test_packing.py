@@ -114,6 +114,43 @@ def test_without_positions_a_step_is_bitwise_unchanged_and_positions_0_to_T_are_
         np.testing.assert_array_equal(again[name], expected[name])
 
 
+def test_two_processes_with_packed_rows_match_one_trainer_of_two_devices_bitwise(checkpoints):
+    """Each process passes the positions of its own rows (ThreadWorld members)."""
+    from nanoq.testing.threads import ThreadWorld
+    from test_topology import in_threads
+
+    documents = random_documents(np.random.default_rng(6), [5, 7, 3, 9, 6, 8, 8, 2, 11])
+    inputs, targets, positions = pack_rows(documents, rows=4)
+    path = checkpoints.path("qwen3")
+    config = nanoq.ModelConfig.from_pretrained(path)
+
+    def options(devices):  # one thread per device on both sides: the same sums
+        return nanoq.TrainOptions(backend="cpu", devices=devices, batch_size=2, seq_len=SEQ, threads=1)
+
+    with nanoq.Trainer(config, options(2)) as tr:
+        tr.import_weights(path)
+        tr.step(inputs, targets, positions=positions)
+        expected_loss = tr.update(lr=1e-2).loss
+        expected = tr.get_weights()
+    world = ThreadWorld(2)
+
+    def member(rank):
+        def go():
+            with nanoq.Trainer(config, options(1), processes=world.member(rank)) as tr:
+                tr.import_weights(path)
+                rows = slice(2 * rank, 2 * rank + 2)
+                tr.step(inputs[rows], targets[rows], positions=np.ascontiguousarray(positions[rows]))
+                return tr.update(lr=1e-2).loss, tr.get_weights()
+        return go
+
+    results, errors = in_threads([member(0), member(1)])
+    assert errors == [None, None], errors
+    for loss, got in results:
+        assert loss == expected_loss
+        for name, value in expected.items():
+            np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
 def test_positions_are_checked(checkpoints):
     inputs = np.zeros((2, SEQ), np.int32)
     good = np.tile(np.arange(SEQ, dtype=np.int32), (2, 1))
