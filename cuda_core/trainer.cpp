@@ -398,9 +398,6 @@ struct Trainer::Impl : TrainerSetup {
     bool failed = false;
     bool validate_pending = false;           // queue_validate() ran, validate_result() not yet
     std::vector<StatValue> validate_rows;    // what the queued validate gathered (rank 0's copy)
-    // Per-token positions (packed documents) of the batch in each slot and
-    // of the queued validate, for all of this trainer's devices; empty: none.
-    std::vector<std::int32_t> slot_positions[kBatchSlots], validate_positions;
     std::string stopped_by = "a worker failure";  // why `failed`, for the refusal's message
     int cached_length = 0;  // positions in the devices' KV caches (forward_cached)
     std::mutex call_mutex;  // public calls from several threads run one at a time
@@ -589,11 +586,15 @@ struct Trainer::Impl : TrainerSetup {
         d.backend->run_captured(key, body);
     }
 
-    // The host copy of a batch's positions (empty for none), checked: each
-    // row starts a document, and a position is 0 (a new document) or one
-    // more than the one before it.
-    std::vector<std::int32_t> take_positions(const std::int32_t* positions) const {
-        if (!positions) return {};
+    // Per-token positions (packed documents) of one batch, for all of this
+    // trainer's devices (null: none), shared by the batch's tasks.
+    using Positions = std::shared_ptr<const std::vector<std::int32_t>>;
+
+    // The host copy of a batch's positions, checked: each row starts a
+    // document, and a position is 0 (a new document) or one more than the
+    // one before it.
+    Positions take_positions(const std::int32_t* positions) const {
+        if (!positions) return nullptr;
         if (!config.causal)
             throw InvalidArgument("positions (packed documents) need a causal model; this one has causal false");
         const int T = options.seq_len;
@@ -607,17 +608,17 @@ struct Trainer::Impl : TrainerSetup {
                                           std::to_string(p) + ": a position is 0 (a document starts) or one more "
                                           "than the one before it (" + std::to_string(before) + ")");
             }
-        return std::vector<std::int32_t>(positions, positions + rows * T);
+        return std::make_shared<const std::vector<std::int32_t>>(positions, positions + rows * T);
     }
 
-    // Gives the model this device's part of `positions` (empty: none).
-    void load_positions(int rank, DeviceState& d, const std::vector<std::int32_t>& positions) {
-        if (positions.empty()) return d.model->use_positions(Tensor(), *d.allocator);
+    // Gives the model this device's part of `positions` (null: none).
+    void load_positions(int rank, DeviceState& d, const Positions& positions) const {
+        if (!positions) return d.model->use_positions(Tensor(), *d.allocator);
         if (!d.positions.data)
             d.positions = d.allocator->allocate(Context::Workspace, "positions", DType::I32,
                                                 {options.batch_size, options.seq_len});
         d.backend->copy_from_host(d.positions,
-                                  positions.data() + std::int64_t(rank) * options.batch_size * options.seq_len);
+                                  positions->data() + std::int64_t(rank) * options.batch_size * options.seq_len);
         d.model->use_positions(d.positions, *d.allocator);
     }
 
@@ -996,14 +997,11 @@ void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int 
     if (m.pool->failed()) m.drain();  // an earlier step's failure surfaces here
     const std::int64_t rows = std::int64_t(m.options.batch_size) * m.options.seq_len;
     const int slot = static_cast<int>(m.steps_queued % kBatchSlots);
-    std::vector<std::int32_t> checked_positions = m.take_positions(positions);
-    const bool packed = !checked_positions.empty();
-    // The slot is free once the step that used it last has read it (its
-    // batch, its positions).
-    if (source_device < 0 || packed || !m.slot_positions[slot].empty())
-        if (!m.pool->wait_for(m.slot_ticket[slot])) m.drain();
-    m.slot_positions[slot] = std::move(checked_positions);
+    const Impl::Positions packed_positions = m.take_positions(positions);
+    const bool packed = packed_positions != nullptr;
     if (source_device < 0) {
+        // The slot is free once the step that used it last has read it.
+        if (!m.pool->wait_for(m.slot_ticket[slot])) m.drain();
         for (int rank = 0; rank < m.size(); ++rank) {
             auto* staged = static_cast<std::int32_t*>(m.devices[rank].batch_staging.data) + slot * 2 * rows;
             std::memcpy(staged, inputs + rank * rows, sizeof(std::int32_t) * rows);
@@ -1025,7 +1023,7 @@ void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int 
     const bool tracing = m.testing_hooks.get(TestingHook::kTraceCommunication) != 0;
     const long ticket = m.pool->submit(
         [&m, slot, rows, fault, delay_rank, delay, dropout_step, inputs, targets, source_device, last_micro_batch,
-         overlap, tracing, packed](int rank) {
+         overlap, tracing, packed, packed_positions](int rank) {
             DeviceState& d = m.devices[rank];
             if (tracing != static_cast<bool>(d.trace)) {  // each rank sets its own communicator's trace
                 d.trace = tracing ? std::make_unique<CommTrace>() : nullptr;
@@ -1056,7 +1054,7 @@ void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int 
                 }
             }
             d.backend->mark_batch_read();
-            m.load_positions(rank, d, m.slot_positions[slot]);
+            m.load_positions(rank, d, packed_positions);
             if (d.dropout_seed.data) {
                 const std::uint64_t dropout_seed =
                     mix_seed(mix_seed(m.options.seed, dropout_step), std::uint64_t(m.global(rank)));
@@ -1107,19 +1105,19 @@ void Trainer::queue_validate(const std::int32_t* inputs, const std::int32_t* tar
     m.check_source(source_device);
     m.refuse_if_failed();
     if (m.validate_pending) throw InvalidArgument("validate() queued twice: collect the first with validate_result()");
-    m.validate_positions = m.take_positions(positions);
+    const Impl::Positions packed_positions = m.take_positions(positions);
     m.record_batch_streams(source_device, inputs_stream, targets_stream);
     const std::int64_t delay_rank = m.testing_hooks.take(TestingHook::kDelayNextValidateInWorker);
     const std::int64_t delay = m.testing_hooks.get(TestingHook::kDelayNextStepMilliseconds);
     // The task reads the batch and writes its result only into the trainer: it
     // may outlive this call (validate_result() collects it).
     m.pool->submit(
-        [&m, inputs, targets, source_device, delay_rank, delay](int rank) {
+        [&m, inputs, targets, source_device, delay_rank, delay, packed_positions](int rank) {
             DeviceState& d = m.devices[rank];
             if (rank == delay_rank) std::this_thread::sleep_for(std::chrono::milliseconds(delay));
             m.load_batch(rank, d, inputs, targets, source_device);
-            m.load_positions(rank, d, m.validate_positions);
-            m.run_repeating(d, m.validate_positions.empty() ? "validate" : "validate:positions", [&] {
+            m.load_positions(rank, d, packed_positions);
+            m.run_repeating(d, packed_positions ? "validate:positions" : "validate", [&] {
                 reset_stats(*d.backend, d.eval_stats);
                 ZeroLayers layers(*m.zero, d.zero, d.weight_views, d.grad_views, *d.backend, *d.comm);
                 d.model->forward_loss(d.weight_views, layers, d.tokens, d.targets, d.eval_stats, m.options.z_loss,

@@ -91,6 +91,22 @@ def test_packed_rows_match_each_document_run_alone(checkpoints, variant):
     assert abs(evaluated.loss - unpacked.loss) > 1e-4
 
 
+def test_logits_of_packed_rows_are_those_of_each_document_alone(checkpoints):
+    documents = random_documents(np.random.default_rng(7), [5, 7, 3, SEQ])
+    inputs, _, positions = pack_rows(documents, rows=2)
+    model = checkpoints.model("llama")
+    with open_trainer(checkpoints.path("llama")) as tr:
+        logits = tr.logits(inputs, positions=positions)
+        with pytest.raises(ValueError, match=r"positions\[0, 0\] is 5"):
+            tr.logits(inputs, positions=np.full_like(positions, 5))
+    at = [(0, 0), (0, 5), (0, 12), (1, 0)]
+    for (row, first), (x, _) in zip(at, documents):
+        with torch.no_grad():
+            expected = model(input_ids=torch.from_numpy(x[None]).long()).logits[0].numpy()
+        got = logits[row, first:first + len(x)]
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+
+
 def test_without_positions_a_step_is_bitwise_unchanged_and_positions_0_to_T_are_the_default(checkpoints):
     """positions 0 .. T-1 in every row are one document per row: the same
     numbers as no positions, and steps without positions stay bitwise what

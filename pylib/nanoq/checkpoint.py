@@ -109,7 +109,7 @@ LATEST = "latest"
 CHECKSUM_CHUNK = 16 << 20  # bytes read at a time to checksum a file
 # Model options added after checkpoints were first written, and the value a
 # checkpoint without them had.
-_NEWER_MODEL_FIELDS = {"position_embedding": "rope", "mlp_bias": False, "dropout": 0.0}
+_NEWER_MODEL_FIELDS = {"position_embedding": "rope", "mlp_bias": False, "dropout": 0.0, "causal": True}
 REQUIRED_FIELDS = ("format_version", "nanoq_version", "step", "optimizer_steps", "model_config", "options",
                    "extra_state", "files")
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")

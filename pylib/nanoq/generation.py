@@ -123,8 +123,10 @@ def generate(core, prompt_ids, max_new_tokens: int, sampler: Sampler, stop=(),
         position += 1
 
 
-def logits(core, inputs) -> np.ndarray:
-    """The logits of each row of ``inputs``; see Trainer.logits."""
+def logits(core, inputs, positions=None) -> np.ndarray:
+    """The logits of each row of ``inputs``; see Trainer.logits. With
+    ``positions`` (checked by the caller), each document of a row runs as
+    its own sequence."""
     array = np.asarray(inputs)
     if array.ndim != 2:
         raise ValueError(f"inputs must be a 2-D array [rows, time] of token ids, got shape {array.shape}")
@@ -139,5 +141,7 @@ def logits(core, inputs) -> np.ndarray:
     out = np.empty((rows, time, core.vocab_size), np.float32)
     for r in range(rows):
         row = token_ids(f"inputs[{r}]", array[r], core.vocab_size)
-        core.forward_cached(row, 0, True, out[r].reshape(-1))
+        starts = [0] if positions is None else list(np.flatnonzero(positions[r] == 0))
+        for first, end in zip(starts, starts[1:] + [time]):
+            core.forward_cached(np.ascontiguousarray(row[first:end]), 0, True, out[r, first:end].reshape(-1))
     return out

@@ -661,10 +661,11 @@ class Trainer:
         # step together, so there the interrupt ends the trainer's part (see above).
         with self._interruptible(discard=not self._alone_in_world):
             self._wait_for_devices(for_step=True)
+            packed = {} if positions is None else {"positions": positions}
             if device_batch is None:
-                self._core.step(inputs, targets, positions)
+                self._core.step(inputs, targets, **packed)
             else:
-                self._core.step_device(*device_batch, positions=positions)
+                self._core.step_device(*device_batch, **packed)
 
     def validate(self, inputs, targets, positions=None) -> StepStats:
         """Loss of one batch (same arrays and positions as ``step``) without
@@ -675,10 +676,11 @@ class Trainer:
             self._wait_for_devices(for_step=False)
             # The devices read the arrays after this call if it is interrupted: keep them until they are done.
             self._validated_batch = (inputs, targets)
+            packed = {} if positions is None else {"positions": positions}
             if device_batch is None:
-                self._core.queue_validate(inputs, targets, positions)
+                self._core.queue_validate(inputs, targets, **packed)
             else:
-                self._core.queue_validate_device(*device_batch, positions=positions)
+                self._core.queue_validate_device(*device_batch, **packed)
             self._wait_for_devices(for_step=False)
             return StepStats(**self._core.validate_result())
 
@@ -715,16 +717,25 @@ class Trainer:
         return generation.generate(self._core, prompt_ids, max_new_tokens, sampler, stop,
                                    self.config.max_position_embeddings)
 
-    def logits(self, inputs) -> np.ndarray:
+    def logits(self, inputs, positions=None) -> np.ndarray:
         """The model's logits for each row of ``inputs``, an integer array
         [rows, T] of token ids (T <= options.seq_len; any number of rows):
         numpy float32 [rows, T, vocab_size], position t of row r being the
         logits for the token after inputs[r, :t+1] (a bidirectional model,
         ``config.causal`` False: of position t given the whole row). Runs
         through the KV-cache path of ``generate``, one row at a time; LoRA
-        adapters apply."""
+        adapters apply. positions (optional, numpy int32 of the same shape,
+        as in ``step``): each document of a row is run alone, so its logits
+        are those of the document by itself."""
         self._require_alone("logits()")
-        return generation.logits(self._core, inputs)
+        if positions is not None:
+            array = np.asarray(inputs)
+            if array.ndim == 2:  # else generation.logits says what is wrong with inputs
+                positions = _check_positions(positions, array.shape)
+            if not self.config.causal:
+                raise ValueError("positions (packed documents) need a causal model; this one has model.causal "
+                                 "False")
+        return generation.logits(self._core, inputs, positions)
 
     def update(self, lr: float, beta1: float = 0.9, beta2: float = 0.95, weight_decay: float = 0.1,
                grad_clip: float = 1.0, eps: float = 1e-8) -> StepStats:
