@@ -496,3 +496,42 @@ def test_cuda_lora_step_matches_cpu(checkpoints, backend):
     assert gpu_stats.loss == pytest.approx(cpu_stats.loss, rel=2e-5)
     assert_tensors_close(gpu_grads, cpu_grads, 1e-4, "cuda adapter grad")
     assert_tensors_close(gpu_weights, cpu_weights, 5e-4, "cuda adapter")
+
+
+# --------------------------------------------------------------------------
+# Packed documents and bidirectional attention
+# --------------------------------------------------------------------------
+
+
+def packed_positions(lengths, rows, seq_len=SEQ):
+    """positions [rows, seq_len] of documents of `lengths` packed in turn (cut at seq_len)."""
+    out = np.zeros((rows, seq_len), np.int32)
+    for r in range(rows):
+        row = [p for n in lengths[r % len(lengths):] + lengths for p in range(n)][:seq_len]
+        out[r] = row
+    return out
+
+
+def test_fp32_packed_and_bidirectional_steps_match_cpu(checkpoints, backend):
+    """Steps alternating packed positions (two layouts: the captured step reads
+    the new ones), no positions, and a bidirectional model, as on the cpu."""
+    rng = np.random.default_rng(8)
+    batches = [random_batch(rng, rows=4, mask_frac=0.1) for _ in range(3)]
+    layouts = [packed_positions([5, 3, 8], 4), packed_positions([1, 12, 7, 2], 4), None]
+    for variant, causal in (("qwen3", True), ("llama", False)):
+        config = nanoq.ModelConfig.from_pretrained(checkpoints.path(variant))
+        config.causal = causal
+        results = []
+        for options in (cuda_options(backend="cpu"), cuda_options(backend=backend)):
+            with nanoq.Trainer(config, options) as trainer:
+                trainer.import_weights(checkpoints.path(variant))
+                steps = []
+                for (inputs, targets), positions in zip(batches * 2, layouts * 2):
+                    trainer.step(inputs, targets, positions=positions if causal else None)
+                    gradients = trainer.get_gradients()
+                    steps.append((trainer.update(lr=1e-3), gradients))
+                results.append(steps)
+        for step, ((cpu_stats, cpu_grads), (cuda_stats, cuda_grads)) in enumerate(zip(*results)):
+            what = f"{variant} causal={causal} step {step}"
+            assert_stats_close(cuda_stats, cpu_stats, TRAIN_LOSS_REL, what)
+            assert_tensors_close(cuda_grads, cpu_grads, GRAD_REL, f"{what} grad")
