@@ -369,3 +369,30 @@ def test_nanoq_generate_runs_a_lora_checkpoint_unmerged_on_its_base(hf_folder, t
                     "--backend", "cpu", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["completion_ids"] == expected
+
+
+def test_nanoq_eval_of_packed_documents_equals_transformers_on_each_document(hf_folder, tmp_path):
+    from nanoq.data.token_file import write_tokens
+
+    path, model, tokenizer = hf_folder
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(8)
+    eos = 0
+    documents = [np.append(rng.integers(1, vocab, n - 1), eos) for n in (4, 9, 6, 11, 3, 7)]
+    write_tokens(tmp_path / "eval_0.bin", np.concatenate(documents), vocab)
+    result = invoke("eval", path, "--data", tmp_path / "eval_*.bin", "--seq-len", 10, "--batch-size", 2,
+                    "--backend", "cpu", "--packing", "pack", "--json")
+    assert result.exit_code != 0 and "EOS id" in result.output  # no tokenize.json names it
+    (tmp_path / "tokenize.json").write_text(json.dumps({"eos_id": eos, "packing": "pack"}))
+    result = invoke("eval", path, "--data", tmp_path / "eval_*.bin", "--seq-len", 10, "--batch-size", 2,
+                    "--backend", "cpu", "--packing", "auto", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for doc in documents:
+            logits = model(torch.tensor(doc[None, :-1]).long()).logits[0].double()
+            total += torch.nn.functional.cross_entropy(logits, torch.tensor(doc[1:]).long(), reduction="sum").item()
+            count += len(doc) - 1
+    assert out["tokens"] == count
+    assert out["loss"] == pytest.approx(total / count, rel=1e-5)

@@ -148,10 +148,10 @@ def evaluate(trainer, dataset, max_batches: int = 0) -> dict:
 
     loader = EvalLoader(dataset, batch_rows=trainer.options.devices * trainer.options.batch_size)
     loss_sum, tokens, batches = 0.0, 0, 0
-    for inputs, targets in loader:
+    for batch in loader:  # (inputs, targets), and positions when the dataset packs documents
         if max_batches and batches == max_batches:
             break
-        stats = trainer.validate(inputs, targets)
+        stats = trainer.validate(*batch)
         loss_sum += stats.loss * stats.tokens
         tokens += stats.tokens
         batches += 1
@@ -172,8 +172,11 @@ def evaluate(trainer, dataset, max_batches: int = 0) -> dict:
               help="Evaluate at most this many batches (0: every window).")
 @click.option("--batch-size", type=click.IntRange(1), default=4, show_default=True, help="Windows per batch.")
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
+@click.option("--packing", type=click.Choice(["stream", "pack", "auto"]), default="stream", show_default=True,
+              help="stream: windows of the token stream; pack: whole documents per window, each attending "
+              "only to itself (nanoq.data.loader); auto: what the files' tokenize.json says.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
-def eval_command(model, data, seq_len, batches, batch_size, backend, as_json):
+def eval_command(model, data, seq_len, batches, batch_size, backend, packing, as_json):
     """Mean loss and perplexity of MODEL (a Hugging Face model folder, a run
     folder or a checkpoint) on the windows of seq_len + 1 tokens of token
     files, as training evaluates them."""
@@ -185,7 +188,7 @@ def eval_command(model, data, seq_len, batches, batch_size, backend, as_json):
             seq_len = source.trained_seq_len or min(source.max_positions or 1024, 1024)
         if source.max_positions and seq_len > source.max_positions:
             raise ValueError(f"--seq-len {seq_len} exceeds the model's {source.max_positions} positions")
-        dataset = Dataset(data, seq_len)
+        dataset = Dataset(data, seq_len, packing=packing)
         if dataset.vocab_size > source.config.vocab_size:
             raise ValueError(f"the token files have vocab size {dataset.vocab_size}, more than the model's "
                              f"{source.config.vocab_size}: they were tokenized for another model")
