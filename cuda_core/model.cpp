@@ -214,7 +214,7 @@ ScratchShapes ModelMemory::scratch_shapes() const {
 
 void LlamaModel::forward(const ModelWeights& w, LayerSource& layers, const Tensor& tokens, StackArena& stack) {
     const ModelConfig& c = config_;
-    embed(w, residual_[0], tokens, position_ids_, rows_, stack);
+    embed(w, residual_[0], tokens, learned_position_ids(), rows_, stack);
     if (model_dropout_active_)
         backend_.scale_dropout(residual_[0], residual_[0], 1.0f, c.dropout, dropout_stream(c.num_layers, 0),
                                dropout_seed_);
@@ -497,7 +497,8 @@ void LlamaModel::forward_backward(const ModelWeights& w, const ModelWeights& g, 
     if (model_dropout_active_)
         backend_.scale_dropout(dresidual, dresidual, 1.0f, c.dropout, dropout_stream(c.num_layers, 0), dropout_seed_);
     if (g.embed.data) backend_.embedding_backward(g.embed, dresidual, tokens, rows_, c.hidden_size);
-    if (g.positions.data) backend_.embedding_backward(g.positions, dresidual, position_ids_, rows_, c.hidden_size);
+    if (g.positions.data)
+        backend_.embedding_backward(g.positions, dresidual, learned_position_ids(), rows_, c.hidden_size);
     dropout_active_ = model_dropout_active_ = false;
 }
 
@@ -505,6 +506,7 @@ void LlamaModel::use_positions(const Tensor& positions, NamedAllocator& allocato
     positions_ = positions;
     if (!positions.data) return;
     if (!config_.causal) throw InvalidArgument("positions (packed documents) need a causal model (model.causal)");
+    if (config_.max_positions > 0) return;  // learned positions read positions_ (learned_position_ids); no RoPE
     const int half = config_.head_dim / 2;
     if (!rope_rows_.data) {
         rope_rows_ = allocator.allocate(Context::Workspace, "rope-cos-sin-per-token", DType::F32, {rows_, half, 2});

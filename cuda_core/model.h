@@ -235,8 +235,11 @@ private:
 
     // The RoPE table and shape the layers rotate q, k with: per row of the
     // micro-batch (batch 1, time B*T) with positions, else per time index.
-    const Tensor& rope_angles() const { return positions_.data ? rope_rows_ : cos_sin_; }
-    const QkvShape& rope_shape() const { return positions_.data ? rope_rows_shape_ : qkv_shape_; }
+    const Tensor& rope_angles() const { return positions_.data && rope_rows_.data ? rope_rows_ : cos_sin_; }
+    const QkvShape& rope_shape() const { return positions_.data && rope_rows_.data ? rope_rows_shape_ : qkv_shape_; }
+    // The rows' indices into a learned position table: their positions in
+    // their documents with use_positions, else r % T.
+    const Tensor& learned_position_ids() const { return positions_.data ? positions_ : position_ids_; }
 
     Backend& backend_;
     Tensor positions_;               // use_positions'

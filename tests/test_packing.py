@@ -267,3 +267,35 @@ def test_bidirectional_attention_matches_torch_sdpa(checkpoints, tmp_path):
     assert stats.tokens == int(counted.sum())
     assert stats.loss == pytest.approx(float(loss.detach()) / int(counted.sum()), rel=LOSS_REL)
     assert_tensors_close(grads, expected_grads, GRAD_REL, "bidirectional grad")
+
+
+def test_packed_rows_of_a_learned_position_model_match_each_document_in_its_own_row():
+    """With a learned position table (no RoPE) the packed documents index the
+    table by their own positions: the same loss and gradients as each
+    document alone at the start of a row (the single-document runs being
+    checked against PyTorch in test_model_options.py)."""
+    config = nanoq.ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, position_embedding="learned",
+                               max_position_embeddings=SEQ, qkv_bias=True, o_bias=True, mlp_bias=True)
+    documents = random_documents(np.random.default_rng(9), LENGTHS)
+    inputs, targets, positions = pack_rows(documents, rows=3)
+    alone_inputs = np.zeros((len(documents), SEQ), np.int32)
+    alone_targets = np.full((len(documents), SEQ), IGNORE, np.int32)
+    for row, (x, y) in enumerate(documents):
+        alone_inputs[row, :len(x)], alone_targets[row, :len(y)] = x, y
+    results = []
+    for rows, batch in ((3, (inputs, targets, positions)), (len(documents), (alone_inputs, alone_targets, None))):
+        with nanoq.Trainer(config, train_options(batch_size=rows)) as tr:
+            tr.init_weights(5)
+            tr.step(*batch)
+            results.append((tr.get_gradients(), tr.update(lr=1e-3)))
+    (packed, packed_stats), (alone, alone_stats) = results
+    assert packed_stats.tokens == alone_stats.tokens
+    assert packed_stats.loss == pytest.approx(alone_stats.loss, rel=LOSS_REL)
+    # A key bias shifts every score of a query alike: its gradient is zero up to rounding.
+    key_biases = [name for name in alone if name.endswith("k_proj.bias")]
+    assert max(float(np.abs(packed[n]).max()) for n in key_biases) < 1e-8
+    assert_tensors_close({n: g for n, g in packed.items() if n not in key_biases},
+                         {n: g for n, g in alone.items() if n not in key_biases}, GRAD_REL,
+                         "learned positions packed grad")
+    assert np.abs(packed["model.embed_positions.weight"]).max() > 0
