@@ -389,26 +389,21 @@ def test_a_nano_model_of_each_kind_converts_and_trains(option, expected):
     assert all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.1
 
 
-def test_a_bidirectional_nano_model_needs_model_causal():
+def test_a_bidirectional_nano_model_is_a_non_causal_model():
     from nanoq.nano_config import nano_model_config
 
-    if "causal" in {f.name for f in dataclasses.fields(nanoq.ModelConfig)}:
-        assert nano_model_config(dict(SMALL_NANO_MODEL, is_causal=False)).causal is False
-    else:
-        with pytest.raises(ValueError, match="needs model.causal"):
-            nano_model_config(dict(SMALL_NANO_MODEL, is_causal=False))
+    assert nano_model_config(dict(SMALL_NANO_MODEL, is_causal=False)).causal is False
+    assert nano_model_config(SMALL_NANO_MODEL).causal is True
 
 
-def test_nano_model_options_map_or_name_the_setting_they_need():
-    from nanoq.nano_config import NANO_OPTIONS, SECTION_OF
-
+def test_nano_model_options_map_to_model_settings():
     model = dict(NANO_MODEL, use_rope=False, bias=True, is_causal=False, dropout=0.1)
     conversion = convert_nano_config(model, nano_train(dropout=0.1), stage_steps=[10])
-    for field, _, setting, value in NANO_OPTIONS + (("dropout", 0.0, "dropout", 0.1),):
-        if setting in SECTION_OF:
-            assert getattr(conversion.config, setting) == value
-            assert f"model.{field}" in conversion.mapped
-        else:
-            assert any(entry.startswith(f"model.{field} = ") and f"needs model.{setting}" in entry
-                       for entry in conversion.unmapped), field
+    config = conversion.config
+    assert (config.position_embedding, config.linear_bias, config.causal, config.dropout) == ("learned", True,
+                                                                                              False, 0.1)
+    # Nano trains a non-causal model on its same-length seq2seq task.
+    assert config.objective == "seq2seq"
+    assert {"model.use_rope", "model.bias", "model.is_causal", "model.dropout"} <= set(conversion.mapped)
+    assert not [entry for entry in conversion.unmapped if entry.startswith("model.")]
     assert "train.dropout" in conversion.mapped  # the model's dropout is the one Nano applies

@@ -28,9 +28,9 @@ class CountingDataset(Dataset):
         super().__init__(*args)
         self.reads = []
 
-    def read_windows(self, indices):
+    def read_windows(self, indices, **draws):
         self.reads.append(np.asarray(indices).tolist())
-        return super().read_windows(indices)
+        return super().read_windows(indices, **draws)
 
 
 @pytest.fixture

@@ -217,9 +217,12 @@ def _map_architecture(model: _Fields, train: _Fields, out: _Mapping) -> None:
     missing = [field for field in REQUIRED_MODEL_KEYS if not model.has(field)]
     if missing:
         raise ValueError(f"the Nano model config lacks {', '.join(missing)}")
-    # A Nano line is one window of block_size + 1 tokens: disjoint windows keep them apart.
+    # A Nano line is one window, of block_size + 1 tokens for a causal model
+    # (2 * block_size for its non-causal seq2seq task): disjoint windows of
+    # that many tokens keep the lines apart.
     block_size = model.get("block_size", "int")
-    out.put("model.block_size", seq_len=block_size, window_step=block_size + 1)
+    causal = model.get("is_causal", "bool", default=True)
+    out.put("model.block_size", seq_len=block_size, window_step=block_size + 1 if causal else 2 * block_size)
     out.put("model.vocab_size", vocab_size=model.get("vocab_size", "int"))
     out.put("model.n_layer", num_hidden_layers=model.get("n_layer", "int"))
     out.put("model.n_embd", hidden_size=model.get("n_embd", "int"))
@@ -254,19 +257,17 @@ def _map_nano_options(model: _Fields, train: _Fields, out: _Mapping) -> None:
             continue
         if model.get(field, "bool") == nano_default:
             out.same(model.key(field), f"nanoq does the same: {field} = {str(nano_default).lower()}")
-        elif setting in SECTION_OF:
-            out.put(model.key(field), **{setting: value})
+        elif field == "is_causal":
+            # Nano trains a non-causal model on its seq2seq task (its denoiser
+            # is a source edit, IS_DENOISE in train.py: train.objective denoise).
+            out.put(model.key(field), causal=False, objective="seq2seq")
         else:
-            out.report(f"{model.key(field)} = {str(not nano_default).lower()}: needs model.{setting}, which this "
-                       f"nanoq's training config lacks")
+            out.put(model.key(field), **{setting: value})
     dropout = model.get("dropout", "number", default=0.0)
     if model.has("dropout") and dropout == 0:
         out.same(model.key("dropout"), "no dropout, as nanoq's default")
-    elif model.has("dropout") and "dropout" in SECTION_OF:
-        out.put(model.key("dropout"), dropout=dropout)
     elif model.has("dropout"):
-        out.report(f"{model.key('dropout')} = {dropout}: needs model.dropout, which this nanoq's training config "
-                   f"lacks")
+        out.put(model.key("dropout"), dropout=dropout)
     if train.has("dropout"):
         # Nano's train.py builds the model from the model config alone.
         ignored = train.get("dropout", "number")
@@ -304,9 +305,6 @@ def nano_model_config(model_config: Dict[str, Any], *, intermediate_size: Option
                   max_position_embeddings=model.get("block_size", "int"),
                   position_embedding="rope" if model.get("use_rope", "bool", default=True) else "learned")
     if not model.get("is_causal", "bool", default=True):
-        if "causal" not in {f.name for f in dataclasses.fields(ModelConfig)}:
-            raise ValueError("Nano model.is_causal = false needs model.causal (bidirectional attention), which "
-                             "this nanoq's ModelConfig lacks")
         values["causal"] = False
     try:
         return ModelConfig(**values)

@@ -34,6 +34,14 @@ restart at 0), so no piece attends past its window. The packing is
 computed once, when the Dataset opens, and the loaders treat its windows as
 they treat stream windows: shuffling, resume and parts are unchanged.
 
+``objective`` (nanoq.data.objectives) says how a stream window becomes
+(inputs, targets): "causal" as above; "seq2seq" (windows of 2 * seq_len
+tokens: the first half the inputs, the second the targets) and "denoise"
+(windows of seq_len tokens, the targets the window and the inputs it with
+tokens replaced by ``mask_token``, drawn per window from the loader's seed,
+the epoch and the window's index) are Nano's objectives for bidirectional
+models; their windows are disjoint.
+
 Under a launcher every process serves only its part of each global batch
 (``part=(index, count)``: rows [index * batch_rows / count, (index + 1) *
 batch_rows / count)), the rows of its devices. Every process computes the
@@ -52,9 +60,10 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from nanoq.data import objectives
+from nanoq.data.objectives import IGNORE_INDEX
 from nanoq.data.token_file import TokenFile
 
-IGNORE_INDEX = -100
 PACKINGS = ("stream", "pack")
 
 # (inputs, targets), or with packing "pack" (inputs, targets, positions).
@@ -166,16 +175,32 @@ class Dataset:
     tokenization chose (``default_packing``: pack for SFT files). eos_id:
     the token that closes each document, for pack (default: the eos_id of
     the tokenize.json beside the files).
+
+    objective: "causal" (the default), "seq2seq" or "denoise" (see the module
+    docstring and nanoq.data.objectives; stream windows only): windows of
+    ``objectives.window_tokens(objective, seq_len)`` tokens, disjoint for the
+    last two. mask_token: the id denoise puts in place of a token.
     """
 
     def __init__(self, paths_or_globs, seq_len: int, window_step: Optional[int] = None,
-                 packing: str = "stream", eos_id: Optional[int] = None):
+                 packing: str = "stream", eos_id: Optional[int] = None, objective: str = "causal",
+                 mask_token: Optional[int] = None):
         self.seq_len = positive_int("seq_len", seq_len)
         if packing == "auto":
             packing = default_packing(paths_or_globs)
         if packing not in PACKINGS:
             raise ValueError(f"packing must be one of {', '.join(PACKINGS)} or auto, got {packing!r}")
         self.packing = packing
+        self.objective = objectives.check_objective(objective)
+        if objective != "causal" and packing == "pack":
+            raise ValueError(f"packing pack is for the causal objective; {objective} reads stream windows")
+        if objective == "denoise":
+            if isinstance(mask_token, bool) or not isinstance(mask_token, (int, np.integer)) or mask_token < 0:
+                raise ValueError(f"objective denoise needs mask_token, a non-negative token id; got {mask_token!r}")
+            mask_token = int(mask_token)
+        elif mask_token is not None:
+            raise ValueError(f"mask_token is for objective denoise, not {objective}")
+        self.mask_token = mask_token
         self.files = [TokenFile(path) for path in _expand(paths_or_globs)]
         if packing == "pack":
             if window_step not in (None, self.seq_len):
@@ -245,19 +270,24 @@ class Dataset:
         self.max_token = max(f.max_token for f in self.files)
 
     def _cut(self, window_step: Optional[int]) -> None:
-        step = self.seq_len if window_step is None else window_step
-        if step not in (self.seq_len, self.seq_len + 1):
-            raise ValueError(f"window_step must be seq_len ({self.seq_len}: windows sharing a token) or "
-                             f"seq_len + 1 ({self.seq_len + 1}: disjoint windows); got {window_step!r}")
+        steps = objectives.window_steps(self.objective, self.seq_len)
+        step = steps[0] if window_step is None else window_step
+        if step not in steps:
+            if self.objective == "causal":
+                raise ValueError(f"window_step must be seq_len ({self.seq_len}: windows sharing a token) or "
+                                 f"seq_len + 1 ({self.seq_len + 1}: disjoint windows); got {window_step!r}")
+            raise ValueError(f"objective {self.objective}'s windows of {steps[0]} tokens are disjoint: window_step "
+                             f"must be {steps[0]}; got {window_step!r}")
         self.window_step = step
-        window = self.seq_len + 1
+        window = objectives.window_tokens(self.objective, self.seq_len)
         windows_per_file = np.array([(len(f) - window) // step + 1 if len(f) >= window else 0
                                      for f in self.files], dtype=np.int64)
         # _first_window[i] = global index of file i's first window; last entry = total.
         self._first_window = np.concatenate([[0], np.cumsum(windows_per_file)])
         if self.num_windows == 0:
             tokens = sum(len(f) for f in self.files)
-            raise ValueError(f"no complete window of seq_len + 1 = {window} tokens in "
+            size = {"causal": "seq_len + 1", "seq2seq": "2 * seq_len", "denoise": "seq_len"}[self.objective]
+            raise ValueError(f"no complete window of {size} = {window} tokens in "
                              f"{', '.join(repr(f.path) for f in self.files)} ({tokens} tokens in all)")
         self.vocab_size = max(f.vocab_size for f in self.files)
         self.max_token = max(f.max_token for f in self.files)
@@ -271,6 +301,7 @@ class Dataset:
                              f"documents; there is no window_step {window_step}")
         other = object.__new__(Dataset)
         other.seq_len, other.files, other.packing, other.eos_id = self.seq_len, self.files, self.packing, None
+        other.objective, other.mask_token = self.objective, self.mask_token
         other._cut(window_step)
         return other
 
@@ -300,15 +331,19 @@ class Dataset:
         digest = hashlib.sha256(str(self.seq_len).encode())
         if self.packing == "pack":
             digest.update(f"\0pack\0{self.eos_id}".encode())
+        if self.objective != "causal":
+            digest.update(f"\0{self.objective}\0{self.mask_token}".encode())
         for name, size in self.file_sizes():
             digest.update(f"\0{name}\0{size}".encode())
         return {"files": len(self.files), "windows": self.num_windows, "sha256": digest.hexdigest()[:32]}
 
-    def read_windows(self, indices) -> Batch:
+    def read_windows(self, indices, seed: int = 0, epochs=0) -> Batch:
         """inputs, targets: int32 [len(indices), seq_len], C-contiguous; with
         packing "pack" also positions (the same shape).
 
-        indices: global window numbers in [0, len(self)).
+        indices: global window numbers in [0, len(self)). seed, epochs (one
+        for all rows, or one per row): what the denoise objective draws its
+        corruption of each window from (see nanoq.data.objectives).
         """
         indices = np.asarray(indices, dtype=np.int64)
         if self.packing == "pack":
@@ -318,6 +353,8 @@ class Dataset:
         file_of = np.searchsorted(self._first_window, indices, side="right") - 1
         for row, (index, file_index) in enumerate(zip(indices.tolist(), file_of.tolist())):
             self._read_window(index, file_index, inputs[row], targets[row])
+        if self.objective == "denoise":
+            objectives.corrupt(inputs, indices, self.mask_token, seed, epochs)
         return inputs, targets
 
     def _read_window(self, index: int, file_index: int, inputs: np.ndarray, targets: np.ndarray) -> None:
@@ -325,13 +362,9 @@ class Dataset:
             raise IndexError(f"window {index} outside [0, {self.num_windows})")
         token_file = self.files[file_index]
         start = (index - int(self._first_window[file_index])) * self.window_step
-        stop = start + self.seq_len + 1
-        window = token_file.tokens[start:stop]
-        inputs[:] = window[:-1]
-        targets[:] = window[1:]
-        mask = token_file.mask_range(start + 1, stop)
-        if mask is not None:
-            targets[~mask] = IGNORE_INDEX
+        stop = start + objectives.window_tokens(self.objective, self.seq_len)
+        objectives.split_window(self.objective, token_file.tokens[start:stop], token_file.mask_range(start, stop),
+                                inputs, targets)
 
     def _read_packed(self, indices: np.ndarray) -> Batch:
         rows = indices.size
@@ -415,19 +448,21 @@ class DataLoader:
         """This part's rows of the next global batch: inputs, targets int32
         [part_rows, seq_len] (the whole batch, [batch_rows, seq_len], by
         default), and positions with a packed dataset."""
-        chosen = []
+        chosen, epochs = [], []
         needed = self.batch_rows
         while needed:
             order = self._epoch_order()
             take = order[self.position:self.position + needed]
             chosen.append(take)
+            epochs.append(np.full(take.size, self.epoch, dtype=np.int64))
             needed -= take.size
             self.position += take.size
             if self.position == order.size:
                 self.epoch += 1
                 self.position = 0
-        first = self.part[0] * self.part_rows
-        return self.dataset.read_windows(np.concatenate(chosen)[first:first + self.part_rows])
+        rows = slice(self.part[0] * self.part_rows, (self.part[0] + 1) * self.part_rows)
+        return self.dataset.read_windows(np.concatenate(chosen)[rows], seed=self.seed,
+                                         epochs=np.concatenate(epochs)[rows])
 
     def __iter__(self) -> Iterator[Batch]:
         return self
@@ -440,7 +475,7 @@ class DataLoader:
         (window_step) and the dataset's fingerprint."""
         return {"kind": "DataLoader", "seed": self.seed, "epoch": self.epoch, "position": self.position,
                 "window_step": self.dataset.window_step, "packing": self.dataset.packing,
-                "dataset": self.dataset.fingerprint()}
+                "objective": self.dataset.objective, "dataset": self.dataset.fingerprint()}
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from ``state``: the next batches are those the saving loader
@@ -455,8 +490,16 @@ class DataLoader:
         if packing != self.dataset.packing:
             raise ValueError(f"DataLoader state was saved with packing {packing!r}, this loader's dataset has "
                              f"packing {self.dataset.packing!r}: its windows differ")
+        objective = state.get("objective", "causal")
+        if objective != self.dataset.objective:
+            raise ValueError(f"DataLoader state was saved with objective {objective!r}, this loader's dataset has "
+                             f"objective {self.dataset.objective!r}: its windows differ")
         step = state.get("window_step", self.seq_len + 1)
-        if isinstance(step, bool) or not isinstance(step, int) or step not in (self.seq_len, self.seq_len + 1):
+        steps = (self.seq_len,) if packing == "pack" else objectives.window_steps(objective, self.seq_len)
+        if isinstance(step, bool) or not isinstance(step, int) or step not in steps:
+            if objective != "causal":
+                raise ValueError(f"DataLoader state has window_step {step!r}; objective {objective}'s windows step "
+                                 f"by {steps[0]}")
             raise ValueError(f"DataLoader state has window_step {step!r}; this loader's windows are "
                              f"{self.seq_len + 1} tokens long and step by {self.seq_len} (or, for runs from "
                              f"before that, {self.seq_len + 1})")
@@ -491,11 +534,12 @@ class EvalLoader:
     alike, and reads only their windows (see DataLoader).
     """
 
-    def __init__(self, dataset: Dataset, batch_rows: int, part: Tuple[int, int] = (0, 1)):
+    def __init__(self, dataset: Dataset, batch_rows: int, part: Tuple[int, int] = (0, 1), seed: int = 0):
         self.dataset = dataset
         self.batch_rows = positive_int("batch_rows", batch_rows)
         self.part = check_part(part, self.batch_rows)
         self.part_rows = self.batch_rows // self.part[1]
+        self.seed = check_seed(seed)  # the denoise objective's draws (epoch 0): the same at every evaluation
 
     @property
     def seq_len(self) -> int:
@@ -509,7 +553,7 @@ class EvalLoader:
         for batch_start in range(0, total, self.batch_rows):
             start = min(batch_start + self.part[0] * self.part_rows, total)
             stop = min(start + self.part_rows, total)
-            arrays = self.dataset.read_windows(np.arange(start, stop))
+            arrays = self.dataset.read_windows(np.arange(start, stop), seed=self.seed)
             if stop - start < self.part_rows:
                 padded = [np.zeros((self.part_rows, self.seq_len), dtype=np.int32) for _ in arrays]
                 padded[1][:] = IGNORE_INDEX

@@ -83,17 +83,19 @@ def split_window(objective: str, window: np.ndarray, mask: Optional[np.ndarray],
         targets[~target_mask] = IGNORE_INDEX
 
 
-def corrupt(inputs: np.ndarray, window_indices, mask_token: int, seed: int, epoch: int) -> np.ndarray:
+def corrupt(inputs: np.ndarray, window_indices, mask_token: int, seed: int, epoch) -> np.ndarray:
     """Denoising: replaces tokens of ``inputs`` ([rows, seq_len], in place)
-    by ``mask_token``. Row r, window ``window_indices[r]``, draws p ~ U[0, 1)
-    and masks each token with probability p, from a generator seeded with
-    (seed, epoch, window index). Returns the bool mask of replaced tokens."""
+    by ``mask_token``. Row r, window ``window_indices[r]`` of epoch
+    ``epoch`` (one for every row, or one per row), draws p ~ U[0, 1) and
+    masks each token with probability p, from a generator seeded with (seed,
+    epoch, window index). Returns the bool mask of replaced tokens."""
     indices = np.asarray(window_indices, dtype=np.int64).reshape(-1)
     if indices.size != inputs.shape[0]:
         raise ValueError(f"{indices.size} window indices for {inputs.shape[0]} rows")
+    epochs = np.broadcast_to(np.asarray(epoch, dtype=np.int64), indices.shape)
     replaced = np.zeros(inputs.shape, dtype=bool)
-    for row, index in enumerate(indices.tolist()):
-        rng = np.random.default_rng([int(seed), _DENOISE_STREAM, int(epoch), int(index)])
+    for row, (index, row_epoch) in enumerate(zip(indices.tolist(), epochs.tolist())):
+        rng = np.random.default_rng([int(seed), _DENOISE_STREAM, int(row_epoch), int(index)])
         p = rng.random()
         replaced[row] = rng.random(inputs.shape[1]) < p
     inputs[replaced] = mask_token

@@ -40,17 +40,60 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         raise ValueError(f"{file} is not a tokenizer.json the tokenizers library can read: {e}") from None
 
 
-def _configured_eos(file: str) -> Optional[str]:
-    """The ``eos_token`` of a tokenizer_config.json beside ``file``, if any."""
+def _configured_token(file: str, key: str) -> Optional[str]:
+    """The ``key`` token (eos_token, mask_token) of a tokenizer_config.json beside ``file``, if any."""
     config = os.path.join(os.path.dirname(file), "tokenizer_config.json")
     try:
         with open(config, encoding="utf-8") as f:
-            eos = json.load(f).get("eos_token")
+            token = json.load(f).get(key)
     except (OSError, ValueError, AttributeError):
         return None
-    if isinstance(eos, dict):
-        eos = eos.get("content")
-    return eos if isinstance(eos, str) else None
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _configured_eos(file: str) -> Optional[str]:
+    """The ``eos_token`` of a tokenizer_config.json beside ``file``, if any."""
+    return _configured_token(file, "eos_token")
+
+
+_KNOWN_MASKS = ("<mask>", "[MASK]", "<|mask|>")
+
+
+def find_mask_id(tokenizer_dir: Optional[str], mask_token: str = "", vocab_size: int = 0) -> int:
+    """Id of the mask token a denoising model is trained and sampled with.
+
+    mask_token: an id ("7") or a token's text; "" = the tokenizer's own: the
+    ``mask_token`` of the tokenizer_config.json in ``tokenizer_dir``, else
+    the first of ``<mask>``, ``[MASK]``, ``<|mask|>`` in its vocabulary.
+    tokenizer_dir: the directory of the tokenizer.json (None: there is none,
+    so only an id will do). vocab_size > 0: the id must be below it.
+    ValueError saying what was looked for."""
+    text = mask_token.strip()
+    if text.isdigit():
+        token_id = int(text)
+    else:
+        if tokenizer_dir is None:
+            raise ValueError(f"the mask token {mask_token!r} needs a tokenizer to look it up, and the data has "
+                             f"none (no tokenizer.json beside the token files): give the mask token's id"
+                             if text else "denoising needs a mask token and the data has no tokenizer (no "
+                             "tokenizer.json beside the token files): give the mask token's id (data.mask_token)")
+        tokenizer = load_tokenizer(tokenizer_dir)
+        candidates = [text] if text else [_configured_token(tokenizer_file(tokenizer_dir), "mask_token")]
+        candidates = [token for token in candidates if token] or list(_KNOWN_MASKS)
+        ids = [tokenizer.token_to_id(token) for token in candidates]
+        found = [token_id for token_id in ids if token_id is not None]
+        if not found:
+            if text:
+                raise ValueError(f"mask token {text!r} is not in the vocabulary of the tokenizer in {tokenizer_dir}")
+            raise ValueError(f"the tokenizer in {tokenizer_dir} has no mask token (no mask_token in its "
+                             f"tokenizer_config.json, none of {', '.join(_KNOWN_MASKS)} in its vocabulary): give "
+                             f"one, as an id or the text of a token (data.mask_token)")
+        token_id = found[0]
+    if vocab_size and token_id >= vocab_size:
+        raise ValueError(f"mask token id {token_id} is outside the model's vocabulary [0, {vocab_size})")
+    return token_id
 
 
 def find_eos_id(tokenizer: Tokenizer, eos_token: Optional[str] = None, source: str = "") -> int:

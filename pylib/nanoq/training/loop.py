@@ -219,7 +219,11 @@ def _curriculum(config: TrainConfig, world: "_World", say: Callable[[str], None]
 
 
 def _dataset(config: TrainConfig, spec: str) -> Dataset:
-    return Dataset(spec, config.seq_len, window_step=config.window_step or None)
+    from nanoq.tokenization.tokenizer import find_mask_id
+
+    mask = find_mask_id(_tokenizer_dir(spec), config.mask_token) if config.objective == "denoise" else None
+    return Dataset(spec, config.seq_len, window_step=config.window_step or None, packing=config.packing,
+                   objective=config.objective, mask_token=mask)
 
 
 def _stage_datasets(config: TrainConfig, number: int, stage) -> tuple:
@@ -284,8 +288,11 @@ def check_data_vocab(config: TrainConfig, model: ModelConfig, datasets, evaluate
                              f"{train_set.vocab_size}{model_part}: the eval files come from another tokenizer; "
                              f"tokenize them with the train files' tokenizer")
     what = f"model.init_from {config.init_from}" if config.init_from else "the model"
-    for _, dataset in datasets:
+    for role, dataset in datasets:
         dataset.check_vocab(model.vocab_size, what)
+        if dataset.mask_token is not None and dataset.mask_token >= model.vocab_size:
+            raise ValueError(f"the mask token of {role} (id {dataset.mask_token}, data.mask_token) is outside "
+                             f"{what}'s vocabulary [0, {model.vocab_size})")
 
 
 def model_config(config: TrainConfig, data_vocab_size: int, token_vocab_size: int = 0) -> ModelConfig:
@@ -313,7 +320,7 @@ def model_config(config: TrainConfig, data_vocab_size: int, token_vocab_size: in
                        position_embedding=config.position_embedding,
                        max_position_embeddings=config.seq_len if config.position_embedding == "learned" else None,
                        qkv_bias=config.linear_bias, o_bias=config.linear_bias, mlp_bias=config.linear_bias,
-                       dropout=config.dropout)
+                       dropout=config.dropout, causal=config.causal)
 
 
 def warmup_steps(config: TrainConfig) -> int:
@@ -327,10 +334,10 @@ def evaluate(trainer: Trainer, loader: EvalLoader, max_batches: int = 0) -> tupl
     ``max_batches`` batches of ``loader`` (0: all of them)."""
     total_loss = 0.0
     total_tokens = 0
-    for index, (inputs, targets) in enumerate(loader):
+    for index, batch in enumerate(loader):  # (inputs, targets), and positions when packed
         if max_batches and index >= max_batches:
             break
-        stats = trainer.validate(inputs, targets)
+        stats = trainer.validate(*batch)
         total_loss += stats.loss * stats.tokens
         total_tokens += stats.tokens
     return (total_loss / total_tokens if total_tokens else math.nan), total_tokens
@@ -353,7 +360,7 @@ class _World:
         return DataLoader(dataset, batch_rows=self.rows, seed=config.seed, devices=self.devices, part=self.part)
 
     def eval_loader(self, dataset: Dataset, config: TrainConfig) -> EvalLoader:
-        return EvalLoader(dataset, batch_rows=self.rows, part=self.part)
+        return EvalLoader(dataset, batch_rows=self.rows, part=self.part, seed=config.seed)
 
 
 def _agreed_settings(group: distributed.ProcessGroup, config: TrainConfig) -> None:

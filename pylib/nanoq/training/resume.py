@@ -33,8 +33,8 @@ CHECKPOINTS = "checkpoints"
 # Settings a resumed run must share with its checkpoint: they define the model,
 # or which training windows the data loader serves and in which order.
 FIXED_ON_RESUME = ("model.*", "lora.*", "data.train_data", "data.eval_data", "data.curriculum", "data.seq_len",
-                   "data.window_step",
-                   "train.seed")
+                   "data.window_step", "data.packing", "data.mask_token",
+                   "train.seed", "train.objective")
 # Where the run lives: a resumed run stays in its own directory, so these keep
 # the checkpoint's values and are never compared.
 _LOCATION = ("out_dir", "run_name")

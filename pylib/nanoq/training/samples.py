@@ -137,6 +137,8 @@ def prepare_samples(every: int, prompts: List[str], max_new_tokens: int, seq_len
 def sampling_note(trainer) -> Optional[str]:
     """Why ``trainer`` cannot write samples (None: it can). Generation runs in
     a trainer that holds its whole world (see Trainer.generate)."""
+    if not trainer.config.causal:
+        return "samples off: the model is bidirectional (model.causal = false); nanoq generate --steps N samples it"
     if trainer.processes.size > 1 or trainer.topology[0] != trainer.world_size:
         return (f"samples off: generation needs a single-process run, and this one spans "
                 f"{trainer.processes.size} processes ({trainer.topology[0]} devices)")

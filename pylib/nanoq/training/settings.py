@@ -30,6 +30,8 @@ import numpy as np
 from nanoq import options as option_schema
 from nanoq.trainer_config import BACKENDS, DTYPES, OFFLOAD, POSITION_EMBEDDINGS, RECOMPUTE, STATE_DTYPES, TrainOptions
 from nanoq.lora import LoraConfig
+from nanoq.data.loader import PACKINGS
+from nanoq.data.objectives import OBJECTIVES, window_steps
 from nanoq.training.tracking import TRACKER_PACKAGES
 
 SECTIONS = ("model", "data", "train", "lora", "checkpoint", "run")
@@ -117,6 +119,9 @@ class TrainConfig:
     dropout: float = setting("model", 0.0, "dropout on the embedding, each attention output and each MLP output "
                                            "while training (Nano's dropout); off in evaluation and generation",
                              minimum=0.0, below=1.0, memory=True)
+    causal: bool = setting("model", True, "causal attention (each token sees the ones before it); false = "
+                                          "bidirectional (Nano's is_causal = false), for train.objective seq2seq "
+                                          "or denoise; not exportable to transformers")
     init_from: str = setting("model", "", "a Hugging Face model directory to start from (its config.json sets the "
                                           "architecture and the [model] sizes are ignored); \"\" = random weights",
                             memory=True, path=True)
@@ -136,9 +141,21 @@ class TrainConfig:
     window_step: int = setting("data", 0, "tokens from one window's start to the next: 0 = seq_len (consecutive "
                                           "windows share a token, as in llm.q); seq_len + 1 = disjoint windows "
                                           "(one per Nano line)", minimum=0)
+    packing: str = setting("data", "auto", "\"stream\": windows cut from the concatenated documents; \"pack\": "
+                                           "whole documents packed into windows, attention and positions restarting "
+                                           "at each (SFT); \"auto\" = what the files' tokenization chose (pack for "
+                                           "nanoq tokenize --format sft)", choices=PACKINGS + ("auto",))
+    mask_token: str = setting("data", "", "train.objective denoise: the mask token, an id or the token's text; "
+                                          "\"\" = the tokenizer's mask token")
     eval_batches: int = setting("data", 16, "batches per evaluation; 0 = the whole eval set", minimum=0)
 
     # -- train: optimisation and schedule --------------------------------------
+    objective: str = setting("train", "causal", "causal: predict the next token; seq2seq: predict tokens "
+                                                "[T, 2T) of each 2T-token window from its first T (Nano's "
+                                                "non-causal task); denoise: restore windows whose tokens were "
+                                                "replaced by data.mask_token with a ratio drawn per window (Nano's "
+                                                "denoiser); seq2seq and denoise need model.causal = false",
+                             choices=OBJECTIVES)
     steps: int = setting("train", 240, "optimizer steps", minimum=1)
     batch_size: int = setting("train", 16, "sequences per device per micro-batch", **core_limits("batch_size"),
                               memory=True)
@@ -228,10 +245,26 @@ class TrainConfig:
     def __post_init__(self):
         for item in settings():
             setattr(self, item.name, _checked(item, getattr(self, item.name)))
-        if self.window_step not in (0, self.seq_len, self.seq_len + 1):
-            raise ValueError(f"data.window_step must be 0 or data.seq_len ({self.seq_len}: windows sharing a "
-                             f"token) or data.seq_len + 1 ({self.seq_len + 1}: disjoint windows); got "
-                             f"{self.window_step}")
+        if self.objective != "causal" and self.causal:
+            raise ValueError(f"train.objective {self.objective} trains a bidirectional model: set model.causal = "
+                             f"false")
+        if self.objective == "causal" and not self.causal:
+            raise ValueError("model.causal = false with train.objective causal would let each position see the "
+                             "token it predicts: choose train.objective seq2seq or denoise, or keep model.causal")
+        if self.mask_token and self.objective != "denoise":
+            raise ValueError(f"data.mask_token is for train.objective denoise (this run's is {self.objective}); "
+                             f"leave it \"\"")
+        if self.objective != "causal" and self.packing == "pack":
+            raise ValueError(f"data.packing pack is for causal models; train.objective {self.objective} reads "
+                             f"windows of the stream (data.packing stream or auto)")
+        steps = window_steps(self.objective, self.seq_len)
+        if self.window_step not in (0, *steps):
+            if self.objective == "causal":
+                raise ValueError(f"data.window_step must be 0 or data.seq_len ({self.seq_len}: windows sharing a "
+                                 f"token) or data.seq_len + 1 ({self.seq_len + 1}: disjoint windows); got "
+                                 f"{self.window_step}")
+            raise ValueError(f"data.window_step must be 0 or {steps[0]} (the disjoint windows of train.objective "
+                             f"{self.objective}); got {self.window_step}")
         if self.curriculum:
             stages = parse_curriculum(self.curriculum)
             if self.train_data or self.eval_data:
