@@ -168,3 +168,27 @@ def test_sft_tokenization_records_pack_and_its_batches_train(tmp_path):
         tr.init_weights(seed=0)
         tr.step(*loader.next_batch())
         assert tr.update(lr=1e-3).tokens > 0
+
+
+def test_nanoq_train_packs_sft_files_by_default_and_stream_on_request(tmp_path):
+    # data.packing "auto" (the default) follows tokenize.json: the run's
+    # loader state, saved in its checkpoint, says what it served.
+    from nanoq.checkpoint import read_state
+    from nanoq.tokenization import tokenize_files
+    from nanoq.training import TrainConfig, train
+    from test_sft import sft_records, write_jsonl
+
+    corpus = write_jsonl(tmp_path / "sft.jsonl", sft_records(24, seed=0))
+    tokenize_files([corpus], tmp_path / "data", fmt="sft", train_tokenizer_vocab=300, progress=False)
+    served = {}
+    for packing in ("auto", "stream"):
+        config = TrainConfig(train_data=str(tmp_path / "data" / "train_*.bin"), hidden_size=16, intermediate_size=32,
+                             num_hidden_layers=1, num_attention_heads=2, seq_len=64, batch_size=2, steps=2,
+                             warmup_steps=0, backend="cpu", threads=1, eval_every=0, sample_every=0,
+                             checkpoint_every=2, out_dir=str(tmp_path / "runs"), run_name=packing, packing=packing)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # examples longer than a window are cut
+            train(config, say=lambda line: None, progress=False)
+        state = read_state(str(tmp_path / "runs" / packing / "checkpoints" / "step_00000002"))
+        served[packing] = state["extra_state"]["data_loader"]["packing"]
+    assert served == {"auto": "pack", "stream": "stream"}
