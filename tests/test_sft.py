@@ -284,7 +284,7 @@ def test_cli_tokenizes_sft_data_and_trains_on_the_responses(tmp_path):
     """tokenize --format sft (a trained BPE; the eval set with that
     tokenizer), then train 2 devices x 2 micro-batches: finite losses, a
     first loss of ~ln(vocab) per trained token, and the final eval scores
-    exactly the response tokens of its complete windows."""
+    exactly the response tokens of its documents (packed, by default)."""
     eval_records = sft_records(12, seed=5)
     result = invoke("tokenize", write_jsonl(tmp_path / "train.jsonl", sft_records(40, seed=0)), "-o",
                     tmp_path / "data", "--format", "sft", "--train-tokenizer", "--vocab-size", VOCAB_SIZE)
@@ -316,7 +316,8 @@ def test_cli_tokenizes_sft_data_and_trains_on_the_responses(tmp_path):
     # Each response's tokens and the EOS after it.
     assert int(eval_file.mask.sum()) == sum(len(tokenizer.encode(text, add_special_tokens=False).ids) + 1
                                             for text in response_texts(eval_records))
-    _, mask = file_windows(eval_file)
-    assert evaluation["tokens"] == int(mask[:, 1:].sum()) < mask[:, 1:].size / 2
+    # SFT files are packed by default (data.packing auto): every document is
+    # whole, so the evaluation scores every response token of the file.
+    assert evaluation["tokens"] == int(eval_file.mask.sum()) < len(eval_file) / 2
     assert math.isfinite(evaluation["loss"])
     assert os.path.isfile(tmp_path / "runs" / "sft" / "model" / "model.safetensors")
