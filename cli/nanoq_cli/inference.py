@@ -105,31 +105,56 @@ def _load_tokenizer(source: ModelSource, what: str):
 @click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True,
               help="Sample among the most likely tokens whose probability reaches P (1: all).")
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed of the sampling.")
+@click.option("--steps", type=click.IntRange(1),
+              help="Bidirectional (denoising) models only: unmasking passes over the whole sequence, at most "
+              "--max-new-tokens (default: --max-new-tokens, one position per pass).")
+@click.option("--mask-token", metavar="ID|TEXT",
+              help="Bidirectional models only: the mask token, an id or the token's text (default: the "
+              "tokenizer's: its tokenizer_config.json mask_token, else <mask>, [MASK] or <|mask|>).")
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
 @click.option("--json", "as_json", is_flag=True,
               help="Print an object {prompt, completion, prompt_ids, completion_ids} instead of the text.")
-def generate(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, backend, as_json):
+def generate(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, steps, mask_token, backend, as_json):
     """Continue PROMPT with MODEL (a Hugging Face model folder with its
-    tokenizer, a run folder or a checkpoint) and print the continuation."""
+    tokenizer, a run folder or a checkpoint) and print the continuation.
+    A bidirectional model (model.causal false) fills --max-new-tokens
+    masked positions after the prompt in --steps passes, the most confident
+    first (Trainer.denoise)."""
     from nanoq.tokenization.tokenizer import find_eos_id
 
     try:
         source = find_model(model)
         tokenizer = _load_tokenizer(source, "--prompt")
+        tokenizer_json = os.path.join(source.tokenizer_dir, "tokenizer.json")
         prompt_ids = tokenizer.encode(prompt).ids
-        if not prompt_ids:
+        causal = source.config.causal
+        if causal and not prompt_ids:
             raise ValueError("--prompt encodes to no tokens: give some text")
+        if causal and (steps is not None or mask_token is not None):
+            raise ValueError(f"--steps and --mask-token are for bidirectional (denoising) models; {model} is "
+                             f"causal")
         try:
-            stop = [find_eos_id(tokenizer, source=os.path.join(source.tokenizer_dir, "tokenizer.json"))]
+            eos = find_eos_id(tokenizer, source=tokenizer_json)
         except ValueError:
-            stop = []
+            eos = None
         seq_len = len(prompt_ids) + max_new_tokens
         if source.max_positions and seq_len > source.max_positions:
             raise ValueError(f"the prompt ({len(prompt_ids)} tokens) and --max-new-tokens ({max_new_tokens}) "
                              f"exceed the model's {source.max_positions} positions")
+        if not causal:
+            mask_id = _mask_id(mask_token, source.tokenizer_dir, source.config.vocab_size)
+            if steps is not None and steps > max_new_tokens:
+                raise ValueError(f"--steps {steps} is more than --max-new-tokens {max_new_tokens}: each pass fills "
+                                 f"at least one position")
         with open_trainer(source, backend, max(seq_len, 1)) as trainer:
-            completion_ids = trainer.generate(prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
-                                              top_p=top_p, seed=seed, stop=stop)
+            if causal:
+                completion_ids = trainer.generate(prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                                                  top_p=top_p, seed=seed, stop=[] if eos is None else [eos])
+            else:
+                completion_ids = trainer.denoise(prompt_ids, max_new_tokens, steps or max_new_tokens, mask_id,
+                                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+                if eos in completion_ids:  # as a causal model's generation stops there
+                    completion_ids = completion_ids[:completion_ids.index(eos) + 1]
     except (ValueError, TypeError, OSError) as e:
         raise click.ClickException(str(e)) from None
     completion = tokenizer.decode(completion_ids, skip_special_tokens=True)
@@ -138,6 +163,16 @@ def generate(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, bac
                                    completion_ids=completion_ids)))
     else:
         click.echo(completion)
+
+
+def _mask_id(mask_token: Optional[str], tokenizer_dir: str, vocab_size: int) -> int:
+    """The id --mask-token names (digits: an id; else a token's text), or the tokenizer's mask token."""
+    from nanoq.tokenization.tokenizer import find_mask_id
+
+    try:
+        return find_mask_id(tokenizer_dir, mask_token or "", vocab_size)
+    except ValueError as e:
+        raise ValueError(f"{e}; for nanoq generate: pass --mask-token ID|TEXT") from None
 
 
 def evaluate(trainer, dataset, max_batches: int = 0) -> dict:

@@ -1,10 +1,14 @@
-"""Text generation on a Trainer: the KV-cache decode loop and host-side sampling.
+"""Text generation on a Trainer: the KV-cache decode loop, iterative
+unmasking for bidirectional models, and host-side sampling.
 
-The core runs the model (``CoreTrainer.forward_cached``): the prompt in one
-pass that fills the KV cache, then one token at a time attending to it. This
-module checks the arguments, picks each next token from the last position's
-logits (greedy, temperature, top-k, top-p, with a seeded generator) and
-stops at ``max_new_tokens`` or a stop token. One sequence at a time.
+The core runs the model (``CoreTrainer.forward_cached``): for a causal model
+the prompt in one pass that fills the KV cache, then one token at a time
+attending to it; this module checks the arguments, picks each next token
+from the last position's logits (greedy, temperature, top-k, top-p, with a
+seeded generator) and stops at ``max_new_tokens`` or a stop token. For a
+bidirectional (denoising) model, ``denoise`` starts from mask tokens after
+the prompt and fills the most confident ones over a few whole-sequence
+passes. One sequence at a time.
 """
 from __future__ import annotations
 
@@ -68,8 +72,15 @@ class Sampler:
         self._rng = np.random.Generator(np.random.PCG64(seed))
 
     def __call__(self, logits: np.ndarray) -> int:
+        return self.choose(logits)[0]
+
+    def choose(self, logits: np.ndarray) -> tuple[int, float]:
+        """The next token of a row of logits and its probability under
+        softmax(logits / temperature) (temperature 1 when it is 0), before the
+        top-k / top-p restriction: the model's confidence in that token."""
         if self.greedy:
-            return int(np.argmax(logits))
+            token = int(np.argmax(logits))
+            return token, _probability(logits, token, self.temperature or 1.0)
         scaled = logits.astype(np.float64) / self.temperature
         order = np.argsort(-scaled, kind="stable")  # highest first, lower ids first among equals
         if self.top_k:
@@ -81,7 +92,15 @@ class Sampler:
             # Keep the tokens before the cumulative probability reaches top_p, and the one that reaches it.
             keep = int(np.searchsorted(np.cumsum(probs), self.top_p)) + 1
             order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
-        return int(order[self._rng.choice(len(order), p=probs)])
+        token = int(order[self._rng.choice(len(order), p=probs)])
+        return token, _probability(logits, token, self.temperature)
+
+
+def _probability(logits: np.ndarray, token: int, temperature: float) -> float:
+    """softmax(logits / temperature)[token], in float64."""
+    scaled = logits.astype(np.float64) / temperature
+    top = scaled.max()
+    return float(np.exp(scaled[token] - top) / np.exp(scaled - top).sum())
 
 
 def generate(core, prompt_ids, max_new_tokens: int, sampler: Sampler, stop=(),
@@ -121,6 +140,51 @@ def generate(core, prompt_ids, max_new_tokens: int, sampler: Sampler, stop=(),
             return new
         core.forward_cached(np.array([token], np.int32), position, False, logits)
         position += 1
+
+
+def denoise(core, prompt_ids, max_new_tokens: int, steps: int, mask_token: int, sampler: Sampler,
+            max_positions: int | None = None) -> list[int]:
+    """Iterative unmasking over ``core`` (a CoreTrainer of a bidirectional
+    model); see Trainer.denoise. max_positions: the model's
+    max_position_embeddings (None: unknown)."""
+    vocab, capacity = core.vocab_size, core.seq_len
+    prompt = token_ids("prompt_ids", prompt_ids, vocab)
+    max_new_tokens = _int("max_new_tokens", max_new_tokens)
+    steps = _int("steps", steps)
+    mask_token = _int("mask_token", mask_token)
+    if not 0 <= mask_token < vocab:
+        raise ValueError(f"mask_token {mask_token} is outside the vocabulary [0, {vocab})")
+    if vocab < 2:
+        raise ValueError("the vocabulary holds only the mask token: there is no token to fill the masks with")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1 (the masked positions to fill), got {max_new_tokens}")
+    if not 1 <= steps <= max_new_tokens:
+        raise ValueError(f"steps must be in [1, max_new_tokens {max_new_tokens}] (each step fills at least one "
+                         f"masked position), got {steps}")
+    length = prompt.size + max_new_tokens
+    if length > capacity:
+        raise ValueError(f"the prompt ({prompt.size} tokens) and max_new_tokens ({max_new_tokens}) make {length} "
+                         f"positions, more than seq_len {capacity} (the trainer's longest sequence; denoising "
+                         f"fills one block): shorten them or make the Trainer with a larger seq_len")
+    if max_positions and length > max_positions:
+        raise ValueError(f"the prompt ({prompt.size} tokens) and max_new_tokens ({max_new_tokens}) make {length} "
+                         f"positions, more than the model's max_position_embeddings {max_positions}")
+    sequence = np.concatenate([prompt, np.full(max_new_tokens, mask_token, np.int32)])
+    masked = np.zeros(length, bool)
+    masked[prompt.size:] = True
+    for step in range(steps):
+        row = logits(core, sequence[None])[0]
+        row[:, mask_token] = -np.inf  # a filled position never holds the mask token
+        candidates = np.flatnonzero(masked)  # in position order: the sampler's draws are too
+        chosen = [sampler.choose(row[position]) for position in candidates]
+        confidence = np.array([probability for _, probability in chosen])
+        # Fill so that every mask is gone after the last step; the most confident first, the
+        # earlier position first among equals.
+        count = -(-candidates.size // (steps - step))
+        for index in np.argsort(-confidence, kind="stable")[:count]:
+            sequence[candidates[index]] = chosen[index][0]
+            masked[candidates[index]] = False
+    return sequence[prompt.size:].tolist()
 
 
 def logits(core, inputs, positions=None) -> np.ndarray:

@@ -711,11 +711,41 @@ class Trainer:
         """
         self._require_alone("generate()")
         if not self.config.causal:
-            raise ValueError("generate() runs causal models; this one is bidirectional (model.causal False), "
-                             "which has no token-by-token generation yet (logits() works)")
+            raise ValueError("generate() runs causal models; this one is bidirectional (model.causal False): "
+                             "use denoise(prompt_ids, max_new_tokens, steps, mask_token), which fills masked "
+                             "positions over a few whole-sequence passes")
         sampler = generation.Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         return generation.generate(self._core, prompt_ids, max_new_tokens, sampler, stop,
                                    self.config.max_position_embeddings)
+
+    def denoise(self, prompt_ids, max_new_tokens: int, steps: int, mask_token: int, temperature: float = 1.0,
+                top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> list[int]:
+        """Generation for a bidirectional (denoising) model, ``config.causal``
+        False, by iterative unmasking; returns the ``max_new_tokens`` new ids
+        (a list of ints).
+
+        The sequence is ``prompt_ids`` (token ids; may be empty) followed by
+        max_new_tokens copies of ``mask_token`` (an id of the vocabulary), in
+        one block: prompt + new tokens must fit in ``options.seq_len`` (and
+        the model's max_position_embeddings). Each of ``steps`` iterations
+        (1 <= steps <= max_new_tokens) runs the model over the whole sequence
+        (``logits``), chooses a token for every position still masked with
+        nanoq.generation.Sampler (as ``generate``: temperature 0 or top_k 1
+        is greedy, else seeded sampling restricted by top_k / top_p; the mask
+        token itself is never chosen) and fills the ceil(masked / iterations
+        left) positions whose chosen token has the highest probability under
+        softmax(logits / temperature) (temperature 1 when greedy), the earlier
+        position first among equals; the rest stay masked for the next pass.
+        The prompt is never changed. Single-process trainers only; gradients
+        and optimizer state are untouched.
+        """
+        self._require_alone("denoise()")
+        if self.config.causal:
+            raise ValueError("denoise() runs bidirectional models (model.causal False); this one is causal: use "
+                             "generate()")
+        sampler = generation.Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        return generation.denoise(self._core, prompt_ids, max_new_tokens, steps, mask_token, sampler,
+                                  self.config.max_position_embeddings)
 
     def logits(self, inputs, positions=None) -> np.ndarray:
         """The model's logits for each row of ``inputs``, an integer array

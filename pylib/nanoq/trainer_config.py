@@ -68,7 +68,8 @@ class ModelConfig:
     ``validate``, ``logits`` and ``generate`` run without it.
     ``causal`` False makes attention bidirectional (every token attends
     every token of its sequence, as Nano's ``is_causal = false``); such a
-    model has no token-by-token generation and no Hugging Face export.
+    model generates by iterative unmasking (``Trainer.denoise``), not token
+    by token, and has no Hugging Face export.
     """
 
     vocab_size: int
