@@ -53,6 +53,8 @@ class Sampler:
     restricted to the ``top_k`` highest (0: all), then to the smallest set of
     highest-probability tokens whose probability reaches ``top_p`` (1: all),
     and one token is drawn with numpy's PCG64 generator seeded by ``seed``.
+    Calling it gives the token; ``choose`` also gives the token's probability
+    (the confidence ``denoise`` ranks masked positions by).
     """
 
     def __init__(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0):
