@@ -67,16 +67,22 @@ def _first_bad_token(name: str, bad, array_module, values, vocab_size: int, allo
         raise ValueError(f"token id {value} {rule} in {name}[{', '.join(map(str, index))}]")
 
 
-def _check_host_tokens(name: str, array, shape, vocab_size: int, allow_ignore: bool) -> np.ndarray:
-    """Checks a numpy token batch; returns it unchanged (no copy)."""
+def _check_host_batch_array(name: str, array, shape, kinds: str) -> None:
+    """A host batch array: numpy, int32, of the batch's shape, C-contiguous
+    (TypeError/ValueError naming it; ``kinds`` says what else it may be)."""
     if not isinstance(array, np.ndarray):
-        raise TypeError(f"{name} must be a numpy int32 array or a device array, got {type(array).__name__}")
+        raise TypeError(f"{name} must be a numpy int32 array{kinds}, got {type(array).__name__}")
     if array.dtype != np.int32:
         raise TypeError(f"{name} must have dtype int32, got {array.dtype}")
     if array.shape != shape:
         raise ValueError(f"{name} must have shape {shape} (devices*batch_size, seq_len), got {array.shape}")
     if not array.flags.c_contiguous:
         raise ValueError(f"{name} must be C-contiguous (use np.ascontiguousarray)")
+
+
+def _check_host_tokens(name: str, array, shape, vocab_size: int, allow_ignore: bool) -> np.ndarray:
+    """Checks a numpy token batch; returns it unchanged (no copy)."""
+    _check_host_batch_array(name, array, shape, " or a device array")
     _first_bad_token(name, _bad_tokens(array, vocab_size, allow_ignore), np, array, vocab_size, allow_ignore)
     return array
 
@@ -88,14 +94,7 @@ def _check_positions(positions, shape):
     the position before inside it. Returns it unchanged (or None)."""
     if positions is None:
         return None
-    if not isinstance(positions, np.ndarray):
-        raise TypeError(f"positions must be a numpy int32 array (host memory), got {type(positions).__name__}")
-    if positions.dtype != np.int32:
-        raise TypeError(f"positions must have dtype int32, got {positions.dtype}")
-    if positions.shape != shape:
-        raise ValueError(f"positions must have shape {shape} (devices*batch_size, seq_len), got {positions.shape}")
-    if not positions.flags.c_contiguous:
-        raise ValueError("positions must be C-contiguous (use np.ascontiguousarray)")
+    _check_host_batch_array("positions", positions, shape, " (host memory)")
     previous = np.concatenate([np.full((shape[0], 1), -1, np.int32), positions[:, :-1]], axis=1)
     bad = np.argwhere((positions != 0) & (positions != previous + 1))
     if bad.size:
