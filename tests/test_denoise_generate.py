@@ -44,9 +44,10 @@ def reference_greedy_denoise(model, prompt, new, steps, mask):
     """Iterative unmasking written plainly: every pass, each masked position's
     most likely token other than the mask, and its softmax probability; the
     ceil(masked / passes left) most probable positions are filled (the
-    earlier first among equals)."""
-    sequence = list(prompt) + [mask] * new
-    masked = set(range(len(prompt), len(sequence)))
+    earlier first among equals). The block is the trainer's seq_len, the
+    positions after the new ones staying masks."""
+    sequence = list(prompt) + [mask] * (SEQ - len(prompt))
+    masked = set(range(len(prompt), len(prompt) + new))
     for step in range(steps):
         logits = reference_logits(model, sequence)
         logits[:, mask] = -math.inf
@@ -57,14 +58,14 @@ def reference_greedy_denoise(model, prompt, new, steps, mask):
             sequence[position] = int(tokens[position])
             masked.remove(position)
     assert not masked
-    return sequence[len(prompt):]
+    return sequence[len(prompt):len(prompt) + new]
 
 
 def reference_sampled_denoise(model, prompt, new, steps, mask, sampler):
     """The same loop with the sampler choosing each masked position's token
     (in position order) from the PyTorch logits."""
-    sequence = list(prompt) + [mask] * new
-    masked = list(range(len(prompt), len(sequence)))
+    sequence = list(prompt) + [mask] * (SEQ - len(prompt))
+    masked = list(range(len(prompt), len(prompt) + new))
     for step in range(steps):
         logits = reference_logits(model, sequence).float().numpy()
         logits[:, mask] = -np.inf
@@ -75,7 +76,7 @@ def reference_sampled_denoise(model, prompt, new, steps, mask, sampler):
             sequence[position] = chosen[position][0]
         masked = [p for p in masked if p not in fill]
     assert not masked
-    return sequence[len(prompt):]
+    return sequence[len(prompt):len(prompt) + new]
 
 
 @pytest.mark.parametrize("steps", [1, 3, NEW])
@@ -94,7 +95,7 @@ def test_more_passes_see_the_tokens_filled_before(checkpoints):
     filled, so the result differs from one pass's argmax of every position."""
     with bidirectional_trainer(checkpoints) as tr:
         one_pass = tr.denoise(PROMPT, NEW, 1, MASK, temperature=0)
-        logits = tr.logits(np.array([PROMPT + [MASK] * NEW]))[0, len(PROMPT):]
+        logits = tr.logits(np.array([PROMPT + [MASK] * (SEQ - len(PROMPT))]))[0, len(PROMPT):len(PROMPT) + NEW]
         logits[:, MASK] = -np.inf
         assert one_pass == [int(t) for t in logits.argmax(-1)]
         assert tr.denoise(PROMPT, NEW, NEW, MASK, temperature=0) != one_pass
@@ -124,8 +125,9 @@ class ChosenConfidenceCore:
 
     vocab_size = 6
     seq_len = 12
-    MARGIN = [0.0, 0.0, 3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]  # positions 0, 1: the prompt
-    TOKEN = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5]
+    # Positions 0, 1: the prompt; 10, 11: the block's rest, which stays masked.
+    MARGIN = [0.0, 0.0, 3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0, 20.0, 20.0]
+    TOKEN = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
 
     def __init__(self):
         self.passes = []
@@ -144,13 +146,14 @@ def test_each_pass_fills_the_most_confident_masked_positions_and_all_by_the_last
     core = ChosenConfidenceCore()
     mask, prompt = 0, [3, 4]
     new = denoise(core, prompt, 8, 3, mask, Sampler(temperature=0))
-    assert new == ChosenConfidenceCore.TOKEN[2:]
+    assert new == ChosenConfidenceCore.TOKEN[2:10]
     # 8 masks in 3 passes: ceil(8/3) = 3, then ceil(5/2) = 3, then 2. Confidence order of
     # positions 2..9: 7 (9.0), 9 (6.0), 6 (5.0) | 4 (4.0), 2 (3.0), 8 (2.0) | 3, 5 (1.0, 1.0).
     filled_before = [[], [7, 9, 6], [7, 9, 6, 4, 2, 8]]
     assert len(core.passes) == 3
     for seen, filled in zip(core.passes, filled_before):
         assert list(seen[:2]) == prompt
+        assert len(seen) == core.seq_len and list(seen[10:]) == [mask, mask]  # the most confident, never filled
         for p in range(2, 10):
             assert seen[p] == (ChosenConfidenceCore.TOKEN[p] if p in filled else mask), (seen, filled)
     # One pass per position: the same order, one at a time; equal confidences go in position order.

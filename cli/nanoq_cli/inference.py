@@ -146,6 +146,13 @@ def generate(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, ste
             if steps is not None and steps > max_new_tokens:
                 raise ValueError(f"--steps {steps} is more than --max-new-tokens {max_new_tokens}: each pass fills "
                                  f"at least one position")
+        if not causal:
+            # Denoising fills a block of the window it was trained on (see Trainer.denoise).
+            window = source.trained_seq_len or source.max_positions or seq_len
+            if window < seq_len:
+                raise ValueError(f"the prompt ({len(prompt_ids)} tokens) and --max-new-tokens ({max_new_tokens}) "
+                                 f"exceed the {window} positions the model was trained on")
+            seq_len = window
         with open_trainer(source, backend, max(seq_len, 1)) as trainer:
             if causal:
                 completion_ids = trainer.generate(prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,

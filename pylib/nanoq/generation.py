@@ -171,9 +171,15 @@ def denoise(core, prompt_ids, max_new_tokens: int, steps: int, mask_token: int, 
     if max_positions and length > max_positions:
         raise ValueError(f"the prompt ({prompt.size} tokens) and max_new_tokens ({max_new_tokens}) make {length} "
                          f"positions, more than the model's max_position_embeddings {max_positions}")
-    sequence = np.concatenate([prompt, np.full(max_new_tokens, mask_token, np.int32)])
-    masked = np.zeros(length, bool)
-    masked[prompt.size:] = True
+    # The block is the model's whole window, as in training (every window a
+    # denoiser learns from is seq_len tokens, masks included, and Nano's
+    # denoise_generate fills a block_size block): the positions after the
+    # new tokens stay mask tokens and are not filled.
+    block = min(capacity, max_positions) if max_positions else capacity
+    sequence = np.full(block, mask_token, np.int32)
+    sequence[:prompt.size] = prompt
+    masked = np.zeros(block, bool)
+    masked[prompt.size:length] = True
     for step in range(steps):
         row = logits(core, sequence[None])[0]
         row[:, mask_token] = -np.inf  # a filled position never holds the mask token
@@ -186,7 +192,7 @@ def denoise(core, prompt_ids, max_new_tokens: int, steps: int, mask_token: int, 
         for index in np.argsort(-confidence, kind="stable")[:count]:
             sequence[candidates[index]] = chosen[index][0]
             masked[candidates[index]] = False
-    return sequence[prompt.size:].tolist()
+    return sequence[prompt.size:length].tolist()
 
 
 def logits(core, inputs, positions=None) -> np.ndarray:

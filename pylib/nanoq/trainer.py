@@ -723,10 +723,12 @@ class Trainer:
         False, by iterative unmasking; returns the ``max_new_tokens`` new ids
         (a list of ints).
 
-        The sequence is ``prompt_ids`` (token ids; may be empty) followed by
-        max_new_tokens copies of ``mask_token`` (an id of the vocabulary), in
-        one block: prompt + new tokens must fit in ``options.seq_len`` (and
-        the model's max_position_embeddings). Each of ``steps`` iterations
+        The sequence is one block of ``options.seq_len`` positions (at most
+        the model's max_position_embeddings), as long as the windows a
+        denoiser trains on: ``prompt_ids`` (token ids; may be empty), then
+        ``mask_token`` (an id of the vocabulary) everywhere else; the
+        max_new_tokens positions after the prompt are filled, the rest stay
+        masks (prompt + new tokens must fit in the block). Each of ``steps`` iterations
         (1 <= steps <= max_new_tokens) runs the model over the whole sequence
         (``logits``), chooses a token for every position still masked with
         nanoq.generation.Sampler (as ``generate``: temperature 0 or top_k 1
