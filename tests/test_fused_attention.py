@@ -79,15 +79,13 @@ EMULATED_SHAPES = [(1, 33, 4, 2, 64), (2, 17, 2, 2, 128), (1, 20, 8, 2, 64)]
 
 
 @emulated
-@pytest.mark.parametrize("mask", ["documents", "bidirectional"])
-def test_masked_attention_runs_the_native_kernels_even_when_fused_is_asked(cpu, emulated_ops, mask):
-    """The fused plans are causal without document masks: with positions or
-    causal=False the backend routes to its native kernels (bitwise their
-    results), which honour the mask (the cpu's within bf16), never the
-    fused causal attention in their place."""
+def test_packed_documents_run_the_native_kernels_even_when_fused_is_asked(cpu, emulated_ops):
+    """The fused plans have no document masks: with positions the backend
+    routes to its native kernels (bitwise their results), which honour the
+    mask (the cpu's within bf16), never the fused causal attention in their
+    place."""
     q, k, v, dout = attention_inputs(21, (1, 33, 4, 2, 64))
-    positions = np.array([list(range(10)) + list(range(23))], np.int32)
-    args = {"positions": positions} if mask == "documents" else {"causal": False}
+    args = {"positions": np.array([list(range(10)) + list(range(23))], np.int32)}
     fused_out, fused_lse = emulated_ops.attention_forward(q, k, v, dtype="bf16", fused=True, **args)
     native_out, native_lse = emulated_ops.attention_forward(q, k, v, dtype="bf16", **args)
     np.testing.assert_array_equal(fused_out, native_out)
@@ -101,6 +99,30 @@ def test_masked_attention_runs_the_native_kernels_even_when_fused_is_asked(cpu, 
     native = emulated_ops.attention_backward(dout, to_bf16(out), lse, q, k, v, dtype="bf16", **args)
     for name, f, n in zip(("dq", "dk", "dv"), fused, native):
         np.testing.assert_array_equal(f, n, err_msg=name)
+
+
+@emulated
+def test_bidirectional_attention_runs_fused_without_the_causal_mask(cpu, emulated_ops):
+    """causal=False is part of the fused plan (cuDNN's SDPA without its
+    causal mask): forward and backward match the cpu's bidirectional
+    attention and the native kernels within bf16, and differ from the causal
+    plan."""
+    shape = (1, 33, 4, 2, 64)
+    q, k, v, dout = attention_inputs(22, shape)
+    fused_out, fused_lse = emulated_ops.attention_forward(q, k, v, dtype="bf16", fused=True, causal=False)
+    native_out, _ = emulated_ops.attention_forward(q, k, v, dtype="bf16", causal=False)
+    cpu_out, cpu_lse = cpu.attention_forward(q, k, v, causal=False)
+    assert_array_close(fused_out, cpu_out, BF16_REL, "bidirectional fused out vs cpu")
+    assert_array_close(fused_out, native_out, BF16_REL, "bidirectional fused out vs native")
+    assert not np.array_equal(fused_out, native_out)  # the engine ran (its float64 reference), not the kernels
+    assert_array_close(fused_lse, cpu_lse, LSE_REL_EMULATED, "bidirectional fused lse vs cpu")
+    causal_out, _ = emulated_ops.attention_forward(q, k, v, dtype="bf16", fused=True)
+    assert np.abs(causal_out - fused_out).max() > 0.1 * np.abs(cpu_out).max()
+    out, lse = cpu.attention_forward(q, k, v, causal=False)
+    fused = emulated_ops.attention_backward(dout, to_bf16(out), lse, q, k, v, dtype="bf16", fused=True, causal=False)
+    expected = cpu.attention_backward(dout, to_bf16(out), lse, q, k, v, causal=False)
+    for name, f, e in zip(("dq", "dk", "dv"), fused, expected):
+        assert_array_close(f, e, BF16_REL, f"bidirectional fused {name} vs cpu")
 
 
 @emulated

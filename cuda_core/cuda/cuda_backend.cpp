@@ -632,18 +632,19 @@ AttentionInfo CudaBackend::attention_info() const {
     return info;
 }
 
-// The fused library's plans are causal attention without document masks
-// (cuDNN's SDPA could take a padding or arbitrary mask, at the price of a
-// plan and a mask tensor per step), so a bidirectional attention or one
-// over packed documents always runs the native kernels, even with
-// attention="cudnn": never the fused causal mask in their place.
+// The fused library's plans are causal or bidirectional attention (the
+// shape's causal flag is part of each plan) without document masks (cuDNN's
+// SDPA could take a padding or arbitrary mask, at the price of a plan and a
+// mask tensor per step), so an attention over packed documents always runs
+// the native kernels, even with attention="cudnn": never the fused causal
+// mask in their place.
 namespace {
-bool fused_attention_fits(const Tensor& positions, const AttentionShape& s) { return s.causal && !positions.data; }
+bool fused_attention_fits(const Tensor& positions) { return !positions.data; }
 }  // namespace
 
 void CudaBackend::attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
                                     const Tensor& v, const Tensor& positions, const AttentionShape& s) {
-    if (attention_fused_ && fused_attention_fits(positions, s)) {
+    if (attention_fused_ && fused_attention_fits(positions)) {
         const AttentionTensors tensors{out, lse, q, k, v, {}, {}, {}, {}};
         fused_attention_->forward(tensors, s, attention_workspace_, stream_);
         return;
@@ -682,7 +683,7 @@ void CudaBackend::attention_decode(const Tensor& out, const Tensor& q, const Ten
 void CudaBackend::attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
                                      const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
                                      const Tensor& v, const Tensor& positions, const AttentionShape& s) {
-    if (attention_fused_ && fused_attention_fits(positions, s)) {
+    if (attention_fused_ && fused_attention_fits(positions)) {
         const AttentionTensors tensors{out, lse, q, k, v, dout, dq, dk, dv};
         fused_attention_->backward(tensors, s, attention_workspace_, stream_);
         return;

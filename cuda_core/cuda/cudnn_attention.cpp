@@ -6,7 +6,8 @@
 // are [B,H,T,D], which our layout gives with strides (T*H*D, D, H*D, 1): no
 // transposes. Grouped kv heads are cuDNN's own (K of H heads in k/v).
 // Stats are [B,H,T,1] fp32, natural-log log-sum-exp of the scaled scores:
-// our lse. The causal mask is the top-left diagonal (query i sees keys <= i).
+// our lse. The causal mask is the top-left diagonal (query i sees keys <= i);
+// a bidirectional shape (AttentionShape::causal false) has none.
 // The backward asks for cuDNN's deterministic algorithm: nanoq's steps are
 // reproducible run to run, and its tests check that bitwise.
 #include <cudnn_frontend.h>
@@ -74,7 +75,7 @@ public:
             auto options = fe::graph::SDPA_attributes()
                                .set_name("nanoq_attention_forward")
                                .set_generate_stats(true)
-                               .set_causal_mask(true)
+                               .set_causal_mask(s.causal)
                                .set_attn_scale(scale);
             auto [o, stats] = graph->sdpa(q, k, v, options);
             o->set_output(true).set_dim(q_dims).set_stride(q_strides).set_uid(kO);
@@ -94,7 +95,7 @@ public:
                                            .set_data_type(fe::DataType_t::FLOAT));
             auto options = fe::graph::SDPA_backward_attributes()
                                .set_name("nanoq_attention_backward")
-                               .set_causal_mask(true)
+                               .set_causal_mask(s.causal)
                                .set_attn_scale(scale)
                                .set_deterministic_algorithm(true);
             auto [dq, dk, dv] = graph->sdpa_backward(q, k, v, o, dout, stats, options);

@@ -79,7 +79,8 @@ FusedAttention::FusedAttention(std::unique_ptr<AttentionEngine> engine) : engine
 FusedAttention::~FusedAttention() = default;
 
 const AttentionPlan& FusedAttention::plan(const AttentionShape& s, DType dtype, AttentionPass pass) {
-    const Key key{s.batch, s.time, s.heads, s.kv_heads, s.head_dim, static_cast<int>(dtype), static_cast<int>(pass)};
+    const Key key{s.batch, s.time, s.heads, s.kv_heads, s.head_dim, s.causal, static_cast<int>(dtype),
+                  static_cast<int>(pass)};
     auto it = plans_.find(key);
     if (it != plans_.end()) return *it->second;
     const std::string limits = attention_engine_limits(s, dtype);

@@ -118,7 +118,7 @@ public:
     int plans() const { return static_cast<int>(plans_.size()); }
 
 private:
-    using Key = std::tuple<int, int, int, int, int, int, int>;  // B, T, H, K, D, dtype, pass
+    using Key = std::tuple<int, int, int, int, int, bool, int, int>;  // B, T, H, K, D, causal, dtype, pass
     const AttentionPlan& plan(const AttentionShape& shape, DType dtype, AttentionPass pass);
     void run(AttentionPass pass, const AttentionTensors& tensors, const AttentionShape& shape,
              const Tensor& workspace, cudaStream_t stream);

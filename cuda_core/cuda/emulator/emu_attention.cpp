@@ -38,6 +38,9 @@ struct Rows {
     }
 };
 
+// The last key query i sees: itself when causal, else the row's last.
+int last_key(const AttentionShape& s, int i) { return s.causal ? i : s.time - 1; }
+
 void forward(const AttentionShape& s, const AttentionTensors& t) {
     const Rows qo{s.time, s.heads, s.head_dim}, kv{s.time, s.kv_heads, s.head_dim};
     const int group = s.heads / s.kv_heads;
@@ -48,7 +51,7 @@ void forward(const AttentionShape& s, const AttentionTensors& t) {
         for (int h = 0; h < s.heads; ++h)
             for (int i = 0; i < s.time; ++i) {
                 double max = -std::numeric_limits<double>::infinity();
-                for (int j = 0; j <= i; ++j) {
+                for (int j = 0; j <= last_key(s, i); ++j) {
                     double dot = 0.0;
                     for (int d = 0; d < s.head_dim; ++d)
                         dot += load(t.q.data, qo.at(b, i, h, d)) * load(t.k.data, kv.at(b, j, h / group, d));
@@ -57,7 +60,7 @@ void forward(const AttentionShape& s, const AttentionTensors& t) {
                 }
                 double sum = 0.0;
                 std::fill(out.begin(), out.end(), 0.0);
-                for (int j = 0; j <= i; ++j) {
+                for (int j = 0; j <= last_key(s, i); ++j) {
                     const double p = std::exp(score[j] - max);
                     sum += p;
                     for (int d = 0; d < s.head_dim; ++d) out[d] += p * load(t.v.data, kv.at(b, j, h / group, d));
@@ -83,7 +86,7 @@ void backward(const AttentionShape& s, const AttentionTensors& t, double* dq) {
                 double delta = 0.0;
                 for (int d = 0; d < s.head_dim; ++d)
                     delta += load(t.dout.data, qo.at(b, i, h, d)) * load(t.out.data, qo.at(b, i, h, d));
-                for (int j = 0; j <= i; ++j) {
+                for (int j = 0; j <= last_key(s, i); ++j) {
                     const int g = h / group;
                     double dot = 0.0, dp = 0.0;
                     for (int d = 0; d < s.head_dim; ++d) {
