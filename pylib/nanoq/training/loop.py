@@ -259,14 +259,14 @@ def _model_for_data(config: TrainConfig, datasets) -> ModelConfig:
                         max(dataset.max_token for dataset in datasets) + 1)
 
 
-def small_data_warnings(datasets, rows_per_step: int, seq_len: int) -> List[str]:
+def small_data_warnings(datasets, rows_per_step: int) -> List[str]:
     """A warning for each training Dataset (role ending in train_data) with
     fewer windows than the ``rows_per_step`` sequences of one optimizer step,
     saying how many times each step repeats its data."""
     out = []
     for role, dataset in datasets:
         if role.endswith("train_data") and dataset.num_windows < rows_per_step:
-            out.append(f"{role} has {dataset.num_windows} window(s) of seq_len + 1 = {seq_len + 1} tokens, fewer "
+            out.append(f"{role} has {dataset.num_windows} window(s) of seq_len {dataset.seq_len}, fewer "
                        f"than the {rows_per_step} sequences of one step: each step repeats that data "
                        f"{rows_per_step / dataset.num_windows:.1f} times (use more data, a smaller "
                        f"train.batch_size or train.grad_accum, or a shorter data.seq_len)")
@@ -422,7 +422,7 @@ def _setup(config: TrainConfig, run_dir: str, say: Callable[[str], None], group:
     loader, eval_loader, tokenizer_dir, datasets, evaluated = _on_every_process(group, open_data,
                                                                                  "opening the data")
     _agreed_data(group, datasets)
-    for warning in small_data_warnings(datasets, world.rows * config.grad_accum, config.seq_len):
+    for warning in small_data_warnings(datasets, world.rows * config.grad_accum):
         say(f"warning: {warning}")
 
     def checked_model() -> ModelConfig:
@@ -689,6 +689,7 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
                 done.time = now - train_start
                 step_seconds += now - began
                 tokens_per_s = tokens_per_step / max(now - began, 1e-9)
+                trained_per_s = stats.tokens / max(now - began, 1e-9)
                 log.write(type="train", step=step + 1, loss=stats.loss, lr=lr, grad_norm=stats.grad_norm,
                           tokens=done.tokens, trained_tokens=stats.tokens, tokens_per_s=tokens_per_s,
                           time=done.time)
@@ -700,7 +701,7 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
                 if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
                     eta = step_seconds / (step + 1 - first_step) * (config.steps - step - 1)
                     line = train_line(step + 1, config.steps, stats.loss, stats.grad_norm, lr, tokens_per_s,
-                                      stats.tokens / max(now - began, 1e-9), done.time, eta)
+                                      trained_per_s, done.time, eta)
                     emit(f"{line} | {gpu_summary(gpus)}" if gpus else line)
                 if samples is not None and samples.due(step + 1):
                     samples.write(trainer, step + 1, log, emit, time.time() - train_start)
@@ -745,19 +746,16 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
         # The tokenizer's eos id goes into config.json (see nanoq.hf_export.write_model).
         try:
             architecture(trainer.config)
-            unexportable = None
-        except NotExportable as why:
-            unexportable = why
-        if unexportable is None:
-            model_dir = on_root(group, lambda: _final_model_dir(run_dir, config.steps, say),
-                                action="choosing the model directory")
-            model_dir = _export_final_model(trainer, model_dir, tokenizer_dir, bool(options.lora), say)
-        else:
+        except NotExportable as unexportable:
             # A model transformers cannot compute (learned positions,
             # bidirectional attention): the final checkpoint is the model.
             model_dir = saved.get(done.step) or save_checkpoint()
             say(f"no Hugging Face export: {unexportable}")
             say("the final checkpoint holds the model: nanoq generate, nanoq eval and --resume take it")
+        else:
+            model_dir = on_root(group, lambda: _final_model_dir(run_dir, config.steps, say),
+                                action="choosing the model directory")
+            model_dir = _export_final_model(trainer, model_dir, tokenizer_dir, bool(options.lora), say)
         seconds = time.time() - start
         log.write(type="end", step=config.steps, time=time.time() - train_start, model_dir=model_dir)
     evals = done.evals
