@@ -7,7 +7,8 @@
 // with new values: the caller writes them before the op runs. Every value is stored exactly
 // (floats, integers below 2^53, the seed as two 32-bit halves).
 //
-// step_values [kAdamWStepSlots]: adamw_step_values(step, seed) (backend.h),
+// step_values [kAdamWStepSlots]: adamw_step_values(step, seed) (backend.h)
+// and the update's gradient clip (set by the trainer; 0 in the op harness),
 // where `seed` is the rounding seed of shard element 0; the chunk that
 // starts at shard element `at` rounds with seed + at, as adamw() on that
 // chunk alone would be given.
@@ -28,6 +29,9 @@ enum AdamWStepSlot : int {
     kAdamWBias2Sqrt,  // sqrt(1 - beta2^step)
     kAdamWDecay,      // 1 - lr * weight_decay: the factor of decayed segments
     kAdamWNoDecay,    // 1 - lr * 0: of the others
+    // update()'s gradient clip (0: none), read by optimizer_scale from here so
+    // that the update's reductions and scale are captured together.
+    kAdamWGradClip,
     kAdamWStepSlots
 };
 // segments [count, kAdamWSegmentSlots]: each parameter's part of the shard,

@@ -257,8 +257,10 @@ public:
     // no token counted (then out[0] = out[1] = 0: there is nothing to learn
     // from, and a zero-gradient AdamW step would still move the weights
     // through weight decay and momentum), else 0.
-    // Stays on the device so that update() needs no host round trip.
-    virtual void optimizer_scale(const Tensor& out, const Tensor& gathered, int ranks, float grad_clip) = 0;
+    // Stays on the device so that update() needs no host round trip;
+    // grad_clip is a float64 [1] device tensor (the step table's
+    // kAdamWGradClip slot), so that a captured launch replays with new values.
+    virtual void optimizer_scale(const Tensor& out, const Tensor& gathered, int ranks, const Tensor& grad_clip) = 0;
     // AdamW on a contiguous range of the master copy `param`; the gradient
     // used is grad * scale[0]; nothing changes when scale[2] != 0.
     virtual void adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,

@@ -673,13 +673,14 @@ struct Trainer::Impl : TrainerSetup {
         return AdamWStep{params.lr, params.beta1, params.beta2, params.eps, params.weight_decay, step_number, 0};
     }
 
-    // The per-step values of the whole-shard AdamW, into the device from the
+    // The per-step values of the update (the whole-shard AdamW's and the
+    // gradient clip that optimizer_scale reads), into the device from the
     // host-writable staging (whose previous copy ended with the previous
-    // update's synchronize()).
+    // update's synchronize()), before any captured work that reads them.
     void write_adamw_step(int rank, DeviceState& d, const UpdateParams& params, int step_number) {
-        if (!whole_shard_adamw()) return;
-        const std::vector<double> values =
+        std::vector<double> values =
             adamw_step_values(adamw_step(params, step_number), adamw_seed(global(rank) * shard));
+        values[kAdamWGradClip] = params.grad_clip;
         std::memcpy(d.adamw_step_staging.data, values.data(), values.size() * sizeof(double));
         d.backend->copy(d.adamw_step_values, d.adamw_step_staging);
     }
@@ -1190,8 +1191,9 @@ StepStats Trainer::update(const UpdateParams& params) {
     float scale_norm_skip[3] = {0.0f, 0.0f, 0.0f};
     m.run([&](int rank, DeviceState& d) {
         Backend& be = *d.backend;
-        // Per-step AdamW values: host-writable staging copied into the device
-        // table before any graph, which reads them from there.
+        // Per-step values (AdamW's, the gradient clip): host-writable staging
+        // copied into the device table before any graph, which reads them
+        // from there.
         m.write_adamw_step(rank, d, params, step_number);
         // The work before the optimizer repeats from step to step: captured.
         const bool reduce = m.zero->reduces_at_update(d.zero);
@@ -1204,9 +1206,8 @@ StepStats Trainer::update(const UpdateParams& params) {
             be.fill(squares, 0.0f);
             m.gradient_squares(rank, d, squares);
             m.gather_stats(d, d.stats);
+            be.optimizer_scale(d.optimizer_scale, d.gathered, n, d.adamw_step_values.slice(kAdamWGradClip, 1));
         });
-        // grad_clip reaches optimizer_scale as a kernel argument: uncaptured.
-        be.optimizer_scale(d.optimizer_scale, d.gathered, n, params.grad_clip);
         // adamw_shard reads its per-step values from the device table, so it
         // is captured with the weight gather; the offload loop passes them
         // as kernel arguments and runs uncaptured.

@@ -105,8 +105,9 @@ def test_a_capture_whose_fork_is_never_joined_fails_to_end(emulator):
 # A tiny Qwen3-like model (q/k norms, biases, GQA) so that every op runs in
 # the captured work; grad_accum 2, so both kinds of micro-batch (the last
 # starts the ZeRO reductions) are captured and replayed, and the values that
-# change from step to step (the dropout seed, lr, the AdamW step) do so
-# under the graphs. Each run captures, per device, the two kinds of
+# change from step to step (the dropout seed, lr, the gradient clip, the
+# AdamW step) do so under the graphs: the clip is off at the step that
+# captures and tiny (so that it clips) at the one that replays. Each run captures, per device, the two kinds of
 # micro-batch, the update's work before and after the optimizer, and
 # validate: five graphs, each called once per optimizer step: the first
 # call runs uncaptured (the warm-up), the second captures and launches the
@@ -115,6 +116,7 @@ GRAPH_CONFIG = nanoq.ModelConfig(vocab_size=64, hidden_size=32, intermediate_siz
                                  num_attention_heads=2, num_key_value_heads=1, head_dim=8, qkv_bias=True,
                                  qk_norm=True)
 GRAPH_SEQ, GRAPH_ROWS, GRAPH_STEPS, GRAPH_ACCUM = 8, 4, 3, 2
+GRAPH_CLIPS = (0.5, 0.0, 1e-3)
 GRAPHS_PER_DEVICE = 5
 LAUNCHES_PER_DEVICE = GRAPHS_PER_DEVICE * (GRAPH_STEPS - 1)
 
@@ -153,7 +155,7 @@ def train(backend, cuda_graphs, devices=1, **options):
         for step in range(GRAPH_STEPS):
             for micro in range(GRAPH_ACCUM):
                 trainer.step(*graph_batch(100 * step + micro))
-            result = trainer.update(lr=1e-2 / (step + 1), grad_clip=0.5)
+            result = trainer.update(lr=1e-2 / (step + 1), grad_clip=GRAPH_CLIPS[step])
             check = trainer.validate(*graph_batch(1000 + step))
             stats.append((result.loss, result.grad_norm, check.loss, check.tokens))
         after = counts() if counts else None

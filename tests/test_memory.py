@@ -204,10 +204,10 @@ def test_cuda_estimate_of_qwen_0_5b_matches_hand_computation():
     assert estimate.approximate == []
     assert sizes["cublaslt-workspace"] == 32 << 20
     assert sizes["parameter-staging"] == 4 << 22
-    # The trainer's two batch-staging slots (inputs and targets), the staging of AdamW's 12 float64 per-step
-    # values and the backend's own upload staging.
+    # The trainer's two batch-staging slots (inputs and targets), the staging of the update's 13 float64 per-step
+    # values (AdamW's 12 and the gradient clip) and the backend's own upload staging.
     assert [(a.name, a.bytes, a.kind) for a in estimate.allocations if a.kind == "pinned"] == \
-        [("batch-staging", 16 * rows, "pinned"), ("adamw-step-staging", 8 * 12, "pinned"),
+        [("batch-staging", 16 * rows, "pinned"), ("adamw-step-staging", 8 * 13, "pinned"),
          ("host-staging", 8 * rows, "pinned")]
     # Stack: d-residual plus the MLP frame (d-gate, d-up, d-post-norm), all bf16.
     assert sizes["activation-stack"] == 2 * rows * C + 2 * (2 * rows * I) + 2 * rows * C

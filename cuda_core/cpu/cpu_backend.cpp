@@ -580,8 +580,9 @@ public:
         out.f64()[0] += total;
     }
 
-    void optimizer_scale(const Tensor& out, const Tensor& gathered, int ranks, float grad_clip) override {
+    void optimizer_scale(const Tensor& out, const Tensor& gathered, int ranks, const Tensor& clip_value) override {
         const StatValue* g = gathered.f64();
+        const float grad_clip = static_cast<float>(clip_value.f64()[0]);
         double tokens = 0.0, squares = 0.0, loss = 0.0;
         for (int r = 0; r < ranks; ++r) {
             tokens += g[r * kGatherStride + kTokens];

@@ -733,8 +733,8 @@ void CudaBackend::sum_squares(const Tensor& out, const Tensor& x) {
     NANOQ_CUDA_CHECK_LAUNCH();
 }
 
-void CudaBackend::optimizer_scale(const Tensor& out, const Tensor& gathered, int ranks, float grad_clip) {
-    cuda::optimizer_scale(out.f32(), gathered.f64(), ranks, kGatherStride, grad_clip, stream_);
+void CudaBackend::optimizer_scale(const Tensor& out, const Tensor& gathered, int ranks, const Tensor& grad_clip) {
+    cuda::optimizer_scale(out.f32(), gathered.f64(), ranks, kGatherStride, grad_clip.f64(), stream_);
     NANOQ_CUDA_CHECK_LAUNCH();
 }
 

@@ -120,7 +120,7 @@ public:
     void cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& stats, int rows, int vocab,
                        int first_position, int time, float z_loss, bool with_grad) override;
     void sum_squares(const Tensor& out, const Tensor& x) override;
-    void optimizer_scale(const Tensor& out, const Tensor& gathered, int ranks, float grad_clip) override;
+    void optimizer_scale(const Tensor& out, const Tensor& gathered, int ranks, const Tensor& grad_clip) override;
     void adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const Tensor& scale,
                const AdamWStep& step) override;
     void adamw_shard(const AdamWShard& shard) override;

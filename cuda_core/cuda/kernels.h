@@ -173,8 +173,9 @@ std::size_t sum_squares_scratch_floats(std::int64_t n);
 // where norm = sqrt(sum of squares) / tokens and clip = min(1, grad_clip /
 // norm) when grad_clip > 0 (else 1); tokens = 0 gives out = {0, 0}; and
 // out[2] = 1 when the summed loss or the sum of squares is not finite (the
-// update must be skipped), else 0.
-void optimizer_scale(float* out, const StatValue* gathered, int ranks, int stride, float grad_clip,
+// update must be skipped), else 0. grad_clip[0] (float64, on the device) is
+// read by the kernel, so that a captured launch replays with new values.
+void optimizer_scale(float* out, const StatValue* gathered, int ranks, int stride, const double* grad_clip,
                      cudaStream_t stream);
 // AdamW on n elements (PyTorch semantics: param *= 1 - lr*wd; m, v moments;
 // bias-corrected step lr/(1-beta1^step) * m / (sqrt(v)/sqrt(1-beta2^step) + eps)).

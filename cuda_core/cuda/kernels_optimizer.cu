@@ -46,7 +46,9 @@ __global__ void __launch_bounds__(kThreads) sum_squares_total_kernel(StatValue* 
 }
 
 // Mirrors the host computation in Trainer::update(), in double.
-__global__ void optimizer_scale_kernel(float* out, const StatValue* gathered, int ranks, int stride, float grad_clip) {
+__global__ void optimizer_scale_kernel(float* out, const StatValue* gathered, int ranks, int stride,
+                                       const double* grad_clip_value) {
+    const float grad_clip = static_cast<float>(grad_clip_value[0]);
     double tokens = 0.0, squares = 0.0, loss = 0.0;
     for (int r = 0; r < ranks; ++r) {
         const StatValue* row = gathered + static_cast<std::int64_t>(r) * stride;
@@ -176,7 +178,7 @@ std::size_t sum_squares_scratch_floats(std::int64_t n) {
     return n > 0 ? static_cast<std::size_t>(sum_squares_blocks(n)) : 0;
 }
 
-void optimizer_scale(float* out, const StatValue* gathered, int ranks, int stride, float grad_clip,
+void optimizer_scale(float* out, const StatValue* gathered, int ranks, int stride, const double* grad_clip,
                      cudaStream_t stream) {
     detail::launch(optimizer_scale_kernel, 1, 1, 0, stream, out, gathered, ranks, stride, grad_clip);
 }

@@ -108,7 +108,7 @@ public:
         be_.cross_entropy(logits, targets, stats, rows, vocab, first_position, time, z_loss, with_grad);
     }
     void sum_squares(const Tensor& out, const Tensor& x) override { be_.sum_squares(out, x); }
-    void optimizer_scale(const Tensor& out, const Tensor& gathered, int ranks, float grad_clip) override {
+    void optimizer_scale(const Tensor& out, const Tensor& gathered, int ranks, const Tensor& grad_clip) override {
         be_.optimizer_scale(out, gathered, ranks, grad_clip);
     }
     void adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const Tensor& scale,

@@ -369,7 +369,11 @@ std::vector<OpSpec> make_table() {
         {"optimizer_scale", "[scale, grad_norm, skip] (float32) from gathered [ranks, stride] float64",
          {input("gathered", "ranks,stride").f64(), real("grad_clip"), output("out", "3").f32()},
          {},
-         [](OpCall& c) { c.backend().optimizer_scale(c["out"], c["gathered"], c.i("ranks"), c.f("grad_clip")); },
+         [](OpCall& c) {
+             // The clip reaches the op as update() passes it: a float64 on the device.
+             const Tensor clip = c.upload_f64({double(c.f("grad_clip"))}, "grad-clip");
+             c.backend().optimizer_scale(c["out"], c["gathered"], c.i("ranks"), clip);
+         },
          nullptr,
          nullptr,
          {{"stride", kGatherStride}}},
