@@ -146,3 +146,26 @@ def test_under_a_launcher_only_the_root_locks_and_every_process_learns_a_refusal
     root_lock, other = run_members(2, lambda group: lock_run(str(tmp_path), group))
     assert isinstance(root_lock, RunLock) and other is None
     root_lock.release()
+
+
+def test_a_run_still_before_its_first_checkpoint_is_reported_busy_not_empty_or_taken(tmp_path):
+    """A second `nanoq train` on a named run that has no checkpoint yet, with or without --resume auto,
+    names the running trainer rather than saying the run holds no checkpoint or merely exists."""
+    settings = config(tmp_path)
+    run_dir = os.path.join(settings.out_dir, settings.run_name)
+    os.makedirs(run_dir)
+    snapshot_before = sorted(os.listdir(run_dir))
+    with RunLock.acquire(run_dir):
+        busy = re.escape(f"run directory {run_dir} is in use by another trainer (pid {os.getpid()} on ")
+        with pytest.raises(RunInUse, match=busy):
+            train(settings, resume="auto", **QUIET)
+        with pytest.raises(RunInUse, match=busy):
+            train(settings, **QUIET)
+        assert sorted(os.listdir(run_dir)) == snapshot_before + [LOCK_FILE]
+    # Without a holder (none, or a lock file a dead process left) the run is what it is: empty, or taken.
+    with open(os.path.join(run_dir, LOCK_FILE), "w") as stale:
+        stale.write("pid 1 on elsewhere\n")
+    with pytest.raises(ValueError, match="holds no checkpoint"):
+        train(settings, resume="auto", **QUIET)
+    with pytest.raises(FileExistsError, match="already exists"):
+        train(settings, **QUIET)

@@ -56,7 +56,7 @@ from nanoq.telemetry import GpuTelemetry
 from nanoq.trainer import Trainer
 from nanoq.training.settings import TrainConfig, parse_curriculum, settings, train_options
 from nanoq.training.resume import CHECKPOINTS, Progress, Resume, extra_state, find_run, prepare_resume, restore
-from nanoq.training.run_lock import lock_run
+from nanoq.training.run_lock import lock_run, require_not_in_use
 from nanoq.training.samples import Samples, prepare_samples, sampling_note
 from nanoq.training.tracking import check_tracker, open_tracker
 from nanoq.training.log import JsonlLog, eval_line, format_duration, gpu_summary, memory_lines, train_line
@@ -143,6 +143,7 @@ def new_run_dir(config: TrainConfig) -> str:
         try:
             _make_run_dir(path)
         except FileExistsError:
+            require_not_in_use(path)  # busy, not merely taken: say by whom
             raise FileExistsError(f"run directory {path} already exists; choose another run_name "
                                   f"or remove it") from None
         return path

@@ -28,6 +28,7 @@ from nanoq.checkpoint import (STATE_FILE, CheckpointError, list_checkpoints, lis
 from nanoq.data import DataLoader
 from nanoq.trainer import Trainer
 from nanoq.training.settings import Setting, TrainConfig, resolve_paths, settings
+from nanoq.training.run_lock import require_not_in_use
 
 CHECKPOINTS = "checkpoints"
 # Settings a resumed run must share with its checkpoint: they define the model,
@@ -104,6 +105,7 @@ def _auto_run_dir(config: TrainConfig, say: Callable[[str], None]) -> Optional[s
             say(f"--resume auto: {run_dir} does not exist yet, starting it")
             return None
         if not list_checkpoints(os.path.join(run_dir, CHECKPOINTS)):
+            require_not_in_use(run_dir)  # a run still before its first checkpoint: say it is busy
             raise ValueError(f"--resume auto: run directory {run_dir} exists but holds no checkpoint (it ran "
                              f"with checkpoint_every = 0 or stopped before its first checkpoint); remove it or "
                              f"choose another run_name")

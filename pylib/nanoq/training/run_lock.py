@@ -56,8 +56,7 @@ class RunLock:
             except BlockingIOError:
                 holder = _holder(fd)
                 os.close(fd)
-                raise RunInUse(f"run directory {run_dir} is in use by another trainer ({holder}, named in "
-                               f"{path}); wait for it to finish or stop it, then run again") from None
+                raise _in_use(run_dir, holder) from None
             except BaseException:
                 os.close(fd)
                 raise
@@ -91,6 +90,31 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _in_use(run_dir: str, holder: str) -> RunInUse:
+    return RunInUse(f"run directory {run_dir} is in use by another trainer ({holder}, named in "
+                    f"{os.path.join(run_dir, LOCK_FILE)}); wait for it to finish or stop it, then run again")
+
+
+def require_not_in_use(run_dir: str) -> None:
+    """RunInUse naming the holder while another trainer holds ``run_dir``'s
+    lock; nothing when none does (no lock file, or one left by a dead
+    process). Takes no lock and creates nothing: for the checks that
+    refuse a run directory before it is locked, so that their message
+    says it is busy rather than what its contents lack."""
+    try:
+        fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _in_use(run_dir, _holder(fd)) from None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def _holder(fd: int) -> str:
