@@ -269,6 +269,30 @@ def test_making_room_never_deletes_the_newest_finite_checkpoint(tmp_path, monkey
     assert checkpoint.list_checkpoints(tmp_path) == [1, 3]
 
 
+def test_a_run_shows_and_logs_a_checkpoint_deleted_early_for_room(tmp_path, monkeypatch):
+    """In the training loop the early deletion is a console line and a log.jsonl record, not a bare
+    Python warning, and the run goes on to finish with the checkpoints keep_last keeps."""
+    cfg = config(tmp_path, steps=6, checkpoint_every=2, keep_last=2, eval_every=0)
+    real_usage = shutil.disk_usage
+    run_dir = tmp_path / "runs" / "run"
+    # Short of room while step 2 is still there, once step 4 exists (so at the save of step 6).
+    short = lambda: (run_dir / "checkpoints" / "step_00000002").exists() and \
+        (run_dir / "checkpoints" / "step_00000004").exists()  # noqa: E731
+    needed = []  # what each save asks room for
+    real_bytes = checkpoint.checkpoint_bytes
+    monkeypatch.setattr(checkpoint, "checkpoint_bytes",
+                        lambda trainer: needed.append(real_bytes(trainer)) or needed[-1])
+    monkeypatch.setattr(shutil, "disk_usage",
+                        lambda path: Usage(1 << 40, 0, needed[-1] - 1) if short() else real_usage(path))
+    lines = []
+    train(cfg, say=lines.append, progress=False)
+    (line,) = [line for line in lines if line.startswith("warning:")]
+    assert "deleted step_00000002 before writing the next one" in line
+    (record,) = records(str(run_dir), "warning")
+    assert record["step"] == 6 and record["message"] == line[len("warning: "):]
+    assert checkpoint.list_checkpoints(run_dir / "checkpoints") == [4, 6]
+
+
 def refuse_writes_in(monkeypatch, directory):
     """Makes ``directory`` unwritable to nanoq: really (chmod) when not root, else through the write probe
     (root writes through permission bits; the probe is what a read-only mount would fail)."""

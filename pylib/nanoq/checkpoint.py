@@ -301,6 +301,11 @@ def checkpoint_bytes(trainer) -> int:
     return 16 * elements + headers + (64 << 10)
 
 
+class DiskSpaceWarning(UserWarning):
+    """A save deleted an older checkpoint early to make room (see _make_room);
+    the training loop shows it on the console and in log.jsonl."""
+
+
 def _make_room(root: str, needed: int, keep_last: int, keep_every: int) -> None:
     """Makes sure ``root`` has ``needed`` bytes free for the next save:
     deletes, oldest first, the checkpoints the rotation after it would
@@ -320,7 +325,7 @@ def _make_room(root: str, needed: int, keep_last: int, keep_every: int) -> None:
         free = shutil.disk_usage(root).free
         warnings.warn(f"only {_size(free)} free in {root}, short of the {_size(needed)} a checkpoint needs: "
                       f"deleted {step_dir_name(step)} before writing the next one (keep_last = {keep_last} "
-                      f"would have deleted it after)", stacklevel=4)
+                      f"would have deleted it after)", DiskSpaceWarning, stacklevel=4)
         if free >= needed:
             return
     raise OSError(errno.ENOSPC, f"not enough disk space for a checkpoint in {root}: it needs about "

@@ -9,6 +9,7 @@ Every line of ``log.jsonl`` is one JSON object, written and flushed whole:
     {"type": "eval", "step": 0, "loss": ..., "tokens": ..., "time": ...}
     {"type": "telemetry", "step": 10, "time": ..., "gpus": [{"device": 0, "gpu_util": 97, ...}, ...]}
     {"type": "sample", "step": 60, "index": 0, "prompt": "...", "completion": "...", "time": ...}
+    {"type": "warning", "step": 40, "message": "only ... free in ...: deleted step_00000020 ...", "time": ...}
     {"type": "end", "step": N, "time": ..., "model_dir": ...}
 
 ``step`` counts finished optimizer updates (a train line's step is 1 after the
@@ -17,7 +18,9 @@ train line is the running total of tokens fed to the model, and
 ``trained_tokens`` the number of them the step's loss averaged (targets not
 masked out: the responses of SFT data); on an eval line, the tokens scored. ``time`` is seconds since the start of training.
 A ``sample`` line is the greedy continuation of prompt ``index`` of
-train.sample_prompts after ``step`` updates (see nanoq.training.samples).
+train.sample_prompts after ``step`` updates (see nanoq.training.samples). A
+``warning`` line says that the save at ``step`` deleted an older checkpoint
+early because the disk was short of room (nanoq.checkpoint.DiskSpaceWarning).
 ``memory`` (also on a ``resume`` line) is Trainer.memory_summary(): each
 device's allocations summed by context, and more; ``gpus`` holds GpuTelemetry.sample()
 (see nanoq.telemetry: cuda runs with NVML only, every run.telemetry_every steps).

@@ -43,11 +43,12 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from typing import Callable, List, Optional, TypeVar
 
 from nanoq import __version__, distributed
 from nanoq.agreement import agree, on_root
-from nanoq.checkpoint import newest_finite
+from nanoq.checkpoint import DiskSpaceWarning, newest_finite
 from nanoq.backends import CUDA_BACKENDS, cpu_oversubscription, resolve_backend
 from nanoq.trainer_config import ModelConfig
 from nanoq.hf_export import NotExportable, architecture, export_adapter
@@ -662,9 +663,18 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
 
         def save_checkpoint() -> str:
             began = time.time()
-            path = trainer.save_checkpoint(os.path.join(run_dir, CHECKPOINTS), done.step,
-                                           extra_state(done, loader, config), keep_last=config.keep_last,
-                                           keep_every=config.keep_every, tokenizer_dir=tokenizer_dir)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", DiskSpaceWarning)
+                path = trainer.save_checkpoint(os.path.join(run_dir, CHECKPOINTS), done.step,
+                                               extra_state(done, loader, config), keep_last=config.keep_last,
+                                               keep_every=config.keep_every, tokenizer_dir=tokenizer_dir)
+            for warning in caught:  # a checkpoint deleted early for room goes where the run's news goes
+                if issubclass(warning.category, DiskSpaceWarning):
+                    emit(f"warning: {warning.message}")
+                    log.write(type="warning", step=done.step, message=str(warning.message),
+                              time=time.time() - train_start)
+                else:
+                    warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
             log.write(type="checkpoint", step=done.step, path=path, time=time.time() - train_start)
             emit(f"checkpoint @ step {done.step}: {path} ({time.time() - began:.1f}s)")
             saved[done.step] = path
