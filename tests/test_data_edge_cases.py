@@ -281,19 +281,24 @@ def test_loader_states_and_configs_with_another_window_step_are_refused(tmp_path
 
 
 # --------------------------------------------------------------------------
-# Exported files: the umask decides
+# Exported models and checkpoints: the umask decides
 # --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o002], ids=["022", "077", "002"])
-def test_exported_files_get_the_mode_the_umask_gives_a_new_file(tmp_path, umask):
+def test_exported_and_checkpoint_files_get_the_mode_the_umask_gives_a_new_file(tmp_path, umask):
     with make_trainer(devices=1) as trainer:
         previous = os.umask(umask)
         try:
             directory = trainer.export_model(str(tmp_path / "model"))
+            step_dir = trainer.save_checkpoint(str(tmp_path / "checkpoints"), 1)
         finally:
             os.umask(previous)
     names = sorted(os.listdir(directory))
     assert "model.safetensors" in names and "config.json" in names
     for name in names:
         assert os.stat(os.path.join(directory, name)).st_mode & 0o777 == 0o666 & ~umask, name
+    parts = [name for name in os.listdir(step_dir) if name.endswith(".safetensors")]
+    assert parts and "trainer_state.json" in os.listdir(step_dir)
+    for name in parts + ["trainer_state.json"]:  # the tensors as readable as the JSON beside them
+        assert os.stat(os.path.join(step_dir, name)).st_mode & 0o777 == 0o666 & ~umask, name

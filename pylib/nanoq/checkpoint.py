@@ -94,7 +94,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from nanoq.agreement import agree, on_root
-from nanoq.durable import fsync_path, read_json_object, write_json
+from nanoq.durable import fsync_path, give_created_mode, read_json_object, write_json
 from nanoq.hf_io import as_float32, safetensors_file
 from nanoq.testing import hooks as testing_hooks
 
@@ -161,6 +161,7 @@ def _save_tensors(path: str, tensors: Dict[str, np.ndarray], metadata: Dict[str,
     from safetensors.numpy import save_file
 
     save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}, path, metadata=metadata)
+    give_created_mode(path)  # safetensors writes 0600; readable as the JSON beside it is
     fsync_path(path)
 
 

@@ -39,7 +39,7 @@ def _umask() -> int:
     return mask
 
 
-def _give_created_mode(path: str | os.PathLike) -> None:
+def give_created_mode(path: str | os.PathLike) -> None:
     """Gives the file ``path`` the mode a plain ``open(path, "w")`` would:
     0666 less the umask. Writers that go through a private temporary file
     (safetensors' save_file makes its files 0600) would otherwise leave
@@ -78,7 +78,7 @@ def new_directory(directory: str | os.PathLike, *, overwrite: bool = False) -> I
     the block ends, every file in it and the folder itself are fsynced and it
     is renamed to ``directory``, and the parent folder is fsynced. Every
     file in it gets the mode of a file the user creates (0666 less the
-    umask; see _give_created_mode), whoever wrote it. If the
+    umask; see give_created_mode), whoever wrote it. If the
     block raises, the partial folder is removed. An existing ``directory``
     raises FileExistsError first unless ``overwrite`` (then it is replaced:
     moved aside, the new one renamed in, the old one deleted).
@@ -97,7 +97,7 @@ def new_directory(directory: str | os.PathLike, *, overwrite: bool = False) -> I
         for name in os.listdir(partial):
             path = os.path.join(partial, name)
             if os.path.isfile(path) and not os.path.islink(path):
-                _give_created_mode(path)
+                give_created_mode(path)
             fsync_path(path)
         fsync_path(partial)
         if os.path.lexists(directory):
