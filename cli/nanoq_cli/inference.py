@@ -120,7 +120,7 @@ def generate(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, ste
     A bidirectional model (model.causal false) fills --max-new-tokens
     masked positions after the prompt in --steps passes, the most confident
     first (Trainer.denoise)."""
-    from nanoq.tokenization.tokenizer import find_eos_id
+    from nanoq.tokenization.tokenizer import eos_id_or_none
 
     try:
         source = find_model(model)
@@ -133,10 +133,7 @@ def generate(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, ste
         if causal and (steps is not None or mask_token is not None):
             raise ValueError(f"--steps and --mask-token are for bidirectional (denoising) models; {model} is "
                              f"causal")
-        try:
-            eos = find_eos_id(tokenizer, source=tokenizer_json)
-        except ValueError:
-            eos = None
+        eos = eos_id_or_none(tokenizer, tokenizer_json)
         seq_len = len(prompt_ids) + max_new_tokens
         if source.max_positions and seq_len > source.max_positions:
             raise ValueError(f"the prompt ({len(prompt_ids)} tokens) and --max-new-tokens ({max_new_tokens}) "

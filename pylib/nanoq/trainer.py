@@ -684,8 +684,14 @@ class Trainer:
             return StepStats(**self._core.validate_result())
 
     # -- inference -------------------------------------------------------------
+    @property
+    def holds_whole_world(self) -> bool:
+        """Whether this trainer holds every rank of its world (one process, no
+        other trainers): what generation and the other whole-model calls need."""
+        return self.processes.size == 1 and self.topology[0] == self.world_size
+
     def _require_alone(self, what: str) -> None:
-        if self.processes.size > 1 or self.topology[0] != self.world_size:
+        if not self.holds_whole_world:
             raise ValueError(f"{what} runs in a trainer that holds its whole world; this one is one of "
                              f"{self.processes.size} processes ({self.topology[0]} devices in all): call it in a "
                              f"single-process run")

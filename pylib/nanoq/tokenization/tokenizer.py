@@ -117,6 +117,15 @@ def find_eos_id(tokenizer: Tokenizer, eos_token: Optional[str] = None, source: s
                      f"{', '.join(_KNOWN_EOS)} is in its vocabulary; pass --eos-token")
 
 
+def eos_id_or_none(tokenizer: Tokenizer, source: str = "") -> Optional[int]:
+    """find_eos_id(tokenizer, source=source), or None when the tokenizer has
+    no end-of-sequence token (generation then stops only at its length)."""
+    try:
+        return find_eos_id(tokenizer, source=source)
+    except ValueError:
+        return None
+
+
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """Trains a byte-level BPE (GPT-2 style, no prefix space) on ``texts``.
 

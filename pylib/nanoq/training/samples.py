@@ -74,15 +74,6 @@ class Samples:
             emit(f"sample @ step {step}: {prompt.text!r} -> {completion!r}")
 
 
-def _eos_id(tokenizer, tokenizer_dir: str) -> Optional[int]:
-    from nanoq.tokenization.tokenizer import find_eos_id
-
-    try:
-        return find_eos_id(tokenizer, source=os.path.join(tokenizer_dir, "tokenizer.json"))
-    except ValueError:
-        return None
-
-
 def document_start(tokens: np.ndarray, eos: Optional[int], limit: int) -> List[int]:
     """The first ``limit`` tokens of the first document of ``tokens``: after
     any leading ``eos`` tokens, up to (not including) the next one."""
@@ -107,10 +98,10 @@ def prepare_samples(every: int, prompts: List[str], max_new_tokens: int, seq_len
         return None
     tokenizer = eos = None
     if tokenizer_dir is not None:
-        from nanoq.tokenization.tokenizer import load_tokenizer
+        from nanoq.tokenization.tokenizer import eos_id_or_none, load_tokenizer
 
         tokenizer = load_tokenizer(tokenizer_dir)
-        eos = _eos_id(tokenizer, tokenizer_dir)
+        eos = eos_id_or_none(tokenizer, os.path.join(tokenizer_dir, "tokenizer.json"))
     samples = Samples(every, [], max_new_tokens, seq_len, tokenizer, eos)
     if not prompts:
         ids = document_start(dataset.files[0].tokens, eos, min(DEFAULT_PROMPT_TOKENS, max(seq_len // 2, 1)))
@@ -139,7 +130,7 @@ def sampling_note(trainer) -> Optional[str]:
     a trainer that holds its whole world (see Trainer.generate)."""
     if not trainer.config.causal:
         return "samples off: the model is bidirectional (model.causal = false); nanoq generate --steps N samples it"
-    if trainer.processes.size > 1 or trainer.topology[0] != trainer.world_size:
+    if not trainer.holds_whole_world:
         return (f"samples off: generation needs a single-process run, and this one spans "
                 f"{trainer.processes.size} processes ({trainer.topology[0]} devices)")
     return None
