@@ -444,6 +444,13 @@ def case_matmul_epilogue(i, d):
                 shape=f"qkv + bias: [{m}, {c}] x [{n}, {c}]^T")
 
 
+def case_matmul_input_grad(i, d):
+    m, c, n = _rows(d), d["channels"], d["intermediate"]
+    dy, w = i.t(m, c), i.t(c, n)
+    return dict(nanoq=dict(dy=i.normal(m, c), weight=i.normal(c, n, scale=0.02)), torch=lambda: dy @ w,
+                flops=2.0 * m * n * c, composite=True, shape=f"down-proj dx: [{m}, {c}] x [{c}, {n}]")
+
+
 def case_matmul_weight_grad(i, d):
     m, c, n = _rows(d), d["channels"], d["intermediate"]
     dy, x = i.t(m, c), i.t(m, n)
@@ -641,6 +648,7 @@ CASES = {
     "adamw": ("adamw", case_adamw),
     "adamw_shard": ("adamw_shard", case_adamw_shard),
     "matmul_epilogue": ("matmul_epilogue", case_matmul_epilogue),
+    "matmul_input_grad": ("matmul_input_grad", case_matmul_input_grad),
     "matmul_weight_grad": ("matmul_weight_grad", case_matmul_weight_grad),
     "residual_rmsnorm_forward": ("residual_rmsnorm_forward", case_residual_rmsnorm_forward),
     "residual_rmsnorm_backward": ("residual_rmsnorm_backward", case_residual_rmsnorm_backward),

@@ -286,6 +286,12 @@ public:
     // bias has out's dtype).
     virtual void matmul_epilogue(const Tensor& out, const Tensor& a, const Tensor& b, const Tensor& bias, int M,
                                  int N, int K, bool trans_a, bool trans_b, bool accumulate, float scale);
+    // The input gradient of y[rows,n] = x[rows,k] W^T (W stored [n,k]):
+    // dx[rows,k] = dy W, or dx += dy W with `accumulate`. The projections'
+    // backward calls this (an override may change its precision, as cuda's
+    // fp8 does), never the adapters' small products, which call matmul.
+    virtual void matmul_input_grad(const Tensor& dx, const Tensor& dy, const Tensor& weight, int rows, int n, int k,
+                                   bool accumulate);
     // The weight gradient of y[rows,n] = x[rows,k] W^T + bias:
     // dweight[n,k] += dy^T x and, when dbias is not empty, dbias[n] += the
     // column sums of dy.

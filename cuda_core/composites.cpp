@@ -61,6 +61,11 @@ void Backend::matmul_epilogue(const Tensor& out, const Tensor& a, const Tensor& 
     if (bias.data) add_bias(out, bias, M, N);
 }
 
+void Backend::matmul_input_grad(const Tensor& dx, const Tensor& dy, const Tensor& weight, int rows, int n, int k,
+                                bool accumulate) {
+    matmul(dx, dy, weight, rows, k, n, false, false, accumulate);
+}
+
 void Backend::matmul_weight_grad(const Tensor& dweight, const Tensor& dbias, const Tensor& dy, const Tensor& x,
                                  int rows, int n, int k) {
     matmul(dweight, dy, x, n, k, rows, true, false, true);
@@ -136,7 +141,7 @@ void Backend::qkv_projection_backward(const Tensor& dx, bool accumulate, const Q
     const Tensor* dbiases[3] = {&dbias.q, &dbias.k, &dbias.v};
     for (int i = 0; i < 3; ++i) {
         const int width = i == 0 ? n.q : n.kv;
-        matmul(dx, *dys[i], *weights[i], n.rows, s.hidden, width, false, false, accumulate || i > 0);
+        matmul_input_grad(dx, *dys[i], *weights[i], n.rows, width, s.hidden, accumulate || i > 0);
         if (dweights[i]->data) matmul_weight_grad(*dweights[i], *dbiases[i], *dys[i], x, n.rows, width, s.hidden);
     }
 }
@@ -167,8 +172,8 @@ void Backend::gate_up_projection_backward(const Tensor& dx, bool accumulate, con
     const Tensor* dys[2] = {&dgate, &dup};
     for (int i = 0; i < 2; ++i) {
         const std::int64_t first = std::int64_t(i) * intermediate;
-        matmul(dx, *dys[i], row_block(gate_up, first, intermediate, channels), rows, channels, intermediate, false,
-               false, accumulate || i > 0);
+        matmul_input_grad(dx, *dys[i], row_block(gate_up, first, intermediate, channels), rows, intermediate, channels,
+                          accumulate || i > 0);
         if (dgate_up.data)
             matmul_weight_grad(row_block(dgate_up, first, intermediate, channels), Tensor(), *dys[i], x, rows,
                                intermediate, channels);

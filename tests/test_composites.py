@@ -165,6 +165,18 @@ def case_matmul_epilogue(rng, accumulate, with_bias, scale, out_f32=False):
     return a, p, ref
 
 
+def case_matmul_input_grad(rng, accumulate):
+    n, k = 24, 20
+    a = dict(dy=normal(rng, ROWS, n), weight=normal(rng, n, k))
+    if accumulate:
+        a["dx"] = normal(rng, ROWS, k)
+
+    def ref(a):
+        return dict(dx=n64(t64(a["dy"]) @ t64(a["weight"]) + (t64(a["dx"]) if accumulate else 0.0)))
+
+    return a, dict(rows=ROWS, n=n, k=k, accumulate=int(accumulate)), ref
+
+
 def case_matmul_weight_grad(rng, with_bias):
     n, k = 24, 20
     a = dict(dy=normal(rng, ROWS, n), x=normal(rng, ROWS, k), dweight=normal(rng, n, k))
@@ -419,6 +431,8 @@ CASES = {
     "matmul_epilogue-accumulate": ("matmul_epilogue", lambda r: case_matmul_epilogue(r, True, True, 1.0)),
     "matmul_epilogue-nobias": ("matmul_epilogue", lambda r: case_matmul_epilogue(r, False, False, 1.0)),
     "matmul_epilogue-float32-out": ("matmul_epilogue", lambda r: case_matmul_epilogue(r, True, True, 1.0, True)),
+    "matmul_input_grad": ("matmul_input_grad", lambda r: case_matmul_input_grad(r, False)),
+    "matmul_input_grad-accumulate": ("matmul_input_grad", lambda r: case_matmul_input_grad(r, True)),
     "matmul_weight_grad": ("matmul_weight_grad", lambda r: case_matmul_weight_grad(r, True)),
     "matmul_weight_grad-nobias": ("matmul_weight_grad", lambda r: case_matmul_weight_grad(r, False)),
     "residual_rmsnorm_forward": ("residual_rmsnorm_forward", lambda r: case_residual_rmsnorm_forward(r, False)),

@@ -178,6 +178,7 @@ def test_the_cublaslt_stand_in_refuses_what_the_library_refuses(monkeypatch):
     assert statuses == {
         "relu_epilogue": "15", "bias_epilogue": "0", "unknown_attribute": "7",
         "fp8_tn": "0", "fp8_tn_algorithms": "3", "fp8_nn": "15", "fp8_m24": "15", "fp8_into_fp8": "15",
+        "fp8_e4m3_e5m2": "0", "fp8_e5m2_e4m3": "0", "fp8_e5m2_e5m2": "15", "fp8_e5m2_nn": "15", "fp8_with_bf16": "15",
         "scale_on_bf16": "15", "f32_bias_on_bf16": "15", "bias_epilogue_without_bias": "7",
     }
 

@@ -1,25 +1,37 @@
-"""fp8 (e4m3) projection matmuls: TrainOptions.matmul_dtype = "fp8" on the cuda backend.
+"""fp8 matmuls: TrainOptions.matmul_dtype = "fp8" on the cuda backend.
 
-What runs in fp8 (cuda_backend.cpp, CudaBackend::fp8_projection): the
-forward projections x[M,K] @ W[N,K]^T (q/k/v, o, gate/up, down), each input
-and weight quantized with its own current scale (448 / its absolute
-maximum, kernels_fp8.cu) and multiplied by cuBLASLt into bf16, bias in the
-epilogue. The backward, the classifier, the optimizer and master weights
+What runs in fp8 (cuda_backend.cpp): the projections (q/k/v, o, gate/up,
+down) forward and backward, every operand quantized with its own current
+scale (max / its absolute maximum, kernels_fp8.cu) and multiplied by
+cuBLASLt in the "TN" layout its fp8 kernels take:
+  - forward (CudaBackend::fp8_projection): x[M,K] @ W[N,K]^T, both e4m3,
+    into bf16, bias in the epilogue;
+  - dgrad (matmul_input_grad): dx = dy W, dy in e5m2 (gradients need the
+    range), W^T quantized transposed to e4m3, accumulating into dx;
+  - wgrad (matmul_weight_grad): dW += dy^T x, dy^T in e5m2 and x^T in e4m3
+    (both quantized transposed), beta 1 into the float32 or bf16 gradient;
+    the bias gradient stays bf16.
+The classifier, attention, the adapters, the optimizer and master weights
 stay as they were.
 
-Checked here on the emulator (cuda_core/cuda/emulator: an e4m3 type with
+Checked here on the emulator (cuda_core/cuda/emulator: e4m3/e5m2 types with
 CUDA's rounding and saturation, and a float64 reference GEMM that reads fp8
-operands and their scale pointers):
-  - the quantize kernels against PyTorch's float8_e4m3fn rounding (bitwise);
-  - one projection against float64: within 1e-2 of max |out| of the
-    product of the dequantized operands (what differs is the bf16 rounding
-    of the output), and within 0.1 of max |out| of the unquantized product
-    (e4m3 keeps 3 mantissa bits: each operand is off by up to 2^-4 relative;
-    measured 0.035 on these inputs);
-  - training steps with fp8 against bf16: losses within FP8_LOSS_REL;
+operands and their scale pointers and refuses what Hopper's fp8 kernels
+refuse):
+  - the quantize kernels, plain and transposing, against PyTorch's
+    float8_e4m3fn and float8_e5m2 rounding (bitwise);
+  - one projection, and one dgrad/wgrad pair, against float64: within 1e-2
+    of max |out| of the product of the dequantized operands where the output
+    is bf16 (its rounding is what differs), 1e-6 where it is float32; and
+    within 0.1 (forward, e4m3 x e4m3) or 0.2 (backward: e5m2 keeps 2
+    mantissa bits, 2^-3 relative per element) of max |out| of the
+    unquantized product;
+  - training steps with fp8 against bf16: losses within FP8_LOSS_REL, and
+    one step's gradients within FP8_GRAD_REL;
   - the memory plan holds the fp8 operand buffer.
-On a GPU (marked gpu): the same steps, and 200 steps of the demo whose final
-loss must be within FP8_CURVE_ABS of the bf16 run's (bench/gpu_check.sh runs it).
+On a GPU (marked gpu): the same steps and gradients, and 200 steps of the
+demo whose final loss must be within FP8_CURVE_ABS of the bf16 run's
+(bench/gpu_check.sh runs it).
 """
 
 import ctypes
@@ -34,11 +46,23 @@ import nanoq
 from nanoq.memory import estimate_memory
 from conftest import CUDA_BACKENDS, assert_array_close, random_batch, require_cuda_emulator, use_cuda_backend
 
-E4M3_MAX = np.float32(448.0)
-CUDA_R_16BF, CUDA_R_8F_E4M3 = 14, 28
+FORMATS = {"e4m3": (np.float32(448.0), torch.float8_e4m3fn), "e5m2": (np.float32(57344.0), torch.float8_e5m2)}
+CUDA_R_32F, CUDA_R_16BF, CUDA_R_8F_E4M3, CUDA_R_8F_E5M2 = 0, 14, 28, 29
 # Relative difference of the loss, fp8 against bf16, over the steps below
-# (measured up to 4.2e-3 on the emulator).
+# (forward only in fp8 it measured up to 4.2e-3 on the emulator; with the
+# backward in fp8 too, up to 4.6e-3).
 FP8_LOSS_REL = 1.5e-2
+# One step's gradients, fp8 against bf16, per parameter: the norm of the
+# difference within FP8_GRAD_REL of the bf16 gradient's norm plus
+# FP8_GRAD_ABS (measured up to 0.24 relative on the emulator's tiny model,
+# where per-tensor scales of a few thousand elements do not average out:
+# e5m2 rounds each gradient element by up to 12.5 %, e4m3 each operand by up
+# to 6 %, and the errors compound through the layers). The absolute part is
+# for k_proj.bias, whose exact gradient is zero (attention does not change
+# when every key moves by the same vector): what is computed is rounding
+# noise, measured 0.012 in norm.
+FP8_GRAD_REL = 0.35
+FP8_GRAD_ABS = 0.02
 
 
 def bf16(x):
@@ -47,20 +71,27 @@ def bf16(x):
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
 
 
-def reference_quantize(x):
-    """(e4m3 bytes, inverse scale) of float32 x, as the kernels define them,
-    computed with PyTorch's float8_e4m3fn (round to nearest even; it does not
-    saturate, so the values are clamped to +-448 first)."""
+def reference_quantize(x, fmt="e4m3"):
+    """(fp8 bytes, inverse scale) of float32 x, as the kernels define them,
+    computed with PyTorch's float8 types (round to nearest even; they do not
+    saturate, so the values are clamped to the format's largest first)."""
+    largest, dtype = FORMATS[fmt]
     x = np.asarray(x, np.float32)
     amax = np.float32(np.nanmax(np.abs(x))) if x.size else np.float32(0)
-    scale = E4M3_MAX / amax if amax > 0 and np.isfinite(amax) else np.float32(1)
-    scaled = np.clip(x * scale, -E4M3_MAX, E4M3_MAX)  # float32 product, as on the device
-    codes = torch.from_numpy(scaled).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    scale = largest / amax if amax > 0 and np.isfinite(amax) else np.float32(1)
+    scaled = np.clip(x * scale, -largest, largest)  # float32 product, as on the device
+    codes = torch.from_numpy(scaled).to(dtype).view(torch.uint8).numpy()
     return codes, np.float32(1) / scale
 
 
-def decode(codes):
-    return torch.from_numpy(np.asarray(codes, np.uint8)).view(torch.float8_e4m3fn).to(torch.float64).numpy()
+def decode(codes, fmt="e4m3"):
+    return torch.from_numpy(np.asarray(codes, np.uint8)).view(FORMATS[fmt][1]).to(torch.float64).numpy()
+
+
+def fp8_value(x, fmt):
+    """x as the fp8 product sees it: its codes decoded, times the inverse scale (float64)."""
+    codes, inverse = reference_quantize(x, fmt)
+    return decode(codes, fmt).reshape(np.shape(x)) * np.float64(inverse)
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +101,7 @@ def probes():
     lib = ctypes.CDLL(os.path.join(os.path.dirname(nanoq._core.__file__), "libnanoq_cuda_emulated.so"))
     lib.nanoq_emu_fp8_quantize.restype = ctypes.c_int
     lib.nanoq_emu_fp8_projection.restype = ctypes.c_int
+    lib.nanoq_emu_fp8_backward.restype = ctypes.c_int
     return lib
 
 
@@ -77,16 +109,19 @@ def float_ptr(a):
     return a.ctypes.data_as(ctypes.POINTER(ctypes.c_float)) if a is not None else None
 
 
-def quantize(probes, x, bf16_input):
+def quantize(probes, x, bf16_input, fmt="e4m3", transposed=False):
+    """(bytes, amax, inverse scale) of the kernels for x (1-D, or 2-D
+    [rows, cols]; with `transposed` the bytes are [cols, rows])."""
     x = np.ascontiguousarray(x, np.float32)
-    out = np.zeros(len(x), np.uint8)
+    rows, cols = x.shape if x.ndim == 2 else (1, x.size)
+    out = np.zeros(x.size, np.uint8)
     floats = np.zeros(2, np.float32)
     message = ctypes.create_string_buffer(4096)
-    status = probes.nanoq_emu_fp8_quantize(float_ptr(x), ctypes.c_long(len(x)), int(bf16_input),
-                                           out.ctypes.data_as(ctypes.POINTER(ctypes.c_ubyte)), float_ptr(floats),
-                                           message, 4096)
+    status = probes.nanoq_emu_fp8_quantize(float_ptr(x), rows, cols, int(bf16_input), int(fmt == "e5m2"),
+                                           int(transposed), out.ctypes.data_as(ctypes.POINTER(ctypes.c_ubyte)),
+                                           float_ptr(floats), message, 4096)
     assert status == 0, message.value.decode()
-    return out, floats[0], floats[1]
+    return (out.reshape(cols, rows) if transposed else out), floats[0], floats[1]
 
 
 def project(probes, a, b, bias=None):
@@ -114,19 +149,37 @@ def values_to_quantize(rng):
 
 
 @pytest.mark.cuda_emulated
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("bf16_input", [False, True], ids=["float32", "bf16"])
-def test_quantize_rounds_to_e4m3_as_pytorch_does(probes, bf16_input):
+def test_quantize_rounds_as_pytorch_does(probes, bf16_input, fmt):
     x = values_to_quantize(np.random.default_rng(0))
     if bf16_input:
         x = bf16(x)
-    codes, amax, inverse = quantize(probes, x, bf16_input)
-    want_codes, want_inverse = reference_quantize(x)
+    codes, amax, inverse = quantize(probes, x, bf16_input, fmt)
+    want_codes, want_inverse = reference_quantize(x, fmt)
     assert amax == np.abs(x).max()
     assert inverse == want_inverse
     mismatch = np.flatnonzero(codes != want_codes)
     assert mismatch.size == 0, f"{mismatch.size} codes differ, first at {mismatch[0]}: x={x[mismatch[0]]!r} " \
                                f"-> {codes[mismatch[0]]:#x}, PyTorch {want_codes[mismatch[0]]:#x}"
-    assert codes[np.argmax(np.abs(x))] & 0x7F == 0x7E  # the maximum lands on 448
+    largest_code = 0x7E if fmt == "e4m3" else 0x7B  # 448, 57344
+    assert codes[np.argmax(np.abs(x))] & 0x7F == largest_code  # the maximum lands on the format's largest
+
+
+@pytest.mark.cuda_emulated
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_quantize_transposed_writes_the_transpose_of_the_same_codes(probes, fmt):
+    """Shapes off the 32 x 32 tiles on both sides (37 x 45), and one thinner
+    than a tile (5 x 70): every element lands at [c, r] with the codes and
+    scale of the plain quantization of the whole tensor."""
+    rng = np.random.default_rng(3)
+    for rows, cols in ((37, 45), (5, 70)):
+        x = bf16(values_to_quantize(rng)[: rows * cols].reshape(rows, cols))
+        codes, amax, inverse = quantize(probes, x, True, fmt, transposed=True)
+        want_codes, want_inverse = reference_quantize(x, fmt)
+        assert codes.shape == (cols, rows)
+        np.testing.assert_array_equal(codes, want_codes.reshape(rows, cols).T)
+        assert amax == np.abs(x).max() and inverse == want_inverse
 
 
 @pytest.mark.cuda_emulated
@@ -175,6 +228,71 @@ def test_a_projection_off_the_fp8_tiles_runs_in_bf16(probes, capfd, monkeypatch)
     assert_array_close(out, a.astype(np.float64) @ b.T, 1e-2, "bf16 product")
 
 
+def backward(probes, dy, weight, x, dx=None, dweight=None, dweight_f32=True):
+    """(dx, dweight) of the probe: dx = dy @ weight (+ dx), dweight + dy^T x."""
+    rows, n = dy.shape
+    k = weight.shape[1]
+    f32 = lambda a: np.ascontiguousarray(a, np.float32)
+    dx_io = np.array(np.zeros((rows, k)) if dx is None else dx, np.float32)  # copies: written in place
+    dweight_io = np.array(np.zeros((n, k)) if dweight is None else dweight, np.float32)
+    message = ctypes.create_string_buffer(4096)
+    status = probes.nanoq_emu_fp8_backward(rows, n, k, float_ptr(f32(dy)), float_ptr(f32(weight)), float_ptr(f32(x)),
+                                           float_ptr(dx_io), int(dx is not None), float_ptr(dweight_io),
+                                           int(dweight_f32), message, 4096)
+    assert status == 0, message.value.decode()
+    return dx_io, dweight_io
+
+
+@pytest.mark.cuda_emulated
+@pytest.mark.parametrize("dweight_dtype", ["float32", "bf16"])
+def test_fp8_backward_matches_float64(probes, capfd, monkeypatch, dweight_dtype):
+    """dgrad dx += dy W (e5m2 x e4m3 into bf16) and wgrad dW += dy^T x (e5m2 x
+    e4m3 into the gradient's dtype), both accumulating into what was there."""
+    monkeypatch.setenv("NANOQ_MATMUL_LOG", "1")
+    rng = np.random.default_rng(4)
+    rows, n, k = 48, 32, 64
+    dy = bf16(rng.standard_normal((rows, n)) * 1e-3)  # gradients: small, as in training
+    weight, x = bf16(rng.standard_normal((n, k)) * 0.05), bf16(rng.standard_normal((rows, k)))
+    dx0 = bf16(rng.standard_normal((rows, k)) * 1e-5)
+    dweight0 = rng.standard_normal((n, k)).astype(np.float32) * np.float32(1e-3)
+    if dweight_dtype == "bf16":
+        dweight0 = bf16(dweight0)
+    dx, dweight = backward(probes, dy, weight, x, dx0, dweight0, dweight_f32=dweight_dtype == "float32")
+    out_type = CUDA_R_32F if dweight_dtype == "float32" else CUDA_R_16BF
+    types = capfd.readouterr().err
+    assert f"plan {rows}x{k}x{n} trans_a=0 trans_b=1 accumulate=1 types={CUDA_R_16BF}/{CUDA_R_8F_E5M2}/" \
+           f"{CUDA_R_8F_E4M3}" in types, types
+    assert f"plan {n}x{k}x{rows} trans_a=0 trans_b=1 accumulate=1 types={out_type}/{CUDA_R_8F_E5M2}/" \
+           f"{CUDA_R_8F_E4M3}" in types, types
+    # From the same quantized operands: dy in e5m2, W^T in e4m3 (its codes and
+    # scale are W's), dy^T in e5m2, x^T in e4m3.
+    want_dx = dx0 + fp8_value(dy, "e5m2") @ fp8_value(weight, "e4m3")
+    want_dweight = dweight0 + fp8_value(dy, "e5m2").T @ fp8_value(x, "e4m3")
+    assert_array_close(dx, want_dx, 1e-2, "fp8 dgrad vs its dequantized operands")
+    assert_array_close(dweight, want_dweight, 1e-6 if dweight_dtype == "float32" else 1e-2,
+                       "fp8 wgrad vs its dequantized operands")
+    exact_dx = dx0 + dy.astype(np.float64) @ weight
+    exact_dweight = dweight0 + dy.T.astype(np.float64) @ x
+    assert_array_close(dx, exact_dx, 0.2, "fp8 dgrad vs the unquantized product")
+    assert_array_close(dweight, exact_dweight, 0.2, "fp8 wgrad vs the unquantized product")
+
+
+@pytest.mark.cuda_emulated
+def test_a_backward_off_the_fp8_tiles_runs_in_bf16(probes, capfd, monkeypatch):
+    """rows = 24: wgrad's K and dgrad's M are not multiples of 16, so both run
+    in bf16 and compute what the bf16 products do."""
+    monkeypatch.setenv("NANOQ_MATMUL_LOG", "1")
+    rng = np.random.default_rng(5)
+    rows, n, k = 24, 16, 32
+    dy, weight, x = (bf16(rng.standard_normal(shape)) for shape in ((rows, n), (n, k), (rows, k)))
+    dx, dweight = backward(probes, dy, weight, x)
+    err = capfd.readouterr().err
+    plans = [line for line in err.splitlines() if "nanoq matmul plan" in line]
+    assert plans and not any(f"/{CUDA_R_8F_E5M2}/" in p or f"/{CUDA_R_8F_E4M3}" in p for p in plans), plans
+    assert_array_close(dx, dy.astype(np.float64) @ weight, 1e-2, "bf16 dgrad")
+    assert_array_close(dweight, dy.T.astype(np.float64) @ x, 1e-5, "bf16 wgrad into float32")
+
+
 # --------------------------------------------------------------------------
 # Training with fp8 projections
 # --------------------------------------------------------------------------
@@ -216,9 +334,41 @@ def test_fp8_training_steps_follow_bf16(checkpoints, backend, capfd, monkeypatch
     # q, k, v (with bias), o, gate, up and down: the shapes of the tiny model (rows 64).
     shapes = {re.search(r"plan (\d+x\d+x\d+)", p).group(1) for p in fp8_plans}
     assert {"64x32x32", "64x16x32", "64x64x32", "64x32x64"} <= shapes, shapes
+    # The backward: e5m2 gradients times e4m3 operands, dgrad into the bf16
+    # input gradient, wgrad into the float32 weight gradients.
+    dgrad = {re.search(r"plan (\d+x\d+x\d+)", p).group(1) for p in plans
+             if f"types={CUDA_R_16BF}/{CUDA_R_8F_E5M2}/{CUDA_R_8F_E4M3}" in p}
+    wgrad = {re.search(r"plan (\d+x\d+x\d+)", p).group(1) for p in plans
+             if f"types={CUDA_R_32F}/{CUDA_R_8F_E5M2}/{CUDA_R_8F_E4M3}" in p}
+    assert {"64x32x32", "64x32x16", "64x32x64", "64x64x32"} <= dgrad, dgrad  # q and o, k/v, gate/up, down
+    assert {"32x32x64", "16x32x64", "64x32x64", "32x64x64"} <= wgrad, wgrad
     assert not any(re.search(r"plan \d+x128x32 .*/28/28", p) for p in plans), "the classifier ran in fp8"
+    assert not any(re.search(r"plan \d+x32x128 .*/29/", p) for p in plans), "the classifier's backward ran in fp8"
     names = {a["name"] for a in allocations}
     assert "fp8-operands" in names and "fp8-operands" not in {a["name"] for a in plain}
+
+
+def first_step_gradients(checkpoint, backend, matmul_dtype):
+    options = nanoq.TrainOptions(backend=backend, dtype="bf16", batch_size=4, seq_len=16, seed=0,
+                                 matmul_dtype=matmul_dtype)
+    inputs, targets = random_batch(np.random.default_rng(7), 4)
+    with nanoq.Trainer(nanoq.ModelConfig.from_pretrained(checkpoint), options) as trainer:
+        trainer.import_weights(checkpoint)
+        trainer.step(inputs, targets)
+        return trainer.get_gradients()
+
+
+def test_fp8_gradients_follow_bf16(checkpoints, backend):
+    """One step's gradients with the projections forward and backward in
+    fp8, against the bf16 run (see FP8_GRAD_REL)."""
+    checkpoint = checkpoints.path("qwen2")
+    fp8 = first_step_gradients(checkpoint, backend, "fp8")
+    reference = first_step_gradients(checkpoint, backend, "auto")
+    assert fp8.keys() == reference.keys()
+    for name, want in reference.items():
+        assert np.all(np.isfinite(fp8[name])), name
+        err, norm = np.linalg.norm(fp8[name] - want), np.linalg.norm(want)
+        assert err <= FP8_GRAD_REL * norm + FP8_GRAD_ABS, f"gradient of {name}: |fp8 - bf16| {err:.3g}, |bf16| {norm:.3g}"
 
 
 @pytest.mark.cuda_emulated
@@ -228,8 +378,12 @@ def test_the_memory_plan_holds_the_fp8_operands(checkpoints):
     fp8 = estimate_memory(config, nanoq.TrainOptions(matmul_dtype="fp8", **kwargs)).allocations
     plain = estimate_memory(config, nanoq.TrainOptions(**kwargs)).allocations
     segment = [a for a in fp8 if a.name == "fp8-operands"]
-    # 256 bytes of scales, the widest input (64 rows x 64) and the largest packed weight (gate|up: 2 x 64 x 32).
-    assert len(segment) == 1 and segment[0].bytes == 256 + 64 * 64 + 2 * 64 * 32 and segment[0].kind == "device"
+    # 256 bytes of scales; the first operand: the widest of the forward's
+    # inputs and of the backward's output gradients (gate|up's: 64 rows x 2 x
+    # 64); the second: the largest packed weight (gate|up: 2 x 64 x 32) or
+    # wgrad's widest transposed input (64 x 64 rows), 4096 bytes either way.
+    expected = 256 + 64 * 2 * 64 + max(2 * 64 * 32, 64 * 64)
+    assert len(segment) == 1 and segment[0].bytes == expected and segment[0].kind == "device"
     assert not [a for a in plain if a.name == "fp8-operands"]
     # The trainer allocates what the plan holds.
     with nanoq.Trainer(config, nanoq.TrainOptions(matmul_dtype="fp8", **kwargs)) as trainer:

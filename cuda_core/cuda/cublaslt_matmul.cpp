@@ -311,27 +311,29 @@ void LtMatmul::run(const Tensor& out, const Tensor& a, const Tensor& b, int M, i
     execute(x, workspace, workspace_bytes, stream);
 }
 
-void LtMatmul::run_fp8(const Tensor& out, const void* a8, const void* b8, const float* a_scale, const float* b_scale,
-                       int M, int N, int K, const Tensor& bias, void* workspace, std::size_t workspace_bytes,
-                       cudaStream_t stream) {
+void LtMatmul::run_fp8(const Tensor& out, const void* a8, cudaDataType_t a_type, const void* b8, cudaDataType_t b_type,
+                       const float* a_scale, const float* b_scale, int M, int N, int K, bool accumulate,
+                       const Tensor& bias, void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
     if (!fp8_supported(M, N, K))
         throw InternalError("an fp8 matmul needs M, N and K multiples of 16, got " + std::to_string(M) + "x" +
                             std::to_string(N) + "x" + std::to_string(K));
     if (bias.data && !bias_supported(out, bias)) throw InternalError("fp8 matmul bias of another dtype than its output");
+    if (a_type == CUDA_R_8F_E5M2 && b_type == CUDA_R_8F_E5M2)
+        throw InternalError("an fp8 matmul of two e5m2 operands (cuBLASLt has no such kernel)");
     const Product x{out.data,
                     a8,
                     b8,
                     bias.data,
                     lt_type(out.dtype),
-                    CUDA_R_8F_E4M3,
-                    CUDA_R_8F_E4M3,
+                    a_type,
+                    b_type,
                     bias.data ? static_cast<int>(lt_type(bias.dtype)) : -1,
                     M,
                     N,
                     K,
                     false,
                     true,
-                    false,
+                    accumulate,
                     1.0f,
                     a_scale,
                     b_scale,

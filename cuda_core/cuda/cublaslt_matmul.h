@@ -23,9 +23,12 @@
 // the first; across processes set NANOQ_MATMUL_AUTOTUNE=0 for bitwise-repeatable runs.
 // NANOQ_MATMUL_LOG=1 prints each plan's choice to stderr (the tests read it).
 //
-// fp8: run_fp8 multiplies e4m3 operands quantized with per-tensor scales;
-// cuBLASLt dequantizes with the scale pointers (device floats, read when the
-// product runs).
+// fp8: run_fp8 multiplies fp8 operands (e4m3, or e5m2 for one of the two)
+// quantized with per-tensor scales; cuBLASLt dequantizes with the scale
+// pointers (device floats, read when the product runs). Its fp8 kernels on
+// Ada and Hopper take only the "TN" layout (both operands K-contiguous),
+// e4m3 x e4m3, e4m3 x e5m2 or e5m2 x e4m3 (never e5m2 x e5m2), and a bf16
+// or float32 output, which may be accumulated into (beta 1, C = D).
 #pragma once
 
 #include <cublasLt.h>
@@ -59,11 +62,14 @@ public:
     // Whether the bias epilogue takes this bias for this output.
     static bool bias_supported(const Tensor& out, const Tensor& bias) { return bias.dtype == out.dtype; }
 
-    // out[M,N] = (a_scale[0] * a8[M,K]) @ (b_scale[0] * b8[N,K])^T (+ bias[N],
-    // bf16 like out, unless empty) for e4m3 operands (row-major, K contiguous
-    // in both: the "TN" layout fp8 needs); M, N, K multiples of 16 (fp8_supported).
-    void run_fp8(const Tensor& out, const void* a8, const void* b8, const float* a_scale, const float* b_scale, int M,
-                 int N, int K, const Tensor& bias, void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
+    // out[M,N] = (a_scale[0] * a8[M,K]) @ (b_scale[0] * b8[N,K])^T (+ out with
+    // `accumulate`) (+ bias[N] of out's dtype, unless empty) for fp8 operands
+    // of the given types (CUDA_R_8F_E4M3 or CUDA_R_8F_E5M2, not both e5m2;
+    // row-major, K contiguous in both: the "TN" layout fp8 needs); M, N, K
+    // multiples of 16 (fp8_supported); out bf16 or float32.
+    void run_fp8(const Tensor& out, const void* a8, cudaDataType_t a_type, const void* b8, cudaDataType_t b_type,
+                 const float* a_scale, const float* b_scale, int M, int N, int K, bool accumulate, const Tensor& bias,
+                 void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
     static bool fp8_supported(int M, int N, int K) { return M % 16 == 0 && N % 16 == 0 && K % 16 == 0; }
 
 private:

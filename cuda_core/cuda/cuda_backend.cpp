@@ -28,9 +28,10 @@ namespace {
 constexpr std::size_t kMatmulWorkspaceBytes = std::size_t(32) << 20;
 // The fused attention's workspace in the scratch plan (when attention runs fused).
 constexpr const char* kAttentionWorkspaceName = "cudnn-attention-workspace";
-// The fp8 operands buffer: the four scale floats (amax and inverse scale of
-// the input, then of the weight), then the input, then the weight, each
-// 256-byte aligned as cuBLASLt prefers.
+// The fp8 operands buffer (one product at a time: they run in order on the
+// stream): the four scale floats (the maxima of the two operands, then their
+// inverse scales), then the first operand, then the second, each 256-byte
+// aligned as cuBLASLt prefers.
 constexpr std::size_t kFp8Align = 256;
 constexpr const char* kFp8OperandsName = "fp8-operands";
 std::size_t fp8_aligned(std::size_t bytes) { return (bytes + kFp8Align - 1) / kFp8Align * kFp8Align; }
@@ -160,12 +161,18 @@ std::size_t CudaBackend::fp8_operand_bytes(const ScratchShapes& s) {
     // Inputs: the norms' output (hidden) for q/k/v and gate/up, the attention
     // output (q_width) for o, the SwiGLU output (intermediate) for down.
     const std::size_t widest_input = std::max({std::size_t(s.hidden), std::size_t(s.intermediate), q_width});
-    // Weights: room for the packed ones a fused override may multiply at once:
-    // gate|up (2 intermediate x hidden) and q|k|v ((heads + 2 kv_heads) head_dim
-    // x hidden); o and down are smaller than those.
+    // Outputs and weights: room for the packed ones a fused override may
+    // multiply at once: gate|up (2 intermediate wide) and q|k|v ((heads + 2
+    // kv_heads) head_dim); o and down are hidden wide.
     const std::size_t packed_qkv = std::size_t(a.heads + 2 * a.kv_heads) * a.head_dim;
+    const std::size_t widest_output = std::max({2 * std::size_t(s.intermediate), packed_qkv, std::size_t(s.hidden)});
     const std::size_t largest_weight = std::max(2 * std::size_t(s.intermediate), packed_qkv) * s.hidden;
-    return kFp8Align + fp8_aligned(rows * widest_input) + fp8_aligned(largest_weight);
+    // First operand: the forward's input, or the backward's output gradient
+    // (dgrad: dy; wgrad: dy^T). Second: the forward's weight, dgrad's W^T, or
+    // wgrad's x^T.
+    const std::size_t first = rows * std::max(widest_input, widest_output);
+    const std::size_t second = std::max(largest_weight, rows * widest_input);
+    return kFp8Align + fp8_aligned(first) + fp8_aligned(second);
 }
 
 std::vector<ScratchBuffer> CudaBackend::scratch_plan(const ScratchShapes& s, bool ask_libraries,
@@ -453,37 +460,99 @@ bool CudaBackend::memory_info(std::size_t* free_bytes, std::size_t* total_bytes)
     return true;
 }
 
-// The projections (q/k/v, o, gate/up, down: x[M,K] @ W[N,K]^T, fresh, scale
-// 1, bias or none) run in fp8 when matmul_dtype is fp8: the input and the
-// weight are quantized to e4m3 with their own current scales, cuBLASLt
-// multiplies them ("TN": both K-contiguous, as they are stored) into a bf16
-// output, bias in the epilogue. Not in fp8: the backward (dgrad and wgrad
-// stay bf16, from the bf16 input and weight), the classifier, products
-// that accumulate or scale (LoRA's), and shapes with a dimension that is
-// not a multiple of 16. Master weights and optimizer are untouched.
+// fp8 matmuls (matmul_dtype fp8): the projections (q/k/v, o, gate/up,
+// down) and their backward. Every operand is quantized with its own current
+// per-tensor scale (kernels_fp8.cu): activations and weights to e4m3,
+// gradients to e5m2 (they need the range more than the precision), and
+// cuBLASLt multiplies them in the "TN" layout its fp8 kernels take, which is
+// why the backward quantizes transposed copies:
+//   forward  y[M,N]   = x[M,K] W[N,K]^T      x, W as stored         bias in the epilogue
+//   dgrad    dx[rows,k] (+)= dy[rows,n] W    dy as stored, W^T [k,n] accumulates into dx
+//   wgrad    dW[n,k]  += dy^T x              dy^T [n,rows], x^T [k,rows]  beta 1 into the bf16 or
+//                                                                    float32 gradient
+// The bias gradient (column sums of dy) stays in bf16. Not in fp8: the
+// classifier, the adapters' products (LoRA calls matmul, which stays bf16
+// except for a fresh unscaled x W^T), attention, and any product with a
+// dimension that is not a multiple of 16. Master weights and optimizer are
+// untouched. Weights are quantized on every call (no cache across calls).
+bool CudaBackend::fp8_applies(int M, int N, int K) const {
+    return options_.matmul_dtype == MatmulPrecision::FP8 && fp8_operands_.data && !in_classifier_ &&
+           LtMatmul::fp8_supported(M, N, K);
+}
+
+CudaBackend::Fp8Slots CudaBackend::fp8_slots(std::size_t a_bytes, std::size_t b_bytes, int M, int N, int K) {
+    if (kFp8Align + fp8_aligned(a_bytes) + b_bytes > fp8_operands_.bytes())
+        throw InternalError("an fp8 matmul of " + std::to_string(M) + "x" + std::to_string(N) + "x" +
+                            std::to_string(K) + " needs more fp8 operand room than was reserved");
+    char* base = static_cast<char*>(fp8_operands_.data);
+    NANOQ_CUDA_CHECK(cudaMemsetAsync(base, 0, 2 * sizeof(float), stream_));  // the two maxima start at 0
+    return {reinterpret_cast<float*>(base), reinterpret_cast<std::uint8_t*>(base + kFp8Align),
+            reinterpret_cast<std::uint8_t*>(base + kFp8Align + fp8_aligned(a_bytes))};
+}
+
 bool CudaBackend::fp8_projection(const Tensor& out, const Tensor& a, const Tensor& b, const Tensor& bias, int M, int N,
                                  int K, bool trans_a, bool trans_b, bool accumulate, float scale) {
-    if (options_.matmul_dtype != MatmulPrecision::FP8 || !fp8_operands_.data || in_classifier_) return false;
-    if (trans_a || !trans_b || accumulate || scale != 1.0f || !LtMatmul::fp8_supported(M, N, K)) return false;
+    if (!fp8_applies(M, N, K) || trans_a || !trans_b || accumulate || scale != 1.0f) return false;
     if (a.dtype != DType::BF16 || b.dtype != DType::BF16 || out.dtype != DType::BF16 ||
         (bias.data && bias.dtype != DType::BF16))
         return false;
-    const std::size_t input_bytes = std::size_t(M) * K, weight_bytes = std::size_t(N) * K;
-    if (kFp8Align + fp8_aligned(input_bytes) + weight_bytes > fp8_operands_.bytes())
-        throw InternalError("an fp8 projection of " + std::to_string(M) + "x" + std::to_string(N) + "x" +
-                            std::to_string(K) + " needs more fp8 operand room than was reserved");
-    char* base = static_cast<char*>(fp8_operands_.data);
-    float* scales = reinterpret_cast<float*>(base);  // amax a, amax b, inverse scale a, inverse scale b
-    auto* a8 = reinterpret_cast<std::uint8_t*>(base + kFp8Align);
-    auto* b8 = reinterpret_cast<std::uint8_t*>(base + kFp8Align + fp8_aligned(input_bytes));
-    NANOQ_CUDA_CHECK(cudaMemsetAsync(scales, 0, 2 * sizeof(float), stream_));
-    cuda::fp8_quantize<bf16>(a8, &scales[0], &scales[2], ptr<bf16>(a), std::int64_t(input_bytes), stream_);
+    const Fp8Slots slots = fp8_slots(std::size_t(M) * K, std::size_t(N) * K, M, N, K);
+    cuda::fp8_quantize<bf16>(slots.a, &slots.scales[0], &slots.scales[2], ptr<bf16>(a), std::int64_t(M) * K,
+                             Fp8Format::E4M3, stream_);
     NANOQ_CUDA_CHECK_LAUNCH();
-    cuda::fp8_quantize<bf16>(b8, &scales[1], &scales[3], ptr<bf16>(b), std::int64_t(weight_bytes), stream_);
+    cuda::fp8_quantize<bf16>(slots.b, &slots.scales[1], &slots.scales[3], ptr<bf16>(b), std::int64_t(N) * K,
+                             Fp8Format::E4M3, stream_);
     NANOQ_CUDA_CHECK_LAUNCH();
-    matmul_->run_fp8(out, a8, b8, &scales[2], &scales[3], M, N, K, bias, matmul_workspace_.data,
-                     matmul_workspace_.bytes(), stream_);
+    matmul_->run_fp8(out, slots.a, CUDA_R_8F_E4M3, slots.b, CUDA_R_8F_E4M3, &slots.scales[2], &slots.scales[3], M, N,
+                     K, false, bias, matmul_workspace_.data, matmul_workspace_.bytes(), stream_);
     return true;
+}
+
+bool CudaBackend::fp8_input_grad(const Tensor& dx, const Tensor& dy, const Tensor& weight, int rows, int n, int k,
+                                 bool accumulate) {
+    // dx[rows,k] = dy[rows,n] (W^T[k,n])^T: M = rows, N = k, K = n.
+    if (!fp8_applies(rows, k, n)) return false;
+    if (dx.dtype != DType::BF16 || dy.dtype != DType::BF16 || weight.dtype != DType::BF16) return false;
+    const Fp8Slots slots = fp8_slots(std::size_t(rows) * n, std::size_t(n) * k, rows, k, n);
+    cuda::fp8_quantize<bf16>(slots.a, &slots.scales[0], &slots.scales[2], ptr<bf16>(dy), std::int64_t(rows) * n,
+                             Fp8Format::E5M2, stream_);
+    NANOQ_CUDA_CHECK_LAUNCH();
+    cuda::fp8_quantize_transposed<bf16>(slots.b, &slots.scales[1], &slots.scales[3], ptr<bf16>(weight), n, k,
+                                        Fp8Format::E4M3, stream_);
+    NANOQ_CUDA_CHECK_LAUNCH();
+    matmul_->run_fp8(dx, slots.a, CUDA_R_8F_E5M2, slots.b, CUDA_R_8F_E4M3, &slots.scales[2], &slots.scales[3], rows,
+                     k, n, accumulate, Tensor(), matmul_workspace_.data, matmul_workspace_.bytes(), stream_);
+    return true;
+}
+
+bool CudaBackend::fp8_weight_grad(const Tensor& dweight, const Tensor& dy, const Tensor& x, int rows, int n, int k) {
+    // dW[n,k] += (dy^T[n,rows]) (x^T[k,rows])^T: M = n, N = k, K = rows.
+    if (!fp8_applies(n, k, rows)) return false;
+    if (dy.dtype != DType::BF16 || x.dtype != DType::BF16 ||
+        (dweight.dtype != DType::BF16 && dweight.dtype != DType::F32))
+        return false;
+    const Fp8Slots slots = fp8_slots(std::size_t(rows) * n, std::size_t(rows) * k, n, k, rows);
+    cuda::fp8_quantize_transposed<bf16>(slots.a, &slots.scales[0], &slots.scales[2], ptr<bf16>(dy), rows, n,
+                                        Fp8Format::E5M2, stream_);
+    NANOQ_CUDA_CHECK_LAUNCH();
+    cuda::fp8_quantize_transposed<bf16>(slots.b, &slots.scales[1], &slots.scales[3], ptr<bf16>(x), rows, k,
+                                        Fp8Format::E4M3, stream_);
+    NANOQ_CUDA_CHECK_LAUNCH();
+    matmul_->run_fp8(dweight, slots.a, CUDA_R_8F_E5M2, slots.b, CUDA_R_8F_E4M3, &slots.scales[2], &slots.scales[3], n,
+                     k, rows, true, Tensor(), matmul_workspace_.data, matmul_workspace_.bytes(), stream_);
+    return true;
+}
+
+void CudaBackend::matmul_input_grad(const Tensor& dx, const Tensor& dy, const Tensor& weight, int rows, int n, int k,
+                                    bool accumulate) {
+    if (fp8_input_grad(dx, dy, weight, rows, n, k, accumulate)) return;
+    Backend::matmul_input_grad(dx, dy, weight, rows, n, k, accumulate);
+}
+
+void CudaBackend::matmul_weight_grad(const Tensor& dweight, const Tensor& dbias, const Tensor& dy, const Tensor& x,
+                                     int rows, int n, int k) {
+    if (!fp8_weight_grad(dweight, dy, x, rows, n, k)) return Backend::matmul_weight_grad(dweight, dbias, dy, x, rows, n, k);
+    if (dbias.data) bias_backward(dbias, dy, rows, n);
 }
 
 void CudaBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, int M, int N, int K, bool trans_a,

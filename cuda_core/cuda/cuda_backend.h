@@ -85,6 +85,12 @@ public:
                 bool accumulate) override;
     void matmul_epilogue(const Tensor& out, const Tensor& a, const Tensor& b, const Tensor& bias, int M, int N, int K,
                          bool trans_a, bool trans_b, bool accumulate, float scale) override;
+    // With matmul_dtype fp8 the projections' backward runs in fp8 too
+    // (fp8_input_grad, fp8_weight_grad in cuda_backend.cpp).
+    void matmul_input_grad(const Tensor& dx, const Tensor& dy, const Tensor& weight, int rows, int n, int k,
+                           bool accumulate) override;
+    void matmul_weight_grad(const Tensor& dweight, const Tensor& dbias, const Tensor& dy, const Tensor& x, int rows,
+                            int n, int k) override;
     // With matmul_dtype fp8, the classifier's matmuls stay in the activations' dtype.
     void classifier(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, const Tensor& stats,
                     const Tensor& dhidden, const Tensor& dlm_head, const Tensor& workspace, int rows, int channels,
@@ -140,6 +146,22 @@ private:
     // false when the call is not one (see cuda_backend.cpp) or fp8 is off.
     bool fp8_projection(const Tensor& out, const Tensor& a, const Tensor& b, const Tensor& bias, int M, int N, int K,
                         bool trans_a, bool trans_b, bool accumulate, float scale);
+    // The fp8 paths of the backward's products (true when they ran): dgrad
+    // dx (+)= dy W, wgrad dweight += dy^T x (see cuda_backend.cpp).
+    bool fp8_input_grad(const Tensor& dx, const Tensor& dy, const Tensor& weight, int rows, int n, int k,
+                        bool accumulate);
+    bool fp8_weight_grad(const Tensor& dweight, const Tensor& dy, const Tensor& x, int rows, int n, int k);
+    // Whether a product of this shape may run in fp8 (matmul_dtype fp8, the
+    // operand buffer reserved, not in the classifier, M, N, K multiples of 16).
+    bool fp8_applies(int M, int N, int K) const;
+    // The operand buffer for one fp8 product: four scale floats (amax of a,
+    // of b, inverse scale of a, of b), then a_bytes of a, then b_bytes of b.
+    struct Fp8Slots {
+        float* scales;
+        std::uint8_t* a;
+        std::uint8_t* b;
+    };
+    Fp8Slots fp8_slots(std::size_t a_bytes, std::size_t b_bytes, int M, int N, int K);
 
     int device_;
     TrainOptions options_;

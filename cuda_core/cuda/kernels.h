@@ -137,16 +137,24 @@ void swiglu_backward(T* dgate, T* dup, const T* dout, const T* gate, const T* up
                      cudaStream_t stream);
 
 // ---- fp8 operands (kernels_fp8.cu) -----------------------------------------
-// e4m3's largest finite value.
+// The two fp8 formats' largest finite values: e4m3 (more precision: weights
+// and activations) and e5m2 (more range: gradients).
 constexpr float kE4m3Max = 448.0f;
+constexpr float kE5m2Max = 57344.0f;
+enum class Fp8Format { E4M3, E5M2 };
 // Current per-tensor scaling of x[n]: amax (which must hold 0 on entry)
-// becomes max|x|, out[i] = e4m3(x[i] * scale) with scale = 448 / amax
-// (1 when amax is 0 or not finite), rounded to nearest even and saturated
-// to +-448, and inverse_scale[0] = 1 / scale, the factor cuBLASLt
-// multiplies the product by. amax and inverse_scale are device floats.
+// becomes max|x|, out[i] = fp8(x[i] * scale) with scale = max / amax (max
+// the format's largest finite value; 1 when amax is 0 or not finite),
+// rounded to nearest even and saturated to +-max, and inverse_scale[0] =
+// 1 / scale, the factor cuBLASLt multiplies the product by. amax and
+// inverse_scale are device floats.
 template <class T>
-void fp8_quantize(std::uint8_t* out, float* amax, float* inverse_scale, const T* x, std::int64_t n,
+void fp8_quantize(std::uint8_t* out, float* amax, float* inverse_scale, const T* x, std::int64_t n, Fp8Format format,
                   cudaStream_t stream);
+// The same of x[rows, cols] written transposed: out[c * rows + r] = fp8(x[r, c] * scale).
+template <class T>
+void fp8_quantize_transposed(std::uint8_t* out, float* amax, float* inverse_scale, const T* x, int rows, int cols,
+                             Fp8Format format, cudaStream_t stream);
 
 // ---- fused classifier (kernels_classifier.cu) ------------------------------
 // For rows with target != -100: lse = logsumexp(logits[r]), loss = lse -

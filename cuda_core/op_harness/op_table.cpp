@@ -430,6 +430,15 @@ std::vector<OpSpec> make_table() {
              NANOQ_COMPOSITE(c, matmul_epilogue, c["out"], c["a"], c["b"], c["bias"], c.i("M"), c.i("N"),
                              c.i("K"), c.b("trans_a"), c.b("trans_b"), c.b("accumulate"), c.f("scale"));
          }},
+        {"matmul_input_grad",
+         "dx [rows, k] = dy @ weight (+ dx when given): the input gradient of y = x @ weight^T",
+         {input("dy", "rows,n"), input("weight", "n,k"), in_out("dx", "rows,k").or_output().sets("accumulate"),
+          flag("use_default", false)},
+         {},
+         [](OpCall& c) {
+             NANOQ_COMPOSITE(c, matmul_input_grad, c["dx"], c["dy"], c["weight"], c.i("rows"), c.i("n"), c.i("k"),
+                             c.b("accumulate"));
+         }},
         {"matmul_weight_grad",
          "(dweight, dbias): dweight [n, k] + dy^T x and, when dbias is given, dbias [n] + column sums of dy "
          "(float32, default zeros)",

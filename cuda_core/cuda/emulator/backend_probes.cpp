@@ -35,15 +35,19 @@ std::vector<__nv_bfloat16> to_bf16(const float* x, std::size_t n) {
 
 }  // namespace
 
-// out[n] = e4m3 bytes of x[n] (float32, or rounded to bf16 first when
-// bf16_input) quantized by nanoq::cuda::fp8_quantize; amax_inverse[0] = the
-// maximum, [1] = the inverse scale.
-extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_quantize(const float* x, long n, int bf16_input,
+// out = the fp8 bytes (e4m3, or e5m2 when `e5m2`) of x[rows, cols] (float32,
+// or rounded to bf16 first when bf16_input) quantized by
+// nanoq::cuda::fp8_quantize, or by fp8_quantize_transposed when `transposed`
+// (out[cols, rows]); amax_inverse[0] = the maximum, [1] = the inverse scale.
+extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_quantize(const float* x, int rows, int cols,
+                                                                             int bf16_input, int e5m2, int transposed,
                                                                              unsigned char* out, float* amax_inverse,
                                                                              char* message, int message_bytes) {
     using namespace nanoq::cuda;
     try {
         NANOQ_CUDA_CHECK(cudaSetDevice(0));
+        const std::size_t n = std::size_t(rows) * cols;
+        const Fp8Format format = e5m2 ? Fp8Format::E5M2 : Fp8Format::E4M3;
         void *input = nullptr, *bytes = nullptr, *floats = nullptr;
         const std::size_t element = bf16_input ? sizeof(__nv_bfloat16) : sizeof(float);
         NANOQ_CUDA_CHECK(cudaMalloc(&input, element * n + 1));
@@ -55,10 +59,16 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_quantize(con
         NANOQ_CUDA_CHECK(cudaMemset(floats, 0, 2 * sizeof(float)));
         float* amax = static_cast<float*>(floats);
         auto* q = static_cast<std::uint8_t*>(bytes);
-        if (bf16_input)
-            fp8_quantize<bf16>(q, amax, amax + 1, static_cast<const bf16*>(input), n, nullptr);
-        else
-            fp8_quantize<float>(q, amax, amax + 1, static_cast<const float*>(input), n, nullptr);
+        auto run = [&](auto tag) {
+            using T = decltype(tag);
+            const T* data = static_cast<const T*>(input);
+            if (transposed)
+                fp8_quantize_transposed<T>(q, amax, amax + 1, data, rows, cols, format, nullptr);
+            else
+                fp8_quantize<T>(q, amax, amax + 1, data, std::int64_t(n), format, nullptr);
+        };
+        if (bf16_input) run(bf16{});
+        else run(float{});
         NANOQ_CUDA_CHECK(cudaGetLastError());
         NANOQ_CUDA_CHECK(cudaDeviceSynchronize());
         NANOQ_CUDA_CHECK(cudaMemcpy(out, bytes, n, cudaMemcpyDeviceToHost));
@@ -113,6 +123,60 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_projection(i
     }
 }
 
+// The backward of y = x W^T through CudaBackend configured with matmul_dtype
+// fp8 (matmul_input_grad, matmul_weight_grad), inputs rounded to bf16:
+// dx[rows,k] = dy[rows,n] W[n,k] (+ dx as given when accumulate_dx; dx bf16)
+// and dweight[n,k] += dy^T x[rows,k] (dweight float32 when dweight_f32, else
+// bf16). dx and dweight are read and written back as float32.
+extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_backward(int rows, int n, int k, const float* dy,
+                                                                             const float* weight, const float* x,
+                                                                             float* dx, int accumulate_dx,
+                                                                             float* dweight, int dweight_f32,
+                                                                             char* message, int message_bytes) {
+    using namespace nanoq;
+    try {
+        cuda::CudaBackend backend(0);
+        TrainOptions options;
+        options.dtype = Precision::BF16;
+        options.matmul_dtype = MatmulPrecision::FP8;
+        backend.configure(options);
+        NamedAllocator allocator(backend, 0);
+        ScratchShapes shapes{AttentionShape{1, rows, 1, 1, 16}, k, n, 16, 1, 0};
+        shapes.matmul_dtype = MatmulPrecision::FP8;
+        backend.reserve_scratch(allocator, shapes);
+        std::vector<std::vector<__nv_bfloat16>> keep;  // host sources of copies until synchronize()
+        auto upload = [&](const char* name, const float* host, std::int64_t count, bool as_f32) {
+            const Tensor t = allocator.allocate(Context::Activations, name, as_f32 ? DType::F32 : DType::BF16, {count});
+            if (as_f32) {
+                backend.copy_from_host(t, host);
+            } else {
+                keep.push_back(to_bf16(host, count));
+                backend.copy_from_host(t, keep.back().data());
+            }
+            return t;
+        };
+        const Tensor tdy = upload("dy", dy, std::int64_t(rows) * n, false);
+        const Tensor tweight = upload("weight", weight, std::int64_t(n) * k, false);
+        const Tensor tx = upload("x", x, std::int64_t(rows) * k, false);
+        const Tensor tdx = upload("dx", dx, std::int64_t(rows) * k, false);
+        const Tensor tdweight = upload("dweight", dweight, std::int64_t(n) * k, dweight_f32 != 0);
+        backend.synchronize();
+        backend.matmul_input_grad(tdx, tdy, tweight, rows, n, k, accumulate_dx != 0);
+        backend.matmul_weight_grad(tdweight, Tensor(), tdy, tx, rows, n, k);
+        std::vector<__nv_bfloat16> dx_bf16(std::size_t(rows) * k), dweight_bf16(std::size_t(n) * k);
+        backend.copy_to_host(dx_bf16.data(), tdx);
+        if (dweight_f32) backend.copy_to_host(dweight, tdweight);
+        else backend.copy_to_host(dweight_bf16.data(), tdweight);
+        backend.synchronize();
+        for (std::size_t i = 0; i < dx_bf16.size(); ++i) dx[i] = __bfloat162float(dx_bf16[i]);
+        if (!dweight_f32)
+            for (std::size_t i = 0; i < dweight_bf16.size(); ++i) dweight[i] = __bfloat162float(dweight_bf16[i]);
+        return 0;
+    } catch (const std::exception& e) {
+        return fail(e, message, message_bytes);
+    }
+}
+
 // The stand-in's statuses for calls the real library refuses (or accepts),
 // as "name=status" words: what tests/test_cublaslt.py holds them to.
 extern "C" __attribute__((visibility("default"))) int nanoq_emu_cublaslt_refusals(char* report, int report_bytes) {
@@ -121,16 +185,16 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_cublaslt_refusal
     cublasLtHandle_t handle = nullptr;
     cublasLtCreate(&handle);
     // A product of m x n from (op A) m x k and (op B) k x n, column-major.
-    auto heuristic = [&](cudaDataType_t ab, cudaDataType_t d, bool a_transposed, int m, int n, int k,
-                         const std::function<void(cublasLtMatmulDesc_t)>& extra, int* returned) {
+    auto heuristic_of = [&](cudaDataType_t a_type, cudaDataType_t b_type, cudaDataType_t d, bool a_transposed, int m,
+                            int n, int k, const std::function<void(cublasLtMatmulDesc_t)>& extra, int* returned) {
         cublasLtMatmulDesc_t desc = nullptr;
         cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
         const cublasOperation_t ta = a_transposed ? CUBLAS_OP_T : CUBLAS_OP_N;
         cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta));
         if (extra) extra(desc);
         cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-        cublasLtMatrixLayoutCreate(&a, ab, a_transposed ? k : m, a_transposed ? m : k, a_transposed ? k : m);
-        cublasLtMatrixLayoutCreate(&b, ab, k, n, k);
+        cublasLtMatrixLayoutCreate(&a, a_type, a_transposed ? k : m, a_transposed ? m : k, a_transposed ? k : m);
+        cublasLtMatrixLayoutCreate(&b, b_type, k, n, k);
         cublasLtMatrixLayoutCreate(&c, d, m, n, m);
         cublasLtMatmulPreference_t preference = nullptr;
         cublasLtMatmulPreferenceCreate(&preference);
@@ -143,6 +207,10 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_cublaslt_refusal
         cublasLtMatrixLayoutDestroy(c);
         cublasLtMatmulDescDestroy(desc);
         return static_cast<int>(status);
+    };
+    auto heuristic = [&](cudaDataType_t ab, cudaDataType_t d, bool a_transposed, int m, int n, int k,
+                         const std::function<void(cublasLtMatmulDesc_t)>& extra, int* returned) {
+        return heuristic_of(ab, ab, d, a_transposed, m, n, k, extra, returned);
     };
     int returned = 0;
     {
@@ -161,6 +229,18 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_cublaslt_refusal
     note("fp8_nn", heuristic(CUDA_R_8F_E4M3, CUDA_R_16BF, false, 32, 16, 48, nullptr, &returned));
     note("fp8_m24", heuristic(CUDA_R_8F_E4M3, CUDA_R_16BF, true, 24, 16, 48, nullptr, &returned));
     note("fp8_into_fp8", heuristic(CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, true, 32, 16, 48, nullptr, &returned));
+    // The backward's pairs: an e5m2 gradient with an e4m3 operand either way
+    // round, into bf16 or float32; never two e5m2 operands, never off "TN".
+    note("fp8_e4m3_e5m2", heuristic_of(CUDA_R_8F_E4M3, CUDA_R_8F_E5M2, CUDA_R_16BF, true, 32, 16, 48, nullptr,
+                                       &returned));
+    note("fp8_e5m2_e4m3", heuristic_of(CUDA_R_8F_E5M2, CUDA_R_8F_E4M3, CUDA_R_32F, true, 32, 16, 48, nullptr,
+                                       &returned));
+    note("fp8_e5m2_e5m2", heuristic_of(CUDA_R_8F_E5M2, CUDA_R_8F_E5M2, CUDA_R_16BF, true, 32, 16, 48, nullptr,
+                                       &returned));
+    note("fp8_e5m2_nn", heuristic_of(CUDA_R_8F_E4M3, CUDA_R_8F_E5M2, CUDA_R_16BF, false, 32, 16, 48, nullptr,
+                                     &returned));
+    note("fp8_with_bf16", heuristic_of(CUDA_R_8F_E4M3, CUDA_R_16BF, CUDA_R_16BF, true, 32, 16, 48, nullptr,
+                                       &returned));
     const float one = 1.0f;
     const float* scale = &one;
     note("scale_on_bf16", heuristic(CUDA_R_16BF, CUDA_R_16BF, false, 8, 8, 8,
