@@ -47,7 +47,10 @@ const std::vector<OptionChoice> kAttentionImpls = {
     {"native", "nanoq's own attention kernel", {}}};
 const std::vector<OptionChoice> kMatmulPrecisions = {
     {"auto", "the dtype of the activations", {}},
-    {"fp8", "e4m3 inputs with per-tensor scales from their absolute maxima (cuda, dtype bf16)", {}}};
+    {"fp8",
+     "the projections forward and backward in fp8, each operand with a per-tensor scale from its absolute maximum: "
+     "e4m3 activations and weights, e5m2 gradients (cuda, dtype bf16)",
+     {}}};
 
 // The name of choice `i` of `choices`; "" if there is none (a corrupt enum).
 std::string name_or_empty(const std::vector<OptionChoice>& choices, int i) {

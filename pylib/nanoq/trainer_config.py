@@ -334,8 +334,9 @@ class TrainOptions:
     own kernel), "cudnn" (an error where it is not available) or "native".
     ``cuda_graphs`` (cuda) captures step() and update() once as CUDA graphs
     and replays them; the results are the same without. ``matmul_dtype``
-    "fp8" runs the projection matmuls on e4m3 inputs with per-tensor scales
-    (cuda, dtype bf16); "auto" in the activations' dtype.
+    "fp8" runs the projection matmuls, forward and backward, on fp8 operands
+    with per-tensor scales (e4m3 activations and weights, e5m2 gradients;
+    cuda, dtype bf16); "auto" in the activations' dtype.
     """
 
     backend: str = "auto"

@@ -39,6 +39,9 @@ FAMILIES = {
     "kernels_rmsnorm.cu": "test_gpu_ops.py test_composites.py -k 'rmsnorm or deterministic'",
     "kernels_qk_norm_rope.cu": "test_composites.py -k 'qk_norm or qkv or fused_qk or deterministic'",
     "kernels_swiglu.cu": "test_gpu_ops.py test_composites.py -k swiglu",
+    "kernels_fp8.cu": "test_fp8.py",
+    # The fp8 products' host path.
+    "cuda_backend.cpp": "test_fp8.py",
 }
 
 
@@ -126,6 +129,28 @@ EDITS = [
      "offset >= lanes; offset /= 2)", "offset >= 2 * detail::kWarpSize; offset /= 2)"),
     ("swiglu: the partial last chunk dropped", "kernels_swiglu.cu", 0,
      "detail::grid_stride_begin() * P; i < n;", "detail::grid_stride_begin() * P; i + P <= n;"),
+    ("fp8: e5m2 scaled to e4m3's largest value", "kernels_fp8.cu", 0,
+     "format == Fp8Format::E4M3 ? kE4m3Max : kE5m2Max", "kE4m3Max"),
+    ("fp8 transposing quantize: the tile read untransposed", "kernels_fp8.cu", 0,
+     "tile[threadIdx.x * (kTile + 1) + i]", "tile[i * (kTile + 1) + threadIdx.x]"),
+    ("fp8 dgrad: dy in e4m3 instead of e5m2", "cuda_backend.cpp", 0,
+     "std::int64_t(rows) * n,\n                             Fp8Format::E5M2",
+     "std::int64_t(rows) * n,\n                             Fp8Format::E4M3"),
+    ("fp8 dgrad: dy in e4m3, and multiplied as e4m3", "cuda_backend.cpp", 0,
+     """Fp8Format::E5M2, stream_);
+    NANOQ_CUDA_CHECK_LAUNCH();
+    cuda::fp8_quantize_transposed<bf16>(slots.b, &slots.scales[1], &slots.scales[3], ptr<bf16>(weight), n, k,
+                                        Fp8Format::E4M3, stream_);
+    NANOQ_CUDA_CHECK_LAUNCH();
+    matmul_->run_fp8(dx, slots.a, CUDA_R_8F_E5M2""",
+     """Fp8Format::E4M3, stream_);
+    NANOQ_CUDA_CHECK_LAUNCH();
+    cuda::fp8_quantize_transposed<bf16>(slots.b, &slots.scales[1], &slots.scales[3], ptr<bf16>(weight), n, k,
+                                        Fp8Format::E4M3, stream_);
+    NANOQ_CUDA_CHECK_LAUNCH();
+    matmul_->run_fp8(dx, slots.a, CUDA_R_8F_E4M3"""),
+    ("fp8 wgrad overwrites the gradient instead of adding to it", "cuda_backend.cpp", 0,
+     "k, rows, true, Tensor(), matmul_workspace_.data", "k, rows, false, Tensor(), matmul_workspace_.data"),
 ]
 
 

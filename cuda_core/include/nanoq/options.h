@@ -25,7 +25,8 @@ enum class Precision : int { FP32 = 0, BF16 = 1 };
 // native), "cudnn" (cuDNN or an error), "native" (nanoq's own kernel).
 enum class AttentionImpl : int { Auto = 0, Cudnn = 1, Native = 2 };
 // The dtype of the projection matmuls (TrainOptions::matmul_dtype): "auto"
-// (the activations' dtype) or "fp8" (e4m3 inputs with per-tensor scales).
+// (the activations' dtype) or "fp8" (the projections forward and backward
+// on fp8 operands with per-tensor scales: e4m3, e5m2 for gradients).
 enum class MatmulPrecision : int { Auto = 0, FP8 = 1 };
 
 // Activations backward can recompute instead of keeping (TrainOptions::recompute).

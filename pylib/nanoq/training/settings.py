@@ -229,7 +229,8 @@ class TrainConfig:
                              choices=option_schema.choices("attention"), memory=True)
     cuda_graphs: bool = setting("run", True, "cuda: capture each step and update once as CUDA graphs and replay them")
     matmul_dtype: str = setting("run", "auto", "dtype of the projection matmuls: auto = the activations' dtype; fp8 "
-                                               "= e4m3 with per-tensor scales (cuda, bf16)",
+                                               "= e4m3 (e5m2 gradients) with per-tensor scales, forward and "
+                                               "backward (cuda, bf16)",
                                 choices=option_schema.choices("matmul_dtype"), memory=True)
     out_dir: str = setting("run", "nanoq-out", "runs go to <out_dir>/<run_name>")
     run_name: str = setting("run", "", "name of this run's directory; \"\" = a timestamp (an existing "
