@@ -110,6 +110,11 @@ public:
     // one it cannot honour. The default keeps nothing: a backend without a
     // fast path computes the same without one.
     virtual void configure(const TrainOptions& options) { (void)options; }
+    // Called (outside any captured work, on this device's queue) after
+    // something wrote this device's weights: update() and set_parameter().
+    // A backend that keeps copies derived from the weights (cuda's fp8
+    // weight cache) drops them here; the default keeps none.
+    virtual void weights_changed() {}
 
     // Runs `body`, which issues this device's work for a piece of a step
     // that repeats: the same ops on the same buffers whenever `key` repeats.

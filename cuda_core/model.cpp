@@ -209,6 +209,7 @@ ScratchShapes ModelMemory::scratch_shapes() const {
     ScratchShapes shapes{attention_shape_, config_.hidden_size, config_.intermediate_size, config_.vocab_size,
                          classifier_chunk_rows(), 0};
     shapes.dtype = dtype_ == DType::BF16 ? Precision::BF16 : Precision::FP32;
+    shapes.layers = config_.num_layers;
     return shapes;
 }
 

@@ -273,6 +273,7 @@ ScratchShapes scratch_shapes(const TrainerSetup& s, const ModelMemory& model) {
     scratch.max_reduce = s.shard;
     scratch.attention_impl = s.options.attention;
     scratch.matmul_dtype = s.options.matmul_dtype;
+    scratch.weights_in_place = s.options.zero_stage < 3;
     return scratch;
 }
 
@@ -881,6 +882,7 @@ void Trainer::set_parameter(int index, const float* data) {
             if (m.zero->separate_weight_shard()) d.backend->copy(shard.slice(begin - shard_begin, end - begin), part);
             if (!d.master_is_weights) d.backend->copy(d.master.slice(begin - shard_begin, end - begin), part);
         }
+        d.backend->weights_changed();
         d.backend->synchronize();
     });
 }
@@ -1219,6 +1221,7 @@ StepStats Trainer::update(const UpdateParams& params) {
             m.zero->clear_gradients(be, d.zero);
             reset_stats(be, d.stats);
         });
+        be.weights_changed();  // outside the captures, so that every replay of update() calls it
         d.zero.gradients_reduced = false;
         if (rank == 0) {
             rows = m.read_gathered(d);

@@ -391,6 +391,124 @@ def test_the_memory_plan_holds_the_fp8_operands(checkpoints):
     assert allocated["bytes"] == segment[0].bytes
 
 
+# --------------------------------------------------------------------------
+# The fp8 weight cache: each weight quantized once per update
+# --------------------------------------------------------------------------
+
+# Every projection of it runs in fp8: hidden 32, head_dim 16 (q 32, k/v 16
+# wide), intermediate 64; 16 rows per device and micro-batch.
+CACHE_CONFIG = nanoq.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1)
+CACHE_SEQ, CACHE_STEPS, CACHE_ACCUM = 8, 3, 2
+
+
+def cache_batch(seed, rows):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, CACHE_CONFIG.vocab_size, (rows, CACHE_SEQ + 1), dtype=np.int32)
+    return np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(tokens[:, 1:])
+
+
+def train_fp8(monkeypatch, cache, devices=1, **options):
+    """Statistics of every update and validate, and the weights after
+    CACHE_STEPS optimizer steps of CACHE_ACCUM micro-batches, on
+    cuda_emulated in fp8 with the weight cache on or off; and the names of
+    device 0's allocations."""
+    monkeypatch.setenv("NANOQ_FP8_WEIGHT_CACHE", "1" if cache else "0")
+    opts = nanoq.TrainOptions(backend="cuda_emulated", dtype="bf16", matmul_dtype="fp8", devices=devices,
+                              batch_size=2, seq_len=CACHE_SEQ, grad_accum=CACHE_ACCUM, seed=3, **options)
+    stats = []
+    with nanoq.Trainer(CACHE_CONFIG, opts) as trainer:
+        trainer.init_weights(seed=4)
+        for step in range(CACHE_STEPS):
+            for micro in range(CACHE_ACCUM):
+                trainer.step(*cache_batch(10 * step + micro, 2 * devices))
+            result = trainer.update(lr=2e-2)
+            check = trainer.validate(*cache_batch(1000 + step, 2 * devices))
+            stats.append((result.loss, result.grad_norm, check.loss))
+        weights = trainer.get_weights()
+        names = {a["name"] for a in trainer.get_allocations(0)}
+    return stats, weights, names
+
+
+CACHE_CASES = [
+    (1, {"cuda_graphs": False}),
+    (1, {"cuda_graphs": True, "recompute": ("block",)}),
+    (2, {"cuda_graphs": True, "zero_stage": 1}),
+    (2, {"cuda_graphs": True, "zero_stage": 3}),
+]
+CACHE_IDS = ["1-device", "1-device-graphs-recompute", "2-devices-zero1-graphs", "2-devices-zero3-graphs"]
+
+
+@pytest.mark.cuda_emulated
+@pytest.mark.parametrize("devices, options", CACHE_CASES, ids=CACHE_IDS)
+def test_the_fp8_weight_cache_trains_bitwise_like_quantizing_every_call(monkeypatch, devices, options):
+    """The cached e4m3 weights are the ones every call would quantize: the
+    same training, bitwise, across updates (so each update re-quantized
+    them, also when update() and the steps replay captured graphs), with
+    recomputation, and at ZeRO-3, where the layer weights live in reused
+    gather buffers and there is no cache (it would serve another layer's)."""
+    require_cuda_emulator()
+    cached = train_fp8(monkeypatch, True, devices, **options)
+    uncached = train_fp8(monkeypatch, False, devices, **options)
+    assert cached[0] == uncached[0]
+    for name, value in uncached[1].items():
+        assert np.array_equal(cached[1][name], value), name
+    assert "fp8-weight-cache" not in uncached[2]
+    assert ("fp8-weight-cache" in cached[2]) == (options.get("zero_stage", 1) < 3)
+    losses = [s[2] for s in cached[0]]
+    assert losses[-1] < losses[0], "the run did not learn: a frozen cache would look like this too"
+
+
+@pytest.mark.cuda_emulated
+def test_weights_set_between_steps_are_quantized_again(monkeypatch):
+    """set_parameter() between two validations (captured, the second a
+    replay): the second sees the new weights, bitwise as a trainer without
+    the cache does."""
+    require_cuda_emulator()
+    inputs, targets = cache_batch(5, 2)
+
+    def losses(cache):
+        monkeypatch.setenv("NANOQ_FP8_WEIGHT_CACHE", "1" if cache else "0")
+        opts = nanoq.TrainOptions(backend="cuda_emulated", dtype="bf16", matmul_dtype="fp8", batch_size=2,
+                                  seq_len=CACHE_SEQ, seed=3, cuda_graphs=True)
+        with nanoq.Trainer(CACHE_CONFIG, opts) as trainer:
+            trainer.init_weights(seed=4)
+            out = [trainer.validate(inputs, targets).loss for _ in range(2)]  # warm-up, capture
+            weights = trainer.get_weights()
+            for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.q_proj.weight"):
+                weights[name] = weights[name] * 3.0
+            trainer.set_weights(weights)
+            out.append(trainer.validate(inputs, targets).loss)
+        return out
+
+    cached, uncached = losses(True), losses(False)
+    assert cached == uncached
+    assert cached[0] == cached[1] != cached[2]
+
+
+@pytest.mark.cuda_emulated
+def test_the_memory_plan_holds_the_fp8_weight_cache(monkeypatch):
+    """Two e4m3 copies (as stored, transposed) of every projection weight,
+    each with a 256-byte header and 256-byte aligned, after a 256-byte
+    generation word; none at ZeRO-3 or with NANOQ_FP8_WEIGHT_CACHE=0."""
+    kwargs = dict(backend="cuda_emulated", dtype="bf16", matmul_dtype="fp8", batch_size=2, seq_len=CACHE_SEQ)
+    aligned = lambda n: (n + 255) // 256 * 256  # noqa: E731
+    # q 32x32, k and v 16x32, o 32x32, gate and up 64x32, down 32x64.
+    per_layer = sum(2 * (256 + aligned(n)) for n in (1024, 512, 512, 1024, 2048, 2048, 2048))
+    monkeypatch.setenv("NANOQ_FP8_WEIGHT_CACHE", "1")
+    [planned] = [a for a in estimate_memory(CACHE_CONFIG, nanoq.TrainOptions(**kwargs)).allocations
+                 if a.name == "fp8-weight-cache"]
+    assert planned.bytes == 256 + 2 * per_layer and planned.kind == "device"
+    with nanoq.Trainer(CACHE_CONFIG, nanoq.TrainOptions(**kwargs)) as trainer:
+        [allocated] = [a for a in trainer.get_allocations(0) if a["name"] == "fp8-weight-cache"]
+    assert allocated["bytes"] == planned.bytes
+    zero3 = estimate_memory(CACHE_CONFIG, nanoq.TrainOptions(devices=2, zero_stage=3, **kwargs)).allocations
+    assert not [a for a in zero3 if a.name == "fp8-weight-cache"]
+    monkeypatch.setenv("NANOQ_FP8_WEIGHT_CACHE", "0")
+    off = estimate_memory(CACHE_CONFIG, nanoq.TrainOptions(**kwargs)).allocations
+    assert not [a for a in off if a.name == "fp8-weight-cache"]
+
+
 # The demo (its default model: hidden 256, 4 layers, seq 128, batch 16) for
 # 200 steps: the fp8 run's final eval loss within this many nats of bf16's.
 FP8_CURVE_ABS = 0.05

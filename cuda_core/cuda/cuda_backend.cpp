@@ -34,6 +34,7 @@ constexpr const char* kAttentionWorkspaceName = "cudnn-attention-workspace";
 // aligned as cuBLASLt prefers.
 constexpr std::size_t kFp8Align = 256;
 constexpr const char* kFp8OperandsName = "fp8-operands";
+constexpr const char* kFp8WeightCacheName = "fp8-weight-cache";
 std::size_t fp8_aligned(std::size_t bytes) { return (bytes + kFp8Align - 1) / kFp8Align * kFp8Align; }
 
 // Calls fn(T{}) with T the C++ type of an activation/weight dtype.
@@ -175,6 +176,35 @@ std::size_t CudaBackend::fp8_operand_bytes(const ScratchShapes& s) {
     return kFp8Align + fp8_aligned(first) + fp8_aligned(second);
 }
 
+// The fp8 weight cache: each projection weight's e4m3 copy (forward) and
+// transposed copy (dgrad) are quantized once per generation of the weights
+// instead of on every call, so that the micro-batches of an optimizer step
+// (and a recomputed forward) reuse them. weights_changed() (after update()
+// and set_parameter()) advances the generation on the device; each slot
+// remembers the generation it was quantized at, and the quantize kernels
+// check it on the device, so a captured graph's replay quantizes exactly
+// when the weights have changed. Slots are keyed by the weight's address,
+// which is why there is no cache where layer weights are gathered into
+// reused buffers (ZeRO stage 3). A slot: a 256-byte header (amax, inverse
+// scale, stamp), then the bytes, 256-byte aligned. NANOQ_FP8_WEIGHT_CACHE=0
+// turns the cache off (the tests compare the two).
+std::size_t CudaBackend::fp8_weight_cache_bytes(const ScratchShapes& s) {
+    if (s.matmul_dtype != MatmulPrecision::FP8 || !s.weights_in_place || s.layers <= 0) return 0;
+    const char* env = std::getenv("NANOQ_FP8_WEIGHT_CACHE");
+    if (env && !std::strcmp(env, "0")) return 0;
+    if (env && *env && std::strcmp(env, "1"))
+        throw InvalidArgument(std::string("NANOQ_FP8_WEIGHT_CACHE must be 0 or 1, got \"") + env + "\"");
+    const AttentionShape& a = s.attention;
+    const std::size_t hidden = s.hidden, intermediate = s.intermediate;
+    const std::size_t q = std::size_t(a.heads) * a.head_dim, kv = std::size_t(a.kv_heads) * a.head_dim;
+    // q, k, v, o, gate, up, down, each as stored and transposed.
+    const std::size_t weights[] = {q * hidden, kv * hidden, kv * hidden, hidden * q,
+                                   intermediate * hidden, intermediate * hidden, hidden * intermediate};
+    std::size_t per_layer = 0;
+    for (std::size_t bytes : weights) per_layer += 2 * (kFp8Align + fp8_aligned(bytes));
+    return kFp8Align + std::size_t(s.layers) * per_layer;
+}
+
 std::vector<ScratchBuffer> CudaBackend::scratch_plan(const ScratchShapes& s, bool ask_libraries,
                                                      FusedAttention* attention, const std::string& why_none,
                                                      bool* fused) {
@@ -202,6 +232,9 @@ std::vector<ScratchBuffer> CudaBackend::scratch_plan(const ScratchShapes& s, boo
     if (s.matmul_dtype == MatmulPrecision::FP8)
         plan.push_back({kFp8OperandsName, DType::F32, static_cast<std::int64_t>(fp8_operand_bytes(s) / 4),
                         MemoryKind::Device, true});
+    if (const std::size_t cache = fp8_weight_cache_bytes(s))
+        plan.push_back({kFp8WeightCacheName, DType::F32, static_cast<std::int64_t>(cache / 4), MemoryKind::Device,
+                        true});
     return plan;
 }
 
@@ -276,9 +309,18 @@ void CudaBackend::reserve_scratch(NamedAllocator& allocator, const ScratchShapes
     pinned_ = scratch[2];
     attention_workspace_ = Tensor();
     fp8_operands_ = Tensor();
+    fp8_weight_cache_ = Tensor();
     for (std::size_t i = 0; i < plan.size(); ++i) {
         if (plan[i].name == kAttentionWorkspaceName) attention_workspace_ = scratch[i];
         if (plan[i].name == kFp8OperandsName) fp8_operands_ = scratch[i];
+        if (plan[i].name == kFp8WeightCacheName) fp8_weight_cache_ = scratch[i];
+    }
+    fp8_cache_slots_.clear();
+    fp8_cache_used_ = kFp8Align;  // the generation word's block
+    if (fp8_weight_cache_.data) {
+        // Generation 1, every stamp 0: each slot is quantized on first use.
+        NANOQ_CUDA_CHECK(cudaMemsetAsync(fp8_weight_cache_.data, 0, fp8_weight_cache_.bytes(), stream_));
+        weights_changed();
     }
 }
 
@@ -474,7 +516,8 @@ bool CudaBackend::memory_info(std::size_t* free_bytes, std::size_t* total_bytes)
 // classifier, the adapters' products (LoRA calls matmul, which stays bf16
 // except for a fresh unscaled x W^T), attention, and any product with a
 // dimension that is not a multiple of 16. Master weights and optimizer are
-// untouched. Weights are quantized on every call (no cache across calls).
+// untouched. The weights' e4m3 copies come from the fp8 weight cache where
+// there is one (fp8_weight_cache_bytes), else are quantized on every call.
 bool CudaBackend::fp8_applies(int M, int N, int K) const {
     return options_.matmul_dtype == MatmulPrecision::FP8 && fp8_operands_.data && !in_classifier_ &&
            LtMatmul::fp8_supported(M, N, K);
@@ -490,21 +533,55 @@ CudaBackend::Fp8Slots CudaBackend::fp8_slots(std::size_t a_bytes, std::size_t b_
             reinterpret_cast<std::uint8_t*>(base + kFp8Align + fp8_aligned(a_bytes))};
 }
 
+void CudaBackend::weights_changed() {
+    if (!fp8_weight_cache_.data) return;
+    cuda::fp8_advance_generation(static_cast<unsigned*>(fp8_weight_cache_.data), stream_);
+    NANOQ_CUDA_CHECK_LAUNCH();
+}
+
+const std::uint8_t* CudaBackend::fp8_cached_weight(const Tensor& weight, int rows, int cols, bool transposed,
+                                                   const float** inverse_scale) {
+    if (!fp8_weight_cache_.data) return nullptr;
+    char* base = static_cast<char*>(fp8_weight_cache_.data);
+    const auto key = std::make_tuple(static_cast<const void*>(weight.data), rows, cols, transposed);
+    auto it = fp8_cache_slots_.find(key);
+    if (it == fp8_cache_slots_.end()) {
+        const std::size_t bytes = kFp8Align + fp8_aligned(std::size_t(rows) * cols);
+        if (fp8_cache_used_ + bytes > fp8_weight_cache_.bytes()) return nullptr;  // not planned for: uncached
+        it = fp8_cache_slots_.emplace(key, fp8_cache_used_).first;
+        fp8_cache_used_ += bytes;
+    }
+    char* slot = base + it->second;
+    float* header = reinterpret_cast<float*>(slot);  // amax, inverse scale, stamp
+    auto* bytes = reinterpret_cast<std::uint8_t*>(slot + kFp8Align);
+    cuda::fp8_quantize_cached<bf16>(bytes, &header[0], &header[1], reinterpret_cast<unsigned*>(&header[2]),
+                                    reinterpret_cast<const unsigned*>(base), ptr<bf16>(weight), rows, cols,
+                                    transposed, stream_);
+    NANOQ_CUDA_CHECK_LAUNCH();
+    *inverse_scale = &header[1];
+    return bytes;
+}
+
 bool CudaBackend::fp8_projection(const Tensor& out, const Tensor& a, const Tensor& b, const Tensor& bias, int M, int N,
                                  int K, bool trans_a, bool trans_b, bool accumulate, float scale) {
     if (!fp8_applies(M, N, K) || trans_a || !trans_b || accumulate || scale != 1.0f) return false;
     if (a.dtype != DType::BF16 || b.dtype != DType::BF16 || out.dtype != DType::BF16 ||
         (bias.data && bias.dtype != DType::BF16))
         return false;
-    const Fp8Slots slots = fp8_slots(std::size_t(M) * K, std::size_t(N) * K, M, N, K);
+    const float* weight_scale = nullptr;
+    const std::uint8_t* cached = fp8_cached_weight(b, N, K, false, &weight_scale);
+    const Fp8Slots slots = fp8_slots(std::size_t(M) * K, cached ? 0 : std::size_t(N) * K, M, N, K);
     cuda::fp8_quantize<bf16>(slots.a, &slots.scales[0], &slots.scales[2], ptr<bf16>(a), std::int64_t(M) * K,
                              Fp8Format::E4M3, stream_);
     NANOQ_CUDA_CHECK_LAUNCH();
-    cuda::fp8_quantize<bf16>(slots.b, &slots.scales[1], &slots.scales[3], ptr<bf16>(b), std::int64_t(N) * K,
-                             Fp8Format::E4M3, stream_);
-    NANOQ_CUDA_CHECK_LAUNCH();
-    matmul_->run_fp8(out, slots.a, CUDA_R_8F_E4M3, slots.b, CUDA_R_8F_E4M3, &slots.scales[2], &slots.scales[3], M, N,
-                     K, false, bias, matmul_workspace_.data, matmul_workspace_.bytes(), stream_);
+    if (!cached) {
+        cuda::fp8_quantize<bf16>(slots.b, &slots.scales[1], &slots.scales[3], ptr<bf16>(b), std::int64_t(N) * K,
+                                 Fp8Format::E4M3, stream_);
+        NANOQ_CUDA_CHECK_LAUNCH();
+        cached = slots.b, weight_scale = &slots.scales[3];
+    }
+    matmul_->run_fp8(out, slots.a, CUDA_R_8F_E4M3, cached, CUDA_R_8F_E4M3, &slots.scales[2], weight_scale, M, N, K,
+                     false, bias, matmul_workspace_.data, matmul_workspace_.bytes(), stream_);
     return true;
 }
 
@@ -513,15 +590,20 @@ bool CudaBackend::fp8_input_grad(const Tensor& dx, const Tensor& dy, const Tenso
     // dx[rows,k] = dy[rows,n] (W^T[k,n])^T: M = rows, N = k, K = n.
     if (!fp8_applies(rows, k, n)) return false;
     if (dx.dtype != DType::BF16 || dy.dtype != DType::BF16 || weight.dtype != DType::BF16) return false;
-    const Fp8Slots slots = fp8_slots(std::size_t(rows) * n, std::size_t(n) * k, rows, k, n);
+    const float* weight_scale = nullptr;
+    const std::uint8_t* cached = fp8_cached_weight(weight, n, k, true, &weight_scale);
+    const Fp8Slots slots = fp8_slots(std::size_t(rows) * n, cached ? 0 : std::size_t(n) * k, rows, k, n);
     cuda::fp8_quantize<bf16>(slots.a, &slots.scales[0], &slots.scales[2], ptr<bf16>(dy), std::int64_t(rows) * n,
                              Fp8Format::E5M2, stream_);
     NANOQ_CUDA_CHECK_LAUNCH();
-    cuda::fp8_quantize_transposed<bf16>(slots.b, &slots.scales[1], &slots.scales[3], ptr<bf16>(weight), n, k,
-                                        Fp8Format::E4M3, stream_);
-    NANOQ_CUDA_CHECK_LAUNCH();
-    matmul_->run_fp8(dx, slots.a, CUDA_R_8F_E5M2, slots.b, CUDA_R_8F_E4M3, &slots.scales[2], &slots.scales[3], rows,
-                     k, n, accumulate, Tensor(), matmul_workspace_.data, matmul_workspace_.bytes(), stream_);
+    if (!cached) {
+        cuda::fp8_quantize_transposed<bf16>(slots.b, &slots.scales[1], &slots.scales[3], ptr<bf16>(weight), n, k,
+                                            Fp8Format::E4M3, stream_);
+        NANOQ_CUDA_CHECK_LAUNCH();
+        cached = slots.b, weight_scale = &slots.scales[3];
+    }
+    matmul_->run_fp8(dx, slots.a, CUDA_R_8F_E5M2, cached, CUDA_R_8F_E4M3, &slots.scales[2], weight_scale, rows, k, n,
+                     accumulate, Tensor(), matmul_workspace_.data, matmul_workspace_.bytes(), stream_);
     return true;
 }
 

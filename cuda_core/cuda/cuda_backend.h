@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 
 #include "backend.h"
 
@@ -42,6 +43,8 @@ public:
 
     std::string name() const override { return NANOQ_CUDA_BACKEND_NAME; }
     void configure(const TrainOptions& options) override { options_ = options; }
+    // Every slot of the fp8 weight cache is stale from here on the stream.
+    void weights_changed() override;
     // The options configure() kept (the defaults until it is called, as in the op harness).
     const TrainOptions& options() const { return options_; }
     // With options().cuda_graphs: the first call with `key` runs the body
@@ -65,6 +68,10 @@ public:
     // The fp8 projections' quantized input and weight and their scales: room
     // for the largest projection of the shapes.
     static std::size_t fp8_operand_bytes(const ScratchShapes& shapes);
+    // The fp8 weight cache (cuda_backend.cpp): the e4m3 copies of every
+    // layer's projection weights, as stored and transposed; 0 where there is
+    // none (matmul_dtype auto, weights not in place, or NANOQ_FP8_WEIGHT_CACHE=0).
+    static std::size_t fp8_weight_cache_bytes(const ScratchShapes& shapes);
     void* raw_alloc(std::size_t bytes, MemoryKind kind) override;
     void raw_free(void* data, MemoryKind kind) override;
     void reserve_scratch(NamedAllocator& allocator, const ScratchShapes& shapes) override;
@@ -162,6 +169,12 @@ private:
         std::uint8_t* b;
     };
     Fp8Slots fp8_slots(std::size_t a_bytes, std::size_t b_bytes, int M, int N, int K);
+    // The e4m3 copy of weight[rows, cols] (as stored, or transposed: [cols,
+    // rows]) from the weight cache, quantized now unless current, with its
+    // inverse scale at *inverse_scale; null when the cache has no room for
+    // it (or there is no cache): the caller quantizes into fp8_slots then.
+    const std::uint8_t* fp8_cached_weight(const Tensor& weight, int rows, int cols, bool transposed,
+                                          const float** inverse_scale);
 
     int device_;
     TrainOptions options_;
@@ -170,6 +183,12 @@ private:
     Tensor scratch_;          // shared by all ops: they run in order on one stream
     Tensor matmul_workspace_;
     Tensor fp8_operands_;     // empty unless matmul_dtype is fp8
+    // The fp8 weight cache: a generation word, then one slot per (weight,
+    // shape, layout) in first-use order: its header (amax, inverse scale,
+    // stamp) and its bytes. Empty where there is no cache.
+    Tensor fp8_weight_cache_;
+    std::map<std::tuple<const void*, int, int, bool>, std::size_t> fp8_cache_slots_;  // -> slot offset
+    std::size_t fp8_cache_used_ = 0;
     bool in_classifier_ = false;
     Tensor pinned_;           // host staging for copy_from_host
     // Fused attention (cuDNN): started by reserve_scratch when the shapes may

@@ -155,6 +155,18 @@ void fp8_quantize(std::uint8_t* out, float* amax, float* inverse_scale, const T*
 template <class T>
 void fp8_quantize_transposed(std::uint8_t* out, float* amax, float* inverse_scale, const T* x, int rows, int cols,
                              Fp8Format format, cudaStream_t stream);
+// The weight cache's e4m3 quantization of x[rows, cols] (transposed or
+// not) into a slot whose out, amax and inverse_scale persist between calls:
+// it does nothing when *stamp == *generation (the slot holds this
+// generation's quantization of x already); else it quantizes as above and
+// sets *stamp = *generation. Every check is on the device, so a captured
+// graph replays it. stamp and generation are device words.
+template <class T>
+void fp8_quantize_cached(std::uint8_t* out, float* amax, float* inverse_scale, unsigned* stamp,
+                         const unsigned* generation, const T* x, int rows, int cols, bool transposed,
+                         cudaStream_t stream);
+// *generation += 1 on the stream: every slot stamped before is stale.
+void fp8_advance_generation(unsigned* generation, cudaStream_t stream);
 
 // ---- fused classifier (kernels_classifier.cu) ------------------------------
 // For rows with target != -100: lse = logsumexp(logits[r]), loss = lse -

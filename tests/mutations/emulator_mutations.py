@@ -139,18 +139,31 @@ EDITS = [
     ("fp8 dgrad: dy in e4m3, and multiplied as e4m3", "cuda_backend.cpp", 0,
      """Fp8Format::E5M2, stream_);
     NANOQ_CUDA_CHECK_LAUNCH();
-    cuda::fp8_quantize_transposed<bf16>(slots.b, &slots.scales[1], &slots.scales[3], ptr<bf16>(weight), n, k,
-                                        Fp8Format::E4M3, stream_);
-    NANOQ_CUDA_CHECK_LAUNCH();
+    if (!cached) {
+        cuda::fp8_quantize_transposed<bf16>(slots.b, &slots.scales[1], &slots.scales[3], ptr<bf16>(weight), n, k,
+                                            Fp8Format::E4M3, stream_);
+        NANOQ_CUDA_CHECK_LAUNCH();
+        cached = slots.b, weight_scale = &slots.scales[3];
+    }
     matmul_->run_fp8(dx, slots.a, CUDA_R_8F_E5M2""",
      """Fp8Format::E4M3, stream_);
     NANOQ_CUDA_CHECK_LAUNCH();
-    cuda::fp8_quantize_transposed<bf16>(slots.b, &slots.scales[1], &slots.scales[3], ptr<bf16>(weight), n, k,
-                                        Fp8Format::E4M3, stream_);
-    NANOQ_CUDA_CHECK_LAUNCH();
+    if (!cached) {
+        cuda::fp8_quantize_transposed<bf16>(slots.b, &slots.scales[1], &slots.scales[3], ptr<bf16>(weight), n, k,
+                                            Fp8Format::E4M3, stream_);
+        NANOQ_CUDA_CHECK_LAUNCH();
+        cached = slots.b, weight_scale = &slots.scales[3];
+    }
     matmul_->run_fp8(dx, slots.a, CUDA_R_8F_E4M3"""),
     ("fp8 wgrad overwrites the gradient instead of adding to it", "cuda_backend.cpp", 0,
      "k, rows, true, Tensor(), matmul_workspace_.data", "k, rows, false, Tensor(), matmul_workspace_.data"),
+    ("fp8 weight cache: never stale again once a slot is used", "cuda_backend.cpp", 0,
+     "if (!fp8_weight_cache_.data) return;\n    cuda::fp8_advance_generation",
+     "if (!fp8_weight_cache_.data || !fp8_cache_slots_.empty()) return;\n    cuda::fp8_advance_generation"),
+    ("fp8 weight cache: a slot's stamp checked without the generation", "kernels_fp8.cu", 0,
+     "return stamp && *stamp == *generation;", "return stamp && *stamp != 0;"),
+    ("fp8 weight cache: slots keyed without the layout", "cuda_backend.cpp", 0,
+     "rows, cols, transposed);\n    auto it", "rows, cols, false);\n    auto it"),
 ]
 
 

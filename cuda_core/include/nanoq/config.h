@@ -201,6 +201,12 @@ struct ScratchShapes {
     AttentionImpl attention_impl = AttentionImpl::Auto;
     MatmulPrecision matmul_dtype = MatmulPrecision::Auto;
     Precision dtype = Precision::FP32;
+    // The model's layer count, and whether its layer weights keep their
+    // addresses for the run (not gathered into reused buffers, as ZeRO
+    // stage 3 does): what a cache of per-weight copies needs (cuda's fp8
+    // weight cache). 0 / false: no such cache.
+    int layers = 0;
+    bool weights_in_place = false;
 };
 
 // The parameters of a config, in flat-buffer order, with Hugging Face names.
