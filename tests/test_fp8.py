@@ -28,7 +28,11 @@ refuse):
     unquantized product;
   - training steps with fp8 against bf16: losses within FP8_LOSS_REL, and
     one step's gradients within FP8_GRAD_REL;
-  - the memory plan holds the fp8 operand buffer.
+  - the memory plan holds the fp8 operand buffer, and the weight cache;
+  - the weight cache (each weight's e4m3 copies quantized once per update):
+    training bitwise as quantizing on every call, across updates, with
+    graphs, recomputation and ZeRO-1, none at ZeRO-3; weights set between
+    two captured validations are quantized again.
 On a GPU (marked gpu): the same steps and gradients, and 200 steps of the
 demo whose final loss must be within FP8_CURVE_ABS of the bf16 run's
 (bench/gpu_check.sh runs it).
@@ -368,7 +372,8 @@ def test_fp8_gradients_follow_bf16(checkpoints, backend):
     for name, want in reference.items():
         assert np.all(np.isfinite(fp8[name])), name
         err, norm = np.linalg.norm(fp8[name] - want), np.linalg.norm(want)
-        assert err <= FP8_GRAD_REL * norm + FP8_GRAD_ABS, f"gradient of {name}: |fp8 - bf16| {err:.3g}, |bf16| {norm:.3g}"
+        assert err <= FP8_GRAD_REL * norm + FP8_GRAD_ABS, (
+            f"gradient of {name}: |fp8 - bf16| {err:.3g}, |bf16| {norm:.3g}")
 
 
 @pytest.mark.cuda_emulated
@@ -408,13 +413,12 @@ def cache_batch(seed, rows):
     return np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(tokens[:, 1:])
 
 
-def train_fp8(monkeypatch, cache, devices=1, **options):
+def train_fp8(monkeypatch, cache, devices=1, backend="cuda_emulated", **options):
     """Statistics of every update and validate, and the weights after
-    CACHE_STEPS optimizer steps of CACHE_ACCUM micro-batches, on
-    cuda_emulated in fp8 with the weight cache on or off; and the names of
-    device 0's allocations."""
+    CACHE_STEPS optimizer steps of CACHE_ACCUM micro-batches in fp8 with the
+    weight cache on or off; and the names of device 0's allocations."""
     monkeypatch.setenv("NANOQ_FP8_WEIGHT_CACHE", "1" if cache else "0")
-    opts = nanoq.TrainOptions(backend="cuda_emulated", dtype="bf16", matmul_dtype="fp8", devices=devices,
+    opts = nanoq.TrainOptions(backend=backend, dtype="bf16", matmul_dtype="fp8", devices=devices,
                               batch_size=2, seq_len=CACHE_SEQ, grad_accum=CACHE_ACCUM, seed=3, **options)
     stats = []
     with nanoq.Trainer(CACHE_CONFIG, opts) as trainer:
@@ -448,8 +452,19 @@ def test_the_fp8_weight_cache_trains_bitwise_like_quantizing_every_call(monkeypa
     recomputation, and at ZeRO-3, where the layer weights live in reused
     gather buffers and there is no cache (it would serve another layer's)."""
     require_cuda_emulator()
-    cached = train_fp8(monkeypatch, True, devices, **options)
-    uncached = train_fp8(monkeypatch, False, devices, **options)
+    assert_cache_changes_nothing(train_fp8(monkeypatch, True, devices, **options),
+                                 train_fp8(monkeypatch, False, devices, **options), options)
+
+
+@pytest.mark.gpu
+def test_the_fp8_weight_cache_trains_bitwise_like_quantizing_every_call_on_the_gpu(monkeypatch, cuda_device):
+    """The same on a GPU: real graph replays of the device-side checks."""
+    options = {"cuda_graphs": True, "recompute": ("block",)}
+    assert_cache_changes_nothing(train_fp8(monkeypatch, True, backend="cuda", **options),
+                                 train_fp8(monkeypatch, False, backend="cuda", **options), options)
+
+
+def assert_cache_changes_nothing(cached, uncached, options):
     assert cached[0] == uncached[0]
     for name, value in uncached[1].items():
         assert np.array_equal(cached[1][name], value), name

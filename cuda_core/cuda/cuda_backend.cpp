@@ -633,8 +633,9 @@ void CudaBackend::matmul_input_grad(const Tensor& dx, const Tensor& dy, const Te
 
 void CudaBackend::matmul_weight_grad(const Tensor& dweight, const Tensor& dbias, const Tensor& dy, const Tensor& x,
                                      int rows, int n, int k) {
-    if (!fp8_weight_grad(dweight, dy, x, rows, n, k)) return Backend::matmul_weight_grad(dweight, dbias, dy, x, rows, n, k);
-    if (dbias.data) bias_backward(dbias, dy, rows, n);
+    if (!fp8_weight_grad(dweight, dy, x, rows, n, k))
+        return Backend::matmul_weight_grad(dweight, dbias, dy, x, rows, n, k);
+    if (dbias.data) bias_backward(dbias, dy, rows, n);  // the bias gradient stays in bf16
 }
 
 void CudaBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, int M, int N, int K, bool trans_a,
