@@ -13,6 +13,11 @@
 // the bits order as the values do, so the result is exact and independent of
 // the order the blocks run in. A NaN element is skipped by the maximum and
 // stays NaN when quantized (it reaches the loss, whose step is then skipped).
+//
+// The weight cache's variant (fp8_quantize_cached) launches the same kernels
+// with a slot's stamp and the cache's generation: each kernel returns at
+// once when they are equal, so a current slot costs a few empty launches,
+// and the decision is the device's (a replayed graph makes it anew).
 #include <cuda_fp8.h>
 
 #include <algorithm>
