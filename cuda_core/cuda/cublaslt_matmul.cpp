@@ -47,6 +47,29 @@ int alignment(const void* pointer) {
     return bytes;
 }
 
+std::size_t lt_size(cudaDataType_t type) {
+    switch (type) {
+        case CUDA_R_32F: return 4;
+        case CUDA_R_16BF: return 2;
+        default: return 1;  // fp8
+    }
+}
+
+// The alignment every product of a batch has: the pointer's and its batch
+// stride's (in bytes; 0 keeps the pointer's).
+int batch_alignment(const void* pointer, std::int64_t stride, cudaDataType_t type) {
+    int bytes = alignment(pointer);
+    const auto stride_bytes = static_cast<std::uint64_t>(stride) * lt_size(type);
+    while (bytes > 1 && stride_bytes % bytes != 0) bytes /= 2;
+    return bytes;
+}
+
+template <class T>
+void set_layout(cublasLtMatrixLayout_t layout, cublasLtMatrixLayoutAttribute_t attribute, const T& value,
+                const char* what) {
+    check_lt(cublasLtMatrixLayoutSetAttribute(layout, attribute, &value, sizeof(value)), what);
+}
+
 // An environment switch: unset is `fallback`, "0" off, "1" on.
 bool env_flag(const char* name, bool fallback) {
     const char* value = std::getenv(name);
@@ -79,7 +102,11 @@ struct LtMatmul::Product {
     float alpha;
     const float* a_scale;  // fp8: the dequantization factors, else null
     const float* b_scale;
-    std::size_t out_bytes;
+    std::size_t out_bytes;  // all products' outputs, from out
+    Batch batch;
+    int align_out() const { return batch_alignment(out, batch.out_stride, out_type); }
+    int align_a() const { return batch_alignment(a, batch.a_stride, a_type); }
+    int align_b() const { return batch_alignment(b, batch.b_stride, b_type); }
 };
 
 LtMatmul::LtMatmul(std::function<void(cudaEvent_t)> host_wait) : host_wait_(std::move(host_wait)) {
@@ -140,6 +167,15 @@ void LtMatmul::build(Plan& p, const Product& x, void* workspace, std::size_t wor
     check_lt(cublasLtMatrixLayoutCreate(&p.b, x.a_type, x.trans_a ? M : K, x.trans_a ? K : M, x.trans_a ? M : K),
              "layout a");
     check_lt(cublasLtMatrixLayoutCreate(&p.c, x.out_type, N, M, N), "layout out");
+    if (x.batch.count > 1) {
+        const std::int32_t count = x.batch.count;
+        const std::pair<cublasLtMatrixLayout_t, std::int64_t> layouts[3] = {
+            {p.a, x.batch.b_stride}, {p.b, x.batch.a_stride}, {p.c, x.batch.out_stride}};
+        for (const auto& [layout, stride] : layouts) {
+            set_layout(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, count, "BATCH_COUNT");
+            set_layout(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, stride, "STRIDED_BATCH_OFFSET");
+        }
+    }
 
     cublasLtMatmulPreference_t preference = nullptr;
     check_lt(cublasLtMatmulPreferenceCreate(&preference), "cublasLtMatmulPreferenceCreate");
@@ -149,10 +185,9 @@ void LtMatmul::build(Plan& p, const Product& x, void* workspace, std::size_t wor
                                                   &max_workspace, sizeof(max_workspace)),
              "workspace preference");
     // cuBLASLt's A is our b and its B our a (operands swapped, see above).
-    const std::uint32_t aligns[4] = {static_cast<std::uint32_t>(alignment(x.b)),
-                                     static_cast<std::uint32_t>(alignment(x.a)),
-                                     static_cast<std::uint32_t>(alignment(x.out)),
-                                     static_cast<std::uint32_t>(alignment(x.out))};
+    const std::uint32_t aligns[4] = {static_cast<std::uint32_t>(x.align_b()), static_cast<std::uint32_t>(x.align_a()),
+                                     static_cast<std::uint32_t>(x.align_out()),
+                                     static_cast<std::uint32_t>(x.align_out())};
     const cublasLtMatmulPreferenceAttributes_t align_attrs[4] = {
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
@@ -186,9 +221,9 @@ void LtMatmul::build(Plan& p, const Product& x, void* workspace, std::size_t wor
     p.algo = results[chosen].algo;
     if (log_plan)
         std::fprintf(stderr, "nanoq matmul plan %s trans_a=%d trans_b=%d accumulate=%d types=%d/%d/%d bias=%d: "
-                             "%d algorithms, %s, chose %d\n",
+                             "%d algorithms, %s, chose %d, batch %d\n",
                      shape.c_str(), x.trans_a, x.trans_b, x.accumulate, x.out_type, x.a_type, x.b_type, x.bias_type,
-                     usable, log.c_str(), chosen);
+                     usable, log.c_str(), chosen, x.batch.count);
 }
 
 int LtMatmul::remembered_choice(int device, const Key& key, int choice) {
@@ -267,11 +302,15 @@ void LtMatmul::execute(const Product& x, void* workspace, std::size_t workspace_
                   x.a_type,
                   x.b_type,
                   x.bias_type,
-                  alignment(x.out),
-                  alignment(x.a),
-                  alignment(x.b),
+                  x.align_out(),
+                  x.align_a(),
+                  x.align_b(),
                   x.bias ? alignment(x.bias) : 0,
-                  x.a_scale != nullptr};
+                  x.a_scale != nullptr,
+                  x.batch.count,
+                  x.batch.a_stride,
+                  x.batch.b_stride,
+                  x.batch.out_stride};
     Plan& p = plan(key, x, workspace, workspace_bytes, stream);
     // Pointers the descriptor holds are this call's.
     if (x.bias) set_desc(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, x.bias, "BIAS_POINTER");
@@ -307,7 +346,42 @@ void LtMatmul::run(const Tensor& out, const Tensor& a, const Tensor& b, int M, i
                     alpha,
                     nullptr,
                     nullptr,
-                    out.bytes()};
+                    out.bytes(),
+                    Batch{}};
+    execute(x, workspace, workspace_bytes, stream);
+}
+
+void LtMatmul::run_batched(const Tensor& out, const Tensor& a, const Tensor& b, int M, int N, int K, bool trans_a,
+                           bool trans_b, bool accumulate, const Batch& batch, void* workspace,
+                           std::size_t workspace_bytes, cudaStream_t stream) {
+    if (a.dtype != b.dtype) throw InternalError("matmul operands of different dtypes");
+    if (batch.count < 1 || batch.a_stride < 0 || batch.b_stride < 0 || batch.out_stride < 0)
+        throw InternalError("a batched matmul needs a positive count and strides that are not negative");
+    const std::int64_t out_elements = std::int64_t(M) * N;
+    if (batch.count > 1 && batch.out_stride < out_elements)
+        throw InternalError("the outputs of a batched matmul overlap (stride " + std::to_string(batch.out_stride) +
+                            " < " + std::to_string(out_elements) + ")");
+    const std::size_t out_bytes = static_cast<std::size_t>((batch.count - 1) * batch.out_stride + out_elements) *
+                                  dtype_size(out.dtype);
+    const Product x{out.data,
+                    a.data,
+                    b.data,
+                    nullptr,
+                    lt_type(out.dtype),
+                    lt_type(a.dtype),
+                    lt_type(b.dtype),
+                    -1,
+                    M,
+                    N,
+                    K,
+                    trans_a,
+                    trans_b,
+                    accumulate,
+                    1.0f,
+                    nullptr,
+                    nullptr,
+                    out_bytes,
+                    batch};
     execute(x, workspace, workspace_bytes, stream);
 }
 
@@ -337,7 +411,8 @@ void LtMatmul::run_fp8(const Tensor& out, const void* a8, cudaDataType_t a_type,
                     1.0f,
                     a_scale,
                     b_scale,
-                    out.bytes()};
+                    out.bytes(),
+                    Batch{}};
     execute(x, workspace, workspace_bytes, stream);
 }
 

@@ -23,6 +23,12 @@
 // the first; across processes set NANOQ_MATMUL_AUTOTUNE=0 for bitwise-repeatable runs.
 // NANOQ_MATMUL_LOG=1 prints each plan's choice to stderr (the tests read it).
 //
+// Strided batches: run_batched multiplies `count` products of one shape
+// in one launch, product i reading each operand at i times its batch
+// stride (a stride of 0 shares the operand among the products; the
+// outputs must not overlap). The stride alignments count with the
+// pointers' in the plan.
+//
 // fp8: run_fp8 multiplies fp8 operands (e4m3, or e5m2 for one of the two)
 // quantized with per-tensor scales; cuBLASLt dequantizes with the scale
 // pointers (device floats, read when the product runs). Its fp8 kernels on
@@ -59,6 +65,18 @@ public:
     void run(const Tensor& out, const Tensor& a, const Tensor& b, int M, int N, int K, bool trans_a, bool trans_b,
              bool accumulate, void* workspace, std::size_t workspace_bytes, cudaStream_t stream,
              const Tensor& bias = Tensor(), float alpha = 1.0f);
+    // Products i = 0 .. count-1 of a strided batch; strides in elements of
+    // each operand's dtype, none negative.
+    struct Batch {
+        int count = 1;
+        std::int64_t a_stride = 0, b_stride = 0, out_stride = 0;
+    };
+    // out + i * out_stride [M,N] = op(a + i * a_stride) @ op(b + i * b_stride)
+    // (+ that output with `accumulate`) for each product i of `batch`, in one
+    // launch; `out` is product 0's output.
+    void run_batched(const Tensor& out, const Tensor& a, const Tensor& b, int M, int N, int K, bool trans_a,
+                     bool trans_b, bool accumulate, const Batch& batch, void* workspace, std::size_t workspace_bytes,
+                     cudaStream_t stream);
     // Whether the bias epilogue takes this bias for this output.
     static bool bias_supported(const Tensor& out, const Tensor& bias) { return bias.dtype == out.dtype; }
 
@@ -75,8 +93,10 @@ public:
 private:
     // One call's operands in cuBLASLt's terms (see run).
     struct Product;
-    // Shape, transposes, accumulate, dtypes (out, a, b, bias or -1), alignments (out, a, b, bias), fp8 scales.
-    using Key = std::tuple<int, int, int, bool, bool, bool, int, int, int, int, int, int, int, int, bool>;
+    // Shape, transposes, accumulate, dtypes (out, a, b, bias or -1), alignments (out, a, b, bias), fp8 scales,
+    // batch count and strides (a, b, out).
+    using Key = std::tuple<int, int, int, bool, bool, bool, int, int, int, int, int, int, int, int, bool, int,
+                           std::int64_t, std::int64_t, std::int64_t>;
     struct Plan {
         cublasLtMatmulDesc_t desc = nullptr;
         cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;

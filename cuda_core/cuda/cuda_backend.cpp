@@ -35,6 +35,12 @@ constexpr const char* kAttentionWorkspaceName = "cudnn-attention-workspace";
 constexpr std::size_t kFp8Align = 256;
 constexpr const char* kFp8OperandsName = "fp8-operands";
 constexpr const char* kFp8WeightCacheName = "fp8-weight-cache";
+// The packed q|k|v projection's output (forward) or gradient (backward),
+// [rows, (H + 2 Hkv) * D] in the activations' dtype (Packed projections, below).
+constexpr const char* kQkvPackedName = "qkv-packed";
+std::int64_t qkv_packed_elements(const AttentionShape& a) {
+    return std::int64_t(a.batch) * a.time * (a.heads + 2 * a.kv_heads) * a.head_dim;
+}
 std::size_t fp8_aligned(std::size_t bytes) { return (bytes + kFp8Align - 1) / kFp8Align * kFp8Align; }
 
 // Calls fn(T{}) with T the C++ type of an activation/weight dtype.
@@ -140,7 +146,9 @@ std::size_t CudaBackend::scratch_bytes(const ScratchShapes& s, bool ask_librarie
     const int q_width = a.heads * a.head_dim, kv_width = a.kv_heads * a.head_dim;
     std::size_t bytes = 0;
     auto need = [&](std::size_t b) { bytes = std::max(bytes, b); };
-    for (int cols : {q_width, kv_width, s.hidden}) need(sizeof(float) * bias_backward_scratch_floats(rows, cols));
+    // The bias column sums of q, k, v, o and of the packed q|k|v width.
+    for (int cols : {q_width, kv_width, s.hidden, q_width + 2 * kv_width})
+        need(sizeof(float) * bias_backward_scratch_floats(rows, cols));
     need(rmsnorm_backward_scratch_bytes(rows, s.hidden));
     need(rmsnorm_backward_scratch_bytes(rows * a.heads, a.head_dim));
     need(rmsnorm_backward_scratch_bytes(rows * a.kv_heads, a.head_dim));
@@ -235,6 +243,10 @@ std::vector<ScratchBuffer> CudaBackend::scratch_plan(const ScratchShapes& s, boo
     if (const std::size_t cache = fp8_weight_cache_bytes(s))
         plan.push_back({kFp8WeightCacheName, DType::F32, static_cast<std::int64_t>(cache / 4), MemoryKind::Device,
                         true});
+    // Shapes with a q|k|v projection (hidden > 0) only.
+    if (s.hidden > 0 && qkv_packed_elements(s.attention) > 0)
+        plan.push_back({kQkvPackedName, s.dtype == Precision::BF16 ? DType::BF16 : DType::F32,
+                        qkv_packed_elements(s.attention), MemoryKind::Device, true});
     return plan;
 }
 
@@ -310,10 +322,12 @@ void CudaBackend::reserve_scratch(NamedAllocator& allocator, const ScratchShapes
     attention_workspace_ = Tensor();
     fp8_operands_ = Tensor();
     fp8_weight_cache_ = Tensor();
+    qkv_packed_ = Tensor();
     for (std::size_t i = 0; i < plan.size(); ++i) {
         if (plan[i].name == kAttentionWorkspaceName) attention_workspace_ = scratch[i];
         if (plan[i].name == kFp8OperandsName) fp8_operands_ = scratch[i];
         if (plan[i].name == kFp8WeightCacheName) fp8_weight_cache_ = scratch[i];
+        if (plan[i].name == kQkvPackedName) qkv_packed_ = scratch[i];
     }
     fp8_cache_slots_.clear();
     fp8_cache_used_ = kFp8Align;  // the generation word's block
@@ -1000,6 +1014,175 @@ void CudaBackend::qk_norm_rope_backward(const Tensor& dq, const Tensor& dk, cons
                                        t.kv_heads, t.head_dim, work, stream_);
     });
     NANOQ_CUDA_CHECK_LAUNCH();
+}
+
+// ---- Packed projections -----------------------------------------------------
+// q|k|v: one matmul x @ Wqkv^T (bias in the epilogue; fp8 with matmul_dtype
+// fp8, through matmul_epilogue) into the qkv-packed scratch [rows, (H + 2
+// Hkv) D], then one pass (qkv_unpack_forward) writes q, k, v, with
+// qkv_forward also the q/k norms and RoPE. Backward: one pass
+// (qkv_pack_backward) writes dq|dk|dv into the same buffer, free again by
+// then (the forward's pass consumed it, and every op runs in order on the
+// stream, captured or not), then one dgrad and one wgrad matmul over the
+// packed width. A call the buffer or the pass cannot take (a head_dim the
+// pass does not handle, mixed dtypes, more rows than planned) runs the
+// default body.
+//
+// gate|up: one strided-batched matmul of two products (the gate and the up
+// row blocks of the weight, x shared with batch stride 0) writes gate and up
+// where they lie, when up follows gate in memory without overlap (the
+// model's stack pushes them so; the batch stride is their distance); else
+// two matmuls. The weight gradient is one batched matmul likewise (dgate,
+// dup), accumulating into the two row blocks. dx = dgate Wg + dup Wu stays
+// two accumulating matmuls: its sum runs along K across two separate
+// matrices, which a strided batch (separate products, no reduction across
+// them) cannot express without copying dgate|dup side by side. With
+// matmul_dtype fp8 gate|up takes the two (fp8) matmuls of the default, and
+// every backward product goes through matmul_input_grad and
+// matmul_weight_grad (fp8 where they run so).
+
+namespace {
+
+// up's distance from gate in elements where up follows gate without
+// overlapping it (same dtype and size), else -1.
+std::int64_t following(const Tensor& first, const Tensor& second) {
+    if (first.dtype != second.dtype || first.numel() != second.numel() || !first.data || !second.data) return -1;
+    const auto from = reinterpret_cast<std::uintptr_t>(first.data);
+    const auto to = reinterpret_cast<std::uintptr_t>(second.data);
+    const std::size_t size = dtype_size(first.dtype);
+    if (to < from + first.bytes() || (to - from) % size != 0) return -1;
+    return static_cast<std::int64_t>((to - from) / size);
+}
+
+}  // namespace
+
+Tensor CudaBackend::packed_qkv(const QkvShape& s, std::initializer_list<const Tensor*> activations) const {
+    const AttentionShape& t = s.attention;
+    const DType dtype = (*activations.begin())->dtype;
+    for (const Tensor* a : activations)
+        if (a->dtype != dtype) return Tensor();
+    const std::int64_t elements = qkv_packed_elements(t);
+    if (!qkv_packed_.data || elements * dtype_size(dtype) > qkv_packed_.bytes() ||
+        !fused_qk_norm_rope(dtype, t.head_dim))
+        return Tensor();
+    const std::int64_t rows = std::int64_t(t.batch) * t.time;
+    return Tensor(qkv_packed_.data, dtype, {rows, elements / rows});
+}
+
+void CudaBackend::qkv_projection(const QkvActivations& a, const Tensor& x, const QkvWeights& w, const QkvShape& s) {
+    const bool norms = w.q_norm.data != nullptr;
+    const Tensor& q = norms ? a.q_raw : a.q;
+    const Tensor& k = norms ? a.k_raw : a.k;
+    const Tensor packed = packed_qkv(s, {&q, &k, &a.v});
+    if (!packed.data) return Backend::qkv_projection(a, x, w, s);
+    const AttentionShape& t = s.attention;
+    matmul_epilogue(packed, x, w.qkv, w.qkv_bias, t.batch * t.time, static_cast<int>(packed.shape[1]), s.hidden,
+                    false, true, false, 1.0f);
+    with_dtype(packed.dtype, [&](auto tag) {
+        using T = decltype(tag);
+        cuda::qkv_unpack_forward<T>(ptr<T>(packed), ptr<T>(q), ptr<T>(k), ptr<T>(a.v), nullptr, nullptr, nullptr,
+                                    nullptr, nullptr, nullptr, nullptr, t.batch, t.time, t.heads, t.kv_heads,
+                                    t.head_dim, s.eps, stream_);
+    });
+    NANOQ_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::qkv_forward(const QkvActivations& a, const Tensor& x, const QkvWeights& w, const Tensor& cos_sin,
+                              const QkvShape& s) {
+    const bool norms = w.q_norm.data != nullptr;
+    const Tensor packed =
+        norms ? packed_qkv(s, {&a.q, &a.k, &a.v, &a.q_raw, &a.k_raw}) : packed_qkv(s, {&a.q, &a.k, &a.v});
+    if (!packed.data) return Backend::qkv_forward(a, x, w, cos_sin, s);
+    const AttentionShape& t = s.attention;
+    matmul_epilogue(packed, x, w.qkv, w.qkv_bias, t.batch * t.time, static_cast<int>(packed.shape[1]), s.hidden,
+                    false, true, false, 1.0f);
+    with_dtype(packed.dtype, [&](auto tag) {
+        using T = decltype(tag);
+        cuda::qkv_unpack_forward<T>(ptr<T>(packed), ptr<T>(a.q), ptr<T>(a.k), ptr<T>(a.v),
+                                    norms ? ptr<T>(a.q_raw) : nullptr, norms ? ptr<T>(a.k_raw) : nullptr,
+                                    norms ? a.q_rstd.f32() : nullptr, norms ? a.k_rstd.f32() : nullptr,
+                                    optional_ptr<T>(w.q_norm), optional_ptr<T>(w.k_norm), cos_sin.f32(), t.batch,
+                                    t.time, t.heads, t.kv_heads, t.head_dim, s.eps, stream_);
+    });
+    NANOQ_CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::packed_qkv_backward(const Tensor& dx, bool accumulate, const QkvWeights& g, const Tensor& dqkv,
+                                      const Tensor& x, const QkvWeights& w, const QkvShape& s) {
+    const int rows = static_cast<int>(dqkv.shape[0]), width = static_cast<int>(dqkv.shape[1]);
+    matmul_input_grad(dx, dqkv, w.qkv, rows, width, s.hidden, accumulate);
+    if (g.qkv.data) matmul_weight_grad(g.qkv, g.qkv_bias, dqkv, x, rows, width, s.hidden);
+}
+
+void CudaBackend::qkv_projection_backward(const Tensor& dx, bool accumulate, const QkvWeights& g, const Tensor& dq,
+                                          const Tensor& dk, const Tensor& dv, const Tensor& x, const QkvWeights& w,
+                                          const QkvShape& s) {
+    const Tensor packed = packed_qkv(s, {&dq, &dk, &dv});
+    if (!packed.data) return Backend::qkv_projection_backward(dx, accumulate, g, dq, dk, dv, x, w, s);
+    const AttentionShape& t = s.attention;
+    with_dtype(packed.dtype, [&](auto tag) {
+        using T = decltype(tag);
+        cuda::qkv_pack_backward<T>(ptr<T>(packed), ptr<T>(dq), ptr<T>(dk), ptr<T>(dv), nullptr, nullptr, nullptr,
+                                   nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, t.batch, t.time, t.heads,
+                                   t.kv_heads, t.head_dim, nullptr, stream_);
+    });
+    NANOQ_CUDA_CHECK_LAUNCH();
+    packed_qkv_backward(dx, accumulate, g, packed, x, w, s);
+}
+
+void CudaBackend::qkv_backward(const Tensor& dx, bool accumulate, const QkvWeights& g, const Tensor& dq,
+                               const Tensor& dk, const Tensor& dv, const QkvActivations& a, const Tensor& x,
+                               const QkvWeights& w, const Tensor& cos_sin, const QkvShape& s) {
+    const Tensor packed = packed_qkv(s, {&dq, &dk, &dv});
+    if (!packed.data) return Backend::qkv_backward(dx, accumulate, g, dq, dk, dv, a, x, w, cos_sin, s);
+    const AttentionShape& t = s.attention;
+    const bool norms = w.q_norm.data != nullptr;
+    if (norms && (!g.q_norm.data || !g.k_norm.data))
+        throw InternalError("qkv_backward needs q/k norm gradient tensors (a sink when frozen)");
+    with_dtype(packed.dtype, [&](auto tag) {
+        using T = decltype(tag);
+        void* work = norms ? scratch(qk_norm_rope_backward_scratch_bytes(t.batch, t.time, t.heads, t.kv_heads,
+                                                                         t.head_dim))
+                           : nullptr;
+        cuda::qkv_pack_backward<T>(ptr<T>(packed), ptr<T>(dq), ptr<T>(dk), ptr<T>(dv),
+                                   norms ? g.q_norm.f32() : nullptr, norms ? g.k_norm.f32() : nullptr,
+                                   norms ? optional_ptr<T>(a.q_raw) : nullptr,
+                                   norms ? optional_ptr<T>(a.k_raw) : nullptr, norms ? a.q_rstd.f32() : nullptr,
+                                   norms ? a.k_rstd.f32() : nullptr, optional_ptr<T>(w.q_norm),
+                                   optional_ptr<T>(w.k_norm), cos_sin.f32(), t.batch, t.time, t.heads, t.kv_heads,
+                                   t.head_dim, work, stream_);
+    });
+    NANOQ_CUDA_CHECK_LAUNCH();
+    packed_qkv_backward(dx, accumulate, g, packed, x, w, s);
+}
+
+void CudaBackend::gate_up_projection(const Tensor& gate, const Tensor& up, const Tensor& x, const Tensor& gate_up,
+                                     int rows, int intermediate, int channels) {
+    const std::int64_t distance = following(gate, up);
+    if (distance < 0 || options_.matmul_dtype == MatmulPrecision::FP8 || x.dtype != gate_up.dtype)
+        return Backend::gate_up_projection(gate, up, x, gate_up, rows, intermediate, channels);
+    const LtMatmul::Batch batch{2, 0, std::int64_t(intermediate) * channels, distance};
+    matmul_->run_batched(gate, x, gate_up, rows, intermediate, channels, false, true, false, batch,
+                         matmul_workspace_.data, matmul_workspace_.bytes(), stream_);
+}
+
+void CudaBackend::gate_up_projection_backward(const Tensor& dx, bool accumulate, const Tensor& dgate_up,
+                                              const Tensor& dgate, const Tensor& dup, const Tensor& x,
+                                              const Tensor& gate_up, int rows, int intermediate, int channels) {
+    const std::int64_t block = std::int64_t(intermediate) * channels;
+    const Tensor weight[2] = {gate_up.slice(0, block), gate_up.slice(block, block)};
+    matmul_input_grad(dx, dgate, weight[0], rows, intermediate, channels, accumulate);
+    matmul_input_grad(dx, dup, weight[1], rows, intermediate, channels, true);
+    if (!dgate_up.data) return;  // frozen
+    const std::int64_t distance = following(dgate, dup);
+    if (distance < 0 || options_.matmul_dtype == MatmulPrecision::FP8 || dgate.dtype != x.dtype) {
+        matmul_weight_grad(dgate_up.slice(0, block), Tensor(), dgate, x, rows, intermediate, channels);
+        matmul_weight_grad(dgate_up.slice(block, block), Tensor(), dup, x, rows, intermediate, channels);
+        return;
+    }
+    const LtMatmul::Batch batch{2, distance, 0, block};
+    matmul_->run_batched(dgate_up, dgate, x, intermediate, channels, rows, true, false, true, batch,
+                         matmul_workspace_.data, matmul_workspace_.bytes(), stream_);
 }
 
 }  // namespace cuda

@@ -58,7 +58,8 @@ public:
     // matmul_dtype fp8 the fp8 operands (fp8_operand_bytes) and, when
     // attention runs fused (choose_attention, fused_attention.h), the
     // fused attention's workspace, asked of `attention` where given (else
-    // its upper bound, inexact). *fused (may be null) says whether it does.
+    // its upper bound, inexact), and for shapes with a q|k|v projection its
+    // packed output (qkv-packed). *fused (may be null) says whether it does.
     static std::vector<ScratchBuffer> scratch_plan(const ScratchShapes& shapes, bool ask_libraries,
                                                    FusedAttention* attention = nullptr,
                                                    const std::string& why_none = "", bool* fused = nullptr);
@@ -146,6 +147,22 @@ public:
                               const QkvShape& shape) override;
     void qk_norm_rope_backward(const Tensor& dq, const Tensor& dk, const QkvActivations& a, const QkvWeights& weights,
                                const QkvWeights& grads, const Tensor& cos_sin, const QkvShape& shape) override;
+    // One matmul for each packed projection (cuda_backend.cpp, "Packed projections").
+    void qkv_projection(const QkvActivations& a, const Tensor& x, const QkvWeights& weights,
+                        const QkvShape& shape) override;
+    void qkv_forward(const QkvActivations& a, const Tensor& x, const QkvWeights& weights, const Tensor& cos_sin,
+                     const QkvShape& shape) override;
+    void qkv_projection_backward(const Tensor& dx, bool accumulate, const QkvWeights& grads, const Tensor& dq,
+                                 const Tensor& dk, const Tensor& dv, const Tensor& x, const QkvWeights& weights,
+                                 const QkvShape& shape) override;
+    void qkv_backward(const Tensor& dx, bool accumulate, const QkvWeights& grads, const Tensor& dq, const Tensor& dk,
+                      const Tensor& dv, const QkvActivations& a, const Tensor& x, const QkvWeights& weights,
+                      const Tensor& cos_sin, const QkvShape& shape) override;
+    void gate_up_projection(const Tensor& gate, const Tensor& up, const Tensor& x, const Tensor& gate_up, int rows,
+                            int intermediate, int channels) override;
+    void gate_up_projection_backward(const Tensor& dx, bool accumulate, const Tensor& dgate_up, const Tensor& dgate,
+                                     const Tensor& dup, const Tensor& x, const Tensor& gate_up, int rows,
+                                     int intermediate, int channels) override;
 
 private:
     void* scratch(std::size_t bytes) const;
@@ -175,6 +192,13 @@ private:
     // it (or there is no cache): the caller quantizes into fp8_slots then.
     const std::uint8_t* fp8_cached_weight(const Tensor& weight, int rows, int cols, bool transposed,
                                           const float** inverse_scale);
+    // The qkv-packed scratch as [rows, (H + 2 Hkv) * D] of the activations'
+    // dtype, or empty where the packed path cannot take the call.
+    Tensor packed_qkv(const QkvShape& shape, std::initializer_list<const Tensor*> activations) const;
+    // dx (+)= dqkv Wqkv and, unless frozen, the weight and bias gradients of
+    // the packed gradient dqkv: one dgrad and one wgrad matmul.
+    void packed_qkv_backward(const Tensor& dx, bool accumulate, const QkvWeights& grads, const Tensor& dqkv,
+                             const Tensor& x, const QkvWeights& weights, const QkvShape& shape);
 
     int device_;
     TrainOptions options_;
@@ -189,6 +213,7 @@ private:
     Tensor fp8_weight_cache_;
     std::map<std::tuple<const void*, int, int, bool>, std::size_t> fp8_cache_slots_;  // -> slot offset
     std::size_t fp8_cache_used_ = 0;
+    Tensor qkv_packed_;       // the packed q|k|v projection (or its gradient) between its matmul and its pass
     bool in_classifier_ = false;
     Tensor pinned_;           // host staging for copy_from_host
     // Fused attention (cuDNN): started by reserve_scratch when the shapes may

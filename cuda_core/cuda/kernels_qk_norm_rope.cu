@@ -17,6 +17,13 @@
 // gradients are deterministic: a fixed grid, partial sums reduced across the
 // groups of a warp by shuffles, across warps in shared memory and across
 // blocks by the last block in block order (kernel_utils.cuh).
+//
+// The packed q|k|v projection (cuda_backend.cpp) runs one matmul into a
+// packed [rows, (H + 2 Hkv) * D] buffer; the same passes then read their
+// input from it through a row stride (forward: q, k normed and rotated, the
+// raw projections and v copied out) or write their output into it (backward:
+// dq, dk and dv packed for the one dgrad and one wgrad matmul). A v head
+// row is a plain copy: it takes part in no norm and no rotation.
 #include <algorithm>
 
 #include "kernel_utils.cuh"
@@ -31,17 +38,47 @@ constexpr int kWarps = kThreads / detail::kWarpSize;
 constexpr int kMaxHeadDim = 256;
 constexpr int kBackwardBlocks = 512;
 
-// q or k: x is the output (forward; without norms also its input, rotated
-// in place) or the gradient rotated in place (backward); raw, rstd, norm are
-// set only with the q/k norms.
+// q, k or v. Forward: x [rows * heads, D] is the output, read from `src`
+// (a position's heads at src + position * src_stride, head h at + h * D;
+// src may be x itself, then updated in place), with the raw input also
+// copied to raw_out where given; rstd and norm are set only with the q/k
+// norms. Backward: x is the gradient, updated in place (unless the pass
+// only packs), `raw` and `rstd` the saved forward values (norms only), and
+// the result also stored at `packed` (with src_stride) where given.
 template <class T> struct Side {
     T* x;
+    const T* src;
+    std::int64_t src_stride;
+    T* raw_out;
     const T* raw;
     float* rstd;
     const T* norm;
+    T* packed;
     int heads;
     std::int64_t head_rows;
 };
+
+// The side of a head row (q rows, then k, then v) and its row within it.
+template <class T>
+__device__ __forceinline__ const Side<T>& side_of(const Side<T>& q, const Side<T>& k, const Side<T>& v,
+                                                  std::int64_t head_row, std::int64_t* row, int* which) {
+    if (head_row < q.head_rows) {
+        *row = head_row, *which = 0;
+        return q;
+    }
+    if (head_row < q.head_rows + k.head_rows) {
+        *row = head_row - q.head_rows, *which = 1;
+        return k;
+    }
+    *row = head_row - q.head_rows - k.head_rows, *which = 2;
+    return v;
+}
+
+// Where head row `row` of a side lies in its strided source (or packed target).
+template <class T>
+__device__ __forceinline__ std::int64_t strided_offset(const Side<T>& side, std::int64_t row, int head_dim) {
+    return (row / side.heads) * side.src_stride + (row % side.heads) * head_dim;
+}
 
 template <class T> int group_lanes(int half) {
     const int chunks = (half + detail::kPack<T> - 1) / detail::kPack<T>;
@@ -69,32 +106,39 @@ __device__ __forceinline__ void rotate(float (&a)[P], float (&b)[P], const float
     }
 }
 
+// `transform`: q and k are normed (with the norms) and rotated; else every
+// side is only copied (a split of the packed projection).
 template <class T>
 __global__ void __launch_bounds__(kThreads)
-    qk_norm_rope_forward_kernel(Side<T> q, Side<T> k, const float* cos_sin, int time, int half, int lanes, float eps,
-                                bool vector) {
+    qk_norm_rope_forward_kernel(Side<T> q, Side<T> k, Side<T> v, const float* cos_sin, int time, int half, int lanes,
+                                float eps, bool transform, bool vector) {
     constexpr int P = detail::kPack<T>;
     const std::int64_t thread = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     const std::int64_t head_row = thread / lanes;
     const int begin = static_cast<int>(thread % lanes) * P;
-    const bool is_k = head_row >= q.head_rows;
-    const Side<T> side = is_k ? k : q;
-    const std::int64_t row = is_k ? head_row - q.head_rows : head_row;
-    const bool active = head_row < q.head_rows + k.head_rows && begin < half;
+    std::int64_t row = 0;
+    int which = 0;
+    const Side<T> side = side_of(q, k, v, head_row, &row, &which);
+    const bool active = head_row < q.head_rows + k.head_rows + v.head_rows && begin < half;
+    const bool qk = transform && which < 2;
     const std::int64_t offset = row * 2 * half;
     float a[P] = {}, b[P] = {};
     if (active) {
-        const T* src = side.raw ? side.raw : side.x;
-        detail::load_chunk<T>(a, src + offset, begin, half, vector);
-        detail::load_chunk<T>(b, src + offset + half, begin, half, vector);
+        const T* src = side.src + strided_offset(side, row, 2 * half);
+        detail::load_chunk<T>(a, src, begin, half, vector);
+        detail::load_chunk<T>(b, src + half, begin, half, vector);
+        if (side.raw_out) {
+            detail::store_chunk<T>(side.raw_out + offset, a, begin, half, vector);
+            detail::store_chunk<T>(side.raw_out + offset + half, b, begin, half, vector);
+        }
     }
-    if (q.raw) {  // the q/k norms (uniform over the launch: both or neither)
+    if (q.norm) {  // the q/k norms (uniform over the launch: both or neither)
         float sum = 0.0f;
         for (int j = 0; j < P; ++j) sum += a[j] * a[j];
         for (int j = 0; j < P; ++j) sum += b[j] * b[j];
         sum = group_sum(sum, lanes);
         const float scale = 1.0f / sqrtf(sum / (2 * half) + eps);
-        if (active) {
+        if (active && qk) {
             if (begin == 0) side.rstd[row] = scale;
             float wa[P], wb[P];
             detail::load_chunk<T>(wa, side.norm, begin, half, vector);
@@ -106,7 +150,7 @@ __global__ void __launch_bounds__(kThreads)
         }
     }
     if (!active) return;
-    rotate<P>(a, b, cos_sin, static_cast<int>((row / side.heads) % time), half, begin, 1.0f);
+    if (qk) rotate<P>(a, b, cos_sin, static_cast<int>((row / side.heads) % time), half, begin, 1.0f);
     detail::store_chunk<T>(side.x + offset, a, begin, half, vector);
     detail::store_chunk<T>(side.x + offset + half, b, begin, half, vector);
 }
@@ -117,11 +161,13 @@ template <int P> __device__ __forceinline__ void warp_groups_sum(float (&v)[P], 
         for (int j = 0; j < P; ++j) v[j] += __shfl_xor_sync(detail::kFullMask, v[j], offset);
 }
 
+// `transform`: dq and dk are rotated back and (with the norms) taken
+// through the norms, in place; else every side is only copied (packed).
 template <class T>
 __global__ void __launch_bounds__(kThreads)
-    qk_norm_rope_backward_kernel(Side<T> q, Side<T> k, float* dq_norm, float* dk_norm, const float* cos_sin,
-                                 int time, int half, int lanes, bool vector, float* partials,
-                                 unsigned* blocks_done) {
+    qk_norm_rope_backward_kernel(Side<T> q, Side<T> k, Side<T> v, float* dq_norm, float* dk_norm,
+                                 const float* cos_sin, int time, int half, int lanes, bool transform, bool vector,
+                                 float* partials, unsigned* blocks_done) {
     NANOQ_SHARED(float[kWarps][2][kMaxHeadDim], warp_sums);
     NANOQ_SHARED(int[1], is_last);
     constexpr int P = detail::kPack<T>;
@@ -129,7 +175,7 @@ __global__ void __launch_bounds__(kThreads)
     const bool norms = q.raw != nullptr;
     const int begin = static_cast<int>(threadIdx.x % lanes) * P;
     const int groups = blockDim.x / lanes;
-    const std::int64_t total = q.head_rows + k.head_rows;
+    const std::int64_t total = q.head_rows + k.head_rows + v.head_rows;
     // The norm weight gradient partials of this lane's columns: q then k,
     // first half (a) then second half (b).
     float dqa[P] = {}, dqb[P] = {}, dka[P] = {}, dkb[P] = {};
@@ -137,25 +183,28 @@ __global__ void __launch_bounds__(kThreads)
     for (std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * groups; first < total;
          first += static_cast<std::int64_t>(gridDim.x) * groups) {
         const std::int64_t head_row = first + threadIdx.x / lanes;
-        const bool is_k = head_row >= q.head_rows;
-        const Side<T> side = is_k ? k : q;
-        const std::int64_t row = is_k ? head_row - q.head_rows : head_row;
+        std::int64_t row = 0;
+        int which = 0;
+        const Side<T> side = side_of(q, k, v, head_row, &row, &which);
         const bool active = head_row < total && begin < half;
+        const bool qk = transform && which < 2;
         const std::int64_t offset = row * head_dim;
         float a[P] = {}, b[P] = {};
         if (active) {
             detail::load_chunk<T>(a, side.x + offset, begin, half, vector);
             detail::load_chunk<T>(b, side.x + offset + half, begin, half, vector);
-            rotate<P>(a, b, cos_sin, static_cast<int>((row / side.heads) % time), half, begin, -1.0f);
-            for (int j = 0; j < P; ++j) {
-                a[j] = detail::rounded<T>(a[j]);
-                b[j] = detail::rounded<T>(b[j]);
+            if (qk) {
+                rotate<P>(a, b, cos_sin, static_cast<int>((row / side.heads) % time), half, begin, -1.0f);
+                for (int j = 0; j < P; ++j) {
+                    a[j] = detail::rounded<T>(a[j]);
+                    b[j] = detail::rounded<T>(b[j]);
+                }
             }
         }
         if (norms) {
             float xa[P] = {}, xb[P] = {}, wa[P] = {}, wb[P] = {};
             float scale = 0.0f, dot = 0.0f;
-            if (active) {
+            if (active && qk) {
                 detail::load_chunk<T>(xa, side.raw + offset, begin, half, vector);
                 detail::load_chunk<T>(xb, side.raw + offset + half, begin, half, vector);
                 detail::load_chunk<T>(wa, side.norm, begin, half, vector);
@@ -171,8 +220,8 @@ __global__ void __launch_bounds__(kThreads)
                     dwb[j] += b[j] * xb[j] * scale;
                 }
             };
-            if (active) {
-                if (is_k) add_weight_grad(dka, dkb);
+            if (active && qk) {
+                if (which == 1) add_weight_grad(dka, dkb);
                 else add_weight_grad(dqa, dqb);
                 for (int j = 0; j < P; ++j) {
                     a[j] = scale * (a[j] * wa[j] - xa[j] * scale * dot);
@@ -180,9 +229,14 @@ __global__ void __launch_bounds__(kThreads)
                 }
             }
         }
-        if (active) {
+        if (active && qk) {
             detail::store_chunk<T>(side.x + offset, a, begin, half, vector);
             detail::store_chunk<T>(side.x + offset + half, b, begin, half, vector);
+        }
+        if (active && side.packed) {
+            T* packed = side.packed + strided_offset(side, row, head_dim);
+            detail::store_chunk<T>(packed, a, begin, half, vector);
+            detail::store_chunk<T>(packed + half, b, begin, half, vector);
         }
     }
     if (!norms) return;
@@ -210,18 +264,57 @@ __global__ void __launch_bounds__(kThreads)
     }
 }
 
-template <class T> bool sides_vectorizable(const Side<T>& q, const Side<T>& k, int half) {
+template <class T> bool sides_vectorizable(const Side<T>& q, const Side<T>& k, const Side<T>& v, int half) {
     if (half % detail::kPack<T> != 0) return false;
-    for (const void* p : {static_cast<const void*>(q.x), static_cast<const void*>(q.raw),
-                          static_cast<const void*>(q.norm), static_cast<const void*>(k.x),
-                          static_cast<const void*>(k.raw), static_cast<const void*>(k.norm)})
-        if (p && !detail::aligned16(p)) return false;
+    for (const Side<T>* side : {&q, &k, &v}) {
+        if (side->src_stride % detail::kPack<T> != 0) return false;
+        for (const void* p : {static_cast<const void*>(side->x), static_cast<const void*>(side->src),
+                              static_cast<const void*>(side->raw_out), static_cast<const void*>(side->raw),
+                              static_cast<const void*>(side->norm), static_cast<const void*>(side->packed)})
+            if (p && !detail::aligned16(p)) return false;
+    }
     return true;
 }
 
 int backward_blocks(std::int64_t head_rows, int lanes) {
     const std::int64_t groups = kThreads / lanes;
     return static_cast<int>(std::min<std::int64_t>((head_rows + groups - 1) / groups, kBackwardBlocks));
+}
+
+// The rows and heads of a packed q|k|v layout.
+struct SideShape {
+    std::int64_t rows;
+    int heads, kv_heads, head_dim;
+    std::int64_t packed_stride() const { return std::int64_t(heads + 2 * kv_heads) * head_dim; }
+};
+
+template <class T>
+void launch_forward(const Side<T>& q, const Side<T>& k, const Side<T>& v, const float* cos_sin, int time,
+                    int head_dim, float eps, bool transform, cudaStream_t stream) {
+    const int half = head_dim / 2, lanes = group_lanes<T>(half);
+    const std::int64_t threads = (q.head_rows + k.head_rows + v.head_rows) * lanes;
+    if (threads <= 0) return;
+    detail::launch(qk_norm_rope_forward_kernel<T>, static_cast<int>((threads + kThreads - 1) / kThreads), kThreads, 0,
+                   stream, q, k, v, cos_sin, time, half, lanes, eps, transform, sides_vectorizable(q, k, v, half));
+}
+
+template <class T>
+void launch_backward(const Side<T>& q, const Side<T>& k, const Side<T>& v, float* dq_norm, float* dk_norm,
+                     const float* cos_sin, int time, int head_dim, bool transform, void* scratch,
+                     cudaStream_t stream) {
+    const int half = head_dim / 2, lanes = group_lanes<T>(half);
+    const std::int64_t head_rows = q.head_rows + k.head_rows + v.head_rows;
+    if (head_rows <= 0) return;
+    unsigned* blocks_done = nullptr;
+    float* partials = nullptr;
+    if (q.raw) {
+        blocks_done = detail::column_partials_counter(scratch);
+        partials = detail::column_partials(scratch);
+        cudaMemsetAsync(blocks_done, 0, sizeof(unsigned), stream);
+    }
+    detail::launch(qk_norm_rope_backward_kernel<T>, backward_blocks(head_rows, lanes), kThreads, 0, stream, q, k, v,
+                   dq_norm, dk_norm, cos_sin, time, half, lanes, transform, sides_vectorizable(q, k, v, half),
+                   partials, blocks_done);
 }
 
 }  // namespace
@@ -236,13 +329,29 @@ void qk_norm_rope_forward(T* q, T* k, float* q_rstd, float* k_rstd, const T* q_r
                           const T* q_norm, const T* k_norm, const float* cos_sin, int batch, int time, int heads,
                           int kv_heads, int head_dim, float eps, cudaStream_t stream) {
     const std::int64_t rows = static_cast<std::int64_t>(batch) * time;
-    const Side<T> qs{q, q_raw, q_rstd, q_norm, heads, rows * heads};
-    const Side<T> ks{k, k_raw, k_rstd, k_norm, kv_heads, rows * kv_heads};
-    const int half = head_dim / 2, lanes = group_lanes<T>(half);
-    const std::int64_t threads = (qs.head_rows + ks.head_rows) * lanes;
-    if (threads <= 0) return;
-    detail::launch(qk_norm_rope_forward_kernel<T>, static_cast<int>((threads + kThreads - 1) / kThreads), kThreads, 0,
-                   stream, qs, ks, cos_sin, time, half, lanes, eps, sides_vectorizable(qs, ks, half));
+    const std::int64_t q_width = std::int64_t(heads) * head_dim, kv_width = std::int64_t(kv_heads) * head_dim;
+    const Side<T> qs{q, q_raw ? q_raw : q, q_width, nullptr, nullptr, q_rstd, q_norm, nullptr, heads, rows * heads};
+    const Side<T> ks{k, k_raw ? k_raw : k, kv_width, nullptr, nullptr, k_rstd, k_norm, nullptr, kv_heads,
+                     rows * kv_heads};
+    const Side<T> none{nullptr, nullptr, 0, nullptr, nullptr, nullptr, nullptr, nullptr, 1, 0};
+    launch_forward(qs, ks, none, cos_sin, time, head_dim, eps, true, stream);
+}
+
+template <class T>
+void qkv_unpack_forward(const T* packed, T* q, T* k, T* v, T* q_raw, T* k_raw, float* q_rstd, float* k_rstd,
+                        const T* q_norm, const T* k_norm, const float* cos_sin, int batch, int time, int heads,
+                        int kv_heads, int head_dim, float eps, cudaStream_t stream) {
+    const SideShape s{static_cast<std::int64_t>(batch) * time, heads, kv_heads, head_dim};
+    const std::int64_t stride = s.packed_stride(), q_width = std::int64_t(heads) * head_dim;
+    const std::int64_t kv_width = std::int64_t(kv_heads) * head_dim;
+    const bool transform = cos_sin != nullptr, norms = transform && q_norm;
+    const Side<T> qs{q, packed, stride, norms ? q_raw : nullptr, nullptr, q_rstd, norms ? q_norm : nullptr, nullptr,
+                     heads, s.rows * heads};
+    const Side<T> ks{k, packed + q_width, stride, norms ? k_raw : nullptr, nullptr, k_rstd,
+                     norms ? k_norm : nullptr, nullptr, kv_heads, s.rows * kv_heads};
+    const Side<T> vs{v, packed + q_width + kv_width, stride, nullptr, nullptr, nullptr, nullptr, nullptr, kv_heads,
+                     s.rows * kv_heads};
+    launch_forward(qs, ks, vs, cos_sin, time, head_dim, eps, transform, stream);
 }
 
 template <class T>
@@ -250,27 +359,33 @@ void qk_norm_rope_backward(T* dq, T* dk, float* dq_norm, float* dk_norm, const T
                            const float* q_rstd, const float* k_rstd, const T* q_norm, const T* k_norm,
                            const float* cos_sin, int batch, int time, int heads, int kv_heads, int head_dim,
                            void* scratch, cudaStream_t stream) {
-    const std::int64_t rows = static_cast<std::int64_t>(batch) * time;
-    // rstd is only read here.
-    const Side<T> qs{dq, q_raw, const_cast<float*>(q_rstd), q_norm, heads, rows * heads};
-    const Side<T> ks{dk, k_raw, const_cast<float*>(k_rstd), k_norm, kv_heads, rows * kv_heads};
-    const int half = head_dim / 2, lanes = group_lanes<T>(half);
-    const std::int64_t head_rows = qs.head_rows + ks.head_rows;
-    if (head_rows <= 0) return;
-    unsigned* blocks_done = nullptr;
-    float* partials = nullptr;
-    if (q_raw) {
-        blocks_done = detail::column_partials_counter(scratch);
-        partials = detail::column_partials(scratch);
-        cudaMemsetAsync(blocks_done, 0, sizeof(unsigned), stream);
-    }
-    detail::launch(qk_norm_rope_backward_kernel<T>, backward_blocks(head_rows, lanes), kThreads, 0, stream, qs, ks,
-                   dq_norm, dk_norm, cos_sin, time, half, lanes, sides_vectorizable(qs, ks, half), partials,
-                   blocks_done);
+    qkv_pack_backward<T>(nullptr, dq, dk, nullptr, dq_norm, dk_norm, q_raw, k_raw, q_rstd, k_rstd, q_norm, k_norm,
+                         cos_sin, batch, time, heads, kv_heads, head_dim, scratch, stream);
+}
+
+template <class T>
+void qkv_pack_backward(T* packed, T* dq, T* dk, const T* dv, float* dq_norm, float* dk_norm, const T* q_raw,
+                       const T* k_raw, const float* q_rstd, const float* k_rstd, const T* q_norm, const T* k_norm,
+                       const float* cos_sin, int batch, int time, int heads, int kv_heads, int head_dim,
+                       void* scratch, cudaStream_t stream) {
+    const SideShape s{static_cast<std::int64_t>(batch) * time, heads, kv_heads, head_dim};
+    const std::int64_t stride = s.packed_stride(), q_width = std::int64_t(heads) * head_dim;
+    const std::int64_t kv_width = std::int64_t(kv_heads) * head_dim;
+    const bool transform = cos_sin != nullptr, norms = transform && q_raw;
+    auto at = [&](std::int64_t column) { return packed ? packed + column : nullptr; };
+    // rstd is only read here; dv too (the v side is only copied).
+    const Side<T> qs{dq, nullptr, stride, nullptr, norms ? q_raw : nullptr, const_cast<float*>(q_rstd), q_norm,
+                     at(0), heads, s.rows * heads};
+    const Side<T> ks{dk, nullptr, stride, nullptr, norms ? k_raw : nullptr, const_cast<float*>(k_rstd), k_norm,
+                     at(q_width), kv_heads, s.rows * kv_heads};
+    const Side<T> vs{const_cast<T*>(dv), nullptr, stride, nullptr, nullptr, nullptr, nullptr, at(q_width + kv_width),
+                     kv_heads, dv ? s.rows * kv_heads : 0};
+    launch_backward(qs, ks, vs, dq_norm, dk_norm, cos_sin, time, head_dim, transform, scratch, stream);
 }
 
 std::size_t qk_norm_rope_backward_scratch_bytes(int batch, int time, int heads, int kv_heads, int head_dim) {
-    const std::int64_t head_rows = static_cast<std::int64_t>(batch) * time * (heads + kv_heads);
+    // The head rows of q, k and v (qkv_pack_backward's launch covers v too).
+    const std::int64_t head_rows = static_cast<std::int64_t>(batch) * time * (heads + 2 * kv_heads);
     if (head_rows <= 0 || head_dim <= 0) return 0;
     // More lanes per group (fp32) make more blocks.
     const int lanes = std::max(group_lanes<float>(head_dim / 2), group_lanes<bf16>(head_dim / 2));
@@ -283,7 +398,12 @@ std::size_t qk_norm_rope_backward_scratch_bytes(int batch, int time, int heads, 
                                           const float*, int, int, int, int, int, float, cudaStream_t);               \
     template void qk_norm_rope_backward<T>(T*, T*, float*, float*, const T*, const T*, const float*, const float*,   \
                                            const T*, const T*, const float*, int, int, int, int, int, void*,         \
-                                           cudaStream_t);
+                                           cudaStream_t);                                                             \
+    template void qkv_unpack_forward<T>(const T*, T*, T*, T*, T*, T*, float*, float*, const T*, const T*,            \
+                                        const float*, int, int, int, int, int, float, cudaStream_t);                 \
+    template void qkv_pack_backward<T>(T*, T*, T*, const T*, float*, float*, const T*, const T*, const float*,       \
+                                       const float*, const T*, const T*, const float*, int, int, int, int, int,      \
+                                       void*, cudaStream_t);
 NANOQ_INSTANTIATE(float)
 NANOQ_INSTANTIATE(bf16)
 #undef NANOQ_INSTANTIATE

@@ -6,7 +6,12 @@
 // workspace smaller than the heuristic's result asked for. Of the epilogues
 // it knows the default and the bias (an unknown one is refused); fp8 (e4m3,
 // e5m2) operands need Hopper's "TN" form and dimensions that are multiples of
-// 16, and take per-tensor scale pointers. The heuristic can offer several
+// 16, and take per-tensor scale pointers. Strided batches: every layout of
+// a call has the same batch count, C's and D's layouts are the same, and
+// D's products must not overlap; negative batch strides are refused (the
+// library documents none; nanoq needs none). NANOQ_EMU_LT_LOG=1 prints
+// each cublasLtMatmul call (its m x n x k and batch count, in the library's
+// column-major terms) to stderr, so that tests can count the launches. The heuristic can offer several
 // algorithms (NANOQ_EMU_LT_ALGORITHMS: the same reference math, each slower
 // by a known delay) so that choosing among them by timing runs in tests.
 #pragma once
@@ -42,6 +47,10 @@ enum cublasLtEpilogue_t : int {
     CUBLASLT_EPILOGUE_DEFAULT = 1,
     CUBLASLT_EPILOGUE_BIAS = 4,
 };
+enum cublasLtMatrixLayoutAttribute_t : int {
+    CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT = 5,
+    CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET = 6,
+};
 enum cublasLtMatmulPreferenceAttributes_t : int {
     CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES = 1,
     CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES = 5,
@@ -75,6 +84,9 @@ cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t desc, cublasL
 cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* layout, cudaDataType_t type, std::uint64_t rows,
                                           std::uint64_t cols, std::int64_t ld);
 cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t layout);
+cublasStatus_t cublasLtMatrixLayoutSetAttribute(cublasLtMatrixLayout_t layout,
+                                                cublasLtMatrixLayoutAttribute_t attribute, const void* buffer,
+                                                std::size_t bytes);
 cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t* preference);
 cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t preference);
 cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t preference,

@@ -34,6 +34,8 @@ struct nanoq_emu_lt_layout {
     cudaDataType_t type;
     std::uint64_t rows, cols;
     std::int64_t ld;
+    std::int32_t batch_count = 1;
+    std::int64_t batch_stride = 0;  // elements
 };
 struct nanoq_emu_lt_preference {
     std::size_t max_workspace = 0;
@@ -75,6 +77,8 @@ void store(void* p, cudaDataType_t type, std::int64_t i, double value) {
     else
         static_cast<float*>(p)[i] = f;
 }
+
+std::int64_t lt_bytes(cudaDataType_t type) { return type == CUDA_R_32F ? 4 : type == CUDA_R_16BF ? 2 : 1; }
 
 unsigned alignment_of(const void* p) {
     const auto address = reinterpret_cast<std::uintptr_t>(p);
@@ -154,6 +158,27 @@ cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t layout) {
     delete layout;
     return CUBLAS_STATUS_SUCCESS;
 }
+cublasStatus_t cublasLtMatrixLayoutSetAttribute(cublasLtMatrixLayout_t layout,
+                                                cublasLtMatrixLayoutAttribute_t attribute, const void* buffer,
+                                                std::size_t bytes) {
+    switch (attribute) {
+        case CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT: {
+            if (bytes != sizeof(std::int32_t)) return CUBLAS_STATUS_INVALID_VALUE;
+            const auto count = *static_cast<const std::int32_t*>(buffer);
+            if (count < 1) return CUBLAS_STATUS_INVALID_VALUE;
+            layout->batch_count = count;
+            return CUBLAS_STATUS_SUCCESS;
+        }
+        case CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET: {
+            if (bytes != sizeof(std::int64_t)) return CUBLAS_STATUS_INVALID_VALUE;
+            const auto stride = *static_cast<const std::int64_t*>(buffer);
+            if (stride < 0) return CUBLAS_STATUS_NOT_SUPPORTED;  // see cublasLt.h
+            layout->batch_stride = stride;
+            return CUBLAS_STATUS_SUCCESS;
+        }
+    }
+    return CUBLAS_STATUS_INVALID_VALUE;  // an attribute the stand-in does not know
+}
 cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t* preference) {
     *preference = new nanoq_emu_lt_preference();
     return CUBLAS_STATUS_SUCCESS;
@@ -209,6 +234,23 @@ cublasStatus_t supported(const nanoq_emu_lt_desc& desc, const nanoq_emu_lt_layou
     return CUBLAS_STATUS_SUCCESS;
 }
 
+// A strided batch the library computes as asked: one batch count for all
+// four layouts, C laid out as D, and D's products apart (each matrix spans
+// ld * (cols - 1) + rows elements).
+bool batch_consistent(const nanoq_emu_lt_layout& a, const nanoq_emu_lt_layout& b, const nanoq_emu_lt_layout& c,
+                      const nanoq_emu_lt_layout& d) {
+    if (a.batch_count != d.batch_count || b.batch_count != d.batch_count || c.batch_count != d.batch_count)
+        return false;
+    if (c.batch_stride != d.batch_stride || c.ld != d.ld) return false;
+    const std::int64_t span = d.ld * static_cast<std::int64_t>(d.cols - 1) + static_cast<std::int64_t>(d.rows);
+    return d.batch_count == 1 || d.batch_stride >= span;
+}
+
+bool log_calls() {
+    const char* text = std::getenv("NANOQ_EMU_LT_LOG");
+    return text && text[0] == '1';
+}
+
 }  // namespace
 
 cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
@@ -224,6 +266,7 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDe
     const std::uint64_t b_cols = desc->trans_b == CUBLAS_OP_N ? b->cols : b->rows;
     if (a_rows != m || b_rows != k || b_cols != n || c->rows != m || c->cols != n || c->type != d->type)
         return CUBLAS_STATUS_INVALID_VALUE;
+    if (!batch_consistent(*a, *b, *c, *d)) return CUBLAS_STATUS_INVALID_VALUE;
     if (const cublasStatus_t status = supported(*desc, *a, *b, *d, k); status != CUBLAS_STATUS_SUCCESS) return status;
     for (int i = 0; i < 4; ++i)
         if (preference->align[i] == 0 || (preference->align[i] & (preference->align[i] - 1)))
@@ -262,7 +305,18 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t desc, const
     if ((ta ? al->cols : al->rows) != dl->rows || (tb ? bl->cols : bl->rows) != static_cast<std::uint64_t>(k) ||
         (tb ? bl->rows : bl->cols) != dl->cols || cl->rows != dl->rows || cl->cols != dl->cols || cl->type != dl->type)
         return CUBLAS_STATUS_INVALID_VALUE;
+    if (!batch_consistent(*al, *bl, *cl, *dl)) return CUBLAS_STATUS_INVALID_VALUE;
     if (supported(*desc, *al, *bl, *dl, k) != CUBLAS_STATUS_SUCCESS) return CUBLAS_STATUS_INVALID_VALUE;
+    // A batch's later products are as aligned as the algorithm was chosen for (the strides' alignment).
+    for (int i = 0; i < 4 && dl->batch_count > 1; ++i) {
+        const nanoq_emu_lt_layout* layouts[4] = {al, bl, cl, dl};
+        const auto* later = static_cast<const char*>(pointers[i]) +
+                            layouts[i]->batch_stride * static_cast<std::int64_t>(lt_bytes(layouts[i]->type));
+        if (alignment_of(later) < algo->data[i]) return CUBLAS_STATUS_INVALID_VALUE;
+    }
+    if (log_calls())
+        std::fprintf(stderr, "nanoq emu cublasLtMatmul %lldx%lldx%lld batch %d\n", static_cast<long long>(m),
+                     static_cast<long long>(n), static_cast<long long>(k), dl->batch_count);
     const bool with_bias = desc->epilogue == CUBLASLT_EPILOGUE_BIAS;
     if (with_bias && (!desc->bias || alignment_of(desc->bias) < algo->data[6])) return CUBLAS_STATUS_INVALID_VALUE;
     const float alpha = *static_cast<const float*>(alpha_p), beta = *static_cast<const float*>(beta_p);
@@ -271,6 +325,8 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t desc, const
     const void* bias = with_bias ? desc->bias : nullptr;
     const float *a_scale = desc->a_scale, *b_scale = desc->b_scale;
     const auto delay = static_cast<int>(algo->data[5]) * kAlgorithmDelay;
+    const void *a_base = a, *b_base = b, *c_base = c;
+    void* d_base = d;
     nanoq_emu::enqueue(
         stream,
         [=] {
@@ -278,19 +334,26 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t desc, const
             // The scales are read when the product runs, as on the device.
             const double scale = double(alpha) * (a_scale ? *a_scale : 1.0f) * (b_scale ? *b_scale : 1.0f);
             std::vector<double> column(m);
-            for (std::int64_t j = 0; j < n; ++j) {
-                std::fill(column.begin(), column.end(), 0.0);
-                for (std::int64_t p = 0; p < k; ++p) {
-                    const double bv = load(b, B.type, tb ? j + p * B.ld : p + j * B.ld);
-                    if (bv == 0.0) continue;
-                    for (std::int64_t i = 0; i < m; ++i)
-                        column[i] += load(a, A.type, ta ? p + i * A.ld : i + p * A.ld) * bv;
-                }
-                for (std::int64_t i = 0; i < m; ++i) {
-                    double value = scale * column[i];
-                    if (beta != 0.0f) value += beta * load(c, C.type, i + j * C.ld);  // beta 0: C is not read
-                    if (bias) value += load(bias, bias_kind, i);  // D's rows: our output's columns
-                    store(d, D.type, i + j * D.ld, value);
+            auto at = [](const void* base, const nanoq_emu_lt_layout& layout, std::int32_t product) {
+                return static_cast<const char*>(base) + product * layout.batch_stride * lt_bytes(layout.type);
+            };
+            for (std::int32_t product = 0; product < D.batch_count; ++product) {
+                const void *pa = at(a_base, A, product), *pb = at(b_base, B, product), *pc = at(c_base, C, product);
+                void* pd = const_cast<char*>(at(d_base, D, product));
+                for (std::int64_t j = 0; j < n; ++j) {
+                    std::fill(column.begin(), column.end(), 0.0);
+                    for (std::int64_t p = 0; p < k; ++p) {
+                        const double bv = load(pb, B.type, tb ? j + p * B.ld : p + j * B.ld);
+                        if (bv == 0.0) continue;
+                        for (std::int64_t i = 0; i < m; ++i)
+                            column[i] += load(pa, A.type, ta ? p + i * A.ld : i + p * A.ld) * bv;
+                    }
+                    for (std::int64_t i = 0; i < m; ++i) {
+                        double value = scale * column[i];
+                        if (beta != 0.0f) value += beta * load(pc, C.type, i + j * C.ld);  // beta 0: C is not read
+                        if (bias) value += load(bias, bias_kind, i);  // D's rows: our output's columns
+                        store(pd, D.type, i + j * D.ld, value);
+                    }
                 }
             }
         },
