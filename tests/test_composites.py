@@ -309,13 +309,14 @@ def case_qkv_projection_backward(rng, bias, accumulate, frozen):
     return a, p, ref
 
 
-def case_qkv_backward(rng, qk_norm, bias, accumulate):
+def case_qkv_backward(rng, qk_norm, bias, accumulate, frozen=False):
     a = qkv_inputs(rng, qk_norm, bias)
     a.update(forward_activations(a, qk_norm))
-    a.update(dq=normal(rng, ROWS, QW), dk=normal(rng, ROWS, KW), dv=normal(rng, ROWS, KW), dx=normal(rng, ROWS, C),
-             dqkv=normal(rng, QW + 2 * KW, C))
-    if bias:
-        a["dqkv_bias"] = normal(rng, QW + 2 * KW)
+    a.update(dq=normal(rng, ROWS, QW), dk=normal(rng, ROWS, KW), dv=normal(rng, ROWS, KW), dx=normal(rng, ROWS, C))
+    if not frozen:
+        a["dqkv"] = normal(rng, QW + 2 * KW, C)
+        if bias:
+            a["dqkv_bias"] = normal(rng, QW + 2 * KW)
     if qk_norm:
         a.update(dq_norm=normal(rng, D), dk_norm=normal(rng, D))
 
@@ -324,15 +325,16 @@ def case_qkv_backward(rng, qk_norm, bias, accumulate):
         # (RoPE is linear: without q/k norms the gradient needs no values of q and k.)
         zeros = dict(q=np.zeros((ROWS, QW), np.float32), k=np.zeros((ROWS, KW), np.float32))
         pre = pre_rope_gradients(dict(a, **zeros), qk_norm, a["dq"], a["dk"])
-        out = dict(dx=g["dx"] + (a["dx"] if accumulate else 0.0), dqkv=g["dqkv"] + a["dqkv"], dq=pre["dq"],
-                   dk=pre["dk"])
-        if bias:
-            out["dqkv_bias"] = g["dqkv_bias"] + a["dqkv_bias"]
+        out = dict(dx=g["dx"] + (a["dx"] if accumulate else 0.0), dq=pre["dq"], dk=pre["dk"])
+        if not frozen:
+            out["dqkv"] = g["dqkv"] + a["dqkv"]
+            if bias:
+                out["dqkv_bias"] = g["dqkv_bias"] + a["dqkv_bias"]
         if qk_norm:
             out.update(dq_norm=g["dq_norm"] + a["dq_norm"], dk_norm=g["dk_norm"] + a["dk_norm"])
         return out
 
-    return a, dict(qkv_params(qk_norm), accumulate=int(accumulate)), ref
+    return a, dict(qkv_params(qk_norm), accumulate=int(accumulate), frozen=int(frozen)), ref
 
 
 def case_gate_up_forward(rng, op):
@@ -442,6 +444,8 @@ CASES = {
     "qkv_forward": ("qkv_forward", lambda r: case_qkv_forward(r, False, False)),
     "qkv_forward-bias": ("qkv_forward", lambda r: case_qkv_forward(r, False, True)),
     "qkv_forward-qk_norm": ("qkv_forward", lambda r: case_qkv_forward(r, True, False)),
+    "qkv_forward-qk_norm-bias": ("qkv_forward", lambda r: case_qkv_forward(r, True, True)),
+    "qkv_projection": ("qkv_projection", lambda r: case_qkv_projection(r, False, False)),
     "qkv_projection-bias": ("qkv_projection", lambda r: case_qkv_projection(r, False, True)),
     "qkv_projection-qk_norm": ("qkv_projection", lambda r: case_qkv_projection(r, True, False)),
     "qk_norm_rope_forward": ("qk_norm_rope_forward", lambda r: case_qk_norm_rope_forward(r, False)),
@@ -452,8 +456,12 @@ CASES = {
                                      lambda r: case_qkv_projection_backward(r, True, False, False)),
     "qkv_projection_backward-accumulate-frozen": ("qkv_projection_backward",
                                                   lambda r: case_qkv_projection_backward(r, False, True, True)),
+    "qkv_projection_backward-bias-accumulate": ("qkv_projection_backward",
+                                                lambda r: case_qkv_projection_backward(r, True, True, False)),
     "qkv_backward-bias": ("qkv_backward", lambda r: case_qkv_backward(r, False, True, False)),
     "qkv_backward-qk_norm-accumulate": ("qkv_backward", lambda r: case_qkv_backward(r, True, False, True)),
+    "qkv_backward-qk_norm-bias-frozen": ("qkv_backward", lambda r: case_qkv_backward(r, True, True, False, True)),
+    "qkv_backward": ("qkv_backward", lambda r: case_qkv_backward(r, False, False, False)),
     "gate_up_projection": ("gate_up_projection", lambda r: case_gate_up_forward(r, "gate_up_projection")),
     "gate_up_swiglu_forward": ("gate_up_swiglu_forward", lambda r: case_gate_up_forward(r, "gate_up_swiglu_forward")),
     "gate_up_projection_backward": ("gate_up_projection_backward",

@@ -203,6 +203,8 @@ def test_cuda_estimate_of_qwen_0_5b_matches_hand_computation():
     assert sizes["cuda-op-scratch"] == 16 + 4 * 512 * C
     assert estimate.approximate == []
     assert sizes["cublaslt-workspace"] == 32 << 20
+    # The packed q|k|v projection (14 + 2 x 2 heads of 64) between its one matmul and its unpacking pass, bf16.
+    assert sizes["qkv-packed"] == 2 * rows * (14 + 2 * 2) * 64
     assert sizes["parameter-staging"] == 4 << 22
     # The trainer's two batch-staging slots (inputs and targets), the staging of the update's 13 float64 per-step
     # values (AdamW's 12 and the gradient clip) and the backend's own upload staging.

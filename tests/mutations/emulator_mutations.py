@@ -40,8 +40,9 @@ FAMILIES = {
     "kernels_qk_norm_rope.cu": "test_composites.py -k 'qk_norm or qkv or fused_qk or deterministic'",
     "kernels_swiglu.cu": "test_gpu_ops.py test_composites.py -k swiglu",
     "kernels_fp8.cu": "test_fp8.py",
-    # The fp8 products' host path.
-    "cuda_backend.cpp": "test_fp8.py",
+    # The cuda backend's host path: the fp8 products, and the packed projections (one matmul for q|k|v, a batch
+    # of two for gate|up).
+    "cuda_backend.cpp": "test_fp8.py test_composites.py test_packed_projections.py",
 }
 
 
@@ -127,6 +128,21 @@ EDITS = [
      "warp_sums[warp][1][begin + j] = dka[j];", "warp_sums[warp][1][begin + j] = 0.0f;"),
     ("q/k norm weight gradient: only the warp's first group counted", "kernels_qk_norm_rope.cu", 0,
      "offset >= lanes; offset /= 2)", "offset >= 2 * detail::kWarpSize; offset /= 2)"),
+    ("packed q|k|v split: rows read at the q width, not the packed width", "kernels_qk_norm_rope.cu", 0,
+     "const Side<T> qs{q, packed, stride,", "const Side<T> qs{q, packed, q_width,"),
+    ("packed q|k|v split: v read from k's columns", "kernels_qk_norm_rope.cu", 0,
+     "const Side<T> vs{v, packed + q_width + kv_width, stride,", "const Side<T> vs{v, packed + q_width, stride,"),
+    ("packed q|k|v backward: dv packed into k's columns", "kernels_qk_norm_rope.cu", 0,
+     "at(q_width + kv_width),", "at(q_width),"),
+    ("packed q|k|v backward: the v rows left out of the pass", "kernels_qk_norm_rope.cu", 0,
+     "kv_heads, dv ? s.rows * kv_heads : 0};", "kv_heads, 0};"),
+    ("gate|up batch: both products read the gate rows of the weight", "cuda_backend.cpp", 0,
+     "const LtMatmul::Batch batch{2, 0, std::int64_t(intermediate) * channels, distance};",
+     "const LtMatmul::Batch batch{2, 0, 0, distance};"),
+    ("gate|up weight gradient batch: both products read dgate", "cuda_backend.cpp", 0,
+     "const LtMatmul::Batch batch{2, distance, 0, block};", "const LtMatmul::Batch batch{2, 0, 0, block};"),
+    ("packed q|k|v backward: the wgrad skipped", "cuda_backend.cpp", 0,
+     "if (g.qkv.data) matmul_weight_grad(g.qkv, g.qkv_bias, dqkv,", "if (false) matmul_weight_grad(g.qkv, g.qkv_bias, dqkv,"),
     ("swiglu: the partial last chunk dropped", "kernels_swiglu.cu", 0,
      "detail::grid_stride_begin() * P; i < n;", "detail::grid_stride_begin() * P; i + P <= n;"),
     ("fp8: e5m2 scaled to e4m3's largest value", "kernels_fp8.cu", 0,

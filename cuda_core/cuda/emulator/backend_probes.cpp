@@ -259,6 +259,44 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_cublaslt_refusal
                                                                           &type, sizeof(type));
                                        },
                                        &returned));
+    // Strided batches of 8 x 8 products: every layout's batch count and the
+    // outputs' stride as given (A's stride 0: shared; B's and C's 64).
+    auto batched = [&](std::int32_t a_count, std::int32_t d_count, std::int64_t d_stride) {
+        cublasLtMatmulDesc_t desc = nullptr;
+        cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+        cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
+        for (cublasLtMatrixLayout_t* layout : {&a, &b, &c, &d}) cublasLtMatrixLayoutCreate(layout, CUDA_R_32F, 8, 8, 8);
+        const std::int64_t strides[4] = {0, 64, 64, d_stride};
+        const std::int32_t counts[4] = {a_count, d_count, d_count, d_count};
+        cublasLtMatrixLayout_t layouts[4] = {a, b, c, d};
+        for (int i = 0; i < 4; ++i) {
+            cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &counts[i],
+                                             sizeof(counts[i]));
+            cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &strides[i],
+                                             sizeof(strides[i]));
+        }
+        cublasLtMatmulPreference_t preference = nullptr;
+        cublasLtMatmulPreferenceCreate(&preference);
+        cublasLtMatmulHeuristicResult_t result;
+        const cublasStatus_t status =
+            cublasLtMatmulAlgoGetHeuristic(handle, desc, a, b, c, d, preference, 1, &result, &returned);
+        cublasLtMatmulPreferenceDestroy(preference);
+        for (cublasLtMatrixLayout_t layout : layouts) cublasLtMatrixLayoutDestroy(layout);
+        cublasLtMatmulDescDestroy(desc);
+        return static_cast<int>(status);
+    };
+    note("batch_shared_operand", batched(2, 2, 64));
+    note("batch_counts_differ", batched(1, 2, 64));
+    note("batch_outputs_overlap", batched(2, 2, 63));
+    {
+        cublasLtMatrixLayout_t layout = nullptr;
+        cublasLtMatrixLayoutCreate(&layout, CUDA_R_32F, 8, 8, 8);
+        const std::int64_t backwards = -64;
+        note("batch_negative_stride", cublasLtMatrixLayoutSetAttribute(
+                                          layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &backwards,
+                                          sizeof(backwards)));
+        cublasLtMatrixLayoutDestroy(layout);
+    }
     {
         // The bias epilogue run without a bias pointer.
         cublasLtMatmulDesc_t desc = nullptr;
