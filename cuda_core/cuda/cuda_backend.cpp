@@ -1030,9 +1030,13 @@ void CudaBackend::qk_norm_rope_backward(const Tensor& dq, const Tensor& dk, cons
 //
 // gate|up: one strided-batched matmul of two products (the gate and the up
 // row blocks of the weight, x shared with batch stride 0) writes gate and up
-// where they lie, when up follows gate in memory without overlap (the
-// model's stack pushes them so; the batch stride is their distance); else
-// two matmuls. The weight gradient is one batched matmul likewise (dgate,
+// where they lie, when up follows gate in memory without overlap; the batch
+// stride is their distance (product i's output is gate + i * stride, an
+// address in the device's one flat address space, also where the two are
+// separate allocations). The activation stack pushes gate then up (when
+// recomputed) and dgate then dup (always), so those are batched; stored
+// activations are separate allocations, batched where they lie in order.
+// Otherwise two matmuls. The weight gradient is one batched matmul likewise (dgate,
 // dup), accumulating into the two row blocks. dx = dgate Wg + dup Wu stays
 // two accumulating matmuls: its sum runs along K across two separate
 // matrices, which a strided batch (separate products, no reduction across
