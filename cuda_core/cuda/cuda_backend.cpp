@@ -996,22 +996,30 @@ void CudaBackend::qk_norm_rope_forward(const QkvActivations& a, const QkvWeights
 void CudaBackend::qk_norm_rope_backward(const Tensor& dq, const Tensor& dk, const QkvActivations& a,
                                         const QkvWeights& w, const QkvWeights& g, const Tensor& cos_sin,
                                         const QkvShape& s) {
+    if (!fused_qk_norm_rope(dq.dtype, s.attention.head_dim))
+        return Backend::qk_norm_rope_backward(dq, dk, a, w, g, cos_sin, s);
+    norm_rope_backward(Tensor(), dq, dk, Tensor(), a, w, g, cos_sin, s);
+}
+
+void CudaBackend::norm_rope_backward(const Tensor& packed, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                                     const QkvActivations& a, const QkvWeights& w, const QkvWeights& g,
+                                     const Tensor& cos_sin, const QkvShape& s) {
     const AttentionShape& t = s.attention;
-    if (!fused_qk_norm_rope(dq.dtype, t.head_dim)) return Backend::qk_norm_rope_backward(dq, dk, a, w, g, cos_sin, s);
     const bool norms = w.q_norm.data != nullptr;
     if (norms && (!g.q_norm.data || !g.k_norm.data))
-        throw InternalError("qk_norm_rope_backward needs q/k norm gradient tensors (a sink when frozen)");
+        throw InternalError("the q/k norm backward needs q/k norm gradient tensors (a sink when frozen)");
     with_dtype(dq.dtype, [&](auto tag) {
         using T = decltype(tag);
         void* work = norms ? scratch(qk_norm_rope_backward_scratch_bytes(t.batch, t.time, t.heads, t.kv_heads,
                                                                          t.head_dim))
                            : nullptr;
-        cuda::qk_norm_rope_backward<T>(ptr<T>(dq), ptr<T>(dk), norms ? g.q_norm.f32() : nullptr,
-                                       norms ? g.k_norm.f32() : nullptr, norms ? optional_ptr<T>(a.q_raw) : nullptr,
-                                       norms ? optional_ptr<T>(a.k_raw) : nullptr, norms ? a.q_rstd.f32() : nullptr,
-                                       norms ? a.k_rstd.f32() : nullptr, optional_ptr<T>(w.q_norm),
-                                       optional_ptr<T>(w.k_norm), cos_sin.f32(), t.batch, t.time, t.heads,
-                                       t.kv_heads, t.head_dim, work, stream_);
+        cuda::qkv_pack_backward<T>(packed.data ? ptr<T>(packed) : nullptr, ptr<T>(dq), ptr<T>(dk),
+                                   dv.data ? ptr<T>(dv) : nullptr, norms ? g.q_norm.f32() : nullptr,
+                                   norms ? g.k_norm.f32() : nullptr, norms ? optional_ptr<T>(a.q_raw) : nullptr,
+                                   norms ? optional_ptr<T>(a.k_raw) : nullptr, norms ? a.q_rstd.f32() : nullptr,
+                                   norms ? a.k_rstd.f32() : nullptr, optional_ptr<T>(w.q_norm),
+                                   optional_ptr<T>(w.k_norm), cos_sin.f32(), t.batch, t.time, t.heads, t.kv_heads,
+                                   t.head_dim, work, stream_);
     });
     NANOQ_CUDA_CHECK_LAUNCH();
 }
@@ -1139,24 +1147,7 @@ void CudaBackend::qkv_backward(const Tensor& dx, bool accumulate, const QkvWeigh
                                const QkvWeights& w, const Tensor& cos_sin, const QkvShape& s) {
     const Tensor packed = packed_qkv(s, {&dq, &dk, &dv});
     if (!packed.data) return Backend::qkv_backward(dx, accumulate, g, dq, dk, dv, a, x, w, cos_sin, s);
-    const AttentionShape& t = s.attention;
-    const bool norms = w.q_norm.data != nullptr;
-    if (norms && (!g.q_norm.data || !g.k_norm.data))
-        throw InternalError("qkv_backward needs q/k norm gradient tensors (a sink when frozen)");
-    with_dtype(packed.dtype, [&](auto tag) {
-        using T = decltype(tag);
-        void* work = norms ? scratch(qk_norm_rope_backward_scratch_bytes(t.batch, t.time, t.heads, t.kv_heads,
-                                                                         t.head_dim))
-                           : nullptr;
-        cuda::qkv_pack_backward<T>(ptr<T>(packed), ptr<T>(dq), ptr<T>(dk), ptr<T>(dv),
-                                   norms ? g.q_norm.f32() : nullptr, norms ? g.k_norm.f32() : nullptr,
-                                   norms ? optional_ptr<T>(a.q_raw) : nullptr,
-                                   norms ? optional_ptr<T>(a.k_raw) : nullptr, norms ? a.q_rstd.f32() : nullptr,
-                                   norms ? a.k_rstd.f32() : nullptr, optional_ptr<T>(w.q_norm),
-                                   optional_ptr<T>(w.k_norm), cos_sin.f32(), t.batch, t.time, t.heads, t.kv_heads,
-                                   t.head_dim, work, stream_);
-    });
-    NANOQ_CUDA_CHECK_LAUNCH();
+    norm_rope_backward(packed, dq, dk, dv, a, w, g, cos_sin, s);
     packed_qkv_backward(dx, accumulate, g, packed, x, w, s);
 }
 

@@ -195,6 +195,11 @@ private:
     // The qkv-packed scratch as [rows, (H + 2 Hkv) * D] of the activations'
     // dtype, or empty where the packed path cannot take the call.
     Tensor packed_qkv(const QkvShape& shape, std::initializer_list<const Tensor*> activations) const;
+    // The fused q/k norm and RoPE backward of dq, dk in place, and with
+    // `packed` (then dv too) dq|dk|dv stored into it: one launch.
+    void norm_rope_backward(const Tensor& packed, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                            const QkvActivations& a, const QkvWeights& weights, const QkvWeights& grads,
+                            const Tensor& cos_sin, const QkvShape& shape);
     // dx (+)= dqkv Wqkv and, unless frozen, the weight and bias gradients of
     // the packed gradient dqkv: one dgrad and one wgrad matmul.
     void packed_qkv_backward(const Tensor& dx, bool accumulate, const QkvWeights& grads, const Tensor& dqkv,

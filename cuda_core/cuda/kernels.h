@@ -89,15 +89,6 @@ template <class T>
 void qk_norm_rope_forward(T* q, T* k, float* q_rstd, float* k_rstd, const T* q_raw, const T* k_raw,
                           const T* q_norm, const T* k_norm, const float* cos_sin, int batch, int time, int heads,
                           int kv_heads, int head_dim, float eps, cudaStream_t stream);
-// In place: dq, dk (of the rotated q, k) become the gradients of q_raw,
-// k_raw (of q, k before RoPE without norms); with the norms dq_norm,
-// dk_norm += their weight gradients. `scratch` holds
-// qk_norm_rope_backward_scratch_bytes(...) bytes (used with the norms only).
-template <class T>
-void qk_norm_rope_backward(T* dq, T* dk, float* dq_norm, float* dk_norm, const T* q_raw, const T* k_raw,
-                           const float* q_rstd, const float* k_rstd, const T* q_norm, const T* k_norm,
-                           const float* cos_sin, int batch, int time, int heads, int kv_heads, int head_dim,
-                           void* scratch, cudaStream_t stream);
 // The packed q|k|v projection's pass after its one matmul, one launch:
 // from packed [B*T, (H + 2 Hkv) * D] (the q, k and v columns of each row)
 // write q [B*T, H*D], k and v [B*T, Hkv*D]. With cos_sin: q and k as
@@ -108,11 +99,14 @@ template <class T>
 void qkv_unpack_forward(const T* packed, T* q, T* k, T* v, T* q_raw, T* k_raw, float* q_rstd, float* k_rstd,
                         const T* q_norm, const T* k_norm, const float* cos_sin, int batch, int time, int heads,
                         int kv_heads, int head_dim, float eps, cudaStream_t stream);
-// Its backward, one launch: with cos_sin, dq and dk as in qk_norm_rope_backward
-// (in place, the same scratch); then dq, dk and dv stored into
-// packed [B*T, (H + 2 Hkv) * D] (q, k, v columns) for the one dgrad and
-// one wgrad matmul. Without cos_sin: only the packing. packed may be null
-// (qk_norm_rope_backward), dv too (no v columns written).
+// The backward, one launch. With cos_sin, in place: dq, dk (of the rotated
+// q, k) become the gradients of q_raw, k_raw (of q, k before RoPE without
+// norms); with the norms (q_raw given, and then k_raw, the rstds and norm
+// weights) dq_norm, dk_norm += their weight gradients, using `scratch` of
+// qk_norm_rope_backward_scratch_bytes(...) bytes. Then, where packed is
+// given, dq, dk and dv are also stored into packed [B*T, (H + 2 Hkv) * D]
+// (q, k, v columns) for the one dgrad and one wgrad matmul. Without
+// cos_sin only the packing. packed and dv may be null (no packing).
 template <class T>
 void qkv_pack_backward(T* packed, T* dq, T* dk, const T* dv, float* dq_norm, float* dk_norm, const T* q_raw,
                        const T* k_raw, const float* q_rstd, const float* k_rstd, const T* q_norm, const T* k_norm,

@@ -355,15 +355,6 @@ void qkv_unpack_forward(const T* packed, T* q, T* k, T* v, T* q_raw, T* k_raw, f
 }
 
 template <class T>
-void qk_norm_rope_backward(T* dq, T* dk, float* dq_norm, float* dk_norm, const T* q_raw, const T* k_raw,
-                           const float* q_rstd, const float* k_rstd, const T* q_norm, const T* k_norm,
-                           const float* cos_sin, int batch, int time, int heads, int kv_heads, int head_dim,
-                           void* scratch, cudaStream_t stream) {
-    qkv_pack_backward<T>(nullptr, dq, dk, nullptr, dq_norm, dk_norm, q_raw, k_raw, q_rstd, k_rstd, q_norm, k_norm,
-                         cos_sin, batch, time, heads, kv_heads, head_dim, scratch, stream);
-}
-
-template <class T>
 void qkv_pack_backward(T* packed, T* dq, T* dk, const T* dv, float* dq_norm, float* dk_norm, const T* q_raw,
                        const T* k_raw, const float* q_rstd, const float* k_rstd, const T* q_norm, const T* k_norm,
                        const float* cos_sin, int batch, int time, int heads, int kv_heads, int head_dim,
@@ -396,9 +387,6 @@ std::size_t qk_norm_rope_backward_scratch_bytes(int batch, int time, int heads, 
     template bool qk_norm_rope_supported<T>(int);                                                                    \
     template void qk_norm_rope_forward<T>(T*, T*, float*, float*, const T*, const T*, const T*, const T*,            \
                                           const float*, int, int, int, int, int, float, cudaStream_t);               \
-    template void qk_norm_rope_backward<T>(T*, T*, float*, float*, const T*, const T*, const float*, const float*,   \
-                                           const T*, const T*, const float*, int, int, int, int, int, void*,         \
-                                           cudaStream_t);                                                             \
     template void qkv_unpack_forward<T>(const T*, T*, T*, T*, T*, T*, float*, float*, const T*, const T*,            \
                                         const float*, int, int, int, int, int, float, cudaStream_t);                 \
     template void qkv_pack_backward<T>(T*, T*, T*, const T*, float*, float*, const T*, const T*, const float*,       \
