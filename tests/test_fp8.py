@@ -418,13 +418,15 @@ def cache_batch(seed, rows):
 def train_fp8(monkeypatch, cache, devices=1, backend="cuda_emulated", **options):
     """Statistics of every update and validate, and the weights after
     CACHE_STEPS optimizer steps of CACHE_ACCUM micro-batches in fp8 with the
-    weight cache on or off; and the names of device 0's allocations."""
+    weight cache on or off; the names of device 0's allocations; and the
+    weights before the first step."""
     monkeypatch.setenv("NANOQ_FP8_WEIGHT_CACHE", "1" if cache else "0")
     opts = nanoq.TrainOptions(backend=backend, dtype="bf16", matmul_dtype="fp8", devices=devices,
                               batch_size=2, seq_len=CACHE_SEQ, grad_accum=CACHE_ACCUM, seed=3, **options)
     stats = []
     with nanoq.Trainer(CACHE_CONFIG, opts) as trainer:
         trainer.init_weights(seed=4)
+        initial = trainer.get_weights()
         for step in range(CACHE_STEPS):
             for micro in range(CACHE_ACCUM):
                 trainer.step(*cache_batch(10 * step + micro, 2 * devices))
@@ -433,7 +435,7 @@ def train_fp8(monkeypatch, cache, devices=1, backend="cuda_emulated", **options)
             stats.append((result.loss, result.grad_norm, check.loss))
         weights = trainer.get_weights()
         names = {a["name"] for a in trainer.get_allocations(0)}
-    return stats, weights, names
+    return stats, weights, names, initial
 
 
 CACHE_CASES = [
@@ -472,8 +474,11 @@ def assert_cache_changes_nothing(cached, uncached, options):
         assert np.array_equal(cached[1][name], value), name
     assert "fp8-weight-cache" not in uncached[2]
     assert ("fp8-weight-cache" in cached[2]) == (options.get("zero_stage", 1) < 3)
-    losses = [s[2] for s in cached[0]]
-    assert losses[-1] < losses[0], "the run did not learn: a frozen cache would look like this too"
+    # The updates moved every weight, so that the equality above compares weights re-quantized after each
+    # update (a frozen cache would serve the first ones). Not the held-out loss falling: on these random
+    # tokens it moves by noise around ln(vocab) over three steps.
+    moved = [name for name, value in cached[3].items() if not np.array_equal(cached[1][name], value)]
+    assert sorted(moved) == sorted(cached[3]), f"the run did not train: unmoved {set(cached[3]) - set(moved)}"
 
 
 @pytest.mark.cuda_emulated
