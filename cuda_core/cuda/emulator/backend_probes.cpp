@@ -82,6 +82,23 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_quantize(con
     }
 }
 
+namespace {
+
+// Configures `backend` for bf16 with matmul_dtype fp8 and reserves its
+// scratch for a projection of `rows` rows, `in` wide in and `out` wide out.
+void configure_fp8(nanoq::cuda::CudaBackend& backend, nanoq::NamedAllocator& allocator, int rows, int in, int out) {
+    using namespace nanoq;
+    TrainOptions options;
+    options.dtype = Precision::BF16;
+    options.matmul_dtype = MatmulPrecision::FP8;
+    backend.configure(options);
+    ScratchShapes shapes{AttentionShape{1, rows, 1, 1, 16}, in, out, 16, 1, 0};
+    shapes.matmul_dtype = MatmulPrecision::FP8;
+    backend.reserve_scratch(allocator, shapes);
+}
+
+}  // namespace
+
 // out[M,N] = a[M,K] @ b[N,K]^T (+ bias[N] unless null) through
 // CudaBackend::matmul_epilogue of a backend configured with matmul_dtype
 // fp8, its scratch reserved for these shapes; inputs rounded to bf16, out
@@ -93,15 +110,8 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_projection(i
     using namespace nanoq;
     try {
         cuda::CudaBackend backend(0);
-        TrainOptions options;
-        options.dtype = Precision::BF16;
-        options.matmul_dtype = MatmulPrecision::FP8;
-        backend.configure(options);
         NamedAllocator allocator(backend, 0);
-        // Rows M; the projection's input K and output N wide.
-        ScratchShapes shapes{AttentionShape{1, M, 1, 1, 16}, K, N, 16, 1, 0};
-        shapes.matmul_dtype = MatmulPrecision::FP8;
-        backend.reserve_scratch(allocator, shapes);
+        configure_fp8(backend, allocator, M, K, N);
         auto upload = [&](const char* name, const float* host, std::int64_t n) {
             const Tensor t = allocator.allocate(Context::Activations, name, DType::BF16, {n});
             const std::vector<__nv_bfloat16> rounded = to_bf16(host, n);
@@ -136,14 +146,8 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_backward(int
     using namespace nanoq;
     try {
         cuda::CudaBackend backend(0);
-        TrainOptions options;
-        options.dtype = Precision::BF16;
-        options.matmul_dtype = MatmulPrecision::FP8;
-        backend.configure(options);
         NamedAllocator allocator(backend, 0);
-        ScratchShapes shapes{AttentionShape{1, rows, 1, 1, 16}, k, n, 16, 1, 0};
-        shapes.matmul_dtype = MatmulPrecision::FP8;
-        backend.reserve_scratch(allocator, shapes);
+        configure_fp8(backend, allocator, rows, k, n);
         std::vector<std::vector<__nv_bfloat16>> keep;  // host sources of copies until synchronize()
         auto upload = [&](const char* name, const float* host, std::int64_t count, bool as_f32) {
             const Tensor t = allocator.allocate(Context::Activations, name, as_f32 ? DType::F32 : DType::BF16, {count});
