@@ -157,3 +157,15 @@ def test_recompute_and_offload_settings_reach_the_trainer_and_change_nothing_but
     assert losses == base_losses
     assert memory["contexts"]["activations"] < base_memory["contexts"]["activations"]
     assert "adam-m" not in memory["contexts"] and memory["host"] > 0
+
+
+@pytest.mark.parametrize("command", sorted(cli.commands))
+def test_help_describes_only_real_bounds(command):
+    # Every numeric option goes through Integer/FiniteFloat; an option
+    # without bounds has no range text (click would print "[x<=None]"), one
+    # with a bound keeps it.
+    result = invoke(command, "--help")
+    assert result.exit_code == 0, result.output
+    assert "None]" not in result.output and "x<=None" not in result.output
+    if command == "memory":
+        assert "[x>=1]" in result.output  # --processes

@@ -26,6 +26,13 @@ from nanoq.training.settings import settings
 INT_RANGE = (-(2**63), 2**64 - 1)  # what the core and numpy hold: int64, or uint64 for seeds
 
 
+def _describe_bounds(number_type, base) -> str:
+    """click's range text ("x>=1"), none for an unbounded type (click would say "x<=None")."""
+    if number_type.min is None and number_type.max is None:
+        return ""
+    return base._describe_range(number_type)
+
+
 class Integer(click.IntRange):
     """An integer within 64 bits (signed, or unsigned for seeds), and within
     [min, max] when given (as click.IntRange)."""
@@ -37,6 +44,9 @@ class Integer(click.IntRange):
         if not INT_RANGE[0] <= number <= INT_RANGE[1]:
             self.fail(f"{value!r} does not fit in a 64-bit integer", param, ctx)
         return super().convert(number, param, ctx)
+
+    def _describe_range(self):
+        return _describe_bounds(self, click.IntRange)
 
 
 class FiniteFloat(click.FloatRange):
@@ -50,6 +60,9 @@ class FiniteFloat(click.FloatRange):
         if not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number", param, ctx)
         return super().convert(number, param, ctx)
+
+    def _describe_range(self):
+        return _describe_bounds(self, click.FloatRange)
 
 
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
