@@ -284,12 +284,15 @@ ScratchShapes scratch_shapes(const TrainerSetup& s, const ModelMemory& model) {
 // allocator does not see (the CUDA context, libraries' workspaces). Without
 // a budget (the cpu backend, or a plan that may not ask the device) the
 // backend's chunk stands. The Trainer and the plan both come here, with the
-// allocations so far in `a`, and so choose alike.
+// allocations so far in `a`, and so choose alike; a plan may name the
+// device's memory (`device_memory`, 0 = ask the device) to plan a GPU that
+// is not here.
 void choose_classifier_rows(const TrainerSetup& s, int rank, const NamedAllocator& a, ModelMemory& model,
-                            bool ask_device) {
+                            bool ask_device, std::size_t device_memory) {
     std::size_t budget = s.options.memory_limit;
-    if (!budget && ask_device && s.plugin->device_memory) {
-        const std::size_t total = s.plugin->device_memory(s.options.first_device + rank);
+    if (!budget && s.plugin->device_memory) {
+        const std::size_t total =
+            device_memory ? device_memory : ask_device ? s.plugin->device_memory(s.options.first_device + rank) : 0;
         budget = total - total / 8;
     }
     const int least = model.classifier_chunk_rows(), all = s.options.batch_size * s.options.seq_len;
@@ -317,8 +320,10 @@ void choose_classifier_rows(const TrainerSetup& s, int rank, const NamedAllocato
 // allocate nothing, are bound by the caller). With d.backend (a Trainer) the
 // model is built on it and the backend reserves its op scratch. Without (the plan: d.allocator
 // plans) only the model's memory is planned, and the scratch is the one the
-// backend's plan lists, its libraries asked when `ask_libraries`.
-void allocate_device_state(const TrainerSetup& s, int rank, DeviceState& d, bool ask_libraries) {
+// backend's plan lists, its libraries asked when `ask_libraries`;
+// `device_memory` is the plan's stand-in for the device's (choose_classifier_rows).
+void allocate_device_state(const TrainerSetup& s, int rank, DeviceState& d, bool ask_libraries,
+                           std::size_t device_memory = 0) {
     NamedAllocator& a = *d.allocator;
     const OffloadSet offload = s.offload;
     const DType weight_dtype = s.weight_dtype, master_dtype = s.master_dtype, optimizer_dtype = s.optimizer_dtype;
@@ -377,7 +382,7 @@ void allocate_device_state(const TrainerSetup& s, int rank, DeviceState& d, bool
             std::make_unique<ModelMemory>(s.config, B, T, weight_dtype, s.recompute, s.lora, chunk_elements, a);
     }
     ModelMemory& model = d.backend ? static_cast<ModelMemory&>(*d.model) : *d.planned_model;
-    choose_classifier_rows(s, rank, a, model, ask_libraries);
+    choose_classifier_rows(s, rank, a, model, ask_libraries, device_memory);
     d.stack = std::make_unique<StackArena>(a, model.stack_bytes());
     const ScratchShapes scratch = scratch_shapes(s, model);
     if (d.backend) d.backend->reserve_scratch(a, scratch);
@@ -1271,13 +1276,14 @@ MemoryInfo Trainer::memory_info(int device) {
     return info;
 }
 
-std::vector<DevicePlan> plan_memory(const ModelConfig& config, const TrainOptions& options, bool ask_libraries) {
+std::vector<DevicePlan> plan_memory(const ModelConfig& config, const TrainOptions& options, bool ask_libraries,
+                                    std::size_t device_memory) {
     const TrainerSetup setup(config, options);
     std::vector<DevicePlan> plans;
     for (int rank = 0; rank < options.devices; ++rank) {
         DeviceState d;
         d.allocator = std::make_unique<NamedAllocator>(rank, options.memory_limit);
-        allocate_device_state(setup, rank, d, ask_libraries);
+        allocate_device_state(setup, rank, d, ask_libraries, device_memory);
         // The KV cache as forward_cached allocates it, apart: a run that never
         // generates never holds it.
         NamedAllocator generation(rank, 0);
@@ -1289,6 +1295,7 @@ std::vector<DevicePlan> plan_memory(const ModelConfig& config, const TrainOption
         for (const Segment& s : d.allocator->segments()) plan.allocations.push_back(info(s));
         for (const Segment& s : generation.segments()) plan.generation.push_back(info(s));
         plan.stack_capacity = d.stack->capacity();
+        plan.classifier_rows = d.planned_model->classifier_chunk_rows();
         plans.push_back(std::move(plan));
     }
     return plans;

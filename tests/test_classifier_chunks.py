@@ -28,9 +28,9 @@ CPU = nanoq.TrainOptions(backend="cpu", dtype="fp32", devices=1, batch_size=BATC
 ROW_BYTES = 4 * VOCAB  # one more row of float32 logits on the stack
 
 
-def plan(options, config=CONFIG):
+def plan(options, config=CONFIG, **more):
     """(allocations as (context, name, bytes, kind), stack capacity, device bytes) of device 0."""
-    device = _core.plan_memory(config.to_core(), dataclasses.asdict(options))[0]
+    device = _core.plan_memory(config.to_core(), dataclasses.asdict(options), **more)[0]
     allocations = [(a["context"], a["name"], a["bytes"], a["kind"]) for a in device["allocations"]]
     return allocations, device["stack_capacity"], sum(a[2] for a in allocations if a[3] == "device")
 
@@ -117,3 +117,31 @@ def test_one_chunk_and_two_give_the_float64_reference_loss_and_gradients(tmp_pat
         assert loss == pytest.approx(ref_loss, rel=1e-5), name
         assert_tensors_close(grads, ref_grads, 3e-5, name)
     assert_tensors_close(results["one chunk"][2], results["two chunks"][2], 1e-5, "one chunk vs two")
+
+
+@pytest.mark.parametrize("backend", [pytest.param(name, marks=mark, id=name) for name, mark in CUDA_BACKENDS])
+def test_a_plan_given_the_device_memory_chooses_as_the_trainer_on_such_a_device(backend, request):
+    """plan_memory(device_memory=D) plans the chunk the Trainer chooses on a
+    device of D bytes (its budget: D less an eighth), without asking one:
+    the emulator's 16 GiB devices, asked, and told; a smaller device equals a
+    memory_limit of its budget; no device and no size keeps the least chunk."""
+    use_cuda_backend(backend, request)
+    options = nanoq.TrainOptions(backend=backend, dtype="bf16", devices=1, batch_size=2, seq_len=1024)
+    one_chunk = plan(options)
+    if backend == "cuda_emulated":  # (not asked, CUB's storage is a bound: compare the stacks)
+        assert plan(options, ask_libraries=False, device_memory=16 << 30)[1] == one_chunk[1]
+    least = plan(options, ask_libraries=False)
+    assert one_chunk[1] - least[1] == 1024 * 2 * VOCAB  # the other 1024 bf16 rows of logits
+    assert _core.plan_memory(CONFIG.to_core(), dataclasses.asdict(options), ask_libraries=False)[0][
+        "classifier_rows"] == 1024
+    # A device whose budget takes 300 rows more than the least chunk.
+    budget = least[2] + 300 * 2 * VOCAB + 100
+    device = budget * 8 // 7 + 7
+    assert device - device // 8 >= budget > device - device // 8 - 2 * VOCAB
+    sized = plan(options, ask_libraries=False, device_memory=device)
+    assert sized == plan(dataclasses.replace(options, memory_limit=device - device // 8), ask_libraries=False)
+    assert sized[1] - least[1] == 300 * 2 * VOCAB
+    # memory_limit is the budget when given, as in the Trainer.
+    assert plan(dataclasses.replace(options, memory_limit=budget), device_memory=1 << 40)[1] == sized[1]
+    with pytest.raises(ValueError, match="device_memory must be a byte count"):
+        plan(options, device_memory=-1)

@@ -188,11 +188,13 @@ def test_sharded_contexts_shrink_with_devices_and_replicated_ones_do_not():
 
 
 @cuda_planned
-def test_cuda_estimate_of_qwen_0_5b_matches_hand_computation():
+@pytest.mark.parametrize("device_memory", [16 << 30, 141 * 10**9], ids=["16GiB", "H200"])
+def test_cuda_estimate_of_qwen_0_5b_matches_hand_computation(device_memory):
     config = nanoq.ModelConfig.from_pretrained(QWEN_0_5B)
-    estimate = estimate_memory(config, nanoq.TrainOptions(devices=1, batch_size=8, seq_len=1024), backend="cuda")
+    estimate = estimate_memory(config, nanoq.TrainOptions(devices=1, batch_size=8, seq_len=1024), backend="cuda",
+                               device_memory=device_memory)
     sizes = {a.name: a.bytes for a in estimate.allocations}
-    rows, C, I, KD = 8 * 1024, 896, 4864, 2 * 64
+    rows, C, I, KD, V = 8 * 1024, 896, 4864, 2 * 64, 151936
     # Per layer: input/post norm, residual-mid, q, attention (C wide), k, v, gate, up, swiglu in bf16; the
     # rstds and attention lse (14 heads) in fp32.
     layer = 2 * rows * (5 * C + 2 * KD + 3 * I) + 4 * (2 * rows + rows * 14)
@@ -211,12 +213,54 @@ def test_cuda_estimate_of_qwen_0_5b_matches_hand_computation():
     assert [(a.name, a.bytes, a.kind) for a in estimate.allocations if a.kind == "pinned"] == \
         [("batch-staging", 16 * rows, "pinned"), ("adamw-step-staging", 8 * 13, "pinned"),
          ("host-staging", 8 * rows, "pinned")]
-    # Stack: d-residual plus the MLP frame (d-gate, d-up, d-post-norm), all bf16.
-    assert sizes["activation-stack"] == 2 * rows * C + 2 * (2 * rows * I) + 2 * rows * C
+    if device_memory == 16 << 30:
+        # The least chunk, 64M logits (441 rows), already overfills 7/8 of 16 GiB: the chunk stays. Stack:
+        # d-residual plus the MLP frame (d-gate, d-up, d-post-norm), all bf16, more than 441 rows of logits.
+        assert estimate.classifier_rows == (1 << 26) // V == 441
+        assert sizes["activation-stack"] == 2 * rows * C + 2 * (2 * rows * I) + 2 * rows * C
+        assert "logits in chunks of 441 of the 8,192 rows (as many as fit a 16.00 GiB device)" in estimate.table()
+    else:
+        # An H200: all rows' bf16 logits in one chunk (one pass, one head-gradient matmul), with d-residual
+        # and the classifier's d-norm beside them on the stack.
+        assert estimate.classifier_rows == rows
+        assert sizes["activation-stack"] == 2 * rows * V + 2 * (2 * rows * C)
+        assert "classifier: the logits of all 8,192 rows in one chunk" in estimate.table()
 
 
 def gpu_visible():
     return backend_built("cuda") and device_count("cuda") > 0
+
+
+@cuda_planned
+def test_a_cuda_estimate_without_a_device_size_keeps_the_least_classifier_chunk_and_says_so():
+    config = nanoq.ModelConfig.from_pretrained(QWEN_0_5B)
+    options = nanoq.TrainOptions(devices=1, batch_size=8, seq_len=1024)
+    plain = estimate_memory(config, options, backend="cuda")
+    sized = estimate_memory(config, options, backend="cuda", device_memory=141 * 10**9)
+    if not gpu_visible():  # a GPU here would be asked for its memory
+        assert plain.classifier_rows == 441
+        assert "(the least chunk: on a GPU it grows into the memory left" in plain.table()
+    # Only the stack differs (all rows of logits where it held the MLP frame), and generation's fp32 logits of
+    # one sequence: 1024 rows instead of 441.
+    V = 151936
+    small = estimate_memory(config, options, backend="cuda", device_memory=16 << 30)
+    assert [(a.name, a.bytes) for a in small.allocations if a.name != "activation-stack"] == \
+        [(a.name, a.bytes) for a in sized.allocations if a.name != "activation-stack"]
+    assert sized.kv_cache_bytes - small.kv_cache_bytes == 4 * (1024 - 441) * V
+    # Suggestions re-plan on the same device size.
+    assert sized._with(batch_size=4).device_memory == sized.device_memory
+    for bad in (0, -1, 1.5e9, True, "80GB"):
+        with pytest.raises(ValueError, match="device_memory must be a positive byte count"):
+            estimate_memory(config, options, backend="cuda", device_memory=bad)
+
+
+@cuda_planned
+def test_cli_device_memory_sizes_the_classifier_chunk_as_on_that_gpu():
+    result = invoke("memory", "--model", QWEN_0_5B, "--backend", "cuda", "--batch-size", 8, "--seq-len", 1024,
+                    "--device-memory", "141GB")
+    assert result.exit_code == 0, result.output
+    assert "classifier: the logits of all 8,192 rows in one chunk" in result.output
+    assert "fits in 131.32 GiB (141.0 GB)" in result.output
 
 
 @cuda_planned

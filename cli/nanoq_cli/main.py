@@ -294,8 +294,9 @@ def _memory_model(config, model_path):
 @click.option("--model", "model_path", type=click.Path(exists=True), metavar="HF_DIR_OR_CONFIG_JSON",
               help="Estimate this Hugging Face model (a directory or its config.json) instead of [model].")
 @click.option("--device-memory", type=Size(), metavar="SIZE",
-              help="Memory of one device to check the fit against (80GB = 80*10^9 bytes, 80GiB = 80*2^30); "
-              "default: the smallest GPU that nvidia-ml-py sees, on the cuda backend.")
+              help="Memory of one device to check the fit against (80GB = 80*10^9 bytes, 80GiB = 80*2^30), "
+              "and on cuda to size the classifier's logits chunk as on such a GPU; default: the smallest GPU "
+              "that nvidia-ml-py sees, on the cuda backend.")
 @click.option("--reserve", type=Size(allow_zero=True), metavar="SIZE",
               help="Device memory taken outside nanoq's allocator (CUDA context, cuBLASLt, NCCL), added when "
               "judging the fit; default 1GiB on cuda, 0 on cpu.")
@@ -328,8 +329,9 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, processes
         config = load_config(config_file, overrides)
         model = _memory_model(config, model_path)
         # Samples during training generate: the KV cache is then part of the run.
+        # A given device size also sizes the cuda classifier chunk as on that GPU.
         estimate = estimate_memory(model, train_options(config), reserve_bytes=reserve_bytes, processes=processes,
-                                   generates=config.sample_every > 0)
+                                   generates=config.sample_every > 0, device_memory=device_bytes)
     except (ValueError, FileNotFoundError) as e:
         raise _fail(e) from None
     from_nvml = device_bytes is None and estimate.options.backend == "cuda"

@@ -168,6 +168,7 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         vector[CAllocationInfo] allocations
         size_t stack_capacity
         vector[CAllocationInfo] generation
+        int classifier_rows
 
     cdef cppclass CMemoryInfo "nanoq::MemoryInfo":
         size_t allocated, limit, free, total
@@ -217,7 +218,7 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
 
 
     vector[CDevicePlan] core_plan_memory "nanoq::plan_memory"(const CModelConfig&, const CTrainOptions&,
-                                                              cbool) except +nanoq_raise_py_error
+                                                              cbool, size_t) except +nanoq_raise_py_error
     vector[CParameterInfo] core_parameter_layout "nanoq::parameter_layout"(const CModelConfig&) \
         except +nanoq_raise_py_error
     cbool has_backend(const string&)
@@ -311,20 +312,27 @@ cdef CModelConfig _model_config(dict config) except *:
     return c
 
 
-def plan_memory(dict config, dict options, cbool ask_libraries=True):
+def plan_memory(dict config, dict options, cbool ask_libraries=True, device_memory=0):
     """What CoreTrainer(config, options) would allocate, per device, computed
     by the core without a device (nanoq::plan_memory): a list with one dict
     per device, allocations (dicts context, name, bytes, kind, exact, in
-    allocation order), stack_capacity, and generation: the allocations
-    (same dicts) that the trainer's first generation adds, its KV cache.
-    Devices whose allocation lists are equal share one list object. Raises
-    as the Trainer does for bad options, and OutOfMemoryError where
-    memory_limit would be exceeded (the KV cache is planned without it)."""
+    allocation order), stack_capacity, generation: the allocations (same
+    dicts) that the trainer's first generation adds, its KV cache, and
+    classifier_rows: the rows of its classifier's logits chunk. Devices
+    whose allocation lists are equal share one list object. device_memory
+    (bytes, 0 = none): plan each device as one of that size (on cuda, the
+    classifier chunk grows into it as on such a GPU). Raises as the Trainer
+    does for bad options, and OutOfMemoryError where memory_limit would be
+    exceeded (the KV cache is planned without it)."""
+    if isinstance(device_memory, bool) or not isinstance(device_memory, int) or \
+            not 0 <= device_memory < 2**64:
+        raise ValueError(f"device_memory must be a byte count (an integer >= 0), got {device_memory!r}")
     cdef CModelConfig c = _model_config(config)
     cdef CTrainOptions o = _core_options(options)
+    cdef size_t memory = device_memory
     cdef vector[CDevicePlan] plans
     with nogil:
-        plans = core_plan_memory(c, o, ask_libraries)
+        plans = core_plan_memory(c, o, ask_libraries, memory)
     out = []
     cdef size_t device
     for device in range(plans.size()):
@@ -333,7 +341,8 @@ def plan_memory(dict config, dict options, cbool ask_libraries=True):
         else:
             allocations = _allocation_dicts(plans[device].allocations)
         out.append(dict(allocations=allocations, stack_capacity=plans[device].stack_capacity,
-                        generation=_allocation_dicts(plans[device].generation)))
+                        generation=_allocation_dicts(plans[device].generation),
+                        classifier_rows=plans[device].classifier_rows))
     return out
 
 

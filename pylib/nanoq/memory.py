@@ -120,7 +120,10 @@ class MemoryEstimate:
     (Trainer.generate or logits) adds: the KV cache of one sequence of up
     to ``seq_len`` positions, context "kv-cache"; counted in ``contexts``,
     ``device_bytes`` and ``fits`` when ``generates`` (the run generates:
-    samples during training), else in none of them."""
+    samples during training), else in none of them. ``classifier_rows``:
+    the rows of that device's classifier logits chunk (``batch_size`` x
+    ``seq_len`` is one chunk); on cuda it grows into the device's memory,
+    ``device_memory`` when the estimate was given one."""
 
     config: ModelConfig
     options: TrainOptions
@@ -133,6 +136,8 @@ class MemoryEstimate:
     processes: int = 1
     generation: List[Allocation] = dataclasses.field(default_factory=list)
     generates: bool = False
+    classifier_rows: int = 0
+    device_memory: Optional[int] = None
 
     @property
     def world_devices(self) -> int:
@@ -241,10 +246,25 @@ class MemoryEstimate:
             verdict = "fits" if self.fits(device_memory_bytes) else "does NOT fit"
             lines += ["", f"{verdict} in {human_bytes(device_memory_bytes)} ({device_memory_bytes / 1e9:.1f} GB) "
                           f"per device (needs {human_bytes(need)}, {100 * need / device_memory_bytes:.0f}%)"]
+        lines += ["", self._classifier_line()]
         if self.approximate:
             lines += ["", f"approximate: {', '.join(self.approximate)} counted at an upper bound (CUB sizes its "
                           f"sort storage only for a GPU it sees)"]
         return "\n".join(lines)
+
+    def _classifier_line(self) -> str:
+        """How the classifier's logits are chunked, and why."""
+        rows = self.options.batch_size * self.options.seq_len
+        if self.classifier_rows >= rows:
+            return f"classifier: the logits of all {rows:,} rows in one chunk"
+        line = f"classifier: logits in chunks of {self.classifier_rows:,} of the {rows:,} rows"
+        if self.options.backend in CUDA_BACKENDS and not self.options.memory_limit:
+            if self.device_memory is None:
+                line += (" (the least chunk: on a GPU it grows into the memory left, up to one chunk; give "
+                         "device_memory, nanoq memory --device-memory, to plan a device of that size)")
+            else:
+                line += f" (as many as fit a {human_bytes(self.device_memory)} device)"
+        return line
 
     def describe(self) -> str:
         """One line: model size (with LoRA: frozen, and the adapters that
@@ -274,7 +294,8 @@ class MemoryEstimate:
     # -- suggestions ------------------------------------------------------------------
     def _with(self, **changes) -> "MemoryEstimate":
         return estimate_memory(self.config, dataclasses.replace(self.options, **changes),
-                               reserve_bytes=self.reserve_bytes, processes=self.processes, generates=self.generates)
+                               reserve_bytes=self.reserve_bytes, processes=self.processes, generates=self.generates,
+                               device_memory=self.device_memory)
 
     def _highest_stage(self) -> int:
         """The highest ZeRO stage this run may use (LoRA trains at stage 1 only)."""
@@ -437,7 +458,7 @@ def _resolve(options: TrainOptions, backend: Optional[str]) -> TrainOptions:
 
 def estimate_memory(config: ModelConfig, options: TrainOptions, *, backend: Optional[str] = None,
                     reserve_bytes: Optional[int] = None, processes: Optional[int] = None,
-                    generates: bool = False) -> MemoryEstimate:
+                    generates: bool = False, device_memory: Optional[int] = None) -> MemoryEstimate:
     """Per-device memory of ``Trainer(config, options)``, without allocating:
     the core's plan of that Trainer (see the module's note).
 
@@ -456,6 +477,11 @@ def estimate_memory(config: ModelConfig, options: TrainOptions, *, backend: Opti
     trainer that is a slice of a world) only its own devices are planned.
     generates: the run generates (samples during training), so its KV cache
     counts in the totals and the fit (it is planned either way).
+    device_memory: bytes of each device to plan for (default: the device
+    itself, where the plan can ask it): on cuda the classifier's logits
+    chunk grows into the memory a device has left, up to one chunk of all
+    rows, so a plan for a GPU that is not here needs its size to match the
+    Trainer's allocations there.
     Raises ValueError for options the Trainer refuses (cpu: fp32 only; on
     cuda, head_dim > 256) and a bad ``processes``; nanoq.NanoqError
     when the scratch cannot be planned (a cuda estimate on an install with
@@ -467,12 +493,15 @@ def estimate_memory(config: ModelConfig, options: TrainOptions, *, backend: Opti
         raise TypeError(f"options must be a nanoq.TrainOptions, got {type(options).__name__}")
     if not isinstance(generates, bool):
         raise TypeError(f"generates must be True or False, got {generates!r}")
+    if device_memory is not None and (isinstance(device_memory, bool) or not isinstance(device_memory, int)
+                                      or device_memory <= 0):
+        raise ValueError(f"device_memory must be a positive byte count, got {device_memory!r}")
     processes = _processes(processes, options)
     options = _resolve(options, backend)
     plans = []
     for process in range(processes):
         plans += _core.plan_memory(config.to_core(), _planned_options(options, processes, process),
-                                   _asks_libraries(options.backend))
+                                   _asks_libraries(options.backend), device_memory or 0)
     per_device, converted = [], {}
     for plan in plans:  # devices with equal plans share one list: convert it once
         key = id(plan["allocations"])
@@ -491,7 +520,8 @@ def estimate_memory(config: ModelConfig, options: TrainOptions, *, backend: Opti
     return MemoryEstimate(config=config, options=options, allocations=allocations, parameters=parameters,
                           trainable_parameters=trainable, reserve_bytes=reserve_bytes, per_device=per_device,
                           stack_capacities=[plan["stack_capacity"] for plan in plans], processes=processes,
-                          generation=generation, generates=generates)
+                          generation=generation, generates=generates,
+                          classifier_rows=plans[largest]["classifier_rows"], device_memory=device_memory)
 
 
 def _processes(processes: Optional[int], options: TrainOptions) -> int:

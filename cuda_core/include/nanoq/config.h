@@ -153,6 +153,7 @@ struct DevicePlan {
     std::vector<AllocationInfo> allocations;
     std::size_t stack_capacity = 0;
     std::vector<AllocationInfo> generation;
+    int classifier_rows = 0;  // rows of the classifier's logits chunk (batch_size x seq_len: one chunk)
 };
 
 struct MemoryInfo {

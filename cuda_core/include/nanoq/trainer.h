@@ -193,9 +193,12 @@ private:
 // devices aside), and a memory_limit that the Trainer would exceed throws
 // the same OutOfMemory. Library-sized scratch (CUB's) is asked of the
 // library when `ask_libraries`, and is an upper bound with exact = false
-// where it cannot answer (no GPU) or is not asked.
+// where it cannot answer (no GPU) or is not asked. `device_memory` (bytes,
+// 0 = none) plans each device as one of that size: on a backend that sizes
+// the classifier's chunk by the device's memory (cuda), the chunk the
+// Trainer would choose on such a device, without one being here.
 std::vector<DevicePlan> plan_memory(const ModelConfig& config, const TrainOptions& options,
-                                    bool ask_libraries = true);
+                                    bool ask_libraries = true, std::size_t device_memory = 0);
 
 // Whether a backend is compiled into this install ("cpu" always is); does
 // not load it.
