@@ -53,6 +53,19 @@ were not measured in this run, on this GPU.
     python bench/bench_gpu.py [--model 0.5b 1.5b] [--matmul-dtype bf16 fp8] [--settings b8 llmq]
                               [--budget 90] [--time-limit 300] [--out DIR]
     python bench/bench_gpu.py --smoke     # a tiny model for 2 steps: checks the plumbing
+    python bench/bench_gpu.py --profile-steps 2   # and where each trainer's GPU time goes
+
+With --profile-steps N each trainer runs N more optimizer steps after its
+timed ones under torch.profiler (CUDA activity: every kernel, copy and
+memset on the device, nanoq's and its libraries' included, also inside CUDA
+graphs) and reports, per step: the GPU's busy time (the union of those
+intervals) against the wall time, the time per kind of work (matmul,
+attention, norm, ...: a grouping by kernel name, PROFILE_GROUPS) and the
+kernels that took longest. These steps are not timed (the profiler adds its
+own cost per launch); the timed figures are saved before they start, so a
+profiler that crashes or overruns the budget loses only the profile. With
+--out the traces are kept there (trace_<configuration>_<trainer>.json.gz,
+for Perfetto or chrome://tracing).
 
 --budget bounds each trainer's process (model loading included): its timed
 steps stop early, after at least one, when the budget is nearly spent, and a
@@ -69,8 +82,10 @@ visible.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -109,6 +124,25 @@ TARGETS = {("0.5b", "bf16"): 180e3, ("1.5b", "bf16"): 65e3}
 TARGET_FP8_OVER_BF16 = 1.3  # at 1.5B
 TARGET_OVER_TORCH = 2.0
 MIN_BUDGET = 20.0  # seconds: a trainer is not started with less than this before the time limit
+PROFILE_MIN_SECONDS = 15.0  # of a trainer's budget left for its profiled steps (torch's import, the trace)
+
+# Kinds of GPU work, by kernel name (lower case, first match wins): a reading
+# aid for the profile, not a measurement of its own. Copies and memsets are
+# "copy" by their trace category.
+PROFILE_GROUPS = [
+    ("communication", r"nccl"),
+    ("attention", r"attention|sdpa|fmha|flash|cudnn"),
+    ("fp8 quantize", r"fp8|quantiz|amax"),
+    ("matmul", r"gemm|xmma|cutlass|cublas|nvjet|matmul"),
+    ("optimizer", r"adam|optimizer|multi_tensor|sum_squares|clip"),
+    ("classifier", r"classifier|cross_entropy|softmax|nll|logsumexp"),
+    ("norm", r"norm"),
+    ("rope / qkv", r"rope|rotary|qkv"),
+    ("swiglu", r"swiglu|silu|glu"),
+    ("embedding", r"embedding|radix|sort|index|scatter|gather"),
+]
+PROFILE_UNFINISHED = "the process ended while profiling"  # the saved result's profile until it is done
+DEVICE_TRACE_CATEGORIES = {"kernel": None, "gpu_memcpy": "copy", "gpu_memset": "copy"}
 
 
 # --------------------------------------------------------------------------
@@ -203,6 +237,136 @@ def timed_loop(run: dict, train_step, started: float) -> dict:
 
 
 # --------------------------------------------------------------------------
+# Profile: where the GPU time of a step goes
+# --------------------------------------------------------------------------
+
+
+def kernel_short_name(name: str) -> str:
+    """A kernel's name without "void", namespaces and parameter list, at most 90 characters."""
+    name = name.replace("(anonymous namespace)::", "")
+    name = re.sub(r"^void ", "", name.split("(")[0]).strip()
+    name = re.sub(r"\b[A-Za-z_][A-Za-z0-9_]*::", "", name)
+    return name[:90]
+
+
+def kernel_group(name: str, trace_category: str = "kernel") -> str:
+    """The kind of work a device event is (PROFILE_GROUPS), "copy" for copies and memsets."""
+    if DEVICE_TRACE_CATEGORIES.get(trace_category):
+        return DEVICE_TRACE_CATEGORIES[trace_category]
+    lowered = name.lower()
+    for group, pattern in PROFILE_GROUPS:
+        if re.search(pattern, lowered):
+            return group
+    return "other"
+
+
+def profile_summary(trace_events: list, wall_seconds: float, steps: int, top: int = 25) -> dict:
+    """Per optimizer step, from a chrome trace's events (torch.profiler's
+    export): the device events (kernels, copies, memsets), the GPU's busy
+    seconds (the union of their intervals: overlapping streams count once),
+    the wall seconds, the seconds per group (sums of durations) and the
+    `top` kernels by time (short name, seconds and calls per step)."""
+    spans, groups, kernels = [], {}, {}
+    for event in trace_events:
+        category = event.get("cat")
+        if event.get("ph") != "X" or category not in DEVICE_TRACE_CATEGORIES:
+            continue
+        start, duration = float(event["ts"]) * 1e-6, float(event.get("dur", 0.0)) * 1e-6
+        spans.append((start, start + duration))
+        group = kernel_group(event.get("name", ""), category)
+        groups[group] = groups.get(group, 0.0) + duration
+        name = kernel_short_name(event.get("name", "")) if category == "kernel" else category
+        seconds, calls = kernels.get(name, (0.0, 0))
+        kernels[name] = (seconds + duration, calls + 1)
+    busy, end = 0.0, None
+    for start, stop in sorted(spans):
+        if end is None or start > end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    per = 1.0 / max(steps, 1)
+    ranked = sorted(kernels.items(), key=lambda item: -item[1][0])[:top]
+    return dict(steps=steps, device_events=len(spans), wall_seconds_per_step=wall_seconds * per,
+                gpu_busy_seconds_per_step=busy * per,
+                groups_seconds_per_step={g: t * per for g, t in sorted(groups.items(), key=lambda item: -item[1])},
+                top_kernels=[dict(name=n, seconds_per_step=t * per, calls_per_step=c * per) for n, (t, c) in ranked])
+
+
+def profile_lines(profile: dict) -> list[str]:
+    """The report's lines for one trainer's profile."""
+    if "error" in profile:
+        return [f"  profile: {profile['error']}"]
+    if not profile["device_events"]:
+        return [f"  profile ({profile['steps']} steps): no device events recorded (no GPU, or the profiler saw "
+                f"none of them)"]
+    wall, busy = profile["wall_seconds_per_step"], profile["gpu_busy_seconds_per_step"]
+    total = sum(profile["groups_seconds_per_step"].values()) or 1.0
+    groups = ", ".join(f"{g} {1e3 * t:.1f} ms ({100 * t / total:.0f}%)"
+                       for g, t in profile["groups_seconds_per_step"].items())
+    lines = [f"  profile ({profile['steps']} steps under torch.profiler): per step {1e3 * wall:.1f} ms wall, GPU busy "
+             f"{1e3 * busy:.1f} ms ({100 * busy / wall if wall else 0:.0f}%); {groups}"]
+    for kernel in profile["top_kernels"][:8]:
+        lines.append(f"    {1e3 * kernel['seconds_per_step']:8.2f} ms  x{kernel['calls_per_step']:<6g} "
+                     f"{kernel['name']}")
+    return lines
+
+
+def profiled_steps(run: dict, train_step, started: float) -> dict | None:
+    """run["profile_steps"] more optimizer steps under torch.profiler (see the
+    module's docstring): profile_summary's dict, or dict(error=...) when
+    they could not run; None when not asked for."""
+    steps = run.get("profile_steps", 0)
+    if not steps:
+        return None
+    if run["budget"]:
+        left = run["budget"] - (time.perf_counter() - started)
+        if left < PROFILE_MIN_SECONDS:
+            return dict(error=f"skipped: {left:.0f} s of the budget left (it needs {PROFILE_MIN_SECONDS:.0f})")
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError as e:
+        return dict(error=f"skipped: torch.profiler does not import ({e})")
+    # Without CUDA (the plumbing tests) torch can only trace the host: no device events then.
+    activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
+    first = run["warmup"] + run["steps"]  # batches after the timed ones
+    try:
+        with profile(activities=[activity]) as profiler:
+            begin = time.perf_counter()
+            for step in range(steps):
+                train_step(batches(run, run["grad_accum"], (first + step) * run["grad_accum"]))
+            wall = time.perf_counter() - begin
+        with tempfile.TemporaryDirectory(prefix="bench_gpu_trace_") as work:
+            path = os.path.join(work, "trace.json")
+            profiler.export_chrome_trace(path)
+            with open(path, "rb") as f:
+                raw = f.read()
+    except Exception as e:  # noqa: BLE001 - the timed figures stand; the profile is what failed
+        traceback.print_exc()
+        return dict(error=f"failed: {type(e).__name__}: {e}")
+    summary = profile_summary(json.loads(raw).get("traceEvents", []), wall, steps)
+    if run.get("trace_path"):
+        try:
+            os.makedirs(os.path.dirname(run["trace_path"]) or ".", exist_ok=True)
+            with gzip.open(run["trace_path"], "wb") as f:
+                f.write(raw)
+            summary["trace"] = os.path.basename(run["trace_path"])
+        except OSError as e:
+            summary["trace_error"] = f"{type(e).__name__}: {e}"
+    return summary
+
+
+def save_partial(run: dict, result: dict) -> None:
+    """The timed figures, written before the profile so that a profiler that
+    crashes or is killed at the budget loses only the profile."""
+    if run.get("result_path") and run.get("profile_steps"):
+        with open(run["result_path"], "w") as f:
+            json.dump(dict(result, profile=dict(error=PROFILE_UNFINISHED)), f)
+
+
+# --------------------------------------------------------------------------
 # Workers (each in its own process)
 # --------------------------------------------------------------------------
 
@@ -253,9 +417,14 @@ def _run_nanoq(run: dict, model_dir: str, started: float, cuda_graphs: bool) -> 
         for a in trainer.get_allocations(0):
             if a["kind"] == "device":
                 by_context[a["context"]] = by_context.get(a["context"], 0) + a["bytes"]
-    result.update(cuda_graphs=cuda_graphs, attention=attention,
-                  allocations_by_context=by_context, peak_bytes=sum(by_context.values()),
-                  device_used_rise_bytes=None if used_before is None else used_after - used_before)
+        result.update(cuda_graphs=cuda_graphs, attention=attention,
+                      allocations_by_context=by_context, peak_bytes=sum(by_context.values()),
+                      device_used_rise_bytes=None if used_before is None else used_after - used_before)
+        # After the memory figures: torch's own CUDA context must not count in them.
+        save_partial(run, result)
+        profile = profiled_steps(run, train_step, started)
+    if profile is not None:
+        result["profile"] = profile
     return result
 
 
@@ -305,6 +474,10 @@ def run_torch(run: dict, model_dir: str, started: float) -> dict:
     used_after = gpu_used_bytes()
     result.update(peak, fused_adamw=fused, torch_version=torch.__version__,
                   device_used_rise_bytes=None if used_before is None else used_after - used_before)
+    save_partial(run, result)
+    profile = profiled_steps(run, train_step, started)
+    if profile is not None:
+        result["profile"] = profile
     return result
 
 
@@ -314,6 +487,7 @@ def worker_main(args) -> int:
     try:
         with open(args.run) as f:
             run = json.load(f)
+        run["result_path"] = args.result
         runner = run_nanoq if run["trainer"] == "nanoq" else run_torch
         result = runner(run, args.model_dir, started)
         status = 0
@@ -373,17 +547,31 @@ def run_worker(run: dict, work_dir: str, model_dir: str) -> dict:
     print(f"--- {run['key']}: {run['trainer']} (budget {run['budget']:.0f} s)", flush=True)
     start = time.perf_counter()
     process = subprocess.Popen(command, env=env)
+    timed_out = False
     try:
         returncode = process.wait(timeout=run["budget"] or None)
     except subprocess.TimeoutExpired:
         process.kill()
-        process.wait()
-        return dict(ok=False, error=f"timed out after {run['budget']:.0f} s (killed)")
+        returncode = process.wait()
+        timed_out = True
     result = {}
     if os.path.exists(result_path):
         with open(result_path) as f:
             result = json.load(f)
-    wall = time.perf_counter() - start
+    return worker_outcome(result, returncode, timed_out, run["budget"], time.perf_counter() - start)
+
+
+def worker_outcome(result: dict, returncode: int, timed_out: bool, budget: float, wall: float) -> dict:
+    """A trainer's record from what its process left: its result file's
+    dict (empty if none), exit status, whether it was killed at the budget."""
+    partial = result.get("profile", {}).get("error") == PROFILE_UNFINISHED
+    if partial and (timed_out or returncode != 0):
+        # The timed figures were saved before the profile: keep them, the profile is what was lost.
+        how = f"killed at the budget of {budget:.0f} s" if timed_out else f"exit status {returncode}"
+        result["profile"] = dict(error=f"the process ended while profiling ({how}); the timed figures stand")
+        return dict(result, ok=True, wall_seconds=wall)
+    if timed_out:
+        return dict(ok=False, error=f"timed out after {budget:.0f} s (killed)")
     if returncode != 0 or "error" in result:
         how = f"exit status {returncode}" if returncode >= 0 else f"killed by signal {-returncode}"
         error = result.get("error", "no result written (crashed?); see the log above")
@@ -406,15 +594,18 @@ def configurations(args) -> list[dict]:
             if setting == "llmq" and not args.smoke:  # a step is 16 micro-batches of 32 rows: fewer of them
                 steps, warmup = (args.llmq_steps, args.llmq_warmup)
             base = dict(model=model, model_name=name, shape=shape, setting=setting, batch=batch, grad_accum=accum,
-                        seq=args.seq, steps=steps, warmup=warmup, budget=args.budget, backend=args.backend)
+                        seq=args.seq, steps=steps, warmup=warmup, budget=args.budget, backend=args.backend,
+                        profile_steps=args.profile_steps)
             trainers = [("nanoq", dtype) for dtype in args.matmul_dtype]
             if not args.only or args.only == "torch":
                 trainers.insert(1, ("torch", "bf16"))
             if args.only == "torch":
                 trainers = [("torch", "bf16")]
             for trainer, dtype in trainers:
-                out.append(dict(base, trainer=trainer, matmul_dtype=dtype,
-                                key=f"{model} {setting} {dtype}"))
+                key = f"{model} {setting} {dtype}"
+                trace = (os.path.join(args.out, f"trace_{key.replace(' ', '_')}_{trainer}.json.gz")
+                         if args.out and args.profile_steps else None)
+                out.append(dict(base, trainer=trainer, matmul_dtype=dtype, key=key, trace_path=trace))
     return out
 
 
@@ -446,6 +637,8 @@ def summarise(args, runs: list[dict], gpu: str) -> tuple[dict, str]:
             lines.append(f"  (attention {r.get('attention')}, CUDA graphs {'on' if r['cuda_graphs'] else 'off'})")
         if r.get("cuda_graphs_error"):
             lines.append(f"  CUDA GRAPHS FAILED, these figures are without them: {r['cuda_graphs_error'][:300]}")
+        if r.get("profile"):
+            lines += profile_lines(r["profile"])
     ratios = {}
     for (model, setting, trainer, dtype), tps in measured.items():
         if trainer != "nanoq":
@@ -516,6 +709,9 @@ def parse_args(argv=None):
     parser.add_argument("--llmq-steps", type=int, default=1, help="timed steps at most of the llmq setting (default 1)")
     parser.add_argument("--llmq-warmup", type=int, default=1, help="untimed steps of the llmq setting (default 1)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model and few steps: checks the plumbing")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="optimizer steps per trainer under torch.profiler after the timed ones: where the "
+                             "GPU time goes (default 0: none)")
     parser.add_argument("--only", choices=["nanoq", "torch"], help="run one trainer only")
     parser.add_argument("--out", default=os.environ.get("OUT"),
                         help="directory for bench_gpu.json and bench_gpu.txt (default: $OUT if set)")
@@ -537,9 +733,10 @@ def parse_args(argv=None):
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    for name in ("batch", "grad_accum", "seq", "steps", "warmup", "llmq_steps", "llmq_warmup"):
-        if getattr(args, name) < (0 if "warmup" in name else 1):
-            parser.error(f"--{name.replace('_', '-')} must be {'>= 0' if 'warmup' in name else 'positive'}")
+    for name in ("batch", "grad_accum", "seq", "steps", "warmup", "llmq_steps", "llmq_warmup", "profile_steps"):
+        floor = 0 if name in ("warmup", "llmq_warmup", "profile_steps") else 1
+        if getattr(args, name) < floor:
+            parser.error(f"--{name.replace('_', '-')} must be {'>= 0' if floor == 0 else 'positive'}")
     if args.budget < 0 or args.time_limit < 0:
         parser.error("--budget and --time-limit must be >= 0")
     if args.only == "torch" and args.matmul_dtype != ["bf16"]:

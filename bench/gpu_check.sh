@@ -37,7 +37,8 @@
 # NANOQ_BUILD_LIMIT (default 240 s) is for simulating the machine on fewer
 # cores. Files under $OUT: gpu_check.log (everything), summary.txt,
 # backends.json, pytest_gpu.log, pytest_gpu.xml (junit),
-# bench_0.5b/ bench_1.5b/ bench_llmq/ (bench_gpu.json, bench_gpu.txt),
+# bench_0.5b/ bench_1.5b/ bench_llmq/ (bench_gpu.json, bench_gpu.txt; the first two also
+# trace_*.json.gz, the profiled steps),
 # ops/ (bench_ops.json, bench_ops.txt), and wheels_added.txt when wheels
 # were carried.
 # Exit status: 0 when every step ran and passed (the wheels step may be skipped), 1 otherwise.
@@ -194,11 +195,13 @@ EOF
 
 # bench_gpu.py for one model: nanoq bf16, torch, nanoq fp8 at B=8, each
 # trainer's process within a third of the step's limit (less the model's
-# build), its own files under $OUT/bench_<model>/.
+# build), its own files under $OUT/bench_<model>/; then, in the budget each
+# has left, two steps under torch.profiler: where the GPU time goes
+# (bench_gpu.txt, and the traces trace_*.json.gz).
 bench_model() {
     local model=$1 budget=$(((STEP_LIMIT - 30) / 3))
     "$PY" bench/bench_gpu.py --model "$model" --matmul-dtype bf16 fp8 --settings b8 --out "$OUT/bench_$model" \
-        --budget "$budget" --time-limit $((STEP_LIMIT - 30))
+        --budget "$budget" --time-limit $((STEP_LIMIT - 30)) --profile-steps 2
 }
 bench_05b() { bench_model 0.5b; }
 bench_15b() { bench_model 1.5b; }

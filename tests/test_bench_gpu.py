@@ -211,3 +211,66 @@ def test_a_nanoq_run_that_fails_with_cuda_graphs_runs_again_without_them(bench_g
     with pytest.raises(ValueError):  # only nanoq's own errors are retried
         monkeypatch.setattr(module, "_run_nanoq", lambda *a, **k: (_ for _ in ()).throw(ValueError("bad")))
         module.run_nanoq(dict(backend="cuda"), "unused", 0.0)
+
+
+def test_profile_summary_groups_device_events_and_counts_overlaps_once(bench_gpu):
+    # A made-up chrome trace in torch.profiler's export format: host events are ignored, two kernels on
+    # different streams overlap (busy time counts their union), copies and memsets are "copy".
+    us = 1e6
+    events = [
+        dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=0, dur=5000),
+        dict(ph="X", cat="kernel", name="void nanoq::cuda::(anonymous namespace)::rmsnorm_backward_kernel"
+             "<__nv_bfloat16, 1>(__nv_bfloat16*, float*)", ts=100, dur=400),
+        dict(ph="X", cat="kernel", name="nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", ts=300, dur=1000),
+        dict(ph="X", cat="kernel", name="cudnn_generated_fort_native_sdpa_sm90_flash_fprop", ts=2000, dur=500),
+        dict(ph="X", cat="kernel", name="void cub::CUB_300001_SM_900::detail::radix_sort::"
+             "DeviceRadixSortOnesweepKernel<cub::Policy>(int*)", ts=2600, dur=100),
+        dict(ph="X", cat="gpu_memcpy", name="Memcpy HtoD (Pinned -> Device)", ts=2700, dur=50),
+        dict(ph="X", cat="gpu_memset", name="Memset (Device)", ts=2760, dur=10),
+        dict(ph="X", cat="kernel", name="nanoq_mystery", ts=4000, dur=40),
+        dict(ph="i", cat="kernel", name="an instant, not a span", ts=4100),
+    ]
+    summary = bench_gpu.profile_summary(events, wall_seconds=0.01, steps=2)
+    assert summary["device_events"] == 7 and summary["steps"] == 2
+    assert summary["wall_seconds_per_step"] == pytest.approx(0.005)
+    # Union: [100, 1300] + [2000, 2500] + [2600, 2700] + [2700, 2750] + [2760, 2770] + [4000, 4040].
+    assert summary["gpu_busy_seconds_per_step"] == pytest.approx((1200 + 500 + 100 + 50 + 10 + 40) / us / 2)
+    groups = summary["groups_seconds_per_step"]
+    assert groups == pytest.approx({"matmul": 1000 / us / 2, "attention": 500 / us / 2, "norm": 400 / us / 2,
+                                    "embedding": 100 / us / 2, "copy": 60 / us / 2, "other": 40 / us / 2})
+    assert list(groups) == ["matmul", "attention", "norm", "embedding", "copy", "other"]  # largest first
+    names = [k["name"] for k in summary["top_kernels"]]
+    assert names[:3] == ["nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN",
+                         "cudnn_generated_fort_native_sdpa_sm90_flash_fprop",
+                         "rmsnorm_backward_kernel<__nv_bfloat16, 1>"]
+    assert "DeviceRadixSortOnesweepKernel<Policy>" in names and summary["top_kernels"][0]["calls_per_step"] == 0.5
+    text = "\n".join(bench_gpu.profile_lines(summary))
+    assert "GPU busy 0.9 ms (19%)" in text and "matmul 0.5 ms (48%)" in text
+    assert "no device events" in bench_gpu.profile_lines(bench_gpu.profile_summary([], 1.0, 1))[0]
+
+
+def test_a_trainer_killed_while_profiling_keeps_its_timed_figures(bench_gpu):
+    saved = dict(seconds=1.0, timed_steps=3, losses=[1.0], profile=dict(error=bench_gpu.PROFILE_UNFINISHED))
+    for returncode, timed_out, how in ((-11, False, "exit status -11"), (-9, True, "killed at the budget of 40 s")):
+        outcome = bench_gpu.worker_outcome(json.loads(json.dumps(saved)), returncode, timed_out, 40.0, 41.0)
+        assert outcome["ok"] and outcome["timed_steps"] == 3
+        assert outcome["profile"]["error"] == f"the process ended while profiling ({how}); the timed figures stand"
+    # Without saved figures a crash or a kill is still a failure.
+    assert bench_gpu.worker_outcome({}, -9, True, 40.0, 41.0) == dict(ok=False, error="timed out after 40 s (killed)")
+    assert not bench_gpu.worker_outcome({}, -11, False, 40.0, 1.0)["ok"]
+    assert not bench_gpu.worker_outcome(dict(error="boom"), 1, False, 40.0, 1.0)["ok"]
+
+
+def test_profiled_smoke_run_reports_profiles_and_keeps_traces(tmp_path):
+    """--profile-steps on the CPU: torch traces only the host there, so each
+    profile says it saw no device events; the traces are kept beside the report."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_gpu.py"), "--smoke", "--backend", "cpu",
+                          "--no-gpu-check", "--profile-steps", "1", "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "bench_gpu.json").read_text())
+    for run in report["runs"]:
+        profile = run["result"]["profile"]
+        assert profile["steps"] == 1 and profile["device_events"] == 0, profile
+        assert (tmp_path / "out" / profile["trace"]).stat().st_size > 0
+    assert (tmp_path / "out" / "bench_gpu.txt").read_text().count("no device events recorded") == 2
