@@ -197,11 +197,6 @@ __device__ __forceinline__ void add_block_partials(float* out, const float* part
     }
 }
 
-__device__ __forceinline__ void finish_column_sums(float* out, const float* partials, unsigned* blocks_done,
-                                                   int cols, smem_ptr<int> is_last) {
-    if (last_block_done(blocks_done, is_last)) add_block_partials(out, partials, cols, 0, cols);
-}
-
 // The layout of such a kernel's scratch: the counter, then the partials.
 constexpr std::size_t kCounterBytes = 16;
 inline std::size_t column_partials_scratch_bytes(int blocks, int cols) {

@@ -10,11 +10,14 @@
 // bitwise the same norm of the same sum (recompute reruns the norm alone).
 //
 // The backward runs a fixed grid of blocks over the rows; each block keeps
-// its weight-gradient partials in registers, and the last block to finish
-// adds all blocks' partials in block order (finish_column_sums), so the
-// result is reproducible without float atomics. A thread reads dout and inp
-// of its elements before the row's reduction and writes dinp after it,
-// which makes dinp aliasing dout (without accumulate) safe.
+// its weight-gradient partials in registers and writes them out, and the
+// deterministic column sums (kernel_utils.cuh: column_sums, two small
+// launches over the many-SM grid) add them in block order, so the result is
+// reproducible without float atomics. (Before, the last block to finish
+// added all 512 blocks' partials alone: one block reading blocks x channels
+// floats, several times the whole pass's time at the 0.5B shapes.) A thread
+// reads dout and inp of its elements before the row's reduction and writes
+// dinp after it, which makes dinp aliasing dout (without accumulate) safe.
 #include <algorithm>
 #include <initializer_list>
 #include <string>
@@ -98,11 +101,9 @@ __global__ void __launch_bounds__(kMaxThreads)
 
 template <class T, int kChunks>
 __global__ void __launch_bounds__(kMaxThreads)
-    rmsnorm_backward_kernel(T* dinp, float* dweight, const T* dout, const T* inp, const T* weight, const float* rstd,
-                            int rows, int channels, bool accumulate, bool vector, float* partials,
-                            unsigned* blocks_done) {
+    rmsnorm_backward_kernel(T* dinp, const T* dout, const T* inp, const T* weight, const float* rstd, int rows,
+                            int channels, bool accumulate, bool vector, float* partials) {
     NANOQ_SHARED(float[detail::kWarpSize], reduce_space);
-    NANOQ_SHARED(int[1], is_last);
     constexpr int P = detail::kPack<T>;
     float w[kChunks][P], dw[kChunks][P];
     for (int k = 0; k < kChunks; ++k) {
@@ -142,10 +143,16 @@ __global__ void __launch_bounds__(kMaxThreads)
         for (int j = 0; j < P; ++j)
             if (begin + j < channels) mine[begin + j] = dw[k][j];
     }
-    detail::finish_column_sums(dweight, partials, blocks_done, channels, is_last);
 }
 
 int backward_blocks(int rows) { return std::min(rows, kBackwardBlocks); }
+
+// Row `r` of the blocks' weight-gradient partials, for column_sums.
+struct BlockPartials {
+    const float* partials;
+    int channels;
+    __device__ float operator()(int r, int c) const { return partials[static_cast<std::int64_t>(r) * channels + c]; }
+};
 
 template <class T>
 void launch_forward(T* out, float* rstd, T* residual_out, const T* residual, const T* delta, const T* weight,
@@ -185,11 +192,11 @@ void rmsnorm_backward(T* dinp, float* dweight, const T* dout, const T* inp, cons
     if (rows <= 0 || channels <= 0) return;
     const RowLayout layout = row_layout<T>(channels);
     const bool vector = rows_vectorizable(channels, detail::kPack<T>, {dinp, dout, inp, weight});
-    unsigned* blocks_done = detail::column_partials_counter(scratch);
-    cudaMemsetAsync(blocks_done, 0, sizeof(unsigned), stream);
+    const int blocks = backward_blocks(rows);
+    float* partials = static_cast<float*>(scratch);  // [blocks, channels], then column_sums' own scratch
     auto go = [&](auto kernel) {
-        detail::launch(kernel, backward_blocks(rows), layout.threads, 0, stream, dinp, dweight, dout, inp, weight,
-                       rstd, rows, channels, accumulate, vector, detail::column_partials(scratch), blocks_done);
+        detail::launch(kernel, blocks, layout.threads, 0, stream, dinp, dout, inp, weight, rstd, rows, channels,
+                       accumulate, vector, partials);
     };
     switch (layout.chunks) {
         case 1: go(rmsnorm_backward_kernel<T, 1>); break;
@@ -197,11 +204,15 @@ void rmsnorm_backward(T* dinp, float* dweight, const T* dout, const T* inp, cons
         case 4: go(rmsnorm_backward_kernel<T, 4>); break;
         default: go(rmsnorm_backward_kernel<T, 8>); break;
     }
+    detail::column_sums(dweight, blocks, channels, partials + static_cast<std::int64_t>(blocks) * channels,
+                        BlockPartials{partials, channels}, stream);
 }
 
 std::size_t rmsnorm_backward_scratch_bytes(int rows, int channels) {
     if (rows <= 0 || channels <= 0) return 0;
-    return detail::column_partials_scratch_bytes(backward_blocks(rows), channels);
+    const int blocks = backward_blocks(rows);
+    return sizeof(float) * (static_cast<std::size_t>(blocks) * channels +
+                            detail::column_sums_scratch_floats(blocks, channels));
 }
 
 #define NANOQ_INSTANTIATE(T)                                                                                        \
