@@ -157,56 +157,6 @@ __device__ __forceinline__ void store_chunk(T* p, const float (&in)[kPack<T>], s
 // x rounded to T and back: what a kernel that stores x and reloads it sees.
 template <class T> __device__ __forceinline__ float rounded(float x) { return to_float(from_float<T>(x)); }
 
-// ---- one-kernel deterministic column sums ----------------------------------
-// A kernel whose blocks each leave per-column partial sums in
-// partials[blockIdx.x * stride + c] ends with last_block_done: the block that
-// finishes last (a counter, zeroed before the launch, says which) then adds
-// the partials into the outputs in block order (add_block_partials). Which
-// block that is varies from run to run; the order of the additions does not,
-// so the result is bitwise reproducible. Every thread of every block must
-// call last_block_done, after its block's partials are written.
-__device__ __forceinline__ bool last_block_done(unsigned* blocks_done, smem_ptr<int> is_last) {
-    __threadfence();  // this block's partials are visible before it counts itself done
-    __syncthreads();  // (orders this block before the others: only a GPU can check it)
-    if (threadIdx.x == 0) is_last[0] = atomicAdd(blocks_done, 1u) == gridDim.x - 1;
-    __syncthreads();
-    const bool last = is_last[0] != 0;
-    if (last) __threadfence();
-    return last;
-}
-
-// A load of what other blocks of the same launch wrote: from L2 (coherent),
-// never from this SM's L1.
-__device__ __forceinline__ float load_from_other_blocks(const float* p) {
-#ifdef NANOQ_CUDA_EMULATED
-    return *p;
-#else
-    return __ldcg(p);
-#endif
-}
-
-// out[c] += sum over blocks b (in order) of partials[b * stride + first + c], c < count.
-__device__ __forceinline__ void add_block_partials(float* out, const float* partials, int stride, int first,
-                                                   int count) {
-    for (int c = threadIdx.x; c < count; c += blockDim.x) {
-        float total = 0.0f;
-#pragma unroll 8
-        for (unsigned b = 0; b < gridDim.x; ++b)
-            total += load_from_other_blocks(partials + static_cast<std::int64_t>(b) * stride + first + c);
-        out[c] += total;
-    }
-}
-
-// The layout of such a kernel's scratch: the counter, then the partials.
-constexpr std::size_t kCounterBytes = 16;
-inline std::size_t column_partials_scratch_bytes(int blocks, int cols) {
-    return kCounterBytes + sizeof(float) * static_cast<std::size_t>(blocks) * static_cast<std::size_t>(cols);
-}
-inline unsigned* column_partials_counter(void* scratch) { return static_cast<unsigned*>(scratch); }
-inline float* column_partials(void* scratch) {
-    return reinterpret_cast<float*>(static_cast<unsigned char*>(scratch) + kCounterBytes);
-}
-
 // ---- deterministic column sums -------------------------------------------
 constexpr int kColumnTile = 32;      // columns per block (one per lane)
 constexpr int kColumnRowLanes = 8;   // rows handled in parallel inside a block
@@ -260,6 +210,14 @@ __global__ void column_chunks_total_kernel(float* out, const float* partial, int
     for (int chunk = 0; chunk < chunks; ++chunk) total += partial[static_cast<std::int64_t>(chunk) * cols + c];
     out[c] += total;
 }
+
+// A column_sums term: columns first.. of a row-major float matrix with
+// `stride` floats per row (blocks' partial sums, one row per block).
+struct MatrixColumns {
+    const float* data;
+    int stride, first;
+    __device__ float operator()(int r, int c) const { return data[static_cast<std::int64_t>(r) * stride + first + c]; }
+};
 
 // out[c] += sum_r term(r, c) with `scratch` of column_sums_scratch_floats(rows, cols).
 template <class Term>

@@ -16,7 +16,7 @@
 // composition only in the order of the row sums. The backward's norm weight
 // gradients are deterministic: a fixed grid, partial sums reduced across the
 // groups of a warp by shuffles, across warps in shared memory and across
-// blocks by the last block in block order (kernel_utils.cuh).
+// blocks in block order by the deterministic column sums (kernel_utils.cuh).
 //
 // The packed q|k|v projection (cuda_backend.cpp) runs one matmul into a
 // packed [rows, (H + 2 Hkv) * D] buffer; the same passes then read their
@@ -167,9 +167,8 @@ template <class T>
 __global__ void __launch_bounds__(kThreads)
     qk_norm_rope_backward_kernel(Side<T> q, Side<T> k, Side<T> v, float* dq_norm, float* dk_norm,
                                  const float* cos_sin, int time, int half, int lanes, bool transform, bool vector,
-                                 float* partials, unsigned* blocks_done) {
+                                 float* partials) {
     NANOQ_SHARED(float[kWarps][2][kMaxHeadDim], warp_sums);
-    NANOQ_SHARED(int[1], is_last);
     constexpr int P = detail::kPack<T>;
     const int head_dim = 2 * half;
     const bool norms = q.raw != nullptr;
@@ -258,11 +257,8 @@ __global__ void __launch_bounds__(kThreads)
         for (int w = 0; w < kWarps; ++w) sum += warp_sums[w][c / head_dim][c % head_dim];
         partials[static_cast<std::int64_t>(blockIdx.x) * 2 * head_dim + c] = sum;
     }
-    if (detail::last_block_done(blocks_done, is_last)) {
-        detail::add_block_partials(dq_norm, partials, 2 * head_dim, 0, head_dim);
-        detail::add_block_partials(dk_norm, partials, 2 * head_dim, head_dim, head_dim);
-    }
 }
+
 
 template <class T> bool sides_vectorizable(const Side<T>& q, const Side<T>& k, const Side<T>& v, int half) {
     if (half % detail::kPack<T> != 0) return false;
@@ -305,16 +301,17 @@ void launch_backward(const Side<T>& q, const Side<T>& k, const Side<T>& v, float
     const int half = head_dim / 2, lanes = group_lanes<T>(half);
     const std::int64_t head_rows = q.head_rows + k.head_rows + v.head_rows;
     if (head_rows <= 0) return;
-    unsigned* blocks_done = nullptr;
-    float* partials = nullptr;
-    if (q.raw) {
-        blocks_done = detail::column_partials_counter(scratch);
-        partials = detail::column_partials(scratch);
-        cudaMemsetAsync(blocks_done, 0, sizeof(unsigned), stream);
-    }
-    detail::launch(qk_norm_rope_backward_kernel<T>, backward_blocks(head_rows, lanes), kThreads, 0, stream, q, k, v,
-                   dq_norm, dk_norm, cos_sin, time, half, lanes, transform, sides_vectorizable(q, k, v, half),
-                   partials, blocks_done);
+    const int blocks = backward_blocks(head_rows, lanes);
+    float* partials = q.raw ? static_cast<float*>(scratch) : nullptr;  // [blocks, 2 head_dim], then the sums'
+    detail::launch(qk_norm_rope_backward_kernel<T>, blocks, kThreads, 0, stream, q, k, v, dq_norm, dk_norm, cos_sin,
+                   time, half, lanes, transform, sides_vectorizable(q, k, v, half), partials);
+    if (!partials) return;
+    // The partials' q columns into dq_norm, then the k columns into dk_norm
+    // (in stream order: they share the sums' scratch).
+    float* sums = partials + static_cast<std::int64_t>(blocks) * 2 * head_dim;
+    detail::column_sums(dq_norm, blocks, head_dim, sums, detail::MatrixColumns{partials, 2 * head_dim, 0}, stream);
+    detail::column_sums(dk_norm, blocks, head_dim, sums, detail::MatrixColumns{partials, 2 * head_dim, head_dim},
+                        stream);
 }
 
 }  // namespace
@@ -380,7 +377,9 @@ std::size_t qk_norm_rope_backward_scratch_bytes(int batch, int time, int heads, 
     if (head_rows <= 0 || head_dim <= 0) return 0;
     // More lanes per group (fp32) make more blocks.
     const int lanes = std::max(group_lanes<float>(head_dim / 2), group_lanes<bf16>(head_dim / 2));
-    return detail::column_partials_scratch_bytes(backward_blocks(head_rows, lanes), 2 * head_dim);
+    const int blocks = backward_blocks(head_rows, lanes);
+    return sizeof(float) * (static_cast<std::size_t>(blocks) * 2 * head_dim +
+                            detail::column_sums_scratch_floats(blocks, head_dim));
 }
 
 #define NANOQ_INSTANTIATE(T)                                                                                          \

@@ -147,13 +147,6 @@ __global__ void __launch_bounds__(kMaxThreads)
 
 int backward_blocks(int rows) { return std::min(rows, kBackwardBlocks); }
 
-// Row `r` of the blocks' weight-gradient partials, for column_sums.
-struct BlockPartials {
-    const float* partials;
-    int channels;
-    __device__ float operator()(int r, int c) const { return partials[static_cast<std::int64_t>(r) * channels + c]; }
-};
-
 template <class T>
 void launch_forward(T* out, float* rstd, T* residual_out, const T* residual, const T* delta, const T* weight,
                     int rows, int channels, float eps, cudaStream_t stream) {
@@ -205,7 +198,7 @@ void rmsnorm_backward(T* dinp, float* dweight, const T* dout, const T* inp, cons
         default: go(rmsnorm_backward_kernel<T, 8>); break;
     }
     detail::column_sums(dweight, blocks, channels, partials + static_cast<std::int64_t>(blocks) * channels,
-                        BlockPartials{partials, channels}, stream);
+                        detail::MatrixColumns{partials, channels, 0}, stream);
 }
 
 std::size_t rmsnorm_backward_scratch_bytes(int rows, int channels) {
