@@ -34,6 +34,7 @@ def emulator():
     lib.nanoq_emu_lose_device.argtypes = [ctypes.c_int, ctypes.c_long]
     lib.nanoq_emu_pageable_copies.restype = ctypes.c_ulonglong
     lib.nanoq_emu_nccl_foreign_thread_calls.restype = ctypes.c_ulonglong
+    lib.nanoq_emu_nccl_withhold_rank.argtypes = [ctypes.c_int]
     return lib
 
 
@@ -53,6 +54,8 @@ inputs, targets = np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(tok
 trainer = None
 if where == "connect":
     emulator().nanoq_emu_lose_device(1, 0)  # rank 1's device is gone before the trainer exists
+elif where == "withheld":
+    emulator().nanoq_emu_nccl_withhold_rank(1)  # rank 1 never joins: as a process that never connects
 else:
     trainer = nanoq.Trainer(config, options)
     trainer.step(inputs, targets)
@@ -62,7 +65,7 @@ else:
     emulator().nanoq_emu_lose_device(1, kernel)  # at rank 1's kernel-th next kernel
 start = time.monotonic()
 try:
-    if where == "connect":
+    if where in ("connect", "withheld"):
         trainer = nanoq.Trainer(config, options)
     elif where == "step":
         trainer.step(inputs, targets)  # queues the step: its failure surfaces at the next waiting call
@@ -70,7 +73,7 @@ try:
     else:
         trainer.update(lr=1e-3)
     error = None
-except nanoq.NanoqError as e:
+except (nanoq.NanoqError, ValueError) as e:  # ValueError: bad settings
     error = str(e)
 elapsed = time.monotonic() - start
 start = time.monotonic()
@@ -81,11 +84,11 @@ print(json.dumps(dict(error=error, elapsed=elapsed, close=time.monotonic() - sta
 """
 
 
-def run_scenario(where, stage=1, kernel=0, timeout=120):
+def run_scenario(where, stage=1, kernel=0, timeout=120, **env):
     script = SCENARIO.format(tests=os.path.dirname(__file__), where=where, stage=stage, kernel=kernel)
     try:
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout,
-                              env=dict(os.environ, NANOQ_EMU_SEED="1"))
+                              env=dict(os.environ, NANOQ_EMU_SEED="1", **env))
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the process hung: no result within {timeout} s\n{e.stdout}\n{e.stderr}")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -102,6 +105,21 @@ def test_a_rank_that_fails_before_its_communicator_connects_fails_the_trainer_pr
     assert result["error"] is not None and LOST in result["error"], result
     assert result["elapsed"] < 10, result
     assert result["foreign"] == 0, result
+
+
+def test_a_rank_that_never_joins_fails_the_communicators_initialisation_within_its_time_limit():
+    # NCCL waits for every rank for ever; a process of the run that never connects (failed, or not
+    # started under a launcher that does not end the others) must not hang the rest without a word.
+    result = run_scenario("withheld", NANOQ_NCCL_INIT_TIMEOUT="1.5")
+    assert result["error"] is not None, result
+    assert "ncclCommInitRankConfig did not finish within 1.5 s" in result["error"], result
+    assert "waited for every rank of the world to join" in result["error"], result
+    assert "NANOQ_NCCL_INIT_TIMEOUT" in result["error"], result
+    assert 1.5 <= result["elapsed"] < 10, result
+    assert result["close"] < 10 and result["foreign"] == 0, result
+    # A limit that is not a number of seconds is refused, naming the variable.
+    bad = run_scenario("withheld", NANOQ_NCCL_INIT_TIMEOUT="soon")
+    assert "NANOQ_NCCL_INIT_TIMEOUT must be a number of seconds >= 0" in bad["error"], bad
 
 
 @pytest.mark.parametrize("where, stage, kernel", [

@@ -24,6 +24,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -111,8 +114,9 @@ private:
     // asynchronous error; called while this rank polls.
     void check();
     // The end of a call on the (nonblocking) communicator: ncclInProgress
-    // is polled until NCCL reports the call's outcome; errors throw.
-    void complete(ncclResult_t status, const char* what);
+    // is polled until NCCL reports the call's outcome; errors throw, and so
+    // does a wait longer than `limit_seconds` (> 0) with `why_limit`.
+    void complete(ncclResult_t status, const char* what, double limit_seconds = 0, const char* why_limit = nullptr);
     // One grouped call per owner of a piece of [begin, end) (the range of a
     // flat buffer whose rank r owns [r * shard, (r + 1) * shard)):
     // issue(owner, at, stop) for each piece [at, stop), then completed.
@@ -160,13 +164,35 @@ NcclCommunicator::NcclCommunicator(std::shared_ptr<NcclGroup> group, int rank, C
     backend_.set_host_wait_check([this] { check(); });
 }
 
+// Seconds the initialisation waits for every rank of the world to join
+// (NANOQ_NCCL_INIT_TIMEOUT; 0 = for ever). NCCL itself waits for ever: a
+// process of the run that failed before connecting (under a launcher that
+// does not end the others, such as srun without --kill-on-bad-exit) would
+// leave the rest hanging without a word.
+double nccl_init_timeout() {
+    constexpr double kDefault = 600.0;
+    const char* text = std::getenv("NANOQ_NCCL_INIT_TIMEOUT");
+    if (!text || !*text) return kDefault;
+    char* end = nullptr;
+    const double seconds = std::strtod(text, &end);
+    if (*end || !(seconds >= 0) || seconds > 1e9)
+        throw InvalidArgument(std::string("NANOQ_NCCL_INIT_TIMEOUT must be a number of seconds >= 0 (0: no limit), "
+                                          "got \"") + text + "\"");
+    return seconds;
+}
+
 void NcclCommunicator::init() {
     if (size_ == 1) return;
+    const double limit = nccl_init_timeout();
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;  // returns at once; the wait for every rank is polled (complete)
     const ncclResult_t status = ncclCommInitRankConfig(&comm_, size_, group_->id(), rank_, &config);
     if (status != ncclSuccess && status != ncclInProgress) comm_ = nullptr;  // no communicator to end
-    complete(status, "ncclCommInitRankConfig");
+    const std::string why = "rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
+                            " waited for every rank of the world to join: a process of the run may have failed "
+                            "or not started, or the processes disagree on the world (NANOQ_NCCL_INIT_TIMEOUT "
+                            "sets this limit)";
+    complete(status, "ncclCommInitRankConfig", limit, why.c_str());
 }
 
 NcclCommunicator::~NcclCommunicator() {
@@ -204,11 +230,19 @@ void NcclCommunicator::check() {
         throw NanoqError(nccl_message(state, "an earlier call (ncclCommGetAsyncError)"));
 }
 
-void NcclCommunicator::complete(ncclResult_t status, const char* what) {
+void NcclCommunicator::complete(ncclResult_t status, const char* what, double limit_seconds, const char* why_limit) {
+    const auto start = std::chrono::steady_clock::now();
     for (Backoff backoff; status == ncclInProgress; backoff.pause()) {
         if (group_->aborted()) throw WorkerAborted("collective abandoned: another worker failed");
         const ncclResult_t query = ncclCommGetAsyncError(comm_, &status);
         if (query != ncclSuccess) status = query;
+        if (status == ncclInProgress && limit_seconds > 0 &&
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > limit_seconds) {
+            char seconds[32];
+            std::snprintf(seconds, sizeof(seconds), "%g", limit_seconds);
+            throw NanoqError(std::string(what) + " did not finish within " + seconds + " s: " +
+                             (why_limit ? why_limit : "timed out"));
+        }
     }
     if (status != ncclSuccess) throw NanoqError(nccl_message(status, what));
 }

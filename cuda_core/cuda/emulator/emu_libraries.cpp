@@ -524,6 +524,11 @@ namespace {
 // (nanoq_emu_nccl_foreign_thread_calls) for tests to check that.
 std::atomic<unsigned long long> foreign_thread_calls{0};
 
+// A rank whose ncclCommInitRank* never counts as joined
+// (nanoq_emu_nccl_withhold_rank): as a process of the run that never
+// reaches its initialisation, every rank's initialisation waits for ever.
+std::atomic<int> withheld_rank{-1};
+
 void note_thread(ncclComm_t comm, const char* what) {
     if (!comm || comm->owner == std::this_thread::get_id()) return;
     if (foreign_thread_calls++ == 0)
@@ -626,7 +631,7 @@ ncclResult_t init_rank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank, 
     if (nanoq_emu::device_lost(device)) return ncclUnhandledCudaError;  // NCCL's CUDA calls fail there
     *comm = new nanoq_emu_nccl_comm{clique, rank, blocking};
     std::unique_lock<std::mutex> lock(clique->mutex);
-    ++clique->joined;
+    if (rank != withheld_rank.load()) ++clique->joined;
     clique->changed.notify_all();
     if (!blocking) {
         (*comm)->in_progress = true;
@@ -756,4 +761,10 @@ ncclResult_t ncclReduce(const void* send, void* recv, std::size_t count, ncclDat
 // its creator's (see note_thread). Exported for tests (ctypes).
 extern "C" __attribute__((visibility("default"))) unsigned long long nanoq_emu_nccl_foreign_thread_calls() {
     return foreign_thread_calls.load();
+}
+
+// From now on rank `rank`'s initialisations never join their clique (-1:
+// every rank joins again). Exported for tests (ctypes).
+extern "C" __attribute__((visibility("default"))) void nanoq_emu_nccl_withhold_rank(int rank) {
+    withheld_rank = rank;
 }
