@@ -17,6 +17,7 @@ namespace cuda {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kShardElementsPerThread = 8;
 constexpr std::int64_t kSumSquaresMaxBlocks = 1024;
 constexpr int kElementsPerThread = 8;
 
@@ -111,10 +112,15 @@ __global__ void adamw_kernel(TParam* param, const float* grad, TState* m, TState
                       detail::splitmix64(stream_key + static_cast<std::uint64_t>(i)));
 }
 
-// The whole shard in one launch. Each thread walks its grid-stride elements
-// upwards, so it finds an element's segment (a binary search of the table)
-// and its rounding chunk only when it leaves the previous one; elements in
-// no segment (the shard's padding) are left alone.
+// The whole shard in one launch. Each block walks one contiguous range of
+// the shard, its threads side by side (coalesced), and each thread its
+// elements upwards, so that it finds an element's segment (a binary search
+// of the table) and its rounding chunk only when it leaves the previous one:
+// a few times per thread. (A grid-wide stride, millions of elements, would
+// leave the segment at nearly every element and search again each time.)
+// Elements in no segment (the shard's padding) are left alone. Every
+// element's update depends on that element alone, so the walk's order does
+// not change a bit of the result.
 template <class TParam, class TState, class TWeight>
 __global__ void adamw_shard_kernel(TParam* param, TWeight* weights, const float* grad, TState* m, TState* v,
                                    std::int64_t n, const double* values, const double* segments, int segment_count,
@@ -133,7 +139,11 @@ __global__ void adamw_shard_kernel(TParam* param, TWeight* weights, const float*
     };
     std::int64_t segment_begin = 0, segment_end = 0, chunk_begin = 0, chunk_end = 0;
     std::uint64_t stream_key = 0;
-    for (std::int64_t i = detail::grid_stride_begin(); i < n; i += detail::grid_stride_step()) {
+    const std::int64_t threads = blockDim.x;
+    const std::int64_t per_block = ((n + gridDim.x - 1) / gridDim.x + threads - 1) / threads * threads;
+    const std::int64_t block_begin = static_cast<std::int64_t>(blockIdx.x) * per_block;
+    const std::int64_t block_end = block_begin + per_block < n ? block_begin + per_block : n;
+    for (std::int64_t i = block_begin + threadIdx.x; i < block_end; i += threads) {
         if (i >= segment_end) {
             int lo = 0, hi = segment_count - 1, found = -1;  // the last segment beginning at or before i
             while (lo <= hi) {
@@ -201,8 +211,11 @@ void adamw_shard(TParam* param, TWeight* weights, const float* grad, TState* m, 
                  const double* step_values, const double* segments, int segment_count, std::int64_t chunk,
                  const float* grad_scale, cudaStream_t stream) {
     if (n <= 0 || segment_count <= 0) return;
-    detail::launch(adamw_shard_kernel<TParam, TState, TWeight>, detail::grid_stride_blocks(n, kThreads), kThreads, 0,
-                   stream, param, weights, grad, m, v, n, step_values, segments, segment_count, chunk, grad_scale);
+    // At least kShardElementsPerThread elements a thread (more where the grid
+    // is at its cap): a thread's walk crosses segments even in small tests.
+    const int blocks = detail::grid_stride_blocks((n + kShardElementsPerThread - 1) / kShardElementsPerThread, kThreads);
+    detail::launch(adamw_shard_kernel<TParam, TState, TWeight>, blocks, kThreads, 0, stream, param, weights, grad, m,
+                   v, n, step_values, segments, segment_count, chunk, grad_scale);
 }
 
 #define NANOQ_INSTANTIATE(TParam, TState)                                                                        \
