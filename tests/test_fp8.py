@@ -113,16 +113,18 @@ def float_ptr(a):
     return a.ctypes.data_as(ctypes.POINTER(ctypes.c_float)) if a is not None else None
 
 
-def quantize(probes, x, bf16_input, fmt="e4m3", transposed=False):
+def quantize(probes, x, bf16_input, fmt="e4m3", transposed=False, offset=0):
     """(bytes, amax, inverse scale) of the kernels for x (1-D, or 2-D
-    [rows, cols]; with `transposed` the bytes are [cols, rows])."""
+    [rows, cols]; with `transposed` the bytes are [cols, rows]); `offset`
+    elements into the device buffers (off their 16-byte alignment)."""
     x = np.ascontiguousarray(x, np.float32)
     rows, cols = x.shape if x.ndim == 2 else (1, x.size)
     out = np.zeros(x.size, np.uint8)
     floats = np.zeros(2, np.float32)
     message = ctypes.create_string_buffer(4096)
     status = probes.nanoq_emu_fp8_quantize(float_ptr(x), rows, cols, int(bf16_input), int(fmt == "e5m2"),
-                                           int(transposed), out.ctypes.data_as(ctypes.POINTER(ctypes.c_ubyte)),
+                                           int(transposed), offset,
+                                           out.ctypes.data_as(ctypes.POINTER(ctypes.c_ubyte)),
                                            float_ptr(floats), message, 4096)
     assert status == 0, message.value.decode()
     return (out.reshape(cols, rows) if transposed else out), floats[0], floats[1]
@@ -168,6 +170,29 @@ def test_quantize_rounds_as_pytorch_does(probes, bf16_input, fmt):
                                f"-> {codes[mismatch[0]]:#x}, PyTorch {want_codes[mismatch[0]]:#x}"
     largest_code = 0x7E if fmt == "e4m3" else 0x7B  # 448, 57344
     assert codes[np.argmax(np.abs(x))] & 0x7F == largest_code  # the maximum lands on the format's largest
+
+
+@pytest.mark.cuda_emulated
+@pytest.mark.parametrize("bf16_input", [False, True], ids=["float32", "bf16"])
+def test_quantize_reads_whole_chunks_and_tails_and_unaligned_operands_alike(probes, bf16_input):
+    """The kernels read 16-byte chunks where the pointers allow: lengths with
+    and without a tail past the last whole chunk, tensors smaller than one
+    chunk, and operands off the alignment (element by element) all give the
+    reference codes and maximum; the maximum anywhere (in a chunk, in the
+    tail, in the first or last element) is found."""
+    rng = np.random.default_rng(11)
+    for n in (4096, 4099, 3, 8, 517):
+        for offset in (0, 1, 3):
+            for peak in (0, n - 1, n // 2):
+                x = rng.standard_normal(n).astype(np.float32)
+                x[peak] = np.float32(-40.5)
+                if bf16_input:
+                    x = bf16(x)
+                codes, amax, inverse = quantize(probes, x, bf16_input, offset=offset)
+                want_codes, want_inverse = reference_quantize(x)
+                assert amax == np.abs(x).max() == np.float32(40.5), (n, offset, peak)
+                assert inverse == want_inverse
+                np.testing.assert_array_equal(codes, want_codes, err_msg=f"n={n} offset={offset}")
 
 
 @pytest.mark.cuda_emulated

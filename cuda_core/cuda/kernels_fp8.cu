@@ -13,6 +13,11 @@
 // the bits order as the values do, so the result is exact and independent of
 // the order the blocks run in. A NaN element is skipped by the maximum and
 // stays NaN when quantized (it reaches the loss, whose step is then skipped).
+// Each block reduces its elements first and adds one atomic, on a grid of at
+// most kMaxReduceBlocks: atomics on one address are serialised, and one per
+// warp of a 65536-block grid (half a million) would cost more than the pass.
+// Both kernels read 16-byte chunks (and the plain quantization writes 8 or 4
+// bytes at once) where the pointers allow, element by element otherwise.
 //
 // The weight cache's variant (fp8_quantize_cached) launches the same kernels
 // with a slot's stamp and the cache's generation: each kernel returns at
@@ -30,6 +35,7 @@ namespace cuda {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kMaxReduceBlocks = 1024;  // about what an H100/H200 holds at once (132 SMs x 8 blocks of 256)
 
 // The weight cache's check (fp8_quantize_cached): with a stamp, a kernel
 // does nothing when the slot is current (its stamp equals the generation).
@@ -37,16 +43,41 @@ __device__ __forceinline__ bool current(const unsigned* stamp, const unsigned* g
     return stamp && *stamp == *generation;
 }
 
+// Where the chunked loops stop: every element before it is in a whole
+// 16-byte chunk (none with `vector` false).
+template <class T> __device__ __forceinline__ std::int64_t chunked_end(std::int64_t n, bool vector) {
+    return vector ? n / detail::kPack<T> * detail::kPack<T> : 0;
+}
+
 template <class T>
-__global__ void absmax_kernel(float* amax, const T* x, std::int64_t n, const unsigned* stamp,
-                              const unsigned* generation) {
-    if (current(stamp, generation)) return;
+__global__ void __launch_bounds__(kThreads)
+    absmax_kernel(float* amax, const T* x, std::int64_t n, bool vector, const unsigned* stamp,
+                  const unsigned* generation) {
+    NANOQ_SHARED(float[detail::kWarpSize], warp_maxima);
+    if (current(stamp, generation)) return;  // the whole grid returns: no thread waits at the barrier
+    constexpr int P = detail::kPack<T>;
+    const std::int64_t split = chunked_end<T>(n, vector);
     float m = 0.0f;
-    for (std::int64_t i = detail::grid_stride_begin(); i < n; i += detail::grid_stride_step())
+    for (std::int64_t c = detail::grid_stride_begin(); c * P < split; c += detail::grid_stride_step()) {
+        float v[P];
+        detail::load_chunk<T>(v, x, c * P, split, true);
+        for (int j = 0; j < P; ++j) m = fmaxf(m, fabsf(v[j]));
+    }
+    for (std::int64_t i = split + detail::grid_stride_begin(); i < n; i += detail::grid_stride_step())
         m = fmaxf(m, fabsf(detail::to_float(x[i])));
     m = detail::warp_max(m);
-    if (threadIdx.x % detail::kWarpSize == 0) atomicMax(reinterpret_cast<unsigned*>(amax), __float_as_uint(m));
+    if (threadIdx.x % detail::kWarpSize == 0) warp_maxima[threadIdx.x / detail::kWarpSize] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < static_cast<int>(blockDim.x) / detail::kWarpSize; ++w) m = fmaxf(m, warp_maxima[w]);
+        atomicMax(reinterpret_cast<unsigned*>(amax), __float_as_uint(m));
+    }
 }
+
+// P fp8 codes side by side: 8 bytes for 8 bf16 inputs, 4 for 4 fp32.
+template <int P> struct alignas(P) Codes {
+    std::uint8_t v[P];
+};
 
 // The scale for a maximum: 1 where there is nothing to scale (all zeros) or
 // the maximum is not finite.
@@ -61,12 +92,36 @@ __device__ __forceinline__ std::uint8_t to_fp8(float scaled, Fp8Format format) {
 
 template <class T>
 __global__ void quantize_kernel(std::uint8_t* out, float* inverse_scale, const float* amax, const T* x,
-                                std::int64_t n, Fp8Format format, const unsigned* stamp, const unsigned* generation) {
+                                std::int64_t n, bool vector, Fp8Format format, const unsigned* stamp,
+                                const unsigned* generation) {
     if (current(stamp, generation)) return;
+    constexpr int P = detail::kPack<T>;
     const float scale = fp8_scale(*amax, format);
     if (blockIdx.x == 0 && threadIdx.x == 0) *inverse_scale = 1.0f / scale;
-    for (std::int64_t i = detail::grid_stride_begin(); i < n; i += detail::grid_stride_step())
+    const std::int64_t split = chunked_end<T>(n, vector);
+    for (std::int64_t c = detail::grid_stride_begin(); c * P < split; c += detail::grid_stride_step()) {
+        float v[P];
+        detail::load_chunk<T>(v, x, c * P, split, true);
+        Codes<P> codes;
+        for (int j = 0; j < P; ++j) codes.v[j] = to_fp8(v[j] * scale, format);
+        *reinterpret_cast<Codes<P>*>(out + c * P) = codes;
+    }
+    for (std::int64_t i = split + detail::grid_stride_begin(); i < n; i += detail::grid_stride_step())
         out[i] = to_fp8(detail::to_float(x[i]) * scale, format);
+}
+
+// The two passes' grids and whether they read whole chunks.
+template <class T> struct QuantizeLaunch {
+    int reduce_blocks, blocks;
+    bool vector;
+};
+template <class T> QuantizeLaunch<T> quantize_launch(const std::uint8_t* out, const T* x, std::int64_t n) {
+    constexpr int P = detail::kPack<T>;
+    const bool vector = detail::aligned16(x) && reinterpret_cast<std::uintptr_t>(out) % P == 0;
+    // Work items: chunks where vectorised (plus the tail, done by the same threads), else elements.
+    const std::int64_t items = vector ? (n + P - 1) / P : n;
+    const int blocks = std::max(1, detail::grid_stride_blocks(items, kThreads));
+    return {std::min(blocks, kMaxReduceBlocks), blocks, vector};
 }
 
 // One kTile x kTile tile per block, kTile x kTileLanes threads: each reads
@@ -110,15 +165,17 @@ template <class T>
 void quantize(std::uint8_t* out, float* amax, float* inverse_scale, const T* x, int rows, int cols, bool transposed,
               Fp8Format format, const unsigned* stamp, const unsigned* generation, cudaStream_t stream) {
     const std::int64_t n = std::int64_t(rows) * cols;
-    const int blocks = detail::grid_stride_blocks(n, kThreads);
-    if (n > 0) detail::launch(absmax_kernel<T>, blocks, kThreads, 0, stream, amax, x, n, stamp, generation);
+    const QuantizeLaunch<T> grid_of = quantize_launch<T>(out, x, n);
+    if (n > 0)
+        detail::launch(absmax_kernel<T>, grid_of.reduce_blocks, kThreads, 0, stream, amax, x, n, grid_of.vector, stamp,
+                       generation);
     if (transposed) {
         const dim3 grid(std::max(1, (cols + kTile - 1) / kTile), std::max(1, (rows + kTile - 1) / kTile));
         detail::launch(quantize_transposed_kernel<T>, grid, dim3(kTile, kTileLanes), 0, stream, out, inverse_scale,
                        static_cast<const float*>(amax), x, rows, cols, format, stamp, generation);
     } else {
-        detail::launch(quantize_kernel<T>, blocks > 0 ? blocks : 1, kThreads, 0, stream, out, inverse_scale,
-                       static_cast<const float*>(amax), x, n, format, stamp, generation);
+        detail::launch(quantize_kernel<T>, grid_of.blocks, kThreads, 0, stream, out, inverse_scale,
+                       static_cast<const float*>(amax), x, n, grid_of.vector, format, stamp, generation);
     }
 }
 
@@ -128,10 +185,12 @@ template <class T>
 void fp8_quantize(std::uint8_t* out, float* amax, float* inverse_scale, const T* x, std::int64_t n, Fp8Format format,
                   cudaStream_t stream) {
     // One row of n (the plain kernel never looks at rows and cols apart).
-    const int blocks = detail::grid_stride_blocks(n, kThreads);
-    if (n > 0) detail::launch(absmax_kernel<T>, blocks, kThreads, 0, stream, amax, x, n, nullptr, nullptr);
-    detail::launch(quantize_kernel<T>, blocks > 0 ? blocks : 1, kThreads, 0, stream, out, inverse_scale,
-                   static_cast<const float*>(amax), x, n, format, nullptr, nullptr);
+    const QuantizeLaunch<T> grid_of = quantize_launch<T>(out, x, n);
+    if (n > 0)
+        detail::launch(absmax_kernel<T>, grid_of.reduce_blocks, kThreads, 0, stream, amax, x, n, grid_of.vector,
+                       nullptr, nullptr);
+    detail::launch(quantize_kernel<T>, grid_of.blocks, kThreads, 0, stream, out, inverse_scale,
+                   static_cast<const float*>(amax), x, n, grid_of.vector, format, nullptr, nullptr);
 }
 
 template <class T>

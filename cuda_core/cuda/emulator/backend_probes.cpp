@@ -41,8 +41,9 @@ std::vector<__nv_bfloat16> to_bf16(const float* x, std::size_t n) {
 // (out[cols, rows]); amax_inverse[0] = the maximum, [1] = the inverse scale.
 extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_quantize(const float* x, int rows, int cols,
                                                                              int bf16_input, int e5m2, int transposed,
-                                                                             unsigned char* out, float* amax_inverse,
-                                                                             char* message, int message_bytes) {
+                                                                             int offset, unsigned char* out,
+                                                                             float* amax_inverse, char* message,
+                                                                             int message_bytes) {
     using namespace nanoq::cuda;
     try {
         NANOQ_CUDA_CHECK(cudaSetDevice(0));
@@ -50,18 +51,20 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_quantize(con
         const Fp8Format format = e5m2 ? Fp8Format::E5M2 : Fp8Format::E4M3;
         void *input = nullptr, *bytes = nullptr, *floats = nullptr;
         const std::size_t element = bf16_input ? sizeof(__nv_bfloat16) : sizeof(float);
-        NANOQ_CUDA_CHECK(cudaMalloc(&input, element * n + 1));
-        NANOQ_CUDA_CHECK(cudaMalloc(&bytes, n + 1));
+        // `offset` elements into both buffers: operands off the 16-byte alignment.
+        NANOQ_CUDA_CHECK(cudaMalloc(&input, element * (n + offset) + 1));
+        NANOQ_CUDA_CHECK(cudaMalloc(&bytes, n + offset + 1));
         NANOQ_CUDA_CHECK(cudaMalloc(&floats, 2 * sizeof(float)));
         const std::vector<__nv_bfloat16> rounded = bf16_input ? to_bf16(x, n) : std::vector<__nv_bfloat16>();
-        NANOQ_CUDA_CHECK(cudaMemcpy(input, bf16_input ? static_cast<const void*>(rounded.data()) : x, element * n,
+        NANOQ_CUDA_CHECK(cudaMemcpy(static_cast<char*>(input) + element * offset,
+                                    bf16_input ? static_cast<const void*>(rounded.data()) : x, element * n,
                                     cudaMemcpyHostToDevice));
         NANOQ_CUDA_CHECK(cudaMemset(floats, 0, 2 * sizeof(float)));
         float* amax = static_cast<float*>(floats);
-        auto* q = static_cast<std::uint8_t*>(bytes);
+        auto* q = static_cast<std::uint8_t*>(bytes) + offset;
         auto run = [&](auto tag) {
             using T = decltype(tag);
-            const T* data = static_cast<const T*>(input);
+            const T* data = static_cast<const T*>(input) + offset;
             if (transposed)
                 fp8_quantize_transposed<T>(q, amax, amax + 1, data, rows, cols, format, nullptr);
             else
@@ -71,7 +74,7 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_quantize(con
         else run(float{});
         NANOQ_CUDA_CHECK(cudaGetLastError());
         NANOQ_CUDA_CHECK(cudaDeviceSynchronize());
-        NANOQ_CUDA_CHECK(cudaMemcpy(out, bytes, n, cudaMemcpyDeviceToHost));
+        NANOQ_CUDA_CHECK(cudaMemcpy(out, q, n, cudaMemcpyDeviceToHost));
         NANOQ_CUDA_CHECK(cudaMemcpy(amax_inverse, floats, 2 * sizeof(float), cudaMemcpyDeviceToHost));
         cudaFree(input);
         cudaFree(bytes);
