@@ -111,11 +111,11 @@ __global__ void quantize_kernel(std::uint8_t* out, float* inverse_scale, const f
 }
 
 // The two passes' grids and whether they read whole chunks.
-template <class T> struct QuantizeLaunch {
+struct QuantizeLaunch {
     int reduce_blocks, blocks;
     bool vector;
 };
-template <class T> QuantizeLaunch<T> quantize_launch(const std::uint8_t* out, const T* x, std::int64_t n) {
+template <class T> QuantizeLaunch quantize_launch(const std::uint8_t* out, const T* x, std::int64_t n) {
     constexpr int P = detail::kPack<T>;
     const bool vector = detail::aligned16(x) && reinterpret_cast<std::uintptr_t>(out) % P == 0;
     // Work items: chunks where vectorised (plus the tail, done by the same threads), else elements.
@@ -165,7 +165,7 @@ template <class T>
 void quantize(std::uint8_t* out, float* amax, float* inverse_scale, const T* x, int rows, int cols, bool transposed,
               Fp8Format format, const unsigned* stamp, const unsigned* generation, cudaStream_t stream) {
     const std::int64_t n = std::int64_t(rows) * cols;
-    const QuantizeLaunch<T> grid_of = quantize_launch<T>(out, x, n);
+    const QuantizeLaunch grid_of = quantize_launch<T>(out, x, n);
     if (n > 0)
         detail::launch(absmax_kernel<T>, grid_of.reduce_blocks, kThreads, 0, stream, amax, x, n, grid_of.vector, stamp,
                        generation);
@@ -185,7 +185,7 @@ template <class T>
 void fp8_quantize(std::uint8_t* out, float* amax, float* inverse_scale, const T* x, std::int64_t n, Fp8Format format,
                   cudaStream_t stream) {
     // One row of n (the plain kernel never looks at rows and cols apart).
-    const QuantizeLaunch<T> grid_of = quantize_launch<T>(out, x, n);
+    const QuantizeLaunch grid_of = quantize_launch<T>(out, x, n);
     if (n > 0)
         detail::launch(absmax_kernel<T>, grid_of.reduce_blocks, kThreads, 0, stream, amax, x, n, grid_of.vector,
                        nullptr, nullptr);
