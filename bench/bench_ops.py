@@ -460,6 +460,22 @@ def case_matmul_weight_grad(i, d):
                 shape=f"down-proj dW: [{m}, {c}]^T x [{m}, {n}] into float32")
 
 
+def case_matmul_backward(i, d):
+    m, c, n = _rows(d), d["channels"], d["intermediate"]
+    dy, w, x = i.t(m, c), i.t(c, n), i.t(m, n)
+    dw = i.t(c, n, dtype=i.torch.float32)
+
+    def torch_backward():
+        dx = dy @ w
+        dw.add_((dy.T @ x).float())
+        return dx
+
+    return dict(nanoq=dict(dy=i.normal(m, c), weight=i.normal(c, n, scale=0.02), x=i.normal(m, n),
+                           dweight=i.normal(c, n, scale=0.01)),
+                torch=torch_backward, flops=4.0 * m * n * c, composite=True,
+                shape=f"down-proj dx and dW: [{m}, {c}] x [{c}, {n}], [{m}, {c}]^T x [{m}, {n}]")
+
+
 def case_residual_rmsnorm_forward(i, d):
     m, c = _rows(d), d["channels"]
     r, delta, w = i.t(m, c), i.t(m, c), i.t(c)
@@ -650,6 +666,7 @@ CASES = {
     "matmul_epilogue": ("matmul_epilogue", case_matmul_epilogue),
     "matmul_input_grad": ("matmul_input_grad", case_matmul_input_grad),
     "matmul_weight_grad": ("matmul_weight_grad", case_matmul_weight_grad),
+    "matmul_backward": ("matmul_backward", case_matmul_backward),
     "residual_rmsnorm_forward": ("residual_rmsnorm_forward", case_residual_rmsnorm_forward),
     "residual_rmsnorm_backward": ("residual_rmsnorm_backward", case_residual_rmsnorm_backward),
     "qkv_projection": ("qkv_projection", lambda i, d: _qkv_case(i, d, rope=False, backward=False)),

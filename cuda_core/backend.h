@@ -302,6 +302,13 @@ public:
     // column sums of dy.
     virtual void matmul_weight_grad(const Tensor& dweight, const Tensor& dbias, const Tensor& dy, const Tensor& x,
                                     int rows, int n, int k);
+    // The backward of a projection y[rows,n] = x[rows,k] W^T + bias: dx
+    // (+)= dy W as matmul_input_grad, then, unless dweight is empty (frozen),
+    // dweight and dbias as matmul_weight_grad. One op so that an override
+    // may share work between the two products (cuda's fp8 quantizes dy once
+    // for both).
+    virtual void matmul_backward(const Tensor& dx, bool accumulate, const Tensor& dweight, const Tensor& dbias,
+                                 const Tensor& dy, const Tensor& weight, const Tensor& x, int rows, int n, int k);
 
     // residual_out = residual + delta, out = rmsnorm(residual_out) * weight
     // with rstd[rows] saved. residual_out may alias residual or delta.

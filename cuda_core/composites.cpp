@@ -72,6 +72,12 @@ void Backend::matmul_weight_grad(const Tensor& dweight, const Tensor& dbias, con
     if (dbias.data) bias_backward(dbias, dy, rows, n);
 }
 
+void Backend::matmul_backward(const Tensor& dx, bool accumulate, const Tensor& dweight, const Tensor& dbias,
+                              const Tensor& dy, const Tensor& weight, const Tensor& x, int rows, int n, int k) {
+    matmul_input_grad(dx, dy, weight, rows, n, k, accumulate);
+    if (dweight.data) matmul_weight_grad(dweight, dbias, dy, x, rows, n, k);
+}
+
 void Backend::residual_rmsnorm_forward(const Tensor& residual_out, const Tensor& out, const Tensor& rstd,
                                        const Tensor& residual, const Tensor& delta, const Tensor& weight, int rows,
                                        int channels, float eps) {
@@ -141,8 +147,8 @@ void Backend::qkv_projection_backward(const Tensor& dx, bool accumulate, const Q
     const Tensor* dbiases[3] = {&dbias.q, &dbias.k, &dbias.v};
     for (int i = 0; i < 3; ++i) {
         const int width = i == 0 ? n.q : n.kv;
-        matmul_input_grad(dx, *dys[i], *weights[i], n.rows, width, s.hidden, accumulate || i > 0);
-        if (dweights[i]->data) matmul_weight_grad(*dweights[i], *dbiases[i], *dys[i], x, n.rows, width, s.hidden);
+        matmul_backward(dx, accumulate || i > 0, *dweights[i], *dbiases[i], *dys[i], *weights[i], x, n.rows, width,
+                        s.hidden);
     }
 }
 
@@ -172,11 +178,9 @@ void Backend::gate_up_projection_backward(const Tensor& dx, bool accumulate, con
     const Tensor* dys[2] = {&dgate, &dup};
     for (int i = 0; i < 2; ++i) {
         const std::int64_t first = std::int64_t(i) * intermediate;
-        matmul_input_grad(dx, *dys[i], row_block(gate_up, first, intermediate, channels), rows, intermediate, channels,
-                          accumulate || i > 0);
-        if (dgate_up.data)
-            matmul_weight_grad(row_block(dgate_up, first, intermediate, channels), Tensor(), *dys[i], x, rows,
-                               intermediate, channels);
+        const Tensor dweight = dgate_up.data ? row_block(dgate_up, first, intermediate, channels) : Tensor();
+        matmul_backward(dx, accumulate || i > 0, dweight, Tensor(), *dys[i],
+                        row_block(gate_up, first, intermediate, channels), x, rows, intermediate, channels);
     }
 }
 

@@ -354,8 +354,7 @@ void LlamaModel::layer_backward(int layer, const LayerWeights& w, const LayerWei
     auto project_backward = [&](int target, const Tensor& dx, bool accumulate, const Tensor& dweight,
                                 const Tensor& dbias, const Tensor& dy, const Tensor& weight, const Tensor& x, int n,
                                 int k) {
-        be.matmul_input_grad(dx, dy, weight, rows_, n, k, accumulate);
-        if (dweight.data) be.matmul_weight_grad(dweight, dbias, dy, x, rows_, n, k);
+        be.matmul_backward(dx, accumulate, dweight, dbias, dy, weight, x, rows_, n, k);
         adapter_backward(layer, target, w, g, dx, dy, x, n, k, stack);
     };
     // The gradient of a block's output before its dropout: the residual

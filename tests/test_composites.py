@@ -192,6 +192,24 @@ def case_matmul_weight_grad(rng, with_bias):
     return a, dict(rows=ROWS, n=n, k=k), ref
 
 
+def case_matmul_backward(rng, accumulate, with_bias, frozen):
+    n, k = 24, 20
+    a = dict(dy=normal(rng, ROWS, n), weight=normal(rng, n, k), x=normal(rng, ROWS, k), dweight=normal(rng, n, k))
+    if accumulate:
+        a["dx"] = normal(rng, ROWS, k)
+    if with_bias:
+        a["dbias"] = normal(rng, n)
+
+    def ref(a):
+        out = dict(dx=n64(t64(a["dy"]) @ t64(a["weight"]) + (t64(a["dx"]) if accumulate else 0.0)),
+                   dweight=n64(t64(a["dweight"]) + (0.0 if frozen else t64(a["dy"]).T @ t64(a["x"]))))
+        if with_bias:
+            out["dbias"] = n64(t64(a["dbias"]) + (0.0 if frozen else t64(a["dy"]).sum(0)))
+        return out
+
+    return a, dict(rows=ROWS, n=n, k=k, accumulate=int(accumulate), frozen=int(frozen)), ref
+
+
 def case_residual_rmsnorm_forward(rng, into_delta):
     a = dict(residual=normal(rng, ROWS, C), delta=normal(rng, ROWS, C), weight=1.0 + normal(rng, C, scale=0.2))
 
@@ -437,6 +455,9 @@ CASES = {
     "matmul_input_grad-accumulate": ("matmul_input_grad", lambda r: case_matmul_input_grad(r, True)),
     "matmul_weight_grad": ("matmul_weight_grad", lambda r: case_matmul_weight_grad(r, True)),
     "matmul_weight_grad-nobias": ("matmul_weight_grad", lambda r: case_matmul_weight_grad(r, False)),
+    "matmul_backward": ("matmul_backward", lambda r: case_matmul_backward(r, False, True, False)),
+    "matmul_backward-accumulate-nobias": ("matmul_backward", lambda r: case_matmul_backward(r, True, False, False)),
+    "matmul_backward-frozen": ("matmul_backward", lambda r: case_matmul_backward(r, True, True, True)),
     "residual_rmsnorm_forward": ("residual_rmsnorm_forward", lambda r: case_residual_rmsnorm_forward(r, False)),
     "residual_rmsnorm_forward-into-delta": ("residual_rmsnorm_forward",
                                             lambda r: case_residual_rmsnorm_forward(r, True)),

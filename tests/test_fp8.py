@@ -10,7 +10,11 @@ cuBLASLt in the "TN" layout its fp8 kernels take:
     range), W^T quantized transposed to e4m3, accumulating into dx;
   - wgrad (matmul_weight_grad): dW += dy^T x, dy^T in e5m2 and x^T in e4m3
     (both quantized transposed), beta 1 into the float32 or bf16 gradient;
-    the bias gradient stays bf16.
+    the bias gradient stays bf16;
+  - within one composite each tensor is quantized once per form:
+    matmul_backward writes dy and dy^T in one pass (fp8_quantize_both), and
+    gate|up quantizes x once for its two products and x^T once for its two
+    weight gradients.
 The classifier, attention, the adapters, the optimizer and master weights
 stay as they were.
 
@@ -18,8 +22,10 @@ Checked here on the emulator (cuda_core/cuda/emulator: e4m3/e5m2 types with
 CUDA's rounding and saturation, and a float64 reference GEMM that reads fp8
 operands and their scale pointers and refuses what Hopper's fp8 kernels
 refuse):
-  - the quantize kernels, plain and transposing, against PyTorch's
-    float8_e4m3fn and float8_e5m2 rounding (bitwise);
+  - the quantize kernels, plain, transposing and both at once, against
+    PyTorch's float8_e4m3fn and float8_e5m2 rounding (bitwise);
+  - the composites' reuse: the number of quantization passes, and outputs
+    bitwise as the products apart;
   - one projection, and one dgrad/wgrad pair, against float64: within 1e-2
     of max |out| of the product of the dequantized operands where the output
     is bf16 (its rounding is what differs), 1e-6 where it is float32; and
@@ -106,6 +112,7 @@ def probes():
     lib.nanoq_emu_fp8_quantize.restype = ctypes.c_int
     lib.nanoq_emu_fp8_projection.restype = ctypes.c_int
     lib.nanoq_emu_fp8_backward.restype = ctypes.c_int
+    lib.nanoq_emu_fp8_gate_up.restype = ctypes.c_int
     return lib
 
 
@@ -115,11 +122,15 @@ def float_ptr(a):
 
 def quantize(probes, x, bf16_input, fmt="e4m3", transposed=False, offset=0):
     """(bytes, amax, inverse scale) of the kernels for x (1-D, or 2-D
-    [rows, cols]; with `transposed` the bytes are [cols, rows]); `offset`
-    elements into the device buffers (off their 16-byte alignment)."""
+    [rows, cols]; with `transposed` the bytes are [cols, rows]; with
+    transposed="both", fp8_quantize_both's pair (plain [rows, cols],
+    transposed [cols, rows])); `offset` elements into the device buffers (off
+    their 16-byte alignment)."""
     x = np.ascontiguousarray(x, np.float32)
     rows, cols = x.shape if x.ndim == 2 else (1, x.size)
-    out = np.zeros(x.size, np.uint8)
+    both = transposed == "both"
+    transposed = 2 if both else int(transposed)
+    out = np.zeros(2 * x.size if both else x.size, np.uint8)
     floats = np.zeros(2, np.float32)
     message = ctypes.create_string_buffer(4096)
     status = probes.nanoq_emu_fp8_quantize(float_ptr(x), rows, cols, int(bf16_input), int(fmt == "e5m2"),
@@ -127,6 +138,8 @@ def quantize(probes, x, bf16_input, fmt="e4m3", transposed=False, offset=0):
                                            out.ctypes.data_as(ctypes.POINTER(ctypes.c_ubyte)),
                                            float_ptr(floats), message, 4096)
     assert status == 0, message.value.decode()
+    if both:
+        return (out[:x.size].reshape(rows, cols), out[x.size:].reshape(cols, rows)), floats[0], floats[1]
     return (out.reshape(cols, rows) if transposed else out), floats[0], floats[1]
 
 
@@ -212,6 +225,28 @@ def test_quantize_transposed_writes_the_transpose_of_the_same_codes(probes, fmt)
 
 
 @pytest.mark.cuda_emulated
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("bf16_input", [False, True], ids=["float32", "bf16"])
+def test_quantize_both_writes_the_plain_and_transposed_codes_of_one_scale(probes, bf16_input, fmt):
+    """fp8_quantize_both (the backward's dy for dgrad and wgrad): its two
+    forms are bitwise the plain and the transposing kernels' codes, with their
+    maximum and scale, on shapes off the tiles, thinner than a tile, and off
+    the 16-byte alignment."""
+    rng = np.random.default_rng(7)
+    for (rows, cols), offset in (((37, 45), 0), ((5, 70), 0), ((48, 32), 3)):
+        x = values_to_quantize(rng)[: rows * cols].reshape(rows, cols)
+        if bf16_input:
+            x = bf16(x)
+        (plain, transposed), amax, inverse = quantize(probes, x, bf16_input, fmt, transposed="both", offset=offset)
+        want_plain, want_amax, want_inverse = quantize(probes, x, bf16_input, fmt, offset=offset)
+        want_transposed, _, _ = quantize(probes, x, bf16_input, fmt, transposed=True, offset=offset)
+        np.testing.assert_array_equal(plain, want_plain.reshape(rows, cols))
+        np.testing.assert_array_equal(transposed, want_transposed)
+        assert amax == want_amax == np.abs(x).max() and inverse == want_inverse
+        np.testing.assert_array_equal(plain, reference_quantize(x, fmt)[0].reshape(rows, cols))
+
+
+@pytest.mark.cuda_emulated
 def test_quantize_keeps_every_e4m3_value_and_its_special_cases(probes):
     finite = decode(np.arange(256, dtype=np.uint8)).astype(np.float32)
     finite = finite[np.isfinite(finite)]  # 254 values (0x7f, 0xff are NaN); 448 is the max: scale 1
@@ -257,18 +292,24 @@ def test_a_projection_off_the_fp8_tiles_runs_in_bf16(probes, capfd, monkeypatch)
     assert_array_close(out, a.astype(np.float64) @ b.T, 1e-2, "bf16 product")
 
 
-def backward(probes, dy, weight, x, dx=None, dweight=None, dweight_f32=True):
-    """(dx, dweight) of the probe: dx = dy @ weight (+ dx), dweight + dy^T x."""
+def backward(probes, dy, weight, x, dx=None, dweight=None, dweight_f32=True, joint=False, passes=None):
+    """(dx, dweight) of the probe: dx = dy @ weight (+ dx), dweight + dy^T x,
+    as one matmul_backward with `joint`, else as matmul_input_grad and
+    matmul_weight_grad; `passes` (a list) gets the number of quantization
+    passes the backend made."""
     rows, n = dy.shape
     k = weight.shape[1]
     f32 = lambda a: np.ascontiguousarray(a, np.float32)
     dx_io = np.array(np.zeros((rows, k)) if dx is None else dx, np.float32)  # copies: written in place
     dweight_io = np.array(np.zeros((n, k)) if dweight is None else dweight, np.float32)
     message = ctypes.create_string_buffer(4096)
+    count = ctypes.c_int(-1)
     status = probes.nanoq_emu_fp8_backward(rows, n, k, float_ptr(f32(dy)), float_ptr(f32(weight)), float_ptr(f32(x)),
                                            float_ptr(dx_io), int(dx is not None), float_ptr(dweight_io),
-                                           int(dweight_f32), message, 4096)
+                                           int(dweight_f32), int(joint), ctypes.byref(count), message, 4096)
     assert status == 0, message.value.decode()
+    if passes is not None:
+        passes.append(count.value)
     return dx_io, dweight_io
 
 
@@ -304,6 +345,74 @@ def test_fp8_backward_matches_float64(probes, capfd, monkeypatch, dweight_dtype)
     exact_dweight = dweight0 + dy.T.astype(np.float64) @ x
     assert_array_close(dx, exact_dx, 0.2, "fp8 dgrad vs the unquantized product")
     assert_array_close(dweight, exact_dweight, 0.2, "fp8 wgrad vs the unquantized product")
+
+
+@pytest.mark.cuda_emulated
+@pytest.mark.parametrize("dweight_dtype", ["float32", "bf16"])
+def test_matmul_backward_quantizes_dy_once_for_both_products(probes, dweight_dtype):
+    """matmul_backward (each projection's backward in the model) writes dy's
+    e5m2 codes as stored and transposed in one pass: three quantization
+    passes (dy, W^T, x^T) where the two calls apart make four (dy twice),
+    and bitwise the same dx and dweight."""
+    rng = np.random.default_rng(5)
+    rows, n, k = 48, 32, 64
+    dy = bf16(rng.standard_normal((rows, n)) * 1e-3)
+    weight, x = bf16(rng.standard_normal((n, k)) * 0.05), bf16(rng.standard_normal((rows, k)))
+    dx0 = bf16(rng.standard_normal((rows, k)) * 1e-5)
+    dweight0 = rng.standard_normal((n, k)).astype(np.float32) * np.float32(1e-3)
+    if dweight_dtype == "bf16":
+        dweight0 = bf16(dweight0)
+    passes = []
+    args = dict(dx=dx0, dweight=dweight0, dweight_f32=dweight_dtype == "float32", passes=passes)
+    apart = backward(probes, dy, weight, x, joint=False, **args)
+    joint = backward(probes, dy, weight, x, joint=True, **args)
+    assert passes == [4, 3]
+    for got, want, name in zip(joint, apart, ("dx", "dweight")):
+        np.testing.assert_array_equal(got, want, name)
+
+
+def gate_up(probes, x, weights, dgate, dup, joint):
+    """(gate, up, dx, dgate_up, quantization passes) of the gate|up probe."""
+    rows, channels = x.shape
+    intermediate = weights.shape[0] // 2
+    f32 = lambda a: np.ascontiguousarray(a, np.float32)
+    gate, up = np.zeros((rows, intermediate), np.float32), np.zeros((rows, intermediate), np.float32)
+    dx, dweights = np.zeros((rows, channels), np.float32), np.zeros(weights.shape, np.float32)
+    count = ctypes.c_int(-1)
+    message = ctypes.create_string_buffer(4096)
+    status = probes.nanoq_emu_fp8_gate_up(rows, intermediate, channels, float_ptr(f32(x)), float_ptr(f32(weights)),
+                                          float_ptr(f32(dgate)), float_ptr(f32(dup)), float_ptr(gate), float_ptr(up),
+                                          float_ptr(dx), float_ptr(dweights), int(joint), ctypes.byref(count),
+                                          message, 4096)
+    assert status == 0, message.value.decode()
+    return gate, up, dx, dweights, count.value
+
+
+@pytest.mark.cuda_emulated
+def test_gate_up_quantizes_each_operand_once(probes):
+    """gate|up in fp8 through its composites: the forward quantizes x once
+    for both products (x, Wg, Wu: 3 passes where the products apart make 4),
+    the backward dgate and dup once each for dgrad and wgrad and x^T once
+    for both wgrads (5 where apart 8); every output bitwise as apart, and
+    the products what their dequantized operands give."""
+    rng = np.random.default_rng(6)
+    rows, intermediate, channels = 32, 48, 32
+    x = bf16(rng.standard_normal((rows, channels)))
+    weights = bf16(rng.standard_normal((2 * intermediate, channels)) * 0.05)
+    dgate, dup = (bf16(rng.standard_normal((rows, intermediate)) * 1e-3) for _ in range(2))
+    apart = gate_up(probes, x, weights, dgate, dup, joint=False)
+    joint = gate_up(probes, x, weights, dgate, dup, joint=True)
+    assert (apart[-1], joint[-1]) == (12, 8)
+    for got, want, name in zip(joint[:-1], apart[:-1], ("gate", "up", "dx", "dgate_up")):
+        np.testing.assert_array_equal(got, want, name)
+    wg, wu = weights[:intermediate], weights[intermediate:]
+    assert_array_close(joint[0], fp8_value(x, "e4m3") @ fp8_value(wg, "e4m3").T, 1e-2, "gate")
+    assert_array_close(joint[1], fp8_value(x, "e4m3") @ fp8_value(wu, "e4m3").T, 1e-2, "up")
+    want_dx = fp8_value(dgate, "e5m2") @ fp8_value(wg, "e4m3") + fp8_value(dup, "e5m2") @ fp8_value(wu, "e4m3")
+    assert_array_close(joint[2], want_dx, 1e-2, "dx")
+    want_dweights = np.concatenate([fp8_value(dgate, "e5m2").T @ fp8_value(x, "e4m3"),
+                                    fp8_value(dup, "e5m2").T @ fp8_value(x, "e4m3")])
+    assert_array_close(joint[3], want_dweights, 1e-6, "dgate_up")
 
 
 @pytest.mark.cuda_emulated
@@ -410,11 +519,11 @@ def test_the_memory_plan_holds_the_fp8_operands(checkpoints):
     fp8 = estimate_memory(config, nanoq.TrainOptions(matmul_dtype="fp8", **kwargs)).allocations
     plain = estimate_memory(config, nanoq.TrainOptions(**kwargs)).allocations
     segment = [a for a in fp8 if a.name == "fp8-operands"]
-    # 256 bytes of scales; the first operand: the widest of the forward's
-    # inputs and of the backward's output gradients (gate|up's: 64 rows x 2 x
-    # 64); the second: the largest packed weight (gate|up: 2 x 64 x 32) or
-    # wgrad's widest transposed input (64 x 64 rows), 4096 bytes either way.
-    expected = 256 + 64 * 2 * 64 + max(2 * 64 * 32, 64 * 64)
+    # 256 bytes of maxima and inverse scales, then what gate|up's backward
+    # holds at once, the most of any call (64 rows, hidden 32, intermediate
+    # 64): dgate and dup, each as stored and transposed (4 x 64 x 64), x^T
+    # (64 x 32) and both weights transposed as if uncached (2 x 64 x 32).
+    expected = 256 + 4 * 64 * 64 + 64 * 32 + 2 * 64 * 32
     assert len(segment) == 1 and segment[0].bytes == expected and segment[0].kind == "device"
     assert not [a for a in plain if a.name == "fp8-operands"]
     # The trainer allocates what the plan holds.

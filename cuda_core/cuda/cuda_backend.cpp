@@ -166,22 +166,29 @@ std::size_t CudaBackend::scratch_bytes(const ScratchShapes& s, bool ask_librarie
 
 std::size_t CudaBackend::fp8_operand_bytes(const ScratchShapes& s) {
     const AttentionShape& a = s.attention;
-    const std::size_t rows = std::size_t(a.batch) * a.time, q_width = std::size_t(a.heads) * a.head_dim;
-    // Inputs: the norms' output (hidden) for q/k/v and gate/up, the attention
-    // output (q_width) for o, the SwiGLU output (intermediate) for down.
-    const std::size_t widest_input = std::max({std::size_t(s.hidden), std::size_t(s.intermediate), q_width});
-    // Outputs and weights: room for the packed ones a fused override may
-    // multiply at once: gate|up (2 intermediate wide) and q|k|v ((heads + 2
-    // kv_heads) head_dim); o and down are hidden wide.
-    const std::size_t packed_qkv = std::size_t(a.heads + 2 * a.kv_heads) * a.head_dim;
-    const std::size_t widest_output = std::max({2 * std::size_t(s.intermediate), packed_qkv, std::size_t(s.hidden)});
-    const std::size_t largest_weight = std::max(2 * std::size_t(s.intermediate), packed_qkv) * s.hidden;
-    // First operand: the forward's input, or the backward's output gradient
-    // (dgrad: dy; wgrad: dy^T). Second: the forward's weight, dgrad's W^T, or
-    // wgrad's x^T.
-    const std::size_t first = rows * std::max(widest_input, widest_output);
-    const std::size_t second = std::max(largest_weight, rows * widest_input);
-    return kFp8Align + fp8_aligned(first) + fp8_aligned(second);
+    const std::size_t rows = std::size_t(a.batch) * a.time, C = s.hidden, I = s.intermediate;
+    const std::size_t Q = std::size_t(a.heads) * a.head_dim, P = std::size_t(a.heads + 2 * a.kv_heads) * a.head_dim;
+    // What each call holds at once (the operands of one product, or of one
+    // Fp8Reuse), with room for the weights as if uncached (ZeRO-3 has no
+    // cache, and a weight the cache cannot take is quantized here):
+    const std::vector<std::vector<std::size_t>> calls = {
+        {rows * C, P * C},                       // q|k|v forward: x, W
+        {rows * Q, C * Q},                       // o forward
+        {rows * C, I * C, I * C},                // gate|up forward: x once, Wg, Wu
+        {rows * I, C * I},                       // down forward
+        {rows * P, rows * P, rows * C, P * C},   // q|k|v backward: dy, dy^T, x^T, W^T
+        {rows * C, rows * C, rows * Q, C * Q},   // o backward
+        {rows * I, rows * I, rows * I, rows * I, rows * C, I * C, I * C},  // gate|up backward: dgate, dup (both
+                                                                           // forms), x^T, Wg^T, Wu^T
+        {rows * C, rows * C, rows * I, C * I},   // down backward
+    };
+    std::size_t most = 0;
+    for (const auto& operands : calls) {
+        std::size_t bytes = 0;
+        for (std::size_t operand : operands) bytes += fp8_aligned(operand);
+        most = std::max(most, bytes);
+    }
+    return kFp8Align + most;  // the header of maxima and inverse scales, then the codes
 }
 
 // The fp8 weight cache: each projection weight's e4m3 copy (forward) and
@@ -532,19 +539,87 @@ bool CudaBackend::memory_info(std::size_t* free_bytes, std::size_t* total_bytes)
 // dimension that is not a multiple of 16. Master weights and optimizer are
 // untouched. The weights' e4m3 copies come from the fp8 weight cache where
 // there is one (fp8_weight_cache_bytes), else are quantized on every call.
+// Within one composite (Fp8Reuse) each tensor is quantized once per form:
+// matmul_backward writes dy and dy^T in one pass, gate|up's forward
+// quantizes x once for both products, and its backward dgate, dup (both
+// forms each) and x^T once.
 bool CudaBackend::fp8_applies(int M, int N, int K) const {
     return options_.matmul_dtype == MatmulPrecision::FP8 && fp8_operands_.data && !in_classifier_ &&
            LtMatmul::fp8_supported(M, N, K);
 }
 
-CudaBackend::Fp8Slots CudaBackend::fp8_slots(std::size_t a_bytes, std::size_t b_bytes, int M, int N, int K) {
-    if (kFp8Align + fp8_aligned(a_bytes) + b_bytes > fp8_operands_.bytes())
-        throw InternalError("an fp8 matmul of " + std::to_string(M) + "x" + std::to_string(N) + "x" +
-                            std::to_string(K) + " needs more fp8 operand room than was reserved");
-    char* base = static_cast<char*>(fp8_operands_.data);
-    NANOQ_CUDA_CHECK(cudaMemsetAsync(base, 0, 2 * sizeof(float), stream_));  // the two maxima start at 0
-    return {reinterpret_cast<float*>(base), reinterpret_cast<std::uint8_t*>(base + kFp8Align),
-            reinterpret_cast<std::uint8_t*>(base + kFp8Align + fp8_aligned(a_bytes))};
+CudaBackend::Fp8Reuse::~Fp8Reuse() {
+    if (--backend_.fp8_reuse_depth_ == 0) backend_.fp8_reuse_begun_ = false;
+}
+
+void CudaBackend::fp8_begin() {
+    // Inside an Fp8Reuse only its first product begins the buffer.
+    if (fp8_reuse_depth_ > 0 && fp8_reuse_begun_) return;
+    fp8_reuse_begun_ = fp8_reuse_depth_ > 0;
+    fp8_used_ = kFp8Align;  // the header
+    fp8_scales_used_ = 0;
+    fp8_reused_.clear();
+    NANOQ_CUDA_CHECK(cudaMemsetAsync(fp8_operands_.data, 0, kFp8Align, stream_));  // every maximum starts at 0
+}
+
+std::uint8_t* CudaBackend::fp8_take(std::size_t bytes, int rows, int cols) {
+    if (fp8_used_ + fp8_aligned(bytes) > fp8_operands_.bytes())
+        throw InternalError("an fp8 operand of " + std::to_string(rows) + "x" + std::to_string(cols) +
+                            " needs more fp8 operand room than was reserved (" +
+                            std::to_string(fp8_operands_.bytes()) + " bytes, " + std::to_string(fp8_used_) +
+                            " taken)");
+    auto* codes = static_cast<std::uint8_t*>(fp8_operands_.data) + fp8_used_;
+    fp8_used_ += fp8_aligned(bytes);
+    return codes;
+}
+
+float* CudaBackend::fp8_take_scales() {
+    if (2 * (fp8_scales_used_ + 1) * sizeof(float) > kFp8Align)
+        throw InternalError("more fp8 operands at once than the operand buffer's header holds");
+    return static_cast<float*>(fp8_operands_.data) + 2 * fp8_scales_used_++;
+}
+
+CudaBackend::Fp8Operand CudaBackend::fp8_operand(const Tensor& x, int rows, int cols, bool transposed,
+                                                 Fp8Format format) {
+    const Fp8Key key{x.data, rows, cols, transposed, format};
+    for (const auto& [k, operand] : fp8_reused_)
+        if (k == key) return operand;
+    float* scales = fp8_take_scales();  // maximum, inverse scale
+    std::uint8_t* codes = fp8_take(std::size_t(rows) * cols, rows, cols);
+    if (transposed)
+        cuda::fp8_quantize_transposed<bf16>(codes, &scales[0], &scales[1], ptr<bf16>(x), rows, cols, format, stream_);
+    else
+        cuda::fp8_quantize<bf16>(codes, &scales[0], &scales[1], ptr<bf16>(x), std::int64_t(rows) * cols, format,
+                                 stream_);
+    NANOQ_CUDA_CHECK_LAUNCH();
+    ++fp8_quantizations_;
+    const Fp8Operand operand{codes, &scales[1]};
+    fp8_reused_.push_back({key, operand});
+    return operand;
+}
+
+void CudaBackend::fp8_both_forms(const Tensor& x, int rows, int cols, Fp8Format format) {
+    if (fp8_reuse_depth_ == 0) throw InternalError("fp8_both_forms outside an Fp8Reuse: nothing would take them");
+    fp8_begin();
+    const Fp8Key plain_key{x.data, rows, cols, false, format}, transposed_key{x.data, rows, cols, true, format};
+    for (const auto& entry : fp8_reused_)
+        if (entry.first == plain_key || entry.first == transposed_key) return;  // one form is there: take it
+    float* scales = fp8_take_scales();
+    std::uint8_t* plain = fp8_take(std::size_t(rows) * cols, rows, cols);
+    std::uint8_t* transposed = fp8_take(std::size_t(rows) * cols, rows, cols);
+    cuda::fp8_quantize_both<bf16>(plain, transposed, &scales[0], &scales[1], ptr<bf16>(x), rows, cols, format,
+                                  stream_);
+    NANOQ_CUDA_CHECK_LAUNCH();
+    ++fp8_quantizations_;
+    fp8_reused_.push_back({plain_key, {plain, &scales[1]}});
+    fp8_reused_.push_back({transposed_key, {transposed, &scales[1]}});
+}
+
+CudaBackend::Fp8Operand CudaBackend::fp8_weight(const Tensor& weight, int rows, int cols, bool transposed) {
+    const float* inverse_scale = nullptr;
+    if (const std::uint8_t* cached = fp8_cached_weight(weight, rows, cols, transposed, &inverse_scale))
+        return {cached, inverse_scale};
+    return fp8_operand(weight, rows, cols, transposed, Fp8Format::E4M3);
 }
 
 void CudaBackend::weights_changed() {
@@ -582,60 +657,47 @@ bool CudaBackend::fp8_projection(const Tensor& out, const Tensor& a, const Tenso
     if (a.dtype != DType::BF16 || b.dtype != DType::BF16 || out.dtype != DType::BF16 ||
         (bias.data && bias.dtype != DType::BF16))
         return false;
-    const float* weight_scale = nullptr;
-    const std::uint8_t* cached = fp8_cached_weight(b, N, K, false, &weight_scale);
-    const Fp8Slots slots = fp8_slots(std::size_t(M) * K, cached ? 0 : std::size_t(N) * K, M, N, K);
-    cuda::fp8_quantize<bf16>(slots.a, &slots.scales[0], &slots.scales[2], ptr<bf16>(a), std::int64_t(M) * K,
-                             Fp8Format::E4M3, stream_);
-    NANOQ_CUDA_CHECK_LAUNCH();
-    if (!cached) {
-        cuda::fp8_quantize<bf16>(slots.b, &slots.scales[1], &slots.scales[3], ptr<bf16>(b), std::int64_t(N) * K,
-                                 Fp8Format::E4M3, stream_);
-        NANOQ_CUDA_CHECK_LAUNCH();
-        cached = slots.b, weight_scale = &slots.scales[3];
-    }
-    matmul_->run_fp8(out, slots.a, CUDA_R_8F_E4M3, cached, CUDA_R_8F_E4M3, &slots.scales[2], weight_scale, M, N, K,
-                     false, bias, matmul_workspace_.data, matmul_workspace_.bytes(), stream_);
+    fp8_begin();
+    const Fp8Operand x8 = fp8_operand(a, M, K, false, Fp8Format::E4M3);
+    const Fp8Operand w8 = fp8_weight(b, N, K, false);
+    matmul_->run_fp8(out, x8.codes, CUDA_R_8F_E4M3, w8.codes, CUDA_R_8F_E4M3, x8.inverse_scale, w8.inverse_scale, M,
+                     N, K, false, bias, matmul_workspace_.data, matmul_workspace_.bytes(), stream_);
     return true;
+}
+
+// dx[rows,k] = dy[rows,n] (W^T[k,n])^T: M = rows, N = k, K = n.
+bool CudaBackend::fp8_input_grad_runs(const Tensor& dx, const Tensor& dy, const Tensor& weight, int rows, int n,
+                                      int k) const {
+    return fp8_applies(rows, k, n) && dx.dtype == DType::BF16 && dy.dtype == DType::BF16 &&
+           weight.dtype == DType::BF16;
+}
+
+// dW[n,k] += (dy^T[n,rows]) (x^T[k,rows])^T: M = n, N = k, K = rows.
+bool CudaBackend::fp8_weight_grad_runs(const Tensor& dweight, const Tensor& dy, const Tensor& x, int rows, int n,
+                                       int k) const {
+    return fp8_applies(n, k, rows) && dy.dtype == DType::BF16 && x.dtype == DType::BF16 &&
+           (dweight.dtype == DType::BF16 || dweight.dtype == DType::F32);
 }
 
 bool CudaBackend::fp8_input_grad(const Tensor& dx, const Tensor& dy, const Tensor& weight, int rows, int n, int k,
                                  bool accumulate) {
-    // dx[rows,k] = dy[rows,n] (W^T[k,n])^T: M = rows, N = k, K = n.
-    if (!fp8_applies(rows, k, n)) return false;
-    if (dx.dtype != DType::BF16 || dy.dtype != DType::BF16 || weight.dtype != DType::BF16) return false;
-    const float* weight_scale = nullptr;
-    const std::uint8_t* cached = fp8_cached_weight(weight, n, k, true, &weight_scale);
-    const Fp8Slots slots = fp8_slots(std::size_t(rows) * n, cached ? 0 : std::size_t(n) * k, rows, k, n);
-    cuda::fp8_quantize<bf16>(slots.a, &slots.scales[0], &slots.scales[2], ptr<bf16>(dy), std::int64_t(rows) * n,
-                             Fp8Format::E5M2, stream_);
-    NANOQ_CUDA_CHECK_LAUNCH();
-    if (!cached) {
-        cuda::fp8_quantize_transposed<bf16>(slots.b, &slots.scales[1], &slots.scales[3], ptr<bf16>(weight), n, k,
-                                            Fp8Format::E4M3, stream_);
-        NANOQ_CUDA_CHECK_LAUNCH();
-        cached = slots.b, weight_scale = &slots.scales[3];
-    }
-    matmul_->run_fp8(dx, slots.a, CUDA_R_8F_E5M2, cached, CUDA_R_8F_E4M3, &slots.scales[2], weight_scale, rows, k, n,
-                     accumulate, Tensor(), matmul_workspace_.data, matmul_workspace_.bytes(), stream_);
+    if (!fp8_input_grad_runs(dx, dy, weight, rows, n, k)) return false;
+    fp8_begin();
+    const Fp8Operand dy8 = fp8_operand(dy, rows, n, false, Fp8Format::E5M2);
+    const Fp8Operand wt8 = fp8_weight(weight, n, k, true);
+    matmul_->run_fp8(dx, dy8.codes, CUDA_R_8F_E5M2, wt8.codes, CUDA_R_8F_E4M3, dy8.inverse_scale, wt8.inverse_scale,
+                     rows, k, n, accumulate, Tensor(), matmul_workspace_.data, matmul_workspace_.bytes(), stream_);
     return true;
 }
 
 bool CudaBackend::fp8_weight_grad(const Tensor& dweight, const Tensor& dy, const Tensor& x, int rows, int n, int k) {
-    // dW[n,k] += (dy^T[n,rows]) (x^T[k,rows])^T: M = n, N = k, K = rows.
-    if (!fp8_applies(n, k, rows)) return false;
-    if (dy.dtype != DType::BF16 || x.dtype != DType::BF16 ||
-        (dweight.dtype != DType::BF16 && dweight.dtype != DType::F32))
-        return false;
-    const Fp8Slots slots = fp8_slots(std::size_t(rows) * n, std::size_t(rows) * k, n, k, rows);
-    cuda::fp8_quantize_transposed<bf16>(slots.a, &slots.scales[0], &slots.scales[2], ptr<bf16>(dy), rows, n,
-                                        Fp8Format::E5M2, stream_);
-    NANOQ_CUDA_CHECK_LAUNCH();
-    cuda::fp8_quantize_transposed<bf16>(slots.b, &slots.scales[1], &slots.scales[3], ptr<bf16>(x), rows, k,
-                                        Fp8Format::E4M3, stream_);
-    NANOQ_CUDA_CHECK_LAUNCH();
-    matmul_->run_fp8(dweight, slots.a, CUDA_R_8F_E5M2, slots.b, CUDA_R_8F_E4M3, &slots.scales[2], &slots.scales[3], n,
-                     k, rows, true, Tensor(), matmul_workspace_.data, matmul_workspace_.bytes(), stream_);
+    if (!fp8_weight_grad_runs(dweight, dy, x, rows, n, k)) return false;
+    fp8_begin();
+    const Fp8Operand dyt8 = fp8_operand(dy, rows, n, true, Fp8Format::E5M2);
+    const Fp8Operand xt8 = fp8_operand(x, rows, k, true, Fp8Format::E4M3);
+    matmul_->run_fp8(dweight, dyt8.codes, CUDA_R_8F_E5M2, xt8.codes, CUDA_R_8F_E4M3, dyt8.inverse_scale,
+                     xt8.inverse_scale, n, k, rows, true, Tensor(), matmul_workspace_.data, matmul_workspace_.bytes(),
+                     stream_);
     return true;
 }
 
@@ -650,6 +712,15 @@ void CudaBackend::matmul_weight_grad(const Tensor& dweight, const Tensor& dbias,
     if (!fp8_weight_grad(dweight, dy, x, rows, n, k))
         return Backend::matmul_weight_grad(dweight, dbias, dy, x, rows, n, k);
     if (dbias.data) bias_backward(dbias, dy, rows, n);  // the bias gradient stays in bf16
+}
+
+void CudaBackend::matmul_backward(const Tensor& dx, bool accumulate, const Tensor& dweight, const Tensor& dbias,
+                                  const Tensor& dy, const Tensor& weight, const Tensor& x, int rows, int n, int k) {
+    Fp8Reuse reuse(*this);
+    if (dweight.data && fp8_input_grad_runs(dx, dy, weight, rows, n, k) &&
+        fp8_weight_grad_runs(dweight, dy, x, rows, n, k))
+        fp8_both_forms(dy, rows, n, Fp8Format::E5M2);  // dgrad's dy and wgrad's dy^T
+    Backend::matmul_backward(dx, accumulate, dweight, dbias, dy, weight, x, rows, n, k);
 }
 
 void CudaBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, int M, int N, int K, bool trans_a,
@@ -1122,8 +1193,7 @@ void CudaBackend::qkv_forward(const QkvActivations& a, const Tensor& x, const Qk
 void CudaBackend::packed_qkv_backward(const Tensor& dx, bool accumulate, const QkvWeights& g, const Tensor& dqkv,
                                       const Tensor& x, const QkvWeights& w, const QkvShape& s) {
     const int rows = static_cast<int>(dqkv.shape[0]), width = static_cast<int>(dqkv.shape[1]);
-    matmul_input_grad(dx, dqkv, w.qkv, rows, width, s.hidden, accumulate);
-    if (g.qkv.data) matmul_weight_grad(g.qkv, g.qkv_bias, dqkv, x, rows, width, s.hidden);
+    matmul_backward(dx, accumulate, g.qkv, g.qkv_bias, dqkv, w.qkv, x, rows, width, s.hidden);
 }
 
 void CudaBackend::qkv_projection_backward(const Tensor& dx, bool accumulate, const QkvWeights& g, const Tensor& dq,
@@ -1154,8 +1224,10 @@ void CudaBackend::qkv_backward(const Tensor& dx, bool accumulate, const QkvWeigh
 void CudaBackend::gate_up_projection(const Tensor& gate, const Tensor& up, const Tensor& x, const Tensor& gate_up,
                                      int rows, int intermediate, int channels) {
     const std::int64_t distance = following(gate, up);
-    if (distance < 0 || options_.matmul_dtype == MatmulPrecision::FP8 || x.dtype != gate_up.dtype)
+    if (distance < 0 || options_.matmul_dtype == MatmulPrecision::FP8 || x.dtype != gate_up.dtype) {
+        Fp8Reuse reuse(*this);  // fp8: x quantized once for both
         return Backend::gate_up_projection(gate, up, x, gate_up, rows, intermediate, channels);
+    }
     const LtMatmul::Batch batch{2, 0, std::int64_t(intermediate) * channels, distance};
     matmul_->run_batched(gate, x, gate_up, rows, intermediate, channels, false, true, false, batch,
                          matmul_workspace_.data, matmul_workspace_.bytes(), stream_);
@@ -1166,6 +1238,13 @@ void CudaBackend::gate_up_projection_backward(const Tensor& dx, bool accumulate,
                                               const Tensor& gate_up, int rows, int intermediate, int channels) {
     const std::int64_t block = std::int64_t(intermediate) * channels;
     const Tensor weight[2] = {gate_up.slice(0, block), gate_up.slice(block, block)};
+    // fp8: dgate and dup quantized once each for dgrad and wgrad, x^T once for both wgrads.
+    Fp8Reuse reuse(*this);
+    if (dgate_up.data && fp8_input_grad_runs(dx, dgate, weight[0], rows, intermediate, channels) &&
+        fp8_weight_grad_runs(dgate_up, dgate, x, rows, intermediate, channels)) {
+        fp8_both_forms(dgate, rows, intermediate, Fp8Format::E5M2);
+        fp8_both_forms(dup, rows, intermediate, Fp8Format::E5M2);
+    }
     matmul_input_grad(dx, dgate, weight[0], rows, intermediate, channels, accumulate);
     matmul_input_grad(dx, dup, weight[1], rows, intermediate, channels, true);
     if (!dgate_up.data) return;  // frozen

@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "backend.h"
 
@@ -22,6 +23,7 @@ namespace cuda {
 
 class LtMatmul;
 class FusedAttention;
+enum class Fp8Format;  // kernels.h
 
 class CudaBackend final : public Backend {
 public:
@@ -29,6 +31,10 @@ public:
     ~CudaBackend() override;
 
     int device() const { return device_; }
+    // How many passes over a source tensor the fp8 path has made to
+    // quantize operands into its buffer (both forms at once count one; the
+    // weight cache's do not count). The emulator's probes read it.
+    std::uint64_t fp8_quantizations() const { return fp8_quantizations_; }
     cudaStream_t stream() const { return stream_; }
     // Waits on the host until `stream` has run everything queued on it. It
     // polls rather than blocking in the runtime, calling the check set by
@@ -99,6 +105,9 @@ public:
                            bool accumulate) override;
     void matmul_weight_grad(const Tensor& dweight, const Tensor& dbias, const Tensor& dy, const Tensor& x, int rows,
                             int n, int k) override;
+    // With matmul_dtype fp8 dy is quantized once for both products (both forms in one pass).
+    void matmul_backward(const Tensor& dx, bool accumulate, const Tensor& dweight, const Tensor& dbias,
+                         const Tensor& dy, const Tensor& weight, const Tensor& x, int rows, int n, int k) override;
     // With matmul_dtype fp8, the classifier's matmuls stay in the activations' dtype.
     void classifier(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, const Tensor& stats,
                     const Tensor& dhidden, const Tensor& dlm_head, const Tensor& workspace, int rows, int channels,
@@ -178,18 +187,46 @@ private:
     // Whether a product of this shape may run in fp8 (matmul_dtype fp8, the
     // operand buffer reserved, not in the classifier, M, N, K multiples of 16).
     bool fp8_applies(int M, int N, int K) const;
-    // The operand buffer for one fp8 product: four scale floats (amax of a,
-    // of b, inverse scale of a, of b), then a_bytes of a, then b_bytes of b.
-    struct Fp8Slots {
-        float* scales;
-        std::uint8_t* a;
-        std::uint8_t* b;
+    // Whether fp8_input_grad / fp8_weight_grad take these operands.
+    bool fp8_input_grad_runs(const Tensor& dx, const Tensor& dy, const Tensor& weight, int rows, int n, int k) const;
+    bool fp8_weight_grad_runs(const Tensor& dweight, const Tensor& dy, const Tensor& x, int rows, int n, int k) const;
+    // One quantized operand: its codes and the inverse scale cuBLASLt reads.
+    struct Fp8Operand {
+        const std::uint8_t* codes;
+        const float* inverse_scale;
     };
-    Fp8Slots fp8_slots(std::size_t a_bytes, std::size_t b_bytes, int M, int N, int K);
+    // The operand buffer (fp8_operands_): a header of (maximum, inverse
+    // scale) pairs, then the operands' codes, each 256-byte aligned, taken in
+    // order from the start. Each product outside an Fp8Reuse starts it
+    // afresh (fp8_begin). While an Fp8Reuse lives (a composite's call), its
+    // products' operands stay and a later product of the same tensor in the
+    // same form and format takes them again (fp8_reused_): the composites'
+    // inputs do not change during the call.
+    class Fp8Reuse {
+    public:
+        explicit Fp8Reuse(CudaBackend& backend) : backend_(backend) { ++backend_.fp8_reuse_depth_; }
+        ~Fp8Reuse();
+        Fp8Reuse(const Fp8Reuse&) = delete;
+        Fp8Reuse& operator=(const Fp8Reuse&) = delete;
+
+    private:
+        CudaBackend& backend_;
+    };
+    void fp8_begin();
+    // x[rows, cols] (bf16) quantized as stored or transposed ([cols, rows]), or its earlier quantization.
+    Fp8Operand fp8_operand(const Tensor& x, int rows, int cols, bool transposed, Fp8Format format);
+    // Both forms of x at once (one maximum, one pass), for the products of
+    // the current Fp8Reuse to take; nothing when they are there already.
+    void fp8_both_forms(const Tensor& x, int rows, int cols, Fp8Format format);
+    // A weight's e4m3 copy from the weight cache where it has one, else fp8_operand's.
+    Fp8Operand fp8_weight(const Tensor& weight, int rows, int cols, bool transposed);
+    // The next `bytes` of the buffer (256-byte aligned) and the next header pair.
+    std::uint8_t* fp8_take(std::size_t bytes, int rows, int cols);
+    float* fp8_take_scales();
     // The e4m3 copy of weight[rows, cols] (as stored, or transposed: [cols,
     // rows]) from the weight cache, quantized now unless current, with its
     // inverse scale at *inverse_scale; null when the cache has no room for
-    // it (or there is no cache): the caller quantizes into fp8_slots then.
+    // it (or there is no cache): fp8_weight quantizes into the buffer then.
     const std::uint8_t* fp8_cached_weight(const Tensor& weight, int rows, int cols, bool transposed,
                                           const float** inverse_scale);
     // The qkv-packed scratch as [rows, (H + 2 Hkv) * D] of the activations'
@@ -212,6 +249,24 @@ private:
     Tensor scratch_;          // shared by all ops: they run in order on one stream
     Tensor matmul_workspace_;
     Tensor fp8_operands_;     // empty unless matmul_dtype is fp8
+    // Where the buffer stands (see Fp8Reuse): bytes and header pairs taken,
+    // the operands there, the open Fp8Reuses and whether theirs has begun.
+    struct Fp8Key {
+        const void* data;
+        int rows, cols;
+        bool transposed;
+        Fp8Format format;
+        bool operator==(const Fp8Key& o) const {
+            return data == o.data && rows == o.rows && cols == o.cols && transposed == o.transposed &&
+                   format == o.format;
+        }
+    };
+    std::size_t fp8_used_ = 0;
+    int fp8_scales_used_ = 0;
+    std::vector<std::pair<Fp8Key, Fp8Operand>> fp8_reused_;
+    int fp8_reuse_depth_ = 0;
+    bool fp8_reuse_begun_ = false;
+    std::uint64_t fp8_quantizations_ = 0;
     // The fp8 weight cache: a generation word, then one slot per (weight,
     // shape, layout) in first-use order: its header (amax, inverse scale,
     // stamp) and its bytes. Empty where there is no cache.

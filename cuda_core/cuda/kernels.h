@@ -169,6 +169,12 @@ void fp8_quantize(std::uint8_t* out, float* amax, float* inverse_scale, const T*
 template <class T>
 void fp8_quantize_transposed(std::uint8_t* out, float* amax, float* inverse_scale, const T* x, int rows, int cols,
                              Fp8Format format, cudaStream_t stream);
+// Both of them of x[rows, cols] from one maximum and one pass over x, with
+// one scale: plain[r * cols + c] and transposed[c * rows + r] hold the codes
+// the two calls above would write.
+template <class T>
+void fp8_quantize_both(std::uint8_t* plain, std::uint8_t* transposed, float* amax, float* inverse_scale, const T* x,
+                       int rows, int cols, Fp8Format format, cudaStream_t stream);
 // The weight cache's e4m3 quantization of x[rows, cols] (transposed or
 // not) into a slot whose out, amax and inverse_scale persist between calls:
 // it does nothing when *stamp == *generation (the slot holds this

@@ -19,6 +19,11 @@
 // Both kernels read 16-byte chunks (and the plain quantization writes 8 or 4
 // bytes at once) where the pointers allow, element by element otherwise.
 //
+// fp8_quantize_both writes both forms of one tensor from one maximum and
+// one pass: the transposing kernel's tile read also writes the plain codes.
+// The backward multiplies dy as stored (dgrad) and transposed (wgrad), and
+// quantizing it once for both halves dy's reads (two instead of four).
+//
 // The weight cache's variant (fp8_quantize_cached) launches the same kernels
 // with a slot's stamp and the cache's generation: each kernel returns at
 // once when they are equal, so a current slot costs a few empty launches,
@@ -129,10 +134,12 @@ template <class T> QuantizeLaunch quantize_launch(const std::uint8_t* out, const
 // columns) and writes as many of its transpose (consecutive rows).
 constexpr int kTile = 32, kTileLanes = 8;
 
+// With `plain` (not null) the kernel writes x's codes as stored there too.
 template <class T>
 __global__ void __launch_bounds__(kTile * kTileLanes)
-    quantize_transposed_kernel(std::uint8_t* out, float* inverse_scale, const float* amax, const T* x, int rows,
-                               int cols, Fp8Format format, const unsigned* stamp, const unsigned* generation) {
+    quantize_transposed_kernel(std::uint8_t* out, std::uint8_t* plain, float* inverse_scale, const float* amax,
+                               const T* x, int rows, int cols, Fp8Format format, const unsigned* stamp,
+                               const unsigned* generation) {
     NANOQ_SHARED(float[kTile * (kTile + 1)], tile);  // +1: no bank conflicts on the transposed reads
     if (current(stamp, generation)) return;  // the whole block returns: no thread waits at the barrier
     const float scale = fp8_scale(*amax, format);
@@ -140,7 +147,12 @@ __global__ void __launch_bounds__(kTile * kTileLanes)
     const int first_col = blockIdx.x * kTile, first_row = blockIdx.y * kTile;
     for (int i = threadIdx.y; i < kTile; i += kTileLanes) {
         const int r = first_row + i, c = first_col + threadIdx.x;
-        if (r < rows && c < cols) tile[i * (kTile + 1) + threadIdx.x] = detail::to_float(x[std::int64_t(r) * cols + c]);
+        if (r < rows && c < cols) {
+            const std::int64_t at = std::int64_t(r) * cols + c;
+            const float v = detail::to_float(x[at]);
+            tile[i * (kTile + 1) + threadIdx.x] = v;
+            if (plain) plain[at] = to_fp8(v * scale, format);
+        }
     }
     __syncthreads();
     for (int i = threadIdx.y; i < kTile; i += kTileLanes) {
@@ -161,9 +173,12 @@ __global__ void stamp_kernel(unsigned* stamp, const unsigned* generation) { *sta
 
 __global__ void advance_kernel(unsigned* generation) { *generation += 1; }
 
+// Transposed into `out`, and with `plain` as stored there as well (one
+// maximum, one pass); else as stored into `out`.
 template <class T>
-void quantize(std::uint8_t* out, float* amax, float* inverse_scale, const T* x, int rows, int cols, bool transposed,
-              Fp8Format format, const unsigned* stamp, const unsigned* generation, cudaStream_t stream) {
+void quantize(std::uint8_t* out, std::uint8_t* plain, float* amax, float* inverse_scale, const T* x, int rows,
+              int cols, bool transposed, Fp8Format format, const unsigned* stamp, const unsigned* generation,
+              cudaStream_t stream) {
     const std::int64_t n = std::int64_t(rows) * cols;
     const QuantizeLaunch grid_of = quantize_launch<T>(out, x, n);
     if (n > 0)
@@ -171,8 +186,8 @@ void quantize(std::uint8_t* out, float* amax, float* inverse_scale, const T* x, 
                        generation);
     if (transposed) {
         const dim3 grid(std::max(1, (cols + kTile - 1) / kTile), std::max(1, (rows + kTile - 1) / kTile));
-        detail::launch(quantize_transposed_kernel<T>, grid, dim3(kTile, kTileLanes), 0, stream, out, inverse_scale,
-                       static_cast<const float*>(amax), x, rows, cols, format, stamp, generation);
+        detail::launch(quantize_transposed_kernel<T>, grid, dim3(kTile, kTileLanes), 0, stream, out, plain,
+                       inverse_scale, static_cast<const float*>(amax), x, rows, cols, format, stamp, generation);
     } else {
         detail::launch(quantize_kernel<T>, grid_of.blocks, kThreads, 0, stream, out, inverse_scale,
                        static_cast<const float*>(amax), x, n, grid_of.vector, format, stamp, generation);
@@ -196,7 +211,13 @@ void fp8_quantize(std::uint8_t* out, float* amax, float* inverse_scale, const T*
 template <class T>
 void fp8_quantize_transposed(std::uint8_t* out, float* amax, float* inverse_scale, const T* x, int rows, int cols,
                              Fp8Format format, cudaStream_t stream) {
-    quantize<T>(out, amax, inverse_scale, x, rows, cols, true, format, nullptr, nullptr, stream);
+    quantize<T>(out, nullptr, amax, inverse_scale, x, rows, cols, true, format, nullptr, nullptr, stream);
+}
+
+template <class T>
+void fp8_quantize_both(std::uint8_t* plain, std::uint8_t* transposed, float* amax, float* inverse_scale, const T* x,
+                       int rows, int cols, Fp8Format format, cudaStream_t stream) {
+    quantize<T>(transposed, plain, amax, inverse_scale, x, rows, cols, true, format, nullptr, nullptr, stream);
 }
 
 template <class T>
@@ -204,7 +225,8 @@ void fp8_quantize_cached(std::uint8_t* out, float* amax, float* inverse_scale, u
                          const unsigned* generation, const T* x, int rows, int cols, bool transposed,
                          cudaStream_t stream) {
     detail::launch(restart_kernel, 1, 1, 0, stream, amax, static_cast<const unsigned*>(stamp), generation);
-    quantize<T>(out, amax, inverse_scale, x, rows, cols, transposed, Fp8Format::E4M3, stamp, generation, stream);
+    quantize<T>(out, nullptr, amax, inverse_scale, x, rows, cols, transposed, Fp8Format::E4M3, stamp, generation,
+                stream);
     detail::launch(stamp_kernel, 1, 1, 0, stream, stamp, generation);
 }
 
@@ -216,6 +238,8 @@ void fp8_advance_generation(unsigned* generation, cudaStream_t stream) {
     template void fp8_quantize<T>(std::uint8_t*, float*, float*, const T*, std::int64_t, Fp8Format, cudaStream_t); \
     template void fp8_quantize_transposed<T>(std::uint8_t*, float*, float*, const T*, int, int, Fp8Format,          \
                                              cudaStream_t);                                                        \
+    template void fp8_quantize_both<T>(std::uint8_t*, std::uint8_t*, float*, float*, const T*, int, int, Fp8Format, \
+                                       cudaStream_t);                                                              \
     template void fp8_quantize_cached<T>(std::uint8_t*, float*, float*, unsigned*, const unsigned*, const T*, int, \
                                          int, bool, cudaStream_t);
 NANOQ_INSTANTIATE(float)

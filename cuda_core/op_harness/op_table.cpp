@@ -454,6 +454,24 @@ std::vector<OpSpec> make_table() {
              s.hidden = c.i("n");
              return s;
          }},
+        {"matmul_backward",
+         "(dx, dweight, dbias): a projection's backward, matmul_input_grad then (unless frozen: dweight and dbias "
+         "come back as given) matmul_weight_grad",
+         {input("dy", "rows,n"), input("weight", "n,k"), input("x", "rows,k"),
+          in_out("dx", "rows,k").or_output().sets("accumulate"), in_out("dweight", "n,k").f32().or_zeros(),
+          in_out("dbias", "n").f32().or_zeros().sets("with_bias"), flag("frozen", false), flag("use_default", false)},
+         {},
+         [](OpCall& c) {
+             const bool frozen = c.b("frozen");
+             NANOQ_COMPOSITE(c, matmul_backward, c["dx"], c.b("accumulate"), frozen ? Tensor() : c["dweight"],
+                             c.b("with_bias") && !frozen ? c["dbias"] : Tensor(), c["dy"], c["weight"], c["x"],
+                             c.i("rows"), c.i("n"), c.i("k"));
+         },
+         [](const OpCall& c) {
+             ScratchShapes s = row_scratch(c.i("rows"));
+             s.hidden = c.i("n");
+             return s;
+         }},
         {"residual_rmsnorm_forward",
          "(residual_out, out, rstd): residual_out = residual + delta, out = rmsnorm(residual_out) * weight; "
          "with into_delta the sum is written over delta's device tensor",

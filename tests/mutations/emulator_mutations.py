@@ -43,6 +43,7 @@ FAMILIES = {
     # The cuda backend's host path: the fp8 products, and the packed projections (one matmul for q|k|v, a batch
     # of two for gate|up).
     "cuda_backend.cpp": "test_fp8.py test_composites.py test_packed_projections.py",
+    "cuda_backend.h": "test_fp8.py",
 }
 
 
@@ -150,7 +151,7 @@ EDITS = [
     ("gate|up weight gradient batch: both products read dgate", "cuda_backend.cpp", 0,
      "const LtMatmul::Batch batch{2, distance, 0, block};", "const LtMatmul::Batch batch{2, 0, 0, block};"),
     ("packed q|k|v backward: the wgrad skipped", "cuda_backend.cpp", 0,
-     "if (g.qkv.data) matmul_weight_grad(g.qkv, g.qkv_bias, dqkv,", "if (false) matmul_weight_grad(g.qkv, g.qkv_bias, dqkv,"),
+     "matmul_backward(dx, accumulate, g.qkv, g.qkv_bias, dqkv,", "matmul_backward(dx, accumulate, Tensor(), g.qkv_bias, dqkv,"),
     ("swiglu: the partial last chunk dropped", "kernels_swiglu.cu", 0,
      "detail::grid_stride_begin() * P; i < n;", "detail::grid_stride_begin() * P; i + P <= n;"),
     ("fp8: e5m2 scaled to e4m3's largest value", "kernels_fp8.cu", 0,
@@ -158,27 +159,14 @@ EDITS = [
     ("fp8 transposing quantize: the tile read untransposed", "kernels_fp8.cu", 0,
      "tile[threadIdx.x * (kTile + 1) + i]", "tile[i * (kTile + 1) + threadIdx.x]"),
     ("fp8 dgrad: dy in e4m3 instead of e5m2", "cuda_backend.cpp", 0,
-     "std::int64_t(rows) * n,\n                             Fp8Format::E5M2",
-     "std::int64_t(rows) * n,\n                             Fp8Format::E4M3"),
+     "fp8_operand(dy, rows, n, false, Fp8Format::E5M2)", "fp8_operand(dy, rows, n, false, Fp8Format::E4M3)"),
     ("fp8 dgrad: dy in e4m3, and multiplied as e4m3", "cuda_backend.cpp", 0,
-     """Fp8Format::E5M2, stream_);
-    NANOQ_CUDA_CHECK_LAUNCH();
-    if (!cached) {
-        cuda::fp8_quantize_transposed<bf16>(slots.b, &slots.scales[1], &slots.scales[3], ptr<bf16>(weight), n, k,
-                                            Fp8Format::E4M3, stream_);
-        NANOQ_CUDA_CHECK_LAUNCH();
-        cached = slots.b, weight_scale = &slots.scales[3];
-    }
-    matmul_->run_fp8(dx, slots.a, CUDA_R_8F_E5M2""",
-     """Fp8Format::E4M3, stream_);
-    NANOQ_CUDA_CHECK_LAUNCH();
-    if (!cached) {
-        cuda::fp8_quantize_transposed<bf16>(slots.b, &slots.scales[1], &slots.scales[3], ptr<bf16>(weight), n, k,
-                                            Fp8Format::E4M3, stream_);
-        NANOQ_CUDA_CHECK_LAUNCH();
-        cached = slots.b, weight_scale = &slots.scales[3];
-    }
-    matmul_->run_fp8(dx, slots.a, CUDA_R_8F_E4M3"""),
+     """fp8_operand(dy, rows, n, false, Fp8Format::E5M2);
+    const Fp8Operand wt8 = fp8_weight(weight, n, k, true);
+    matmul_->run_fp8(dx, dy8.codes, CUDA_R_8F_E5M2""",
+     """fp8_operand(dy, rows, n, false, Fp8Format::E4M3);
+    const Fp8Operand wt8 = fp8_weight(weight, n, k, true);
+    matmul_->run_fp8(dx, dy8.codes, CUDA_R_8F_E4M3"""),
     ("fp8 wgrad overwrites the gradient instead of adding to it", "cuda_backend.cpp", 0,
      "k, rows, true, Tensor(), matmul_workspace_.data", "k, rows, false, Tensor(), matmul_workspace_.data"),
     ("fp8 weight cache: never stale again once a slot is used", "cuda_backend.cpp", 0,
@@ -188,6 +176,16 @@ EDITS = [
      "return stamp && *stamp == *generation;", "return stamp && *stamp != 0;"),
     ("fp8 weight cache: slots keyed without the layout", "cuda_backend.cpp", 0,
      "rows, cols, transposed);\n    auto it", "rows, cols, false);\n    auto it"),
+    ("fp8 reuse: a composite's operands keyed without the layout", "cuda_backend.h", 0,
+     "cols == o.cols && transposed == o.transposed &&", "cols == o.cols &&"),
+    ("fp8 reuse: each product of a composite starts the buffer afresh", "cuda_backend.cpp", 0,
+     "if (fp8_reuse_depth_ > 0 && fp8_reuse_begun_) return;", ""),
+    ("fp8 reuse: gate|up's forward quantizes x for each product", "cuda_backend.cpp", 0,
+     "Fp8Reuse reuse(*this);  // fp8: x quantized once for both", ""),
+    ("fp8 reuse: gate|up's backward prepares dgate twice and dup not at all", "cuda_backend.cpp", 0,
+     "fp8_both_forms(dup, rows, intermediate,", "fp8_both_forms(dgate, rows, intermediate,"),
+    ("fp8 both forms: the plain codes written unscaled", "kernels_fp8.cu", 0,
+     "if (plain) plain[at] = to_fp8(v * scale, format);", "if (plain) plain[at] = to_fp8(v, format);"),
 ]
 
 

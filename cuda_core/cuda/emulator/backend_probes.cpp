@@ -1,6 +1,7 @@
 // Entry points for tests that reach below the trainer and the op harness
-// (through ctypes): the fp8 quantize kernels alone and one projection
-// through CudaBackend configured for fp8 (tests/test_fp8.py; the fp8 path
+// (through ctypes): the fp8 quantize kernels alone, and one projection, its
+// backward and gate|up through CudaBackend configured for fp8
+// (tests/test_fp8.py; the fp8 path
 // needs TrainOptions and its own scratch, which the op harness does not
 // give), and what the cuBLASLt stand-in refuses (tests/test_cublaslt.py).
 // Compiled into the emulated backend only. The fp8 ones return 0, or 1 with
@@ -38,7 +39,9 @@ std::vector<__nv_bfloat16> to_bf16(const float* x, std::size_t n) {
 // out = the fp8 bytes (e4m3, or e5m2 when `e5m2`) of x[rows, cols] (float32,
 // or rounded to bf16 first when bf16_input) quantized by
 // nanoq::cuda::fp8_quantize, or by fp8_quantize_transposed when `transposed`
-// (out[cols, rows]); amax_inverse[0] = the maximum, [1] = the inverse scale.
+// is 1 (out[cols, rows]), or by fp8_quantize_both when it is 2 (out[2, n]:
+// the plain codes, then the transposed); amax_inverse[0] = the maximum, [1]
+// = the inverse scale.
 extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_quantize(const float* x, int rows, int cols,
                                                                              int bf16_input, int e5m2, int transposed,
                                                                              int offset, unsigned char* out,
@@ -53,7 +56,8 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_quantize(con
         const std::size_t element = bf16_input ? sizeof(__nv_bfloat16) : sizeof(float);
         // `offset` elements into both buffers: operands off the 16-byte alignment.
         NANOQ_CUDA_CHECK(cudaMalloc(&input, element * (n + offset) + 1));
-        NANOQ_CUDA_CHECK(cudaMalloc(&bytes, n + offset + 1));
+        const std::size_t forms = transposed == 2 ? 2 : 1;
+        NANOQ_CUDA_CHECK(cudaMalloc(&bytes, forms * (n + offset) + 1));
         NANOQ_CUDA_CHECK(cudaMalloc(&floats, 2 * sizeof(float)));
         const std::vector<__nv_bfloat16> rounded = bf16_input ? to_bf16(x, n) : std::vector<__nv_bfloat16>();
         NANOQ_CUDA_CHECK(cudaMemcpy(static_cast<char*>(input) + element * offset,
@@ -65,7 +69,9 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_quantize(con
         auto run = [&](auto tag) {
             using T = decltype(tag);
             const T* data = static_cast<const T*>(input) + offset;
-            if (transposed)
+            if (transposed == 2)
+                fp8_quantize_both<T>(q, q + n + offset, amax, amax + 1, data, rows, cols, format, nullptr);
+            else if (transposed)
                 fp8_quantize_transposed<T>(q, amax, amax + 1, data, rows, cols, format, nullptr);
             else
                 fp8_quantize<T>(q, amax, amax + 1, data, std::int64_t(n), format, nullptr);
@@ -75,6 +81,7 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_quantize(con
         NANOQ_CUDA_CHECK(cudaGetLastError());
         NANOQ_CUDA_CHECK(cudaDeviceSynchronize());
         NANOQ_CUDA_CHECK(cudaMemcpy(out, q, n, cudaMemcpyDeviceToHost));
+        if (forms == 2) NANOQ_CUDA_CHECK(cudaMemcpy(out + n, q + n + offset, n, cudaMemcpyDeviceToHost));
         NANOQ_CUDA_CHECK(cudaMemcpy(amax_inverse, floats, 2 * sizeof(float), cudaMemcpyDeviceToHost));
         cudaFree(input);
         cudaFree(bytes);
@@ -140,11 +147,15 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_projection(i
 // fp8 (matmul_input_grad, matmul_weight_grad), inputs rounded to bf16:
 // dx[rows,k] = dy[rows,n] W[n,k] (+ dx as given when accumulate_dx; dx bf16)
 // and dweight[n,k] += dy^T x[rows,k] (dweight float32 when dweight_f32, else
-// bf16). dx and dweight are read and written back as float32.
+// bf16). dx and dweight are read and written back as float32. With `joint`
+// the two run as one matmul_backward, else as the two calls;
+// *quantizations = how many passes quantized operands (the backend's
+// fp8_quantizations()).
 extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_backward(int rows, int n, int k, const float* dy,
                                                                              const float* weight, const float* x,
                                                                              float* dx, int accumulate_dx,
                                                                              float* dweight, int dweight_f32,
+                                                                             int joint, int* quantizations,
                                                                              char* message, int message_bytes) {
     using namespace nanoq;
     try {
@@ -168,8 +179,13 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_backward(int
         const Tensor tdx = upload("dx", dx, std::int64_t(rows) * k, false);
         const Tensor tdweight = upload("dweight", dweight, std::int64_t(n) * k, dweight_f32 != 0);
         backend.synchronize();
-        backend.matmul_input_grad(tdx, tdy, tweight, rows, n, k, accumulate_dx != 0);
-        backend.matmul_weight_grad(tdweight, Tensor(), tdy, tx, rows, n, k);
+        if (joint) {
+            backend.matmul_backward(tdx, accumulate_dx != 0, tdweight, Tensor(), tdy, tweight, tx, rows, n, k);
+        } else {
+            backend.matmul_input_grad(tdx, tdy, tweight, rows, n, k, accumulate_dx != 0);
+            backend.matmul_weight_grad(tdweight, Tensor(), tdy, tx, rows, n, k);
+        }
+        *quantizations = static_cast<int>(backend.fp8_quantizations());
         std::vector<__nv_bfloat16> dx_bf16(std::size_t(rows) * k), dweight_bf16(std::size_t(n) * k);
         backend.copy_to_host(dx_bf16.data(), tdx);
         if (dweight_f32) backend.copy_to_host(dweight, tdweight);
@@ -178,6 +194,67 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_backward(int
         for (std::size_t i = 0; i < dx_bf16.size(); ++i) dx[i] = __bfloat162float(dx_bf16[i]);
         if (!dweight_f32)
             for (std::size_t i = 0; i < dweight_bf16.size(); ++i) dweight[i] = __bfloat162float(dweight_bf16[i]);
+        return 0;
+    } catch (const std::exception& e) {
+        return fail(e, message, message_bytes);
+    }
+}
+
+// gate|up through CudaBackend configured with matmul_dtype fp8, inputs
+// rounded to bf16: gate = x Wg^T, up = x Wu^T (x[rows, C], gate_up = Wg|Wu
+// [2 I, C]); then dx[rows, C] = dgate Wg + dup Wu and dgate_up[2 I, C]
+// (float32, from zeros) += dgate^T x | dup^T x. With `joint` through
+// gate_up_projection and gate_up_projection_backward, else as the separate
+// products (two matmuls, two matmul_input_grad, two matmul_weight_grad);
+// *quantizations as in nanoq_emu_fp8_backward. Outputs as float32.
+extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_gate_up(
+    int rows, int intermediate, int channels, const float* x, const float* gate_up, const float* dgate,
+    const float* dup, float* gate, float* up, float* dx, float* dgate_up, int joint, int* quantizations,
+    char* message, int message_bytes) {
+    using namespace nanoq;
+    try {
+        cuda::CudaBackend backend(0);
+        NamedAllocator allocator(backend, 0);
+        configure_fp8(backend, allocator, rows, channels, intermediate);
+        std::vector<std::vector<__nv_bfloat16>> keep;
+        auto upload = [&](const char* name, const float* host, std::int64_t count) {
+            const Tensor t = allocator.allocate(Context::Activations, name, DType::BF16, {count});
+            keep.push_back(to_bf16(host, count));
+            backend.copy_from_host(t, keep.back().data());
+            return t;
+        };
+        const std::int64_t block = std::int64_t(intermediate) * channels, out = std::int64_t(rows) * intermediate;
+        const Tensor tx = upload("x", x, std::int64_t(rows) * channels), tw = upload("gate_up", gate_up, 2 * block);
+        const Tensor tdgate = upload("dgate", dgate, out), tdup = upload("dup", dup, out);
+        const Tensor tgate = allocator.allocate(Context::Activations, "gate", DType::BF16, {out});
+        const Tensor tup = allocator.allocate(Context::Activations, "up", DType::BF16, {out});
+        const Tensor tdx = allocator.allocate(Context::Activations, "dx", DType::BF16, {std::int64_t(rows) * channels});
+        const Tensor tdw = allocator.allocate(Context::Activations, "dgate_up", DType::F32, {2 * block});
+        backend.fill(tdw, 0.0f);
+        const Tensor wg = tw.slice(0, block), wu = tw.slice(block, block);
+        if (joint) {
+            backend.gate_up_projection(tgate, tup, tx, tw, rows, intermediate, channels);
+            backend.gate_up_projection_backward(tdx, false, tdw, tdgate, tdup, tx, tw, rows, intermediate, channels);
+        } else {
+            backend.matmul(tgate, tx, wg, rows, intermediate, channels, false, true, false);
+            backend.matmul(tup, tx, wu, rows, intermediate, channels, false, true, false);
+            backend.matmul_input_grad(tdx, tdgate, wg, rows, intermediate, channels, false);
+            backend.matmul_input_grad(tdx, tdup, wu, rows, intermediate, channels, true);
+            backend.matmul_weight_grad(tdw.slice(0, block), Tensor(), tdgate, tx, rows, intermediate, channels);
+            backend.matmul_weight_grad(tdw.slice(block, block), Tensor(), tdup, tx, rows, intermediate, channels);
+        }
+        *quantizations = static_cast<int>(backend.fp8_quantizations());
+        auto download = [&](const Tensor& t, float* host) {
+            std::vector<__nv_bfloat16> values(static_cast<std::size_t>(t.numel()));
+            backend.copy_to_host(values.data(), t);
+            backend.synchronize();
+            for (std::size_t i = 0; i < values.size(); ++i) host[i] = __bfloat162float(values[i]);
+        };
+        download(tgate, gate);
+        download(tup, up);
+        download(tdx, dx);
+        backend.copy_to_host(dgate_up, tdw);
+        backend.synchronize();
         return 0;
     } catch (const std::exception& e) {
         return fail(e, message, message_bytes);
