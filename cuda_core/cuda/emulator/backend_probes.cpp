@@ -107,6 +107,19 @@ void configure_fp8(nanoq::cuda::CudaBackend& backend, nanoq::NamedAllocator& all
     backend.reserve_scratch(allocator, shapes);
 }
 
+// A device tensor of `count` host floats, as bf16 (rounded) or float32,
+// copied before it returns.
+nanoq::Tensor upload(nanoq::cuda::CudaBackend& backend, nanoq::NamedAllocator& allocator, const char* name,
+                     const float* host, std::int64_t count, nanoq::DType dtype = nanoq::DType::BF16) {
+    using namespace nanoq;
+    const Tensor t = allocator.allocate(Context::Activations, name, dtype, {count});
+    const bool bf16 = dtype == DType::BF16;
+    const std::vector<__nv_bfloat16> rounded = bf16 ? to_bf16(host, count) : std::vector<__nv_bfloat16>();
+    backend.copy_from_host(t, bf16 ? static_cast<const void*>(rounded.data()) : host);
+    backend.synchronize();  // before `rounded` goes
+    return t;
+}
+
 }  // namespace
 
 // out[M,N] = a[M,K] @ b[N,K]^T (+ bias[N] unless null) through
@@ -122,15 +135,9 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_projection(i
         cuda::CudaBackend backend(0);
         NamedAllocator allocator(backend, 0);
         configure_fp8(backend, allocator, M, K, N);
-        auto upload = [&](const char* name, const float* host, std::int64_t n) {
-            const Tensor t = allocator.allocate(Context::Activations, name, DType::BF16, {n});
-            const std::vector<__nv_bfloat16> rounded = to_bf16(host, n);
-            backend.copy_from_host(t, rounded.data());
-            backend.synchronize();  // before `rounded` goes
-            return t;
-        };
-        const Tensor ta = upload("a", a, std::int64_t(M) * K), tb = upload("b", b, std::int64_t(N) * K);
-        const Tensor tbias = bias ? upload("bias", bias, N) : Tensor();
+        const Tensor ta = upload(backend, allocator, "a", a, std::int64_t(M) * K);
+        const Tensor tb = upload(backend, allocator, "b", b, std::int64_t(N) * K);
+        const Tensor tbias = bias ? upload(backend, allocator, "bias", bias, N) : Tensor();
         const Tensor tout = allocator.allocate(Context::Activations, "out", DType::BF16, {std::int64_t(M) * N});
         backend.matmul_epilogue(tout, ta, tb, tbias, M, N, K, false, true, false, 1.0f);
         std::vector<__nv_bfloat16> result(std::size_t(M) * N);
@@ -162,22 +169,12 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_backward(int
         cuda::CudaBackend backend(0);
         NamedAllocator allocator(backend, 0);
         configure_fp8(backend, allocator, rows, k, n);
-        std::vector<std::vector<__nv_bfloat16>> keep;  // host sources of copies until synchronize()
-        auto upload = [&](const char* name, const float* host, std::int64_t count, bool as_f32) {
-            const Tensor t = allocator.allocate(Context::Activations, name, as_f32 ? DType::F32 : DType::BF16, {count});
-            if (as_f32) {
-                backend.copy_from_host(t, host);
-            } else {
-                keep.push_back(to_bf16(host, count));
-                backend.copy_from_host(t, keep.back().data());
-            }
-            return t;
-        };
-        const Tensor tdy = upload("dy", dy, std::int64_t(rows) * n, false);
-        const Tensor tweight = upload("weight", weight, std::int64_t(n) * k, false);
-        const Tensor tx = upload("x", x, std::int64_t(rows) * k, false);
-        const Tensor tdx = upload("dx", dx, std::int64_t(rows) * k, false);
-        const Tensor tdweight = upload("dweight", dweight, std::int64_t(n) * k, dweight_f32 != 0);
+        const Tensor tdy = upload(backend, allocator, "dy", dy, std::int64_t(rows) * n);
+        const Tensor tweight = upload(backend, allocator, "weight", weight, std::int64_t(n) * k);
+        const Tensor tx = upload(backend, allocator, "x", x, std::int64_t(rows) * k);
+        const Tensor tdx = upload(backend, allocator, "dx", dx, std::int64_t(rows) * k);
+        const Tensor tdweight = upload(backend, allocator, "dweight", dweight, std::int64_t(n) * k,
+                                       dweight_f32 ? DType::F32 : DType::BF16);
         backend.synchronize();
         if (joint) {
             backend.matmul_backward(tdx, accumulate_dx != 0, tdweight, Tensor(), tdy, tweight, tx, rows, n, k);
@@ -216,16 +213,11 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_gate_up(
         cuda::CudaBackend backend(0);
         NamedAllocator allocator(backend, 0);
         configure_fp8(backend, allocator, rows, channels, intermediate);
-        std::vector<std::vector<__nv_bfloat16>> keep;
-        auto upload = [&](const char* name, const float* host, std::int64_t count) {
-            const Tensor t = allocator.allocate(Context::Activations, name, DType::BF16, {count});
-            keep.push_back(to_bf16(host, count));
-            backend.copy_from_host(t, keep.back().data());
-            return t;
-        };
         const std::int64_t block = std::int64_t(intermediate) * channels, out = std::int64_t(rows) * intermediate;
-        const Tensor tx = upload("x", x, std::int64_t(rows) * channels), tw = upload("gate_up", gate_up, 2 * block);
-        const Tensor tdgate = upload("dgate", dgate, out), tdup = upload("dup", dup, out);
+        const Tensor tx = upload(backend, allocator, "x", x, std::int64_t(rows) * channels);
+        const Tensor tw = upload(backend, allocator, "gate_up", gate_up, 2 * block);
+        const Tensor tdgate = upload(backend, allocator, "dgate", dgate, out);
+        const Tensor tdup = upload(backend, allocator, "dup", dup, out);
         const Tensor tgate = allocator.allocate(Context::Activations, "gate", DType::BF16, {out});
         const Tensor tup = allocator.allocate(Context::Activations, "up", DType::BF16, {out});
         const Tensor tdx = allocator.allocate(Context::Activations, "dx", DType::BF16, {std::int64_t(rows) * channels});
