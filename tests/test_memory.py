@@ -199,10 +199,17 @@ def test_cuda_estimate_of_qwen_0_5b_matches_hand_computation(device_memory):
     # rstds and attention lse (14 heads) in fp32.
     layer = 2 * rows * (5 * C + 2 * KD + 3 * I) + 4 * (2 * rows + rows * 14)
     assert estimate.contexts["activations"] == 24 * layer + 2 * rows * C * 26 + 4 * rows
-    # The widest op scratch: the rmsnorm backward's weight-gradient partials (C fp32 sums for each of its
-    # 512 blocks), then the column sums' own (C for each chunk of 64 of those 512 rows), more than attention
-    # backward's 4 * rows * heads bytes and even the bound of CUB's sort storage: exact with or without a GPU.
-    assert sizes["cuda-op-scratch"] == 4 * 512 * C + 4 * (512 // 64) * C
+    # The widest op scratch: an rmsnorm backward's weight-gradient partials (fp32 sums of its channels for
+    # each of its blocks: 2^21 // channels, but at least 4 rows per block), then the column sums' own (the
+    # channels for each chunk of 64 blocks). Of the hidden norm and the per-head q and k norms (64 channels)
+    # the widest, more than attention backward's 4 * rows * heads bytes and even the bound of CUB's sort
+    # storage: exact with or without a GPU.
+    def rmsnorm_scratch(norm_rows, channels):
+        blocks = min(norm_rows // 4, 2**21 // channels)
+        return 4 * blocks * channels + 4 * -(-blocks // 64) * channels
+    widest = max(rmsnorm_scratch(rows, C), rmsnorm_scratch(rows * 14, 64), rmsnorm_scratch(rows * 2, 64))
+    assert widest == 4 * 2048 * C + 4 * 32 * C
+    assert sizes["cuda-op-scratch"] == widest
     assert estimate.approximate == []
     assert sizes["cublaslt-workspace"] == 32 << 20
     # The packed q|k|v projection (14 + 2 x 2 heads of 64) between its one matmul and its unpacking pass, bf16.

@@ -9,15 +9,19 @@
 // channel count alone, so rmsnorm_forward and residual_rmsnorm_forward give
 // bitwise the same norm of the same sum (recompute reruns the norm alone).
 //
-// The backward runs a fixed grid of blocks over the rows; each block keeps
-// its weight-gradient partials in registers and writes them out, and the
-// deterministic column sums (kernel_utils.cuh: column_sums, two small
+// The backward runs a grid of blocks over the rows that depends on the shape
+// alone (rows and channels, never the GPU, so results are the same on every
+// device): 2^21 row elements in flight over all blocks, i.e. some 256K
+// threads of 8 bf16 elements, as many as an H200's 132 SMs hold at most
+// (2048 each), and at least 4 rows per block. (Before: 512 blocks, at C = 896 in
+// bf16 512 x 128 threads, a quarter of the resident threads, each block
+// taking its 16 rows one after another with a barrier per row.) Each block
+// keeps its weight-gradient partials in registers and writes them out, and
+// the deterministic column sums (kernel_utils.cuh: column_sums, two small
 // launches over the many-SM grid) add them in block order, so the result is
-// reproducible without float atomics. (Before, the last block to finish
-// added all 512 blocks' partials alone: one block reading blocks x channels
-// floats, several times the whole pass's time at the 0.5B shapes.) A thread
-// reads dout and inp of its elements before the row's reduction and writes
-// dinp after it, which makes dinp aliasing dout (without accumulate) safe.
+// reproducible without float atomics. A thread reads dout and inp of its
+// elements before the row's reduction and writes dinp after it, which makes
+// dinp aliasing dout (without accumulate) safe.
 #include <algorithm>
 #include <initializer_list>
 #include <string>
@@ -32,7 +36,8 @@ namespace {
 
 constexpr int kMaxThreads = 1024;
 constexpr int kMaxChunks = 8;        // per thread: rows up to 8 * 1024 chunks
-constexpr int kBackwardBlocks = 512;  // the fixed grid of the backward (fewer for fewer rows)
+constexpr int kBackwardElements = 1 << 21;  // the backward grid: row elements in flight, over all blocks
+constexpr int kBackwardRowsPerBlock = 4;    // and at least this many rows per block
 
 // A row's block: threads (a multiple of 32) and chunks per thread (1, 2, 4, 8).
 struct RowLayout {
@@ -145,7 +150,10 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
 }
 
-int backward_blocks(int rows) { return std::min(rows, kBackwardBlocks); }
+int backward_blocks(int rows, int channels) {
+    const int by_rows = (rows + kBackwardRowsPerBlock - 1) / kBackwardRowsPerBlock;
+    return std::max(1, std::min(by_rows, kBackwardElements / channels));
+}
 
 template <class T>
 void launch_forward(T* out, float* rstd, T* residual_out, const T* residual, const T* delta, const T* weight,
@@ -185,7 +193,7 @@ void rmsnorm_backward(T* dinp, float* dweight, const T* dout, const T* inp, cons
     if (rows <= 0 || channels <= 0) return;
     const RowLayout layout = row_layout<T>(channels);
     const bool vector = rows_vectorizable(channels, detail::kPack<T>, {dinp, dout, inp, weight});
-    const int blocks = backward_blocks(rows);
+    const int blocks = backward_blocks(rows, channels);
     float* partials = static_cast<float*>(scratch);  // [blocks, channels], then column_sums' own scratch
     auto go = [&](auto kernel) {
         detail::launch(kernel, blocks, layout.threads, 0, stream, dinp, dout, inp, weight, rstd, rows, channels,
@@ -203,7 +211,7 @@ void rmsnorm_backward(T* dinp, float* dweight, const T* dout, const T* inp, cons
 
 std::size_t rmsnorm_backward_scratch_bytes(int rows, int channels) {
     if (rows <= 0 || channels <= 0) return 0;
-    const int blocks = backward_blocks(rows);
+    const int blocks = backward_blocks(rows, channels);
     return sizeof(float) * (static_cast<std::size_t>(blocks) * channels +
                             detail::column_sums_scratch_floats(blocks, channels));
 }
