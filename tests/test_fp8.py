@@ -14,7 +14,11 @@ cuBLASLt in the "TN" layout its fp8 kernels take:
   - within one composite each tensor is quantized once per form:
     matmul_backward writes dy and dy^T in one pass (fp8_quantize_both), and
     gate|up quantizes x once for its two products and x^T once for its two
-    weight gradients.
+    weight gradients;
+  - producer maxima: where the kernel that wrote an operand took its
+    maximum on the way (SwiGLU forward and backward, the norms forward and
+    backward) and no other op has run since, the quantization takes that
+    maximum instead of a pass of its own.
 The classifier, attention, the adapters, the optimizer and master weights
 stay as they were.
 
@@ -38,7 +42,11 @@ refuse):
   - the weight cache (each weight's e4m3 copies quantized once per update):
     training bitwise as quantizing on every call, across updates, with
     graphs, recomputation and ZeRO-1, none at ZeRO-3; weights set between
-    two captured validations are quantized again.
+    two captured validations are quantized again;
+  - producer maxima: the passes that take them (none where another op
+    wrote the operand in between), outputs bitwise as with
+    NANOQ_FP8_PRODUCER_MAXIMA=0 and as float64 gives from the operands' own
+    scales, and training bitwise as without them.
 On a GPU (marked gpu): the same steps and gradients, and 200 steps of the
 demo whose final loss must be within FP8_CURVE_ABS of the bf16 run's
 (bench/gpu_check.sh runs it).
@@ -113,7 +121,13 @@ def probes():
     lib.nanoq_emu_fp8_projection.restype = ctypes.c_int
     lib.nanoq_emu_fp8_backward.restype = ctypes.c_int
     lib.nanoq_emu_fp8_gate_up.restype = ctypes.c_int
+    lib.nanoq_emu_fp8_mlp.restype = ctypes.c_int
+    lib.nanoq_emu_fp8_norms.restype = ctypes.c_int
     return lib
+
+
+def f32(a):
+    return np.ascontiguousarray(a, np.float32)
 
 
 def float_ptr(a):
@@ -299,7 +313,6 @@ def backward(probes, dy, weight, x, dx=None, dweight=None, dweight_f32=True, joi
     passes the backend made."""
     rows, n = dy.shape
     k = weight.shape[1]
-    f32 = lambda a: np.ascontiguousarray(a, np.float32)
     dx_io = np.array(np.zeros((rows, k)) if dx is None else dx, np.float32)  # copies: written in place
     dweight_io = np.array(np.zeros((n, k)) if dweight is None else dweight, np.float32)
     message = ctypes.create_string_buffer(4096)
@@ -375,7 +388,6 @@ def gate_up(probes, x, weights, dgate, dup, joint):
     """(gate, up, dx, dgate_up, quantization passes) of the gate|up probe."""
     rows, channels = x.shape
     intermediate = weights.shape[0] // 2
-    f32 = lambda a: np.ascontiguousarray(a, np.float32)
     gate, up = np.zeros((rows, intermediate), np.float32), np.zeros((rows, intermediate), np.float32)
     dx, dweights = np.zeros((rows, channels), np.float32), np.zeros(weights.shape, np.float32)
     count = ctypes.c_int(-1)
@@ -413,6 +425,116 @@ def test_gate_up_quantizes_each_operand_once(probes):
     want_dweights = np.concatenate([fp8_value(dgate, "e5m2").T @ fp8_value(x, "e4m3"),
                                     fp8_value(dup, "e5m2").T @ fp8_value(x, "e4m3")])
     assert_array_close(joint[3], want_dweights, 1e-6, "dgate_up")
+
+
+def mlp(probes, monkeypatch, producer_maxima, intervene):
+    """The MLP's products in fp8 after the kernels that produce their
+    operands (nanoq_emu_fp8_mlp): inputs, outputs, the quantization passes
+    and how many took a producer's maximum."""
+    monkeypatch.setenv("NANOQ_FP8_PRODUCER_MAXIMA", "1" if producer_maxima else "0")
+    rng = np.random.default_rng(8)
+    rows, intermediate, channels = 64, 256, 32  # SwiGLU in 8 blocks: 8 schedules of the emulator
+    # dup much larger than dgate (small up): a block that mixed dup's partial maxima into dgate's would show.
+    gate = bf16(rng.standard_normal((rows, intermediate)) * 2)
+    up = bf16(rng.standard_normal((rows, intermediate)) * 0.05)
+    down = bf16(rng.standard_normal((channels, intermediate)) * 0.05)
+    dout = bf16(rng.standard_normal((rows, intermediate)) * 1e-3)
+    x = bf16(rng.standard_normal((rows, channels)))
+    weights = bf16(rng.standard_normal((2 * intermediate, channels)) * 0.05)
+    out, dx = np.zeros((rows, channels), np.float32), np.zeros((rows, channels), np.float32)
+    dweights = np.zeros(weights.shape, np.float32)
+    passes, taken = ctypes.c_int(-1), ctypes.c_int(-1)
+    message = ctypes.create_string_buffer(4096)
+    status = probes.nanoq_emu_fp8_mlp(rows, intermediate, channels, *(float_ptr(f32(a)) for a in (gate, up, down)),
+                                      float_ptr(f32(dout)), float_ptr(f32(x)), float_ptr(f32(weights)),
+                                      int(intervene), float_ptr(out), float_ptr(dx), float_ptr(dweights),
+                                      ctypes.byref(passes), ctypes.byref(taken), message, 4096)
+    assert status == 0, message.value.decode()
+    inputs = {"gate": gate, "up": up, "down": down, "dout": dout, "x": x, "gate_up": weights}
+    return inputs, (out, dx, dweights), passes.value, taken.value
+
+
+def silu(g):
+    return g / (1 + np.exp(-g.astype(np.float64)))
+
+
+@pytest.mark.cuda_emulated
+@pytest.mark.parametrize("intervene", [False, True], ids=["adjacent", "another-op-between"])
+def test_the_mlp_products_take_the_swiglu_kernels_maxima(probes, monkeypatch, intervene):
+    """Producer maxima: the down projection's input (SwiGLU's output) and
+    gate|up's dy (dgate, dup) are quantized with the maximum their kernel
+    took as it wrote them (3 of the 7 passes; none where another op wrote
+    them in between: the maximum would be stale); the outputs bitwise those
+    of quantizations that take their own maxima (NANOQ_FP8_PRODUCER_MAXIMA=0),
+    and the products what the operands' own per-tensor scaling gives
+    (independent float64 reference)."""
+    inputs, taking, passes, taken = mlp(probes, monkeypatch, True, intervene)
+    _, own, own_passes, own_taken = mlp(probes, monkeypatch, False, intervene)
+    assert (passes, taken, own_passes, own_taken) == (7, 0 if intervene else 3, 7, 0)
+    for got, want, name in zip(taking, own, ("out", "dx", "dgate_up")):
+        np.testing.assert_array_equal(got, want, name)
+    factor = 2 if intervene else 1  # the other op: t += t
+    g, u, d = inputs["gate"], inputs["up"], inputs["dout"]
+    s = bf16(silu(g) * u) * factor
+    sig = 1 / (1 + np.exp(-g.astype(np.float64)))
+    dgate = bf16(d * u * (sig + silu(g) * (1 - sig))) * factor
+    dup = bf16(d * silu(g))
+    assert_array_close(taking[0], fp8_value(s, "e4m3") @ fp8_value(inputs["down"], "e4m3").T, 2e-2, "out")
+    intermediate = g.shape[1]
+    wg, wu = inputs["gate_up"][:intermediate], inputs["gate_up"][intermediate:]
+    want_dx = fp8_value(dgate, "e5m2") @ fp8_value(wg, "e4m3") + fp8_value(dup, "e5m2") @ fp8_value(wu, "e4m3")
+    assert_array_close(taking[1], want_dx, 2e-2, "dx")
+    want_dweights = np.concatenate([fp8_value(dgate, "e5m2").T @ fp8_value(inputs["x"], "e4m3"),
+                                    fp8_value(dup, "e5m2").T @ fp8_value(inputs["x"], "e4m3")])
+    assert_array_close(taking[2], want_dweights, 2e-2, "dgate_up")
+
+
+def norms(probes, monkeypatch, producer_maxima, intervene):
+    """The fp8 products after the norms (nanoq_emu_fp8_norms): inputs,
+    outputs, the quantization passes and how many took a producer's maximum."""
+    monkeypatch.setenv("NANOQ_FP8_PRODUCER_MAXIMA", "1" if producer_maxima else "0")
+    rng = np.random.default_rng(9)
+    rows, channels, n = 32, 48, 32
+    x = bf16(rng.standard_normal((rows, channels)) * 3)
+    norm_weight = bf16(1 + 0.5 * rng.standard_normal(channels))
+    weight, weight2 = bf16(rng.standard_normal((n, channels)) * 0.05), bf16(rng.standard_normal((channels, n)) * 0.05)
+    dy = bf16(rng.standard_normal((rows, n)) * 1e-2)
+    dres = bf16(rng.standard_normal((rows, channels)) * 1e-3)
+    y, dh = np.zeros((rows, n), np.float32), np.zeros((rows, n), np.float32)
+    dweight2 = np.zeros(weight2.shape, np.float32)
+    passes, taken = ctypes.c_int(-1), ctypes.c_int(-1)
+    message = ctypes.create_string_buffer(4096)
+    status = probes.nanoq_emu_fp8_norms(rows, channels, n, *(float_ptr(f32(a)) for a in (x, norm_weight, weight, dy,
+                                                                                           weight2)),
+                                        int(intervene), float_ptr(y), float_ptr(dres), float_ptr(dh),
+                                        float_ptr(dweight2), ctypes.byref(passes), ctypes.byref(taken), message, 4096)
+    assert status == 0, message.value.decode()
+    inputs = {"x": x, "norm_weight": norm_weight, "weight": weight, "weight2": weight2}
+    return inputs, (y, dres, dh, dweight2), passes.value, taken.value
+
+
+@pytest.mark.cuda_emulated
+@pytest.mark.parametrize("intervene", [False, True], ids=["adjacent", "another-op-between"])
+def test_the_products_after_the_norms_take_the_norm_kernels_maxima(probes, monkeypatch, intervene):
+    """Producer maxima of the norms: a projection's input (RMSNorm's
+    output) and the next projection backward's dy (the residual stream's
+    gradient, which the norm's backward adds into) are quantized with the
+    maximum their kernel took as it wrote them (2 of the 7 passes; none
+    where another op wrote them in between); the outputs bitwise those of
+    quantizations that take their own maxima, and the products what the
+    operands' own per-tensor scaling gives (float64 reference)."""
+    inputs, taking, passes, taken = norms(probes, monkeypatch, True, intervene)
+    _, own, own_passes, own_taken = norms(probes, monkeypatch, False, intervene)
+    assert (passes, taken, own_passes, own_taken) == (7, 0 if intervene else 2, 7, 0)
+    for got, want, name in zip(taking, own, ("y", "dres", "dh", "dweight2")):
+        np.testing.assert_array_equal(got, want, name)
+    x = inputs["x"].astype(np.float64)
+    xn = bf16(inputs["norm_weight"] * x / np.sqrt(np.mean(x * x, axis=1, keepdims=True) + 1e-6))
+    xn = xn * (2 if intervene else 1)
+    y, dres = taking[0], taking[1]
+    assert_array_close(y, fp8_value(xn, "e4m3") @ fp8_value(inputs["weight"], "e4m3").T, 2e-2, "y")
+    assert_array_close(taking[2], fp8_value(dres, "e5m2") @ fp8_value(inputs["weight2"], "e4m3"), 2e-2, "dh")
+    assert_array_close(taking[3], fp8_value(dres, "e5m2").T @ fp8_value(y, "e4m3"), 2e-2, "dweight2")
 
 
 @pytest.mark.cuda_emulated
@@ -519,11 +641,12 @@ def test_the_memory_plan_holds_the_fp8_operands(checkpoints):
     fp8 = estimate_memory(config, nanoq.TrainOptions(matmul_dtype="fp8", **kwargs)).allocations
     plain = estimate_memory(config, nanoq.TrainOptions(**kwargs)).allocations
     segment = [a for a in fp8 if a.name == "fp8-operands"]
-    # 256 bytes of maxima and inverse scales, then what gate|up's backward
-    # holds at once, the most of any call (64 rows, hidden 32, intermediate
-    # 64): dgate and dup, each as stored and transposed (4 x 64 x 64), x^T
-    # (64 x 32) and both weights transposed as if uncached (2 x 64 x 32).
-    expected = 256 + 4 * 64 * 64 + 64 * 32 + 2 * 64 * 32
+    # 256 bytes of maxima and inverse scales, 256 of producer maxima, then
+    # what gate|up's backward holds at once, the most of any call (64 rows,
+    # hidden 32, intermediate 64): dgate and dup, each as stored and
+    # transposed (4 x 64 x 64), x^T (64 x 32) and both weights transposed as
+    # if uncached (2 x 64 x 32).
+    expected = 256 + 256 + 4 * 64 * 64 + 64 * 32 + 2 * 64 * 32
     assert len(segment) == 1 and segment[0].bytes == expected and segment[0].kind == "device"
     assert not [a for a in plain if a.name == "fp8-operands"]
     # The trainer allocates what the plan holds.
@@ -549,12 +672,13 @@ def cache_batch(seed, rows):
     return np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(tokens[:, 1:])
 
 
-def train_fp8(monkeypatch, cache, devices=1, backend="cuda_emulated", **options):
+def train_fp8(monkeypatch, cache, devices=1, backend="cuda_emulated", producer_maxima=True, **options):
     """Statistics of every update and validate, and the weights after
     CACHE_STEPS optimizer steps of CACHE_ACCUM micro-batches in fp8 with the
-    weight cache on or off; the names of device 0's allocations; and the
-    weights before the first step."""
+    weight cache on or off (and producer maxima on or off); the names of
+    device 0's allocations; and the weights before the first step."""
     monkeypatch.setenv("NANOQ_FP8_WEIGHT_CACHE", "1" if cache else "0")
+    monkeypatch.setenv("NANOQ_FP8_PRODUCER_MAXIMA", "1" if producer_maxima else "0")
     opts = nanoq.TrainOptions(backend=backend, dtype="bf16", matmul_dtype="fp8", devices=devices,
                               batch_size=2, seq_len=CACHE_SEQ, grad_accum=CACHE_ACCUM, seed=3, **options)
     stats = []
@@ -592,6 +716,34 @@ def test_the_fp8_weight_cache_trains_bitwise_like_quantizing_every_call(monkeypa
     require_cuda_emulator()
     assert_cache_changes_nothing(train_fp8(monkeypatch, True, devices, **options),
                                  train_fp8(monkeypatch, False, devices, **options), options)
+
+
+@pytest.mark.cuda_emulated
+@pytest.mark.parametrize("devices, options", CACHE_CASES, ids=CACHE_IDS)
+def test_producer_maxima_train_bitwise_like_quantizations_taking_their_own(monkeypatch, devices, options):
+    """SwiGLU's maxima taken for the fp8 quantizations of its output and
+    gradients are the ones those quantizations would take themselves: the
+    same training, bitwise, without and with graphs replayed, with
+    recomputation, and on two devices at ZeRO-1 and ZeRO-3. (That the trainer takes them at all is what the
+    mutation suite's "producer maximum" mutations show: this test catches a
+    wrong one.)"""
+    require_cuda_emulator()
+    assert_same_training(train_fp8(monkeypatch, True, devices, **options),
+                         train_fp8(monkeypatch, True, devices, producer_maxima=False, **options))
+
+
+@pytest.mark.gpu
+def test_producer_maxima_train_bitwise_like_quantizations_taking_their_own_on_the_gpu(monkeypatch, cuda_device):
+    """The same on a GPU: the blocks' atomic maxima run at once there."""
+    options = {"cuda_graphs": True, "recompute": ("block",)}
+    assert_same_training(train_fp8(monkeypatch, True, backend="cuda", **options),
+                         train_fp8(monkeypatch, True, backend="cuda", producer_maxima=False, **options))
+
+
+def assert_same_training(a, b):
+    assert a[0] == b[0]
+    for name, value in b[1].items():
+        assert np.array_equal(a[1][name], value), name
 
 
 @pytest.mark.gpu

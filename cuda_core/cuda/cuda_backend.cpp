@@ -29,10 +29,12 @@ constexpr std::size_t kMatmulWorkspaceBytes = std::size_t(32) << 20;
 // The fused attention's workspace in the scratch plan (when attention runs fused).
 constexpr const char* kAttentionWorkspaceName = "cudnn-attention-workspace";
 // The fp8 operands buffer (one product at a time: they run in order on the
-// stream): the four scale floats (the maxima of the two operands, then their
-// inverse scales), then the first operand, then the second, each 256-byte
-// aligned as cuBLASLt prefers.
+// stream): a header of scale floats (each operand's maximum and inverse
+// scale), then the ring of producer maxima (kFp8ProducedSlots floats), then
+// the operands' codes, each 256-byte aligned as cuBLASLt prefers.
 constexpr std::size_t kFp8Align = 256;
+constexpr int kFp8ProducedSlots = static_cast<int>(kFp8Align / sizeof(float));
+constexpr std::size_t kFp8CodesStart = 2 * kFp8Align;
 constexpr const char* kFp8OperandsName = "fp8-operands";
 constexpr const char* kFp8WeightCacheName = "fp8-weight-cache";
 // The packed q|k|v projection's output (forward) or gradient (backward),
@@ -42,6 +44,15 @@ std::int64_t qkv_packed_elements(const AttentionShape& a) {
     return std::int64_t(a.batch) * a.time * (a.heads + 2 * a.kv_heads) * a.head_dim;
 }
 std::size_t fp8_aligned(std::size_t bytes) { return (bytes + kFp8Align - 1) / kFp8Align * kFp8Align; }
+
+// An on/off environment switch: true unless it is "0"; InvalidArgument for
+// anything but "", "0" and "1".
+bool env_switch(const char* name) {
+    const char* env = std::getenv(name);
+    if (env && *env && std::strcmp(env, "0") && std::strcmp(env, "1"))
+        throw InvalidArgument(std::string(name) + " must be 0 or 1, got \"" + env + "\"");
+    return !(env && !std::strcmp(env, "0"));
+}
 
 // Calls fn(T{}) with T the C++ type of an activation/weight dtype.
 template <class Fn>
@@ -188,7 +199,7 @@ std::size_t CudaBackend::fp8_operand_bytes(const ScratchShapes& s) {
         for (std::size_t operand : operands) bytes += fp8_aligned(operand);
         most = std::max(most, bytes);
     }
-    return kFp8Align + most;  // the header of maxima and inverse scales, then the codes
+    return kFp8CodesStart + most;  // the header of maxima and inverse scales, the producer maxima, the codes
 }
 
 // The fp8 weight cache: each projection weight's e4m3 copy (forward) and
@@ -205,10 +216,7 @@ std::size_t CudaBackend::fp8_operand_bytes(const ScratchShapes& s) {
 // turns the cache off (the tests compare the two).
 std::size_t CudaBackend::fp8_weight_cache_bytes(const ScratchShapes& s) {
     if (s.matmul_dtype != MatmulPrecision::FP8 || !s.weights_in_place || s.layers <= 0) return 0;
-    const char* env = std::getenv("NANOQ_FP8_WEIGHT_CACHE");
-    if (env && !std::strcmp(env, "0")) return 0;
-    if (env && *env && std::strcmp(env, "1"))
-        throw InvalidArgument(std::string("NANOQ_FP8_WEIGHT_CACHE must be 0 or 1, got \"") + env + "\"");
+    if (!env_switch("NANOQ_FP8_WEIGHT_CACHE")) return 0;
     const AttentionShape& a = s.attention;
     const std::size_t hidden = s.hidden, intermediate = s.intermediate;
     const std::size_t q = std::size_t(a.heads) * a.head_dim, kv = std::size_t(a.kv_heads) * a.head_dim;
@@ -308,6 +316,7 @@ void CudaBackend::raw_free(void* data, MemoryKind kind) {
 }
 
 void CudaBackend::reserve_scratch(NamedAllocator& allocator, const ScratchShapes& s) {
+    const OpScope op(*this);
     NANOQ_CUDA_CHECK(cudaSetDevice(device_));  // CUB sizes its storage for the current device
     if (s.matmul_dtype == MatmulPrecision::FP8) {
         // cuBLASLt's fp8 matmuls need Ada or Hopper (compute capability 8.9 or newer).
@@ -338,6 +347,8 @@ void CudaBackend::reserve_scratch(NamedAllocator& allocator, const ScratchShapes
     }
     fp8_cache_slots_.clear();
     fp8_cache_used_ = kFp8Align;  // the generation word's block
+    fp8_producer_maxima_ = env_switch("NANOQ_FP8_PRODUCER_MAXIMA");
+    fp8_forget_produced();
     if (fp8_weight_cache_.data) {
         // Generation 1, every stamp 0: each slot is quantized on first use.
         NANOQ_CUDA_CHECK(cudaMemsetAsync(fp8_weight_cache_.data, 0, fp8_weight_cache_.bytes(), stream_));
@@ -351,6 +362,7 @@ void* CudaBackend::scratch(std::size_t bytes) const {
 }
 
 void CudaBackend::copy_from_host(const Tensor& dst, const void* src) {
+    const OpScope op(*this);
     const std::size_t bytes = dst.bytes();
     // pinned_ is free again once the copies out of it are known complete:
     // after synchronize(), or once the event after the latest one has
@@ -369,10 +381,12 @@ void CudaBackend::copy_from_host(const Tensor& dst, const void* src) {
 }
 
 void CudaBackend::copy_from_device(const Tensor& dst, const void* src, int source_device) {
+    const OpScope op(*this);
     NANOQ_CUDA_CHECK(cudaMemcpyPeerAsync(dst.data, device_, src, source_device, dst.bytes(), stream_));
 }
 
 void CudaBackend::copy_to_host(void* dst, const Tensor& src) {
+    const OpScope op(*this);
     // Into pageable memory the copy blocks the host until the stream gets
     // there; a polling wait first keeps that from hanging on a collective
     // that a failed peer never joins.
@@ -381,6 +395,7 @@ void CudaBackend::copy_to_host(void* dst, const Tensor& src) {
 }
 
 void CudaBackend::copy(const Tensor& dst, const Tensor& src) {
+    const OpScope op(*this);
     if (dst.numel() != src.numel()) throw InternalError("copy between tensors of different sizes");
     if (dst.dtype == src.dtype) {
         // Default: either side may be pinned host memory (offloaded optimizer state).
@@ -397,6 +412,7 @@ void CudaBackend::copy(const Tensor& dst, const Tensor& src) {
 }
 
 void CudaBackend::fill(const Tensor& t, float value) {
+    const OpScope op(*this);
     if (t.dtype == DType::F64) {  // the statistics
         cuda::fill<double>(t.f64(), value, t.numel(), stream_);
     } else {
@@ -409,6 +425,7 @@ void CudaBackend::fill(const Tensor& t, float value) {
 }
 
 void CudaBackend::synchronize() {
+    const OpScope op(*this);
     host_wait(stream_);
     pinned_used_ = 0;  // every staged copy has completed
 }
@@ -444,6 +461,13 @@ void CudaBackend::host_wait(cudaEvent_t event) {
 }
 
 void CudaBackend::run_captured(const std::string& key, const std::function<void()>& body) {
+    // The body's ops open their own scopes; a replay runs them without any:
+    // no producer maximum recorded before or inside outlives the call.
+    fp8_forget_produced();
+    struct Forget {
+        CudaBackend& backend;
+        ~Forget() { backend.fp8_forget_produced(); }
+    } forget{*this};
     if (!options_.cuda_graphs) return body();
     auto found = graphs_.find(key);
     if (found == graphs_.end()) {
@@ -483,6 +507,7 @@ void CudaBackend::run_captured(const std::string& key, const std::function<void(
 }
 
 void CudaBackend::copy_from_staging(const Tensor& dst, const void* src) {
+    const OpScope op(*this);
     // The source is pinned: the copy is asynchronous, and the trainer keeps
     // it unchanged until wait_batch_read().
     NANOQ_CUDA_CHECK(cudaMemcpyAsync(dst.data, src, dst.bytes(), cudaMemcpyDefault, stream_));
@@ -493,6 +518,7 @@ void CudaBackend::mark_batch_read() { NANOQ_CUDA_CHECK(cudaEventRecord(batch_rea
 void CudaBackend::wait_batch_read() { host_wait(batch_read_); }
 
 void CudaBackend::record_batch_ready(const std::uintptr_t* streams, int count) {
+    const OpScope op(*this);
     if (count > 2) throw InternalError("record_batch_ready takes the inputs' and the targets' streams");
     // The caller's thread: its current device decides which device's default
     // stream 1 and 2 name, so it is this device's for the records, then the
@@ -512,6 +538,7 @@ void CudaBackend::record_batch_ready(const std::uintptr_t* streams, int count) {
 }
 
 void CudaBackend::wait_batch_ready(Backend& source) {
+    const OpScope op(*this);
     const auto& from = dynamic_cast<const CudaBackend&>(source);
     for (int i = 0; i < from.batch_ready_count_; ++i)
         NANOQ_CUDA_CHECK(cudaStreamWaitEvent(stream_, from.batch_ready_[i], 0));
@@ -556,7 +583,7 @@ void CudaBackend::fp8_begin() {
     // Inside an Fp8Reuse only its first product begins the buffer.
     if (fp8_reuse_depth_ > 0 && fp8_reuse_begun_) return;
     fp8_reuse_begun_ = fp8_reuse_depth_ > 0;
-    fp8_used_ = kFp8Align;  // the header
+    fp8_used_ = kFp8CodesStart;  // the header and the producer maxima
     fp8_scales_used_ = 0;
     fp8_reused_.clear();
     NANOQ_CUDA_CHECK(cudaMemsetAsync(fp8_operands_.data, 0, kFp8Align, stream_));  // every maximum starts at 0
@@ -586,13 +613,17 @@ CudaBackend::Fp8Operand CudaBackend::fp8_operand(const Tensor& x, int rows, int 
         if (k == key) return operand;
     float* scales = fp8_take_scales();  // maximum, inverse scale
     std::uint8_t* codes = fp8_take(std::size_t(rows) * cols, rows, cols);
+    float* produced = fp8_produced_max(x, std::int64_t(rows) * cols);
+    float* amax = produced ? produced : &scales[0];
     if (transposed)
-        cuda::fp8_quantize_transposed<bf16>(codes, &scales[0], &scales[1], ptr<bf16>(x), rows, cols, format, stream_);
+        cuda::fp8_quantize_transposed<bf16>(codes, amax, &scales[1], ptr<bf16>(x), rows, cols, format,
+                                            produced != nullptr, stream_);
     else
-        cuda::fp8_quantize<bf16>(codes, &scales[0], &scales[1], ptr<bf16>(x), std::int64_t(rows) * cols, format,
-                                 stream_);
+        cuda::fp8_quantize<bf16>(codes, amax, &scales[1], ptr<bf16>(x), std::int64_t(rows) * cols, format,
+                                 produced != nullptr, stream_);
     NANOQ_CUDA_CHECK_LAUNCH();
     ++fp8_quantizations_;
+    if (produced) ++fp8_producer_maxima_taken_;
     const Fp8Operand operand{codes, &scales[1]};
     fp8_reused_.push_back({key, operand});
     return operand;
@@ -607,12 +638,63 @@ void CudaBackend::fp8_both_forms(const Tensor& x, int rows, int cols, Fp8Format 
     float* scales = fp8_take_scales();
     std::uint8_t* plain = fp8_take(std::size_t(rows) * cols, rows, cols);
     std::uint8_t* transposed = fp8_take(std::size_t(rows) * cols, rows, cols);
-    cuda::fp8_quantize_both<bf16>(plain, transposed, &scales[0], &scales[1], ptr<bf16>(x), rows, cols, format,
-                                  stream_);
+    float* produced = fp8_produced_max(x, std::int64_t(rows) * cols);
+    cuda::fp8_quantize_both<bf16>(plain, transposed, produced ? produced : &scales[0], &scales[1], ptr<bf16>(x), rows,
+                                  cols, format, produced != nullptr, stream_);
     NANOQ_CUDA_CHECK_LAUNCH();
     ++fp8_quantizations_;
+    if (produced) ++fp8_producer_maxima_taken_;
     fp8_reused_.push_back({plain_key, {plain, &scales[1]}});
     fp8_reused_.push_back({transposed_key, {transposed, &scales[1]}});
+}
+
+// Producer maxima. Current scaling needs each operand's largest magnitude
+// before its quantization; where the kernel that wrote the operand has just
+// taken it on the way, the quantization uses that and leaves its own pass
+// out: SwiGLU's output (the down projection's input) and its gradients
+// dgate and dup (gate|up's dy), the largest operands (rows x intermediate);
+// the norms' outputs (the q|k|v and gate|up projections' input); and the
+// norms' input gradient, the residual stream's gradient (the o and down
+// projections' dy). Not attention's output (cuDNN's or the native kernel's:
+// its own pass) nor the packed q|k|v gradient, nor any x^T of a weight
+// gradient (the forward's record is long gone by then). The maximum is the
+// same number (the largest magnitude of the values as stored), so the codes
+// are bitwise those of a quantization that takes it itself
+// (NANOQ_FP8_PRODUCER_MAXIMA=0 turns producer maxima off; the tests compare
+// the two). A producer records which tensor its maximum is of
+// (fp8_produce_max); the record is good for the rest of its op and for the
+// next op, never later: every op that queues work opens an OpScope, and the
+// outermost scope of a call (next_op) forgets the records older than the
+// previous op's. So no other op can have written the tensor in between, as
+// a later op might (a transient's memory is another tensor's afterwards).
+// A replayed CUDA graph runs ops that open no scope: run_captured forgets
+// every record before and after. The maxima live in a ring of slots after
+// the operand buffer's header; a record whose slot is taken again goes.
+void CudaBackend::next_op() {
+    fp8_produced_before_ = std::move(fp8_produced_);
+    fp8_produced_.clear();
+}
+
+float* CudaBackend::fp8_produce_max(const Tensor& out, std::int64_t written) {
+    if (!fp8_producer_maxima_ || !fp8_operands_.data || out.dtype != DType::BF16 || written != out.numel() ||
+        options_.matmul_dtype != MatmulPrecision::FP8 || in_classifier_)
+        return nullptr;
+    float* slot = reinterpret_cast<float*>(static_cast<char*>(fp8_operands_.data) + kFp8Align) + fp8_produced_next_;
+    fp8_produced_next_ = (fp8_produced_next_ + 1) % kFp8ProducedSlots;
+    for (auto* records : {&fp8_produced_, &fp8_produced_before_})
+        records->erase(std::remove_if(records->begin(), records->end(),
+                                      [&](const ProducedMax& r) { return r.amax == slot; }),
+                       records->end());
+    NANOQ_CUDA_CHECK(cudaMemsetAsync(slot, 0, sizeof(float), stream_));
+    fp8_produced_.push_back({out.data, out.numel(), slot});
+    return slot;
+}
+
+float* CudaBackend::fp8_produced_max(const Tensor& x, std::int64_t numel) const {
+    for (const auto* records : {&fp8_produced_, &fp8_produced_before_})
+        for (auto r = records->rbegin(); r != records->rend(); ++r)  // the latest first
+            if (r->data == x.data && r->numel == numel) return r->amax;
+    return nullptr;
 }
 
 CudaBackend::Fp8Operand CudaBackend::fp8_weight(const Tensor& weight, int rows, int cols, bool transposed) {
@@ -623,6 +705,7 @@ CudaBackend::Fp8Operand CudaBackend::fp8_weight(const Tensor& weight, int rows, 
 }
 
 void CudaBackend::weights_changed() {
+    const OpScope op(*this);
     if (!fp8_weight_cache_.data) return;
     cuda::fp8_advance_generation(static_cast<unsigned*>(fp8_weight_cache_.data), stream_);
     NANOQ_CUDA_CHECK_LAUNCH();
@@ -703,12 +786,14 @@ bool CudaBackend::fp8_weight_grad(const Tensor& dweight, const Tensor& dy, const
 
 void CudaBackend::matmul_input_grad(const Tensor& dx, const Tensor& dy, const Tensor& weight, int rows, int n, int k,
                                     bool accumulate) {
+    const OpScope op(*this);
     if (fp8_input_grad(dx, dy, weight, rows, n, k, accumulate)) return;
     Backend::matmul_input_grad(dx, dy, weight, rows, n, k, accumulate);
 }
 
 void CudaBackend::matmul_weight_grad(const Tensor& dweight, const Tensor& dbias, const Tensor& dy, const Tensor& x,
                                      int rows, int n, int k) {
+    const OpScope op(*this);
     if (!fp8_weight_grad(dweight, dy, x, rows, n, k))
         return Backend::matmul_weight_grad(dweight, dbias, dy, x, rows, n, k);
     if (dbias.data) bias_backward(dbias, dy, rows, n);  // the bias gradient stays in bf16
@@ -716,6 +801,7 @@ void CudaBackend::matmul_weight_grad(const Tensor& dweight, const Tensor& dbias,
 
 void CudaBackend::matmul_backward(const Tensor& dx, bool accumulate, const Tensor& dweight, const Tensor& dbias,
                                   const Tensor& dy, const Tensor& weight, const Tensor& x, int rows, int n, int k) {
+    const OpScope op(*this);
     Fp8Reuse reuse(*this);
     if (dweight.data && fp8_input_grad_runs(dx, dy, weight, rows, n, k) &&
         fp8_weight_grad_runs(dweight, dy, x, rows, n, k))
@@ -725,6 +811,7 @@ void CudaBackend::matmul_backward(const Tensor& dx, bool accumulate, const Tenso
 
 void CudaBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, int M, int N, int K, bool trans_a,
                          bool trans_b, bool accumulate) {
+    const OpScope op(*this);
     if (fp8_projection(out, a, b, Tensor(), M, N, K, trans_a, trans_b, accumulate, 1.0f)) return;
     matmul_->run(out, a, b, M, N, K, trans_a, trans_b, accumulate, matmul_workspace_.data, matmul_workspace_.bytes(),
                  stream_);
@@ -732,6 +819,7 @@ void CudaBackend::matmul(const Tensor& out, const Tensor& a, const Tensor& b, in
 
 void CudaBackend::matmul_epilogue(const Tensor& out, const Tensor& a, const Tensor& b, const Tensor& bias, int M,
                                   int N, int K, bool trans_a, bool trans_b, bool accumulate, float scale) {
+    const OpScope op(*this);
     // The scale is cuBLASLt's alpha and the bias its epilogue: one pass over
     // out. What the epilogue cannot take runs the default body (which
     // rejects a scale on an accumulating product).
@@ -745,6 +833,7 @@ void CudaBackend::matmul_epilogue(const Tensor& out, const Tensor& a, const Tens
 void CudaBackend::classifier(const Tensor& hidden, const Tensor& lm_head, const Tensor& targets, const Tensor& stats,
                              const Tensor& dhidden, const Tensor& dlm_head, const Tensor& workspace, int rows,
                              int channels, int vocab, int time, float z_loss) {
+    const OpScope op(*this);
     struct Scope {
         bool& flag;
         explicit Scope(bool& f) : flag(f) { flag = true; }
@@ -755,6 +844,7 @@ void CudaBackend::classifier(const Tensor& hidden, const Tensor& lm_head, const 
 }
 
 void CudaBackend::add_bias(const Tensor& out, const Tensor& bias, int rows, int cols) {
+    const OpScope op(*this);
     require_same_dtype(out, bias, "add_bias");
     with_dtype(out.dtype, [&](auto tag) {
         using T = decltype(tag);
@@ -764,6 +854,7 @@ void CudaBackend::add_bias(const Tensor& out, const Tensor& bias, int rows, int 
 }
 
 void CudaBackend::bias_backward(const Tensor& dbias, const Tensor& dout, int rows, int cols) {
+    const OpScope op(*this);
     with_dtype(dout.dtype, [&](auto tag) {
         using T = decltype(tag);
         float* work = static_cast<float*>(scratch(sizeof(float) * bias_backward_scratch_floats(rows, cols)));
@@ -773,6 +864,7 @@ void CudaBackend::bias_backward(const Tensor& dbias, const Tensor& dout, int row
 }
 
 void CudaBackend::add(const Tensor& out, const Tensor& a, const Tensor& b) {
+    const OpScope op(*this);
     require_same_dtype(a, b, "add");
     with_dtype(out.dtype, [&](auto tag) {
         using T = decltype(tag);
@@ -782,6 +874,7 @@ void CudaBackend::add(const Tensor& out, const Tensor& a, const Tensor& b) {
 }
 
 void CudaBackend::accumulate(const Tensor& out, const Tensor& a) {
+    const OpScope op(*this);
     require_same_dtype(out, a, "accumulate");
     with_dtype(out.dtype, [&](auto tag) {
         using T = decltype(tag);
@@ -792,6 +885,7 @@ void CudaBackend::accumulate(const Tensor& out, const Tensor& a) {
 
 void CudaBackend::scale_dropout(const Tensor& out, const Tensor& in, float scale, float drop, std::uint64_t seed,
                                 const Tensor& seed_base) {
+    const OpScope op(*this);
     require_same_dtype(out, in, "scale_dropout");
     const std::uint64_t* base = seed_base.data ? seed_base_value(seed_base) : nullptr;
     with_dtype(out.dtype, [&](auto tag) {
@@ -803,6 +897,7 @@ void CudaBackend::scale_dropout(const Tensor& out, const Tensor& in, float scale
 
 void CudaBackend::embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& table, int rows,
                                     int channels) {
+    const OpScope op(*this);
     with_dtype(table.dtype, [&](auto tag) {
         using T = decltype(tag);
         cuda::embedding_forward<T>(ptr<T>(out), tokens.i32(), ptr<T>(table), rows, channels, stream_);
@@ -812,6 +907,7 @@ void CudaBackend::embedding_forward(const Tensor& out, const Tensor& tokens, con
 
 void CudaBackend::embedding_backward(const Tensor& table_grad, const Tensor& dout, const Tensor& tokens, int rows,
                                      int channels) {
+    const OpScope op(*this);
     const int vocab = static_cast<int>(table_grad.numel() / channels);
     with_dtype(dout.dtype, [&](auto tag) {
         using T = decltype(tag);
@@ -823,10 +919,12 @@ void CudaBackend::embedding_backward(const Tensor& table_grad, const Tensor& dou
 
 void CudaBackend::rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight,
                                   int rows, int channels, float eps) {
+    const OpScope op(*this);
     require_same_dtype(inp, weight, "rmsnorm_forward");
     with_dtype(inp.dtype, [&](auto tag) {
         using T = decltype(tag);
-        cuda::rmsnorm_forward<T>(ptr<T>(out), rstd.f32(), ptr<T>(inp), ptr<T>(weight), rows, channels, eps, stream_);
+        cuda::rmsnorm_forward<T>(ptr<T>(out), rstd.f32(), ptr<T>(inp), ptr<T>(weight), rows, channels, eps,
+                                 fp8_produce_max(out, std::int64_t(rows) * channels), stream_);
     });
     NANOQ_CUDA_CHECK_LAUNCH();
 }
@@ -834,18 +932,21 @@ void CudaBackend::rmsnorm_forward(const Tensor& out, const Tensor& rstd, const T
 void CudaBackend::rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                                    const Tensor& weight, const Tensor& rstd, int rows, int channels,
                                    bool accumulate) {
+    const OpScope op(*this);
     require_same_dtype(inp, weight, "rmsnorm_backward");
     with_dtype(inp.dtype, [&](auto tag) {
         using T = decltype(tag);
         void* work = scratch(rmsnorm_backward_scratch_bytes(rows, channels));
         cuda::rmsnorm_backward<T>(ptr<T>(dinp), dweight.f32(), ptr<T>(dout), ptr<T>(inp), ptr<T>(weight),
-                                  rstd.f32(), rows, channels, accumulate, work, stream_);
+                                  rstd.f32(), rows, channels, accumulate,
+                                  fp8_produce_max(dinp, std::int64_t(rows) * channels), work, stream_);
     });
     NANOQ_CUDA_CHECK_LAUNCH();
 }
 
 void CudaBackend::rope_forward(const Tensor& x, const Tensor& cos_sin, int batch, int time, int heads,
                                int head_dim) {
+    const OpScope op(*this);
     with_dtype(x.dtype, [&](auto tag) {
         using T = decltype(tag);
         cuda::rope_forward<T>(ptr<T>(x), cos_sin.f32(), batch, time, heads, head_dim, stream_);
@@ -855,6 +956,7 @@ void CudaBackend::rope_forward(const Tensor& x, const Tensor& cos_sin, int batch
 
 void CudaBackend::rope_backward(const Tensor& dx, const Tensor& cos_sin, int batch, int time, int heads,
                                 int head_dim) {
+    const OpScope op(*this);
     with_dtype(dx.dtype, [&](auto tag) {
         using T = decltype(tag);
         cuda::rope_backward<T>(ptr<T>(dx), cos_sin.f32(), batch, time, heads, head_dim, stream_);
@@ -881,6 +983,7 @@ bool fused_attention_fits(const Tensor& positions) { return !positions.data; }
 
 void CudaBackend::attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
                                     const Tensor& v, const Tensor& positions, const AttentionShape& s) {
+    const OpScope op(*this);
     if (attention_fused_ && fused_attention_fits(positions)) {
         const AttentionTensors tensors{out, lse, q, k, v, {}, {}, {}, {}};
         fused_attention_->forward(tensors, s, attention_workspace_, stream_);
@@ -901,6 +1004,7 @@ void CudaBackend::attention_forward(const Tensor& out, const Tensor& lse, const 
 // kernel: a fused library would plan anew for every length.
 void CudaBackend::attention_decode(const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
                                    const AttentionShape& s, const Tensor& workspace, const Tensor& lse_workspace) {
+    const OpScope op(*this);
     if (s.batch != 1) throw InternalError("attention_decode attends for one sequence (batch 1)");
     const std::int64_t time = s.time, width = std::int64_t(s.heads) * s.head_dim;
     if (workspace.numel() < 2 * time * width || lse_workspace.numel() < s.heads * time)
@@ -920,6 +1024,7 @@ void CudaBackend::attention_decode(const Tensor& out, const Tensor& q, const Ten
 void CudaBackend::attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
                                      const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
                                      const Tensor& v, const Tensor& positions, const AttentionShape& s) {
+    const OpScope op(*this);
     if (attention_fused_ && fused_attention_fits(positions)) {
         const AttentionTensors tensors{out, lse, q, k, v, dout, dq, dk, dv};
         fused_attention_->backward(tensors, s, attention_workspace_, stream_);
@@ -936,25 +1041,31 @@ void CudaBackend::attention_backward(const Tensor& dq, const Tensor& dk, const T
 }
 
 void CudaBackend::swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) {
+    const OpScope op(*this);
     with_dtype(gate.dtype, [&](auto tag) {
         using T = decltype(tag);
-        cuda::swiglu_forward<T>(ptr<T>(out), ptr<T>(gate), ptr<T>(up), out.numel(), stream_);
+        cuda::swiglu_forward<T>(ptr<T>(out), ptr<T>(gate), ptr<T>(up), out.numel(), fp8_produce_max(out, out.numel()),
+                                stream_);
     });
     NANOQ_CUDA_CHECK_LAUNCH();
 }
 
 void CudaBackend::swiglu_backward(const Tensor& dgate, const Tensor& dup, const Tensor& dout, const Tensor& gate,
                                   const Tensor& up) {
+    const OpScope op(*this);
     with_dtype(gate.dtype, [&](auto tag) {
         using T = decltype(tag);
+        float* dgate_max = fp8_produce_max(dgate, dout.numel());
+        float* dup_max = fp8_produce_max(dup, dout.numel());
         cuda::swiglu_backward<T>(ptr<T>(dgate), ptr<T>(dup), ptr<T>(dout), ptr<T>(gate), ptr<T>(up), dout.numel(),
-                                 stream_);
+                                 dgate_max, dup_max, stream_);
     });
     NANOQ_CUDA_CHECK_LAUNCH();
 }
 
 void CudaBackend::cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& stats, int rows, int vocab,
                                 int first_position, int time, float z_loss, bool with_grad) {
+    const OpScope op(*this);
     with_dtype(logits.dtype, [&](auto tag) {
         using T = decltype(tag);
         float* work = static_cast<float*>(scratch(sizeof(float) * classifier_scratch_floats(rows)));
@@ -965,18 +1076,21 @@ void CudaBackend::cross_entropy(const Tensor& logits, const Tensor& targets, con
 }
 
 void CudaBackend::sum_squares(const Tensor& out, const Tensor& x) {
+    const OpScope op(*this);
     float* work = static_cast<float*>(scratch(sizeof(float) * sum_squares_scratch_floats(x.numel())));
     cuda::sum_squares(out.f64(), x.f32(), x.numel(), work, stream_);
     NANOQ_CUDA_CHECK_LAUNCH();
 }
 
 void CudaBackend::optimizer_scale(const Tensor& out, const Tensor& gathered, int ranks, const Tensor& grad_clip) {
+    const OpScope op(*this);
     cuda::optimizer_scale(out.f32(), gathered.f64(), ranks, kGatherStride, grad_clip.f64(), stream_);
     NANOQ_CUDA_CHECK_LAUNCH();
 }
 
 void CudaBackend::adamw(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                         const Tensor& scale, const AdamWStep& s) {
+    const OpScope op(*this);
     require_same_dtype(m, v, "adamw moments");
     with_dtype(param.dtype, [&](auto param_tag) {
         using P = decltype(param_tag);
@@ -990,6 +1104,7 @@ void CudaBackend::adamw(const Tensor& param, const Tensor& grad, const Tensor& m
 }
 
 void CudaBackend::adamw_shard(const AdamWShard& a) {
+    const OpScope op(*this);
     require_same_dtype(a.m, a.v, "adamw_shard moments");
     if (a.step_values.numel() != kAdamWStepSlots || a.segments.numel() % kAdamWSegmentSlots != 0 || a.chunk < 1)
         throw InternalError("adamw_shard: malformed step values, segment table or chunk");
@@ -1023,12 +1138,14 @@ void CudaBackend::adamw_shard(const AdamWShard& a) {
 void CudaBackend::residual_rmsnorm_forward(const Tensor& residual_out, const Tensor& out, const Tensor& rstd,
                                            const Tensor& residual, const Tensor& delta, const Tensor& weight,
                                            int rows, int channels, float eps) {
+    const OpScope op(*this);
     require_same_dtype(residual, delta, "residual_rmsnorm_forward");
     require_same_dtype(residual, weight, "residual_rmsnorm_forward");
     with_dtype(residual.dtype, [&](auto tag) {
         using T = decltype(tag);
         cuda::residual_rmsnorm_forward<T>(ptr<T>(residual_out), ptr<T>(out), rstd.f32(), ptr<T>(residual),
-                                          ptr<T>(delta), ptr<T>(weight), rows, channels, eps, stream_);
+                                          ptr<T>(delta), ptr<T>(weight), rows, channels, eps,
+                                          fp8_produce_max(out, std::int64_t(rows) * channels), stream_);
     });
     NANOQ_CUDA_CHECK_LAUNCH();
 }
@@ -1050,6 +1167,7 @@ const T* optional_ptr(const Tensor& t) {
 
 void CudaBackend::qk_norm_rope_forward(const QkvActivations& a, const QkvWeights& w, const Tensor& cos_sin,
                                        const QkvShape& s) {
+    const OpScope op(*this);
     const AttentionShape& t = s.attention;
     if (!fused_qk_norm_rope(a.q.dtype, t.head_dim)) return Backend::qk_norm_rope_forward(a, w, cos_sin, s);
     with_dtype(a.q.dtype, [&](auto tag) {
@@ -1067,6 +1185,7 @@ void CudaBackend::qk_norm_rope_forward(const QkvActivations& a, const QkvWeights
 void CudaBackend::qk_norm_rope_backward(const Tensor& dq, const Tensor& dk, const QkvActivations& a,
                                         const QkvWeights& w, const QkvWeights& g, const Tensor& cos_sin,
                                         const QkvShape& s) {
+    const OpScope op(*this);
     if (!fused_qk_norm_rope(dq.dtype, s.attention.head_dim))
         return Backend::qk_norm_rope_backward(dq, dk, a, w, g, cos_sin, s);
     norm_rope_backward(Tensor(), dq, dk, Tensor(), a, w, g, cos_sin, s);
@@ -1153,6 +1272,7 @@ Tensor CudaBackend::packed_qkv(const QkvShape& s, std::initializer_list<const Te
 }
 
 void CudaBackend::qkv_projection(const QkvActivations& a, const Tensor& x, const QkvWeights& w, const QkvShape& s) {
+    const OpScope op(*this);
     const bool norms = w.q_norm.data != nullptr;
     const Tensor& q = norms ? a.q_raw : a.q;
     const Tensor& k = norms ? a.k_raw : a.k;
@@ -1172,6 +1292,7 @@ void CudaBackend::qkv_projection(const QkvActivations& a, const Tensor& x, const
 
 void CudaBackend::qkv_forward(const QkvActivations& a, const Tensor& x, const QkvWeights& w, const Tensor& cos_sin,
                               const QkvShape& s) {
+    const OpScope op(*this);
     const bool norms = w.q_norm.data != nullptr;
     const Tensor packed =
         norms ? packed_qkv(s, {&a.q, &a.k, &a.v, &a.q_raw, &a.k_raw}) : packed_qkv(s, {&a.q, &a.k, &a.v});
@@ -1199,6 +1320,7 @@ void CudaBackend::packed_qkv_backward(const Tensor& dx, bool accumulate, const Q
 void CudaBackend::qkv_projection_backward(const Tensor& dx, bool accumulate, const QkvWeights& g, const Tensor& dq,
                                           const Tensor& dk, const Tensor& dv, const Tensor& x, const QkvWeights& w,
                                           const QkvShape& s) {
+    const OpScope op(*this);
     const Tensor packed = packed_qkv(s, {&dq, &dk, &dv});
     if (!packed.data) return Backend::qkv_projection_backward(dx, accumulate, g, dq, dk, dv, x, w, s);
     const AttentionShape& t = s.attention;
@@ -1215,6 +1337,7 @@ void CudaBackend::qkv_projection_backward(const Tensor& dx, bool accumulate, con
 void CudaBackend::qkv_backward(const Tensor& dx, bool accumulate, const QkvWeights& g, const Tensor& dq,
                                const Tensor& dk, const Tensor& dv, const QkvActivations& a, const Tensor& x,
                                const QkvWeights& w, const Tensor& cos_sin, const QkvShape& s) {
+    const OpScope op(*this);
     const Tensor packed = packed_qkv(s, {&dq, &dk, &dv});
     if (!packed.data) return Backend::qkv_backward(dx, accumulate, g, dq, dk, dv, a, x, w, cos_sin, s);
     norm_rope_backward(packed, dq, dk, dv, a, w, g, cos_sin, s);
@@ -1223,6 +1346,7 @@ void CudaBackend::qkv_backward(const Tensor& dx, bool accumulate, const QkvWeigh
 
 void CudaBackend::gate_up_projection(const Tensor& gate, const Tensor& up, const Tensor& x, const Tensor& gate_up,
                                      int rows, int intermediate, int channels) {
+    const OpScope op(*this);
     const std::int64_t distance = following(gate, up);
     if (distance < 0 || options_.matmul_dtype == MatmulPrecision::FP8 || x.dtype != gate_up.dtype) {
         Fp8Reuse reuse(*this);  // fp8: x quantized once for both
@@ -1236,6 +1360,7 @@ void CudaBackend::gate_up_projection(const Tensor& gate, const Tensor& up, const
 void CudaBackend::gate_up_projection_backward(const Tensor& dx, bool accumulate, const Tensor& dgate_up,
                                               const Tensor& dgate, const Tensor& dup, const Tensor& x,
                                               const Tensor& gate_up, int rows, int intermediate, int channels) {
+    const OpScope op(*this);
     const std::int64_t block = std::int64_t(intermediate) * channels;
     const Tensor weight[2] = {gate_up.slice(0, block), gate_up.slice(block, block)};
     // fp8: dgate and dup quantized once each for dgrad and wgrad, x^T once for both wgrads.

@@ -35,6 +35,9 @@ public:
     // quantize operands into its buffer (both forms at once count one; the
     // weight cache's do not count). The emulator's probes read it.
     std::uint64_t fp8_quantizations() const { return fp8_quantizations_; }
+    // How many of those took their maximum from a producing kernel instead
+    // of a pass of their own (producer maxima, cuda_backend.cpp).
+    std::uint64_t fp8_producer_maxima_taken() const { return fp8_producer_maxima_taken_; }
     cudaStream_t stream() const { return stream_; }
     // Waits on the host until `stream` has run everything queued on it. It
     // polls rather than blocking in the runtime, calling the check set by
@@ -175,6 +178,33 @@ public:
 
 private:
     void* scratch(std::size_t bytes) const;
+    // Every op that queues work opens one, first thing (cuda_backend.cpp,
+    // producer maxima): the outermost one of a call is the start of an op.
+    class OpScope {
+    public:
+        explicit OpScope(CudaBackend& backend) : backend_(backend) {
+            if (backend_.op_depth_++ == 0) backend_.next_op();
+        }
+        ~OpScope() { --backend_.op_depth_; }
+        OpScope(const OpScope&) = delete;
+        OpScope& operator=(const OpScope&) = delete;
+
+    private:
+        CudaBackend& backend_;
+    };
+    void next_op();
+    void fp8_forget_produced() {
+        fp8_produced_.clear();
+        fp8_produced_before_.clear();
+    }
+    // A device float for the largest magnitude of `out` (bf16, as stored)
+    // that the producing kernel about to be launched takes, zeroed on the
+    // stream and recorded for out; null when fp8 is off, out is not bf16,
+    // the kernel writes less than all of out (`written` elements) or
+    // producer maxima are off (NANOQ_FP8_PRODUCER_MAXIMA=0).
+    float* fp8_produce_max(const Tensor& out, std::int64_t written);
+    // The recorded maximum of x[numel] (this op's or the previous op's), or null.
+    float* fp8_produced_max(const Tensor& x, std::int64_t numel) const;
     // The fp8 path of a projection out = a @ b^T (+ bias): true when it ran,
     // false when the call is not one (see cuda_backend.cpp) or fp8 is off.
     bool fp8_projection(const Tensor& out, const Tensor& a, const Tensor& b, const Tensor& bias, int M, int N, int K,
@@ -267,6 +297,19 @@ private:
     int fp8_reuse_depth_ = 0;
     bool fp8_reuse_begun_ = false;
     std::uint64_t fp8_quantizations_ = 0;
+    std::uint64_t fp8_producer_maxima_taken_ = 0;
+    // Producer maxima (cuda_backend.cpp): the records of this op and of the
+    // previous one, the next slot of the ring (in fp8_operands_, after the
+    // header) and whether they are on.
+    struct ProducedMax {
+        const void* data;
+        std::int64_t numel;
+        float* amax;
+    };
+    std::vector<ProducedMax> fp8_produced_, fp8_produced_before_;
+    int fp8_produced_next_ = 0;
+    bool fp8_producer_maxima_ = true;
+    int op_depth_ = 0;
     // The fp8 weight cache: a generation word, then one slot per (weight,
     // shape, layout) in first-use order: its header (amax, inverse scale,
     // stamp) and its bytes. Empty where there is no cache.

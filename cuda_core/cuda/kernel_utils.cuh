@@ -100,6 +100,23 @@ template <class V> __device__ __forceinline__ V block_sum(V x, smem_ptr<typename
     return total;
 }
 
+// *target = max(*target, the block's largest m) (every m >= 0 or NaN, NaN
+// skipped; blockDim.x a multiple of 32), one atomic per block: an atomicMax on
+// the float's bits, which for non-negative floats order as the values do, so
+// the result is exact and independent of the order the blocks run in. Every
+// thread of the block calls it; `shared` holds 32 values, and the call ends
+// with a barrier so that `shared` may be reused right after.
+__device__ __forceinline__ void block_max_into(float* target, float m, smem_ptr<float> shared) {
+    m = warp_max(m);
+    if (threadIdx.x % kWarpSize == 0) shared[threadIdx.x / kWarpSize] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < static_cast<int>(blockDim.x) / kWarpSize; ++w) m = fmaxf(m, shared[w]);
+        atomicMax(reinterpret_cast<unsigned*>(target), __float_as_uint(m));
+    }
+    __syncthreads();
+}
+
 __host__ __device__ __forceinline__ std::uint64_t splitmix64(std::uint64_t x) {
     x += 0x9E3779B97F4A7C15ull;
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -156,6 +173,16 @@ __device__ __forceinline__ void store_chunk(T* p, const float (&in)[kPack<T>], s
 
 // x rounded to T and back: what a kernel that stores x and reloads it sees.
 template <class T> __device__ __forceinline__ float rounded(float x) { return to_float(from_float<T>(x)); }
+
+// The larger of m and the largest magnitude of a chunk's first `count`
+// values as stored (rounded to T), NaN skipped: what a kernel that writes
+// the chunk adds to its output's maximum.
+template <class T>
+__device__ __forceinline__ float chunk_max(float m, const float (&v)[kPack<T>], std::int64_t count) {
+    for (int j = 0; j < kPack<T>; ++j)
+        if (j < count) m = fmaxf(m, fabsf(rounded<T>(v[j])));
+    return m;
+}
 
 // ---- deterministic column sums -------------------------------------------
 constexpr int kColumnTile = 32;      // columns per block (one per lane)

@@ -63,20 +63,23 @@ std::size_t embedding_backward_scratch_bytes(int rows, int vocab, bool ask_cub =
 // ---- rmsnorm (kernels_rmsnorm.cu) ----------------------------------------
 // out = weight * inp * rstd, rstd[r] = 1/sqrt(mean(inp[r]^2) + eps) (fp32).
 // Channels up to 8192 chunks of 16 bytes (32768 fp32, 65536 bf16);
-// InvalidArgument beyond.
+// InvalidArgument beyond. out_max (a device float, or null): becomes the
+// larger of what it held and max|out| as stored, for fp8 (as swiglu_forward's).
 template <class T>
 void rmsnorm_forward(T* out, float* rstd, const T* inp, const T* weight, int rows, int channels, float eps,
-                     cudaStream_t stream);
+                     float* out_max, cudaStream_t stream);
 // residual_out = residual + delta (rounded to T; it may alias either), then
 // rmsnorm_forward of residual_out in the same kernel, with bitwise its result.
 template <class T>
 void residual_rmsnorm_forward(T* residual_out, T* out, float* rstd, const T* residual, const T* delta,
-                              const T* weight, int rows, int channels, float eps, cudaStream_t stream);
+                              const T* weight, int rows, int channels, float eps, float* out_max,
+                              cudaStream_t stream);
 // dinp (+)= d/dinp (dinp may alias dout when !accumulate); dweight += d/dweight.
-// One kernel; `scratch` holds rmsnorm_backward_scratch_bytes(rows, channels) bytes.
+// One kernel; `scratch` holds rmsnorm_backward_scratch_bytes(rows, channels)
+// bytes. dinp_max as rmsnorm_forward's out_max, of dinp as written.
 template <class T>
 void rmsnorm_backward(T* dinp, float* dweight, const T* dout, const T* inp, const T* weight, const float* rstd,
-                      int rows, int channels, bool accumulate, void* scratch, cudaStream_t stream);
+                      int rows, int channels, bool accumulate, float* dinp_max, void* scratch, cudaStream_t stream);
 std::size_t rmsnorm_backward_scratch_bytes(int rows, int channels);
 
 // ---- q/k norms and rope in one pass (kernels_qk_norm_rope.cu) ---------------
@@ -143,12 +146,17 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* out, const 
 std::size_t attention_backward_scratch_bytes(int batch, int time, int heads, int kv_heads, int head_dim);
 
 // ---- swiglu (kernels_swiglu.cu) --------------------------------------------
-// Elementwise with 16-byte accesses where aligned.
-template <class T> void swiglu_forward(T* out, const T* gate, const T* up, std::int64_t n, cudaStream_t stream);
+// Elementwise with 16-byte accesses where aligned. Each *_max (a device
+// float, or null for none) becomes the larger of what it held and the
+// largest magnitude of its output as stored (after rounding to T; NaN
+// skipped): the maximum fp8's current scaling takes (fp8_quantize's
+// amax_known), so that its own pass over the output is left out.
+template <class T>
+void swiglu_forward(T* out, const T* gate, const T* up, std::int64_t n, float* out_max, cudaStream_t stream);
 // dgate may alias dout.
 template <class T>
-void swiglu_backward(T* dgate, T* dup, const T* dout, const T* gate, const T* up, std::int64_t n,
-                     cudaStream_t stream);
+void swiglu_backward(T* dgate, T* dup, const T* dout, const T* gate, const T* up, std::int64_t n, float* dgate_max,
+                     float* dup_max, cudaStream_t stream);
 
 // ---- fp8 operands (kernels_fp8.cu) -----------------------------------------
 // The two fp8 formats' largest finite values: e4m3 (more precision: weights
@@ -161,20 +169,22 @@ enum class Fp8Format { E4M3, E5M2 };
 // the format's largest finite value; 1 when amax is 0 or not finite),
 // rounded to nearest even and saturated to +-max, and inverse_scale[0] =
 // 1 / scale, the factor cuBLASLt multiplies the product by. amax and
-// inverse_scale are device floats.
+// inverse_scale are device floats. With amax_known, *amax holds max|x|
+// already (the producing kernel's, e.g. swiglu_forward's out_max) and no
+// pass over x computes it.
 template <class T>
 void fp8_quantize(std::uint8_t* out, float* amax, float* inverse_scale, const T* x, std::int64_t n, Fp8Format format,
-                  cudaStream_t stream);
+                  bool amax_known, cudaStream_t stream);
 // The same of x[rows, cols] written transposed: out[c * rows + r] = fp8(x[r, c] * scale).
 template <class T>
 void fp8_quantize_transposed(std::uint8_t* out, float* amax, float* inverse_scale, const T* x, int rows, int cols,
-                             Fp8Format format, cudaStream_t stream);
+                             Fp8Format format, bool amax_known, cudaStream_t stream);
 // Both of them of x[rows, cols] from one maximum and one pass over x, with
 // one scale: plain[r * cols + c] and transposed[c * rows + r] hold the codes
 // the two calls above would write.
 template <class T>
 void fp8_quantize_both(std::uint8_t* plain, std::uint8_t* transposed, float* amax, float* inverse_scale, const T* x,
-                       int rows, int cols, Fp8Format format, cudaStream_t stream);
+                       int rows, int cols, Fp8Format format, bool amax_known, cudaStream_t stream);
 // The weight cache's e4m3 quantization of x[rows, cols] (transposed or
 // not) into a slot whose out, amax and inverse_scale persist between calls:
 // it does nothing when *stamp == *generation (the slot holds this

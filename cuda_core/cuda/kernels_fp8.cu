@@ -9,10 +9,13 @@
 // kernels take only K-contiguous operands, and the backward's products
 // consume dy, W and x along another dimension than they are stored.
 //
-// The maximum is an atomicMax on the float's bits: for non-negative floats
-// the bits order as the values do, so the result is exact and independent of
-// the order the blocks run in. A NaN element is skipped by the maximum and
-// stays NaN when quantized (it reaches the loss, whose step is then skipped).
+// The maximum is an atomicMax on the float's bits (detail::block_max_into):
+// exact and independent of the order the blocks run in. A NaN element is
+// skipped by the maximum and stays NaN when quantized (it reaches the loss,
+// whose step is then skipped). Where the kernel that produced x took the
+// same maximum as it wrote x (SwiGLU forward and backward: "producer
+// maxima", cuda_backend.cpp), the caller says so (amax_known) and the
+// maximum's pass is left out: the codes are the same, one read of x fewer.
 // Each block reduces its elements first and adds one atomic, on a grid of at
 // most kMaxReduceBlocks: atomics on one address are serialised, and one per
 // warp of a 65536-block grid (half a million) would cost more than the pass.
@@ -70,13 +73,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     for (std::int64_t i = split + detail::grid_stride_begin(); i < n; i += detail::grid_stride_step())
         m = fmaxf(m, fabsf(detail::to_float(x[i])));
-    m = detail::warp_max(m);
-    if (threadIdx.x % detail::kWarpSize == 0) warp_maxima[threadIdx.x / detail::kWarpSize] = m;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < static_cast<int>(blockDim.x) / detail::kWarpSize; ++w) m = fmaxf(m, warp_maxima[w]);
-        atomicMax(reinterpret_cast<unsigned*>(amax), __float_as_uint(m));
-    }
+    detail::block_max_into(amax, m, warp_maxima);
 }
 
 // P fp8 codes side by side: 8 bytes for 8 bf16 inputs, 4 for 4 fp32.
@@ -178,10 +175,10 @@ __global__ void advance_kernel(unsigned* generation) { *generation += 1; }
 template <class T>
 void quantize(std::uint8_t* out, std::uint8_t* plain, float* amax, float* inverse_scale, const T* x, int rows,
               int cols, bool transposed, Fp8Format format, const unsigned* stamp, const unsigned* generation,
-              cudaStream_t stream) {
+              bool amax_known, cudaStream_t stream) {
     const std::int64_t n = std::int64_t(rows) * cols;
     const QuantizeLaunch grid_of = quantize_launch<T>(out, x, n);
-    if (n > 0)
+    if (n > 0 && !amax_known)
         detail::launch(absmax_kernel<T>, grid_of.reduce_blocks, kThreads, 0, stream, amax, x, n, grid_of.vector, stamp,
                        generation);
     if (transposed) {
@@ -198,10 +195,10 @@ void quantize(std::uint8_t* out, std::uint8_t* plain, float* amax, float* invers
 
 template <class T>
 void fp8_quantize(std::uint8_t* out, float* amax, float* inverse_scale, const T* x, std::int64_t n, Fp8Format format,
-                  cudaStream_t stream) {
+                  bool amax_known, cudaStream_t stream) {
     // One row of n (the plain kernel never looks at rows and cols apart).
     const QuantizeLaunch grid_of = quantize_launch<T>(out, x, n);
-    if (n > 0)
+    if (n > 0 && !amax_known)
         detail::launch(absmax_kernel<T>, grid_of.reduce_blocks, kThreads, 0, stream, amax, x, n, grid_of.vector,
                        nullptr, nullptr);
     detail::launch(quantize_kernel<T>, grid_of.blocks, kThreads, 0, stream, out, inverse_scale,
@@ -210,14 +207,15 @@ void fp8_quantize(std::uint8_t* out, float* amax, float* inverse_scale, const T*
 
 template <class T>
 void fp8_quantize_transposed(std::uint8_t* out, float* amax, float* inverse_scale, const T* x, int rows, int cols,
-                             Fp8Format format, cudaStream_t stream) {
-    quantize<T>(out, nullptr, amax, inverse_scale, x, rows, cols, true, format, nullptr, nullptr, stream);
+                             Fp8Format format, bool amax_known, cudaStream_t stream) {
+    quantize<T>(out, nullptr, amax, inverse_scale, x, rows, cols, true, format, nullptr, nullptr, amax_known, stream);
 }
 
 template <class T>
 void fp8_quantize_both(std::uint8_t* plain, std::uint8_t* transposed, float* amax, float* inverse_scale, const T* x,
-                       int rows, int cols, Fp8Format format, cudaStream_t stream) {
-    quantize<T>(transposed, plain, amax, inverse_scale, x, rows, cols, true, format, nullptr, nullptr, stream);
+                       int rows, int cols, Fp8Format format, bool amax_known, cudaStream_t stream) {
+    quantize<T>(transposed, plain, amax, inverse_scale, x, rows, cols, true, format, nullptr, nullptr, amax_known,
+                stream);
 }
 
 template <class T>
@@ -226,7 +224,7 @@ void fp8_quantize_cached(std::uint8_t* out, float* amax, float* inverse_scale, u
                          cudaStream_t stream) {
     detail::launch(restart_kernel, 1, 1, 0, stream, amax, static_cast<const unsigned*>(stamp), generation);
     quantize<T>(out, nullptr, amax, inverse_scale, x, rows, cols, transposed, Fp8Format::E4M3, stamp, generation,
-                stream);
+                false, stream);
     detail::launch(stamp_kernel, 1, 1, 0, stream, stamp, generation);
 }
 
@@ -234,14 +232,15 @@ void fp8_advance_generation(unsigned* generation, cudaStream_t stream) {
     detail::launch(advance_kernel, 1, 1, 0, stream, generation);
 }
 
-#define NANOQ_INSTANTIATE(T)                                                                                        \
-    template void fp8_quantize<T>(std::uint8_t*, float*, float*, const T*, std::int64_t, Fp8Format, cudaStream_t); \
-    template void fp8_quantize_transposed<T>(std::uint8_t*, float*, float*, const T*, int, int, Fp8Format,          \
-                                             cudaStream_t);                                                        \
-    template void fp8_quantize_both<T>(std::uint8_t*, std::uint8_t*, float*, float*, const T*, int, int, Fp8Format, \
-                                       cudaStream_t);                                                              \
-    template void fp8_quantize_cached<T>(std::uint8_t*, float*, float*, unsigned*, const unsigned*, const T*, int, \
-                                         int, bool, cudaStream_t);
+#define NANOQ_INSTANTIATE(T)                                                                                    \
+    template void fp8_quantize<T>(std::uint8_t*, float*, float*, const T*, std::int64_t, Fp8Format, bool,       \
+                                  cudaStream_t);                                                                \
+    template void fp8_quantize_transposed<T>(std::uint8_t*, float*, float*, const T*, int, int, Fp8Format, bool, \
+                                             cudaStream_t);                                                     \
+    template void fp8_quantize_both<T>(std::uint8_t*, std::uint8_t*, float*, float*, const T*, int, int,        \
+                                       Fp8Format, bool, cudaStream_t);                                          \
+    template void fp8_quantize_cached<T>(std::uint8_t*, float*, float*, unsigned*, const unsigned*, const T*,   \
+                                         int, int, bool, cudaStream_t);
 NANOQ_INSTANTIATE(float)
 NANOQ_INSTANTIATE(bf16)
 #undef NANOQ_INSTANTIATE

@@ -22,6 +22,9 @@
 // reproducible without float atomics. A thread reads dout and inp of its
 // elements before the row's reduction and writes dinp after it, which makes
 // dinp aliasing dout (without accumulate) safe.
+//
+// Optionally the forward's out and the backward's dinp have their largest
+// magnitude taken on the way (kernels.h), for fp8's current scaling.
 #include <algorithm>
 #include <initializer_list>
 #include <string>
@@ -70,7 +73,7 @@ bool rows_vectorizable(int channels, int pack, std::initializer_list<const void*
 template <class T, int kChunks>
 __global__ void __launch_bounds__(kMaxThreads)
     rmsnorm_forward_kernel(T* out, float* rstd, T* residual_out, const T* residual, const T* delta, const T* weight,
-                           int channels, float eps, bool vector) {
+                           int channels, float eps, bool vector, float* out_max) {
     NANOQ_SHARED(float[detail::kWarpSize], reduce_space);
     constexpr int P = detail::kPack<T>;
     const std::int64_t offset = static_cast<std::int64_t>(blockIdx.x) * channels;
@@ -94,6 +97,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     sum = detail::block_sum(sum, reduce_space);
     const float scale = 1.0f / sqrtf(sum / channels + eps);
     if (threadIdx.x == 0) rstd[blockIdx.x] = scale;
+    float m = 0.0f;
     for (int k = 0; k < kChunks; ++k) {
         const int begin = (k * blockDim.x + threadIdx.x) * P;
         if (begin >= channels) continue;
@@ -101,13 +105,15 @@ __global__ void __launch_bounds__(kMaxThreads)
         detail::load_chunk<T>(w, weight, begin, channels, vector);
         for (int j = 0; j < P; ++j) y[j] = w[j] * (x[k][j] * scale);
         detail::store_chunk<T>(out + offset, y, begin, channels, vector);
+        if (out_max) m = detail::chunk_max<T>(m, y, channels - begin);
     }
+    if (out_max) detail::block_max_into(out_max, m, reduce_space);  // out_max is the grid's: all threads or none
 }
 
 template <class T, int kChunks>
 __global__ void __launch_bounds__(kMaxThreads)
     rmsnorm_backward_kernel(T* dinp, const T* dout, const T* inp, const T* weight, const float* rstd, int rows,
-                            int channels, bool accumulate, bool vector, float* partials) {
+                            int channels, bool accumulate, bool vector, float* partials, float* dinp_max) {
     NANOQ_SHARED(float[detail::kWarpSize], reduce_space);
     constexpr int P = detail::kPack<T>;
     float w[kChunks][P], dw[kChunks][P];
@@ -116,6 +122,7 @@ __global__ void __launch_bounds__(kMaxThreads)
         for (int j = 0; j < P; ++j) w[k][j] = dw[k][j] = 0.0f;
         if (begin < channels) detail::load_chunk<T>(w[k], weight, begin, channels, vector);
     }
+    float m = 0.0f;
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
         const std::int64_t offset = static_cast<std::int64_t>(r) * channels;
         const float scale = rstd[r];
@@ -140,8 +147,10 @@ __global__ void __launch_bounds__(kMaxThreads)
                 dw[k][j] += dy[k][j] * x[k][j] * scale;
             }
             detail::store_chunk<T>(dinp + offset, dx, begin, channels, vector);
+            if (dinp_max) m = detail::chunk_max<T>(m, dx, channels - begin);
         }
     }
+    if (dinp_max) detail::block_max_into(dinp_max, m, reduce_space);
     float* mine = partials + static_cast<std::int64_t>(blockIdx.x) * channels;
     for (int k = 0; k < kChunks; ++k) {
         const int begin = (k * blockDim.x + threadIdx.x) * P;
@@ -157,13 +166,13 @@ int backward_blocks(int rows, int channels) {
 
 template <class T>
 void launch_forward(T* out, float* rstd, T* residual_out, const T* residual, const T* delta, const T* weight,
-                    int rows, int channels, float eps, cudaStream_t stream) {
+                    int rows, int channels, float eps, float* out_max, cudaStream_t stream) {
     if (rows <= 0 || channels <= 0) return;
     const RowLayout layout = row_layout<T>(channels);
     const bool vector = rows_vectorizable(channels, detail::kPack<T>, {out, residual_out, residual, delta, weight});
     auto go = [&](auto kernel) {
         detail::launch(kernel, rows, layout.threads, 0, stream, out, rstd, residual_out, residual, delta, weight,
-                       channels, eps, vector);
+                       channels, eps, vector, out_max);
     };
     switch (layout.chunks) {
         case 1: go(rmsnorm_forward_kernel<T, 1>); break;
@@ -177,19 +186,20 @@ void launch_forward(T* out, float* rstd, T* residual_out, const T* residual, con
 
 template <class T>
 void rmsnorm_forward(T* out, float* rstd, const T* inp, const T* weight, int rows, int channels, float eps,
-                     cudaStream_t stream) {
-    launch_forward<T>(out, rstd, nullptr, inp, nullptr, weight, rows, channels, eps, stream);
+                     float* out_max, cudaStream_t stream) {
+    launch_forward<T>(out, rstd, nullptr, inp, nullptr, weight, rows, channels, eps, out_max, stream);
 }
 
 template <class T>
 void residual_rmsnorm_forward(T* residual_out, T* out, float* rstd, const T* residual, const T* delta,
-                              const T* weight, int rows, int channels, float eps, cudaStream_t stream) {
-    launch_forward<T>(out, rstd, residual_out, residual, delta, weight, rows, channels, eps, stream);
+                              const T* weight, int rows, int channels, float eps, float* out_max,
+                              cudaStream_t stream) {
+    launch_forward<T>(out, rstd, residual_out, residual, delta, weight, rows, channels, eps, out_max, stream);
 }
 
 template <class T>
 void rmsnorm_backward(T* dinp, float* dweight, const T* dout, const T* inp, const T* weight, const float* rstd,
-                      int rows, int channels, bool accumulate, void* scratch, cudaStream_t stream) {
+                      int rows, int channels, bool accumulate, float* dinp_max, void* scratch, cudaStream_t stream) {
     if (rows <= 0 || channels <= 0) return;
     const RowLayout layout = row_layout<T>(channels);
     const bool vector = rows_vectorizable(channels, detail::kPack<T>, {dinp, dout, inp, weight});
@@ -197,7 +207,7 @@ void rmsnorm_backward(T* dinp, float* dweight, const T* dout, const T* inp, cons
     float* partials = static_cast<float*>(scratch);  // [blocks, channels], then column_sums' own scratch
     auto go = [&](auto kernel) {
         detail::launch(kernel, blocks, layout.threads, 0, stream, dinp, dout, inp, weight, rstd, rows, channels,
-                       accumulate, vector, partials);
+                       accumulate, vector, partials, dinp_max);
     };
     switch (layout.chunks) {
         case 1: go(rmsnorm_backward_kernel<T, 1>); break;
@@ -216,12 +226,12 @@ std::size_t rmsnorm_backward_scratch_bytes(int rows, int channels) {
                             detail::column_sums_scratch_floats(blocks, channels));
 }
 
-#define NANOQ_INSTANTIATE(T)                                                                                        \
-    template void rmsnorm_forward<T>(T*, float*, const T*, const T*, int, int, float, cudaStream_t);                \
-    template void residual_rmsnorm_forward<T>(T*, T*, float*, const T*, const T*, const T*, int, int, float,       \
-                                              cudaStream_t);                                                        \
-    template void rmsnorm_backward<T>(T*, float*, const T*, const T*, const T*, const float*, int, int, bool, void*, \
-                                      cudaStream_t);
+#define NANOQ_INSTANTIATE(T)                                                                                     \
+    template void rmsnorm_forward<T>(T*, float*, const T*, const T*, int, int, float, float*, cudaStream_t);     \
+    template void residual_rmsnorm_forward<T>(T*, T*, float*, const T*, const T*, const T*, int, int, float,    \
+                                              float*, cudaStream_t);                                             \
+    template void rmsnorm_backward<T>(T*, float*, const T*, const T*, const T*, const float*, int, int, bool,   \
+                                      float*, void*, cudaStream_t);
 NANOQ_INSTANTIATE(float)
 NANOQ_INSTANTIATE(bf16)
 #undef NANOQ_INSTANTIATE

@@ -29,16 +29,17 @@ FAMILIES = {
     "kernels_attention.cu": ATTENTION_TESTS,
     "kernels_classifier.cu": "test_gpu_ops.py -k cross_entropy",
     "kernels_embedding.cu": "test_gpu_ops.py -k embedding",
-    "kernel_utils.cuh": "test_gpu_ops.py test_cuda_emulated.py test_composites.py "
-                        "-k 'rmsnorm or bias or sum_squares or block or nearest or fused'",
+    "kernel_utils.cuh": "test_gpu_ops.py test_cuda_emulated.py test_composites.py test_fp8.py "
+                        "-k 'rmsnorm or bias or sum_squares or block or nearest or fused or mlp_products or norm_kernels'",
     "kernels_elementwise.cu": "test_gpu_ops.py -k 'copy or fill or add or bias or dropout'",
     "kernels_optimizer.cu": "test_gpu_ops.py test_cuda_emulated.py test_adamw_shard.py -k 'adamw or sum_squares'",
     # The fused attention's host path and the emulator's stand-in for cuDNN.
     "fused_attention.cpp": "test_fused_attention.py",
     "emulator/emu_attention.cpp": "test_fused_attention.py",
-    "kernels_rmsnorm.cu": "test_gpu_ops.py test_composites.py -k 'rmsnorm or deterministic'",
+    "kernels_rmsnorm.cu": "test_gpu_ops.py test_composites.py test_fp8.py "
+                          "-k 'rmsnorm or deterministic or norm_kernels or producer_maxima'",
     "kernels_qk_norm_rope.cu": "test_composites.py -k 'qk_norm or qkv or fused_qk or deterministic'",
-    "kernels_swiglu.cu": "test_gpu_ops.py test_composites.py -k swiglu",
+    "kernels_swiglu.cu": "test_gpu_ops.py test_composites.py test_fp8.py -k 'swiglu or producer_maxima'",
     "kernels_fp8.cu": "test_fp8.py",
     # The cuda backend's host path: the fp8 products, and the packed projections (one matmul for q|k|v, a batch
     # of two for gate|up).
@@ -186,6 +187,22 @@ EDITS = [
      "fp8_both_forms(dup, rows, intermediate,", "fp8_both_forms(dgate, rows, intermediate,"),
     ("fp8 both forms: the plain codes written unscaled", "kernels_fp8.cu", 0,
      "if (plain) plain[at] = to_fp8(v * scale, format);", "if (plain) plain[at] = to_fp8(v, format);"),
+    ("producer maximum: of the values before rounding", "kernel_utils.cuh", 0,
+     "m = fmaxf(m, fabsf(rounded<T>(v[j])))", "m = fmaxf(m, fabsf(v[j]))"),
+    ("producer maximum: dup's taken of dgate", "kernels_swiglu.cu", 0,
+     "mu = detail::chunk_max<T>(mu, du, n - i)", "mu = detail::chunk_max<T>(mu, dg, n - i)"),
+    ("producer maximum: half the forward's", "kernels_swiglu.cu", 0,
+     "detail::block_max_into(out_max, m, maxima)", "detail::block_max_into(out_max, 0.5f * m, maxima)"),
+    ("producer maximum: half the norm forward's", "kernels_rmsnorm.cu", 0,
+     "detail::block_max_into(out_max, m, reduce_space)", "detail::block_max_into(out_max, 0.5f * m, reduce_space)"),
+    ("producer maximum: the norm backward's of each block's first row only", "kernels_rmsnorm.cu", 0,
+     "if (dinp_max) m = detail::chunk_max", "if (dinp_max && r == static_cast<int>(blockIdx.x)) m = detail::chunk_max"),
+    ("producer maxima: records outlive the next op", "cuda_backend.cpp", 0,
+     "fp8_produced_before_ = std::move(fp8_produced_);",
+     "fp8_produced_before_.insert(fp8_produced_before_.end(), fp8_produced_.begin(), fp8_produced_.end());"),
+    ("producer maxima: the elementwise add opens no OpScope", "cuda_backend.cpp", 0,
+     "void CudaBackend::add(const Tensor& out, const Tensor& a, const Tensor& b) {\n    const OpScope op(*this);",
+     "void CudaBackend::add(const Tensor& out, const Tensor& a, const Tensor& b) {"),
 ]
 
 

@@ -70,11 +70,11 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_quantize(con
             using T = decltype(tag);
             const T* data = static_cast<const T*>(input) + offset;
             if (transposed == 2)
-                fp8_quantize_both<T>(q, q + n + offset, amax, amax + 1, data, rows, cols, format, nullptr);
+                fp8_quantize_both<T>(q, q + n + offset, amax, amax + 1, data, rows, cols, format, false, nullptr);
             else if (transposed)
-                fp8_quantize_transposed<T>(q, amax, amax + 1, data, rows, cols, format, nullptr);
+                fp8_quantize_transposed<T>(q, amax, amax + 1, data, rows, cols, format, false, nullptr);
             else
-                fp8_quantize<T>(q, amax, amax + 1, data, std::int64_t(n), format, nullptr);
+                fp8_quantize<T>(q, amax, amax + 1, data, std::int64_t(n), format, false, nullptr);
         };
         if (bf16_input) run(bf16{});
         else run(float{});
@@ -118,6 +118,14 @@ nanoq::Tensor upload(nanoq::cuda::CudaBackend& backend, nanoq::NamedAllocator& a
     backend.copy_from_host(t, bf16 ? static_cast<const void*>(rounded.data()) : host);
     backend.synchronize();  // before `rounded` goes
     return t;
+}
+
+// A bf16 device tensor's values as host floats, copied before it returns.
+void download(nanoq::cuda::CudaBackend& backend, const nanoq::Tensor& t, float* host) {
+    std::vector<__nv_bfloat16> values(static_cast<std::size_t>(t.numel()));
+    backend.copy_to_host(values.data(), t);
+    backend.synchronize();
+    for (std::size_t i = 0; i < values.size(); ++i) host[i] = __bfloat162float(values[i]);
 }
 
 }  // namespace
@@ -236,16 +244,118 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_gate_up(
             backend.matmul_weight_grad(tdw.slice(block, block), Tensor(), tdup, tx, rows, intermediate, channels);
         }
         *quantizations = static_cast<int>(backend.fp8_quantizations());
-        auto download = [&](const Tensor& t, float* host) {
-            std::vector<__nv_bfloat16> values(static_cast<std::size_t>(t.numel()));
-            backend.copy_to_host(values.data(), t);
-            backend.synchronize();
-            for (std::size_t i = 0; i < values.size(); ++i) host[i] = __bfloat162float(values[i]);
-        };
-        download(tgate, gate);
-        download(tup, up);
-        download(tdx, dx);
+        download(backend, tgate, gate);
+        download(backend, tup, up);
+        download(backend, tdx, dx);
         backend.copy_to_host(dgate_up, tdw);
+        backend.synchronize();
+        return 0;
+    } catch (const std::exception& e) {
+        return fail(e, message, message_bytes);
+    }
+}
+
+// The MLP's fp8 products after the kernels that produce their operands,
+// through CudaBackend configured with matmul_dtype fp8, inputs rounded to
+// bf16: s = swiglu(gate, up) [rows, I], out[rows, C] = s Wd^T (Wd [C, I]);
+// dgate, dup = swiglu_backward(dout, gate, up), then dx[rows, C] = dgate Wg
+// + dup Wu and dgate_up[2 I, C] (float32, from zeros) += dgate^T x | dup^T x
+// (gate_up_projection_backward). With `intervene` another op doubles s
+// before its product and dgate before its products (add(t, t, t)).
+// *quantizations as in nanoq_emu_fp8_backward; *maxima_taken = how many of
+// them took the producing kernel's maximum (fp8_producer_maxima_taken()).
+// Outputs as float32.
+extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_mlp(
+    int rows, int intermediate, int channels, const float* gate, const float* up, const float* down,
+    const float* dout, const float* x, const float* gate_up, int intervene, float* out, float* dx, float* dgate_up,
+    int* quantizations, int* maxima_taken, char* message, int message_bytes) {
+    using namespace nanoq;
+    try {
+        cuda::CudaBackend backend(0);
+        NamedAllocator allocator(backend, 0);
+        configure_fp8(backend, allocator, rows, channels, intermediate);
+        const std::int64_t n = std::int64_t(rows) * intermediate, block = std::int64_t(intermediate) * channels;
+        const Tensor tgate = upload(backend, allocator, "gate", gate, n);
+        const Tensor tup = upload(backend, allocator, "up", up, n);
+        const Tensor tdown = upload(backend, allocator, "down", down, block);
+        const Tensor tdout = upload(backend, allocator, "dout", dout, n);
+        const Tensor tx = upload(backend, allocator, "x", x, std::int64_t(rows) * channels);
+        const Tensor tw = upload(backend, allocator, "gate_up", gate_up, 2 * block);
+        const Tensor ts = allocator.allocate(Context::Activations, "swiglu", DType::BF16, {n});
+        const Tensor tdgate = allocator.allocate(Context::Activations, "dgate", DType::BF16, {n});
+        const Tensor tdup = allocator.allocate(Context::Activations, "dup", DType::BF16, {n});
+        const std::int64_t rc = std::int64_t(rows) * channels;
+        const Tensor tout = allocator.allocate(Context::Activations, "out", DType::BF16, {rc});
+        const Tensor tdx = allocator.allocate(Context::Activations, "dx", DType::BF16, {rc});
+        const Tensor tdw = allocator.allocate(Context::Activations, "dgate_up", DType::F32, {2 * block});
+        backend.fill(tdw, 0.0f);
+        backend.swiglu_forward(ts, tgate, tup);
+        if (intervene) backend.add(ts, ts, ts);
+        backend.matmul_epilogue(tout, ts, tdown, Tensor(), rows, channels, intermediate, false, true, false, 1.0f);
+        backend.swiglu_backward(tdgate, tdup, tdout, tgate, tup);
+        if (intervene) backend.add(tdgate, tdgate, tdgate);
+        backend.gate_up_projection_backward(tdx, false, tdw, tdgate, tdup, tx, tw, rows, intermediate, channels);
+        *quantizations = static_cast<int>(backend.fp8_quantizations());
+        *maxima_taken = static_cast<int>(backend.fp8_producer_maxima_taken());
+        download(backend, tout, out);
+        download(backend, tdx, dx);
+        backend.copy_to_host(dgate_up, tdw);
+        backend.synchronize();
+        return 0;
+    } catch (const std::exception& e) {
+        return fail(e, message, message_bytes);
+    }
+}
+
+// The fp8 products after the norms, through CudaBackend configured with
+// matmul_dtype fp8, inputs rounded to bf16: xn = rmsnorm(x[rows, C], w[C]),
+// y[rows, N] = xn W^T (W [N, C]); then d = dy W (dy [rows, N]) and dres
+// [rows, C] (given) += rmsnorm_backward(d) (the residual stream's
+// gradient), then the backward of a projection of h = y by W2 [C, N] with
+// dres as its dy: dh[rows, N] = dres W2, dW2[C, N] (float32, from zeros) +=
+// dres^T y (matmul_backward). With `intervene` another op doubles xn
+// before its product and dres before its products (add(t, t, t)).
+// *quantizations and *maxima_taken as in nanoq_emu_fp8_mlp. y, dres
+// (as the products saw it), dh, dW2 come back as float32.
+extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_norms(
+    int rows, int channels, int n, const float* x, const float* norm_weight, const float* weight, const float* dy,
+    const float* weight2, int intervene, float* y, float* dres, float* dh, float* dweight2, int* quantizations,
+    int* maxima_taken, char* message, int message_bytes) {
+    using namespace nanoq;
+    try {
+        cuda::CudaBackend backend(0);
+        NamedAllocator allocator(backend, 0);
+        configure_fp8(backend, allocator, rows, channels, n);
+        const std::int64_t rc = std::int64_t(rows) * channels, rn = std::int64_t(rows) * n;
+        const Tensor tx = upload(backend, allocator, "x", x, rc);
+        const Tensor tnorm = upload(backend, allocator, "norm", norm_weight, channels);
+        const Tensor tw = upload(backend, allocator, "weight", weight, std::int64_t(n) * channels);
+        const Tensor tdy = upload(backend, allocator, "dy", dy, rn);
+        const Tensor tw2 = upload(backend, allocator, "weight2", weight2, std::int64_t(channels) * n);
+        const Tensor tdres = upload(backend, allocator, "dres", dres, rc);
+        const Tensor txn = allocator.allocate(Context::Activations, "xn", DType::BF16, {rc});
+        const Tensor trstd = allocator.allocate(Context::Activations, "rstd", DType::F32, {rows});
+        const Tensor ty = allocator.allocate(Context::Activations, "y", DType::BF16, {rn});
+        const Tensor td = allocator.allocate(Context::Activations, "d", DType::BF16, {rc});
+        const Tensor tdnorm = allocator.allocate(Context::Activations, "dnorm", DType::F32, {channels});
+        const Tensor tdh = allocator.allocate(Context::Activations, "dh", DType::BF16, {rn});
+        const Tensor tdw2 =
+            allocator.allocate(Context::Activations, "dweight2", DType::F32, {std::int64_t(channels) * n});
+        backend.fill(tdnorm, 0.0f);
+        backend.fill(tdw2, 0.0f);
+        backend.rmsnorm_forward(txn, trstd, tx, tnorm, rows, channels, 1e-6f);
+        if (intervene) backend.add(txn, txn, txn);
+        backend.matmul_epilogue(ty, txn, tw, Tensor(), rows, n, channels, false, true, false, 1.0f);
+        backend.matmul_input_grad(td, tdy, tw, rows, n, channels, false);
+        backend.rmsnorm_backward(tdres, tdnorm, td, tx, tnorm, trstd, rows, channels, true);
+        if (intervene) backend.add(tdres, tdres, tdres);
+        backend.matmul_backward(tdh, false, tdw2, Tensor(), tdres, tw2, ty, rows, channels, n);
+        *quantizations = static_cast<int>(backend.fp8_quantizations());
+        *maxima_taken = static_cast<int>(backend.fp8_producer_maxima_taken());
+        download(backend, ty, y);
+        download(backend, tdres, dres);
+        download(backend, tdh, dh);
+        backend.copy_to_host(dweight2, tdw2);
         backend.synchronize();
         return 0;
     } catch (const std::exception& e) {
