@@ -170,6 +170,15 @@ def project(probes, a, b, bias=None):
     return out
 
 
+# Off the element-wise kernel's tiles, thinner than one, and the vectorised kernel's shapes (within one of its
+# tiles, and across them with part tiles).
+SHAPES_TO_TRANSPOSE = ((37, 45), (5, 70), (48, 40), (272, 72))
+
+
+def matrix_to_quantize(rng, rows, cols):
+    return np.resize(values_to_quantize(rng), rows * cols).reshape(rows, cols)
+
+
 def values_to_quantize(rng):
     """Normal values over many magnitudes (down to e4m3's subnormals once
     scaled), zeros, and a maximum that is not a power of two."""
@@ -225,12 +234,15 @@ def test_quantize_reads_whole_chunks_and_tails_and_unaligned_operands_alike(prob
 @pytest.mark.cuda_emulated
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_quantize_transposed_writes_the_transpose_of_the_same_codes(probes, fmt):
-    """Shapes off the 32 x 32 tiles on both sides (37 x 45), and one thinner
-    than a tile (5 x 70): every element lands at [c, r] with the codes and
-    scale of the plain quantization of the whole tensor."""
+    """The element-wise kernel on shapes off its 32 x 32 tiles on both sides
+    (37 x 45) and thinner than a tile (5 x 70), and the vectorised one
+    (rows % 16, cols % 8, aligned: the fp8 products' shapes) on less than
+    one of its 256 x 64 tiles (48 x 40) and across tiles both ways, with a
+    part tile at each end (272 x 72): every element lands at [c, r] with the
+    codes and scale of the plain quantization of the whole tensor."""
     rng = np.random.default_rng(3)
-    for rows, cols in ((37, 45), (5, 70)):
-        x = bf16(values_to_quantize(rng)[: rows * cols].reshape(rows, cols))
+    for rows, cols in SHAPES_TO_TRANSPOSE:
+        x = bf16(matrix_to_quantize(rng, rows, cols))
         codes, amax, inverse = quantize(probes, x, True, fmt, transposed=True)
         want_codes, want_inverse = reference_quantize(x, fmt)
         assert codes.shape == (cols, rows)
@@ -244,11 +256,11 @@ def test_quantize_transposed_writes_the_transpose_of_the_same_codes(probes, fmt)
 def test_quantize_both_writes_the_plain_and_transposed_codes_of_one_scale(probes, bf16_input, fmt):
     """fp8_quantize_both (the backward's dy for dgrad and wgrad): its two
     forms are bitwise the plain and the transposing kernels' codes, with their
-    maximum and scale, on shapes off the tiles, thinner than a tile, and off
-    the 16-byte alignment."""
+    maximum and scale, on the shapes of the transposing test, and off the
+    16-byte alignment."""
     rng = np.random.default_rng(7)
-    for (rows, cols), offset in (((37, 45), 0), ((5, 70), 0), ((48, 32), 3)):
-        x = values_to_quantize(rng)[: rows * cols].reshape(rows, cols)
+    for (rows, cols), offset in [(shape, 0) for shape in SHAPES_TO_TRANSPOSE] + [((48, 32), 3)]:
+        x = matrix_to_quantize(rng, rows, cols)
         if bf16_input:
             x = bf16(x)
         (plain, transposed), amax, inverse = quantize(probes, x, bf16_input, fmt, transposed="both", offset=offset)

@@ -101,9 +101,13 @@ template <class V> __device__ __forceinline__ V block_sum(V x, smem_ptr<typename
 }
 
 // *target = max(*target, the block's largest m) (every m >= 0 or NaN, NaN
-// skipped; blockDim.x a multiple of 32), one atomic per block: an atomicMax on
-// the float's bits, which for non-negative floats order as the values do, so
-// the result is exact and independent of the order the blocks run in. Every
+// skipped; blockDim.x a multiple of 32), at most one atomic per block: an
+// atomicMax on the float's bits, which for non-negative floats order as the
+// values do, so the result is exact and independent of the order the blocks
+// run in. Atomics on one address are serialised, and a grid of a block per
+// row (the norms' forward) has thousands of blocks: a block whose maximum
+// is not above what *target already holds (a plain read, which may only be
+// behind, never ahead: the target only grows) leaves its atomic out. Every
 // thread of the block calls it; `shared` holds 32 values, and the call ends
 // with a barrier so that `shared` may be reused right after.
 __device__ __forceinline__ void block_max_into(float* target, float m, smem_ptr<float> shared) {
@@ -112,7 +116,8 @@ __device__ __forceinline__ void block_max_into(float* target, float m, smem_ptr<
     __syncthreads();
     if (threadIdx.x == 0) {
         for (int w = 1; w < static_cast<int>(blockDim.x) / kWarpSize; ++w) m = fmaxf(m, shared[w]);
-        atomicMax(reinterpret_cast<unsigned*>(target), __float_as_uint(m));
+        if (m > *static_cast<volatile float*>(target))
+            atomicMax(reinterpret_cast<unsigned*>(target), __float_as_uint(m));
     }
     __syncthreads();
 }

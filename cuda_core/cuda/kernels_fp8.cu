@@ -19,8 +19,11 @@
 // Each block reduces its elements first and adds one atomic, on a grid of at
 // most kMaxReduceBlocks: atomics on one address are serialised, and one per
 // warp of a 65536-block grid (half a million) would cost more than the pass.
-// Both kernels read 16-byte chunks (and the plain quantization writes 8 or 4
-// bytes at once) where the pointers allow, element by element otherwise.
+// The maximum and the plain quantization read 16-byte chunks (and the plain
+// one writes 8 or 4 bytes at once) where the pointers allow, element by
+// element otherwise; the transposing one reads 16-byte chunks and writes 16
+// bytes at once where the shape and pointers allow (those of the fp8
+// products always do), else goes element by element through a 32 x 32 tile.
 //
 // fp8_quantize_both writes both forms of one tensor from one maximum and
 // one pass: the transposing kernel's tile read also writes the plain codes.
@@ -159,6 +162,73 @@ __global__ void __launch_bounds__(kTile * kTileLanes)
     }
 }
 
+// The vectorised transposing kernel, for the shapes the fp8 products take
+// (rows % 16 == 0, cols % 8 == 0, every pointer 16-byte aligned: their M, N
+// and K are multiples of 16 and the fp8 buffers 256-byte aligned; other
+// shapes take the kernel above). A block of kVecThreads takes a tile of
+// kVecRows x kVecCols. First each thread reads 16-byte chunks of the tile's
+// rows (a warp: 4 rows of 8 bf16 chunks), writes their plain codes with one
+// store when asked, and keeps the codes in shared memory as words of 4;
+// then thread (c4, seg) takes the words of columns [4 c4, 4 c4 + 4) in rows
+// [16 seg, 16 seg + 16), transposes those 4 x 16 bytes in registers and
+// writes 16 bytes to each of the 4 output rows (a warp: 16 output rows, 32
+// consecutive bytes each). Rows of the shared tile are kVecStride words
+// apart, 17: the second phase's two halves of a warp read other banks.
+// The codes are computed as above, element by element: bitwise the same.
+constexpr int kVecThreads = 256, kVecRows = 256, kVecCols = 64, kVecStride = kVecCols / 4 + 1;
+
+struct alignas(16) Bytes16 {
+    unsigned words[4];
+};
+
+template <class T>
+__global__ void __launch_bounds__(kVecThreads)
+    quantize_transposed_vector_kernel(std::uint8_t* out, std::uint8_t* plain, float* inverse_scale, const float* amax,
+                                      const T* x, int rows, int cols, Fp8Format format, const unsigned* stamp,
+                                      const unsigned* generation) {
+    NANOQ_SHARED(unsigned[kVecRows * kVecStride], tile);
+    if (current(stamp, generation)) return;  // the whole block returns: no thread waits at the barrier
+    constexpr int P = detail::kPack<T>, kChunks = kVecCols / P;
+    const float scale = fp8_scale(*amax, format);
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *inverse_scale = 1.0f / scale;
+    const int first_col = blockIdx.x * kVecCols, first_row = blockIdx.y * kVecRows;
+    const int tile_cols = cols - first_col < kVecCols ? cols - first_col : kVecCols;
+    const int tile_rows = rows - first_row < kVecRows ? rows - first_row : kVecRows;
+    for (int q = threadIdx.x; q < kVecRows * kChunks; q += kVecThreads) {
+        const int r = q / kChunks, c = q % kChunks * P;
+        if (r >= tile_rows || c >= tile_cols) continue;  // cols % 8 == 0: a chunk is all in or all out
+        const std::int64_t at = std::int64_t(first_row + r) * cols + first_col + c;
+        float v[P];
+        detail::load_chunk<T>(v, x, at, at + P, true);
+        Codes<P> codes;
+        for (int j = 0; j < P; ++j) codes.v[j] = to_fp8(v[j] * scale, format);
+        if (plain) *reinterpret_cast<Codes<P>*>(plain + at) = codes;
+        for (int w = 0; w < P / 4; ++w)
+            tile[r * kVecStride + c / 4 + w] = unsigned(codes.v[4 * w]) | unsigned(codes.v[4 * w + 1]) << 8 |
+                                               unsigned(codes.v[4 * w + 2]) << 16 | unsigned(codes.v[4 * w + 3]) << 24;
+    }
+    __syncthreads();
+    const int c4 = threadIdx.x % (kVecCols / 4), seg = threadIdx.x / (kVecCols / 4);
+    if (4 * c4 >= tile_cols || 16 * seg >= tile_rows) return;  // rows % 16 == 0: a segment is all in or all out
+    unsigned w[16];
+    for (int i = 0; i < 16; ++i) w[i] = tile[(16 * seg + i) * kVecStride + c4];
+    for (int k = 0; k < 4; ++k) {  // output row first_col + 4 c4 + k: byte k of each word, in row order
+        Bytes16 bytes;
+        for (int m = 0; m < 4; ++m) {
+            unsigned word = 0;
+            for (int b = 0; b < 4; ++b) word |= (w[4 * m + b] >> (8 * k) & 0xffu) << (8 * b);
+            bytes.words[m] = word;
+        }
+        *reinterpret_cast<Bytes16*>(out + std::int64_t(first_col + 4 * c4 + k) * rows + first_row + 16 * seg) = bytes;
+    }
+}
+
+template <class T> bool vector_transpose(const std::uint8_t* out, const std::uint8_t* plain, const T* x, int rows,
+                                         int cols) {
+    return rows > 0 && cols > 0 && rows % 16 == 0 && cols % 8 == 0 && detail::aligned16(out) && (!plain || detail::aligned16(plain)) &&
+           detail::aligned16(x);
+}
+
 // One thread: a stale slot's maximum restarts from 0.
 __global__ void restart_kernel(float* amax, const unsigned* stamp, const unsigned* generation) {
     if (!current(stamp, generation)) *amax = 0.0f;
@@ -181,7 +251,11 @@ void quantize(std::uint8_t* out, std::uint8_t* plain, float* amax, float* invers
     if (n > 0 && !amax_known)
         detail::launch(absmax_kernel<T>, grid_of.reduce_blocks, kThreads, 0, stream, amax, x, n, grid_of.vector, stamp,
                        generation);
-    if (transposed) {
+    if (transposed && vector_transpose<T>(out, plain, x, rows, cols)) {
+        const dim3 grid((cols + kVecCols - 1) / kVecCols, (rows + kVecRows - 1) / kVecRows);
+        detail::launch(quantize_transposed_vector_kernel<T>, grid, kVecThreads, 0, stream, out, plain, inverse_scale,
+                       static_cast<const float*>(amax), x, rows, cols, format, stamp, generation);
+    } else if (transposed) {
         const dim3 grid(std::max(1, (cols + kTile - 1) / kTile), std::max(1, (rows + kTile - 1) / kTile));
         detail::launch(quantize_transposed_kernel<T>, grid, dim3(kTile, kTileLanes), 0, stream, out, plain,
                        inverse_scale, static_cast<const float*>(amax), x, rows, cols, format, stamp, generation);
