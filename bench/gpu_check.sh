@@ -10,7 +10,7 @@
 # machine lacks: the build and `import nanoq` use only its own packages
 # (without scipy-openblas32 the cpu backend, the GPU tests' reference, runs
 # nanoq's portable sgemm). A folder .device_wheels/ (ignored through
-# .git/info/exclude), named in the call as carry=[".device_wheels"], may add
+# .gitignore), named in the call as carry=[".device_wheels"], may add
 # optional parts: each wheel in it whose package the machine lacks is
 # installed (cython / scikit-build-core also when older than pyproject.toml
 # asks), nothing the machine has is replaced. Useful ones (CPython 3.12,
@@ -284,6 +284,9 @@ try:
 except importlib.metadata.PackageNotFoundError:
     print("nvidia-cudnn-frontend: the cuda backend was built without cuDNN (native attention; cuDNN tests skip)")
 EOF
+    # The build's own word on cuDNN (CMake's notice: why it went without).
+    grep -h -o "nanoq: building the cuda backend without cuDNN.*" "$OUT/gpu_check.log" 2>/dev/null | tail -1 |
+        sed 's/^nanoq: /cuDNN: the build said: /' || true
     local path packages cost
     while IFS=$'\t' read -r path packages cost; do
         echo "$packages: $path not collected ($cost)"
