@@ -132,12 +132,12 @@ PROFILE_MIN_SECONDS = 15.0  # of a trainer's budget left for its profiled steps 
 PROFILE_GROUPS = [
     ("communication", r"nccl"),
     ("attention", r"attention|sdpa|fmha|flash|cudnn"),
-    ("fp8 quantize", r"fp8|quantiz|amax"),
+    ("fp8 quantize", r"fp8|quantiz|amax|absmax"),
     ("matmul", r"gemm|xmma|cutlass|cublas|nvjet|matmul"),
     ("optimizer", r"adam|optimizer|multi_tensor|sum_squares|clip"),
     ("classifier", r"classifier|cross_entropy|softmax|nll|logsumexp"),
+    ("rope / qkv", r"rope|rotary|qkv"),  # before "norm": qk_norm_rope_* is q|k|v's pass with or without norms
     ("norm", r"norm"),
-    ("rope / qkv", r"rope|rotary|qkv"),
     ("swiglu", r"swiglu|silu|glu"),
     ("embedding", r"embedding|radix|sort|index|scatter|gather"),
 ]
@@ -241,19 +241,21 @@ def timed_loop(run: dict, train_step, started: float) -> dict:
 # --------------------------------------------------------------------------
 
 
-def kernel_short_name(name: str) -> str:
-    """A kernel's name without "void", namespaces and parameter list, at most 90 characters."""
+def kernel_short_name(name: str, limit: int | None = 90) -> str:
+    """A kernel's name without "void", namespaces and parameter list, at most ``limit`` characters."""
     name = name.replace("(anonymous namespace)::", "")
     name = re.sub(r"^void ", "", name.split("(")[0]).strip()
     name = re.sub(r"\b[A-Za-z_][A-Za-z0-9_]*::", "", name)
-    return name[:90]
+    return name[:limit]
 
 
 def kernel_group(name: str, trace_category: str = "kernel") -> str:
     """The kind of work a device event is (PROFILE_GROUPS), "copy" for copies and memsets."""
     if DEVICE_TRACE_CATEGORIES.get(trace_category):
         return DEVICE_TRACE_CATEGORIES[trace_category]
-    lowered = name.lower()
+    # The name and template arguments only: parameter types would group by
+    # what a kernel takes (an Fp8Format argument, a Side<> of q|k|v).
+    lowered = kernel_short_name(name, limit=None).lower()
     for group, pattern in PROFILE_GROUPS:
         if re.search(pattern, lowered):
             return group

@@ -274,3 +274,26 @@ def test_profiled_smoke_run_reports_profiles_and_keeps_traces(tmp_path):
         assert profile["steps"] == 1 and profile["device_events"] == 0, profile
         assert (tmp_path / "out" / profile["trace"]).stat().st_size > 0
     assert (tmp_path / "out" / "bench_gpu.txt").read_text().count("no device events recorded") == 2
+
+
+@pytest.mark.parametrize("name, group", [
+    # nanoq's own kernels as torch.profiler names them (demangled, with the parameter list)
+    ("void nanoq::cuda::(anonymous namespace)::absmax_kernel<__nv_bfloat16>(float*, __nv_bfloat16 const*, long, "
+     "bool, unsigned int const*, unsigned int const*)", "fp8 quantize"),
+    ("void nanoq::cuda::(anonymous namespace)::quantize_transposed_vector_kernel<__nv_bfloat16>(unsigned char*, "
+     "unsigned char*, float*, float const*, __nv_bfloat16 const*, int, int, nanoq::cuda::Fp8Format)", "fp8 quantize"),
+    # q|k|v's pass is RoPE (with or without the q/k norms), not a norm
+    ("void nanoq::cuda::(anonymous namespace)::qk_norm_rope_backward_kernel<__nv_bfloat16>(nanoq::cuda::(anonymous "
+     "namespace)::Side<__nv_bfloat16>, float*, float*, float const*, int, int, int, bool, bool, float*)",
+     "rope / qkv"),
+    ("void nanoq::cuda::(anonymous namespace)::rmsnorm_forward_kernel<__nv_bfloat16, 1>(__nv_bfloat16*, float*)",
+     "norm"),
+    # parameter types do not decide: an Fp8Format parameter does not make a kernel an fp8 quantization
+    ("void nanoq::cuda::(anonymous namespace)::swiglu_forward_kernel<__nv_bfloat16>(__nv_bfloat16*, "
+     "nanoq::cuda::Fp8Format)", "swiglu"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel(at::TensorIteratorBase&)"
+     "::{lambda()#1}>(int, at::native::silu_kernel)", "swiglu"),
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", "matmul"),
+])
+def test_kernel_groups_go_by_the_kernels_name_and_template_arguments(bench_gpu, name, group):
+    assert bench_gpu.kernel_group(name) == group
