@@ -144,6 +144,13 @@ def wandb_records(path):
 def wandb_runs(run_dir):
     """[(run record, [history row {key: value}], {config key: value})] of every offline W&B run of a
     nanoq run, oldest first."""
+    import wandb
+
+    # As at the process's exit: W&B's service writes the run files, and only
+    # its teardown waits for everything to be written (finish() waits for
+    # the run's exit record; one full run once read a file without its run
+    # record here). A later wandb.init starts a new service.
+    wandb.teardown()
     runs = []
     for path in sorted(glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))):
         run, rows, settings = None, [], {}
