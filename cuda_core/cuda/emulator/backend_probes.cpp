@@ -28,6 +28,15 @@ int fail(const std::exception& e, char* message, int message_bytes) {
     return 1;
 }
 
+// A probe's body: 0 when it returns, else 1 with the exception's message.
+template <class Body> int guarded(char* message, int message_bytes, const Body& body) {
+    try {
+        body();
+        return 0;
+    } catch (const std::exception& e) {
+        return fail(e, message, message_bytes);
+    }
+}
 std::vector<__nv_bfloat16> to_bf16(const float* x, std::size_t n) {
     std::vector<__nv_bfloat16> out(n);
     for (std::size_t i = 0; i < n; ++i) out[i] = __float2bfloat16_rn(x[i]);
@@ -48,7 +57,7 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_quantize(con
                                                                              float* amax_inverse, char* message,
                                                                              int message_bytes) {
     using namespace nanoq::cuda;
-    try {
+    return guarded(message, message_bytes, [&] {
         NANOQ_CUDA_CHECK(cudaSetDevice(0));
         const std::size_t n = std::size_t(rows) * cols;
         const Fp8Format format = e5m2 ? Fp8Format::E5M2 : Fp8Format::E4M3;
@@ -86,10 +95,7 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_quantize(con
         cudaFree(input);
         cudaFree(bytes);
         cudaFree(floats);
-        return 0;
-    } catch (const std::exception& e) {
-        return fail(e, message, message_bytes);
-    }
+    });
 }
 
 namespace {
@@ -139,7 +145,7 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_projection(i
                                                                                float* out, char* message,
                                                                                int message_bytes) {
     using namespace nanoq;
-    try {
+    return guarded(message, message_bytes, [&] {
         cuda::CudaBackend backend(0);
         NamedAllocator allocator(backend, 0);
         configure_fp8(backend, allocator, M, K, N);
@@ -152,10 +158,7 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_projection(i
         backend.copy_to_host(result.data(), tout);
         backend.synchronize();
         for (std::size_t i = 0; i < result.size(); ++i) out[i] = __bfloat162float(result[i]);
-        return 0;
-    } catch (const std::exception& e) {
-        return fail(e, message, message_bytes);
-    }
+    });
 }
 
 // The backward of y = x W^T through CudaBackend configured with matmul_dtype
@@ -173,7 +176,7 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_backward(int
                                                                              int joint, int* quantizations,
                                                                              char* message, int message_bytes) {
     using namespace nanoq;
-    try {
+    return guarded(message, message_bytes, [&] {
         cuda::CudaBackend backend(0);
         NamedAllocator allocator(backend, 0);
         configure_fp8(backend, allocator, rows, k, n);
@@ -199,10 +202,7 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_backward(int
         for (std::size_t i = 0; i < dx_bf16.size(); ++i) dx[i] = __bfloat162float(dx_bf16[i]);
         if (!dweight_f32)
             for (std::size_t i = 0; i < dweight_bf16.size(); ++i) dweight[i] = __bfloat162float(dweight_bf16[i]);
-        return 0;
-    } catch (const std::exception& e) {
-        return fail(e, message, message_bytes);
-    }
+    });
 }
 
 // gate|up through CudaBackend configured with matmul_dtype fp8, inputs
@@ -217,7 +217,7 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_gate_up(
     const float* dup, float* gate, float* up, float* dx, float* dgate_up, int joint, int* quantizations,
     char* message, int message_bytes) {
     using namespace nanoq;
-    try {
+    return guarded(message, message_bytes, [&] {
         cuda::CudaBackend backend(0);
         NamedAllocator allocator(backend, 0);
         configure_fp8(backend, allocator, rows, channels, intermediate);
@@ -249,10 +249,7 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_gate_up(
         download(backend, tdx, dx);
         backend.copy_to_host(dgate_up, tdw);
         backend.synchronize();
-        return 0;
-    } catch (const std::exception& e) {
-        return fail(e, message, message_bytes);
-    }
+    });
 }
 
 // The MLP's fp8 products after the kernels that produce their operands,
@@ -270,7 +267,7 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_mlp(
     const float* dout, const float* x, const float* gate_up, int intervene, float* out, float* dx, float* dgate_up,
     int* quantizations, int* maxima_taken, char* message, int message_bytes) {
     using namespace nanoq;
-    try {
+    return guarded(message, message_bytes, [&] {
         cuda::CudaBackend backend(0);
         NamedAllocator allocator(backend, 0);
         configure_fp8(backend, allocator, rows, channels, intermediate);
@@ -301,10 +298,7 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_mlp(
         download(backend, tdx, dx);
         backend.copy_to_host(dgate_up, tdw);
         backend.synchronize();
-        return 0;
-    } catch (const std::exception& e) {
-        return fail(e, message, message_bytes);
-    }
+    });
 }
 
 // The fp8 products after the norms, through CudaBackend configured with
@@ -322,7 +316,7 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_norms(
     const float* weight2, int intervene, float* y, float* dres, float* dh, float* dweight2, int* quantizations,
     int* maxima_taken, char* message, int message_bytes) {
     using namespace nanoq;
-    try {
+    return guarded(message, message_bytes, [&] {
         cuda::CudaBackend backend(0);
         NamedAllocator allocator(backend, 0);
         configure_fp8(backend, allocator, rows, channels, n);
@@ -357,10 +351,7 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_norms(
         download(backend, tdh, dh);
         backend.copy_to_host(dweight2, tdw2);
         backend.synchronize();
-        return 0;
-    } catch (const std::exception& e) {
-        return fail(e, message, message_bytes);
-    }
+    });
 }
 
 // The stand-in's statuses for calls the real library refuses (or accepts),
