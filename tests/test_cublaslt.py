@@ -161,9 +161,10 @@ def bf16(x):
 @pytest.mark.cuda_emulated
 def test_the_cublaslt_stand_in_refuses_what_the_library_refuses(monkeypatch):
     """The emulator's cuBLASLt implements the epilogues nanoq asks for and
-    refuses the rest, holds fp8 to Hopper's rules and strided batches to
-    consistent layouts (15 = NOT_SUPPORTED, 7 = INVALID_VALUE), so that a
-    wrong call fails here as on a GPU."""
+    refuses the rest, holds fp8 to Hopper's rules (scales and fast
+    accumulation on fp8 products only) and strided batches to consistent
+    layouts (15 = NOT_SUPPORTED, 7 = INVALID_VALUE), so that a wrong call
+    fails here as on a GPU."""
     import ctypes
     import os
 
@@ -180,7 +181,9 @@ def test_the_cublaslt_stand_in_refuses_what_the_library_refuses(monkeypatch):
         "relu_epilogue": "15", "bias_epilogue": "0", "unknown_attribute": "7",
         "fp8_tn": "0", "fp8_tn_algorithms": "3", "fp8_nn": "15", "fp8_m24": "15", "fp8_into_fp8": "15",
         "fp8_e4m3_e5m2": "0", "fp8_e5m2_e4m3": "0", "fp8_e5m2_e5m2": "15", "fp8_e5m2_nn": "15", "fp8_with_bf16": "15",
-        "scale_on_bf16": "15", "f32_bias_on_bf16": "15", "bias_epilogue_without_bias": "7",
+        # (fast accumulation off fp8: the stand-in refuses it, whatever the library does; nanoq never asks)
+        "scale_on_bf16": "15", "fast_accum_on_bf16": "15", "f32_bias_on_bf16": "15",
+        "bias_epilogue_without_bias": "7",
         # Strided batches: an operand shared by stride 0 is fine; batch counts that differ, outputs that
         # overlap and (in the stand-in) negative strides are refused.
         "batch_shared_operand": "0", "batch_counts_differ": "7", "batch_outputs_overlap": "7",

@@ -5,7 +5,8 @@ down) forward and backward, every operand quantized with its own current
 scale (max / its absolute maximum, kernels_fp8.cu) and multiplied by
 cuBLASLt in the "TN" layout its fp8 kernels take:
   - forward (CudaBackend::fp8_projection): x[M,K] @ W[N,K]^T, both e4m3,
-    into bf16, bias in the epilogue;
+    into bf16, bias in the epilogue, in cuBLASLt's fp8 fast accumulation
+    mode (NANOQ_FP8_FAST_ACCUM=0: promoting, as the gradients' products do);
   - dgrad (matmul_input_grad): dx = dy W, dy in e5m2 (gradients need the
     range), W^T quantized transposed to e4m3, accumulating into dx;
   - wgrad (matmul_weight_grad): dW += dy^T x, dy^T in e5m2 and x^T in e4m3
@@ -46,7 +47,10 @@ refuse):
   - producer maxima: the passes that take them (none where another op
     wrote the operand in between), outputs bitwise as with
     NANOQ_FP8_PRODUCER_MAXIMA=0 and as float64 gives from the operands' own
-    scales, and training bitwise as without them.
+    scales, and training bitwise as without them;
+  - fast accumulation: set on the forward product's descriptor only (the
+    emulated cuBLASLt counts the products of each mode; it computes both
+    alike, so its precision on the device is left to the GPU tests below).
 On a GPU (marked gpu): the same steps and gradients, and 200 steps of the
 demo whose final loss must be within FP8_CURVE_ABS of the bf16 run's
 (bench/gpu_check.sh runs it).
@@ -370,6 +374,46 @@ def test_fp8_backward_matches_float64(probes, capfd, monkeypatch, dweight_dtype)
     exact_dweight = dweight0 + dy.T.astype(np.float64) @ x
     assert_array_close(dx, exact_dx, 0.2, "fp8 dgrad vs the unquantized product")
     assert_array_close(dweight, exact_dweight, 0.2, "fp8 wgrad vs the unquantized product")
+
+
+def fp8_products(probes):
+    """(fast, promoting): the fp8 products the emulated cuBLASLt has queued in this process."""
+    probes.nanoq_emu_lt_fp8_products.restype = ctypes.c_ulonglong
+    return probes.nanoq_emu_lt_fp8_products(1), probes.nanoq_emu_lt_fp8_products(0)
+
+
+@pytest.mark.cuda_emulated
+@pytest.mark.parametrize("switch", ["default", "0", "1"])
+def test_forward_products_accumulate_fast_and_gradient_products_promote(probes, capfd, monkeypatch, switch):
+    """The forward product runs in cuBLASLt's fp8 fast accumulation mode (its
+    descriptor says so, and so does its plan), dgrad and wgrad promote;
+    NANOQ_FP8_FAST_ACCUM=0 promotes in the forward too."""
+    monkeypatch.setenv("NANOQ_MATMUL_LOG", "1")
+    if switch != "default":
+        monkeypatch.setenv("NANOQ_FP8_FAST_ACCUM", switch)
+    fast = switch != "0"
+    rng = np.random.default_rng(6)
+    rows, n, k = 48, 32, 64
+    start = fp8_products(probes)
+    project(probes, bf16(rng.standard_normal((rows, k))), bf16(rng.standard_normal((n, k)) * 0.05))
+    after_forward = fp8_products(probes)
+    backward(probes, bf16(rng.standard_normal((rows, n)) * 1e-3), bf16(rng.standard_normal((n, k)) * 0.05),
+             bf16(rng.standard_normal((rows, k))))
+    after_backward = fp8_products(probes)
+    assert np.subtract(after_forward, start).tolist() == ([1, 0] if fast else [0, 1])
+    assert np.subtract(after_backward, after_forward).tolist() == [0, 2]  # dgrad and wgrad
+    plans = [line for line in capfd.readouterr().err.splitlines() if "nanoq matmul plan" in line]
+    forward = [p for p in plans if p.startswith(f"nanoq matmul plan {rows}x{n}x{k} ")]
+    grads = [p for p in plans if p.startswith((f"nanoq matmul plan {rows}x{k}x{n} ", f"nanoq matmul plan {n}x{k}x{rows} "))]
+    assert len(forward) == 1 and forward[0].endswith(f"fast_accum={int(fast)}"), plans
+    assert len(grads) == 2 and all(p.endswith("fast_accum=0") for p in grads), plans
+
+
+@pytest.mark.cuda_emulated
+def test_a_bad_fast_accumulation_switch_is_refused(probes, monkeypatch):
+    monkeypatch.setenv("NANOQ_FP8_FAST_ACCUM", "yes")
+    with pytest.raises(AssertionError, match='NANOQ_FP8_FAST_ACCUM must be 0 or 1, got "yes"'):
+        project(probes, np.ones((16, 16), np.float32), np.ones((16, 16), np.float32))
 
 
 @pytest.mark.cuda_emulated

@@ -102,7 +102,8 @@ struct LtMatmul::Product {
     float alpha;
     const float* a_scale;  // fp8: the dequantization factors, else null
     const float* b_scale;
-    std::size_t out_bytes;  // all products' outputs, from out
+    bool fast_accumulation;  // fp8 only
+    std::size_t out_bytes;   // all products' outputs, from out
     Batch batch;
     int align_out() const { return batch_alignment(out, batch.out_stride, out_type); }
     int align_a() const { return batch_alignment(a, batch.a_stride, a_type); }
@@ -159,6 +160,8 @@ void LtMatmul::build(Plan& p, const Product& x, void* workspace, std::size_t wor
     if (x.a_scale) {
         set_desc(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, x.b_scale, "A_SCALE_POINTER");
         set_desc(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, x.a_scale, "B_SCALE_POINTER");
+        const std::int8_t fast = x.fast_accumulation ? 1 : 0;
+        set_desc(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, fast, "FAST_ACCUM");
     }
     // Our b is stored [K,N] (ld N) or, transposed, [N,K] (ld K): column-major N x K or K x N.
     check_lt(cublasLtMatrixLayoutCreate(&p.a, x.b_type, x.trans_b ? K : N, x.trans_b ? N : K, x.trans_b ? K : N),
@@ -221,9 +224,9 @@ void LtMatmul::build(Plan& p, const Product& x, void* workspace, std::size_t wor
     p.algo = results[chosen].algo;
     if (log_plan)
         std::fprintf(stderr, "nanoq matmul plan %s trans_a=%d trans_b=%d accumulate=%d types=%d/%d/%d bias=%d: "
-                             "%d algorithms, %s, chose %d, batch %d\n",
+                             "%d algorithms, %s, chose %d, batch %d, fast_accum=%d\n",
                      shape.c_str(), x.trans_a, x.trans_b, x.accumulate, x.out_type, x.a_type, x.b_type, x.bias_type,
-                     usable, log.c_str(), chosen, x.batch.count);
+                     usable, log.c_str(), chosen, x.batch.count, int(x.a_scale && x.fast_accumulation));
 }
 
 int LtMatmul::remembered_choice(int device, const Key& key, int choice) {
@@ -306,7 +309,7 @@ void LtMatmul::execute(const Product& x, void* workspace, std::size_t workspace_
                   x.align_a(),
                   x.align_b(),
                   x.bias ? alignment(x.bias) : 0,
-                  x.a_scale != nullptr,
+                  x.a_scale ? (x.fast_accumulation ? 2 : 1) : 0,
                   x.batch.count,
                   x.batch.a_stride,
                   x.batch.b_stride,
@@ -346,6 +349,7 @@ void LtMatmul::run(const Tensor& out, const Tensor& a, const Tensor& b, int M, i
                     alpha,
                     nullptr,
                     nullptr,
+                    false,
                     out.bytes(),
                     Batch{}};
     execute(x, workspace, workspace_bytes, stream);
@@ -380,6 +384,7 @@ void LtMatmul::run_batched(const Tensor& out, const Tensor& a, const Tensor& b, 
                     1.0f,
                     nullptr,
                     nullptr,
+                    false,
                     out_bytes,
                     batch};
     execute(x, workspace, workspace_bytes, stream);
@@ -387,7 +392,8 @@ void LtMatmul::run_batched(const Tensor& out, const Tensor& a, const Tensor& b, 
 
 void LtMatmul::run_fp8(const Tensor& out, const void* a8, cudaDataType_t a_type, const void* b8, cudaDataType_t b_type,
                        const float* a_scale, const float* b_scale, int M, int N, int K, bool accumulate,
-                       const Tensor& bias, void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
+                       const Tensor& bias, bool fast_accumulation, void* workspace, std::size_t workspace_bytes,
+                       cudaStream_t stream) {
     if (!fp8_supported(M, N, K))
         throw InternalError("an fp8 matmul needs M, N and K multiples of 16, got " + std::to_string(M) + "x" +
                             std::to_string(N) + "x" + std::to_string(K));
@@ -411,6 +417,7 @@ void LtMatmul::run_fp8(const Tensor& out, const void* a8, cudaDataType_t a_type,
                     1.0f,
                     a_scale,
                     b_scale,
+                    fast_accumulation,
                     out.bytes(),
                     Batch{}};
     execute(x, workspace, workspace_bytes, stream);

@@ -34,7 +34,11 @@
 // pointers (device floats, read when the product runs). Its fp8 kernels on
 // Ada and Hopper take only the "TN" layout (both operands K-contiguous),
 // e4m3 x e4m3, e4m3 x e5m2 or e5m2 x e4m3 (never e5m2 x e5m2), and a bf16
-// or float32 output, which may be accumulated into (beta 1, C = D).
+// or float32 output, which may be accumulated into (beta 1, C = D). With
+// `fast_accumulation` the product runs in cuBLASLt's fp8 fast accumulation
+// mode (CUBLASLT_MATMUL_DESC_FAST_ACCUM): the tensor cores' partial sums are
+// not promoted to float32 along K every so often, which is faster on Hopper
+// and less exact; without it they are.
 #pragma once
 
 #include <cublasLt.h>
@@ -87,15 +91,15 @@ public:
     // multiples of 16 (fp8_supported); out bf16 or float32.
     void run_fp8(const Tensor& out, const void* a8, cudaDataType_t a_type, const void* b8, cudaDataType_t b_type,
                  const float* a_scale, const float* b_scale, int M, int N, int K, bool accumulate, const Tensor& bias,
-                 void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
+                 bool fast_accumulation, void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
     static bool fp8_supported(int M, int N, int K) { return M % 16 == 0 && N % 16 == 0 && K % 16 == 0; }
 
 private:
     // One call's operands in cuBLASLt's terms (see run).
     struct Product;
-    // Shape, transposes, accumulate, dtypes (out, a, b, bias or -1), alignments (out, a, b, bias), fp8 scales,
-    // batch count and strides (a, b, out).
-    using Key = std::tuple<int, int, int, bool, bool, bool, int, int, int, int, int, int, int, int, bool, int,
+    // Shape, transposes, accumulate, dtypes (out, a, b, bias or -1), alignments (out, a, b, bias), fp8 (0: not
+    // fp8, 1: fp8, 2: fp8 with fast accumulation), batch count and strides (a, b, out).
+    using Key = std::tuple<int, int, int, bool, bool, bool, int, int, int, int, int, int, int, int, int, int,
                            std::int64_t, std::int64_t, std::int64_t>;
     struct Plan {
         cublasLtMatmulDesc_t desc = nullptr;

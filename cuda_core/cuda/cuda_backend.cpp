@@ -348,6 +348,7 @@ void CudaBackend::reserve_scratch(NamedAllocator& allocator, const ScratchShapes
     fp8_cache_slots_.clear();
     fp8_cache_used_ = kFp8Align;  // the generation word's block
     fp8_producer_maxima_ = env_switch("NANOQ_FP8_PRODUCER_MAXIMA");
+    fp8_fast_forward_ = env_switch("NANOQ_FP8_FAST_ACCUM");
     fp8_forget_produced();
     if (fp8_weight_cache_.data) {
         // Generation 1, every stamp 0: each slot is quantized on first use.
@@ -570,6 +571,12 @@ bool CudaBackend::memory_info(std::size_t* free_bytes, std::size_t* total_bytes)
 // matmul_backward writes dy and dy^T in one pass, gate|up's forward
 // quantizes x once for both products, and its backward dgate, dup (both
 // forms each) and x^T once.
+// Accumulation: the forward products run in cuBLASLt's fp8 fast
+// accumulation mode (faster on Hopper; the tensor cores' partial sums are
+// not promoted to float32 along K), the gradients' products promote them:
+// the gradients are the small, wide-ranging values that lose most to a
+// short accumulator (torchao's float8 training defaults to the same split).
+// NANOQ_FP8_FAST_ACCUM=0 promotes in the forward too.
 bool CudaBackend::fp8_applies(int M, int N, int K) const {
     return options_.matmul_dtype == MatmulPrecision::FP8 && fp8_operands_.data && !in_classifier_ &&
            LtMatmul::fp8_supported(M, N, K);
@@ -744,7 +751,7 @@ bool CudaBackend::fp8_projection(const Tensor& out, const Tensor& a, const Tenso
     const Fp8Operand x8 = fp8_operand(a, M, K, false, Fp8Format::E4M3);
     const Fp8Operand w8 = fp8_weight(b, N, K, false);
     matmul_->run_fp8(out, x8.codes, CUDA_R_8F_E4M3, w8.codes, CUDA_R_8F_E4M3, x8.inverse_scale, w8.inverse_scale, M,
-                     N, K, false, bias, matmul_workspace_.data, matmul_workspace_.bytes(), stream_);
+                     N, K, false, bias, fp8_fast_forward_, matmul_workspace_.data, matmul_workspace_.bytes(), stream_);
     return true;
 }
 
@@ -769,7 +776,8 @@ bool CudaBackend::fp8_input_grad(const Tensor& dx, const Tensor& dy, const Tenso
     const Fp8Operand dy8 = fp8_operand(dy, rows, n, false, Fp8Format::E5M2);
     const Fp8Operand wt8 = fp8_weight(weight, n, k, true);
     matmul_->run_fp8(dx, dy8.codes, CUDA_R_8F_E5M2, wt8.codes, CUDA_R_8F_E4M3, dy8.inverse_scale, wt8.inverse_scale,
-                     rows, k, n, accumulate, Tensor(), matmul_workspace_.data, matmul_workspace_.bytes(), stream_);
+                     rows, k, n, accumulate, Tensor(), false, matmul_workspace_.data, matmul_workspace_.bytes(),
+                     stream_);
     return true;
 }
 
@@ -779,8 +787,8 @@ bool CudaBackend::fp8_weight_grad(const Tensor& dweight, const Tensor& dy, const
     const Fp8Operand dyt8 = fp8_operand(dy, rows, n, true, Fp8Format::E5M2);
     const Fp8Operand xt8 = fp8_operand(x, rows, k, true, Fp8Format::E4M3);
     matmul_->run_fp8(dweight, dyt8.codes, CUDA_R_8F_E5M2, xt8.codes, CUDA_R_8F_E4M3, dyt8.inverse_scale,
-                     xt8.inverse_scale, n, k, rows, true, Tensor(), matmul_workspace_.data, matmul_workspace_.bytes(),
-                     stream_);
+                     xt8.inverse_scale, n, k, rows, true, Tensor(), false, matmul_workspace_.data,
+                     matmul_workspace_.bytes(), stream_);
     return true;
 }
 

@@ -309,6 +309,9 @@ private:
     std::vector<ProducedMax> fp8_produced_, fp8_produced_before_;
     int fp8_produced_next_ = 0;
     bool fp8_producer_maxima_ = true;
+    // Whether forward products run in cuBLASLt's fp8 fast accumulation mode
+    // (cuda_backend.cpp; NANOQ_FP8_FAST_ACCUM=0 turns it off).
+    bool fp8_fast_forward_ = true;
     int op_depth_ = 0;
     // The fp8 weight cache: a generation word, then one slot per (weight,
     // shape, layout) in first-use order: its header (amax, inverse scale,

@@ -45,6 +45,7 @@ FAMILIES = {
     # of two for gate|up).
     "cuda_backend.cpp": "test_fp8.py test_composites.py test_packed_projections.py",
     "cuda_backend.h": "test_fp8.py",
+    "cublaslt_matmul.cpp": "test_fp8.py test_cublaslt.py",
 }
 
 
@@ -210,6 +211,12 @@ EDITS = [
     ("producer maxima: the elementwise add opens no OpScope", "cuda_backend.cpp", 0,
      "void CudaBackend::add(const Tensor& out, const Tensor& a, const Tensor& b) {\n    const OpScope op(*this);",
      "void CudaBackend::add(const Tensor& out, const Tensor& a, const Tensor& b) {"),
+    ("fp8 fast accumulation: never set on the descriptor", "cublaslt_matmul.cpp", 0,
+     "const std::int8_t fast = x.fast_accumulation ? 1 : 0;", "const std::int8_t fast = 0;"),
+    ("fp8 fast accumulation: the dgrad products too", "cuda_backend.cpp", 0,
+     "rows, k, n, accumulate, Tensor(), false,", "rows, k, n, accumulate, Tensor(), fp8_fast_forward_,"),
+    ("fp8 fast accumulation: the switch ignored", "cuda_backend.cpp", 0,
+     'fp8_fast_forward_ = env_switch("NANOQ_FP8_FAST_ACCUM");', "fp8_fast_forward_ = true;"),
 ]
 
 

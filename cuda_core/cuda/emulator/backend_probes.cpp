@@ -396,9 +396,9 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_cublaslt_refusal
         const std::uint32_t relu = 2, bias = CUBLASLT_EPILOGUE_BIAS;
         note("relu_epilogue", cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &relu, sizeof(relu)));
         note("bias_epilogue", cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &bias, sizeof(bias)));
-        const std::int8_t fast = 1;  // CUBLASLT_MATMUL_DESC_FAST_ACCUM: not one the stand-in knows
-        note("unknown_attribute", cublasLtMatmulDescSetAttribute(
-                                      desc, static_cast<cublasLtMatmulDescAttributes_t>(25), &fast, sizeof(fast)));
+        const std::int32_t sm_count = 8;  // CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET: not one the stand-in knows
+        note("unknown_attribute", cublasLtMatmulDescSetAttribute(desc, static_cast<cublasLtMatmulDescAttributes_t>(15),
+                                                                 &sm_count, sizeof(sm_count)));
         cublasLtMatmulDescDestroy(desc);
     }
     note("fp8_tn", heuristic(CUDA_R_8F_E4M3, CUDA_R_16BF, true, 32, 16, 48, nullptr, &returned));
@@ -426,6 +426,13 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_cublaslt_refusal
                                                                        &scale, sizeof(scale));
                                     },
                                     &returned));
+    note("fast_accum_on_bf16", heuristic(CUDA_R_16BF, CUDA_R_16BF, false, 8, 8, 8,
+                                         [&](cublasLtMatmulDesc_t desc) {
+                                             const std::int8_t fast = 1;
+                                             cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM,
+                                                                            &fast, sizeof(fast));
+                                         },
+                                         &returned));
     note("f32_bias_on_bf16", heuristic(CUDA_R_16BF, CUDA_R_16BF, false, 8, 8, 8,
                                        [&](cublasLtMatmulDesc_t desc) {
                                            const std::uint32_t bias = CUBLASLT_EPILOGUE_BIAS;

@@ -29,6 +29,10 @@ struct nanoq_emu_lt_desc {
     int bias_type = -1;  // -1: D's type
     const float* a_scale = nullptr;  // device pointers; null: 1
     const float* b_scale = nullptr;
+    // fp8 fast accumulation: the stand-in computes every product alike (in
+    // float64); only the device's products lose precision with it, which
+    // the GPU tests' tolerances check. It counts the products of each mode.
+    std::int8_t fast_accum = 0;
 };
 struct nanoq_emu_lt_layout {
     cudaDataType_t type;
@@ -45,6 +49,8 @@ struct nanoq_emu_lt_preference {
 namespace {
 
 constexpr std::size_t kEmulatedWorkspace = 1 << 20;
+// fp8 products queued so far in this process: [0] promoting, [1] with fast accumulation.
+std::atomic<unsigned long long> fp8_products[2];
 // The heuristic offers NANOQ_EMU_LT_ALGORITHMS algorithms (default 1, at
 // most 8; read at each call): the same reference GEMM, algorithm i of n
 // slower by (n - 1 - i) * kAlgorithmDelay, so that the fastest one is known.
@@ -137,6 +143,13 @@ cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t desc, cublasL
                     static_cast<const float*>(pointer);
             return CUBLAS_STATUS_SUCCESS;
         }
+        case CUBLASLT_MATMUL_DESC_FAST_ACCUM: {
+            if (bytes != sizeof(std::int8_t)) return CUBLAS_STATUS_INVALID_VALUE;
+            const auto fast = *static_cast<const std::int8_t*>(buffer);
+            if (fast != 0 && fast != 1) return CUBLAS_STATUS_INVALID_VALUE;
+            desc->fast_accum = fast;
+            return CUBLAS_STATUS_SUCCESS;
+        }
         case CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE: {
             if (bytes != sizeof(std::int32_t)) return CUBLAS_STATUS_INVALID_VALUE;
             const auto type = *static_cast<const std::int32_t*>(buffer);
@@ -224,8 +237,8 @@ cublasStatus_t supported(const nanoq_emu_lt_desc& desc, const nanoq_emu_lt_layou
         for (std::uint64_t extent : {d.rows, d.cols, k, static_cast<std::uint64_t>(a.ld),
                                      static_cast<std::uint64_t>(b.ld), static_cast<std::uint64_t>(d.ld)})
             if (extent % 16) return CUBLAS_STATUS_NOT_SUPPORTED;
-    } else if (a.type != b.type || desc.a_scale || desc.b_scale) {
-        return CUBLAS_STATUS_NOT_SUPPORTED;
+    } else if (a.type != b.type || desc.a_scale || desc.b_scale || desc.fast_accum) {
+        return CUBLAS_STATUS_NOT_SUPPORTED;  // (the stand-in refuses fast accumulation off fp8 too)
     }
     if (desc.epilogue == CUBLASLT_EPILOGUE_BIAS) {
         const int type = bias_type(desc, a, d);
@@ -324,6 +337,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t desc, const
     const auto bias_kind = static_cast<cudaDataType_t>(bias_type(*desc, A, D));
     const void* bias = with_bias ? desc->bias : nullptr;
     const float *a_scale = desc->a_scale, *b_scale = desc->b_scale;
+    if (is_fp8(A.type)) ++fp8_products[desc->fast_accum ? 1 : 0];
     const auto delay = static_cast<int>(algo->data[5]) * kAlgorithmDelay;
     const void *a_base = a, *b_base = b, *c_base = c;
     void* d_base = d;
@@ -767,4 +781,10 @@ extern "C" __attribute__((visibility("default"))) unsigned long long nanoq_emu_n
 // every rank joins again). Exported for tests (ctypes).
 extern "C" __attribute__((visibility("default"))) void nanoq_emu_nccl_withhold_rank(int rank) {
     withheld_rank = rank;
+}
+
+// The fp8 products cublasLtMatmul has queued in this process, with
+// (`fast` 1) or without fast accumulation (tests/test_fp8.py).
+extern "C" __attribute__((visibility("default"))) unsigned long long nanoq_emu_lt_fp8_products(int fast) {
+    return fp8_products[fast ? 1 : 0].load();
 }
