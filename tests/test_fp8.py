@@ -410,6 +410,28 @@ def test_forward_products_accumulate_fast_and_gradient_products_promote(probes, 
 
 
 @pytest.mark.cuda_emulated
+def test_a_forward_product_without_a_fast_accumulation_kernel_promotes(probes, capfd, monkeypatch):
+    """Fast accumulation is a speed hint: where cuBLASLt offers no such kernel
+    (the emulator's NANOQ_EMU_LT_NO_FAST_ACCUM=1), the product promotes, says
+    so once, and computes what it should."""
+    monkeypatch.setenv("NANOQ_MATMUL_LOG", "1")
+    monkeypatch.setenv("NANOQ_EMU_LT_NO_FAST_ACCUM", "1")
+    rng = np.random.default_rng(7)
+    a, b = bf16(rng.standard_normal((32, 64))), bf16(rng.standard_normal((16, 64)) * 0.05)
+    start = fp8_products(probes)
+    out = project(probes, a, b)
+    assert np.subtract(fp8_products(probes), start).tolist() == [0, 1]
+    err = capfd.readouterr().err
+    assert err.count("nanoq: cuBLASLt has no fp8 fast-accumulation algorithm for the 32x16x64 product; it "
+                     "promotes its partial sums instead") == 1, err
+    assert re.search(r"nanoq matmul plan 32x16x64 .*fast_accum=0$", err, re.M), err
+    qa, ia = reference_quantize(a)
+    qb, ib = reference_quantize(b)
+    dequantized = (decode(qa).reshape(a.shape) * ia) @ (decode(qb).reshape(b.shape) * ib).T
+    assert_array_close(out, dequantized, 1e-2, "fp8 product vs its dequantized operands")
+
+
+@pytest.mark.cuda_emulated
 def test_a_bad_fast_accumulation_switch_is_refused(probes, monkeypatch):
     monkeypatch.setenv("NANOQ_FP8_FAST_ACCUM", "yes")
     with pytest.raises(AssertionError, match='NANOQ_FP8_FAST_ACCUM must be 0 or 1, got "yes"'):

@@ -198,15 +198,30 @@ void LtMatmul::build(Plan& p, const Product& x, void* workspace, std::size_t wor
         check_lt(cublasLtMatmulPreferenceSetAttribute(preference, align_attrs[i], &aligns[i], sizeof(aligns[i])),
                  "alignment preference");
     cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
-    int found = 0;
-    const cublasStatus_t status =
-        cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, preference, kCandidates, results, &found);
     // Only those the heuristic vouches for that fit the workspace.
-    int usable = 0;
-    for (int i = 0; status == CUBLAS_STATUS_SUCCESS && i < found; ++i)
-        if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= workspace_bytes)
-            results[usable++] = results[i];
+    auto usable_algorithms = [&] {
+        int found = 0, usable = 0;
+        const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, preference,
+                                                                     kCandidates, results, &found);
+        for (int i = 0; status == CUBLAS_STATUS_SUCCESS && i < found; ++i)
+            if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= workspace_bytes)
+                results[usable++] = results[i];
+        return usable;
+    };
+    int usable = usable_algorithms();
     const std::string shape = std::to_string(M) + "x" + std::to_string(N) + "x" + std::to_string(K);
+    bool fast = x.a_scale && x.fast_accumulation;
+    if (usable == 0 && fast) {
+        // Fast accumulation is a speed hint: where the library has no such
+        // kernel for this product, it promotes (said once per plan).
+        const std::int8_t off = 0;
+        set_desc(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, off, "FAST_ACCUM");
+        usable = usable_algorithms();
+        fast = false;
+        if (usable > 0)
+            std::fprintf(stderr, "nanoq: cuBLASLt has no fp8 fast-accumulation algorithm for the %s product; it "
+                                 "promotes its partial sums instead\n", shape.c_str());
+    }
     if (usable == 0) throw NanoqError("cuBLASLt has no algorithm for a " + shape + " matmul of these dtypes");
     std::string log = "untimed";
     int chosen = 0;
@@ -226,7 +241,7 @@ void LtMatmul::build(Plan& p, const Product& x, void* workspace, std::size_t wor
         std::fprintf(stderr, "nanoq matmul plan %s trans_a=%d trans_b=%d accumulate=%d types=%d/%d/%d bias=%d: "
                              "%d algorithms, %s, chose %d, batch %d, fast_accum=%d\n",
                      shape.c_str(), x.trans_a, x.trans_b, x.accumulate, x.out_type, x.a_type, x.b_type, x.bias_type,
-                     usable, log.c_str(), chosen, x.batch.count, int(x.a_scale && x.fast_accumulation));
+                     usable, log.c_str(), chosen, x.batch.count, int(fast));
 }
 
 int LtMatmul::remembered_choice(int device, const Key& key, int choice) {

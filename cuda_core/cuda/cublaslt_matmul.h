@@ -38,7 +38,8 @@
 // `fast_accumulation` the product runs in cuBLASLt's fp8 fast accumulation
 // mode (CUBLASLT_MATMUL_DESC_FAST_ACCUM): the tensor cores' partial sums are
 // not promoted to float32 along K every so often, which is faster on Hopper
-// and less exact; without it they are.
+// and less exact; without it they are. Where cuBLASLt has no fast kernel for
+// a product, that product promotes (and says so on stderr).
 #pragma once
 
 #include <cublasLt.h>

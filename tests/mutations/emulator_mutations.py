@@ -215,6 +215,8 @@ EDITS = [
      "const std::int8_t fast = x.fast_accumulation ? 1 : 0;", "const std::int8_t fast = 0;"),
     ("fp8 fast accumulation: the dgrad products too", "cuda_backend.cpp", 0,
      "rows, k, n, accumulate, Tensor(), false,", "rows, k, n, accumulate, Tensor(), fp8_fast_forward_,"),
+    ("fp8 fast accumulation: no fallback where the library has no such kernel", "cublaslt_matmul.cpp", 0,
+     "if (usable == 0 && fast) {", "if (usable < 0 && fast) {"),
     ("fp8 fast accumulation: the switch ignored", "cuda_backend.cpp", 0,
      'fp8_fast_forward_ = env_switch("NANOQ_FP8_FAST_ACCUM");', "fp8_fast_forward_ = true;"),
 ]

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <cstdio>
 #include <condition_variable>
 #include <map>
@@ -281,6 +282,9 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDe
         return CUBLAS_STATUS_INVALID_VALUE;
     if (!batch_consistent(*a, *b, *c, *d)) return CUBLAS_STATUS_INVALID_VALUE;
     if (const cublasStatus_t status = supported(*desc, *a, *b, *d, k); status != CUBLAS_STATUS_SUCCESS) return status;
+    // NANOQ_EMU_LT_NO_FAST_ACCUM=1: a library without fp8 fast-accumulation kernels (read at each call).
+    const char* no_fast = std::getenv("NANOQ_EMU_LT_NO_FAST_ACCUM");
+    if (desc->fast_accum && no_fast && !std::strcmp(no_fast, "1")) return CUBLAS_STATUS_NOT_SUPPORTED;
     for (int i = 0; i < 4; ++i)
         if (preference->align[i] == 0 || (preference->align[i] & (preference->align[i] - 1)))
             return CUBLAS_STATUS_INVALID_VALUE;
