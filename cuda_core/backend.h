@@ -115,6 +115,21 @@ public:
     // A backend that keeps copies derived from the weights (cuda's fp8
     // weight cache) drops them here; the default keeps none.
     virtual void weights_changed() {}
+    // A hint for fp8's current scaling across the passes (the default takes
+    // none): the next op's projection input x (the activation the op
+    // multiplies by a weight, or by whose transpose it forms the weight
+    // gradient) holds `site`'s value of this micro-batch. `defines` in the
+    // forward: the op may keep what it learns of x (cuda: its largest
+    // magnitude); not in the backward: the op may use what was kept. The
+    // model calls it right before the op, and guarantees that the backward's
+    // x is bitwise the forward's (kept, or recomputed by the same ops).
+    // Sites: kProjectionSites per layer, layer * kProjectionSites + which
+    // (LlamaModel::projection_site).
+    static constexpr int kProjectionSites = 4;  // q|k|v, o, gate|up, down
+    virtual void projection_input(int site, bool defines) {
+        (void)site;
+        (void)defines;
+    }
 
     // Runs `body`, which issues this device's work for a piece of a step
     // that repeats: the same ops on the same buffers whenever `key` repeats.

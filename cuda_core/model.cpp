@@ -305,6 +305,7 @@ void LlamaModel::layer_steps(int layer, const LayerWeights& w, LayerActivations&
     if (runs(&LayerActivations::input_norm))
         be.rmsnorm_forward(a.input_norm, a.input_rstd, input, w.input_norm, rows_, C, c.rms_norm_eps);
     if (runs(&LayerActivations::q)) {
+        be.projection_input(projection_site(layer, kSiteQkv), true);
         if (has_adapter(w, {kLoraQ, kLoraK, kLoraV})) {  // the adapters add to the projections before RoPE
             be.qkv_projection(qkv_out, a.input_norm, qkv, qkv_shape_);
             adapter_forward(layer, kLoraQ, w, c.qk_norm ? a.q_raw : a.q, a.input_norm, HD, C, stack);
@@ -318,6 +319,7 @@ void LlamaModel::layer_steps(int layer, const LayerWeights& w, LayerActivations&
     const bool attention_runs = runs(&LayerActivations::attention), post_norm_runs = runs(&LayerActivations::post_norm);
     if (attention_runs) {
         be.attention_forward(a.attention, a.lse, a.q, a.k, a.v, positions_, attention_shape_);
+        be.projection_input(projection_site(layer, kSiteO), true);
         project(kLoraO, a.residual_mid, w.o, w.o_bias, a.attention, C, HD);
         if (model_dropout_active_) block_dropout(layer, 0, a.residual_mid, a.residual_mid);
     }
@@ -329,9 +331,11 @@ void LlamaModel::layer_steps(int layer, const LayerWeights& w, LayerActivations&
         be.accumulate(a.residual_mid, input);
     else if (post_norm_runs)
         be.rmsnorm_forward(a.post_norm, a.post_rstd, a.residual_mid, w.post_norm, rows_, C, c.rms_norm_eps);
+    if (runs(&LayerActivations::gate)) be.projection_input(projection_site(layer, kSiteGateUp), true);
     mlp_input_forward(layer, w, a.gate, a.up, a.swiglu, a.post_norm, rows_, runs(&LayerActivations::gate),
                       runs(&LayerActivations::swiglu), stack);
     if (output) {
+        be.projection_input(projection_site(layer, kSiteDown), true);
         project(kLoraDown, *output, w.down, w.down_bias, a.swiglu, C, I);
         if (model_dropout_active_) block_dropout(layer, 1, *output, *output);
         be.accumulate(*output, a.residual_mid);
@@ -370,10 +374,12 @@ void LlamaModel::layer_backward(int layer, const LayerWeights& w, const LayerWei
         Tensor dgate = frame.push("d-gate", dtype_, {rows_, I});
         Tensor dup = frame.push("d-up", dtype_, {rows_, I});
         const Tensor dmlp = block_output_grad(1, frame);
+        be.projection_input(projection_site(layer, kSiteDown), false);
         project_backward(kLoraDown, dgate, false, g.down, g.down_bias, dmlp, w.down, a.swiglu, C, I);
         Tensor dnorm = frame.push("d-post-norm", dtype_, {rows_, C});
         if (c.mlp_bias || has_adapter(w, {kLoraGate, kLoraUp})) {
             be.swiglu_backward(dgate, dup, dgate, a.gate, a.up);
+            be.projection_input(projection_site(layer, kSiteGateUp), false);
             be.gate_up_projection_backward(dnorm, false, g.gate_up, dgate, dup, a.post_norm, w.gate_up, rows_, I, C);
             if (g.gate_bias.data) {
                 be.bias_backward(g.gate_bias, dgate, rows_, I);
@@ -382,6 +388,7 @@ void LlamaModel::layer_backward(int layer, const LayerWeights& w, const LayerWei
             adapter_backward(layer, kLoraGate, w, g, dnorm, dgate, a.post_norm, I, C, stack);
             adapter_backward(layer, kLoraUp, w, g, dnorm, dup, a.post_norm, I, C, stack);
         } else {
+            be.projection_input(projection_site(layer, kSiteGateUp), false);
             be.swiglu_gate_up_backward(dnorm, false, g.gate_up, dgate, dup, dgate, a.gate, a.up, a.post_norm,
                                        w.gate_up, rows_, I, C);
         }
@@ -392,6 +399,7 @@ void LlamaModel::layer_backward(int layer, const LayerWeights& w, const LayerWei
         StackFrame frame(stack);
         Tensor datt = frame.push("d-attention", dtype_, {rows_, HD});
         const Tensor dattention_out = block_output_grad(0, frame);
+        be.projection_input(projection_site(layer, kSiteO), false);
         project_backward(kLoraO, datt, false, g.o, g.o_bias, dattention_out, w.o, a.attention, C, HD);
         Tensor dq = frame.push("d-q", dtype_, {rows_, HD});
         Tensor dk = frame.push("d-k", dtype_, {rows_, KD});
@@ -402,11 +410,13 @@ void LlamaModel::layer_backward(int layer, const LayerWeights& w, const LayerWei
         const QkvWeights qkv = qkv_weights(w), dqkv = qkv_grads(g);
         if (has_adapter(w, {kLoraQ, kLoraK, kLoraV})) {
             be.qk_norm_rope_backward(dq, dk, qkv_in, qkv, dqkv, rope_angles(), rope_shape());
+            be.projection_input(projection_site(layer, kSiteQkv), false);
             be.qkv_projection_backward(dnorm, false, dqkv, dq, dk, dv, a.input_norm, qkv, qkv_shape_);
             adapter_backward(layer, kLoraQ, w, g, dnorm, dq, a.input_norm, HD, C, stack);
             adapter_backward(layer, kLoraK, w, g, dnorm, dk, a.input_norm, KD, C, stack);
             adapter_backward(layer, kLoraV, w, g, dnorm, dv, a.input_norm, KD, C, stack);
         } else {
+            be.projection_input(projection_site(layer, kSiteQkv), false);
             be.qkv_backward(dnorm, false, dqkv, dq, dk, dv, qkv_in, a.input_norm, qkv, rope_angles(), rope_shape());
         }
         be.residual_rmsnorm_backward(dresidual, or_sink(g.input_norm), dnorm, input, w.input_norm, a.input_rstd,

@@ -224,6 +224,10 @@ private:
     // Whether any of `targets` has an adapter in this layer: then the packed
     // composites run in their halves, with the adapters in between.
     static bool has_adapter(const LayerWeights& w, std::initializer_list<int> targets);
+    // The projection inputs a layer's forward defines and its backward takes
+    // again (Backend::projection_input): which of the kProjectionSites.
+    enum ProjectionSite { kSiteQkv, kSiteO, kSiteGateUp, kSiteDown };
+    static int projection_site(int layer, ProjectionSite which) { return layer * Backend::kProjectionSites + which; }
     // The dropout mask of one adapter: its stream of the micro-batch's seed.
     static std::uint64_t adapter_seed(int layer, int target);
     // Where a gradient goes: `grad`, or a scratch sink when it is frozen

@@ -19,7 +19,10 @@ cuBLASLt in the "TN" layout its fp8 kernels take:
   - producer maxima: where the kernel that wrote an operand took its
     maximum on the way (SwiGLU forward and backward, the norms forward and
     backward) and no other op has run since, the quantization takes that
-    maximum instead of a pass of its own.
+    maximum instead of a pass of its own;
+  - forward maxima: a weight gradient's x^T takes the maximum the
+    forward's quantization of the same x kept (the model names the value,
+    Backend::projection_input).
 The classifier, attention, the adapters, the optimizer and master weights
 stay as they were.
 
@@ -48,6 +51,8 @@ refuse):
     wrote the operand in between), outputs bitwise as with
     NANOQ_FP8_PRODUCER_MAXIMA=0 and as float64 gives from the operands' own
     scales, and training bitwise as without them;
+  - forward maxima: taken only where the forward defined the site, outputs
+    bitwise as without, and training bitwise as NANOQ_FP8_FORWARD_MAXIMA=0;
   - fast accumulation: set on the forward product's descriptor only (the
     emulated cuBLASLt counts the products of each mode; it computes both
     alike, so its precision on the device is left to the GPU tests below).
@@ -719,12 +724,14 @@ def test_the_memory_plan_holds_the_fp8_operands(checkpoints):
     fp8 = estimate_memory(config, nanoq.TrainOptions(matmul_dtype="fp8", **kwargs)).allocations
     plain = estimate_memory(config, nanoq.TrainOptions(**kwargs)).allocations
     segment = [a for a in fp8 if a.name == "fp8-operands"]
-    # 256 bytes of maxima and inverse scales, 256 of producer maxima, then
-    # what gate|up's backward holds at once, the most of any call (64 rows,
-    # hidden 32, intermediate 64): dgate and dup, each as stored and
+    # 256 bytes of maxima and inverse scales, 256 of producer maxima, the
+    # forward maxima's slots (4 floats per layer, 2 layers: 32 bytes, in 256),
+    # then what gate|up's backward holds at once, the most of any call (64
+    # rows, hidden 32, intermediate 64): dgate and dup, each as stored and
     # transposed (4 x 64 x 64), x^T (64 x 32) and both weights transposed as
     # if uncached (2 x 64 x 32).
-    expected = 256 + 256 + 4 * 64 * 64 + 64 * 32 + 2 * 64 * 32
+    assert config.num_hidden_layers == 2
+    expected = 256 + 256 + 256 + 4 * 64 * 64 + 64 * 32 + 2 * 64 * 32
     assert len(segment) == 1 and segment[0].bytes == expected and segment[0].kind == "device"
     assert not [a for a in plain if a.name == "fp8-operands"]
     # The trainer allocates what the plan holds.
@@ -750,13 +757,15 @@ def cache_batch(seed, rows):
     return np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(tokens[:, 1:])
 
 
-def train_fp8(monkeypatch, cache, devices=1, backend="cuda_emulated", producer_maxima=True, **options):
+def train_fp8(monkeypatch, cache, devices=1, backend="cuda_emulated", producer_maxima=True, forward_maxima=True,
+              **options):
     """Statistics of every update and validate, and the weights after
     CACHE_STEPS optimizer steps of CACHE_ACCUM micro-batches in fp8 with the
-    weight cache on or off (and producer maxima on or off); the names of
-    device 0's allocations; and the weights before the first step."""
+    weight cache on or off (and producer and forward maxima on or off); the
+    names of device 0's allocations; and the weights before the first step."""
     monkeypatch.setenv("NANOQ_FP8_WEIGHT_CACHE", "1" if cache else "0")
     monkeypatch.setenv("NANOQ_FP8_PRODUCER_MAXIMA", "1" if producer_maxima else "0")
+    monkeypatch.setenv("NANOQ_FP8_FORWARD_MAXIMA", "1" if forward_maxima else "0")
     opts = nanoq.TrainOptions(backend=backend, dtype="bf16", matmul_dtype="fp8", devices=devices,
                               batch_size=2, seq_len=CACHE_SEQ, grad_accum=CACHE_ACCUM, seed=3, **options)
     stats = []
@@ -808,6 +817,59 @@ def test_producer_maxima_train_bitwise_like_quantizations_taking_their_own(monke
     require_cuda_emulator()
     assert_same_training(train_fp8(monkeypatch, True, devices, **options),
                          train_fp8(monkeypatch, True, devices, producer_maxima=False, **options))
+
+
+@pytest.mark.cuda_emulated
+@pytest.mark.parametrize("devices, options", CACHE_CASES, ids=CACHE_IDS)
+def test_forward_maxima_train_bitwise_like_weight_gradients_taking_their_own(monkeypatch, devices, options):
+    """The maxima the forward kept for the weight gradients' x^T are the ones
+    those quantizations would take themselves: the same training, bitwise,
+    as with NANOQ_FP8_FORWARD_MAXIMA=0, with graphs replayed, with the whole
+    block recomputed (the backward's x then comes from the recompute), and
+    on two devices at ZeRO-1 and ZeRO-3. (That the trainer takes them is
+    what the "forward maxima" mutations show: this test catches a wrong one.)"""
+    require_cuda_emulator()
+    assert_same_training(train_fp8(monkeypatch, True, devices, **options),
+                         train_fp8(monkeypatch, True, devices, forward_maxima=False, **options))
+
+
+def forward_maxima(probes, x, weight, dy, hints):
+    """(y, dx, dweight, taken) of the forward maxima probe."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    y, dx, dweight = (np.zeros(shape, np.float32) for shape in ((rows, n), (rows, k), (n, k)))
+    taken = ctypes.c_int(-1)
+    message = ctypes.create_string_buffer(4096)
+    probes.nanoq_emu_fp8_forward_maxima.restype = ctypes.c_int
+    status = probes.nanoq_emu_fp8_forward_maxima(rows, n, k, float_ptr(f32(x)), float_ptr(f32(weight)),
+                                                 float_ptr(f32(dy)), hints, float_ptr(y), float_ptr(dx),
+                                                 float_ptr(dweight), ctypes.byref(taken), message, 4096)
+    assert status == 0, message.value.decode()
+    return y, dx, dweight, taken.value
+
+
+@pytest.mark.cuda_emulated
+def test_a_weight_gradient_takes_the_forward_maximum_of_its_input(probes, monkeypatch):
+    """With the model's hints (projection_input: the forward defines the
+    site, the backward takes it), the weight gradient's x^T takes the
+    maximum the forward's quantization of x kept, though another op ran in
+    between; without either hint it takes its own; the outputs are bitwise
+    the same every way, and as float64 gives from x's own scale."""
+    rng = np.random.default_rng(8)
+    rows, n, k = 48, 32, 64
+    x = bf16(rng.standard_normal((rows, k)) * 3.0)
+    weight = bf16(rng.standard_normal((n, k)) * 0.05)
+    dy = bf16(rng.standard_normal((rows, n)) * 1e-3)
+    runs = [forward_maxima(probes, x, weight, dy, hints) for hints in range(4)]
+    assert [run[3] for run in runs] == [0, 0, 0, 1]  # only a defined site is taken
+    for run in runs[1:]:
+        for got, want in zip(run[:3], runs[0][:3]):
+            assert np.array_equal(got, want)
+    want_dweight = fp8_value(dy, "e5m2").T @ fp8_value(x, "e4m3")
+    assert_array_close(runs[3][2], want_dweight, 1e-6, "fp8 wgrad vs its dequantized operands")
+    monkeypatch.setenv("NANOQ_FP8_FORWARD_MAXIMA", "0")
+    off = forward_maxima(probes, x, weight, dy, 3)
+    assert off[3] == 0 and all(np.array_equal(got, want) for got, want in zip(off[:3], runs[0][:3]))
 
 
 @pytest.mark.gpu

@@ -31,7 +31,8 @@ constexpr const char* kAttentionWorkspaceName = "cudnn-attention-workspace";
 // The fp8 operands buffer (one product at a time: they run in order on the
 // stream): a header of scale floats (each operand's maximum and inverse
 // scale), then the ring of producer maxima (kFp8ProducedSlots floats), then
-// the operands' codes, each 256-byte aligned as cuBLASLt prefers.
+// the forward maxima's slots (Backend::kProjectionSites floats per layer),
+// then the operands' codes, each 256-byte aligned as cuBLASLt prefers.
 constexpr std::size_t kFp8Align = 256;
 constexpr int kFp8ProducedSlots = static_cast<int>(kFp8Align / sizeof(float));
 constexpr std::size_t kFp8CodesStart = 2 * kFp8Align;
@@ -44,6 +45,8 @@ std::int64_t qkv_packed_elements(const AttentionShape& a) {
     return std::int64_t(a.batch) * a.time * (a.heads + 2 * a.kv_heads) * a.head_dim;
 }
 std::size_t fp8_aligned(std::size_t bytes) { return (bytes + kFp8Align - 1) / kFp8Align * kFp8Align; }
+// The forward maxima's slots of `sites` sites.
+std::size_t fp8_site_bytes(std::size_t sites) { return fp8_aligned(sizeof(float) * sites); }
 
 // An on/off environment switch: true unless it is "0"; InvalidArgument for
 // anything but "", "0" and "1".
@@ -199,7 +202,8 @@ std::size_t CudaBackend::fp8_operand_bytes(const ScratchShapes& s) {
         for (std::size_t operand : operands) bytes += fp8_aligned(operand);
         most = std::max(most, bytes);
     }
-    return kFp8CodesStart + most;  // the header of maxima and inverse scales, the producer maxima, the codes
+    // The header of maxima and inverse scales, the producer maxima, the forward maxima, the codes.
+    return kFp8CodesStart + fp8_site_bytes(std::size_t(std::max(s.layers, 0)) * kProjectionSites) + most;
 }
 
 // The fp8 weight cache: each projection weight's e4m3 copy (forward) and
@@ -349,6 +353,9 @@ void CudaBackend::reserve_scratch(NamedAllocator& allocator, const ScratchShapes
     fp8_cache_used_ = kFp8Align;  // the generation word's block
     fp8_producer_maxima_ = env_switch("NANOQ_FP8_PRODUCER_MAXIMA");
     fp8_fast_forward_ = env_switch("NANOQ_FP8_FAST_ACCUM");
+    fp8_forward_maxima_ = env_switch("NANOQ_FP8_FORWARD_MAXIMA");
+    fp8_site_known_.assign(fp8_operands_.data ? std::size_t(std::max(s.layers, 0)) * kProjectionSites : 0, 0);
+    fp8_site_pending_ = fp8_site_ = -1;
     fp8_forget_produced();
     if (fp8_weight_cache_.data) {
         // Generation 1, every stamp 0: each slot is quantized on first use.
@@ -590,7 +597,7 @@ void CudaBackend::fp8_begin() {
     // Inside an Fp8Reuse only its first product begins the buffer.
     if (fp8_reuse_depth_ > 0 && fp8_reuse_begun_) return;
     fp8_reuse_begun_ = fp8_reuse_depth_ > 0;
-    fp8_used_ = kFp8CodesStart;  // the header and the producer maxima
+    fp8_used_ = kFp8CodesStart + fp8_site_bytes(fp8_site_known_.size());  // the header and the maxima
     fp8_scales_used_ = 0;
     fp8_reused_.clear();
     NANOQ_CUDA_CHECK(cudaMemsetAsync(fp8_operands_.data, 0, kFp8Align, stream_));  // every maximum starts at 0
@@ -614,23 +621,25 @@ float* CudaBackend::fp8_take_scales() {
 }
 
 CudaBackend::Fp8Operand CudaBackend::fp8_operand(const Tensor& x, int rows, int cols, bool transposed,
-                                                 Fp8Format format) {
+                                                 Fp8Format format, float* keep_max, float* known_max) {
+    if (keep_max && transposed) throw InternalError("fp8_operand keeps the maximum of a plain quantization only");
     const Fp8Key key{x.data, rows, cols, transposed, format};
     for (const auto& [k, operand] : fp8_reused_)
         if (k == key) return operand;
     float* scales = fp8_take_scales();  // maximum, inverse scale
     std::uint8_t* codes = fp8_take(std::size_t(rows) * cols, rows, cols);
-    float* produced = fp8_produced_max(x, std::int64_t(rows) * cols);
+    float* produced = known_max ? known_max : fp8_produced_max(x, std::int64_t(rows) * cols);
     float* amax = produced ? produced : &scales[0];
     if (transposed)
         cuda::fp8_quantize_transposed<bf16>(codes, amax, &scales[1], ptr<bf16>(x), rows, cols, format,
                                             produced != nullptr, stream_);
     else
         cuda::fp8_quantize<bf16>(codes, amax, &scales[1], ptr<bf16>(x), std::int64_t(rows) * cols, format,
-                                 produced != nullptr, stream_);
+                                 produced != nullptr, keep_max, stream_);
     NANOQ_CUDA_CHECK_LAUNCH();
     ++fp8_quantizations_;
-    if (produced) ++fp8_producer_maxima_taken_;
+    if (known_max) ++fp8_forward_maxima_taken_;
+    else if (produced) ++fp8_producer_maxima_taken_;
     const Fp8Operand operand{codes, &scales[1]};
     fp8_reused_.push_back({key, operand});
     return operand;
@@ -664,7 +673,8 @@ void CudaBackend::fp8_both_forms(const Tensor& x, int rows, int cols, Fp8Format 
 // norms' input gradient, the residual stream's gradient (the o and down
 // projections' dy). Not attention's output (cuDNN's or the native kernel's:
 // its own pass) nor the packed q|k|v gradient, nor any x^T of a weight
-// gradient (the forward's record is long gone by then). The maximum is the
+// gradient (the forward's record is long gone by then: forward maxima,
+// below, keep those). The maximum is the
 // same number (the largest magnitude of the values as stored), so the codes
 // are bitwise those of a quantization that takes it itself
 // (NANOQ_FP8_PRODUCER_MAXIMA=0 turns producer maxima off; the tests compare
@@ -680,6 +690,36 @@ void CudaBackend::fp8_both_forms(const Tensor& x, int rows, int cols, Fp8Format 
 void CudaBackend::next_op() {
     fp8_produced_before_ = std::move(fp8_produced_);
     fp8_produced_.clear();
+    fp8_site_ = fp8_site_pending_;
+    fp8_site_defines_ = fp8_site_pending_defines_;
+    fp8_site_pending_ = -1;
+    // A definition forgets the site's maximum until this op keeps it anew.
+    if (fp8_site_defines_ && fp8_site_ >= 0 && std::size_t(fp8_site_) < fp8_site_known_.size())
+        fp8_site_known_[std::size_t(fp8_site_)] = 0;
+}
+
+// Forward maxima. The weight gradients' x^T (the projections' inputs) are
+// the values the forward quantized as stored: the model says which value
+// an op's projection input holds (projection_input: layer and projection),
+// the forward's quantization keeps its maximum in that site's slot (the
+// quantize kernel stores a copy), and the backward's transposing
+// quantization of the same values takes it instead of a pass of its own:
+// the same number, so the same codes (NANOQ_FP8_FORWARD_MAXIMA=0 turns it
+// off; the tests compare). A slot counts only once this micro-batch's
+// forward op defined it and its quantization ran (fp8_site_known_); a
+// definition that does not quantize (a product off fp8) leaves it unknown.
+// Within a captured graph the host-side record is what it was at capture:
+// the same ops define and take the same sites on every replay.
+void CudaBackend::projection_input(int site, bool defines) {
+    fp8_site_pending_ = site;
+    fp8_site_pending_defines_ = defines;
+}
+
+float* CudaBackend::fp8_site_slot(bool defining) const {
+    if (!fp8_forward_maxima_ || fp8_site_ < 0 || std::size_t(fp8_site_) >= fp8_site_known_.size() ||
+        defining != fp8_site_defines_ || (!defining && !fp8_site_known_[std::size_t(fp8_site_)]))
+        return nullptr;
+    return reinterpret_cast<float*>(static_cast<char*>(fp8_operands_.data) + kFp8CodesStart) + fp8_site_;
 }
 
 float* CudaBackend::fp8_produce_max(const Tensor& out, std::int64_t written) {
@@ -748,7 +788,9 @@ bool CudaBackend::fp8_projection(const Tensor& out, const Tensor& a, const Tenso
         (bias.data && bias.dtype != DType::BF16))
         return false;
     fp8_begin();
-    const Fp8Operand x8 = fp8_operand(a, M, K, false, Fp8Format::E4M3);
+    float* keep = fp8_site_slot(true);
+    const Fp8Operand x8 = fp8_operand(a, M, K, false, Fp8Format::E4M3, keep);
+    if (keep) fp8_site_known_[std::size_t(fp8_site_)] = 1;
     const Fp8Operand w8 = fp8_weight(b, N, K, false);
     matmul_->run_fp8(out, x8.codes, CUDA_R_8F_E4M3, w8.codes, CUDA_R_8F_E4M3, x8.inverse_scale, w8.inverse_scale, M,
                      N, K, false, bias, fp8_fast_forward_, matmul_workspace_.data, matmul_workspace_.bytes(), stream_);
@@ -785,7 +827,7 @@ bool CudaBackend::fp8_weight_grad(const Tensor& dweight, const Tensor& dy, const
     if (!fp8_weight_grad_runs(dweight, dy, x, rows, n, k)) return false;
     fp8_begin();
     const Fp8Operand dyt8 = fp8_operand(dy, rows, n, true, Fp8Format::E5M2);
-    const Fp8Operand xt8 = fp8_operand(x, rows, k, true, Fp8Format::E4M3);
+    const Fp8Operand xt8 = fp8_operand(x, rows, k, true, Fp8Format::E4M3, nullptr, fp8_site_slot(false));
     matmul_->run_fp8(dweight, dyt8.codes, CUDA_R_8F_E5M2, xt8.codes, CUDA_R_8F_E4M3, dyt8.inverse_scale,
                      xt8.inverse_scale, n, k, rows, true, Tensor(), false, matmul_workspace_.data,
                      matmul_workspace_.bytes(), stream_);

@@ -38,6 +38,8 @@ public:
     // How many of those took their maximum from a producing kernel instead
     // of a pass of their own (producer maxima, cuda_backend.cpp).
     std::uint64_t fp8_producer_maxima_taken() const { return fp8_producer_maxima_taken_; }
+    // How many took the forward's maximum of the same values (forward maxima, cuda_backend.cpp).
+    std::uint64_t fp8_forward_maxima_taken() const { return fp8_forward_maxima_taken_; }
     cudaStream_t stream() const { return stream_; }
     // Waits on the host until `stream` has run everything queued on it. It
     // polls rather than blocking in the runtime, calling the check set by
@@ -54,6 +56,8 @@ public:
     void configure(const TrainOptions& options) override { options_ = options; }
     // Every slot of the fp8 weight cache is stale from here on the stream.
     void weights_changed() override;
+    // fp8 forward maxima (cuda_backend.cpp): the next op's projection input is `site`'s value.
+    void projection_input(int site, bool defines) override;
     // The options configure() kept (the defaults until it is called, as in the op harness).
     const TrainOptions& options() const { return options_; }
     // With options().cuda_graphs: the first call with `key` runs the body
@@ -243,8 +247,16 @@ private:
         CudaBackend& backend_;
     };
     void fp8_begin();
-    // x[rows, cols] (bf16) quantized as stored or transposed ([cols, rows]), or its earlier quantization.
-    Fp8Operand fp8_operand(const Tensor& x, int rows, int cols, bool transposed, Fp8Format format);
+    // x[rows, cols] (bf16) quantized as stored or transposed ([cols, rows]),
+    // or its earlier quantization. `keep_max` (as stored only; null: none)
+    // also gets its maximum; with `known_max` (null: none) that float holds
+    // the maximum already and no pass computes it.
+    Fp8Operand fp8_operand(const Tensor& x, int rows, int cols, bool transposed, Fp8Format format,
+                           float* keep_max = nullptr, float* known_max = nullptr);
+    // Forward maxima: the slot of the current op's projection input where
+    // it may keep (`defining`) or take (not) that input's maximum; null when
+    // it may not.
+    float* fp8_site_slot(bool defining) const;
     // Both forms of x at once (one maximum, one pass), for the products of
     // the current Fp8Reuse to take; nothing when they are there already.
     void fp8_both_forms(const Tensor& x, int rows, int cols, Fp8Format format);
@@ -312,6 +324,15 @@ private:
     // Whether forward products run in cuBLASLt's fp8 fast accumulation mode
     // (cuda_backend.cpp; NANOQ_FP8_FAST_ACCUM=0 turns it off).
     bool fp8_fast_forward_ = true;
+    // Forward maxima: the site the next op's projection input holds (-1:
+    // none) and whether the op defines it, the current op's, which sites'
+    // slots hold this micro-batch's maximum, where the slots start in
+    // fp8_operands_ (after the producer maxima), and whether they are on.
+    int fp8_site_pending_ = -1, fp8_site_ = -1;
+    bool fp8_site_pending_defines_ = false, fp8_site_defines_ = false;
+    std::vector<char> fp8_site_known_;
+    bool fp8_forward_maxima_ = true;
+    std::uint64_t fp8_forward_maxima_taken_ = 0;
     int op_depth_ = 0;
     // The fp8 weight cache: a generation word, then one slot per (weight,
     // shape, layout) in first-use order: its header (amax, inverse scale,

@@ -171,10 +171,12 @@ enum class Fp8Format { E4M3, E5M2 };
 // 1 / scale, the factor cuBLASLt multiplies the product by. amax and
 // inverse_scale are device floats. With amax_known, *amax holds max|x|
 // already (the producing kernel's, e.g. swiglu_forward's out_max) and no
-// pass over x computes it.
+// pass over x computes it. With amax_copy (a device float, or null) the
+// quantization also stores max|x| there (for a later quantization of the
+// same values: the cuda backend's forward maxima).
 template <class T>
 void fp8_quantize(std::uint8_t* out, float* amax, float* inverse_scale, const T* x, std::int64_t n, Fp8Format format,
-                  bool amax_known, cudaStream_t stream);
+                  bool amax_known, float* amax_copy, cudaStream_t stream);
 // The same of x[rows, cols] written transposed: out[c * rows + r] = fp8(x[r, c] * scale).
 template <class T>
 void fp8_quantize_transposed(std::uint8_t* out, float* amax, float* inverse_scale, const T* x, int rows, int cols,

@@ -98,11 +98,14 @@ __device__ __forceinline__ std::uint8_t to_fp8(float scaled, Fp8Format format) {
 template <class T>
 __global__ void quantize_kernel(std::uint8_t* out, float* inverse_scale, const float* amax, const T* x,
                                 std::int64_t n, bool vector, Fp8Format format, const unsigned* stamp,
-                                const unsigned* generation) {
+                                const unsigned* generation, float* amax_copy) {
     if (current(stamp, generation)) return;
     constexpr int P = detail::kPack<T>;
     const float scale = fp8_scale(*amax, format);
-    if (blockIdx.x == 0 && threadIdx.x == 0) *inverse_scale = 1.0f / scale;
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        *inverse_scale = 1.0f / scale;
+        if (amax_copy) *amax_copy = *amax;
+    }
     const std::int64_t split = chunked_end<T>(n, vector);
     for (std::int64_t c = detail::grid_stride_begin(); c * P < split; c += detail::grid_stride_step()) {
         float v[P];
@@ -261,7 +264,7 @@ void quantize(std::uint8_t* out, std::uint8_t* plain, float* amax, float* invers
                        inverse_scale, static_cast<const float*>(amax), x, rows, cols, format, stamp, generation);
     } else {
         detail::launch(quantize_kernel<T>, grid_of.blocks, kThreads, 0, stream, out, inverse_scale,
-                       static_cast<const float*>(amax), x, n, grid_of.vector, format, stamp, generation);
+                       static_cast<const float*>(amax), x, n, grid_of.vector, format, stamp, generation, nullptr);
     }
 }
 
@@ -269,14 +272,14 @@ void quantize(std::uint8_t* out, std::uint8_t* plain, float* amax, float* invers
 
 template <class T>
 void fp8_quantize(std::uint8_t* out, float* amax, float* inverse_scale, const T* x, std::int64_t n, Fp8Format format,
-                  bool amax_known, cudaStream_t stream) {
+                  bool amax_known, float* amax_copy, cudaStream_t stream) {
     // One row of n (the plain kernel never looks at rows and cols apart).
     const QuantizeLaunch grid_of = quantize_launch<T>(out, x, n);
     if (n > 0 && !amax_known)
         detail::launch(absmax_kernel<T>, grid_of.reduce_blocks, kThreads, 0, stream, amax, x, n, grid_of.vector,
                        nullptr, nullptr);
     detail::launch(quantize_kernel<T>, grid_of.blocks, kThreads, 0, stream, out, inverse_scale,
-                   static_cast<const float*>(amax), x, n, grid_of.vector, format, nullptr, nullptr);
+                   static_cast<const float*>(amax), x, n, grid_of.vector, format, nullptr, nullptr, amax_copy);
 }
 
 template <class T>
@@ -308,7 +311,7 @@ void fp8_advance_generation(unsigned* generation, cudaStream_t stream) {
 
 #define NANOQ_INSTANTIATE(T)                                                                                    \
     template void fp8_quantize<T>(std::uint8_t*, float*, float*, const T*, std::int64_t, Fp8Format, bool,       \
-                                  cudaStream_t);                                                                \
+                                  float*, cudaStream_t);                                                        \
     template void fp8_quantize_transposed<T>(std::uint8_t*, float*, float*, const T*, int, int, Fp8Format, bool, \
                                              cudaStream_t);                                                     \
     template void fp8_quantize_both<T>(std::uint8_t*, std::uint8_t*, float*, float*, const T*, int, int,        \

@@ -217,6 +217,13 @@ EDITS = [
      "rows, k, n, accumulate, Tensor(), false,", "rows, k, n, accumulate, Tensor(), fp8_fast_forward_,"),
     ("fp8 fast accumulation: no fallback where the library has no such kernel", "cublaslt_matmul.cpp", 0,
      "if (usable == 0 && fast) {", "if (usable < 0 && fast) {"),
+    ("forward maxima: the backward takes another layer's slot", "cuda_backend.cpp", 0,
+     "+ kFp8CodesStart) + fp8_site_;",
+     "+ kFp8CodesStart) + (defining ? fp8_site_ : (fp8_site_ + kProjectionSites) % int(fp8_site_known_.size()));"),
+    ("forward maxima: the kept copy is half the maximum", "kernels_fp8.cu", 0,
+     "if (amax_copy) *amax_copy = *amax;", "if (amax_copy) *amax_copy = 0.5f * *amax;"),
+    ("forward maxima: a backward takes a site its forward did not keep", "cuda_backend.cpp", 0,
+     "(!defining && !fp8_site_known_[std::size_t(fp8_site_)])", "false"),
     ("fp8 fast accumulation: the switch ignored", "cuda_backend.cpp", 0,
      'fp8_fast_forward_ = env_switch("NANOQ_FP8_FAST_ACCUM");', "fp8_fast_forward_ = true;"),
 ]

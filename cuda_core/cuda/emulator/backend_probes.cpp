@@ -83,7 +83,7 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_quantize(con
             else if (transposed)
                 fp8_quantize_transposed<T>(q, amax, amax + 1, data, rows, cols, format, false, nullptr);
             else
-                fp8_quantize<T>(q, amax, amax + 1, data, std::int64_t(n), format, false, nullptr);
+                fp8_quantize<T>(q, amax, amax + 1, data, std::int64_t(n), format, false, nullptr, nullptr);
         };
         if (bf16_input) run(bf16{});
         else run(float{});
@@ -101,8 +101,10 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_quantize(con
 namespace {
 
 // Configures `backend` for bf16 with matmul_dtype fp8 and reserves its
-// scratch for a projection of `rows` rows, `in` wide in and `out` wide out.
-void configure_fp8(nanoq::cuda::CudaBackend& backend, nanoq::NamedAllocator& allocator, int rows, int in, int out) {
+// scratch for a projection of `rows` rows, `in` wide in and `out` wide out
+// (and the forward maxima's sites of `layers` layers).
+void configure_fp8(nanoq::cuda::CudaBackend& backend, nanoq::NamedAllocator& allocator, int rows, int in, int out,
+                   int layers = 0) {
     using namespace nanoq;
     TrainOptions options;
     options.dtype = Precision::BF16;
@@ -110,6 +112,7 @@ void configure_fp8(nanoq::cuda::CudaBackend& backend, nanoq::NamedAllocator& all
     backend.configure(options);
     ScratchShapes shapes{AttentionShape{1, rows, 1, 1, 16}, in, out, 16, 1, 0};
     shapes.matmul_dtype = MatmulPrecision::FP8;
+    shapes.layers = layers;
     backend.reserve_scratch(allocator, shapes);
 }
 
@@ -202,6 +205,42 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_backward(int
         for (std::size_t i = 0; i < dx_bf16.size(); ++i) dx[i] = __bfloat162float(dx_bf16[i]);
         if (!dweight_f32)
             for (std::size_t i = 0; i < dweight_bf16.size(); ++i) dweight[i] = __bfloat162float(dweight_bf16[i]);
+    });
+}
+
+// Forward maxima: y[rows, n] = x[rows, k] W^T (W [n, k]), then another op
+// (a fill of another tensor), then the projection's backward
+// (matmul_backward: dx = dy W, dW (float32, from zeros) += dy^T x) through
+// CudaBackend configured with matmul_dtype fp8 and one layer's sites,
+// inputs rounded to bf16. `hints` bit 0: the forward is told its x is
+// site 1's value (projection_input, defines); bit 1: the backward is told
+// its x is (takes). *taken = fp8_forward_maxima_taken(). Outputs as float32.
+extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_forward_maxima(
+    int rows, int n, int k, const float* x, const float* weight, const float* dy, int hints, float* y, float* dx,
+    float* dweight, int* taken, char* message, int message_bytes) {
+    using namespace nanoq;
+    return guarded(message, message_bytes, [&] {
+        cuda::CudaBackend backend(0);
+        NamedAllocator allocator(backend, 0);
+        configure_fp8(backend, allocator, rows, k, n, 1);
+        const Tensor tx = upload(backend, allocator, "x", x, std::int64_t(rows) * k);
+        const Tensor tw = upload(backend, allocator, "weight", weight, std::int64_t(n) * k);
+        const Tensor tdy = upload(backend, allocator, "dy", dy, std::int64_t(rows) * n);
+        const Tensor ty = allocator.allocate(Context::Activations, "y", DType::BF16, {std::int64_t(rows) * n});
+        const Tensor tdx = allocator.allocate(Context::Activations, "dx", DType::BF16, {std::int64_t(rows) * k});
+        const Tensor tdw = allocator.allocate(Context::Activations, "dweight", DType::F32, {std::int64_t(n) * k});
+        const Tensor other = allocator.allocate(Context::Activations, "other", DType::BF16, {std::int64_t(rows) * k});
+        backend.fill(tdw, 0.0f);
+        if (hints & 1) backend.projection_input(1, true);
+        backend.matmul_epilogue(ty, tx, tw, Tensor(), rows, n, k, false, true, false, 1.0f);
+        backend.fill(other, 1.0f);
+        if (hints & 2) backend.projection_input(1, false);
+        backend.matmul_backward(tdx, false, tdw, Tensor(), tdy, tw, tx, rows, n, k);
+        *taken = static_cast<int>(backend.fp8_forward_maxima_taken());
+        download(backend, ty, y);
+        download(backend, tdx, dx);
+        backend.copy_to_host(dweight, tdw);
+        backend.synchronize();
     });
 }
 
