@@ -833,6 +833,14 @@ def test_forward_maxima_train_bitwise_like_weight_gradients_taking_their_own(mon
                          train_fp8(monkeypatch, True, devices, forward_maxima=False, **options))
 
 
+@pytest.mark.gpu
+def test_forward_maxima_train_bitwise_like_weight_gradients_taking_their_own_on_the_gpu(monkeypatch, cuda_device):
+    """The same on a GPU, graphs replayed and the block recomputed."""
+    options = {"cuda_graphs": True, "recompute": ("block",)}
+    assert_same_training(train_fp8(monkeypatch, True, backend="cuda", **options),
+                         train_fp8(monkeypatch, True, backend="cuda", forward_maxima=False, **options))
+
+
 def forward_maxima(probes, x, weight, dy, hints):
     """(y, dx, dweight, taken) of the forward maxima probe."""
     rows, k = x.shape
