@@ -18,7 +18,8 @@ cuBLASLt in the "TN" layout its fp8 kernels take:
     weight gradients;
   - producer maxima: where the kernel that wrote an operand took its
     maximum on the way (SwiGLU forward and backward, the norms forward and
-    backward) and no other op has run since, the quantization takes that
+    backward, the pass that packs the q|k|v gradient) and no other op has
+    run since, the quantization takes that
     maximum instead of a pass of its own;
   - forward maxima: a weight gradient's x^T takes the maximum the
     forward's quantization of the same x kept (the model names the value,
@@ -618,6 +619,76 @@ def test_the_products_after_the_norms_take_the_norm_kernels_maxima(probes, monke
     assert_array_close(y, fp8_value(xn, "e4m3") @ fp8_value(inputs["weight"], "e4m3").T, 2e-2, "y")
     assert_array_close(taking[2], fp8_value(dres, "e5m2") @ fp8_value(inputs["weight2"], "e4m3"), 2e-2, "dh")
     assert_array_close(taking[3], fp8_value(dres, "e5m2").T @ fp8_value(y, "e4m3"), 2e-2, "dweight2")
+
+
+def qkv_backward(probes, monkeypatch, producer_maxima, split, largest):
+    """The q|k|v projection's fp8 backward after the pass that packs its
+    gradient (nanoq_emu_fp8_qkv_backward), attention's gradient of side
+    `largest` (q, k or v) 8 times the others': inputs, (dx, dweight,
+    dbias), the quantization passes and how many took a producer's maximum."""
+    monkeypatch.setenv("NANOQ_FP8_PRODUCER_MAXIMA", "1" if producer_maxima else "0")
+    rng = np.random.default_rng(10)
+    # 512 head rows of 2 lanes: 4 blocks of 128 (q's in blocks 0-1, k's in 2, v's in 3).
+    batch, time, heads, kv_heads, head_dim, channels = 2, 32, 4, 2, 32, 32
+    rows, width = batch * time, (heads + 2 * kv_heads) * head_dim
+    scale = {side: 8e-3 if side == largest else 1e-3 for side in "qkv"}
+    grads = {side: bf16(rng.standard_normal((rows, (heads if side == "q" else kv_heads) * head_dim)) * scale[side])
+             for side in "qkv"}
+    cos_sin = rope_table(time, head_dim)
+    x = bf16(rng.standard_normal((rows, channels)))
+    weight = bf16(rng.standard_normal((width, channels)) * 0.05)
+    dx, dweight, dbias = np.zeros((rows, channels), np.float32), np.zeros(weight.shape, np.float32), np.zeros(width, np.float32)
+    passes, taken = ctypes.c_int(-1), ctypes.c_int(-1)
+    message = ctypes.create_string_buffer(4096)
+    status = probes.nanoq_emu_fp8_qkv_backward(batch, time, heads, kv_heads, head_dim, channels,
+                                               *(float_ptr(f32(grads[side])) for side in "qkv"), float_ptr(cos_sin),
+                                               float_ptr(f32(x)), float_ptr(f32(weight)), int(split), float_ptr(dx),
+                                               float_ptr(dweight), float_ptr(dbias), ctypes.byref(passes),
+                                               ctypes.byref(taken), message, 4096)
+    assert status == 0, message.value.decode()
+    inputs = dict(grads, x=x, weight=weight, cos_sin=cos_sin, time=time, head_dim=head_dim)
+    return inputs, (dx, dweight, dbias), passes.value, taken.value
+
+
+def rope_table(time, head_dim, theta=10000.0):
+    half = head_dim // 2
+    angles = np.arange(time)[:, None] * theta ** (-np.arange(half) * 2.0 / head_dim)[None, :]
+    return np.stack([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)  # [T, D/2, 2]
+
+
+def rope_backward(dy, cos_sin, time, head_dim):
+    """The gradient of x [rows, heads * D] before RoPE's rotation from that
+    of after it (rows = batch * time; half-split convention), float64."""
+    rows = dy.shape[0]
+    d = dy.astype(np.float64).reshape(rows // time, time, -1, head_dim)
+    c, s = (cos_sin[..., i].astype(np.float64)[None, :, None, :] for i in (0, 1))
+    a, b = d[..., : head_dim // 2], d[..., head_dim // 2:]
+    return np.concatenate([a * c + b * s, b * c - a * s], -1).reshape(rows, -1)
+
+
+@pytest.mark.cuda_emulated
+@pytest.mark.parametrize("largest", ["q", "k", "v"], ids=lambda side: f"largest-in-{side}")
+@pytest.mark.parametrize("split", [False, True], ids=["qkv_backward", "rope-then-projection-backward"])
+def test_the_qkv_projection_backward_takes_the_maximum_of_the_packing_pass(probes, monkeypatch, split, largest):
+    """Producer maxima of the packed q|k|v gradient: the pass that rotates
+    dq, dk back and packs dq|dk|dv takes its largest magnitude as it writes
+    it (one atomic per block; the largest value in q's, k's or v's blocks),
+    and the projection backward's one quantization of it into both forms
+    takes that (1 of its 3 passes: dy, x^T, W^T), also where RoPE's backward
+    ran as an op of its own before (the packing is the projection
+    backward's); the outputs bitwise those of a quantization taking its own
+    maximum, and what float64 gives from the operands' own scales."""
+    inputs, taking, passes, taken = qkv_backward(probes, monkeypatch, True, split, largest)
+    _, own, own_passes, own_taken = qkv_backward(probes, monkeypatch, False, split, largest)
+    assert (passes, taken, own_passes, own_taken) == (3, 1, 3, 0)
+    for got, want, name in zip(taking, own, ("dx", "dweight", "dbias")):
+        np.testing.assert_array_equal(got, want, name)
+    time, head_dim = inputs["time"], inputs["head_dim"]
+    dqkv = np.concatenate([bf16(rope_backward(inputs["q"], inputs["cos_sin"], time, head_dim)),
+                           bf16(rope_backward(inputs["k"], inputs["cos_sin"], time, head_dim)), inputs["v"]], 1)
+    assert_array_close(taking[0], fp8_value(dqkv, "e5m2") @ fp8_value(inputs["weight"], "e4m3"), 2e-2, "dx")
+    assert_array_close(taking[1], fp8_value(dqkv, "e5m2").T @ fp8_value(inputs["x"], "e4m3"), 1e-6, "dweight")
+    assert_array_close(taking[2], dqkv.astype(np.float64).sum(0), 1e-5, "dbias")
 
 
 @pytest.mark.cuda_emulated

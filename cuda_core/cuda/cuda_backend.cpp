@@ -671,10 +671,11 @@ void CudaBackend::fp8_both_forms(const Tensor& x, int rows, int cols, Fp8Format 
 // dgate and dup (gate|up's dy), the largest operands (rows x intermediate);
 // the norms' outputs (the q|k|v and gate|up projections' input); and the
 // norms' input gradient, the residual stream's gradient (the o and down
-// projections' dy). Not attention's output (cuDNN's or the native kernel's:
-// its own pass) nor the packed q|k|v gradient, nor any x^T of a weight
-// gradient (the forward's record is long gone by then: forward maxima,
-// below, keep those). The maximum is the
+// projections' dy); and the packed q|k|v gradient (the q|k|v projection's
+// dy), which the pass after attention's backward packs. Not attention's
+// output (cuDNN's or the native kernel's: its own pass), nor any x^T of a
+// weight gradient (the forward's record is long gone by then: forward
+// maxima, below, keep those). The maximum is the
 // same number (the largest magnitude of the values as stored), so the codes
 // are bitwise those of a quantization that takes it itself
 // (NANOQ_FP8_PRODUCER_MAXIMA=0 turns producer maxima off; the tests compare
@@ -1248,6 +1249,8 @@ void CudaBackend::norm_rope_backward(const Tensor& packed, const Tensor& dq, con
     const bool norms = w.q_norm.data != nullptr;
     if (norms && (!g.q_norm.data || !g.k_norm.data))
         throw InternalError("the q/k norm backward needs q/k norm gradient tensors (a sink when frozen)");
+    // The packed gradient's maximum for its fp8 quantization, where the pass writes all of it (v too).
+    float* packed_max = packed.data && dv.data ? fp8_produce_max(packed, packed.numel()) : nullptr;
     with_dtype(dq.dtype, [&](auto tag) {
         using T = decltype(tag);
         void* work = norms ? scratch(qk_norm_rope_backward_scratch_bytes(t.batch, t.time, t.heads, t.kv_heads,
@@ -1259,7 +1262,7 @@ void CudaBackend::norm_rope_backward(const Tensor& packed, const Tensor& dq, con
                                    norms ? optional_ptr<T>(a.k_raw) : nullptr, norms ? a.q_rstd.f32() : nullptr,
                                    norms ? a.k_rstd.f32() : nullptr, optional_ptr<T>(w.q_norm),
                                    optional_ptr<T>(w.k_norm), cos_sin.f32(), t.batch, t.time, t.heads, t.kv_heads,
-                                   t.head_dim, work, stream_);
+                                   t.head_dim, work, packed_max, stream_);
     });
     NANOQ_CUDA_CHECK_LAUNCH();
 }
@@ -1378,7 +1381,7 @@ void CudaBackend::qkv_projection_backward(const Tensor& dx, bool accumulate, con
         using T = decltype(tag);
         cuda::qkv_pack_backward<T>(ptr<T>(packed), ptr<T>(dq), ptr<T>(dk), ptr<T>(dv), nullptr, nullptr, nullptr,
                                    nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, t.batch, t.time, t.heads,
-                                   t.kv_heads, t.head_dim, nullptr, stream_);
+                                   t.kv_heads, t.head_dim, nullptr, fp8_produce_max(packed, packed.numel()), stream_);
     });
     NANOQ_CUDA_CHECK_LAUNCH();
     packed_qkv_backward(dx, accumulate, g, packed, x, w, s);

@@ -110,11 +110,14 @@ void qkv_unpack_forward(const T* packed, T* q, T* k, T* v, T* q_raw, T* k_raw, f
 // given, dq, dk and dv are also stored into packed [B*T, (H + 2 Hkv) * D]
 // (q, k, v columns) for the one dgrad and one wgrad matmul. Without
 // cos_sin only the packing. packed and dv may be null (no packing).
+// packed_max (a device float, or null; used only with packed): becomes the
+// larger of what it held and max|packed| as stored, for fp8 (as
+// swiglu_forward's).
 template <class T>
 void qkv_pack_backward(T* packed, T* dq, T* dk, const T* dv, float* dq_norm, float* dk_norm, const T* q_raw,
                        const T* k_raw, const float* q_rstd, const float* k_rstd, const T* q_norm, const T* k_norm,
                        const float* cos_sin, int batch, int time, int heads, int kv_heads, int head_dim,
-                       void* scratch, cudaStream_t stream);
+                       void* scratch, float* packed_max, cudaStream_t stream);
 std::size_t qk_norm_rope_backward_scratch_bytes(int batch, int time, int heads, int kv_heads, int head_dim);
 
 // ---- rope (kernels_rope.cu) ------------------------------------------------

@@ -163,12 +163,15 @@ template <int P> __device__ __forceinline__ void warp_groups_sum(float (&v)[P], 
 
 // `transform`: dq and dk are rotated back and (with the norms) taken
 // through the norms, in place; else every side is only copied (packed).
+// packed_max (with packed sides only): the largest magnitude of what the
+// launch stores into packed, as stored (for fp8, kernels.h).
 template <class T>
 __global__ void __launch_bounds__(kThreads)
     qk_norm_rope_backward_kernel(Side<T> q, Side<T> k, Side<T> v, float* dq_norm, float* dk_norm,
                                  const float* cos_sin, int time, int half, int lanes, bool transform, bool vector,
-                                 float* partials) {
+                                 float* partials, float* packed_max) {
     NANOQ_SHARED(float[kWarps][2][kMaxHeadDim], warp_sums);
+    NANOQ_SHARED(float[detail::kWarpSize], maxima);
     constexpr int P = detail::kPack<T>;
     const int head_dim = 2 * half;
     const bool norms = q.raw != nullptr;
@@ -178,6 +181,7 @@ __global__ void __launch_bounds__(kThreads)
     // The norm weight gradient partials of this lane's columns: q then k,
     // first half (a) then second half (b).
     float dqa[P] = {}, dqb[P] = {}, dka[P] = {}, dkb[P] = {};
+    float m = 0.0f;  // the largest magnitude this thread stored into packed
     // The loop bound depends on the block only, so whole warps iterate together (shuffles).
     for (std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * groups; first < total;
          first += static_cast<std::int64_t>(gridDim.x) * groups) {
@@ -236,8 +240,10 @@ __global__ void __launch_bounds__(kThreads)
             T* packed = side.packed + strided_offset(side, row, head_dim);
             detail::store_chunk<T>(packed, a, begin, half, vector);
             detail::store_chunk<T>(packed + half, b, begin, half, vector);
+            if (packed_max) m = detail::chunk_max<T>(detail::chunk_max<T>(m, a, half - begin), b, half - begin);
         }
     }
+    if (packed_max) detail::block_max_into(packed_max, m, maxima);  // the launch's: all threads or none
     if (!norms) return;
     warp_groups_sum<P>(dqa, lanes);
     warp_groups_sum<P>(dqb, lanes);
@@ -296,7 +302,7 @@ void launch_forward(const Side<T>& q, const Side<T>& k, const Side<T>& v, const 
 
 template <class T>
 void launch_backward(const Side<T>& q, const Side<T>& k, const Side<T>& v, float* dq_norm, float* dk_norm,
-                     const float* cos_sin, int time, int head_dim, bool transform, void* scratch,
+                     const float* cos_sin, int time, int head_dim, bool transform, void* scratch, float* packed_max,
                      cudaStream_t stream) {
     const int half = head_dim / 2, lanes = group_lanes<T>(half);
     const std::int64_t head_rows = q.head_rows + k.head_rows + v.head_rows;
@@ -304,7 +310,8 @@ void launch_backward(const Side<T>& q, const Side<T>& k, const Side<T>& v, float
     const int blocks = backward_blocks(head_rows, lanes);
     float* partials = q.raw ? static_cast<float*>(scratch) : nullptr;  // [blocks, 2 head_dim], then the sums'
     detail::launch(qk_norm_rope_backward_kernel<T>, blocks, kThreads, 0, stream, q, k, v, dq_norm, dk_norm, cos_sin,
-                   time, half, lanes, transform, sides_vectorizable(q, k, v, half), partials);
+                   time, half, lanes, transform, sides_vectorizable(q, k, v, half), partials,
+                   q.packed ? packed_max : nullptr);
     if (!partials) return;
     // The partials' q columns into dq_norm, then the k columns into dk_norm
     // (in stream order: they share the sums' scratch).
@@ -355,7 +362,7 @@ template <class T>
 void qkv_pack_backward(T* packed, T* dq, T* dk, const T* dv, float* dq_norm, float* dk_norm, const T* q_raw,
                        const T* k_raw, const float* q_rstd, const float* k_rstd, const T* q_norm, const T* k_norm,
                        const float* cos_sin, int batch, int time, int heads, int kv_heads, int head_dim,
-                       void* scratch, cudaStream_t stream) {
+                       void* scratch, float* packed_max, cudaStream_t stream) {
     const SideShape s{static_cast<std::int64_t>(batch) * time, heads, kv_heads, head_dim};
     const std::int64_t stride = s.packed_stride(), q_width = std::int64_t(heads) * head_dim;
     const std::int64_t kv_width = std::int64_t(kv_heads) * head_dim;
@@ -368,7 +375,7 @@ void qkv_pack_backward(T* packed, T* dq, T* dk, const T* dv, float* dq_norm, flo
                      at(q_width), kv_heads, s.rows * kv_heads};
     const Side<T> vs{const_cast<T*>(dv), nullptr, stride, nullptr, nullptr, nullptr, nullptr, at(q_width + kv_width),
                      kv_heads, dv ? s.rows * kv_heads : 0};
-    launch_backward(qs, ks, vs, dq_norm, dk_norm, cos_sin, time, head_dim, transform, scratch, stream);
+    launch_backward(qs, ks, vs, dq_norm, dk_norm, cos_sin, time, head_dim, transform, scratch, packed_max, stream);
 }
 
 std::size_t qk_norm_rope_backward_scratch_bytes(int batch, int time, int heads, int kv_heads, int head_dim) {
@@ -390,7 +397,7 @@ std::size_t qk_norm_rope_backward_scratch_bytes(int batch, int time, int heads, 
                                         const float*, int, int, int, int, int, float, cudaStream_t);                 \
     template void qkv_pack_backward<T>(T*, T*, T*, const T*, float*, float*, const T*, const T*, const float*,       \
                                        const float*, const T*, const T*, const float*, int, int, int, int, int,      \
-                                       void*, cudaStream_t);
+                                       void*, float*, cudaStream_t);
 NANOQ_INSTANTIATE(float)
 NANOQ_INSTANTIATE(bf16)
 #undef NANOQ_INSTANTIATE

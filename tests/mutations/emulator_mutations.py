@@ -38,7 +38,7 @@ FAMILIES = {
     "emulator/emu_attention.cpp": "test_fused_attention.py",
     "kernels_rmsnorm.cu": "test_gpu_ops.py test_composites.py test_fp8.py "
                           "-k 'rmsnorm or deterministic or norm_kernels or producer_maxima'",
-    "kernels_qk_norm_rope.cu": "test_composites.py -k 'qk_norm or qkv or fused_qk or deterministic'",
+    "kernels_qk_norm_rope.cu": "test_composites.py test_fp8.py -k 'qk_norm or qkv or fused_qk or deterministic'",
     "kernels_swiglu.cu": "test_gpu_ops.py test_composites.py test_fp8.py -k 'swiglu or producer_maxima'",
     "kernels_fp8.cu": "test_fp8.py",
     # The cuda backend's host path: the fp8 products, and the packed projections (one matmul for q|k|v, a batch
@@ -205,6 +205,14 @@ EDITS = [
      "detail::block_max_into(out_max, m, reduce_space)", "detail::block_max_into(out_max, 0.5f * m, reduce_space)"),
     ("producer maximum: the norm backward's of each block's first row only", "kernels_rmsnorm.cu", 0,
      "if (dinp_max) m = detail::chunk_max", "if (dinp_max && r == static_cast<int>(blockIdx.x)) m = detail::chunk_max"),
+    ("producer maximum: the packed q|k|v gradient's of the first halves only", "kernels_qk_norm_rope.cu", 0,
+     "m = detail::chunk_max<T>(detail::chunk_max<T>(m, a, half - begin), b, half - begin)",
+     "m = detail::chunk_max<T>(m, a, half - begin)"),
+    ("producer maximum: the packed q|k|v gradient's without v", "kernels_qk_norm_rope.cu", 0,
+     "if (packed_max) m = detail::chunk_max", "if (packed_max && which < 2) m = detail::chunk_max"),
+    ("producer maximum: the packing pass's last block left out", "kernels_qk_norm_rope.cu", 0,
+     "if (packed_max) detail::block_max_into(packed_max, m, maxima);",
+     "if (packed_max && blockIdx.x + 1 < gridDim.x) detail::block_max_into(packed_max, m, maxima);"),
     ("producer maxima: records outlive the next op", "cuda_backend.cpp", 0,
      "fp8_produced_before_ = std::move(fp8_produced_);",
      "fp8_produced_before_.insert(fp8_produced_before_.end(), fp8_produced_.begin(), fp8_produced_.end());"),

@@ -103,14 +103,16 @@ namespace {
 // Configures `backend` for bf16 with matmul_dtype fp8 and reserves its
 // scratch for a projection of `rows` rows, `in` wide in and `out` wide out
 // (and the forward maxima's sites of `layers` layers).
+// (`attention`, when given, is the shape of the q|k|v projections, whose
+// packed scratch follows from it; else one head of 16.)
 void configure_fp8(nanoq::cuda::CudaBackend& backend, nanoq::NamedAllocator& allocator, int rows, int in, int out,
-                   int layers = 0) {
+                   int layers = 0, const nanoq::AttentionShape* attention = nullptr) {
     using namespace nanoq;
     TrainOptions options;
     options.dtype = Precision::BF16;
     options.matmul_dtype = MatmulPrecision::FP8;
     backend.configure(options);
-    ScratchShapes shapes{AttentionShape{1, rows, 1, 1, 16}, in, out, 16, 1, 0};
+    ScratchShapes shapes{attention ? *attention : AttentionShape{1, rows, 1, 1, 16}, in, out, 16, 1, 0};
     shapes.matmul_dtype = MatmulPrecision::FP8;
     shapes.layers = layers;
     backend.reserve_scratch(allocator, shapes);
@@ -389,6 +391,59 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_norms(
         download(backend, tdres, dres);
         download(backend, tdh, dh);
         backend.copy_to_host(dweight2, tdw2);
+        backend.synchronize();
+    });
+}
+
+// The q|k|v projection's fp8 backward after the pass that packs its
+// gradient, through CudaBackend configured with matmul_dtype fp8, inputs
+// rounded to bf16: dq [B*T, H*D], dk, dv [B*T, K*D] (attention's
+// gradients; dq, dk of the rotated q, k), cos_sin [T, D/2, 2] (float32),
+// x [B*T, C], the packed weight [(H + 2K) D, C]. `split` 0: qkv_backward
+// (RoPE's backward, the packing and the products in one op); 1:
+// qk_norm_rope_backward, then qkv_projection_backward (as with LoRA
+// adapters: the packing and the products in the second op). Out: dx [B*T,
+// C], dweight [(H + 2K) D, C] and dbias [(H + 2K) D] (float32, from
+// zeros); *quantizations and *maxima_taken as in nanoq_emu_fp8_mlp.
+extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_qkv_backward(
+    int batch, int time, int heads, int kv_heads, int head_dim, int channels, const float* dq, const float* dk,
+    const float* dv, const float* cos_sin, const float* x, const float* weight, int split, float* dx, float* dweight,
+    float* dbias, int* quantizations, int* maxima_taken, char* message, int message_bytes) {
+    using namespace nanoq;
+    return guarded(message, message_bytes, [&] {
+        cuda::CudaBackend backend(0);
+        NamedAllocator allocator(backend, 0);
+        const AttentionShape attention{batch, time, heads, kv_heads, head_dim};
+        const int rows = batch * time, width = (heads + 2 * kv_heads) * head_dim;
+        configure_fp8(backend, allocator, rows, channels, width, 0, &attention);
+        const std::int64_t q_size = std::int64_t(rows) * heads * head_dim;
+        const std::int64_t kv_size = std::int64_t(rows) * kv_heads * head_dim;
+        const Tensor tdq = upload(backend, allocator, "dq", dq, q_size);
+        const Tensor tdk = upload(backend, allocator, "dk", dk, kv_size);
+        const Tensor tdv = upload(backend, allocator, "dv", dv, kv_size);
+        const Tensor tcos_sin =
+            upload(backend, allocator, "cos_sin", cos_sin, std::int64_t(time) * head_dim, DType::F32);
+        const Tensor tx = upload(backend, allocator, "x", x, std::int64_t(rows) * channels);
+        QkvWeights w, g;
+        w.qkv = upload(backend, allocator, "qkv", weight, std::int64_t(width) * channels);
+        g.qkv = allocator.allocate(Context::Activations, "dqkv_weight", DType::F32, {std::int64_t(width) * channels});
+        g.qkv_bias = allocator.allocate(Context::Activations, "dqkv_bias", DType::F32, {width});
+        backend.fill(g.qkv, 0.0f);
+        backend.fill(g.qkv_bias, 0.0f);
+        const Tensor tdx = allocator.allocate(Context::Activations, "dx", DType::BF16, {std::int64_t(rows) * channels});
+        const QkvShape shape{attention, channels, 1e-6f};
+        const QkvActivations a;  // no q/k norms: nothing saved is read
+        if (split) {
+            backend.qk_norm_rope_backward(tdq, tdk, a, w, g, tcos_sin, shape);
+            backend.qkv_projection_backward(tdx, false, g, tdq, tdk, tdv, tx, w, shape);
+        } else {
+            backend.qkv_backward(tdx, false, g, tdq, tdk, tdv, a, tx, w, tcos_sin, shape);
+        }
+        *quantizations = static_cast<int>(backend.fp8_quantizations());
+        *maxima_taken = static_cast<int>(backend.fp8_producer_maxima_taken());
+        download(backend, tdx, dx);
+        backend.copy_to_host(dweight, g.qkv);
+        backend.copy_to_host(dbias, g.qkv_bias);
         backend.synchronize();
     });
 }
