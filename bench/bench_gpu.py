@@ -199,20 +199,11 @@ def gpu_used_bytes() -> int | None:
 
 
 def gpu_names() -> list[str]:
-    try:
-        import pynvml
+    """The NVIDIA GPUs NVML sees (nanoq.backends.gpu_names; importing nanoq
+    here starts no CUDA context)."""
+    from nanoq.backends import gpu_names as names
 
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001
-        return []
-    try:
-        names = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
-            names.append(name.decode() if isinstance(name, bytes) else name)
-        return names
-    finally:
-        pynvml.nvmlShutdown()
+    return names()
 
 
 def timed_loop(run: dict, train_step, started: float) -> dict:
