@@ -209,6 +209,13 @@ def checkpoints(tmp_path_factory):
 # --------------------------------------------------------------------------
 
 
+def rope_table(time, head_dim, theta=10000.0):
+    """RoPE's cos and sin per position and rotated pair, [T, D/2, 2] float32 (half-split convention)."""
+    half = head_dim // 2
+    angles = np.arange(time)[:, None] * theta ** (-np.arange(half) * 2.0 / head_dim)[None, :]
+    return np.stack([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)
+
+
 def random_batch(rng, rows, seq_len=SEQ, vocab=VOCAB, mask_frac=0.0):
     """Next-token batch: int32 C-contiguous inputs and already-shifted targets.
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from nanoq.testing import OpRunner, op_table
-from conftest import IGNORE, assert_array_close, cuda_cases, require_cuda_emulator, use_cuda_backend
+from conftest import IGNORE, assert_array_close, cuda_cases, require_cuda_emulator, rope_table, use_cuda_backend
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -44,13 +44,6 @@ def t64(x):
 
 def n64(x):
     return x.detach().numpy()
-
-
-def rope_table(time, head_dim, theta=10000.0):
-    half = head_dim // 2
-    inv_freq = theta ** (-np.arange(half) * 2.0 / head_dim)
-    angles = np.arange(time)[:, None] * inv_freq[None, :]
-    return np.stack([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)  # [T, D/2, 2]
 
 
 # --------------------------------------------------------------------------

@@ -72,7 +72,8 @@ import torch
 
 import nanoq
 from nanoq.memory import estimate_memory
-from conftest import CUDA_BACKENDS, assert_array_close, random_batch, require_cuda_emulator, use_cuda_backend
+from conftest import (CUDA_BACKENDS, assert_array_close, random_batch, require_cuda_emulator, rope_table,
+                      use_cuda_backend)
 
 FORMATS = {"e4m3": (np.float32(448.0), torch.float8_e4m3fn), "e5m2": (np.float32(57344.0), torch.float8_e5m2)}
 CUDA_R_32F, CUDA_R_16BF, CUDA_R_8F_E4M3, CUDA_R_8F_E5M2 = 0, 14, 28, 29
@@ -648,12 +649,6 @@ def qkv_backward(probes, monkeypatch, producer_maxima, split, largest):
     assert status == 0, message.value.decode()
     inputs = dict(grads, x=x, weight=weight, cos_sin=cos_sin, time=time, head_dim=head_dim)
     return inputs, (dx, dweight, dbias), passes.value, taken.value
-
-
-def rope_table(time, head_dim, theta=10000.0):
-    half = head_dim // 2
-    angles = np.arange(time)[:, None] * theta ** (-np.arange(half) * 2.0 / head_dim)[None, :]
-    return np.stack([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)  # [T, D/2, 2]
 
 
 def rope_backward(dy, cos_sin, time, head_dim):

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from nanoq.testing import OpRunner
-from conftest import IGNORE, assert_array_close, cuda_cases, use_cuda_backend
+from conftest import IGNORE, assert_array_close, cuda_cases, rope_table, use_cuda_backend
 
 DTYPES = ["fp32", "bf16"]
 FP32_REL = 1e-5
@@ -224,12 +224,6 @@ def test_rmsnorm_backward(cpu, gpu, dtype, rows, channels, mode):
     assert_array_close(dx, expected_dx, tolerance(dtype, FP32_SUM_REL), "rmsnorm dinp")
     assert_array_close(dw, expected_dw, FP32_SUM_REL, "rmsnorm dweight (fp32)")
     assert_bitwise_equal(dw, gpu.rmsnorm_backward(dy, x, w, rstd, dtype=dtype, **kwargs)[1], "rmsnorm dweight")
-
-
-def rope_table(time, head_dim, theta=10000.0):
-    half = head_dim // 2
-    angles = np.arange(time)[:, None] * theta ** (-np.arange(half) * 2.0 / head_dim)[None, :]
-    return np.stack([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

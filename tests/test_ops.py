@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from nanoq.testing import OpRunner
-from conftest import IGNORE, assert_array_close, require_cuda_emulator
+from conftest import IGNORE, assert_array_close, require_cuda_emulator, rope_table
 
 REL = 1e-5
 SUM_REL = 2e-5
@@ -52,13 +52,6 @@ def ref_rmsnorm_backward(dy, x, w, rstd):
     dx = rstd * (dn - n * (dn * n).mean(-1, keepdims=True))
     dw = (dy * n).reshape(-1, x.shape[-1]).sum(0)
     return dx, dw
-
-
-def rope_table(time, head_dim, theta=10000.0):
-    half = head_dim // 2
-    inv_freq = theta ** (-np.arange(half) * 2.0 / head_dim)
-    angles = np.arange(time)[:, None] * inv_freq[None, :]
-    return np.stack([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)  # [T, D/2, 2]
 
 
 def ref_rope(x, cos_sin, direction=1.0):
