@@ -166,6 +166,9 @@ const std::vector<Field>& fields() {
                [](const TrainOptions& o) { return name_or_empty(kAttentionImpls, static_cast<int>(o.attention)); }),
         flag("cuda_graphs", "cuda: capture step() and update() once as CUDA graphs and replay them",
              [](const TrainOptions& o) { return o.cuda_graphs; }),
+        flag("packed_documents",
+             "step() takes positions (packed documents): cuda reserves their attention mask so that cuDNN runs them",
+             [](const TrainOptions& o) { return o.packed_documents; }),
         choice("matmul_dtype", "the dtype of the projection matmuls' inputs", kMatmulPrecisions,
                [](const TrainOptions& o) {
                    return name_or_empty(kMatmulPrecisions, static_cast<int>(o.matmul_dtype));

@@ -232,6 +232,9 @@ TrainerSetup::TrainerSetup(const ModelConfig& c, const TrainOptions& o) : config
     if (c.max_positions > 0 && o.seq_len > c.max_positions)
         throw InvalidArgument("seq_len " + std::to_string(o.seq_len) + " exceeds the learned position table's " +
                               std::to_string(c.max_positions) + " positions (max_positions)");
+    if (o.packed_documents && !c.causal)
+        throw InvalidArgument("packed_documents needs a causal model: positions (packed documents) restart a "
+                              "causal attention, and this model has causal false");
     weight_dtype = dtype_of(o.dtype);
     master_dtype = dtype_of(o.master_dtype);
     optimizer_dtype = dtype_of(o.optimizer_dtype);
@@ -274,6 +277,7 @@ ScratchShapes scratch_shapes(const TrainerSetup& s, const ModelMemory& model) {
     scratch.attention_impl = s.options.attention;
     scratch.matmul_dtype = s.options.matmul_dtype;
     scratch.weights_in_place = s.options.zero_stage < 3;
+    scratch.packed_documents = s.options.packed_documents;
     return scratch;
 }
 

@@ -19,6 +19,8 @@ and native attention in bf16 within 2e-2 of each other over a few steps, the
 bound test_gpu_training.py uses for bf16 against fp32.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -78,27 +80,47 @@ def emulated_ops():
 EMULATED_SHAPES = [(1, 33, 4, 2, 64), (2, 17, 2, 2, 128), (1, 20, 8, 2, 64)]
 
 
+def packed_positions(T, *rows):
+    """positions [len(rows), T]: row r packs documents of the lengths rows[r]
+    in turn (the last one cut at T), so that rows differ."""
+    out = []
+    for lengths in rows:
+        row, n = [], 0
+        while len(row) < T:
+            row.extend(range(lengths[n % len(lengths)]))
+            n += 1
+        out.append(row[:T])
+    return np.array(out, np.int32)
+
+
+# Documents of one token, ones that start inside and at the edge of the
+# native kernel's 32-key tiles, and one longer than a tile.
+PACKED_ROWS = ([10, 23, 1, 40], [1, 32, 7], [33, 5])
+
+
 @emulated
-def test_packed_documents_run_the_native_kernels_even_when_fused_is_asked(cpu, emulated_ops):
-    """The fused plans have no document masks: with positions the backend
-    routes to its native kernels (bitwise their results), which honour the
-    mask (the cpu's within bf16), never the fused causal attention in their
-    place."""
-    q, k, v, dout = attention_inputs(21, (1, 33, 4, 2, 64))
-    args = {"positions": np.array([list(range(10)) + list(range(23))], np.int32)}
+def test_packed_documents_run_fused_with_their_mask(cpu, emulated_ops):
+    """With positions (the harness reserves their mask, as packed_documents
+    does) the fused plans take the documents' mask as their bias: forward
+    and backward match the cpu's masked attention within bf16, differ from
+    the fused causal attention over whole rows, and came from the engine
+    (its float64 reference), not the native kernels."""
+    shape = (3, 45, 4, 2, 64)
+    q, k, v, dout = attention_inputs(21, shape)
+    args = {"positions": packed_positions(45, *PACKED_ROWS)}
     fused_out, fused_lse = emulated_ops.attention_forward(q, k, v, dtype="bf16", fused=True, **args)
-    native_out, native_lse = emulated_ops.attention_forward(q, k, v, dtype="bf16", **args)
-    np.testing.assert_array_equal(fused_out, native_out)
-    np.testing.assert_array_equal(fused_lse, native_lse)
-    cpu_out, _ = cpu.attention_forward(q, k, v, **args)
-    assert_array_close(fused_out, cpu_out, BF16_REL, "masked attention out")
+    native_out, _ = emulated_ops.attention_forward(q, k, v, dtype="bf16", **args)
+    cpu_out, cpu_lse = cpu.attention_forward(q, k, v, **args)
+    assert_array_close(fused_out, cpu_out, BF16_REL, "masked fused out vs cpu")
+    assert_array_close(fused_lse, cpu_lse, LSE_REL_EMULATED, "masked fused lse vs cpu")
+    assert not np.array_equal(fused_out, native_out)
     causal_out, _ = emulated_ops.attention_forward(q, k, v, dtype="bf16", fused=True)
     assert np.abs(causal_out - fused_out).max() > 0.1 * np.abs(cpu_out).max()
     out, lse = cpu.attention_forward(q, k, v, **args)
     fused = emulated_ops.attention_backward(dout, to_bf16(out), lse, q, k, v, dtype="bf16", fused=True, **args)
-    native = emulated_ops.attention_backward(dout, to_bf16(out), lse, q, k, v, dtype="bf16", **args)
-    for name, f, n in zip(("dq", "dk", "dv"), fused, native):
-        np.testing.assert_array_equal(f, n, err_msg=name)
+    expected = cpu.attention_backward(dout, to_bf16(out), lse, q, k, v, **args)
+    for name, f, e in zip(("dq", "dk", "dv"), fused, expected):
+        assert_array_close(f, e, BF16_REL, f"masked fused {name} vs cpu")
 
 
 @emulated
@@ -224,6 +246,117 @@ def test_training_with_attention_cudnn_matches_native_on_the_emulator(checkpoint
     assert fused[3]["implementation"].startswith(STANDIN) and fused[3]["plans"] == 2, fused[3]
 
 
+def train_packed(config_or_path, options, batches, positions, lr=3e-3):
+    """train() with the batches packed by `positions` (one array for all, or
+    a list of one per batch; the validation takes the first batch's); also
+    the trainer's allocations."""
+    if not isinstance(positions, list):
+        positions = [positions] * len(batches)
+    path = config_or_path if isinstance(config_or_path, str) else None
+    config = nanoq.ModelConfig.from_pretrained(path) if path else config_or_path
+    with nanoq.Trainer(config, options) as trainer:
+        if path:
+            trainer.import_weights(path)
+        losses, gradients = [], None
+        for (inputs, targets), packed in zip(batches, positions):
+            trainer.step(inputs, targets, packed)
+            if gradients is None:
+                gradients = trainer.get_gradients()
+            losses.append(trainer.update(lr=lr).loss)
+        validation = trainer.validate(*batches[0], positions[0]).loss
+        return losses, gradients, validation, trainer.get_attention_info(0), trainer.get_allocations(0)
+
+
+def masks(allocations):
+    return [a for a in allocations if a["name"] == "attention-document-mask"]
+
+
+@emulated
+@pytest.mark.parametrize("variant", ["llama", "qwen3"])
+def test_packed_training_runs_fused_with_packed_documents(checkpoints, variant, capfd):
+    """packed_documents reserves the documents' mask (bf16 [B,1,T,T], in
+    the plan too) and the packed steps, their recomputation-free backward
+    and validate run in the fused plans with a bias: losses and gradients
+    match the native kernels' within bf16 and the cpu's within the bf16
+    bound, and 4 plans were built (with and without a bias, per pass).
+    Without packed_documents the same packed steps run the native kernels,
+    bitwise, and say so once. Each step packs other documents (its call
+    writes their mask, also where CUDA graphs replay it)."""
+    require_cuda_emulator()
+    rng = np.random.default_rng(8)
+    batches = [random_batch(rng, rows=3) for _ in range(3)]
+    B, T = batches[0][0].shape
+    positions = [packed_positions(T, [5, 11], [1, 7, 8], [16]), packed_positions(T, [16], [9, 7], [2, 3]),
+                 packed_positions(T, [1], [4, 12], [15, 1])]
+    path = checkpoints.path(variant)
+
+    def options(attention, **more):
+        return nanoq.TrainOptions(backend="cuda_emulated", dtype="bf16", batch_size=B, seq_len=T,
+                                  attention=attention, **more)
+
+    native = train_packed(path, options("native"), batches, positions)
+    fused = train_packed(path, options("cudnn", packed_documents=True), batches, positions)
+    reference = train_packed(path, nanoq.TrainOptions(backend="cpu", batch_size=B, seq_len=T), batches, positions)
+    for step, (f, n, r) in enumerate(zip(fused[0], native[0], reference[0])):
+        assert abs(f - n) <= BF16_REL * abs(n), f"{variant} step {step}: fused loss {f} vs native {n}"
+        assert abs(f - r) <= BF16_REL * abs(r), f"{variant} step {step}: fused loss {f} vs cpu {r}"
+    assert_tensors_close(fused[1], native[1], 5e-2, f"{variant} masked fused-attention gradients")
+    assert abs(fused[2] - native[2]) <= BF16_REL * abs(native[2]), "validate"
+    # The engine ran (its float64 reference, not the native kernels).
+    assert not all(np.array_equal(fused[1][name], native[1][name]) for name in native[1])
+    assert fused[3]["implementation"].startswith(STANDIN) and fused[3]["plans"] == 4, fused[3]
+    (mask,) = masks(fused[4])
+    assert mask["bytes"] == 2 * B * T * T and mask["context"] == "workspace"
+    estimate = nanoq.estimate_memory(nanoq.ModelConfig.from_pretrained(path),
+                                     options("cudnn", packed_documents=True))
+    assert [a.bytes for a in estimate.allocations if a.name == "attention-document-mask"] == [mask["bytes"]]
+    assert masks(native[4]) == []
+    capfd.readouterr()
+    unmasked = train_packed(path, options("cudnn"), batches, positions)
+    assert unmasked[0] == native[0] and unmasked[2] == native[2]
+    assert masks(unmasked[4]) == [] and unmasked[3]["plans"] == 2
+    err = capfd.readouterr().err
+    assert err.count("positions (packed documents) run in nanoq's own attention kernels") == 1, err
+    assert "TrainOptions.packed_documents" in err
+
+
+@emulated
+def test_a_library_that_refuses_the_documents_mask(capfd, monkeypatch):
+    """attention="cudnn" with packed_documents insists: a library that
+    cannot build the plans with a bias is an error at Trainer creation (and
+    in the memory plan's Trainer-free check it is not asked). "auto" keeps
+    the fused plans for whole rows and runs packed documents in the native
+    kernels, saying why once, bitwise as attention="native" does."""
+    require_cuda_emulator()
+    monkeypatch.setenv("NANOQ_EMU_ATTENTION_NO_BIAS", "1")
+    config = tiny_config()
+    rng = np.random.default_rng(9)
+    batches = [random_batch(rng, rows=2, seq_len=32, vocab=256) for _ in range(2)]
+    positions = packed_positions(32, [3, 29], [32])
+    with pytest.raises(ValueError, match=r'attention="cudnn" cannot run packed documents .*NO_BIAS'):
+        nanoq.Trainer(config, nanoq.TrainOptions(backend="cuda_emulated", dtype="bf16", batch_size=2, seq_len=32,
+                                                 attention="cudnn", packed_documents=True))
+    monkeypatch.setenv("NANOQ_EMU_ATTENTION_PREFERRED", "1")
+    auto = nanoq.TrainOptions(backend="cuda_emulated", dtype="bf16", batch_size=2, seq_len=32, attention="auto",
+                              packed_documents=True)
+    capfd.readouterr()
+    fused = train_packed(config, auto, batches, positions)
+    err = capfd.readouterr().err
+    assert err.count("packed documents run in nanoq's own attention kernels") == 1, err
+    assert "with a document mask" in err and "NO_BIAS" in err
+    assert fused[3]["implementation"].startswith(STANDIN) and masks(fused[4]) == []
+    native = train_packed(config, dataclasses.replace(auto, attention="native"), batches, positions)
+    assert fused[0] == native[0] and fused[2] == native[2]
+
+
+def test_packed_documents_need_a_causal_model():
+    config = dataclasses.replace(tiny_config(), causal=False)
+    with pytest.raises(ValueError, match="packed_documents needs a causal model"):
+        nanoq.Trainer(config, nanoq.TrainOptions(backend="cpu", seq_len=32, packed_documents=True))
+    with pytest.raises(TypeError, match="packed_documents must be True or False"):
+        nanoq.TrainOptions(packed_documents=1)
+
+
 def workspace(allocations):
     return [a for a in allocations if a["name"] == "cudnn-attention-workspace"]
 
@@ -337,18 +470,58 @@ def test_cudnn_attention_matches_torch_float64(gpu_ops, shape):
         assert np.array_equal(g, h), f"cuDNN {name}: two runs differ (the deterministic backward was asked for)"
 
 
-def gpu_options(attention, dtype="bf16", batch_size=4, seq_len=256):
+@gpu
+@pytest.mark.parametrize("shape", [(3, 512, 8, 2, 64), (2, 1024, 12, 2, 128)])
+def test_cudnn_attention_with_packed_documents_matches_the_cpu(cpu, gpu_ops, shape):
+    """cuDNN's plans with the documents' mask as their bias (documents of
+    one token, inside and across tiles) against the cpu's masked attention."""
+    require_cudnn()
+    B, T = shape[:2]
+    q, k, v, dout = attention_inputs(10, shape)
+    positions = packed_positions(T, *([100, 7, 1, 300, 64], [T], [33, 200, 1])[:B])
+    out, lse = gpu_ops.attention_forward(q, k, v, dtype="bf16", fused=True, positions=positions)
+    expected_out, expected_lse = cpu.attention_forward(q, k, v, positions=positions)
+    assert_array_close(out, expected_out, BF16_REL, f"cuDNN masked out {shape}")
+    assert_array_close(lse, expected_lse, 2e-3, f"cuDNN masked lse {shape}")
+    grads = gpu_ops.attention_backward(dout, to_bf16(out), lse, q, k, v, dtype="bf16", fused=True,
+                                       positions=positions)
+    expected = cpu.attention_backward(dout, to_bf16(out), lse, q, k, v, positions=positions)
+    for name, g, e in zip(("dq", "dk", "dv"), grads, expected):
+        assert_array_close(g, e, BF16_REL, f"cuDNN masked {name} {shape}")
+
+
+def gpu_run(seed):
+    """The model of the GPU training tests (2 layers of 8 heads of 64, 2 kv
+    heads, vocab 1000) and 4 random batches of 4 rows of 256 tokens."""
+    config = nanoq.ModelConfig(vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                               num_attention_heads=8, num_key_value_heads=2, head_dim=64, rope_theta=1e6)
+    rng = np.random.default_rng(seed)
+    return config, [random_batch(rng, rows=4, seq_len=256, vocab=1000) for _ in range(4)]
+
+
+def gpu_options(attention, dtype="bf16", batch_size=4, seq_len=256, **more):
     return nanoq.TrainOptions(backend="cuda", dtype=dtype, batch_size=batch_size, seq_len=seq_len,
-                              attention=attention)
+                              attention=attention, **more)
+
+
+@gpu
+def test_packed_training_with_cudnn_matches_native_on_a_gpu(cuda_device):
+    require_cudnn()
+    config, batches = gpu_run(11)
+    positions = packed_positions(256, [100, 7, 1, 300], [256], [33, 64], [1, 2, 3])
+    native = train_packed(config, gpu_options("native"), batches, positions)
+    fused = train_packed(config, gpu_options("cudnn", packed_documents=True), batches, positions)
+    for step, (f, n) in enumerate(zip(fused[0], native[0])):
+        assert abs(f - n) <= BF16_REL * abs(n), f"step {step}: masked cuDNN loss {f} vs native {n}"
+    assert abs(fused[2] - native[2]) <= BF16_REL * abs(native[2]), "validate"
+    assert fused[3]["implementation"].startswith("cuDNN") and fused[3]["plans"] == 4, fused[3]
+    assert len(masks(fused[4])) == 1
 
 
 @gpu
 def test_training_with_cudnn_matches_native_on_a_gpu(cuda_device):
     require_cudnn()
-    config = nanoq.ModelConfig(vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                               num_attention_heads=8, num_key_value_heads=2, head_dim=64, rope_theta=1e6)
-    rng = np.random.default_rng(7)
-    batches = [random_batch(rng, rows=4, seq_len=256, vocab=1000) for _ in range(4)]
+    config, batches = gpu_run(7)
     runs = {}
     for attention in ("native", "cudnn"):
         with nanoq.Trainer(config, gpu_options(attention)) as trainer:  # the same seeded init
@@ -393,3 +566,26 @@ def test_training_run_says_which_attention_it_uses(tmp_path):
                       eval_every=2)
     train(config, say=lines.append, progress=False)
     assert any(line.startswith(f"attention: {STANDIN}") and "'cudnn'" in line for line in lines), lines
+
+
+def test_runs_of_packed_data_reserve_the_documents_mask(tmp_path):
+    """nanoq train and nanoq memory set packed_documents from data.packing
+    as the files resolve it: "pack", or "auto" on files whose tokenization
+    packs (SFT); streamed windows do not."""
+    import json
+
+    from nanoq.data import write_token_shards
+    from nanoq.training import load_config
+    from nanoq.training.settings import resolved_packing, train_options
+
+    for name, packing in (("sft", "pack"), ("text", None)):
+        (tmp_path / name).mkdir()
+        write_token_shards(str(tmp_path / name / "train"), np.arange(200, dtype=np.int32) % 50, 64)
+        if packing:
+            (tmp_path / name / "tokenize.json").write_text(json.dumps({"packing": packing}))
+    expected = {("sft", "auto"): True, ("text", "auto"): False, ("text", "pack"): True, ("sft", "stream"): False}
+    for (name, packing), packed in expected.items():
+        config = load_config(None, dict(train_data=str(tmp_path / name / "train_*.bin"), packing=packing))
+        assert train_options(config, resolved_packing(config)).packed_documents is packed, (name, packing)
+    demo = load_config(None, {})
+    assert not train_options(demo, resolved_packing(demo)).packed_documents

@@ -280,11 +280,18 @@ TINY_RUN = ["--hidden_size", "32", "--intermediate_size", "64", "--num_hidden_la
             "--threads", "1", "--backend", "cpu"]
 
 
-def test_cli_tokenizes_sft_data_and_trains_on_the_responses(tmp_path):
+def test_cli_tokenizes_sft_data_and_trains_on_the_responses(tmp_path, monkeypatch):
     """tokenize --format sft (a trained BPE; the eval set with that
     tokenizer), then train 2 devices x 2 micro-batches: finite losses, a
     first loss of ~ln(vocab) per trained token, and the final eval scores
-    exactly the response tokens of its documents (packed, by default)."""
+    exactly the response tokens of its documents (packed, by default, so
+    the run's TrainOptions say packed_documents)."""
+    from nanoq.training import loop
+
+    made = []
+    real_train_options = loop.train_options
+    monkeypatch.setattr(loop, "train_options",
+                        lambda config, packing=None: made.append(real_train_options(config, packing)) or made[-1])
     eval_records = sft_records(12, seed=5)
     result = invoke("tokenize", write_jsonl(tmp_path / "train.jsonl", sft_records(40, seed=0)), "-o",
                     tmp_path / "data", "--format", "sft", "--train-tokenizer", "--vocab-size", VOCAB_SIZE)
@@ -299,6 +306,7 @@ def test_cli_tokenizes_sft_data_and_trains_on_the_responses(tmp_path):
                     "--eval_every", "0", "--eval_batches", "0", "--checkpoint_every", "0",
                     "--out_dir", tmp_path / "runs", "--run_name", "sft")
     assert result.exit_code == 0, result.output
+    assert [options.packed_documents for options in made] == [True]
     records = [json.loads(line) for line in open(tmp_path / "runs" / "sft" / "log.jsonl")]
     losses = [r["loss"] for r in records if r["type"] == "train"]
     assert len(losses) == steps and all(loss is not None and math.isfinite(loss) for loss in losses), losses

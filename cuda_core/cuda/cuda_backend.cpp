@@ -28,6 +28,9 @@ namespace {
 constexpr std::size_t kMatmulWorkspaceBytes = std::size_t(32) << 20;
 // The fused attention's workspace in the scratch plan (when attention runs fused).
 constexpr const char* kAttentionWorkspaceName = "cudnn-attention-workspace";
+// The mask of packed documents (TrainOptions::packed_documents) where the
+// fused attention runs them.
+constexpr const char* kAttentionMaskName = "attention-document-mask";
 // The fp8 operands buffer (one product at a time: they run in order on the
 // stream): a header of scale floats (each operand's maximum and inverse
 // scale), then the ring of producer maxima (kFp8ProducedSlots floats), then
@@ -234,7 +237,7 @@ std::size_t CudaBackend::fp8_weight_cache_bytes(const ScratchShapes& s) {
 
 std::vector<ScratchBuffer> CudaBackend::scratch_plan(const ScratchShapes& s, bool ask_libraries,
                                                      FusedAttention* attention, const std::string& why_none,
-                                                     bool* fused) {
+                                                     AttentionChoice* chosen) {
     bool exact = true;
     const std::size_t bytes = scratch_bytes(s, ask_libraries, &exact);
     const std::int64_t rows = std::int64_t(s.attention.batch) * s.attention.time;
@@ -245,17 +248,37 @@ std::vector<ScratchBuffer> CudaBackend::scratch_plan(const ScratchShapes& s, boo
         // Room for one batch of tokens and targets between synchronisations.
         {"host-staging", DType::I32, 2 * rows, MemoryKind::Pinned, true},
     };
-    const bool use_fused = choose_attention(s, attention, why_none);
-    if (fused) *fused = use_fused;
-    if (use_fused) {
-        const std::size_t workspace =
+    AttentionChoice choice;
+    choice.fused = choose_attention(s, attention, why_none);
+    if (choice.fused) {
+        std::size_t workspace =
             attention ? attention->prepare(s.attention, attention_dtype(s)) : attention_workspace_bound(s.attention);
+        // Packed documents: the plans with a bias, where the library builds
+        // them ("cudnn" insists; "auto" runs them natively, saying why).
+        if (s.packed_documents) {
+            choice.documents = true;
+            if (attention) {
+                try {
+                    workspace = std::max(workspace, attention->prepare(s.attention, attention_dtype(s), true));
+                } catch (const NanoqError& e) {
+                    if (s.attention_impl == AttentionImpl::Cudnn)
+                        throw InvalidArgument(std::string("attention=\"cudnn\" cannot run packed documents "
+                                                          "(packed_documents): ") + e.what());
+                    choice.documents = false;
+                    choice.documents_refused = e.what();
+                }
+            }
+        }
         // At least one element, so that the buffer shows in the plan even
         // where the library needs none.
         plan.push_back({kAttentionWorkspaceName, DType::F32,
                         std::max<std::int64_t>(1, static_cast<std::int64_t>((workspace + 3) / 4)), MemoryKind::Device,
                         attention != nullptr});
+        if (choice.documents)
+            plan.push_back({kAttentionMaskName, DType::BF16, attention_bias_elements(s.attention), MemoryKind::Device,
+                            true});
     }
+    if (chosen) *chosen = choice;
     if (s.matmul_dtype == MatmulPrecision::FP8)
         plan.push_back({kFp8OperandsName, DType::F32, static_cast<std::int64_t>(fp8_operand_bytes(s) / 4),
                         MemoryKind::Device, true});
@@ -334,17 +357,24 @@ void CudaBackend::reserve_scratch(NamedAllocator& allocator, const ScratchShapes
     }
     std::string why_none;
     if (!fused_attention_ && attention_engine_wanted(s)) fused_attention_ = start_fused_attention(&why_none);
-    const std::vector<ScratchBuffer> plan = scratch_plan(s, true, fused_attention_.get(), why_none, &attention_fused_);
+    AttentionChoice choice;
+    const std::vector<ScratchBuffer> plan = scratch_plan(s, true, fused_attention_.get(), why_none, &choice);
+    attention_fused_ = choice.fused;
+    if (!choice.documents_refused.empty())
+        std::fprintf(stderr, "nanoq: device %d: packed documents run in nanoq's own attention kernels: %s\n", device_,
+                     choice.documents_refused.c_str());
     const std::vector<Tensor> scratch = allocate_scratch(allocator, plan);
     scratch_ = scratch[0];
     matmul_workspace_ = scratch[1];
     pinned_ = scratch[2];
     attention_workspace_ = Tensor();
+    attention_mask_ = Tensor();
     fp8_operands_ = Tensor();
     fp8_weight_cache_ = Tensor();
     qkv_packed_ = Tensor();
     for (std::size_t i = 0; i < plan.size(); ++i) {
         if (plan[i].name == kAttentionWorkspaceName) attention_workspace_ = scratch[i];
+        if (plan[i].name == kAttentionMaskName) attention_mask_ = scratch[i];
         if (plan[i].name == kFp8OperandsName) fp8_operands_ = scratch[i];
         if (plan[i].name == kFp8WeightCacheName) fp8_weight_cache_ = scratch[i];
         if (plan[i].name == kQkvPackedName) qkv_packed_ = scratch[i];
@@ -1023,20 +1053,34 @@ AttentionInfo CudaBackend::attention_info() const {
 }
 
 // The fused library's plans are causal or bidirectional attention (the
-// shape's causal flag is part of each plan) without document masks (cuDNN's
-// SDPA could take a padding or arbitrary mask, at the price of a plan and a
-// mask tensor per step), so an attention over packed documents always runs
-// the native kernels, even with attention="cudnn": never the fused causal
-// mask in their place.
-namespace {
-bool fused_attention_fits(const Tensor& positions) { return !positions.data; }
-}  // namespace
+// shape's causal flag is part of each plan). An attention over packed
+// documents runs there with their mask as the plans' bias where the run
+// reserved it (TrainOptions::packed_documents, and the library built those
+// plans): every call writes the mask from the positions first (one pass of
+// B*T*T bf16, so the call reads the positions it is given, captured or
+// not), the backward too. Without the mask they run the native kernels,
+// also with attention="cudnn": never the fused causal mask in their place.
+bool CudaBackend::fused_attention_runs(const Tensor& positions, const AttentionShape& s) {
+    if (!attention_fused_) return false;
+    if (!positions.data) return true;
+    if (!attention_mask_.data || attention_mask_.numel() < attention_bias_elements(s)) {
+        if (!said_documents_native_ && !attention_mask_.data)
+            std::fprintf(stderr, "nanoq: device %d: positions (packed documents) run in nanoq's own attention "
+                                 "kernels: TrainOptions.packed_documents reserves their mask so that %s runs "
+                                 "them\n", device_, fused_attention_->engine().library().c_str());
+        said_documents_native_ = true;
+        return false;
+    }
+    cuda::document_mask_bias(static_cast<bf16*>(attention_mask_.data), positions.i32(), s.batch, s.time, stream_);
+    NANOQ_CUDA_CHECK_LAUNCH();
+    return true;
+}
 
 void CudaBackend::attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
                                     const Tensor& v, const Tensor& positions, const AttentionShape& s) {
     const OpScope op(*this);
-    if (attention_fused_ && fused_attention_fits(positions)) {
-        const AttentionTensors tensors{out, lse, q, k, v, {}, {}, {}, {}};
+    if (fused_attention_runs(positions, s)) {
+        const AttentionTensors tensors{out, lse, q, k, v, {}, {}, {}, {}, positions.data ? attention_mask_ : Tensor()};
         fused_attention_->forward(tensors, s, attention_workspace_, stream_);
         return;
     }
@@ -1076,8 +1120,8 @@ void CudaBackend::attention_backward(const Tensor& dq, const Tensor& dk, const T
                                      const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
                                      const Tensor& v, const Tensor& positions, const AttentionShape& s) {
     const OpScope op(*this);
-    if (attention_fused_ && fused_attention_fits(positions)) {
-        const AttentionTensors tensors{out, lse, q, k, v, dout, dq, dk, dv};
+    if (fused_attention_runs(positions, s)) {
+        const AttentionTensors tensors{out, lse, q, k, v, dout, dq, dk, dv, positions.data ? attention_mask_ : Tensor()};
         fused_attention_->backward(tensors, s, attention_workspace_, stream_);
         return;
     }

@@ -71,11 +71,19 @@ public:
     // matmul_dtype fp8 the fp8 operands (fp8_operand_bytes) and, when
     // attention runs fused (choose_attention, fused_attention.h), the
     // fused attention's workspace, asked of `attention` where given (else
-    // its upper bound, inexact), and for shapes with a q|k|v projection its
-    // packed output (qkv-packed). *fused (may be null) says whether it does.
+    // its upper bound, inexact) and, with packed_documents, the mask of
+    // packed documents (attention-document-mask) where the library takes
+    // their plans; and for shapes with a q|k|v projection its packed output
+    // (qkv-packed). *chosen (may be null) says which attention runs.
+    struct AttentionChoice {
+        bool fused = false;           // attention runs in the fused library
+        bool documents = false;       // and so do packed documents (a mask is planned)
+        std::string documents_refused;  // why not, where the library refused their plans
+    };
     static std::vector<ScratchBuffer> scratch_plan(const ScratchShapes& shapes, bool ask_libraries,
                                                    FusedAttention* attention = nullptr,
-                                                   const std::string& why_none = "", bool* fused = nullptr);
+                                                   const std::string& why_none = "",
+                                                   AttentionChoice* chosen = nullptr);
     // One op scratch for the largest op's need (ops run in order on the
     // stream); *exact as ScratchBuffer::exact.
     static std::size_t scratch_bytes(const ScratchShapes& shapes, bool ask_libraries, bool* exact);
@@ -348,6 +356,13 @@ private:
     std::unique_ptr<FusedAttention> fused_attention_;
     bool attention_fused_ = false;
     Tensor attention_workspace_;
+    // Packed documents in the fused library: their mask (bf16 [B,1,T,T],
+    // rebuilt from the positions by every call), null when they run native.
+    Tensor attention_mask_;
+    bool said_documents_native_ = false;  // the one note that packed rows run native
+    // Whether an attention call with `positions` runs fused; where packed
+    // documents do, writes their mask first.
+    bool fused_attention_runs(const Tensor& positions, const AttentionShape& shape);
     std::size_t pinned_used_ = 0;
     // Recorded after the latest copy out of pinned_: once it has completed,
     // no staged copy is in flight and pinned_ may be reused from the start.

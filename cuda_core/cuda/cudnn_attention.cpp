@@ -10,6 +10,11 @@
 // a bidirectional shape (AttentionShape::causal false) has none.
 // The backward asks for cuDNN's deterministic algorithm: nanoq's steps are
 // reproducible run to run, and its tests check that bitwise.
+// Packed documents: a plan built with a bias adds a bf16 [B,1,T,T] tensor to
+// the scaled scores (cuDNN's SDPA bias input, in both passes, no bias
+// gradient), 0 where a query sees a key of its own document and a large
+// finite negative elsewhere (document_mask_bias in kernels.h), on top of
+// the causal mask, which still lets cuDNN skip the tiles above the diagonal.
 #include <cudnn_frontend.h>
 
 #include <cmath>
@@ -25,7 +30,7 @@ namespace {
 
 namespace fe = cudnn_frontend;
 
-enum Uid : fe::graph::Tensor_attributes::uid_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV };
+enum Uid : fe::graph::Tensor_attributes::uid_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV, kBias };
 
 // By value: error_t::get_message() is not const.
 void check(fe::error_t status, const char* what) {
@@ -40,6 +45,7 @@ class CudnnPlan final : public AttentionPlan {
 public:
     std::shared_ptr<fe::graph::Graph> graph;
     AttentionPass pass = AttentionPass::Forward;
+    bool bias = false;
 };
 
 class CudnnEngine final : public AttentionEngine {
@@ -51,12 +57,14 @@ public:
 
     std::string library() const override { return attention_engine_library(); }
 
-    std::unique_ptr<AttentionPlan> build(const AttentionShape& s, DType dtype, AttentionPass pass) override {
+    std::unique_ptr<AttentionPlan> build(const AttentionShape& s, DType dtype, AttentionPass pass,
+                                         bool with_bias) override {
         if (dtype != DType::BF16) throw NanoqError("bf16 only");
         const std::int64_t B = s.batch, T = s.time, H = s.heads, K = s.kv_heads, D = s.head_dim;
         const std::vector<std::int64_t> q_dims{B, H, T, D}, q_strides{T * H * D, D, H * D, 1};
         const std::vector<std::int64_t> kv_dims{B, K, T, D}, kv_strides{T * K * D, D, K * D, 1};
         const std::vector<std::int64_t> stats_dims{B, H, T, 1}, stats_strides{H * T, T, 1, 1};
+        const std::vector<std::int64_t> bias_dims{B, 1, T, T}, bias_strides{T * T, T * T, T, 1};
         const float scale = 1.0f / std::sqrt(static_cast<float>(D));
 
         auto graph = std::make_shared<fe::graph::Graph>();
@@ -71,12 +79,14 @@ public:
         auto q = tensor("q", kQ, q_dims, q_strides);
         auto k = tensor("k", kK, kv_dims, kv_strides);
         auto v = tensor("v", kV, kv_dims, kv_strides);
+        auto bias = with_bias ? tensor("bias", kBias, bias_dims, bias_strides) : nullptr;
         if (pass == AttentionPass::Forward) {
             auto options = fe::graph::SDPA_attributes()
                                .set_name("nanoq_attention_forward")
                                .set_generate_stats(true)
                                .set_causal_mask(s.causal)
                                .set_attn_scale(scale);
+            if (bias) options.set_bias(bias);
             auto [o, stats] = graph->sdpa(q, k, v, options);
             o->set_output(true).set_dim(q_dims).set_stride(q_strides).set_uid(kO);
             stats->set_output(true)
@@ -98,6 +108,7 @@ public:
                                .set_causal_mask(s.causal)
                                .set_attn_scale(scale)
                                .set_deterministic_algorithm(true);
+            if (bias) options.set_bias(bias);
             auto [dq, dk, dv] = graph->sdpa_backward(q, k, v, o, dout, stats, options);
             dq->set_output(true).set_dim(q_dims).set_stride(q_strides).set_uid(kDQ);
             dk->set_output(true).set_dim(kv_dims).set_stride(kv_strides).set_uid(kDK);
@@ -113,6 +124,7 @@ public:
         auto plan = std::make_unique<CudnnPlan>();
         plan->graph = std::move(graph);
         plan->pass = pass;
+        plan->bias = with_bias;
         plan->workspace_bytes = static_cast<std::size_t>(workspace);
         return plan;
     }
@@ -123,6 +135,7 @@ public:
         check(cudnnSetStream(handle_, stream), "cudnnSetStream");
         std::unordered_map<fe::graph::Tensor_attributes::uid_t, void*> pack{
             {kQ, t.q.data}, {kK, t.k.data}, {kV, t.v.data}, {kO, t.out.data}, {kStats, t.lse.data}};
+        if (plan.bias) pack[kBias] = t.bias.data;
         if (plan.pass == AttentionPass::Backward) {
             pack[kDO] = t.dout.data;
             pack[kDQ] = t.dq.data;

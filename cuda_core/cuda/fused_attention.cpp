@@ -78,32 +78,39 @@ FusedAttention::FusedAttention(std::unique_ptr<AttentionEngine> engine) : engine
 
 FusedAttention::~FusedAttention() = default;
 
-const AttentionPlan& FusedAttention::plan(const AttentionShape& s, DType dtype, AttentionPass pass) {
+std::int64_t attention_bias_elements(const AttentionShape& s) { return std::int64_t(s.batch) * s.time * s.time; }
+
+const AttentionPlan& FusedAttention::plan(const AttentionShape& s, DType dtype, AttentionPass pass, bool bias) {
     const Key key{s.batch, s.time, s.heads, s.kv_heads, s.head_dim, s.causal, static_cast<int>(dtype),
-                  static_cast<int>(pass)};
+                  static_cast<int>(pass), bias};
     auto it = plans_.find(key);
     if (it != plans_.end()) return *it->second;
     const std::string limits = attention_engine_limits(s, dtype);
     if (!limits.empty()) throw InvalidArgument(limits);
     std::unique_ptr<AttentionPlan> built;
     try {
-        built = engine_->build(s, dtype, pass);
+        built = engine_->build(s, dtype, pass, bias);
     } catch (const NanoqError& e) {
         throw NanoqError(engine_->library() + " cannot run the attention " +
                          (pass == AttentionPass::Forward ? "forward" : "backward") + " of " + describe(s, dtype) +
-                         ": " + e.what());
+                         (bias ? " with a document mask" : "") + ": " + e.what());
     }
     return *plans_.emplace(key, std::move(built)).first->second;
 }
 
-std::size_t FusedAttention::prepare(const AttentionShape& s, DType dtype) {
-    return std::max(plan(s, dtype, AttentionPass::Forward).workspace_bytes,
-                    plan(s, dtype, AttentionPass::Backward).workspace_bytes);
+std::size_t FusedAttention::prepare(const AttentionShape& s, DType dtype, bool bias) {
+    return std::max(plan(s, dtype, AttentionPass::Forward, bias).workspace_bytes,
+                    plan(s, dtype, AttentionPass::Backward, bias).workspace_bytes);
 }
 
 void FusedAttention::run(AttentionPass pass, const AttentionTensors& t, const AttentionShape& s,
                          const Tensor& workspace, cudaStream_t stream) {
-    const AttentionPlan& p = plan(s, t.q.dtype, pass);
+    const bool bias = t.bias.data != nullptr;
+    if (bias && (t.bias.dtype != DType::BF16 || t.bias.numel() < attention_bias_elements(s)))
+        throw InternalError("fused attention's bias must be bf16 [B, 1, T, T] (" +
+                            std::to_string(attention_bias_elements(s)) + " elements), got " +
+                            std::to_string(t.bias.numel()));
+    const AttentionPlan& p = plan(s, t.q.dtype, pass, bias);
     if (p.workspace_bytes > workspace.bytes())
         throw InternalError("fused attention of " + describe(s, t.q.dtype) + " needs " +
                             std::to_string(p.workspace_bytes) + " bytes of workspace, " +

@@ -43,10 +43,13 @@ public:
 };
 
 // The device tensors of one call; the backward's outputs are dq, dk, dv
-// (overwritten), the forward's out and lse.
+// (overwritten), the forward's out and lse. `bias`, in a plan built with
+// one: bf16 [B, 1, T, T] added to the scaled scores (the mask of packed
+// documents, document_mask_bias in kernels.h), the same in both passes.
 struct AttentionTensors {
     Tensor out, lse, q, k, v;
     Tensor dout, dq, dk, dv;
+    Tensor bias;
 };
 
 class AttentionEngine {
@@ -54,9 +57,11 @@ public:
     virtual ~AttentionEngine() = default;
     // The library and its version, e.g. "cuDNN 9.28.1".
     virtual std::string library() const = 0;
-    // Compiles the plan; throws NanoqError with the library's reason when it
+    // Compiles the plan (with `bias`: one that adds AttentionTensors::bias
+    // to the scores); throws NanoqError with the library's reason when it
     // cannot run this shape.
-    virtual std::unique_ptr<AttentionPlan> build(const AttentionShape& shape, DType dtype, AttentionPass pass) = 0;
+    virtual std::unique_ptr<AttentionPlan> build(const AttentionShape& shape, DType dtype, AttentionPass pass,
+                                                 bool bias) = 0;
     virtual void run(const AttentionPlan& plan, const AttentionTensors& tensors, void* workspace,
                      std::size_t workspace_bytes, cudaStream_t stream) = 0;
 };
@@ -69,7 +74,8 @@ std::unique_ptr<AttentionEngine> make_attention_engine();
 std::string attention_engine_library();
 // Whether "auto" picks the engine where it can run the shape: true for
 // cuDNN, false for the emulator's stand-in (a test double, slower than the
-// native kernels it would replace, so only attention="cudnn" selects it).
+// native kernels it would replace, so only attention="cudnn" selects it,
+// unless NANOQ_EMU_ATTENTION_PREFERRED=1 asks it to play cuDNN's part).
 bool attention_engine_preferred();
 
 // Why an engine cannot run this shape and dtype by the documented limits
@@ -107,19 +113,22 @@ public:
     FusedAttention& operator=(const FusedAttention&) = delete;
 
     const AttentionEngine& engine() const { return *engine_; }
-    // Builds (or finds) the forward and backward plans of the shape and
-    // returns the workspace the larger one needs.
-    std::size_t prepare(const AttentionShape& shape, DType dtype);
+    // Builds (or finds) the forward and backward plans of the shape (with
+    // `bias`: those that take a bias) and returns the workspace the larger
+    // one needs.
+    std::size_t prepare(const AttentionShape& shape, DType dtype, bool bias = false);
+    // The plan of the call has a bias where tensors.bias is given.
     void forward(const AttentionTensors& tensors, const AttentionShape& shape, const Tensor& workspace,
                  cudaStream_t stream);
     void backward(const AttentionTensors& tensors, const AttentionShape& shape, const Tensor& workspace,
                   cudaStream_t stream);
-    // Plans built so far (one per shape, dtype and pass).
+    // Plans built so far (one per shape, dtype, pass and bias or none).
     int plans() const { return static_cast<int>(plans_.size()); }
 
 private:
-    using Key = std::tuple<int, int, int, int, int, bool, int, int>;  // B, T, H, K, D, causal, dtype, pass
-    const AttentionPlan& plan(const AttentionShape& shape, DType dtype, AttentionPass pass);
+    // B, T, H, K, D, causal, dtype, pass, bias
+    using Key = std::tuple<int, int, int, int, int, bool, int, int, bool>;
+    const AttentionPlan& plan(const AttentionShape& shape, DType dtype, AttentionPass pass, bool bias);
     void run(AttentionPass pass, const AttentionTensors& tensors, const AttentionShape& shape,
              const Tensor& workspace, cudaStream_t stream);
 
@@ -130,6 +139,10 @@ private:
 // An upper bound on the workspace of the plans of `shape`, for a scratch
 // plan made where no engine can be asked (no device).
 std::size_t attention_workspace_bound(const AttentionShape& shape);
+
+// The elements of the document mask of `shape` (AttentionTensors::bias):
+// B * T * T.
+std::int64_t attention_bias_elements(const AttentionShape& shape);
 
 }  // namespace cuda
 }  // namespace nanoq

@@ -147,6 +147,15 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* out, const 
                         const T* k, const T* v, int batch, int time, int heads, int kv_heads, int head_dim,
                         bool causal, const std::int32_t* positions, void* scratch, cudaStream_t stream);
 std::size_t attention_backward_scratch_bytes(int batch, int time, int heads, int kv_heads, int head_dim);
+// The additive mask of packed documents for a fused attention library that
+// takes a bias (cuDNN's SDPA): bias [B, 1, T, T] (row-major, one [T, T]
+// matrix per row of the batch) is 0 where query i sees key j (j <= i and j
+// >= i - positions[b, i], the keys of its own document up to itself) and
+// kAttentionMasked elsewhere, from `positions` as in attention_forward.
+// The masked value is finite, far below any score, so that exp() of it is
+// exactly 0 in fp32 and no online softmax meets inf - inf.
+constexpr float kAttentionMasked = -1.0e30f;
+void document_mask_bias(bf16* bias, const std::int32_t* positions, int batch, int time, cudaStream_t stream);
 
 // ---- swiglu (kernels_swiglu.cu) --------------------------------------------
 // Elementwise with 16-byte accesses where aligned. Each *_max (a device

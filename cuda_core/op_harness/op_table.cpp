@@ -51,11 +51,14 @@ ScratchShapes attention_shapes(const OpCall& c) {
 }
 
 // With `fused` the backend must run the attention in its fused library
-// (attention "cudnn"; an error where it has none), else in its own kernels.
+// (attention "cudnn"; an error where it has none), else in its own kernels;
+// a call with positions reserves what packed documents need there
+// (TrainOptions::packed_documents).
 ScratchShapes attention_scratch(const OpCall& c) {
     ScratchShapes s = attention_shapes(c);
     s.dtype = c.dtype("dtype") == DType::BF16 ? Precision::BF16 : Precision::FP32;
     if (c.b("fused")) s.attention_impl = AttentionImpl::Cudnn;
+    s.packed_documents = c.given("positions");
     return s;
 }
 

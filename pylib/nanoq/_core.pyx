@@ -143,6 +143,7 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         CAttentionImpl attention
         cbool cuda_graphs
         CMatmulPrecision matmul_dtype
+        cbool packed_documents
 
     cdef cppclass CUpdateParams "nanoq::UpdateParams":
         float lr, beta1, beta2, weight_decay, grad_clip, eps
@@ -451,6 +452,8 @@ cdef CTrainOptions _core_options(dict options) except *:
             o.attention = attention_named(value.encode())
         elif key == "cuda_graphs":
             o.cuda_graphs = value
+        elif key == "packed_documents":
+            o.packed_documents = value
         elif key == "matmul_dtype":
             o.matmul_dtype = matmul_dtype_named(value.encode())
         elif key == "lora":

@@ -248,8 +248,8 @@ class MemoryEstimate:
                           f"per device (needs {human_bytes(need)}, {100 * need / device_memory_bytes:.0f}%)"]
         lines += ["", self._classifier_line()]
         if self.approximate:
-            lines += ["", f"approximate: {', '.join(self.approximate)} counted at an upper bound (CUB sizes its "
-                          f"sort storage only for a GPU it sees)"]
+            lines += ["", f"approximate: {', '.join(self.approximate)} counted at an upper bound (CUB and "
+                          f"cuDNN size their storage only for a GPU they see)"]
         return "\n".join(lines)
 
     def _classifier_line(self) -> str:

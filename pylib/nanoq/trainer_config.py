@@ -337,6 +337,11 @@ class TrainOptions:
     "fp8" runs the projection matmuls, forward and backward, on fp8 operands
     with per-tensor scales (e4m3 activations and weights, e5m2 gradients;
     cuda, dtype bf16); "auto" in the activations' dtype.
+    ``packed_documents`` says that step() and validate() will take
+    ``positions`` (packed documents, data.packing "pack"): the cuda backend
+    then reserves their attention mask (bf16, batch_size x seq_len x seq_len)
+    so that cuDNN's fused attention runs them; without it packed rows run in
+    nanoq's own attention kernels. It needs a causal model.
     """
 
     backend: str = "auto"
@@ -362,6 +367,7 @@ class TrainOptions:
     attention: str = "auto"
     cuda_graphs: bool = True
     matmul_dtype: str = "auto"
+    packed_documents: bool = False
 
     def _check_topology(self):
         # Forms only: how the topology fits the devices is the core's rules
@@ -385,8 +391,9 @@ class TrainOptions:
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be one of {', '.join(option_schema.choices(name))}, "
                                  f"got {getattr(self, name)!r}")
-        if not isinstance(self.cuda_graphs, bool):
-            raise TypeError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "packed_documents"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("devices", "batch_size", "seq_len", "grad_accum", "threads", "zero_stage"):
             _integer(name, getattr(self, name))
         _integer("seed", self.seed, _C_UINT64)

@@ -70,7 +70,10 @@ def barrier_mutations():
     return out
 
 
-# (name, file, occurrence (None: all), old, new)
+# Packed documents in the fused attention: the mask kernel, the stand-in and the backend's routing.
+PACKED_TESTS = "test_fused_attention.py -k packed"
+
+# (name, file, occurrence (None: all), old, new[, the tests to run instead of the file's family])
 EDITS = [
     # The forward, dq and dk/dv passes share one mask (Layout::visible).
     ("causal mask off by one", "kernels_attention.cu", 0,
@@ -103,8 +106,32 @@ EDITS = [
     ("embedding backward: run end off by one", "kernels_embedding.cu", 0,
      "for (int i = run_begin; i < run_end; ++i)", "for (int i = run_begin; i <= run_end && i < rows; ++i)"),
     ("fused attention: plans keyed without the pass (backward reuses the forward's)", "fused_attention.cpp", 0,
-     "static_cast<int>(dtype),\n                  static_cast<int>(pass)};",
-     "static_cast<int>(dtype),\n                  0};"),
+     "static_cast<int>(dtype),\n                  static_cast<int>(pass), bias};",
+     "static_cast<int>(dtype),\n                  0, bias};"),
+    ("fused attention: plans keyed without the bias", "fused_attention.cpp", 0,
+     "static_cast<int>(pass), bias};", "static_cast<int>(pass), false};"),
+    ("document mask: a document's first key masked", "kernels_attention.cu", 0,
+     "key >= query - (e < n ? positions[row] : 0)", "key > query - (e < n ? positions[row] : 0)", PACKED_TESTS),
+    ("document mask: every row masked by the first row's positions", "kernels_attention.cu", 0,
+     "(e < n ? positions[row] : 0)", "(e < n ? positions[row % time] : 0)", PACKED_TESTS),
+    ("document mask: not rewritten from each call's positions", "cuda_backend.cpp", 0,
+     "    cuda::document_mask_bias(static_cast<bf16*>(attention_mask_.data), positions.i32(), s.batch, s.time, stream_);\n",
+     "", PACKED_TESTS),
+    ("document mask: written by the first call only", "cuda_backend.cpp", 0,
+     "    cuda::document_mask_bias(static_cast<bf16*>",
+     "    static int calls = 0;\n    if (calls++ == 0) cuda::document_mask_bias(static_cast<bf16*>", "test_fused_attention.py -k packed_training"),
+    ("packed documents: the fused forward without their mask", "cuda_backend.cpp", 0,
+     "positions.data ? attention_mask_ : Tensor()", "Tensor()", PACKED_TESTS),
+    ("packed documents: the fused backward without their mask", "cuda_backend.cpp", 1,
+     "positions.data ? attention_mask_ : Tensor()", "Tensor()", PACKED_TESTS),
+    ("packed documents: attention=\"cudnn\" runs them natively where the library refuses", "cuda_backend.cpp", 0,
+     "if (s.attention_impl == AttentionImpl::Cudnn)\n                        throw InvalidArgument",
+     "if (false)\n                        throw InvalidArgument", "test_fused_attention.py -k refuses"),
+    ("packed documents: no mask reserved", "cuda_backend.cpp", 0,
+     "        if (choice.documents)\n            plan.push_back", "        if (false)\n            plan.push_back",
+     PACKED_TESTS),
+    ("fused attention stand-in: the bias left out of the backward", "emulator/emu_attention.cpp", 0,
+     "std::exp(dot * scale + bias_at(s, t, b, i, j) - row_lse)", "std::exp(dot * scale - row_lse)", PACKED_TESTS),
     ("fused attention: attention=\"cudnn\" falls back silently", "fused_attention.cpp", 0,
      "if (required) throw InvalidArgument", "if (false) throw InvalidArgument"),
     ("fused attention stand-in: GQA heads mapped wrongly (forward)", "emulator/emu_attention.cpp", 0,
@@ -113,7 +140,7 @@ EDITS = [
      "for (int j = 0; j <= last_key(s, i); ++j) {\n                    const int g",
      "for (int j = 0; j < last_key(s, i); ++j) {\n                    const int g"),
     ("fused attention stand-in: auto picks it", "emulator/emu_attention.cpp", 0,
-     "bool attention_engine_preferred() { return false; }", "bool attention_engine_preferred() { return true; }"),
+     "return preferred && !std::strcmp(preferred, \"1\");", "return true;"),
     ("rmsnorm weight gradient: the block partials summed one column off", "kernels_rmsnorm.cu", 0,
      "detail::MatrixColumns{partials, channels, 0}", "detail::MatrixColumns{partials, channels, 1}"),
     ("k norm weight gradient: the q columns of the partials summed into it", "kernels_qk_norm_rope.cu", 0,
@@ -264,7 +291,7 @@ def main():
 
     mutations = [m for m in barrier_mutations() + EDITS if re.search(args.k, m[0])]
     survivors = []
-    for name, file, occurrence, old, new in mutations:
+    for name, file, occurrence, old, new, *instead in mutations:
         path = os.path.join(src, CUDA, file)
         pristine = open(path).read()
         starts = [m.start() for m in re.finditer(re.escape(old), pristine)]
@@ -282,7 +309,7 @@ def main():
                 continue
             shutil.copy(os.path.join(build, "libnanoq_cuda_emulated.so"), os.path.join(site, "nanoq"))
             tests = " ".join(os.path.join(ROOT, "tests", t) if t.endswith(".py") else t
-                             for t in FAMILIES[file].split(" "))
+                             for t in (instead[0] if instead else FAMILIES[file]).split(" "))
             env = dict(os.environ, PYTHONPATH=site)
             result = run(f"{sys.executable} -m pytest -q -x -p no:cacheprovider -m cuda_emulated {tests}",
                          env=env, capture_output=True, text=True, cwd=os.path.join(ROOT, "tests"))

@@ -5,7 +5,14 @@
 // cuDNN keeps one in fp32) that must be the one reserved and large enough,
 // operands must be 16-byte aligned as cuDNN requires, and the work is a
 // float64 reference queued on the stream. Inputs are read as stored (bf16),
-// outputs rounded to bf16 once; lse is written and read in fp32.
+// outputs rounded to bf16 once; lse is written and read in fp32. A plan
+// with a bias adds it (bf16 [B,1,T,T], as stored) to the scaled scores, as
+// cuDNN's bias input does, and must be given one (a plan without, none).
+// NANOQ_EMU_ATTENTION_NO_BIAS=1 plays a library that refuses plans with a
+// bias (read at each build); NANOQ_EMU_ATTENTION_PREFERRED=1 lets "auto"
+// take the stand-in, as it takes cuDNN on a GPU (read at each choice).
+#include <cstdlib>
+#include <cstring>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -23,6 +30,7 @@ class EmulatedPlan final : public AttentionPlan {
 public:
     AttentionShape shape{};
     AttentionPass pass = AttentionPass::Forward;
+    bool bias = false;
 };
 
 double load(const void* p, std::int64_t i) { return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]); }
@@ -41,6 +49,12 @@ struct Rows {
 // The last key query i sees: itself when causal, else the row's last.
 int last_key(const AttentionShape& s, int i) { return s.causal ? i : s.time - 1; }
 
+// The bias of query i and key j of batch row b (0 without one).
+double bias_at(const AttentionShape& s, const AttentionTensors& t, int b, int i, int j) {
+    if (!t.bias.data) return 0.0;
+    return load(t.bias.data, (static_cast<std::int64_t>(b) * s.time + i) * s.time + j);
+}
+
 void forward(const AttentionShape& s, const AttentionTensors& t) {
     const Rows qo{s.time, s.heads, s.head_dim}, kv{s.time, s.kv_heads, s.head_dim};
     const int group = s.heads / s.kv_heads;
@@ -55,7 +69,7 @@ void forward(const AttentionShape& s, const AttentionTensors& t) {
                     double dot = 0.0;
                     for (int d = 0; d < s.head_dim; ++d)
                         dot += load(t.q.data, qo.at(b, i, h, d)) * load(t.k.data, kv.at(b, j, h / group, d));
-                    score[j] = dot * scale;
+                    score[j] = dot * scale + bias_at(s, t, b, i, j);
                     max = std::max(max, score[j]);
                 }
                 double sum = 0.0;
@@ -93,7 +107,7 @@ void backward(const AttentionShape& s, const AttentionTensors& t, double* dq) {
                         dot += load(t.q.data, qo.at(b, i, h, d)) * load(t.k.data, kv.at(b, j, g, d));
                         dp += load(t.dout.data, qo.at(b, i, h, d)) * load(t.v.data, kv.at(b, j, g, d));
                     }
-                    const double p = std::exp(dot * scale - row_lse);
+                    const double p = std::exp(dot * scale + bias_at(s, t, b, i, j) - row_lse);
                     const double dscore = p * (dp - delta) * scale;
                     for (int d = 0; d < s.head_dim; ++d) {
                         dq[qo.at(b, i, h, d)] += dscore * load(t.k.data, kv.at(b, j, g, d));
@@ -119,11 +133,16 @@ class EmulatedEngine final : public AttentionEngine {
 public:
     std::string library() const override { return attention_engine_library(); }
 
-    std::unique_ptr<AttentionPlan> build(const AttentionShape& shape, DType dtype, AttentionPass pass) override {
+    std::unique_ptr<AttentionPlan> build(const AttentionShape& shape, DType dtype, AttentionPass pass,
+                                         bool bias) override {
         if (dtype != DType::BF16) throw NanoqError("emulated cuDNN: bf16 only");
+        const char* no_bias = std::getenv("NANOQ_EMU_ATTENTION_NO_BIAS");
+        if (bias && no_bias && !std::strcmp(no_bias, "1"))
+            throw NanoqError("emulated cuDNN: no plan with a bias (NANOQ_EMU_ATTENTION_NO_BIAS=1)");
         auto plan = std::make_unique<EmulatedPlan>();
         plan->shape = shape;
         plan->pass = pass;
+        plan->bias = bias;
         if (pass == AttentionPass::Backward)
             plan->workspace_bytes = sizeof(double) * static_cast<std::size_t>(shape.batch) * shape.time *
                                     shape.heads * shape.head_dim;
@@ -140,6 +159,10 @@ public:
         for (const Tensor* tensor : {&t.q, &t.k, &t.v, is_forward ? &t.out : &t.dout}) require_aligned(*tensor, "an operand");
         if (!is_forward)
             for (const Tensor* tensor : {&t.out, &t.dq, &t.dk, &t.dv}) require_aligned(*tensor, "an operand");
+        if (plan.bias != (t.bias.data != nullptr))
+            throw NanoqError(plan.bias ? "emulated cuDNN: a plan with a bias was run without one"
+                                       : "emulated cuDNN: a bias was given to a plan without one");
+        if (plan.bias) require_aligned(t.bias, "the bias");
         const AttentionTensors tensors = t;
         double* dq = static_cast<double*>(workspace);
         nanoq_emu::enqueue(
@@ -154,7 +177,10 @@ std::unique_ptr<AttentionEngine> make_attention_engine() { return std::make_uniq
 
 std::string attention_engine_library() { return "cuDNN stand-in (CPU emulator, float64 reference)"; }
 
-bool attention_engine_preferred() { return false; }
+bool attention_engine_preferred() {
+    const char* preferred = std::getenv("NANOQ_EMU_ATTENTION_PREFERRED");
+    return preferred && !std::strcmp(preferred, "1");
+}
 
 }  // namespace cuda
 }  // namespace nanoq

@@ -99,6 +99,11 @@ struct TrainOptions {
     AttentionImpl attention = AttentionImpl::Auto;
     bool cuda_graphs = true;
     MatmulPrecision matmul_dtype = MatmulPrecision::Auto;
+    // step() and validate() will take positions (packed documents): a
+    // backend whose fused attention takes their mask as a bias reserves it
+    // (cuda: bf16 [batch_size, 1, seq_len, seq_len]), so that packed rows run
+    // there too; without, they run the native kernels. Needs a causal model.
+    bool packed_documents = false;
 };
 
 struct UpdateParams {
@@ -208,6 +213,8 @@ struct ScratchShapes {
     // weight cache). 0 / false: no such cache.
     int layers = 0;
     bool weights_in_place = false;
+    // The run's attention may take positions (TrainOptions::packed_documents).
+    bool packed_documents = false;
 };
 
 // The parameters of a config, in flat-buffer order, with Hugging Face names.

@@ -433,7 +433,8 @@ def _setup(config: TrainConfig, run_dir: str, say: Callable[[str], None], group:
         return model
 
     model = _on_every_process(group, checked_model, "reading the model config")
-    options = train_options(config)
+    # Packed windows (data.packing as the files resolved it) come with positions.
+    options = train_options(config, "pack" if any(d.packing == "pack" for _, d in datasets) else "stream")
     return model, options, loader, eval_loader, tokenizer_dir
 
 

@@ -508,16 +508,33 @@ def resolve_paths(values: Dict[str, Any], folder: str) -> Dict[str, Any]:
     return out
 
 
-def train_options(config: TrainConfig) -> TrainOptions:
+def train_options(config: TrainConfig, packing: Optional[str] = None) -> TrainOptions:
     """The TrainOptions of a TrainConfig (ValueError for options the core's
-    schema refuses: unknown names, broken rules between settings)."""
+    schema refuses: unknown names, broken rules between settings).
+    ``packing`` is data.packing as the data resolved it ("pack" or
+    "stream"; None: the setting itself, "auto" counting as stream): "pack"
+    sets packed_documents."""
+    packing = config.packing if packing is None else packing
     return TrainOptions(backend=config.backend, devices=config.devices, batch_size=config.batch_size,
                         seq_len=config.seq_len, grad_accum=config.grad_accum, seed=config.seed, z_loss=config.z_loss,
                         threads=config.threads, dtype=config.dtype, master_dtype=config.master_dtype,
                         optimizer_dtype=config.optimizer_dtype, recompute=config.recompute,
                         offload=config.offload, zero_stage=config.zero_stage, lora=lora_config(config),
                         attention=config.attention, cuda_graphs=config.cuda_graphs,
-                        matmul_dtype=config.matmul_dtype)
+                        matmul_dtype=config.matmul_dtype, packed_documents=packing == "pack")
+
+
+def resolved_packing(config: TrainConfig) -> str:
+    """data.packing as a run of ``config`` resolves it, from the files where
+    it is "auto" ("pack" when the training files' tokenization chose it,
+    those of any curriculum stage; the demo corpus streams)."""
+    from nanoq.data.loader import default_packing
+
+    if config.packing != "auto":
+        return config.packing
+    specs = [stage.train_data for stage in parse_curriculum(config.curriculum)] if config.curriculum else \
+        [config.train_data] if config.train_data else []
+    return "pack" if any(default_packing(spec) == "pack" for spec in specs) else "stream"
 
 
 def lora_config(config: TrainConfig) -> Optional[LoraConfig]:
