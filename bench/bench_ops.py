@@ -23,7 +23,13 @@ Timing:
   must read and write at least, in its dtypes) are nanoq's.
 
 Causal attention counts half the T x T matmuls (forward 4*B*H*T*T*D/2
-FLOPs, backward 2.5 times that).
+FLOPs, backward 2.5 times that); attention over packed documents (the
+``-documents`` cases: rows of documents of DOCUMENT_LENGTHS tokens, as SFT
+packs them) counts the query-key pairs of each document. Where the backend
+has a fused attention library (cuDNN; the emulator's stand-in) the attention
+cases run there, as training does, and again in nanoq's native kernels
+(the "native" rows); PyTorch runs SDPA, with a boolean document mask for
+the ``-documents`` cases.
 
     python bench/bench_ops.py [--out DIR] [--ops matmul,classifier] [--repeats 20]
     python bench/bench_ops.py --smoke --backend cuda_emulated   # tiny shapes, no GPU needed: the plumbing
@@ -45,6 +51,8 @@ import traceback
 QWEN25_05B = dict(batch=8, time=1024, channels=896, heads=14, kv_heads=2, head_dim=64, intermediate=4864,
                   vocab=151936)
 SMOKE = dict(batch=1, time=16, channels=32, heads=4, kv_heads=2, head_dim=8, intermediate=48, vocab=64)
+# The documents packed in turn into each row of the -documents attention cases (cut at the row's end).
+DOCUMENT_LENGTHS = (300, 45, 700, 12, 130, 1, 512)
 ADAMW_ELEMENTS = {"full": 1 << 24, "smoke": 256}  # one shard-sized chunk (16.8M parameters)
 CROSS_ENTROPY_ROWS = 1024  # the logits of one classifier chunk
 EPS = 1e-6
@@ -282,25 +290,75 @@ def _attention_shape(d):
     return f"causal, B={d['batch']} T={d['time']} H={d['heads']} KV={d['kv_heads']} D={d['head_dim']}"
 
 
-def case_attention_forward(i, d):
-    q, k, v = _attention_tensors(i, d)
+def document_positions(d):
+    """positions [B, T] of DOCUMENT_LENGTHS packed in turn into each row, each row starting one document later."""
+    import numpy as np
+
+    rows = []
+    for b in range(d["batch"]):
+        row, n = [], b
+        while len(row) < d["time"]:
+            row.extend(range(DOCUMENT_LENGTHS[n % len(DOCUMENT_LENGTHS)]))
+            n += 1
+        rows.append(row[:d["time"]])
+    return np.array(rows, np.int32)
+
+
+def _torch_document_sdpa(q, k, v, mask):
+    """_torch_sdpa with a boolean [B, 1, T, T] mask (True: attend) instead of the causal flag; k and v
+    widened to every query head (SDPA's GQA path does not take every mask)."""
+    import torch
+
+    heads, kv_heads = q.shape[2], k.shape[2]
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    k, v = (x.repeat_interleave(heads // kv_heads, 1) for x in (k, v))
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _document_mask(i, positions):
+    """The boolean [B, 1, T, T] mask of `positions` on the torch device: key j <= query t, in t's document."""
+    import torch
+
+    pos = torch.from_numpy(positions).to(i.device)
+    t = torch.arange(pos.shape[1], device=i.device)
+    start = (t[None, :] - pos)[:, None, :, None]  # the first key of each query's document
+    return ((t[None, None, None, :] <= t[None, None, :, None]) & (t[None, None, None, :] >= start))
+
+
+def _attention_case(i, d, documents, backward, runner):
     b, t, h, kv, hd = d["batch"], d["time"], d["heads"], d["kv_heads"], d["head_dim"]
-    return dict(nanoq=dict(q=i.normal(b, t, h, hd), k=i.normal(b, t, kv, hd), v=i.normal(b, t, kv, hd)),
-                torch=lambda: _torch_sdpa(q, k, v), flops=_attention_flops(d), shape=_attention_shape(d))
+    q, k, v = i.normal(b, t, h, hd), i.normal(b, t, kv, hd), i.normal(b, t, kv, hd)
+    tq, tk, tv = _attention_tensors(i, d, grad=backward)
+    packed = {}
+    if documents:
+        positions = document_positions(d)
+        packed = dict(positions=positions)
+        mask = _document_mask(i, positions)
+        torch_forward = lambda: _torch_document_sdpa(tq, tk, tv, mask)  # noqa: E731
+        flops = 4.0 * h * hd * float((positions.astype("int64") + 1).sum())
+        shape = f"{len(DOCUMENT_LENGTHS)} document lengths packed, " + _attention_shape(d)[len("causal, "):]
+    else:
+        torch_forward = lambda: _torch_sdpa(tq, tk, tv)  # noqa: E731
+        flops, shape = _attention_flops(d), _attention_shape(d)
+    if not backward:
+        return dict(nanoq=dict(q=q, k=k, v=v, **packed), torch=torch_forward, flops=flops, shape=shape,
+                    attention=True)
+    out, lse = runner.attention_forward(q, k, v, dtype=i.dtype, **packed)  # the saved activations the backward reads
+    y = torch_forward()
+    return dict(nanoq=dict(dout=i.normal(b, t, h, hd), out=out, lse=lse, q=q, k=k, v=v, **packed),
+                torch=_torch_backward(y, (tq, tk, tv), i.t(*y.shape)), flops=2.5 * flops, shape=shape,
+                attention=True)
+
+
+def case_attention_forward(i, d, runner=None):
+    return _attention_case(i, d, documents=False, backward=False, runner=runner)
 
 
 def case_attention_backward(i, d, runner=None):
-    b, t, h, kv, hd = d["batch"], d["time"], d["heads"], d["kv_heads"], d["head_dim"]
-    q, k, v = i.normal(b, t, h, hd), i.normal(b, t, kv, hd), i.normal(b, t, kv, hd)
-    out, lse = runner.attention_forward(q, k, v, dtype=i.dtype)  # the saved activations the backward reads
-    tq, tk, tv = _attention_tensors(i, d, grad=True)
-    y = _torch_sdpa(tq, tk, tv)
-    return dict(nanoq=dict(dout=i.normal(b, t, h, hd), out=out, lse=lse, q=q, k=k, v=v),
-                torch=_torch_backward(y, (tq, tk, tv), i.t(*y.shape)), flops=2.5 * _attention_flops(d),
-                shape=_attention_shape(d))
+    return _attention_case(i, d, documents=False, backward=True, runner=runner)
 
 
-def case_attention_decode(i, d):
+def case_attention_decode(i, d, runner=None):
     """One query (a sequence's next token) over `time` cached positions: torch's SDPA with one query row."""
     t, h, kv, hd = d["time"], d["heads"], d["kv_heads"], d["head_dim"]
     q, k, v = i.t(1, 1, h, hd), i.t(1, t, kv, hd), i.t(1, t, kv, hd)
@@ -655,6 +713,10 @@ CASES = {
     "rope_backward": ("rope_backward", lambda i, d: _rope_case(i, d, "rope_backward")),
     "attention_forward": ("attention_forward", case_attention_forward),
     "attention_backward": ("attention_backward", case_attention_backward),
+    "attention_forward-documents": ("attention_forward",
+                                    lambda i, d, runner=None: _attention_case(i, d, True, False, runner)),
+    "attention_backward-documents": ("attention_backward",
+                                     lambda i, d, runner=None: _attention_case(i, d, True, True, runner)),
     "attention_decode": ("attention_decode", case_attention_decode),
     "swiglu_forward": ("swiglu_forward", case_swiglu_forward),
     "swiglu_backward": ("swiglu_backward", case_swiglu_backward),
@@ -720,23 +782,28 @@ def run_case(case_id: str, runner, inputs, dims, args) -> list[dict]:
     """Times one case: nanoq (and, for a composite, its default composition),
     then torch. Returns one result row per nanoq variant."""
     op, builder = CASES[case_id]
-    case = builder(inputs, dims) if op != "attention_backward" else builder(inputs, dims, runner=runner)
+    case = builder(inputs, dims) if not op.startswith("attention_") else builder(inputs, dims, runner=runner)
+    from nanoq.backends import attention_library
     from nanoq.testing import op_table
 
     kwargs = dict(case["nanoq"])
     if any(a["name"] == "dtype" for a in op_table()[op]["args"]):
         kwargs.setdefault("dtype", inputs.dtype)
-    variants = [("backend", False)] + ([("default composition", True)] if case.get("composite") else [])
+    # (name, the call's extra arguments): as the backend runs it, then as its default composition (a
+    # composite), or, for attention where the backend has a fused library, in nanoq's native kernels.
+    variants = [("backend", {})] + ([("default composition", dict(use_default=True))] if case.get("composite") else [])
+    if case.get("attention") and attention_library(args.backend):
+        variants = [("backend", dict(fused=True)), ("native", dict(fused=False))]
     rows = []
     torch_seconds, torch_error = None, None
     try:
         torch_seconds = time_torch(case["torch"], args.repeats, inputs.device)
     except Exception as e:  # noqa: BLE001 - recorded; nanoq's figure still counts
         torch_error = f"{type(e).__name__}: {e}"
-    for variant, use_default in variants:
+    for variant, extra in variants:
         row = dict(case=case_id, op=op, variant=variant, shape=case["shape"], dtype=kwargs.get("dtype", "fp32"),
                    torch_seconds=torch_seconds, torch_error=torch_error)
-        call = dict(kwargs, use_default=True) if use_default else kwargs
+        call = dict(kwargs, **extra)
         try:
             row["nanoq_seconds"] = runner.time(op, repeats=args.repeats, **call)
             row["nanoq_rate"] = rate(case, row["nanoq_seconds"]).strip()
@@ -751,7 +818,7 @@ def run_case(case_id: str, runner, inputs, dims, args) -> list[dict]:
 
 
 def format_row(row: dict) -> str:
-    name = row["case"] + (" (default)" if row["variant"] == "default composition" else "")
+    name = row["case"] + {"default composition": " (default)", "native": " (native)"}.get(row["variant"], "")
     if not row["ok"]:
         return f"{name:<42} FAILED: {row['error']}"
     torch_part = (f"{1e3 * row['torch_seconds']:9.3f} ms {row['torch_rate']:>15}  {row['ratio']:6.2f}x"

@@ -52,9 +52,14 @@ def smoke_report(bench_ops, tmp_path, backend):
     return report
 
 
+ATTENTION_CASES = {"attention_forward", "attention_backward", "attention_forward-documents",
+                   "attention_backward-documents"}
+
+
 def test_smoke_on_the_cpu_backend_times_every_case(bench_ops, tmp_path):
     report = smoke_report(bench_ops, tmp_path, "cpu")
     assert report["dtype"] == "fp32" and report["torch_device"] == "cpu"
+    assert not [row for row in report["rows"] if row["variant"] == "native"]  # the cpu has no fused attention
 
 
 @pytest.mark.cuda_emulated
@@ -62,6 +67,29 @@ def test_smoke_on_the_emulated_cuda_backend_times_every_case(bench_ops, tmp_path
     require_cuda_emulator()
     report = smoke_report(bench_ops, tmp_path, "cuda_emulated")
     assert report["dtype"] == "bf16"
+    # Attention runs in the fused library (the stand-in here, cuDNN on a GPU) and again natively.
+    assert {row["case"] for row in report["rows"] if row["variant"] == "native"} == ATTENTION_CASES
+
+
+def test_document_cases_count_the_pairs_of_each_document(bench_ops):
+    """The -documents cases pack DOCUMENT_LENGTHS into each row (rows start
+    at different documents) and count 4*H*D FLOPs per query-key pair that a
+    document's causal mask keeps (the forward; the backward 2.5 times that)."""
+    import numpy as np
+
+    B, T = 6, 60
+    dims = dict(bench_ops.SMOKE, batch=B, time=T)
+    positions = bench_ops.document_positions(dims)
+    assert positions.shape == (B, T) and len({row.tobytes() for row in positions}) > 2
+    starts = np.arange(T)[None, :] - positions
+    assert (positions[:, 0] == 0).all() and (starts >= 0).all()
+    keys = np.arange(T)
+    pairs = sum(int(((keys <= t) & (keys >= starts[b, t])).sum()) for b in range(B) for t in range(T))
+    inputs = bench_ops.Inputs(dims, "fp32", "cpu")
+    case = bench_ops.CASES["attention_forward-documents"][1](inputs, dims)
+    assert case["flops"] == 4.0 * dims["heads"] * dims["head_dim"] * pairs
+    mask = bench_ops._document_mask(inputs, positions).numpy()
+    assert mask.shape == (B, 1, T, T) and int(mask.sum()) == pairs
 
 
 def test_cuda_without_a_gpu_exits_2_and_says_why(bench_ops, tmp_path, monkeypatch):
