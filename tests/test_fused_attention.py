@@ -321,6 +321,31 @@ def test_packed_training_runs_fused_with_packed_documents(checkpoints, variant, 
 
 
 @emulated
+def test_packed_training_on_two_devices_runs_each_devices_rows_with_its_own_mask(checkpoints):
+    """Two devices (ZeRO-1): each reserves its mask and writes it from its
+    own rows' positions; the run tracks the native kernels' within bf16."""
+    require_cuda_emulator()
+    rng = np.random.default_rng(12)
+    batches = [random_batch(rng, rows=4) for _ in range(2)]
+    T = batches[0][0].shape[1]
+    positions = [packed_positions(T, [5, 11], [16], [1, 15], [8, 8]), packed_positions(T, [3], [16], [7, 9], [2])]
+    path = checkpoints.path("llama")
+
+    def options(attention, **more):
+        return nanoq.TrainOptions(backend="cuda_emulated", dtype="bf16", devices=2, batch_size=2, seq_len=T,
+                                  attention=attention, **more)
+
+    native = train_packed(path, options("native"), batches, positions)
+    with nanoq.Trainer(nanoq.ModelConfig.from_pretrained(path), options("cudnn", packed_documents=True)) as trainer:
+        assert all(len(masks(trainer.get_allocations(device))) == 1 for device in range(2))
+    fused = train_packed(path, options("cudnn", packed_documents=True), batches, positions)
+    for step, (f, n) in enumerate(zip(fused[0], native[0])):
+        assert abs(f - n) <= BF16_REL * abs(n), f"step {step}: fused loss {f} vs native {n}"
+    assert_tensors_close(fused[1], native[1], 5e-2, "two devices: masked fused-attention gradients")
+    assert fused[3]["plans"] == 4
+
+
+@emulated
 def test_a_library_that_refuses_the_documents_mask(capfd, monkeypatch):
     """attention="cudnn" with packed_documents insists: a library that
     cannot build the plans with a bias is an error at Trainer creation (and
