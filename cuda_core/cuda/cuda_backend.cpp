@@ -1095,8 +1095,9 @@ void CudaBackend::attention_forward(const Tensor& out, const Tensor& lse, const 
 
 // The last row of a causal attention over the cached positions, with the
 // query in the workspace's last row and zeros above it (rows are
-// independent; the others are computed and dropped). Always the native
-// kernel: a fused library would plan anew for every length.
+// independent): the kernel computes the last query tile only (its other
+// rows are dropped), so a token costs one pass over the cached keys. Always
+// the native kernel: a fused library would plan anew for every length.
 void CudaBackend::attention_decode(const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
                                    const AttentionShape& s, const Tensor& workspace, const Tensor& lse_workspace) {
     const OpScope op(*this);
@@ -1110,7 +1111,8 @@ void CudaBackend::attention_decode(const Tensor& out, const Tensor& q, const Ten
     with_dtype(q.dtype, [&](auto tag) {
         using T = decltype(tag);
         cuda::attention_forward<T>(ptr<T>(outputs), lse_workspace.f32(), ptr<T>(queries), ptr<T>(k), ptr<T>(v), 1,
-                                   s.time, s.heads, s.kv_heads, s.head_dim, true, nullptr, stream_);
+                                   s.time, s.heads, s.kv_heads, s.head_dim, true, nullptr, stream_,
+                                   static_cast<int>(time - 1));
     });
     NANOQ_CUDA_CHECK_LAUNCH();
     copy(out, outputs.slice((time - 1) * width, width));

@@ -136,10 +136,14 @@ void rope_backward(T* dx, const float* cos_sin, int batch, int time, int heads, 
 // head_dim <= 256 and even. Tiled online softmax; fp32 accumulation.
 // causal: query t attends keys <= t, and with `positions` ([B, T], each
 // token's position in its document; null: none) only keys >= t -
-// positions[t]; not causal: every key.
+// positions[t]; not causal: every key. With first_query > 0 only queries
+// from the query tile of first_query on are computed (out and lse of the
+// earlier rows are left as they were): generation's one new query attends
+// its cached keys at the cost of one query tile, not of all.
 template <class T>
 void attention_forward(T* out, float* lse, const T* q, const T* k, const T* v, int batch, int time, int heads,
-                       int kv_heads, int head_dim, bool causal, const std::int32_t* positions, cudaStream_t stream);
+                       int kv_heads, int head_dim, bool causal, const std::int32_t* positions, cudaStream_t stream,
+                       int first_query = 0);
 // dq, dk, dv are written (=). dk/dv sum over the heads of a group in a fixed
 // order. `scratch` holds attention_backward_scratch_bytes(...) bytes.
 template <class T>

@@ -17,6 +17,7 @@
 // (64, 128 or 256), which keeps every loop fully unrolled and exact.
 // dk/dv blocks own a key tile and walk the heads of their group, then the
 // query tiles, in order: the sums have a fixed order.
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 
@@ -135,13 +136,14 @@ __device__ __forceinline__ void accumulate_weighted_rows(float (&acc)[kRows][Sha
     }
 }
 
-// Grid (query tiles, heads, batch); a warp owns kRows consecutive queries.
+// Grid (query tiles from first_tile on, heads, batch); a warp owns kRows
+// consecutive queries.
 template <class T, int kMaxD>
 __global__ void __launch_bounds__(Shape<kMaxD>::kThreads)
-    attention_forward_kernel(T* out, float* lse, const T* q, const T* k, const T* v, Layout layout) {
+    attention_forward_kernel(T* out, float* lse, const T* q, const T* k, const T* v, Layout layout, int first_tile) {
     using S = Shape<kMaxD>;
     NANOQ_SHARED(float[kTile * S::kStride], tile);
-    const int query_tile = gridDim.x - 1 - blockIdx.x;  // the longest blocks start first
+    const int query_tile = first_tile + gridDim.x - 1 - blockIdx.x;  // the longest blocks start first
     const int h = blockIdx.y, b = blockIdx.z;
     const int kv_head = h / (layout.heads / layout.kv_heads);
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
@@ -402,13 +404,17 @@ void document_mask_bias(bf16* bias, const std::int32_t* positions, int batch, in
 
 template <class T>
 void attention_forward(T* out, float* lse, const T* q, const T* k, const T* v, int batch, int time, int heads,
-                       int kv_heads, int head_dim, bool causal, const std::int32_t* positions, cudaStream_t stream) {
+                       int kv_heads, int head_dim, bool causal, const std::int32_t* positions, cudaStream_t stream,
+                       int first_query) {
     if (batch <= 0 || time <= 0 || heads <= 0 || head_dim <= 0) return;
     const Layout layout = make_layout(time, heads, kv_heads, head_dim, causal, positions);
-    const dim3 grid((time + kTile - 1) / kTile, heads, batch);
+    const int tiles = (time + kTile - 1) / kTile;
+    const int first_tile = std::min(std::max(first_query, 0), time - 1) / kTile;
+    const dim3 grid(tiles - first_tile, heads, batch);
     with_max_head_dim(head_dim, [&](auto max_dim) {
         constexpr int kMaxD = decltype(max_dim)::value;
-        detail::launch(attention_forward_kernel<T, kMaxD>, grid, Shape<kMaxD>::kThreads, 0, stream, out, lse, q, k, v, layout);
+        detail::launch(attention_forward_kernel<T, kMaxD>, grid, Shape<kMaxD>::kThreads, 0, stream, out, lse, q, k, v, layout,
+                       first_tile);
     });
 }
 
@@ -438,7 +444,7 @@ std::size_t attention_backward_scratch_bytes(int batch, int time, int heads, int
 
 #define NANOQ_INSTANTIATE(T)                                                                                        \
     template void attention_forward<T>(T*, float*, const T*, const T*, const T*, int, int, int, int, int, bool,    \
-                                       const std::int32_t*, cudaStream_t);                                         \
+                                       const std::int32_t*, cudaStream_t, int);                                    \
     template void attention_backward<T>(T*, T*, T*, const T*, const T*, const float*, const T*, const T*, const T*, \
                                         int, int, int, int, int, bool, const std::int32_t*, void*, cudaStream_t);
 NANOQ_INSTANTIATE(float)
