@@ -20,6 +20,7 @@ bound test_gpu_training.py uses for bf16 against fp32.
 """
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -241,7 +242,7 @@ def test_training_with_attention_cudnn_matches_native_on_the_emulator(checkpoint
         assert abs(f - n) <= BF16_REL * abs(n), f"{variant} step {step}: fused loss {f} vs native {n}"
     assert_tensors_close(fused[1], native[1], 5e-2, f"{variant} fused-attention gradients")
     assert abs(fused[2] - native[2]) <= BF16_REL * abs(native[2]), "validate"
-    assert native[3] == dict(implementation="native", plans=0)
+    assert native[3] == dict(implementation="native", plans=0, documents="native")
     # One plan per pass for the run's one shape, however many steps and validations ran.
     assert fused[3]["implementation"].startswith(STANDIN) and fused[3]["plans"] == 2, fused[3]
 
@@ -305,6 +306,7 @@ def test_packed_training_runs_fused_with_packed_documents(checkpoints, variant, 
     # The engine ran (its float64 reference, not the native kernels).
     assert not all(np.array_equal(fused[1][name], native[1][name]) for name in native[1])
     assert fused[3]["implementation"].startswith(STANDIN) and fused[3]["plans"] == 4, fused[3]
+    assert fused[3]["documents"] == fused[3]["implementation"]
     (mask,) = masks(fused[4])
     assert mask["bytes"] == 2 * B * T * T and mask["context"] == "workspace"
     estimate = nanoq.estimate_memory(nanoq.ModelConfig.from_pretrained(path),
@@ -315,6 +317,7 @@ def test_packed_training_runs_fused_with_packed_documents(checkpoints, variant, 
     unmasked = train_packed(path, options("cudnn"), batches, positions)
     assert unmasked[0] == native[0] and unmasked[2] == native[2]
     assert masks(unmasked[4]) == [] and unmasked[3]["plans"] == 2
+    assert unmasked[3]["documents"] == "native" and unmasked[3]["implementation"].startswith(STANDIN)
     err = capfd.readouterr().err
     assert err.count("positions (packed documents) run in nanoq's own attention kernels") == 1, err
     assert "TrainOptions.packed_documents" in err
@@ -370,6 +373,7 @@ def test_a_library_that_refuses_the_documents_mask(capfd, monkeypatch):
     assert err.count("packed documents run in nanoq's own attention kernels") == 1, err
     assert "with a document mask" in err and "NO_BIAS" in err
     assert fused[3]["implementation"].startswith(STANDIN) and masks(fused[4]) == []
+    assert fused[3]["documents"] == "native"
     native = train_packed(config, dataclasses.replace(auto, attention="native"), batches, positions)
     assert fused[0] == native[0] and fused[2] == native[2]
 
@@ -412,7 +416,7 @@ def test_auto_keeps_the_native_kernel_on_the_emulator():
     picks cuDNN: test_auto_picks_cudnn_on_a_gpu)."""
     require_cuda_emulator()
     with nanoq.Trainer(tiny_config(), emulated_options("auto")) as trainer:
-        assert trainer.get_attention_info(0) == dict(implementation="native", plans=0)
+        assert trainer.get_attention_info(0) == dict(implementation="native", plans=0, documents="native")
         assert workspace(trainer.get_allocations(0)) == []
 
 
@@ -591,6 +595,28 @@ def test_training_run_says_which_attention_it_uses(tmp_path):
                       eval_every=2)
     train(config, say=lines.append, progress=False)
     assert any(line.startswith(f"attention: {STANDIN}") and "'cudnn'" in line for line in lines), lines
+    assert not any("packed documents" in line for line in lines)
+
+
+@emulated
+def test_a_packed_training_run_runs_its_documents_fused_and_says_so(tmp_path):
+    """Files whose tokenization packs (data.packing auto) train with
+    packed_documents: the documents run in the fused plans with their mask."""
+    import json
+
+    from nanoq.training import train
+    from test_training import tiny_config as tiny_run
+
+    require_cuda_emulator()
+    lines = []
+    config = tiny_run(tmp_path, backend="cuda_emulated", dtype="bf16", attention="cudnn", steps=2, grad_accum=1,
+                      eval_every=2)
+    (tmp_path / "data" / "tokenize.json").write_text(json.dumps({"packing": "pack", "eos_id": 16}))
+    result = train(config, say=lines.append, progress=False)
+    assert any(line.startswith(f"attention: {STANDIN}") and f"packed documents: {STANDIN}" in line
+               for line in lines), lines
+    records = [json.loads(line) for line in open(result.log_path)]
+    assert all(math.isfinite(r["loss"]) for r in records if r["type"] == "train")
 
 
 def test_runs_of_packed_data_reserve_the_documents_mask(tmp_path):

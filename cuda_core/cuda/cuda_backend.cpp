@@ -1048,6 +1048,7 @@ void CudaBackend::rope_backward(const Tensor& dx, const Tensor& cos_sin, int bat
 AttentionInfo CudaBackend::attention_info() const {
     AttentionInfo info;
     if (attention_fused_) info.implementation = fused_attention_->engine().library();
+    if (attention_fused_ && attention_mask_.data) info.documents = info.implementation;
     if (fused_attention_) info.plans = fused_attention_->plans();
     return info;
 }

@@ -125,6 +125,7 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
     cdef cppclass CAttentionInfo "nanoq::AttentionInfo":
         string implementation
         int plans
+        string documents
 
     cdef cppclass CTrainOptions "nanoq::TrainOptions":
         string backend
@@ -901,7 +902,7 @@ cdef class CoreTrainer:
         cdef CAttentionInfo info
         with nogil:
             info = t.attention_info(device)
-        return dict(implementation=info.implementation.decode(), plans=info.plans)
+        return dict(implementation=info.implementation.decode(), plans=info.plans, documents=info.documents.decode())
 
 
 def testing_hooks():

@@ -810,7 +810,11 @@ class Trainer:
         """Which attention ``device`` runs: ``implementation`` is "native"
         (the backend's own kernels) or the fused library in use (e.g.
         "cuDNN 9.28.1"), as TrainOptions.attention chose it; ``plans`` is how
-        many fused-attention plans it has built (one per shape and pass)."""
+        many fused-attention plans it has built (one per shape, pass and
+        whether it takes the mask of packed documents); ``documents`` is
+        the same for attention over packed documents (positions): the fused
+        library where TrainOptions.packed_documents reserved their mask, else
+        "native"."""
         return self._core.attention_info(self._check_device(device))
 
     @property

@@ -189,6 +189,9 @@ struct AttentionShape {
 struct AttentionInfo {
     std::string implementation = "native";
     int plans = 0;
+    // Which attention runs packed documents (positions): the fused library
+    // where the run reserved their mask (TrainOptions::packed_documents), else "native".
+    std::string documents = "native";
 };
 
 // The largest shapes a backend's ops will see, so that it can reserve its

@@ -617,7 +617,9 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
             f"{model.hidden_size}, vocab {model.vocab_size}) on {trainer.backend} x{world_devices}{placement} "
             f"({trainer.dtype}); {config.steps} steps of {tokens_per_step:,} tokens")
         if trainer.backend in CUDA_BACKENDS:
-            say(f"attention: {trainer.attention} (attention = {options.attention!r})")
+            info = trainer.get_attention_info(0)
+            packed = f"; packed documents: {info['documents']}" if options.packed_documents else ""
+            say(f"attention: {info['implementation']} (attention = {options.attention!r}){packed}")
         if options.lora:
             trainable = sum(math.prod(shapes[name]) for name in trainer.trainable_names)
             say(f"lora: rank {options.lora.rank}, alpha {options.lora.alpha:g}, dropout {options.lora.dropout:g} on "
