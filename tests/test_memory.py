@@ -211,7 +211,7 @@ def test_cuda_estimate_of_qwen_0_5b_matches_hand_computation(device_memory):
     assert widest == 4 * 2048 * C + 4 * 32 * C
     assert sizes["cuda-op-scratch"] == widest
     # Only cuDNN's workspace may be a bound: where the cuda build has cuDNN but no GPU can size it.
-    unsized = attention_library("cuda").startswith("cuDNN") and device_count("cuda") == 0
+    unsized = backend_built("cuda") and attention_library("cuda").startswith("cuDNN") and device_count("cuda") == 0
     assert estimate.approximate == (["cudnn-attention-workspace"] if unsized else [])
     assert sizes["cublaslt-workspace"] == 32 << 20
     # The packed q|k|v projection (14 + 2 x 2 heads of 64) between its one matmul and its unpacking pass, bf16.
