@@ -375,20 +375,22 @@ Layout make_layout(int time, int heads, int kv_heads, int head_dim, bool causal,
     return {time, heads, kv_heads, head_dim, 1.0f / std::sqrt(static_cast<float>(head_dim)), causal, positions};
 }
 
-// Element e of the [B, T, T] mask is row r = e / T (r = b * T + i: query i of
-// batch row b) and key j = e % T; a thread writes a chunk of 8 (16 bytes:
-// the mask is a whole allocation, so every chunk is aligned).
-__global__ void document_mask_bias_kernel(bf16* bias, const std::int32_t* positions, int time, std::int64_t n) {
+// One block per row r of the [B*T, T] mask (r = b * T + i: query i of batch
+// row b), its threads over the keys in chunks of 8 (16-byte stores where the
+// row starts aligned, T % 8 == 0): no division per element.
+__global__ void document_mask_bias_kernel(bf16* bias, const std::int32_t* positions, int time, bool vector) {
     constexpr int P = detail::kPack<bf16>;
-    for (std::int64_t e0 = detail::grid_stride_begin() * P; e0 < n; e0 += detail::grid_stride_step() * P) {
+    const std::int64_t row = blockIdx.x;
+    const int query = static_cast<int>(row % time);
+    const int first = query - positions[row];  // the first key of the query's document
+    bf16* out = bias + row * time;
+    for (int k0 = threadIdx.x * P; k0 < time; k0 += blockDim.x * P) {
         float value[P];
         for (int j = 0; j < P; ++j) {
-            const std::int64_t e = e0 + j, row = e / time;
-            const int key = static_cast<int>(e - row * time), query = static_cast<int>(row % time);
-            const bool seen = key <= query && key >= query - (e < n ? positions[row] : 0);
-            value[j] = seen ? 0.0f : kAttentionMasked;
+            const int key = k0 + j;
+            value[j] = key <= query && key >= first ? 0.0f : kAttentionMasked;
         }
-        detail::store_chunk<bf16>(bias, value, e0, n, e0 + P <= n);
+        detail::store_chunk<bf16>(out, value, k0, time, vector && k0 + P <= time);
     }
 }
 
@@ -396,10 +398,9 @@ __global__ void document_mask_bias_kernel(bf16* bias, const std::int32_t* positi
 
 void document_mask_bias(bf16* bias, const std::int32_t* positions, int batch, int time, cudaStream_t stream) {
     if (batch <= 0 || time <= 0) return;
-    const std::int64_t n = std::int64_t(batch) * time * time;
-    const int threads = 256;
-    detail::launch(document_mask_bias_kernel, detail::grid_stride_blocks((n + 7) / 8, threads), threads, 0, stream,
-                   bias, positions, time, n);
+    const int threads = 128;
+    detail::launch(document_mask_bias_kernel, dim3(static_cast<unsigned>(std::int64_t(batch) * time)), threads, 0,
+                   stream, bias, positions, time, time % detail::kPack<bf16> == 0 && detail::aligned16(bias));
 }
 
 template <class T>
