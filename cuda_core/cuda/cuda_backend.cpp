@@ -1095,10 +1095,11 @@ void CudaBackend::attention_forward(const Tensor& out, const Tensor& lse, const 
 }
 
 // The last row of a causal attention over the cached positions, with the
-// query in the workspace's last row and zeros above it (rows are
-// independent): the kernel computes the last query tile only (its other
-// rows are dropped), so a token costs one pass over the cached keys. Always
-// the native kernel: a fused library would plan anew for every length.
+// query in the workspace's last row and zeros in the rows of its tile above
+// it (rows are independent): the kernel computes the last query tile only
+// (its other rows are dropped), so a token costs one pass over the cached
+// keys. Always the native kernel: a fused library would plan anew for every
+// length.
 void CudaBackend::attention_decode(const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
                                    const AttentionShape& s, const Tensor& workspace, const Tensor& lse_workspace) {
     const OpScope op(*this);
@@ -1107,7 +1108,9 @@ void CudaBackend::attention_decode(const Tensor& out, const Tensor& q, const Ten
     if (workspace.numel() < 2 * time * width || lse_workspace.numel() < s.heads * time)
         throw InternalError("attention_decode's workspace is smaller than 2 * time * heads * head_dim");
     const Tensor queries = workspace.slice(0, time * width), outputs = workspace.slice(time * width, time * width);
-    if (time > 1) fill(queries.slice(0, (time - 1) * width), 0.0f);
+    // The rows of the last query tile before the query: the only others the kernel reads.
+    const std::int64_t tile_start = (time - 1) / kAttentionQueryTile * kAttentionQueryTile;
+    if (time - 1 > tile_start) fill(queries.slice(tile_start * width, (time - 1 - tile_start) * width), 0.0f);
     copy(queries.slice((time - 1) * width, width), q);
     with_dtype(q.dtype, [&](auto tag) {
         using T = decltype(tag);

@@ -144,6 +144,9 @@ template <class T>
 void attention_forward(T* out, float* lse, const T* q, const T* k, const T* v, int batch, int time, int heads,
                        int kv_heads, int head_dim, bool causal, const std::int32_t* positions, cudaStream_t stream,
                        int first_query = 0);
+// The queries of a query tile: with first_query, the rows of q from
+// first_query / kAttentionQueryTile * kAttentionQueryTile on are read.
+constexpr int kAttentionQueryTile = 32;
 // dq, dk, dv are written (=). dk/dv sum over the heads of a group in a fixed
 // order. `scratch` holds attention_backward_scratch_bytes(...) bytes.
 template <class T>

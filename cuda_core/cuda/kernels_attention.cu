@@ -31,7 +31,8 @@ namespace {
 using detail::kFullMask;
 using detail::kWarpSize;
 
-constexpr int kTile = 32;  // queries per query tile, keys per key tile: one per lane
+constexpr int kTile = kAttentionQueryTile;  // queries per query tile, keys per key tile: one per lane
+static_assert(kTile == kWarpSize, "a lane owns one key (or query) of a tile");
 
 template <int kMaxD> struct Shape {
     static constexpr int kRows = kMaxD > 128 ? 2 : 4;  // register rows per warp
