@@ -320,17 +320,24 @@ def document_positions(B, T, lengths):
 
 # Documents that start inside a tile, at a tile's edge and one longer than a tile.
 MASKED_ATTENTION_CASES = cuda_cases([((2, 300, 4, 2, 128),), ((1, 77, 7, 1, 64),)],
-                                    [((1, 70, 4, 2, 64),), ((2, 33, 2, 2, 48),)])
+                                    [((1, 70, 4, 2, 64),), ((2, 33, 2, 2, 48),), ((1, 130, 2, 1, 64),)])
 
 
-@pytest.mark.parametrize("mask", ["documents", "bidirectional"])
+# Document lengths per mask case: a mix around the tile size, and short ones,
+# where most tile pairs below the diagonal are masked wholly and skipped.
+DOCUMENT_LENGTHS = {"documents": [5, 32, 1, 40, 9], "short-documents": [3, 1, 9, 2, 31]}
+
+
+@pytest.mark.parametrize("mask", ["documents", "short-documents", "bidirectional"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("backend, shape", MASKED_ATTENTION_CASES)
 def test_attention_with_document_positions_or_bidirectional(cpu, gpu, dtype, shape, mask):
-    """The native kernels' masks: per-token document positions, and causal=False."""
+    """The native kernels' masks: per-token document positions (with the
+    tile pairs they mask wholly skipped), and causal=False."""
     q, k, v, dout = attention_inputs(np.random.default_rng(14), dtype, shape)
     B, T = shape[:2]
-    args = {"positions": document_positions(B, T, [5, 32, 1, 40, 9])} if mask == "documents" else {"causal": False}
+    args = ({"positions": document_positions(B, T, DOCUMENT_LENGTHS[mask])} if mask in DOCUMENT_LENGTHS
+            else {"causal": False})
     out, lse = gpu.attention_forward(q, k, v, dtype=dtype, **args)
     expected_out, expected_lse = cpu.attention_forward(q, k, v, **args)
     assert_array_close(out, expected_out, tolerance(dtype, FP32_SUM_REL), "attention out")

@@ -3,9 +3,12 @@
 // atomics. Causal by default; Layout::causal false attends every key, and
 // Layout::positions (per-token positions in packed documents) narrows the
 // causal window of query t to keys t - positions[t] .. t. Key tiles past
-// the diagonal are skipped only in the causal case; a row may then see no
-// key in a tile (before its document starts), which the online softmax
-// treats as a no-op.
+// the diagonal are skipped only in the causal case, and with positions so
+// are the tile pairs that documents mask wholly (key tiles before the
+// earliest document start of a query tile): packed short documents cost
+// about their own squares, not the row's. A row may still see no key in a
+// tile (before its document starts), which the online softmax treats as a
+// no-op.
 //
 // Tiles are 32 queries by 32 keys, so a lane owns one key (forward, dq) or
 // one query (dk/dv) of the tile when computing scores: a block stages one
@@ -52,6 +55,35 @@ struct Layout {
     // The last key tile a query tile sees.
     __device__ int last_key_tile(int query_tile) const {
         return causal ? query_tile : (time + kTile - 1) / kTile - 1;
+    }
+    // The first key tile any query of query tile `query_tile` of row b
+    // sees: with positions, the tile of the earliest document start among
+    // its queries. Every key tile before it is masked for the whole query
+    // tile, and skipping one leaves the online softmax and the gradients as
+    // they were (its probabilities are all 0).
+    __device__ int first_key_tile(int b, int query_tile) const {
+        if (!causal || !positions) return 0;
+        const std::int64_t start = earliest_start(b, query_tile);
+        return start > 0 ? static_cast<int>(start / kTile) : 0;
+    }
+    // Whether no query of query tile `query_tile` of row b sees a key of
+    // key tile `key_tile` because its document starts after that tile
+    // (the causal mask aside).
+    __device__ bool documents_hide(int b, int query_tile, int key_tile) const {
+        return causal && positions && earliest_start(b, query_tile) >= std::int64_t(key_tile + 1) * kTile;
+    }
+    // The earliest document start t - positions[t] among the queries t of
+    // query tile `query_tile` of row b (each lane reads one; rows past the
+    // end start none), the same in every warp of a block.
+    __device__ std::int64_t earliest_start(int b, int query_tile) const {
+        const int query = query_tile * kTile + static_cast<int>(threadIdx.x % kWarpSize);
+        std::int64_t start = query < time ? std::int64_t(query) - positions[std::int64_t(b) * time + query]
+                                          : std::int64_t(time);
+        for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+            const std::int64_t other = __shfl_xor_sync(kFullMask, start, offset);
+            start = other < start ? other : start;
+        }
+        return start;
     }
     // Whether query `query` of row b attends key `key` (both < time, or
     // the query past the end, whose results are dropped).
@@ -166,7 +198,8 @@ __global__ void __launch_bounds__(Shape<kMaxD>::kThreads)
         row_sum[r] = 0.0f;
     }
 
-    for (int key_tile = 0; key_tile <= layout.last_key_tile(query_tile); ++key_tile) {
+    for (int key_tile = layout.first_key_tile(b, query_tile); key_tile <= layout.last_key_tile(query_tile);
+         ++key_tile) {
         const int key = key_tile * kTile + lane;
         __syncthreads();
         load_tile<kMaxD>(tile, k + kv_offset, kv_stride, key_tile * kTile, layout.time, layout.head_dim);
@@ -258,7 +291,8 @@ __global__ void __launch_bounds__(Shape<kMaxD>::kThreads)
         row_delta[r] = valid ? delta[lse_offset + t] : 0.0f;
     }
 
-    for (int key_tile = 0; key_tile <= layout.last_key_tile(query_tile); ++key_tile) {
+    for (int key_tile = layout.first_key_tile(b, query_tile); key_tile <= layout.last_key_tile(query_tile);
+         ++key_tile) {
         const int key = key_tile * kTile + lane;
         __syncthreads();
         load_tile<kMaxD>(tile, k + kv_offset, kv_stride, key_tile * kTile, layout.time, layout.head_dim);
@@ -324,6 +358,7 @@ __global__ void __launch_bounds__(Shape<kMaxD>::kThreads)
                                       static_cast<std::int64_t>(h) * layout.head_dim;
         const std::int64_t lse_offset = (static_cast<std::int64_t>(b) * layout.heads + h) * layout.time;
         for (int query_tile = layout.causal ? key_tile : 0; query_tile < query_tiles; ++query_tile) {
+            if (layout.documents_hide(b, query_tile, key_tile)) continue;  // the same in every warp
             const int query = query_tile * kTile + lane;
             const bool valid_query = query < layout.time;
             const float query_lse = valid_query ? lse[lse_offset + query] : 0.0f;
