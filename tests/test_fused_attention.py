@@ -619,24 +619,47 @@ def test_a_packed_training_run_runs_its_documents_fused_and_says_so(tmp_path):
     assert all(math.isfinite(r["loss"]) for r in records if r["type"] == "train")
 
 
-def test_runs_of_packed_data_reserve_the_documents_mask(tmp_path):
+def test_runs_of_packed_data_reserve_the_documents_mask(tmp_path, monkeypatch):
     """nanoq train and nanoq memory set packed_documents from data.packing
-    as the files resolve it: "pack", or "auto" on files whose tokenization
-    packs (SFT); streamed windows do not."""
+    as the files resolve it (one rule, loop.run_packing): "pack", or "auto"
+    on files whose tokenization packs (SFT), training's or eval's, any
+    curriculum stage's; streamed windows do not."""
     import json
 
     from nanoq.data import write_token_shards
-    from nanoq.training import load_config
-    from nanoq.training.settings import resolved_packing, train_options
+    from nanoq.training import load_config, loop, train
+    from nanoq.training.settings import train_options
+    from test_training import tiny_config as tiny_run
 
-    for name, packing in (("sft", "pack"), ("text", None)):
+    for name, packing in (("sft", {"packing": "pack"}), ("text", {})):
         (tmp_path / name).mkdir()
-        write_token_shards(str(tmp_path / name / "train"), np.arange(200, dtype=np.int32) % 50, 64)
-        if packing:
-            (tmp_path / name / "tokenize.json").write_text(json.dumps({"packing": packing}))
-    expected = {("sft", "auto"): True, ("text", "auto"): False, ("text", "pack"): True, ("sft", "stream"): False}
-    for (name, packing), packed in expected.items():
-        config = load_config(None, dict(train_data=str(tmp_path / name / "train_*.bin"), packing=packing))
-        assert train_options(config, resolved_packing(config)).packed_documents is packed, (name, packing)
+        write_token_shards(str(tmp_path / name / "train"), np.arange(200, dtype=np.int32) % 10, 64)
+        (tmp_path / name / "tokenize.json").write_text(json.dumps({**packing, "eos_id": 9}))  # documents of 10
+    files = {name: str(tmp_path / name / "train_*.bin") for name in ("sft", "text")}
+    expected = {("sft", None, "auto"): True, ("text", None, "auto"): False, ("text", None, "pack"): True,
+                ("sft", None, "stream"): False, ("text", "sft", "auto"): True, ("text", "text", "auto"): False}
+    for (train_files, eval_files, packing), packed in expected.items():
+        fields = dict(train_data=files[train_files], packing=packing)
+        if eval_files:
+            fields["eval_data"] = files[eval_files]
+        config = load_config(None, fields)
+        assert train_options(config, loop.data_packing(config)).packed_documents is packed, (fields, packed)
+    stages = f"{files['text']}@2; {files['sft']}@2"
+    assert loop.data_packing(load_config(None, dict(curriculum=stages, steps=4))) == "pack"
     demo = load_config(None, {})
-    assert not train_options(demo, resolved_packing(demo)).packed_documents
+    assert not train_options(demo, loop.data_packing(demo)).packed_documents
+    assert loop.data_packing(load_config(None, dict(packing="pack"))) == "pack"
+
+    # train() decides as nanoq memory does: here only its eval files pack.
+    seen = []
+
+    def recording(config, packing=None):
+        seen.append(packing)
+        return train_options(config, packing)
+
+    monkeypatch.setattr(loop, "train_options", recording)
+    (tmp_path / "run").mkdir()
+    config = tiny_run(tmp_path / "run", steps=1, grad_accum=1, eval_every=1, eval_data=files["sft"])
+    assert loop.data_packing(config) == "pack"
+    train(config, say=lambda line: None, progress=False)
+    assert seen[0] == "pack", seen

@@ -321,7 +321,8 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, processes
     """
     from nanoq.memory import estimate_memory, visible_gpu_memory
     from nanoq.training import load_config
-    from nanoq.training.settings import resolved_packing, train_options
+    from nanoq.training.loop import data_packing
+    from nanoq.training.settings import train_options
 
     overrides = {name: value for name, value in flags.items() if value is not None}
     device_bytes, reserve_bytes = device_memory, reserve
@@ -330,8 +331,9 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, processes
         model = _memory_model(config, model_path)
         # Samples during training generate: the KV cache is then part of the run.
         # A given device size also sizes the cuda classifier chunk as on that GPU.
-        # Packed windows (data.packing pack, or auto on SFT files) add cuda's attention mask.
-        estimate = estimate_memory(model, train_options(config, resolved_packing(config)),
+        # Packed windows (data.packing pack, or auto on SFT files; training's or eval's) add cuda's
+        # attention mask.
+        estimate = estimate_memory(model, train_options(config, data_packing(config)),
                                    reserve_bytes=reserve_bytes, processes=processes,
                                    generates=config.sample_every > 0, device_memory=device_bytes)
     except (ValueError, FileNotFoundError) as e:

@@ -238,21 +238,46 @@ def _stage_datasets(config: TrainConfig, number: int, stage) -> tuple:
         raise type(e)(f"data.curriculum stage {number}: {e}") from None
 
 
+def _config_datasets(config: TrainConfig) -> List[Dataset]:
+    """The Datasets of ``config``'s token files as ``train`` opens them
+    (data.train_data and data.eval_data, or data.curriculum's); [] for the
+    demo corpus (not made here)."""
+    if config.curriculum:
+        return [dataset for number, stage in enumerate(parse_curriculum(config.curriculum), 1)
+                for dataset in _stage_datasets(config, number, stage) if dataset is not None]
+    if config.train_data:
+        return [_dataset(config, config.train_data)] + ([_dataset(config, config.eval_data)] if config.eval_data
+                                                        else [])
+    return []
+
+
 def data_model_config(config: TrainConfig) -> ModelConfig:
     """The ModelConfig that ``train`` builds for ``config``'s token files
     (data.train_data and data.eval_data, or data.curriculum's): their vocab
     sizes and largest token ids decide [model] vocab_size 0, as in training
     (see ``model_config``). The files are read, the demo corpus is not made:
     without train data this is a ValueError."""
-    if config.curriculum:
-        datasets = [dataset for number, stage in enumerate(parse_curriculum(config.curriculum), 1)
-                    for dataset in _stage_datasets(config, number, stage) if dataset is not None]
-    elif config.train_data:
-        datasets = [_dataset(config, config.train_data)] + \
-            ([_dataset(config, config.eval_data)] if config.eval_data else [])
-    else:
+    datasets = _config_datasets(config)
+    if not datasets:
         raise ValueError("no token files to read the vocab size from (data.train_data and data.curriculum are \"\")")
     return _model_for_data(config, datasets)
+
+
+def run_packing(datasets) -> str:
+    """data.packing of a run over ``datasets`` (training and eval, every
+    stage's): "pack" when any of them packs (its windows come with
+    positions, so the run sets TrainOptions.packed_documents), else "stream"."""
+    return "pack" if any(dataset.packing == "pack" for dataset in datasets) else "stream"
+
+
+def data_packing(config: TrainConfig) -> str:
+    """data.packing as ``train`` resolves it for ``config`` (``run_packing``
+    over the files it opens, "auto" read from their tokenization; the demo
+    corpus streams unless data.packing is "pack")."""
+    datasets = _config_datasets(config)
+    if datasets:
+        return run_packing(datasets)
+    return "pack" if config.packing == "pack" else "stream"
 
 
 def _model_for_data(config: TrainConfig, datasets) -> ModelConfig:
@@ -434,7 +459,7 @@ def _setup(config: TrainConfig, run_dir: str, say: Callable[[str], None], group:
 
     model = _on_every_process(group, checked_model, "reading the model config")
     # Packed windows (data.packing as the files resolved it) come with positions.
-    options = train_options(config, "pack" if any(d.packing == "pack" for _, d in datasets) else "stream")
+    options = train_options(config, run_packing(dataset for _, dataset in datasets))
     return model, options, loader, eval_loader, tokenizer_dir
 
 

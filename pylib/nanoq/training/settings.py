@@ -524,19 +524,6 @@ def train_options(config: TrainConfig, packing: Optional[str] = None) -> TrainOp
                         matmul_dtype=config.matmul_dtype, packed_documents=packing == "pack")
 
 
-def resolved_packing(config: TrainConfig) -> str:
-    """data.packing as a run of ``config`` resolves it, from the files where
-    it is "auto" ("pack" when the training files' tokenization chose it,
-    those of any curriculum stage; the demo corpus streams)."""
-    from nanoq.data.loader import default_packing
-
-    if config.packing != "auto":
-        return config.packing
-    specs = [stage.train_data for stage in parse_curriculum(config.curriculum)] if config.curriculum else \
-        [config.train_data] if config.train_data else []
-    return "pack" if any(default_packing(spec) == "pack" for spec in specs) else "stream"
-
-
 def lora_config(config: TrainConfig) -> Optional[LoraConfig]:
     """The LoRA setting of a TrainConfig (None when lora_rank is 0)."""
     if not config.lora_rank:
