@@ -238,6 +238,16 @@ public:
     // the fused library's name ("cuDNN 9.28.1"); `plans` counts the fused
     // library's plans built so far (one per shape, dtype and pass).
     virtual AttentionInfo attention_info() const { return AttentionInfo{}; }
+    // `positions` (as in attention_forward; empty: none) holds a new batch's
+    // positions: a backend that derives state from them for its attention
+    // calls (cuda: the documents' mask of its fused attention) derives it
+    // here, once, for the calls that pass this tensor until the next
+    // positions_changed. A call whose positions were not so announced
+    // derives it itself.
+    virtual void positions_changed(const Tensor& positions, const AttentionShape& shape) {
+        (void)positions;
+        (void)shape;
+    }
     // dq, dk, dv are overwritten; positions and shape as in attention_forward.
     virtual void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
                                     const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,

@@ -513,9 +513,11 @@ void LlamaModel::forward_backward(const ModelWeights& w, const ModelWeights& g, 
 }
 
 void LlamaModel::use_positions(const Tensor& positions, NamedAllocator& allocator) {
+    if (positions.data && !config_.causal)
+        throw InvalidArgument("positions (packed documents) need a causal model (model.causal)");
     positions_ = positions;
+    backend_.positions_changed(positions, attention_shape_);
     if (!positions.data) return;
-    if (!config_.causal) throw InvalidArgument("positions (packed documents) need a causal model (model.causal)");
     if (config_.max_positions > 0) return;  // learned positions read positions_ (learned_position_ids); no RoPE
     const int half = config_.head_dim / 2;
     if (!rope_rows_.data) {

@@ -164,8 +164,9 @@ public:
     // token's position in its document (Backend::attention_forward), or
     // empty for none (positions 0 .. T-1 in every row, the default). With
     // positions, issues the gather of their RoPE angles (a [B*T, D/2, 2]
-    // table allocated in `allocator` on first use); the tensor must keep
-    // its values while the micro-batches run.
+    // table allocated in `allocator` on first use), and the backend derives
+    // what its attention needs from them (Backend::positions_changed); the
+    // tensor must keep its values while the micro-batches run.
     void use_positions(const Tensor& positions, NamedAllocator& allocator);
     // Forward and loss statistics only.
     void forward_loss(const ModelWeights& weights, LayerSource& layers, const Tensor& tokens, const Tensor& targets,

@@ -242,7 +242,7 @@ def test_training_with_attention_cudnn_matches_native_on_the_emulator(checkpoint
         assert abs(f - n) <= BF16_REL * abs(n), f"{variant} step {step}: fused loss {f} vs native {n}"
     assert_tensors_close(fused[1], native[1], 5e-2, f"{variant} fused-attention gradients")
     assert abs(fused[2] - native[2]) <= BF16_REL * abs(native[2]), "validate"
-    assert native[3] == dict(implementation="native", plans=0, documents="native")
+    assert native[3] == dict(implementation="native", plans=0, documents="native", document_masks=0)
     # One plan per pass for the run's one shape, however many steps and validations ran.
     assert fused[3]["implementation"].startswith(STANDIN) and fused[3]["plans"] == 2, fused[3]
 
@@ -307,6 +307,8 @@ def test_packed_training_runs_fused_with_packed_documents(checkpoints, variant, 
     assert not all(np.array_equal(fused[1][name], native[1][name]) for name in native[1])
     assert fused[3]["implementation"].startswith(STANDIN) and fused[3]["plans"] == 4, fused[3]
     assert fused[3]["documents"] == fused[3]["implementation"]
+    # Written once per batch (3 steps, 1 validate), not by each layer's forward and backward.
+    assert fused[3]["document_masks"] == len(batches) + 1, fused[3]
     (mask,) = masks(fused[4])
     assert mask["bytes"] == 2 * B * T * T and mask["context"] == "workspace"
     estimate = nanoq.estimate_memory(nanoq.ModelConfig.from_pretrained(path),
@@ -316,7 +318,7 @@ def test_packed_training_runs_fused_with_packed_documents(checkpoints, variant, 
     capfd.readouterr()
     unmasked = train_packed(path, options("cudnn"), batches, positions)
     assert unmasked[0] == native[0] and unmasked[2] == native[2]
-    assert masks(unmasked[4]) == [] and unmasked[3]["plans"] == 2
+    assert masks(unmasked[4]) == [] and unmasked[3]["plans"] == 2 and unmasked[3]["document_masks"] == 0
     assert unmasked[3]["documents"] == "native" and unmasked[3]["implementation"].startswith(STANDIN)
     err = capfd.readouterr().err
     assert err.count("positions (packed documents) run in nanoq's own attention kernels") == 1, err
@@ -345,7 +347,7 @@ def test_packed_training_on_two_devices_runs_each_devices_rows_with_its_own_mask
     for step, (f, n) in enumerate(zip(fused[0], native[0])):
         assert abs(f - n) <= BF16_REL * abs(n), f"step {step}: fused loss {f} vs native {n}"
     assert_tensors_close(fused[1], native[1], 5e-2, "two devices: masked fused-attention gradients")
-    assert fused[3]["plans"] == 4
+    assert fused[3]["plans"] == 4 and fused[3]["document_masks"] == len(batches) + 1, fused[3]
 
 
 @emulated
@@ -416,7 +418,7 @@ def test_auto_keeps_the_native_kernel_on_the_emulator():
     picks cuDNN: test_auto_picks_cudnn_on_a_gpu)."""
     require_cuda_emulator()
     with nanoq.Trainer(tiny_config(), emulated_options("auto")) as trainer:
-        assert trainer.get_attention_info(0) == dict(implementation="native", plans=0, documents="native")
+        assert trainer.get_attention_info(0) == dict(implementation="native", plans=0, documents="native", document_masks=0)
         assert workspace(trainer.get_allocations(0)) == []
 
 
@@ -544,6 +546,7 @@ def test_packed_training_with_cudnn_matches_native_on_a_gpu(cuda_device):
         assert abs(f - n) <= BF16_REL * abs(n), f"step {step}: masked cuDNN loss {f} vs native {n}"
     assert abs(fused[2] - native[2]) <= BF16_REL * abs(native[2]), "validate"
     assert fused[3]["implementation"].startswith("cuDNN") and fused[3]["plans"] == 4, fused[3]
+    assert fused[3]["document_masks"] == len(batches) + 1, fused[3]
     assert len(masks(fused[4])) == 1
 
 

@@ -1050,6 +1050,7 @@ AttentionInfo CudaBackend::attention_info() const {
     if (attention_fused_) info.implementation = fused_attention_->engine().library();
     if (attention_fused_ && attention_mask_.data) info.documents = info.implementation;
     if (fused_attention_) info.plans = fused_attention_->plans();
+    info.document_masks = document_masks_;
     return info;
 }
 
@@ -1057,14 +1058,38 @@ AttentionInfo CudaBackend::attention_info() const {
 // shape's causal flag is part of each plan). An attention over packed
 // documents runs there with their mask as the plans' bias where the run
 // reserved it (TrainOptions::packed_documents, and the library built those
-// plans): every call writes the mask from the positions first (one pass of
-// B*T*T bf16, so the call reads the positions it is given, captured or
-// not), the backward too. Without the mask they run the native kernels,
-// also with attention="cudnn": never the fused causal mask in their place.
+// plans). The mask (one pass of B*T*T bf16) is written from a batch's
+// positions once, when the trainer loads them (positions_changed, outside
+// any captured work, so a replay's calls read the mask of the positions just
+// loaded): the forward and backward calls of every layer then share it. A
+// call with positions that were not announced (the op harness, any other
+// caller) writes it first itself. Without the mask packed rows run the
+// native kernels, also with attention="cudnn": never the fused causal mask
+// in their place.
+bool CudaBackend::documents_fused(const AttentionShape& s) const {
+    return attention_fused_ && attention_mask_.data && attention_mask_.numel() >= attention_bias_elements(s);
+}
+
+void CudaBackend::write_document_mask(const Tensor& positions, const AttentionShape& s) {
+    cuda::document_mask_bias(static_cast<bf16*>(attention_mask_.data), positions.i32(), s.batch, s.time, stream_);
+    NANOQ_CUDA_CHECK_LAUNCH();
+    ++document_masks_;
+}
+
+void CudaBackend::positions_changed(const Tensor& positions, const AttentionShape& s) {
+    mask_positions_ = nullptr;
+    if (!positions.data || !documents_fused(s)) return;
+    const OpScope op(*this);
+    write_document_mask(positions, s);
+    mask_positions_ = positions.data;
+    mask_batch_ = s.batch;
+    mask_time_ = s.time;
+}
+
 bool CudaBackend::fused_attention_runs(const Tensor& positions, const AttentionShape& s) {
     if (!attention_fused_) return false;
     if (!positions.data) return true;
-    if (!attention_mask_.data || attention_mask_.numel() < attention_bias_elements(s)) {
+    if (!documents_fused(s)) {
         if (!said_documents_native_ && !attention_mask_.data)
             std::fprintf(stderr, "nanoq: device %d: positions (packed documents) run in nanoq's own attention "
                                  "kernels: TrainOptions.packed_documents reserves their mask so that %s runs "
@@ -1072,8 +1097,10 @@ bool CudaBackend::fused_attention_runs(const Tensor& positions, const AttentionS
         said_documents_native_ = true;
         return false;
     }
-    cuda::document_mask_bias(static_cast<bf16*>(attention_mask_.data), positions.i32(), s.batch, s.time, stream_);
-    NANOQ_CUDA_CHECK_LAUNCH();
+    if (positions.data != mask_positions_ || s.batch != mask_batch_ || s.time != mask_time_) {
+        write_document_mask(positions, s);
+        mask_positions_ = nullptr;  // it no longer holds the announced positions
+    }
     return true;
 }
 

@@ -147,6 +147,7 @@ public:
     void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                            const Tensor& positions, const AttentionShape& shape) override;
     AttentionInfo attention_info() const override;
+    void positions_changed(const Tensor& positions, const AttentionShape& shape) override;
     void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
                             const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                             const Tensor& positions, const AttentionShape& shape) override;
@@ -357,11 +358,18 @@ private:
     bool attention_fused_ = false;
     Tensor attention_workspace_;
     // Packed documents in the fused library: their mask (bf16 [B,1,T,T],
-    // rebuilt from the positions by every call), null when they run native.
+    // written from the positions once per batch, positions_changed, or by
+    // each call with positions not announced), null when they run native.
     Tensor attention_mask_;
+    const void* mask_positions_ = nullptr;  // the positions the mask holds (positions_changed)
+    int mask_batch_ = 0, mask_time_ = 0;
+    std::int64_t document_masks_ = 0;     // masks written (AttentionInfo::document_masks)
     bool said_documents_native_ = false;  // the one note that packed rows run native
+    // Whether the fused library runs packed documents of `shape` (the mask reserved and large enough).
+    bool documents_fused(const AttentionShape& shape) const;
+    void write_document_mask(const Tensor& positions, const AttentionShape& shape);
     // Whether an attention call with `positions` runs fused; where packed
-    // documents do, writes their mask first.
+    // documents do, writes their mask first unless positions_changed did.
     bool fused_attention_runs(const Tensor& positions, const AttentionShape& shape);
     std::size_t pinned_used_ = 0;
     // Recorded after the latest copy out of pinned_: once it has completed,

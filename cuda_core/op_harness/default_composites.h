@@ -87,6 +87,9 @@ public:
         be_.attention_forward(out, lse, q, k, v, positions, shape);
     }
     AttentionInfo attention_info() const override { return be_.attention_info(); }
+    void positions_changed(const Tensor& positions, const AttentionShape& shape) override {
+        be_.positions_changed(positions, shape);
+    }
     void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
                             const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                             const Tensor& positions, const AttentionShape& shape) override {

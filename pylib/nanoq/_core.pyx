@@ -126,6 +126,7 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         string implementation
         int plans
         string documents
+        int64_t document_masks
 
     cdef cppclass CTrainOptions "nanoq::TrainOptions":
         string backend
@@ -897,12 +898,13 @@ cdef class CoreTrainer:
         return [(e.what.decode(), e.layer, e.ticket) for e in events]
 
     def attention_info(self, int device):
-        """dict(implementation, plans) of `device`: "native" or the fused library's name, and its plans built."""
+        """dict(implementation, plans, documents, document_masks) of `device` (Trainer.get_attention_info)."""
         cdef CTrainer* t = self._get()
         cdef CAttentionInfo info
         with nogil:
             info = t.attention_info(device)
-        return dict(implementation=info.implementation.decode(), plans=info.plans, documents=info.documents.decode())
+        return dict(implementation=info.implementation.decode(), plans=info.plans, documents=info.documents.decode(),
+                    document_masks=info.document_masks)
 
 
 def testing_hooks():

@@ -814,7 +814,9 @@ class Trainer:
         whether it takes the mask of packed documents); ``documents`` is
         the same for attention over packed documents (positions): the fused
         library where TrainOptions.packed_documents reserved their mask, else
-        "native"."""
+        "native"; ``document_masks`` counts the times that mask was written
+        (once per batch of new positions: every layer's attention, forward
+        and backward, shares it)."""
         return self._core.attention_info(self._check_device(device))
 
     @property

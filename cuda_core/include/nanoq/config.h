@@ -192,6 +192,9 @@ struct AttentionInfo {
     // Which attention runs packed documents (positions): the fused library
     // where the run reserved their mask (TrainOptions::packed_documents), else "native".
     std::string documents = "native";
+    // How many times the documents' mask was written from positions (once
+    // per batch that brings new ones, Backend::positions_changed).
+    std::int64_t document_masks = 0;
 };
 
 // The largest shapes a backend's ops will see, so that it can reserve its
