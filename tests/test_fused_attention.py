@@ -125,6 +125,36 @@ def test_packed_documents_run_fused_with_their_mask(cpu, emulated_ops):
 
 
 @emulated
+def test_an_announced_mask_serves_its_positions_only(cpu):
+    """The documents' mask written once for announced positions
+    (positions_changed, as the trainer does per batch) serves the calls
+    with those positions; a call with other positions writes its own, and
+    the announced ones then get theirs written again (3 masks in all)."""
+    import ctypes
+    import os
+
+    require_cuda_emulator()
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(nanoq._core.__file__), "libnanoq_cuda_emulated.so"))
+    shape = (2, 40, 2, 2, 64)
+    B, T, H, _, D = shape
+    q, k, v, _ = attention_inputs(31, shape)
+    first, second = packed_positions(T, [10, 23], [1, 32, 7]), packed_positions(T, [33, 5], [4])
+    out = np.zeros((3, B, T, H, D), np.float32)
+    masks = ctypes.c_longlong(0)
+    message = ctypes.create_string_buffer(4096)
+    floats = [a.ctypes.data_as(ctypes.POINTER(ctypes.c_float)) for a in (q, k, v, out)]
+    ints = [a.ctypes.data_as(ctypes.POINTER(ctypes.c_int)) for a in (first, second)]
+    status = lib.nanoq_emu_document_mask_reuse(B, T, H, D, *floats[:3], *ints, floats[3], ctypes.byref(masks),
+                                               message, len(message))
+    assert status == 0, message.value.decode()
+    for call, positions in enumerate((first, second, first)):
+        expected, _ = cpu.attention_forward(q, k, v, positions=positions)
+        assert_array_close(out[call], expected, BF16_REL, f"call {call}: masked fused out vs cpu")
+    assert np.array_equal(out[2], out[0])
+    assert masks.value == 3
+
+
+@emulated
 def test_bidirectional_attention_runs_fused_without_the_causal_mask(cpu, emulated_ops):
     """causal=False is part of the fused plan (cuDNN's SDPA without its
     causal mask): forward and backward match the cpu's bidirectional

@@ -369,6 +369,7 @@ void CudaBackend::reserve_scratch(NamedAllocator& allocator, const ScratchShapes
     pinned_ = scratch[2];
     attention_workspace_ = Tensor();
     attention_mask_ = Tensor();
+    mask_positions_ = nullptr;  // a new mask holds no positions yet
     fp8_operands_ = Tensor();
     fp8_weight_cache_ = Tensor();
     qkv_packed_ = Tensor();

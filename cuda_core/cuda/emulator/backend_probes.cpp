@@ -3,7 +3,8 @@
 // backward and gate|up through CudaBackend configured for fp8
 // (tests/test_fp8.py; the fp8 path
 // needs TrainOptions and its own scratch, which the op harness does not
-// give), and what the cuBLASLt stand-in refuses (tests/test_cublaslt.py).
+// give), what the cuBLASLt stand-in refuses (tests/test_cublaslt.py), and
+// the packed documents' announced mask (tests/test_fused_attention.py).
 // Compiled into the emulated backend only. The fp8 ones return 0, or 1 with
 // the error in `message`.
 #include <cstring>
@@ -603,4 +604,50 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_cublaslt_refusal
     std::strncpy(report, out.c_str(), report_bytes - 1);
     report[report_bytes - 1] = '\0';
     return 0;
+}
+
+// Attention over packed documents in the fused stand-in (attention "cudnn",
+// packed_documents, bf16) where the documents' mask was announced for one
+// positions tensor (CudaBackend::positions_changed): the forward with
+// `first` (announced), then with `second` (not announced), then with
+// `first` again. q, k, v: [batch, time, heads, head_dim] (one kv head per
+// head), rounded to bf16; first, second: int32 [batch, time]; out: the three
+// outputs in turn, each batch * time * heads * head_dim floats (read back
+// from bf16); *masks: the masks written (AttentionInfo::document_masks).
+extern "C" __attribute__((visibility("default"))) int nanoq_emu_document_mask_reuse(
+    int batch, int time, int heads, int head_dim, const float* q, const float* k, const float* v, const int* first,
+    const int* second, float* out, long long* masks, char* message, int message_bytes) {
+    using namespace nanoq;
+    return guarded(message, message_bytes, [&] {
+        cuda::CudaBackend backend(0);
+        NamedAllocator allocator(backend, 0);
+        TrainOptions options;
+        options.dtype = Precision::BF16;
+        options.attention = AttentionImpl::Cudnn;
+        options.packed_documents = true;
+        backend.configure(options);
+        const AttentionShape shape{batch, time, heads, heads, head_dim};
+        ScratchShapes shapes{shape, heads * head_dim, 16, 16, 1, 0};
+        shapes.attention_impl = AttentionImpl::Cudnn;
+        shapes.dtype = Precision::BF16;
+        shapes.packed_documents = true;
+        backend.reserve_scratch(allocator, shapes);
+        const std::int64_t rows = std::int64_t(batch) * time, elements = rows * heads * head_dim;
+        const Tensor tq = upload(backend, allocator, "q", q, elements), tk = upload(backend, allocator, "k", k, elements),
+                     tv = upload(backend, allocator, "v", v, elements);
+        Tensor positions[2];
+        const int* host[2] = {first, second};
+        for (int i = 0; i < 2; ++i) {
+            positions[i] = allocator.allocate(Context::Workspace, i ? "second" : "first", DType::I32, {batch, time});
+            backend.copy_from_host(positions[i], host[i]);
+        }
+        const Tensor lse = allocator.allocate(Context::Activations, "lse", DType::F32, {std::int64_t(batch) * heads * time});
+        const Tensor result = allocator.allocate(Context::Activations, "out", DType::BF16, {elements});
+        backend.positions_changed(positions[0], shape);
+        for (int call = 0; call < 3; ++call) {
+            backend.attention_forward(result, lse, tq, tk, tv, positions[call == 1], shape);
+            download(backend, result, out + call * elements);
+        }
+        *masks = backend.attention_info().document_masks;
+    });
 }
