@@ -19,6 +19,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Backend methods that move memory rather than compute: the harness uses
 # them to stage every op, so they have no entry of their own.
 STAGING = {"copy_from_host", "copy_from_staging", "copy_from_device", "copy_to_host"}
+# Methods that announce state for later ops rather than compute: positions_changed
+# (a batch's positions for the attention calls after it; the attention entries
+# take their positions as an argument, and a call with positions not announced
+# derives what it needs itself).
+ANNOUNCEMENTS = {"positions_changed"}
 FIXED_DTYPES = {"float32", "float64", "int32"}
 
 
@@ -30,7 +35,7 @@ def cpu():
 def backend_ops():
     """The ops of the Backend interface: its methods taking a Tensor first."""
     text = (ROOT / "cuda_core" / "backend.h").read_text()
-    return set(re.findall(r"virtual void (\w+)\(\s*const Tensor&", text)) - STAGING
+    return set(re.findall(r"virtual void (\w+)\(\s*const Tensor&", text)) - STAGING - ANNOUNCEMENTS
 
 
 def test_every_op_of_the_backend_interface_has_a_table_entry():
