@@ -269,18 +269,19 @@ def plot(log, output):
     click.echo(f"wrote {output}")
 
 
-def _memory_model(config, model_path):
+def _memory_model(config, model_path, datasets):
     """The ModelConfig to estimate: ``--model``'s config.json, else the one
     training builds: model.init_from's, or the settings' [model] with
     vocab_size 0 meaning the token files' (read as training reads them),
-    or on the demo corpus its tokenizer's."""
+    or on the demo corpus its tokenizer's. ``datasets``: the token files
+    opened (loop.config_datasets)."""
     from nanoq import ModelConfig
     from nanoq.training.loop import data_model_config, model_config
 
     if model_path is not None:
         return ModelConfig.from_pretrained(model_path)
     if config.train_data or config.curriculum:
-        return data_model_config(config)
+        return data_model_config(config, datasets)
     if config.init_from or config.vocab_size:
         return model_config(config, 0)
     from nanoq.demo import DEMO_DIR
@@ -321,19 +322,20 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, processes
     """
     from nanoq.memory import estimate_memory, visible_gpu_memory
     from nanoq.training import load_config
-    from nanoq.training.loop import data_packing
+    from nanoq.training.loop import config_datasets, data_packing
     from nanoq.training.settings import train_options
 
     overrides = {name: value for name, value in flags.items() if value is not None}
     device_bytes, reserve_bytes = device_memory, reserve
     try:
         config = load_config(config_file, overrides)
-        model = _memory_model(config, model_path)
+        datasets = config_datasets(config)  # opened once: packed files are scanned for their documents
+        model = _memory_model(config, model_path, datasets)
         # Samples during training generate: the KV cache is then part of the run.
         # A given device size also sizes the cuda classifier chunk as on that GPU.
         # Packed windows (data.packing pack, or auto on SFT files; training's or eval's) add cuda's
         # attention mask.
-        estimate = estimate_memory(model, train_options(config, data_packing(config)),
+        estimate = estimate_memory(model, train_options(config, data_packing(config, datasets)),
                                    reserve_bytes=reserve_bytes, processes=processes,
                                    generates=config.sample_every > 0, device_memory=device_bytes)
     except (ValueError, FileNotFoundError) as e:

@@ -238,10 +238,12 @@ def _stage_datasets(config: TrainConfig, number: int, stage) -> tuple:
         raise type(e)(f"data.curriculum stage {number}: {e}") from None
 
 
-def _config_datasets(config: TrainConfig) -> List[Dataset]:
+def config_datasets(config: TrainConfig) -> List[Dataset]:
     """The Datasets of ``config``'s token files as ``train`` opens them
     (data.train_data and data.eval_data, or data.curriculum's); [] for the
-    demo corpus (not made here)."""
+    demo corpus (not made here). Opening reads the files (packed ones are
+    scanned for their documents): open them once for data_model_config and
+    data_packing."""
     if config.curriculum:
         return [dataset for number, stage in enumerate(parse_curriculum(config.curriculum), 1)
                 for dataset in _stage_datasets(config, number, stage) if dataset is not None]
@@ -251,13 +253,14 @@ def _config_datasets(config: TrainConfig) -> List[Dataset]:
     return []
 
 
-def data_model_config(config: TrainConfig) -> ModelConfig:
+def data_model_config(config: TrainConfig, datasets: Optional[List[Dataset]] = None) -> ModelConfig:
     """The ModelConfig that ``train`` builds for ``config``'s token files
     (data.train_data and data.eval_data, or data.curriculum's): their vocab
     sizes and largest token ids decide [model] vocab_size 0, as in training
-    (see ``model_config``). The files are read, the demo corpus is not made:
-    without train data this is a ValueError."""
-    datasets = _config_datasets(config)
+    (see ``model_config``). The files are read (or ``datasets``, their
+    config_datasets), the demo corpus is not made: without train data this
+    is a ValueError."""
+    datasets = config_datasets(config) if datasets is None else datasets
     if not datasets:
         raise ValueError("no token files to read the vocab size from (data.train_data and data.curriculum are \"\")")
     return _model_for_data(config, datasets)
@@ -270,11 +273,12 @@ def run_packing(datasets) -> str:
     return "pack" if any(dataset.packing == "pack" for dataset in datasets) else "stream"
 
 
-def data_packing(config: TrainConfig) -> str:
+def data_packing(config: TrainConfig, datasets: Optional[List[Dataset]] = None) -> str:
     """data.packing as ``train`` resolves it for ``config`` (``run_packing``
-    over the files it opens, "auto" read from their tokenization; the demo
-    corpus streams unless data.packing is "pack")."""
-    datasets = _config_datasets(config)
+    over the files it opens, or ``datasets``, their config_datasets; "auto"
+    read from their tokenization; the demo corpus streams unless
+    data.packing is "pack")."""
+    datasets = config_datasets(config) if datasets is None else datasets
     if datasets:
         return run_packing(datasets)
     return "pack" if config.packing == "pack" else "stream"
