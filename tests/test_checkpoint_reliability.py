@@ -193,6 +193,20 @@ def test_a_checkpoint_with_a_bad_checksum_is_set_aside_on_resume(tmp_path):
     assert any(name.startswith("step_00000008.corrupt-") for name in os.listdir(root))
 
 
+def test_a_resume_reads_each_checksum_once(tmp_path, monkeypatch):
+    """Choosing the checkpoint verifies its files; loading it then does not
+    read them all again (for a large model's optimizer state, minutes)."""
+    cfg, run_dir = interrupted_run(tmp_path)
+    root = run_dir / "checkpoints"
+    flip_data_byte(root / "step_00000008")  # the newest is damaged: the one before it is chosen
+    checked = []
+    real = checkpoint.file_checksum
+    monkeypatch.setattr(checkpoint, "file_checksum", lambda path: checked.append(os.fspath(path)) or real(path))
+    result = train(dataclasses.replace(cfg, checkpoint_every=0), resume=str(run_dir), **QUIET)
+    assert result.resumed_from == str(root / "step_00000004") and result.steps == 12
+    assert sorted(checked) == sorted([str(root / "step_00000008" / PART), str(root / "step_00000004" / PART)])
+
+
 def test_a_resume_blocked_by_the_run_lock_moves_nothing_aside(tmp_path):
     cfg, run_dir = interrupted_run(tmp_path)
     flip_data_byte(run_dir / "checkpoints" / "step_00000008")

@@ -23,8 +23,8 @@ import math
 import os
 from typing import Any, Callable, Dict, List, Optional
 
-from nanoq.checkpoint import (STATE_FILE, CheckpointError, list_checkpoints, list_step_dirs, read_state, set_aside,
-                              step_dir_name, verify)
+from nanoq.checkpoint import (STATE_FILE, CheckpointError, list_checkpoints, list_step_dirs, load_checkpoint,
+                              read_state, set_aside, step_dir_name, verify)
 from nanoq.data import DataLoader
 from nanoq.trainer import Trainer
 from nanoq.training.settings import Setting, TrainConfig, resolve_paths, settings
@@ -226,8 +226,11 @@ def prepare_resume(config: TrainConfig, run: RunToResume, say: Callable[[str], N
 
 
 def restore(trainer: Trainer, loader: DataLoader, resumed: Resume) -> Progress:
-    """Loads the checkpoint into the trainer (any device count) and the loader; the loop's progress."""
-    extra = trainer.load_checkpoint(resumed.state["path"])["extra_state"]
+    """Loads the checkpoint into the trainer (any device count) and the loader; the loop's progress.
+    Its checksums are not verified again: ``prepare_resume`` verified them
+    while choosing it, under the run's lock (a second pass would read every
+    file once more: minutes for a large model's optimizer state)."""
+    extra = load_checkpoint(trainer, resumed.state["path"], checksums=False)["extra_state"]
     loader.load_state_dict(extra["data_loader"])
     return Progress(step=extra["step"], tokens=extra["tokens"],
                      evals=[(step, _float(loss)) for step, loss in extra["evals"]],
