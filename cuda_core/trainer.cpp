@@ -551,6 +551,48 @@ struct Trainer::Impl : TrainerSetup {
         devices[source_device].backend->record_batch_ready(streams, 2);
     }
 
+    // This trainer's addend of trainable parameter p's gradient (all of it
+    // when the trainer holds its whole world): the sum over its devices of
+    // what they accumulated, or of the owned chunks once the gradients are
+    // summed into the owners' shards; scaled by the world's token count.
+    // whole_world: refuse a trainer that holds only part of its world.
+    void read_gradient(const ParameterInfo& p, float* out, bool whole_world) {
+        if (micro_steps == 0) throw InvalidArgument("no gradients yet: call step() before reading gradients");
+        if (whole_world) require_whole_world("get_gradient");
+        const int n = size();
+        std::vector<std::vector<float>> per_rank(n, std::vector<float>(p.numel()));
+        std::vector<StatValue> rows;
+        bool summed = false;  // decided on the workers: after the steps queued before this call
+        run([&](int rank, DeviceState& d) {
+            gather_stats(d, d.stats);
+            std::vector<StatValue> gathered = read_gathered(d);
+            const bool summed_here = zero->gradients_summed(d.zero);  // the same on every rank
+            if (rank == 0) {
+                rows = std::move(gathered);
+                summed = summed_here;
+            }
+            if (!summed_here) {
+                d.backend->copy_to_host(per_rank[rank].data(), d.zero.grads.slice(p.offset, p.numel()));
+            } else {
+                // Already summed over devices, in the owners' shards.
+                const Tensor grads = zero->grad_shard(global(rank), d.zero);
+                for_each_shard_chunk(shard, global(rank), p, p.numel(),
+                                     [&](std::int64_t in_shard, std::int64_t in_param, std::int64_t count) {
+                    d.backend->copy_to_host(per_rank[0].data() + in_param, grads.slice(in_shard, count));
+                });
+            }
+            d.backend->synchronize();
+        });
+        const StepStats totals = combine(rows);
+        const float scale = totals.tokens ? 1.0f / static_cast<float>(totals.tokens) : 0.0f;
+        const int ranks = summed ? 1 : n;
+        for (std::int64_t i = 0; i < p.numel(); ++i) {
+            float sum = 0.0f;
+            for (int r = 0; r < ranks; ++r) sum += per_rank[r][i];
+            out[i] = sum * scale;
+        }
+    }
+
     // Statistics of all ranks (rows of kGatherStride) combined in rank order.
     StepStats combine(const std::vector<StatValue>& rows) const {
         double sums[kStatCount] = {};
@@ -959,42 +1001,12 @@ void Trainer::set_optimizer_steps(int steps) {
 
 void Trainer::get_gradient(int index, float* out) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
-    Impl& m = *impl_;
-    const ParameterInfo& p = m.parameter_at(index, true);
-    if (m.micro_steps == 0) throw InvalidArgument("no gradients yet: call step() before reading gradients");
-    m.require_whole_world("get_gradient");
-    const int n = world_size();
-    std::vector<std::vector<float>> per_rank(n, std::vector<float>(p.numel()));
-    std::vector<StatValue> rows;
-    bool summed = false;  // decided on the workers: after the steps queued before this call
-    m.run([&](int rank, DeviceState& d) {
-        m.gather_stats(d, d.stats);
-        std::vector<StatValue> gathered = m.read_gathered(d);
-        const bool summed_here = m.zero->gradients_summed(d.zero);  // the same on every rank
-        if (rank == 0) {
-            rows = std::move(gathered);
-            summed = summed_here;
-        }
-        if (!summed_here) {
-            d.backend->copy_to_host(per_rank[rank].data(), d.zero.grads.slice(p.offset, p.numel()));
-        } else {
-            // Already summed over devices, in the owners' shards.
-            const Tensor grads = m.zero->grad_shard(rank, d.zero);
-            for_each_shard_chunk(m.shard, rank, p, p.numel(), [&](std::int64_t in_shard, std::int64_t in_param,
-                                                                  std::int64_t count) {
-                d.backend->copy_to_host(per_rank[0].data() + in_param, grads.slice(in_shard, count));
-            });
-        }
-        d.backend->synchronize();
-    });
-    const StepStats totals = m.combine(rows);
-    const float scale = totals.tokens ? 1.0f / static_cast<float>(totals.tokens) : 0.0f;
-    const int ranks = summed ? 1 : n;
-    for (std::int64_t i = 0; i < p.numel(); ++i) {
-        float sum = 0.0f;
-        for (int r = 0; r < ranks; ++r) sum += per_rank[r][i];
-        out[i] = sum * scale;
-    }
+    impl_->read_gradient(impl_->parameter_at(index, true), out, true);
+}
+
+void Trainer::get_gradient_addend(int index, float* out) {
+    std::lock_guard<std::mutex> serial(impl_->call_mutex);
+    impl_->read_gradient(impl_->parameter_at(index, true), out, false);
 }
 
 void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int source_device,

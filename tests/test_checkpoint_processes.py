@@ -1,4 +1,4 @@
-"""Checkpoints and exports of a world of several processes.
+"""Checkpoints, exports and gradients of a world of several processes.
 
 The processes are ThreadWorld members (each a thread with its own Trainer,
 one world through the shared-memory communicator) and, once, real mpiexec
@@ -30,7 +30,7 @@ from nanoq.hf_export import export_checkpoint
 from nanoq.testing.threads import ThreadWorld
 from nanoq_cli.main import cli
 from conftest import cuda_cases, use_cuda_backend
-from processes.checkpoints import CONFIG, options, train
+from processes.checkpoints import BATCHES, CONFIG, WORLD, options, train
 from test_processes import mpiexec_path
 from test_topology import in_threads
 
@@ -109,6 +109,40 @@ def test_checkpoints_move_between_2x2_1x4_4x1_and_back_bitwise(tmp_path, fields)
     assert losses == expected_losses
     assert_same_state(left, expected_state)
     assert checkpoint.read_state(tmp_path)["step"] == 8
+
+
+def rows_of(trainer, batch):
+    """This trainer's rows of a global batch (inputs, targets)."""
+    rows = trainer.world_size * trainer.options.batch_size
+    first = trainer.topology[1] * trainer.options.batch_size
+    return tuple(np.ascontiguousarray(part[first:first + rows]) for part in batch)
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_every_process_gets_the_worlds_gradients(zero_stage):
+    """get_gradients is collective in a world of processes: each gets the
+    gradients of the whole world, those of one process with all its devices
+    (bitwise where the owners' shards hold the sums, stages 2 and 3)."""
+    def gradients(trainer):
+        trainer.init_weights(seed=3)
+        for step in range(2):  # two updates, then the micro-batches of a third
+            trainer.step(*rows_of(trainer, BATCHES[2 * step]))
+            trainer.step(*rows_of(trainer, BATCHES[2 * step + 1]))
+            trainer.update(lr=1e-2)
+        trainer.step(*rows_of(trainer, BATCHES[4]))
+        trainer.step(*rows_of(trainer, BATCHES[5]))
+        return trainer.get_gradients()
+
+    alone, = in_world(1, WORLD, gradients, zero_stage=zero_stage, grad_accum=2)
+    members = in_world(2, WORLD // 2, gradients, zero_stage=zero_stage, grad_accum=2)
+    assert all(np.abs(value).max() > 0 for value in alone.values())
+    for got in members:
+        assert sorted(got) == sorted(alone)
+        for name, value in alone.items():
+            if zero_stage == 1:  # each process sums its devices first: another order of fp32 adds
+                np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-8, err_msg=name)
+            else:
+                np.testing.assert_array_equal(got[name], value, err_msg=name)
 
 
 def test_a_checkpoint_loads_on_worlds_of_other_sizes(tmp_path):
@@ -346,7 +380,7 @@ import json, os, sys
 import numpy as np
 sys.path.insert(0, {tests!r})
 import nanoq
-from processes.checkpoints import CONFIG, options, train
+from processes.checkpoints import BATCHES, CONFIG, WORLD, options, train
 out = sys.argv[1]
 with nanoq.Trainer(CONFIG, options(1)) as trainer:  # one device per process, the world from mpiexec
     trainer.init_weights(seed=3)
@@ -389,7 +423,7 @@ import os, sys
 sys.path.insert(0, {tests!r})
 import nanoq
 from nanoq.testing import PAUSE_IN_SAVE_ENV
-from processes.checkpoints import CONFIG, options, train
+from processes.checkpoints import BATCHES, CONFIG, WORLD, options, train
 out = sys.argv[1]
 with nanoq.Trainer(CONFIG, options(1)) as trainer:
     rank = trainer.processes.rank

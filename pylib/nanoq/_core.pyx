@@ -191,6 +191,7 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         void set_parameter(int, const float*) except +nanoq_raise_py_error
         void get_parameter(int, float*) except +nanoq_raise_py_error
         void get_gradient(int, float*) except +nanoq_raise_py_error
+        void get_gradient_addend(int, float*) except +nanoq_raise_py_error
         void get_optimizer_state(int, int, float*) except +nanoq_raise_py_error
         void set_optimizer_state(int, int, const float*) except +nanoq_raise_py_error
         void set_optimizer_steps(int) except +nanoq_raise_py_error
@@ -278,6 +279,7 @@ def cpu_gemm():
 cdef enum:
     _WEIGHTS = -1
     _GRADIENTS = -2
+    _GRADIENT_ADDEND = -3
 
 
 cdef dict _stats_dict(const CStepStats& s):
@@ -658,6 +660,10 @@ cdef class CoreTrainer:
     def get_gradient(self, int index):
         return self._read(index, _GRADIENTS)
 
+    def get_gradient_addend(self, int index):
+        """This trainer's addend of the world's gradient (full shape); collective."""
+        return self._read(index, _GRADIENT_ADDEND)
+
     def get_optimizer_state(self, int index, int kind):
         """kind: 0 master weights, 1 AdamW m, 2 AdamW v; full float32 tensor."""
         if kind not in (0, 1, 2):
@@ -737,6 +743,8 @@ cdef class CoreTrainer:
                 t.get_parameter(index, &view[0])
             elif what == _GRADIENTS:
                 t.get_gradient(index, &view[0])
+            elif what == _GRADIENT_ADDEND:
+                t.get_gradient_addend(index, &view[0])
             else:
                 t.get_optimizer_state(index, what, &view[0])
         return out

@@ -472,10 +472,23 @@ class Trainer:
     def get_gradients(self) -> Dict[str, np.ndarray]:
         """Gradients (float32, Hugging Face names) of the mean loss over the
         tokens counted so far in this optimizer step, summed over devices,
-        before clipping. Raises ValueError before the first ``step``."""
+        before clipping. Raises ValueError before the first ``step``. In a
+        world of several processes this is collective (every process calls
+        it; each gets the whole world's gradients, summed over processes in
+        rank order, one tensor at a time); a trainer in a world placed by
+        hand (``world_group`` None) cannot reach the others: ValueError."""
         if self._core.micro_steps == 0:
             raise ValueError("no gradients yet: call step() before get_gradients()")
-        return {self._parameters[i][0]: self._core.get_gradient(i) for i in self._trainable}
+        if not self._gathers():
+            return {self._parameters[i][0]: self._core.get_gradient(i) for i in self._trainable}
+        out = {}
+        for i in self._trainable:
+            addends = self._world_group.allgather(self._core.get_gradient_addend(i))
+            total = addends[0].copy()  # the processes of a ThreadWorld share the objects
+            for addend in addends[1:]:
+                total += addend
+            out[self._parameters[i][0]] = total
+        return out
 
     # -- checkpoints and export ---------------------------------------------
     def save_checkpoint(self, directory: str | os.PathLike, step: int, extra_state: dict | None = None, *,

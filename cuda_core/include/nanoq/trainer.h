@@ -67,6 +67,14 @@ public:
     // optimizer step, summed over devices, before clipping. Needs the whole
     // world in this trainer (else InvalidArgument).
     void get_gradient(int index, float* out);
+    // This trainer's addend of that gradient (full shape, scaled by the whole
+    // world's token count): what its devices accumulated, or, once the
+    // gradients are summed into the ZeRO owners' shards, the elements its
+    // ranks own (zero elsewhere). The world's gradient is the sum of every
+    // trainer's addend; never needs the other trainers' data, but it is a
+    // collective of the world (its statistics are gathered): every trainer
+    // calls it.
+    void get_gradient_addend(int index, float* out);
 
     // Optimizer state of one parameter, as a full float32 tensor gathered
     // from (or scattered to) the shards of every device, so that it moves
