@@ -96,6 +96,7 @@ import numpy as np
 from nanoq.agreement import agree, on_root
 from nanoq.durable import fsync_path, give_created_mode, read_json_object, write_json
 from nanoq.hf_io import as_float32, safetensors_file
+from nanoq.memory import human_bytes
 from nanoq.testing import hooks as testing_hooks
 
 FORMAT_VERSION = 2
@@ -324,25 +325,18 @@ def _make_room(root: str, needed: int, keep_last: int, keep_every: int) -> None:
     for step in doomed:
         _delete(root, step)
         free = shutil.disk_usage(root).free
-        warnings.warn(f"only {_size(free)} free in {root}, short of the {_size(needed)} a checkpoint needs: "
-                      f"deleted {step_dir_name(step)} before writing the next one (keep_last = {keep_last} "
+        warnings.warn(f"only {human_bytes(free)} free in {root}, short of the {human_bytes(needed)} a checkpoint "
+                      f"needs: deleted {step_dir_name(step)} before writing the next one (keep_last = {keep_last} "
                       f"would have deleted it after)", DiskSpaceWarning, stacklevel=4)
         if free >= needed:
             return
     raise OSError(errno.ENOSPC, f"not enough disk space for a checkpoint in {root}: it needs about "
-                                f"{_size(needed)}, {_size(free)} is free; free some space (or lower "
+                                f"{human_bytes(needed)}, {human_bytes(free)} is free; free some space (or lower "
                                 f"keep_last) and resume")
 
 
 def _directory_bytes(directory: str) -> int:
     return sum(entry.stat().st_size for entry in os.scandir(directory) if entry.is_file())
-
-
-def _size(count: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if count >= scale:
-            return f"{count / scale:.1f} {unit}"
-    return f"{count} bytes"
 
 
 def _write_state(trainer, directory: str, step: int, extra_state: dict, tokenizer_dir: Optional[str],
