@@ -8,6 +8,7 @@ from click.testing import CliRunner
 
 from nanoq.checkpoint import list_checkpoints, read_state, read_weights
 from nanoq.data import write_tokens
+from nanoq.memory import human_bytes
 from nanoq.training import TrainConfig, read_log, train
 from nanoq_cli.main import cli
 
@@ -252,6 +253,9 @@ def test_cli_resume_continues_with_more_steps_and_refuses_a_model_change(tmp_pat
     result = invoke(cli_args(tmp_path, "--schedule", "constant", "--steps", "12", "--resume", run))
     assert result.exit_code == 0, result.output
     assert f"resuming from {run / 'checkpoints' / 'step_00000008'} at step 8" in result.output
+    step8 = run / "checkpoints" / "step_00000008"
+    size = sum(os.path.getsize(step8 / name) for name in os.listdir(step8) if name != "trainer_state.json")
+    assert f"verifying {step8} ({human_bytes(size)})" in result.output  # before a long read, what it reads
     assert "changed since the checkpoint: train.steps 8 -> 12" in result.output
     assert losses_after_resume(run) == {step: expected[step] for step in range(9, 13)}
     assert json.loads(open(run / "log.jsonl").readlines()[-1])["model_dir"] == str(run / "model-step12")

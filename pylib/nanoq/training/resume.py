@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional
 from nanoq.checkpoint import (STATE_FILE, CheckpointError, list_checkpoints, list_step_dirs, load_checkpoint,
                               read_state, set_aside, step_dir_name, verify)
 from nanoq.data import DataLoader
+from nanoq.memory import human_bytes
 from nanoq.trainer import Trainer
 from nanoq.training.settings import Setting, TrainConfig, resolve_paths, settings
 from nanoq.training.run_lock import require_not_in_use
@@ -171,6 +172,20 @@ def find_run(config: TrainConfig, resume, say: Callable[[str], None]) -> Optiona
     return _locate(resume)
 
 
+def _verify(state: dict, say: Callable[[str], None]) -> None:
+    """``verify(state)``, saying first what it reads (a large model's
+    checkpoint takes a while: every byte is read once)."""
+    checksums = state.get("checksums")
+    try:
+        size = sum(os.path.getsize(os.path.join(state["path"], name))
+                   for name in (checksums if isinstance(checksums, dict) else ()))
+    except OSError:
+        size = 0  # a file is missing: verify says which
+    if size:
+        say(f"verifying {state['path']} ({human_bytes(size)})")
+    verify(state)
+
+
 def _newest_good(root: str, say: Callable[[str], None]) -> dict:
     """The verified state of the newest good checkpoint under ``root``;
     each newer one that fails verification is reported and set aside."""
@@ -178,7 +193,7 @@ def _newest_good(root: str, say: Callable[[str], None]) -> dict:
         step_dir = os.path.join(root, step_dir_name(step))
         try:
             state = read_state(step_dir)
-            verify(state)
+            _verify(state, say)
             return state
         except CheckpointError as e:
             moved = set_aside(step_dir)
@@ -197,7 +212,7 @@ def prepare_resume(config: TrainConfig, run: RunToResume, say: Callable[[str], N
         state = _newest_good(root, say)
     else:
         state = read_state(run.step_dir)
-        verify(state)
+        _verify(state, say)
     run_dir, step_dir = run.run_dir, state["path"]
     extra = state["extra_state"]
     missing = [key for key in _STATE_KEYS if key not in extra]
