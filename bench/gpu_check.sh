@@ -126,6 +126,12 @@ for name in ("torch", "transformers", "cupy-cuda13x", "numpy", "cython", "scikit
         print(f"  {name} {md.version(name)}")
     except md.PackageNotFoundError:
         print(f"  {name}: NOT INSTALLED")
+# cuDNN compiles its Hopper attention engines with NVRTC at run time: without it every plan is refused.
+try:
+    from cuda.pathfinder import load_nvidia_dynamic_lib
+    print("nvrtc:", load_nvidia_dynamic_lib("nvrtc").abs_path)
+except Exception as e:  # noqa: BLE001 - a report line, whatever failed
+    print(f"nvrtc: NOT FOUND through cuda.pathfinder ({e}); cuDNN may still find the toolkit's")
 import torch
 print("torch.cuda:", torch.version.cuda, torch.cuda.is_available(), torch.cuda.device_count())
 EOF

@@ -192,6 +192,36 @@ def test_the_cublaslt_stand_in_refuses_what_the_library_refuses(monkeypatch):
 
 
 @pytest.mark.cuda_emulated
+def test_a_plan_first_needed_inside_a_graph_capture_is_not_timed(monkeypatch, capfd):
+    """Timing waits on events on the host, which a capture forbids (the
+    emulator, like CUDA, invalidates the capture): a plan first needed
+    inside one keeps the heuristic's first algorithm and says so, and the
+    captured product replays right. The trainer warms every captured body up
+    uncaptured first, so this is the guard behind that order."""
+    import ctypes
+    import os
+
+    require_cuda_emulator()
+    monkeypatch.setenv("NANOQ_MATMUL_LOG", "1")
+    monkeypatch.setenv("NANOQ_EMU_LT_ALGORITHMS", "3")
+    nanoq.backends()
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(nanoq._core.__file__), "libnanoq_cuda_emulated.so"))
+    M, N, K = 24, 40, 56  # a shape of its own: no plan or remembered choice for it yet
+    rng = np.random.default_rng(4)
+    a, b = normal(rng, M, K), normal(rng, K, N)
+    out = np.zeros((M, N), np.float32)
+    message = ctypes.create_string_buffer(1024)
+    f = ctypes.POINTER(ctypes.c_float)
+    status = lib.nanoq_emu_matmul_planned_in_capture(M, N, K, a.ctypes.data_as(f), b.ctypes.data_as(f),
+                                                     out.ctypes.data_as(f), message, 1024)
+    assert status == 0, message.value.decode()
+    assert_array_close(out, a.astype(np.float64) @ b, 1e-5, "captured matmul")
+    (plan,) = plans(capfd)
+    assert plan["algorithms"] == 3 and plan["chosen"] == 0
+    assert plan["how"] == "untimed (first needed inside a CUDA graph capture)"
+
+
+@pytest.mark.cuda_emulated
 def test_tuned_training_is_bitwise_untuned_training(monkeypatch, capfd):
     """Two devices, two micro-batches per step (weight gradients accumulate):
     every plan timed on the first use of its shape, into the output or a

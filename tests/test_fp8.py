@@ -107,10 +107,12 @@ def reference_quantize(x, fmt="e4m3"):
     largest, dtype = FORMATS[fmt]
     x = np.asarray(x, np.float32)
     amax = np.float32(np.nanmax(np.abs(x))) if x.size else np.float32(0)
-    scale = largest / amax if amax > 0 and np.isfinite(amax) else np.float32(1)
+    with np.errstate(over="ignore"):  # a tiny maximum: the scale is held to 2^126
+        scale = min(np.float32(largest) / amax, np.float32(2.0**126)) if amax > 0 and np.isfinite(amax) else np.float32(1)
     scaled = np.clip(x * scale, -largest, largest)  # float32 product, as on the device
     codes = torch.from_numpy(scaled).to(dtype).view(torch.uint8).numpy()
-    return codes, np.float32(1) / scale
+    # An infinite maximum (an overflow in x): NaN, so that the product is NaN as bf16's would be non-finite.
+    return codes, np.float32(np.nan) if np.isinf(amax) else np.float32(1) / scale
 
 
 def decode(codes, fmt="e4m3"):
@@ -295,6 +297,34 @@ def test_quantize_keeps_every_e4m3_value_and_its_special_cases(probes):
     with_nan, _, _ = quantize(probes, np.array([1.0, np.nan, -np.nan, 2.0], np.float32), False)
     assert with_nan[1] & 0x7F == 0x7F and with_nan[2] & 0x7F == 0x7F  # NaN stays NaN
     assert with_nan[3] == 0x7E  # the maximum ignores the NaN
+
+
+@pytest.mark.cuda_emulated
+@pytest.mark.parametrize("bf16_input", [False, True])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_quantize_keeps_an_overflow_and_a_tiny_tensor_apart_from_nan(probes, bf16_input, fmt):
+    """An infinity in x (an overflow upstream) gives a NaN inverse scale: the
+    saturating codes alone would make the product finite and hide it. A
+    tensor whose maximum is below largest / FLT_MAX (bf16 holds such values)
+    gets a finite scale (at most 2^126), not an infinite one that would turn
+    its zeros into NaN."""
+    largest = FORMATS[fmt][0]
+    overflow = np.array([1.0, np.inf, -2.0, 0.0] * 8, np.float32)
+    for transposed in (False, True, "both"):
+        x = overflow.reshape(2, 16) if transposed else overflow
+        _, amax, inverse = quantize(probes, x, bf16_input, fmt, transposed)
+        assert np.isinf(amax) and np.isnan(inverse), (transposed, amax, inverse)
+    tiny = np.zeros(32, np.float32)
+    tiny[::5] = np.float32(2.0**-127) * np.array([1, -1, 1, -1, 1, 1, -1], np.float32)
+    tiny = bf16(tiny) if bf16_input else tiny
+    assert np.float32(largest) / np.abs(tiny).max() == np.inf  # the unclamped scale would be infinite
+    codes, amax, inverse = quantize(probes, tiny, bf16_input, fmt)
+    expected, expected_inverse = reference_quantize(tiny, fmt)
+    assert amax == np.abs(tiny).max() and inverse == expected_inverse == np.float32(2.0**-126)
+    np.testing.assert_array_equal(codes, expected)
+    values = decode(codes, fmt) * np.float64(inverse)
+    assert np.isfinite(values).all() and not values[tiny == 0].any()
+    np.testing.assert_allclose(values, tiny, rtol=0.15)
 
 
 @pytest.mark.cuda_emulated

@@ -443,6 +443,80 @@ def test_attention_workspace_comes_from_the_named_allocator_and_the_plan():
 
 
 @emulated
+def test_the_unasked_workspace_bound_holds_the_deterministic_backwards_dp_buffer():
+    """Where no device can be asked (a plan made without the libraries), the
+    cuDNN workspace is planned at its bound, which must hold what the
+    deterministic backward (cudnn_attention.cpp asks for it) keeps on
+    Hopper: dP in bf16 for every query-key pair, B*H*T*T*2 bytes by the
+    cuDNN frontend's own estimate (T padded to 64 for queries and 128 for
+    keys), plus the row sums. That grows with T^2 and outgrows the flash
+    route's fp32 buffers at training lengths (the old bound held only those)."""
+    require_cuda_emulator()
+    H, D = 14, 64  # Qwen2.5-0.5B's attention
+    config = nanoq.ModelConfig(vocab_size=256, hidden_size=H * D, intermediate_size=128, num_hidden_layers=1,
+                               num_attention_heads=H, num_key_value_heads=2, head_dim=D, rope_theta=1e6,
+                               max_position_embeddings=4096)
+
+    def padded(n, m):
+        return -(-n // m) * m
+
+    for B, T in ((8, 1024), (1, 4096), (2, 1000)):
+        options = emulated_options("cudnn", batch_size=B, seq_len=T)
+        unasked = nanoq._core.plan_memory(config.to_core(), _planned_options(options), False)
+        (bound,) = [a for a in unasked[0]["allocations"] if a["name"] == "cudnn-attention-workspace"]
+        dp = 2 * B * H * padded(T, 64) * padded(T, 128)
+        assert not bound["exact"] and bound["bytes"] >= dp + 4 * B * H * T, (B, T, bound["bytes"], dp)
+
+
+@emulated
+def test_a_library_that_throws_its_own_exception_refuses_the_plans(capfd, monkeypatch):
+    """The cuDNN frontend throws std::runtime_error (not nanoq's errors) where
+    no engine fits the attributes: that is the library refusing the plans,
+    as a NanoqError would be. "cudnn" is a ValueError naming it at Trainer
+    creation; "auto" runs the native kernels and says why once on stderr
+    (only where the library failed: a fallback by the documented limits,
+    such as fp32, is the options' choice and says nothing)."""
+    require_cuda_emulator()
+    monkeypatch.setenv("NANOQ_EMU_ATTENTION_THROW", "1")
+    config = tiny_config()
+    with pytest.raises(ValueError, match='attention="cudnn" cannot be used: .*No suitable implementation'):
+        nanoq.Trainer(config, emulated_options("cudnn"))
+    monkeypatch.setenv("NANOQ_EMU_ATTENTION_PREFERRED", "1")
+    capfd.readouterr()
+    with nanoq.Trainer(config, emulated_options("auto")) as trainer:
+        assert trainer.attention == "native"
+        assert workspace(trainer.get_allocations(0)) == []
+    err = capfd.readouterr().err
+    assert err.count('attention="auto" runs nanoq\'s own attention kernels') == 1, err
+    assert "No suitable implementation" in err
+    with nanoq.Trainer(config, emulated_options("auto", dtype="fp32")) as trainer:
+        assert trainer.attention == "native"
+    assert "runs nanoq's own attention kernels" not in capfd.readouterr().err
+
+
+@emulated
+def test_generation_runs_its_prompts_natively_and_keeps_the_runs_plans(checkpoints):
+    """Generation's prompt pass is attention of another shape than the run's
+    (B=1, the prompt's length): it runs in the native kernels rather than
+    build and keep a plan for every prompt length (with cuDNN each compiled
+    at run time, and each may need more workspace than was reserved). The
+    trainer keeps the run's two plans, and greedy tokens are those of
+    attention="native"."""
+    require_cuda_emulator()
+    path = checkpoints.path("llama")
+    config = nanoq.ModelConfig.from_pretrained(path)
+    prompts = ([1, 2, 3], [5, 6, 7, 8, 9, 10, 11])
+    tokens, infos = {}, {}
+    for attention in ("native", "cudnn"):
+        with nanoq.Trainer(config, emulated_options(attention, seq_len=32)) as trainer:
+            trainer.import_weights(path)
+            tokens[attention] = [trainer.generate(prompt, 4, temperature=0) for prompt in prompts]
+            infos[attention] = trainer.get_attention_info(0)
+    assert infos["cudnn"]["implementation"].startswith(STANDIN) and infos["cudnn"]["plans"] == 2, infos
+    assert tokens["cudnn"] == tokens["native"]
+
+
+@emulated
 def test_auto_keeps_the_native_kernel_on_the_emulator():
     """The stand-in is a test double: "auto" never picks it (on a GPU, auto
     picks cuDNN: test_auto_picks_cudnn_on_a_gpu)."""

@@ -229,8 +229,19 @@ void LtMatmul::build(Plan& p, const Product& x, void* workspace, std::size_t wor
         int device = 0;
         NANOQ_CUDA_CHECK(cudaGetDevice(&device));
         chosen = remembered_choice(device, key, -1);
+        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+        NANOQ_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
         if (chosen >= 0 && chosen < usable) {
             log = "chosen earlier in this process";
+        } else if (capture != cudaStreamCaptureStatusNone) {
+            // Timing waits on events on the host, which a capture forbids
+            // (it would invalidate the graph, and the timed launches would
+            // join it): a plan first needed inside a capture keeps the
+            // heuristic's first choice, not remembered, so that a later
+            // trainer times it. (The trainer runs every captured body once
+            // uncaptured first, so its plans exist before a capture.)
+            chosen = 0;
+            log = "untimed (first needed inside a CUDA graph capture)";
         } else {
             chosen = fastest(p, results, usable, x, workspace, workspace_bytes, stream, &log);
             remembered_choice(device, key, chosen);

@@ -249,7 +249,7 @@ std::vector<ScratchBuffer> CudaBackend::scratch_plan(const ScratchShapes& s, boo
         {"host-staging", DType::I32, 2 * rows, MemoryKind::Pinned, true},
     };
     AttentionChoice choice;
-    choice.fused = choose_attention(s, attention, why_none);
+    choice.fused = choose_attention(s, attention, why_none, &choice.refused);
     if (choice.fused) {
         std::size_t workspace =
             attention ? attention->prepare(s.attention, attention_dtype(s)) : attention_workspace_bound(s.attention);
@@ -360,6 +360,9 @@ void CudaBackend::reserve_scratch(NamedAllocator& allocator, const ScratchShapes
     AttentionChoice choice;
     const std::vector<ScratchBuffer> plan = scratch_plan(s, true, fused_attention_.get(), why_none, &choice);
     attention_fused_ = choice.fused;
+    if (!choice.refused.empty())
+        std::fprintf(stderr, "nanoq: device %d: attention=\"auto\" runs nanoq's own attention kernels: %s\n",
+                     device_, choice.refused.c_str());
     if (!choice.documents_refused.empty())
         std::fprintf(stderr, "nanoq: device %d: packed documents run in nanoq's own attention kernels: %s\n", device_,
                      choice.documents_refused.c_str());
@@ -1087,8 +1090,12 @@ void CudaBackend::positions_changed(const Tensor& positions, const AttentionShap
     mask_time_ = s.time;
 }
 
-bool CudaBackend::fused_attention_runs(const Tensor& positions, const AttentionShape& s) {
+bool CudaBackend::fused_attention_runs(const Tensor& positions, const AttentionShape& s, DType dtype) {
     if (!attention_fused_) return false;
+    // Only the shapes reserve_scratch prepared: another one (generation's
+    // prompt pass, a new length each time) runs the native kernels rather
+    // than build, compile and keep plans anew.
+    if (!fused_attention_->prepared(s, dtype, positions.data != nullptr && documents_fused(s))) return false;
     if (!positions.data) return true;
     if (!documents_fused(s)) {
         if (!said_documents_native_ && !attention_mask_.data)
@@ -1108,7 +1115,7 @@ bool CudaBackend::fused_attention_runs(const Tensor& positions, const AttentionS
 void CudaBackend::attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
                                     const Tensor& v, const Tensor& positions, const AttentionShape& s) {
     const OpScope op(*this);
-    if (fused_attention_runs(positions, s)) {
+    if (fused_attention_runs(positions, s, q.dtype)) {
         const AttentionTensors tensors{out, lse, q, k, v, {}, {}, {}, {}, positions.data ? attention_mask_ : Tensor()};
         fused_attention_->forward(tensors, s, attention_workspace_, stream_);
         return;
@@ -1154,7 +1161,7 @@ void CudaBackend::attention_backward(const Tensor& dq, const Tensor& dk, const T
                                      const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
                                      const Tensor& v, const Tensor& positions, const AttentionShape& s) {
     const OpScope op(*this);
-    if (fused_attention_runs(positions, s)) {
+    if (fused_attention_runs(positions, s, q.dtype)) {
         const AttentionTensors tensors{out, lse, q, k, v, dout, dq, dk, dv, positions.data ? attention_mask_ : Tensor()};
         fused_attention_->backward(tensors, s, attention_workspace_, stream_);
         return;

@@ -79,6 +79,7 @@ public:
         bool fused = false;           // attention runs in the fused library
         bool documents = false;       // and so do packed documents (a mask is planned)
         std::string documents_refused;  // why not, where the library refused their plans
+        std::string refused;  // why "auto" runs native where the library failed (not its limits)
     };
     static std::vector<ScratchBuffer> scratch_plan(const ScratchShapes& shapes, bool ask_libraries,
                                                    FusedAttention* attention = nullptr,
@@ -368,9 +369,10 @@ private:
     // Whether the fused library runs packed documents of `shape` (the mask reserved and large enough).
     bool documents_fused(const AttentionShape& shape) const;
     void write_document_mask(const Tensor& positions, const AttentionShape& shape);
-    // Whether an attention call with `positions` runs fused; where packed
-    // documents do, writes their mask first unless positions_changed did.
-    bool fused_attention_runs(const Tensor& positions, const AttentionShape& shape);
+    // Whether an attention call of `shape` (prepared by reserve_scratch) with
+    // `positions` runs fused; where packed documents do, writes their mask
+    // first unless positions_changed did.
+    bool fused_attention_runs(const Tensor& positions, const AttentionShape& shape, DType dtype);
     std::size_t pinned_used_ = 0;
     // Recorded after the latest copy out of pinned_: once it has completed,
     // no staged copy is in flight and pinned_ may be reused from the start.

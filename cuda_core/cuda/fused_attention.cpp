@@ -37,12 +37,19 @@ bool attention_engine_wanted(const ScratchShapes& s) {
     return s.attention_impl == AttentionImpl::Cudnn || attention_engine_preferred();
 }
 
-bool choose_attention(const ScratchShapes& s, FusedAttention* engine, const std::string& why_none) {
+bool choose_attention(const ScratchShapes& s, FusedAttention* engine, const std::string& why_none,
+                      std::string* refused) {
     if (s.attention_impl == AttentionImpl::Native || s.attention.batch <= 0) return false;
     const bool required = s.attention_impl == AttentionImpl::Cudnn;
     auto refuse = [&](const std::string& why) {
         if (required) throw InvalidArgument("attention=\"cudnn\" cannot be used: " + why);
         return false;
+    };
+    // The library itself failed: "auto" says so (a fallback by the limits
+    // follows from the options and is not news).
+    auto library_refuses = [&](const std::string& why) {
+        if (refused && !required) *refused = why;
+        return refuse(why);
     };
     const std::string library = attention_engine_library();
     if (library.empty())
@@ -52,13 +59,13 @@ bool choose_attention(const ScratchShapes& s, FusedAttention* engine, const std:
     const DType dtype = attention_dtype(s);
     const std::string limits = attention_engine_limits(s.attention, dtype);
     if (!limits.empty()) return refuse(limits);
-    if (!engine) return why_none.empty() || refuse(library + " could not be started: " + why_none);
+    if (!engine) return why_none.empty() || library_refuses(library + " could not be started: " + why_none);
     try {
         engine->prepare(s.attention, dtype);
     } catch (const NanoqError& e) {
-        return refuse(e.what());
+        return library_refuses(e.what());
     } catch (const InvalidArgument& e) {
-        return refuse(e.what());
+        return library_refuses(e.what());
     }
     return true;
 }
@@ -69,7 +76,17 @@ std::size_t attention_workspace_bound(const AttentionShape& s) {
     // flash attention backward asks for (its fp32 dq accumulator and row
     // sums); test_fused_attention.py checks it against cuDNN's own size on a GPU.
     const std::size_t rows = static_cast<std::size_t>(s.batch) * s.time * s.heads;
-    return sizeof(float) * rows * (3 * static_cast<std::size_t>(s.head_dim) + 2) + (std::size_t(4) << 20);
+    const std::size_t flash = sizeof(float) * rows * (3 * static_cast<std::size_t>(s.head_dim) + 2);
+    // The deterministic backward (cudnn_attention.cpp asks for it) takes
+    // the cuDNN frontend's dP-workspace route instead (1.32, the SDPA
+    // backward node: deterministic on Hopper without the opt-in ordered dQ),
+    // whose engine keeps dP in bf16 for every query-key pair: the
+    // frontend's own estimate of it is B * H * T * T * 2 bytes, T padded to
+    // 64 for queries and 128 for keys. Both routes are counted, padded to
+    // 128: a bound, not the size (cuDNN is asked where a device is).
+    const std::size_t padded = (static_cast<std::size_t>(s.time) + 127) / 128 * 128;
+    const std::size_t dp = 2 * static_cast<std::size_t>(s.batch) * s.heads * padded * padded;
+    return flash + dp + (std::size_t(4) << 20);
 }
 
 FusedAttention::FusedAttention(std::unique_ptr<AttentionEngine> engine) : engine_(std::move(engine)) {
@@ -80,22 +97,41 @@ FusedAttention::~FusedAttention() = default;
 
 std::int64_t attention_bias_elements(const AttentionShape& s) { return std::int64_t(s.batch) * s.time * s.time; }
 
+FusedAttention::Key FusedAttention::key(const AttentionShape& s, DType dtype, AttentionPass pass, bool bias) {
+    return Key{s.batch, s.time, s.heads, s.kv_heads, s.head_dim, s.causal, static_cast<int>(dtype),
+               static_cast<int>(pass), bias};
+}
+
+bool FusedAttention::prepared(const AttentionShape& s, DType dtype, bool bias) const {
+    return plans_.count(key(s, dtype, AttentionPass::Forward, bias)) &&
+           plans_.count(key(s, dtype, AttentionPass::Backward, bias));
+}
+
 const AttentionPlan& FusedAttention::plan(const AttentionShape& s, DType dtype, AttentionPass pass, bool bias) {
-    const Key key{s.batch, s.time, s.heads, s.kv_heads, s.head_dim, s.causal, static_cast<int>(dtype),
-                  static_cast<int>(pass), bias};
-    auto it = plans_.find(key);
+    const Key k = key(s, dtype, pass, bias);
+    auto it = plans_.find(k);
     if (it != plans_.end()) return *it->second;
     const std::string limits = attention_engine_limits(s, dtype);
     if (!limits.empty()) throw InvalidArgument(limits);
     std::unique_ptr<AttentionPlan> built;
+    auto refused = [&](const char* what) {
+        return NanoqError(engine_->library() + " cannot run the attention " +
+                          (pass == AttentionPass::Forward ? "forward" : "backward") + " of " + describe(s, dtype) +
+                          (bias ? " with a document mask" : "") + ": " + what);
+    };
     try {
         built = engine_->build(s, dtype, pass, bias);
-    } catch (const NanoqError& e) {
-        throw NanoqError(engine_->library() + " cannot run the attention " +
-                         (pass == AttentionPass::Forward ? "forward" : "backward") + " of " + describe(s, dtype) +
-                         (bias ? " with a document mask" : "") + ": " + e.what());
+    } catch (const InvalidArgument&) {
+        throw;
+    } catch (const std::exception& e) {
+        // NanoqError, and what the library's own code throws (the cuDNN
+        // frontend throws std::runtime_error where no engine fits the
+        // attributes; an allocation may throw bad_alloc): all are the
+        // library refusing the plan, which "auto" answers with the native
+        // kernels.
+        throw refused(e.what());
     }
-    return *plans_.emplace(key, std::move(built)).first->second;
+    return *plans_.emplace(k, std::move(built)).first->second;
 }
 
 std::size_t FusedAttention::prepare(const AttentionShape& s, DType dtype, bool bias) {

@@ -92,7 +92,11 @@ std::string attention_engine_limits(const AttentionShape& shape, DType dtype);
 // (so that a shape the library refuses counts as unsupported); null with
 // `why_none` set: no engine could be made (the reason); null with it empty:
 // none was asked (a plan without libraries), so the documented limits decide.
-bool choose_attention(const ScratchShapes& shapes, FusedAttention* engine, const std::string& why_none);
+// Where "auto" falls back because the library could not start or refused
+// to build the plans (not for the documented limits, which the options
+// chose), *refused, when given, says why.
+bool choose_attention(const ScratchShapes& shapes, FusedAttention* engine, const std::string& why_none,
+                      std::string* refused = nullptr);
 
 // The dtype of the shapes' activations (ScratchShapes::dtype).
 DType attention_dtype(const ScratchShapes& shapes);
@@ -124,10 +128,16 @@ public:
                   cudaStream_t stream);
     // Plans built so far (one per shape, dtype, pass and bias or none).
     int plans() const { return static_cast<int>(plans_.size()); }
+    // Whether prepare() built the plans of both passes of the shape: only
+    // those run fused (a call of another shape, such as generation's prompt
+    // pass of each length, would build and keep plans anew, each compiled
+    // at run time, and might need more workspace than was reserved).
+    bool prepared(const AttentionShape& shape, DType dtype, bool bias) const;
 
 private:
     // B, T, H, K, D, causal, dtype, pass, bias
     using Key = std::tuple<int, int, int, int, int, bool, int, int, bool>;
+    static Key key(const AttentionShape& shape, DType dtype, AttentionPass pass, bool bias);
     const AttentionPlan& plan(const AttentionShape& shape, DType dtype, AttentionPass pass, bool bias);
     void run(AttentionPass pass, const AttentionTensors& tensors, const AttentionShape& shape,
              const Tensor& workspace, cudaStream_t stream);
@@ -137,7 +147,8 @@ private:
 };
 
 // An upper bound on the workspace of the plans of `shape`, for a scratch
-// plan made where no engine can be asked (no device).
+// plan made where no engine can be asked (no device): it includes the
+// deterministic backward's dP buffer, which grows with T^2.
 std::size_t attention_workspace_bound(const AttentionShape& shape);
 
 // The elements of the document mask of `shape` (AttentionTensors::bias):

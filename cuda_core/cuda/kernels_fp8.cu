@@ -12,7 +12,8 @@
 // The maximum is an atomicMax on the float's bits (detail::block_max_into):
 // exact and independent of the order the blocks run in. A NaN element is
 // skipped by the maximum and stays NaN when quantized (it reaches the loss,
-// whose step is then skipped). Where the kernel that produced x took the
+// whose step is then skipped); an infinite one makes the inverse scale NaN
+// (fp8_inverse_scale), with the same end. Where the kernel that produced x took the
 // same maximum as it wrote x (SwiGLU forward and backward: "producer
 // maxima", cuda_backend.cpp), the caller says so (amax_known) and the
 // maximum's pass is left out: the codes are the same, one read of x fewer.
@@ -85,10 +86,21 @@ template <int P> struct alignas(P) Codes {
 };
 
 // The scale for a maximum: 1 where there is nothing to scale (all zeros) or
-// the maximum is not finite.
+// the maximum is not finite; at most 2^126, so that a maximum below
+// largest / FLT_MAX (bf16 and fp32 hold such values) does not make it
+// infinite (0 * inf would be NaN) and 1 / scale stays a normal float.
 __device__ __forceinline__ float fp8_scale(float amax, Fp8Format format) {
     const float largest = format == Fp8Format::E4M3 ? kE4m3Max : kE5m2Max;
-    return amax > 0.0f && isfinite(amax) ? largest / amax : 1.0f;
+    return amax > 0.0f && isfinite(amax) ? fminf(largest / amax, 0x1p126f) : 1.0f;
+}
+
+// The inverse scale cuBLASLt dequantizes with: 1 / scale, or NaN where the
+// maximum is infinite (an overflow in x). Saturating conversion would turn
+// the infinities into the format's largest value and the product would come
+// out finite; a NaN scale makes it NaN, as the bf16 product would be
+// non-finite, so that the loss shows it and the step is skipped.
+__device__ __forceinline__ float fp8_inverse_scale(float amax, float scale) {
+    return isinf(amax) ? __int_as_float(0x7fc00000) : 1.0f / scale;
 }
 
 __device__ __forceinline__ std::uint8_t to_fp8(float scaled, Fp8Format format) {
@@ -103,7 +115,7 @@ __global__ void quantize_kernel(std::uint8_t* out, float* inverse_scale, const f
     constexpr int P = detail::kPack<T>;
     const float scale = fp8_scale(*amax, format);
     if (blockIdx.x == 0 && threadIdx.x == 0) {
-        *inverse_scale = 1.0f / scale;
+        *inverse_scale = fp8_inverse_scale(*amax, scale);
         if (amax_copy) *amax_copy = *amax;
     }
     const std::int64_t split = chunked_end<T>(n, vector);
@@ -146,7 +158,8 @@ __global__ void __launch_bounds__(kTile * kTileLanes)
     NANOQ_SHARED(float[kTile * (kTile + 1)], tile);  // +1: no bank conflicts on the transposed reads
     if (current(stamp, generation)) return;  // the whole block returns: no thread waits at the barrier
     const float scale = fp8_scale(*amax, format);
-    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && threadIdx.y == 0) *inverse_scale = 1.0f / scale;
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && threadIdx.y == 0)
+        *inverse_scale = fp8_inverse_scale(*amax, scale);
     const int first_col = blockIdx.x * kTile, first_row = blockIdx.y * kTile;
     for (int i = threadIdx.y; i < kTile; i += kTileLanes) {
         const int r = first_row + i, c = first_col + threadIdx.x;
@@ -193,7 +206,7 @@ __global__ void __launch_bounds__(kVecThreads)
     if (current(stamp, generation)) return;  // the whole block returns: no thread waits at the barrier
     constexpr int P = detail::kPack<T>, kChunks = kVecCols / P;
     const float scale = fp8_scale(*amax, format);
-    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *inverse_scale = 1.0f / scale;
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *inverse_scale = fp8_inverse_scale(*amax, scale);
     const int first_col = blockIdx.x * kVecCols, first_row = blockIdx.y * kVecRows;
     const int tile_cols = cols - first_col < kVecCols ? cols - first_col : kVecCols;
     const int tile_rows = rows - first_row < kVecRows ? rows - first_row : kVecRows;

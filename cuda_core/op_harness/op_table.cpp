@@ -56,6 +56,7 @@ ScratchShapes attention_shapes(const OpCall& c) {
 // (TrainOptions::packed_documents).
 ScratchShapes attention_scratch(const OpCall& c) {
     ScratchShapes s = attention_shapes(c);
+    s.attention = masked_attention(c);  // the fused plans are the call's, causal or not
     s.dtype = c.dtype("dtype") == DType::BF16 ? Precision::BF16 : Precision::FP32;
     if (c.b("fused")) s.attention_impl = AttentionImpl::Cudnn;
     s.packed_documents = c.given("positions");

@@ -19,8 +19,10 @@ BACKENDS = option_schema.choices("backend")
 # of the CUDA execution model (``cuda_emulated``: for tests, very slow, never
 # chosen by "auto").
 CUDA_BACKENDS = ("cuda", "cuda_emulated")
-# cudnn: only a cuda backend built with cuDNN links it (fused attention).
-_CUDA_LIBRARIES = ("cudart", "cublas", "cublasLt", "nccl", "cudnn")
+# cudnn: only a cuda backend built with cuDNN links it (fused attention);
+# nvrtc: cuDNN opens it (by its soname, so a copy loaded here serves) to
+# compile its Hopper attention engines at run time.
+_CUDA_LIBRARIES = ("cudart", "cublas", "cublasLt", "nccl", "cudnn", "nvrtc")
 
 
 def _preload_cuda_libraries() -> None:

@@ -3,8 +3,9 @@
 // backward and gate|up through CudaBackend configured for fp8
 // (tests/test_fp8.py; the fp8 path
 // needs TrainOptions and its own scratch, which the op harness does not
-// give), what the cuBLASLt stand-in refuses (tests/test_cublaslt.py), and
-// the packed documents' announced mask (tests/test_fused_attention.py).
+// give), what the cuBLASLt stand-in refuses and a plan first needed inside
+// a graph capture (tests/test_cublaslt.py), and the packed documents'
+// announced mask (tests/test_fused_attention.py).
 // Compiled into the emulated backend only. The fp8 ones return 0, or 1 with
 // the error in `message`.
 #include <cstring>
@@ -15,6 +16,7 @@
 
 #include "allocator.h"
 #include "cuda/cuda_backend.h"
+#include "cuda/cublaslt_matmul.h"
 #include "cuda/cuda_check.h"
 #include "cuda/kernels.h"
 #include "cublasLt.h"
@@ -649,5 +651,57 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_document_mask_re
             download(backend, result, out + call * elements);
         }
         *masks = backend.attention_info().document_masks;
+    });
+}
+
+// One float32 matmul out[M,N] = a[M,K] @ b[K,N] whose cuBLASLt plan is
+// first needed inside a CUDA graph capture (a fresh LtMatmul; the choice of
+// algorithm follows NANOQ_MATMUL_AUTOTUNE): captured on a stream of its
+// own (thread-local mode, as the trainer captures), then the graph launched
+// once and out read back (tests/test_cublaslt.py).
+extern "C" __attribute__((visibility("default"))) int nanoq_emu_matmul_planned_in_capture(
+    int M, int N, int K, const float* a, const float* b, float* out, char* message, int message_bytes) {
+    using namespace nanoq;
+    return guarded(message, message_bytes, [&] {
+        NANOQ_CUDA_CHECK(cudaSetDevice(0));
+        cudaStream_t stream = nullptr;
+        NANOQ_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        const std::size_t workspace_bytes = std::size_t(4) << 20;
+        void *da = nullptr, *db = nullptr, *dout = nullptr, *workspace = nullptr;
+        NANOQ_CUDA_CHECK(cudaMalloc(&da, sizeof(float) * M * K));
+        NANOQ_CUDA_CHECK(cudaMalloc(&db, sizeof(float) * K * N));
+        NANOQ_CUDA_CHECK(cudaMalloc(&dout, sizeof(float) * M * N));
+        NANOQ_CUDA_CHECK(cudaMalloc(&workspace, workspace_bytes));
+        NANOQ_CUDA_CHECK(cudaMemcpy(da, a, sizeof(float) * M * K, cudaMemcpyHostToDevice));
+        NANOQ_CUDA_CHECK(cudaMemcpy(db, b, sizeof(float) * K * N, cudaMemcpyHostToDevice));
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        auto release = [&] {
+            if (exec) cudaGraphExecDestroy(exec);
+            if (graph) cudaGraphDestroy(graph);
+            for (void* p : {da, db, dout, workspace}) cudaFree(p);
+            cudaStreamDestroy(stream);
+        };
+        try {
+            cuda::LtMatmul matmul([](cudaEvent_t event) { NANOQ_CUDA_CHECK(cudaEventSynchronize(event)); });
+            NANOQ_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+            try {
+                matmul.run(Tensor(dout, DType::F32, {M, N}), Tensor(da, DType::F32, {M, K}),
+                           Tensor(db, DType::F32, {K, N}), M, N, K, false, false, false, workspace, workspace_bytes,
+                           stream);
+            } catch (...) {
+                cudaStreamEndCapture(stream, &graph);
+                throw;
+            }
+            NANOQ_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+            NANOQ_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+            NANOQ_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+            NANOQ_CUDA_CHECK(cudaStreamSynchronize(stream));
+            NANOQ_CUDA_CHECK(cudaMemcpy(out, dout, sizeof(float) * M * N, cudaMemcpyDeviceToHost));
+        } catch (...) {
+            release();
+            throw;
+        }
+        release();
     });
 }

@@ -9,13 +9,17 @@
 // with a bias adds it (bf16 [B,1,T,T], as stored) to the scaled scores, as
 // cuDNN's bias input does, and must be given one (a plan without, none).
 // NANOQ_EMU_ATTENTION_NO_BIAS=1 plays a library that refuses plans with a
-// bias (read at each build); NANOQ_EMU_ATTENTION_PREFERRED=1 lets "auto"
+// bias (read at each build); NANOQ_EMU_ATTENTION_THROW=1 plays the cuDNN
+// frontend refusing every plan with a std::runtime_error, as it does where
+// no engine fits the attributes (not a NanoqError: the host path must take
+// it as a refusal all the same); NANOQ_EMU_ATTENTION_PREFERRED=1 lets "auto"
 // take the stand-in, as it takes cuDNN on a GPU (read at each choice).
 #include <cstdlib>
 #include <cstring>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <stdexcept>
 #include <vector>
 
 #include "cuda/fused_attention.h"
@@ -136,6 +140,10 @@ public:
     std::unique_ptr<AttentionPlan> build(const AttentionShape& shape, DType dtype, AttentionPass pass,
                                          bool bias) override {
         if (dtype != DType::BF16) throw NanoqError("emulated cuDNN: bf16 only");
+        const char* throws = std::getenv("NANOQ_EMU_ATTENTION_THROW");
+        if (throws && !std::strcmp(throws, "1"))
+            throw std::runtime_error("No suitable implementation for given SDPA_attributes "
+                                     "(NANOQ_EMU_ATTENTION_THROW=1)");
         const char* no_bias = std::getenv("NANOQ_EMU_ATTENTION_NO_BIAS");
         if (bias && no_bias && !std::strcmp(no_bias, "1"))
             throw NanoqError("emulated cuDNN: no plan with a bias (NANOQ_EMU_ATTENTION_NO_BIAS=1)");
