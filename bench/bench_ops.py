@@ -28,8 +28,10 @@ FLOPs, backward 2.5 times that); attention over packed documents (the
 packs them) counts the query-key pairs of each document. Where the backend
 has a fused attention library (cuDNN; the emulator's stand-in) the attention
 cases run there, as training does, and again in nanoq's native kernels
-(the "native" rows); PyTorch runs SDPA, with a boolean document mask for
-the ``-documents`` cases.
+(the "native" rows); the backward cases also run the library's
+non-deterministic algorithm (the "nondeterministic" rows,
+TrainOptions.attention_deterministic False: dq accumulated with atomics).
+PyTorch runs SDPA, with a boolean document mask for the ``-documents`` cases.
 
     python bench/bench_ops.py [--out DIR] [--ops matmul,classifier] [--repeats 20]
     python bench/bench_ops.py --smoke --backend cuda_emulated   # tiny shapes, no GPU needed: the plumbing
@@ -794,6 +796,8 @@ def run_case(case_id: str, runner, inputs, dims, args) -> list[dict]:
     variants = [("backend", {})] + ([("default composition", dict(use_default=True))] if case.get("composite") else [])
     if case.get("attention") and attention_library(args.backend):
         variants = [("backend", dict(fused=True)), ("native", dict(fused=False))]
+        if op == "attention_backward":  # the library's other algorithm: dq accumulated with atomics
+            variants.insert(1, ("nondeterministic", dict(fused=True, deterministic=False)))
     rows = []
     torch_seconds, torch_error = None, None
     try:
@@ -818,7 +822,8 @@ def run_case(case_id: str, runner, inputs, dims, args) -> list[dict]:
 
 
 def format_row(row: dict) -> str:
-    name = row["case"] + {"default composition": " (default)", "native": " (native)"}.get(row["variant"], "")
+    name = row["case"] + {"default composition": " (default)", "native": " (native)",
+                          "nondeterministic": " (nondeterministic)"}.get(row["variant"], "")
     if not row["ok"]:
         return f"{name:<42} FAILED: {row['error']}"
     torch_part = (f"{1e3 * row['torch_seconds']:9.3f} ms {row['torch_rate']:>15}  {row['ratio']:6.2f}x"

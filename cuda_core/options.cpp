@@ -164,6 +164,10 @@ const std::vector<Field>& fields() {
                 at_least(0), kNone, [](const TrainOptions& o) { return double(o.first_device); }),
         choice("attention", "the attention implementation", kAttentionImpls,
                [](const TrainOptions& o) { return name_or_empty(kAttentionImpls, static_cast<int>(o.attention)); }),
+        flag("attention_deterministic",
+             "cuda (cuDNN): the attention backward bitwise repeatable; false: cuDNN accumulates dq with atomics "
+             "(less workspace, not repeatable); nanoq's own kernels are deterministic either way",
+             [](const TrainOptions& o) { return o.attention_deterministic; }),
         flag("cuda_graphs", "cuda: capture step() and update() once as CUDA graphs and replay them",
              [](const TrainOptions& o) { return o.cuda_graphs; }),
         flag("packed_documents",

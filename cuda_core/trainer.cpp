@@ -278,6 +278,7 @@ ScratchShapes scratch_shapes(const TrainerSetup& s, const ModelMemory& model) {
     scratch.matmul_dtype = s.options.matmul_dtype;
     scratch.weights_in_place = s.options.zero_stage < 3;
     scratch.packed_documents = s.options.packed_documents;
+    scratch.attention_deterministic = s.options.attention_deterministic;
     return scratch;
 }
 

@@ -272,9 +272,46 @@ def test_training_with_attention_cudnn_matches_native_on_the_emulator(checkpoint
         assert abs(f - n) <= BF16_REL * abs(n), f"{variant} step {step}: fused loss {f} vs native {n}"
     assert_tensors_close(fused[1], native[1], 5e-2, f"{variant} fused-attention gradients")
     assert abs(fused[2] - native[2]) <= BF16_REL * abs(native[2]), "validate"
-    assert native[3] == dict(implementation="native", plans=0, documents="native", document_masks=0)
+    assert native[3] == dict(implementation="native", plans=0, documents="native", document_masks=0,
+                             deterministic=True)
     # One plan per pass for the run's one shape, however many steps and validations ran.
     assert fused[3]["implementation"].startswith(STANDIN) and fused[3]["plans"] == 2, fused[3]
+
+
+@emulated
+def test_a_non_deterministic_backward_reaches_the_librarys_plans(checkpoints):
+    """attention_deterministic=False builds the library's backward plan with
+    its other algorithm (the stand-in refuses a call that asks for another
+    algorithm than its plan's) and get_attention_info says so. The stand-in
+    computes alike either way, so the losses are the deterministic run's;
+    nanoq's own kernels are deterministic whatever the option. The
+    workspace planned without a device then holds no dP (its bound shrinks)."""
+    require_cuda_emulator()
+    rng = np.random.default_rng(11)
+    batches = [random_batch(rng, rows=2) for _ in range(2)]
+    path = checkpoints.path("llama")
+    seq_len = batches[0][0].shape[1]
+    options = emulated_options("cudnn", seq_len=seq_len)
+    deterministic = train(path, options, batches)
+    atomic = train(path, dataclasses.replace(options, attention_deterministic=False), batches)
+    assert deterministic[3]["deterministic"] and deterministic[3]["plans"] == 2, deterministic[3]
+    assert not atomic[3]["deterministic"] and atomic[3]["plans"] == 2, atomic[3]
+    assert atomic[0] == deterministic[0] and atomic[2] == deterministic[2]
+    native = train(path, dataclasses.replace(options, attention="native", attention_deterministic=False), batches)
+    assert native[3]["deterministic"]
+    config = nanoq.ModelConfig.from_pretrained(path)
+
+    def bound(**more):
+        planned = nanoq._core.plan_memory(config.to_core(), _planned_options(dataclasses.replace(options, **more)),
+                                          False)
+        (workspace,) = [a for a in planned[0]["allocations"] if a["name"] == "cudnn-attention-workspace"]
+        return workspace["bytes"]
+
+    B, H = options.batch_size, config.num_attention_heads
+    padded = -(-seq_len // 128) * 128
+    assert bound() - bound(attention_deterministic=False) == 2 * B * H * padded * padded
+    with pytest.raises(TypeError, match="attention_deterministic must be True or False"):
+        dataclasses.replace(options, attention_deterministic=0)
 
 
 def train_packed(config_or_path, options, batches, positions, lr=3e-3):
@@ -522,7 +559,8 @@ def test_auto_keeps_the_native_kernel_on_the_emulator():
     picks cuDNN: test_auto_picks_cudnn_on_a_gpu)."""
     require_cuda_emulator()
     with nanoq.Trainer(tiny_config(), emulated_options("auto")) as trainer:
-        assert trainer.get_attention_info(0) == dict(implementation="native", plans=0, documents="native", document_masks=0)
+        assert trainer.get_attention_info(0) == dict(implementation="native", plans=0, documents="native",
+                                                     document_masks=0, deterministic=True)
         assert workspace(trainer.get_allocations(0)) == []
 
 
@@ -603,6 +641,11 @@ def test_cudnn_attention_matches_torch_float64(gpu_ops, shape):
     again = gpu_ops.attention_backward(dout, to_bf16(out), lse, q, k, v, dtype="bf16", fused=True)
     for name, g, h in zip(("dq", "dk", "dv"), grads, again):
         assert np.array_equal(g, h), f"cuDNN {name}: two runs differ (the deterministic backward was asked for)"
+    # The other algorithm (attention_deterministic False: dq accumulated with atomics), to the same reference.
+    grads = gpu_ops.attention_backward(dout, to_bf16(out), lse, q, k, v, dtype="bf16", fused=True,
+                                       deterministic=False)
+    for name, g, e in zip(("dq", "dk", "dv"), grads, expected_grads):
+        assert_array_close(g, e, BF16_REL, f"cuDNN non-deterministic {name} {shape}")
 
 
 @gpu

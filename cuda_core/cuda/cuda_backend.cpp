@@ -252,14 +252,16 @@ std::vector<ScratchBuffer> CudaBackend::scratch_plan(const ScratchShapes& s, boo
     choice.fused = choose_attention(s, attention, why_none, &choice.refused);
     if (choice.fused) {
         std::size_t workspace =
-            attention ? attention->prepare(s.attention, attention_dtype(s)) : attention_workspace_bound(s.attention);
+            attention ? attention->prepare(s.attention, attention_dtype(s), false, s.attention_deterministic)
+                      : attention_workspace_bound(s.attention, s.attention_deterministic);
         // Packed documents: the plans with a bias, where the library builds
         // them ("cudnn" insists; "auto" runs them natively, saying why).
         if (s.packed_documents) {
             choice.documents = true;
             if (attention) {
                 try {
-                    workspace = std::max(workspace, attention->prepare(s.attention, attention_dtype(s), true));
+                    workspace = std::max(workspace, attention->prepare(s.attention, attention_dtype(s), true,
+                                                                          s.attention_deterministic));
                 } catch (const NanoqError& e) {
                     if (s.attention_impl == AttentionImpl::Cudnn)
                         throw InvalidArgument(std::string("attention=\"cudnn\" cannot run packed documents "
@@ -360,6 +362,7 @@ void CudaBackend::reserve_scratch(NamedAllocator& allocator, const ScratchShapes
     AttentionChoice choice;
     const std::vector<ScratchBuffer> plan = scratch_plan(s, true, fused_attention_.get(), why_none, &choice);
     attention_fused_ = choice.fused;
+    attention_deterministic_ = s.attention_deterministic;
     if (!choice.refused.empty())
         std::fprintf(stderr, "nanoq: device %d: attention=\"auto\" runs nanoq's own attention kernels: %s\n",
                      device_, choice.refused.c_str());
@@ -1055,6 +1058,7 @@ AttentionInfo CudaBackend::attention_info() const {
     if (attention_fused_ && attention_mask_.data) info.documents = info.implementation;
     if (fused_attention_) info.plans = fused_attention_->plans();
     info.document_masks = document_masks_;
+    info.deterministic = !attention_fused_ || attention_deterministic_;
     return info;
 }
 
@@ -1095,7 +1099,9 @@ bool CudaBackend::fused_attention_runs(const Tensor& positions, const AttentionS
     // Only the shapes reserve_scratch prepared: another one (generation's
     // prompt pass, a new length each time) runs the native kernels rather
     // than build, compile and keep plans anew.
-    if (!fused_attention_->prepared(s, dtype, positions.data != nullptr && documents_fused(s))) return false;
+    if (!fused_attention_->prepared(s, dtype, positions.data != nullptr && documents_fused(s),
+                                    attention_deterministic_))
+        return false;
     if (!positions.data) return true;
     if (!documents_fused(s)) {
         if (!said_documents_native_ && !attention_mask_.data)
@@ -1116,7 +1122,8 @@ void CudaBackend::attention_forward(const Tensor& out, const Tensor& lse, const 
                                     const Tensor& v, const Tensor& positions, const AttentionShape& s) {
     const OpScope op(*this);
     if (fused_attention_runs(positions, s, q.dtype)) {
-        const AttentionTensors tensors{out, lse, q, k, v, {}, {}, {}, {}, positions.data ? attention_mask_ : Tensor()};
+        const AttentionTensors tensors{out, lse, q, k, v, {}, {}, {}, {}, positions.data ? attention_mask_ : Tensor(),
+                                       attention_deterministic_};
         fused_attention_->forward(tensors, s, attention_workspace_, stream_);
         return;
     }
@@ -1162,7 +1169,8 @@ void CudaBackend::attention_backward(const Tensor& dq, const Tensor& dk, const T
                                      const Tensor& v, const Tensor& positions, const AttentionShape& s) {
     const OpScope op(*this);
     if (fused_attention_runs(positions, s, q.dtype)) {
-        const AttentionTensors tensors{out, lse, q, k, v, dout, dq, dk, dv, positions.data ? attention_mask_ : Tensor()};
+        const AttentionTensors tensors{out, lse, q, k, v, dout, dq, dk, dv, positions.data ? attention_mask_ : Tensor(),
+                                       attention_deterministic_};
         fused_attention_->backward(tensors, s, attention_workspace_, stream_);
         return;
     }

@@ -357,6 +357,7 @@ private:
     // use it; attention_fused_ says whether attention runs there.
     std::unique_ptr<FusedAttention> fused_attention_;
     bool attention_fused_ = false;
+    bool attention_deterministic_ = true;  // ScratchShapes::attention_deterministic of the fused plans
     Tensor attention_workspace_;
     // Packed documents in the fused library: their mask (bf16 [B,1,T,T],
     // written from the positions once per batch, positions_changed, or by

@@ -8,8 +8,12 @@
 // Stats are [B,H,T,1] fp32, natural-log log-sum-exp of the scaled scores:
 // our lse. The causal mask is the top-left diagonal (query i sees keys <= i);
 // a bidirectional shape (AttentionShape::causal false) has none.
-// The backward asks for cuDNN's deterministic algorithm: nanoq's steps are
-// reproducible run to run, and its tests check that bitwise.
+// The backward asks for cuDNN's deterministic algorithm unless the run says
+// otherwise (TrainOptions::attention_deterministic): nanoq's steps are
+// reproducible run to run, and its tests check that bitwise. On Hopper the
+// frontend then takes its dP-workspace route (a bf16 dP of every query-key
+// pair in the workspace); without it dq is accumulated with fp32 atomics
+// (a B*H*T*D fp32 accumulator), as flash attention does.
 // Packed documents: a plan built with a bias adds a bf16 [B,1,T,T] tensor to
 // the scaled scores (cuDNN's SDPA bias input, in both passes, no bias
 // gradient), 0 where a query sees a key of its own document and a large
@@ -57,8 +61,8 @@ public:
 
     std::string library() const override { return attention_engine_library(); }
 
-    std::unique_ptr<AttentionPlan> build(const AttentionShape& s, DType dtype, AttentionPass pass,
-                                         bool with_bias) override {
+    std::unique_ptr<AttentionPlan> build(const AttentionShape& s, DType dtype, AttentionPass pass, bool with_bias,
+                                         bool deterministic) override {
         if (dtype != DType::BF16) throw NanoqError("bf16 only");
         const std::int64_t B = s.batch, T = s.time, H = s.heads, K = s.kv_heads, D = s.head_dim;
         const std::vector<std::int64_t> q_dims{B, H, T, D}, q_strides{T * H * D, D, H * D, 1};
@@ -107,7 +111,7 @@ public:
                                .set_name("nanoq_attention_backward")
                                .set_causal_mask(s.causal)
                                .set_attn_scale(scale)
-                               .set_deterministic_algorithm(true);
+                               .set_deterministic_algorithm(deterministic);
             if (bias) options.set_bias(bias);
             auto [dq, dk, dv] = graph->sdpa_backward(q, k, v, o, dout, stats, options);
             dq->set_output(true).set_dim(q_dims).set_stride(q_strides).set_uid(kDQ);

@@ -61,7 +61,7 @@ bool choose_attention(const ScratchShapes& s, FusedAttention* engine, const std:
     if (!limits.empty()) return refuse(limits);
     if (!engine) return why_none.empty() || library_refuses(library + " could not be started: " + why_none);
     try {
-        engine->prepare(s.attention, dtype);
+        engine->prepare(s.attention, dtype, false, s.attention_deterministic);
     } catch (const NanoqError& e) {
         return library_refuses(e.what());
     } catch (const InvalidArgument& e) {
@@ -70,14 +70,15 @@ bool choose_attention(const ScratchShapes& s, FusedAttention* engine, const std:
     return true;
 }
 
-std::size_t attention_workspace_bound(const AttentionShape& s) {
+std::size_t attention_workspace_bound(const AttentionShape& s, bool deterministic) {
     // fp32 copies of dq and of dk, dv widened to every query head, and two
     // fp32 row statistics, plus a fixed margin: meant to exceed what cuDNN's
     // flash attention backward asks for (its fp32 dq accumulator and row
     // sums); test_fused_attention.py checks it against cuDNN's own size on a GPU.
     const std::size_t rows = static_cast<std::size_t>(s.batch) * s.time * s.heads;
     const std::size_t flash = sizeof(float) * rows * (3 * static_cast<std::size_t>(s.head_dim) + 2);
-    // The deterministic backward (cudnn_attention.cpp asks for it) takes
+    // The deterministic backward (cudnn_attention.cpp asks for it unless
+    // TrainOptions::attention_deterministic is false) takes
     // the cuDNN frontend's dP-workspace route instead (1.32, the SDPA
     // backward node: deterministic on Hopper without the opt-in ordered dQ),
     // whose engine keeps dP in bf16 for every query-key pair: the
@@ -85,7 +86,7 @@ std::size_t attention_workspace_bound(const AttentionShape& s) {
     // 64 for queries and 128 for keys. Both routes are counted, padded to
     // 128: a bound, not the size (cuDNN is asked where a device is).
     const std::size_t padded = (static_cast<std::size_t>(s.time) + 127) / 128 * 128;
-    const std::size_t dp = 2 * static_cast<std::size_t>(s.batch) * s.heads * padded * padded;
+    const std::size_t dp = deterministic ? 2 * static_cast<std::size_t>(s.batch) * s.heads * padded * padded : 0;
     return flash + dp + (std::size_t(4) << 20);
 }
 
@@ -97,18 +98,20 @@ FusedAttention::~FusedAttention() = default;
 
 std::int64_t attention_bias_elements(const AttentionShape& s) { return std::int64_t(s.batch) * s.time * s.time; }
 
-FusedAttention::Key FusedAttention::key(const AttentionShape& s, DType dtype, AttentionPass pass, bool bias) {
+FusedAttention::Key FusedAttention::key(const AttentionShape& s, DType dtype, AttentionPass pass, bool bias,
+                                        bool deterministic) {
     return Key{s.batch, s.time, s.heads, s.kv_heads, s.head_dim, s.causal, static_cast<int>(dtype),
-               static_cast<int>(pass), bias};
+               static_cast<int>(pass), bias, pass == AttentionPass::Forward || deterministic};
 }
 
-bool FusedAttention::prepared(const AttentionShape& s, DType dtype, bool bias) const {
-    return plans_.count(key(s, dtype, AttentionPass::Forward, bias)) &&
-           plans_.count(key(s, dtype, AttentionPass::Backward, bias));
+bool FusedAttention::prepared(const AttentionShape& s, DType dtype, bool bias, bool deterministic) const {
+    return plans_.count(key(s, dtype, AttentionPass::Forward, bias, deterministic)) &&
+           plans_.count(key(s, dtype, AttentionPass::Backward, bias, deterministic));
 }
 
-const AttentionPlan& FusedAttention::plan(const AttentionShape& s, DType dtype, AttentionPass pass, bool bias) {
-    const Key k = key(s, dtype, pass, bias);
+const AttentionPlan& FusedAttention::plan(const AttentionShape& s, DType dtype, AttentionPass pass, bool bias,
+                                          bool deterministic) {
+    const Key k = key(s, dtype, pass, bias, deterministic);
     auto it = plans_.find(k);
     if (it != plans_.end()) return *it->second;
     const std::string limits = attention_engine_limits(s, dtype);
@@ -117,10 +120,12 @@ const AttentionPlan& FusedAttention::plan(const AttentionShape& s, DType dtype, 
     auto refused = [&](const char* what) {
         return NanoqError(engine_->library() + " cannot run the attention " +
                           (pass == AttentionPass::Forward ? "forward" : "backward") + " of " + describe(s, dtype) +
-                          (bias ? " with a document mask" : "") + ": " + what);
+                          (bias ? " with a document mask" : "") +
+                          (pass == AttentionPass::Backward && !deterministic ? " (not deterministic)" : "") + ": " +
+                          what);
     };
     try {
-        built = engine_->build(s, dtype, pass, bias);
+        built = engine_->build(s, dtype, pass, bias, pass == AttentionPass::Forward || deterministic);
     } catch (const InvalidArgument&) {
         throw;
     } catch (const std::exception& e) {
@@ -134,9 +139,9 @@ const AttentionPlan& FusedAttention::plan(const AttentionShape& s, DType dtype, 
     return *plans_.emplace(k, std::move(built)).first->second;
 }
 
-std::size_t FusedAttention::prepare(const AttentionShape& s, DType dtype, bool bias) {
-    return std::max(plan(s, dtype, AttentionPass::Forward, bias).workspace_bytes,
-                    plan(s, dtype, AttentionPass::Backward, bias).workspace_bytes);
+std::size_t FusedAttention::prepare(const AttentionShape& s, DType dtype, bool bias, bool deterministic) {
+    return std::max(plan(s, dtype, AttentionPass::Forward, bias, deterministic).workspace_bytes,
+                    plan(s, dtype, AttentionPass::Backward, bias, deterministic).workspace_bytes);
 }
 
 void FusedAttention::run(AttentionPass pass, const AttentionTensors& t, const AttentionShape& s,
@@ -146,7 +151,7 @@ void FusedAttention::run(AttentionPass pass, const AttentionTensors& t, const At
         throw InternalError("fused attention's bias must be bf16 [B, 1, T, T] (" +
                             std::to_string(attention_bias_elements(s)) + " elements), got " +
                             std::to_string(t.bias.numel()));
-    const AttentionPlan& p = plan(s, t.q.dtype, pass, bias);
+    const AttentionPlan& p = plan(s, t.q.dtype, pass, bias, t.deterministic);
     if (p.workspace_bytes > workspace.bytes())
         throw InternalError("fused attention of " + describe(s, t.q.dtype) + " needs " +
                             std::to_string(p.workspace_bytes) + " bytes of workspace, " +

@@ -46,10 +46,13 @@ public:
 // (overwritten), the forward's out and lse. `bias`, in a plan built with
 // one: bf16 [B, 1, T, T] added to the scaled scores (the mask of packed
 // documents, document_mask_bias in kernels.h), the same in both passes.
+// `deterministic`: the backward's plan is the library's deterministic
+// algorithm (TrainOptions::attention_deterministic); part of the plan.
 struct AttentionTensors {
     Tensor out, lse, q, k, v;
     Tensor dout, dq, dk, dv;
     Tensor bias;
+    bool deterministic = true;
 };
 
 class AttentionEngine {
@@ -58,10 +61,12 @@ public:
     // The library and its version, e.g. "cuDNN 9.28.1".
     virtual std::string library() const = 0;
     // Compiles the plan (with `bias`: one that adds AttentionTensors::bias
-    // to the scores); throws NanoqError with the library's reason when it
-    // cannot run this shape.
+    // to the scores; a backward with `deterministic` in the library's
+    // deterministic algorithm, else the one that accumulates dq with
+    // atomics; a forward is the same either way); throws NanoqError with
+    // the library's reason when it cannot run this shape.
     virtual std::unique_ptr<AttentionPlan> build(const AttentionShape& shape, DType dtype, AttentionPass pass,
-                                                 bool bias) = 0;
+                                                 bool bias, bool deterministic) = 0;
     virtual void run(const AttentionPlan& plan, const AttentionTensors& tensors, void* workspace,
                      std::size_t workspace_bytes, cudaStream_t stream) = 0;
 };
@@ -118,9 +123,10 @@ public:
 
     const AttentionEngine& engine() const { return *engine_; }
     // Builds (or finds) the forward and backward plans of the shape (with
-    // `bias`: those that take a bias) and returns the workspace the larger
+    // `bias`: those that take a bias; the backward deterministic or not, as
+    // AttentionTensors::deterministic) and returns the workspace the larger
     // one needs.
-    std::size_t prepare(const AttentionShape& shape, DType dtype, bool bias = false);
+    std::size_t prepare(const AttentionShape& shape, DType dtype, bool bias = false, bool deterministic = true);
     // The plan of the call has a bias where tensors.bias is given.
     void forward(const AttentionTensors& tensors, const AttentionShape& shape, const Tensor& workspace,
                  cudaStream_t stream);
@@ -132,13 +138,15 @@ public:
     // those run fused (a call of another shape, such as generation's prompt
     // pass of each length, would build and keep plans anew, each compiled
     // at run time, and might need more workspace than was reserved).
-    bool prepared(const AttentionShape& shape, DType dtype, bool bias) const;
+    bool prepared(const AttentionShape& shape, DType dtype, bool bias, bool deterministic) const;
 
 private:
-    // B, T, H, K, D, causal, dtype, pass, bias
-    using Key = std::tuple<int, int, int, int, int, bool, int, int, bool>;
-    static Key key(const AttentionShape& shape, DType dtype, AttentionPass pass, bool bias);
-    const AttentionPlan& plan(const AttentionShape& shape, DType dtype, AttentionPass pass, bool bias);
+    // B, T, H, K, D, causal, dtype, pass, bias, deterministic (always true
+    // for a forward: its plan does not depend on it)
+    using Key = std::tuple<int, int, int, int, int, bool, int, int, bool, bool>;
+    static Key key(const AttentionShape& shape, DType dtype, AttentionPass pass, bool bias, bool deterministic);
+    const AttentionPlan& plan(const AttentionShape& shape, DType dtype, AttentionPass pass, bool bias,
+                              bool deterministic);
     void run(AttentionPass pass, const AttentionTensors& tensors, const AttentionShape& shape,
              const Tensor& workspace, cudaStream_t stream);
 
@@ -147,9 +155,9 @@ private:
 };
 
 // An upper bound on the workspace of the plans of `shape`, for a scratch
-// plan made where no engine can be asked (no device): it includes the
-// deterministic backward's dP buffer, which grows with T^2.
-std::size_t attention_workspace_bound(const AttentionShape& shape);
+// plan made where no engine can be asked (no device): with `deterministic`
+// it includes the deterministic backward's dP buffer, which grows with T^2.
+std::size_t attention_workspace_bound(const AttentionShape& shape, bool deterministic = true);
 
 // The elements of the document mask of `shape` (AttentionTensors::bias):
 // B * T * T.

@@ -63,6 +63,14 @@ ScratchShapes attention_scratch(const OpCall& c) {
     return s;
 }
 
+// The backward's also says which algorithm the fused library runs
+// (TrainOptions::attention_deterministic).
+ScratchShapes attention_backward_scratch(const OpCall& c) {
+    ScratchShapes s = attention_scratch(c);
+    s.attention_deterministic = c.b("deterministic");
+    return s;
+}
+
 void check_attention(const OpCall& c) {
     require(c.i("heads") % c.i("kv_heads") == 0, "heads (" + std::to_string(c.i("heads")) +
                                                      ") must be a multiple of kv_heads (" +
@@ -297,17 +305,20 @@ std::vector<OpSpec> make_table() {
              c.backend().attention_forward(c["out"], c["lse"], c["q"], c["k"], c["v"], c["positions"], masked_attention(c));
          },
          attention_scratch, check_masked_attention},
-        {"attention_backward", "(dq, dk, dv) of attention_forward; shapes, positions and causal as there",
+        {"attention_backward",
+         "(dq, dk, dv) of attention_forward; shapes, positions and causal as there; deterministic: the fused "
+         "library's deterministic algorithm (else dq accumulated with atomics)",
          {input("dout", kAttention), input("out", kAttention), input("lse", "batch,heads,time").f32(),
           input("q", kAttention), input("k", kAttentionKV), input("v", kAttentionKV),
           tokens("positions", "batch,time", "time").optional(), output("dq", kAttention),
-          output("dk", kAttentionKV), output("dv", kAttentionKV), flag("causal", true), flag("fused", false)},
+          output("dk", kAttentionKV), output("dv", kAttentionKV), flag("causal", true), flag("fused", false),
+          flag("deterministic", true)},
          {},
          [](OpCall& c) {
              c.backend().attention_backward(c["dq"], c["dk"], c["dv"], c["dout"], c["out"], c["lse"], c["q"], c["k"],
                                             c["v"], c["positions"], masked_attention(c));
          },
-         attention_scratch, check_masked_attention},
+         attention_backward_scratch, check_masked_attention},
         {"attention_decode",
          "out [H, D]: the query [H, D] of position time-1 attending to the cached keys, values [time, Hkv, D] "
          "(batch 1, as attention_forward's last row)",

@@ -127,6 +127,7 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         int plans
         string documents
         int64_t document_masks
+        cbool deterministic
 
     cdef cppclass CTrainOptions "nanoq::TrainOptions":
         string backend
@@ -143,6 +144,7 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         int world_size, first_rank, first_device
         string comm_id
         CAttentionImpl attention
+        cbool attention_deterministic
         cbool cuda_graphs
         CMatmulPrecision matmul_dtype
         cbool packed_documents
@@ -454,6 +456,8 @@ cdef CTrainOptions _core_options(dict options) except *:
             o.comm_id = value
         elif key == "attention":
             o.attention = attention_named(value.encode())
+        elif key == "attention_deterministic":
+            o.attention_deterministic = value
         elif key == "cuda_graphs":
             o.cuda_graphs = value
         elif key == "packed_documents":
@@ -906,13 +910,14 @@ cdef class CoreTrainer:
         return [(e.what.decode(), e.layer, e.ticket) for e in events]
 
     def attention_info(self, int device):
-        """dict(implementation, plans, documents, document_masks) of `device` (Trainer.get_attention_info)."""
+        """dict(implementation, plans, documents, document_masks, deterministic) of `device`
+        (Trainer.get_attention_info)."""
         cdef CTrainer* t = self._get()
         cdef CAttentionInfo info
         with nogil:
             info = t.attention_info(device)
         return dict(implementation=info.implementation.decode(), plans=info.plans, documents=info.documents.decode(),
-                    document_masks=info.document_masks)
+                    document_masks=info.document_masks, deterministic=info.deterministic)
 
 
 def testing_hooks():

@@ -829,7 +829,9 @@ class Trainer:
         library where TrainOptions.packed_documents reserved their mask, else
         "native"; ``document_masks`` counts the times that mask was written
         (once per batch of new positions: every layer's attention, forward
-        and backward, shares it)."""
+        and backward, shares it); ``deterministic`` is whether the attention
+        backward is bitwise repeatable (the fused library's as
+        TrainOptions.attention_deterministic asks; native: always)."""
         return self._core.attention_info(self._check_device(device))
 
     @property

@@ -332,6 +332,10 @@ class TrainOptions:
     ``attention`` picks the attention implementation: "auto" (cuDNN's fused
     attention where the backend has it and supports the shape, else nanoq's
     own kernel), "cudnn" (an error where it is not available) or "native".
+    ``attention_deterministic`` (cuDNN) keeps the attention backward bitwise
+    repeatable (the default); False lets cuDNN accumulate dq with atomics:
+    less workspace, not repeatable in the last bits. nanoq's
+    own kernels are deterministic either way.
     ``cuda_graphs`` (cuda) captures step() and update() once as CUDA graphs
     and replays them; the results are the same without. ``matmul_dtype``
     "fp8" runs the projection matmuls, forward and backward, on fp8 operands
@@ -365,6 +369,7 @@ class TrainOptions:
     comm_id: bytes = b""
     first_device: int = 0
     attention: str = "auto"
+    attention_deterministic: bool = True
     cuda_graphs: bool = True
     matmul_dtype: str = "auto"
     packed_documents: bool = False
@@ -391,7 +396,7 @@ class TrainOptions:
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be one of {', '.join(option_schema.choices(name))}, "
                                  f"got {getattr(self, name)!r}")
-        for name in ("cuda_graphs", "packed_documents"):
+        for name in ("attention_deterministic", "cuda_graphs", "packed_documents"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("devices", "batch_size", "seq_len", "grad_accum", "threads", "zero_stage"):

@@ -8,6 +8,9 @@
 // outputs rounded to bf16 once; lse is written and read in fp32. A plan
 // with a bias adds it (bf16 [B,1,T,T], as stored) to the scaled scores, as
 // cuDNN's bias input does, and must be given one (a plan without, none).
+// The backward's algorithm (deterministic or with atomics, as cuDNN offers)
+// is part of the plan and must be the one the call asks for; the stand-in
+// computes alike either way.
 // NANOQ_EMU_ATTENTION_NO_BIAS=1 plays a library that refuses plans with a
 // bias (read at each build); NANOQ_EMU_ATTENTION_THROW=1 plays the cuDNN
 // frontend refusing every plan with a std::runtime_error, as it does where
@@ -35,6 +38,7 @@ public:
     AttentionShape shape{};
     AttentionPass pass = AttentionPass::Forward;
     bool bias = false;
+    bool deterministic = true;
 };
 
 double load(const void* p, std::int64_t i) { return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]); }
@@ -137,8 +141,8 @@ class EmulatedEngine final : public AttentionEngine {
 public:
     std::string library() const override { return attention_engine_library(); }
 
-    std::unique_ptr<AttentionPlan> build(const AttentionShape& shape, DType dtype, AttentionPass pass,
-                                         bool bias) override {
+    std::unique_ptr<AttentionPlan> build(const AttentionShape& shape, DType dtype, AttentionPass pass, bool bias,
+                                         bool deterministic) override {
         if (dtype != DType::BF16) throw NanoqError("emulated cuDNN: bf16 only");
         const char* throws = std::getenv("NANOQ_EMU_ATTENTION_THROW");
         if (throws && !std::strcmp(throws, "1"))
@@ -151,6 +155,7 @@ public:
         plan->shape = shape;
         plan->pass = pass;
         plan->bias = bias;
+        plan->deterministic = deterministic;
         if (pass == AttentionPass::Backward)
             plan->workspace_bytes = sizeof(double) * static_cast<std::size_t>(shape.batch) * shape.time *
                                     shape.heads * shape.head_dim;
@@ -171,6 +176,9 @@ public:
             throw NanoqError(plan.bias ? "emulated cuDNN: a plan with a bias was run without one"
                                        : "emulated cuDNN: a bias was given to a plan without one");
         if (plan.bias) require_aligned(t.bias, "the bias");
+        if (!is_forward && plan.deterministic != t.deterministic)
+            throw NanoqError("emulated cuDNN: a backward asked for another algorithm (deterministic or not) than "
+                             "its plan was built with");
         const AttentionTensors tensors = t;
         double* dq = static_cast<double*>(workspace);
         nanoq_emu::enqueue(

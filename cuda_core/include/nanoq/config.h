@@ -97,6 +97,11 @@ struct TrainOptions {
     // update() are captured once as CUDA graphs and replayed, and the
     // dtype of the projection matmuls.
     AttentionImpl attention = AttentionImpl::Auto;
+    // The fused library's attention backward in its deterministic algorithm
+    // (bitwise repeatable; cuDNN keeps dP for every query-key pair) or not
+    // (cuDNN accumulates dq with atomics: less memory, not repeatable in the
+    // last bits). nanoq's own kernels are deterministic.
+    bool attention_deterministic = true;
     bool cuda_graphs = true;
     MatmulPrecision matmul_dtype = MatmulPrecision::Auto;
     // step() and validate() will take positions (packed documents): a
@@ -195,6 +200,9 @@ struct AttentionInfo {
     // How many times the documents' mask was written from positions (once
     // per batch that brings new ones, Backend::positions_changed).
     std::int64_t document_masks = 0;
+    // Whether the attention backward is deterministic (the fused library's
+    // as TrainOptions::attention_deterministic asks; native: always).
+    bool deterministic = true;
 };
 
 // The largest shapes a backend's ops will see, so that it can reserve its
@@ -221,6 +229,8 @@ struct ScratchShapes {
     bool weights_in_place = false;
     // The run's attention may take positions (TrainOptions::packed_documents).
     bool packed_documents = false;
+    // TrainOptions::attention_deterministic (the fused backward's plans and workspace).
+    bool attention_deterministic = true;
 };
 
 // The parameters of a config, in flat-buffer order, with Hugging Face names.

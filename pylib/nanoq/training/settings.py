@@ -227,6 +227,9 @@ class TrainConfig:
                               **core_limits("zero_stage"), memory=True)
     attention: str = setting("run", "auto", "attention implementation: auto = cuDNN where available, else native",
                              choices=option_schema.choices("attention"), memory=True)
+    attention_deterministic: bool = setting("run", True, "cuDNN: the attention backward bitwise repeatable; false: dq "
+                                                         "accumulated with atomics (less workspace, not repeatable)",
+                                            memory=True)
     cuda_graphs: bool = setting("run", True, "cuda: capture each step and update once as CUDA graphs and replay them")
     matmul_dtype: str = setting("run", "auto", "dtype of the projection matmuls: auto = the activations' dtype; fp8 "
                                                "= e4m3 (e5m2 gradients) with per-tensor scales, forward and "
@@ -520,7 +523,8 @@ def train_options(config: TrainConfig, packing: Optional[str] = None) -> TrainOp
                         threads=config.threads, dtype=config.dtype, master_dtype=config.master_dtype,
                         optimizer_dtype=config.optimizer_dtype, recompute=config.recompute,
                         offload=config.offload, zero_stage=config.zero_stage, lora=lora_config(config),
-                        attention=config.attention, cuda_graphs=config.cuda_graphs,
+                        attention=config.attention, attention_deterministic=config.attention_deterministic,
+                        cuda_graphs=config.cuda_graphs,
                         matmul_dtype=config.matmul_dtype, packed_documents=packing == "pack")
 
 
