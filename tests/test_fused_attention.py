@@ -554,6 +554,36 @@ def test_generation_runs_its_prompts_natively_and_keeps_the_runs_plans(checkpoin
 
 
 @emulated
+def test_planning_builds_each_shapes_plans_once_per_process():
+    """Planning a run asks the library for its plans' workspace where a
+    device can be asked. The engine it asks is kept for the process, so
+    planning the same shapes again builds nothing more: estimate_memory
+    again, or a Trainer's classifier-chunk search, which plans the run once
+    per candidate (a vocabulary large enough that chunks are searched, on
+    the emulated device's memory). On Hopper each cuDNN plan is compiled at
+    run time. A Trainer's backend builds its own two plans."""
+    import ctypes
+    import os
+
+    require_cuda_emulator()
+    nanoq.backends()
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(nanoq._core.__file__), "libnanoq_cuda_emulated.so"))
+    lib.nanoq_emu_attention_plans_built.restype = ctypes.c_longlong
+    config = dataclasses.replace(tiny_config(), vocab_size=151936)
+    # A shape no other test plans; 512 rows, more than a least classifier chunk (2^26 logits / V = 441 rows).
+    options = emulated_options("cudnn", batch_size=2, seq_len=256)
+    before = lib.nanoq_emu_attention_plans_built()
+    nanoq.estimate_memory(config, options)
+    assert lib.nanoq_emu_attention_plans_built() - before == 2  # a forward and a backward
+    nanoq.estimate_memory(config, options)
+    nanoq.estimate_memory(config, dataclasses.replace(options, memory_limit=1 << 30))  # chunks searched
+    assert lib.nanoq_emu_attention_plans_built() - before == 2
+    with nanoq.Trainer(config, dataclasses.replace(options, memory_limit=1 << 30)) as trainer:
+        assert trainer.get_attention_info(0)["plans"] == 2
+    assert lib.nanoq_emu_attention_plans_built() - before == 4
+
+
+@emulated
 def test_auto_keeps_the_native_kernel_on_the_emulator():
     """The stand-in is a test double: "auto" never picks it (on a GPU, auto
     picks cuDNN: test_auto_picks_cudnn_on_a_gpu)."""

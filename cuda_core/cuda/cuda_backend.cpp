@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 
 #include "cuda/cublaslt_matmul.h"
 #include "cuda/cuda_check.h"
@@ -104,13 +106,29 @@ std::unique_ptr<FusedAttention> start_fused_attention(std::string* why_none) {
 }
 
 std::vector<ScratchBuffer> plan(const ScratchShapes& shapes, int /*threads*/, bool ask_libraries) {
-    // The fused attention's plans are asked of a temporary engine where one
-    // can run (a device); else its workspace is planned at the bound.
-    std::unique_ptr<FusedAttention> attention;
-    std::string why_none;
-    if (ask_libraries && attention_engine_wanted(shapes) && visible_devices() > 0)
-        attention = start_fused_attention(&why_none);
-    return CudaBackend::scratch_plan(shapes, ask_libraries, attention.get(), why_none);
+    // The fused attention's plans are asked of an engine where one can run
+    // (a device); else its workspace is planned at the bound. That engine
+    // is the planning's own, one per device, kept for the process (and never
+    // destroyed: its library handle must not outlive the CUDA runtime at
+    // exit), so that each shape's plans, each compiled at run time on
+    // Hopper, are built once however often a run is planned: a Trainer's
+    // classifier-chunk search plans it once per candidate, estimate_memory
+    // and every further Trainer of the shape again. (A Trainer's backend
+    // still builds its own plans, on its own handle and stream.)
+    if (!(ask_libraries && attention_engine_wanted(shapes) && visible_devices() > 0))
+        return CudaBackend::scratch_plan(shapes, ask_libraries, nullptr, "");
+    struct Planning {
+        std::unique_ptr<FusedAttention> engine;
+        std::string why_none;  // the engine could not be started (not asked again)
+    };
+    static std::mutex mutex;
+    static auto* planning = new std::map<int, Planning>();
+    int device = 0;
+    NANOQ_CUDA_CHECK(cudaGetDevice(&device));
+    const std::lock_guard<std::mutex> lock(mutex);
+    Planning& p = (*planning)[device];
+    if (!p.engine && p.why_none.empty()) p.engine = start_fused_attention(&p.why_none);
+    return CudaBackend::scratch_plan(shapes, ask_libraries, p.engine.get(), p.why_none);
 }
 
 // Whether the work before the latest record of `event` has completed.

@@ -17,6 +17,7 @@
 // no engine fits the attributes (not a NanoqError: the host path must take
 // it as a refusal all the same); NANOQ_EMU_ATTENTION_PREFERRED=1 lets "auto"
 // take the stand-in, as it takes cuDNN on a GPU (read at each choice).
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <cmath>
@@ -32,6 +33,9 @@
 namespace nanoq {
 namespace cuda {
 namespace {
+
+// Plans built by every engine of the process (nanoq_emu_attention_plans_built).
+std::atomic<long long> built_plans{0};
 
 class EmulatedPlan final : public AttentionPlan {
 public:
@@ -151,6 +155,7 @@ public:
         const char* no_bias = std::getenv("NANOQ_EMU_ATTENTION_NO_BIAS");
         if (bias && no_bias && !std::strcmp(no_bias, "1"))
             throw NanoqError("emulated cuDNN: no plan with a bias (NANOQ_EMU_ATTENTION_NO_BIAS=1)");
+        ++built_plans;
         auto plan = std::make_unique<EmulatedPlan>();
         plan->shape = shape;
         plan->pass = pass;
@@ -200,3 +205,9 @@ bool attention_engine_preferred() {
 
 }  // namespace cuda
 }  // namespace nanoq
+
+// The plans the stand-in has built in this process, by every engine (the
+// backends' and the memory planning's): tests/test_fused_attention.py.
+extern "C" __attribute__((visibility("default"))) long long nanoq_emu_attention_plans_built() {
+    return nanoq::cuda::built_plans.load();
+}
