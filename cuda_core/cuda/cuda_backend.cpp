@@ -1114,14 +1114,13 @@ void CudaBackend::positions_changed(const Tensor& positions, const AttentionShap
 
 bool CudaBackend::fused_attention_runs(const Tensor& positions, const AttentionShape& s, DType dtype) {
     if (!attention_fused_) return false;
+    const bool documents = positions.data && documents_fused(s);
     // Only the shapes reserve_scratch prepared: another one (generation's
     // prompt pass, a new length each time) runs the native kernels rather
     // than build, compile and keep plans anew.
-    if (!fused_attention_->prepared(s, dtype, positions.data != nullptr && documents_fused(s),
-                                    attention_deterministic_))
-        return false;
+    if (!fused_attention_->prepared(s, dtype, documents, attention_deterministic_)) return false;
     if (!positions.data) return true;
-    if (!documents_fused(s)) {
+    if (!documents) {
         if (!said_documents_native_ && !attention_mask_.data)
             std::fprintf(stderr, "nanoq: device %d: positions (packed documents) run in nanoq's own attention "
                                  "kernels: TrainOptions.packed_documents reserves their mask so that %s runs "

@@ -98,10 +98,20 @@ FusedAttention::~FusedAttention() = default;
 
 std::int64_t attention_bias_elements(const AttentionShape& s) { return std::int64_t(s.batch) * s.time * s.time; }
 
+namespace {
+
+// The algorithm a plan is built with: a forward's does not depend on the
+// option (one plan serves both settings), a backward's does.
+bool built_deterministic(AttentionPass pass, bool deterministic) {
+    return pass == AttentionPass::Forward || deterministic;
+}
+
+}  // namespace
+
 FusedAttention::Key FusedAttention::key(const AttentionShape& s, DType dtype, AttentionPass pass, bool bias,
                                         bool deterministic) {
     return Key{s.batch, s.time, s.heads, s.kv_heads, s.head_dim, s.causal, static_cast<int>(dtype),
-               static_cast<int>(pass), bias, pass == AttentionPass::Forward || deterministic};
+               static_cast<int>(pass), bias, built_deterministic(pass, deterministic)};
 }
 
 bool FusedAttention::prepared(const AttentionShape& s, DType dtype, bool bias, bool deterministic) const {
@@ -111,6 +121,7 @@ bool FusedAttention::prepared(const AttentionShape& s, DType dtype, bool bias, b
 
 const AttentionPlan& FusedAttention::plan(const AttentionShape& s, DType dtype, AttentionPass pass, bool bias,
                                           bool deterministic) {
+    deterministic = built_deterministic(pass, deterministic);
     const Key k = key(s, dtype, pass, bias, deterministic);
     auto it = plans_.find(k);
     if (it != plans_.end()) return *it->second;
@@ -121,11 +132,10 @@ const AttentionPlan& FusedAttention::plan(const AttentionShape& s, DType dtype, 
         return NanoqError(engine_->library() + " cannot run the attention " +
                           (pass == AttentionPass::Forward ? "forward" : "backward") + " of " + describe(s, dtype) +
                           (bias ? " with a document mask" : "") +
-                          (pass == AttentionPass::Backward && !deterministic ? " (not deterministic)" : "") + ": " +
-                          what);
+                          (deterministic ? "" : " (not deterministic)") + ": " + what);
     };
     try {
-        built = engine_->build(s, dtype, pass, bias, pass == AttentionPass::Forward || deterministic);
+        built = engine_->build(s, dtype, pass, bias, deterministic);
     } catch (const InvalidArgument&) {
         throw;
     } catch (const std::exception& e) {
