@@ -595,3 +595,27 @@ def pytest_sessionfinish(session, exitstatus):
         session.config.get_terminal_writer().line(
             "\nCPU tests were skipped (NANOQ_NO_CPU_SKIPS=1):\n  " + "\n  ".join(_cpu_skips), red=True)
         session.exitstatus = 1
+
+
+# --------------------------------------------------------------------------
+# pytest -n auto (pytest-xdist): how many test processes
+# --------------------------------------------------------------------------
+
+# What one test process may hold at its peak: PyTorch and transformers, a few
+# tiny models, the CUDA emulator's host copies, or the instrumented runtime
+# under tests/sanitize/run.sh (the largest process of a whole ASan run measured
+# 2.0 GiB; 3 GiB leaves room).
+_TEST_PROCESS_BYTES = 3 << 30
+
+
+def pytest_xdist_auto_num_workers(config):
+    """One test process per core this process may run on, and no more than the
+    available memory holds. Each test already runs its devices on worker
+    threads, so more processes than cores would only make them wait."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open("/proc/meminfo") as meminfo:
+            available = next(int(line.split()[1]) << 10 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return cores
+    return max(1, min(cores, available // _TEST_PROCESS_BYTES))

@@ -83,14 +83,14 @@ def test_step_returns_before_its_work_is_done_and_results_are_unchanged(devices)
     with new_trainer(options(devices, grad_accum=2)) as trainer:
         expected = train(trainer, micro_batches, 2, wait_after_step=True)
     with new_trainer(options(devices, grad_accum=2)) as trainer:
-        testing.delay_next_step(trainer, devices - 1, 1.5)
+        testing.delay_next_step(trainer, devices - 1, 3.0)
         start = time.monotonic()
         trainer.step(*micro_batches[0])
         trainer.step(*micro_batches[1])  # queued behind the delayed one; its batch goes to the other slot
-        assert time.monotonic() - start < 0.5  # neither step waited for the devices
+        assert time.monotonic() - start < 1.5  # neither step waited for the devices
         assert trainer._core.micro_steps == 2
         stats = trainer.update(lr=1e-2)
-        assert time.monotonic() - start >= 1.5  # update() waited for the delayed work
+        assert time.monotonic() - start >= 3.0  # update() waited for the delayed work
         assert_same_run(([stats], trainer.get_weights()), expected)
 
 
@@ -99,14 +99,14 @@ def test_a_third_step_waits_only_for_the_oldest_staging_slot():
     with new_trainer(options(1, grad_accum=3)) as trainer:
         expected = train(trainer, micro_batches, 3, wait_after_step=True)
     with new_trainer(options(1, grad_accum=3)) as trainer:
-        testing.delay_next_step(trainer, 0, 1.0)
+        testing.delay_next_step(trainer, 0, 2.0)
         start = time.monotonic()
         trainer.step(*micro_batches[0])
         trainer.step(*micro_batches[1])
-        assert time.monotonic() - start < 0.5
+        assert time.monotonic() - start < 1.0
         # Both slots are in use until the delayed first step has read its batch.
         trainer.step(*micro_batches[2])
-        assert time.monotonic() - start >= 1.0
+        assert time.monotonic() - start >= 2.0
         assert_same_run(([trainer.update(lr=1e-2)], trainer.get_weights()), expected)
 
 
@@ -117,7 +117,7 @@ def test_the_caller_may_overwrite_its_arrays_right_after_step(devices):
         expected = train(trainer, micro_batches, 2)
     with new_trainer(options(devices, grad_accum=2)) as trainer:
         # The first step's work starts after its arrays were overwritten.
-        assert_same_run(train(trainer, micro_batches, 2, overwrite=True, delay=(0, 0.5)), expected)
+        assert_same_run(train(trainer, micro_batches, 2, overwrite=True, delay=(0, 1.0)), expected)
 
 
 @pytest.mark.parametrize("devices, zero_stage", [(1, 1), (3, 1), (3, 2), (3, 3)])

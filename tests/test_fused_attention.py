@@ -569,9 +569,9 @@ def test_planning_builds_each_shapes_plans_once_per_process():
     nanoq.backends()
     lib = ctypes.CDLL(os.path.join(os.path.dirname(nanoq._core.__file__), "libnanoq_cuda_emulated.so"))
     lib.nanoq_emu_attention_plans_built.restype = ctypes.c_longlong
-    config = dataclasses.replace(tiny_config(), vocab_size=151936)
-    # A shape no other test plans; 512 rows, more than a least classifier chunk (2^26 logits / V = 441 rows).
-    options = emulated_options("cudnn", batch_size=2, seq_len=256)
+    config = dataclasses.replace(tiny_config(), vocab_size=1 << 16)
+    # A shape no other test plans; 1056 rows, more than a least classifier chunk (2^26 logits / V = 1024 rows).
+    options = emulated_options("cudnn", batch_size=2, seq_len=528)
     before = lib.nanoq_emu_attention_plans_built()
     nanoq.estimate_memory(config, options)
     assert lib.nanoq_emu_attention_plans_built() - before == 2  # a forward and a backward

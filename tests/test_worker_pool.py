@@ -69,7 +69,7 @@ def test_worker_fault_raises_promptly_and_process_recovers(checkpoints, clean_lo
     with pytest.raises(nanoq.NanoqError, match=rf"^step\(\) #1 \(micro-batch 1 of optimizer step 1\) failed on "
                                                rf"device {rank}: injected fault in worker {rank}$"):
         call_with_timeout(lambda: tr.update(lr=1e-3))
-    assert time.monotonic() - start < 1.0  # the failure reaches Python within a second
+    assert time.monotonic() - start < 2.0  # the failure reaches Python at once, not after a time limit
     with pytest.raises(nanoq.NanoqError, match="stopped after a worker failure"):
         call_with_timeout(lambda: tr.update(lr=1e-3))
     call_with_timeout(tr.close)

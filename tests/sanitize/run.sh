@@ -4,11 +4,13 @@
 #
 #   tests/sanitize/run.sh address [PYTEST ARGS...]
 #       AddressSanitizer + UndefinedBehaviorSanitizer (+ LeakSanitizer for
-#       nanoq's own allocations); by default the whole suite.
+#       nanoq's own allocations); by default the whole suite, in one test
+#       process per core (pytest -n auto).
 #   tests/sanitize/run.sh thread [PYTEST ARGS...]
 #       ThreadSanitizer on the worker pool, the shared-memory communicator and
 #       the trainer's hand-offs; by default test_worker_pool, test_equivalence
-#       (1, 2 and 4 devices) and test_zero.
+#       (1, 2 and 4 devices), test_zero and the other defaults below, also
+#       under pytest -n auto.
 #
 # PYTEST ARGS, when given, replace the default test selection.
 # The instrumented build goes to build/sanitize-<kind>/ (pip --target) and is
@@ -71,7 +73,10 @@ case "$kind" in
     exit 2
     ;;
 esac
-if [ $# -gt 0 ]; then tests=("$@"); else tests=("${default_tests[@]}"); fi
+# The default selection runs in one test process per core (pytest-xdist's -n
+# auto, as the README's test command): each process is instrumented alike and
+# writes its own reports (log_path adds the pid).
+if [ $# -gt 0 ]; then tests=("$@"); else tests=(-n auto "${default_tests[@]}"); fi
 
 root=$PWD/build/sanitize-$kind
 target=$root/install
