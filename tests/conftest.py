@@ -608,6 +608,9 @@ def pytest_sessionfinish(session, exitstatus):
 _TEST_PROCESS_BYTES = 3 << 30
 
 
+# optionalhook: without pytest-xdist (the GPU machine may lack it) pytest
+# would refuse a hook it does not know, and with it the whole conftest.
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config):
     """One test process per core this process may run on, and no more than the
     available memory holds. Each test already runs its devices on worker
