@@ -43,7 +43,7 @@ const std::vector<OptionChoice> kPrecisions = {{"fp32", "32-bit IEEE float", {}}
 
 const std::vector<OptionChoice> kAttentionImpls = {
     {"auto", "cuDNN's fused attention where the backend has it and supports the shape, else native", {}},
-    {"cudnn", "cuDNN's fused attention (tensor cores); an error where it is not available", {}},
+    {"cudnn", "cuDNN's fused attention (tensor cores), an error where it is not available", {}},
     {"native", "nanoq's own attention kernel", {}}};
 const std::vector<OptionChoice> kMatmulPrecisions = {
     {"auto", "the dtype of the activations", {}},
@@ -104,7 +104,7 @@ Field set(const char* name, const char* noun, const char* help, std::vector<Opti
 
 const std::vector<Field>& fields() {
     static const std::vector<Field> table = {
-        choice("backend", "where the model runs",
+        choice("backend", "the compute backend",
                {{"cpu", "C++ with OpenMP and OpenBLAS: the reference backend, always built", {}},
                 {"cuda", "NVIDIA GPUs (CUDA kernels, cuBLASLt, NCCL)", {}},
                 {"cuda_emulated", "the cuda backend's code on a CPU emulator of CUDA (tests only, slow)", {}}},
@@ -115,19 +115,19 @@ const std::vector<Field>& fields() {
                 [](const TrainOptions& o) { return double(o.batch_size); }),
         integer("seq_len", "tokens per sequence", at_least(1), kNone,
                 [](const TrainOptions& o) { return double(o.seq_len); }),
-        integer("grad_accum", "step() calls allowed per update()", at_least(1), kNone,
+        integer("grad_accum", "micro-batches per optimizer step (step() calls per update())", at_least(1), kNone,
                 [](const TrainOptions& o) { return double(o.grad_accum); }),
         integer("threads", "cpu threads per device; 0 = the cores shared out", at_least(0), kNone,
                 [](const TrainOptions& o) { return double(o.threads); }),
         number("z_loss", "z-loss coefficient", at_least(0), kNone,
                [](const TrainOptions& o) { return double(o.z_loss); }),
-        choice("dtype", "weights and activations", kPrecisions,
+        choice("dtype", "the dtype of the weights and activations", kPrecisions,
                [](const TrainOptions& o) { return precision_or_empty(o.dtype); }),
-        choice("master_dtype", "the master weights the optimizer updates", kPrecisions,
+        choice("master_dtype", "the dtype of the master weights the optimizer updates", kPrecisions,
                [](const TrainOptions& o) { return precision_or_empty(o.master_dtype); }),
-        choice("optimizer_dtype", "the AdamW moments (bf16 ones with stochastic rounding)", kPrecisions,
+        choice("optimizer_dtype", "the dtype of the AdamW moments (bf16 ones with stochastic rounding)", kPrecisions,
                [](const TrainOptions& o) { return precision_or_empty(o.optimizer_dtype); }),
-        set("recompute", "recompute option", "activations backward recomputes instead of keeping",
+        set("recompute", "recompute option", "activations recomputed in backward instead of kept",
             {{"swiglu", "the SwiGLU output", {}},
              {"norms", "the RMSNorm outputs", {}},
              {"qkv", "the attention inputs q, k, v", {}},
@@ -145,7 +145,7 @@ const std::vector<Field>& fields() {
                 [](const TrainOptions& o) { return double(o.lora_rank); }),
         number("lora_alpha", "adapter outputs are scaled by lora_alpha / lora_rank", above(0), kNone,
                [](const TrainOptions& o) { return double(o.lora_alpha); }),
-        number("lora_dropout", "dropout on the adapters' input, in step() only", at_least(0), below(1),
+        number("lora_dropout", "dropout on the adapters' input while training (step(), not validate())", at_least(0), below(1),
                [](const TrainOptions& o) { return double(o.lora_dropout); }),
         set("lora_targets", "LoRA target", "projections that get adapters",
             {{"q", "self_attn.q_proj", {}},

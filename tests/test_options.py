@@ -168,8 +168,9 @@ def test_python_choice_lists_equal_the_core_schema():
     assert toml["backend"].choices == nanoq.trainer_config.BACKENDS
     assert toml["dtype"].choices == DTYPES
     assert toml["master_dtype"].choices == toml["optimizer_dtype"].choices == core["master_dtype"]
-    for name in ("recompute", "offload", "lora_targets"):  # comma-separated in TOML: the help lists them
-        assert ", ".join(core[name]) in toml[name].help, name
+    for name in ("recompute", "offload"):  # comma-separated in TOML: the help lists them, each with its meaning
+        assert all(f"{choice} = " in toml[name].help for choice in core[name]), name
+    assert ", ".join(core["lora_targets"]) in toml["lora_targets"].help
     assert core["attention"] == ("auto", "cudnn", "native") == toml["attention"].choices
     assert core["matmul_dtype"] == ("auto", "fp8") == toml["matmul_dtype"].choices
     # What the core accepts is what the schema lists: each name alone, and nothing else.
@@ -260,8 +261,10 @@ def test_cli_help_shows_the_core_s_choices_and_rules():
     text = " ".join(CliRunner().invoke(cli, ["train", "--help"], terminal_width=400).output.split())
     for rule in schema.rules():
         assert rule["message"] in text
-    for name in ("recompute", "offload", "lora_targets"):
-        assert ", ".join(schema.choices(name)) in text
+    for name in ("recompute", "offload"):  # each choice with the core's help of it
+        for choice in schema.option(name)["choices"]:
+            assert f"{choice['name']} = {choice['help']}" in text, (name, choice["name"])
+    assert ", ".join(schema.choices("lora_targets")) in text
     flags = {param.name: param for param in cli.commands["train"].params}
     assert tuple(flags["backend"].type.choices) == nanoq.trainer_config.BACKENDS
     assert tuple(flags["dtype"].type.choices) == DTYPES

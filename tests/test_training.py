@@ -73,6 +73,23 @@ def test_example_config_parses_lists_every_setting_and_holds_the_defaults():
         assert f"\n{item.name} = " in text, f"configs/example.toml lacks {item.key}"
 
 
+def test_settings_of_core_options_take_their_meaning_from_the_core():
+    # One definition: a setting that is a core option (nanoq.options) says
+    # what the core's schema says of it, then only what the TOML form adds.
+    from nanoq import options as option_schema
+
+    core = set(option_schema.names())
+    shared = [item for item in settings() if item.name in core]
+    assert len(shared) >= 20, [item.name for item in shared]
+    for item in shared:
+        spec = option_schema.option(item.name)
+        assert item.help.startswith(spec["help"]), (item.key, item.help, spec["help"])
+        if spec["kind"] in ("choice", "set") and item.name not in ("dtype", "master_dtype", "optimizer_dtype",
+                                                                    "lora_targets"):
+            for choice in spec["choices"]:  # listed with the core's help of it
+                assert f"{choice['name']} = {choice['help']}" in item.help, (item.key, choice["name"])
+
+
 def test_readme_documents_every_setting():
     readme = open(os.path.join(REPO, "README.md")).read()
     assert schema_markdown() in readme, "README's settings table is stale: paste schema_markdown()"

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, NamedTuple, Optional
 import numpy as np
 
 from nanoq import options as option_schema
-from nanoq.trainer_config import BACKENDS, DTYPES, OFFLOAD, POSITION_EMBEDDINGS, RECOMPUTE, STATE_DTYPES, TrainOptions
+from nanoq.trainer_config import BACKENDS, DTYPES, POSITION_EMBEDDINGS, STATE_DTYPES, TrainOptions
 from nanoq.lora import LoraConfig
 from nanoq.data.loader import PACKINGS
 from nanoq.data.objectives import OBJECTIVES, window_steps
@@ -52,6 +52,18 @@ def setting(section: str, default, help: str, choices=(), minimum=None, maximum=
     return dataclasses.field(**initial, metadata=dict(section=section, help=help, choices=tuple(choices),
                                                             minimum=minimum, maximum=maximum, above=above,
                                                             below=below, memory=memory, path=path))
+
+
+def core_help(name: str, more: str = "", list_choices: bool = False) -> str:
+    """The help of core option ``name`` (nanoq.options), so that a setting's
+    meaning is written once, in the core; with ``list_choices`` each choice
+    follows with the core's help of it; ``more`` adds what only the setting
+    has (its "auto", its comma-separated form, what "" means)."""
+    spec = option_schema.option(name)
+    text = spec["help"]
+    if list_choices:
+        text += ": " + "; ".join(f"{choice['name']} = {choice['help']}" for choice in spec["choices"])
+    return text + (f"; {more}" if more else "")
 
 
 def core_limits(name: str) -> dict:
@@ -135,8 +147,8 @@ class TrainConfig:
     curriculum: str = setting("data", "", "stages trained in order, replacing train_data/eval_data: "
                                           "\"TRAIN[|EVAL]@STEPS; ...\" (token-file paths or globs; the STEPS add "
                                           "up to train.steps); \"\" = none", memory=True, path=True)
-    seq_len: int = setting("data", 128, "tokens per sequence; windows of seq_len + 1 tokens step by "
-                                       "seq_len, so every token is a target once per epoch", **core_limits("seq_len"),
+    seq_len: int = setting("data", 128, core_help("seq_len", "windows of seq_len + 1 tokens step by seq_len, "
+                                                          "so every token is a target once per epoch"), **core_limits("seq_len"),
                            memory=True)
     window_step: int = setting("data", 0, "tokens from one window's start to the next: 0 = seq_len (consecutive "
                                           "windows share a token, as in llm.q); seq_len + 1 = disjoint windows "
@@ -157,9 +169,9 @@ class TrainConfig:
                                                 "denoiser); seq2seq and denoise need model.causal = false",
                              choices=OBJECTIVES)
     steps: int = setting("train", 240, "optimizer steps", minimum=1)
-    batch_size: int = setting("train", 16, "sequences per device per micro-batch", **core_limits("batch_size"),
+    batch_size: int = setting("train", 16, core_help("batch_size"), **core_limits("batch_size"),
                               memory=True)
-    grad_accum: int = setting("train", 1, "micro-batches per optimizer step", **core_limits("grad_accum"))
+    grad_accum: int = setting("train", 1, core_help("grad_accum"), **core_limits("grad_accum"))
     lr: float = setting("train", 2e-3, "peak learning rate", above=0)
     schedule: str = setting("train", "cosine", "learning-rate schedule after warmup", choices=SCHEDULES)
     warmup_steps: int = setting("train", 20, "steps of linear warmup from 0 to lr (a warmup longer than "
@@ -171,7 +183,7 @@ class TrainConfig:
     beta1: float = setting("train", 0.9, "AdamW beta1", minimum=0, maximum=0.999999)
     beta2: float = setting("train", 0.95, "AdamW beta2", minimum=0, maximum=0.999999)
     grad_clip: float = setting("train", 1.0, "clip the global gradient norm to this; 0 = off", minimum=0)
-    z_loss: float = setting("train", 0.0, "z-loss coefficient", **core_limits("z_loss"))
+    z_loss: float = setting("train", 0.0, core_help("z_loss"), **core_limits("z_loss"))
     eval_every: int = setting("train", 40, "evaluate every N steps (and at step 0 and the end); 0 = only at "
                                            "the end", minimum=0)
     max_skipped_steps: int = setting("train", 5, "stop (with a checkpoint of the last good state) after this "
@@ -189,14 +201,14 @@ class TrainConfig:
                                  minimum=1)
 
     # -- lora: low-rank adapters on a frozen base (usually model.init_from) ----
-    lora_rank: int = setting("lora", 0, "adapter rank r; 0 = full fine-tuning (no adapters)",
+    lora_rank: int = setting("lora", 0, core_help("lora_rank"),
                              **core_limits("lora_rank"), memory=True)
-    lora_alpha: float = setting("lora", 16.0, "adapter scale numerator: updates are scaled by lora_alpha / lora_rank",
+    lora_alpha: float = setting("lora", 16.0, core_help("lora_alpha"),
                                 **core_limits("lora_alpha"))
-    lora_dropout: float = setting("lora", 0.0, "dropout on the adapters' input while training",
+    lora_dropout: float = setting("lora", 0.0, core_help("lora_dropout"),
                                   **core_limits("lora_dropout"), memory=True)
-    lora_targets: str = setting("lora", "q,k,v,o", f"projections that get adapters, comma-separated: "
-                                                    f"{', '.join(LORA_TARGETS)} (or all)", memory=True)
+    lora_targets: str = setting("lora", "q,k,v,o", core_help("lora_targets", f"comma-separated: {', '.join(LORA_TARGETS)} "
+                                                                           f"(or all)"), memory=True)
 
     # -- checkpoint: <run>/checkpoints/step_XXXXXXXX, for --resume and nanoq export --
     checkpoint_every: int = setting("checkpoint", 100, "save a checkpoint every N steps and after the last "
@@ -207,33 +219,30 @@ class TrainConfig:
                                                "0 = none", minimum=0)
 
     # -- run: where and how ----------------------------------------------------
-    backend: str = setting("run", "auto", "compute backend; auto = cuda if a GPU is usable, else cpu; cuda_emulated "
-                           "runs the cuda code on a CPU emulator (tests only)",
+    backend: str = setting("run", "auto", core_help("backend", "auto = cuda if a GPU is usable, else cpu",
+                                                      list_choices=True),
                            choices=BACKENDS, memory=True)
-    devices: int = setting("run", 1, "devices (GPUs, or worker threads on cpu)", **core_limits("devices"), memory=True)
-    threads: int = setting("run", 0, "cpu threads per device; 0 = the cores shared out", **core_limits("threads"),
+    devices: int = setting("run", 1, core_help("devices"), **core_limits("devices"), memory=True)
+    threads: int = setting("run", 0, core_help("threads"), **core_limits("threads"),
                            memory=True)
-    dtype: str = setting("run", "auto", "weights/activations dtype; auto = bf16 on cuda, fp32 on cpu",
+    dtype: str = setting("run", "auto", core_help("dtype", "auto = bf16 on cuda, fp32 on cpu"),
                          choices=DTYPES, memory=True)
-    master_dtype: str = setting("run", "fp32", "dtype of the master weights the optimizer updates",
+    master_dtype: str = setting("run", "fp32", core_help("master_dtype"),
                                 choices=STATE_DTYPES, memory=True)
-    optimizer_dtype: str = setting("run", "fp32", "dtype of the AdamW moments (bf16: stochastic rounding)",
+    optimizer_dtype: str = setting("run", "fp32", core_help("optimizer_dtype"),
                                    choices=STATE_DTYPES, memory=True)
-    recompute: str = setting("run", "", f"activations recomputed in backward, comma-separated: "
-                                        f"{', '.join(RECOMPUTE)}; \"\" = keep all", memory=True)
-    offload: str = setting("run", "", f"state kept in host memory, comma-separated: {', '.join(OFFLOAD)} "
-                                      f"(zero_stage >= 2); \"\" = none", memory=True)
-    zero_stage: int = setting("run", 1, "sharded across devices: 1 optimizer state, 2 also gradients, 3 also weights",
+    recompute: str = setting("run", "", core_help("recompute", "comma-separated; \"\" = keep all", list_choices=True),
+                        memory=True)
+    offload: str = setting("run", "", core_help("offload", "comma-separated (gradients: zero_stage >= 2); \"\" = none",
+                                                  list_choices=True), memory=True)
+    zero_stage: int = setting("run", 1, core_help("zero_stage"),
                               **core_limits("zero_stage"), memory=True)
-    attention: str = setting("run", "auto", "attention implementation: auto = cuDNN where available, else native",
+    attention: str = setting("run", "auto", core_help("attention", list_choices=True),
                              choices=option_schema.choices("attention"), memory=True)
-    attention_deterministic: bool = setting("run", True, "cuDNN: the attention backward bitwise repeatable; false: dq "
-                                                         "accumulated with atomics (less workspace, not repeatable)",
+    attention_deterministic: bool = setting("run", True, core_help("attention_deterministic"),
                                             memory=True)
-    cuda_graphs: bool = setting("run", True, "cuda: capture each step and update once as CUDA graphs and replay them")
-    matmul_dtype: str = setting("run", "auto", "dtype of the projection matmuls: auto = the activations' dtype; fp8 "
-                                               "= e4m3 (e5m2 gradients) with per-tensor scales, forward and "
-                                               "backward (cuda, bf16)",
+    cuda_graphs: bool = setting("run", True, core_help("cuda_graphs"))
+    matmul_dtype: str = setting("run", "auto", core_help("matmul_dtype", list_choices=True),
                                 choices=option_schema.choices("matmul_dtype"), memory=True)
     out_dir: str = setting("run", "nanoq-out", "runs go to <out_dir>/<run_name>")
     run_name: str = setting("run", "", "name of this run's directory; \"\" = a timestamp (an existing "
