@@ -147,9 +147,9 @@ class TrainConfig:
     curriculum: str = setting("data", "", "stages trained in order, replacing train_data/eval_data: "
                                           "\"TRAIN[|EVAL]@STEPS; ...\" (token-file paths or globs; the STEPS add "
                                           "up to train.steps); \"\" = none", memory=True, path=True)
-    seq_len: int = setting("data", 128, core_help("seq_len", "windows of seq_len + 1 tokens step by seq_len, "
-                                                          "so every token is a target once per epoch"), **core_limits("seq_len"),
-                           memory=True)
+    seq_len: int = setting("data", 128, core_help("seq_len", "windows of seq_len + 1 tokens step by seq_len, so "
+                                                          "every token is a target once per epoch"),
+                           **core_limits("seq_len"), memory=True)
     window_step: int = setting("data", 0, "tokens from one window's start to the next: 0 = seq_len (consecutive "
                                           "windows share a token, as in llm.q); seq_len + 1 = disjoint windows "
                                           "(one per Nano line)", minimum=0)
@@ -207,8 +207,9 @@ class TrainConfig:
                                 **core_limits("lora_alpha"))
     lora_dropout: float = setting("lora", 0.0, core_help("lora_dropout"),
                                   **core_limits("lora_dropout"), memory=True)
-    lora_targets: str = setting("lora", "q,k,v,o", core_help("lora_targets", f"comma-separated: {', '.join(LORA_TARGETS)} "
-                                                                           f"(or all)"), memory=True)
+    lora_targets: str = setting("lora", "q,k,v,o",
+                                core_help("lora_targets", f"comma-separated: {', '.join(LORA_TARGETS)} (or all)"),
+                                memory=True)
 
     # -- checkpoint: <run>/checkpoints/step_XXXXXXXX, for --resume and nanoq export --
     checkpoint_every: int = setting("checkpoint", 100, "save a checkpoint every N steps and after the last "
