@@ -36,7 +36,7 @@ def test_backends_report_cpu_built_with_cores():
 
 @pytest.mark.cuda_emulated
 def test_the_emulator_is_built_and_shows_its_devices():
-    """Built by default (the sanitizer builds leave it out and deselect this)."""
+    """Built by default (the ThreadSanitizer build leaves it out and deselects this)."""
     report = {b["name"]: b for b in nanoq.backends()}
     assert report["cuda_emulated"]["built"] and report["cuda_emulated"]["devices"] >= 2
     assert "emulator" in report["cuda_emulated"]["detail"]

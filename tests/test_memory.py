@@ -28,7 +28,7 @@ from conftest import cuda_cases, use_cuda_backend
 
 # A cuda estimate asks the cuda backend's code for its op scratch: the cuda
 # library, or without it the same code built for the emulator (which
-# sanitizer builds leave out, deselecting these tests).
+# ThreadSanitizer build leaves out, deselecting these tests).
 cuda_planned = pytest.mark.cuda_emulated
 
 TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

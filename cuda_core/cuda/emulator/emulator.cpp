@@ -25,6 +25,23 @@
 #include <ucontext.h>
 #endif
 
+// AddressSanitizer (GCC's __SANITIZE_ADDRESS__, clang's feature test): fiber
+// switches are announced to it (stack bounds, fake stacks), device memory's
+// canary bytes are poisoned so that any access past a buffer's end is
+// reported at once, with the kernel's stack.
+#if defined(__SANITIZE_ADDRESS__)
+#define NANOQ_EMU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define NANOQ_EMU_ASAN 1
+#endif
+#endif
+#if NANOQ_EMU_ASAN
+#include <pthread.h>
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
+
 namespace nanoq_emu {
 
 thread_local const ThreadState* tl_thread = nullptr;
@@ -80,7 +97,11 @@ std::size_t device_memory() {
 }
 
 constexpr std::size_t kStaticSharedLimit = 48 * 1024;  // without an opt-in, as on every GPU since sm_70
+#if NANOQ_EMU_ASAN
+constexpr std::size_t kStackBytes = 512 * 1024;  // instrumented frames are larger
+#else
 constexpr std::size_t kStackBytes = 128 * 1024;
+#endif
 constexpr std::size_t kCanaryBytes = 4096;  // overruns up to 4 KiB are caught
 constexpr unsigned char kCanary = 0xCD;
 
@@ -132,9 +153,13 @@ nanoq_emu_trampoline:
 
 struct Context {
     void* sp = nullptr;
+    const void* stack = nullptr;  // its stack's lowest address and size (for AddressSanitizer)
+    std::size_t bytes = 0;
 };
 
 void make_context(Context& context, void* stack, std::size_t bytes, Fiber* fiber) {
+    context.stack = stack;
+    context.bytes = bytes;
     auto top = reinterpret_cast<std::uintptr_t>(stack) + bytes;
     top &= ~std::uintptr_t(15);
     auto* sp = reinterpret_cast<std::uint64_t*>(top);
@@ -149,10 +174,12 @@ void make_context(Context& context, void* stack, std::size_t bytes, Fiber* fiber
     context.sp = sp;
 }
 
-inline void swap_context(Context& from, Context& to) { nanoq_emu_switch(&from.sp, to.sp); }
+inline void raw_switch(Context& from, Context& to) { nanoq_emu_switch(&from.sp, to.sp); }
 #else
 struct Context {
     ucontext_t uc;
+    const void* stack = nullptr;
+    std::size_t bytes = 0;
 };
 
 void fiber_entry(unsigned hi, unsigned lo) {
@@ -160,6 +187,8 @@ void fiber_entry(unsigned hi, unsigned lo) {
 }
 
 void make_context(Context& context, void* stack, std::size_t bytes, Fiber* fiber) {
+    context.stack = stack;
+    context.bytes = bytes;
     getcontext(&context.uc);
     context.uc.uc_stack.ss_sp = stack;
     context.uc.uc_stack.ss_size = bytes;
@@ -169,8 +198,47 @@ void make_context(Context& context, void* stack, std::size_t bytes, Fiber* fiber
                 static_cast<unsigned>(address & 0xffffffffu));
 }
 
-inline void swap_context(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+inline void raw_switch(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
 #endif
+
+// Leaves `from` for `to`; returns when something switches back to `from`.
+// `from_done`: `from` is never resumed (AddressSanitizer frees its fake stack).
+inline void swap_context(Context& from, Context& to, bool from_done = false) {
+#if NANOQ_EMU_ASAN
+    void* fake_stack = nullptr;
+    __sanitizer_start_switch_fiber(from_done ? nullptr : &fake_stack, to.stack, to.bytes);
+    raw_switch(from, to);
+    __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
+#else
+    (void)from_done;
+    raw_switch(from, to);
+#endif
+}
+
+// The first thing a new fiber runs, on its own stack.
+inline void fiber_started() {
+#if NANOQ_EMU_ASAN
+    __sanitizer_finish_switch_fiber(nullptr, nullptr, nullptr);
+#endif
+}
+
+// The calling OS thread's own stack, as a Context to switch back to.
+inline void thread_stack(Context& context) {
+#if NANOQ_EMU_ASAN
+    if (context.stack) return;
+    pthread_attr_t attr;
+    void* lowest = nullptr;
+    std::size_t bytes = 0;
+    if (pthread_getattr_np(pthread_self(), &attr) == 0) {
+        pthread_attr_getstack(&attr, &lowest, &bytes);
+        pthread_attr_destroy(&attr);
+    }
+    context.stack = lowest;
+    context.bytes = bytes;
+#else
+    (void)context;
+#endif
+}
 
 // Fiber stacks of one OS thread, reused by every block it runs; a guard
 // page below each stack turns an overflow into a crash, not corruption.
@@ -186,9 +254,23 @@ public:
             if (base == MAP_FAILED) throw Error("emulator: cannot map a fiber stack");
             mprotect(base, page(), PROT_NONE);
             stacks_.push_back(static_cast<char*>(base) + page());
+            abandoned_.push_back(false);
         }
+#if NANOQ_EMU_ASAN
+        // AddressSanitizer poisons the redzones of live frames. A fiber
+        // that finished left only its entry frames live, at the top, where
+        // the next fiber's entry frames fall the same way; one left
+        // suspended (a failed block) may have left them anywhere.
+        constexpr std::size_t kEntryBytes = 16 * 1024;
+        char* stack = static_cast<char*>(stacks_[i]);
+        if (abandoned_[i]) ASAN_UNPOISON_MEMORY_REGION(stack, kStackBytes);
+        else ASAN_UNPOISON_MEMORY_REGION(stack + kStackBytes - kEntryBytes, kEntryBytes);
+#endif
+        abandoned_[i] = false;
         return stacks_[i];
     }
+    // Stack i's fiber never finished (its block failed).
+    void abandon(std::size_t i) { abandoned_[i] = true; }
 
 private:
     static std::size_t page() {
@@ -196,6 +278,7 @@ private:
         return size;
     }
     std::vector<void*> stacks_;
+    std::vector<bool> abandoned_;
 };
 
 // ---- a running block --------------------------------------------------------
@@ -257,13 +340,13 @@ private:
     // Leaves the current fiber (saving it in `from`) for a runnable one
     // picked at random, or for the scheduler when none is left (or the
     // block failed). Fiber to fiber directly: half the switches.
-    void switch_away(Context& from) {
+    void switch_away(Context& from, bool from_done = false) {
         if (failed_ || nothing_runnable()) {
-            swap_context(from, scheduler_);
+            swap_context(from, scheduler_, from_done);
             return;
         }
         Fiber* next = pick();
-        swap_context(from, next->context);
+        swap_context(from, next->context, from_done);
     }
     bool nothing_runnable() const { return by_warp_ ? ready_warps_ == 0 : runnable_.empty(); }
     static int take_random(std::vector<int>& list, std::uint64_t random) {
@@ -405,6 +488,7 @@ void BlockRun::run(const Launch& launch, uint3 block_idx, StackPool& stacks) {
         wake(f);
     }
 
+    thread_stack(scheduler_);
     tl_run = this;
     tl_block = &view_;
     // Fibers pass control among themselves and come back here when none is
@@ -412,6 +496,8 @@ void BlockRun::run(const Launch& launch, uint3 block_idx, StackPool& stacks) {
     if (!nothing_runnable()) swap_context(scheduler_, pick()->context);
     tl_thread = nullptr;
     current_ = nullptr;
+    for (int i = 0; i < threads_; ++i)
+        if (fibers_[i].status != Status::Done) stacks.abandon(i);
     if (failed_) throw Error(error_);
     if (exited_ < threads_) throw Error("deadlock: " + deadlock() + " (block (" + std::to_string(block_idx.x) + ", " +
                                         std::to_string(block_idx.y) + ", " + std::to_string(block_idx.z) + "), " +
@@ -436,6 +522,7 @@ std::string BlockRun::deadlock() const {
 }
 
 void BlockRun::fiber_main(Fiber* fiber) {
+    fiber_started();
     try {
         launch_->body();
         on_exit(*fiber);
@@ -446,7 +533,7 @@ void BlockRun::fiber_main(Fiber* fiber) {
         }
     }
     fiber->status = Status::Done;
-    switch_away(fiber->context);
+    switch_away(fiber->context, true);
     std::abort();  // a finished fiber is never resumed
 }
 
@@ -579,6 +666,11 @@ public:
         if (!data) return nullptr;
         std::memset(data, 0xA5, bytes);  // fresh device memory holds garbage
         std::memset(static_cast<char*>(data) + bytes, kCanary, padded - bytes);
+#if NANOQ_EMU_ASAN
+        // Any access to the canaries is then an AddressSanitizer report (a
+        // read too, which the canaries alone cannot see), at the access.
+        ASAN_POISON_MEMORY_REGION(static_cast<char*>(data) + bytes, padded - bytes);
+#endif
         allocations_[data] = Allocation{bytes, device};
         if (device >= 0) used_[device] += bytes;
         return data;
@@ -603,6 +695,9 @@ public:
 
     // The first broken canary among the live allocations, or "".
     std::string check() {
+#if NANOQ_EMU_ASAN
+        return "";  // see canary_report
+#endif
         std::lock_guard<std::mutex> lock(mutex_);
         for (const auto& entry : allocations_) {
             std::string broken = canary_report(entry.first, entry.second);
@@ -633,6 +728,10 @@ public:
 
 private:
     static std::string canary_report(const void* data, const Allocation& a) {
+#if NANOQ_EMU_ASAN
+        (void)data, (void)a;
+        return "";  // poisoned: AddressSanitizer reported any access when it happened
+#endif
         const auto* tail = static_cast<const unsigned char*>(data) + a.bytes;
         const std::size_t padded = (a.bytes + kCanaryBytes + 255) / 256 * 256;
         for (std::size_t i = 0; i < padded - a.bytes; ++i)
@@ -786,6 +885,11 @@ struct nanoq_emu_stream {
 
     explicit nanoq_emu_stream(int dev) : device(dev) { worker = std::thread([this] { drain(); }); }
 
+    // Threads in synchronize_device waiting on this stream (guarded by
+    // streams_mutex): cudaStreamDestroy on another thread waits for them
+    // before it deletes the stream.
+    int pins = 0;
+
     ~nanoq_emu_stream() {
         {
             std::lock_guard<std::mutex> lock(mutex);
@@ -911,6 +1015,7 @@ namespace nanoq_emu {
 namespace {
 
 std::mutex streams_mutex;
+std::condition_variable streams_unpinned;  // a stream's pins fell to 0
 std::vector<cudaStream_t>& live_streams() {
     static auto* streams = new std::vector<cudaStream_t>();
     return *streams;
@@ -932,21 +1037,28 @@ cudaStream_t resolve(cudaStream_t stream) {
 
 // Waits for every stream of `device` (-1: all); the first error wins.
 cudaError_t synchronize_device(int device) {
+    // Pinned, so that another thread may destroy one of them meanwhile (it
+    // waits for the pin; as on a GPU, its queued work completes first).
     std::vector<cudaStream_t> streams;
     {
         std::lock_guard<std::mutex> lock(streams_mutex);
-        streams = live_streams();
+        for (cudaStream_t s : live_streams())
+            if (device < 0 || s->device == device) {
+                ++s->pins;
+                streams.push_back(s);
+            }
     }
     cudaError_t first = cudaSuccess;
     std::string text;
     for (cudaStream_t s : streams) {
-        if (device >= 0 && s->device != device) continue;
         std::string message;
         const cudaError_t code = s->synchronize(&message);
         if (code != cudaSuccess && first == cudaSuccess) {
             first = code;
             text = message;
         }
+        std::lock_guard<std::mutex> lock(streams_mutex);
+        if (--s->pins == 0) streams_unpinned.notify_all();
     }
     return first == cudaSuccess ? cudaSuccess : report(first, text);
 }
@@ -1395,6 +1507,10 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
     }
     std::string message;
     stream->synchronize(&message);  // queued work completes first, as on a GPU
+    {
+        std::unique_lock<std::mutex> lock(nanoq_emu::streams_mutex);
+        nanoq_emu::streams_unpinned.wait(lock, [stream] { return stream->pins == 0; });
+    }
     delete stream;
     return cudaSuccess;
 }

@@ -19,7 +19,10 @@
 //     dynamic shared memory are checked on every access); shared memory
 //     starts filled with 0xff bytes (NaN as floats), as stale data would;
 //   - writes past the end of cudaMalloc'ed buffers (canaries, checked at
-//     every synchronisation and free).
+//     every synchronisation and free). In an AddressSanitizer build
+//     (tests/sanitize/run.sh address) the canaries are poisoned instead, so
+//     that any read or write of them is reported at the access, in the
+//     kernel's code, and every fiber switch is announced to ASan.
 // Blocks of a grid run one after another in a shuffled order; streams are
 // in-order queues, each drained by a worker thread, so host and device run
 // asynchronously as on a GPU. The seed comes from NANOQ_EMU_SEED (printed

@@ -105,6 +105,13 @@ __global__ void shuffle_exited_lane_kernel(int* out) {
     out[threadIdx.x] = __shfl_sync(kFullMask, 1, 0);
 }
 __global__ void global_overrun_kernel(int* out) { out[threadIdx.x + 1] = 1; }
+// Reads one int past the end: no canary sees a read; AddressSanitizer does
+// (tests/sanitize/run.sh address checks that it is reported).
+__global__ void global_overread_kernel(int* out) {
+    const int next = out[threadIdx.x + 1];
+    __syncthreads();
+    out[threadIdx.x] = next + 1;
+}
 
 }  // namespace
 }  // namespace cuda
@@ -142,6 +149,7 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_selftest(const c
         detail::launch(shuffle_reads_outside_mask_kernel, 1, 32, 0, stream, data);
     else if (test == "shuffle_exited_lane") detail::launch(shuffle_exited_lane_kernel, 1, 32, 0, stream, data);
     else if (test == "global_overrun") detail::launch(global_overrun_kernel, 1, n, 0, stream, data);
+    else if (test == "global_overread") detail::launch(global_overread_kernel, 1, n, 0, stream, data);
     else if (test == "bad_block") detail::launch(shuffle_kernel, 1, 2048, 0, stream, data);
     cudaError_t status = cudaGetLastError();
     if (status == cudaSuccess) status = cudaStreamSynchronize(stream);
