@@ -72,8 +72,10 @@ case "$kind" in
     # their own (see run_tests below): every kernel and op, and one training
     # run per host path (graphs at ZeRO 2 and 3, two devices, offload, LoRA,
     # fp8, cuDNN's stand-in), without the long runs that repeat them over
-    # more steps, stages, shapes or dtypes (under ASan the emulated tests all
-    # together take about 17 minutes on two cores, far past CI's budget).
+    # more steps, stages, shapes or dtypes (under ASan, on two cores, the
+    # emulated tests but the first ten of these and four of the options
+    # test's five cases took 9.6 minutes: all of them would take some 18, far
+    # past CI's budget).
     long_runs=(test_fp32_and_bf16_match_cpu_at_realistic_head_dims
       test_bf16_losses_track_fp32_cpu_and_fall_on_a_learnable_batch test_fp32_ten_adamw_steps_match_cpu
       test_two_identical_runs_are_bitwise_identical test_two_devices_match_one_at_every_stage
