@@ -30,6 +30,18 @@ and setting, in bf16 (it has no fp8 path without extra libraries):
   available, eager mode (no torch.compile); the loss of each micro-batch
   divided by the number of micro-batches.
 
+Memory: a setting that does not fit the GPU runs in smaller micro-batches
+with more of them per step, the same rows in the same order (so the same
+tokens, and the same loss, per step), and the report says so. nanoq decides
+before it starts, from the core's memory plan of the run (what `nanoq
+memory` prints) against the GPU's free memory: the largest micro-batch that
+fits. torch, which has no such plan, halves down on its out-of-memory error
+(the next smaller divisor of the step's rows), the step started again. So
+an 80 GB H100 runs llm.q's B=32 x 16 at 1.5B as B=16 x 32 (nanoq needs about
+91.5 GiB at B=32 with fp32 master weights and AdamW state). --device-memory
+fits both trainers into less than the GPU has (nanoq's Trainer held to it
+with memory_limit, torch with set_per_process_memory_fraction).
+
 Reported per trainer: tokens/s over the timed steps (after the warm-up
 steps; each step ends with its loss on the host, so the clock sees finished
 work), GPU memory, the losses, and MFU. Memory: nanoq's ``get_allocations``
@@ -82,6 +94,7 @@ visible.
 from __future__ import annotations
 
 import argparse
+import gc
 import gzip
 import json
 import os
@@ -184,8 +197,31 @@ def batches(run: dict, micro_batches: int, first: int) -> list:
     return out
 
 
-def gpu_used_bytes() -> int | None:
-    """Used memory of GPU 0 as NVML reports it (all processes), or None."""
+def regroup(micro_batches: list, rows: int) -> list:
+    """A step's micro-batches as micro-batches of ``rows`` rows: the same
+    rows in the same order, so the same tokens and (the loss being the mean
+    over the step's tokens for both trainers) the same step, in more,
+    smaller micro-batches. ``rows`` divides the step's rows."""
+    import numpy as np
+
+    if rows == len(micro_batches[0][0]):
+        return micro_batches
+    inputs = np.concatenate([i for i, _ in micro_batches])
+    targets = np.concatenate([t for _, t in micro_batches])
+    if rows < 1 or len(inputs) % rows:
+        raise ValueError(f"{rows} rows per micro-batch do not divide the step's {len(inputs)} rows")
+    return [(np.ascontiguousarray(inputs[i:i + rows]), np.ascontiguousarray(targets[i:i + rows]))
+            for i in range(0, len(inputs), rows)]
+
+
+def smaller_micro_batch(rows: int, step_rows: int) -> int | None:
+    """The largest micro-batch below ``rows`` rows that divides the step's
+    ``step_rows`` (as the memory plan's suggestion picks it), or None."""
+    return next((r for r in range(rows - 1, 0, -1) if step_rows % r == 0), None)
+
+
+def gpu_memory_bytes(which: str = "used") -> int | None:
+    """GPU 0's "used" (all processes) or "free" memory as NVML reports it, or None."""
     try:
         import pynvml
 
@@ -193,7 +229,7 @@ def gpu_used_bytes() -> int | None:
     except Exception:  # noqa: BLE001 - no NVML means no figure, not a failure
         return None
     try:
-        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used)
+        return int(getattr(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)), which))
     finally:
         pynvml.nvmlShutdown()
 
@@ -386,7 +422,7 @@ def run_nanoq(run: dict, model_dir: str, started: float) -> dict:
 def _run_nanoq(run: dict, model_dir: str, started: float, cuda_graphs: bool) -> dict:
     import nanoq
 
-    used_before = gpu_used_bytes()
+    used_before = gpu_memory_bytes()
     config = nanoq.ModelConfig.from_pretrained(model_dir)
     options = dict(backend=run["backend"], dtype="fp32" if run["backend"] == "cpu" else "bf16",
                    master_dtype="fp32", optimizer_dtype="fp32", batch_size=run["batch"], seq_len=run["seq"],
@@ -395,21 +431,23 @@ def _run_nanoq(run: dict, model_dir: str, started: float, cuda_graphs: bool) -> 
         options["matmul_dtype"] = MATMUL_DTYPES[run["matmul_dtype"]]
     if not cuda_graphs:
         options["cuda_graphs"] = False
+    options, fit = fit_nanoq(config, options, run)
     with nanoq.Trainer(config, nanoq.TrainOptions(**options)) as trainer:
         trainer.import_weights(model_dir)
 
         def train_step(micro_batches):
-            for inputs, targets in micro_batches:
+            for inputs, targets in regroup(micro_batches, options["batch_size"]):
                 trainer.step(inputs, targets)
             return trainer.update(lr=3e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, grad_clip=1.0).loss
 
         result = timed_loop(run, train_step, started)
         attention = trainer.attention
-        used_after = gpu_used_bytes()
+        used_after = gpu_memory_bytes()
         by_context = {}
         for a in trainer.get_allocations(0):
             if a["kind"] == "device":
                 by_context[a["context"]] = by_context.get(a["context"], 0) + a["bytes"]
+        result.update(micro_batch=options["batch_size"], grad_accum=options["grad_accum"], fit=fit)
         result.update(cuda_graphs=cuda_graphs, attention=attention,
                       allocations_by_context=by_context, peak_bytes=sum(by_context.values()),
                       device_used_rise_bytes=None if used_before is None else used_after - used_before)
@@ -421,6 +459,40 @@ def _run_nanoq(run: dict, model_dir: str, started: float, cuda_graphs: bool) -> 
     return result
 
 
+def fit_nanoq(config, options: dict, run: dict) -> tuple[dict, dict | None]:
+    """nanoq's options with the largest micro-batch that the core's memory
+    plan (nanoq.estimate_memory, as `nanoq memory` prints it) fits into the
+    GPU's free memory, or into run["device_memory"] when given (the Trainer
+    is then held to it with memory_limit), the tokens per step kept
+    (MemoryEstimate.fitting_micro_batch); the setting's own when it fits.
+    Also the fit's record (None when no memory figure applies: off cuda
+    without run["device_memory"]). Raises RuntimeError, with the plan's
+    suggestions, when not even one row per micro-batch fits."""
+    import nanoq
+    from nanoq.memory import estimate_memory, human_bytes
+
+    limit = run.get("device_memory") or (gpu_memory_bytes("free") if run["backend"] == "cuda" else None)
+    if not limit:
+        return options, None
+    estimate = estimate_memory(config, nanoq.TrainOptions(**options), device_memory=limit)
+    fitting = estimate.fitting_micro_batch(limit)
+    needed = estimate.device_bytes + estimate.reserve_bytes
+    if fitting is None:
+        raise RuntimeError(f"B={options['batch_size']}x{options['grad_accum']} needs {human_bytes(needed)}, and not "
+                           f"even one row per micro-batch fits the {human_bytes(limit)} of GPU memory: "
+                           + "; ".join(estimate.suggestions(limit)))
+    options = dict(options, batch_size=fitting.options.batch_size, grad_accum=fitting.options.grad_accum)
+    if run.get("device_memory"):
+        options["memory_limit"] = limit - fitting.reserve_bytes
+    fit = dict(device_memory_bytes=limit, device_memory_given=bool(run.get("device_memory")),
+               setting_needs_bytes=needed, needs_bytes=fitting.device_bytes + fitting.reserve_bytes)
+    if fitting is not estimate:
+        print(f"B={run['batch']}x{run['grad_accum']} needs {human_bytes(needed)} of the {human_bytes(limit)} "
+              f"available: running B={options['batch_size']}x{options['grad_accum']} (the same tokens per step)",
+              flush=True)
+    return options, fit
+
+
 def run_torch(run: dict, model_dir: str, started: float) -> dict:
     import torch
     from transformers import Qwen2ForCausalLM
@@ -428,7 +500,7 @@ def run_torch(run: dict, model_dir: str, started: float) -> dict:
     on_gpu = run["backend"] == "cuda"
     if on_gpu and not torch.cuda.is_available():
         raise RuntimeError("torch sees no CUDA device")
-    used_before = gpu_used_bytes()
+    used_before = gpu_memory_bytes()
     device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
     model = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").to(device)
     model.train()
@@ -442,11 +514,23 @@ def run_torch(run: dict, model_dir: str, started: float) -> dict:
         optimizer = torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95), eps=1e-8)
         fused = False
     if on_gpu:
+        if run.get("device_memory"):  # held to the memory given, as nanoq's Trainer is
+            total_memory = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, run["device_memory"] / total_memory), device)
         torch.cuda.reset_peak_memory_stats(device)
+    out_of_memory = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+    step_rows = run["batch"] * run["grad_accum"]
+    rows, oom = run["batch"], []  # the micro-batch in use; the ones that ran out of memory
+    # A test hook (plumbing tests on the CPU, where nothing runs out of memory):
+    # micro-batches of more rows than this raise torch's out-of-memory error.
+    oom_above = int(os.environ.get("NANOQ_BENCH_TORCH_OOM_ABOVE_ROWS", "0"))
 
-    def train_step(micro_batches):
+    def attempt(micro_batches):
+        micro_batches = regroup(micro_batches, rows)
         total = 0.0
         for inputs, targets in micro_batches:
+            if oom_above and len(inputs) > oom_above:
+                raise out_of_memory(f"NANOQ_BENCH_TORCH_OOM_ABOVE_ROWS={oom_above}: {len(inputs)} rows")
             inputs, targets = (torch.from_numpy(a).to(device, dtype=torch.long) for a in (inputs, targets))
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 logits = model(input_ids=inputs).logits
@@ -458,13 +542,36 @@ def run_torch(run: dict, model_dir: str, started: float) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return float(total) / len(micro_batches)
 
+    def train_step(micro_batches):
+        """One optimizer step; out of memory, the same step again in smaller
+        micro-batches (the same tokens per step), as a user of torch would."""
+        nonlocal rows
+        while True:
+            try:
+                return attempt(micro_batches)
+            except out_of_memory as e:
+                error = str(e).splitlines()[0][:300]
+            # Outside the handler: the traceback, and the activations its frames held, are gone.
+            smaller = smaller_micro_batch(rows, step_rows)
+            if smaller is None:
+                raise RuntimeError(f"out of memory even at one row per micro-batch: {error}")
+            print(f"torch ran out of memory at B={rows}: the step again at B={smaller}x{step_rows // smaller} "
+                  f"(the same tokens per step)", flush=True)
+            oom.append(dict(micro_batch=rows, error=error))
+            rows = smaller
+            optimizer.zero_grad(set_to_none=True)
+            gc.collect()
+            if on_gpu:
+                torch.cuda.empty_cache()
+
     result = timed_loop(run, train_step, started)
+    result.update(micro_batch=rows, grad_accum=step_rows // rows, out_of_memory=oom)
     peak = {}
     if on_gpu:
         torch.cuda.synchronize(device)
         peak = dict(peak_bytes=int(torch.cuda.max_memory_allocated(device)),
                     peak_reserved_bytes=int(torch.cuda.max_memory_reserved(device)))
-    used_after = gpu_used_bytes()
+    used_after = gpu_memory_bytes()
     result.update(peak, fused_adamw=fused, torch_version=torch.__version__,
                   device_used_rise_bytes=None if used_before is None else used_after - used_before)
     save_partial(run, result)
@@ -588,7 +695,7 @@ def configurations(args) -> list[dict]:
                 steps, warmup = (args.llmq_steps, args.llmq_warmup)
             base = dict(model=model, model_name=name, shape=shape, setting=setting, batch=batch, grad_accum=accum,
                         seq=args.seq, steps=steps, warmup=warmup, budget=args.budget, backend=args.backend,
-                        profile_steps=args.profile_steps)
+                        profile_steps=args.profile_steps, device_memory=args.device_memory)
             trainers = [("nanoq", dtype) for dtype in args.matmul_dtype]
             if not args.only or args.only == "torch":
                 trainers.insert(1, ("torch", "bf16"))
@@ -600,6 +707,22 @@ def configurations(args) -> list[dict]:
                          if args.out and args.profile_steps else None)
                 out.append(dict(base, trainer=trainer, matmul_dtype=dtype, key=key, trace_path=trace))
     return out
+
+
+def micro_batch_lines(run: dict) -> list[str]:
+    """The report's line when a trainer ran the step in smaller micro-batches than its setting's, and why."""
+    r = run["result"]
+    if r.get("micro_batch", run["batch"]) == run["batch"]:
+        return []
+    gib = 2.0 ** 30
+    ran = f"  ran as B={r['micro_batch']}x{r['grad_accum']} (the same tokens per step): "
+    fit = r.get("fit")
+    if fit:
+        where = "the memory given" if fit["device_memory_given"] else "the GPU's free memory"
+        return [ran + f"B={run['batch']}x{run['grad_accum']} needs {fit['setting_needs_bytes'] / gib:.2f} GiB by "
+                f"nanoq's memory plan, {where} is {fit['device_memory_bytes'] / gib:.2f} GiB"]
+    tried = ", ".join(f"B={o['micro_batch']}" for o in r.get("out_of_memory", []))
+    return [ran + f"out of GPU memory at {tried}"]
 
 
 def summarise(args, runs: list[dict], gpu: str) -> tuple[dict, str]:
@@ -626,6 +749,7 @@ def summarise(args, runs: list[dict], gpu: str) -> tuple[dict, str]:
             memory += f", device used +{r['device_used_rise_bytes'] / gib:.2f} GiB"
         lines.append(f"{label}: {r['tokens_per_second']:9.0f} tokens/s  MFU {100 * r['mfu']:5.1f}%  {memory}  "
                      f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}  ({r['timed_steps']} timed steps)")
+        lines += micro_batch_lines(run)
         if run["trainer"] == "nanoq" and "cuda_graphs" in r:
             lines.append(f"  (attention {r.get('attention')}, CUDA graphs {'on' if r['cuda_graphs'] else 'off'})")
         if r.get("cuda_graphs_error"):
@@ -713,6 +837,11 @@ def parse_args(argv=None):
     parser.add_argument("--time-limit", type=float, default=0.0,
                         help="seconds for the whole run: configurations not started by then are skipped "
                              "(default: no limit)")
+    parser.add_argument("--device-memory", metavar="SIZE",
+                        help="GPU memory to fit each trainer into (80GB = 80*10^9 bytes, 80GiB = 80*2^30), instead "
+                             "of the GPU's free memory: nanoq's Trainer is held to it (memory_limit), torch too on "
+                             "a GPU (set_per_process_memory_fraction). A setting that does not fit runs in smaller "
+                             "micro-batches with the same tokens per step, for either trainer")
     parser.add_argument("--no-gpu-check", action="store_true",
                         help="run the trainers even when no GPU is visible (to test the plumbing)")
     parser.add_argument("--backend", choices=["cuda", "cuda_emulated", "cpu"], default="cuda",
@@ -732,6 +861,13 @@ def parse_args(argv=None):
             parser.error(f"--{name.replace('_', '-')} must be {'>= 0' if floor == 0 else 'positive'}")
     if args.budget < 0 or args.time_limit < 0:
         parser.error("--budget and --time-limit must be >= 0")
+    if args.device_memory is not None:
+        from nanoq_cli.main import _parse_size  # the CLI's sizes (nanoq memory --device-memory)
+
+        try:
+            args.device_memory = _parse_size(args.device_memory)
+        except ValueError as e:
+            parser.error(f"--device-memory: {e}")
     if args.only == "torch" and args.matmul_dtype != ["bf16"]:
         parser.error("--only torch runs bf16 only")
     if args.smoke:

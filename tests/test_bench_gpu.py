@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -111,14 +112,25 @@ def test_the_budget_stops_the_timed_steps_after_at_least_one(bench_gpu):
     assert len(result["losses"]) == 1 + result["timed_steps"]
 
 
-def test_smoke_run_end_to_end_on_the_cpu(tmp_path):
+def smoke_run(out_dir, *more, env=None):
+    """bench_gpu.py --smoke on the CPU at the accumulating setting (B=2 x 2); its report."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_gpu.py"), "--smoke", "--backend", "cpu",
+                          "--no-gpu-check", "--settings", "llmq", "--out", str(out_dir), *more],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, **(env or {})))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return json.loads((out_dir / "bench_gpu.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def smoke_report(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("smoke")
+    return out_dir, smoke_run(out_dir)
+
+
+def test_smoke_run_end_to_end_on_the_cpu(smoke_report):
     """Both trainers in their own processes (nanoq's cpu backend, torch on
     the CPU) at the accumulating setting: the report has both and their ratio."""
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_gpu.py"), "--smoke", "--backend", "cpu",
-                          "--no-gpu-check", "--settings", "llmq", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    report = json.loads((tmp_path / "bench_gpu.json").read_text())
+    tmp_path, report = smoke_report
     assert [(r["trainer"], r["grad_accum"]) for r in report["runs"]] == [("nanoq", 2), ("torch", 2)]
     for run in report["runs"]:
         assert run["result"]["ok"] and run["result"]["tokens_per_second"] > 0
@@ -128,6 +140,57 @@ def test_smoke_run_end_to_end_on_the_cpu(tmp_path):
     assert nanoq_losses == pytest.approx(torch_losses, rel=1e-2)
     assert "0.5b llmq bf16 nanoq/torch" in report["ratios"]
     assert "ratio 0.5b llmq bf16 nanoq/torch" in (tmp_path / "bench_gpu.txt").read_text()
+    for run in report["runs"]:  # the setting's micro-batch, nothing to fit without a memory figure
+        assert (run["result"]["micro_batch"], run["result"]["grad_accum"]) == (2, 2)
+    assert report["runs"][0]["result"]["fit"] is None and report["runs"][1]["result"]["out_of_memory"] == []
+
+
+def test_regroup_keeps_the_steps_rows_in_order(bench_gpu):
+    run = dict(batch=4, seq=3, shape=dict(vocab_size=50))
+    step = bench_gpu.batches(run, 3, 7)  # 3 micro-batches of 4 rows
+    for rows in (1, 2, 3, 6, 12):
+        regrouped = bench_gpu.regroup(step, rows)
+        assert [len(i) for i, _ in regrouped] == [rows] * (12 // rows)
+        for k in (0, 1):
+            assert (np.concatenate([b[k] for b in regrouped]) == np.concatenate([b[k] for b in step])).all()
+    assert bench_gpu.regroup(step, 4) is step
+    with pytest.raises(ValueError, match="do not divide"):
+        bench_gpu.regroup(step, 5)
+    assert [bench_gpu.smaller_micro_batch(r, 12) for r in (4, 3, 2, 1)] == [3, 2, 1, None]
+    assert bench_gpu.smaller_micro_batch(32, 512) == 16
+
+
+def test_a_setting_that_does_not_fit_runs_in_smaller_micro_batches(bench_gpu, smoke_report, tmp_path):
+    """--device-memory below what B=2 needs: nanoq's memory plan picks B=1 x 4
+    and its Trainer is held to that memory; torch (told to run out of memory
+    above one row) retries the step at B=1. Same tokens per step: both
+    trainers' losses are those of the run at B=2 x 2."""
+    import dataclasses
+
+    import nanoq
+    from nanoq.memory import estimate_memory
+
+    model_dir = tmp_path / "model"
+    bench_gpu.make_model(bench_gpu.SMOKE, 128, str(model_dir))
+    config = nanoq.ModelConfig.from_pretrained(str(model_dir))
+    options = nanoq.TrainOptions(backend="cpu", dtype="fp32", master_dtype="fp32", optimizer_dtype="fp32",
+                                 batch_size=2, seq_len=128, grad_accum=2)
+    limit = estimate_memory(config, dataclasses.replace(options, batch_size=1, grad_accum=4)).device_bytes + 1
+    assert not estimate_memory(config, options).fits(limit)
+    out_dir = tmp_path / "out"
+    report = smoke_run(out_dir, "--device-memory", str(limit), env=dict(NANOQ_BENCH_TORCH_OOM_ABOVE_ROWS="1"))
+    nanoq_run, torch_run = report["runs"]
+    assert (nanoq_run["result"]["micro_batch"], nanoq_run["result"]["grad_accum"]) == (1, 4)
+    fit = nanoq_run["result"]["fit"]
+    assert fit["device_memory_bytes"] == limit and fit["setting_needs_bytes"] > limit >= fit["needs_bytes"]
+    assert (torch_run["result"]["micro_batch"], torch_run["result"]["grad_accum"]) == (1, 4)
+    assert [o["micro_batch"] for o in torch_run["result"]["out_of_memory"]] == [2]
+    _, full = smoke_report
+    for fitted, unfitted in zip(report["runs"], full["runs"]):
+        assert fitted["result"]["losses"] == pytest.approx(unfitted["result"]["losses"], rel=1e-4)
+    text = (out_dir / "bench_gpu.txt").read_text()
+    assert "ran as B=1x4 (the same tokens per step): B=2x2 needs" in text
+    assert "ran as B=1x4 (the same tokens per step): out of GPU memory at B=2" in text
 
 
 def test_gpu_check_summary_lists_every_step(tmp_path):

@@ -330,6 +330,24 @@ def test_micro_batch_suggestion_fits_and_is_the_largest_that_does():
     assert not estimate_memory(config, dataclasses.replace(options, batch_size=4, grad_accum=6)).fits(limit)
 
 
+def test_fitting_micro_batch_is_the_largest_that_a_limited_trainer_accepts():
+    config, options = CONFIGS["llama_untied"], cpu_options(1, batch_size=8, seq_len=64, grad_accum=2)
+    estimate = estimate_memory(config, options)
+    assert estimate.fitting_micro_batch(estimate.device_bytes) is estimate
+    limit = estimate_memory(config, dataclasses.replace(options, batch_size=4)).device_bytes + 1
+    fitting = estimate.fitting_micro_batch(limit)
+    # 16 sequences per step kept; 4 is the largest divisor of 16 below 8 that fits (not 7, 6, 5: no divisors).
+    assert (fitting.options.batch_size, fitting.options.grad_accum) == (4, 4)
+    assert fitting.tokens_per_step == estimate.tokens_per_step
+    assert dataclasses.replace(fitting.options, batch_size=8, grad_accum=2) == estimate.options
+    # The core agrees: a trainer limited to that many bytes takes the micro-batch of 4, not the setting's 8.
+    with nanoq.Trainer(config, dataclasses.replace(fitting.options, memory_limit=limit)) as trainer:
+        assert trainer.memory_summary()[0]["allocated"] == fitting.device_bytes
+    with pytest.raises(nanoq.OutOfMemoryError):
+        nanoq.Trainer(config, dataclasses.replace(options, memory_limit=limit))
+    assert estimate.fitting_micro_batch(1000) is None
+
+
 def test_device_suggestion_uses_zero1_sharding():
     # A wide vocabulary and a tiny batch: weights, gradients and AdamW dominate.
     config = nanoq.ModelConfig(**dict(TINY, vocab_size=20000))

@@ -306,17 +306,31 @@ class MemoryEstimate:
         """What may be offloaded at a ZeRO stage (gradients from stage 2)."""
         return tuple(name for name in OFFLOAD if name != "gradients" or stage >= 2)
 
-    def _smaller_micro_batch(self, limit: int) -> Optional[str]:
+    def fitting_micro_batch(self, device_memory_bytes: int) -> Optional["MemoryEstimate"]:
+        """This run with the largest micro-batch that fits a device of that
+        size, the same sequences per step kept (``batch_size`` a divisor of
+        ``batch_size`` x ``grad_accum``, ``grad_accum`` the quotient; nothing
+        else changed): this estimate itself when it fits, None when not
+        even one sequence per micro-batch does."""
+        if self.fits(device_memory_bytes):
+            return self
         o = self.options
         sequences = o.batch_size * o.grad_accum  # per device per step, kept
         for batch in range(o.batch_size - 1, 0, -1):
             if sequences % batch:
                 continue
             smaller = self._with(batch_size=batch, grad_accum=sequences // batch)
-            if smaller.fits(limit):
-                return (f"batch_size {batch} with grad_accum {sequences // batch} (same {self.tokens_per_step:,} "
-                        f"tokens per step): needs {human_bytes(smaller.device_bytes + self.reserve_bytes)}")
+            if smaller.fits(device_memory_bytes):
+                return smaller
         return None
+
+    def _smaller_micro_batch(self, limit: int) -> Optional[str]:
+        smaller = self.fitting_micro_batch(limit)
+        if smaller is None or smaller is self:
+            return None
+        o = smaller.options
+        return (f"batch_size {o.batch_size} with grad_accum {o.grad_accum} (same {self.tokens_per_step:,} "
+                f"tokens per step): needs {human_bytes(smaller.device_bytes + self.reserve_bytes)}")
 
     def _recompute_levels(self) -> Iterator[tuple]:
         """Recompute settings that add names to this one, cheapest first. One
