@@ -152,3 +152,36 @@ def test_training_warns_when_cpu_devices_or_threads_exceed_the_cores(tmp_path, m
     assert warning.startswith("warning: run.devices 2 asks for 2 cpu threads but this process may use 1 cores")
     (warning,) = tiny_run(tmp_path, devices=1, threads=3)
     assert warning.startswith("warning: run.devices 1 x run.threads 3 asks for 3 cpu threads")
+
+
+# -- GPUs left idle ---------------------------------------------------------------------------
+
+
+def test_idle_gpus_are_named_with_why_and_how(monkeypatch):
+    monkeypatch.setattr(backends, "gpu_names", lambda: ["NVIDIA H100 80GB HBM3"])
+    warning = backends.idle_gpus_warning("auto", "cpu")
+    assert warning.startswith("this machine has 1 NVIDIA GPU (NVIDIA H100 80GB HBM3), but ")
+    assert backends.cuda_unusable_reason() in warning and "training on the cpu backend" in warning
+    if not backends._core.backend_built("cuda"):  # the README's install: how to build the cuda backend
+        assert backends.cuda_unusable_reason().startswith("this install was built without the cuda backend")
+        assert warning.endswith(" && ".join(backends.CUDA_BUILD_COMMANDS))
+    assert backends.idle_gpus_warning("cpu", "cpu") is None  # asked for: no warning
+    monkeypatch.setattr(backends, "gpu_names", lambda: [])
+    assert backends.idle_gpus_warning("auto", "cpu") is None
+
+
+def test_the_build_commands_are_the_readmes(pytestconfig):
+    readme = (pytestconfig.rootpath / "README.md").read_text()
+    assert "\n".join(backends.CUDA_BUILD_COMMANDS) in readme
+
+
+def test_training_on_cpu_beside_idle_gpus_warns(tmp_path, monkeypatch):
+    monkeypatch.setattr(backends, "gpu_names", lambda: ["NVIDIA H200", "NVIDIA H200"])
+    monkeypatch.setattr(backends, "cuda_unusable_reason", lambda: "the cuda backend sees no usable GPU")
+    monkeypatch.setattr(backends, "usable_cores", lambda: (64, "os.sched_getaffinity"))
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "auto").mkdir()
+    assert tiny_run(tmp_path / "cpu", backend="cpu") == []
+    (warning,) = tiny_run(tmp_path / "auto", backend="auto")
+    assert warning.startswith("warning: this machine has 2 NVIDIA GPUs (NVIDIA H200, NVIDIA H200), but the cuda "
+                              "backend sees no usable GPU: training on the cpu backend")

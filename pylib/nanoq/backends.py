@@ -128,6 +128,39 @@ def attention_detail(name: str) -> str:
 
 
 
+# How to build the cuda backend into an install (README, "GPUs: the cuda backend").
+CUDA_BUILD_COMMANDS = ('pip install ".[cuda]" scikit-build-core cython cmake ninja',
+                       "NANOQ_CUDA=ON pip install --no-build-isolation .")
+
+
+def cuda_unusable_reason() -> str:
+    """Why the cuda backend cannot train here, in words ("" when it can)."""
+    if not _core.backend_built("cuda"):
+        return "this install was built without the cuda backend (NANOQ_CUDA=ON builds it)"
+    try:
+        if device_count("cuda") > 0:
+            return ""
+    except _core.NanoqError as e:
+        return f"the cuda backend does not load: {e}"
+    return "the cuda backend sees no usable GPU (no device or no driver)"
+
+
+def idle_gpus_warning(requested: str, resolved: str) -> Optional[str]:
+    """A warning, in words, when a run that asked for ``requested`` ("auto")
+    runs on ``resolved`` "cpu" although NVML sees NVIDIA GPUs here: which
+    ones, why the cuda backend is not used, and how to build it. None
+    otherwise (a run that asked for cpu, or no GPU)."""
+    if requested != "auto" or resolved != "cpu":
+        return None
+    names = gpu_names()
+    reason = cuda_unusable_reason() if names else ""
+    if not reason:
+        return None
+    how = " && ".join(CUDA_BUILD_COMMANDS) if not _core.backend_built("cuda") else "nanoq info says more"
+    return (f"this machine has {len(names)} NVIDIA GPU{'s' if len(names) > 1 else ''} ({', '.join(names)}), but "
+            f"{reason}: training on the cpu backend, much slower. For the GPU: {how}")
+
+
 def backends() -> list[dict]:
     """One dict per backend: name, built (compiled into this install),
     devices (usable now), and detail (why it is unusable, GPU names, ...)."""

@@ -49,7 +49,7 @@ from typing import Callable, List, Optional, TypeVar
 from nanoq import __version__, distributed
 from nanoq.agreement import agree, on_root
 from nanoq.checkpoint import DiskSpaceWarning, newest_finite
-from nanoq.backends import CUDA_BACKENDS, cpu_oversubscription, resolve_backend
+from nanoq.backends import CUDA_BACKENDS, cpu_oversubscription, idle_gpus_warning, resolve_backend
 from nanoq.trainer_config import ModelConfig
 from nanoq.hf_export import NotExportable, architecture, export_adapter
 from nanoq.data import Curriculum, DataLoader, Dataset, EvalLoader
@@ -610,9 +610,10 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
         model, options, loader, eval_loader, tokenizer_dir = _setup(config, run_dir, say, group)
         trainer = Trainer(model, options, processes=group)
         if trainer.backend == "cpu":
-            warning = cpu_oversubscription(trainer.world_size, options.threads)
-            if warning:
-                say(f"warning: {warning}")
+            for warning in (idle_gpus_warning(config.backend, trainer.backend),
+                            cpu_oversubscription(trainer.world_size, options.threads)):
+                if warning:
+                    say(f"warning: {warning}")
         if config.init_from:
             say(f"weights: {config.init_from}" + (" (frozen; LoRA adapters train)" if options.lora else ""))
             trainer.import_weights(config.init_from)
