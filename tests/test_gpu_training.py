@@ -193,6 +193,25 @@ def test_fp32_and_bf16_match_cpu_at_realistic_head_dims(shape, backend):
     assert_close(bf16_stats.grad_norm, cpu_stats.grad_norm, 0.1, f"{shape} bf16 grad_norm")
 
 
+def test_wide_mlp_bias_gradients_match_cpu(backend):
+    # gate and up biases (mlp_bias, as Nano-style models have) at a width whose column sums need the
+    # largest op scratch of the step: the scratch plan must reserve bias_backward at the intermediate
+    # width (it did not, and the first backward failed: "cuda op needs more scratch than was reserved").
+    config = nanoq.ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=4096, num_hidden_layers=1,
+                               num_attention_heads=4, num_key_value_heads=4, qkv_bias=True, o_bias=True,
+                               mlp_bias=True)
+    batch = random_batch(np.random.default_rng(5), rows=4, seq_len=256, vocab=256, mask_frac=0.05)
+    results = {}
+    for name, options in (("cpu", nanoq.TrainOptions(backend="cpu", batch_size=4, seq_len=256)),
+                          ("cuda", cuda_options(batch_size=4, seq_len=256, backend=backend))):
+        with nanoq.Trainer(config, options) as trainer:  # the same seeded init on every backend
+            trainer.step(*batch)
+            gradients = trainer.get_gradients()
+            results[name] = (trainer.update(lr=1e-3), gradients)
+    assert_stats_close(results["cuda"][0], results["cpu"][0], LOSS_REL, "wide mlp_bias")
+    assert_tensors_close(results["cuda"][1], results["cpu"][1], GRAD_REL, "wide mlp_bias cuda grad")
+
+
 # --------------------------------------------------------------------------
 # bf16
 # --------------------------------------------------------------------------

@@ -181,8 +181,10 @@ std::size_t CudaBackend::scratch_bytes(const ScratchShapes& s, bool ask_librarie
     const int q_width = a.heads * a.head_dim, kv_width = a.kv_heads * a.head_dim;
     std::size_t bytes = 0;
     auto need = [&](std::size_t b) { bytes = std::max(bytes, b); };
-    // The bias column sums of q, k, v, o and of the packed q|k|v width.
-    for (int cols : {q_width, kv_width, s.hidden, q_width + 2 * kv_width})
+    // The bias column sums (bias_backward) at every width a bias has: q; k
+    // and v; o and down (hidden); the packed q|k|v; gate and up (intermediate,
+    // with mlp_bias: at large B*T this is the largest need of all).
+    for (int cols : {q_width, kv_width, s.hidden, q_width + 2 * kv_width, s.intermediate})
         need(sizeof(float) * bias_backward_scratch_floats(rows, cols));
     need(rmsnorm_backward_scratch_bytes(rows, s.hidden));
     need(rmsnorm_backward_scratch_bytes(rows * a.heads, a.head_dim));
