@@ -258,3 +258,31 @@ def test_tuned_training_is_bitwise_untuned_training(monkeypatch, capfd):
     assert tuned_losses == plain_losses
     for name in plain:
         np.testing.assert_array_equal(tuned[name], plain[name], name)
+
+
+def test_timing_an_accumulating_plan_leaves_no_memory_with_the_pool(monkeypatch, capfd):
+    """An accumulating product is timed into a scratch output from the
+    device's memory pool (cudaMallocAsync). Freed in stream order, it would
+    stay with the pool (the emulator models CUDA's pool: its release
+    threshold of 0 acts only at a synchronisation, which the backend never
+    makes) outside the memory plan for the rest of the run: the backend
+    trims the pool after timing, so the device holds no more than before the
+    step beside the trainer's own allocations. A shape of its own (plans and
+    choices are kept for the process)."""
+    require_cuda_emulator()
+    monkeypatch.setenv("NANOQ_MATMUL_LOG", "1")
+    monkeypatch.setenv("NANOQ_EMU_LT_ALGORITHMS", "3")
+    config = nanoq.ModelConfig(vocab_size=200, hidden_size=48, intermediate_size=72, num_hidden_layers=1,
+                               num_attention_heads=3, num_key_value_heads=1)
+    options = nanoq.TrainOptions(backend="cuda_emulated", dtype="bf16", batch_size=2, seq_len=10, seed=0)
+    rng = np.random.default_rng(6)
+    inputs, targets = (rng.integers(0, 200, (2, 10), dtype=np.int32) for _ in range(2))
+    with nanoq.Trainer(config, options) as trainer:
+        before = trainer.memory_summary()[0]["other"]
+        trainer.step(inputs, targets)
+        trainer.update(lr=1e-2)
+        after = trainer.memory_summary()[0]["other"]
+    timed = [p for p in plans(capfd) if p["accumulate"] == 1 and p["how"].startswith("timed")]
+    assert timed, "no accumulating product was timed"
+    # The largest scratch output would be the head's gradient (200 x 48 floats) and more.
+    assert after == before, f"{after - before} bytes stay taken outside the trainer's allocator"

@@ -311,7 +311,27 @@ int LtMatmul::fastest(const Plan& p, const cublasLtMatmulHeuristicResult_t* resu
     } catch (...) {
         failure = std::current_exception();
     }
-    if (x.accumulate) cudaFreeAsync(out, stream);
+    if (x.accumulate) {
+        cudaFreeAsync(out, stream);
+        // The device's pool would keep the scratch (its release threshold is
+        // 0, but that releases only at a stream, event or device
+        // synchronisation, which this backend never makes: it polls), outside
+        // the memory plan for the rest of the run, an LM head's gradient
+        // (0.9 GB at 1.5B): hand it back once the free has run.
+        if (!failure) {
+            try {
+                NANOQ_CUDA_CHECK(cudaEventRecord(stop, stream));
+                host_wait_(stop);
+                int device = 0;
+                cudaMemPool_t pool = nullptr;
+                NANOQ_CUDA_CHECK(cudaGetDevice(&device));
+                NANOQ_CUDA_CHECK(cudaDeviceGetMemPool(&pool, device));
+                NANOQ_CUDA_CHECK(cudaMemPoolTrimTo(pool, 0));
+            } catch (...) {
+                failure = std::current_exception();
+            }
+        }
+    }
     cudaEventDestroy(start);
     cudaEventDestroy(stop);
     if (failure) std::rethrow_exception(failure);

@@ -68,8 +68,14 @@ template <class T> inline cudaError_t cudaMalloc(T** pointer, std::size_t bytes)
 }
 cudaError_t cudaFree(void* pointer);
 // Stream-ordered allocation (the runtime's default memory pool on a GPU).
+// A block freed in stream order stays with the device's pool, still taken
+// from the device, until cudaMemPoolTrimTo or a stream, event or device
+// synchronisation (the default release threshold of 0).
 cudaError_t cudaMallocAsync(void** pointer, std::size_t bytes, cudaStream_t stream);
 cudaError_t cudaFreeAsync(void* pointer, cudaStream_t stream);
+typedef struct EmulatedMemPool* cudaMemPool_t;
+cudaError_t cudaDeviceGetMemPool(cudaMemPool_t* pool, int device);
+cudaError_t cudaMemPoolTrimTo(cudaMemPool_t pool, std::size_t min_bytes_to_keep);
 cudaError_t cudaMallocHost(void** pointer, std::size_t bytes);
 template <class T> inline cudaError_t cudaMallocHost(T** pointer, std::size_t bytes) {
     return cudaMallocHost(reinterpret_cast<void**>(pointer), bytes);

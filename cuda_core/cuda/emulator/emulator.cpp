@@ -653,7 +653,8 @@ void* BlockRun::static_shared(const void* tag, std::size_t bytes, std::size_t al
 // ---- device memory ------------------------------------------------------------
 struct Allocation {
     std::size_t bytes;
-    int device;  // -1: pinned host memory
+    int device;           // -1: pinned host memory
+    bool pooled = false;  // freed by cudaFreeAsync, still held by the device's memory pool
 };
 
 class Memory {
@@ -682,7 +683,7 @@ public:
         {
             std::lock_guard<std::mutex> lock(mutex_);
             auto it = allocations_.find(data);
-            if (it == allocations_.end() || (it->second.device < 0) != pinned)
+            if (it == allocations_.end() || (it->second.device < 0) != pinned || it->second.pooled)
                 throw Error(std::string(pinned ? "cudaFreeHost" : "cudaFree") +
                             " of a pointer that is not a live allocation of that kind");
             broken = canary_report(it->first, it->second);
@@ -724,6 +725,49 @@ public:
     std::size_t used(int device) {
         std::lock_guard<std::mutex> lock(mutex_);
         return used_[device];
+    }
+
+    // The device's memory pool (cudaMallocAsync/cudaFreeAsync), as on a GPU
+    // with the default release threshold of 0: a block freed in stream order
+    // stays with the pool, still taken from the device, until the pool is
+    // trimmed (cudaMemPoolTrimTo) or a stream, event or device
+    // synchronisation hands it back; a later cudaMallocAsync of the same
+    // size takes it again.
+    void pool(void* data) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto it = allocations_.find(data);
+        if (it == allocations_.end() || it->second.device < 0 || it->second.pooled)
+            throw Error("cudaFreeAsync of a pointer that is not a live device allocation");
+        it->second.pooled = true;
+    }
+
+    void* take_pooled(std::size_t bytes, int device) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        for (auto& [data, a] : allocations_)
+            if (a.pooled && a.device == device && a.bytes == bytes) {
+                a.pooled = false;
+                std::memset(data, 0xA5, bytes);  // what the pool hands out is garbage again
+                return data;
+            }
+        return nullptr;
+    }
+
+    // Frees the pooled blocks of `device` until at most `keep` bytes stay pooled.
+    void trim(int device, std::size_t keep) {
+        std::vector<void*> released;
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            std::size_t held = 0;
+            for (const auto& [data, a] : allocations_)
+                if (a.pooled && a.device == device) held += a.bytes;
+            for (auto& [data, a] : allocations_)
+                if (held > keep && a.pooled && a.device == device) {
+                    held -= a.bytes;
+                    a.pooled = false;
+                    released.push_back(data);
+                }
+        }
+        for (void* data : released) release(data, false);
     }
 
 private:
@@ -1305,7 +1349,9 @@ cudaError_t cudaDeviceSynchronize() {
                           "cudaDeviceSynchronize while a stream of the device is being captured (the capture is "
                           "invalidated)");
     }
-    return nanoq_emu::synchronize_device(nanoq_emu::tl_device);
+    const cudaError_t code = nanoq_emu::synchronize_device(nanoq_emu::tl_device);
+    memory().trim(nanoq_emu::tl_device, 0);  // the pools' release threshold of 0
+    return code;
 }
 
 cudaError_t cudaGetLastError() {
@@ -1381,13 +1427,33 @@ cudaError_t cudaFree(void* pointer) {
 }
 
 cudaError_t cudaMallocAsync(void** pointer, std::size_t bytes, cudaStream_t) {
-    return cudaMalloc(pointer, bytes);  // host memory: usable at once, so by the stream's later work too
+    // From the device's pool where it holds a block of this size (freed in
+    // stream order by then: the pool is the stream's own history here),
+    // else new; host memory, usable at once, so by the stream's later work too.
+    *pointer = memory().take_pooled(bytes, nanoq_emu::tl_device);
+    return *pointer ? cudaSuccess : cudaMalloc(pointer, bytes);
 }
 
 cudaError_t cudaFreeAsync(void* pointer, cudaStream_t stream) {
     if (!pointer) return cudaSuccess;
-    // Stream-ordered: freed once the stream's earlier work has run, without waiting for the device.
-    nanoq_emu::resolve(stream)->push([pointer] { memory().release(pointer, false); }, "cudaFreeAsync", true);
+    // Stream-ordered: back to the device's pool once the stream's earlier
+    // work has run, without waiting for the device; the pool keeps it (see
+    // Memory::pool).
+    nanoq_emu::resolve(stream)->push([pointer] { memory().pool(pointer); }, "cudaFreeAsync", true);
+    return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetMemPool(cudaMemPool_t* pool, int device) {
+    int count = 0;
+    cudaGetDeviceCount(&count);
+    if (device < 0 || device >= count) return report(cudaErrorInvalidDevice, "cudaDeviceGetMemPool: no such device");
+    *pool = reinterpret_cast<cudaMemPool_t>(static_cast<std::uintptr_t>(device) + 1);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemPoolTrimTo(cudaMemPool_t pool, std::size_t keep_bytes) {
+    if (!pool) return report(cudaErrorInvalidValue, "cudaMemPoolTrimTo: no pool");
+    memory().trim(static_cast<int>(reinterpret_cast<std::uintptr_t>(pool) - 1), keep_bytes);
     return cudaSuccess;
 }
 
@@ -1520,6 +1586,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
         return captured;
     std::string message;
     const cudaError_t code = nanoq_emu::resolve(stream)->synchronize(&message);
+    memory().trim(nanoq_emu::tl_device, 0);  // the pools' release threshold of 0
     return code == cudaSuccess ? cudaSuccess : report(code, message);
 }
 
@@ -1628,8 +1695,11 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
 
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
     if (const cudaError_t captured = nanoq_emu::check_event_not_captured(event, "cudaEventSynchronize")) return captured;
-    std::unique_lock<std::mutex> lock(event->mutex);
-    event->done.wait(lock, [&] { return event->completed >= event->recorded; });
+    {
+        std::unique_lock<std::mutex> lock(event->mutex);
+        event->done.wait(lock, [&] { return event->completed >= event->recorded; });
+    }
+    memory().trim(nanoq_emu::tl_device, 0);  // the pools' release threshold of 0
     return cudaSuccess;
 }
 
