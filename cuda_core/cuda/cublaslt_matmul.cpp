@@ -444,6 +444,10 @@ void LtMatmul::run_fp8(const Tensor& out, const void* a8, cudaDataType_t a_type,
         throw InternalError("an fp8 matmul needs M, N and K multiples of 16, got " + std::to_string(M) + "x" +
                             std::to_string(N) + "x" + std::to_string(K));
     if (bias.data && !bias_supported(out, bias)) throw InternalError("fp8 matmul bias of another dtype than its output");
+    // cuBLASLt's bias of an fp8 product with a float32 output is bf16 (the
+    // exception to "the bias has the output's type", BIAS_DATA_TYPE in
+    // cublasLt.h): nanoq biases only bf16 outputs.
+    if (bias.data && out.dtype != DType::BF16) throw InternalError("an fp8 matmul bias needs a bf16 output");
     if (a_type == CUDA_R_8F_E5M2 && b_type == CUDA_R_8F_E5M2)
         throw InternalError("an fp8 matmul of two e5m2 operands (cuBLASLt has no such kernel)");
     const Product x{out.data,

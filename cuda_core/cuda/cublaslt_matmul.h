@@ -86,7 +86,7 @@ public:
     static bool bias_supported(const Tensor& out, const Tensor& bias) { return bias.dtype == out.dtype; }
 
     // out[M,N] = (a_scale[0] * a8[M,K]) @ (b_scale[0] * b8[N,K])^T (+ out with
-    // `accumulate`) (+ bias[N] of out's dtype, unless empty) for fp8 operands
+    // `accumulate`) (+ bias[N], bf16 with a bf16 out only, unless empty) for fp8 operands
     // of the given types (CUDA_R_8F_E4M3 or CUDA_R_8F_E5M2, not both e5m2;
     // row-major, K contiguous in both: the "TN" layout fp8 needs); M, N, K
     // multiples of 16 (fp8_supported); out bf16 or float32.
