@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check in one device call: build the CUDA backend on the GPU
 # machine, run the GPU benchmark, run the GPU tests, and leave a log and a
-# summary under $OUT. Meant for the device tool (one H200, 16 cores, Python
-# 3.12, no network; see the team notes on the GPU machine), from the repo root:
+# summary under $OUT. Meant for the device tool (one H100 or H200, 16 cores,
+# Python 3.12, no network; see the team notes on the GPU machine), from the repo root:
 #
 #   run(command="NANOQ_COMMIT=<short hash> bash bench/gpu_check.sh", carry=[".device_wheels"], timeout_s=480)
 #
