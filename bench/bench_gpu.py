@@ -474,7 +474,14 @@ def fit_nanoq(config, options: dict, run: dict) -> tuple[dict, dict | None]:
     limit = run.get("device_memory") or (gpu_memory_bytes("free") if run["backend"] == "cuda" else None)
     if not limit:
         return options, None
-    estimate = estimate_memory(config, nanoq.TrainOptions(**options), device_memory=limit)
+    try:
+        estimate = estimate_memory(config, nanoq.TrainOptions(**options), device_memory=limit)
+    except (nanoq.NanoqError, ValueError) as e:
+        # The plan has not run on a GPU before this benchmark's first GPU run: should it fail
+        # there, the setting runs as it is (and fails on its own if it does not fit).
+        traceback.print_exc()
+        print("--- nanoq's memory plan failed: running the setting's micro-batch unfitted", flush=True)
+        return options, dict(error=f"{type(e).__name__}: {e}")
     fitting = estimate.fitting_micro_batch(limit)
     needed = estimate.device_bytes + estimate.reserve_bytes
     if fitting is None:
@@ -712,6 +719,8 @@ def configurations(args) -> list[dict]:
 def micro_batch_lines(run: dict) -> list[str]:
     """The report's line when a trainer ran the step in smaller micro-batches than its setting's, and why."""
     r = run["result"]
+    if r.get("fit") and "error" in r["fit"]:
+        return [f"  memory plan FAILED, the setting ran unfitted: {r['fit']['error'][:300]}"]
     if r.get("micro_batch", run["batch"]) == run["batch"]:
         return []
     gib = 2.0 ** 30

@@ -276,6 +276,25 @@ def test_a_nanoq_run_that_fails_with_cuda_graphs_runs_again_without_them(bench_g
         module.run_nanoq(dict(backend="cuda"), "unused", 0.0)
 
 
+def test_a_memory_plan_that_fails_leaves_the_setting_unfitted_and_says_so(bench_gpu, monkeypatch):
+    # The plan has never run on a GPU before the benchmark's first GPU run: should it raise there, the
+    # trainer still runs its setting (and the report names the failure) rather than failing outright.
+    import nanoq
+    import nanoq.memory
+
+    def broken(*args, **kwargs):
+        raise nanoq.NanoqError("planning failed")
+
+    monkeypatch.setattr(nanoq.memory, "estimate_memory", broken)
+    options = dict(backend="cuda", batch_size=32, grad_accum=16, seq_len=1024)
+    fitted, fit = bench_gpu.fit_nanoq(None, options, dict(backend="cuda", device_memory=80 * 10**9, batch=32,
+                                                           grad_accum=16))
+    assert fitted == options and "planning failed" in fit["error"]
+    run = dict(batch=32, grad_accum=16, result=dict(micro_batch=32, grad_accum=16, fit=fit))
+    assert bench_gpu.micro_batch_lines(run) == ["  memory plan FAILED, the setting ran unfitted: "
+                                                "NanoqError: planning failed"]
+
+
 def test_profile_summary_groups_device_events_and_counts_overlaps_once(bench_gpu):
     # A made-up chrome trace in torch.profiler's export format: host events are ignored, two kernels on
     # different streams overlap (busy time counts their union), copies and memsets are "copy".
