@@ -86,7 +86,8 @@ case "$kind" in
       test_options_on_cuda_match_cpu test_fp32_packed_and_bidirectional_steps_match_cpu
       test_bf16_master_weights_and_bf16_adam_state_train test_cuda_chunk_grows_into_the_device_memory_and_the_plan_knows_it
       test_planning_builds_each_shapes_plans_once_per_process test_packed_training_runs_fused_with_packed_documents
-      test_tuned_training_is_bitwise_untuned_training test_cuda_steps_are_queued_and_match_waiting_after_every_step)
+      test_tuned_training_is_bitwise_untuned_training test_cuda_steps_are_queued_and_match_waiting_after_every_step
+      test_wide_mlp_bias_gradients_match_cpu)
     skipped_runs="(test_captured_steps_train_bitwise_like_uncaptured_ones and (1-device-recompute or zero1-lora))"
     for name in "${long_runs[@]}"; do skipped_runs+=" or $name"; done
     emulated_tests=(tests -k "not ($skipped_runs)")
