@@ -120,7 +120,11 @@ public:
         }
         check(graph->validate(), "validate");
         check(graph->build_operation_graph(handle_), "build_operation_graph");
-        check(graph->create_execution_plans({fe::HeurMode_t::A}), "create_execution_plans");
+        // Heuristic A's candidates first, then the library's fallback engines:
+        // check_support and build_plans keep the first candidate that builds,
+        // so the fallbacks are tried only where none of A's does (an engine
+        // whose run-time compile fails, say) instead of refusing the shape.
+        check(graph->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}), "create_execution_plans");
         check(graph->check_support(handle_), "check_support");
         check(graph->build_plans(handle_), "build_plans");
         std::int64_t workspace = 0;
