@@ -236,9 +236,24 @@ def gpu_memory_bytes(which: str = "used") -> int | None:
 
 def gpu_names() -> list[str]:
     """The NVIDIA GPUs NVML sees (nanoq.backends.gpu_names; importing nanoq
-    here starts no CUDA context)."""
-    from nanoq.backends import gpu_names as names
+    here starts no CUDA context). Where nanoq does not import (its build
+    failed: gpu_check.sh still runs the benchmark, for torch's figures),
+    NVML's names read here."""
+    try:
+        from nanoq.backends import gpu_names as names
+    except ImportError:
+        try:
+            import pynvml
 
+            pynvml.nvmlInit()
+        except Exception:  # noqa: BLE001 - no NVML: no GPU to name
+            return []
+        try:
+            found = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
+                     for i in range(pynvml.nvmlDeviceGetCount())]
+            return [n.decode() if isinstance(n, bytes) else n for n in found]
+        finally:
+            pynvml.nvmlShutdown()
     return names()
 
 
@@ -387,6 +402,19 @@ def profiled_steps(run: dict, train_step, started: float) -> dict | None:
     return summary
 
 
+def saved_partial(path: str | None) -> dict | None:
+    """The timed figures save_partial wrote to ``path`` (a result whose
+    profile is still PROFILE_UNFINISHED), or None."""
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return result if result.get("profile", {}).get("error") == PROFILE_UNFINISHED else None
+
+
 def save_partial(run: dict, result: dict) -> None:
     """The timed figures, written before the profile so that a profiler that
     crashes or is killed at the budget loses only the profile."""
@@ -411,7 +439,11 @@ def run_nanoq(run: dict, model_dir: str, started: float) -> dict:
         return _run_nanoq(run, model_dir, started, cuda_graphs=True)
     try:
         return _run_nanoq(run, model_dir, started, cuda_graphs=True)
+    except nanoq.OutOfMemoryError:
+        raise  # not the graphs' doing
     except nanoq.NanoqError as e:
+        if saved_partial(run.get("result_path")) is not None:
+            raise  # after the timed figures were saved (while profiling, or closing): worker_main keeps them
         traceback.print_exc()
         print("--- nanoq failed with CUDA graphs: running again with cuda_graphs=False", flush=True)
         result = _run_nanoq(run, model_dir, started, cuda_graphs=False)
@@ -600,8 +632,12 @@ def worker_main(args) -> int:
         status = 0
     except BaseException as e:  # noqa: BLE001 - recorded, then reported as a failure
         traceback.print_exc()
-        result = dict(error=f"{type(e).__name__}: {e}")
-        status = 1
+        error = f"{type(e).__name__}: {e}"
+        result, status = saved_partial(args.result), 0
+        if result is None:
+            result, status = dict(error=error), 1
+        else:  # the timed figures stand; what came after them failed
+            result["profile"] = dict(error=f"failed after the timed steps: {error}")
     with open(args.result, "w") as f:
         json.dump(result, f)
     return status

@@ -295,6 +295,82 @@ def test_a_memory_plan_that_fails_leaves_the_setting_unfitted_and_says_so(bench_
                                                 "NanoqError: planning failed"]
 
 
+def test_gpus_are_named_without_nanoq(bench_gpu, monkeypatch):
+    # gpu_check.sh runs the benchmark after a failed build too (torch's figures count): nanoq does not import then.
+    import sys
+
+    class FakeNvml:
+        @staticmethod
+        def nvmlInit():
+            pass
+
+        nvmlShutdown = nvmlInit
+
+        @staticmethod
+        def nvmlDeviceGetCount():
+            return 1
+
+        @staticmethod
+        def nvmlDeviceGetHandleByIndex(i):
+            return i
+
+        @staticmethod
+        def nvmlDeviceGetName(handle):
+            return b"NVIDIA H100 80GB HBM3"
+
+    monkeypatch.setitem(sys.modules, "nanoq.backends", None)  # import nanoq.backends: ImportError
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml)
+    assert bench_gpu.gpu_names() == ["NVIDIA H100 80GB HBM3"]
+
+
+def test_out_of_memory_is_not_blamed_on_cuda_graphs(bench_gpu, monkeypatch):
+    import nanoq
+
+    calls = []
+
+    def fake(run, model_dir, started, cuda_graphs):
+        calls.append(cuda_graphs)
+        raise nanoq.OutOfMemoryError("out of memory on device 0")
+
+    monkeypatch.setattr(bench_gpu, "_run_nanoq", fake)
+    with pytest.raises(nanoq.OutOfMemoryError):
+        bench_gpu.run_nanoq(dict(backend="cuda"), "unused", 0.0)
+    assert calls == [True]  # no run again without graphs
+
+
+def test_a_failure_after_the_timed_steps_keeps_their_figures(bench_gpu, monkeypatch, tmp_path):
+    """The timed figures are saved before the profiled steps; an error after
+    them (the profiler, or closing the trainer) must neither run the trainer
+    again without graphs nor replace the saved figures with the error."""
+    import nanoq
+
+    calls = []
+
+    def fake(run, model_dir, started, cuda_graphs):
+        calls.append(cuda_graphs)
+        bench_gpu.save_partial(run, dict(seconds=2.0, timed_steps=4, losses=[3.0, 2.0]))
+        raise nanoq.NanoqError("illegal memory access while profiling")
+
+    monkeypatch.setattr(bench_gpu, "_run_nanoq", fake)
+    run_path, result_path = tmp_path / "run.json", tmp_path / "result.json"
+    run_path.write_text(json.dumps(dict(trainer="nanoq", backend="cuda", profile_steps=2)))
+    args = bench_gpu.parse_args(["--worker", "--run", str(run_path), "--result", str(result_path),
+                                 "--model-dir", "unused"])
+    assert bench_gpu.worker_main(args) == 0
+    assert calls == [True]
+    result = json.loads(result_path.read_text())
+    assert (result["seconds"], result["timed_steps"], result["losses"]) == (2.0, 4, [3.0, 2.0])
+    assert result["profile"]["error"] == ("failed after the timed steps: NanoqError: illegal memory access while "
+                                          "profiling")
+    outcome = bench_gpu.worker_outcome(result, 0, False, 60.0, 10.0)
+    assert outcome["ok"] and outcome["timed_steps"] == 4
+    # Before any figure was saved, a failure is a failure.
+    monkeypatch.setattr(bench_gpu, "_run_nanoq", lambda *a, **k: (_ for _ in ()).throw(ValueError("bad")))
+    result_path.unlink()
+    assert bench_gpu.worker_main(args) == 1
+    assert json.loads(result_path.read_text()) == dict(error="ValueError: bad")
+
+
 def test_profile_summary_groups_device_events_and_counts_overlaps_once(bench_gpu):
     # A made-up chrome trace in torch.profiler's export format: host events are ignored, two kernels on
     # different streams overlap (busy time counts their union), copies and memsets are "copy".
