@@ -94,6 +94,7 @@ visible.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import gzip
 import json
@@ -220,18 +221,28 @@ def smaller_micro_batch(rows: int, step_rows: int) -> int | None:
     return next((r for r in range(rows - 1, 0, -1) if step_rows % r == 0), None)
 
 
-def gpu_memory_bytes(which: str = "used") -> int | None:
-    """GPU 0's "used" (all processes) or "free" memory as NVML reports it, or None."""
+@contextlib.contextmanager
+def nvml():
+    """pynvml, initialised for the block and shut down after it; None
+    without NVML or a driver (no figure then, not a failure)."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - no NVML means no figure, not a failure
-        return None
+    except Exception:  # noqa: BLE001 - no NVML, no driver
+        yield None
+        return
     try:
-        return int(getattr(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)), which))
+        yield pynvml
     finally:
         pynvml.nvmlShutdown()
+
+
+def gpu_memory_bytes(which: str = "used") -> int | None:
+    """GPU 0's "used" (all processes) or "free" memory as NVML reports it, or None."""
+    with nvml() as lib:
+        return None if lib is None else int(getattr(lib.nvmlDeviceGetMemoryInfo(lib.nvmlDeviceGetHandleByIndex(0)),
+                                                    which))
 
 
 def gpu_names() -> list[str]:
@@ -242,18 +253,11 @@ def gpu_names() -> list[str]:
     try:
         from nanoq.backends import gpu_names as names
     except ImportError:
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-        except Exception:  # noqa: BLE001 - no NVML: no GPU to name
-            return []
-        try:
-            found = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
-                     for i in range(pynvml.nvmlDeviceGetCount())]
+        with nvml() as lib:
+            if lib is None:
+                return []
+            found = [lib.nvmlDeviceGetName(lib.nvmlDeviceGetHandleByIndex(i)) for i in range(lib.nvmlDeviceGetCount())]
             return [n.decode() if isinstance(n, bytes) else n for n in found]
-        finally:
-            pynvml.nvmlShutdown()
     return names()
 
 
