@@ -245,7 +245,16 @@ inline void thread_stack(Context& context) {
 class StackPool {
 public:
     ~StackPool() {
-        for (void* s : stacks_) munmap(static_cast<char*>(s) - page(), kStackBytes + page());
+        for (void* s : stacks_) {
+#if NANOQ_EMU_ASAN
+            // The redzones fibers' frames left poisoned would outlive the
+            // mapping: memory mapped there later (a numpy array's, say) would
+            // then read as a stack under AddressSanitizer (a false
+            // stack-buffer-underflow, seen in a CI run).
+            ASAN_UNPOISON_MEMORY_REGION(s, kStackBytes);
+#endif
+            munmap(static_cast<char*>(s) - page(), kStackBytes + page());
+        }
     }
     void* get(std::size_t i) {
         while (stacks_.size() <= i) {
