@@ -128,15 +128,28 @@ def attention_detail(name: str) -> str:
 
 
 
-# How to build the cuda backend into an install (README, "GPUs: the cuda backend").
-CUDA_BUILD_COMMANDS = ('pip install ".[cuda]" scikit-build-core cython cmake ninja',
-                       "NANOQ_CUDA=ON pip install --no-build-isolation .")
+# How to build the cuda backend into an install, from nanoq's source folder
+# (README, "GPUs: the cuda backend"): it fails with the reason where the
+# default (NANOQ_CUDA unset: build it where there is a GPU and nvcc) would
+# fall back to the cpu.
+CUDA_BUILD_COMMANDS = ("NANOQ_CUDA=ON pip install .",)
+
+
+def cuda_build_note() -> str:
+    """Why this install was built without the cuda backend, as its build
+    recorded (build_backend/nanoq_build.py): "" when it has one, or when
+    the build did not say."""
+    try:
+        with open(os.path.join(os.path.dirname(__file__), "build_note.txt"), encoding="utf-8") as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return ""
 
 
 def cuda_unusable_reason() -> str:
     """Why the cuda backend cannot train here, in words ("" when it can)."""
     if not _core.backend_built("cuda"):
-        return "this install was built without the cuda backend (NANOQ_CUDA=ON builds it)"
+        return f"this install was built without the cuda backend ({cuda_build_note() or 'NANOQ_CUDA=ON builds it'})"
     try:
         if device_count("cuda") > 0:
             return ""
@@ -158,7 +171,8 @@ def idle_gpus_warning(requested: str, resolved: str) -> Optional[str]:
         return None
     how = " && ".join(CUDA_BUILD_COMMANDS) if not _core.backend_built("cuda") else "nanoq info says more"
     return (f"this machine has {len(names)} NVIDIA GPU{'s' if len(names) > 1 else ''} ({', '.join(names)}), but "
-            f"{reason}: training on the cpu backend, much slower. For the GPU: {how}")
+            f"{reason}: training on the cpu backend, much slower. For the GPU, in nanoq's source folder"
+            f"{' (with the CUDA 13 toolkit installed)' if 'nvcc' in reason else ''}: {how}")
 
 
 def backends() -> list[dict]:
@@ -168,7 +182,7 @@ def backends() -> list[dict]:
     for name in BACKENDS:
         entry = dict(name=name, built=_core.backend_built(name), devices=0, detail="")
         if not entry["built"]:
-            entry["detail"] = "not built (build with NANOQ_CUDA=ON)" if name == "cuda" else "not built"
+            entry["detail"] = f"not built: {cuda_build_note() or 'NANOQ_CUDA=ON builds it'}" if name == "cuda" else "not built"
         else:
             try:
                 entry["devices"] = device_count(name)

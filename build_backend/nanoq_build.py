@@ -1,0 +1,229 @@
+"""nanoq's PEP 517 build backend: scikit-build-core, after deciding whether the
+build has the cuda backend.
+
+Why a backend of our own (a thin layer; scikit-build-core does the build): a
+plain ``pip install .`` must build the cuda backend on a machine where it can
+run, one with an NVIDIA GPU and the CUDA toolkit's ``nvcc``, and only there.
+That choice changes the build's requirements (cuBLAS, NCCL, cuDNN and the
+cuDNN frontend's headers, from the nvidia wheels) and the wheel's run-time
+dependencies (the ``cuda`` extra), which ``pyproject.toml`` can only state for
+every machine alike. This module
+
+- decides (``cuda_choice``): ``NANOQ_CUDA=ON`` builds the cuda backend,
+  ``OFF`` does not, and unset or ``AUTO`` builds it when NVML sees a GPU and an
+  ``nvcc`` is found;
+- adds the nvidia wheels the build compiles against to the build requirements
+  (an isolated build installs them into its build environment);
+- adds the ``cuda`` extra to the dependencies of a wheel that has the cuda
+  backend, so that its libraries are there at run time;
+- under ``AUTO``, when the cuda build fails, builds again without it: the
+  install still trains, on the cpu. Why a build has no cuda backend goes into
+  the package (``NANOQ_CUDA_NOTE``, written by CMake into ``build_note.txt``),
+  and ``nanoq train`` says it beside GPUs it leaves idle, since pip shows a
+  build's output only when it fails.
+
+Only the standard library and scikit-build-core are imported: this runs in
+build environments that have nothing else (the GPU machine's among them).
+"""
+from __future__ import annotations
+
+import base64
+import contextlib
+import ctypes
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Mapping, Optional
+
+import scikit_build_core.build as _skb
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # scikit-build-core depends on tomli before 3.11
+    import tomli as tomllib
+
+__all__ = ["build_editable", "build_sdist", "build_wheel", "get_requires_for_build_editable",
+           "get_requires_for_build_sdist", "get_requires_for_build_wheel"]
+
+_ON = {"on", "1", "true", "yes"}
+_OFF = {"off", "0", "false", "no"}
+
+# Beyond the cuda extra's nvidia wheels, the build needs the cuDNN frontend's
+# headers. Its own dependencies (cutlass-dsl, tvm-ffi, ~200 MB) come with it
+# into the build environment, which build requirements cannot avoid; they are
+# not run-time dependencies.
+_BUILD_ONLY = ["nvidia-cudnn-frontend"]
+
+
+@dataclass(frozen=True)
+class CudaChoice:
+    build: bool  # build the cuda backend
+    auto: bool  # decided by looking at the machine (NANOQ_CUDA unset or AUTO)
+    why: str  # in words, for the build log and the package's note
+    nvcc: Optional[str] = None  # the nvcc found, when the choice was auto
+
+
+def nvml_gpu_count() -> int:
+    """The NVIDIA GPUs that the driver's NVML library reports (0 without a driver)."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return 0
+    if nvml.nvmlInit_v2() != 0:
+        return 0
+    try:
+        count = ctypes.c_uint(0)
+        return count.value if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0 else 0
+    finally:
+        nvml.nvmlShutdown()
+
+
+def find_nvcc(environ: Mapping[str, str]) -> Optional[str]:
+    """nvcc where CMake would look for it: $CUDACXX, PATH, $CUDA_HOME, $CUDA_PATH, /usr/local/cuda."""
+    if environ.get("CUDACXX"):
+        return environ["CUDACXX"] if os.access(environ["CUDACXX"], os.X_OK) else None
+    found = shutil.which("nvcc", path=environ.get("PATH", os.defpath))
+    if found:
+        return found
+    for root in (environ.get("CUDA_HOME"), environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and os.access(os.path.join(root, "bin", "nvcc"), os.X_OK):
+            return os.path.join(root, "bin", "nvcc")
+    return None
+
+
+def cuda_choice(environ: Mapping[str, str]) -> CudaChoice:
+    """Whether this build has the cuda backend, from NANOQ_CUDA and the machine."""
+    value = environ.get("NANOQ_CUDA", "").strip()
+    if value.lower() in _ON:
+        return CudaChoice(True, False, f"NANOQ_CUDA={value}")
+    if value.lower() in _OFF:
+        return CudaChoice(False, False, f"NANOQ_CUDA={value} was set when building")
+    if value and value.lower() != "auto":
+        raise ValueError(f"NANOQ_CUDA={value!r}: expected ON, OFF or AUTO (the default: ON where NVML sees "
+                         "an NVIDIA GPU and nvcc is found)")
+    gpus = nvml_gpu_count()
+    if gpus == 0:
+        return CudaChoice(False, True, "no NVIDIA GPU was seen when building; NANOQ_CUDA=ON builds it anyway")
+    nvcc = find_nvcc(environ)
+    if nvcc is None:
+        return CudaChoice(False, True, f"{gpus} NVIDIA GPU{'s' if gpus > 1 else ''} but no nvcc (the CUDA 13 "
+                                       "toolkit) when building: not on PATH, nor in $CUDA_HOME, $CUDA_PATH or "
+                                       "/usr/local/cuda")
+    return CudaChoice(True, True, f"{gpus} NVIDIA GPU{'s' if gpus > 1 else ''} and {nvcc}", nvcc)
+
+
+def cuda_extra(pyproject: str = "pyproject.toml") -> list[str]:
+    """The ``cuda`` extra of pyproject.toml: the cuda backend's run-time dependencies."""
+    with open(pyproject, "rb") as f:
+        return list(tomllib.load(f)["project"]["optional-dependencies"]["cuda"])
+
+
+def cuda_build_requirements(pyproject: str = "pyproject.toml") -> list[str]:
+    """What compiling the cuda backend needs beyond the cpu build: the extra's nvidia wheels (their
+    headers and libraries; not cupy, cuda-pathfinder) and the cuDNN frontend's headers."""
+    return [r for r in cuda_extra(pyproject) if r.startswith("nvidia-")] + _BUILD_ONLY
+
+
+def add_requirements(wheel: Path, requirements: list[str]) -> None:
+    """Add unconditional Requires-Dist lines to a built wheel's METADATA (and its RECORD's hash)."""
+    with zipfile.ZipFile(wheel) as source:
+        entries = [(info, source.read(info)) for info in source.infolist()]
+    names = [info.filename for info, _ in entries]
+    metadata = next(n for n in names if n.count("/") == 1 and n.endswith(".dist-info/METADATA"))
+    record = metadata[:-len("METADATA")] + "RECORD"
+    lines = "".join(f"Requires-Dist: {r}\n" for r in requirements)
+    patched = {info.filename: data for info, data in entries}
+    # The headers end at the first blank line; the description may follow.
+    head, blank, body = patched[metadata].decode("utf-8").partition("\n\n")
+    data = (head.rstrip("\n") + "\n" + lines + ("\n" + body if blank else "")).encode("utf-8")
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    patched[metadata] = data
+    row = f"{metadata},sha256={digest},{len(data)}"
+    patched[record] = "".join((row if r.startswith(metadata + ",") else r) + "\n"
+                              for r in patched[record].decode("utf-8").splitlines()).encode("utf-8")
+    fd, tmp = tempfile.mkstemp(dir=wheel.parent, suffix=".whl")
+    os.close(fd)
+    try:
+        with zipfile.ZipFile(tmp, "w") as target:
+            for info, _ in entries:
+                target.writestr(info, patched[info.filename])
+        os.replace(tmp, wheel)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def _environ(values: Mapping[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _say(text: str) -> None:
+    print(f"nanoq build: {text}", file=sys.stderr, flush=True)
+
+
+def _build(hook, wheel_directory: str, config_settings) -> str:
+    choice = cuda_choice(os.environ)
+    _say(("building the cuda backend: " if choice.build else "building without the cuda backend: ") + choice.why)
+    values = {"NANOQ_CUDA": "ON" if choice.build else "OFF", "NANOQ_CUDA_NOTE": "" if choice.build else choice.why}
+    if choice.nvcc and not os.environ.get("CUDACXX"):
+        values["CUDACXX"] = choice.nvcc  # found outside PATH: CMake must use the same one
+    try:
+        with _environ(values):
+            name = hook(wheel_directory, config_settings, None)
+    except (Exception, SystemExit) as e:
+        if not (choice.build and choice.auto):
+            raise
+        # NANOQ_CUDA=ON never gets here: it fails with the build's error.
+        why = "the cuda build failed when installing; NANOQ_CUDA=ON pip install -v . shows why"
+        _say(f"the cuda build failed ({type(e).__name__}: {e}; the log above says why). Building without "
+             "the cuda backend: this install trains on the cpu.")
+        with _environ({"NANOQ_CUDA": "OFF", "NANOQ_CUDA_NOTE": why}):
+            return hook(wheel_directory, config_settings, None)
+    if choice.build:
+        add_requirements(Path(wheel_directory) / name, cuda_extra())
+    return name
+
+
+# The hooks. There is no prepare_metadata_for_build_*: whether the wheel has
+# the cuda extra's dependencies is known only once it is built, so pip takes
+# the metadata from the built wheel (and builds it once).
+
+def get_requires_for_build_wheel(config_settings=None) -> list[str]:
+    extra = cuda_build_requirements() if cuda_choice(os.environ).build else []
+    return list(_skb.get_requires_for_build_wheel(config_settings)) + extra
+
+
+def get_requires_for_build_editable(config_settings=None) -> list[str]:
+    extra = cuda_build_requirements() if cuda_choice(os.environ).build else []
+    return list(_skb.get_requires_for_build_editable(config_settings)) + extra
+
+
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None) -> str:
+    return _build(_skb.build_wheel, wheel_directory, config_settings)
+
+
+def build_editable(wheel_directory, config_settings=None, metadata_directory=None) -> str:
+    return _build(_skb.build_editable, wheel_directory, config_settings)
+
+
+def get_requires_for_build_sdist(config_settings=None) -> list[str]:
+    return list(_skb.get_requires_for_build_sdist(config_settings))
+
+
+def build_sdist(sdist_directory, config_settings=None) -> str:
+    return _skb.build_sdist(sdist_directory, config_settings)

@@ -1,0 +1,279 @@
+"""The build backend (build_backend/nanoq_build.py): whether `pip install .`
+builds the cuda backend, what that build requires, and the wheel's added
+run-time dependencies. The real builds run in CI (.ci/run: the default on a
+machine without a GPU, then NANOQ_CUDA=ON); here each decision and the wheel
+patch are checked on their own."""
+from __future__ import annotations
+
+import base64
+import email.parser
+import hashlib
+import importlib.util
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import types
+import zipfile
+from pathlib import Path
+
+import pytest
+
+backends = importlib.import_module("nanoq.backends")  # the module (nanoq.backends is also a function's name)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def nb():
+    spec = importlib.util.spec_from_file_location("nanoq_build_under_test", ROOT / "build_backend" / "nanoq_build.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclass looks its module up)
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
+
+
+def fake_tool(folder: Path, name: str = "nvcc") -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text("#!/bin/sh\nexit 0\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+# -- the choice ---------------------------------------------------------------------------
+
+
+def test_nanoq_cuda_on_and_off_decide_without_looking(nb, monkeypatch):
+    monkeypatch.setattr(nb, "nvml_gpu_count", lambda: pytest.fail("ON/OFF must not look at the machine"))
+    for value in ("ON", "on", "1", "TRUE"):
+        choice = nb.cuda_choice({"NANOQ_CUDA": value})
+        assert choice.build and not choice.auto
+    for value in ("OFF", "0", "false"):
+        choice = nb.cuda_choice({"NANOQ_CUDA": value})
+        assert not choice.build and not choice.auto and f"NANOQ_CUDA={value}" in choice.why
+
+
+def test_a_bad_nanoq_cuda_value_is_refused(nb):
+    with pytest.raises(ValueError, match="NANOQ_CUDA='maybe': expected ON, OFF or AUTO"):
+        nb.cuda_choice({"NANOQ_CUDA": "maybe"})
+
+
+def test_auto_builds_it_only_with_a_gpu_and_nvcc(nb, monkeypatch, tmp_path):
+    nvcc = fake_tool(tmp_path / "toolkit" / "bin")
+    with_nvcc = {"PATH": str(tmp_path / "toolkit" / "bin")}
+    without = {"PATH": str(tmp_path / "empty")}
+    monkeypatch.setattr(nb, "nvml_gpu_count", lambda: 0)
+    for environ in ({}, {"NANOQ_CUDA": "auto"}, with_nvcc):
+        choice = nb.cuda_choice(environ)
+        assert not choice.build and choice.auto and "no NVIDIA GPU was seen" in choice.why
+    monkeypatch.setattr(nb, "nvml_gpu_count", lambda: 2)
+    monkeypatch.setattr(nb, "find_nvcc", lambda environ: None)
+    choice = nb.cuda_choice(without)
+    assert not choice.build and choice.auto and "2 NVIDIA GPUs but no nvcc" in choice.why
+    monkeypatch.undo()
+    monkeypatch.setattr(nb, "nvml_gpu_count", lambda: 1)
+    choice = nb.cuda_choice({"NANOQ_CUDA": "AUTO", **with_nvcc})
+    assert choice.build and choice.auto and choice.nvcc == nvcc and choice.why == f"1 NVIDIA GPU and {nvcc}"
+
+
+def test_nvcc_is_looked_for_where_cmake_looks(nb, tmp_path):
+    on_path = fake_tool(tmp_path / "path")
+    home = fake_tool(tmp_path / "home" / "bin")
+    chosen = fake_tool(tmp_path / "chosen", "my-nvcc")
+    empty = str(tmp_path / "empty")
+    assert nb.find_nvcc({"PATH": str(tmp_path / "path"), "CUDA_HOME": str(tmp_path / "home")}) == on_path
+    assert nb.find_nvcc({"PATH": empty, "CUDA_HOME": str(tmp_path / "home")}) == home
+    assert nb.find_nvcc({"PATH": empty, "CUDA_PATH": str(tmp_path / "home")}) == home
+    assert nb.find_nvcc({"PATH": str(tmp_path / "path"), "CUDACXX": chosen}) == chosen
+    assert nb.find_nvcc({"PATH": str(tmp_path / "path"), "CUDACXX": str(tmp_path / "missing")}) is None
+    if not os.access("/usr/local/cuda/bin/nvcc", os.X_OK):
+        assert nb.find_nvcc({"PATH": empty}) is None
+
+
+def test_the_gpu_count_is_nvmls(nb):
+    """Counted through the driver's NVML library with ctypes (a build environment has no
+    nvidia-ml-py); checked against nvidia-ml-py's own count (0 where there is no driver)."""
+    pynvml = pytest.importorskip("pynvml")
+    try:
+        pynvml.nvmlInit()
+        expected = pynvml.nvmlDeviceGetCount()
+        pynvml.nvmlShutdown()
+    except pynvml.NVMLError:
+        expected = 0
+    assert nb.nvml_gpu_count() == expected
+
+
+# -- requirements --------------------------------------------------------------------------
+
+
+def test_the_cuda_build_requires_the_libraries_it_compiles_against(nb, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(nb, "_skb", types.SimpleNamespace(get_requires_for_build_wheel=lambda cs: ["cmake>=3.26"],
+                                                          get_requires_for_build_editable=lambda cs: []))
+    extra = nb.cuda_extra()
+    assert "cupy-cuda13x" in extra and "nvidia-cudnn-cu13" in extra  # pyproject's [cuda] extra
+    needed = nb.cuda_build_requirements()
+    for wheel in ("nvidia-nccl-cu13", "nvidia-cublas", "nvidia-cuda-runtime", "nvidia-cudnn-cu13",
+                  "nvidia-cuda-nvrtc", "nvidia-cudnn-frontend"):
+        assert wheel in needed
+    assert "cupy-cuda13x" not in needed  # run time only
+    monkeypatch.setenv("NANOQ_CUDA", "ON")
+    assert nb.get_requires_for_build_wheel() == ["cmake>=3.26"] + needed
+    assert nb.get_requires_for_build_editable() == needed
+    monkeypatch.setenv("NANOQ_CUDA", "OFF")
+    assert nb.get_requires_for_build_wheel() == ["cmake>=3.26"]
+
+
+def make_wheel(folder: Path, body: bool = True) -> str:
+    name = "nanoq-0.1.0-cp311-cp311-linux_x86_64.whl"
+    metadata = ("Metadata-Version: 2.2\nName: nanoq\nVersion: 0.1.0\nRequires-Dist: numpy>=1.24\n"
+                'Provides-Extra: cuda\nRequires-Dist: cupy-cuda13x; extra == "cuda"\n')
+    if body:
+        metadata += "Description-Content-Type: text/markdown\n\n# nanoq\n\nRequires-Dist: not a header\n"
+    files = {"nanoq/__init__.py": b"x = 1\n", "nanoq-0.1.0.dist-info/METADATA": metadata.encode(),
+             "nanoq-0.1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\n"}
+    record = "".join(f"{path},sha256={hash_of(data)},{len(data)}\n" for path, data in files.items())
+    record += "nanoq-0.1.0.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(folder / name, "w", zipfile.ZIP_DEFLATED) as wheel:
+        for path, data in files.items():
+            wheel.writestr(path, data)
+        wheel.writestr("nanoq-0.1.0.dist-info/RECORD", record)
+    return name
+
+
+def hash_of(data: bytes) -> str:
+    return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def read_wheel(path: Path) -> tuple[email.message.Message, dict, dict]:
+    with zipfile.ZipFile(path) as wheel:
+        files = {name: wheel.read(name) for name in wheel.namelist()}
+    metadata = email.parser.BytesParser().parsebytes(files["nanoq-0.1.0.dist-info/METADATA"])
+    record = {row.split(",")[0]: row.split(",")[1:] for row in
+              files["nanoq-0.1.0.dist-info/RECORD"].decode().splitlines()}
+    return metadata, files, record
+
+
+@pytest.mark.parametrize("body", [True, False], ids=["with-description", "headers-only"])
+def test_requirements_are_added_to_a_built_wheel(nb, tmp_path, body):
+    name = make_wheel(tmp_path, body)
+    nb.add_requirements(tmp_path / name, ["cupy-cuda13x", "nvidia-cublas"])
+    metadata, files, record = read_wheel(tmp_path / name)
+    assert metadata.get_all("Requires-Dist") == ["numpy>=1.24", 'cupy-cuda13x; extra == "cuda"', "cupy-cuda13x",
+                                                 "nvidia-cublas"]
+    assert metadata["Name"] == "nanoq" and metadata["Version"] == "0.1.0"
+    if body:
+        assert metadata.get_payload() == "# nanoq\n\nRequires-Dist: not a header\n"
+    for path, data in files.items():  # every hash in RECORD still holds, METADATA's new one too
+        if path.endswith("RECORD"):
+            continue
+        assert record[path] == [f"sha256={hash_of(data)}", str(len(data))], path
+    assert files["nanoq/__init__.py"] == b"x = 1\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]  # no temporary file left
+
+
+# -- the build ------------------------------------------------------------------------------
+
+
+class FakeSkb:
+    """scikit-build-core's build_wheel: records the environment each build saw, and fails the
+    cuda builds when told to."""
+
+    def __init__(self, cuda_fails: bool):
+        self.cuda_fails = cuda_fails
+        self.builds = []
+
+    def build_wheel(self, wheel_directory, config_settings=None, metadata_directory=None):
+        self.builds.append({k: os.environ.get(k) for k in ("NANOQ_CUDA", "NANOQ_CUDA_NOTE", "CUDACXX")})
+        if self.cuda_fails and os.environ["NANOQ_CUDA"] == "ON":
+            raise SystemExit("CMake configuration failed")
+        return make_wheel(Path(wheel_directory))
+
+
+def test_a_cuda_build_depends_on_the_cuda_extra(nb, monkeypatch, tmp_path):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("NANOQ_CUDA", "ON")
+    monkeypatch.delenv("CUDACXX", raising=False)
+    skb = FakeSkb(cuda_fails=False)
+    monkeypatch.setattr(nb, "_skb", skb)
+    name = nb.build_wheel(str(tmp_path))
+    assert skb.builds == [{"NANOQ_CUDA": "ON", "NANOQ_CUDA_NOTE": "", "CUDACXX": None}]
+    requires = read_wheel(tmp_path / name)[0].get_all("Requires-Dist")
+    assert requires[:2] == ["numpy>=1.24", 'cupy-cuda13x; extra == "cuda"'] and requires[2:] == nb.cuda_extra()
+    assert os.environ["NANOQ_CUDA"] == "ON" and "NANOQ_CUDA_NOTE" not in os.environ  # restored
+
+
+def test_an_auto_cuda_build_that_fails_builds_without_it_and_says_why(nb, monkeypatch, tmp_path):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("NANOQ_CUDA", raising=False)
+    monkeypatch.delenv("CUDACXX", raising=False)
+    monkeypatch.setattr(nb, "cuda_choice", lambda environ: nb.CudaChoice(True, True, "1 NVIDIA GPU", "/opt/nvcc"))
+    skb = FakeSkb(cuda_fails=True)
+    monkeypatch.setattr(nb, "_skb", skb)
+    name = nb.build_wheel(str(tmp_path))
+    assert [b["NANOQ_CUDA"] for b in skb.builds] == ["ON", "OFF"]
+    assert skb.builds[0]["CUDACXX"] == "/opt/nvcc"  # the nvcc that was found is the one CMake uses
+    assert skb.builds[1]["NANOQ_CUDA_NOTE"] == ("the cuda build failed when installing; "
+                                               "NANOQ_CUDA=ON pip install -v . shows why")
+    assert "cupy-cuda13x" not in read_wheel(tmp_path / name)[0].get_all("Requires-Dist")  # a cpu wheel
+
+
+def test_a_cuda_build_asked_for_fails_with_its_error(nb, monkeypatch, tmp_path):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("NANOQ_CUDA", "ON")
+    skb = FakeSkb(cuda_fails=True)
+    monkeypatch.setattr(nb, "_skb", skb)
+    with pytest.raises(SystemExit, match="CMake configuration failed"):
+        nb.build_wheel(str(tmp_path))
+    assert len(skb.builds) == 1 and not list(tmp_path.iterdir())
+
+
+def test_a_cpu_build_records_why_it_has_no_cuda_backend(nb, monkeypatch, tmp_path):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(nb, "cuda_choice", lambda environ: nb.CudaChoice(False, True, "no NVIDIA GPU was seen"))
+    skb = FakeSkb(cuda_fails=False)
+    monkeypatch.setattr(nb, "_skb", skb)
+    nb.build_wheel(str(tmp_path))
+    assert skb.builds[0]["NANOQ_CUDA"] == "OFF" and skb.builds[0]["NANOQ_CUDA_NOTE"] == "no NVIDIA GPU was seen"
+
+
+def test_this_install_says_why_it_has_no_cuda_backend():
+    """The note of the build that made this install (CMake writes it into the package)."""
+    note = backends.cuda_build_note()
+    if backends._core.backend_built("cuda"):
+        assert note == ""
+    else:
+        assert note, "a wheel built without the cuda backend records why (build_note.txt)"
+        assert note in backends.cuda_unusable_reason()
+        cuda = next(b for b in backends.backends() if b["name"] == "cuda")
+        assert cuda["detail"] == f"not built: {note}"
+
+
+FAKE_NVML = """
+static int fail_init = FAIL_INIT;
+int nvmlInit_v2(void) { return fail_init ? 9 : 0; }  /* 9: NVML_ERROR_DRIVER_NOT_LOADED */
+int nvmlDeviceGetCount_v2(unsigned *count) { *count = 3; return 0; }
+int nvmlShutdown(void) { return 0; }
+"""
+
+
+@pytest.mark.parametrize("fail_init,expected", [(0, 3), (1, 0)], ids=["three-gpus", "no-driver"])
+def test_the_gpu_count_reads_the_drivers_library(tmp_path, fail_init, expected):
+    """nvml_gpu_count on a stand-in libnvidia-ml.so.1 (three GPUs; a driver that does not
+    load), found as the real one is, by the dynamic loader."""
+    compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("g++")
+    source = tmp_path / "nvml.c"
+    source.write_text(FAKE_NVML.replace("FAIL_INIT", str(fail_init)))
+    subprocess.run([compiler, "-x", "c", "-shared", "-fPIC", "-o", str(tmp_path / "libnvidia-ml.so.1"), str(source)],
+                   check=True)
+    env = dict(os.environ, LD_LIBRARY_PATH=str(tmp_path))
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import nanoq_build; "
+            "print(nanoq_build.nvml_gpu_count())")
+    out = subprocess.run([sys.executable, "-c", code, str(ROOT / "build_backend")], env=env, capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip() == str(expected)
