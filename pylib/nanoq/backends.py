@@ -133,6 +133,8 @@ def attention_detail(name: str) -> str:
 # default (NANOQ_CUDA unset: build it where there is a GPU and nvcc) would
 # fall back to the cpu.
 CUDA_BUILD_COMMANDS = ("NANOQ_CUDA=ON pip install .",)
+# A cuda backend that loads but has no device to run on.
+NO_GPU = "no usable GPU (no device or no driver)"
 
 
 def cuda_build_note() -> str:
@@ -155,7 +157,7 @@ def cuda_unusable_reason() -> str:
             return ""
     except _core.NanoqError as e:
         return f"the cuda backend does not load: {e}"
-    return "the cuda backend sees no usable GPU (no device or no driver)"
+    return f"the cuda backend sees {NO_GPU}"
 
 
 def idle_gpus_warning(requested: str, resolved: str) -> Optional[str]:
@@ -193,7 +195,7 @@ def backends() -> list[dict]:
             elif name == "cuda_emulated":
                 entry["detail"] = "the cuda backend's code on a CPU emulator of CUDA (for tests; very slow)"
             elif entry["devices"] == 0 and not entry["detail"]:
-                entry["detail"] = "no usable GPU (no device or no driver)"
+                entry["detail"] = NO_GPU
             elif entry["devices"]:
                 entry["detail"] = ", ".join(gpu_names())
             if name in CUDA_BACKENDS:
@@ -241,7 +243,7 @@ def resolve_backend(name: str) -> str:
         return "cpu"
     if name == "cuda":
         if device_count("cuda") == 0:
-            raise _core.NanoqError("the cuda backend sees no usable GPU (no device or no driver)")
+            raise _core.NanoqError(f"the cuda backend sees {NO_GPU}")
         return name
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; nanoq has {', '.join(BACKENDS)}")
