@@ -74,13 +74,17 @@ def nvml_gpu_count() -> int:
         nvml = ctypes.CDLL("libnvidia-ml.so.1")
     except OSError:
         return 0
-    if nvml.nvmlInit_v2() != 0:
+    try:
+        init, count_devices, shutdown = nvml.nvmlInit_v2, nvml.nvmlDeviceGetCount_v2, nvml.nvmlShutdown
+    except AttributeError:  # a driver too old for the v2 entry points
+        return 0
+    if init() != 0:
         return 0
     try:
         count = ctypes.c_uint(0)
-        return count.value if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0 else 0
+        return count.value if count_devices(ctypes.byref(count)) == 0 else 0
     finally:
-        nvml.nvmlShutdown()
+        shutdown()
 
 
 def find_nvcc(environ: Mapping[str, str]) -> Optional[str]:
@@ -149,6 +153,7 @@ def add_requirements(wheel: Path, requirements: list[str]) -> None:
     fd, tmp = tempfile.mkstemp(dir=wheel.parent, suffix=".whl")
     os.close(fd)
     try:
+        shutil.copymode(wheel, tmp)  # mkstemp's is 0600
         with zipfile.ZipFile(tmp, "w") as target:
             for info, _ in entries:
                 target.writestr(info, patched[info.filename])
@@ -156,6 +161,11 @@ def add_requirements(wheel: Path, requirements: list[str]) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def _has_cuda_backend(wheel: Path) -> bool:
+    with zipfile.ZipFile(wheel) as archive:
+        return any(n.endswith("nanoq/libnanoq_cuda.so") for n in archive.namelist())
 
 
 @contextlib.contextmanager
@@ -180,11 +190,18 @@ def _build(hook, wheel_directory: str, config_settings) -> str:
     choice = cuda_choice(os.environ)
     _say(("building the cuda backend: " if choice.build else "building without the cuda backend: ") + choice.why)
     values = {"NANOQ_CUDA": "ON" if choice.build else "OFF", "NANOQ_CUDA_NOTE": "" if choice.build else choice.why}
-    if choice.nvcc and not os.environ.get("CUDACXX"):
-        values["CUDACXX"] = choice.nvcc  # found outside PATH: CMake must use the same one
+    if choice.nvcc:
+        # The nvcc that was found. Not a CMAKE_CUDA_COMPILER define: where the build folder's
+        # cache holds another compiler, CMake then deletes its cache and configures again
+        # without skbuild's defines (NANOQ_CUDA among them): a cpu build that looks like a
+        # success. A different $CUDACXX is refused by cmake/cuda_backend.cmake instead.
+        values["CUDACXX"] = choice.nvcc
     try:
         with _environ(values):
             name = hook(wheel_directory, config_settings, None)
+            if choice.build and not _has_cuda_backend(Path(wheel_directory) / name):
+                raise RuntimeError("the build finished without the cuda backend (no nanoq/libnanoq_cuda.so in "
+                                   f"{name}): the CMake log above says why")
     except (Exception, SystemExit) as e:
         if not (choice.build and choice.auto):
             raise

@@ -9,6 +9,18 @@ if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
   set(CMAKE_CUDA_ARCHITECTURES 80 90)
 endif()
 set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)
+# CMake reads $CUDACXX only while no CUDA compiler is in the build folder's
+# cache, so a build asked for with another nvcc (build_backend/nanoq_build.py
+# sets $CUDACXX to the one it found) would silently use the old one: refuse.
+if(DEFINED CACHE{CMAKE_CUDA_COMPILER} AND DEFINED ENV{CUDACXX})
+  file(REAL_PATH "$ENV{CUDACXX}" NANOQ_ASKED_NVCC)
+  file(REAL_PATH "${CMAKE_CUDA_COMPILER}" NANOQ_CACHED_NVCC)
+  if(NOT NANOQ_ASKED_NVCC STREQUAL NANOQ_CACHED_NVCC)
+    message(FATAL_ERROR "nanoq: the build folder ${CMAKE_BINARY_DIR} was configured with the CUDA compiler "
+                        "${CMAKE_CUDA_COMPILER}, and CMake keeps it over CUDACXX=$ENV{CUDACXX}: delete that "
+                        "folder to build with the other")
+  endif()
+endif()
 enable_language(CUDA)
 find_package(CUDAToolkit REQUIRED)
 

@@ -129,7 +129,7 @@ def test_the_cuda_build_requires_the_libraries_it_compiles_against(nb, monkeypat
     assert nb.get_requires_for_build_wheel() == ["cmake>=3.26"]
 
 
-def make_wheel(folder: Path, body: bool = True) -> str:
+def make_wheel(folder: Path, body: bool = True, cuda: bool = False) -> str:
     name = "nanoq-0.1.0-cp311-cp311-linux_x86_64.whl"
     metadata = ("Metadata-Version: 2.2\nName: nanoq\nVersion: 0.1.0\nRequires-Dist: numpy>=1.24\n"
                 'Provides-Extra: cuda\nRequires-Dist: cupy-cuda13x; extra == "cuda"\n')
@@ -137,6 +137,8 @@ def make_wheel(folder: Path, body: bool = True) -> str:
         metadata += "Description-Content-Type: text/markdown\n\n# nanoq\n\nRequires-Dist: not a header\n"
     files = {"nanoq/__init__.py": b"x = 1\n", "nanoq-0.1.0.dist-info/METADATA": metadata.encode(),
              "nanoq-0.1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\n"}
+    if cuda:
+        files["nanoq/libnanoq_cuda.so"] = b"\x7fELF"
     record = "".join(f"{path},sha256={hash_of(data)},{len(data)}\n" for path, data in files.items())
     record += "nanoq-0.1.0.dist-info/RECORD,,\n"
     with zipfile.ZipFile(folder / name, "w", zipfile.ZIP_DEFLATED) as wheel:
@@ -182,17 +184,18 @@ def test_requirements_are_added_to_a_built_wheel(nb, tmp_path, body):
 
 class FakeSkb:
     """scikit-build-core's build_wheel: records the environment each build saw, and fails the
-    cuda builds when told to."""
+    cuda builds when told to (with an error, or a wheel without the cuda library)."""
 
-    def __init__(self, cuda_fails: bool):
-        self.cuda_fails = cuda_fails
+    def __init__(self, cuda_fails: bool, how: str = "error"):
+        self.cuda_fails, self.how = cuda_fails, how
         self.builds = []
 
     def build_wheel(self, wheel_directory, config_settings=None, metadata_directory=None):
         self.builds.append({k: os.environ.get(k) for k in ("NANOQ_CUDA", "NANOQ_CUDA_NOTE", "CUDACXX")})
-        if self.cuda_fails and os.environ["NANOQ_CUDA"] == "ON":
+        cuda = os.environ["NANOQ_CUDA"] == "ON"
+        if self.cuda_fails and cuda and self.how == "error":
             raise SystemExit("CMake configuration failed")
-        return make_wheel(Path(wheel_directory))
+        return make_wheel(Path(wheel_directory), cuda=cuda and not self.cuda_fails)
 
 
 def test_a_cuda_build_depends_on_the_cuda_extra(nb, monkeypatch, tmp_path):
@@ -211,7 +214,6 @@ def test_a_cuda_build_depends_on_the_cuda_extra(nb, monkeypatch, tmp_path):
 def test_an_auto_cuda_build_that_fails_builds_without_it_and_says_why(nb, monkeypatch, tmp_path):
     monkeypatch.chdir(ROOT)
     monkeypatch.delenv("NANOQ_CUDA", raising=False)
-    monkeypatch.delenv("CUDACXX", raising=False)
     monkeypatch.setattr(nb, "cuda_choice", lambda environ: nb.CudaChoice(True, True, "1 NVIDIA GPU", "/opt/nvcc"))
     skb = FakeSkb(cuda_fails=True)
     monkeypatch.setattr(nb, "_skb", skb)
@@ -267,6 +269,7 @@ def test_the_gpu_count_reads_the_drivers_library(tmp_path, fail_init, expected):
     """nvml_gpu_count on a stand-in libnvidia-ml.so.1 (three GPUs; a driver that does not
     load), found as the real one is, by the dynamic loader."""
     compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("g++")
+    assert compiler, "this test compiles a stand-in NVML library: it needs a C compiler (cc, gcc or g++)"
     source = tmp_path / "nvml.c"
     source.write_text(FAKE_NVML.replace("FAIL_INIT", str(fail_init)))
     subprocess.run([compiler, "-x", "c", "-shared", "-fPIC", "-o", str(tmp_path / "libnvidia-ml.so.1"), str(source)],
@@ -277,3 +280,58 @@ def test_the_gpu_count_reads_the_drivers_library(tmp_path, fail_init, expected):
     out = subprocess.run([sys.executable, "-c", code, str(ROOT / "build_backend")], env=env, capture_output=True,
                          text=True, check=True)
     assert out.stdout.strip() == str(expected)
+
+
+@pytest.mark.parametrize("auto", [True, False], ids=["auto", "on"])
+def test_a_build_without_the_cuda_library_is_no_cuda_build(nb, monkeypatch, tmp_path, auto):
+    """A configure that quietly left the cuda backend out (CMake reconfiguring without the
+    build's defines, say) is a failed cuda build: AUTO falls back, ON fails."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(nb, "cuda_choice", lambda environ: nb.CudaChoice(True, auto, "asked"))
+    skb = FakeSkb(cuda_fails=True, how="no library")
+    monkeypatch.setattr(nb, "_skb", skb)
+    if not auto:
+        with pytest.raises(RuntimeError, match="the build finished without the cuda backend"):
+            nb.build_wheel(str(tmp_path))
+        return
+    name = nb.build_wheel(str(tmp_path))
+    assert [b["NANOQ_CUDA"] for b in skb.builds] == ["ON", "OFF"]
+    assert "cupy-cuda13x" not in read_wheel(tmp_path / name)[0].get_all("Requires-Dist")
+
+
+def test_a_patched_wheel_keeps_its_entries_and_mode(nb, tmp_path):
+    """Each entry's zip attributes (an .so's permissions among them) and the file's own mode."""
+    name = make_wheel(tmp_path)
+    with zipfile.ZipFile(tmp_path / name, "a") as wheel:
+        info = zipfile.ZipInfo("nanoq/libnanoq_core.so", date_time=(2026, 1, 2, 3, 4, 6))
+        info.external_attr = 0o100755 << 16
+        info.compress_type = zipfile.ZIP_STORED
+        wheel.writestr(info, b"\x7fELF")
+    (tmp_path / name).chmod(0o644)
+    with zipfile.ZipFile(tmp_path / name) as wheel:
+        before = {i.filename: (i.external_attr, i.compress_type, i.date_time) for i in wheel.infolist()}
+    nb.add_requirements(tmp_path / name, ["cupy-cuda13x"])
+    with zipfile.ZipFile(tmp_path / name) as wheel:
+        after = {i.filename: (i.external_attr, i.compress_type, i.date_time) for i in wheel.infolist()}
+    assert after == before
+    assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o644
+
+
+@pytest.mark.gpu
+def test_auto_builds_the_cuda_backend_on_a_gpu_machine(nb):
+    """Where a GPU is (bench/gpu_check.sh runs the gpu tests): NVML's count through ctypes is
+    nvidia-ml-py's, and a plain `pip install .` would build the cuda backend with this nvcc."""
+    from conftest import nvidia_gpu_present
+
+    if not nvidia_gpu_present():
+        pytest.skip("no NVIDIA GPU on this machine")
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        assert nb.nvml_gpu_count() == pynvml.nvmlDeviceGetCount() > 0
+    finally:
+        pynvml.nvmlShutdown()
+    environ = {k: v for k, v in os.environ.items() if k != "NANOQ_CUDA"}
+    choice = nb.cuda_choice(environ)
+    assert choice.build == (nb.find_nvcc(environ) is not None), choice
