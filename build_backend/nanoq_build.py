@@ -110,15 +110,15 @@ def cuda_choice(environ: Mapping[str, str]) -> CudaChoice:
     if value and value.lower() != "auto":
         raise ValueError(f"NANOQ_CUDA={value!r}: expected ON, OFF or AUTO (the default: ON where NVML sees "
                          "an NVIDIA GPU and nvcc is found)")
-    gpus = nvml_gpu_count()
-    if gpus == 0:
+    count = nvml_gpu_count()
+    if count == 0:
         return CudaChoice(False, True, "no NVIDIA GPU was seen when building; NANOQ_CUDA=ON builds it anyway")
+    gpus = f"{count} NVIDIA GPU{'s' if count > 1 else ''}"
     nvcc = find_nvcc(environ)
     if nvcc is None:
-        return CudaChoice(False, True, f"{gpus} NVIDIA GPU{'s' if gpus > 1 else ''} but no nvcc (the CUDA 13 "
-                                       "toolkit) when building: not on PATH, nor in $CUDA_HOME, $CUDA_PATH or "
-                                       "/usr/local/cuda")
-    return CudaChoice(True, True, f"{gpus} NVIDIA GPU{'s' if gpus > 1 else ''} and {nvcc}", nvcc)
+        return CudaChoice(False, True, f"{gpus} but no nvcc (the CUDA 13 toolkit) when building: not on PATH, "
+                                       "nor in $CUDA_HOME, $CUDA_PATH or /usr/local/cuda")
+    return CudaChoice(True, True, f"{gpus} and {nvcc}", nvcc)
 
 
 def cuda_extra(pyproject: str = "pyproject.toml") -> list[str]:
@@ -137,8 +137,8 @@ def add_requirements(wheel: Path, requirements: list[str]) -> None:
     """Add unconditional Requires-Dist lines to a built wheel's METADATA (and its RECORD's hash)."""
     with zipfile.ZipFile(wheel) as source:
         entries = [(info, source.read(info)) for info in source.infolist()]
-    names = [info.filename for info, _ in entries]
-    metadata = next(n for n in names if n.count("/") == 1 and n.endswith(".dist-info/METADATA"))
+    metadata = next(info.filename for info, _ in entries
+                    if info.filename.count("/") == 1 and info.filename.endswith(".dist-info/METADATA"))
     record = metadata[:-len("METADATA")] + "RECORD"
     lines = "".join(f"Requires-Dist: {r}\n" for r in requirements)
     patched = {info.filename: data for info, data in entries}
@@ -220,14 +220,16 @@ def _build(hook, wheel_directory: str, config_settings) -> str:
 # the cuda extra's dependencies is known only once it is built, so pip takes
 # the metadata from the built wheel (and builds it once).
 
+def _with_cuda_requirements(requirements) -> list[str]:
+    return list(requirements) + (cuda_build_requirements() if cuda_choice(os.environ).build else [])
+
+
 def get_requires_for_build_wheel(config_settings=None) -> list[str]:
-    extra = cuda_build_requirements() if cuda_choice(os.environ).build else []
-    return list(_skb.get_requires_for_build_wheel(config_settings)) + extra
+    return _with_cuda_requirements(_skb.get_requires_for_build_wheel(config_settings))
 
 
 def get_requires_for_build_editable(config_settings=None) -> list[str]:
-    extra = cuda_build_requirements() if cuda_choice(os.environ).build else []
-    return list(_skb.get_requires_for_build_editable(config_settings)) + extra
+    return _with_cuda_requirements(_skb.get_requires_for_build_editable(config_settings))
 
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None) -> str:

@@ -148,10 +148,14 @@ def cuda_build_note() -> str:
         return ""
 
 
+def _cuda_not_built_why() -> str:
+    return cuda_build_note() or "NANOQ_CUDA=ON builds it"
+
+
 def cuda_unusable_reason() -> str:
     """Why the cuda backend cannot train here, in words ("" when it can)."""
     if not _core.backend_built("cuda"):
-        return f"this install was built without the cuda backend ({cuda_build_note() or 'NANOQ_CUDA=ON builds it'})"
+        return f"this install was built without the cuda backend ({_cuda_not_built_why()})"
     try:
         if device_count("cuda") > 0:
             return ""
@@ -184,7 +188,7 @@ def backends() -> list[dict]:
     for name in BACKENDS:
         entry = dict(name=name, built=_core.backend_built(name), devices=0, detail="")
         if not entry["built"]:
-            entry["detail"] = f"not built: {cuda_build_note() or 'NANOQ_CUDA=ON builds it'}" if name == "cuda" else "not built"
+            entry["detail"] = f"not built: {_cuda_not_built_why()}" if name == "cuda" else "not built"
         else:
             try:
                 entry["devices"] = device_count(name)
