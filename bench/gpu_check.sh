@@ -119,7 +119,9 @@ environment() {
     # What a plain `pip install .` (the Quickstart's, NANOQ_CUDA unset) decides here:
     # build_backend/nanoq_build.py's NVML and nvcc detection, which no CPU machine can try.
     env -u NANOQ_CUDA "$PY" -c "import os, sys; sys.path.insert(0, 'build_backend'); import nanoq_build as b; \
-print('pip install . here:', b.cuda_choice(os.environ))" || echo "the build backend's choice failed"
+c = b.cuda_choice(os.environ); print('pip install . here:', c); \
+print('  for CUDA architectures:', b.cuda_architectures(c.gpus, c.nvcc) or 'the default')" \
+        || echo "the build backend's choice failed"
     "$PY" - <<'EOF'
 import importlib.metadata as md, sys
 print("python", sys.version.split()[0], sys.executable)

@@ -10,8 +10,12 @@ dependencies (the ``cuda`` extra), which ``pyproject.toml`` can only state for
 every machine alike. This module
 
 - decides (``cuda_choice``): ``NANOQ_CUDA=ON`` builds the cuda backend,
-  ``OFF`` does not, and unset or ``AUTO`` builds it when NVML sees a GPU and an
-  ``nvcc`` is found;
+  ``OFF`` does not, and unset or ``AUTO`` builds it when NVML sees a GPU the
+  backend supports (compute capability 8.0 or newer) and an ``nvcc`` is found;
+- builds it for the GPUs NVML sees (``cuda_architectures``: their compute
+  capabilities, as ``NANOQ_GPU_ARCHITECTURES`` for cmake/cuda_backend.cmake,
+  where ``CMAKE_CUDA_ARCHITECTURES`` or ``$CUDAARCHS`` still win), so that a
+  GPU gets code compiled for it and the build compiles no more than it needs;
 - adds the nvidia wheels the build compiles against to the build requirements
   (an isolated build installs them into its build environment);
 - adds the ``cuda`` extra to the dependencies of a wheel that has the cuda
@@ -33,6 +37,7 @@ import ctypes
 import hashlib
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import zipfile
@@ -60,29 +65,47 @@ _OFF = {"off", "0", "false", "no"}
 _BUILD_ONLY = ["nvidia-cudnn-frontend"]
 
 
+# The oldest GPUs the cuda backend runs on: compute capability 8.0 (Ampere),
+# for bf16 tensor-core matmuls (cuBLASLt) and cuDNN's fused attention.
+MIN_COMPUTE_CAPABILITY = (8, 0)
+
+
 @dataclass(frozen=True)
 class CudaChoice:
     build: bool  # build the cuda backend
     auto: bool  # decided by looking at the machine (NANOQ_CUDA unset or AUTO)
     why: str  # in words, for the build log and the package's note
     nvcc: Optional[str] = None  # the nvcc found, when the choice was auto
+    gpus: tuple = ()  # the compute capabilities NVML reported, when the choice was auto (see nvml_gpus)
 
 
-def nvml_gpu_count() -> int:
-    """The NVIDIA GPUs that the driver's NVML library reports (0 without a driver)."""
+def nvml_gpus() -> list[Optional[tuple[int, int]]]:
+    """The compute capability, (major, minor), of each NVIDIA GPU that the driver's NVML library
+    reports; None for one whose capability NVML does not give. Empty without a driver."""
     try:
         nvml = ctypes.CDLL("libnvidia-ml.so.1")
     except OSError:
-        return 0
+        return []
     try:
         init, count_devices, shutdown = nvml.nvmlInit_v2, nvml.nvmlDeviceGetCount_v2, nvml.nvmlShutdown
     except AttributeError:  # a driver too old for the v2 entry points
-        return 0
+        return []
     if init() != 0:
-        return 0
+        return []
     try:
         count = ctypes.c_uint(0)
-        return count.value if count_devices(ctypes.byref(count)) == 0 else 0
+        if count_devices(ctypes.byref(count)) != 0:
+            return []
+        get_handle = getattr(nvml, "nvmlDeviceGetHandleByIndex_v2", None)
+        get_capability = getattr(nvml, "nvmlDeviceGetCudaComputeCapability", None)
+        gpus = []
+        for index in range(count.value):
+            handle, major, minor = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_int()
+            known = (get_handle is not None and get_capability is not None
+                     and get_handle(ctypes.c_uint(index), ctypes.byref(handle)) == 0
+                     and get_capability(handle, ctypes.byref(major), ctypes.byref(minor)) == 0)
+            gpus.append((major.value, minor.value) if known else None)
+        return gpus
     finally:
         shutdown()
 
@@ -100,6 +123,18 @@ def find_nvcc(environ: Mapping[str, str]) -> Optional[str]:
     return None
 
 
+def _capability(gpu: tuple[int, int]) -> str:
+    return f"{gpu[0]}.{gpu[1]}"
+
+
+def _gpus_in_words(gpus) -> str:
+    known = sorted({g for g in gpus if g is not None})
+    text = f"{len(gpus)} NVIDIA GPU{'s' if len(gpus) > 1 else ''}"
+    if known:
+        text += f" (compute capability {', '.join(map(_capability, known))})"
+    return text
+
+
 def cuda_choice(environ: Mapping[str, str]) -> CudaChoice:
     """Whether this build has the cuda backend, from NANOQ_CUDA and the machine."""
     value = environ.get("NANOQ_CUDA", "").strip()
@@ -110,15 +145,53 @@ def cuda_choice(environ: Mapping[str, str]) -> CudaChoice:
     if value and value.lower() != "auto":
         raise ValueError(f"NANOQ_CUDA={value!r}: expected ON, OFF or AUTO (the default: ON where NVML sees "
                          "an NVIDIA GPU and nvcc is found)")
-    count = nvml_gpu_count()
-    if count == 0:
+    gpus = tuple(nvml_gpus())
+    if not gpus:
         return CudaChoice(False, True, "no NVIDIA GPU was seen when building; NANOQ_CUDA=ON builds it anyway")
-    gpus = f"{count} NVIDIA GPU{'s' if count > 1 else ''}"
+    if all(g is not None and g < MIN_COMPUTE_CAPABILITY for g in gpus):
+        return CudaChoice(False, True, f"{_gpus_in_words(gpus)} seen when building, older than the cuda backend "
+                                       f"supports (compute capability {_capability(MIN_COMPUTE_CAPABILITY)}, "
+                                       "Ampere, or newer); NANOQ_CUDA=ON builds it anyway", gpus=gpus)
     nvcc = find_nvcc(environ)
     if nvcc is None:
-        return CudaChoice(False, True, f"{gpus} but no nvcc (the CUDA 13 toolkit) when building: not on PATH, "
-                                       "nor in $CUDA_HOME, $CUDA_PATH or /usr/local/cuda")
-    return CudaChoice(True, True, f"{gpus} and {nvcc}", nvcc)
+        return CudaChoice(False, True, f"{_gpus_in_words(gpus)} but no nvcc (the CUDA 13 toolkit) when building: "
+                                       "not on PATH, nor in $CUDA_HOME, $CUDA_PATH or /usr/local/cuda", gpus=gpus)
+    return CudaChoice(True, True, f"{_gpus_in_words(gpus)} and {nvcc}", nvcc, gpus)
+
+
+def nvcc_architectures(nvcc: Optional[str]) -> list[int]:
+    """The virtual architectures nvcc compiles for (``nvcc --list-gpu-arch``: 75, 80, ... 120);
+    empty where that cannot be asked."""
+    if nvcc is None:
+        return []
+    try:
+        listed = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return sorted({int(word[len("compute_"):]) for word in listed.split()
+                   if word.startswith("compute_") and word[len("compute_"):].isdigit()})
+
+
+def cuda_architectures(gpus, nvcc: Optional[str]) -> str:
+    """CUDA architectures for the GPUs seen (NANOQ_GPU_ARCHITECTURES, e.g. "90" or "80;90"):
+    each supported GPU's compute capability, or nvcc's newest where the GPU is newer than nvcc
+    knows (the driver compiles that one's PTX for it). "" (cmake/cuda_backend.cmake's default)
+    without GPUs, or with one whose capability is unknown."""
+    if not gpus or any(g is None for g in gpus):
+        return ""
+    known = nvcc_architectures(nvcc)
+    chosen = set()
+    for gpu in gpus:
+        if gpu < MIN_COMPUTE_CAPABILITY:
+            continue
+        arch = 10 * gpu[0] + gpu[1]
+        if known and arch not in known:
+            older = [a for a in known if a < arch]
+            if not older:
+                continue
+            arch = older[-1]
+        chosen.add(arch)
+    return ";".join(str(a) for a in sorted(chosen))
 
 
 def cuda_extra(pyproject: str = "pyproject.toml") -> list[str]:
@@ -196,6 +269,14 @@ def _build(hook, wheel_directory: str, config_settings) -> str:
         # without skbuild's defines (NANOQ_CUDA among them): a cpu build that looks like a
         # success. A different $CUDACXX is refused by cmake/cuda_backend.cmake instead.
         values["CUDACXX"] = choice.nvcc
+    if choice.build:
+        # For the GPUs seen (ON looks too: it decides whether to build, not for what).
+        architectures = cuda_architectures(choice.gpus if choice.auto else nvml_gpus(),
+                                           choice.nvcc or find_nvcc(os.environ))
+        values["NANOQ_GPU_ARCHITECTURES"] = architectures
+        _say("CUDA architectures: " + (f"{architectures}, the GPUs seen" if architectures else
+                                       "cmake/cuda_architectures.cmake's default (no GPU of known compute capability "
+                                       "was seen)") + "; CMAKE_CUDA_ARCHITECTURES or $CUDAARCHS, where set, win")
     try:
         with _environ(values):
             name = hook(wheel_directory, config_settings, None)

@@ -3,11 +3,10 @@
 #
 # nvcc comes from the CUDA toolkit; cuBLASLt and NCCL from the nvidia pip
 # wheels (nvidia-cublas, nvidia-nccl-cu13) of the Python that builds, so build
-# with --no-build-isolation; cuDNN too where its wheels are there (below). Architectures: CMAKE_CUDA_ARCHITECTURES
-# (default 80;90, i.e. A100 and H100/H200).
-if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
-  set(CMAKE_CUDA_ARCHITECTURES 80 90)
-endif()
+# with --no-build-isolation; cuDNN too where its wheels are there (below).
+# The architectures: cmake/cuda_architectures.cmake.
+set(NANOQ_GPU_ARCHITECTURES "" CACHE STRING "CUDA architectures of the GPUs seen when building (set by the build backend)")
+include(cmake/cuda_architectures.cmake)
 set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)
 # CMake reads $CUDACXX only while no CUDA compiler is in the build folder's
 # cache, so a build asked for with another nvcc (build_backend/nanoq_build.py
@@ -131,6 +130,13 @@ add_library(nanoq_cuda SHARED
   cuda_core/cuda/nccl_communicator.cpp
   ${NANOQ_CUDA_KERNELS})
 target_link_libraries(nanoq_cuda PRIVATE nanoq_core CUDA::cudart nanoq_cublaslt nanoq_nccl)
+# The architectures built: in the backend's error on a GPU it has no code
+# for, and in the package for nanoq.backends to say (nanoq info).
+string(REPLACE ";" "," NANOQ_BUILT_ARCHITECTURES "${CMAKE_CUDA_ARCHITECTURES}")
+target_compile_definitions(nanoq_cuda PRIVATE NANOQ_CUDA_ARCHITECTURES="${NANOQ_BUILT_ARCHITECTURES}")
+file(WRITE "${CMAKE_CURRENT_BINARY_DIR}/cuda_architectures.txt" "${NANOQ_BUILT_ARCHITECTURES}")
+install(FILES "${CMAKE_CURRENT_BINARY_DIR}/cuda_architectures.txt" DESTINATION nanoq)
+message(STATUS "nanoq: the cuda backend is built for CUDA architectures ${NANOQ_BUILT_ARCHITECTURES}")
 if(NANOQ_CUDNN)
   target_link_libraries(nanoq_cuda PRIVATE nanoq_cudnn)
   # The frontend is header-only and large: warnings of ours only.

@@ -33,8 +33,10 @@ add_library(nanoq_cuda_emulated SHARED
   cuda_core/cuda/nccl_communicator.cpp
   ${NANOQ_EMU_KERNEL_UNITS})
 target_include_directories(nanoq_cuda_emulated BEFORE PRIVATE "${NANOQ_EMU_DIR}" cuda_core)
+# As if built for sm_90 (the emulated devices are Hopper's by default): a test
+# that sets another compute capability sees what an unbuilt GPU would.
 target_compile_definitions(nanoq_cuda_emulated PRIVATE NANOQ_CUDA_EMULATED=1
-                           NANOQ_CUDA_BACKEND_NAME="cuda_emulated")
+                           NANOQ_CUDA_BACKEND_NAME="cuda_emulated" NANOQ_CUDA_ARCHITECTURES="90")
 target_link_libraries(nanoq_cuda_emulated PRIVATE nanoq_core Threads::Threads)
 # The default (dynamic) TLS model: initial-exec would be ~10% faster but can
 # make dlopen fail ("cannot allocate memory in static TLS block") in a process

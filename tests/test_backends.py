@@ -9,7 +9,7 @@ import pytest
 
 import nanoq
 from nanoq import _core
-from nanoq.backends import device_count, resolve_backend
+from nanoq.backends import cuda_architectures, device_count, resolve_backend
 from nanoq.trainer import _device_array, _interface_stream
 
 CUDA_BUILT = _core.backend_built("cuda")
@@ -40,6 +40,51 @@ def test_the_emulator_is_built_and_shows_its_devices():
     report = {b["name"]: b for b in nanoq.backends()}
     assert report["cuda_emulated"]["built"] and report["cuda_emulated"]["devices"] >= 2
     assert "emulator" in report["cuda_emulated"]["detail"]
+
+
+def test_the_cuda_backends_architectures_are_said():
+    """The CUDA architectures the build compiled (cmake/cuda_architectures.cmake), in
+    backends() where the cuda backend is built; none without it."""
+    built_for = cuda_architectures()
+    cuda = next(b for b in nanoq.backends() if b["name"] == "cuda")
+    if not CUDA_BUILT:
+        assert built_for == "" and "architectures" not in cuda["detail"]
+        return
+    assert built_for and all(a.isdigit() and int(a) >= 80 for a in built_for.split(",")), built_for
+    assert f"built for CUDA architectures {built_for}" in cuda["detail"]
+
+
+@pytest.mark.cuda_emulated
+@pytest.mark.parametrize("capability", ["8.0", "8.9"])
+def test_a_gpu_the_build_has_no_code_for_is_refused_with_how_to_build_for_it(monkeypatch, capability):
+    """The emulated build counts as compiled for sm_90 (with its PTX): a GPU of an older
+    compute capability has no code to run, and every kernel launch would fail. The backend
+    says so when it starts, before any work, with the architecture to build for."""
+    from nanoq.testing import OpRunner
+    from conftest import require_cuda_emulator
+
+    require_cuda_emulator()
+    monkeypatch.setenv("NANOQ_EMU_COMPUTE_CAPABILITY", capability)
+    arch = capability.replace(".", "")
+    expected = (rf"has no code for device 0 \(compute capability {capability}\): it was built for CUDA "
+                rf"architectures 90\. .*CMAKE_ARGS=\"-DCMAKE_CUDA_ARCHITECTURES={arch}\" NANOQ_CUDA=ON pip install \.")
+    with pytest.raises(nanoq.NanoqError, match=expected):
+        nanoq.Trainer(tiny_config(), nanoq.TrainOptions(backend="cuda_emulated", seq_len=8))
+    with pytest.raises(nanoq.NanoqError, match=expected):
+        OpRunner("cuda_emulated")
+
+
+@pytest.mark.cuda_emulated
+def test_a_newer_gpu_runs_the_build_through_its_ptx(monkeypatch):
+    """Compute capability 10.0 (Blackwell) on the sm_90 build: the driver compiles the PTX."""
+    from conftest import require_cuda_emulator
+
+    require_cuda_emulator()
+    monkeypatch.setenv("NANOQ_EMU_COMPUTE_CAPABILITY", "10.0")
+    tokens = np.random.default_rng(0).integers(0, 64, (1, 8), dtype=np.int32)
+    with nanoq.Trainer(tiny_config(), nanoq.TrainOptions(backend="cuda_emulated", batch_size=1, seq_len=8)) as t:
+        t.step(tokens, tokens)
+        assert np.isfinite(t.update(lr=1e-3).loss)
 
 
 def test_auto_never_picks_the_emulator():

@@ -49,7 +49,7 @@ def fake_tool(folder: Path, name: str = "nvcc") -> str:
 
 
 def test_nanoq_cuda_on_and_off_decide_without_looking(nb, monkeypatch):
-    monkeypatch.setattr(nb, "nvml_gpu_count", lambda: pytest.fail("ON/OFF must not look at the machine"))
+    monkeypatch.setattr(nb, "nvml_gpus", lambda: pytest.fail("ON/OFF must not look at the machine"))
     for value in ("ON", "on", "1", "TRUE"):
         choice = nb.cuda_choice({"NANOQ_CUDA": value})
         assert choice.build and not choice.auto
@@ -67,18 +67,63 @@ def test_auto_builds_it_only_with_a_gpu_and_nvcc(nb, monkeypatch, tmp_path):
     nvcc = fake_tool(tmp_path / "toolkit" / "bin")
     with_nvcc = {"PATH": str(tmp_path / "toolkit" / "bin")}
     without = {"PATH": str(tmp_path / "empty")}
-    monkeypatch.setattr(nb, "nvml_gpu_count", lambda: 0)
+    monkeypatch.setattr(nb, "nvml_gpus", lambda: [])
     for environ in ({}, {"NANOQ_CUDA": "auto"}, with_nvcc):
         choice = nb.cuda_choice(environ)
         assert not choice.build and choice.auto and "no NVIDIA GPU was seen" in choice.why
-    monkeypatch.setattr(nb, "nvml_gpu_count", lambda: 2)
+    monkeypatch.setattr(nb, "nvml_gpus", lambda: [(9, 0), (9, 0)])
     monkeypatch.setattr(nb, "find_nvcc", lambda environ: None)
     choice = nb.cuda_choice(without)
-    assert not choice.build and choice.auto and "2 NVIDIA GPUs but no nvcc" in choice.why
+    assert not choice.build and choice.auto and "2 NVIDIA GPUs (compute capability 9.0) but no nvcc" in choice.why
     monkeypatch.undo()
-    monkeypatch.setattr(nb, "nvml_gpu_count", lambda: 1)
+    monkeypatch.setattr(nb, "nvml_gpus", lambda: [(8, 0)])
     choice = nb.cuda_choice({"NANOQ_CUDA": "AUTO", **with_nvcc})
-    assert choice.build and choice.auto and choice.nvcc == nvcc and choice.why == f"1 NVIDIA GPU and {nvcc}"
+    assert choice.build and choice.auto and choice.nvcc == nvcc and choice.gpus == ((8, 0),)
+    assert choice.why == f"1 NVIDIA GPU (compute capability 8.0) and {nvcc}"
+
+
+def test_auto_leaves_out_gpus_older_than_the_backend_supports(nb, monkeypatch, tmp_path):
+    """Compute capability 8.0 (Ampere) and newer: bf16 tensor cores and cuDNN's fused attention.
+    A machine with only older GPUs gets a cpu build that says why; one of each builds it."""
+    with_nvcc = {"PATH": str(Path(fake_tool(tmp_path / "bin")).parent)}
+    monkeypatch.setattr(nb, "nvml_gpus", lambda: [(7, 5), (7, 0)])
+    choice = nb.cuda_choice(with_nvcc)
+    assert not choice.build and choice.auto
+    assert choice.why == ("2 NVIDIA GPUs (compute capability 7.0, 7.5) seen when building, older than the cuda "
+                          "backend supports (compute capability 8.0, Ampere, or newer); NANOQ_CUDA=ON builds it "
+                          "anyway")
+    monkeypatch.setattr(nb, "nvml_gpus", lambda: [(7, 5), (8, 6)])
+    assert nb.cuda_choice(with_nvcc).build
+    monkeypatch.setattr(nb, "nvml_gpus", lambda: [None])  # a capability NVML did not give: tried
+    assert nb.cuda_choice(with_nvcc).build
+    assert nb.cuda_choice({"NANOQ_CUDA": "ON"}).build  # ON builds whatever is there
+
+
+def fake_nvcc(folder: Path, arches=(75, 80, 86, 87, 88, 89, 90, 100, 110, 103, 120, 121)) -> str:
+    """An nvcc that answers --list-gpu-arch as CUDA 13.0's does."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "nvcc"
+    listing = "\\n".join(f"compute_{a}" for a in arches)
+    path.write_text(f'#!/bin/sh\n[ "$1" = --list-gpu-arch ] && printf "{listing}\\n"\nexit 0\n')
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+def test_the_architectures_are_the_gpus_seen(nb, tmp_path):
+    nvcc = fake_nvcc(tmp_path / "bin")
+    assert nb.nvcc_architectures(nvcc) == [75, 80, 86, 87, 88, 89, 90, 100, 103, 110, 120, 121]
+    assert nb.cuda_architectures([(9, 0)], nvcc) == "90"
+    assert nb.cuda_architectures([(9, 0), (8, 0), (9, 0)], nvcc) == "80;90"
+    assert nb.cuda_architectures([(8, 9), (12, 0)], nvcc) == "89;120"
+    assert nb.cuda_architectures([(7, 5), (9, 0)], nvcc) == "90"  # an unsupported GPU gets no code
+    # Newer than this nvcc knows: its newest, whose PTX the driver compiles for the GPU.
+    assert nb.cuda_architectures([(13, 0)], nvcc) == "121"
+    # The default (cmake/cuda_architectures.cmake's) where a capability is unknown or nothing was seen.
+    assert nb.cuda_architectures([None, (9, 0)], nvcc) == ""
+    assert nb.cuda_architectures([], nvcc) == ""
+    # Without nvcc's list, the GPUs' own.
+    assert nb.nvcc_architectures(str(tmp_path / "missing")) == [] and nb.nvcc_architectures(None) == []
+    assert nb.cuda_architectures([(9, 0)], None) == "90"
 
 
 def test_nvcc_is_looked_for_where_cmake_looks(nb, tmp_path):
@@ -95,17 +140,19 @@ def test_nvcc_is_looked_for_where_cmake_looks(nb, tmp_path):
         assert nb.find_nvcc({"PATH": empty}) is None
 
 
-def test_the_gpu_count_is_nvmls(nb):
-    """Counted through the driver's NVML library with ctypes (a build environment has no
-    nvidia-ml-py); checked against nvidia-ml-py's own count (0 where there is no driver)."""
-    pynvml = pytest.importorskip("pynvml")
+def test_the_gpus_are_nvmls(nb):
+    """Read through the driver's NVML library with ctypes (a build environment has no
+    nvidia-ml-py); checked against nvidia-ml-py's own reading (none where there is no driver)."""
+    import pynvml  # nvidia-ml-py, a dependency of nanoq
+
     try:
         pynvml.nvmlInit()
-        expected = pynvml.nvmlDeviceGetCount()
+        expected = [pynvml.nvmlDeviceGetCudaComputeCapability(pynvml.nvmlDeviceGetHandleByIndex(i))
+                    for i in range(pynvml.nvmlDeviceGetCount())]
         pynvml.nvmlShutdown()
     except pynvml.NVMLError:
-        expected = 0
-    assert nb.nvml_gpu_count() == expected
+        expected = []
+    assert nb.nvml_gpus() == [tuple(c) for c in expected]
 
 
 # -- requirements --------------------------------------------------------------------------
@@ -191,7 +238,8 @@ class FakeSkb:
         self.builds = []
 
     def build_wheel(self, wheel_directory, config_settings=None, metadata_directory=None):
-        self.builds.append({k: os.environ.get(k) for k in ("NANOQ_CUDA", "NANOQ_CUDA_NOTE", "CUDACXX")})
+        self.builds.append({k: os.environ.get(k) for k in ("NANOQ_CUDA", "NANOQ_CUDA_NOTE", "CUDACXX",
+                                                           "NANOQ_GPU_ARCHITECTURES")})
         cuda = os.environ["NANOQ_CUDA"] == "ON"
         if self.cuda_fails and cuda and self.how == "error":
             raise SystemExit("CMake configuration failed")
@@ -202,13 +250,65 @@ def test_a_cuda_build_depends_on_the_cuda_extra(nb, monkeypatch, tmp_path):
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("NANOQ_CUDA", "ON")
     monkeypatch.delenv("CUDACXX", raising=False)
+    monkeypatch.setattr(nb, "nvml_gpus", lambda: [])
     skb = FakeSkb(cuda_fails=False)
     monkeypatch.setattr(nb, "_skb", skb)
     name = nb.build_wheel(str(tmp_path))
-    assert skb.builds == [{"NANOQ_CUDA": "ON", "NANOQ_CUDA_NOTE": "", "CUDACXX": None}]
+    assert skb.builds == [{"NANOQ_CUDA": "ON", "NANOQ_CUDA_NOTE": "", "CUDACXX": None,
+                           "NANOQ_GPU_ARCHITECTURES": ""}]  # no GPU: cmake's default architectures
     requires = read_wheel(tmp_path / name)[0].get_all("Requires-Dist")
     assert requires[:2] == ["numpy>=1.24", 'cupy-cuda13x; extra == "cuda"'] and requires[2:] == nb.cuda_extra()
     assert os.environ["NANOQ_CUDA"] == "ON" and "NANOQ_CUDA_NOTE" not in os.environ  # restored
+
+
+@pytest.mark.parametrize("auto", [True, False], ids=["auto", "on"])
+def test_a_cuda_build_is_for_the_gpus_seen(nb, monkeypatch, tmp_path, auto):
+    """NANOQ_GPU_ARCHITECTURES (cmake/cuda_architectures.cmake's second choice), from the
+    GPUs NVML reports and nvcc's list, under AUTO and under ON alike; none for a cpu build."""
+    monkeypatch.chdir(ROOT)
+    nvcc = fake_nvcc(tmp_path / "toolkit")
+    monkeypatch.setenv("PATH", str(tmp_path / "toolkit") + os.pathsep + os.environ["PATH"])
+    monkeypatch.delenv("CUDACXX", raising=False)
+    monkeypatch.setenv("NANOQ_CUDA", "AUTO" if auto else "ON")
+    monkeypatch.setattr(nb, "nvml_gpus", lambda: [(9, 0), (8, 6)])
+    skb = FakeSkb(cuda_fails=False)
+    monkeypatch.setattr(nb, "_skb", skb)
+    (tmp_path / "out").mkdir()
+    nb.build_wheel(str(tmp_path / "out"))
+    assert skb.builds[0]["NANOQ_GPU_ARCHITECTURES"] == "86;90"
+    assert skb.builds[0]["CUDACXX"] == (nvcc if auto else None)
+    assert "NANOQ_GPU_ARCHITECTURES" not in os.environ  # restored
+    monkeypatch.setenv("NANOQ_CUDA", "OFF")
+    nb.build_wheel(str(tmp_path / "out"))
+    assert skb.builds[1]["NANOQ_CUDA"] == "OFF" and skb.builds[1]["NANOQ_GPU_ARCHITECTURES"] is None
+
+
+CMAKE_ARCHITECTURES = ROOT / "cmake" / "cuda_architectures.cmake"
+
+
+def cmake_architectures(tmp_path, defines=(), environ=None) -> str:
+    """What cmake/cuda_architectures.cmake leaves in CMAKE_CUDA_ARCHITECTURES, run by cmake
+    in script mode ("<cmake's>" where it leaves the choice to CMake)."""
+    cmake = shutil.which("cmake")
+    assert cmake, "cmake is in the test extra (pip install '.[test]')"
+    script = tmp_path / "print.cmake"
+    script.write_text(f'include("{CMAKE_ARCHITECTURES.as_posix()}")\n'
+                      'if(DEFINED CMAKE_CUDA_ARCHITECTURES)\n  message(NOTICE "${CMAKE_CUDA_ARCHITECTURES}")\n'
+                      'else()\n  message(NOTICE "<cmake\'s>")\nendif()\n')
+    env = {k: v for k, v in os.environ.items() if k != "CUDAARCHS"}
+    env.update(environ or {})
+    out = subprocess.run([cmake, *[f"-D{d}" for d in defines], "-P", str(script)], env=env, capture_output=True,
+                         text=True, check=True)
+    return out.stderr.strip()
+
+
+def test_cmake_builds_for_the_gpus_seen_unless_told_otherwise(tmp_path):
+    assert cmake_architectures(tmp_path) == "80;90"  # no GPU seen: A100, H100/H200
+    assert cmake_architectures(tmp_path, ["NANOQ_GPU_ARCHITECTURES="]) == "80;90"
+    assert cmake_architectures(tmp_path, ["NANOQ_GPU_ARCHITECTURES=89;120"]) == "89;120"
+    # The builder's own choice wins: -DCMAKE_CUDA_ARCHITECTURES (CMAKE_ARGS) and $CUDAARCHS.
+    assert cmake_architectures(tmp_path, ["NANOQ_GPU_ARCHITECTURES=90", "CMAKE_CUDA_ARCHITECTURES=100"]) == "100"
+    assert cmake_architectures(tmp_path, ["NANOQ_GPU_ARCHITECTURES=90"], {"CUDAARCHS": "86"}) == "<cmake's>"
 
 
 def test_an_auto_cuda_build_that_fails_builds_without_it_and_says_why(nb, monkeypatch, tmp_path):
@@ -258,25 +358,41 @@ def test_this_install_says_why_it_has_no_cuda_backend():
 
 FAKE_NVML = """
 static int fail_init = FAIL_INIT;
+static const int capability[3][2] = {{8, 0}, {9, 0}, {12, 0}};
 int nvmlInit_v2(void) { return fail_init ? 9 : 0; }  /* 9: NVML_ERROR_DRIVER_NOT_LOADED */
 int nvmlDeviceGetCount_v2(unsigned *count) { *count = 3; return 0; }
 int nvmlShutdown(void) { return 0; }
+#if CAPABILITIES
+int nvmlDeviceGetHandleByIndex_v2(unsigned index, void **device) {
+    if (index >= 3) return 2;  /* NVML_ERROR_INVALID_ARGUMENT */
+    *device = (void *)capability[index];
+    return 0;
+}
+int nvmlDeviceGetCudaComputeCapability(void *device, int *major, int *minor) {
+    *major = ((const int *)device)[0];
+    *minor = ((const int *)device)[1];
+    return 0;
+}
+#endif
 """
 
 
-@pytest.mark.parametrize("fail_init,expected", [(0, 3), (1, 0)], ids=["three-gpus", "no-driver"])
-def test_the_gpu_count_reads_the_drivers_library(tmp_path, fail_init, expected):
-    """nvml_gpu_count on a stand-in libnvidia-ml.so.1 (three GPUs; a driver that does not
-    load), found as the real one is, by the dynamic loader."""
+@pytest.mark.parametrize("fail_init,capabilities,expected",
+                         [(0, 1, [(8, 0), (9, 0), (12, 0)]), (0, 0, [None] * 3), (1, 1, [])],
+                         ids=["three-gpus", "no-capabilities", "no-driver"])
+def test_the_gpus_are_read_from_the_drivers_library(tmp_path, fail_init, capabilities, expected):
+    """nvml_gpus on a stand-in libnvidia-ml.so.1 (three GPUs of compute capability 8.0, 9.0
+    and 12.0; a driver without the capability's entry points; one that does not load),
+    found as the real one is, by the dynamic loader."""
     compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("g++")
     assert compiler, "this test compiles a stand-in NVML library: it needs a C compiler (cc, gcc or g++)"
     source = tmp_path / "nvml.c"
-    source.write_text(FAKE_NVML.replace("FAIL_INIT", str(fail_init)))
+    source.write_text(FAKE_NVML.replace("FAIL_INIT", str(fail_init)).replace("CAPABILITIES", str(capabilities)))
     subprocess.run([compiler, "-x", "c", "-shared", "-fPIC", "-o", str(tmp_path / "libnvidia-ml.so.1"), str(source)],
                    check=True)
     env = dict(os.environ, LD_LIBRARY_PATH=str(tmp_path))
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import nanoq_build; "
-            "print(nanoq_build.nvml_gpu_count())")
+            "print(nanoq_build.nvml_gpus())")
     out = subprocess.run([sys.executable, "-c", code, str(ROOT / "build_backend")], env=env, capture_output=True,
                          text=True, check=True)
     assert out.stdout.strip() == str(expected)
@@ -319,8 +435,9 @@ def test_a_patched_wheel_keeps_its_entries_and_mode(nb, tmp_path):
 
 @pytest.mark.gpu
 def test_auto_builds_the_cuda_backend_on_a_gpu_machine(nb):
-    """Where a GPU is (bench/gpu_check.sh runs the gpu tests): NVML's count through ctypes is
-    nvidia-ml-py's, and a plain `pip install .` would build the cuda backend with this nvcc."""
+    """Where a GPU is (bench/gpu_check.sh runs the gpu tests): NVML's GPUs through ctypes are
+    nvidia-ml-py's, and a plain `pip install .` would build the cuda backend with this nvcc, for
+    these GPUs."""
     from conftest import nvidia_gpu_present
 
     if not nvidia_gpu_present():
@@ -329,9 +446,13 @@ def test_auto_builds_the_cuda_backend_on_a_gpu_machine(nb):
 
     pynvml.nvmlInit()
     try:
-        assert nb.nvml_gpu_count() == pynvml.nvmlDeviceGetCount() > 0
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        assert nb.nvml_gpus() == [tuple(pynvml.nvmlDeviceGetCudaComputeCapability(h)) for h in handles] != []
     finally:
         pynvml.nvmlShutdown()
     environ = {k: v for k, v in os.environ.items() if k != "NANOQ_CUDA"}
     choice = nb.cuda_choice(environ)
     assert choice.build == (nb.find_nvcc(environ) is not None), choice
+    if choice.build:  # for these GPUs (an H100 or H200: "90")
+        assert nb.cuda_architectures(choice.gpus, choice.nvcc) == ";".join(
+            sorted({f"{major}{minor}" for major, minor in choice.gpus}, key=int)), choice

@@ -314,8 +314,32 @@ std::vector<ScratchBuffer> CudaBackend::scratch_plan(const ScratchShapes& s, boo
     return plan;
 }
 
+namespace {
+
+// A build has code for the GPUs of the architectures it was built for
+// (cmake/cuda_backend.cmake) and, through their PTX, for newer ones. On an
+// older GPU every kernel launch would fail with "no kernel image": say so
+// before any work, with how to build for it.
+void check_kernel_image(int device) {
+    const cudaError_t status = kernel_image_status();
+    if (status == cudaSuccess) return;
+    if (status != cudaErrorNoKernelImageForDevice) NANOQ_CUDA_CHECK(status);
+    int major = 0, minor = 0;
+    NANOQ_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    NANOQ_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    const std::string arch = std::to_string(major) + std::to_string(minor);
+    throw NanoqError("this cuda backend has no code for device " + std::to_string(device) +
+                     " (compute capability " + std::to_string(major) + "." + std::to_string(minor) +
+                     "): it was built for CUDA architectures " + NANOQ_CUDA_ARCHITECTURES +
+                     ". Reinstall it on this machine (pip install . builds for the GPUs it sees), or build it "
+                     "for this GPU: CMAKE_ARGS=\"-DCMAKE_CUDA_ARCHITECTURES=" + arch + "\" NANOQ_CUDA=ON pip install .");
+}
+
+}  // namespace
+
 CudaBackend::CudaBackend(int device) : device_(device) {
     NANOQ_CUDA_CHECK(cudaSetDevice(device));
+    check_kernel_image(device);
     NANOQ_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     NANOQ_CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming));
     for (cudaEvent_t& event : batch_ready_) NANOQ_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));

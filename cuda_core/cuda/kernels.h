@@ -23,6 +23,11 @@ namespace cuda {
 
 using bf16 = __nv_bfloat16;
 
+// Whether this build has code the current device can run: cudaSuccess, or
+// the runtime's error for a kernel (cudaErrorNoKernelImageForDevice where it
+// was built for other GPUs' architectures). Never leaves an error pending.
+cudaError_t kernel_image_status();
+
 // ---- elementwise (kernels_elementwise.cu) -------------------------------
 // T: float, bf16, or double (the statistics).
 template <class T> void fill(T* data, float value, std::int64_t n, cudaStream_t stream);

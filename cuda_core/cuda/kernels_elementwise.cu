@@ -64,6 +64,13 @@ template <class T> struct BiasGradTerm {
 
 }  // namespace
 
+cudaError_t kernel_image_status() {
+    cudaFuncAttributes attributes;
+    const cudaError_t status = cudaFuncGetAttributes(&attributes, fill_kernel<float>);
+    if (status != cudaSuccess) cudaGetLastError();
+    return status;
+}
+
 template <class T> void fill(T* data, float value, std::int64_t n, cudaStream_t stream) {
     if (n <= 0) return;
     detail::launch(fill_kernel<T>, detail::grid_stride_blocks(n, kThreads), kThreads, 0, stream, data, value, n);

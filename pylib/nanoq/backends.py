@@ -148,6 +148,18 @@ def cuda_build_note() -> str:
         return ""
 
 
+def cuda_architectures() -> str:
+    """The CUDA architectures this install's cuda backend was compiled for,
+    as its build recorded them (cmake/cuda_architectures.cmake), e.g. "90"
+    or "80,90"; "" without a cuda backend. A GPU runs it when one of them is
+    at or below its compute capability."""
+    try:
+        with open(os.path.join(os.path.dirname(__file__), "cuda_architectures.txt"), encoding="utf-8") as f:
+            return f.read().strip() if _core.backend_built("cuda") else ""
+    except FileNotFoundError:
+        return ""
+
+
 def _cuda_not_built_why() -> str:
     return cuda_build_note() or "NANOQ_CUDA=ON builds it"
 
@@ -202,6 +214,8 @@ def backends() -> list[dict]:
                 entry["detail"] = NO_GPU
             elif entry["devices"]:
                 entry["detail"] = ", ".join(gpu_names())
+            if name == "cuda" and cuda_architectures():
+                entry["detail"] += f"; built for CUDA architectures {cuda_architectures()}"
             if name in CUDA_BACKENDS:
                 entry["detail"] += "; " + attention_detail(name)
         report.append(entry)

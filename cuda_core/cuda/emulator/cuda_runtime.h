@@ -14,6 +14,7 @@ enum cudaError_t : int {
     cudaErrorMemoryAllocation = 2,
     cudaErrorInvalidConfiguration = 9,
     cudaErrorInvalidDevice = 101,
+    cudaErrorNoKernelImageForDevice = 209,
     cudaErrorInvalidResourceHandle = 400,
     cudaErrorIllegalState = 401,
     cudaErrorNotReady = 600,
@@ -49,7 +50,8 @@ constexpr unsigned int cudaHostAllocDefault = 0x0;
 #define cudaStreamLegacy (reinterpret_cast<cudaStream_t>(0x1))
 #define cudaStreamPerThread (reinterpret_cast<cudaStream_t>(0x2))
 
-// The attributes nanoq asks for; the emulated devices are of compute capability 9.0 (Hopper).
+// The attributes nanoq asks for. The emulated devices are of compute
+// capability 9.0 (Hopper), or NANOQ_EMU_COMPUTE_CAPABILITY ("8.0", "10.0", ...).
 enum cudaDeviceAttr : int { cudaDevAttrComputeCapabilityMajor = 75, cudaDevAttrComputeCapabilityMinor = 76 };
 
 cudaError_t cudaGetDeviceCount(int* count);
@@ -61,6 +63,21 @@ cudaError_t cudaGetLastError();
 cudaError_t cudaPeekAtLastError();
 const char* cudaGetErrorString(cudaError_t error);
 const char* cudaGetErrorName(cudaError_t error);
+
+// A kernel's attributes (none that nanoq reads). As on a GPU, it fails with
+// cudaErrorNoKernelImageForDevice where the build has no code the current
+// device can run: the emulated code counts as built for the architectures
+// NANOQ_CUDA_ARCHITECTURES names (cmake/cuda_emulator.cmake), and a kernel
+// launch fails the same way.
+struct cudaFuncAttributes {
+    int maxThreadsPerBlock = 1024;
+};
+namespace nanoq_emu {
+cudaError_t func_attributes(cudaFuncAttributes* attributes);
+}
+template <class T> inline cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attributes, T* /*entry*/) {
+    return nanoq_emu::func_attributes(attributes);
+}
 
 cudaError_t cudaMalloc(void** pointer, std::size_t bytes);
 template <class T> inline cudaError_t cudaMalloc(T** pointer, std::size_t bytes) {

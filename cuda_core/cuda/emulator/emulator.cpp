@@ -822,6 +822,39 @@ cudaError_t launch_error(cudaError_t code, const std::string& message) {
     return report(code, message);
 }
 
+// ---- compute capability and the build's architectures -------------------------------
+// The emulated devices' compute capability, 10 * major + minor: 90 (Hopper),
+// or NANOQ_EMU_COMPUTE_CAPABILITY ("8.0", "10.0", ...), read at each call.
+int compute_capability() {
+    const char* text = std::getenv("NANOQ_EMU_COMPUTE_CAPABILITY");
+    if (!text || !*text) return 90;
+    int major = 0, minor = 0;
+    char tail = 0;
+    if (std::sscanf(text, "%d.%d%c", &major, &minor, &tail) != 2 || major < 1 || minor < 0 || minor > 9) {
+        std::fprintf(stderr, "nanoq emulator: ignoring NANOQ_EMU_COMPUTE_CAPABILITY=%s (not MAJOR.MINOR)\n", text);
+        return 90;
+    }
+    return 10 * major + minor;
+}
+
+// Whether the emulated build has code that the devices can run, by CUDA's
+// rule for architectures built as "XY" (sm_XY code, which runs on XY up to
+// the next major version, and compute_XY PTX, which the driver compiles for
+// any newer GPU): one of NANOQ_CUDA_ARCHITECTURES ("90", "80,90") at or
+// below the device's capability. "" when it has, else why not.
+std::string missing_kernel_image() {
+    const int device = compute_capability();
+    const std::string built = NANOQ_CUDA_ARCHITECTURES;
+    std::size_t at = 0;
+    while (at < built.size()) {
+        const std::size_t comma = std::min(built.find(',', at), built.size());
+        if (std::atoi(built.substr(at, comma - at).c_str()) <= device) return "";
+        at = comma + 1;
+    }
+    return "no kernel image for a device of compute capability " + std::to_string(device / 10) + "." +
+           std::to_string(device % 10) + " (the emulated build is for CUDA architectures " + built + ")";
+}
+
 // ---- injected device loss (nanoq_emu_lose_device, for tests) -----------------------
 // A GPU can fail for good in the middle of work (an Xid: a fatal fault, the
 // device falling off the bus): its context is lost, every later operation on
@@ -1298,6 +1331,11 @@ void launch_grid(const GridArg& grid, dim3 block, std::size_t dynamic_shared_byt
                                                 " bytes of dynamic shared memory for the kernel launched at " + site);
         return;
     }
+    const std::string no_image = missing_kernel_image();
+    if (!no_image.empty()) {
+        launch_error(cudaErrorNoKernelImageForDevice, no_image + ": the kernel launched at " + site);
+        return;
+    }
     cudaStream_t s = resolve(stream);
     auto launch = std::make_shared<Launch>(Launch{grid, block, dynamic_shared_bytes, std::move(body), 0});
     {
@@ -1326,10 +1364,16 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int dev
     if (device < 0 || device >= nanoq_emu::device_count())
         return report(cudaErrorInvalidDevice, "invalid device ordinal " + std::to_string(device));
     switch (attribute) {
-        case cudaDevAttrComputeCapabilityMajor: *value = 9; return cudaSuccess;
-        case cudaDevAttrComputeCapabilityMinor: *value = 0; return cudaSuccess;
+        case cudaDevAttrComputeCapabilityMajor: *value = nanoq_emu::compute_capability() / 10; return cudaSuccess;
+        case cudaDevAttrComputeCapabilityMinor: *value = nanoq_emu::compute_capability() % 10; return cudaSuccess;
     }
     return report(cudaErrorInvalidValue, "cudaDeviceGetAttribute of an attribute the emulator does not know");
+}
+
+cudaError_t nanoq_emu::func_attributes(cudaFuncAttributes* attributes) {
+    *attributes = cudaFuncAttributes{};
+    const std::string no_image = missing_kernel_image();
+    return no_image.empty() ? cudaSuccess : report(cudaErrorNoKernelImageForDevice, no_image);
 }
 
 cudaError_t cudaSetDevice(int device) {
@@ -1378,6 +1422,7 @@ const char* cudaGetErrorName(cudaError_t error) {
         case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
         case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
         case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+        case cudaErrorNoKernelImageForDevice: return "cudaErrorNoKernelImageForDevice";
         case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
         case cudaErrorNotReady: return "cudaErrorNotReady";
         case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
