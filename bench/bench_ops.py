@@ -37,7 +37,8 @@ PyTorch runs SDPA, with a boolean document mask for the ``-documents`` cases.
     python bench/bench_ops.py --smoke --backend cuda_emulated   # tiny shapes, no GPU needed: the plumbing
 
 Exit status: 0 when every case ran, 1 when one failed (recorded, the others
-still run), 2 when --backend cuda is asked for and no GPU is visible.
+still run), 3 when none failed but --time-limit skipped some (bench_gpu.py's
+EXIT_PARTIAL), 2 when --backend cuda is asked for and no GPU is visible.
 """
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ import os
 import sys
 import time
 import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_gpu import exit_status  # noqa: E402 - beside this file; one rule for both benchmarks' exit status
 
 # Qwen2.5-0.5B at B=8, T=1024.
 QWEN25_05B = dict(batch=8, time=1024, channels=896, heads=14, kv_heads=2, head_dim=64, intermediate=4864,
@@ -934,7 +938,7 @@ def main(argv=None) -> int:
                  + (f"; failed or skipped: {', '.join(r['case'] for r in failed)}" if failed else ""))
     print(lines[-1])
     write_outputs(args.out, report(args, gpu, rows), "\n".join(lines))
-    return 1 if failed else 0
+    return exit_status(rows)
 
 
 def report(args, gpu: str, rows: list) -> dict:

@@ -242,12 +242,35 @@ def test_the_time_limit_skips_what_does_not_fit(bench_gpu, tmp_path, monkeypatch
     monkeypatch.setattr(bench_gpu, "run_worker", fake_worker)
     monkeypatch.setattr(bench_gpu, "MIN_BUDGET", 29.9)
     assert bench_gpu.main(["--matmul-dtype", "bf16", "fp8", "--budget", "100", "--time-limit", "30",
-                           "--out", str(tmp_path)]) == 1
+                           "--out", str(tmp_path)]) == 1  # the first failed
     # The first trainer gets the 30 s left, not its 100; after it, less than 29.9 s is left.
     assert len(budgets) == 1 and 29.5 < budgets[0] <= 30
     report = json.loads((tmp_path / "bench_gpu.json").read_text())
     assert [r["result"]["error"] for r in report["runs"]] == ["not run (test)"] + [
         "skipped: the time limit of 30 s was reached"] * 2
+
+
+def test_the_exit_status_tells_a_partial_run_from_a_failed_one(bench_gpu):
+    ran = dict(ok=True)
+    failed = dict(ok=False, error="RuntimeError: CUDA error")
+    skipped = dict(ok=False, error="skipped: the time limit of 30 s was reached")
+    assert bench_gpu.exit_status([ran, ran]) == 0
+    assert bench_gpu.exit_status([ran, skipped]) == bench_gpu.EXIT_PARTIAL == 3
+    assert bench_gpu.exit_status([failed, skipped]) == 1
+    assert bench_gpu.exit_status([skipped, failed, ran]) == 1
+
+
+def test_gpu_check_reports_a_partial_benchmark_as_passed_partly(tmp_path):
+    """A step ending with the benchmarks' EXIT_PARTIAL reads "ok, partly" and does not fail
+    the check; any other non-zero status does."""
+    script = (ROOT / "bench" / "gpu_check.sh").read_text()
+    case = script[script.index('case $rc in'):script.index('esac')]
+    for rc, status in ((0, "ok"), (3, "ok, partly: its time limit skipped some configurations or cases"),
+                       (1, "failed (rc 1)"), (124, "timed out after 60s")):
+        out = subprocess.run(["bash", "-c", f"rc={rc}; limit=60; declare -A STATUS; name=x; {case} esac; "
+                              'echo "${STATUS[x]}"'], capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == status, (rc, out.stdout)
+    assert "3) " in case and f"EXIT_PARTIAL" in case
 
 
 def test_a_nanoq_run_that_fails_with_cuda_graphs_runs_again_without_them(bench_gpu, monkeypatch):
