@@ -13,7 +13,7 @@ every machine alike. This module
   ``OFF`` does not, and unset or ``AUTO`` builds it when NVML sees a GPU the
   backend supports (compute capability 8.0 or newer) and an ``nvcc`` is found;
 - builds it for the GPUs NVML sees (``cuda_architectures``: their compute
-  capabilities, as ``NANOQ_GPU_ARCHITECTURES`` for cmake/cuda_backend.cmake,
+  capabilities, as ``NANOQ_GPU_ARCHITECTURES`` for cmake/cuda_architectures.cmake,
   where ``CMAKE_CUDA_ARCHITECTURES`` or ``$CUDAARCHS`` still win), so that a
   GPU gets code compiled for it and the build compiles no more than it needs;
 - adds the nvidia wheels the build compiles against to the build requirements
@@ -175,7 +175,7 @@ def nvcc_architectures(nvcc: Optional[str]) -> list[int]:
 def cuda_architectures(gpus, nvcc: Optional[str]) -> str:
     """CUDA architectures for the GPUs seen (NANOQ_GPU_ARCHITECTURES, e.g. "90" or "80;90"):
     each supported GPU's compute capability, or nvcc's newest where the GPU is newer than nvcc
-    knows (the driver compiles that one's PTX for it). "" (cmake/cuda_backend.cmake's default)
+    knows (the driver compiles that one's PTX for it). "" (cmake/cuda_architectures.cmake's default)
     without GPUs, or with one whose capability is unknown."""
     if not gpus or any(g is None for g in gpus):
         return ""

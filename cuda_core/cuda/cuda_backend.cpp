@@ -317,7 +317,7 @@ std::vector<ScratchBuffer> CudaBackend::scratch_plan(const ScratchShapes& s, boo
 namespace {
 
 // A build has code for the GPUs of the architectures it was built for
-// (cmake/cuda_backend.cmake) and, through their PTX, for newer ones. On an
+// (cmake/cuda_architectures.cmake) and, through their PTX, for newer ones. On an
 // older GPU every kernel launch would fail with "no kernel image": say so
 // before any work, with how to build for it.
 void check_kernel_image(int device) {
