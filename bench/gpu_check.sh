@@ -185,7 +185,9 @@ EOF
 build() {
     command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
     # scikit-build-core appends $CMAKE_ARGS to the CMake configure command;
-    # one architecture (sm_90, H100/H200) halves the nvcc time. The CUDA
+    # one architecture (sm_90, H100/H200) halves the nvcc time, and, named,
+    # the build backend asks NVML nothing (its reading is the environment
+    # step's and the tests' to check, not the build's to depend on). The CUDA
     # emulator (its tests run in CI, not here) is left out: nothing the GPU
     # check runs needs it, and it is one build step fewer that could fail.
     local target=()

@@ -194,6 +194,16 @@ def cuda_architectures(gpus, nvcc: Optional[str]) -> str:
     return ";".join(str(a) for a in sorted(chosen))
 
 
+def architectures_named(environ: Mapping[str, str], config_settings=None) -> bool:
+    """Whether the builder named the CUDA architectures, which then win over the GPUs seen
+    (cmake/cuda_architectures.cmake): $CUDAARCHS, or CMAKE_CUDA_ARCHITECTURES in $CMAKE_ARGS or in
+    pip's --config-settings (cmake.define.CMAKE_CUDA_ARCHITECTURES, cmake.args). Then NVML is
+    not asked."""
+    settings = " ".join(f"{k}={v}" for k, v in (config_settings or {}).items())
+    return bool(environ.get("CUDAARCHS")) or any("CMAKE_CUDA_ARCHITECTURES" in text
+                                                 for text in (environ.get("CMAKE_ARGS", ""), settings))
+
+
 def cuda_extra(pyproject: str = "pyproject.toml") -> list[str]:
     """The ``cuda`` extra of pyproject.toml: the cuda backend's run-time dependencies."""
     with open(pyproject, "rb") as f:
@@ -269,14 +279,17 @@ def _build(hook, wheel_directory: str, config_settings) -> str:
         # without skbuild's defines (NANOQ_CUDA among them): a cpu build that looks like a
         # success. A different $CUDACXX is refused by cmake/cuda_backend.cmake instead.
         values["CUDACXX"] = choice.nvcc
-    if choice.build:
+    if choice.build and architectures_named(os.environ, config_settings):
+        values["NANOQ_GPU_ARCHITECTURES"] = ""
+        _say("CUDA architectures: as CMAKE_CUDA_ARCHITECTURES or $CUDAARCHS name them")
+    elif choice.build:
         # For the GPUs seen (ON looks too: it decides whether to build, not for what).
         architectures = cuda_architectures(choice.gpus if choice.auto else nvml_gpus(),
                                            choice.nvcc or find_nvcc(os.environ))
         values["NANOQ_GPU_ARCHITECTURES"] = architectures
         _say("CUDA architectures: " + (f"{architectures}, the GPUs seen" if architectures else
                                        "cmake/cuda_architectures.cmake's default (no GPU of known compute capability "
-                                       "was seen)") + "; CMAKE_CUDA_ARCHITECTURES or $CUDAARCHS, where set, win")
+                                       "was seen)"))
     try:
         with _environ(values):
             name = hook(wheel_directory, config_settings, None)

@@ -268,7 +268,8 @@ def test_a_cuda_build_is_for_the_gpus_seen(nb, monkeypatch, tmp_path, auto):
     monkeypatch.chdir(ROOT)
     nvcc = fake_nvcc(tmp_path / "toolkit")
     monkeypatch.setenv("PATH", str(tmp_path / "toolkit") + os.pathsep + os.environ["PATH"])
-    monkeypatch.delenv("CUDACXX", raising=False)
+    for name in ("CUDACXX", "CMAKE_ARGS", "CUDAARCHS"):  # the builder names none
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("NANOQ_CUDA", "AUTO" if auto else "ON")
     monkeypatch.setattr(nb, "nvml_gpus", lambda: [(9, 0), (8, 6)])
     skb = FakeSkb(cuda_fails=False)
@@ -281,6 +282,29 @@ def test_a_cuda_build_is_for_the_gpus_seen(nb, monkeypatch, tmp_path, auto):
     monkeypatch.setenv("NANOQ_CUDA", "OFF")
     nb.build_wheel(str(tmp_path / "out"))
     assert skb.builds[1]["NANOQ_CUDA"] == "OFF" and skb.builds[1]["NANOQ_GPU_ARCHITECTURES"] is None
+
+
+@pytest.mark.parametrize("how", ["CMAKE_ARGS", "CUDAARCHS", "config-settings"])
+def test_architectures_the_builder_names_are_not_looked_up(nb, monkeypatch, tmp_path, how):
+    """They win in cmake/cuda_architectures.cmake anyway: NVML is not asked (bench/gpu_check.sh
+    names 90, so its build never depends on reading the driver)."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("NANOQ_CUDA", "ON")
+    for name in ("CMAKE_ARGS", "CUDAARCHS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(nb, "nvml_gpus", lambda: pytest.fail("named architectures need no GPU list"))
+    settings = None
+    if how == "CMAKE_ARGS":
+        monkeypatch.setenv("CMAKE_ARGS", "-DCMAKE_CUDA_ARCHITECTURES=90 -DNANOQ_CUDA_EMULATOR=OFF")
+    elif how == "CUDAARCHS":
+        monkeypatch.setenv("CUDAARCHS", "90")
+    else:
+        settings = {"cmake.define.CMAKE_CUDA_ARCHITECTURES": "90"}
+    skb = FakeSkb(cuda_fails=False)
+    monkeypatch.setattr(nb, "_skb", skb)
+    nb.build_wheel(str(tmp_path), settings)
+    assert skb.builds[0]["NANOQ_CUDA"] == "ON" and skb.builds[0]["NANOQ_GPU_ARCHITECTURES"] == ""
+    assert not nb.architectures_named({"CMAKE_ARGS": "-DNANOQ_CUDA_EMULATOR=OFF"}, {"cmake.verbose": "true"})
 
 
 CMAKE_ARCHITECTURES = ROOT / "cmake" / "cuda_architectures.cmake"
