@@ -88,8 +88,9 @@ as skipped. With ``--out`` (default: $OUT when set) it writes
 bench_gpu.json and bench_gpu.txt there, again after every configuration,
 so that a run stopped from outside keeps what it finished. A trainer that
 fails (exception, crash, hang) is recorded as failed and the others still
-run; the exit status is 1 when any failed, 3 (EXIT_PARTIAL) when none
-failed but the time limit skipped some, 2 when no GPU is visible.
+run; the exit status is 1 when any failed (or none ran), 3 (EXIT_PARTIAL)
+when some ran, none failed and the time limit skipped the rest, 2 when no
+GPU is visible.
 """
 from __future__ import annotations
 
@@ -980,9 +981,9 @@ def skipped_for_time(result: dict) -> bool:
 
 
 def exit_status(results: list) -> int:
-    """0 when everything ran, EXIT_PARTIAL when the rest was only left out by the time limit, 1
-    when something failed."""
-    if any(not r["ok"] and not skipped_for_time(r) for r in results):
+    """0 when everything ran; EXIT_PARTIAL when some ran and the rest was only left out by the
+    time limit; 1 when something failed, or nothing ran."""
+    if any(not r["ok"] and not skipped_for_time(r) for r in results) or not any(r["ok"] for r in results):
         return 1
     return EXIT_PARTIAL if any(skipped_for_time(r) for r in results) else 0
 

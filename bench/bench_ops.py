@@ -37,8 +37,9 @@ PyTorch runs SDPA, with a boolean document mask for the ``-documents`` cases.
     python bench/bench_ops.py --smoke --backend cuda_emulated   # tiny shapes, no GPU needed: the plumbing
 
 Exit status: 0 when every case ran, 1 when one failed (recorded, the others
-still run), 3 when none failed but --time-limit skipped some (bench_gpu.py's
-EXIT_PARTIAL), 2 when --backend cuda is asked for and no GPU is visible.
+still run) or none ran, 3 when some ran, none failed and --time-limit skipped
+the rest (bench_gpu.py's EXIT_PARTIAL), 2 when --backend cuda is asked for and
+no GPU is visible.
 """
 from __future__ import annotations
 

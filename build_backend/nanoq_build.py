@@ -196,12 +196,14 @@ def cuda_architectures(gpus, nvcc: Optional[str]) -> str:
 
 def architectures_named(environ: Mapping[str, str], config_settings=None) -> bool:
     """Whether the builder named the CUDA architectures, which then win over the GPUs seen
-    (cmake/cuda_architectures.cmake): $CUDAARCHS, or CMAKE_CUDA_ARCHITECTURES in $CMAKE_ARGS or in
-    pip's --config-settings (cmake.define.CMAKE_CUDA_ARCHITECTURES, cmake.args). Then NVML is
-    not asked."""
+    (cmake/cuda_architectures.cmake): $CUDAARCHS, or CMAKE_CUDA_ARCHITECTURES in $CMAKE_ARGS,
+    scikit-build-core's $SKBUILD_CMAKE_ARGS / $SKBUILD_CMAKE_DEFINE, or pip's --config-settings
+    (cmake.define.CMAKE_CUDA_ARCHITECTURES, cmake.args). Then the build does not ask NVML for
+    them (an AUTO choice still counts the GPUs); else CMake forgets a value an earlier build
+    left in its cache."""
     settings = " ".join(f"{k}={v}" for k, v in (config_settings or {}).items())
-    return bool(environ.get("CUDAARCHS")) or any("CMAKE_CUDA_ARCHITECTURES" in text
-                                                 for text in (environ.get("CMAKE_ARGS", ""), settings))
+    texts = [environ.get(name, "") for name in ("CMAKE_ARGS", "SKBUILD_CMAKE_ARGS", "SKBUILD_CMAKE_DEFINE")]
+    return bool(environ.get("CUDAARCHS")) or any("CMAKE_CUDA_ARCHITECTURES" in text for text in texts + [settings])
 
 
 def cuda_extra(pyproject: str = "pyproject.toml") -> list[str]:
@@ -280,16 +282,16 @@ def _build(hook, wheel_directory: str, config_settings) -> str:
         # success. A different $CUDACXX is refused by cmake/cuda_backend.cmake instead.
         values["CUDACXX"] = choice.nvcc
     if choice.build and architectures_named(os.environ, config_settings):
-        values["NANOQ_GPU_ARCHITECTURES"] = ""
+        values.update(NANOQ_GPU_ARCHITECTURES="", NANOQ_ARCHITECTURES_NAMED="ON")
         _say("CUDA architectures: as CMAKE_CUDA_ARCHITECTURES or $CUDAARCHS name them")
     elif choice.build:
         # For the GPUs seen (ON looks too: it decides whether to build, not for what).
         architectures = cuda_architectures(choice.gpus if choice.auto else nvml_gpus(),
                                            choice.nvcc or find_nvcc(os.environ))
-        values["NANOQ_GPU_ARCHITECTURES"] = architectures
+        values.update(NANOQ_GPU_ARCHITECTURES=architectures, NANOQ_ARCHITECTURES_NAMED="OFF")
         _say("CUDA architectures: " + (f"{architectures}, the GPUs seen" if architectures else
-                                       "cmake/cuda_architectures.cmake's default (no GPU of known compute capability "
-                                       "was seen)"))
+                                       "cmake/cuda_architectures.cmake's default (no supported GPU of known compute "
+                                       "capability was seen)"))
     try:
         with _environ(values):
             name = hook(wheel_directory, config_settings, None)

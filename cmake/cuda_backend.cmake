@@ -6,6 +6,7 @@
 # with --no-build-isolation; cuDNN too where its wheels are there (below).
 # The architectures: cmake/cuda_architectures.cmake.
 set(NANOQ_GPU_ARCHITECTURES "" CACHE STRING "CUDA architectures of the GPUs seen when building (set by the build backend)")
+set(NANOQ_ARCHITECTURES_NAMED "" CACHE STRING "ON/OFF: whether the builder named CUDA architectures (set by the build backend)")
 include(cmake/cuda_architectures.cmake)
 set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)
 # CMake reads $CUDACXX only while no CUDA compiler is in the build folder's
@@ -132,8 +133,10 @@ add_library(nanoq_cuda SHARED
 target_link_libraries(nanoq_cuda PRIVATE nanoq_core CUDA::cudart nanoq_cublaslt nanoq_nccl)
 # The architectures built: in the backend's error on a GPU it has no code
 # for, and in the package for nanoq.backends to say (nanoq info).
+# (cuda_backend.cpp only: nvcc would read the commas of a -D value as a list.)
 string(REPLACE ";" "," NANOQ_BUILT_ARCHITECTURES "${CMAKE_CUDA_ARCHITECTURES}")
-target_compile_definitions(nanoq_cuda PRIVATE NANOQ_CUDA_ARCHITECTURES="${NANOQ_BUILT_ARCHITECTURES}")
+set_property(SOURCE cuda_core/cuda/cuda_backend.cpp APPEND PROPERTY COMPILE_DEFINITIONS
+             "NANOQ_CUDA_ARCHITECTURES=\"${NANOQ_BUILT_ARCHITECTURES}\"")
 file(WRITE "${CMAKE_CURRENT_BINARY_DIR}/cuda_architectures.txt" "${NANOQ_BUILT_ARCHITECTURES}")
 install(FILES "${CMAKE_CURRENT_BINARY_DIR}/cuda_architectures.txt" DESTINATION nanoq)
 message(STATUS "nanoq: the cuda backend is built for CUDA architectures ${NANOQ_BUILT_ARCHITECTURES}")

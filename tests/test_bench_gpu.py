@@ -258,6 +258,7 @@ def test_the_exit_status_tells_a_partial_run_from_a_failed_one(bench_gpu):
     assert bench_gpu.exit_status([ran, skipped]) == bench_gpu.EXIT_PARTIAL == 3
     assert bench_gpu.exit_status([failed, skipped]) == 1
     assert bench_gpu.exit_status([skipped, failed, ran]) == 1
+    assert bench_gpu.exit_status([skipped, skipped]) == 1  # nothing measured is no partial success
 
 
 def test_gpu_check_reports_a_partial_benchmark_as_passed_partly(tmp_path):
@@ -265,11 +266,13 @@ def test_gpu_check_reports_a_partial_benchmark_as_passed_partly(tmp_path):
     the check; any other non-zero status does."""
     script = (ROOT / "bench" / "gpu_check.sh").read_text()
     case = script[script.index('case $rc in'):script.index('esac')]
-    for rc, status in ((0, "ok"), (3, "ok, partly: its time limit skipped some configurations or cases"),
-                       (1, "failed (rc 1)"), (124, "timed out after 60s")):
-        out = subprocess.run(["bash", "-c", f"rc={rc}; limit=60; declare -A STATUS; name=x; {case} esac; "
-                              'echo "${STATUS[x]}"'], capture_output=True, text=True, check=True)
-        assert out.stdout.strip() == status, (rc, out.stdout)
+    partly = "ok, partly: its time limit skipped some configurations or cases"
+    for name, rc, status in (("bench_0.5b", 0, "ok"), ("bench_0.5b", 3, partly), ("ops", 3, partly),
+                             ("bench_llmq", 1, "failed (rc 1)"), ("bench_1.5b", 124, "timed out after 60s"),
+                             ("tests", 3, "failed (rc 3)")):  # pytest's 3: an internal error
+        out = subprocess.run(["bash", "-c", f"rc={rc}; limit=60; declare -A STATUS; name={name}; {case} esac; "
+                              f'echo "${{STATUS[{name}]}}"'], capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == status, (name, rc, out.stdout)
     assert "3) " in case and f"EXIT_PARTIAL" in case
 
 

@@ -239,7 +239,7 @@ class FakeSkb:
 
     def build_wheel(self, wheel_directory, config_settings=None, metadata_directory=None):
         self.builds.append({k: os.environ.get(k) for k in ("NANOQ_CUDA", "NANOQ_CUDA_NOTE", "CUDACXX",
-                                                           "NANOQ_GPU_ARCHITECTURES")})
+                                                           "NANOQ_GPU_ARCHITECTURES", "NANOQ_ARCHITECTURES_NAMED")})
         cuda = os.environ["NANOQ_CUDA"] == "ON"
         if self.cuda_fails and cuda and self.how == "error":
             raise SystemExit("CMake configuration failed")
@@ -254,8 +254,8 @@ def test_a_cuda_build_depends_on_the_cuda_extra(nb, monkeypatch, tmp_path):
     skb = FakeSkb(cuda_fails=False)
     monkeypatch.setattr(nb, "_skb", skb)
     name = nb.build_wheel(str(tmp_path))
-    assert skb.builds == [{"NANOQ_CUDA": "ON", "NANOQ_CUDA_NOTE": "", "CUDACXX": None,
-                           "NANOQ_GPU_ARCHITECTURES": ""}]  # no GPU: cmake's default architectures
+    assert skb.builds == [{"NANOQ_CUDA": "ON", "NANOQ_CUDA_NOTE": "", "CUDACXX": None, "NANOQ_GPU_ARCHITECTURES": "",
+                           "NANOQ_ARCHITECTURES_NAMED": "OFF"}]  # no GPU: cmake's default architectures
     requires = read_wheel(tmp_path / name)[0].get_all("Requires-Dist")
     assert requires[:2] == ["numpy>=1.24", 'cupy-cuda13x; extra == "cuda"'] and requires[2:] == nb.cuda_extra()
     assert os.environ["NANOQ_CUDA"] == "ON" and "NANOQ_CUDA_NOTE" not in os.environ  # restored
@@ -276,7 +276,7 @@ def test_a_cuda_build_is_for_the_gpus_seen(nb, monkeypatch, tmp_path, auto):
     monkeypatch.setattr(nb, "_skb", skb)
     (tmp_path / "out").mkdir()
     nb.build_wheel(str(tmp_path / "out"))
-    assert skb.builds[0]["NANOQ_GPU_ARCHITECTURES"] == "86;90"
+    assert skb.builds[0]["NANOQ_GPU_ARCHITECTURES"] == "86;90" and skb.builds[0]["NANOQ_ARCHITECTURES_NAMED"] == "OFF"
     assert skb.builds[0]["CUDACXX"] == (nvcc if auto else None)
     assert "NANOQ_GPU_ARCHITECTURES" not in os.environ  # restored
     monkeypatch.setenv("NANOQ_CUDA", "OFF")
@@ -304,35 +304,53 @@ def test_architectures_the_builder_names_are_not_looked_up(nb, monkeypatch, tmp_
     monkeypatch.setattr(nb, "_skb", skb)
     nb.build_wheel(str(tmp_path), settings)
     assert skb.builds[0]["NANOQ_CUDA"] == "ON" and skb.builds[0]["NANOQ_GPU_ARCHITECTURES"] == ""
-    assert not nb.architectures_named({"CMAKE_ARGS": "-DNANOQ_CUDA_EMULATOR=OFF"}, {"cmake.verbose": "true"})
+    assert skb.builds[0]["NANOQ_ARCHITECTURES_NAMED"] == "ON"
+    assert not nb.architectures_named({"CMAKE_ARGS": "-DNANOQ_CUDA_EMULATOR=OFF", "CUDAARCHS": ""},
+                                      {"cmake.verbose": "true"})
+    assert nb.architectures_named({"SKBUILD_CMAKE_DEFINE": "CMAKE_CUDA_ARCHITECTURES=90"})
 
 
 CMAKE_ARCHITECTURES = ROOT / "cmake" / "cuda_architectures.cmake"
 
 
-def cmake_architectures(tmp_path, defines=(), environ=None) -> str:
-    """What cmake/cuda_architectures.cmake leaves in CMAKE_CUDA_ARCHITECTURES, run by cmake
-    in script mode ("<cmake's>" where it leaves the choice to CMake)."""
+def cmake_architectures(folder: Path, defines=(), environ=None) -> str:
+    """What cmake/cuda_architectures.cmake leaves in CMAKE_CUDA_ARCHITECTURES when a project
+    that includes it is configured in `folder` (again, where it was before: its cache stays)."""
     cmake = shutil.which("cmake")
     assert cmake, "cmake is in the test extra (pip install '.[test]')"
-    script = tmp_path / "print.cmake"
-    script.write_text(f'include("{CMAKE_ARCHITECTURES.as_posix()}")\n'
-                      'if(DEFINED CMAKE_CUDA_ARCHITECTURES)\n  message(NOTICE "${CMAKE_CUDA_ARCHITECTURES}")\n'
-                      'else()\n  message(NOTICE "<cmake\'s>")\nendif()\n')
-    env = {k: v for k, v in os.environ.items() if k != "CUDAARCHS"}
+    source = folder / "source"
+    source.mkdir(parents=True, exist_ok=True)
+    (source / "CMakeLists.txt").write_text(
+        "cmake_minimum_required(VERSION 3.24)\nproject(architectures LANGUAGES NONE)\n"
+        f'include("{CMAKE_ARCHITECTURES.as_posix()}")\n'
+        'message(NOTICE "architectures: ${CMAKE_CUDA_ARCHITECTURES}")\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDAARCHS", "CMAKE_ARGS")}
     env.update(environ or {})
-    out = subprocess.run([cmake, *[f"-D{d}" for d in defines], "-P", str(script)], env=env, capture_output=True,
-                         text=True, check=True)
-    return out.stderr.strip()
+    out = subprocess.run([cmake, "-S", str(source), "-B", str(folder / "build"), *[f"-D{d}" for d in defines]],
+                         env=env, capture_output=True, text=True, check=True)
+    return next(line.split(": ", 1)[1] for line in out.stderr.splitlines() if line.startswith("architectures: "))
 
 
 def test_cmake_builds_for_the_gpus_seen_unless_told_otherwise(tmp_path):
-    assert cmake_architectures(tmp_path) == "80;90"  # no GPU seen: A100, H100/H200
-    assert cmake_architectures(tmp_path, ["NANOQ_GPU_ARCHITECTURES="]) == "80;90"
-    assert cmake_architectures(tmp_path, ["NANOQ_GPU_ARCHITECTURES=89;120"]) == "89;120"
-    # The builder's own choice wins: -DCMAKE_CUDA_ARCHITECTURES (CMAKE_ARGS) and $CUDAARCHS.
-    assert cmake_architectures(tmp_path, ["NANOQ_GPU_ARCHITECTURES=90", "CMAKE_CUDA_ARCHITECTURES=100"]) == "100"
-    assert cmake_architectures(tmp_path, ["NANOQ_GPU_ARCHITECTURES=90"], {"CUDAARCHS": "86"}) == "<cmake's>"
+    assert cmake_architectures(tmp_path / "a") == "80;90"  # no GPU seen: A100, H100/H200
+    assert cmake_architectures(tmp_path / "b", ["NANOQ_GPU_ARCHITECTURES=89;120"]) == "89;120"
+    # The builder's own choice wins: -DCMAKE_CUDA_ARCHITECTURES (CMAKE_ARGS), else $CUDAARCHS.
+    assert cmake_architectures(tmp_path / "c", ["NANOQ_GPU_ARCHITECTURES=90", "NANOQ_ARCHITECTURES_NAMED=ON",
+                                                "CMAKE_CUDA_ARCHITECTURES=100"]) == "100"
+    assert cmake_architectures(tmp_path / "d", ["NANOQ_GPU_ARCHITECTURES=90", "NANOQ_ARCHITECTURES_NAMED=ON"],
+                               {"CUDAARCHS": "86"}) == "86"
+
+
+def test_a_reused_build_folder_forgets_what_an_earlier_build_named(tmp_path):
+    """pip reuses build/<wheel tag>: a value the builder named once stays in its cache, but a
+    later `pip install .` that names none builds for the GPUs it sees; $CUDAARCHS is read on
+    every configure, not only the folder's first (as CMake alone would); an empty one is none."""
+    folder = tmp_path / "reused"
+    assert cmake_architectures(folder, ["NANOQ_ARCHITECTURES_NAMED=ON", "CMAKE_CUDA_ARCHITECTURES=80"]) == "80"
+    assert cmake_architectures(folder, ["NANOQ_ARCHITECTURES_NAMED=OFF", "NANOQ_GPU_ARCHITECTURES=90"]) == "90"
+    assert cmake_architectures(folder, ["NANOQ_ARCHITECTURES_NAMED=ON"], {"CUDAARCHS": "86"}) == "86"
+    assert cmake_architectures(folder, ["NANOQ_ARCHITECTURES_NAMED=OFF", "NANOQ_GPU_ARCHITECTURES="],
+                               {"CUDAARCHS": ""}) == "80;90"
 
 
 def test_an_auto_cuda_build_that_fails_builds_without_it_and_says_why(nb, monkeypatch, tmp_path):

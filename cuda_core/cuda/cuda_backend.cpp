@@ -319,20 +319,27 @@ namespace {
 // A build has code for the GPUs of the architectures it was built for
 // (cmake/cuda_architectures.cmake) and, through their PTX, for newer ones. On an
 // older GPU every kernel launch would fail with "no kernel image": say so
-// before any work, with how to build for it.
+// before any work, with how to build for it. (Compute capability 8.0 is the
+// oldest the backend supports, as build_backend/nanoq_build.py's
+// MIN_COMPUTE_CAPABILITY says; a test holds the two together.)
 void check_kernel_image(int device) {
     const cudaError_t status = kernel_image_status();
     if (status == cudaSuccess) return;
-    if (status != cudaErrorNoKernelImageForDevice) NANOQ_CUDA_CHECK(status);
+    if (status != cudaErrorNoKernelImageForDevice && status != cudaErrorInvalidDeviceFunction)
+        NANOQ_CUDA_CHECK(status);
     int major = 0, minor = 0;
     NANOQ_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     NANOQ_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    const std::string what = "this cuda backend has no code for device " + std::to_string(device) +
+                             " (compute capability " + std::to_string(major) + "." + std::to_string(minor) +
+                             "): it was built for CUDA architectures " + NANOQ_CUDA_ARCHITECTURES + ". ";
+    if (major < 8)
+        throw NanoqError(what + "The cuda backend supports GPUs of compute capability 8.0 (Ampere) and newer; "
+                                "train with backend=\"cpu\" here");
     const std::string arch = std::to_string(major) + std::to_string(minor);
-    throw NanoqError("this cuda backend has no code for device " + std::to_string(device) +
-                     " (compute capability " + std::to_string(major) + "." + std::to_string(minor) +
-                     "): it was built for CUDA architectures " + NANOQ_CUDA_ARCHITECTURES +
-                     ". Reinstall it on this machine (pip install . builds for the GPUs it sees), or build it "
-                     "for this GPU: CMAKE_ARGS=\"-DCMAKE_CUDA_ARCHITECTURES=" + arch + "\" NANOQ_CUDA=ON pip install .");
+    throw NanoqError(what + "Reinstall it on this machine (pip install . builds for the GPUs it sees), or build it "
+                            "for this GPU: CMAKE_ARGS=\"-DCMAKE_CUDA_ARCHITECTURES=" + arch +
+                            "\" NANOQ_CUDA=ON pip install .");
 }
 
 }  // namespace

@@ -152,7 +152,7 @@ def cuda_architectures() -> str:
     """The CUDA architectures this install's cuda backend was compiled for,
     as its build recorded them (cmake/cuda_architectures.cmake), e.g. "90"
     or "80,90"; "" without a cuda backend. A GPU runs it when one of them is
-    at or below its compute capability."""
+    at or below its compute capability (for plain "XY" entries: code and PTX)."""
     try:
         with open(os.path.join(os.path.dirname(__file__), "cuda_architectures.txt"), encoding="utf-8") as f:
             return f.read().strip() if _core.backend_built("cuda") else ""

@@ -13,6 +13,7 @@ enum cudaError_t : int {
     cudaErrorInvalidValue = 1,
     cudaErrorMemoryAllocation = 2,
     cudaErrorInvalidConfiguration = 9,
+    cudaErrorInvalidDeviceFunction = 98,
     cudaErrorInvalidDevice = 101,
     cudaErrorNoKernelImageForDevice = 209,
     cudaErrorInvalidResourceHandle = 400,

@@ -1421,6 +1421,7 @@ const char* cudaGetErrorName(cudaError_t error) {
         case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
         case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
         case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+        case cudaErrorInvalidDeviceFunction: return "cudaErrorInvalidDeviceFunction";
         case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
         case cudaErrorNoKernelImageForDevice: return "cudaErrorNoKernelImageForDevice";
         case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
