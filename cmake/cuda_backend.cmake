@@ -133,10 +133,12 @@ add_library(nanoq_cuda SHARED
 target_link_libraries(nanoq_cuda PRIVATE nanoq_core CUDA::cudart nanoq_cublaslt nanoq_nccl)
 # The architectures built: in the backend's error on a GPU it has no code
 # for, and in the package for nanoq.backends to say (nanoq info).
-# (cuda_backend.cpp only: nvcc would read the commas of a -D value as a list.)
+# (For this target's C++ only: nvcc is said to read the commas of a -D value
+# as a list; and not as a property of cuda_backend.cpp, which the emulated
+# backend compiles too, with its own value.)
 string(REPLACE ";" "," NANOQ_BUILT_ARCHITECTURES "${CMAKE_CUDA_ARCHITECTURES}")
-set_property(SOURCE cuda_core/cuda/cuda_backend.cpp APPEND PROPERTY COMPILE_DEFINITIONS
-             "NANOQ_CUDA_ARCHITECTURES=\"${NANOQ_BUILT_ARCHITECTURES}\"")
+target_compile_definitions(nanoq_cuda PRIVATE
+  "$<$<COMPILE_LANGUAGE:CXX>:NANOQ_CUDA_ARCHITECTURES=\"${NANOQ_BUILT_ARCHITECTURES}\">")
 file(WRITE "${CMAKE_CURRENT_BINARY_DIR}/cuda_architectures.txt" "${NANOQ_BUILT_ARCHITECTURES}")
 install(FILES "${CMAKE_CURRENT_BINARY_DIR}/cuda_architectures.txt" DESTINATION nanoq)
 message(STATUS "nanoq: the cuda backend is built for CUDA architectures ${NANOQ_BUILT_ARCHITECTURES}")
