@@ -139,8 +139,8 @@ TARGETS = {("0.5b", "bf16"): 180e3, ("1.5b", "bf16"): 65e3}
 TARGET_FP8_OVER_BF16 = 1.3  # at 1.5B
 TARGET_OVER_TORCH = 2.0
 MIN_BUDGET = 20.0  # seconds: a trainer is not started with less than this before the time limit
-# The exit status of a run in which nothing failed but --time-limit left some configurations
-# (or, in bench_ops.py, cases) unrun; bench/gpu_check.sh reports it as a partial step.
+# The exit status of a run in which some configurations (or, in bench_ops.py, cases) ran, none
+# failed and --time-limit left the rest unrun; bench/gpu_check.sh reports it as a partial step.
 EXIT_PARTIAL = 3
 PROFILE_MIN_SECONDS = 15.0  # of a trainer's budget left for its profiled steps (torch's import, the trace)
 
