@@ -137,15 +137,20 @@ CUDA_BUILD_COMMANDS = ("NANOQ_CUDA=ON pip install .",)
 NO_GPU = "no usable GPU (no device or no driver)"
 
 
+def _build_record(name: str) -> str:
+    """A file the build wrote into the package (CMake), stripped; "" where there is none."""
+    try:
+        with open(os.path.join(os.path.dirname(__file__), name), encoding="utf-8") as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return ""
+
+
 def cuda_build_note() -> str:
     """Why this install was built without the cuda backend, as its build
     recorded (build_backend/nanoq_build.py): "" when it has one, or when
     the build did not say."""
-    try:
-        with open(os.path.join(os.path.dirname(__file__), "build_note.txt"), encoding="utf-8") as f:
-            return f.read().strip()
-    except FileNotFoundError:
-        return ""
+    return _build_record("build_note.txt")
 
 
 def cuda_architectures() -> str:
@@ -153,11 +158,7 @@ def cuda_architectures() -> str:
     as its build recorded them (cmake/cuda_architectures.cmake), e.g. "90"
     or "80,90"; "" without a cuda backend. A GPU runs it when one of them is
     at or below its compute capability (for plain "XY" entries: code and PTX)."""
-    try:
-        with open(os.path.join(os.path.dirname(__file__), "cuda_architectures.txt"), encoding="utf-8") as f:
-            return f.read().strip() if _core.backend_built("cuda") else ""
-    except FileNotFoundError:
-        return ""
+    return _build_record("cuda_architectures.txt") if _core.backend_built("cuda") else ""
 
 
 def _cuda_not_built_why() -> str:
@@ -214,8 +215,9 @@ def backends() -> list[dict]:
                 entry["detail"] = NO_GPU
             elif entry["devices"]:
                 entry["detail"] = ", ".join(gpu_names())
-            if name == "cuda" and cuda_architectures():
-                entry["detail"] += f"; built for CUDA architectures {cuda_architectures()}"
+            built_for = cuda_architectures() if name == "cuda" else ""
+            if built_for:
+                entry["detail"] += f"; built for CUDA architectures {built_for}"
             if name in CUDA_BACKENDS:
                 entry["detail"] += "; " + attention_detail(name)
         report.append(entry)
