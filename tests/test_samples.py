@@ -12,7 +12,7 @@ from safetensors.numpy import load_file
 from nanoq.data import write_tokens
 from nanoq.testing.threads import ThreadWorld
 from nanoq.training import TrainConfig, load_config, read_log, train
-from nanoq.training.samples import document_start
+from nanoq.training.samples import Samples, document_start
 from nanoq_cli.main import cli
 from test_resume import QUIET, TINY, config, records
 from test_topology import in_threads
@@ -43,6 +43,15 @@ def test_default_prompt_is_the_start_of_the_first_eval_document_and_the_sample_i
     # The last sample is made with the final weights, which the exported model holds.
     expected = hf_greedy(result.model_dir, prompt, 5)
     assert samples[-1]["completion"] == " ".join(map(str, expected))
+
+
+@pytest.mark.parametrize("steps, every, expected", [(5, 3, [3, 5]), (3, 8, [3]), (4, 2, [2, 4])])
+def test_samples_come_every_n_steps_and_after_the_last_step(tmp_path, steps, every, expected):
+    result = train(config(tmp_path, steps=steps, sample_every=every, sample_tokens=2, checkpoint_every=0,
+                          eval_every=0), **QUIET)
+    assert [r["step"] for r in records(result.run_dir, "sample")] == expected
+    samples = Samples(every, [], 2, 16, last=steps)
+    assert [step for step in range(steps + 1) if samples.due(step)] == expected
 
 
 @pytest.mark.parametrize("lora", [{}, dict(lora_rank=2, lora_dropout=0.25)], ids=["full", "lora-dropout"])

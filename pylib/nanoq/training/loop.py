@@ -480,15 +480,17 @@ def _sample_dataset(loader, eval_loader) -> Dataset:
 def _samples(config: TrainConfig, trainer: Trainer, loader, eval_loader, tokenizer_dir: Optional[str],
              first_step: int, say: Callable[[str], None]) -> Optional[Samples]:
     """The run's Samples (None when no step after ``first_step`` is due for
-    samples, or when the trainer cannot generate: then a console line says why)."""
-    if not config.sample_every or config.steps // config.sample_every == first_step // config.sample_every:
+    samples, or when the trainer cannot generate: then a console line says why).
+    Every run with train.sample_every > 0 and steps left samples at least
+    once, after its last step (as `nanoq memory` plans its KV cache)."""
+    if not config.sample_every or first_step >= config.steps:
         return None
     note = sampling_note(trainer)
     if note:
         say(note)
         return None
     return prepare_samples(config.sample_every, config.sample_prompts, config.sample_tokens, config.seq_len,
-                           _sample_dataset(loader, eval_loader), tokenizer_dir)
+                           _sample_dataset(loader, eval_loader), tokenizer_dir, last=config.steps)
 
 
 def _final_model_dir(run_dir: str, step: int, say: Callable[[str], None]) -> str:

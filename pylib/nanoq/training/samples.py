@@ -1,4 +1,5 @@
-"""Samples during training: greedy continuations of a few prompts every ``train.sample_every`` steps.
+"""Samples during training: greedy continuations of a few prompts every ``train.sample_every`` steps
+and after the run's last step.
 
 The training trainer generates them itself (Trainer.generate, greedy, no
 second model); the root prints each one and writes it to log.jsonl as
@@ -37,14 +38,16 @@ class Prompt(NamedTuple):
 
 class Samples:
     """The prompts of a run and how to continue and show them: samples after
-    every ``every`` steps, of at most ``max_new_tokens`` new tokens within
-    ``seq_len`` positions (the trainer's), decoded with ``tokenizer`` (a
-    tokenizers.Tokenizer; None: shown as ids) and ending after the token
-    ``stop`` (the end-of-sequence id; None: none)."""
+    every ``every`` steps and after step ``last`` (the run's last; 0: none),
+    of at most ``max_new_tokens`` new tokens within ``seq_len`` positions
+    (the trainer's), decoded with ``tokenizer`` (a tokenizers.Tokenizer;
+    None: shown as ids) and ending after the token ``stop`` (the
+    end-of-sequence id; None: none)."""
 
     def __init__(self, every: int, prompts: List[Prompt], max_new_tokens: int, seq_len: int, tokenizer=None,
-                 stop: Optional[int] = None):
+                 stop: Optional[int] = None, last: int = 0):
         self.every = every
+        self.last = last
         self.prompts = prompts
         self.max_new_tokens = max_new_tokens
         self.seq_len = seq_len
@@ -52,8 +55,9 @@ class Samples:
         self.stop = stop
 
     def due(self, step: int) -> bool:
-        """Whether samples are written after ``step`` updates."""
-        return bool(self.every) and step > 0 and step % self.every == 0
+        """Whether samples are written after ``step`` updates: every
+        ``every`` steps and after the run's last step (``last``)."""
+        return bool(self.every) and step > 0 and (step % self.every == 0 or step == self.last)
 
     def decode(self, ids: List[int]) -> str:
         """Text of ``ids``: decoded with the tokenizer, else the ids separated by spaces."""
@@ -87,9 +91,9 @@ def document_start(tokens: np.ndarray, eos: Optional[int], limit: int) -> List[i
 
 
 def prepare_samples(every: int, prompts: List[str], max_new_tokens: int, seq_len: int, dataset,
-                    tokenizer_dir: Optional[str]) -> Optional[Samples]:
-    """The Samples of a run (None when ``every`` is 0): ``prompts`` are
-    train.sample_prompts, ``dataset`` the nanoq.data.Dataset whose first
+                    tokenizer_dir: Optional[str], last: int = 0) -> Optional[Samples]:
+    """The Samples of a run (None when ``every`` is 0): ``last`` is its last
+    step (train.steps), ``prompts`` are train.sample_prompts, ``dataset`` the nanoq.data.Dataset whose first
     document is the default prompt, ``tokenizer_dir`` the directory of the
     data's tokenizer.json (None: none). ValueError, naming the setting, for
     prompts without a tokenizer, prompts that encode to nothing and prompts
@@ -102,7 +106,7 @@ def prepare_samples(every: int, prompts: List[str], max_new_tokens: int, seq_len
 
         tokenizer = load_tokenizer(tokenizer_dir)
         eos = eos_id_or_none(tokenizer, os.path.join(tokenizer_dir, "tokenizer.json"))
-    samples = Samples(every, [], max_new_tokens, seq_len, tokenizer, eos)
+    samples = Samples(every, [], max_new_tokens, seq_len, tokenizer, eos, last)
     if not prompts:
         ids = document_start(dataset.files[0].tokens, eos, min(DEFAULT_PROMPT_TOKENS, max(seq_len // 2, 1)))
         if not ids:
