@@ -43,8 +43,6 @@ NamedAllocator::~NamedAllocator() {
     for (auto it = segments_.rbegin(); it != segments_.rend(); ++it) backend_->raw_free(it->data, it->kind);
 }
 
-namespace {
-
 std::string human_bytes(std::size_t bytes) {
     const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
     double value = static_cast<double>(bytes);
@@ -58,8 +56,6 @@ std::string human_bytes(std::size_t bytes) {
     return text;
 }
 
-}  // namespace
-
 Tensor NamedAllocator::allocate(Context context, const std::string& name, DType dtype,
                                 std::initializer_list<std::int64_t> dims, MemoryKind kind, bool exact) {
     Tensor tensor(nullptr, dtype, dims);
@@ -67,8 +63,11 @@ Tensor NamedAllocator::allocate(Context context, const std::string& name, DType 
     if (kind == MemoryKind::Device && limit_ && device_bytes_ + bytes > limit_)
         out_of_memory(context, name, tensor, "the memory limit of " + human_bytes(limit_) + " would be exceeded");
     void* data = bytes && backend_ ? backend_->raw_alloc(bytes, kind) : nullptr;
-    if (bytes && backend_ && !data)
-        out_of_memory(context, name, tensor, std::string("the ") + backend_->name() + " backend refused");
+    if (bytes && backend_ && !data) {
+        const std::string why = backend_->refusal();
+        out_of_memory(context, name, tensor,
+                      std::string("the ") + backend_->name() + " backend refused" + (why.empty() ? "" : ": " + why));
+    }
     tensor.data = data;
     segments_.push_back(Segment{context, name, bytes, kind, data, exact});
     if (kind == MemoryKind::Device) device_bytes_ += bytes;

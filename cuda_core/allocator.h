@@ -50,6 +50,9 @@ struct Segment {
     bool exact;  // false: `bytes` is an upper bound (a library's size planned without a device)
 };
 
+// `bytes` as people read it: "512 B", "1.5 GiB".
+std::string human_bytes(std::size_t bytes);
+
 class NamedAllocator {
 public:
     // limit_bytes > 0 caps the device memory this allocator hands out (a

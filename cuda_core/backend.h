@@ -148,9 +148,11 @@ public:
         body();
     }
 
-    // Memory. raw_alloc returns nullptr when the memory is not available.
+    // Memory. raw_alloc returns nullptr when the memory is not available;
+    // refusal() then says why where the backend knows more than that.
     virtual void* raw_alloc(std::size_t bytes, MemoryKind kind) = 0;
     virtual void raw_free(void* data, MemoryKind kind) = 0;
+    virtual std::string refusal() const { return ""; }
     virtual void reserve_scratch(NamedAllocator& allocator, const ScratchShapes& shapes) = 0;
     virtual void copy_from_host(const Tensor& dst, const void* src) = 0;
     // From memory of device `source_device` of this backend (a peer copy).

@@ -409,6 +409,46 @@ def test_lora_suggestions_keep_zero_stage_1():
                            "offload optimizer,master need ")
 
 
+def test_changes_that_fit_only_together_are_suggested_together():
+    config, options = CONFIGS["llama_untied"], cpu_options(1, batch_size=4, seq_len=64)
+    estimate = estimate_memory(config, options)
+    together = estimate_memory(config, dataclasses.replace(options, batch_size=1, grad_accum=4, recompute="block"))
+    limit = together.device_bytes
+    # Neither change alone fits: before, the suggestions tried recompute and offload together only.
+    assert not estimate_memory(config, dataclasses.replace(options, batch_size=1, grad_accum=4)).fits(limit)
+    assert not estimate_memory(config, dataclasses.replace(options, recompute="block")).fits(limit)
+    lines = estimate.suggestions(limit)
+    assert lines[0] == (f"batch_size 1 with grad_accum 4, recompute block (same 256 tokens per step): needs "
+                        f"{human_bytes(limit)}")
+
+
+@cuda_planned
+@pytest.mark.parametrize("gigabytes", [8, 12])
+def test_a_run_that_fits_somehow_is_never_told_that_nothing_fits(gigabytes):
+    # Qwen2.5-0.5B at seq 4096 on one small GPU: only a smaller micro-batch, a higher ZeRO stage
+    # (for offloading gradients), recompute and offload together fit; the suggestions once said
+    # "nothing fits: even 64 devices ... need 5.94 GiB" of 7.45 GiB.
+    config = nanoq.ModelConfig.from_pretrained(QWEN_0_5B)
+    options = nanoq.TrainOptions(batch_size=8, seq_len=4096)
+    limit = gigabytes * 10**9
+    estimate = estimate_memory(config, options, backend="cuda", device_memory=limit)
+    lines = estimate.suggestions(limit)
+    assert lines and not lines[0].startswith(("nothing fits", "nothing else fits")), lines
+    changes = {}
+    for piece in re.sub(r" \([^()]*host memory per device\)", "", lines[0].split(" (same ")[0]).split(", "):
+        name, value = piece.split(" ", 1)
+        if name == "batch_size":
+            batch, accum = re.fullmatch(r"(\d+) with grad_accum (\d+)", value).groups()
+            changes.update(batch_size=int(batch), grad_accum=int(accum))
+        else:
+            changes[name] = int(value) if name == "zero_stage" else value
+    assert set(changes) <= {"batch_size", "grad_accum", "zero_stage", "recompute", "offload"}, lines[0]
+    assert len(changes) >= 2, lines[0]  # no single change fits
+    suggested = estimate_memory(config, dataclasses.replace(options, **changes), backend="cuda", device_memory=limit)
+    assert suggested.fits(limit) and suggested.tokens_per_step == estimate.tokens_per_step
+    assert f"needs {human_bytes(suggested.device_bytes + suggested.reserve_bytes)}" in lines[0]
+
+
 def test_when_nothing_fits_it_says_so():
     config, options = CONFIGS["llama_untied"], cpu_options(1, batch_size=1, seq_len=8)
     (line,) = estimate_memory(config, options).suggestions(1000)

@@ -105,3 +105,82 @@ def test_memory_limit_must_be_a_byte_count():
         options(memory_limit=-1)
     with pytest.raises(ValueError, match="memory_limit"):
         options(memory_limit=1.5)
+
+
+HOST_MEMORY_SCRIPT = r'''
+import json, sys
+import nanoq
+sys.path.insert(0, sys.argv[1])
+from test_memory_limit import CONFIG, options
+
+def attempt(**overrides):
+    try:
+        trainer = nanoq.Trainer(CONFIG, options(**overrides))
+    except nanoq.OutOfMemoryError as e:
+        return None, str(e)
+    return trainer, trainer.memory_summary()[0]["allocated"]
+
+one, one_bytes = attempt(devices=1)          # fits the figure alone
+two, refused = attempt(devices=1)            # a second one at once does not: the count is per process
+one.close()
+again, again_bytes = attempt(devices=1)      # closing the first gave its memory back
+again.close()
+both, both_refused = attempt(devices=2)      # two devices of one trainer add up too
+print(json.dumps(dict(one=one_bytes, refused=refused, again=again_bytes, both_refused=both_refused,
+                      both=both is None)))
+'''
+
+
+def run_with_host_memory(available):
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NANOQ_CPU_MEMORY_AVAILABLE=str(available))
+    result = subprocess.run([sys.executable, "-c", HOST_MEMORY_SCRIPT, os.path.dirname(__file__)], env=env,
+                            capture_output=True, text=True, timeout=300)
+    return result, (json.loads(result.stdout.splitlines()[-1]) if result.returncode == 0 else None)
+
+
+def test_cpu_trainers_are_refused_host_memory_the_machine_does_not_have():
+    # Linux overcommits: without the cpu backend's own count, allocations that
+    # add up past the machine's memory succeed and the kernel's OOM killer ends
+    # the process once they are touched. Here the machine "has" room for one
+    # one-device trainer and a half.
+    with nanoq.Trainer(CONFIG, options(devices=1)) as trainer:
+        single = trainer.memory_summary()[0]["allocated"]
+    result, seen = run_with_host_memory(single * 3 // 2)
+    assert result.returncode == 0, result.stderr
+    assert seen["one"] == single and seen["again"] == single
+    for message in (seen["refused"], seen["both_refused"]):
+        assert "the cpu backend refused: the process's cpu trainers would hold" in message, message
+        assert "available (as NANOQ_CPU_MEMORY_AVAILABLE says)" in message, message
+    assert seen["both"]
+
+
+def test_a_bad_host_memory_figure_is_a_clear_error():
+    result, _ = run_with_host_memory("lots")
+    assert result.returncode == 1
+    assert "ValueError: NANOQ_CPU_MEMORY_AVAILABLE must be a number of bytes above 0, not 'lots'" in result.stderr
+
+
+def test_nanoq_memory_on_cpu_checks_the_fit_against_the_host_memory():
+    import subprocess
+    import sys
+
+    from nanoq.memory import human_bytes
+
+    def memory(available, *flags):
+        env = dict(os.environ, NANOQ_CPU_MEMORY_AVAILABLE=str(available))
+        result = subprocess.run([sys.executable, "-c", "from nanoq_cli.main import main; main()", "memory",
+                                 "--backend", "cpu", "--threads", "1", *flags], env=env, capture_output=True,
+                                text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    output = memory(2 << 30, "--devices", "2")
+    assert f"fits in {human_bytes(1 << 30)} " in output  # each of the two devices' share
+    assert ("(the device memory is this machine's available host memory, 2.00 GiB, shared by the 2 cpu devices: "
+            "as NANOQ_CPU_MEMORY_AVAILABLE says)") in output
+    output = memory(1 << 20)
+    assert "does NOT fit in 1.0 MiB" in output and "suggestion:" in output

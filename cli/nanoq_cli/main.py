@@ -297,7 +297,8 @@ def _memory_model(config, model_path, datasets):
 @click.option("--device-memory", type=Size(), metavar="SIZE",
               help="Memory of one device to check the fit against (80GB = 80*10^9 bytes, 80GiB = 80*2^30), "
               "and on cuda to size the classifier's logits chunk as on such a GPU; default: the smallest GPU "
-              "that nvidia-ml-py sees, on the cuda backend.")
+              "that nvidia-ml-py sees, on the cuda backend; on cpu, each device's share of the host memory "
+              "available here.")
 @click.option("--reserve", type=Size(allow_zero=True), metavar="SIZE",
               help="Device memory taken outside nanoq's allocator (CUDA context, cuBLASLt, NCCL), added when "
               "judging the fit; default 1GiB on cuda, 0 on cpu.")
@@ -320,7 +321,7 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, processes
     a GPU run anywhere. With --processes P the world is P x devices
     devices (as under mpiexec -n P).
     """
-    from nanoq.memory import estimate_memory, visible_gpu_memory
+    from nanoq.memory import estimate_memory, human_bytes, visible_gpu_memory
     from nanoq.training import load_config
     from nanoq.training.loop import config_datasets, data_packing
     from nanoq.training.settings import train_options
@@ -341,12 +342,26 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, processes
     except (ValueError, FileNotFoundError) as e:
         raise _fail(e) from None
     from_nvml = device_bytes is None and estimate.options.backend == "cuda"
+    from_host = device_bytes is None and estimate.options.backend == "cpu"
     if from_nvml:
         device_bytes = visible_gpu_memory()
+    host_note = None
+    if from_host:
+        from nanoq._core import cpu_host_memory
+
+        # The cpu backend's devices are threads sharing the host's memory: each its share.
+        host_bytes, source = cpu_host_memory()
+        if host_bytes:
+            devices = estimate.options.devices
+            device_bytes = host_bytes // devices
+            host_note = (f"(the device memory is this machine's available host memory, {human_bytes(host_bytes)}"
+                         + (f", shared by the {devices} cpu devices" if devices > 1 else "") + f": {source})")
     click.echo(estimate.table(device_bytes))
     if device_bytes is not None:
         if from_nvml:
             click.echo("(the device memory is that of the smallest GPU nvidia-ml-py sees here)")
+        if host_note:
+            click.echo(host_note)
         for line in estimate.suggestions(device_bytes):
             click.echo(f"  suggestion: {line}")
     if plot_path:

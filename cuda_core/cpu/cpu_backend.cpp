@@ -9,15 +9,20 @@
 // results are bitwise reproducible for a given device count.
 #include <omp.h>
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <string>
 
+#include "allocator.h"
 #include "backend.h"
 #include "dropout.h"
 #include "nanoq/errors.h"
@@ -31,6 +36,73 @@ namespace nanoq {
 std::vector<ScratchBuffer> cpu_scratch_plan(const ScratchShapes& shapes, int threads, bool ask_libraries);
 
 namespace {
+
+// ---------------------------------------------------------------------------
+// Host memory. Linux hands out memory it does not have (overcommit) and,
+// once the pages are touched, the kernel's out-of-memory killer ends the
+// process: no error, no saved work. So the cpu backend keeps its own count
+// of what its trainers hold (all devices and trainers of the process) and
+// refuses an allocation that would pass what the machine had available when
+// that count last stood at zero: MemAvailable of /proc/meminfo, or less
+// where the process's cgroup (v2 memory.max, v1 memory.limit_in_bytes)
+// leaves less. NANOQ_CPU_MEMORY_AVAILABLE (bytes) names the figure instead.
+// ---------------------------------------------------------------------------
+
+// A "Key:   123 kB" line's bytes from /proc/meminfo; 0 when absent.
+std::size_t meminfo_bytes(const std::string& key) {
+    std::ifstream in("/proc/meminfo");
+    std::string name, unit;
+    unsigned long long value = 0;
+    while (in >> name >> value) {
+        std::getline(in, unit);
+        if (name == key + ":") return static_cast<std::size_t>(value) * 1024;
+    }
+    return 0;
+}
+
+// A cgroup file's number; 0 when absent or "max" (no limit).
+std::size_t cgroup_bytes(const char* path) {
+    std::ifstream in(path);
+    unsigned long long value = 0;
+    return in >> value ? static_cast<std::size_t>(value) : 0;
+}
+
+// The host memory the cpu backend may hold, and where the figure comes from.
+std::size_t host_memory_available(std::string* source) {
+    if (const char* given = std::getenv("NANOQ_CPU_MEMORY_AVAILABLE"); given && *given) {
+        char* end = nullptr;
+        const unsigned long long value = std::strtoull(given, &end, 10);
+        if (*end || !value)
+            throw InvalidArgument(std::string("NANOQ_CPU_MEMORY_AVAILABLE must be a number of bytes above 0, not '") +
+                                  given + "'");
+        *source = "as NANOQ_CPU_MEMORY_AVAILABLE says";
+        return static_cast<std::size_t>(value);
+    }
+    *source = "MemAvailable of /proc/meminfo, within the cgroup's limit; NANOQ_CPU_MEMORY_AVAILABLE overrides";
+    std::size_t available = meminfo_bytes("MemAvailable");
+    const auto within = [&available](std::size_t limit, std::size_t used) {
+        if (limit && limit < (std::size_t(1) << 60)) {  // v1 writes a huge number for "no limit"
+            const std::size_t left = limit > used ? limit - used : 0;
+            if (!available || left < available) available = left;
+        }
+    };
+    within(cgroup_bytes("/sys/fs/cgroup/memory.max"), cgroup_bytes("/sys/fs/cgroup/memory.current"));
+    within(cgroup_bytes("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+           cgroup_bytes("/sys/fs/cgroup/memory/memory.usage_in_bytes"));
+    return available;  // 0: unknown (no /proc): no check
+}
+
+struct HostCount {
+    std::mutex mutex;
+    std::size_t held = 0;       // bytes the cpu backends of this process hold
+    std::size_t available = 0;  // the machine's, read when `held` was last 0
+    std::string source;         // where `available` comes from
+};
+
+HostCount& host_memory() {
+    static HostCount* count = new HostCount;  // never destroyed: trainers may outlive static destruction
+    return *count;
+}
 
 constexpr int kIgnoreIndex = -100;
 constexpr std::int64_t kReduceBlock = 1 << 14;  // elements per partial sum of sum_squares
@@ -166,6 +238,15 @@ constexpr bool kOpenBlasBuilt = false;
 // The one place that decides which sgemm a cpu backend runs: OpenBLAS when
 // this build links it, else the portable one; NANOQ_CPU_GEMM=portable (or
 // =openblas) overrides, read by each backend when it is created.
+HostMemory cpu_host_memory() {
+    HostCount& host = host_memory();
+    std::lock_guard<std::mutex> lock(host.mutex);
+    HostMemory memory;
+    if (host.held) return HostMemory{host.available, host.source};
+    memory.bytes = host_memory_available(&memory.source);
+    return memory;
+}
+
 CpuGemm cpu_gemm() {
     const char* env = std::getenv("NANOQ_CPU_GEMM");
     const std::string wanted = env ? env : "";
@@ -193,9 +274,29 @@ public:
     std::string name() const override { return "cpu"; }
 
     void* raw_alloc(std::size_t bytes, MemoryKind) override {
-        return std::aligned_alloc(StackArena::kAlignment, StackArena::aligned(bytes));
+        refusal_.clear();
+        HostCount& host = host_memory();
+        std::lock_guard<std::mutex> lock(host.mutex);
+        if (!host.held) host.available = host_memory_available(&host.source);
+        const std::size_t size = StackArena::aligned(bytes);
+        if (host.available && host.held + size > host.available) {
+            refusal_ = "the process's cpu trainers would hold " + human_bytes(host.held + size) +
+                       " of host memory, and the machine had " + human_bytes(host.available) + " available (" +
+                       host.source + ")";
+            return nullptr;
+        }
+        void* data = std::aligned_alloc(StackArena::kAlignment, size);
+        if (data) host.held += malloc_usable_size(data);
+        return data;
     }
-    void raw_free(void* data, MemoryKind) override { std::free(data); }
+    void raw_free(void* data, MemoryKind) override {
+        if (!data) return;
+        HostCount& host = host_memory();
+        std::lock_guard<std::mutex> lock(host.mutex);
+        host.held -= std::min(host.held, malloc_usable_size(data));
+        std::free(data);
+    }
+    std::string refusal() const override { return refusal_; }
     void copy_from_host(const Tensor& dst, const void* src) override { std::memcpy(dst.data, src, dst.bytes()); }
     void copy_to_host(void* dst, const Tensor& src) override { std::memcpy(dst, src.data, src.bytes()); }
     void copy_from_device(const Tensor&, const void*, int) override {
@@ -888,6 +989,7 @@ private:
         for (std::int64_t i = 0; i < n; ++i) p[i] = value;
     }
 
+    std::string refusal_;  // why raw_alloc last refused ("" when it did not)
     int threads_;
     bool openblas_;              // sgemm by OpenBLAS, else portable_sgemm (cpu_gemm() chose at construction)
     Tensor attention_scratch_;   // [2, threads, T, T]: probabilities and their gradients

@@ -237,6 +237,11 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         cbool openblas_built
     CCpuGemm core_cpu_gemm "nanoq::cpu_gemm"() except +nanoq_raise_py_error
 
+    cdef cppclass CHostMemory "nanoq::HostMemory":
+        size_t bytes
+        string source
+    CHostMemory core_cpu_host_memory "nanoq::cpu_host_memory"() except +nanoq_raise_py_error
+
 
 def backend_built(str name):
     """Whether backend `name` ("cpu", "cuda") is compiled into this install (no loading)."""
@@ -275,6 +280,16 @@ def cpu_gemm():
     a value this build cannot honour."""
     cdef CCpuGemm gemm = core_cpu_gemm()
     return dict(name=gemm.name.decode(), openblas_built=gemm.openblas_built)
+
+
+def cpu_host_memory():
+    """The host memory the cpu backend's trainers may hold together, as
+    (bytes, source): what the machine has available (MemAvailable within
+    the cgroup's limit, or NANOQ_CPU_MEMORY_AVAILABLE) plus what they hold
+    already; bytes 0 where the machine does not say. ValueError for a bad
+    NANOQ_CPU_MEMORY_AVAILABLE."""
+    cdef CHostMemory memory = core_cpu_host_memory()
+    return memory.bytes, memory.source.decode()
 
 
 # What CoreTrainer._read copies out; 0..2 are the core's optimizer state kinds.

@@ -192,9 +192,10 @@ class MemoryEstimate:
         (empty if it fits): a smaller micro-batch with more gradient
         accumulation (same tokens per step); recomputing activations; offloading
         AdamW moments and master weights to host memory; a higher ZeRO stage
-        (sharded gradients, then weights); more devices, with a higher stage
-        and a smaller micro-batch when nothing else fits. When nothing fits at
-        all, one line says so.
+        (sharded gradients, then weights); more devices. Where no one change
+        fits: the changes that fit together on this run's devices, else on
+        the fewest more devices (a smaller micro-batch, a higher stage,
+        recompute, offload). When nothing fits at all, one line says so.
         """
         if self.fits(device_memory_bytes):
             return []
@@ -203,8 +204,8 @@ class MemoryEstimate:
                                  self._offload(device_memory_bytes),
                                  self._zero_stage(device_memory_bytes)) if line]
         if not out:
-            both = self._recompute_and_offload(device_memory_bytes)
-            out += [both] if both else []
+            combined = self._combined(device_memory_bytes)
+            out += [combined] if combined else []
         devices = self._more_devices(device_memory_bytes, shrink_batch=not out)
         if devices:
             out.append(devices)
@@ -343,24 +344,69 @@ class MemoryEstimate:
             if set(names) != set(o.recompute):
                 yield names
 
-    def _offload_levels(self) -> Iterator[tuple]:
-        """Offload settings that add to this one, cheapest first."""
+    def _offload_levels(self, stage: Optional[int] = None) -> Iterator[tuple]:
+        """Offload settings that add to this one, cheapest first (at ZeRO
+        ``stage``; default this run's)."""
         o = self.options
-        offloadable = self._offloadable(o.zero_stage)  # each level adds the next, in OFFLOAD's order
+        # Each level adds the next, in OFFLOAD's order.
+        offloadable = self._offloadable(o.zero_stage if stage is None else stage)
         for extra in (offloadable[:count] for count in range(1, len(offloadable) + 1)):
             names = tuple(sorted(set(o.offload) | set(extra), key=OFFLOAD.index))
             if set(names) != set(o.offload):
                 yield names
 
-    def _recompute_and_offload(self, limit: int) -> Optional[str]:
-        for offload in self._offload_levels():
-            for recompute in self._recompute_levels():
-                lighter = self._with(recompute=recompute, offload=offload)
-                if lighter.fits(limit):
-                    return (f"recompute {','.join(recompute)} and offload {','.join(offload)} "
-                            f"({human_bytes(lighter.pinned_bytes)} of host memory per device): needs "
-                            f"{human_bytes(lighter.device_bytes + self.reserve_bytes)}")
+    def _lightest(self, limit: int, devices: int, batches: List[tuple]) -> Optional["MemoryEstimate"]:
+        """This run on ``devices`` devices per process that fits ``limit``
+        in the first of ``batches`` ((batch_size, grad_accum), preferred
+        first) with its ZeRO stage, recompute and offload changed together,
+        or None. Within a micro-batch: the lowest stage, then the least
+        recompute, then the least offload. A smaller micro-batch and more
+        recompute never need more memory, but a higher stage or more offload
+        may (their layer and streaming buffers, on small models): each pair
+        of those is tried first with the smallest micro-batch and the most
+        recompute, and the search keeps the pairs that fit there."""
+        o = self.options
+        # On one device too: stage 2 lets the gradients be offloaded.
+        stages = range(o.zero_stage, self._highest_stage() + 1)
+        recomputes = [o.recompute] + list(self._recompute_levels())
+        smallest, least_accum = batches[-1]
+        pairs = [(stage, offload) for stage in stages for offload in [o.offload] + list(self._offload_levels(stage))
+                 if self._with(devices=devices, zero_stage=stage, batch_size=smallest, grad_accum=least_accum,
+                               recompute=recomputes[-1], offload=offload).fits(limit)]
+        for batch, accum in batches:
+            for stage, offload in pairs:
+                for recompute in recomputes:
+                    lighter = self._with(devices=devices, zero_stage=stage, batch_size=batch, grad_accum=accum,
+                                         recompute=recompute, offload=offload)
+                    if lighter.fits(limit):
+                        return lighter
         return None
+
+    def _changes(self, other: "MemoryEstimate") -> List[str]:
+        """What ``other`` changes of this run's ZeRO stage, recompute and
+        offload, as the suggestions say it."""
+        o, n = self.options, other.options
+        parts = [f"zero_stage {n.zero_stage}"] if n.zero_stage != o.zero_stage else []
+        if set(n.recompute) != set(o.recompute):
+            parts.append(f"recompute {','.join(n.recompute)}")
+        if set(n.offload) != set(o.offload):
+            parts.append(f"offload {','.join(n.offload)} ({human_bytes(other.pinned_bytes)} of host memory per "
+                         f"device)")
+        return parts
+
+    def _combined(self, limit: int) -> Optional[str]:
+        """On this run's devices and with its tokens per step: a smaller
+        micro-batch, a higher ZeRO stage, recompute and offload together."""
+        o = self.options
+        sequences = o.batch_size * o.grad_accum
+        batches = [(batch, sequences // batch) for batch in range(o.batch_size, 0, -1) if sequences % batch == 0]
+        lighter = self._lightest(limit, o.devices, batches)
+        if lighter is None:
+            return None
+        n = lighter.options
+        shape = [f"batch_size {n.batch_size} with grad_accum {n.grad_accum}"] if n.batch_size != o.batch_size else []
+        return (f"{', '.join(shape + self._changes(lighter))} (same {self.tokens_per_step:,} tokens per step): needs "
+                f"{human_bytes(lighter.device_bytes + self.reserve_bytes)}")
 
     def _recompute(self, limit: int) -> Optional[str]:
         for names in self._recompute_levels():
@@ -392,28 +438,33 @@ class MemoryEstimate:
         return None
 
     def _more_devices(self, limit: int, shrink_batch: bool) -> Optional[str]:
+        """The fewest devices per process that fit, the tokens per step kept
+        as near as whole micro-batches allow: with this run's settings, or
+        (``shrink_batch``: nothing fits on its devices) with a smaller
+        micro-batch, a higher ZeRO stage, recompute and offload as needed."""
         o = self.options
-        highest = self._highest_stage()
-        stages = (o.zero_stage,) + ((highest,) if shrink_batch and o.zero_stage < highest else ())
+        sequences = self.world_devices * o.batch_size * o.grad_accum
+
+        def accumulation(devices: int, batch: int) -> int:
+            return max(1, math.ceil(sequences / (self.processes * devices * batch)))
+
         for devices in range(o.devices + 1, MAX_SUGGESTED_DEVICES // self.processes + 1):  # per process
-            for stage in stages:
-                smallest = o.batch_size if not shrink_batch else 1
-                if not self._with(devices=devices, zero_stage=stage, batch_size=smallest, grad_accum=1).fits(limit):
-                    continue
-                for batch in range(o.batch_size, smallest - 1, -1):
-                    more = self._with(devices=devices, zero_stage=stage, batch_size=batch, grad_accum=1)
-                    if more.fits(limit):
-                        break
-                sequences = self.world_devices * o.batch_size * o.grad_accum
-                accum = max(1, math.ceil(sequences / (self.processes * devices * batch)))
-                tokens = self.processes * devices * batch * accum * o.seq_len
-                keep = "same" if tokens == self.tokens_per_step else f"{tokens:,} instead of {self.tokens_per_step:,}"
-                shape = f"batch_size {batch}, " if batch != o.batch_size else ""
-                stage_text = f"zero_stage {stage}, " if stage != o.zero_stage else ""
-                alone = f"nothing else fits {self._placement()}; " if shrink_batch else ""
-                return (f"{alone}{self._placement(devices)} ({stage_text}{shape}grad_accum {accum}: {keep} tokens "
-                        f"per step): "
-                        f"needs {human_bytes(more.device_bytes + self.reserve_bytes)}")
+            if shrink_batch:
+                batches = [(batch, accumulation(devices, batch)) for batch in range(o.batch_size, 0, -1)]
+                more = self._lightest(limit, devices, batches)
+            else:
+                more = self._with(devices=devices, grad_accum=accumulation(devices, o.batch_size))
+                more = more if more.fits(limit) else None
+            if more is None:
+                continue
+            n = more.options
+            tokens = more.tokens_per_step
+            keep = "same" if tokens == self.tokens_per_step else f"{tokens:,} instead of {self.tokens_per_step:,}"
+            shape = [f"batch_size {n.batch_size}"] if n.batch_size != o.batch_size else []
+            alone = f"nothing else fits {self._placement()}; " if shrink_batch else ""
+            inner = ", ".join(self._changes(more) + shape + [f"grad_accum {n.grad_accum}: {keep} tokens per step"])
+            return (f"{alone}{self._placement(devices)} ({inner}): "
+                    f"needs {human_bytes(more.device_bytes + self.reserve_bytes)}")
         return None
 
     def _nothing_fits(self) -> str:

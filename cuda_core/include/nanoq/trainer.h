@@ -233,4 +233,17 @@ struct CpuGemm {
 };
 CpuGemm cpu_gemm();
 
+// The host memory the cpu backend's trainers may hold together now: what the
+// machine has available (MemAvailable of /proc/meminfo, within the process's
+// cgroup limit) or the environment variable NANOQ_CPU_MEMORY_AVAILABLE
+// (bytes), plus what they hold already; and where the figure comes from.
+// `bytes` is 0 where the machine does not say (no check then). The cpu
+// backend refuses an allocation that would pass it (an OutOfMemory error)
+// rather than let the kernel's out-of-memory killer end the process.
+struct HostMemory {
+    std::size_t bytes = 0;
+    std::string source;
+};
+HostMemory cpu_host_memory();
+
 }  // namespace nanoq
