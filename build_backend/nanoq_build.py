@@ -49,8 +49,8 @@ import scikit_build_core.build as _skb
 
 if sys.version_info >= (3, 11):
     import tomllib
-else:  # scikit-build-core depends on tomli before 3.11
-    import tomli as tomllib
+else:  # nanoq needs 3.11 (pyproject.toml): pip says so once it has read the metadata this backend
+    import tomli as tomllib  # writes, and scikit-build-core depends on tomli before 3.11
 
 __all__ = ["build_editable", "build_sdist", "build_wheel", "get_requires_for_build_editable",
            "get_requires_for_build_sdist", "get_requires_for_build_wheel"]

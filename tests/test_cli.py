@@ -159,6 +159,26 @@ def test_recompute_and_offload_settings_reach_the_trainer_and_change_nothing_but
     assert "adam-m" not in memory["contexts"] and memory["host"] > 0
 
 
+def test_every_numeric_option_of_every_command_refuses_overflow_and_non_finite_values():
+    import click
+
+    from nanoq_cli.main import Size
+    from nanoq_cli.numbers import FiniteFloat, Integer
+
+    numeric = (click.types.IntParamType, click.types.FloatParamType)
+    checked = 0
+    for name, command in cli.commands.items():
+        for param in command.params:
+            if isinstance(param.type, numeric) or isinstance(param.type, Size):
+                assert isinstance(param.type, (Integer, FiniteFloat, Size)), f"nanoq {name} {param.opts[0]}"
+                checked += 1
+    assert checked > 30
+    for flag, value in (("--temperature", "nan"), ("--temperature", "1e400"), ("--seed", str(10**29)),
+                        ("--top-p", "inf"), ("--max-new-tokens", str(2**70))):
+        result = invoke("generate", "some-model", "--prompt", "hi", flag, value)
+        assert result.exit_code == 2 and f"Invalid value for '{flag}'" in result.output, (flag, result.output)
+
+
 @pytest.mark.parametrize("command", sorted(cli.commands))
 def test_help_describes_only_real_bounds(command):
     # Every numeric option goes through Integer/FiniteFloat; an option

@@ -2,9 +2,11 @@
 files from another tokenizer, token ids past the header's vocab (llm.q's
 added EOS), windows that step by seq_len (and resumes of runs from before),
 and the modes of exported files. CPU only, tiny models and files."""
+import dataclasses
 import hashlib
 import json
 import os
+import re
 import struct
 
 import numpy as np
@@ -142,6 +144,22 @@ def model_of_vocab_64(tmp_path_factory):
         return trainer.export_model(str(tmp_path_factory.mktemp("init") / "model"))
 
 
+def test_init_from_takes_model_dropout_and_refuses_settings_of_another_architecture(tmp_path, model_of_vocab_64):
+    from nanoq.training.loop import model_config
+
+    base = nanoq.ModelConfig.from_pretrained(model_of_vocab_64)
+    assert model_config(run_config(tmp_path, init_from=model_of_vocab_64), 64) == base
+    # Before, every [model] setting was dropped with init_from: the run trained without its dropout.
+    assert model_config(run_config(tmp_path, init_from=model_of_vocab_64, dropout=0.25), 64) == \
+        dataclasses.replace(base, dropout=0.25)
+    for settings, named in ((dict(causal=False, objective="seq2seq"), "model.causal = false"),
+                            (dict(linear_bias=True), "model.linear_bias = true"),
+                            (dict(position_embedding="learned"), "model.position_embedding = 'learned'")):
+        with pytest.raises(ValueError, match=rf"{re.escape(named)} cannot apply to model\.init_from .*: its "
+                                             r"config\.json sets the architecture \(causal true"):
+            model_config(run_config(tmp_path, init_from=model_of_vocab_64, **settings), 64)
+
+
 def test_with_init_from_eval_files_may_have_the_models_vocab(tmp_path, model_of_vocab_64):
     data = tmp_path / "data"
     data.mkdir()
@@ -194,6 +212,21 @@ def test_a_token_past_the_models_vocab_is_refused_naming_the_model_vocab(tmp_pat
     with pytest.raises(ValueError, match=rf"token id 64 at index {first} is outside the vocabulary of the model "
                                          r"\(64 ids"):
         train(run_config(tmp_path, train_data=path, vocab_size=64, run_name="sized"), **QUIET)
+
+
+def test_one_stray_id_far_past_the_header_vocab_is_named_not_made_a_vocabulary(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    tokens = eos_terminated(12, 63, eos=63)
+    tokens[100] = 10**9  # before: model.vocab_size 0 made this a 10**9-row embedding, then out of memory
+    path = llmq_file(data / "train_000000.bin", tokens, header_vocab=63)
+    with pytest.raises(ValueError, match=r"train_000000\.bin.*token id 1000000000 at index 100 is far past the "
+                                         r"token files' vocab size 63 .*only below 126 \(2x\)\. A corrupt file\?"):
+        train(run_config(tmp_path, train_data=path, steps=1), **QUIET)
+    tokens[100] = 125  # still below twice the header's: taken as the vocabulary, as llm.q's added ids are
+    path = llmq_file(data / "train_000000.bin", tokens, header_vocab=63)
+    result = train(run_config(tmp_path, train_data=path, steps=1, run_name="wide"), **QUIET)
+    assert json.load(open(os.path.join(result.model_dir, "config.json")))["vocab_size"] == 126
 
 
 def test_nanoq_eval_checks_the_ids_against_the_models_vocab(tmp_path, model_of_vocab_64):

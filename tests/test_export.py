@@ -247,6 +247,24 @@ def test_export_checkpoint_writes_the_checkpointed_weights(checkpoints, tmp_path
     assert result.exit_code == 1 and "cannot export" in result.output
 
 
+def test_cli_export_takes_a_run_directory_and_names_the_step_it_exports(checkpoints, tmp_path):
+    from nanoq_cli.main import cli
+
+    root = tmp_path / "run" / "checkpoints"
+    with open_trainer(checkpoints.path("qwen3")) as trainer:
+        run_steps(trainer, [random_batch(np.random.default_rng(1), rows=2)], lr=1e-2)
+        trainer.save_checkpoint(root, step=1)
+        first = trainer.get_weights()
+        run_steps(trainer, [random_batch(np.random.default_rng(2), rows=2)], lr=1e-2)
+        trainer.save_checkpoint(root, step=2)
+    (root / "step_00000002" / "trainer_state.json").write_text("{ damaged")
+    result = CliRunner().invoke(cli, ["export", str(tmp_path / "run"), "-o", str(tmp_path / "model")])
+    assert result.exit_code == 0, result.output
+    assert (f"exporting {root / 'step_00000001'}, the newest valid checkpoint of {root} (passed over, not valid: "
+            f"step_00000002)") in result.output
+    assert_same_tensors(dict(iter_weights(tmp_path / "model")), first, "exported step-1 weight")
+
+
 @pytest.mark.parametrize("declared, written", [(None, 16), (8, 16), (4096, 4096)])
 def test_exported_context_is_the_declared_one_or_the_trained_seq_len(tmp_path, declared, written):
     config = nanoq.ModelConfig(**NANOQ_CONFIG["llama"], max_position_embeddings=declared)

@@ -396,3 +396,8 @@ def test_nanoq_eval_of_packed_documents_equals_transformers_on_each_document(hf_
             count += len(doc) - 1
     assert out["tokens"] == count
     assert out["loss"] == pytest.approx(total / count, rel=1e-5)
+    # auto is the default, as for training's eval: files tokenized for packing are evaluated packed.
+    result = invoke("eval", path, "--data", tmp_path / "eval_*.bin", "--seq-len", 10, "--batch-size", 2,
+                    "--backend", "cpu", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output) == out

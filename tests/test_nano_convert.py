@@ -406,4 +406,8 @@ def test_nano_model_options_map_to_model_settings():
     assert config.objective == "seq2seq"
     assert {"model.use_rope", "model.bias", "model.is_causal", "model.dropout"} <= set(conversion.mapped)
     assert not [entry for entry in conversion.unmapped if entry.startswith("model.")]
+    # Mapped, saying what it does not reproduce: Nano's attention-probability dropout.
+    assert conversion.mapped["model.dropout"] == (
+        "model.dropout = 0.1 (the embedding and the two block outputs, as Nano; Nano's attention also drops "
+        "attention probabilities, nanoq's does not)")
     assert "train.dropout" in conversion.mapped  # the model's dropout is the one Nano applies

@@ -158,3 +158,31 @@ def test_the_marked_readme_examples_run(tmp_path, monkeypatch):
     assert os.path.isfile(tmp_path / "nanoq-out" / "first" / "model" / "config.json")
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert re.search(r"chat_template", (tmp_path / "sft" / "tokenizer_config.json").read_text())
+
+
+# Standard-library modules nanoq may not use below the Python version that brought them.
+NEWER_MODULES = {"tomllib": (3, 11)}
+
+
+def test_the_python_version_the_readme_names_is_the_one_pyproject_requires_and_the_code_needs():
+    import ast
+    import tomllib
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        required = tomllib.load(f)["project"]["requires-python"]
+    lowest = tuple(int(part) for part in re.fullmatch(r">=(\d+)\.(\d+)", required).groups())
+    with open(README, encoding="utf-8") as f:
+        assert f"needs Python ≥ {lowest[0]}.{lowest[1]}," in f.read()
+    shipped = [path for folder in ("pylib", "cli") for path in glob.glob(os.path.join(root, folder, "**", "*.py"),
+                                                                        recursive=True)]
+    assert len(shipped) > 20
+    for path in shipped:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path, feature_version=lowest)  # syntax newer than `lowest` is refused
+        for node in ast.walk(tree):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            for name in names:
+                since = NEWER_MODULES.get(name.split(".")[0])
+                assert since is None or since <= lowest, f"{path} imports {name} (Python {since}), below {required}"

@@ -154,8 +154,9 @@ def test_training_logs_every_step_and_eval_and_lowers_the_eval_loss(tmp_path):
     lines = []
     result = train(tiny_config(tmp_path), say=lines.append, progress=False)
     records = [json.loads(line) for line in open(result.log_path)]
+    # The last step's sample: train.sample_every's default (60) is past this run's 8 steps.
     assert [r["type"] for r in records] == ["start", "eval"] + ["train"] * 4 + ["eval"] + ["train"] * 4 + \
-        ["checkpoint", "eval", "end"]
+        ["sample", "checkpoint", "eval", "end"]
     train_records = [r for r in records if r["type"] == "train"]
     assert [r["step"] for r in train_records] == list(range(1, 9))
     assert [r["tokens"] for r in train_records] == [4 * 16 * 2 * s for s in range(1, 9)]
@@ -214,3 +215,14 @@ def test_jsonl_log_lines_are_on_disk_as_soon_as_written(tmp_path):
     with open(tmp_path / "log.jsonl", "a") as f:
         f.write('{"type": "train", "st')  # a writer killed mid-line
     assert read_log(tmp_path / "log.jsonl") == [{"type": "train", "step": 1, "loss": None}]
+    # A resumed run's log cuts the fragment off before its first record, which else glued onto it.
+    with JsonlLog(tmp_path / "log.jsonl") as log:
+        log.write(type="resume", step=1)
+    assert read_log(tmp_path / "log.jsonl") == [{"type": "train", "step": 1, "loss": None},
+                                               {"type": "resume", "step": 1}]
+    # A fragment longer than a read-back block, and one with no line before it.
+    for before in ('{"type": "eval"}\n', ""):
+        (tmp_path / "torn.jsonl").write_text(before + '{"type": "sample", "completion": "' + "x" * 70000)
+        with JsonlLog(tmp_path / "torn.jsonl") as log:
+            log.write(type="end")
+        assert (tmp_path / "torn.jsonl").read_text() == before + '{"type": "end"}\n'

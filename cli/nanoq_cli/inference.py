@@ -15,6 +15,8 @@ from typing import Optional
 
 import click
 
+from nanoq_cli.numbers import FiniteFloat, Integer
+
 BACKENDS = ("auto", "cpu", "cuda", "cuda_emulated")
 RUN_MODEL = "model"          # the final model a finished run exports
 RUN_CHECKPOINTS = "checkpoints"
@@ -96,16 +98,16 @@ def _load_tokenizer(source: ModelSource, what: str):
 @click.command("generate")
 @click.argument("model", type=click.Path(exists=True, file_okay=False))
 @click.option("--prompt", required=True, help="The text to continue.")
-@click.option("--max-new-tokens", type=click.IntRange(0), default=64, show_default=True,
+@click.option("--max-new-tokens", type=Integer(0), default=64, show_default=True,
               help="Most tokens to generate (fewer when the tokenizer's end-of-sequence token comes first).")
-@click.option("--temperature", type=click.FloatRange(0.0), default=1.0, show_default=True,
+@click.option("--temperature", type=FiniteFloat(0.0), default=1.0, show_default=True,
               help="Softmax temperature; 0 is greedy (the most likely token each time).")
-@click.option("--top-k", type=click.IntRange(0), default=0, show_default=True,
+@click.option("--top-k", type=Integer(0), default=0, show_default=True,
               help="Sample among the K most likely tokens only (0: all).")
-@click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True,
+@click.option("--top-p", type=FiniteFloat(0.0, 1.0, min_open=True), default=1.0, show_default=True,
               help="Sample among the most likely tokens whose probability reaches P (1: all).")
-@click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed of the sampling.")
-@click.option("--steps", type=click.IntRange(1),
+@click.option("--seed", type=Integer(0), default=0, show_default=True, help="Seed of the sampling.")
+@click.option("--steps", type=Integer(1),
               help="Bidirectional (denoising) models only: unmasking passes over the whole sequence, at most "
               "--max-new-tokens (default: --max-new-tokens, one position per pass).")
 @click.option("--mask-token", metavar="ID|TEXT",
@@ -204,16 +206,17 @@ def evaluate(trainer, dataset, max_batches: int = 0) -> dict:
 @click.command("eval")
 @click.argument("model", type=click.Path(exists=True, file_okay=False))
 @click.option("--data", required=True, metavar="GLOB", help='Token files (.bin) to evaluate on, e.g. "eval_*.bin".')
-@click.option("--seq-len", type=click.IntRange(1),
+@click.option("--seq-len", type=Integer(1),
               help="Window length (default: a checkpoint's training seq_len, else the model's positions, at "
               "most 1024).")
-@click.option("--batches", type=click.IntRange(0), default=0, show_default=True,
+@click.option("--batches", type=Integer(0), default=0, show_default=True,
               help="Evaluate at most this many batches (0: every window).")
-@click.option("--batch-size", type=click.IntRange(1), default=4, show_default=True, help="Windows per batch.")
+@click.option("--batch-size", type=Integer(1), default=4, show_default=True, help="Windows per batch.")
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
-@click.option("--packing", type=click.Choice(["stream", "pack", "auto"]), default="stream", show_default=True,
+@click.option("--packing", type=click.Choice(["stream", "pack", "auto"]), default="auto", show_default=True,
               help="stream: windows of the token stream; pack: whole documents per window, each attending "
-              "only to itself (nanoq.data.loader); auto: what the files' tokenize.json says.")
+              "only to itself (nanoq.data.loader); auto: what the files' tokenize.json says (pack for "
+              "nanoq tokenize --format sft), as training's eval does.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 def eval_command(model, data, seq_len, batches, batch_size, backend, packing, as_json):
     """Mean loss and perplexity of MODEL (a Hugging Face model folder, a run

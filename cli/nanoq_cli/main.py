@@ -15,54 +15,8 @@ import click
 
 from nanoq import options as option_schema
 from nanoq_cli import inference
+from nanoq_cli.numbers import FiniteFloat, Integer
 from nanoq.training.settings import settings
-
-
-# -- numbers on the command line -------------------------------------------------------
-# Every numeric option goes through one of these types, so that a value that
-# overflows or is not finite ("1e400", "nan", "inf", 10**30) is a usage error
-# naming the option, never a traceback further down.
-
-INT_RANGE = (-(2**63), 2**64 - 1)  # what the core and numpy hold: int64, or uint64 for seeds
-
-
-def _describe_bounds(number_type, base) -> str:
-    """click's range text ("x>=1"), none for an unbounded type (click would say "x<=None")."""
-    if number_type.min is None and number_type.max is None:
-        return ""
-    return base._describe_range(number_type)
-
-
-class Integer(click.IntRange):
-    """An integer within 64 bits (signed, or unsigned for seeds), and within
-    [min, max] when given (as click.IntRange)."""
-
-    name = "integer"
-
-    def convert(self, value, param, ctx):
-        number = click.INT.convert(value, param, ctx)
-        if not INT_RANGE[0] <= number <= INT_RANGE[1]:
-            self.fail(f"{value!r} does not fit in a 64-bit integer", param, ctx)
-        return super().convert(number, param, ctx)
-
-    def _describe_range(self):
-        return _describe_bounds(self, click.IntRange)
-
-
-class FiniteFloat(click.FloatRange):
-    """A finite float (not nan, inf or a literal beyond the float range such
-    as 1e400), and within [min, max] when given (as click.FloatRange)."""
-
-    name = "float"
-
-    def convert(self, value, param, ctx):
-        number = click.FLOAT.convert(value, param, ctx)
-        if not math.isfinite(number):
-            self.fail(f"{value!r} is not a finite number", param, ctx)
-        return super().convert(number, param, ctx)
-
-    def _describe_range(self):
-        return _describe_bounds(self, click.FloatRange)
 
 
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -349,10 +303,11 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, processes
     if from_host:
         from nanoq._core import cpu_host_memory
 
-        # The cpu backend's devices are threads sharing the host's memory: each its share.
+        # The cpu backend's devices are threads sharing the host's memory (and the processes of a
+        # launcher, taken to run on this machine): each its share.
         host_bytes, source = cpu_host_memory()
         if host_bytes:
-            devices = estimate.options.devices
+            devices = estimate.world_devices
             device_bytes = host_bytes // devices
             host_note = (f"(the device memory is this machine's available host memory, {human_bytes(host_bytes)}"
                          + (f", shared by the {devices} cpu devices" if devices > 1 else "") + f": {source})")
@@ -397,19 +352,32 @@ def export(checkpoint, output, max_shard_size, tokenizer, max_position_embedding
            allow_non_finite):
     """Write a checkpoint's weights as a Hugging Face model directory.
 
-    CHECKPOINT is a step directory or a checkpoint root (its newest valid
-    step). transformers loads the result with AutoModelForCausalLM. A LoRA
+    CHECKPOINT is a step directory, a checkpoint root or a run directory
+    (its checkpoints/): of a root, the newest valid step, named in the
+    output with any newer step directory that was passed over.
+    transformers loads the result with AutoModelForCausalLM. A LoRA
     checkpoint holds only adapters: it is written as a PEFT adapter
     (adapter_config.json + adapter_model.safetensors, for
     peft.PeftModel.from_pretrained), or with --merge as a full model.
     """
-    from nanoq.checkpoint import read_state
+    from nanoq.checkpoint import list_step_dirs, read_state, resolve, step_dir_name
     from nanoq.hf_export import export_checkpoint
+    from nanoq_cli.inference import RUN_CHECKPOINTS
 
     max_shard_bytes = max_shard_size
     if not os.path.exists(checkpoint):
-        raise click.ClickException(f"no checkpoint at {checkpoint}: give a step directory or a checkpoint root")
+        raise click.ClickException(f"no checkpoint at {checkpoint}: give a step directory, a checkpoint root or a "
+                                   f"run directory")
+    if os.path.isdir(os.path.join(checkpoint, RUN_CHECKPOINTS)):
+        checkpoint = os.path.join(checkpoint, RUN_CHECKPOINTS)  # a run directory: its checkpoints
     try:
+        step_directory = resolve(checkpoint)
+        if step_directory != os.path.abspath(checkpoint):  # a root: say which step, and what it passed over
+            step = read_state(step_directory)["step"]
+            newer = [step_dir_name(n) for n in list_step_dirs(checkpoint) if n > step]
+            click.echo(f"exporting {step_directory}, the newest valid checkpoint of {checkpoint}"
+                       + (f" (passed over, not valid: {', '.join(newer)})" if newer else ""))
+        checkpoint = step_directory
         if merge and not read_state(checkpoint).get("lora"):
             raise click.UsageError("--merge is for LoRA checkpoints; this one holds full weights (export it "
                                    "without --merge)")

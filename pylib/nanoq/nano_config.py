@@ -268,6 +268,8 @@ def _map_nano_options(model: _Fields, train: _Fields, out: _Mapping) -> None:
         out.same(model.key("dropout"), "no dropout, as nanoq's default")
     elif model.has("dropout"):
         out.put(model.key("dropout"), dropout=dropout)
+        out.mapped[model.key("dropout")] += (" (the embedding and the two block outputs, as Nano; Nano's attention "
+                                             "also drops attention probabilities, nanoq's does not)")
     if train.has("dropout"):
         # Nano's train.py builds the model from the model config alone.
         ignored = train.get("dropout", "number")

@@ -106,7 +106,8 @@ class ModelConfig:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(
                     f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
-                    f"({self.num_attention_heads}); give head_dim explicitly")
+                    f"({self.num_attention_heads}): choose a head count that divides it, or give head_dim "
+                    f"explicitly (ModelConfig.head_dim, or head_dim in a Hugging Face config.json)")
             self.head_dim = self.hidden_size // self.num_attention_heads
         _positive_int("head_dim", self.head_dim)
         if self.head_dim % 2:

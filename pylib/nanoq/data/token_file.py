@@ -193,7 +193,9 @@ class TokenFile:
             header = f.read(HEADER_BYTES)
         if header[:len(MAGIC)] != MAGIC:
             raise ValueError(f"token file {self.path!r} has the wrong magic {header[:len(MAGIC)]!r} "
-                             f"(expected {MAGIC!r}); not a token file")
+                             f"(expected {MAGIC!r}); not a token file: `nanoq tokenize` makes them from text, "
+                             f"JSONL or Nano files, and nanoq.data.write_tokens(path, tokens, vocab_size) from a "
+                             f"token array (nanoGPT's train.bin: numpy.fromfile(path, numpy.uint16))")
         words = np.frombuffer(header, dtype="<i4")
         self.version = int(words[_VERSION_WORD])
         if self.version != VERSION:
@@ -243,20 +245,25 @@ class TokenFile:
                                  f"{index} is negative; the file is corrupt")
             self.max_token = max(self.max_token, int(chunk.max()))
 
+    def first_id_from(self, limit: int) -> int | None:
+        """The index of the first token id >= ``limit``, or None."""
+        if self.max_token < limit:
+            return None
+        for start in range(0, self._count, _CHUNK_TOKENS):
+            bad = self.tokens[start:start + _CHUNK_TOKENS] >= limit
+            if bad.any():
+                return start + int(np.argmax(bad))
+        return None
+
     def check_vocab(self, model_vocab: int, what: str = "the model") -> None:
         """ValueError naming this file, the first index of an id >= model_vocab
         and ``what`` has that vocabulary (``what``: e.g. "the model")."""
-        if self.max_token < model_vocab:
-            return
-        for start in range(0, self._count, _CHUNK_TOKENS):
-            chunk = self.tokens[start:start + _CHUNK_TOKENS]
-            bad = chunk >= model_vocab
-            if bad.any():
-                index = start + int(np.argmax(bad))
-                raise ValueError(f"token file {self.path!r}: token id {int(self.tokens[index])} at index {index} "
-                                 f"is outside the vocabulary of {what} ({model_vocab} ids, [0, {model_vocab})); "
-                                 f"the file's header says vocab {self.vocab_size}. Tokenize with the model's "
-                                 f"tokenizer or give the model a vocabulary of at least {self.max_token + 1}")
+        index = self.first_id_from(model_vocab)
+        if index is not None:
+            raise ValueError(f"token file {self.path!r}: token id {int(self.tokens[index])} at index {index} "
+                             f"is outside the vocabulary of {what} ({model_vocab} ids, [0, {model_vocab})); "
+                             f"the file's header says vocab {self.vocab_size}. Tokenize with the model's "
+                             f"tokenizer or give the model a vocabulary of at least {self.max_token + 1}")
 
     def __len__(self) -> int:
         return self._count

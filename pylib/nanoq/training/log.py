@@ -44,6 +44,7 @@ class JsonlLog:
 
     def __init__(self, path: str | os.PathLike, tracker=None):
         self.path = os.fspath(path)
+        _drop_torn_line(self.path)
         self._file: Optional[IO[str]] = open(self.path, "a", encoding="utf-8")
         self.tracker = tracker
 
@@ -70,9 +71,38 @@ class JsonlLog:
         self.close()
 
 
+def _drop_torn_line(path: str) -> None:
+    """Cuts a torn last line (a writer killed mid-line: no newline at the
+    end) off an existing log, so that the next record starts a line of its
+    own instead of gluing onto the fragment (which no reader could parse)."""
+    try:
+        f = open(path, "rb+")
+    except FileNotFoundError:
+        return
+    with f:
+        size = f.seek(0, os.SEEK_END)
+        if not size:
+            return
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        # The end of the last whole line: read back from the end in blocks.
+        end, block = size, 1 << 16
+        while end > 0:
+            start = max(0, end - block)
+            f.seek(start)
+            newline = f.read(end - start).rfind(b"\n")
+            if newline >= 0:
+                f.truncate(start + newline + 1)
+                return
+            end = start
+        f.truncate(0)
+
+
 def read_log(path: str | os.PathLike) -> list:
     """The records of a log.jsonl; a torn last line (the writer was killed
-    mid-line) is skipped, any other bad line is a ValueError naming it."""
+    mid-line; a run that resumes cuts it off before it writes) is skipped,
+    any other bad line is a ValueError naming it."""
     with open(path, encoding="utf-8") as f:
         lines = f.read().split("\n")
     records = []

@@ -284,10 +284,29 @@ def data_packing(config: TrainConfig, datasets: Optional[List[Dataset]] = None) 
     return "pack" if config.packing == "pack" else "stream"
 
 
+# model.vocab_size 0 takes the largest token id + 1 where that passes the
+# files' header vocab (llm.q writes an added EOS as id = header vocab), but
+# not beyond this many times the header's: an id that far out is a corrupt
+# file, not a vocabulary (one stray id of 10**9 became a 238 GiB embedding).
+DERIVED_VOCAB_LIMIT = 2
+
+
 def _model_for_data(config: TrainConfig, datasets) -> ModelConfig:
-    """model_config of the largest vocab size and token id of ``datasets``."""
-    return model_config(config, max(dataset.vocab_size for dataset in datasets),
-                        max(dataset.max_token for dataset in datasets) + 1)
+    """model_config of the largest vocab size and token id of ``datasets``.
+    ValueError naming the file and index of a token id beyond
+    DERIVED_VOCAB_LIMIT times the header vocab when model.vocab_size is 0."""
+    header_vocab = max(dataset.vocab_size for dataset in datasets)
+    if not config.vocab_size and config.init_from == "":
+        limit = DERIVED_VOCAB_LIMIT * header_vocab
+        for token_file in (f for dataset in datasets for f in dataset.files):
+            index = token_file.first_id_from(limit)
+            if index is not None:
+                raise ValueError(
+                    f"token file {token_file.path!r}: token id {int(token_file.tokens[index])} at index {index} "
+                    f"is far past the token files' vocab size {header_vocab} (their headers'): model.vocab_size 0 "
+                    f"takes the largest id + 1 only below {limit} ({DERIVED_VOCAB_LIMIT}x). A corrupt file? Give "
+                    f"model.vocab_size to train on such ids anyway")
+    return model_config(config, header_vocab, max(dataset.max_token for dataset in datasets) + 1)
 
 
 def small_data_warnings(datasets, rows_per_step: int) -> List[str]:
@@ -338,7 +357,22 @@ def model_config(config: TrainConfig, data_vocab_size: int, token_vocab_size: in
         if model.vocab_size < data_vocab_size:
             raise ValueError(f"model.init_from {config.init_from} has a vocabulary of {model.vocab_size}, smaller "
                              f"than the token files' vocab size {data_vocab_size}: tokenize with its tokenizer")
-        return model
+        # The directory's config.json sets the architecture ([model] sizes are ignored); a [model]
+        # setting that asks for another kind of model is refused rather than dropped (it would train
+        # something else than asked for, say a causal model for objective seq2seq), and model.dropout,
+        # a training setting, applies.
+        asked = [(f"model.causal = {str(config.causal).lower()}", not config.causal and model.causal),
+                 (f"model.position_embedding = {config.position_embedding!r}",
+                  config.position_embedding != model.position_embedding and config.position_embedding != "rope"),
+                 ("model.linear_bias = true",
+                  config.linear_bias and not (model.qkv_bias and model.o_bias and model.mlp_bias))]
+        conflicts = [setting for setting, conflicting in asked if conflicting]
+        if conflicts:
+            raise ValueError(f"{', '.join(conflicts)} cannot apply to model.init_from {config.init_from}: its "
+                             f"config.json sets the architecture (causal {str(model.causal).lower()}, positions "
+                             f"{model.position_embedding!r}, biases q/k/v {str(model.qkv_bias).lower()}, o "
+                             f"{str(model.o_bias).lower()}, MLP {str(model.mlp_bias).lower()}); leave them out")
+        return dataclasses.replace(model, dropout=config.dropout) if config.dropout else model
     vocab = config.vocab_size or max(data_vocab_size, token_vocab_size)
     if vocab < data_vocab_size:
         raise ValueError(f"model.vocab_size {vocab} is smaller than the token files' vocab size "

@@ -135,7 +135,9 @@ class TrainConfig:
                                           "bidirectional (Nano's is_causal = false), for train.objective seq2seq "
                                           "or denoise; not exportable to transformers")
     init_from: str = setting("model", "", "a Hugging Face model directory to start from (its config.json sets the "
-                                          "architecture and the [model] sizes are ignored); \"\" = random weights",
+                                          "architecture and the [model] sizes are ignored; model.dropout applies, "
+                                          "and model.causal, position_embedding and linear_bias may not ask for "
+                                          "another architecture); \"\" = random weights",
                             memory=True, path=True)
 
     # -- data ------------------------------------------------------------------
@@ -156,7 +158,8 @@ class TrainConfig:
     packing: str = setting("data", "auto", "\"stream\": windows cut from the concatenated documents; \"pack\": "
                                            "whole documents packed into windows, attention and positions restarting "
                                            "at each (SFT); \"auto\" = what the files' tokenization chose (pack for "
-                                           "nanoq tokenize --format sft)", choices=PACKINGS + ("auto",))
+                                           "nanoq tokenize --format sft)", choices=PACKINGS + ("auto",),
+                           memory=True)
     mask_token: str = setting("data", "", "train.objective denoise: the mask token, an id or the token's text; "
                                           "\"\" = the tokenizer's mask token")
     eval_batches: int = setting("data", 16, "batches per evaluation; 0 = the whole eval set", minimum=0)
@@ -174,8 +177,9 @@ class TrainConfig:
     grad_accum: int = setting("train", 1, core_help("grad_accum"), **core_limits("grad_accum"))
     lr: float = setting("train", 2e-3, "peak learning rate", above=0)
     schedule: str = setting("train", "cosine", "learning-rate schedule after warmup", choices=SCHEDULES)
-    warmup_steps: int = setting("train", 20, "steps of linear warmup from 0 to lr (a warmup longer than "
-                                                  "train.steps is cut to the run, with a warning)", minimum=0)
+    warmup_steps: int = setting("train", 20, "steps of linear warmup up to lr: update s (from 0) takes "
+                                                  "lr*(s+1)/warmup_steps (a warmup longer than train.steps is cut "
+                                                  "to the run, with a warning)", minimum=0)
     final_lr_fraction: float = setting("train", 0.1, "final lr as a fraction of lr", minimum=0, maximum=1)
     cooldown_fraction: float = setting("train", 0.2, "wsd only: share of all steps spent decaying at the end",
                                        minimum=0, maximum=1)
@@ -213,7 +217,9 @@ class TrainConfig:
 
     # -- checkpoint: <run>/checkpoints/step_XXXXXXXX, for --resume and nanoq export --
     checkpoint_every: int = setting("checkpoint", 100, "save a checkpoint every N steps and after the last "
-                                                       "step; 0 = never", minimum=0)
+                                                       "step; 0 = none of those (a run still saves one when a "
+                                                       "signal or train.max_skipped_steps stops it, and at the end "
+                                                       "when its model cannot be exported)", minimum=0)
     keep_last: int = setting("checkpoint", 2, "checkpoints kept: the newest N (older ones are deleted)",
                              minimum=1)
     keep_every: int = setting("checkpoint", 0, "also keep every checkpoint whose step is divisible by N; "
