@@ -602,3 +602,17 @@ def test_cuda_estimate_equals_real_allocations(request, backend, name, batch_siz
     estimate = estimate_memory(config, options)
     assert estimate.approximate == []
     assert [(a.context, a.name, a.bytes, a.kind) for a in estimate.allocations] == real_allocations(config, options)
+
+
+def test_cli_memory_takes_the_packing_which_changes_the_cuda_plan(monkeypatch):
+    # data.packing pack reserves cuda's attention-document-mask: `nanoq memory --packing` plans it.
+    import nanoq.memory
+
+    seen = []
+    real = nanoq.memory.estimate_memory
+    monkeypatch.setattr(nanoq.memory, "estimate_memory",
+                        lambda model, options, **kw: seen.append(options.packed_documents) or real(model, options, **kw))
+    for packing in ("pack", "stream"):
+        result = invoke("memory", *TINY_FLAGS, "--packing", packing)
+        assert result.exit_code == 0, result.output
+    assert seen == [True, False]
