@@ -261,6 +261,18 @@ def test_cli_resume_continues_with_more_steps_and_refuses_a_model_change(tmp_pat
     assert json.loads(open(run / "log.jsonl").readlines()[-1])["model_dir"] == str(run / "model-step12")
 
 
+def test_cli_resume_of_a_run_directory_alone_takes_the_runs_own_settings(tmp_path):
+    _, expected = straight_run(tmp_path, schedule="constant")
+    assert invoke(cli_args(tmp_path, "--schedule", "constant", "--steps", "8")).exit_code == 0
+    run = tmp_path / "runs" / "cli"
+    # Before, the defaults stood in for the run's settings: "cannot resume ... data.train_data: checkpoint ...".
+    for where in (run, run / "checkpoints"):
+        result = invoke(["train", "--resume", str(where), "--steps", "10" if where == run else "12"])
+        assert result.exit_code == 0, result.output
+        assert f"settings: {run / 'config.toml'} (the run's own; flags change them)" in result.output
+    assert losses_after_resume(run) == {step: expected[step] for step in range(11, 13)}
+
+
 def test_cli_resume_followed_by_a_config_file_is_a_usage_error(tmp_path):
     toml = tmp_path / "my.toml"
     toml.write_text("[train]\nsteps = 3\n")

@@ -99,6 +99,20 @@ def _rules_epilog() -> str:
                        [f"- {rule['message']}" for rule in option_schema.rules()])
 
 
+def _run_config_file(resume: str):
+    """The config.toml of the run that ``--resume DIR`` names (a run
+    directory, its checkpoints/ or a step directory), or None."""
+    from nanoq_cli.inference import RUN_CHECKPOINTS
+
+    path = os.path.abspath(resume)
+    if os.path.basename(os.path.dirname(path)) == RUN_CHECKPOINTS:  # a step directory
+        path = os.path.dirname(path)
+    if os.path.basename(path) == RUN_CHECKPOINTS:
+        path = os.path.dirname(path)
+    candidate = os.path.join(path, "config.toml")
+    return candidate if os.path.isfile(candidate) else None
+
+
 @cli.command(context_settings=dict(max_content_width=110), epilog=_rules_epilog())
 @click.argument("config_file", metavar="[CONFIG.toml]", required=False, type=click.Path(dir_okay=False))
 @click.option("--print-config", is_flag=True, help="Print the merged configuration as TOML and exit.")
@@ -106,7 +120,8 @@ def _rules_epilog() -> str:
               help="Continue from a checkpoint. DIR: a run directory, its checkpoints/ or a step directory. "
               "auto (also --resume alone): <out_dir>/<run_name>, or without run_name the run in out_dir with "
               "the newest checkpoint; a fresh run if there is none. Model and data settings must match the "
-              "checkpoint's; other changes (steps, lr, ...) are applied and reported.")
+              "checkpoint's; other changes (steps, lr, ...) are applied and reported. With DIR and no "
+              "CONFIG.toml the settings start from the run's own config.toml (the flags still apply).")
 @_setting_options
 def train(config_file, print_config, resume, **flags):
     """Train a model. Settings come from the defaults (the demo), then
@@ -117,6 +132,10 @@ def train(config_file, print_config, resume, **flags):
     from nanoq.training import train as run_training
 
     overrides = {name: value for name, value in flags.items() if value is not None}
+    if config_file is None and resume not in (None, "auto"):
+        config_file = _run_config_file(resume)
+        if config_file is not None:
+            click.echo(f"settings: {config_file} (the run's own; flags change them)")
     try:
         config = load_config(config_file, overrides)
     except (ValueError, FileNotFoundError) as e:
