@@ -173,6 +173,10 @@ const std::vector<Field>& fields() {
         flag("packed_documents",
              "step() takes positions (packed documents): cuda reserves their attention mask so that cuDNN runs them",
              [](const TrainOptions& o) { return o.packed_documents; }),
+        flag("inference",
+             "forward passes only (logits, generate, validate): no gradients, master weights or AdamW state are "
+             "allocated, and step() and update() refuse",
+             [](const TrainOptions& o) { return o.inference; }),
         choice("matmul_dtype", "the dtype of the projection matmuls' inputs", kMatmulPrecisions,
                [](const TrainOptions& o) {
                    return name_or_empty(kMatmulPrecisions, static_cast<int>(o.matmul_dtype));
@@ -229,6 +233,11 @@ const std::vector<Rule>& rules() {
          [](const TrainOptions& o) {
              return o.matmul_dtype != MatmulPrecision::FP8 || (o.backend != "cpu" && o.dtype == Precision::BF16);
          }},
+        {{"inference_keeps_weights_only",
+          {"inference", "zero_stage", "offload"},
+          "an inference trainer keeps whole weights only: zero_stage 1 and nothing offloaded (stages 2 and 3 and "
+          "offload are for gradients and optimizer state it does not have)"},
+         [](const TrainOptions& o) { return !o.inference || (o.zero_stage == 1 && o.offload.empty()); }},
         {{"world_holds_the_devices",
           {"world_size", "devices"},
           "world_size must be 0 (this trainer's devices are the world) or at least devices"},

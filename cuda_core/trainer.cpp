@@ -236,7 +236,8 @@ TrainerSetup::TrainerSetup(const ModelConfig& c, const TrainOptions& o) : config
         throw InvalidArgument("packed_documents needs a causal model: positions (packed documents) restart a "
                               "causal attention, and this model has causal false");
     weight_dtype = dtype_of(o.dtype);
-    master_dtype = dtype_of(o.master_dtype);
+    // An inference trainer's "master" is its weights: nothing is updated.
+    master_dtype = o.inference ? weight_dtype : dtype_of(o.master_dtype);
     optimizer_dtype = dtype_of(o.optimizer_dtype);
     recompute = Recompute::from(o.recompute);
     offload = o.offload;
@@ -336,16 +337,19 @@ void allocate_device_state(const TrainerSetup& s, int rank, DeviceState& d, bool
     if (s.lora.enabled())
         d.frozen = a.allocate(Context::Weights, "frozen-weights", weight_dtype,
                               {s.frozen.back().offset + s.frozen.back().numel()});
+    const bool training = !s.options.inference;
     s.zero->allocate(a, d.zero, weight_dtype, s.lora.enabled() ? "adapters" : "weights",
-                     offload.has(kOffloadGradients));
+                     offload.has(kOffloadGradients), training);
     const MemoryKind master_kind = offload.has(kOffloadMaster) ? MemoryKind::Pinned : MemoryKind::Device;
     const MemoryKind optimizer_kind = offload.has(kOffloadOptimizer) ? MemoryKind::Pinned : MemoryKind::Device;
     // Else the master shard is a view of the weights (bound by the caller).
     d.master_is_weights = master_dtype == weight_dtype && !offload.has(kOffloadMaster);
     if (!d.master_is_weights)
         d.master = a.allocate(Context::Master, "master", master_dtype, {s.shard}, master_kind);
-    d.adam_m = a.allocate(Context::AdamM, "adam-m", optimizer_dtype, {s.shard}, optimizer_kind);
-    d.adam_v = a.allocate(Context::AdamV, "adam-v", optimizer_dtype, {s.shard}, optimizer_kind);
+    if (training) {
+        d.adam_m = a.allocate(Context::AdamM, "adam-m", optimizer_dtype, {s.shard}, optimizer_kind);
+        d.adam_v = a.allocate(Context::AdamV, "adam-v", optimizer_dtype, {s.shard}, optimizer_kind);
+    }
     const std::int64_t chunk = std::min(s.shard, kOptimizerChunk);
     if (offload.has(kOffloadMaster))
         d.staged_master = a.allocate(Context::Workspace, "offload-master", master_dtype, {chunk});
@@ -417,6 +421,12 @@ struct Trainer::Impl : TrainerSetup {
     int size() const { return static_cast<int>(devices.size()); }
     int global(int rank) const { return first_rank + rank; }
     // Calls that need every rank's shard cannot answer for a world beyond this trainer.
+    // Calls that train need the gradients and optimizer state an inference trainer leaves out.
+    void require_training(const std::string& what) const {
+        if (options.inference)
+            throw InvalidArgument(what + " needs a trainer made for training: this one has inference = true "
+                                  "(no gradients or optimizer state)");
+    }
     void require_whole_world(const std::string& what) const {
         if (world != size())
             throw InvalidArgument(what + " needs the shards of all " + std::to_string(world) +
@@ -828,10 +838,10 @@ Trainer::Trainer(const ModelConfig& config, const TrainOptions& options, std::sh
         if (m.lora.enabled()) {
             d.weight_views =
                 attach_adapters(bind_weights(config, d.frozen), bind_lora(config, m.lora, d.zero.weights));
-            d.grad_views = bind_lora(config, m.lora, d.zero.grads);
+            if (!options.inference) d.grad_views = bind_lora(config, m.lora, d.zero.grads);
         } else {
             d.weight_views = m.zero->weight_views(d.zero);
-            d.grad_views = m.zero->grad_views(d.zero);
+            if (!options.inference) d.grad_views = m.zero->grad_views(d.zero);
         }
         m.zero->fill_zero(*d.backend, d.zero);
         for (const Tensor& t : {d.frozen, d.adam_m, d.adam_v, d.master})
@@ -963,6 +973,7 @@ void Trainer::get_parameter_part(int index, float* out) {
 
 void Trainer::get_optimizer_state(int index, int kind, float* out) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
+    impl_->require_training("get_optimizer_state");
     Impl& m = *impl_;
     const ParameterInfo& p = m.parameter_at(index, true);
     m.require_whole_world("get_optimizer_state");
@@ -971,6 +982,7 @@ void Trainer::get_optimizer_state(int index, int kind, float* out) {
 
 void Trainer::set_optimizer_state(int index, int kind, const float* data) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
+    impl_->require_training("set_optimizer_state");
     Impl& m = *impl_;
     const ParameterInfo& p = m.parameter_at(index, true);
     m.write_owned_optimizer_state(p, kind, data + m.owned_range(p).first);  // reads only this part
@@ -978,12 +990,14 @@ void Trainer::set_optimizer_state(int index, int kind, const float* data) {
 
 void Trainer::get_optimizer_state_part(int index, int kind, float* out) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
+    impl_->require_training("get_optimizer_state_part");
     Impl& m = *impl_;
     m.read_owned_optimizer_state(m.parameter_at(index, true), kind, out);
 }
 
 void Trainer::set_optimizer_state_part(int index, int kind, const float* data) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
+    impl_->require_training("set_optimizer_state_part");
     Impl& m = *impl_;
     m.write_owned_optimizer_state(m.parameter_at(index, true), kind, data);
 }
@@ -1002,11 +1016,13 @@ void Trainer::set_optimizer_steps(int steps) {
 
 void Trainer::get_gradient(int index, float* out) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
+    impl_->require_training("get_gradient");
     impl_->read_gradient(impl_->parameter_at(index, true), out, true);
 }
 
 void Trainer::get_gradient_addend(int index, float* out) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
+    impl_->require_training("get_gradient_addend");
     impl_->read_gradient(impl_->parameter_at(index, true), out, false);
 }
 
@@ -1014,6 +1030,7 @@ void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int 
                    std::uintptr_t inputs_stream, std::uintptr_t targets_stream, const std::int32_t* positions) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
     Impl& m = *impl_;
+    m.require_training("step()");
     m.check_source(source_device);
     if (m.micro_steps >= m.options.grad_accum)
         throw InvalidArgument("step() called " + std::to_string(m.micro_steps + 1) +
@@ -1207,6 +1224,7 @@ void Trainer::forward_cached(const std::int32_t* tokens, int count, int position
 
 StepStats Trainer::update(const UpdateParams& params) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
+    impl_->require_training("update()");
     Impl& m = *impl_;
     if (m.micro_steps == 0) throw InvalidArgument("update() called before any step(): there are no gradients");
     const int n = m.world;

@@ -34,7 +34,7 @@ ZeroSharding::ZeroSharding(int stage, const ModelConfig& config, const std::vect
     : stage_(stage), devices_(devices), config_(config), blocks_(layout, config.num_layers, devices) {}
 
 void ZeroSharding::allocate(NamedAllocator& a, ZeroBuffers& z, DType weight_dtype, const std::string& weights_name,
-                            bool offload_gradients) const {
+                            bool offload_gradients, bool gradients) const {
     const BlockLayout& b = blocks_;
     if (stage_ < 3) {
         z.weights = a.allocate(Context::Weights, weights_name, weight_dtype, {padded()});
@@ -46,6 +46,7 @@ void ZeroSharding::allocate(NamedAllocator& a, ZeroBuffers& z, DType weight_dtyp
             z.layer_weights[i] = a.allocate(Context::Weights, "layer-weights." + std::to_string(i), weight_dtype,
                                             {b.max_layer});
     }
+    if (!gradients) return;
     if (stage_ == 1) {
         z.grads = a.allocate(Context::Gradients, "gradients", DType::F32, {padded()});
     } else {

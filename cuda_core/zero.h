@@ -95,9 +95,10 @@ public:
 
     // Allocates one device's buffers (or plans them, with a planning
     // allocator); `weights_name` names the full weights ("weights", or
-    // "adapters" with LoRA).
+    // "adapters" with LoRA). Without `gradients` (an inference trainer)
+    // the gradient buffers are left out.
     void allocate(NamedAllocator& allocator, ZeroBuffers& z, DType weight_dtype, const std::string& weights_name,
-                  bool offload_gradients) const;
+                  bool offload_gradients, bool gradients = true) const;
     // Sets the allocated buffers to zero.
     void fill_zero(Backend& backend, ZeroBuffers& z) const;
     // The model's views of the embedding, final norm and head (and, at

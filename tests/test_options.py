@@ -39,6 +39,7 @@ BREAKS = {
     "world_needs_comm_id": dict(backend="cpu", world_size=2),
     "cudnn_attention_needs_cuda": dict(backend="cpu", attention="cudnn"),
     "fp8_matmuls_need_cuda_and_bf16": dict(backend="cpu", matmul_dtype="fp8"),
+    "inference_keeps_weights_only": dict(backend="cpu", inference=True, zero_stage=2),
 }
 
 
@@ -74,6 +75,7 @@ CORE_BREAKS = {
     "world_needs_comm_id": dict(world_size=2),
     "cudnn_attention_needs_cuda": dict(attention="cudnn"),
     "fp8_matmuls_need_cuda_and_bf16": dict(matmul_dtype="fp8"),
+    "inference_keeps_weights_only": dict(inference=True, offload=("optimizer",)),
 }
 
 

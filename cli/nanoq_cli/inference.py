@@ -18,6 +18,7 @@ import click
 from nanoq_cli.numbers import FiniteFloat, Integer
 
 BACKENDS = ("auto", "cpu", "cuda", "cuda_emulated")
+DEFAULT_NEW_TOKENS = 64  # nanoq generate's --max-new-tokens
 RUN_MODEL = "model"          # the final model a finished run exports
 RUN_CHECKPOINTS = "checkpoints"
 
@@ -64,11 +65,14 @@ def find_model(path: str) -> ModelSource:
 
 
 def open_trainer(source: ModelSource, backend: str, seq_len: int, batch_size: int = 1):
-    """A Trainer of `source`'s model with its weights (one device)."""
+    """A Trainer of `source`'s model with its weights (one device), for
+    forward passes only (TrainOptions.inference: no gradients or optimizer
+    state)."""
     import nanoq
     from nanoq.checkpoint import read_weights
 
-    options = nanoq.TrainOptions(backend=backend, batch_size=batch_size, seq_len=seq_len, lora=source.lora)
+    options = nanoq.TrainOptions(backend=backend, batch_size=batch_size, seq_len=seq_len, lora=source.lora,
+                                 inference=True)
     trainer = nanoq.Trainer(source.config, options)
     try:
         if source.kind == "hf":
@@ -98,8 +102,9 @@ def _load_tokenizer(source: ModelSource, what: str):
 @click.command("generate")
 @click.argument("model", type=click.Path(exists=True, file_okay=False))
 @click.option("--prompt", required=True, help="The text to continue.")
-@click.option("--max-new-tokens", type=Integer(0), default=64, show_default=True,
-              help="Most tokens to generate (fewer when the tokenizer's end-of-sequence token comes first).")
+@click.option("--max-new-tokens", type=Integer(0),
+              help=f"Most tokens to generate (fewer when the tokenizer's end-of-sequence token comes first); "
+              f"default {DEFAULT_NEW_TOKENS}, or fewer where the model's positions leave less after the prompt.")
 @click.option("--temperature", type=FiniteFloat(0.0), default=1.0, show_default=True,
               help="Softmax temperature; 0 is greedy (the most likely token each time).")
 @click.option("--top-k", type=Integer(0), default=0, show_default=True,
@@ -136,6 +141,11 @@ def generate(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, ste
             raise ValueError(f"--steps and --mask-token are for bidirectional (denoising) models; {model} is "
                              f"causal")
         eos = eos_id_or_none(tokenizer, tokenizer_json)
+        if max_new_tokens is None:  # the default, within what the model's positions leave
+            positions = source.max_positions if causal else (source.trained_seq_len or source.max_positions)
+            max_new_tokens = DEFAULT_NEW_TOKENS
+            if positions and len(prompt_ids) < positions:
+                max_new_tokens = min(DEFAULT_NEW_TOKENS, positions - len(prompt_ids))
         seq_len = len(prompt_ids) + max_new_tokens
         if source.max_positions and seq_len > source.max_positions:
             raise ValueError(f"the prompt ({len(prompt_ids)} tokens) and --max-new-tokens ({max_new_tokens}) "

@@ -148,6 +148,7 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         cbool cuda_graphs
         CMatmulPrecision matmul_dtype
         cbool packed_documents
+        cbool inference
 
     cdef cppclass CUpdateParams "nanoq::UpdateParams":
         float lr, beta1, beta2, weight_decay, grad_clip, eps
@@ -477,6 +478,8 @@ cdef CTrainOptions _core_options(dict options) except *:
             o.cuda_graphs = value
         elif key == "packed_documents":
             o.packed_documents = value
+        elif key == "inference":
+            o.inference = value
         elif key == "matmul_dtype":
             o.matmul_dtype = matmul_dtype_named(value.encode())
         elif key == "lora":

@@ -477,6 +477,7 @@ class Trainer:
         it; each gets the whole world's gradients, summed over processes in
         rank order, one tensor at a time); a trainer in a world placed by
         hand (``world_group`` None) cannot reach the others: ValueError."""
+        self._require_training("get_gradients")
         if self._core.micro_steps == 0:
             raise ValueError("no gradients yet: call step() before get_gradients()")
         if not self._gathers():
@@ -491,6 +492,12 @@ class Trainer:
         return out
 
     # -- checkpoints and export ---------------------------------------------
+    def _require_training(self, what: str, hint: str = "") -> None:
+        """ValueError for a call that trains (or keeps training state) on an inference trainer."""
+        if self.options.inference:
+            raise ValueError(f"{what}() needs a trainer made for training: this one has inference=True (no "
+                             f"gradients or optimizer state){hint}")
+
     def save_checkpoint(self, directory: str | os.PathLike, step: int, extra_state: dict | None = None, *,
                         keep_last: int = 0, keep_every: int = 0, tokenizer_dir: str | None = None) -> str:
         """Writes ``directory/step_<step:08d>/`` atomically (see nanoq.checkpoint)
@@ -504,6 +511,7 @@ class Trainer:
         complete (see nanoq.checkpoint)."""
         from nanoq.checkpoint import save_checkpoint
 
+        self._require_training("save_checkpoint", "; write its weights with export_model instead")
         return save_checkpoint(self, directory, step, extra_state, keep_last=keep_last, keep_every=keep_every,
                                tokenizer_dir=tokenizer_dir)
 
@@ -514,6 +522,8 @@ class Trainer:
         Returns the checkpoint's JSON state (``step``, ``extra_state``, ...).
         Everything is checked before the trainer is touched. In a world of
         several processes every process calls it."""
+        self._require_training("load_checkpoint", "; it takes a checkpoint's weights with "
+                               "set_weights(nanoq.checkpoint.read_weights(step_dir), trainable_only=True)")
         from nanoq.checkpoint import load_checkpoint
 
         return load_checkpoint(self, directory)
@@ -534,6 +544,7 @@ class Trainer:
         a world of several processes: collective, every process gets the
         full tensors). A trainer in a world placed by hand (``world_group``
         None) cannot reach the other shards: ValueError."""
+        self._require_training("get_optimizer_state")
         if self._gathers():
             return {kind: {self._parameters[i][0]: self._gather_parts(
                 i, lambda index, k=k: self._core.get_optimizer_state_part(index, k)) for i in self._trainable}
@@ -557,10 +568,12 @@ class Trainer:
     def get_optimizer_state_part(self, name: str, kind: str) -> np.ndarray:
         """The ``owned_range`` part of ``kind`` ("master", "adam_m" or
         "adam_v") of trainable parameter ``name``: float32 [end - begin]."""
+        self._require_training("get_optimizer_state_part")
         return self._core.get_optimizer_state_part(self._trainable_index(name), self._optimizer_kind(kind))
 
     def set_optimizer_state_part(self, name: str, kind: str, part: np.ndarray) -> None:
         """Writes what ``get_optimizer_state_part`` reads (float32 [end - begin])."""
+        self._require_training("set_optimizer_state_part")
         index, k = self._trainable_index(name), self._optimizer_kind(kind)
         self._core.set_optimizer_state_part(index, k, np.ascontiguousarray(part, np.float32).reshape(-1))
 
@@ -578,6 +591,7 @@ class Trainer:
     def set_optimizer_state(self, state: Dict[str, Dict[str, np.ndarray]], optimizer_steps: int) -> None:
         """Restores what ``get_optimizer_state`` returned and the AdamW step
         count. Every kind and parameter must be present with its shape."""
+        self._require_training("set_optimizer_state")
         for kind in self.OPTIMIZER_STATE:
             for name, shape, _ in (self._parameters[i] for i in self._trainable):
                 array = state.get(kind, {}).get(name)
@@ -662,6 +676,7 @@ class Trainer:
         failure in it is raised there (or by the next step), naming the
         step; the trainer then refuses further work.
         """
+        self._require_training("step")
         device_batch = self._device_batch(inputs, targets)
         positions = self._positions(positions)
         if self._core.micro_steps >= self.options.grad_accum:
@@ -792,6 +807,7 @@ class Trainer:
         """One AdamW step (bias-corrected, decoupled weight decay on matrices
         only) on the accumulated gradients, clipped to global norm
         ``grad_clip`` (0 disables clipping). Returns the step's statistics."""
+        self._require_training("update")
         lr = _check_hyper("lr", lr, 0.0)
         beta1 = _check_hyper("beta1", beta1, 0.0, 1.0, high_inclusive=False)
         beta2 = _check_hyper("beta2", beta2, 0.0, 1.0, high_inclusive=False)

@@ -109,6 +109,11 @@ struct TrainOptions {
     // (cuda: bf16 [batch_size, 1, seq_len, seq_len]), so that packed rows run
     // there too; without, they run the native kernels. Needs a causal model.
     bool packed_documents = false;
+    // A trainer for forward passes only (logits, generate, validate, and
+    // reading and writing weights): no gradients, master weights or AdamW
+    // state are allocated, and step(), update() and the optimizer state
+    // refuse. Needs zero_stage 1 and nothing offloaded.
+    bool inference = false;
 };
 
 struct UpdateParams {
