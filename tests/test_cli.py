@@ -1,6 +1,7 @@
 """The `nanoq` command line: tokenize -> train -> plot end to end, config errors, info, the demo."""
 import json
 import os
+import re
 import sys
 import tomllib
 
@@ -100,7 +101,15 @@ def test_tokenize_reports_bad_input_and_usage(tmp_path):
     assert result.exit_code == 2 and "--tokenizer PATH or --train-tokenizer" in result.output
     result = invoke("tokenize", data, "-o", tmp_path / "out", "--format", "nano")
     assert result.exit_code == 2 and "needs --vocab-size" in result.output
+    result = invoke("tokenize", data, "-o", tmp_path / "out", "--train-tokenizer", "--vocab-size", "0")
+    assert result.exit_code == 2 and "Invalid value for '--vocab-size': 0 is not in the range x>=1" in result.output
     assert not (tmp_path / "out").exists()
+    # A corpus too small for the vocabulary asked: the tokenizer is smaller, and the output says so.
+    (tmp_path / "small.txt").write_text("to be or not to be, that is the question\n")
+    result = invoke("tokenize", tmp_path / "small.txt", "-o", tmp_path / "small", "--train-tokenizer",
+                    "--vocab-size", "8192")
+    assert result.exit_code == 0, result.output
+    assert re.search(r"note: the trained tokenizer has \d+ tokens, fewer than --vocab-size 8192", result.output)
 
 
 def test_info_lists_version_and_backends():

@@ -121,6 +121,8 @@ def test_a_signal_finishes_the_step_writes_a_checkpoint_and_exits_zero(tmp_path,
     assert process.returncode == 0, output
     name = signal.Signals(signal_number).name
     assert f"stopped_by {name}" in output and f"{name}: stopped after step" in output
+    assert f"nanoq: {name}: stopping after the current step, with a checkpoint (a second signal stops at once, " \
+           f"without one)" in output
     (stopped,) = log_records(run_dir, "stopped")
     assert checkpoint.read_state(stopped["checkpoint"])["step"] == stopped["step"]
     assert log_records(run_dir, "train")[-1]["step"] == stopped["step"]  # the step in flight was finished

@@ -318,6 +318,11 @@ def test_nanoq_generate_refuses_what_it_cannot_run(hf_folder, tmp_path):
     path, _, _ = hf_folder
     result = invoke("generate", path, "--prompt", "The", "--max-new-tokens", 100, "--backend", "cpu")
     assert result.exit_code != 0 and "exceed the model's 64 positions" in result.output
+    # The default (64 new tokens) fits what the 64 positions leave after the prompt instead of failing.
+    result = invoke("generate", path, "--prompt", "The", "--temperature", 0, "--backend", "cpu", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert len(out["prompt_ids"]) + len(out["completion_ids"]) <= 64
     result = invoke("generate", tmp_path, "--prompt", "The", "--backend", "cpu")
     assert result.exit_code != 0 and "is not a Hugging Face model folder" in result.output
     result = invoke("generate", path, "--prompt", "The", "--top-p", 0)

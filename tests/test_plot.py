@@ -48,3 +48,18 @@ def test_plot_writes_the_figure_of_a_log_file(tmp_path):
     (tmp_path / "empty.jsonl").write_text('{"type": "start"}\n')
     with pytest.raises(ValueError, match=r"empty\.jsonl: no train or eval losses to plot"):
         plot_losses(tmp_path / "empty.jsonl", tmp_path / "none.png")
+
+
+def test_plot_errors_name_the_file_once_and_a_folder_without_a_log(tmp_path):
+    from click.testing import CliRunner
+
+    from nanoq_cli.main import cli
+
+    (tmp_path / "bad.jsonl").write_text('{"type": "start"}\nnot json\n{"type": "end"}\n')
+    with pytest.raises(ValueError) as caught:
+        plot_losses(tmp_path / "bad.jsonl", tmp_path / "bad.png")
+    assert str(caught.value) == f"{tmp_path / 'bad.jsonl'}:2: not a JSON line"
+    result = CliRunner().invoke(cli, ["plot", str(tmp_path), "-o", str(tmp_path / "x.png")])
+    assert result.exit_code == 1 and f"{tmp_path} holds no log.jsonl: give a run directory" in result.output
+    result = CliRunner().invoke(cli, ["plot", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "x.png")])
+    assert result.exit_code == 2 and "does not exist" in result.output

@@ -9,6 +9,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.numpy import load_file
 
+import nanoq
 from nanoq.data import write_tokens
 from nanoq.testing.threads import ThreadWorld
 from nanoq.training import TrainConfig, load_config, read_log, train
@@ -190,3 +191,26 @@ def test_the_demo_shows_samples_of_text_from_an_eval_play(tmp_path):
     assert sample["prompt"] == tokenizer.decode(first, skip_special_tokens=True)
     assert sample["prompt"].startswith("THE ") and sample["completion"]  # a play's title page, decoded
     assert any(line.startswith(f"sample @ step 2: {sample['prompt']!r} -> ") for line in lines)
+
+
+def test_init_from_refuses_data_tokenized_with_another_tokenizer(tmp_path):
+    from nanoq.tokenization.tokenizer import train_bpe_tokenizer
+
+    train_data, eval_data, tokenizer = tokenized_data(tmp_path / "data")
+    model = nanoq.ModelConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=4)
+    same, other = tmp_path / "same", tmp_path / "other"
+    for directory, vocab in ((same, None), (other, 280)):
+        directory.mkdir()
+        other_text = ["zebras quickly jump over lazy foxes, again and again. " * 3]
+        (train_bpe_tokenizer(other_text, vocab) if vocab else tokenizer).save(str(directory / "tokenizer.json"))
+        with nanoq.Trainer(model, nanoq.TrainOptions(backend="cpu", batch_size=1, seq_len=8)) as trainer:
+            trainer.export_model(str(directory / "model"), tokenizer_dir=str(directory))
+    settings = dict(TINY, train_data=train_data, eval_data=eval_data, steps=1, sample_every=0,
+                    checkpoint_every=0, out_dir=str(tmp_path / "runs"))
+    # Before, the run trained and exported the data's tokenizer with the other model.
+    with pytest.raises(ValueError, match=r"the training data was tokenized with .*tokenizer\.json \(\d+ tokens\), "
+                                         r"not with model\.init_from .*other.model's tokenizer \(\d+ tokens\)"):
+        train(TrainConfig(**dict(settings, init_from=str(other / "model"), run_name="other")), **QUIET)
+    result = train(TrainConfig(**dict(settings, init_from=str(same / "model"), run_name="same")), **QUIET)
+    assert result.steps == 1

@@ -174,7 +174,7 @@ def train(config_file, print_config, resume, **flags):
 @click.option("--tokenizer", type=click.Path(exists=True),
               help="A Hugging Face tokenizer.json, or a model directory holding one.")
 @click.option("--train-tokenizer", is_flag=True, help="Train a byte-level BPE on the training documents.")
-@click.option("--vocab-size", type=Integer(), help="Vocabulary of --train-tokenizer; nano: the model's vocabulary.")
+@click.option("--vocab-size", type=Integer(1), help="Vocabulary of --train-tokenizer; nano: the model's vocabulary.")
 @click.option("--eos-token", help="The end-of-sequence token written between documents (default: detected).")
 @click.option("--eos-id", type=Integer(), help="nano: a token id appended after every line (default: none).")
 @click.option("--eval-fraction", type=FiniteFloat(0.0, 1.0, max_open=True), default=0.0, show_default=True,
@@ -224,6 +224,9 @@ def tokenize(inputs, output, fmt, text_field, split, tokenizer, train_tokenizer,
     click.echo(f"wrote {result.output}: {result.documents} documents ({result.eval_documents} held out), "
                f"{result.train_tokens:,} train + {result.eval_tokens:,} eval tokens in {files} file(s), "
                f"vocab {result.vocab_size}, EOS id {result.eos_id} ({result.seconds:.1f}s)")
+    if train_tokenizer and result.vocab_size < vocab_size:
+        click.echo(f"note: the trained tokenizer has {result.vocab_size} tokens, fewer than --vocab-size "
+                   f"{vocab_size}: the corpus had no more merges to learn", err=True)
 
 
 @cli.command()
@@ -235,6 +238,9 @@ def plot(log, output):
     from nanoq.plot import plot_losses
 
     path = os.path.join(log, "log.jsonl") if os.path.isdir(log) else log
+    if os.path.isdir(log) and not os.path.isfile(path):
+        raise click.ClickException(f"{log} holds no log.jsonl: give a run directory (<out_dir>/<run_name>) or "
+                                   f"its log.jsonl")
     try:
         plot_losses(path, output)
     except (ImportError, ValueError, FileNotFoundError) as e:

@@ -78,7 +78,8 @@ def plot_losses(log_path: str | os.PathLike, output: str | os.PathLike) -> None:
     try:
         figure = loss_figure(read_log(log_path), title)
     except ValueError as e:
-        raise ValueError(f"{log_path}: {e}") from None
+        message = str(e)  # read_log names the file (and line) itself
+        raise ValueError(message if message.startswith(os.fspath(log_path)) else f"{log_path}: {message}") from None
     figure.savefig(os.fspath(output), dpi=120)
     plt.close(figure)
 

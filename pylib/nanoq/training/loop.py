@@ -179,6 +179,25 @@ def _data_paths(config: TrainConfig, run_dir: str, say: Callable[[str], None]):
     return config.train_data, (config.eval_data or None), _tokenizer_dir(config.train_data)
 
 
+def _check_init_from_tokenizer(init_from: str, tokenizer_dir: Optional[str]) -> None:
+    """ValueError when the training data's tokenizer (``tokenizer_dir``, the
+    one beside the train files or the demo's) is not model.init_from's own:
+    its token ids would stand for other text in that model, and the final
+    model would be exported with the data's tokenizer instead of its own."""
+    theirs = os.path.join(init_from, "tokenizer.json")
+    if tokenizer_dir is None or not os.path.isfile(theirs):
+        return
+    from nanoq.tokenization.tokenizer import load_tokenizer
+
+    data, model = load_tokenizer(tokenizer_dir), load_tokenizer(init_from)
+    if data.get_vocab(with_added_tokens=True) != model.get_vocab(with_added_tokens=True):
+        raise ValueError(f"the training data was tokenized with {os.path.join(tokenizer_dir, 'tokenizer.json')} "
+                         f"({data.get_vocab_size(with_added_tokens=True)} tokens), not with model.init_from "
+                         f"{init_from}'s tokenizer ({model.get_vocab_size(with_added_tokens=True)} tokens): its "
+                         f"ids would stand for other text in that model. Tokenize the data with it: nanoq tokenize "
+                         f"... --tokenizer {init_from}")
+
+
 def _tokenizer_dir(train_spec: str) -> Optional[str]:
     """The directory of the first training file when it holds a tokenizer.json, else None."""
     first = sorted(glob.glob(train_spec)) or [train_spec]
@@ -496,6 +515,11 @@ def _setup(config: TrainConfig, run_dir: str, say: Callable[[str], None], group:
         return model
 
     model = _on_every_process(group, checked_model, "reading the model config")
+    if config.init_from:
+        _check_init_from_tokenizer(config.init_from, tokenizer_dir)
+        if model.max_position_embeddings and config.seq_len > model.max_position_embeddings:
+            say(f"warning: data.seq_len {config.seq_len} passes model.init_from's max_position_embeddings "
+                f"{model.max_position_embeddings}: the model was not trained on positions that far")
     # Packed windows (data.packing as the files resolved it) come with positions.
     options = train_options(config, run_packing(dataset for _, dataset in datasets))
     return model, options, loader, eval_loader, tokenizer_dir

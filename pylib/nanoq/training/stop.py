@@ -11,6 +11,7 @@ after every step whether any of them was asked to stop (``agreed``).
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from typing import Optional
 
@@ -44,6 +45,10 @@ class StopRequest:
         self.signal_name = signal.Signals(number).name
         for other in self.SIGNALS:
             signal.signal(other, signal.SIG_DFL)  # a second signal ends the process now
+        # Said at once: the step in flight (and a save) may take a while.
+        sys.stderr.write(f"nanoq: {self.signal_name}: stopping after the current step, with a checkpoint (a "
+                         f"second signal stops at once, without one)\n")
+        sys.stderr.flush()
 
     @property
     def requested(self) -> bool:
