@@ -95,6 +95,7 @@ std::string world_signature(const ModelConfig& c, const TrainOptions& o) {
                     std::to_string(o.lora_alpha) + ":" + std::to_string(o.lora_dropout));
     add("z_loss", std::to_string(o.z_loss));
     add("seed", std::to_string(o.seed));
+    add("inference", std::to_string(o.inference));
     s.pop_back();
     return s;
 }

@@ -257,6 +257,13 @@ def test_cli_export_takes_a_run_directory_and_names_the_step_it_exports(checkpoi
         first = trainer.get_weights()
         run_steps(trainer, [random_batch(np.random.default_rng(2), rows=2)], lr=1e-2)
         trainer.save_checkpoint(root, step=2)
+        second = trainer.get_weights()
+    # A `latest` pointer left behind (a crash between a save's rename and its update) does not decide.
+    (root / "latest").write_text("step_00000001")
+    result = CliRunner().invoke(cli, ["export", str(tmp_path / "run"), "-o", str(tmp_path / "newest")])
+    assert result.exit_code == 0, result.output
+    assert f"exporting {root / 'step_00000002'}, the newest valid checkpoint of {root}\n" in result.output
+    assert_same_tensors(dict(iter_weights(tmp_path / "newest")), second, "exported step-2 weight")
     (root / "step_00000002" / "trainer_state.json").write_text("{ damaged")
     result = CliRunner().invoke(cli, ["export", str(tmp_path / "run"), "-o", str(tmp_path / "model")])
     assert result.exit_code == 0, result.output

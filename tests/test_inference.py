@@ -92,7 +92,8 @@ def test_nanoq_generate_and_eval_read_models_with_an_inference_trainer(tmp_path)
     with nanoq.Trainer(CONFIG, options()) as trainer:
         model = trainer.export_model(str(tmp_path / "model"))
     with open_trainer(find_model(model), "cpu", 16) as reading:
-        assert reading.options.inference
+        # No training state, and none of the activations a backward would read.
+        assert reading.options.inference and reading.options.recompute == ("block",)
         assert not TRAINING_STATE & set(reading.memory_summary()[0]["contexts"])
 
 

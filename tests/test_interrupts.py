@@ -3,6 +3,7 @@ wait for a slow micro-batch, and the trainer then trains on as if the interrupte
 step()) or the micro-batches since the last update (the other calls) had never been given (compared with a
 trainer that never had them)."""
 import json
+import signal
 import subprocess
 import sys
 
@@ -92,8 +93,10 @@ print(json.dumps(report))
 
 
 def run_script(zero_stage):
+    # SIGINT as a terminal leaves it (Python then raises KeyboardInterrupt), also where pytest itself was
+    # started with it ignored: a shell without job control does that to `pytest ... &`, and children inherit it.
     result = subprocess.run([sys.executable, "-c", SCRIPT, str(zero_stage)], capture_output=True, text=True,
-                            timeout=180)
+                            timeout=180, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -409,6 +409,44 @@ def test_lora_suggestions_keep_zero_stage_1():
                            "offload optimizer,master need ")
 
 
+def suggested_changes(line):
+    """The settings a suggestion line of the combined search names, as TrainOptions fields."""
+    changes = {}
+    text = re.sub(r" \([^()]*host memory per device\)", "", line.split(" (same ")[0])
+    for piece in text.split(", "):
+        name, value = piece.split(" ", 1)
+        if name == "batch_size":
+            batch, accum = re.fullmatch(r"(\d+) with grad_accum (\d+)", value).groups()
+            changes.update(batch_size=int(batch), grad_accum=int(accum))
+        else:
+            changes[name] = int(value) if name == "zero_stage" else value
+    assert set(changes) <= {"batch_size", "grad_accum", "zero_stage", "recompute", "offload"}, line
+    return changes
+
+
+def test_a_combination_is_found_where_more_recompute_needs_more_memory():
+    # One layer: recompute block keeps 512 B more than ffn,norms,qkv, so the heaviest recompute is not the
+    # lightest and the search must try each level (it once said "nothing else fits 1 device" here).
+    config = nanoq.ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=2)
+    options = cpu_options(1, batch_size=2, seq_len=16)
+    estimate = estimate_memory(config, options)
+    lines = estimate.suggestions(510000)
+    assert not lines[0].startswith(("nothing", "2 devices")), lines
+    suggested = estimate_memory(config, dataclasses.replace(options, **suggested_changes(lines[0])))
+    assert suggested.fits(510000) and suggested.tokens_per_step == estimate.tokens_per_step
+
+
+def test_an_inference_estimate_suggests_what_an_inference_trainer_can_take():
+    config = CONFIGS["llama_untied"]
+    options = cpu_options(1, batch_size=8, seq_len=64, inference=True)
+    estimate = estimate_memory(config, options)
+    assert "inference (no gradients, master weights or AdamW)" in estimate.describe()
+    lines = estimate.suggestions(estimate.device_bytes // 2)
+    # Before, the search asked for offload and higher stages, which the inference rule refuses (ValueError).
+    assert lines and not any("offload" in line or "zero_stage" in line for line in lines), lines
+
+
 def test_changes_that_fit_only_together_are_suggested_together():
     config, options = CONFIGS["llama_untied"], cpu_options(1, batch_size=4, seq_len=64)
     estimate = estimate_memory(config, options)
@@ -434,15 +472,7 @@ def test_a_run_that_fits_somehow_is_never_told_that_nothing_fits(gigabytes):
     estimate = estimate_memory(config, options, backend="cuda", device_memory=limit)
     lines = estimate.suggestions(limit)
     assert lines and not lines[0].startswith(("nothing fits", "nothing else fits")), lines
-    changes = {}
-    for piece in re.sub(r" \([^()]*host memory per device\)", "", lines[0].split(" (same ")[0]).split(", "):
-        name, value = piece.split(" ", 1)
-        if name == "batch_size":
-            batch, accum = re.fullmatch(r"(\d+) with grad_accum (\d+)", value).groups()
-            changes.update(batch_size=int(batch), grad_accum=int(accum))
-        else:
-            changes[name] = int(value) if name == "zero_stage" else value
-    assert set(changes) <= {"batch_size", "grad_accum", "zero_stage", "recompute", "offload"}, lines[0]
+    changes = suggested_changes(lines[0])
     assert len(changes) >= 2, lines[0]  # no single change fits
     suggested = estimate_memory(config, dataclasses.replace(options, **changes), backend="cuda", device_memory=limit)
     assert suggested.fits(limit) and suggested.tokens_per_step == estimate.tokens_per_step

@@ -184,3 +184,10 @@ def test_nanoq_memory_on_cpu_checks_the_fit_against_the_host_memory():
             "as NANOQ_CPU_MEMORY_AVAILABLE says)") in output
     output = memory(1 << 20)
     assert "does NOT fit in 1.0 MiB" in output and "suggestion:" in output
+    # The devices share the host memory: neither offloading into it nor more devices (smaller shares) helps.
+    suggestions = [line for line in output.splitlines() if "suggestion:" in line]
+    assert not any("offload" in line.split("nothing fits")[0] or " devices (" in line for line in suggestions), output
+    # ... but fewer devices, each with a larger share, may: the suggestion is one that the host check admits.
+    output = memory(100 << 20, "--devices", "2", "--sample_every", "0")
+    (line,) = [line for line in output.splitlines() if "suggestion:" in line]
+    assert "nothing else fits 2 devices; 1 device (" in line and "(each device's share: 100.0 MiB)" in line, output

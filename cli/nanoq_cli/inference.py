@@ -66,13 +66,14 @@ def find_model(path: str) -> ModelSource:
 
 def open_trainer(source: ModelSource, backend: str, seq_len: int, batch_size: int = 1):
     """A Trainer of `source`'s model with its weights (one device), for
-    forward passes only (TrainOptions.inference: no gradients or optimizer
-    state)."""
+    forward passes only: TrainOptions.inference (no gradients or optimizer
+    state) and recompute block (none of the activations a backward would
+    read are kept; the results are the same)."""
     import nanoq
     from nanoq.checkpoint import read_weights
 
     options = nanoq.TrainOptions(backend=backend, batch_size=batch_size, seq_len=seq_len, lora=source.lora,
-                                 inference=True)
+                                 inference=True, recompute=("block",))
     trainer = nanoq.Trainer(source.config, options)
     try:
         if source.kind == "hf":
@@ -141,6 +142,7 @@ def generate(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, ste
             raise ValueError(f"--steps and --mask-token are for bidirectional (denoising) models; {model} is "
                              f"causal")
         eos = eos_id_or_none(tokenizer, tokenizer_json)
+        max_new_tokens_given = max_new_tokens is not None
         if max_new_tokens is None:  # the default, within what the model's positions leave
             positions = source.max_positions if causal else (source.trained_seq_len or source.max_positions)
             max_new_tokens = DEFAULT_NEW_TOKENS
@@ -148,8 +150,9 @@ def generate(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, ste
                 max_new_tokens = min(DEFAULT_NEW_TOKENS, positions - len(prompt_ids))
         seq_len = len(prompt_ids) + max_new_tokens
         if source.max_positions and seq_len > source.max_positions:
-            raise ValueError(f"the prompt ({len(prompt_ids)} tokens) and --max-new-tokens ({max_new_tokens}) "
-                             f"exceed the model's {source.max_positions} positions")
+            asked = f" and --max-new-tokens ({max_new_tokens}) exceed" if max_new_tokens_given else " exceeds"
+            raise ValueError(f"the prompt ({len(prompt_ids)} tokens){asked} the model's {source.max_positions} "
+                             f"positions")
         if not causal:
             mask_id = _mask_id(mask_token, source.tokenizer_dir, source.config.vocab_size)
             if steps is not None and steps > max_new_tokens:

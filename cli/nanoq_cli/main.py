@@ -342,7 +342,8 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, processes
             click.echo("(the device memory is that of the smallest GPU nvidia-ml-py sees here)")
         if host_note:
             click.echo(host_note)
-        for line in estimate.suggestions(device_bytes):
+        # Shares of one host memory: offloading to it or more devices (smaller shares) would not help.
+        for line in estimate.suggestions(device_bytes, shared_host=host_note is not None):
             click.echo(f"  suggestion: {line}")
     if plot_path:
         from nanoq.plot import plot_memory
@@ -385,7 +386,7 @@ def export(checkpoint, output, max_shard_size, tokenizer, max_position_embedding
     (adapter_config.json + adapter_model.safetensors, for
     peft.PeftModel.from_pretrained), or with --merge as a full model.
     """
-    from nanoq.checkpoint import list_step_dirs, read_state, resolve, step_dir_name
+    from nanoq.checkpoint import list_checkpoints, list_step_dirs, read_state, step_dir_name
     from nanoq.hf_export import export_checkpoint
     from nanoq_cli.inference import RUN_CHECKPOINTS
 
@@ -396,13 +397,15 @@ def export(checkpoint, output, max_shard_size, tokenizer, max_position_embedding
     if os.path.isdir(os.path.join(checkpoint, RUN_CHECKPOINTS)):
         checkpoint = os.path.join(checkpoint, RUN_CHECKPOINTS)  # a run directory: its checkpoints
     try:
-        step_directory = resolve(checkpoint)
-        if step_directory != os.path.abspath(checkpoint):  # a root: say which step, and what it passed over
-            step = read_state(step_directory)["step"]
-            newer = [step_dir_name(n) for n in list_step_dirs(checkpoint) if n > step]
-            click.echo(f"exporting {step_directory}, the newest valid checkpoint of {checkpoint}"
+        # A root: its newest valid step (by number, as --resume takes it, whatever `latest` says),
+        # named, with the newer step directories it passed over.
+        complete = list_checkpoints(checkpoint) if not os.path.isfile(os.path.join(checkpoint, "trainer_state.json")) \
+            else []
+        if complete:
+            newer = [step_dir_name(n) for n in list_step_dirs(checkpoint) if n > complete[-1]]
+            checkpoint = os.path.join(os.path.abspath(checkpoint), step_dir_name(complete[-1]))
+            click.echo(f"exporting {checkpoint}, the newest valid checkpoint of {os.path.dirname(checkpoint)}"
                        + (f" (passed over, not valid: {', '.join(newer)})" if newer else ""))
-        checkpoint = step_directory
         if merge and not read_state(checkpoint).get("lora"):
             raise click.UsageError("--merge is for LoRA checkpoints; this one holds full weights (export it "
                                    "without --merge)")

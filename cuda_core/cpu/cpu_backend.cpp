@@ -12,7 +12,9 @@
 #include <malloc.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -44,8 +46,9 @@ namespace {
 // of what its trainers hold (all devices and trainers of the process) and
 // refuses an allocation that would pass what the machine had available when
 // that count last stood at zero: MemAvailable of /proc/meminfo, or less
-// where the process's cgroup (v2 memory.max, v1 memory.limit_in_bytes)
-// leaves less. NANOQ_CPU_MEMORY_AVAILABLE (bytes) names the figure instead.
+// where the process's memory cgroups (v2 memory.max, v1
+// memory.limit_in_bytes; its own and those above it) leave less.
+// NANOQ_CPU_MEMORY_AVAILABLE (bytes) names the figure instead.
 // ---------------------------------------------------------------------------
 
 // A "Key:   123 kB" line's bytes from /proc/meminfo; 0 when absent.
@@ -61,35 +64,77 @@ std::size_t meminfo_bytes(const std::string& key) {
 }
 
 // A cgroup file's number; 0 when absent or "max" (no limit).
-std::size_t cgroup_bytes(const char* path) {
+std::size_t cgroup_number(const std::string& path) {
     std::ifstream in(path);
     unsigned long long value = 0;
     return in >> value ? static_cast<std::size_t>(value) : 0;
 }
 
+// A "key value" line's value in a cgroup's memory.stat; 0 when absent.
+std::size_t cgroup_stat(const std::string& path, const std::string& key) {
+    std::ifstream in(path);
+    std::string name;
+    unsigned long long value = 0;
+    while (in >> name >> value)
+        if (name == key) return static_cast<std::size_t>(value);
+    return 0;
+}
+
+// What the memory cgroups of this process (its own, read from
+// /proc/self/cgroup, and each above it) leave: the least of limit - usage
+// over those with a limit, usage without the page cache the kernel
+// reclaims first (inactive files: the token files nanoq has read, say), as
+// container runtimes count it. SIZE_MAX where no cgroup sets a limit.
+std::size_t cgroup_available() {
+    std::size_t least = SIZE_MAX;
+    std::ifstream self("/proc/self/cgroup");
+    std::string line;
+    while (std::getline(self, line)) {
+        // v2: "0::/path"; v1: "N:memory:/path" (or with other controllers: "N:cpu,memory:/path").
+        const std::size_t first = line.find(':'), second = line.find(':', first + 1);
+        if (first == std::string::npos || second == std::string::npos) continue;
+        const std::string controllers = "," + line.substr(first + 1, second - first - 1) + ",";
+        const bool v2 = controllers == ",,";
+        if (!v2 && controllers.find(",memory,") == std::string::npos) continue;
+        std::string path = line.substr(second + 1);
+        const std::string root = v2 ? "/sys/fs/cgroup" : "/sys/fs/cgroup/memory";
+        for (;;) {
+            const std::string dir = root + (path == "/" ? "" : path);
+            const std::size_t limit = cgroup_number(dir + (v2 ? "/memory.max" : "/memory.limit_in_bytes"));
+            if (limit && limit < (std::size_t(1) << 60)) {  // v1 writes a huge number for "no limit"
+                std::size_t used = cgroup_number(dir + (v2 ? "/memory.current" : "/memory.usage_in_bytes"));
+                const std::size_t reclaimable =
+                    cgroup_stat(dir + "/memory.stat", v2 ? "inactive_file" : "total_inactive_file");
+                used -= std::min(used, reclaimable);
+                least = std::min(least, limit > used ? limit - used : 0);
+            }
+            if (path.empty() || path == "/") break;
+            const std::size_t slash = path.rfind('/');
+            path = slash == 0 || slash == std::string::npos ? "/" : path.substr(0, slash);
+        }
+    }
+    return least;
+}
+
 // The host memory the cpu backend may hold, and where the figure comes from.
 std::size_t host_memory_available(std::string* source) {
     if (const char* given = std::getenv("NANOQ_CPU_MEMORY_AVAILABLE"); given && *given) {
-        char* end = nullptr;
-        const unsigned long long value = std::strtoull(given, &end, 10);
-        if (*end || !value)
-            throw InvalidArgument(std::string("NANOQ_CPU_MEMORY_AVAILABLE must be a number of bytes above 0, not '") +
-                                  given + "'");
+        const std::string text = given;
+        const bool digits = text.find_first_not_of("0123456789") == std::string::npos;
+        errno = 0;
+        const unsigned long long value = digits ? std::strtoull(given, nullptr, 10) : 0;
+        if (!digits || !value || errno == ERANGE)
+            throw InvalidArgument("NANOQ_CPU_MEMORY_AVAILABLE must be a number of bytes above 0, not '" + text + "'");
         *source = "as NANOQ_CPU_MEMORY_AVAILABLE says";
         return static_cast<std::size_t>(value);
     }
-    *source = "MemAvailable of /proc/meminfo, within the cgroup's limit; NANOQ_CPU_MEMORY_AVAILABLE overrides";
-    std::size_t available = meminfo_bytes("MemAvailable");
-    const auto within = [&available](std::size_t limit, std::size_t used) {
-        if (limit && limit < (std::size_t(1) << 60)) {  // v1 writes a huge number for "no limit"
-            const std::size_t left = limit > used ? limit - used : 0;
-            if (!available || left < available) available = left;
-        }
-    };
-    within(cgroup_bytes("/sys/fs/cgroup/memory.max"), cgroup_bytes("/sys/fs/cgroup/memory.current"));
-    within(cgroup_bytes("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
-           cgroup_bytes("/sys/fs/cgroup/memory/memory.usage_in_bytes"));
-    return available;  // 0: unknown (no /proc): no check
+    *source = "MemAvailable of /proc/meminfo, within the process's memory cgroups; NANOQ_CPU_MEMORY_AVAILABLE "
+              "overrides";
+    // Memory that freed trainers left in the C library's free lists would
+    // not count as available: give it back first.
+    malloc_trim(0);
+    const std::size_t available = std::min(meminfo_bytes("MemAvailable"), cgroup_available());
+    return available == SIZE_MAX ? 0 : available;  // 0: unknown (no /proc): no check
 }
 
 struct HostCount {

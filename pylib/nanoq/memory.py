@@ -187,7 +187,7 @@ class MemoryEstimate:
         """Whether allocations plus ``reserve_bytes`` fit a device of that size."""
         return self.device_bytes + self.reserve_bytes <= device_memory_bytes
 
-    def suggestions(self, device_memory_bytes: int) -> List[str]:
+    def suggestions(self, device_memory_bytes: int, shared_host: bool = False) -> List[str]:
         """Changes that make the run fit, one line each, cheapest first
         (empty if it fits): a smaller micro-batch with more gradient
         accumulation (same tokens per step); recomputing activations; offloading
@@ -196,20 +196,25 @@ class MemoryEstimate:
         fits: the changes that fit together on this run's devices, else on
         the fewest more devices (a smaller micro-batch, a higher stage,
         recompute, offload). When nothing fits at all, one line says so.
+        ``shared_host``: the devices share the memory whose share each has
+        (the cpu backend's threads in host memory), so neither offloading
+        (to that same memory) nor more devices (smaller shares) is suggested.
         """
         if self.fits(device_memory_bytes):
             return []
+        offload = not shared_host
         out = [line for line in (self._smaller_micro_batch(device_memory_bytes),
                                  self._recompute(device_memory_bytes),
-                                 self._offload(device_memory_bytes),
+                                 self._offload(device_memory_bytes) if offload else None,
                                  self._zero_stage(device_memory_bytes)) if line]
         if not out:
-            combined = self._combined(device_memory_bytes)
+            combined = self._combined(device_memory_bytes, offload)
             out += [combined] if combined else []
-        devices = self._more_devices(device_memory_bytes, shrink_batch=not out)
+        devices = (self._fewer_devices(device_memory_bytes) if not out else None) if shared_host else \
+            self._more_devices(device_memory_bytes, shrink_batch=not out)
         if devices:
             out.append(devices)
-        return out or [self._nothing_fits()]
+        return out or [self._nothing_fits(offload, more_devices=not shared_host)]
 
     def table(self, device_memory_bytes: Optional[int] = None) -> str:
         """The contexts as rows with their bytes per device (GiB/MiB), the
@@ -280,7 +285,8 @@ class MemoryEstimate:
                     f"{parameter_count_text(self.trainable_parameters)} trainable")
         return (f"{parameter_count_text(self.parameters)} parameters ({c.num_hidden_layers} layers, "
                 f"hidden {c.hidden_size}, vocab {c.vocab_size}{tied}){lora}; {o.backend}, {o.dtype} weights, "
-                f"{o.master_dtype} master, {o.optimizer_dtype} AdamW"
+                + ("inference (no gradients, master weights or AdamW)" if o.inference
+                   else f"{o.master_dtype} master, {o.optimizer_dtype} AdamW")
                 + (f", recompute {','.join(o.recompute)}" if o.recompute else "")
                 + (f", offload {','.join(o.offload)}" if o.offload else "")
                 + (f", zero_stage {o.zero_stage}" if o.zero_stage != 1 else "")
@@ -299,8 +305,9 @@ class MemoryEstimate:
                                device_memory=self.device_memory)
 
     def _highest_stage(self) -> int:
-        """The highest ZeRO stage this run may use (LoRA trains at stage 1 only)."""
-        return 1 if self.options.lora is not None else 3
+        """The highest ZeRO stage this run may use (LoRA trains at stage 1
+        only, and an inference trainer holds whole weights only)."""
+        return 1 if self.options.lora is not None or self.options.inference else 3
 
     @staticmethod
     def _offloadable(stage: int) -> tuple:
@@ -348,6 +355,8 @@ class MemoryEstimate:
         """Offload settings that add to this one, cheapest first (at ZeRO
         ``stage``; default this run's)."""
         o = self.options
+        if o.inference:
+            return  # nothing to offload: an inference trainer has no optimizer state
         # Each level adds the next, in OFFLOAD's order.
         offloadable = self._offloadable(o.zero_stage if stage is None else stage)
         for extra in (offloadable[:count] for count in range(1, len(offloadable) + 1)):
@@ -355,32 +364,57 @@ class MemoryEstimate:
             if set(names) != set(o.offload):
                 yield names
 
-    def _lightest(self, limit: int, devices: int, batches: List[tuple]) -> Optional["MemoryEstimate"]:
-        """This run on ``devices`` devices per process that fits ``limit``
-        in the first of ``batches`` ((batch_size, grad_accum), preferred
-        first) with its ZeRO stage, recompute and offload changed together,
-        or None. Within a micro-batch: the lowest stage, then the least
-        recompute, then the least offload. A smaller micro-batch and more
-        recompute never need more memory, but a higher stage or more offload
-        may (their layer and streaming buffers, on small models): each pair
-        of those is tried first with the smallest micro-batch and the most
-        recompute, and the search keeps the pairs that fit there."""
+    def _combinations(self, offload: bool) -> List[tuple]:
+        """(stage, offload, recompute) of this run and those that add to it,
+        in the order the searches prefer them: the lowest stage, then the
+        least offload, then the least recompute. On one device too: stage 2
+        lets the gradients be offloaded."""
         o = self.options
-        # On one device too: stage 2 lets the gradients be offloaded.
-        stages = range(o.zero_stage, self._highest_stage() + 1)
         recomputes = [o.recompute] + list(self._recompute_levels())
-        smallest, least_accum = batches[-1]
-        pairs = [(stage, offload) for stage in stages for offload in [o.offload] + list(self._offload_levels(stage))
-                 if self._with(devices=devices, zero_stage=stage, batch_size=smallest, grad_accum=least_accum,
-                               recompute=recomputes[-1], offload=offload).fits(limit)]
-        for batch, accum in batches:
-            for stage, offload in pairs:
-                for recompute in recomputes:
-                    lighter = self._with(devices=devices, zero_stage=stage, batch_size=batch, grad_accum=accum,
-                                         recompute=recompute, offload=offload)
-                    if lighter.fits(limit):
-                        return lighter
+        return [(stage, names, recompute) for stage in range(o.zero_stage, self._highest_stage() + 1)
+                for names in [o.offload] + (list(self._offload_levels(stage)) if offload else [])
+                for recompute in recomputes]
+
+    def _first_fitting(self, limit: int, devices: int, batch: int, accum: int,
+                       combinations: List[tuple]) -> Optional["MemoryEstimate"]:
+        for stage, names, recompute in combinations:
+            candidate = self._with(devices=devices, zero_stage=stage, batch_size=batch, grad_accum=accum,
+                                   recompute=recompute, offload=names)
+            if candidate.fits(limit):
+                return candidate
         return None
+
+    def _lightest(self, limit: int, devices: int, batches: List[tuple], offload: bool = True,
+                  combinations: Optional[List[tuple]] = None) -> Optional["MemoryEstimate"]:
+        """This run on ``devices`` devices per process that fits ``limit``
+        in the first of ``batches`` ((batch_size, grad_accum), largest
+        first) with its ZeRO stage, offload and recompute changed together
+        (the first of ``_combinations`` that fits), or None. Memory never
+        grows as the micro-batch shrinks, so the micro-batch is bisected;
+        the combinations are all tried (neither a higher stage, more offload
+        nor more recompute always needs less: their buffers, on small
+        models), first at the smallest micro-batch, keeping those that fit
+        there."""
+        combinations = self._combinations(offload) if combinations is None else combinations
+        smallest, least_accum = batches[-1]
+        found = None
+        kept = []
+        for combination in combinations:
+            candidate = self._first_fitting(limit, devices, smallest, least_accum, [combination])
+            if candidate is not None:
+                kept.append(combination)
+                found = found or candidate
+        if found is None:
+            return None
+        low, high = 0, len(batches) - 1  # batches[high] fits (found); find the first index that does
+        while low < high:
+            middle = (low + high) // 2
+            candidate = self._first_fitting(limit, devices, *batches[middle], kept)
+            if candidate is not None:
+                high, found = middle, candidate
+            else:
+                low = middle + 1
+        return found  # the combination at batches[high], the largest micro-batch that fits
 
     def _changes(self, other: "MemoryEstimate") -> List[str]:
         """What ``other`` changes of this run's ZeRO stage, recompute and
@@ -394,13 +428,13 @@ class MemoryEstimate:
                          f"device)")
         return parts
 
-    def _combined(self, limit: int) -> Optional[str]:
+    def _combined(self, limit: int, offload: bool = True) -> Optional[str]:
         """On this run's devices and with its tokens per step: a smaller
         micro-batch, a higher ZeRO stage, recompute and offload together."""
         o = self.options
         sequences = o.batch_size * o.grad_accum
         batches = [(batch, sequences // batch) for batch in range(o.batch_size, 0, -1) if sequences % batch == 0]
-        lighter = self._lightest(limit, o.devices, batches)
+        lighter = self._lightest(limit, o.devices, batches, offload)
         if lighter is None:
             return None
         n = lighter.options
@@ -448,16 +482,32 @@ class MemoryEstimate:
         def accumulation(devices: int, batch: int) -> int:
             return max(1, math.ceil(sequences / (self.processes * devices * batch)))
 
-        for devices in range(o.devices + 1, MAX_SUGGESTED_DEVICES // self.processes + 1):  # per process
-            if shrink_batch:
-                batches = [(batch, accumulation(devices, batch)) for batch in range(o.batch_size, 0, -1)]
-                more = self._lightest(limit, devices, batches)
-            else:
-                more = self._with(devices=devices, grad_accum=accumulation(devices, o.batch_size))
-                more = more if more.fits(limit) else None
-            if more is None:
-                continue
-            n = more.options
+        most = MAX_SUGGESTED_DEVICES // self.processes  # per process
+
+        def lightest(devices: int) -> Optional["MemoryEstimate"]:
+            batches = [(batch, accumulation(devices, batch)) for batch in range(o.batch_size, 0, -1)]
+            return self._lightest(limit, devices, batches)
+
+        more = None
+        if shrink_batch:
+            # Each device count costs a search: bisect, as more devices never need more per device.
+            low, high = o.devices + 1, most
+            more = lightest(high) if high >= low else None
+            while more is not None and low < high:
+                middle = (low + high) // 2
+                fewer = lightest(middle)
+                if fewer is not None:
+                    high, more = middle, fewer
+                else:
+                    low = middle + 1
+        else:
+            for devices in range(o.devices + 1, most + 1):
+                candidate = self._with(devices=devices, grad_accum=accumulation(devices, o.batch_size))
+                if candidate.fits(limit):
+                    more = candidate
+                    break
+        if more is not None:
+            devices, n = more.options.devices, more.options
             tokens = more.tokens_per_step
             keep = "same" if tokens == self.tokens_per_step else f"{tokens:,} instead of {self.tokens_per_step:,}"
             shape = [f"batch_size {n.batch_size}"] if n.batch_size != o.batch_size else []
@@ -467,15 +517,46 @@ class MemoryEstimate:
                     f"needs {human_bytes(more.device_bytes + self.reserve_bytes)}")
         return None
 
-    def _nothing_fits(self) -> str:
+    def _fewer_devices(self, share: int) -> Optional[str]:
+        """Devices that share one memory (each has ``share`` of it): the
+        most devices below this run's whose larger shares fit it, with a
+        smaller micro-batch, a higher stage or recompute as needed (no
+        offload: it would go to that same memory), the tokens per step kept
+        as near as whole micro-batches allow."""
+        o = self.options
+        total = share * o.devices
+        sequences = o.devices * o.batch_size * o.grad_accum  # per process
+        for devices in range(o.devices - 1, 0, -1):
+            batches = [(batch, max(1, math.ceil(sequences / (devices * batch)))) for batch in range(o.batch_size, 0, -1)]
+            fewer = self._lightest(total // devices, devices, batches, offload=False)
+            if fewer is None:
+                continue
+            n = fewer.options
+            tokens = fewer.tokens_per_step
+            keep = "same" if tokens == self.tokens_per_step else f"{tokens:,} instead of {self.tokens_per_step:,}"
+            shape = [f"batch_size {n.batch_size}"] if n.batch_size != o.batch_size else []
+            inner = ", ".join(self._changes(fewer) + shape + [f"grad_accum {n.grad_accum}: {keep} tokens per step"])
+            return (f"nothing else fits {self._placement()}; {self._placement(devices)} ({inner}): needs "
+                    f"{human_bytes(fewer.device_bytes + self.reserve_bytes)} per device (each device's share: "
+                    f"{human_bytes(total // devices)})")
+        return None
+
+    def _nothing_fits(self, offload: bool = True, more_devices: bool = True) -> str:
+        """The line when nothing fits: what the lightest of the heaviest
+        settings (the highest stage, batch_size 1, each recompute level,
+        everything offloaded) needs on the most devices."""
+        o = self.options
         stage = self._highest_stage()
-        offload = self._offloadable(stage)
-        most = max(1, MAX_SUGGESTED_DEVICES // self.processes)  # per process
-        best = self._with(devices=most, zero_stage=stage, batch_size=1, grad_accum=1,
-                          recompute=("block",), offload=offload)
-        return (f"nothing fits: even {self._placement(most)} with zero_stage {stage}, batch_size 1, "
-                f"recompute block and offload {','.join(offload)} need "
-                f"{human_bytes(best.device_bytes + self.reserve_bytes)} per device; shorten seq_len "
+        names = tuple(n for n in OFFLOAD if n in set(o.offload) | set(self._offloadable(stage) if offload and
+                                                                        not o.inference else ()))
+        most = max(1, MAX_SUGGESTED_DEVICES // self.processes) if more_devices else o.devices  # per process
+        best = min((self._with(devices=most, zero_stage=stage, batch_size=1, grad_accum=1, recompute=recompute,
+                               offload=names) for recompute in [o.recompute] + list(self._recompute_levels())),
+                   key=lambda estimate: estimate.device_bytes)
+        return (f"nothing fits: even {self._placement(most)} with zero_stage {stage}, batch_size 1"
+                + (f", recompute {','.join(best.options.recompute)}" if best.options.recompute else "")
+                + (f" and offload {','.join(names)}" if names else "")
+                + f" need {human_bytes(best.device_bytes + self.reserve_bytes)} per device; shorten seq_len "
                 f"({self.options.seq_len}) or train a smaller model")
 
 

@@ -807,8 +807,6 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
                     line = train_line(step + 1, config.steps, stats.loss, stats.grad_norm, lr, tokens_per_s,
                                       trained_per_s, done.time, eta)
                     emit(f"{line} | {gpu_summary(gpus)}" if gpus else line)
-                if samples is not None and samples.due(step + 1):
-                    samples.write(trainer, step + 1, log, emit, time.time() - train_start)
                 if stats.skipped and stats.tokens == 0:  # every target -100: nothing to learn, nothing wrong
                     log.write(type="skipped", step=step + 1, loss=stats.loss, grad_norm=stats.grad_norm,
                               reason="no counted tokens", time=done.time)
@@ -835,6 +833,9 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
                 if config.checkpoint_every and ((step + 1) % config.checkpoint_every == 0
                                                 or step + 1 == config.steps):
                     save_checkpoint()
+                # After the checkpoint: generating allocates the KV cache, which may fail.
+                if samples is not None and samples.due(step + 1):
+                    samples.write(trainer, step + 1, log, emit, time.time() - train_start)
         finally:
             bar.close()
         if stopped_by:
