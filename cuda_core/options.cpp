@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iomanip>
 #include <limits>
 #include <sstream>
 #include <utility>
@@ -268,10 +269,14 @@ std::string join_choices(const OptionSpec& spec) {
     return out;
 }
 
-// A number as a user wrote it: 3, not 3.000000.
+// A number as a user wrote it: 3, not 3.000000; a whole number whole
+// (2147483647, not 2.14748e+09), others to 15 significant digits.
 std::string format_number(double value) {
     std::ostringstream s;
-    s << value;
+    if (std::isfinite(value) && value == std::floor(value) && std::fabs(value) < 1e18)
+        s << static_cast<long long>(value);
+    else
+        s << std::setprecision(15) << value;
     return s.str();
 }
 

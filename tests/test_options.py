@@ -95,6 +95,14 @@ def test_the_core_refuses_a_value_past_a_limit_when_python_is_bypassed():
         _core.CoreTrainer(tiny_config().to_core(), options)
 
 
+def test_limits_are_written_as_numbers_are():
+    # Whole numbers whole: "[1, 2147483647]", not "[1, 2.14748e+09]" (C++ streams' six digits).
+    with pytest.raises(ValueError, match=re.escape("seq_len must be an integer in [1, 2147483647], got -3")):
+        nanoq.TrainOptions(backend="cpu", seq_len=-3)
+    with pytest.raises(ValueError, match=r"lora_dropout must be .*\[0, 1\)"):
+        schema.check(_options_with("lora_dropout", 1.0))
+
+
 def _outside(spec, limit, is_minimum):
     """(a value just past ``limit``, the limit itself if it is allowed, else None)."""
     integer = spec["kind"] == "integer"
