@@ -289,6 +289,15 @@ def test_nanoq_generate_refuses_what_denoising_cannot_run(denoise_run, tmp_path)
     trainer.save_checkpoint(tmp_path / "plain-run" / "checkpoints", 1, tokenizer_dir=str(plain))
     output = fails(tmp_path / "plain-run", "--steps", 2)
     assert "has no mask token" in output and "pass --mask-token" in output
+    # ... unless the run names one (data.mask_token in its config.toml), which it trained with.
+    (tmp_path / "plain-run" / "config.toml").write_text('[model]\ncausal = false\n[data]\nmask_token = "7"\n'
+                                                        '[train]\nobjective = "denoise"\n')
+    ids = train_bpe_tokenizer(CLI_TEXT, 300).encode("The").ids
+    result = invoke("generate", tmp_path / "plain-run", "--prompt", "The", "--backend", "cpu", "--max-new-tokens", 8,
+                    "--steps", 2, "--temperature", 0, "--json")
+    assert result.exit_code == 0, result.output
+    expected = trainer.denoise(ids, 8, 2, 7, temperature=0)
+    assert json.loads(result.output)["completion_ids"] == expected[:len(json.loads(result.output)["completion_ids"])]
     # A causal model takes neither option.
     config = dataclasses.replace(trainer.config, causal=True)
     with nanoq.Trainer(config, nanoq.TrainOptions(backend="cpu", batch_size=1, seq_len=32)) as causal:

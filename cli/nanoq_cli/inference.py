@@ -117,8 +117,9 @@ def _load_tokenizer(source: ModelSource, what: str):
               help="Bidirectional (denoising) models only: unmasking passes over the whole sequence, at most "
               "--max-new-tokens (default: --max-new-tokens, one position per pass).")
 @click.option("--mask-token", metavar="ID|TEXT",
-              help="Bidirectional models only: the mask token, an id or the token's text (default: the "
-              "tokenizer's: its tokenizer_config.json mask_token, else <mask>, [MASK] or <|mask|>).")
+              help="Bidirectional models only: the mask token, an id or the token's text (default: the run's "
+              "data.mask_token for a run's checkpoint, else the tokenizer's: its tokenizer_config.json "
+              "mask_token, else <mask>, [MASK] or <|mask|>).")
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
 @click.option("--json", "as_json", is_flag=True,
               help="Print an object {prompt, completion, prompt_ids, completion_ids} instead of the text.")
@@ -154,6 +155,7 @@ def generate(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, ste
             raise ValueError(f"the prompt ({len(prompt_ids)} tokens){asked} the model's {source.max_positions} "
                              f"positions")
         if not causal:
+            mask_token = mask_token if mask_token is not None else _run_mask_token(source)
             mask_id = _mask_id(mask_token, source.tokenizer_dir, source.config.vocab_size)
             if steps is not None and steps > max_new_tokens:
                 raise ValueError(f"--steps {steps} is more than --max-new-tokens {max_new_tokens}: each pass fills "
@@ -182,6 +184,19 @@ def generate(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, ste
                                    completion_ids=completion_ids)))
     else:
         click.echo(completion)
+
+
+def _run_mask_token(source: ModelSource) -> Optional[str]:
+    """The data.mask_token of the run a checkpoint belongs to (its
+    <run>/config.toml, two folders above the step directory), or None."""
+    if source.kind != "checkpoint":
+        return None
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(source.path))), "config.toml")
+    if not os.path.isfile(path):
+        return None
+    from nanoq.training import load_config
+
+    return load_config(path).mask_token or None
 
 
 def _mask_id(mask_token: Optional[str], tokenizer_dir: str, vocab_size: int) -> int:
