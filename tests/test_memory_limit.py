@@ -191,3 +191,35 @@ def test_nanoq_memory_on_cpu_checks_the_fit_against_the_host_memory():
     output = memory(100 << 20, "--devices", "2", "--sample_every", "0")
     (line,) = [line for line in output.splitlines() if "suggestion:" in line]
     assert "nothing else fits 2 devices; 1 device (" in line and "(each device's share: 100.0 MiB)" in line, output
+
+
+def test_the_memory_cgroups_of_the_process_bound_the_host_memory(tmp_path):
+    from nanoq._core import cgroup_memory_available
+
+    def write(path, text):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+    # cgroup v2: the process's own group and the one above it, each limit less its usage without the
+    # reclaimable page cache (inactive files); the least of them.
+    root = tmp_path / "v2"
+    write(tmp_path / "self2", "0::/a/b\n")
+    write(root / "a" / "b" / "memory.max", "1000\n")
+    write(root / "a" / "b" / "memory.current", "600\n")
+    write(root / "a" / "b" / "memory.stat", "anon 500\ninactive_file 100\n")
+    assert cgroup_memory_available(str(tmp_path / "self2"), str(root)) == 500
+    write(root / "a" / "memory.max", "800\n")
+    write(root / "a" / "memory.current", "700\n")
+    assert cgroup_memory_available(str(tmp_path / "self2"), str(root)) == 100
+    write(root / "a" / "memory.max", "max\n")
+    write(root / "a" / "b" / "memory.max", "max\n")
+    assert cgroup_memory_available(str(tmp_path / "self2"), str(root)) is None
+    # cgroup v1 (and a hybrid's empty v2 line): the memory controller's hierarchy, "no limit" as a huge number.
+    root = tmp_path / "v1"
+    write(tmp_path / "self1", "5:devices:/\n4:memory:/jobs/42\n0::/\n")
+    write(root / "memory" / "jobs" / "42" / "memory.limit_in_bytes", "9223372036854771712\n")
+    write(root / "memory" / "jobs" / "memory.limit_in_bytes", "2000\n")
+    write(root / "memory" / "jobs" / "memory.usage_in_bytes", "500\n")
+    write(root / "memory" / "jobs" / "memory.stat", "cache 300\ntotal_inactive_file 200\n")
+    assert cgroup_memory_available(str(tmp_path / "self1"), str(root)) == 1700
+    assert cgroup_memory_available(str(tmp_path / "missing"), str(root)) is None

@@ -80,14 +80,11 @@ std::size_t cgroup_stat(const std::string& path, const std::string& key) {
     return 0;
 }
 
-// What the memory cgroups of this process (its own, read from
-// /proc/self/cgroup, and each above it) leave: the least of limit - usage
-// over those with a limit, usage without the page cache the kernel
-// reclaims first (inactive files: the token files nanoq has read, say), as
-// container runtimes count it. SIZE_MAX where no cgroup sets a limit.
-std::size_t cgroup_available() {
+}  // namespace
+
+std::size_t cgroup_memory_available(const std::string& self_cgroup, const std::string& cgroup_root) {
     std::size_t least = SIZE_MAX;
-    std::ifstream self("/proc/self/cgroup");
+    std::ifstream self(self_cgroup);
     std::string line;
     while (std::getline(self, line)) {
         // v2: "0::/path"; v1: "N:memory:/path" (or with other controllers: "N:cpu,memory:/path").
@@ -97,7 +94,7 @@ std::size_t cgroup_available() {
         const bool v2 = controllers == ",,";
         if (!v2 && controllers.find(",memory,") == std::string::npos) continue;
         std::string path = line.substr(second + 1);
-        const std::string root = v2 ? "/sys/fs/cgroup" : "/sys/fs/cgroup/memory";
+        const std::string root = v2 ? cgroup_root : cgroup_root + "/memory";
         for (;;) {
             const std::string dir = root + (path == "/" ? "" : path);
             const std::size_t limit = cgroup_number(dir + (v2 ? "/memory.max" : "/memory.limit_in_bytes"));
@@ -116,6 +113,8 @@ std::size_t cgroup_available() {
     return least;
 }
 
+namespace {
+
 // The host memory the cpu backend may hold, and where the figure comes from.
 std::size_t host_memory_available(std::string* source) {
     if (const char* given = std::getenv("NANOQ_CPU_MEMORY_AVAILABLE"); given && *given) {
@@ -133,7 +132,8 @@ std::size_t host_memory_available(std::string* source) {
     // Memory that freed trainers left in the C library's free lists would
     // not count as available: give it back first.
     malloc_trim(0);
-    const std::size_t available = std::min(meminfo_bytes("MemAvailable"), cgroup_available());
+    const std::size_t available =
+        std::min(meminfo_bytes("MemAvailable"), cgroup_memory_available("/proc/self/cgroup", "/sys/fs/cgroup"));
     return available == SIZE_MAX ? 0 : available;  // 0: unknown (no /proc): no check
 }
 

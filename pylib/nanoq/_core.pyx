@@ -242,6 +242,8 @@ cdef extern from "nanoq/trainer.h" namespace "nanoq" nogil:
         size_t bytes
         string source
     CHostMemory core_cpu_host_memory "nanoq::cpu_host_memory"() except +nanoq_raise_py_error
+    size_t core_cgroup_memory_available "nanoq::cgroup_memory_available"(const string&, const string&) \
+        except +nanoq_raise_py_error
 
 
 def backend_built(str name):
@@ -291,6 +293,14 @@ def cpu_host_memory():
     NANOQ_CPU_MEMORY_AVAILABLE."""
     cdef CHostMemory memory = core_cpu_host_memory()
     return memory.bytes, memory.source.decode()
+
+
+def cgroup_memory_available(str self_cgroup, str cgroup_root):
+    """What the memory cgroups named in `self_cgroup` (a file in
+    /proc/self/cgroup's format) leave under `cgroup_root`, in bytes; None
+    where none sets a limit (see cpu_host_memory; for tests)."""
+    cdef size_t left = core_cgroup_memory_available(self_cgroup.encode(), cgroup_root.encode())
+    return None if left == <size_t>-1 else left
 
 
 # What CoreTrainer._read copies out; 0..2 are the core's optimizer state kinds.

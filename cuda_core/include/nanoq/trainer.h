@@ -246,4 +246,13 @@ struct HostMemory {
 };
 HostMemory cpu_host_memory();
 
+// What the memory cgroups of a process leave (its own, as `self_cgroup`
+// names them in /proc/self/cgroup's format, and each above it, under
+// `cgroup_root`, /sys/fs/cgroup: v2's files there, v1's in memory/): the
+// least of limit - usage over those with a limit, usage without the page
+// cache the kernel reclaims first (inactive files: the token files nanoq
+// has read, say), as container runtimes count it. SIZE_MAX where no cgroup
+// sets a limit. cpu_host_memory() takes the least of this and MemAvailable.
+std::size_t cgroup_memory_available(const std::string& self_cgroup, const std::string& cgroup_root);
+
 }  // namespace nanoq
