@@ -640,8 +640,11 @@ def test_cli_memory_takes_the_packing_which_changes_the_cuda_plan(monkeypatch):
 
     seen = []
     real = nanoq.memory.estimate_memory
-    monkeypatch.setattr(nanoq.memory, "estimate_memory",
-                        lambda model, options, **kw: seen.append(options.packed_documents) or real(model, options, **kw))
+    def recording(model, options, **kwargs):
+        seen.append(options.packed_documents)
+        return real(model, options, **kwargs)
+
+    monkeypatch.setattr(nanoq.memory, "estimate_memory", recording)
     for packing in ("pack", "stream"):
         result = invoke("memory", *TINY_FLAGS, "--packing", packing)
         assert result.exit_code == 0, result.output

@@ -506,16 +506,23 @@ class MemoryEstimate:
                 if candidate.fits(limit):
                     more = candidate
                     break
-        if more is not None:
-            devices, n = more.options.devices, more.options
-            tokens = more.tokens_per_step
-            keep = "same" if tokens == self.tokens_per_step else f"{tokens:,} instead of {self.tokens_per_step:,}"
-            shape = [f"batch_size {n.batch_size}"] if n.batch_size != o.batch_size else []
-            alone = f"nothing else fits {self._placement()}; " if shrink_batch else ""
-            inner = ", ".join(self._changes(more) + shape + [f"grad_accum {n.grad_accum}: {keep} tokens per step"])
-            return (f"{alone}{self._placement(devices)} ({inner}): "
-                    f"needs {human_bytes(more.device_bytes + self.reserve_bytes)}")
-        return None
+        if more is None:
+            return None
+        return self._devices_line(more, alone=shrink_batch)
+
+    def _devices_line(self, other: "MemoryEstimate", alone: bool, share: Optional[int] = None) -> str:
+        """The suggestion of ``other``, this run on another number of
+        devices: what it changes, its tokens per step and what it needs (of
+        each device's ``share`` of one memory, when given)."""
+        o, n = self.options, other.options
+        tokens = other.tokens_per_step
+        keep = "same" if tokens == self.tokens_per_step else f"{tokens:,} instead of {self.tokens_per_step:,}"
+        shape = [f"batch_size {n.batch_size}"] if n.batch_size != o.batch_size else []
+        inner = ", ".join(self._changes(other) + shape + [f"grad_accum {n.grad_accum}: {keep} tokens per step"])
+        needs = human_bytes(other.device_bytes + self.reserve_bytes)
+        return ((f"nothing else fits {self._placement()}; " if alone else "")
+                + f"{self._placement(n.devices)} ({inner}): needs {needs}"
+                + (f" per device (each device's share: {human_bytes(share)})" if share is not None else ""))
 
     def _fewer_devices(self, share: int) -> Optional[str]:
         """Devices that share one memory (each has ``share`` of it): the
@@ -527,18 +534,11 @@ class MemoryEstimate:
         total = share * o.devices
         sequences = o.devices * o.batch_size * o.grad_accum  # per process
         for devices in range(o.devices - 1, 0, -1):
-            batches = [(batch, max(1, math.ceil(sequences / (devices * batch)))) for batch in range(o.batch_size, 0, -1)]
+            batches = [(batch, max(1, math.ceil(sequences / (devices * batch))))
+                       for batch in range(o.batch_size, 0, -1)]
             fewer = self._lightest(total // devices, devices, batches, offload=False)
-            if fewer is None:
-                continue
-            n = fewer.options
-            tokens = fewer.tokens_per_step
-            keep = "same" if tokens == self.tokens_per_step else f"{tokens:,} instead of {self.tokens_per_step:,}"
-            shape = [f"batch_size {n.batch_size}"] if n.batch_size != o.batch_size else []
-            inner = ", ".join(self._changes(fewer) + shape + [f"grad_accum {n.grad_accum}: {keep} tokens per step"])
-            return (f"nothing else fits {self._placement()}; {self._placement(devices)} ({inner}): needs "
-                    f"{human_bytes(fewer.device_bytes + self.reserve_bytes)} per device (each device's share: "
-                    f"{human_bytes(total // devices)})")
+            if fewer is not None:
+                return self._devices_line(fewer, alone=True, share=total // devices)
         return None
 
     def _nothing_fits(self, offload: bool = True, more_devices: bool = True) -> str:
