@@ -421,13 +421,13 @@ struct Trainer::Impl : TrainerSetup {
 
     int size() const { return static_cast<int>(devices.size()); }
     int global(int rank) const { return first_rank + rank; }
-    // Calls that need every rank's shard cannot answer for a world beyond this trainer.
     // Calls that train need the gradients and optimizer state an inference trainer leaves out.
     void require_training(const std::string& what) const {
         if (options.inference)
             throw InvalidArgument(what + " needs a trainer made for training: this one has inference = true "
                                   "(no gradients or optimizer state)");
     }
+    // Calls that need every rank's shard cannot answer for a world beyond this trainer.
     void require_whole_world(const std::string& what) const {
         if (world != size())
             throw InvalidArgument(what + " needs the shards of all " + std::to_string(world) +
