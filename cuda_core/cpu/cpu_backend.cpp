@@ -280,9 +280,6 @@ constexpr bool kOpenBlasBuilt = false;
 
 }  // namespace
 
-// The one place that decides which sgemm a cpu backend runs: OpenBLAS when
-// this build links it, else the portable one; NANOQ_CPU_GEMM=portable (or
-// =openblas) overrides, read by each backend when it is created.
 HostMemory cpu_host_memory() {
     HostCount& host = host_memory();
     std::lock_guard<std::mutex> lock(host.mutex);
@@ -292,6 +289,9 @@ HostMemory cpu_host_memory() {
     return memory;
 }
 
+// The one place that decides which sgemm a cpu backend runs: OpenBLAS when
+// this build links it, else the portable one; NANOQ_CPU_GEMM=portable (or
+// =openblas) overrides, read by each backend when it is created.
 CpuGemm cpu_gemm() {
     const char* env = std::getenv("NANOQ_CPU_GEMM");
     const std::string wanted = env ? env : "";
