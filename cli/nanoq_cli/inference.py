@@ -36,6 +36,11 @@ class ModelSource:
     base_model: Optional[str] = None
 
 
+def checkpoint_root(path: str) -> str:
+    """A run directory's checkpoints/ folder; any other path as it is."""
+    return os.path.join(path, RUN_CHECKPOINTS) if os.path.isdir(os.path.join(path, RUN_CHECKPOINTS)) else path
+
+
 def find_model(path: str) -> ModelSource:
     """The ModelSource of MODEL (see the module docstring); ValueError when
     `path` is none of those."""
@@ -49,7 +54,7 @@ def find_model(path: str) -> ModelSource:
         return ModelSource("hf", path, config, tokenizer, config.max_position_embeddings)
     if os.path.isfile(os.path.join(path, RUN_MODEL, "config.json")):
         return find_model(os.path.join(path, RUN_MODEL))
-    root = os.path.join(path, RUN_CHECKPOINTS) if os.path.isdir(os.path.join(path, RUN_CHECKPOINTS)) else path
+    root = checkpoint_root(path)
     try:
         state = read_state(root)
     except CheckpointError as e:

@@ -386,21 +386,19 @@ def export(checkpoint, output, max_shard_size, tokenizer, max_position_embedding
     (adapter_config.json + adapter_model.safetensors, for
     peft.PeftModel.from_pretrained), or with --merge as a full model.
     """
-    from nanoq.checkpoint import list_checkpoints, list_step_dirs, read_state, step_dir_name
+    from nanoq.checkpoint import STATE_FILE, list_checkpoints, list_step_dirs, read_state, step_dir_name
     from nanoq.hf_export import export_checkpoint
-    from nanoq_cli.inference import RUN_CHECKPOINTS
+    from nanoq_cli.inference import checkpoint_root
 
     max_shard_bytes = max_shard_size
     if not os.path.exists(checkpoint):
         raise click.ClickException(f"no checkpoint at {checkpoint}: give a step directory, a checkpoint root or a "
                                    f"run directory")
-    if os.path.isdir(os.path.join(checkpoint, RUN_CHECKPOINTS)):
-        checkpoint = os.path.join(checkpoint, RUN_CHECKPOINTS)  # a run directory: its checkpoints
+    checkpoint = checkpoint_root(checkpoint)  # a run directory: its checkpoints
     try:
         # A root: its newest valid step (by number, as --resume takes it, whatever `latest` says),
         # named, with the newer step directories it passed over.
-        complete = list_checkpoints(checkpoint) if not os.path.isfile(os.path.join(checkpoint, "trainer_state.json")) \
-            else []
+        complete = [] if os.path.isfile(os.path.join(checkpoint, STATE_FILE)) else list_checkpoints(checkpoint)
         if complete:
             newer = [step_dir_name(n) for n in list_step_dirs(checkpoint) if n > complete[-1]]
             checkpoint = os.path.join(os.path.abspath(checkpoint), step_dir_name(complete[-1]))
