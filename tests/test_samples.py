@@ -114,9 +114,11 @@ def test_document_start_skips_leading_eos_and_stops_at_the_next():
 
 
 def test_bad_sample_prompts_fail_before_training_naming_the_setting(tmp_path):
+    lines = []
     with pytest.raises(ValueError, match=r"train\.sample_prompts needs the data's tokenizer"):
-        train(config(tmp_path, sample_every=2, sample_prompts=["hello"]), **QUIET)
+        train(config(tmp_path, sample_every=2, sample_prompts=["hello"]), say=lines.append, progress=False)
     assert not os.path.exists(tmp_path / "runs" / "run")  # nothing ran: no run directory left behind
+    assert not [line for line in lines if line.startswith("run directory:")]  # nor one named to the user
     train_data, eval_data, _ = tokenized_data(tmp_path / "tok")
     long = TrainConfig(**dict(TINY, train_data=train_data, eval_data=eval_data, steps=2, sample_every=2,
                               sample_prompts=["the cat sat on the mat " * 4], out_dir=str(tmp_path / "runs")))

@@ -664,7 +664,6 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
 def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], start: float,
               say: Callable[[str], None], progress: Optional[bool], group: distributed.ProcessGroup) -> TrainResult:
     """The run of ``train`` in ``run_dir``, which its root process has locked."""
-    say(f"run directory: {os.path.abspath(run_dir)}")
     trainer = None
     try:
         model, options, loader, eval_loader, tokenizer_dir = _setup(config, run_dir, say, group)
@@ -690,6 +689,8 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
         if resumed is None and group.is_root:
             shutil.rmtree(run_dir, ignore_errors=True)  # nothing ran: leave no half-made run behind
         raise
+    # Named once the run is set up: a setup that fails removes a new run's directory.
+    say(f"run directory: {os.path.abspath(run_dir)}")
     if group.is_root:
         with open(os.path.join(run_dir, "config.toml"), "w", encoding="utf-8") as f:
             f.write(config.to_toml())
