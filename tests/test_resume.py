@@ -278,3 +278,19 @@ def test_cli_resume_followed_by_a_config_file_is_a_usage_error(tmp_path):
     toml.write_text("[train]\nsteps = 3\n")
     result = invoke(["train", "--resume", str(toml)])
     assert result.exit_code == 2 and "put CONFIG.toml first" in result.output
+
+
+def test_cli_resume_auto_without_a_config_file_takes_the_runs_own_settings(tmp_path):
+    _, expected = straight_run(tmp_path, schedule="constant")
+    assert invoke(cli_args(tmp_path, "--schedule", "constant", "--steps", "8")).exit_code == 0
+    run = tmp_path / "runs" / "cli"
+    # Before, the defaults stood in for the run's settings and the resume was refused.
+    result = invoke(["train", "--resume", "--out_dir", str(tmp_path / "runs"), "--steps", "12"])
+    assert result.exit_code == 0, result.output
+    assert f"settings: {run / 'config.toml'} (the run's own; flags change them)" in result.output
+    assert f"resuming from {run / 'checkpoints' / 'step_00000008'} at step 8" in result.output
+    assert losses_after_resume(run) == {step: expected[step] for step in range(9, 13)}
+    # A named run with no checkpoint is refused before anything starts, as before.
+    (tmp_path / "runs" / "empty").mkdir()
+    result = invoke(["train", "--resume", "auto", "--out_dir", str(tmp_path / "runs"), "--run_name", "empty"])
+    assert result.exit_code == 1 and "exists but holds no checkpoint" in result.output

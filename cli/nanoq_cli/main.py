@@ -113,6 +113,20 @@ def _run_config_file(resume: str):
     return candidate if os.path.isfile(candidate) else None
 
 
+def _auto_resume(overrides: dict) -> str:
+    """The run directory that ``--resume auto`` continues, found with the
+    defaults and the flags (their out_dir and run_name), or "auto" when
+    there is none (``train`` then says so and starts a fresh run)."""
+    from nanoq.training import RunInUse, load_config
+    from nanoq.training.resume import find_run
+
+    try:
+        run = find_run(load_config(None, overrides), "auto", say=lambda line: None)
+    except (ValueError, OSError, RunInUse) as e:
+        raise _fail(e) from None
+    return "auto" if run is None else run.run_dir
+
+
 @cli.command(context_settings=dict(max_content_width=110), epilog=_rules_epilog())
 @click.argument("config_file", metavar="[CONFIG.toml]", required=False, type=click.Path(dir_okay=False))
 @click.option("--print-config", is_flag=True, help="Print the merged configuration as TOML and exit.")
@@ -120,8 +134,8 @@ def _run_config_file(resume: str):
               help="Continue from a checkpoint. DIR: a run directory, its checkpoints/ or a step directory. "
               "auto (also --resume alone): <out_dir>/<run_name>, or without run_name the run in out_dir with "
               "the newest checkpoint; a fresh run if there is none. Model and data settings must match the "
-              "checkpoint's; other changes (steps, lr, ...) are applied and reported. With DIR and no "
-              "CONFIG.toml the settings start from the run's own config.toml (the flags still apply).")
+              "checkpoint's; other changes (steps, lr, ...) are applied and reported. Without CONFIG.toml "
+              "the settings of a run resumed start from its own config.toml (the flags still apply).")
 @_setting_options
 def train(config_file, print_config, resume, **flags):
     """Train a model. Settings come from the defaults (the demo), then
@@ -132,6 +146,8 @@ def train(config_file, print_config, resume, **flags):
     from nanoq.training import train as run_training
 
     overrides = {name: value for name, value in flags.items() if value is not None}
+    if config_file is None and resume == "auto":  # the run that auto finds, taken as --resume DIR
+        resume = _auto_resume(overrides)
     if config_file is None and resume not in (None, "auto"):
         config_file = _run_config_file(resume)
         if config_file is not None:
