@@ -176,7 +176,8 @@ const std::vector<Field>& fields() {
              [](const TrainOptions& o) { return o.packed_documents; }),
         flag("inference",
              "forward passes only (logits, generate, validate): no gradients, master weights or AdamW state are "
-             "allocated, and step() and update() refuse",
+             "allocated, activations are kept as with recompute block whatever recompute says, and step() and "
+             "update() refuse",
              [](const TrainOptions& o) { return o.inference; }),
         choice("matmul_dtype", "the dtype of the projection matmuls' inputs", kMatmulPrecisions,
                [](const TrainOptions& o) {

@@ -240,7 +240,9 @@ TrainerSetup::TrainerSetup(const ModelConfig& c, const TrainOptions& o) : config
     // An inference trainer's "master" is its weights: nothing is updated.
     master_dtype = o.inference ? weight_dtype : dtype_of(o.master_dtype);
     optimizer_dtype = dtype_of(o.optimizer_dtype);
-    recompute = Recompute::from(o.recompute);
+    // Nothing reads an inference trainer's activations after its forward: it keeps
+    // each layer's input only, whatever `recompute` says (the forward is the same).
+    recompute = Recompute::from(o.inference ? RecomputeSet{kRecomputeBlock} : o.recompute);
     offload = o.offload;
     plugin = &find_backend(o.backend);
     lora = Lora::from(o);

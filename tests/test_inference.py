@@ -48,12 +48,23 @@ def test_an_inference_trainer_reads_the_model_bitwise_as_a_training_one_without_
         assert np.array_equal(expected[0], got[0]) and expected[1:] == got[1:]
         trained, inferring = training.memory_summary()[0]["contexts"], reading.memory_summary()[0]["contexts"]
         assert TRAINING_STATE & set(trained) and not TRAINING_STATE & set(inferring)
-        assert {k: v for k, v in trained.items() if k not in TRAINING_STATE | {"kv-cache"}} == \
-            {k: v for k, v in inferring.items() if k != "kv-cache"}
+        # The rest is a training trainer's with recompute block: no activation a backward would read is kept.
+        assert inferring["activations"] < trained["activations"]
+        with nanoq.Trainer(CONFIG, options(lora=lora, recompute="block")) as blocked:
+            assert {k: v for k, v in blocked.memory_summary()[0]["contexts"].items()
+                    if k not in TRAINING_STATE | {"kv-cache"}} == \
+                {k: v for k, v in inferring.items() if k != "kv-cache"}
         # The memory plan is the same allocation sequence.
         planned = estimate_memory(CONFIG, options(lora=lora, inference=True))
         assert {k: v for k, v in planned.contexts.items() if v and k != "kv-cache"} == \
             {k: v for k, v in inferring.items() if k != "kv-cache"}
+
+
+def test_an_inference_trainer_keeps_activations_as_recompute_block_whatever_recompute_says():
+    planned = {recompute: estimate_memory(CONFIG, options(inference=True, recompute=recompute)).contexts
+               for recompute in ((), ("swiglu",), ("ffn", "norms"), ("block",))}
+    assert all(contexts == planned[("block",)] for contexts in planned.values())
+    assert planned[()]["activations"] < estimate_memory(CONFIG, options()).contexts["activations"]
 
 
 def test_every_call_that_trains_is_refused_naming_the_option(tmp_path):
@@ -93,7 +104,7 @@ def test_nanoq_generate_and_eval_read_models_with_an_inference_trainer(tmp_path)
         model = trainer.export_model(str(tmp_path / "model"))
     with open_trainer(find_model(model), "cpu", 16) as reading:
         # No training state, and none of the activations a backward would read.
-        assert reading.options.inference and reading.options.recompute == ("block",)
+        assert reading.options.inference
         assert not TRAINING_STATE & set(reading.memory_summary()[0]["contexts"])
 
 

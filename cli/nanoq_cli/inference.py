@@ -72,13 +72,12 @@ def find_model(path: str) -> ModelSource:
 def open_trainer(source: ModelSource, backend: str, seq_len: int, batch_size: int = 1):
     """A Trainer of `source`'s model with its weights (one device), for
     forward passes only: TrainOptions.inference (no gradients or optimizer
-    state) and recompute block (none of the activations a backward would
-    read are kept; the results are the same)."""
+    state, and none of the activations a backward would read)."""
     import nanoq
     from nanoq.checkpoint import read_weights
 
     options = nanoq.TrainOptions(backend=backend, batch_size=batch_size, seq_len=seq_len, lora=source.lora,
-                                 inference=True, recompute=("block",))
+                                 inference=True)
     trainer = nanoq.Trainer(source.config, options)
     try:
         if source.kind == "hf":
