@@ -350,7 +350,8 @@ class TrainOptions:
     ``inference`` makes a trainer for forward passes only (logits, generate,
     validate, reading and writing weights): it allocates no gradients,
     master weights or AdamW state (Qwen2.5-7B in bf16 on cuda: 14 GiB of
-    state instead of 128), and step(), update(), the gradients, the
+    state instead of 128) and keeps activations as recompute "block"
+    whatever ``recompute`` says; step(), update(), the gradients, the
     optimizer state and save_checkpoint refuse. It needs zero_stage 1 and
     nothing offloaded.
     """
