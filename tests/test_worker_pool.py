@@ -193,3 +193,61 @@ def test_concurrent_calls_from_two_threads_are_serialised(checkpoints):
         for t in threads:
             t.join()
     assert results == [expected] * 40
+
+
+CLOSE_DURING_CALLS = r"""
+import threading, time
+import numpy as np
+import nanoq
+
+config = nanoq.ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2)
+tokens = np.random.default_rng(0).integers(0, 4096, (8, 256), dtype=np.int32)
+for call in ("logits", "generate"):
+    trainer = nanoq.Trainer(config, nanoq.TrainOptions(backend="cpu", batch_size=8, seq_len=256, threads=1,
+                                                       inference=True))
+    expected = trainer.logits(tokens) if call == "logits" else None  # a few tenths of a second
+    outcome, inside = {}, threading.Event()
+
+    def use():
+        try:
+            if call == "logits":
+                inside.set()
+                outcome["result"] = trainer.logits(tokens)
+            else:
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:  # until close() comes
+                    outcome["result"] = trainer.generate([1, 2, 3], 4, temperature=0.0)
+                    inside.set()
+        except RuntimeError as e:
+            outcome["error"] = str(e)
+        outcome["returned"] = time.monotonic()
+
+    user = threading.Thread(target=use)
+    user.start()
+    inside.wait()
+    time.sleep(0.05)
+    trainer.close()
+    closed = time.monotonic()
+    user.join()
+    if call == "logits":  # close() waited for the call in flight, which got its answer
+        assert "error" not in outcome and outcome["returned"] <= closed, outcome
+        assert np.array_equal(outcome["result"], expected)
+    else:  # a later call of the loop is refused cleanly
+        assert outcome.get("error") == "this Trainer is closed", outcome
+    print(call, "ok")
+"""
+
+
+def test_close_from_another_thread_waits_for_the_call_in_flight(tmp_path):
+    """close() from one thread while another is inside a core call: the call
+    finishes (or the next one raises), never a use of freed memory (before,
+    a crash: close() freed the core under a thread still in it)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "close_during_calls.py"
+    script.write_text(CLOSE_DURING_CALLS)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.split() == ["logits", "ok", "generate", "ok"]

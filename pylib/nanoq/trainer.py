@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import threading
@@ -176,6 +177,39 @@ def _check_hyper(name: str, value, low: float, high: float = math.inf, low_inclu
     return number
 
 
+def _one_call(method):
+    """``method`` runs as one call of its Trainer: it holds the call lock
+    throughout, so that another thread's calls, close() included, come
+    before or after it, not between its core calls."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self._calls:
+            return method(self, *args, **kwargs)
+    return call
+
+
+class _CoreCalls:
+    """The core trainer seen through its Trainer's call lock: each method
+    call holds the lock, so ``Trainer.close()``, which holds it too, frees
+    the core only when no other thread is inside a call (most calls let go
+    of the GIL while the devices work)."""
+
+    __slots__ = ("_core", "_lock")
+
+    def __init__(self, core, lock):
+        self._core, self._lock = core, lock
+
+    def __getattr__(self, name):
+        attribute = getattr(self._core, name)
+        if not callable(attribute):
+            return attribute
+
+        def call(*args, **kwargs):
+            with self._lock:
+                return attribute(*args, **kwargs)
+        return call
+
+
 class Trainer:
     """Trains one model on ``options.devices`` devices from this thread.
 
@@ -241,7 +275,7 @@ class Trainer:
             self._world_group = distributed.SingleProcess()
         else:
             self._world_group = None  # a world of trainers placed by hand (TrainOptions.world_size)
-        self._core = _core.CoreTrainer(config.to_core(), core_options, transport)
+        self._core = _CoreCalls(_core.CoreTrainer(config.to_core(), core_options, transport), self._calls)
         parameters = self._core.parameters()
         self._parameters = [(name, shape, decay) for name, shape, decay, _ in parameters]
         # Indices of the parameters that train (all, unless LoRA froze the model's weights).
@@ -316,13 +350,16 @@ class Trainer:
     def close(self) -> None:
         """Waits for queued work, then stops the device workers and frees all
         memory (also when the queued work failed: its error is raised after
-        the memory is freed, so a failure is never lost). Safe to call twice."""
+        the memory is freed, so a failure is never lost). Safe to call twice,
+        and from another thread than one using the trainer: the memory is
+        freed once that thread's call has returned (its next call raises)."""
         if self._core is None:
             return
-        try:
-            self._core.wait()
-        finally:
-            self._core.close()
+        with self._calls:
+            try:
+                self._core.wait()
+            finally:
+                self._core.close()
 
     def __enter__(self) -> "Trainer":
         return self
@@ -375,6 +412,7 @@ class Trainer:
         return [self._parameters[i][0] for i in self._trainable]
 
     # -- weights -------------------------------------------------------------
+    @_one_call
     def init_weights(self, seed: int = 0) -> None:
         """Fresh weights from ``seed``: N(0, 0.02) matrices (output projections
         scaled by 1/sqrt(2*layers)), unit norms, zero biases; LoRA adapters
@@ -398,6 +436,7 @@ class Trainer:
                 value = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
             self._core.set_parameter(index, value.reshape(-1))
 
+    @_one_call
     def init_adapters(self, seed: int = 0) -> None:
         """Fresh LoRA adapters from ``seed`` (see ``nanoq.lora.init_adapters``)."""
         from nanoq.lora import init_adapters
@@ -407,6 +446,7 @@ class Trainer:
         for name, value in init_adapters(self.config, self.lora, seed).items():
             self._core.set_parameter(self._index[name], value.reshape(-1))
 
+    @_one_call
     def import_weights(self, path: str | os.PathLike) -> None:
         """Loads Hugging Face weights: a model directory, ``model.safetensors``
         or ``model.safetensors.index.json`` (sharded). Every parameter must be
@@ -432,6 +472,7 @@ class Trainer:
                 self._core.set_parameter(self._index[name], array.reshape(-1))
         self.base_model = os.path.abspath(os.fspath(path))
 
+    @_one_call
     def get_weights(self, trainable_only: bool = False) -> Dict[str, np.ndarray]:
         """All parameters (or only the trainable ones) as float32 arrays
         under Hugging Face names; with LoRA the adapters are
@@ -469,6 +510,7 @@ class Trainer:
             raise RuntimeError(f"the processes' parts of {name} cover {covered} of its {full.size} elements")
         return full.reshape(shape)
 
+    @_one_call
     def get_gradients(self) -> Dict[str, np.ndarray]:
         """Gradients (float32, Hugging Face names) of the mean loss over the
         tokens counted so far in this optimizer step, summed over devices,
@@ -498,6 +540,7 @@ class Trainer:
             raise ValueError(f"{what}() needs a trainer made for training: this one has inference=True (no "
                              f"gradients or optimizer state){hint}")
 
+    @_one_call
     def save_checkpoint(self, directory: str | os.PathLike, step: int, extra_state: dict | None = None, *,
                         keep_last: int = 0, keep_every: int = 0, tokenizer_dir: str | None = None) -> str:
         """Writes ``directory/step_<step:08d>/`` atomically (see nanoq.checkpoint)
@@ -515,6 +558,7 @@ class Trainer:
         return save_checkpoint(self, directory, step, extra_state, keep_last=keep_last, keep_every=keep_every,
                                tokenizer_dir=tokenizer_dir)
 
+    @_one_call
     def load_checkpoint(self, directory: str | os.PathLike) -> dict:
         """Restores weights, master weights, AdamW state and step count from a
         step directory, or from the newest valid one of a checkpoint root.
@@ -528,6 +572,7 @@ class Trainer:
 
         return load_checkpoint(self, directory)
 
+    @_one_call
     def export_model(self, directory: str | os.PathLike, **kwargs) -> str:
         """Writes a Hugging Face model directory (see nanoq.hf_export.export_model);
         returns its path. In a world of several processes every process
@@ -538,6 +583,7 @@ class Trainer:
 
     OPTIMIZER_STATE = ("master", "adam_m", "adam_v")
 
+    @_one_call
     def get_optimizer_state(self) -> Dict[str, Dict[str, np.ndarray]]:
         """{"master" | "adam_m" | "adam_v": {Hugging Face name: float32 array}}
         of the trainable parameters, gathered from every device's shard (in
@@ -588,6 +634,7 @@ class Trainer:
             raise ValueError(f"optimizer state kind must be one of {', '.join(self.OPTIMIZER_STATE)}, got {kind!r}")
         return self.OPTIMIZER_STATE.index(kind)
 
+    @_one_call
     def set_optimizer_state(self, state: Dict[str, Dict[str, np.ndarray]], optimizer_steps: int) -> None:
         """Restores what ``get_optimizer_state`` returned and the AdamW step
         count. Every kind and parameter must be present with its shape."""
@@ -604,6 +651,7 @@ class Trainer:
                 self._core.set_optimizer_state(i, k, np.ascontiguousarray(state[kind][name], np.float32).reshape(-1))
         self._core.set_optimizer_steps(int(optimizer_steps))
 
+    @_one_call
     def set_weights(self, weights: Dict[str, np.ndarray], trainable_only: bool = False) -> None:
         """Sets every parameter (or every trainable one) from ``{Hugging Face
         name: array}`` (all must be present with their shapes; checked before
@@ -724,6 +772,7 @@ class Trainer:
                              f"{self.processes.size} processes ({self.topology[0]} devices in all): call it in a "
                              f"single-process run")
 
+    @_one_call
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, stop=()) -> list[int]:
         """Continues ``prompt_ids`` (a sequence of token ids) by up to
@@ -751,6 +800,7 @@ class Trainer:
         return generation.generate(self._core, prompt_ids, max_new_tokens, sampler, stop,
                                    self.config.max_position_embeddings)
 
+    @_one_call
     def denoise(self, prompt_ids, max_new_tokens: int, steps: int, mask_token: int, temperature: float = 1.0,
                 top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> list[int]:
         """Generation for a bidirectional (denoising) model, ``config.causal``
@@ -782,6 +832,7 @@ class Trainer:
         return generation.denoise(self._core, prompt_ids, max_new_tokens, steps, mask_token, sampler,
                                   self.config.max_position_embeddings)
 
+    @_one_call
     def logits(self, inputs, positions=None) -> np.ndarray:
         """The model's logits for each row of ``inputs``, an integer array
         [rows, T] of token ids (T <= options.seq_len; any number of rows):
@@ -856,6 +907,7 @@ class Trainer:
         "cuDNN 9.28.1"): see ``get_attention_info``."""
         return self.get_attention_info(0)["implementation"]
 
+    @_one_call
     def memory_summary(self) -> list[dict]:
         """Per device: ``contexts`` (bytes of device memory per context),
         ``allocated`` (their sum), ``host`` (pinned/host bytes), ``limit``
