@@ -12,6 +12,7 @@ import copy
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -574,6 +575,29 @@ def assert_array_close(actual, expected, rel, what="array", atol=0.0):
     assert err <= rel * scale + atol + 1e-30, (
         f"{what}: max abs err {err:.3e} > {rel:g} * max|expected| {scale:.3e} (rel err {err / max(scale, 1e-30):.2e})"
     )
+
+
+# --------------------------------------------------------------------------
+# GPU tests that ask for more GPUs than the machine has
+# --------------------------------------------------------------------------
+
+# The core's refusal of more cuda devices than are visible (Trainer's
+# constructor), which on a GPU machine with fewer GPUs than a test asks for
+# means "not here", as no GPU at all does: such a test is reported skipped.
+_TOO_FEW_GPUS = re.compile(r"asked for (\d+) cuda device\(s\)(?: from device \d+)?, but (\d+) are available")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if call.excinfo is None or report.passed or item.get_closest_marker("gpu") is None:
+        return
+    found = _TOO_FEW_GPUS.search(str(call.excinfo.value))
+    if found and int(found[1]) > int(found[2]):
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1] or 0,
+                           f"Skipped: needs {found[1]} GPUs, this machine has {found[2]}")
 
 
 # --------------------------------------------------------------------------

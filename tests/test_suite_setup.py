@@ -26,3 +26,25 @@ def test_auto_workers_are_bounded_by_cores_and_memory(monkeypatch):
     # Where memory holds fewer test processes than there are cores, memory decides.
     monkeypatch.setattr(conftest, "_TEST_PROCESS_BYTES", 1 << 50)
     assert conftest.pytest_xdist_auto_num_workers(None) == 1
+
+
+def test_a_gpu_test_asking_for_more_gpus_than_the_machine_has_is_skipped(tmp_path):
+    # On the one-GPU machine, a two-device GPU test is "not here", as a GPU test is without a GPU; the same
+    # refusal fails a CPU test, and any other error fails a GPU test.
+    (tmp_path / "test_gpus.py").write_text(
+        "import pytest\n"
+        "TOO_FEW = 'asked for 2 cuda device(s), but 1 are available'\n"
+        "@pytest.mark.gpu\n"
+        "def test_two_gpus():\n    raise ValueError(TOO_FEW)\n"
+        "@pytest.mark.gpu\n"
+        "def test_another_error():\n    raise ValueError('asked for 1 cuda device(s), but 1 are available')\n"
+        "def test_on_the_cpu():\n    raise ValueError(TOO_FEW)\n")
+    here = os.path.dirname(os.path.abspath(__file__))
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-p",
+                             "no:xdist", "-rfs", "-q", str(tmp_path / "test_gpus.py")],
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                            env=dict(os.environ, PYTHONPATH=here, NANOQ_NO_CPU_SKIPS="0"))
+    assert "2 failed, 1 skipped" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "needs 2 GPUs, this machine has 1" in result.stdout
+    assert "FAILED test_gpus.py::test_another_error" in result.stdout
+    assert "FAILED test_gpus.py::test_on_the_cpu" in result.stdout
