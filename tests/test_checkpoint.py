@@ -119,6 +119,26 @@ def test_saving_an_existing_step_or_unserialisable_state_is_refused(tmp_path):
     assert checkpoint.list_checkpoints(tmp_path) == [1]
 
 
+def test_saving_an_earlier_step_than_the_roots_newest_is_refused(tmp_path):
+    # Before, rotation by step deleted the step just written (keep_last=2 kept 100 and 200), and `latest`
+    # named it; load_checkpoint(root) then restored the other run's step 200 without a word.
+    with make_trainer() as old:
+        train(old, 0, 1)
+        for step in (100, 200):
+            old.save_checkpoint(tmp_path, step)
+    with make_trainer() as trainer:
+        train(trainer, 0, 1)
+        for keep_last in (0, 2):
+            with pytest.raises(ValueError, match=rf"cannot save checkpoint step 10 into {tmp_path}: it holds a "
+                                                 r"later checkpoint \(step 200\)"):
+                trainer.save_checkpoint(tmp_path, 10, keep_last=keep_last)
+        assert checkpoint.list_checkpoints(tmp_path) == [100, 200]
+        assert (tmp_path / "latest").read_text().strip() == "step_00000200"
+        assert sorted(set(os.listdir(tmp_path)) - {".lock"}) == ["latest", "step_00000100", "step_00000200"]
+        assert os.path.basename(trainer.save_checkpoint(tmp_path, 201, keep_last=2)) == "step_00000201"
+        assert checkpoint.list_checkpoints(tmp_path) == [200, 201]
+
+
 KILL_SCRIPT = textwrap.dedent("""
     import sys
     sys.path.insert(0, {tests!r})

@@ -211,6 +211,12 @@ def save_checkpoint(trainer, root: str | os.PathLike, step: int, extra_state: Op
             final = os.path.join(directory, step_dir_name(step))
             if os.path.exists(final):
                 raise FileExistsError(f"checkpoint {final} already exists; not overwriting it")
+            later = [saved for saved in list_checkpoints(directory) if saved > step]
+            if later:  # it would be read (and kept) as the newest in place of this one
+                raise ValueError(f"cannot save checkpoint step {step} into {directory}: it holds a later "
+                                 f"checkpoint (step {later[-1]}). A checkpoint root holds one run's checkpoints, "
+                                 f"the newest by step last (load_checkpoint, resume and rotation go by step): "
+                                 f"save into another directory, or move the later step directories away first")
             _make_room(directory, checkpoint_bytes(trainer), keep_last, keep_every)
             partial = os.path.join(directory, f".{step_dir_name(step)}.partial-{os.getpid()}")
             os.mkdir(partial)
