@@ -28,10 +28,11 @@
 # Every step runs under its own time limit inside an overall deadline
 # (NANOQ_CHECK_DEADLINE seconds, default 450: with the machine's start the
 # call stays near 8 minutes and a shorter rerun still fits the budget), and a
-# failed step does not stop the later ones, so summary.txt is always written.
+# failed step does not stop the later ones, so summary.txt is always written
+# (after every step too: a call cut off at the device's limit still leaves one).
 # Steps after the build, most valuable first: bench_0.5b (bench_gpu.py,
 # Qwen2.5-0.5B at B=8: nanoq bf16, torch, nanoq fp8), which keeps time back
-# for tests (pytest -m gpu); then bench_1.5b (the same at 1.5B), ops
+# for tests (pytest -m gpu, this GPU path's test files first); then bench_1.5b (the same at 1.5B), ops
 # (bench_ops.py) and bench_llmq (llm.q's B=32 x 16 settings, both models),
 # each with what is left. NANOQ_CHECK_STEPS picks steps for a rerun (below);
 # NANOQ_BUILD_LIMIT (default 240 s) is for simulating the machine on fewer
@@ -111,6 +112,8 @@ run_step() {
         *) STATUS[$name]="failed (rc $rc)" ;;
     esac
     echo "=== $name: ${STATUS[$name]} in ${DURATION[$name]}s ==="
+    # After every step, so that a call cut off at the device's limit still leaves one.
+    write_summary >/dev/null 2>&1 || true
 }
 
 skip_step() {
@@ -135,7 +138,8 @@ import importlib.metadata as md, sys
 print("python", sys.version.split()[0], sys.executable)
 for name in ("torch", "transformers", "cupy-cuda13x", "numpy", "cython", "scikit-build-core", "cmake", "ninja",
              "pytest", "pytest-timeout", "nvidia-ml-py", "nvidia-cublas", "nvidia-cuda-runtime", "nvidia-nccl-cu13",
-             "cuda-pathfinder", "safetensors", "tokenizers", "click", "tqdm", "scipy-openblas32"):
+             "cuda-pathfinder", "nvidia-cudnn-cu13", "nvidia-cudnn-frontend", "nvidia-cuda-nvrtc", "safetensors",
+             "tokenizers", "click", "tqdm", "scipy-openblas32"):
     try:
         print(f"  {name} {md.version(name)}")
     except md.PackageNotFoundError:
@@ -285,14 +289,27 @@ gpu_tests() {
     # pytest-timeout's thread method dumps every stack and ends the run when
     # one test hangs (a hung kernel never returns to Python for a signal).
     if "$PY" -c "import pytest_timeout" 2>/dev/null; then extra=(--timeout=120 --timeout-method=thread); fi
-    local path packages cost
+    local path packages cost left_out=" "
     while IFS=$'\t' read -r path packages cost; do
         echo "not collected: $path (needs $packages; $cost)"
-        extra+=("--ignore=$path")
+        left_out+="$path "
     done < <(uncollectable)
+    # The files of this GPU path first (cuDNN, fp8, graphs, training), then the rest in name
+    # order (pytest keeps the order of the files it is given): a run its time limit stops
+    # has checked what only a GPU can check.
+    local first=(test_fused_attention test_fp8 test_cuda_graphs test_gpu_training test_cublaslt test_gpu_options
+                 test_build_backend test_classifier_chunks test_adamw_shard test_memory) files=() name
+    for name in "${first[@]}"; do [[ ! -f tests/$name.py ]] || files+=("tests/$name.py"); done
+    for path in tests/test_*.py; do
+        [[ " ${files[*]} " == *" $path "* ]] || files+=("$path")
+    done
+    local collected=()
+    for path in "${files[@]}"; do
+        [[ $left_out == *" $path "* ]] || collected+=("$path")
+    done
     # Unbuffered, so that pytest_gpu.log shows how far a run got that its time limit stopped.
     PYTHONUNBUFFERED=1 "$PY" -m pytest -m gpu -v -rfEs --durations=15 -p no:cacheprovider \
-        --junitxml="$OUT/pytest_gpu.xml" --continue-on-collection-errors "${extra[@]}" tests 2>&1 |
+        --junitxml="$OUT/pytest_gpu.xml" --continue-on-collection-errors "${extra[@]}" "${collected[@]}" 2>&1 |
         tee "$OUT/pytest_gpu.log"
 }
 

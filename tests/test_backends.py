@@ -146,6 +146,22 @@ def test_cuda_library_loads_without_a_driver_when_built():
         assert _core.backend_built("cuda")
 
 
+def test_the_cuda_library_names_every_library_it_calls():
+    """libnanoq_cuda.so loads (RTLD_NOW) with none of the nvidia libraries
+    loaded before it: each one whose symbols it uses (nvrtc, called by the
+    cuDNN frontend, included) is a dependency its run path finds, not left
+    for nanoq.backends' preloading to have supplied."""
+    import subprocess
+    import sys
+
+    code = "from nanoq import _core; print(_core.device_count('cuda'))"  # _core alone: no preloading
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    if CUDA_BUILT:  # (CI's cuda build phase, and the GPU machine)
+        assert done.returncode == 0 and done.stdout.strip().isdigit(), done.stdout + done.stderr
+    else:
+        assert done.returncode == 1 and "not built" in done.stderr, done.stdout + done.stderr
+
+
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="backend"):
         nanoq.TrainOptions(backend="tpu")

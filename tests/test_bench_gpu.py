@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
@@ -481,3 +482,27 @@ def test_profiled_smoke_run_reports_profiles_and_keeps_traces(tmp_path):
 ])
 def test_kernel_groups_go_by_the_kernels_name_and_template_arguments(bench_gpu, name, group):
     assert bench_gpu.kernel_group(name) == group
+
+
+def test_gpu_check_runs_the_gpu_path_test_files_first_and_leaves_out_uncollectable_ones(tmp_path):
+    """The tests step hands pytest this GPU path's files first (a run that its time limit stops has
+    checked what only a GPU can), then every other test file once, less those that cannot import."""
+    tree = tmp_path / "repo"
+    (tree / "bench").mkdir(parents=True)
+    (tree / "tests").mkdir()
+    shutil.copy(ROOT / "bench" / "gpu_check.sh", tree / "bench")
+    for name in ("test_a", "test_cuda_graphs", "test_fp8", "test_z"):
+        (tree / "tests" / f"{name}.py").write_text("import numpy\n")
+    (tree / "tests" / "test_lacking.py").write_text("import a_package_nobody_has\n")
+    fake = tmp_path / "python"  # pytest's arguments recorded; any other use of Python is Python's
+    fake.write_text(f'#!/bin/bash\nif [[ "$1 $2" == "-m pytest" ]]; then printf "%s\\n" "$@" > {tmp_path}/args; '
+                    f'exit 0; fi\nexec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=str(fake))
+    (tmp_path / "out").mkdir()
+    out = subprocess.run(["bash", str(tree / "bench" / "gpu_check.sh"), "--step", "gpu_tests"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "not collected: tests/test_lacking.py (needs a_package_nobody_has" in out.stdout
+    files = [a for a in (tmp_path / "args").read_text().split() if a.startswith("tests/")]
+    assert files == ["tests/test_fp8.py", "tests/test_cuda_graphs.py", "tests/test_a.py", "tests/test_z.py"]
