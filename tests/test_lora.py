@@ -348,6 +348,43 @@ def test_lora_checkpoint_refuses_a_mismatched_trainer(checkpoints, tmp_path):
         full.load_checkpoint(step_dir)
 
 
+def test_lora_checkpoint_of_a_base_model_is_refused_on_initial_frozen_weights(checkpoints, tmp_path):
+    # Before, it loaded onto the trainer's random frozen weights: a wrong model, without a word.
+    path = checkpoints.path("llama")
+    lora = LoraConfig(rank=4)
+    with lora_trainer(path, lora) as tr:
+        step_dir = tr.save_checkpoint(tmp_path / "ckpt", step=0)
+        base = tr.get_weights()
+    config = nanoq.ModelConfig.from_pretrained(path)
+    options = nanoq.TrainOptions(backend="cpu", batch_size=2, seq_len=SEQ, lora=lora)
+    with nanoq.Trainer(config, options) as fresh:
+        with pytest.raises(CheckpointError, match=r"holds LoRA adapters trained on .*, but this trainer's frozen "
+                                                  r"weights are its initial random ones: import the base model "
+                                                  r"first \(trainer\.import_weights\("):
+            fresh.load_checkpoint(step_dir)
+        fresh.set_weights(base)  # frozen weights set from Python count as the caller's choice
+        assert fresh.load_checkpoint(step_dir)["step"] == 0
+        fresh.init_weights(3)  # and fresh ones are initial again
+        with pytest.raises(CheckpointError, match="initial random ones"):
+            fresh.load_checkpoint(step_dir)
+
+
+def test_set_weights_refuses_names_that_are_not_parameters_and_non_numeric_values(checkpoints):
+    config = nanoq.ModelConfig.from_pretrained(checkpoints.path("llama"))
+    with nanoq.Trainer(config, nanoq.TrainOptions(backend="cpu", batch_size=2, seq_len=SEQ)) as tr:
+        weights = tr.get_weights()
+        with pytest.raises(ValueError, match=r"1 weight\(s\) are not parameters of this model, e\.g\. "
+                                             r"'model\.layers\.0\.typo'"):
+            tr.set_weights(dict(weights, **{"model.layers.0.typo": np.zeros(3)}))
+        name = next(iter(weights))
+        with pytest.raises(TypeError, match=rf"weight {name}: expected a numeric array, got dtype"):
+            tr.set_weights(dict(weights, **{name: np.full(weights[name].shape, "x")}))
+        with pytest.raises(TypeError, match="weights must be a dict"):
+            tr.set_weights(list(weights.values()))
+        tr.set_weights({n: w.tolist() for n, w in weights.items()})  # nested lists are arrays too
+        assert all(np.array_equal(tr.get_weights()[n], w) for n, w in weights.items())
+
+
 def logits(model, inputs):
     with torch.no_grad():
         return model(input_ids=torch.from_numpy(inputs).long()).logits.float().numpy()

@@ -730,6 +730,10 @@ def _check_loadable(trainer, path, checksums: bool = True) -> Tuple[dict, _Slice
                               f"{trainer_lora}" if saved_lora else
                               f"{directory} holds full weights, but the trainer trains LoRA adapters")
     base = state.get("base_model")
+    if saved_lora and base and trainer.weights_from is None:
+        raise CheckpointError(f"{directory} holds LoRA adapters trained on {base}, but this trainer's frozen "
+                              f"weights are its initial random ones: import the base model first "
+                              f"(trainer.import_weights({base!r}))")
     if saved_lora and base and trainer.base_model and os.path.realpath(base) != os.path.realpath(trainer.base_model):
         warnings.warn(f"{directory} trained its adapters on {base}, but the trainer's frozen weights come from "
                       f"{trainer.base_model}", stacklevel=3)

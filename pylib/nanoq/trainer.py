@@ -283,6 +283,9 @@ class Trainer:
         self._index = {name: i for i, (name, _, _) in enumerate(self._parameters)}
         self.lora = options.lora
         self.base_model: str | None = None  # the directory import_weights read (LoRA checkpoints refer to it)
+        # Where the weights (with LoRA: the frozen ones) came from: None (init_weights), "import_weights"
+        # or "set_weights"; a LoRA checkpoint of a base model is refused on initial weights.
+        self.weights_from: str | None = None
         self._alone_in_world = self.topology[0] == self.world_size
         self._batch_shape = (options.devices * options.batch_size, options.seq_len)
         self.init_weights(options.seed)
@@ -422,6 +425,7 @@ class Trainer:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         rng = np.random.default_rng(int(seed))
         residual_scale = 1.0 / math.sqrt(2 * self.config.num_hidden_layers)
+        self.base_model = self.weights_from = None
         if self.lora is not None:
             self.init_adapters(seed)
         for index, (name, shape, _) in enumerate(self._parameters):
@@ -470,7 +474,7 @@ class Trainer:
         for name, array in iter_weights(path):
             if wanted(name):
                 self._core.set_parameter(self._index[name], array.reshape(-1))
-        self.base_model = os.path.abspath(os.fspath(path))
+        self.base_model, self.weights_from = os.path.abspath(os.fspath(path)), "import_weights"
 
     @_one_call
     def get_weights(self, trainable_only: bool = False) -> Dict[str, np.ndarray]:
@@ -654,15 +658,30 @@ class Trainer:
     @_one_call
     def set_weights(self, weights: Dict[str, np.ndarray], trainable_only: bool = False) -> None:
         """Sets every parameter (or every trainable one) from ``{Hugging Face
-        name: array}`` (all must be present with their shapes; checked before
-        any is set)."""
+        name: array}`` (all must be present with their shapes, and every name
+        must be a parameter of the model; checked before any is set; with
+        ``trainable_only`` the frozen ones given are left as they are)."""
+        if not isinstance(weights, dict):
+            raise TypeError(f"weights must be a dict of {{name: array}}, got {type(weights).__name__}")
+        unknown = sorted(name for name in weights if name not in self._index)
+        if unknown:
+            raise ValueError(f"{len(unknown)} weight(s) are not parameters of this model, e.g. "
+                             f"{', '.join(map(repr, unknown[:3]))} (parameter_names lists them)")
         indices = list(self._trainable if trainable_only else range(len(self._parameters)))
+        arrays = {}
         for name, shape, _ in (self._parameters[i] for i in indices):
-            if name not in weights or tuple(weights[name].shape) != shape:
-                found = tuple(weights[name].shape) if name in weights else None
-                raise ValueError(f"weight {name}: expected shape {shape}, got {found}")
+            value = weights.get(name)
+            array = None if value is None else np.asarray(value)
+            if array is not None and not (np.issubdtype(array.dtype, np.floating) or
+                                          np.issubdtype(array.dtype, np.integer)):
+                raise TypeError(f"weight {name}: expected a numeric array, got dtype {array.dtype}")
+            if array is None or array.shape != shape:
+                raise ValueError(f"weight {name}: expected shape {shape}, got {None if array is None else array.shape}")
+            arrays[name] = array
         for i in indices:
-            self._core.set_parameter(i, np.ascontiguousarray(weights[self._parameters[i][0]], np.float32).reshape(-1))
+            self._core.set_parameter(i, np.ascontiguousarray(arrays[self._parameters[i][0]], np.float32).reshape(-1))
+        if not trainable_only or self.lora is None:
+            self.weights_from = "set_weights"  # (base_model stays: a caller may set back what it imported)
 
     # -- training ------------------------------------------------------------
     def _device_batch(self, inputs, targets):
