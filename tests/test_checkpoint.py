@@ -23,8 +23,9 @@ SEQ = 16
 ROWS = 4
 
 
-def make_trainer(devices=2, seed=0):
-    options = nanoq.TrainOptions(backend="cpu", devices=devices, batch_size=ROWS // devices, seq_len=SEQ, seed=seed)
+def make_trainer(devices=2, seed=0, grad_accum=1):
+    options = nanoq.TrainOptions(backend="cpu", devices=devices, batch_size=ROWS // devices, seq_len=SEQ, seed=seed,
+                                 grad_accum=grad_accum)
     return nanoq.Trainer(nanoq.ModelConfig(**CONFIG), options)
 
 
@@ -117,6 +118,37 @@ def test_saving_an_existing_step_or_unserialisable_state_is_refused(tmp_path):
         with pytest.raises(ValueError, match="JSON"):
             trainer.save_checkpoint(tmp_path, 2, {"array": np.zeros(2)})
     assert checkpoint.list_checkpoints(tmp_path) == [1]
+
+
+def test_saving_with_micro_batches_pending_is_refused(tmp_path):
+    # Before, it saved without their gradients (and load_checkpoint refused the same state).
+    with make_trainer(grad_accum=2) as trainer:
+        trainer.step(*batch(0))
+        with pytest.raises(ValueError, match=r"cannot save a checkpoint with micro-batches pending \(1 step\(\) "
+                                             r"calls since the last update\(\)\): call update\(\) first"):
+            trainer.save_checkpoint(tmp_path, 1)
+        assert not os.path.exists(tmp_path / "step_00000001")
+        trainer.step(*batch(1))
+        trainer.update(lr=1e-3)
+        trainer.save_checkpoint(tmp_path, 1)
+
+
+def test_a_rotation_that_fails_after_the_save_warns_and_returns_the_saved_checkpoint(tmp_path, monkeypatch):
+    with make_trainer() as trainer:
+        train(trainer, 0, 1)
+        trainer.save_checkpoint(tmp_path, 1)
+
+        def refused(root, step):
+            raise PermissionError(13, "Permission denied", os.path.join(root, checkpoint.step_dir_name(step)))
+
+        monkeypatch.setattr(checkpoint, "_delete", refused)
+        with pytest.warns(checkpoint.DiskSpaceWarning, match=r"checkpoint step 2 is saved in .*step_00000002, but "
+                                                             r"rotation \(keep_last = 1\) could not delete an older "
+                                                             r"one: Permission denied \(.*step_00000001\); older "
+                                                             r"checkpoints remain"):
+            path = trainer.save_checkpoint(tmp_path, 2, keep_last=1)
+    assert os.path.basename(path) == "step_00000002" and checkpoint.list_checkpoints(tmp_path) == [1, 2]
+    assert (tmp_path / "latest").read_text().strip() == "step_00000002"
 
 
 def test_saving_an_earlier_step_than_the_roots_newest_is_refused(tmp_path):

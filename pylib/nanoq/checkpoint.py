@@ -195,6 +195,9 @@ def save_checkpoint(trainer, root: str | os.PathLike, step: int, extra_state: Op
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
     step = int(step)
+    if trainer._core.micro_steps:  # their gradients are in no file: a resume would not be this run
+        raise ValueError(f"cannot save a checkpoint with micro-batches pending ({trainer._core.micro_steps} "
+                         f"step() calls since the last update()): call update() first")
     extra_state = {} if extra_state is None else extra_state
     try:
         json.dumps(extra_state, allow_nan=False)
@@ -248,7 +251,13 @@ def save_checkpoint(trainer, root: str | os.PathLike, step: int, extra_state: Op
                 shutil.rmtree(partial, ignore_errors=True)
                 raise _save_error(e, step, where) from e
             if keep_last:
-                _rotate_locked(directory, keep_last, keep_every)
+                try:
+                    _rotate_locked(directory, keep_last, keep_every)
+                except OSError as e:  # the checkpoint is saved: say what was left, do not fail the save
+                    warnings.warn(f"checkpoint step {step} is saved in {final}, but rotation (keep_last = "
+                                  f"{keep_last}) could not delete an older one: {e.strerror or e}"
+                                  + (f" ({e.filename})" if e.filename else "") + "; older checkpoints remain",
+                                  DiskSpaceWarning, stacklevel=4)
             return final
 
         return on_root(group, finish, action=action)
@@ -310,8 +319,10 @@ def checkpoint_bytes(trainer) -> int:
 
 
 class DiskSpaceWarning(UserWarning):
-    """A save deleted an older checkpoint early to make room (see _make_room);
-    the training loop shows it on the console and in log.jsonl."""
+    """A save deleted an older checkpoint early to make room (see _make_room),
+    or could not delete the older ones its rotation would have (the save
+    itself succeeded); the training loop shows it on the console and in
+    log.jsonl."""
 
 
 def _make_room(root: str, needed: int, keep_last: int, keep_every: int) -> None:
