@@ -8,6 +8,7 @@ import dataclasses
 import os
 import re
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -294,3 +295,27 @@ def test_toml_settings_that_break_a_core_rule_are_refused_before_a_run_directory
     assert result.exit_code != 0
     assert schema.rule_message("offload_gradients_needs_zero_stage_2") in " ".join(result.output.split())
     assert not out.exists()
+
+
+def test_numpy_scalars_are_taken_as_the_python_numbers_they_hold():
+    # `vocab_size=tokens.max() + 1` is a numpy integer; before, it was refused as "not a positive integer".
+    import json
+
+    config = nanoq.ModelConfig(vocab_size=np.int64(96), hidden_size=np.int32(32), intermediate_size=64,
+                               num_hidden_layers=np.uint8(2), num_attention_heads=4, rope_theta=np.float32(1e4),
+                               dropout=np.float32(0.5))
+    options = nanoq.TrainOptions(backend="cpu", batch_size=np.int64(2), seq_len=np.int32(16), seed=np.uint64(7),
+                                 z_loss=np.float64(1e-4))
+    for holder, names in ((config, ("vocab_size", "hidden_size", "num_hidden_layers")),
+                          (options, ("batch_size", "seq_len", "seed"))):
+        assert all(type(getattr(holder, name)) is int for name in names)
+    assert type(config.rope_theta) is float and type(config.dropout) is float and type(options.z_loss) is float
+    json.dumps(config.to_core()), json.dumps(dataclasses.asdict(options) | {"comm_id": None})  # JSON-ready
+    with nanoq.Trainer(config, options) as trainer:
+        assert trainer.options.batch_size == 2
+    for bad in (np.float64(96.0), np.bool_(True), 96.0):
+        with pytest.raises(ValueError, match="vocab_size must be a positive integer"):
+            nanoq.ModelConfig(vocab_size=bad, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4)
+    with pytest.raises(ValueError, match="batch_size must be an integer"):
+        nanoq.TrainOptions(batch_size=np.float32(2))

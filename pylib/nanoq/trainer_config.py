@@ -6,6 +6,8 @@ import math
 import os
 from typing import Any, Optional
 
+import numpy as np
+
 from nanoq import options as option_schema
 from nanoq.backends import BACKENDS as _CORE_BACKENDS
 from nanoq.backends import CUDA_BACKENDS
@@ -22,7 +24,18 @@ POSITION_EMBEDDINGS = ("rope", "learned")
 MAX_SIZE = 2**31 - 1
 
 
+def _plain(value):
+    """A numpy integer or float scalar as the Python number it holds
+    (``vocab_size=tokens.max() + 1``); anything else as it is."""
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    return value
+
+
 def _positive_int(name: str, value) -> int:
+    value = _plain(value)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_SIZE:
         raise ValueError(f"{name} must be a positive integer up to {MAX_SIZE}, got {value!r}")
     return value
@@ -37,6 +50,7 @@ def _is_finite(value) -> bool:
 
 
 def _finite_positive(name: str, value) -> float:
+    value = _plain(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not _is_finite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite positive number, got {value!r}")
     return float(value)
@@ -94,10 +108,10 @@ class ModelConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-            _positive_int(name, getattr(self, name))
+            setattr(self, name, _positive_int(name, getattr(self, name)))
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        _positive_int("num_key_value_heads", self.num_key_value_heads)
+        self.num_key_value_heads = _positive_int("num_key_value_heads", self.num_key_value_heads)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -109,18 +123,19 @@ class ModelConfig:
                     f"({self.num_attention_heads}): choose a head count that divides it, or give head_dim "
                     f"explicitly (ModelConfig.head_dim, or head_dim in a Hugging Face config.json)")
             self.head_dim = self.hidden_size // self.num_attention_heads
-        _positive_int("head_dim", self.head_dim)
+        self.head_dim = _positive_int("head_dim", self.head_dim)
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        _finite_positive("rope_theta", self.rope_theta)
-        _finite_positive("rms_norm_eps", self.rms_norm_eps)
+        for name in ("rope_theta", "rms_norm_eps"):  # (an int stays an int: config.json writes it as given)
+            setattr(self, name, _plain(getattr(self, name)))
+            _finite_positive(name, getattr(self, name))
         if self.rope_scaling is not None:
             self.rope_scaling = _llama3_scaling(self.rope_scaling)
         for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "qk_norm", "causal"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.max_position_embeddings is not None:
-            _positive_int("max_position_embeddings", self.max_position_embeddings)
+            self.max_position_embeddings = _positive_int("max_position_embeddings", self.max_position_embeddings)
         if self.position_embedding not in POSITION_EMBEDDINGS:
             raise ValueError(f"position_embedding must be one of {', '.join(POSITION_EMBEDDINGS)}, got "
                              f"{self.position_embedding!r}")
@@ -128,6 +143,7 @@ class ModelConfig:
             raise ValueError("position_embedding 'learned' needs max_position_embeddings (the table's rows)")
         if not isinstance(self.mlp_bias, bool):
             raise TypeError(f"mlp_bias must be a bool, got {self.mlp_bias!r}")
+        self.dropout = _plain(self.dropout)
         if (isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float))
                 or not 0 <= self.dropout < 1):
             raise ValueError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
@@ -270,6 +286,7 @@ _C_UINT64 = (0, 2**64 - 1)
 def _integer(name: str, value, bounds=_C_INT) -> int:
     """``value`` if it is an int (not a bool) the core's field can hold; its
     limits are the core's to check."""
+    value = _plain(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if not bounds[0] <= value <= bounds[1]:
@@ -282,6 +299,7 @@ def _integer(name: str, value, bounds=_C_INT) -> int:
 def _number(name: str, value) -> float:
     """``value`` as a float if it is a finite int or float (not a bool); its
     limits are the core's to check."""
+    value = _plain(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not _is_finite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     return float(value)
@@ -387,7 +405,7 @@ class TrainOptions:
         # Forms only: how the topology fits the devices is the core's rules
         # (nanoq.options), checked with the others below.
         for name in ("world_size", "first_rank", "first_device"):
-            _integer(name, getattr(self, name))
+            setattr(self, name, _integer(name, getattr(self, name)))
         if not isinstance(self.comm_id, bytes):
             raise TypeError(f"comm_id must be bytes (from nanoq.backends.new_comm_id), got "
                             f"{type(self.comm_id).__name__}")
@@ -409,10 +427,10 @@ class TrainOptions:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("devices", "batch_size", "seq_len", "grad_accum", "threads", "zero_stage"):
-            _integer(name, getattr(self, name))
-        _integer("seed", self.seed, _C_UINT64)
-        _integer("memory_limit", self.memory_limit, _C_UINT64)
-        _number("z_loss", self.z_loss)
+            setattr(self, name, _integer(name, getattr(self, name)))
+        self.seed = _integer("seed", self.seed, _C_UINT64)
+        self.memory_limit = _integer("memory_limit", self.memory_limit, _C_UINT64)
+        self.z_loss = _number("z_loss", self.z_loss)
         self._check_topology()
         if self.lora is not None:
             from nanoq.lora import LoraConfig  # nanoq.lora imports this module
