@@ -213,6 +213,49 @@ def test_tokenizer_files_are_copied_and_eos_detected(trained, tmp_path):
     assert json.load(open(os.path.join(explicit, "config.json")))["eos_token_id"] == 1
 
 
+def test_an_imported_model_exports_with_its_tokenizer_and_special_ids(checkpoints, tmp_path):
+    # Before, export_model wrote eos_token_id and bos_token_id null and no tokenizer for an imported model:
+    # transformers' generate() then never stopped.
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(checkpoints.path("llama"), base)
+    hf = json.load(open(base / "config.json"))
+    json.dump(dict(hf, eos_token_id=5, bos_token_id=4), open(base / "config.json", "w"))
+    _word_tokenizer(base / "tokenizer")
+    for name in os.listdir(base / "tokenizer"):
+        shutil.move(base / "tokenizer" / name, base / name)
+    with open_trainer(str(base)) as trainer:
+        out = trainer.export_model(tmp_path / "out")
+        written = json.load(open(os.path.join(out, "config.json")))
+        assert (written["eos_token_id"], written["bos_token_id"]) == (5, 4)
+        assert open(os.path.join(out, "tokenizer.json"), "rb").read() == open(base / "tokenizer.json", "rb").read()
+        other = trainer.export_model(tmp_path / "other", eos_token_id=7,
+                                     tokenizer_dir=_word_tokenizer(tmp_path / "other-tokenizer"))
+        assert json.load(open(os.path.join(other, "config.json")))["eos_token_id"] == 7  # what the caller says
+        named = trainer.export_model(tmp_path / "named", tokenizer_dir=_word_tokenizer(tmp_path / "named-tokenizer"))
+        assert json.load(open(os.path.join(named, "config.json")))["eos_token_id"] == 2  # the tokenizer's
+        trainer.init_weights(1)  # weights of its own: nothing of the import is carried over
+        fresh = json.load(open(os.path.join(trainer.export_model(tmp_path / "fresh"), "config.json")))
+        assert (fresh["eos_token_id"], fresh["bos_token_id"]) == (None, None)
+        assert not os.path.exists(tmp_path / "fresh" / "tokenizer.json")
+
+
+def test_export_model_refuses_non_finite_weights_unless_allowed(checkpoints, tmp_path):
+    # As export_checkpoint and `nanoq export` do; before, export_model wrote NaN weights without a word.
+    with open_trainer(checkpoints.path("llama")) as trainer:
+        weights = trainer.get_weights()
+        weights["model.norm.weight"][:3] = np.nan
+        trainer.set_weights(weights)
+        with pytest.raises(ValueError, match=r"the trainer has non-finite weights \(NaN or infinity\) in "
+                                             r"model\.norm\.weight \(3 of \d+\): allow it \(export_model\(\.\.\., "
+                                             r"allow_non_finite=True\)\)"):
+            trainer.export_model(tmp_path / "refused")
+        assert not os.path.exists(tmp_path / "refused")
+        written = trainer.export_model(tmp_path / "allowed", allow_non_finite=True)
+    assert np.isnan(dict(iter_weights(written))["model.norm.weight"][:3]).all()
+
+
 def test_cli_export_explains_a_missing_checkpoint(tmp_path):
     from nanoq_cli.main import cli
 

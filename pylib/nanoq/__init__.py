@@ -34,6 +34,19 @@ from nanoq.memory import MemoryEstimate, estimate_memory  # noqa: E402
 from nanoq.trainer import StepStats, Trainer  # noqa: E402
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """nanoq's submodules on first use, so that after a plain ``import nanoq``
+    ``nanoq.training.train``, ``nanoq.hf_export.export_adapter``, ... work
+    as the docs write them."""
+    import importlib
+    import importlib.util
+
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = [
     "MemoryEstimate",
     "ModelConfig",

@@ -22,6 +22,7 @@ renamed).
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import warnings
@@ -76,10 +77,11 @@ def architecture(config: ModelConfig) -> str:
     return "LlamaForCausalLM"
 
 
-def hf_config_dict(config: ModelConfig, max_position_embeddings: int, eos_token_id: Optional[int] = None) -> dict:
+def hf_config_dict(config: ModelConfig, max_position_embeddings: int, eos_token_id: Optional[int] = None,
+                   bos_token_id: Optional[int] = None) -> dict:
     """The ``config.json`` (as a dict) of the architecture ``config`` describes
-    (see ``architecture``). eos_token_id None writes null, so transformers does
-    not assume the architecture's default ids."""
+    (see ``architecture``). eos_token_id / bos_token_id None write null, so
+    transformers does not assume the architecture's default ids."""
     arch = architecture(config)
     if isinstance(max_position_embeddings, bool) or not isinstance(max_position_embeddings, int) \
             or max_position_embeddings <= 0:
@@ -101,6 +103,7 @@ def hf_config_dict(config: ModelConfig, max_position_embeddings: int, eos_token_
         tie_word_embeddings=config.tie_word_embeddings,
         max_position_embeddings=max_position_embeddings,
         eos_token_id=eos_token_id,
+        bos_token_id=bos_token_id,
         torch_dtype="float32",
         dtype="float32",
     )
@@ -140,7 +143,8 @@ def _tokenizer_eos_id(tokenizer_dir: str) -> Optional[int]:
 
 def write_model(directory: str | os.PathLike, weights: Dict[str, np.ndarray], config: ModelConfig, *,
                 max_position_embeddings: int, tokenizer_dir: str | os.PathLike | None = None,
-                eos_token_id: Optional[int] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
+                eos_token_id: Optional[int] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                bos_token_id: Optional[int] = None) -> str:
     """Writes a Hugging Face model directory; returns its absolute path.
 
     weights: ``{Hugging Face name: array}`` as ``Trainer.get_weights()``
@@ -149,7 +153,8 @@ def write_model(directory: str | os.PathLike, weights: Dict[str, np.ndarray], co
     tensors, the weights are split into shards with an index file.
     tokenizer_dir: a directory whose tokenizer.json (required there),
     tokenizer_config.json and special_tokens_map.json are copied in.
-    eos_token_id: None takes the tokenizer's, if it has one.
+    eos_token_id: None takes the tokenizer's, if it has one. bos_token_id:
+    written as given (None: null).
     ``directory`` must not exist; it appears, complete and fsynced, by a rename
     of ``<directory>.partial-<pid>``.
     """
@@ -163,7 +168,7 @@ def write_model(directory: str | os.PathLike, weights: Dict[str, np.ndarray], co
             raise FileNotFoundError(f"tokenizer_dir {tokenizer_dir} holds no tokenizer.json")
         if eos_token_id is None:
             eos_token_id = _tokenizer_eos_id(tokenizer_dir)
-    hf_config = hf_config_dict(config, max_position_embeddings, eos_token_id)
+    hf_config = hf_config_dict(config, max_position_embeddings, eos_token_id, bos_token_id)
     tensors = {name: np.ascontiguousarray(array, dtype=np.float32) for name, array in weights.items()
                if not (name == "lm_head.weight" and config.tie_word_embeddings)}
     if "model.embed_tokens.weight" not in tensors:
@@ -191,9 +196,27 @@ def write_model(directory: str | os.PathLike, weights: Dict[str, np.ndarray], co
     return os.path.abspath(os.fspath(directory))
 
 
+def _imported_model(trainer) -> Optional[str]:
+    """The model directory the trainer's weights were imported from, if any."""
+    if trainer.base_model is None:
+        return None
+    base = trainer.base_model
+    return base if os.path.isdir(base) else os.path.dirname(base)  # a model.safetensors or an index file
+
+
+def _special_ids(model_dir: str) -> tuple:
+    """(eos_token_id, bos_token_id) of a Hugging Face model directory's config.json (None where absent)."""
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            hf = json.load(f)
+    except (OSError, ValueError):
+        return None, None
+    return (hf.get("eos_token_id"), hf.get("bos_token_id")) if isinstance(hf, dict) else (None, None)
+
+
 def export_model(trainer, directory: str | os.PathLike, *, max_position_embeddings: Optional[int] = None,
                  tokenizer_dir: str | os.PathLike | None = None, eos_token_id: Optional[int] = None,
-                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, allow_non_finite: bool = False) -> str:
     """Writes a ``nanoq.Trainer``'s current weights as a Hugging Face model
     directory (see ``write_model``); returns its absolute path. With LoRA
     the adapters are merged into the frozen weights (``nanoq.lora.merge``);
@@ -204,18 +227,32 @@ def export_model(trainer, directory: str | os.PathLike, *, max_position_embeddin
 
     max_position_embeddings: default the config's (what an imported model
     declared), raised to the trainer's seq_len if that is longer; the seq_len
-    for a model defined here.
+    for a model defined here. A model imported from a directory
+    (``import_weights``) exported without a ``tokenizer_dir`` keeps what
+    transformers needs of it: its tokenizer files, and its config.json's
+    eos_token_id (unless given) and bos_token_id. Weights that hold a NaN
+    or an infinity are refused (ValueError naming them) unless
+    ``allow_non_finite``.
     """
     config = trainer.config
     architecture(config)  # refuses a model transformers cannot compute before gathering anything
     if max_position_embeddings is None:
         max_position_embeddings = max(config.max_position_embeddings or 0, trainer.options.seq_len)
-    weights = trainer.get_weights()
+    imported = _imported_model(trainer)
+    bos_token_id = None
+    if imported is not None and tokenizer_dir is None:  # (a tokenizer given says the ids itself)
+        eos, bos_token_id = _special_ids(imported)
+        eos_token_id = eos if eos_token_id is None else eos_token_id
+        if os.path.isfile(os.path.join(imported, "tokenizer.json")):
+            tokenizer_dir = imported
+    weights = _finite(trainer.get_weights(), "the trainer", allow_non_finite, "export_model(..., "
+                      "allow_non_finite=True)")
 
     def write() -> str:
         merged = merge(*split_adapters(weights), trainer.lora) if trainer.lora is not None else weights
         return write_model(directory, merged, config, max_position_embeddings=max_position_embeddings,
-                           tokenizer_dir=tokenizer_dir, eos_token_id=eos_token_id, max_shard_bytes=max_shard_bytes)
+                           tokenizer_dir=tokenizer_dir, eos_token_id=eos_token_id, max_shard_bytes=max_shard_bytes,
+                           bos_token_id=bos_token_id)
 
     return _written_by_root(trainer, write, f"exporting the model to {directory}")
 
@@ -308,15 +345,18 @@ def export_checkpoint(checkpoint_path: str | os.PathLike, directory: str | os.Pa
                        eos_token_id=eos_token_id, max_shard_bytes=max_shard_bytes)
 
 
-def _finite(weights: Dict[str, np.ndarray], step_directory: str, allow_non_finite: bool) -> Dict[str, np.ndarray]:
-    """``weights``, unless one holds a NaN or an infinity and that is not allowed (ValueError naming them)."""
+def _finite(weights: Dict[str, np.ndarray], source: str, allow_non_finite: bool,
+            allow: str = "nanoq export --allow-non-finite") -> Dict[str, np.ndarray]:
+    """``weights``, unless one holds a NaN or an infinity and that is not
+    allowed (ValueError naming them, ``source`` and how to ``allow`` it)."""
     if not allow_non_finite:
         bad = [f"{name} ({int(np.count_nonzero(~np.isfinite(array)))} of {array.size})"
                for name, array in weights.items() if not np.isfinite(array).all()]
         if bad:
-            raise ValueError(f"{step_directory} has non-finite weights (NaN or infinity) in {', '.join(bad[:3])}"
-                             f"{f' and {len(bad) - 3} more tensors' if len(bad) > 3 else ''}: export an earlier "
-                             f"checkpoint, or allow it (nanoq export --allow-non-finite)")
+            earlier = "export an earlier checkpoint, or " if source != "the trainer" else ""
+            raise ValueError(f"{source} has non-finite weights (NaN or infinity) in {', '.join(bad[:3])}"
+                             f"{f' and {len(bad) - 3} more tensors' if len(bad) > 3 else ''}: {earlier}allow it "
+                             f"({allow})")
     return weights
 
 
