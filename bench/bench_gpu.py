@@ -437,26 +437,10 @@ def save_partial(run: dict, result: dict) -> None:
 
 
 def run_nanoq(run: dict, model_dir: str, started: float) -> dict:
-    """nanoq's run, with CUDA graphs (the default) on cuda; should that fail
-    (graphs have never run on a GPU before this benchmark's first GPU run),
-    once more without them in the time left, the failure recorded beside the
-    figures as ``cuda_graphs_error``."""
-    import nanoq
-
-    if run["backend"] != "cuda":
-        return _run_nanoq(run, model_dir, started, cuda_graphs=True)
-    try:
-        return _run_nanoq(run, model_dir, started, cuda_graphs=True)
-    except nanoq.OutOfMemoryError:
-        raise  # not the graphs' doing
-    except nanoq.NanoqError as e:
-        if saved_partial(run.get("result_path")) is not None:
-            raise  # after the timed figures were saved (while profiling, or closing): worker_main keeps them
-        traceback.print_exc()
-        print("--- nanoq failed with CUDA graphs: running again with cuda_graphs=False", flush=True)
-        result = _run_nanoq(run, model_dir, started, cuda_graphs=False)
-        result["cuda_graphs_error"] = f"{type(e).__name__}: {e}"
-        return result
+    """nanoq's run, with CUDA graphs (the default) unless the run says
+    ``cuda_graphs`` False (``run_worker``'s second try: graphs have never run
+    on a GPU before this benchmark's first GPU run)."""
+    return _run_nanoq(run, model_dir, started, cuda_graphs=run.get("cuda_graphs", True))
 
 
 def _run_nanoq(run: dict, model_dir: str, started: float, cuda_graphs: bool) -> dict:
@@ -688,7 +672,26 @@ def make_model(shape: dict, seq: int, model_dir: str) -> None:
 
 
 def run_worker(run: dict, work_dir: str, model_dir: str) -> dict:
-    tag = f"{run['key'].replace(' ', '_')}_{run['trainer']}"
+    """The run's record from a worker process. A nanoq run on cuda that fails
+    with CUDA graphs (an error or a crash, not out of memory and not its
+    budget) runs once more without them, in a fresh process (a failed
+    capture can leave its CUDA context unusable) and in what is left of its
+    budget, the failure recorded beside the figures as ``cuda_graphs_error``."""
+    start = time.perf_counter()
+    outcome = _worker_process(run, work_dir, model_dir)
+    retry = (run["trainer"] == "nanoq" and run["backend"] == "cuda" and run.get("cuda_graphs", True)
+             and not outcome["ok"] and not outcome["error"].startswith(("timed out", "OutOfMemoryError")))
+    left = run["budget"] - (time.perf_counter() - start) if run["budget"] else 0.0
+    if retry and (not run["budget"] or left >= MIN_BUDGET):
+        print(f"--- nanoq failed with CUDA graphs: running again without them ({outcome['error'][:200]})",
+              flush=True)
+        again = _worker_process(dict(run, cuda_graphs=False, budget=left), work_dir, model_dir, "_no_graphs")
+        return dict(again, cuda_graphs_error=outcome["error"])
+    return outcome
+
+
+def _worker_process(run: dict, work_dir: str, model_dir: str, suffix: str = "") -> dict:
+    tag = f"{run['key'].replace(' ', '_')}_{run['trainer']}{suffix}"
     run_path, result_path = os.path.join(work_dir, f"{tag}.run.json"), os.path.join(work_dir, f"{tag}.json")
     with open(run_path, "w") as f:
         json.dump(run, f)

@@ -61,12 +61,14 @@ Tensor NamedAllocator::allocate(Context context, const std::string& name, DType 
     Tensor tensor(nullptr, dtype, dims);
     const std::size_t bytes = tensor.bytes();
     if (kind == MemoryKind::Device && limit_ && device_bytes_ + bytes > limit_)
-        out_of_memory(context, name, tensor, "the memory limit of " + human_bytes(limit_) + " would be exceeded");
+        out_of_memory(context, name, tensor, "the memory limit of " + human_bytes(limit_) + " would be exceeded",
+                      Backend::device_state_memory_advice());  // a limit stands for a device's own memory
     void* data = bytes && backend_ ? backend_->raw_alloc(bytes, kind) : nullptr;
     if (bytes && backend_ && !data) {
         const std::string why = backend_->refusal();
         out_of_memory(context, name, tensor,
-                      std::string("the ") + backend_->name() + " backend refused" + (why.empty() ? "" : ": " + why));
+                      std::string("the ") + backend_->name() + " backend refused" + (why.empty() ? "" : ": " + why),
+                      backend_->state_memory_advice());
     }
     tensor.data = data;
     segments_.push_back(Segment{context, name, bytes, kind, data, exact});
@@ -75,7 +77,7 @@ Tensor NamedAllocator::allocate(Context context, const std::string& name, DType 
 }
 
 void NamedAllocator::out_of_memory(Context context, const std::string& name, const Tensor& tensor,
-                                   const std::string& reason) const {
+                                   const std::string& reason, const std::string& state_advice) const {
     std::string table;
     for (int c = 0; c < static_cast<int>(Context::Count); ++c) {
         const std::size_t total = total_bytes(static_cast<Context>(c));
@@ -84,8 +86,7 @@ void NamedAllocator::out_of_memory(Context context, const std::string& name, con
     const bool per_token = context == Context::Activations || context == Context::Stack;
     const std::string suggestion =
         per_token ? "lower batch_size (per device) or seq_len, raising grad_accum to keep the tokens per step"
-                  : "use more devices (ZeRO-1 shards master weights and AdamW state across them), a smaller "
-                    "model, or bf16 master/optimizer state";
+                  : state_advice;
     throw OutOfMemory("out of memory on device " + std::to_string(device_) + " allocating '" + name + "' (" +
                       context_name(context) + ", " + dtype_name(tensor.dtype) + " " + tensor.shape_string() + ", " +
                       human_bytes(tensor.bytes()) + "): " + reason + "; already allocated on this device:" +

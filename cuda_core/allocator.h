@@ -80,7 +80,7 @@ public:
 
 private:
     [[noreturn]] void out_of_memory(Context context, const std::string& name, const Tensor& tensor,
-                                    const std::string& reason) const;
+                                    const std::string& reason, const std::string& state_advice) const;
 
     Backend* backend_;  // null in planning mode
     int device_;

@@ -153,6 +153,14 @@ public:
     virtual void* raw_alloc(std::size_t bytes, MemoryKind kind) = 0;
     virtual void raw_free(void* data, MemoryKind kind) = 0;
     virtual std::string refusal() const { return ""; }
+    // What an out-of-memory error advises when the model state (not the
+    // activations) does not fit: by default, for devices with memory of
+    // their own.
+    virtual std::string state_memory_advice() const { return device_state_memory_advice(); }
+    static std::string device_state_memory_advice() {
+        return "use more devices (ZeRO-1 shards master weights and AdamW state across them), a smaller model, or "
+               "bf16 master/optimizer state";
+    }
     virtual void reserve_scratch(NamedAllocator& allocator, const ScratchShapes& shapes) = 0;
     virtual void copy_from_host(const Tensor& dst, const void* src) = 0;
     // From memory of device `source_device` of this backend (a peer copy).

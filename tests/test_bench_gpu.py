@@ -278,29 +278,38 @@ def test_gpu_check_reports_a_partial_benchmark_as_passed_partly(tmp_path):
 
 
 def test_a_nanoq_run_that_fails_with_cuda_graphs_runs_again_without_them(bench_gpu, monkeypatch):
-    # CUDA graphs have never run on a GPU before the benchmark's first GPU run: should they fail
-    # there, the figures come from a run without them, and the failure is recorded beside them.
-    import nanoq
-
+    # CUDA graphs have never run on a GPU before the benchmark's first GPU run: should they fail there (an
+    # error or a crash), the figures come from a second worker process without them (a failed capture can
+    # leave the first one's CUDA context unusable), and the failure is recorded beside them.
     module = bench_gpu
     calls = []
 
-    def fake(run, model_dir, started, cuda_graphs):
-        calls.append(cuda_graphs)
-        if cuda_graphs and run["backend"] == "cuda":
-            raise nanoq.NanoqError("capture failed")
-        return dict(ok=True, cuda_graphs=cuda_graphs)
+    def fake(run, work_dir, model_dir, suffix=""):
+        calls.append((run["trainer"], run.get("cuda_graphs", True), run["budget"], suffix))
+        if run.get("cuda_graphs", True):
+            return dict(ok=False, error=first_error)
+        return dict(ok=True, cuda_graphs=False)
 
-    monkeypatch.setattr(module, "_run_nanoq", fake)
-    result = module.run_nanoq(dict(backend="cuda"), "unused", 0.0)
-    assert calls == [True, False]
-    assert result["cuda_graphs"] is False and "capture failed" in result["cuda_graphs_error"]
+    monkeypatch.setattr(module, "_worker_process", fake)
+    run = dict(trainer="nanoq", backend="cuda", budget=100.0)
+    for first_error in ("NanoqError: capture failed [exit status 1]",
+                        "no result written (crashed?); see the log above [killed by signal 6]"):
+        calls.clear()
+        result = module.run_worker(run, "unused", "unused")
+        assert [c[:2] for c in calls] == [("nanoq", True), ("nanoq", False)] and calls[1][3] == "_no_graphs"
+        assert 99 < calls[1][2] <= 100  # what is left of the budget
+        assert result["ok"] and result["cuda_graphs"] is False and result["cuda_graphs_error"] == first_error
+    # Not retried: out of memory, its budget, torch, the cpu, graphs already off.
+    for first_error, other in (("OutOfMemoryError: out of memory [exit status 1]", {}),
+                               ("timed out after 100 s (killed)", {}), ("x", dict(trainer="torch")),
+                               ("x", dict(backend="cpu")), ("x", dict(cuda_graphs=False))):
+        calls.clear()
+        result = module.run_worker(dict(run, **other), "unused", "unused")
+        assert len(calls) == 1 and result.get("ok") is (other.get("cuda_graphs") is False), (first_error, other)
+    # Nor when less than MIN_BUDGET of the budget is left.
     calls.clear()
-    assert module.run_nanoq(dict(backend="cpu"), "unused", 0.0) == dict(ok=True, cuda_graphs=True)
-    assert calls == [True]  # no second run off cuda
-    with pytest.raises(ValueError):  # only nanoq's own errors are retried
-        monkeypatch.setattr(module, "_run_nanoq", lambda *a, **k: (_ for _ in ()).throw(ValueError("bad")))
-        module.run_nanoq(dict(backend="cuda"), "unused", 0.0)
+    module.run_worker(dict(run, budget=module.MIN_BUDGET - 1), "unused", "unused")
+    assert len(calls) == 1
 
 
 def test_a_memory_plan_that_fails_leaves_the_setting_unfitted_and_says_so(bench_gpu, monkeypatch):

@@ -155,6 +155,10 @@ def test_cpu_trainers_are_refused_host_memory_the_machine_does_not_have():
     for message in (seen["refused"], seen["both_refused"]):
         assert "the cpu backend refused: the process's cpu trainers would hold" in message, message
         assert "available (as NANOQ_CPU_MEMORY_AVAILABLE says)" in message, message
+        # The devices share the host's memory: more of them is no advice here (a memory_limit's is above).
+        assert "use more devices" not in message, message
+        if "(activations" not in message and "(stack" not in message:
+            assert "suggestion: a smaller model, or fewer cpu devices: they share the machine's memory" in message
     assert seen["both"]
 
 

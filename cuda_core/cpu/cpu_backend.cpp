@@ -342,6 +342,10 @@ public:
         std::free(data);
     }
     std::string refusal() const override { return refusal_; }
+    std::string state_memory_advice() const override {
+        return "a smaller model, or fewer cpu devices: they share the machine's memory (more devices do not add "
+               "any), and each holds the whole weights below zero_stage 3";
+    }
     void copy_from_host(const Tensor& dst, const void* src) override { std::memcpy(dst.data, src, dst.bytes()); }
     void copy_to_host(void* dst, const Tensor& src) override { std::memcpy(dst, src.data, src.bytes()); }
     void copy_from_device(const Tensor&, const void*, int) override {

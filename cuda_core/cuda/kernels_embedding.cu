@@ -6,6 +6,7 @@
 // that order, onto the table row's current value (the CPU backend's order).
 #include <cub/device/device_radix_sort.cuh>
 
+#include "cuda_check.h"
 #include "kernel_utils.cuh"
 #include "kernels.h"
 
@@ -132,8 +133,9 @@ void embedding_backward(float* table_grad, const T* dout, const std::int32_t* to
     if (rows <= 0 || channels <= 0) return;
     EmbeddingScratch s = split_scratch(scratch, rows, vocab);
     detail::launch(iota_kernel, detail::grid_stride_blocks(rows, kThreads), kThreads, 0, stream, s.row_ids, rows);
-    cub::DeviceRadixSort::SortPairs(s.sort_temp, s.sort_temp_bytes, tokens, s.sorted_tokens, s.row_ids,
-                                    s.sorted_rows, rows, 0, token_bits(vocab), stream);
+    // Its status too: a temporary storage found too small is returned, not left for cudaGetLastError.
+    NANOQ_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(s.sort_temp, s.sort_temp_bytes, tokens, s.sorted_tokens,
+                                                     s.row_ids, s.sorted_rows, rows, 0, token_bits(vocab), stream));
     detail::launch(embedding_backward_kernel<T>, rows, kThreads, 0, stream, table_grad, dout, s.sorted_tokens, s.sorted_rows,
                                                                 rows, channels);
 }
