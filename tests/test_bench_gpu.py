@@ -503,6 +503,8 @@ def test_gpu_check_runs_the_gpu_path_test_files_first_and_leaves_out_uncollectab
     for name in ("test_a", "test_cuda_graphs", "test_fp8", "test_z"):
         (tree / "tests" / f"{name}.py").write_text("import numpy\n")
     (tree / "tests" / "test_lacking.py").write_text("import a_package_nobody_has\n")
+    (tree / "tests" / "helpers").mkdir()  # a folder of tests/ imports as pytest puts tests/ on the path
+    (tree / "tests" / "test_b.py").write_text("import helpers\n")
     fake = tmp_path / "python"  # pytest's arguments recorded; any other use of Python is Python's
     fake.write_text(f'#!/bin/bash\nif [[ "$1 $2" == "-m pytest" ]]; then printf "%s\\n" "$@" > {tmp_path}/args; '
                     f'exit 0; fi\nexec {sys.executable} "$@"\n')
@@ -514,4 +516,5 @@ def test_gpu_check_runs_the_gpu_path_test_files_first_and_leaves_out_uncollectab
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "not collected: tests/test_lacking.py (needs a_package_nobody_has" in out.stdout
     files = [a for a in (tmp_path / "args").read_text().split() if a.startswith("tests/")]
-    assert files == ["tests/test_fp8.py", "tests/test_cuda_graphs.py", "tests/test_a.py", "tests/test_z.py"]
+    assert files == ["tests/test_fp8.py", "tests/test_cuda_graphs.py", "tests/test_a.py", "tests/test_b.py",
+                     "tests/test_z.py"]
