@@ -673,14 +673,17 @@ def make_model(shape: dict, seq: int, model_dir: str) -> None:
 
 def run_worker(run: dict, work_dir: str, model_dir: str) -> dict:
     """The run's record from a worker process. A nanoq run on cuda that fails
-    with CUDA graphs (an error or a crash, not out of memory and not its
-    budget) runs once more without them, in a fresh process (a failed
+    with CUDA graphs (a NanoqError other than out of memory, or a crash; not
+    its budget) runs once more without them, in a fresh process (a failed
     capture can leave its CUDA context unusable) and in what is left of its
     budget, the failure recorded beside the figures as ``cuda_graphs_error``."""
     start = time.perf_counter()
     outcome = _worker_process(run, work_dir, model_dir)
-    retry = (run["trainer"] == "nanoq" and run["backend"] == "cuda" and run.get("cuda_graphs", True)
-             and not outcome["ok"] and not outcome["error"].startswith(("timed out", "OutOfMemoryError")))
+    error = "" if outcome["ok"] else outcome["error"]
+    # nanoq's own errors and crashes, not out of memory, its budget or a setting's (Python's) errors.
+    graphs_may_have = error.startswith("NanoqError") or "no result written" in error or "killed by signal" in error
+    retry = run["trainer"] == "nanoq" and run["backend"] == "cuda" and run.get("cuda_graphs", True) and \
+        graphs_may_have
     left = run["budget"] - (time.perf_counter() - start) if run["budget"] else 0.0
     if retry and (not run["budget"] or left >= MIN_BUDGET):
         print(f"--- nanoq failed with CUDA graphs: running again without them ({outcome['error'][:200]})",
@@ -794,6 +797,8 @@ def summarise(args, runs: list[dict], gpu: str) -> tuple[dict, str]:
                  f"{run['matmul_dtype']}")
         if not r["ok"]:
             lines.append(f"{label}: FAILED: {r['error']}")
+            if r.get("cuda_graphs_error"):  # the second try, without graphs, failed too: the first's error
+                lines.append(f"  with CUDA graphs it had failed first: {r['cuda_graphs_error'][:300]}")
             continue
         r["tokens_per_second"] = r["timed_steps"] * tokens_per_step / r["seconds"]
         r["mfu"] = r["tokens_per_second"] * flops / PEAK_BF16_FLOPS

@@ -89,14 +89,23 @@ if(NANOQ_CUDNN_FOUND EQUAL 0)
   # The frontend calls nvrtc itself (its Hopper engines are compiled at run
   # time): linked, so that the library names it as needed rather than
   # leaving its symbols for whatever was loaded before.
-  find_library(NANOQ_NVRTC_LIBRARY NAMES nvrtc libnvrtc.so.13
-               PATHS ${CUDAToolkit_LIBRARY_DIR} "${NANOQ_CU13_ROOT}/lib" NO_DEFAULT_PATH)
+  # The wheel's first (the run path below finds it beside nanoq), then the toolkit's.
+  find_library(NANOQ_NVRTC_LIBRARY NAMES libnvrtc.so.13 nvrtc NAMES_PER_DIR
+               PATHS "${NANOQ_CU13_ROOT}/lib" ${CUDAToolkit_LIBRARY_DIR} NO_DEFAULT_PATH)
   if(NOT EXISTS "${NANOQ_CUDNN_ROOT}/lib/libcudnn.so.9")
     message(NOTICE "nanoq: building the cuda backend without cuDNN: no libcudnn.so.9 in ${NANOQ_CUDNN_ROOT}/lib")
   elseif(NOT NANOQ_NVRTC_HEADER OR NOT NANOQ_NVRTC_LIBRARY)
-    message(NOTICE "nanoq: building the cuda backend without cuDNN: the cuDNN frontend needs nvrtc (nvrtc.h "
-                   "${NANOQ_NVRTC_HEADER}, library ${NANOQ_NVRTC_LIBRARY}), found neither in the CUDA toolkit nor "
-                   "in the nvidia-cuda-nvrtc wheel (pip install nvidia-cuda-nvrtc)")
+    set(NANOQ_NVRTC_MISSING "")
+    if(NOT NANOQ_NVRTC_HEADER)
+      list(APPEND NANOQ_NVRTC_MISSING "nvrtc.h")
+    endif()
+    if(NOT NANOQ_NVRTC_LIBRARY)
+      list(APPEND NANOQ_NVRTC_MISSING "libnvrtc")
+    endif()
+    string(REPLACE ";" " and " NANOQ_NVRTC_MISSING "${NANOQ_NVRTC_MISSING}")
+    message(NOTICE "nanoq: building the cuda backend without cuDNN: the cuDNN frontend needs nvrtc, and "
+                   "${NANOQ_NVRTC_MISSING} was found neither in the CUDA toolkit nor in the nvidia-cuda-nvrtc "
+                   "wheel (pip install nvidia-cuda-nvrtc)")
   else()
     set(NANOQ_CUDNN ON)
   endif()
@@ -161,6 +170,13 @@ target_compile_options(nanoq_cuda PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:-O3 --threads 2>)
 # The nvidia wheels' libraries are preloaded by nanoq.backends; the RPATH
 # finds them when nanoq and the wheels share a site-packages.
-set_target_properties(nanoq_cuda PROPERTIES
-  INSTALL_RPATH "$ORIGIN;$ORIGIN/../nvidia/cu13/lib;$ORIGIN/../nvidia/nccl/lib;$ORIGIN/../nvidia/cudnn/lib")
+set(NANOQ_CUDA_RPATH "$ORIGIN;$ORIGIN/../nvidia/cu13/lib;$ORIGIN/../nvidia/nccl/lib;$ORIGIN/../nvidia/cudnn/lib")
+if(NANOQ_CUDNN)
+  # nvrtc from the toolkit rather than the wheel: its folder too, where nothing else would look.
+  get_filename_component(NANOQ_NVRTC_DIR "${NANOQ_NVRTC_LIBRARY}" DIRECTORY)
+  if(NOT NANOQ_NVRTC_DIR STREQUAL "${NANOQ_CU13_ROOT}/lib")
+    list(APPEND NANOQ_CUDA_RPATH "${NANOQ_NVRTC_DIR}")
+  endif()
+endif()
+set_target_properties(nanoq_cuda PROPERTIES INSTALL_RPATH "${NANOQ_CUDA_RPATH}")
 install(TARGETS nanoq_cuda LIBRARY DESTINATION nanoq)

@@ -584,7 +584,7 @@ def assert_array_close(actual, expected, rel, what="array", atol=0.0):
 # The core's refusal of more cuda devices than are visible (Trainer's
 # constructor), which on a GPU machine with fewer GPUs than a test asks for
 # means "not here", as no GPU at all does: such a test is reported skipped.
-_TOO_FEW_GPUS = re.compile(r"asked for (\d+) cuda device\(s\)(?: from device \d+)?, but (\d+) are available")
+_TOO_FEW_GPUS = re.compile(r"asked for (\d+) cuda device\(s\)(?: from device (\d+))?, but (\d+) are available")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -594,10 +594,11 @@ def pytest_runtest_makereport(item, call):
     if call.excinfo is None or report.passed or item.get_closest_marker("gpu") is None:
         return
     found = _TOO_FEW_GPUS.search(str(call.excinfo.value))
-    if found and int(found[1]) > int(found[2]):
+    if found and int(found[1]) + int(found[2] or 0) > int(found[3]):
+        needed = int(found[1]) + int(found[2] or 0)
         report.outcome = "skipped"
-        report.longrepr = (str(item.path), item.location[1] or 0,
-                           f"Skipped: needs {found[1]} GPUs, this machine has {found[2]}")
+        report.longrepr = (str(item.path), (item.location[1] or 0) + 1,
+                           f"Skipped: needs {needed} GPUs, this machine has {found[3]}")
 
 
 # --------------------------------------------------------------------------

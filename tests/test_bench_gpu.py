@@ -301,8 +301,10 @@ def test_a_nanoq_run_that_fails_with_cuda_graphs_runs_again_without_them(bench_g
         assert result["ok"] and result["cuda_graphs"] is False and result["cuda_graphs_error"] == first_error
     # Not retried: out of memory, its budget, torch, the cpu, graphs already off.
     for first_error, other in (("OutOfMemoryError: out of memory [exit status 1]", {}),
-                               ("timed out after 100 s (killed)", {}), ("x", dict(trainer="torch")),
-                               ("x", dict(backend="cpu")), ("x", dict(cuda_graphs=False))):
+                               ("timed out after 100 s (killed)", {}),
+                               ("RuntimeError: not even one row per micro-batch fits [exit status 1]", {}),
+                               ("NanoqError: x", dict(trainer="torch")), ("NanoqError: x", dict(backend="cpu")),
+                               ("NanoqError: x", dict(cuda_graphs=False))):
         calls.clear()
         result = module.run_worker(dict(run, **other), "unused", "unused")
         assert len(calls) == 1 and result.get("ok") is (other.get("cuda_graphs") is False), (first_error, other)

@@ -144,9 +144,10 @@ def test_a_rotation_that_fails_after_the_save_warns_and_returns_the_saved_checkp
         monkeypatch.setattr(checkpoint, "_delete", refused)
         with pytest.warns(checkpoint.DiskSpaceWarning, match=r"checkpoint step 2 is saved in .*step_00000002, but "
                                                              r"rotation \(keep_last = 1\) could not delete an older "
-                                                             r"one: Permission denied \(.*step_00000001\); older "
-                                                             r"checkpoints remain"):
+                                                             r"one: Permission denied \(.*step_00000001\); what it "
+                                                             r"could not delete remains") as caught:
             path = trainer.save_checkpoint(tmp_path, 2, keep_last=1)
+        assert caught[0].filename == __file__  # the caller's line, through Trainer's method
     assert os.path.basename(path) == "step_00000002" and checkpoint.list_checkpoints(tmp_path) == [1, 2]
     assert (tmp_path / "latest").read_text().strip() == "step_00000002"
 

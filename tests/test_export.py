@@ -218,27 +218,37 @@ def test_an_imported_model_exports_with_its_tokenizer_and_special_ids(checkpoint
     # transformers' generate() then never stopped.
     import shutil
 
-    base = tmp_path / "base"
+    def ids(directory):
+        written = json.load(open(os.path.join(directory, "config.json")))
+        return written["eos_token_id"], written["bos_token_id"]
+
+    base = tmp_path / "models" / "base"
     shutil.copytree(checkpoints.path("llama"), base)
     hf = json.load(open(base / "config.json"))
-    json.dump(dict(hf, eos_token_id=5, bos_token_id=4), open(base / "config.json", "w"))
+    json.dump(dict(hf, eos_token_id=[5, 6], bos_token_id=4), open(base / "config.json", "w"))
     _word_tokenizer(base / "tokenizer")
     for name in os.listdir(base / "tokenizer"):
         shutil.move(base / "tokenizer" / name, base / name)
+    json.dump(dict(hf, eos_token_id=99, bos_token_id=98), open(tmp_path / "models" / "config.json", "w"))
     with open_trainer(str(base)) as trainer:
         out = trainer.export_model(tmp_path / "out")
-        written = json.load(open(os.path.join(out, "config.json")))
-        assert (written["eos_token_id"], written["bos_token_id"]) == (5, 4)
+        assert ids(out) == ([5, 6], 4)
         assert open(os.path.join(out, "tokenizer.json"), "rb").read() == open(base / "tokenizer.json", "rb").read()
-        other = trainer.export_model(tmp_path / "other", eos_token_id=7,
-                                     tokenizer_dir=_word_tokenizer(tmp_path / "other-tokenizer"))
-        assert json.load(open(os.path.join(other, "config.json")))["eos_token_id"] == 7  # what the caller says
-        named = trainer.export_model(tmp_path / "named", tokenizer_dir=_word_tokenizer(tmp_path / "named-tokenizer"))
-        assert json.load(open(os.path.join(named, "config.json")))["eos_token_id"] == 2  # the tokenizer's
+        other = trainer.export_model(tmp_path / "other", eos_token_id=7)
+        assert ids(other) == (7, 4)  # what the caller says
+        # A tokenizer given (as `nanoq train --init_from` gives the data's): its files, the base's ids.
+        named = trainer.export_model(tmp_path / "named", tokenizer_dir=_word_tokenizer(tmp_path / "tokenizer"))
+        assert ids(named) == ([5, 6], 4)
+        # nanoq export of a checkpoint of these weights says the same (it recorded the base).
+        step = trainer.save_checkpoint(tmp_path / "ckpt", 1)
+        assert ids(export_checkpoint(step, tmp_path / "from-checkpoint", max_position_embeddings=64)) == ([5, 6], 4)
+        assert os.path.isfile(tmp_path / "from-checkpoint" / "tokenizer.json")
+        shutil.move(base, tmp_path / "moved")  # a base gone: nothing of it (nor of the folder it was in)
+        assert ids(trainer.export_model(tmp_path / "gone")) == (None, None)
+        shutil.move(tmp_path / "moved", base)
         trainer.init_weights(1)  # weights of its own: nothing of the import is carried over
-        fresh = json.load(open(os.path.join(trainer.export_model(tmp_path / "fresh"), "config.json")))
-        assert (fresh["eos_token_id"], fresh["bos_token_id"]) == (None, None)
-        assert not os.path.exists(tmp_path / "fresh" / "tokenizer.json")
+        fresh = trainer.export_model(tmp_path / "fresh")
+        assert ids(fresh) == (None, None) and not os.path.exists(os.path.join(fresh, "tokenizer.json"))
 
 
 def test_export_model_refuses_non_finite_weights_unless_allowed(checkpoints, tmp_path):

@@ -290,6 +290,14 @@ def test_cli_resume_auto_without_a_config_file_takes_the_runs_own_settings(tmp_p
     assert f"settings: {run / 'config.toml'} (the run's own; flags change them)" in result.output
     assert f"resuming from {run / 'checkpoints' / 'step_00000008'} at step 8" in result.output
     assert losses_after_resume(run) == {step: expected[step] for step in range(9, 13)}
+    # The flags apply to the run's settings, not to the defaults: offloading gradients needs the run's stage 2.
+    args = cli_args(tmp_path, "--zero_stage", "2", "--steps", "2", "--warmup_steps", "1")
+    args[args.index("--run_name") + 1] = "stage2"
+    assert invoke(args).exit_code == 0
+    result = invoke(["train", "--resume", "--out_dir", str(tmp_path / "runs"), "--run_name", "stage2", "--steps", "3",
+                     "--offload", "gradients"])
+    assert result.exit_code == 0, result.output
+    assert "changed since the checkpoint: run.offload '' -> 'gradients'" in result.output
     # A named run with no checkpoint is refused before anything starts, as before.
     (tmp_path / "runs" / "empty").mkdir()
     result = invoke(["train", "--resume", "auto", "--out_dir", str(tmp_path / "runs"), "--run_name", "empty"])

@@ -38,13 +38,16 @@ def test_a_gpu_test_asking_for_more_gpus_than_the_machine_has_is_skipped(tmp_pat
         "def test_two_gpus():\n    raise ValueError(TOO_FEW)\n"
         "@pytest.mark.gpu\n"
         "def test_another_error():\n    raise ValueError('asked for 1 cuda device(s), but 1 are available')\n"
+        "@pytest.mark.gpu\n"
+        "def test_second_gpu():\n    raise ValueError('asked for 1 cuda device(s) from device 1, but 1 are available')\n"
         "def test_on_the_cpu():\n    raise ValueError(TOO_FEW)\n")
     here = os.path.dirname(os.path.abspath(__file__))
     result = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-p",
                              "no:xdist", "-rfs", "-q", str(tmp_path / "test_gpus.py")],
                             capture_output=True, text=True, timeout=300, cwd=tmp_path,
                             env=dict(os.environ, PYTHONPATH=here, NANOQ_NO_CPU_SKIPS="0"))
-    assert "2 failed, 1 skipped" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "needs 2 GPUs, this machine has 1" in result.stdout
+    assert "2 failed, 2 skipped" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "test_gpus.py:3: needs 2 GPUs, this machine has 1" in result.stdout  # (the test's first line)
+    assert "test_gpus.py:9: needs 2 GPUs, this machine has 1" in result.stdout
     assert "FAILED test_gpus.py::test_another_error" in result.stdout
     assert "FAILED test_gpus.py::test_on_the_cpu" in result.stdout

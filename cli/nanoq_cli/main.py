@@ -115,13 +115,15 @@ def _run_config_file(resume: str):
 
 def _auto_resume(overrides: dict) -> str:
     """The run directory that ``--resume auto`` continues, found with the
-    defaults and the flags (their out_dir and run_name), or "auto" when
+    flags' out_dir and run_name (else the defaults'), or "auto" when
     there is none (``train`` then says so and starts a fresh run)."""
     from nanoq.training import RunInUse, load_config
     from nanoq.training.resume import find_run
 
+    # Only where runs are (the other flags apply to the run's own settings, read after).
+    where = {name: overrides[name] for name in ("out_dir", "run_name") if name in overrides}
     try:
-        run = find_run(load_config(None, overrides), "auto", say=lambda line: None)
+        run = find_run(load_config(None, where), "auto", say=lambda line: None)
     except (ValueError, OSError, RunInUse) as e:
         raise _fail(e) from None
     return "auto" if run is None else run.run_dir

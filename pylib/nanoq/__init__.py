@@ -43,7 +43,8 @@ def __getattr__(name: str):
     import importlib
     import importlib.util
 
-    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+    if name.isidentifier() and not name.startswith("_") and \
+            importlib.util.find_spec(f"{__name__}.{name}") is not None:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -86,6 +86,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import time
 import warnings
 import zlib
@@ -256,8 +257,9 @@ def save_checkpoint(trainer, root: str | os.PathLike, step: int, extra_state: Op
                 except OSError as e:  # the checkpoint is saved: say what was left, do not fail the save
                     warnings.warn(f"checkpoint step {step} is saved in {final}, but rotation (keep_last = "
                                   f"{keep_last}) could not delete an older one: {e.strerror or e}"
-                                  + (f" ({e.filename})" if e.filename else "") + "; older checkpoints remain",
-                                  DiskSpaceWarning, stacklevel=4)
+                                  + (f" ({e.filename})" if e.filename else "") + "; what it could not delete "
+                                  "remains (a partly deleted one is removed by the next save)",
+                                  DiskSpaceWarning, stacklevel=_caller())
             return final
 
         return on_root(group, finish, action=action)
@@ -318,6 +320,17 @@ def checkpoint_bytes(trainer) -> int:
     return 16 * elements + headers + (64 << 10)
 
 
+def _caller() -> int:
+    """The ``stacklevel`` that makes a warning issued by the function calling
+    this name the first frame outside nanoq: the user's line, whether it
+    called ``nanoq.checkpoint`` or a ``Trainer`` method."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 class DiskSpaceWarning(UserWarning):
     """A save deleted an older checkpoint early to make room (see _make_room),
     or could not delete the older ones its rotation would have (the save
@@ -344,7 +357,7 @@ def _make_room(root: str, needed: int, keep_last: int, keep_every: int) -> None:
         free = shutil.disk_usage(root).free
         warnings.warn(f"only {human_bytes(free)} free in {root}, short of the {human_bytes(needed)} a checkpoint "
                       f"needs: deleted {step_dir_name(step)} before writing the next one (keep_last = {keep_last} "
-                      f"would have deleted it after)", DiskSpaceWarning, stacklevel=4)
+                      f"would have deleted it after)", DiskSpaceWarning, stacklevel=_caller())
         if free >= needed:
             return
     raise OSError(errno.ENOSPC, f"not enough disk space for a checkpoint in {root}: it needs about "
@@ -747,7 +760,7 @@ def _check_loadable(trainer, path, checksums: bool = True) -> Tuple[dict, _Slice
                               f"(trainer.import_weights({base!r}))")
     if saved_lora and base and trainer.base_model and os.path.realpath(base) != os.path.realpath(trainer.base_model):
         warnings.warn(f"{directory} trained its adapters on {base}, but the trainer's frozen weights come from "
-                      f"{trainer.base_model}", stacklevel=3)
+                      f"{trainer.base_model}", stacklevel=_caller())
     if trainer._core.micro_steps:
         raise ValueError("cannot load a checkpoint with micro-batches pending: call update() first")
     slices = _Slices(state)

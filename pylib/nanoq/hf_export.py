@@ -196,12 +196,31 @@ def write_model(directory: str | os.PathLike, weights: Dict[str, np.ndarray], co
     return os.path.abspath(os.fspath(directory))
 
 
-def _imported_model(trainer) -> Optional[str]:
-    """The model directory the trainer's weights were imported from, if any."""
-    if trainer.base_model is None:
+def _model_dir(path) -> Optional[str]:
+    """The Hugging Face model directory that ``path`` (what import_weights
+    read: a directory, its model.safetensors or its index file) names; None
+    for no path, or one that is not there any more."""
+    if not path:
         return None
-    base = trainer.base_model
-    return base if os.path.isdir(base) else os.path.dirname(base)  # a model.safetensors or an index file
+    if os.path.isdir(path):
+        return path
+    return os.path.dirname(path) if os.path.isfile(path) else None
+
+
+def _from_base(base, tokenizer_dir, eos_token_id) -> tuple:
+    """(tokenizer_dir, eos_token_id, bos_token_id) of an export of weights
+    imported from the Hugging Face model ``base`` (None: none): the
+    caller's tokenizer_dir and eos_token_id where given, else the base's
+    tokenizer files and config.json's eos_token_id (a list too); its
+    bos_token_id. The base's ids come before a given tokenizer's eos (which
+    ``write_model`` finds when there is none)."""
+    base = _model_dir(base)
+    if base is None:
+        return tokenizer_dir, eos_token_id, None
+    eos, bos = _special_ids(base)
+    if tokenizer_dir is None and os.path.isfile(os.path.join(base, "tokenizer.json")):
+        tokenizer_dir = base
+    return tokenizer_dir, eos if eos_token_id is None else eos_token_id, bos
 
 
 def _special_ids(model_dir: str) -> tuple:
@@ -228,9 +247,9 @@ def export_model(trainer, directory: str | os.PathLike, *, max_position_embeddin
     max_position_embeddings: default the config's (what an imported model
     declared), raised to the trainer's seq_len if that is longer; the seq_len
     for a model defined here. A model imported from a directory
-    (``import_weights``) exported without a ``tokenizer_dir`` keeps what
-    transformers needs of it: its tokenizer files, and its config.json's
-    eos_token_id (unless given) and bos_token_id. Weights that hold a NaN
+    (``import_weights``) keeps what transformers needs of it: its
+    config.json's eos_token_id (unless given) and bos_token_id, and its
+    tokenizer files unless ``tokenizer_dir`` is given. Weights that hold a NaN
     or an infinity are refused (ValueError naming them) unless
     ``allow_non_finite``.
     """
@@ -238,13 +257,7 @@ def export_model(trainer, directory: str | os.PathLike, *, max_position_embeddin
     architecture(config)  # refuses a model transformers cannot compute before gathering anything
     if max_position_embeddings is None:
         max_position_embeddings = max(config.max_position_embeddings or 0, trainer.options.seq_len)
-    imported = _imported_model(trainer)
-    bos_token_id = None
-    if imported is not None and tokenizer_dir is None:  # (a tokenizer given says the ids itself)
-        eos, bos_token_id = _special_ids(imported)
-        eos_token_id = eos if eos_token_id is None else eos_token_id
-        if os.path.isfile(os.path.join(imported, "tokenizer.json")):
-            tokenizer_dir = imported
+    tokenizer_dir, eos_token_id, bos_token_id = _from_base(trainer.base_model, tokenizer_dir, eos_token_id)
     weights = _finite(trainer.get_weights(), "the trainer", allow_non_finite, "export_model(..., "
                       "allow_non_finite=True)")
 
@@ -307,7 +320,9 @@ def export_checkpoint(checkpoint_path: str | os.PathLike, directory: str | os.Pa
     written as a PEFT adapter directory. max_position_embeddings and
     tokenizer_dir default to what the checkpoint recorded; a recorded
     tokenizer directory that no longer holds a tokenizer.json is skipped
-    with a warning. Weights with a NaN or an infinity are refused
+    with a warning. Weights imported from a Hugging Face model (the base
+    the checkpoint recorded) keep its ids and tokenizer as ``export_model``
+    says. Weights with a NaN or an infinity are refused
     (ValueError naming the tensors) unless ``allow_non_finite``.
     """
     from nanoq.checkpoint import read_state, read_weights
@@ -337,12 +352,14 @@ def export_checkpoint(checkpoint_path: str | os.PathLike, directory: str | os.Pa
                           stacklevel=2)
             tokenizer_dir = None
     weights = _finite(read_weights(step_directory), step_directory, allow_non_finite)
+    base = state.get("base_model")  # the weights' origin (import_weights), for any checkpoint
     if lora is not None:
         base = _checkpoint_base(state, base_model)
         weights = merge(_base_weights(base, config), weights, lora)
+    tokenizer_dir, eos_token_id, bos_token_id = _from_base(base, tokenizer_dir, eos_token_id)
     return write_model(directory, weights, config,
                        max_position_embeddings=max_position_embeddings, tokenizer_dir=tokenizer_dir,
-                       eos_token_id=eos_token_id, max_shard_bytes=max_shard_bytes)
+                       eos_token_id=eos_token_id, max_shard_bytes=max_shard_bytes, bos_token_id=bos_token_id)
 
 
 def _finite(weights: Dict[str, np.ndarray], source: str, allow_non_finite: bool,

@@ -36,7 +36,7 @@ from typing import Dict, Iterable, Optional, Tuple
 import numpy as np
 
 from nanoq import options as option_schema
-from nanoq.trainer_config import MAX_SIZE, ModelConfig, _number
+from nanoq.trainer_config import MAX_SIZE, ModelConfig, _number, _plain
 from nanoq.durable import new_directory, read_json_object, write_json
 from nanoq.hf_io import read_safetensors
 
@@ -125,6 +125,7 @@ class LoraConfig:
 
     def __post_init__(self):
         # rank 0 is the core's "no LoRA", which is lora=None here.
+        object.__setattr__(self, "rank", _plain(self.rank))
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 1 <= self.rank <= MAX_SIZE:
             raise ValueError(f"LoRA rank must be an integer >= 1 (for no adapters, leave lora None), got {self.rank!r}")
         object.__setattr__(self, "alpha", _number("lora_alpha", self.alpha))

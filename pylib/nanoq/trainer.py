@@ -355,7 +355,8 @@ class Trainer:
         memory (also when the queued work failed: its error is raised after
         the memory is freed, so a failure is never lost). Safe to call twice,
         and from another thread than one using the trainer: the memory is
-        freed once that thread's call has returned (its next call raises)."""
+        freed once that thread's call has returned (its next call raises
+        RuntimeError; ``wait()``, with nothing queued, returns)."""
         if self._core is None:
             return
         with self._calls:
