@@ -69,7 +69,9 @@ def test_bad_process_counts_are_clear_errors():
         estimate_memory(CONFIG, sliced, processes=2)
 
 
-def test_nanoq_memory_takes_the_number_of_processes():
+def test_nanoq_memory_takes_the_number_of_processes(monkeypatch):
+    # The cpu figure is the host's available memory: one figure for both runs (it moves on a busy machine).
+    monkeypatch.setenv("NANOQ_CPU_MEMORY_AVAILABLE", str(5 << 30))
     flags = ["--hidden_size", "32", "--intermediate_size", "48", "--num_hidden_layers", "2",
              "--num_attention_heads", "4", "--num_key_value_heads", "2", "--vocab_size", "96", "--backend", "cpu",
              "--seq_len", "8", "--batch_size", "2", "--threads", "1", "--zero_stage", "3"]
