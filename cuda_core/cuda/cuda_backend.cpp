@@ -94,41 +94,47 @@ int visible_devices() {
 std::unique_ptr<Backend> create(int device, int /*threads*/) { return std::make_unique<CudaBackend>(device); }
 
 // The fused attention of this build on the current device, or null: none
-// in the build, or it could not start (*why_none says why).
-std::unique_ptr<FusedAttention> start_fused_attention(std::string* why_none) {
-    try {
-        std::unique_ptr<AttentionEngine> engine = make_attention_engine();
-        return engine ? std::make_unique<FusedAttention>(std::move(engine)) : nullptr;
-    } catch (const std::exception& e) {
-        *why_none = e.what();
-        return nullptr;
-    }
-}
-
-std::vector<ScratchBuffer> plan(const ScratchShapes& shapes, int /*threads*/, bool ask_libraries) {
-    // The fused attention's plans are asked of an engine where one can run
-    // (a device); else its workspace is planned at the bound. That engine
-    // is the planning's own, one per device, kept for the process (and never
-    // destroyed: its library handle must not outlive the CUDA runtime at
-    // exit), so that each shape's plans, each compiled at run time on
-    // Hopper, are built once however often a run is planned: a Trainer's
-    // classifier-chunk search plans it once per candidate, estimate_memory
-    // and every further Trainer of the shape again. (A Trainer's backend
-    // still builds its own plans, on its own handle and stream.)
-    if (!(ask_libraries && attention_engine_wanted(shapes) && visible_devices() > 0))
-        return CudaBackend::scratch_plan(shapes, ask_libraries, nullptr, "");
-    struct Planning {
-        std::unique_ptr<FusedAttention> engine;
-        std::string why_none;  // the engine could not be started (not asked again)
+// in the build, or it could not start (*why_none says why; not tried
+// again). One per device for the process, shared by the memory planning
+// and every backend of the device, so that each shape's plans, each
+// compiled at run time on Hopper, are built once: a Trainer's
+// classifier-chunk search plans its shapes once per candidate, its backend
+// reserves them, estimate_memory and every further Trainer of the shape
+// ask again. Never destroyed: its library handle must not outlive the CUDA
+// runtime at exit.
+FusedAttention* device_fused_attention(std::string* why_none) {
+    struct Started {
+        std::unique_ptr<FusedAttention> attention;
+        std::string why_none;
+        bool tried = false;
     };
     static std::mutex mutex;
-    static auto* planning = new std::map<int, Planning>();
+    static auto* started = new std::map<int, Started>();
     int device = 0;
     NANOQ_CUDA_CHECK(cudaGetDevice(&device));
     const std::lock_guard<std::mutex> lock(mutex);
-    Planning& p = (*planning)[device];
-    if (!p.engine && p.why_none.empty()) p.engine = start_fused_attention(&p.why_none);
-    return CudaBackend::scratch_plan(shapes, ask_libraries, p.engine.get(), p.why_none);
+    Started& d = (*started)[device];
+    if (!d.tried) {
+        d.tried = true;
+        try {
+            std::unique_ptr<AttentionEngine> engine = make_attention_engine();
+            if (engine) d.attention = std::make_unique<FusedAttention>(std::move(engine));
+        } catch (const std::exception& e) {
+            d.why_none = e.what();
+        }
+    }
+    *why_none = d.why_none;
+    return d.attention.get();
+}
+
+std::vector<ScratchBuffer> plan(const ScratchShapes& shapes, int /*threads*/, bool ask_libraries) {
+    // The fused attention's plans are asked of the device's engine where
+    // one can run (a device); else its workspace is planned at the bound.
+    if (!(ask_libraries && attention_engine_wanted(shapes) && visible_devices() > 0))
+        return CudaBackend::scratch_plan(shapes, ask_libraries, nullptr, "");
+    std::string why_none;
+    FusedAttention* attention = device_fused_attention(&why_none);
+    return CudaBackend::scratch_plan(shapes, ask_libraries, attention, why_none);
 }
 
 // Whether the work before the latest record of `event` has completed.
@@ -359,7 +365,6 @@ CudaBackend::~CudaBackend() {
     for (const auto& graph : graphs_)
         if (graph.second) cudaGraphExecDestroy(graph.second);
     matmul_.reset();
-    fused_attention_.reset();
     for (cudaEvent_t event : batch_ready_)
         if (event) cudaEventDestroy(event);
     if (batch_read_) cudaEventDestroy(batch_read_);
@@ -409,11 +414,14 @@ void CudaBackend::reserve_scratch(NamedAllocator& allocator, const ScratchShapes
                                   "." + std::to_string(minor));
     }
     std::string why_none;
-    if (!fused_attention_ && attention_engine_wanted(s)) fused_attention_ = start_fused_attention(&why_none);
+    if (!fused_attention_ && attention_engine_wanted(s)) fused_attention_ = device_fused_attention(&why_none);
     AttentionChoice choice;
-    const std::vector<ScratchBuffer> plan = scratch_plan(s, true, fused_attention_.get(), why_none, &choice);
+    const std::vector<ScratchBuffer> plan = scratch_plan(s, true, fused_attention_, why_none, &choice);
     attention_fused_ = choice.fused;
     attention_deterministic_ = s.attention_deterministic;
+    fused_shape_ = s.attention;
+    fused_dtype_ = attention_dtype(s);
+    fused_documents_ = choice.fused && choice.documents;
     if (!choice.refused.empty())
         std::fprintf(stderr, "nanoq: device %d: attention=\"auto\" runs nanoq's own attention kernels: %s\n",
                      device_, choice.refused.c_str());
@@ -1107,7 +1115,9 @@ AttentionInfo CudaBackend::attention_info() const {
     AttentionInfo info;
     if (attention_fused_) info.implementation = fused_attention_->engine().library();
     if (attention_fused_ && attention_mask_.data) info.documents = info.implementation;
-    if (fused_attention_) info.plans = fused_attention_->plans();
+    // Those this backend's shape runs (the device's engine may hold others'):
+    // forward and backward, and both again with the documents' mask.
+    if (attention_fused_) info.plans = fused_documents_ ? 4 : 2;
     info.document_masks = document_masks_;
     info.deterministic = !attention_fused_ || attention_deterministic_;
     return info;
@@ -1151,7 +1161,10 @@ bool CudaBackend::fused_attention_runs(const Tensor& positions, const AttentionS
     // Only the shapes reserve_scratch prepared: another one (generation's
     // prompt pass, a new length each time) runs the native kernels rather
     // than build, compile and keep plans anew.
-    if (!fused_attention_->prepared(s, dtype, documents, attention_deterministic_)) return false;
+    const AttentionShape& p = fused_shape_;
+    if (s.batch != p.batch || s.time != p.time || s.heads != p.heads || s.kv_heads != p.kv_heads ||
+        s.head_dim != p.head_dim || s.causal != p.causal || dtype != fused_dtype_ || (documents && !fused_documents_))
+        return false;
     if (!positions.data) return true;
     if (!documents) {
         if (!said_documents_native_ && !attention_mask_.data)

@@ -353,10 +353,16 @@ private:
     Tensor qkv_packed_;       // the packed q|k|v projection (or its gradient) between its matmul and its pass
     bool in_classifier_ = false;
     Tensor pinned_;           // host staging for copy_from_host
-    // Fused attention (cuDNN): started by reserve_scratch when the shapes may
-    // use it; attention_fused_ says whether attention runs there.
-    std::unique_ptr<FusedAttention> fused_attention_;
+    // Fused attention (cuDNN): the device's (shared by the process's
+    // backends, fused_attention.h), taken by reserve_scratch when the shapes
+    // may use it; attention_fused_ says whether attention runs there, for
+    // the shape and dtype that reserve_scratch prepared (fused_documents_:
+    // with the documents' mask too).
+    FusedAttention* fused_attention_ = nullptr;
     bool attention_fused_ = false;
+    AttentionShape fused_shape_{};
+    DType fused_dtype_ = DType::BF16;
+    bool fused_documents_ = false;
     bool attention_deterministic_ = true;  // ScratchShapes::attention_deterministic of the fused plans
     Tensor attention_workspace_;
     // Packed documents in the fused library: their mask (bf16 [B,1,T,T],

@@ -114,9 +114,9 @@ FusedAttention::Key FusedAttention::key(const AttentionShape& s, DType dtype, At
                static_cast<int>(pass), bias, built_deterministic(pass, deterministic)};
 }
 
-bool FusedAttention::prepared(const AttentionShape& s, DType dtype, bool bias, bool deterministic) const {
-    return plans_.count(key(s, dtype, AttentionPass::Forward, bias, deterministic)) &&
-           plans_.count(key(s, dtype, AttentionPass::Backward, bias, deterministic));
+int FusedAttention::plans() const {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    return static_cast<int>(plans_.size());
 }
 
 const AttentionPlan& FusedAttention::plan(const AttentionShape& s, DType dtype, AttentionPass pass, bool bias,
@@ -150,6 +150,7 @@ const AttentionPlan& FusedAttention::plan(const AttentionShape& s, DType dtype, 
 }
 
 std::size_t FusedAttention::prepare(const AttentionShape& s, DType dtype, bool bias, bool deterministic) {
+    const std::lock_guard<std::mutex> lock(mutex_);
     return std::max(plan(s, dtype, AttentionPass::Forward, bias, deterministic).workspace_bytes,
                     plan(s, dtype, AttentionPass::Backward, bias, deterministic).workspace_bytes);
 }
@@ -161,6 +162,7 @@ void FusedAttention::run(AttentionPass pass, const AttentionTensors& t, const At
         throw InternalError("fused attention's bias must be bf16 [B, 1, T, T] (" +
                             std::to_string(attention_bias_elements(s)) + " elements), got " +
                             std::to_string(t.bias.numel()));
+    const std::lock_guard<std::mutex> lock(mutex_);
     const AttentionPlan& p = plan(s, t.q.dtype, pass, bias, t.deterministic);
     if (p.workspace_bytes > workspace.bytes())
         throw InternalError("fused attention of " + describe(s, t.q.dtype) + " needs " +

@@ -22,6 +22,7 @@
 
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <tuple>
 
@@ -112,8 +113,13 @@ DType attention_dtype(const ScratchShapes& shapes);
 // "cudnn" or an engine that "auto" prefers.
 bool attention_engine_wanted(const ScratchShapes& shapes);
 
-// A backend's fused attention: the engine and its plans, built on first use
-// of a shape, dtype and pass and kept for the backend's life.
+// A device's fused attention: the engine and its plans, built on first use
+// of a shape, dtype and pass and kept. One per device for the process
+// (device_fused_attention in cuda_backend.cpp), shared by the memory
+// planning and every backend of the device, so that each plan, compiled at
+// run time on Hopper, is built once however many trainers and plans ask for
+// it. Thread-safe: one mutex guards the plans and each run (the engine's
+// one library handle takes the caller's stream for the call).
 class FusedAttention {
 public:
     explicit FusedAttention(std::unique_ptr<AttentionEngine> engine);
@@ -133,12 +139,7 @@ public:
     void backward(const AttentionTensors& tensors, const AttentionShape& shape, const Tensor& workspace,
                   cudaStream_t stream);
     // Plans built so far (one per shape, dtype, pass and bias or none).
-    int plans() const { return static_cast<int>(plans_.size()); }
-    // Whether prepare() built the plans of both passes of the shape: only
-    // those run fused (a call of another shape, such as generation's prompt
-    // pass of each length, would build and keep plans anew, each compiled
-    // at run time, and might need more workspace than was reserved).
-    bool prepared(const AttentionShape& shape, DType dtype, bool bias, bool deterministic) const;
+    int plans() const;
 
 private:
     // B, T, H, K, D, causal, dtype, pass, bias, deterministic (always true
@@ -150,6 +151,7 @@ private:
     void run(AttentionPass pass, const AttentionTensors& tensors, const AttentionShape& shape,
              const Tensor& workspace, cudaStream_t stream);
 
+    mutable std::mutex mutex_;
     std::unique_ptr<AttentionEngine> engine_;
     std::map<Key, std::unique_ptr<AttentionPlan>> plans_;
 };

@@ -910,8 +910,9 @@ class Trainer:
         """Which attention ``device`` runs: ``implementation`` is "native"
         (the backend's own kernels) or the fused library in use (e.g.
         "cuDNN 9.28.1"), as TrainOptions.attention chose it; ``plans`` is how
-        many fused-attention plans it has built (one per shape, pass and
-        whether it takes the mask of packed documents); ``documents`` is
+        many fused-attention plans it runs (one per pass and whether it
+        takes the mask of packed documents; built once per shape for the
+        process's trainers of the device); ``documents`` is
         the same for attention over packed documents (positions): the fused
         library where TrainOptions.packed_documents reserved their mask, else
         "native"; ``document_masks`` counts the times that mask was written

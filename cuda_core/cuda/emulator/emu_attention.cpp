@@ -17,6 +17,8 @@
 // no engine fits the attributes (not a NanoqError: the host path must take
 // it as a refusal all the same); NANOQ_EMU_ATTENTION_PREFERRED=1 lets "auto"
 // take the stand-in, as it takes cuDNN on a GPU (read at each choice).
+// A device's plans are kept for the process (fused_attention.h), so a test
+// that sets the first two plans a shape no other test plans.
 #include <atomic>
 #include <cstdlib>
 #include <cstring>

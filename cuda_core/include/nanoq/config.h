@@ -195,7 +195,8 @@ struct AttentionShape {
 
 // Which attention a device runs (Trainer::attention_info): "native" (the
 // backend's own kernels) or a fused library ("cuDNN 9.28.1"), and the
-// library's plans built so far (one per shape, dtype and pass).
+// library's plans the device runs (one per pass, and per pass again with
+// the mask of packed documents).
 struct AttentionInfo {
     std::string implementation = "native";
     int plans = 0;
