@@ -170,14 +170,16 @@ def quantize(probes, x, bf16_input, fmt="e4m3", transposed=False, offset=0):
     return (out.reshape(cols, rows) if transposed else out), floats[0], floats[1]
 
 
-def project(probes, a, b, bias=None):
+def project(probes, a, b, bias=None, offset=0):
+    """a @ b.T (+ bias) through the fp8-configured backend's projection;
+    out and bias `offset` bf16 elements into their device buffers."""
     M, K = a.shape
     N = b.shape[0]
     a, b = np.ascontiguousarray(a, np.float32), np.ascontiguousarray(b, np.float32)
     bias = None if bias is None else np.ascontiguousarray(bias, np.float32)
     out = np.zeros((M, N), np.float32)
     message = ctypes.create_string_buffer(4096)
-    status = probes.nanoq_emu_fp8_projection(M, N, K, float_ptr(a), float_ptr(b), float_ptr(bias), float_ptr(out),
+    status = probes.nanoq_emu_fp8_projection(M, N, K, float_ptr(a), float_ptr(b), float_ptr(bias), float_ptr(out), offset,
                                              message, 4096)
     assert status == 0, message.value.decode()
     return out
@@ -358,6 +360,27 @@ def test_a_projection_off_the_fp8_tiles_runs_in_bf16(probes, capfd, monkeypatch)
     plans = [line for line in capfd.readouterr().err.splitlines() if "nanoq matmul plan 24x16x32" in line]
     assert plans and all(f"types={CUDA_R_16BF}/{CUDA_R_16BF}/{CUDA_R_16BF}" in p for p in plans), plans
     assert_array_close(out, a.astype(np.float64) @ b.T, 1e-2, "bf16 product")
+
+
+@pytest.mark.cuda_emulated
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_a_projection_whose_output_is_off_16_bytes_runs_in_bf16(probes, capfd, monkeypatch, with_bias):
+    """cuBLASLt's fp8 kernels need every matrix and the bias 16-byte aligned
+    (the emulated library refuses others, as the real one finds no
+    algorithm): an output or bias 4 bf16 elements (8 bytes) into its buffer
+    runs the bf16 matmul instead of failing."""
+    monkeypatch.setenv("NANOQ_MATMUL_LOG", "1")
+    rng = np.random.default_rng(3)
+    a, b = bf16(rng.standard_normal((32, 48))), bf16(rng.standard_normal((16, 48)))
+    bias = bf16(rng.standard_normal(16)) if with_bias else None
+    out = project(probes, a, b, bias, offset=4)
+    plans = [line for line in capfd.readouterr().err.splitlines() if "nanoq matmul plan 32x16x48" in line]
+    assert plans and all(f"types={CUDA_R_16BF}/{CUDA_R_16BF}/{CUDA_R_16BF}" in p for p in plans), plans
+    assert_array_close(out, a.astype(np.float64) @ b.T + (0.0 if bias is None else bias), 1e-2, "bf16 product")
+    aligned = project(probes, a, b, bias, offset=8)  # 16 bytes in: fp8 again
+    plans = [line for line in capfd.readouterr().err.splitlines() if "nanoq matmul plan 32x16x48" in line]
+    assert any(f"types={CUDA_R_16BF}/{CUDA_R_8F_E4M3}/{CUDA_R_8F_E4M3}" in p for p in plans), plans
+    assert_array_close(aligned, out, 0.1, "fp8 product vs bf16")
 
 
 def backward(probes, dy, weight, x, dx=None, dweight=None, dweight_f32=True, joint=False, passes=None):

@@ -26,7 +26,8 @@ constexpr int kTimedRuns = 3;
 
 void check_lt(cublasStatus_t status, const char* what) {
     if (status != CUBLAS_STATUS_SUCCESS)
-        throw NanoqError(std::string("cuBLASLt error ") + std::to_string(static_cast<int>(status)) + " in " + what);
+        throw NanoqError(std::string("cuBLASLt error ") + cublasLtGetStatusName(status) + " (" +
+                         std::to_string(static_cast<int>(status)) + ") in " + what);
 }
 
 cudaDataType_t lt_type(DType dtype) {
@@ -199,13 +200,22 @@ void LtMatmul::build(Plan& p, const Product& x, void* workspace, std::size_t wor
                  "alignment preference");
     cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
     // Only those the heuristic vouches for that fit the workspace.
+    // What the heuristic said, for the error where none is usable.
+    cublasStatus_t heuristic = CUBLAS_STATUS_SUCCESS;
+    int found = 0, too_large = 0;
     auto usable_algorithms = [&] {
-        int found = 0, usable = 0;
-        const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, preference,
-                                                                     kCandidates, results, &found);
-        for (int i = 0; status == CUBLAS_STATUS_SUCCESS && i < found; ++i)
-            if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= workspace_bytes)
-                results[usable++] = results[i];
+        int usable = 0;
+        found = too_large = 0;
+        heuristic = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, preference, kCandidates,
+                                                   results, &found);
+        for (int i = 0; heuristic == CUBLAS_STATUS_SUCCESS && i < found; ++i) {
+            if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
+            if (results[i].workspaceSize > workspace_bytes) {
+                ++too_large;
+                continue;
+            }
+            results[usable++] = results[i];
+        }
         return usable;
     };
     int usable = usable_algorithms();
@@ -222,7 +232,19 @@ void LtMatmul::build(Plan& p, const Product& x, void* workspace, std::size_t wor
             std::fprintf(stderr, "nanoq: cuBLASLt has no fp8 fast-accumulation algorithm for the %s product; it "
                                  "promotes its partial sums instead\n", shape.c_str());
     }
-    if (usable == 0) throw NanoqError("cuBLASLt has no algorithm for a " + shape + " matmul of these dtypes");
+    if (usable == 0) {
+        // Everything that decides it, so that one failed run says why.
+        char text[512];
+        std::snprintf(text, sizeof(text),
+                      "cuBLASLt has no algorithm for a %s matmul (heuristic %s, %d results, %d needing more than "
+                      "the %zu-byte workspace; trans_a=%d trans_b=%d accumulate=%d types out/a/b/bias "
+                      "%d/%d/%d/%d, alignments out/a/b/bias %d/%d/%d/%d bytes, fp8 fast accumulation %d, batch %d)",
+                      shape.c_str(), cublasLtGetStatusName(heuristic), found, too_large, workspace_bytes,
+                      int(x.trans_a), int(x.trans_b), int(x.accumulate), x.out_type, x.a_type, x.b_type, x.bias_type,
+                      x.align_out(), x.align_a(), x.align_b(), x.bias ? alignment(x.bias) : 0,
+                      int(x.a_scale && x.fast_accumulation), x.batch.count);
+        throw NanoqError(text);
+    }
     std::string log = "untimed";
     int chosen = 0;
     if (usable > 1 && autotune) {

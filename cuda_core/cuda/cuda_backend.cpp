@@ -680,6 +680,13 @@ bool CudaBackend::memory_info(std::size_t* free_bytes, std::size_t* total_bytes)
 // the gradients are the small, wide-ranging values that lose most to a
 // short accumulator (torchao's float8 training defaults to the same split).
 // NANOQ_FP8_FAST_ACCUM=0 promotes in the forward too.
+// cuBLASLt's fp8 kernels take only 16-byte aligned matrices and bias; the
+// codes are, an output or bias that is a view at another offset may not be:
+// its product runs in bf16.
+namespace {
+bool aligned_16(const Tensor& t) { return reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0; }
+}  // namespace
+
 bool CudaBackend::fp8_applies(int M, int N, int K) const {
     return options_.matmul_dtype == MatmulPrecision::FP8 && fp8_operands_.data && !in_classifier_ &&
            LtMatmul::fp8_supported(M, N, K);
@@ -882,7 +889,7 @@ bool CudaBackend::fp8_projection(const Tensor& out, const Tensor& a, const Tenso
                                  int K, bool trans_a, bool trans_b, bool accumulate, float scale) {
     if (!fp8_applies(M, N, K) || trans_a || !trans_b || accumulate || scale != 1.0f) return false;
     if (a.dtype != DType::BF16 || b.dtype != DType::BF16 || out.dtype != DType::BF16 ||
-        (bias.data && bias.dtype != DType::BF16))
+        (bias.data && bias.dtype != DType::BF16) || !aligned_16(out) || !aligned_16(bias))
         return false;
     fp8_begin();
     float* keep = fp8_site_slot(true);
@@ -898,14 +905,14 @@ bool CudaBackend::fp8_projection(const Tensor& out, const Tensor& a, const Tenso
 bool CudaBackend::fp8_input_grad_runs(const Tensor& dx, const Tensor& dy, const Tensor& weight, int rows, int n,
                                       int k) const {
     return fp8_applies(rows, k, n) && dx.dtype == DType::BF16 && dy.dtype == DType::BF16 &&
-           weight.dtype == DType::BF16;
+           weight.dtype == DType::BF16 && aligned_16(dx);
 }
 
 // dW[n,k] += (dy^T[n,rows]) (x^T[k,rows])^T: M = n, N = k, K = rows.
 bool CudaBackend::fp8_weight_grad_runs(const Tensor& dweight, const Tensor& dy, const Tensor& x, int rows, int n,
                                        int k) const {
     return fp8_applies(n, k, rows) && dy.dtype == DType::BF16 && x.dtype == DType::BF16 &&
-           (dweight.dtype == DType::BF16 || dweight.dtype == DType::F32);
+           (dweight.dtype == DType::BF16 || dweight.dtype == DType::F32) && aligned_16(dweight);
 }
 
 bool CudaBackend::fp8_input_grad(const Tensor& dx, const Tensor& dy, const Tensor& weight, int rows, int n, int k,

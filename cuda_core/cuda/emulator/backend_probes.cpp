@@ -147,11 +147,12 @@ void download(nanoq::cuda::CudaBackend& backend, const nanoq::Tensor& t, float* 
 // out[M,N] = a[M,K] @ b[N,K]^T (+ bias[N] unless null) through
 // CudaBackend::matmul_epilogue of a backend configured with matmul_dtype
 // fp8, its scratch reserved for these shapes; inputs rounded to bf16, out
-// read back from bf16.
+// read back from bf16. out and bias lie `offset` bf16 elements into their
+// device buffers (off cuBLASLt's fp8 alignment unless a multiple of 8).
 extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_projection(int M, int N, int K, const float* a,
                                                                                const float* b, const float* bias,
-                                                                               float* out, char* message,
-                                                                               int message_bytes) {
+                                                                               float* out, int offset,
+                                                                               char* message, int message_bytes) {
     using namespace nanoq;
     return guarded(message, message_bytes, [&] {
         cuda::CudaBackend backend(0);
@@ -159,8 +160,15 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_projection(i
         configure_fp8(backend, allocator, M, K, N);
         const Tensor ta = upload(backend, allocator, "a", a, std::int64_t(M) * K);
         const Tensor tb = upload(backend, allocator, "b", b, std::int64_t(N) * K);
-        const Tensor tbias = bias ? upload(backend, allocator, "bias", bias, N) : Tensor();
-        const Tensor tout = allocator.allocate(Context::Activations, "out", DType::BF16, {std::int64_t(M) * N});
+        Tensor tbias;
+        if (bias) {
+            std::vector<float> padded(std::size_t(offset), 0.0f);
+            padded.insert(padded.end(), bias, bias + N);
+            tbias = upload(backend, allocator, "bias", padded.data(), offset + N).slice(offset, N);
+        }
+        const Tensor tout = allocator.allocate(Context::Activations, "out", DType::BF16,
+                                               {offset + std::int64_t(M) * N})
+                                .slice(offset, std::int64_t(M) * N);
         backend.matmul_epilogue(tout, ta, tb, tbias, M, N, K, false, true, false, 1.0f);
         std::vector<__nv_bfloat16> result(std::size_t(M) * N);
         backend.copy_to_host(result.data(), tout);

@@ -76,6 +76,8 @@ struct cublasLtMatmulHeuristicResult_t {
     int reserved[4];
 };
 
+// The status's enumerator name ("CUBLAS_STATUS_NOT_SUPPORTED"), as the library's.
+const char* cublasLtGetStatusName(cublasStatus_t status);
 cublasStatus_t cublasLtCreate(cublasLtHandle_t* handle);
 cublasStatus_t cublasLtDestroy(cublasLtHandle_t handle);
 cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t* desc, cublasComputeType_t compute, cudaDataType_t scale);

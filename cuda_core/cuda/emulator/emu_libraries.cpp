@@ -267,6 +267,17 @@ bool log_calls() {
 
 }  // namespace
 
+const char* cublasLtGetStatusName(cublasStatus_t status) {
+    switch (status) {
+        case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
+        case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
+        case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
+        case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
+        case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+    }
+    return "CUBLAS_STATUS_UNKNOWN";
+}
+
 cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
                                               cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c,
                                               cublasLtMatrixLayout_t d, cublasLtMatmulPreference_t preference,
@@ -288,6 +299,13 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDe
     for (int i = 0; i < 4; ++i)
         if (preference->align[i] == 0 || (preference->align[i] & (preference->align[i] - 1)))
             return CUBLAS_STATUS_INVALID_VALUE;
+    // fp8 kernels need every matrix and the bias 16-byte aligned.
+    if (is_fp8(a->type)) {
+        for (int i = 0; i < 4; ++i)
+            if (preference->align[i] < 16) return CUBLAS_STATUS_NOT_SUPPORTED;
+        if (desc->epilogue == CUBLASLT_EPILOGUE_BIAS && alignment_of(desc->bias) < 16)
+            return CUBLAS_STATUS_NOT_SUPPORTED;
+    }
     const int count = std::min(requested, offered_algorithms());
     for (int index = 0; index < count; ++index) {
         cublasLtMatmulHeuristicResult_t r{};
