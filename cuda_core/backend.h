@@ -147,6 +147,11 @@ public:
         (void)key;
         body();
     }
+    // Drops what run_captured keeps (its graphs; a launch in flight still
+    // completes). Called on this device's queue before its communicator is
+    // released: NCCL's finalize waits until every graph holding one of its
+    // collectives is destroyed, so a graph kept past it hangs the close.
+    virtual void release_captured() {}
 
     // Memory. raw_alloc returns nullptr when the memory is not available;
     // refusal() then says why where the backend knows more than that.

@@ -506,6 +506,8 @@ struct Trainer::Impl : TrainerSetup {
     // (no rank touches another's communicator).
     void abort_rank(int rank) {
         group->abort();
+        // The graphs first: NCCL's teardown waits for those holding its collectives.
+        if (devices[rank].backend) devices[rank].backend->release_captured();
         if (devices[rank].comm) devices[rank].comm->abort();
     }
 
@@ -540,14 +542,18 @@ struct Trainer::Impl : TrainerSetup {
     }
 
     // Each worker releases its own communicator, all at once: NCCL's destroy
-    // may wait for the peers' destroys.
+    // may wait for the peers' destroys. Its CUDA graphs go first: NCCL's
+    // finalize waits until no graph holds one of its collectives.
     void release_communicators() {
         try {
             pool->wait();  // a failure nobody has waited for yet would drop the release
         } catch (...) {
         }
         try {
-            pool->run([&](int rank) { devices[rank].comm.reset(); });
+            pool->run([&](int rank) {
+                if (devices[rank].backend) devices[rank].backend->release_captured();
+                devices[rank].comm.reset();
+            });
         } catch (...) {
             // Teardown goes on: the remaining state is freed by the caller either way.
         }

@@ -362,8 +362,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
 
 CudaBackend::~CudaBackend() {
     cudaSetDevice(device_);
-    for (const auto& graph : graphs_)
-        if (graph.second) cudaGraphExecDestroy(graph.second);
+    release_captured();
     matmul_.reset();
     for (cudaEvent_t event : batch_ready_)
         if (event) cudaEventDestroy(event);
@@ -608,6 +607,13 @@ void CudaBackend::run_captured(const std::string& key, const std::function<void(
         NANOQ_CUDA_CHECK(made);
     }
     NANOQ_CUDA_CHECK(cudaGraphLaunch(found->second, stream_));
+}
+
+void CudaBackend::release_captured() {
+    // A graph still running is freed when it completes (cudaGraphExecDestroy).
+    for (const auto& graph : graphs_)
+        if (graph.second) cudaGraphExecDestroy(graph.second);
+    graphs_.clear();
 }
 
 void CudaBackend::copy_from_staging(const Tensor& dst, const void* src) {

@@ -66,6 +66,7 @@ public:
     // device's streams as a CUDA graph, and that and every later call
     // launch the graph (see Backend::run_captured).
     void run_captured(const std::string& key, const std::function<void()>& body) override;
+    void release_captured() override;
     // What reserve_scratch allocates (BackendPlugin::scratch_plan): the op
     // scratch of scratch_bytes(), the cuBLASLt workspace, pinned staging, with
     // matmul_dtype fp8 the fp8 operands (fp8_operand_bytes) and, when

@@ -550,6 +550,10 @@ struct nanoq_emu_nccl_comm {
     // the emulator refuses the next call instead.
     bool in_progress = false;
     std::thread::id owner = std::this_thread::get_id();  // the thread that created it
+    // CUDA graphs (captured, instantiated, or launches of them in flight)
+    // that hold one of its collectives: the real library's finalize waits
+    // until none is left, for ever if the caller destroys them only later.
+    std::shared_ptr<std::atomic<int>> graph_refs = std::make_shared<std::atomic<int>>(0);
 };
 
 namespace {
@@ -559,6 +563,10 @@ namespace {
 // thread that created it; calls from any other thread are counted here
 // (nanoq_emu_nccl_foreign_thread_calls) for tests to check that.
 std::atomic<unsigned long long> foreign_thread_calls{0};
+
+// ncclCommFinalize calls refused because CUDA graphs still held the
+// communicator's collectives (nanoq_emu_nccl_finalized_under_graphs).
+std::atomic<unsigned long long> finalized_under_graphs{0};
 
 // A rank whose ncclCommInitRank* never counts as joined
 // (nanoq_emu_nccl_withhold_rank): as a process of the run that never
@@ -600,9 +608,19 @@ ncclResult_t enqueue_collective(ncclComm_t comm, cudaStream_t stream, Call call)
     }
     if (call.root < 0 || call.root >= clique->nranks) return ncclInvalidArgument;
     const int rank = comm->rank;
+    // Recorded into a graph: the graph holds the communicator until the
+    // graph, every executable made from it and their launches are gone.
+    std::shared_ptr<void> graph_ref;
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capturing) == cudaSuccess && capturing == cudaStreamCaptureStatusActive) {
+        std::shared_ptr<std::atomic<int>> refs = comm->graph_refs;
+        ++*refs;
+        graph_ref = std::shared_ptr<void>(nullptr, [refs](void*) { --*refs; });
+    }
     nanoq_emu::enqueue(
         stream,
-        [clique, rank, call] {
+        [clique, rank, call, graph_ref] {
+            (void)graph_ref;
             std::unique_lock<std::mutex> lock(clique->mutex);
             const std::uint64_t seq = clique->executed[rank]++;
             const auto aborted_here = [&] {
@@ -736,6 +754,14 @@ ncclResult_t ncclCommFinalize(ncclComm_t comm) {
     if (!comm) return ncclInvalidArgument;
     note_thread(comm, "ncclCommFinalize");
     if (comm->in_progress) return ncclInvalidUsage;
+    if (const int graphs = comm->graph_refs->load()) {
+        // The real library would wait here for ever: refuse, loudly.
+        if (finalized_under_graphs++ == 0)
+            std::fprintf(stderr, "nanoq emulator: ncclCommFinalize on rank %d while %d captured collective(s) of "
+                                 "CUDA graphs still hold the communicator (NCCL would wait for ever: destroy the "
+                                 "graphs first)\n", comm->rank, graphs);
+        return ncclInvalidUsage;
+    }
     return issued(comm);
 }
 
@@ -797,6 +823,12 @@ ncclResult_t ncclReduce(const void* send, void* recv, std::size_t count, ncclDat
 // its creator's (see note_thread). Exported for tests (ctypes).
 extern "C" __attribute__((visibility("default"))) unsigned long long nanoq_emu_nccl_foreign_thread_calls() {
     return foreign_thread_calls.load();
+}
+
+// ncclCommFinalize calls refused because CUDA graphs still held the
+// communicator's collectives (the real library would have hung).
+extern "C" __attribute__((visibility("default"))) unsigned long long nanoq_emu_nccl_finalized_under_graphs() {
+    return finalized_under_graphs.load();
 }
 
 // From now on rank `rank`'s initialisations never join their clique (-1:
