@@ -106,9 +106,9 @@ def test_packed_documents_run_fused_with_their_mask(cpu, emulated_ops):
     and backward match the cpu's masked attention within bf16, differ from
     the fused causal attention over whole rows, and came from the engine
     (its float64 reference), not the native kernels."""
-    shape = (3, 45, 4, 2, 64)
+    shape = (3, 48, 4, 2, 64)  # T a multiple of 8: the mask's rows 16-byte aligned, as cuDNN assumes
     q, k, v, dout = attention_inputs(21, shape)
-    args = {"positions": packed_positions(45, *PACKED_ROWS)}
+    args = {"positions": packed_positions(48, *PACKED_ROWS)}
     fused_out, fused_lse = emulated_ops.attention_forward(q, k, v, dtype="bf16", fused=True, **args)
     native_out, _ = emulated_ops.attention_forward(q, k, v, dtype="bf16", **args)
     cpu_out, cpu_lse = cpu.attention_forward(q, k, v, **args)
@@ -447,6 +447,32 @@ def test_a_library_that_refuses_the_documents_mask(capfd, monkeypatch):
     assert fused[3]["documents"] == "native"
     native = train_packed(config, dataclasses.replace(auto, attention="native"), batches, positions)
     assert fused[0] == native[0] and fused[2] == native[2]
+
+
+@emulated
+def test_the_document_mask_needs_seq_len_a_multiple_of_8(capfd, monkeypatch):
+    """The mask's rows are seq_len bf16 values; cuDNN assumes each row
+    16-byte aligned without checking it (wrong output otherwise), so a
+    seq_len that is not a multiple of 8 runs packed documents natively:
+    "cudnn" refuses at Trainer creation, "auto" says why once and keeps
+    the fused plans for whole rows."""
+    require_cuda_emulator()
+    config = tiny_config()
+    options = nanoq.TrainOptions(backend="cuda_emulated", dtype="bf16", batch_size=2, seq_len=12,
+                                 attention="cudnn", packed_documents=True)
+    with pytest.raises(ValueError, match=r'attention="cudnn" cannot run packed documents .*multiple of 8 .*got 12'):
+        nanoq.Trainer(config, options)
+    monkeypatch.setenv("NANOQ_EMU_ATTENTION_PREFERRED", "1")
+    capfd.readouterr()
+    with nanoq.Trainer(config, dataclasses.replace(options, attention="auto")) as trainer:
+        info = trainer.get_attention_info(0)
+        assert info["implementation"].startswith(STANDIN) and info["documents"] == "native", info
+        assert masks(trainer.get_allocations(0)) == []
+    err = capfd.readouterr().err
+    assert err.count("packed documents run in nanoq's own attention kernels: the document mask needs seq_len a "
+                     "multiple of 8") == 1, err
+    with nanoq.Trainer(config, dataclasses.replace(options, seq_len=16)) as trainer:
+        assert trainer.get_attention_info(0)["documents"].startswith(STANDIN)
 
 
 def test_packed_documents_need_a_causal_model():

@@ -284,7 +284,17 @@ std::vector<ScratchBuffer> CudaBackend::scratch_plan(const ScratchShapes& s, boo
         // them ("cudnn" insists; "auto" runs them natively, saying why).
         if (s.packed_documents) {
             choice.documents = true;
-            if (attention) {
+            // The mask's rows (T bf16 each) must keep the 16-byte alignment
+            // cuDNN assumes of every row without checking it.
+            if (s.attention.time % 8 != 0) {
+                const std::string why = "the document mask needs seq_len a multiple of 8 in the fused library, got " +
+                                        std::to_string(s.attention.time);
+                if (s.attention_impl == AttentionImpl::Cudnn)
+                    throw InvalidArgument("attention=\"cudnn\" cannot run packed documents (packed_documents): " +
+                                          why);
+                choice.documents = false;
+                choice.documents_refused = why;
+            } else if (attention) {
                 try {
                     workspace = std::max(workspace, attention->prepare(s.attention, attention_dtype(s), true,
                                                                           s.attention_deterministic));
