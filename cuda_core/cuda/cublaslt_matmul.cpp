@@ -1,5 +1,6 @@
 #include "cuda/cublaslt_matmul.h"
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -325,6 +326,9 @@ int LtMatmul::fastest(const Plan& p, const cublasLtMatmulHeuristicResult_t* resu
                 host_wait_(stop);
                 if (ran) NANOQ_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
             }
+            // A launch that failed may leave its error pending, for the next
+            // kernel's launch check to blame on that kernel: it was this one's.
+            if (!std::isfinite(ms)) cudaGetLastError();
             char text[32];
             std::snprintf(text, sizeof(text), "%s%.4g", i ? " " : "", ms / kTimedRuns);
             times += text;
