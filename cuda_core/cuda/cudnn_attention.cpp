@@ -19,6 +19,8 @@
 // gradient), 0 where a query sees a key of its own document and a large
 // finite negative elsewhere (document_mask_bias in kernels.h), on top of
 // the causal mask, which still lets cuDNN skip the tiles above the diagonal.
+// A forward the library refuses in the implementation the frontend chose
+// (its newer "unified" node) is built again as the composite node.
 #include <cudnn_frontend.h>
 
 #include <cmath>
@@ -64,6 +66,24 @@ public:
     std::unique_ptr<AttentionPlan> build(const AttentionShape& s, DType dtype, AttentionPass pass, bool with_bias,
                                          bool deterministic) override {
         if (dtype != DType::BF16) throw NanoqError("bf16 only");
+        if (pass == AttentionPass::Backward) return build_graph(s, pass, with_bias, deterministic, false);
+        // The frontend picks the forward's implementation from its own
+        // support table before cuDNN is asked (the "unified" SDPA node
+        // where the library is new enough): where the library then refuses
+        // that one, the composite node is tried before the shape is refused.
+        try {
+            return build_graph(s, pass, with_bias, deterministic, false);
+        } catch (const std::exception& first) {
+            try {
+                return build_graph(s, pass, with_bias, deterministic, true);
+            } catch (const std::exception& second) {
+                throw NanoqError(std::string(first.what()) + "; with the composite implementation: " + second.what());
+            }
+        }
+    }
+
+    std::unique_ptr<AttentionPlan> build_graph(const AttentionShape& s, AttentionPass pass, bool with_bias,
+                                               bool deterministic, bool composite) {
         const std::int64_t B = s.batch, T = s.time, H = s.heads, K = s.kv_heads, D = s.head_dim;
         const std::vector<std::int64_t> q_dims{B, H, T, D}, q_strides{T * H * D, D, H * D, 1};
         const std::vector<std::int64_t> kv_dims{B, K, T, D}, kv_strides{T * K * D, D, K * D, 1};
@@ -91,6 +111,7 @@ public:
                                .set_causal_mask(s.causal)
                                .set_attn_scale(scale);
             if (bias) options.set_bias(bias);
+            if (composite) options.set_implementation(fe::AttentionImplementation_t::COMPOSITE);
             auto [o, stats] = graph->sdpa(q, k, v, options);
             o->set_output(true).set_dim(q_dims).set_stride(q_strides).set_uid(kO);
             stats->set_output(true)
