@@ -688,7 +688,7 @@ def torch_reference(q, k, v, dout):
 
 @gpu
 @pytest.mark.parametrize("shape", [(2, 512, 8, 2, 64), (2, 384, 8, 8, 128), (1, 1024, 12, 2, 128),
-                                   (4, 257, 4, 1, 64)])
+                                   (4, 257, 4, 1, 64), (1, 256, 4, 2, 256)])
 def test_cudnn_attention_matches_torch_float64(gpu_ops, shape):
     require_cudnn()
     q, k, v, dout = attention_inputs(6, shape)
@@ -710,10 +710,12 @@ def test_cudnn_attention_matches_torch_float64(gpu_ops, shape):
 
 
 @gpu
-@pytest.mark.parametrize("shape", [(3, 512, 8, 2, 64), (2, 1024, 12, 2, 128)])
+@pytest.mark.parametrize("shape", [(3, 512, 8, 2, 64), (2, 1024, 12, 2, 128), (2, 192, 8, 2, 64)])
 def test_cudnn_attention_with_packed_documents_matches_the_cpu(cpu, gpu_ops, shape):
     """cuDNN's plans with the documents' mask as their bias (documents of
-    one token, inside and across tiles) against the cpu's masked attention."""
+    one token, inside and across tiles) against the cpu's masked attention,
+    in both backward algorithms. T = 192 (T % 128 == 64) is where a
+    Hopper backward with a bias was reported to write NaN into dq."""
     require_cudnn()
     B, T = shape[:2]
     q, k, v, dout = attention_inputs(10, shape)
@@ -727,6 +729,26 @@ def test_cudnn_attention_with_packed_documents_matches_the_cpu(cpu, gpu_ops, sha
     expected = cpu.attention_backward(dout, to_bf16(out), lse, q, k, v, positions=positions)
     for name, g, e in zip(("dq", "dk", "dv"), grads, expected):
         assert_array_close(g, e, BF16_REL, f"cuDNN masked {name} {shape}")
+    grads = gpu_ops.attention_backward(dout, to_bf16(out), lse, q, k, v, dtype="bf16", fused=True,
+                                       positions=positions, deterministic=False)
+    for name, g, e in zip(("dq", "dk", "dv"), grads, expected):
+        assert_array_close(g, e, BF16_REL, f"cuDNN masked non-deterministic {name} {shape}")
+
+
+@gpu
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic"])
+def test_the_unasked_workspace_bound_holds_cudnns_workspace_at_a_long_sequence(cuda_device, deterministic):
+    """The bound a plan made without a GPU reserves for cuDNN's workspace
+    covers what cuDNN asks for at T = 2048 (where its margin no longer
+    hides a term that grows with T or T^2), in both backward algorithms."""
+    require_cudnn()
+    config = tiny_config(head_dim=64)
+    options = gpu_options("cudnn", batch_size=2, seq_len=2048, attention_deterministic=deterministic)
+    with nanoq.Trainer(config, options) as trainer:
+        (reserved,) = workspace(trainer.get_allocations(0))
+    unasked = nanoq._core.plan_memory(config.to_core(), _planned_options(options), False)
+    (bound,) = [a for a in unasked[0]["allocations"] if a["name"] == "cudnn-attention-workspace"]
+    assert bound["bytes"] >= reserved["bytes"], (bound, reserved)
 
 
 def gpu_run(seed):
