@@ -1104,13 +1104,17 @@ void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int 
                     d.backend->copy_from_device(d.targets, targets + offset, source_device);
                 }
             }
-            d.backend->mark_batch_read();
             m.load_positions(rank, d, packed_positions);
             if (d.dropout_seed.data) {
                 const std::uint64_t dropout_seed =
                     mix_seed(mix_seed(m.options.seed, dropout_step), std::uint64_t(m.global(rank)));
                 d.backend->copy_from_host(d.dropout_seed, &dropout_seed);
             }
+            // After the positions' and the seed's copies too: the wait for
+            // it below then leaves the backend's pinned staging free for the
+            // next micro-batch's, which would otherwise copy from pageable
+            // memory (a copy that may wait for the work queued before it).
+            d.backend->mark_batch_read();
             ZeroLayers layers(*m.zero, d.zero, d.weight_views, d.grad_views, *d.backend, *d.comm, last_micro_batch,
                               overlap, d.trace.get());
             // Forward and backward issue the same work for every micro-batch

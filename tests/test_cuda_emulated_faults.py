@@ -168,3 +168,25 @@ def test_pinned_staging_is_reused_after_an_op_that_raised():
         assert lib.nanoq_emu_pageable_copies() - before < 3
         for got, want in zip(out, expected):
             assert np.array_equal(got, want)
+
+
+def test_micro_batches_stage_their_positions_and_dropout_seed_through_pinned_memory():
+    """Each micro-batch copies its packed positions and its dropout seed to
+    the device through the backend's pinned staging. From pageable memory
+    such a copy may wait for the work queued before it, so the host could
+    not queue the next micro-batch while the device runs this one."""
+    config = nanoq.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=16, dropout=0.1)
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 64, (2, 16), dtype=np.int32)
+    positions = np.array([list(range(5)) + list(range(11)), list(range(16))], np.int32)
+    lib = emulator()
+    options = nanoq.TrainOptions(backend="cuda_emulated", batch_size=2, seq_len=16, grad_accum=8)
+    with nanoq.Trainer(config, options) as trainer:
+        trainer.step(tokens, tokens, positions=positions)  # the first allocates the positions' buffer
+        trainer.wait()
+        before = lib.nanoq_emu_pageable_copies()
+        for _ in range(7):
+            trainer.step(tokens, tokens, positions=positions)
+        trainer.wait()
+        assert lib.nanoq_emu_pageable_copies() == before
