@@ -12,8 +12,12 @@ namespace nanoq {
 namespace cuda {
 
 inline void check_cuda(cudaError_t status, const char* call, const char* file, int line) {
-    if (status != cudaSuccess)
-        throw NanoqError(std::string("CUDA error: ") + cudaGetErrorString(status) + " in " + call + " (" + file + ":" +
+    if (status == cudaSuccess) return;
+    // The runtime may also keep it as the thread's last error, for the next
+    // launch check to report again as its own: this call's, so cleared (an
+    // error that sticks to the context, a fault, stays).
+    cudaGetLastError();
+    throw NanoqError(std::string("CUDA error: ") + cudaGetErrorString(status) + " in " + call + " (" + file + ":" +
                          std::to_string(line) + ")");
 }
 
