@@ -1,9 +1,12 @@
 // The communicator interface: collectives between the device workers.
 //
 // Every worker holds one Communicator (its rank). Collectives are called by
-// all ranks in the same order. Sums always add ranks 0..N-1 in the same order
-// on every rank, so every rank sees the same bits and a run is deterministic
-// for a device count. A failing worker aborts the group and its own
+// all ranks in the same order. Every rank sees the same bits of a sum. The
+// cpu communicator (and the emulated NCCL) add ranks 0..N-1 in order, so a
+// run is deterministic for a device count; NCCL adds in the order of its
+// algorithm (ring, tree), which may differ between its collectives (a
+// reduce-scatter and grouped reduces of the same data) in the last bits
+// from three ranks on. A failing worker aborts the group and its own
 // communicator: every rank blocked in, or later entering, a collective (or a
 // host wait on one) then throws WorkerAborted instead of waiting forever.
 #pragma once

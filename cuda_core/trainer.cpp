@@ -96,6 +96,10 @@ std::string world_signature(const ModelConfig& c, const TrainOptions& o) {
     add("z_loss", std::to_string(o.z_loss));
     add("seed", std::to_string(o.seed));
     add("inference", std::to_string(o.inference));
+    // Whether collectives run inside CUDA graphs must be the same on every
+    // rank (NCCL's rule for captured collectives); fp8 changes the results.
+    add("cuda_graphs", std::to_string(o.cuda_graphs));
+    add("matmul_dtype", std::to_string(static_cast<int>(o.matmul_dtype)));
     s.pop_back();
     return s;
 }

@@ -33,8 +33,9 @@
 // layer's backward writes one while the other is being summed. The compute
 // waits for a reduction only when its buffer is reused and at the end of
 // the backward. The sums are those of the synchronous path, in the same
-// rank order: results are bitwise equal to it (ZeroLayers' `overlap`
-// keeps it, for tests).
+// rank order on the cpu communicator: results are bitwise equal to it
+// there (ZeroLayers' `overlap` keeps it, for tests); with NCCL, from three
+// ranks on, they may differ in the last bits (comm.h).
 #pragma once
 
 #include <utility>

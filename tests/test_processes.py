@@ -110,9 +110,12 @@ def test_a_failing_process_ends_every_process_within_seconds(tmp_path, mode):
         assert "nanoq: process 0 of 2 failed" not in result.stderr
 
 
-def test_processes_that_disagree_on_the_options_refuse_to_start(tmp_path):
-    # Process 1 asks for another z_loss: the core compares every process's
-    # signature with process 0's and every process refuses, naming it.
+@pytest.mark.parametrize("option, value", [("z_loss", "1e-4 * group.rank"), ("cuda_graphs", "group.rank == 0")])
+def test_processes_that_disagree_on_the_options_refuse_to_start(tmp_path, option, value):
+    # Process 1 asks for another z_loss (or cuda_graphs: NCCL needs a
+    # collective captured in a graph on every rank or on none): the core
+    # compares every process's signature with process 0's and every
+    # process refuses, naming it.
     script = tmp_path / "disagree.py"
     script.write_text(
         "import sys\n"
@@ -121,7 +124,7 @@ def test_processes_that_disagree_on_the_options_refuse_to_start(tmp_path):
         "from nanoq import distributed\n"
         "from processes.world import CONFIG, to_options\n"
         "group = distributed.processes()\n"
-        "options = to_options(dict(devices=1, z_loss=1e-4 * group.rank))\n"
+        f"options = to_options(dict(devices=1, {option}={value}))\n"
         "try:\n"
         "    nanoq.Trainer(CONFIG, options)\n"
         "except ValueError as e:\n"
@@ -132,7 +135,7 @@ def test_processes_that_disagree_on_the_options_refuse_to_start(tmp_path):
     for rank in range(2):
         assert f"refused {rank}: the processes of one world must have the same model config and options" \
             in result.stdout, result.stdout
-    assert "z_loss" in result.stdout
+    assert option in result.stdout
 
 
 # -- without a launcher ----------------------------------------------------------

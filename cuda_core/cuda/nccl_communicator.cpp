@@ -39,8 +39,14 @@ namespace nanoq {
 namespace cuda {
 namespace {
 
+// With NCCL's own last warning (kept even without NCCL_DEBUG; process-wide,
+// so it may be another rank's; its `comm` argument is unused): the generic
+// error strings ("unhandled system error") rarely say what to fix.
 std::string nccl_message(ncclResult_t status, const char* what) {
-    return std::string("NCCL error in ") + what + ": " + ncclGetErrorString(status);
+    std::string message = std::string("NCCL error in ") + what + ": " + ncclGetErrorString(status);
+    const char* last = ncclGetLastError(nullptr);
+    if (last && *last) message += std::string(" (NCCL's last message: ") + last + ")";
+    return message;
 }
 
 ncclDataType_t nccl_type(DType dtype) {

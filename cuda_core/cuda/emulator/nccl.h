@@ -45,6 +45,8 @@ struct ncclConfig_t {
 #define NCCL_CONFIG_INITIALIZER {sizeof(ncclConfig_t), 1}
 
 const char* ncclGetErrorString(ncclResult_t result);
+// The library's last warning ("" here: the emulator's errors say it all).
+const char* ncclGetLastError(ncclComm_t comm);
 ncclResult_t ncclGetUniqueId(ncclUniqueId* id);
 ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank);
 ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t* config);
