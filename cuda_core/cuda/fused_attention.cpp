@@ -114,11 +114,6 @@ FusedAttention::Key FusedAttention::key(const AttentionShape& s, DType dtype, At
                static_cast<int>(pass), bias, built_deterministic(pass, deterministic)};
 }
 
-int FusedAttention::plans() const {
-    const std::lock_guard<std::mutex> lock(mutex_);
-    return static_cast<int>(plans_.size());
-}
-
 const AttentionPlan& FusedAttention::plan(const AttentionShape& s, DType dtype, AttentionPass pass, bool bias,
                                           bool deterministic) {
     deterministic = built_deterministic(pass, deterministic);

@@ -138,8 +138,6 @@ public:
                  cudaStream_t stream);
     void backward(const AttentionTensors& tensors, const AttentionShape& shape, const Tensor& workspace,
                   cudaStream_t stream);
-    // Plans built so far (one per shape, dtype, pass and bias or none).
-    int plans() const;
 
 private:
     // B, T, H, K, D, causal, dtype, pass, bias, deterministic (always true
@@ -151,7 +149,7 @@ private:
     void run(AttentionPass pass, const AttentionTensors& tensors, const AttentionShape& shape,
              const Tensor& workspace, cudaStream_t stream);
 
-    mutable std::mutex mutex_;
+    std::mutex mutex_;
     std::unique_ptr<AttentionEngine> engine_;
     std::map<Key, std::unique_ptr<AttentionPlan>> plans_;
 };
