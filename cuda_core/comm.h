@@ -135,6 +135,15 @@ struct Topology {
     std::shared_ptr<ProcessTransport> transport;
 };
 
+// With the other processes of the world: every process's `signature`
+// compared with process 0's, so that all of them refuse together
+// (InvalidArgument naming the first setting that differs). Every process
+// calls it (a collective of the transport).
+void require_same_signature(ProcessTransport& transport, const std::string& signature);
+// The first "name=value" of signature `a` that `b` lacks, with b's value
+// of that name ("" when they agree), for the refusals' messages.
+std::string signature_difference(const std::string& a, const std::string& b);
+
 // The communicators of one trainer's devices.
 class CommGroup {
 public:

@@ -190,3 +190,26 @@ def test_micro_batches_stage_their_positions_and_dropout_seed_through_pinned_mem
             trainer.step(tokens, tokens, positions=positions)
         trainer.wait()
         assert lib.nanoq_emu_pageable_copies() == before
+
+
+def test_the_cuda_backends_processes_that_disagree_refuse_before_nccl_connects_them():
+    """The cuda backend's world (make_nccl_group) compares every process's
+    settings with process 0's, as the cpu backend's does: processes that
+    disagree (here on cuda_graphs, which NCCL needs alike on every rank)
+    all refuse, naming the setting, instead of waiting in NCCL's
+    initialisation for each other. Two processes are played by two threads
+    of this one joined by an in-memory transport."""
+    lib = emulator()
+    lib.nanoq_emu_nccl_group_of_two_processes.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
+                                                          ctypes.c_char_p, ctypes.c_int]
+
+    def refusals(first, second):
+        messages = [ctypes.create_string_buffer(4096) for _ in range(2)]
+        assert lib.nanoq_emu_nccl_group_of_two_processes(first.encode(), second.encode(), *messages, 4096) == 0
+        return [m.value.decode() for m in messages]
+
+    agreed = "vocab=64 seed=0 cuda_graphs=1 matmul_dtype=0"
+    assert refusals(agreed, agreed) == ["", ""]
+    for message in refusals(agreed, agreed.replace("cuda_graphs=1", "cuda_graphs=0")):
+        assert "the processes of one world must have the same model config and options" in message, message
+        assert "process 1 differs from process 0 in cuda_graphs=0 (against cuda_graphs=1)" in message, message

@@ -110,12 +110,16 @@ def test_a_failing_process_ends_every_process_within_seconds(tmp_path, mode):
         assert "nanoq: process 0 of 2 failed" not in result.stderr
 
 
-@pytest.mark.parametrize("option, value", [("z_loss", "1e-4 * group.rank"), ("cuda_graphs", "group.rank == 0")])
-def test_processes_that_disagree_on_the_options_refuse_to_start(tmp_path, option, value):
+@pytest.mark.parametrize("backend, option, value, differs", [
+    ("cpu", "z_loss", "1e-4 * group.rank", "z_loss=0.000100 (against z_loss=0.000000)"),
+    ("cpu", "cuda_graphs", "group.rank == 0", "cuda_graphs=0 (against cuda_graphs=1)"),
+])
+def test_processes_that_disagree_on_the_options_refuse_to_start(tmp_path, backend, option, value, differs):
     # Process 1 asks for another z_loss (or cuda_graphs: NCCL needs a
     # collective captured in a graph on every rank or on none): the core
     # compares every process's signature with process 0's and every
-    # process refuses, naming it.
+    # process refuses, naming the setting (the cuda backend's world too:
+    # test_cuda_emulated_faults.py, as the emulated one cannot span processes).
     script = tmp_path / "disagree.py"
     script.write_text(
         "import sys\n"
@@ -124,18 +128,19 @@ def test_processes_that_disagree_on_the_options_refuse_to_start(tmp_path, option
         "from nanoq import distributed\n"
         "from processes.world import CONFIG, to_options\n"
         "group = distributed.processes()\n"
-        f"options = to_options(dict(devices=1, {option}={value}))\n"
+        f"options = to_options(dict(backend={backend!r}, devices=1, {option}={value}))\n"
         "try:\n"
         "    nanoq.Trainer(CONFIG, options)\n"
         "except ValueError as e:\n"
         "    print(f'refused {group.rank}: {e}')\n")
+    env = dict(os.environ, NANOQ_NCCL_INIT_TIMEOUT="20")
     result = subprocess.run([mpiexec_path(), "-n", "2", sys.executable, str(script)], capture_output=True,
-                            text=True, timeout=60)
+                            text=True, timeout=90, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in range(2):
         assert f"refused {rank}: the processes of one world must have the same model config and options" \
             in result.stdout, result.stdout
-    assert option in result.stdout
+    assert f"process 1 differs from process 0 in {differs}" in result.stdout, result.stdout
 
 
 # -- without a launcher ----------------------------------------------------------

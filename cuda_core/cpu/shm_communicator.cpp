@@ -540,19 +540,47 @@ std::shared_ptr<CommGroup> make_process_group(const Topology& t) {
                               " devices each has " + std::to_string(p * t.devices) + " ranks, process " +
                               std::to_string(q) + "'s from " + std::to_string(q * t.devices) + "; got world_size " +
                               std::to_string(t.world_size) + " and first_rank " + std::to_string(t.first_rank));
-    // Every process compares every signature with process 0's, so all of them refuse together.
-    const std::vector<std::string> signatures = exchange_signatures(transport, t.signature);
-    for (int other = 1; other < p; ++other)
-        if (signatures[other] != signatures[0])
-            throw InvalidArgument("the processes of one world must have the same model config and options (apart "
-                                  "from threads); process " + std::to_string(other) + " differs from process 0: " +
-                                  signatures[other] + " vs " + signatures[0]);
+    require_same_signature(transport, t.signature);
     auto world = std::make_shared<SharedMemoryGroup>(t.world_size, t.signature, t.first_rank, t.devices, t.transport);
     world->join(t);
     return std::make_shared<SharedMemoryMembers>(std::move(world), t.first_rank);
 }
 
 }  // namespace
+
+std::string signature_difference(const std::string& a, const std::string& b) {
+    // Space-separated name=value settings (trainer.cpp's world_signature).
+    auto settings = [](const std::string& text) {
+        std::vector<std::string> out;
+        std::size_t start = 0;
+        while (start < text.size()) {
+            const std::size_t end = std::min(text.find(' ', start), text.size());
+            if (end > start) out.push_back(text.substr(start, end - start));
+            start = end + 1;
+        }
+        return out;
+    };
+    const std::vector<std::string> theirs = settings(b);
+    for (const std::string& mine : settings(a)) {
+        if (std::find(theirs.begin(), theirs.end(), mine) != theirs.end()) continue;
+        const std::string name = mine.substr(0, mine.find('='));
+        std::string other = "none";
+        for (const std::string& setting : theirs)
+            if (setting.compare(0, name.size() + 1, name + "=") == 0) other = setting;
+        return mine + " (against " + other + ")";
+    }
+    return "";
+}
+
+void require_same_signature(ProcessTransport& transport, const std::string& signature) {
+    const std::vector<std::string> signatures = exchange_signatures(transport, signature);
+    for (std::size_t other = 1; other < signatures.size(); ++other)
+        if (signatures[other] != signatures[0])
+            throw InvalidArgument("the processes of one world must have the same model config and options (apart "
+                                  "from threads); process " + std::to_string(other) + " differs from process 0 in " +
+                                  signature_difference(signatures[other], signatures[0]) + "; in all: " +
+                                  signatures[other] + " vs " + signatures[0]);
+}
 
 std::shared_ptr<CommGroup> make_shared_memory_group(const Topology& t) {
     if (t.transport) return make_process_group(t);
@@ -577,7 +605,9 @@ std::shared_ptr<CommGroup> make_shared_memory_group(const Topology& t) {
                    "id names a world of " + std::to_string(world->size());
     else if (world->signature() != t.signature)
         mismatch = "the trainers of one communicator world must have the same model config and options (apart from "
-                   "devices, first_rank and threads); these differ: " + world->signature() + " vs " + t.signature;
+                   "devices, first_rank and threads); this one differs in " +
+                   signature_difference(t.signature, world->signature()) + "; in all: " + world->signature() +
+                   " vs " + t.signature;
     if (!mismatch.empty()) {
         world->abort(mismatch);  // the members already waiting fail too, instead of waiting for this one
         throw InvalidArgument(mismatch);

@@ -385,7 +385,12 @@ void NcclCommunicator::barrier() {
 
 }  // namespace
 
-std::shared_ptr<CommGroup> make_nccl_group(const Topology& topology) { return std::make_shared<NcclGroup>(topology); }
+std::shared_ptr<CommGroup> make_nccl_group(const Topology& topology) {
+    // Processes that disagree refuse before NCCL connects them (which would
+    // wait for ever, or run collectives captured on some ranks only).
+    if (topology.transport) require_same_signature(*topology.transport, topology.signature);
+    return std::make_shared<NcclGroup>(topology);
+}
 
 std::string new_nccl_id() {
     ncclUniqueId id;

@@ -8,13 +8,18 @@
 // announced mask (tests/test_fused_attention.py).
 // Compiled into the emulated backend only. The fp8 ones return 0, or 1 with
 // the error in `message`.
+#include <condition_variable>
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "allocator.h"
+#include "comm.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/cublaslt_matmul.h"
 #include "cuda/cuda_check.h"
@@ -712,4 +717,90 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_matmul_planned_i
         }
         release();
     });
+}
+
+namespace nanoq {
+namespace cuda {
+std::shared_ptr<CommGroup> make_nccl_group(const Topology& topology);
+}  // namespace cuda
+}  // namespace nanoq
+
+namespace {
+
+// Two "processes" of one world as two threads of this one: their
+// alltoallv meet in shared memory.
+struct TwoProcessMailbox {
+    std::mutex mutex;
+    std::condition_variable changed;
+    std::vector<char> sent[2];
+    std::vector<std::int64_t> send_bytes[2];
+    int arrived = 0, round = 0, collected = 0;
+};
+
+class ThreadTransport final : public nanoq::ProcessTransport {
+public:
+    ThreadTransport(TwoProcessMailbox& box, int rank) : box_(box), rank_(rank) {}
+    int rank() const override { return rank_; }
+    int size() const override { return 2; }
+    void alltoallv(const void* send, const std::vector<std::int64_t>& send_bytes, void* recv,
+                   const std::vector<std::int64_t>& recv_bytes) override {
+        std::unique_lock<std::mutex> lock(box_.mutex);
+        const int round = box_.round;
+        std::int64_t total = 0;
+        for (std::int64_t n : send_bytes) total += n;
+        box_.sent[rank_].assign(static_cast<const char*>(send), static_cast<const char*>(send) + total);
+        box_.send_bytes[rank_] = send_bytes;
+        if (++box_.arrived == 2) box_.changed.notify_all();
+        box_.changed.wait(lock, [&] { return box_.arrived == 2 || box_.round != round; });
+        // Block q of process p's send is what p sends to q.
+        char* out = static_cast<char*>(recv);
+        for (int from = 0; from < 2; ++from) {
+            std::int64_t offset = 0;
+            for (int q = 0; q < rank_; ++q) offset += box_.send_bytes[from][q];
+            std::memcpy(out, box_.sent[from].data() + offset, static_cast<std::size_t>(recv_bytes[from]));
+            out += recv_bytes[from];
+        }
+        if (++box_.collected == 2) {
+            box_.arrived = box_.collected = 0;
+            ++box_.round;
+            box_.changed.notify_all();
+        } else {
+            box_.changed.wait(lock, [&] { return box_.round != round; });
+        }
+    }
+    void barrier() override {
+        std::vector<std::int64_t> none(2, 0);
+        alltoallv(nullptr, none, nullptr, none);
+    }
+
+private:
+    TwoProcessMailbox& box_;
+    int rank_;
+};
+
+}  // namespace
+
+// make_nccl_group (the cuda backend's world) for two processes, played by
+// two threads joined by an in-memory transport, whose world signatures are
+// `signature0` and `signature1`; each process's refusal (empty: it made its
+// group) is written to message0 / message1. Returns 0.
+extern "C" __attribute__((visibility("default"))) int nanoq_emu_nccl_group_of_two_processes(
+    const char* signature0, const char* signature1, char* message0, char* message1, int message_bytes) {
+    TwoProcessMailbox box;
+    const char* signatures[2] = {signature0, signature1};
+    char* messages[2] = {message0, message1};
+    std::vector<std::thread> processes;
+    for (int p = 0; p < 2; ++p)
+        processes.emplace_back([&, p] {
+            nanoq::Topology topology;
+            topology.world_size = 2;
+            topology.first_rank = p;
+            topology.devices = 1;
+            topology.signature = signatures[p];
+            topology.transport = std::make_shared<ThreadTransport>(box, p);
+            messages[p][0] = '\0';
+            guarded(messages[p], message_bytes, [&] { nanoq::cuda::make_nccl_group(topology); });
+        });
+    for (std::thread& t : processes) t.join();
+    return 0;
 }
