@@ -571,14 +571,28 @@ def test_generation_runs_its_prompts_natively_and_keeps_the_runs_plans(checkpoin
     path = checkpoints.path("llama")
     config = nanoq.ModelConfig.from_pretrained(path)
     prompts = ([1, 2, 3], [5, 6, 7, 8, 9, 10, 11])
-    tokens, infos = {}, {}
+    tokens, infos, built = {}, {}, {}
     for attention in ("native", "cudnn"):
         with nanoq.Trainer(config, emulated_options(attention, seq_len=32)) as trainer:
             trainer.import_weights(path)
+            before = plans_built()
             tokens[attention] = [trainer.generate(prompt, 4, temperature=0) for prompt in prompts]
+            built[attention] = plans_built() - before
             infos[attention] = trainer.get_attention_info(0)
     assert infos["cudnn"]["implementation"].startswith(STANDIN) and infos["cudnn"]["plans"] == 2, infos
+    assert built == {"native": 0, "cudnn": 0}, built  # no plan of a prompt's shape
     assert tokens["cudnn"] == tokens["native"]
+
+
+def plans_built():
+    """The plans the emulator's stand-in for cuDNN has built in this process."""
+    import ctypes
+    import os
+
+    nanoq.backends()
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(nanoq._core.__file__), "libnanoq_cuda_emulated.so"))
+    lib.nanoq_emu_attention_plans_built.restype = ctypes.c_longlong
+    return lib.nanoq_emu_attention_plans_built()
 
 
 @emulated
@@ -591,27 +605,21 @@ def test_planning_builds_each_shapes_plans_once_per_process():
     the emulated device's memory). On Hopper each cuDNN plan is compiled at
     run time. A Trainer's backend runs the device's plans: it builds none
     of its own."""
-    import ctypes
-    import os
-
     require_cuda_emulator()
-    nanoq.backends()
-    lib = ctypes.CDLL(os.path.join(os.path.dirname(nanoq._core.__file__), "libnanoq_cuda_emulated.so"))
-    lib.nanoq_emu_attention_plans_built.restype = ctypes.c_longlong
     config = dataclasses.replace(tiny_config(), vocab_size=1 << 16)
     # A shape no other test plans; 1056 rows, more than a least classifier chunk (2^26 logits / V = 1024 rows).
     options = emulated_options("cudnn", batch_size=2, seq_len=528)
-    before = lib.nanoq_emu_attention_plans_built()
+    before = plans_built()
     nanoq.estimate_memory(config, options)
-    assert lib.nanoq_emu_attention_plans_built() - before == 2  # a forward and a backward
+    assert plans_built() - before == 2  # a forward and a backward
     nanoq.estimate_memory(config, options)
     nanoq.estimate_memory(config, dataclasses.replace(options, memory_limit=1 << 30))  # chunks searched
-    assert lib.nanoq_emu_attention_plans_built() - before == 2
+    assert plans_built() - before == 2
     with nanoq.Trainer(config, dataclasses.replace(options, memory_limit=1 << 30)) as trainer:
         assert trainer.get_attention_info(0)["plans"] == 2
     with nanoq.Trainer(config, options) as trainer:
         assert trainer.get_attention_info(0)["plans"] == 2
-    assert lib.nanoq_emu_attention_plans_built() - before == 2
+    assert plans_built() - before == 2
 
 
 @emulated

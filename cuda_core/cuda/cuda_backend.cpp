@@ -94,37 +94,32 @@ int visible_devices() {
 std::unique_ptr<Backend> create(int device, int /*threads*/) { return std::make_unique<CudaBackend>(device); }
 
 // The fused attention of this build on the current device, or null: none
-// in the build, or it could not start (*why_none says why; not tried
-// again). One per device for the process, shared by the memory planning
-// and every backend of the device, so that each shape's plans, each
-// compiled at run time on Hopper, are built once: a Trainer's
-// classifier-chunk search plans its shapes once per candidate, its backend
-// reserves them, estimate_memory and every further Trainer of the shape
-// ask again. Never destroyed: its library handle must not outlive the CUDA
-// runtime at exit.
+// in the build, or it could not start (*why_none says why). One per device
+// for the process, shared by the memory planning and every backend of the
+// device, so that each shape's plans, each compiled at run time on Hopper,
+// are built once: a Trainer's classifier-chunk search plans its shapes once
+// per candidate, its backend reserves them, estimate_memory and every
+// further Trainer of the shape ask again. Never destroyed: its library
+// handle must not outlive the CUDA runtime at exit.
 FusedAttention* device_fused_attention(std::string* why_none) {
-    struct Started {
-        std::unique_ptr<FusedAttention> attention;
-        std::string why_none;
-        bool tried = false;
-    };
     static std::mutex mutex;
-    static auto* started = new std::map<int, Started>();
+    static auto* started = new std::map<int, std::unique_ptr<FusedAttention>>();
     int device = 0;
     NANOQ_CUDA_CHECK(cudaGetDevice(&device));
     const std::lock_guard<std::mutex> lock(mutex);
-    Started& d = (*started)[device];
-    if (!d.tried) {
-        d.tried = true;
+    std::unique_ptr<FusedAttention>& attention = (*started)[device];
+    why_none->clear();
+    // Only an engine that started is kept: one that failed (the device out
+    // of memory for a moment, say) is tried again by the next caller.
+    if (!attention) {
         try {
             std::unique_ptr<AttentionEngine> engine = make_attention_engine();
-            if (engine) d.attention = std::make_unique<FusedAttention>(std::move(engine));
+            if (engine) attention = std::make_unique<FusedAttention>(std::move(engine));
         } catch (const std::exception& e) {
-            d.why_none = e.what();
+            *why_none = e.what();
         }
     }
-    *why_none = d.why_none;
-    return d.attention.get();
+    return attention.get();
 }
 
 std::vector<ScratchBuffer> plan(const ScratchShapes& shapes, int /*threads*/, bool ask_libraries) {
