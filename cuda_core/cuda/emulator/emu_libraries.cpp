@@ -564,8 +564,9 @@ namespace {
 // (nanoq_emu_nccl_foreign_thread_calls) for tests to check that.
 std::atomic<unsigned long long> foreign_thread_calls{0};
 
-// ncclCommFinalize calls refused because CUDA graphs still held the
-// communicator's collectives (nanoq_emu_nccl_finalized_under_graphs).
+// Finalizes, aborts and destroys of a communicator whose collectives CUDA
+// graphs still held (nanoq_emu_nccl_finalized_under_graphs): each would
+// hang with the real library.
 std::atomic<unsigned long long> finalized_under_graphs{0};
 
 // A rank whose ncclCommInitRank* never counts as joined
@@ -751,19 +752,32 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* async_error) {
     return ncclSuccess;
 }
 
-// Flushes the communicator's work before ncclCommDestroy; nothing to flush here.
+namespace {
+
+// Whether CUDA graphs still hold `comm`'s collectives once the launches of
+// them in flight have ended (for those the real library waits; for a graph
+// or executable still alive, for ever): then counted and said, once.
+bool held_by_graphs(ncclComm_t comm, const char* call) {
+    for (int waited = 0; waited < 5000 && comm->graph_refs->load() > 0; ++waited)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    const int graphs = comm->graph_refs->load();
+    if (graphs == 0) return false;
+    if (finalized_under_graphs++ == 0)
+        std::fprintf(stderr, "nanoq emulator: %s on rank %d while %d captured collective(s) of CUDA graphs still "
+                             "hold the communicator (NCCL would wait for ever: destroy the graphs first)\n",
+                     call, comm->rank, graphs);
+    return true;
+}
+
+}  // namespace
+
+// Flushes the communicator's work before ncclCommDestroy; nothing to flush
+// here. Refused (the real library would hang) while graphs hold it.
 ncclResult_t ncclCommFinalize(ncclComm_t comm) {
     if (!comm) return ncclInvalidArgument;
     note_thread(comm, "ncclCommFinalize");
     if (comm->in_progress) return ncclInvalidUsage;
-    if (const int graphs = comm->graph_refs->load()) {
-        // The real library would wait here for ever: refuse, loudly.
-        if (finalized_under_graphs++ == 0)
-            std::fprintf(stderr, "nanoq emulator: ncclCommFinalize on rank %d while %d captured collective(s) of "
-                                 "CUDA graphs still hold the communicator (NCCL would wait for ever: destroy the "
-                                 "graphs first)\n", comm->rank, graphs);
-        return ncclInvalidUsage;
-    }
+    if (held_by_graphs(comm, "ncclCommFinalize")) return ncclInvalidUsage;
     return issued(comm);
 }
 
@@ -777,12 +791,17 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
         comm->clique->rank_aborted[comm->rank] = 1;
         comm->clique->changed.notify_all();
     }
+    // Its collectives in flight end now (graph launches among them); the
+    // real library then waits for every graph that still holds one: for
+    // ever where one is still alive. Counted, and carried on.
+    held_by_graphs(comm, "ncclCommAbort");
     delete comm;
     return ncclSuccess;
 }
 
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
     note_thread(comm, "ncclCommDestroy");
+    if (comm) held_by_graphs(comm, "ncclCommDestroy");
     delete comm;
     return ncclSuccess;
 }
@@ -827,8 +846,8 @@ extern "C" __attribute__((visibility("default"))) unsigned long long nanoq_emu_n
     return foreign_thread_calls.load();
 }
 
-// ncclCommFinalize calls refused because CUDA graphs still held the
-// communicator's collectives (the real library would have hung).
+// Finalizes, aborts and destroys of a communicator whose collectives CUDA
+// graphs still held (the real library would have hung in each).
 extern "C" __attribute__((visibility("default"))) unsigned long long nanoq_emu_nccl_finalized_under_graphs() {
     return finalized_under_graphs.load();
 }
