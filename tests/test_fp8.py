@@ -170,17 +170,18 @@ def quantize(probes, x, bf16_input, fmt="e4m3", transposed=False, offset=0):
     return (out.reshape(cols, rows) if transposed else out), floats[0], floats[1]
 
 
-def project(probes, a, b, bias=None, offset=0):
+def project(probes, a, b, bias=None, out_offset=0, bias_offset=0):
     """a @ b.T (+ bias) through the fp8-configured backend's projection;
-    out and bias `offset` bf16 elements into their device buffers."""
+    out and bias `out_offset` and `bias_offset` bf16 elements into their
+    device buffers."""
     M, K = a.shape
     N = b.shape[0]
     a, b = np.ascontiguousarray(a, np.float32), np.ascontiguousarray(b, np.float32)
     bias = None if bias is None else np.ascontiguousarray(bias, np.float32)
     out = np.zeros((M, N), np.float32)
     message = ctypes.create_string_buffer(4096)
-    status = probes.nanoq_emu_fp8_projection(M, N, K, float_ptr(a), float_ptr(b), float_ptr(bias), float_ptr(out), offset,
-                                             message, 4096)
+    status = probes.nanoq_emu_fp8_projection(M, N, K, float_ptr(a), float_ptr(b), float_ptr(bias), float_ptr(out),
+                                             out_offset, bias_offset, message, 4096)
     assert status == 0, message.value.decode()
     return out
 
@@ -362,32 +363,57 @@ def test_a_projection_off_the_fp8_tiles_runs_in_bf16(probes, capfd, monkeypatch)
     assert_array_close(out, a.astype(np.float64) @ b.T, 1e-2, "bf16 product")
 
 
+PROJECTION_32x16x48 = "nanoq matmul plan 32x16x48"
+
+
 @pytest.mark.cuda_emulated
-@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
-def test_a_projection_whose_output_is_off_16_bytes_runs_in_bf16(probes, capfd, monkeypatch, with_bias):
+@pytest.mark.parametrize("out_offset, bias_offset", [(4, None), (4, 8), (8, 4)],
+                         ids=["output-nobias", "output", "bias"])
+def test_a_projection_whose_output_or_bias_is_off_16_bytes_runs_in_bf16(probes, capfd, monkeypatch, out_offset,
+                                                                         bias_offset):
     """cuBLASLt's fp8 kernels need every matrix and the bias 16-byte aligned
     (the emulated library refuses others, as the real one finds no
-    algorithm): an output or bias 4 bf16 elements (8 bytes) into its buffer
-    runs the bf16 matmul instead of failing."""
+    algorithm): an output or a bias 4 bf16 elements (8 bytes) into its
+    buffer runs the bf16 matmul instead of failing; 8 elements in, fp8."""
     monkeypatch.setenv("NANOQ_MATMUL_LOG", "1")
     rng = np.random.default_rng(3)
     a, b = bf16(rng.standard_normal((32, 48))), bf16(rng.standard_normal((16, 48)))
-    bias = bf16(rng.standard_normal(16)) if with_bias else None
-    out = project(probes, a, b, bias, offset=4)
-    plans = [line for line in capfd.readouterr().err.splitlines() if "nanoq matmul plan 32x16x48" in line]
+    bias = None if bias_offset is None else bf16(rng.standard_normal(16))
+    out = project(probes, a, b, bias, out_offset, bias_offset or 0)
+    plans = [line for line in capfd.readouterr().err.splitlines() if PROJECTION_32x16x48 in line]
     assert plans and all(f"types={CUDA_R_16BF}/{CUDA_R_16BF}/{CUDA_R_16BF}" in p for p in plans), plans
     assert_array_close(out, a.astype(np.float64) @ b.T + (0.0 if bias is None else bias), 1e-2, "bf16 product")
-    aligned = project(probes, a, b, bias, offset=8)  # 16 bytes in: fp8 again
-    plans = [line for line in capfd.readouterr().err.splitlines() if "nanoq matmul plan 32x16x48" in line]
+    aligned = project(probes, a, b, bias, 8, 0 if bias is None else 8)
+    plans = [line for line in capfd.readouterr().err.splitlines() if PROJECTION_32x16x48 in line]
     assert any(f"types={CUDA_R_16BF}/{CUDA_R_8F_E4M3}/{CUDA_R_8F_E4M3}" in p for p in plans), plans
     assert_array_close(aligned, out, 0.1, "fp8 product vs bf16")
 
 
-def backward(probes, dy, weight, x, dx=None, dweight=None, dweight_f32=True, joint=False, passes=None):
+@pytest.mark.cuda_emulated
+@pytest.mark.parametrize("dweight_dtype", ["float32", "bf16"])
+def test_gradients_whose_outputs_are_off_16_bytes_run_in_bf16(probes, capfd, monkeypatch, dweight_dtype):
+    """dx and dweight 8 bytes into their buffers: the input and weight
+    gradients run the bf16 matmuls (cuBLASLt's fp8 kernels would find no
+    algorithm), with the bf16 products' results."""
+    monkeypatch.setenv("NANOQ_MATMUL_LOG", "1")
+    rng = np.random.default_rng(5)
+    rows, n, k = 48, 32, 64
+    dy = bf16(rng.standard_normal((rows, n)) * 1e-2)
+    weight, x = bf16(rng.standard_normal((n, k)) * 0.05), bf16(rng.standard_normal((rows, k)))
+    dx, dweight = backward(probes, dy, weight, x, dweight_f32=dweight_dtype == "float32", offset_bytes=8)
+    plans = [line for line in capfd.readouterr().err.splitlines() if "nanoq matmul plan" in line]
+    assert plans and not any(f"/{CUDA_R_8F_E5M2}/" in p for p in plans), plans
+    assert_array_close(dx, dy.astype(np.float64) @ weight, 1e-2, "bf16 dgrad")
+    assert_array_close(dweight, dy.T.astype(np.float64) @ x, 1e-2, "bf16 wgrad")
+
+
+def backward(probes, dy, weight, x, dx=None, dweight=None, dweight_f32=True, joint=False, passes=None,
+             offset_bytes=0):
     """(dx, dweight) of the probe: dx = dy @ weight (+ dx), dweight + dy^T x,
     as one matmul_backward with `joint`, else as matmul_input_grad and
     matmul_weight_grad; `passes` (a list) gets the number of quantization
-    passes the backend made."""
+    passes the backend made; dx and dweight lie `offset_bytes` into their
+    device buffers."""
     rows, n = dy.shape
     k = weight.shape[1]
     dx_io = np.array(np.zeros((rows, k)) if dx is None else dx, np.float32)  # copies: written in place
@@ -396,7 +422,8 @@ def backward(probes, dy, weight, x, dx=None, dweight=None, dweight_f32=True, joi
     count = ctypes.c_int(-1)
     status = probes.nanoq_emu_fp8_backward(rows, n, k, float_ptr(f32(dy)), float_ptr(f32(weight)), float_ptr(f32(x)),
                                            float_ptr(dx_io), int(dx is not None), float_ptr(dweight_io),
-                                           int(dweight_f32), int(joint), ctypes.byref(count), message, 4096)
+                                           int(dweight_f32), int(joint), offset_bytes, ctypes.byref(count),
+                                           message, 4096)
     assert status == 0, message.value.decode()
     if passes is not None:
         passes.append(count.value)

@@ -147,17 +147,28 @@ void download(nanoq::cuda::CudaBackend& backend, const nanoq::Tensor& t, float* 
     for (std::size_t i = 0; i < values.size(); ++i) host[i] = __bfloat162float(values[i]);
 }
 
+// As upload, `offset` elements into a buffer of its own (an operand off
+// the alignment the allocator gives).
+nanoq::Tensor upload_at(nanoq::cuda::CudaBackend& backend, nanoq::NamedAllocator& allocator, const char* name,
+                        const float* host, std::int64_t count, nanoq::DType dtype, std::int64_t offset) {
+    std::vector<float> padded(static_cast<std::size_t>(offset), 0.0f);
+    padded.insert(padded.end(), host, host + count);
+    return upload(backend, allocator, name, padded.data(), offset + count, dtype).slice(offset, count);
+}
+
 }  // namespace
 
 // out[M,N] = a[M,K] @ b[N,K]^T (+ bias[N] unless null) through
 // CudaBackend::matmul_epilogue of a backend configured with matmul_dtype
 // fp8, its scratch reserved for these shapes; inputs rounded to bf16, out
-// read back from bf16. out and bias lie `offset` bf16 elements into their
-// device buffers (off cuBLASLt's fp8 alignment unless a multiple of 8).
+// read back from bf16. out and bias lie `out_offset` and `bias_offset` bf16
+// elements into their device buffers (off cuBLASLt's fp8 alignment unless
+// a multiple of 8).
 extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_projection(int M, int N, int K, const float* a,
                                                                                const float* b, const float* bias,
-                                                                               float* out, int offset,
-                                                                               char* message, int message_bytes) {
+                                                                               float* out, int out_offset,
+                                                                               int bias_offset, char* message,
+                                                                               int message_bytes) {
     using namespace nanoq;
     return guarded(message, message_bytes, [&] {
         cuda::CudaBackend backend(0);
@@ -165,15 +176,10 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_projection(i
         configure_fp8(backend, allocator, M, K, N);
         const Tensor ta = upload(backend, allocator, "a", a, std::int64_t(M) * K);
         const Tensor tb = upload(backend, allocator, "b", b, std::int64_t(N) * K);
-        Tensor tbias;
-        if (bias) {
-            std::vector<float> padded(std::size_t(offset), 0.0f);
-            padded.insert(padded.end(), bias, bias + N);
-            tbias = upload(backend, allocator, "bias", padded.data(), offset + N).slice(offset, N);
-        }
+        const Tensor tbias = bias ? upload_at(backend, allocator, "bias", bias, N, DType::BF16, bias_offset) : Tensor();
         const Tensor tout = allocator.allocate(Context::Activations, "out", DType::BF16,
-                                               {offset + std::int64_t(M) * N})
-                                .slice(offset, std::int64_t(M) * N);
+                                               {out_offset + std::int64_t(M) * N})
+                                .slice(out_offset, std::int64_t(M) * N);
         backend.matmul_epilogue(tout, ta, tb, tbias, M, N, K, false, true, false, 1.0f);
         std::vector<__nv_bfloat16> result(std::size_t(M) * N);
         backend.copy_to_host(result.data(), tout);
@@ -189,13 +195,15 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_projection(i
 // bf16). dx and dweight are read and written back as float32. With `joint`
 // the two run as one matmul_backward, else as the two calls;
 // *quantizations = how many passes quantized operands (the backend's
-// fp8_quantizations()).
+// fp8_quantizations()). dx and dweight lie `offset_bytes` into their device
+// buffers (off cuBLASLt's fp8 alignment unless a multiple of 16).
 extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_backward(int rows, int n, int k, const float* dy,
                                                                              const float* weight, const float* x,
                                                                              float* dx, int accumulate_dx,
                                                                              float* dweight, int dweight_f32,
-                                                                             int joint, int* quantizations,
-                                                                             char* message, int message_bytes) {
+                                                                             int joint, int offset_bytes,
+                                                                             int* quantizations, char* message,
+                                                                             int message_bytes) {
     using namespace nanoq;
     return guarded(message, message_bytes, [&] {
         cuda::CudaBackend backend(0);
@@ -204,9 +212,11 @@ extern "C" __attribute__((visibility("default"))) int nanoq_emu_fp8_backward(int
         const Tensor tdy = upload(backend, allocator, "dy", dy, std::int64_t(rows) * n);
         const Tensor tweight = upload(backend, allocator, "weight", weight, std::int64_t(n) * k);
         const Tensor tx = upload(backend, allocator, "x", x, std::int64_t(rows) * k);
-        const Tensor tdx = upload(backend, allocator, "dx", dx, std::int64_t(rows) * k);
-        const Tensor tdweight = upload(backend, allocator, "dweight", dweight, std::int64_t(n) * k,
-                                       dweight_f32 ? DType::F32 : DType::BF16);
+        const DType dweight_dtype = dweight_f32 ? DType::F32 : DType::BF16;
+        const Tensor tdx = upload_at(backend, allocator, "dx", dx, std::int64_t(rows) * k, DType::BF16,
+                                     offset_bytes / 2);
+        const Tensor tdweight = upload_at(backend, allocator, "dweight", dweight, std::int64_t(n) * k, dweight_dtype,
+                                          offset_bytes / static_cast<int>(dtype_size(dweight_dtype)));
         backend.synchronize();
         if (joint) {
             backend.matmul_backward(tdx, accumulate_dx != 0, tdweight, Tensor(), tdy, tweight, tx, rows, n, k);
