@@ -172,7 +172,8 @@ const std::vector<Field>& fields() {
         flag("cuda_graphs", "cuda: capture step() and update() once as CUDA graphs and replay them",
              [](const TrainOptions& o) { return o.cuda_graphs; }),
         flag("packed_documents",
-             "step() takes positions (packed documents): cuda reserves their attention mask so that cuDNN runs them",
+             "step() takes positions (packed documents): cuda reserves their attention mask so that cuDNN runs them "
+             "(seq_len a multiple of 8)",
              [](const TrainOptions& o) { return o.packed_documents; }),
         flag("inference",
              "forward passes only (logits, generate, validate): no gradients, master weights or AdamW state are "

@@ -79,7 +79,7 @@ public:
     struct AttentionChoice {
         bool fused = false;           // attention runs in the fused library
         bool documents = false;       // and so do packed documents (a mask is planned)
-        std::string documents_refused;  // why not, where the library refused their plans
+        std::string documents_refused;  // why not: the library refused their plans, or seq_len % 8
         std::string refused;  // why "auto" runs native where the library failed (not its limits)
     };
     static std::vector<ScratchBuffer> scratch_plan(const ScratchShapes& shapes, bool ask_libraries,

@@ -18,7 +18,7 @@ inline void check_cuda(cudaError_t status, const char* call, const char* file, i
     // error that sticks to the context, a fault, stays).
     cudaGetLastError();
     throw NanoqError(std::string("CUDA error: ") + cudaGetErrorString(status) + " in " + call + " (" + file + ":" +
-                         std::to_string(line) + ")");
+                     std::to_string(line) + ")");
 }
 
 }  // namespace cuda

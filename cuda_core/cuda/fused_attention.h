@@ -107,8 +107,8 @@ bool choose_attention(const ScratchShapes& shapes, FusedAttention* engine, const
 // The dtype of the shapes' activations (ScratchShapes::dtype).
 DType attention_dtype(const ScratchShapes& shapes);
 
-// Whether the shapes may run in the engine, so that a backend should start
-// one (make_attention_engine) before choose_attention: attention not
+// Whether the shapes may run in the engine, so that a backend should take
+// the device's (device_fused_attention) before choose_attention: attention not
 // "native", an attention shape, an engine in the build, and either
 // "cudnn" or an engine that "auto" prefers.
 bool attention_engine_wanted(const ScratchShapes& shapes);

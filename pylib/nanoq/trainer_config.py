@@ -363,8 +363,9 @@ class TrainOptions:
     ``packed_documents`` says that step() and validate() will take
     ``positions`` (packed documents, data.packing "pack"): the cuda backend
     then reserves their attention mask (bf16, batch_size x seq_len x seq_len)
-    so that cuDNN's fused attention runs them; without it packed rows run in
-    nanoq's own attention kernels. It needs a causal model.
+    so that cuDNN's fused attention runs them (seq_len a multiple of 8);
+    without it packed rows run in nanoq's own attention kernels. It needs a
+    causal model.
     ``inference`` makes a trainer for forward passes only (logits, generate,
     validate, reading and writing weights): it allocates no gradients,
     master weights or AdamW state (Qwen2.5-7B in bf16 on cuda: 14 GiB of
