@@ -33,7 +33,7 @@ def emulator():
     lib = ctypes.CDLL(os.path.join(os.path.dirname(nanoq.__file__), "libnanoq_cuda_emulated.so"))
     lib.nanoq_emu_lose_device.argtypes = [ctypes.c_int, ctypes.c_long]
     lib.nanoq_emu_pageable_copies.restype = ctypes.c_ulonglong
-    lib.nanoq_emu_nccl_finalized_under_graphs.restype = ctypes.c_ulonglong
+    lib.nanoq_emu_nccl_teardowns_under_graphs.restype = ctypes.c_ulonglong
     lib.nanoq_emu_nccl_foreign_thread_calls.restype = ctypes.c_ulonglong
     lib.nanoq_emu_nccl_withhold_rank.argtypes = [ctypes.c_int]
     return lib
@@ -82,7 +82,7 @@ if trainer is not None:
     trainer.close()
 print(json.dumps(dict(error=error, elapsed=elapsed, close=time.monotonic() - start,
                       foreign=emulator().nanoq_emu_nccl_foreign_thread_calls(),
-                      under_graphs=emulator().nanoq_emu_nccl_finalized_under_graphs())), flush=True)
+                      under_graphs=emulator().nanoq_emu_nccl_teardowns_under_graphs())), flush=True)
 """
 
 

@@ -186,13 +186,13 @@ def assert_bitwise_same_training(a, b):
 @pytest.mark.parametrize("devices, options", GRAPH_CASES, ids=GRAPH_IDS)
 def test_captured_steps_train_bitwise_like_uncaptured_ones(devices, options, emulator):
     require_cuda_emulator()
-    emulator.nanoq_emu_nccl_finalized_under_graphs.restype = ctypes.c_ulonglong
-    finalized_under_graphs = emulator.nanoq_emu_nccl_finalized_under_graphs()
+    emulator.nanoq_emu_nccl_teardowns_under_graphs.restype = ctypes.c_ulonglong
+    teardowns_under_graphs = emulator.nanoq_emu_nccl_teardowns_under_graphs()
     captured = train("cuda_emulated", True, devices, **dict(options))
     # Closing destroyed each device's graphs before finalizing its NCCL
     # communicator (the real library's finalize waits for ever on a graph
     # that holds one of its collectives; the emulated one refuses).
-    assert emulator.nanoq_emu_nccl_finalized_under_graphs() == finalized_under_graphs
+    assert emulator.nanoq_emu_nccl_teardowns_under_graphs() == teardowns_under_graphs
     plain = train("cuda_emulated", False, devices, **dict(options))
     assert_bitwise_same_training(captured, plain)
     # Each graph captured once per device and launched at every call after

@@ -565,9 +565,9 @@ namespace {
 std::atomic<unsigned long long> foreign_thread_calls{0};
 
 // Finalizes, aborts and destroys of a communicator whose collectives CUDA
-// graphs still held (nanoq_emu_nccl_finalized_under_graphs): each would
+// graphs still held (nanoq_emu_nccl_teardowns_under_graphs): each would
 // hang with the real library.
-std::atomic<unsigned long long> finalized_under_graphs{0};
+std::atomic<unsigned long long> teardowns_under_graphs{0};
 
 // A rank whose ncclCommInitRank* never counts as joined
 // (nanoq_emu_nccl_withhold_rank): as a process of the run that never
@@ -762,7 +762,7 @@ bool held_by_graphs(ncclComm_t comm, const char* call) {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
     const int graphs = comm->graph_refs->load();
     if (graphs == 0) return false;
-    if (finalized_under_graphs++ == 0)
+    if (teardowns_under_graphs++ == 0)
         std::fprintf(stderr, "nanoq emulator: %s on rank %d while %d captured collective(s) of CUDA graphs still "
                              "hold the communicator (NCCL would wait for ever: destroy the graphs first)\n",
                      call, comm->rank, graphs);
@@ -848,8 +848,8 @@ extern "C" __attribute__((visibility("default"))) unsigned long long nanoq_emu_n
 
 // Finalizes, aborts and destroys of a communicator whose collectives CUDA
 // graphs still held (the real library would have hung in each).
-extern "C" __attribute__((visibility("default"))) unsigned long long nanoq_emu_nccl_finalized_under_graphs() {
-    return finalized_under_graphs.load();
+extern "C" __attribute__((visibility("default"))) unsigned long long nanoq_emu_nccl_teardowns_under_graphs() {
+    return teardowns_under_graphs.load();
 }
 
 // From now on rank `rank`'s initialisations never join their clique (-1:
