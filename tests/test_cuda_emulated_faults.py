@@ -36,6 +36,7 @@ def emulator():
     lib.nanoq_emu_nccl_teardowns_under_graphs.restype = ctypes.c_ulonglong
     lib.nanoq_emu_nccl_foreign_thread_calls.restype = ctypes.c_ulonglong
     lib.nanoq_emu_nccl_withhold_rank.argtypes = [ctypes.c_int]
+    lib.nanoq_emu_nccl_stall_rank.argtypes = [ctypes.c_int]
     return lib
 
 
@@ -63,12 +64,15 @@ else:
     trainer.update(lr=1e-3)
     if where == "update":
         trainer.step(inputs, targets)
-    emulator().nanoq_emu_lose_device(1, kernel)  # at rank 1's kernel-th next kernel
+    if where == "stalled":
+        emulator().nanoq_emu_nccl_stall_rank(1)  # as a process of the run that stopped without failing
+    else:
+        emulator().nanoq_emu_lose_device(1, kernel)  # at rank 1's kernel-th next kernel
 start = time.monotonic()
 try:
     if where in ("connect", "withheld"):
         trainer = nanoq.Trainer(config, options)
-    elif where == "step":
+    elif where in ("step", "stalled"):
         trainer.step(inputs, targets)  # queues the step: its failure surfaces at the next waiting call
         trainer.update(lr=1e-3)
     else:
@@ -122,6 +126,23 @@ def test_a_rank_that_never_joins_fails_the_communicators_initialisation_within_i
     # A limit that is not a number of seconds is refused, naming the variable.
     bad = run_scenario("withheld", NANOQ_NCCL_INIT_TIMEOUT="soon")
     assert "NANOQ_NCCL_INIT_TIMEOUT must be a number of seconds >= 0" in bad["error"], bad
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_rank_that_stops_without_failing_fails_the_others_waits_within_the_collective_time_limit(stage):
+    # Rank 1's collectives never come, as from a process stuck in I/O or a deadlock: without a
+    # limit the others would wait in theirs for ever (NCCL has none); with it, each gives up.
+    result = run_scenario("stalled", stage, NANOQ_COLLECTIVE_TIMEOUT="1.5")
+    error = result["error"]
+    assert error is not None and "did not finish within 1.5 s" in error, result
+    assert "another rank may have stopped without failing" in error and "NANOQ_COLLECTIVE_TIMEOUT" in error, result
+    assert "abandoned" not in error, result  # the root cause, not a peer's abandoned wait
+    assert 1.5 <= result["elapsed"] < 10, result
+    assert result["close"] < 10, result
+    assert result["foreign"] == 0 and result["under_graphs"] == 0, result
+    # A limit that is not a number of seconds is refused when the trainer connects, naming the variable.
+    bad = run_scenario("withheld", NANOQ_COLLECTIVE_TIMEOUT="soon")
+    assert "NANOQ_COLLECTIVE_TIMEOUT must be a number of seconds >= 0" in bad["error"], bad
 
 
 @pytest.mark.parametrize("where, stage, kernel", [

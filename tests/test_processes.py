@@ -30,13 +30,14 @@ def mpiexec_path() -> str:
     return found
 
 
-def launch(processes: int, spec: dict, timeout: float = 120):
-    """Runs the worker under mpiexec; returns (CompletedProcess, seconds)."""
+def launch(processes: int, spec: dict, timeout: float = 120, **env):
+    """Runs the worker under mpiexec (with environment variables `env` too);
+    returns (CompletedProcess, seconds)."""
     command = [mpiexec_path(), "-n", str(processes), sys.executable,
                os.path.join(os.path.dirname(__file__), "processes", "worker.py"), json.dumps(spec)]
     began = time.monotonic()
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                            env=dict(os.environ, PYTHONUNBUFFERED="1", **env))
     return result, time.monotonic() - began
 
 
@@ -108,6 +109,22 @@ def test_a_failing_process_ends_every_process_within_seconds(tmp_path, mode):
                          "injected fault")
         assert result.stderr.count(f"nanoq: process 1 of 2 failed: {expected}") == 1, result.stderr[-3000:]
         assert "nanoq: process 0 of 2 failed" not in result.stderr
+
+
+def test_a_process_that_stops_without_failing_ends_the_run_within_the_collective_time_limit(tmp_path):
+    # Process 1 sleeps mid-run, as one stuck in I/O or a deadlock: alive, so neither its error nor
+    # the launcher ends the run. Process 0's next exchange gives up after NANOQ_COLLECTIVE_TIMEOUT
+    # seconds, and its error ends every process.
+    spec = dict(mode="stall", failing=1, options=dict(devices=2), steps=1000, out=str(tmp_path))
+    result, seconds = launch(2, spec, timeout=120, NANOQ_COLLECTIVE_TIMEOUT="2")
+    assert result.returncode != 0
+    assert 2 <= seconds < 30, f"the run took {seconds:.1f} s to end after process 1 stalled"
+    assert not list(tmp_path.glob("rank*.npz")), "a process finished its run although another stalled"
+    failed = [line for line in result.stderr.splitlines() if line.startswith("nanoq: process 0 of 2 failed: ")]
+    assert len(failed) == 1, result.stderr[-3000:]
+    assert "did not finish within 2 s: it waits for every process of the run" in failed[0], failed
+    assert "NANOQ_COLLECTIVE_TIMEOUT" in failed[0], failed
+    assert "nanoq: process 1 of 2 failed" not in result.stderr
 
 
 @pytest.mark.parametrize("backend, option, value, differs", [
@@ -215,3 +232,43 @@ def test_a_command_line_error_on_one_process_ends_every_process(tmp_path):
     assert done.returncode != 0
     assert time.monotonic() - began < 30, "the other process waited for the one that exited"
     assert "run.toml" in done.stderr, done.stdout + done.stderr
+
+
+STALLED_COLLECTIVE = """
+import sys, time
+from nanoq import distributed
+group = distributed.processes()
+if group.rank == 1:
+    time.sleep(600)  # stopped without failing
+{call}
+"""
+
+
+@pytest.mark.parametrize("call, what", [
+    ("group.barrier()", "a barrier of the processes"),
+    ("group.broadcast('x')", "a broadcast between the processes"),
+    ("group.allgather(1)", "an all-gather between the processes"),
+    ("group.any(False)", "an all-gather between the processes"),
+])
+def test_the_process_groups_collectives_give_up_on_a_stalled_process(call, what):
+    # The Python layer's own collectives (agreement, checkpoints) wait for every process as the
+    # core's do, and give up after the same limit with an error that ends the run.
+    command = [mpiexec_path(), "-n", "2", sys.executable, "-c", STALLED_COLLECTIVE.format(call=call)]
+    began = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, NANOQ_COLLECTIVE_TIMEOUT="1.5"))
+    seconds = time.monotonic() - began
+    assert done.returncode != 0
+    assert 1.5 <= seconds < 30, seconds
+    assert (f"nanoq: process 0 of 2 failed: RuntimeError: process 0 of 2: {what} did not finish within 1.5 s: "
+            "it waits for every process of the run") in done.stderr, done.stderr[-3000:]
+
+
+def test_a_collective_time_limit_that_is_not_a_number_of_seconds_is_refused(monkeypatch):
+    monkeypatch.setenv("NANOQ_COLLECTIVE_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="NANOQ_COLLECTIVE_TIMEOUT must be a number of seconds >= 0"):
+        nanoq._core.collective_timeout()
+    monkeypatch.setenv("NANOQ_COLLECTIVE_TIMEOUT", "0")
+    assert nanoq._core.collective_timeout() == 0
+    monkeypatch.delenv("NANOQ_COLLECTIVE_TIMEOUT")
+    assert nanoq._core.collective_timeout() == 1800

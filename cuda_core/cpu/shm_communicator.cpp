@@ -548,6 +548,24 @@ std::shared_ptr<CommGroup> make_process_group(const Topology& t) {
 
 }  // namespace
 
+double seconds_from_env(const char* name, double fallback) {
+    const char* text = std::getenv(name);
+    if (!text || !*text) return fallback;
+    char* end = nullptr;
+    const double seconds = std::strtod(text, &end);
+    if (*end || !(seconds >= 0) || seconds > 1e9)
+        throw InvalidArgument(std::string(name) + " must be a number of seconds >= 0 (0: no limit), got \"" + text +
+                              "\"");
+    return seconds;
+}
+
+double collective_timeout_seconds() { return seconds_from_env("NANOQ_COLLECTIVE_TIMEOUT", 1800.0); }
+
+std::string collective_timeout_advice() {
+    return "another rank may have stopped without failing (its process stuck in I/O or a deadlock, or its GPU "
+           "hung); NANOQ_COLLECTIVE_TIMEOUT sets this limit in seconds (0 waits for ever)";
+}
+
 std::string signature_difference(const std::string& a, const std::string& b) {
     // Space-separated name=value settings (trainer.cpp's world_signature).
     auto settings = [](const std::string& text) {

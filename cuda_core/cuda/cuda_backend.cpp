@@ -541,20 +541,23 @@ void CudaBackend::synchronize() {
 namespace {
 
 // Polls `query` (cudaStreamQuery or cudaEventQuery of one handle) until the
-// work is done, running `check` between polls so that a wait on a collective
-// a peer abandoned ends with its error instead of spinning forever.
+// work is done, running `check` (with the seconds waited) between polls so
+// that a wait on a collective a peer abandoned, or that has lasted beyond
+// the collective time limit, ends with an error instead of spinning forever.
 template <typename Query>
-void poll_until_done(Query query, const char* what, const std::function<void()>& check) {
+void poll_until_done(Query query, const char* what, const std::function<void(double)>& check) {
+    const auto start = std::chrono::steady_clock::now();
+    const auto waited = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
     for (Backoff backoff;; backoff.pause()) {
         const cudaError_t status = query();
         if (status == cudaSuccess) return;
         if (status != cudaErrorNotReady) {
             // A collective that failed because a peer did: the check reports that.
-            if (check) check();
+            if (check) check(0.0);
             check_cuda(status, what, __FILE__, __LINE__);
         }
         cudaGetLastError();  // not-ready is no error, though the runtime may record it
-        if (check) check();
+        if (check) check(waited());
     }
 }
 

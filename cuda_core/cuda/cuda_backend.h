@@ -48,9 +48,10 @@ public:
     void host_wait(cudaStream_t stream);
     // The same wait for an event to complete.
     void host_wait(cudaEvent_t event);
-    // The check host waits call while they poll (the communicator's: its
-    // group's abort flag and NCCL's asynchronous errors); empty for none.
-    void set_host_wait_check(std::function<void()> check) { host_wait_check_ = std::move(check); }
+    // The check host waits call while they poll, with the seconds the wait
+    // has lasted (the communicator's: its group's abort flag, NCCL's
+    // asynchronous errors and the collective time limit); empty for none.
+    void set_host_wait_check(std::function<void(double)> check) { host_wait_check_ = std::move(check); }
 
     std::string name() const override { return NANOQ_CUDA_BACKEND_NAME; }
     void configure(const TrainOptions& options) override { options_ = options; }
@@ -385,7 +386,7 @@ private:
     // Recorded after the latest copy out of pinned_: once it has completed,
     // no staged copy is in flight and pinned_ may be reused from the start.
     cudaEvent_t staged_ = nullptr;
-    std::function<void()> host_wait_check_;
+    std::function<void(double)> host_wait_check_;
     // record_batch_ready's marks on the caller's streams (inputs, targets).
     cudaEvent_t batch_ready_[2] = {nullptr, nullptr};
     int batch_ready_count_ = 0;

@@ -19,7 +19,10 @@
 // ncclCommGetAsyncError, and host waits on the device poll too (see
 // CudaBackend::host_wait), checking the flag and NCCL's asynchronous errors.
 // Aborting is needed on every rank: with the real library, a rank's abort
-// does not release peers waiting for it.
+// does not release peers waiting for it. A peer that stops without failing
+// raises no flag and no error: those polls also give up after the
+// collective time limit (collective_timeout_seconds, transport.h), which
+// NCCL itself lacks.
 #include <nccl.h>
 
 #include <algorithm>
@@ -116,13 +119,18 @@ private:
     // The ticket of a collective run on the compute stream (a group of one):
     // ordered already.
     CommTicket on_compute_stream();
-    // Throws when the group failed (WorkerAborted) or NCCL reports an
-    // asynchronous error; called while this rank polls.
-    void check();
+    // Throws when the group failed (WorkerAborted), NCCL reports an
+    // asynchronous error, or a wait has lasted `waited` seconds beyond the
+    // collective time limit; called while this rank polls.
+    void check(double waited = 0.0);
+    // The error of a wait on collectives beyond the time limit.
+    [[noreturn]] void timed_out(const char* what, double limit_seconds, const char* why_limit) const;
     // The end of a call on the (nonblocking) communicator: ncclInProgress
     // is polled until NCCL reports the call's outcome; errors throw, and so
-    // does a wait longer than `limit_seconds` (> 0) with `why_limit`.
-    void complete(ncclResult_t status, const char* what, double limit_seconds = 0, const char* why_limit = nullptr);
+    // does a wait longer than `limit_seconds` (> 0; by default the
+    // collective time limit) with `why_limit`.
+    void complete(ncclResult_t status, const char* what, double limit_seconds = -1,
+                  const char* why_limit = nullptr);
     // One grouped call per owner of a piece of [begin, end) (the range of a
     // flat buffer whose rank r owns [r * shard, (r + 1) * shard)):
     // issue(owner, at, stop) for each piece [at, stop), then completed.
@@ -144,6 +152,9 @@ private:
     CommTicket issued_ = 0;  // the last ticket handed out
     CommTicket waited_ = 0;  // the compute is ordered after every collective up to this one
     float* barrier_token_ = nullptr;  // 4 bytes of device memory, outside the named allocator
+    // The collective time limit in seconds (collective_timeout_seconds; 0:
+    // none, as in a group of one, where no wait depends on another rank).
+    double collective_limit_ = 0.0;
 };
 
 std::unique_ptr<Communicator> NcclGroup::connect(int device, Backend& backend) {
@@ -163,11 +174,12 @@ std::unique_ptr<Communicator> NcclGroup::connect(int device, Backend& backend) {
 
 NcclCommunicator::NcclCommunicator(std::shared_ptr<NcclGroup> group, int rank, CudaBackend& backend)
     : group_(std::move(group)), rank_(rank), size_(group_->size()), backend_(backend), compute_(backend.stream()) {
+    if (size_ > 1) collective_limit_ = collective_timeout_seconds();  // a bad value refuses before any allocation
     NANOQ_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     NANOQ_CUDA_CHECK(cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));
     for (cudaEvent_t& event : done_) NANOQ_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
     NANOQ_CUDA_CHECK(cudaMalloc(&barrier_token_, sizeof(float)));
-    backend_.set_host_wait_check([this] { check(); });
+    backend_.set_host_wait_check([this](double waited) { check(waited); });
 }
 
 // Seconds the initialisation waits for every rank of the world to join
@@ -175,17 +187,7 @@ NcclCommunicator::NcclCommunicator(std::shared_ptr<NcclGroup> group, int rank, C
 // process of the run that failed before connecting (under a launcher that
 // does not end the others, such as srun without --kill-on-bad-exit) would
 // leave the rest hanging without a word.
-double nccl_init_timeout() {
-    constexpr double kDefault = 600.0;
-    const char* text = std::getenv("NANOQ_NCCL_INIT_TIMEOUT");
-    if (!text || !*text) return kDefault;
-    char* end = nullptr;
-    const double seconds = std::strtod(text, &end);
-    if (*end || !(seconds >= 0) || seconds > 1e9)
-        throw InvalidArgument(std::string("NANOQ_NCCL_INIT_TIMEOUT must be a number of seconds >= 0 (0: no limit), "
-                                          "got \"") + text + "\"");
-    return seconds;
-}
+double nccl_init_timeout() { return seconds_from_env("NANOQ_NCCL_INIT_TIMEOUT", 600.0); }
 
 void NcclCommunicator::init() {
     if (size_ == 1) return;
@@ -194,11 +196,9 @@ void NcclCommunicator::init() {
     config.blocking = 0;  // returns at once; the wait for every rank is polled (complete)
     const ncclResult_t status = ncclCommInitRankConfig(&comm_, size_, group_->id(), rank_, &config);
     if (status != ncclSuccess && status != ncclInProgress) comm_ = nullptr;  // no communicator to end
-    const std::string why = "rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
-                            " waited for every rank of the world to join: a process of the run may have failed "
-                            "or not started, or the processes disagree on the world (NANOQ_NCCL_INIT_TIMEOUT "
-                            "sets this limit)";
-    complete(status, "ncclCommInitRankConfig", limit, why.c_str());
+    complete(status, "ncclCommInitRankConfig", limit,
+             "it waited for every rank of the world to join: a process of the run may have failed or not started, "
+             "or the processes disagree on the world (NANOQ_NCCL_INIT_TIMEOUT sets this limit)");
 }
 
 NcclCommunicator::~NcclCommunicator() {
@@ -226,7 +226,7 @@ void NcclCommunicator::abort() {
     comm_ = nullptr;
 }
 
-void NcclCommunicator::check() {
+void NcclCommunicator::check(double waited) {
     if (group_->aborted()) throw WorkerAborted("collective abandoned: another worker failed");
     if (!comm_) return;
     ncclResult_t state = ncclSuccess;
@@ -234,21 +234,36 @@ void NcclCommunicator::check() {
     if (status != ncclSuccess) state = status;
     if (state != ncclSuccess && state != ncclInProgress)
         throw NanoqError(nccl_message(state, "an earlier call (ncclCommGetAsyncError)"));
+    // A host wait: the device's work includes collectives, which wait for
+    // every rank.
+    if (collective_limit_ > 0 && waited > collective_limit_)
+        timed_out("its GPU's work", collective_limit_,
+                  ("that work includes collectives, which wait for every rank of the world: " +
+                   collective_timeout_advice()).c_str());
+}
+
+void NcclCommunicator::timed_out(const char* what, double limit_seconds, const char* why_limit) const {
+    char seconds[32];
+    std::snprintf(seconds, sizeof(seconds), "%g", limit_seconds);
+    throw NanoqError("rank " + std::to_string(rank_) + " of " + std::to_string(size_) + ": " + what +
+                     " did not finish within " + seconds + " s: " + (why_limit ? why_limit : "timed out"));
 }
 
 void NcclCommunicator::complete(ncclResult_t status, const char* what, double limit_seconds, const char* why_limit) {
+    const std::string advice = "a call on the communicator waits for every rank of the world: " +
+                               collective_timeout_advice();
+    if (limit_seconds < 0) {
+        limit_seconds = collective_limit_;
+        if (!why_limit) why_limit = advice.c_str();
+    }
     const auto start = std::chrono::steady_clock::now();
     for (Backoff backoff; status == ncclInProgress; backoff.pause()) {
         if (group_->aborted()) throw WorkerAborted("collective abandoned: another worker failed");
         const ncclResult_t query = ncclCommGetAsyncError(comm_, &status);
         if (query != ncclSuccess) status = query;
         if (status == ncclInProgress && limit_seconds > 0 &&
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > limit_seconds) {
-            char seconds[32];
-            std::snprintf(seconds, sizeof(seconds), "%g", limit_seconds);
-            throw NanoqError(std::string(what) + " did not finish within " + seconds + " s: " +
-                             (why_limit ? why_limit : "timed out"));
-        }
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > limit_seconds)
+            timed_out(what, limit_seconds, why_limit);
     }
     if (status != ncclSuccess) throw NanoqError(nccl_message(status, what));
 }

@@ -33,6 +33,8 @@ nanoq_set_error_types(NanoqError, OutOfMemoryError)
 cdef extern from "nanoq/transport.h" namespace "nanoq" nogil:
     cdef cppclass CProcessTransport "nanoq::ProcessTransport":
         pass
+    double core_collective_timeout "nanoq::collective_timeout_seconds"() except +nanoq_raise_py_error
+    string core_collective_timeout_advice "nanoq::collective_timeout_advice"() except +nanoq_raise_py_error
 
 cdef extern from "py_transport.h":
     cdef cppclass CPyTransport "NanoqPyTransport"(CProcessTransport):
@@ -254,6 +256,18 @@ def backend_built(str name):
 def new_comm_id(str name):
     """A fresh communicator id (bytes) of backend `name`, for TrainOptions.comm_id."""
     return <bytes>core_new_comm_id(name.encode())
+
+
+def collective_timeout():
+    """Seconds a wait on the other ranks of a world may last before it gives
+    up with an error (NANOQ_COLLECTIVE_TIMEOUT; 1800 by default; 0: no
+    limit); ValueError for a value that is not a number of seconds >= 0."""
+    return core_collective_timeout()
+
+
+def collective_timeout_advice():
+    """The end of that error's message: what may have happened, and the variable."""
+    return core_collective_timeout_advice().decode()
 
 
 def device_count(str name):

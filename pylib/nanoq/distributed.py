@@ -131,16 +131,44 @@ class MPITransport:
     def alltoallv(self, send, send_counts, recv, recv_counts) -> None:
         """Sends ``send_counts[q]`` bytes of ``send`` (consecutive blocks, in
         process order) to process q and receives ``recv_counts[q]`` bytes
-        from each into ``recv``: writable and readable buffers of bytes."""
+        from each into ``recv``: writable and readable buffers of bytes.
+        Gives up as ``await_every_process`` says."""
         from mpi4py import MPI
 
         send_displacements = _displacements(send_counts)
         recv_displacements = _displacements(recv_counts)
+        await_every_process(self.comm, "the exchange of the core's collective")
         self.comm.Alltoallv([send, (list(send_counts), send_displacements), MPI.BYTE],
                             [recv, (list(recv_counts), recv_displacements), MPI.BYTE])
 
     def barrier(self) -> None:
+        await_every_process(self.comm, "the core's barrier")
         self.comm.Barrier()
+
+
+def await_every_process(comm, what: str) -> None:
+    """Returns once every process of mpi4py communicator ``comm`` has called
+    it (a nonblocking barrier, polled). A process that stopped without
+    failing would leave the others waiting in their next collective for
+    ever: past the collective time limit (``NANOQ_COLLECTIVE_TIMEOUT``,
+    nanoq._core.collective_timeout) this raises RuntimeError naming ``what``
+    instead. The collective that follows then runs between processes that
+    have all reached it; the barrier holds no buffer, so one abandoned on
+    the error can write nowhere. With the limit 0, returns at once."""
+    from nanoq import _core
+
+    limit = _core.collective_timeout()
+    if not limit:
+        return
+    request = comm.Ibarrier()
+    start, pause = time.monotonic(), 20e-6
+    while not request.Test():
+        if time.monotonic() - start > limit:
+            raise RuntimeError(f"process {comm.Get_rank()} of {comm.Get_size()}: {what} did not finish within "
+                               f"{limit:g} s: it waits for every process of the run: "
+                               f"{_core.collective_timeout_advice()}")
+        time.sleep(pause)
+        pause = min(2 * pause, 1e-3)
 
 
 def _displacements(counts) -> List[int]:
@@ -169,13 +197,16 @@ class MPIGroup(ProcessGroup):
         self._node = None
 
     def barrier(self) -> None:
+        await_every_process(self.comm, "a barrier of the processes")
         self.comm.Barrier()
 
     def broadcast(self, value: Any, root: int = 0) -> Any:
         _check_root(root, self.size)
+        await_every_process(self.comm, "a broadcast between the processes")
         return self.comm.bcast(value, root=root)
 
     def allgather(self, value: Any) -> List[Any]:
+        await_every_process(self.comm, "an all-gather between the processes")
         return self.comm.allgather(value)
 
     def abort(self, code: int = 1) -> None:

@@ -333,6 +333,12 @@ EDITS = [
      "(!defining && !fp8_site_known_[std::size_t(fp8_site_)])", "false"),
     ("fp8 fast accumulation: the switch ignored", "cuda_backend.cpp", 0,
      'fp8_fast_forward_ = env_switch("NANOQ_FP8_FAST_ACCUM");', "fp8_fast_forward_ = true;"),
+    # The collective time limit: host waits on work that includes collectives, and the calls on the communicator.
+    ("collective time limit: host waits never give up", "nccl_communicator.cpp", 0,
+     "if (collective_limit_ > 0 && waited > collective_limit_)", "if (false)",
+     "test_cuda_emulated_faults.py -k stops_without_failing"),
+    ("collective time limit: the host waits' clock never runs", "cuda_backend.cpp", 0,
+     "if (check) check(waited());", "if (check) check(0.0);", "test_cuda_emulated_faults.py -k stops_without_failing"),
 ]
 
 

@@ -2,7 +2,8 @@
 tests/test_processes.py. Argument: a JSON spec with
   mode:     "train" (default), "raise" (this process raises mid-run),
             "core_failure" (a device worker of this process fails mid-run),
-            "kill" (this process SIGKILLs itself mid-run)
+            "kill" (this process SIGKILLs itself mid-run),
+            "stall" (this process stops mid-run without failing: it sleeps)
   failing:  the process rank that fails (modes other than train)
   options:  TrainOptions fields (devices = this process's devices)
   steps:    optimizer steps; out: the directory for each rank's results.
@@ -12,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import numpy as np
 
@@ -40,6 +42,8 @@ with nanoq.Trainer(CONFIG, options) as trainer:
                 os.kill(os.getpid(), signal.SIGKILL)
             if mode == "core_failure":
                 fail_next_step(trainer, 0)
+            if mode == "stall":
+                time.sleep(600)
         trainer.step(np.ascontiguousarray(inputs[rows]), np.ascontiguousarray(targets[rows]))
         if (index + 1) % options.grad_accum == 0:
             stats = trainer.update(lr=1e-2)

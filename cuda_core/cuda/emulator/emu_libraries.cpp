@@ -574,6 +574,12 @@ std::atomic<unsigned long long> teardowns_under_graphs{0};
 // reaches its initialisation, every rank's initialisation waits for ever.
 std::atomic<int> withheld_rank{-1};
 
+// A rank whose collectives, from now on, never contribute
+// (nanoq_emu_nccl_stall_rank): as a process of the run that stopped
+// without failing, its peers' collectives wait for it (up to the clique's
+// 120 s bound). Its own wait ends when it aborts.
+std::atomic<int> stalled_rank{-1};
+
 void note_thread(ncclComm_t comm, const char* what) {
     if (!comm || comm->owner == std::this_thread::get_id()) return;
     if (foreign_thread_calls++ == 0)
@@ -628,6 +634,11 @@ ncclResult_t enqueue_collective(ncclComm_t comm, cudaStream_t stream, Call call)
                 return std::string(collective_name(call.what)) + ": communicator aborted";
             };
             if (clique->rank_aborted[rank]) throw nanoq_emu::Error(aborted_here());  // queued before the abort
+            if (rank == stalled_rank.load()) {
+                clique->changed.wait_for(lock, std::chrono::seconds(120),
+                                         [&] { return clique->aborted || clique->rank_aborted[rank]; });
+                throw nanoq_emu::Error(std::string(collective_name(call.what)) + ": rank stalled by the test");
+            }
             Clique::Pending& p = clique->pending[seq];
             if (p.calls.empty()) {
                 p.calls.resize(clique->nranks);
@@ -856,6 +867,12 @@ extern "C" __attribute__((visibility("default"))) unsigned long long nanoq_emu_n
 // every rank joins again). Exported for tests (ctypes).
 extern "C" __attribute__((visibility("default"))) void nanoq_emu_nccl_withhold_rank(int rank) {
     withheld_rank = rank;
+}
+
+// From now on rank `rank`'s collectives never contribute (-1: every rank's
+// do again). Exported for tests (ctypes).
+extern "C" __attribute__((visibility("default"))) void nanoq_emu_nccl_stall_rank(int rank) {
+    stalled_rank = rank;
 }
 
 // The fp8 products cublasLtMatmul has queued in this process, with

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace nanoq {
@@ -30,6 +31,22 @@ public:
                            const std::vector<std::int64_t>& recv_bytes) = 0;
     // Returns when every process has called it.
     virtual void barrier() = 0;
+    // Both give up, throwing NanoqError, when they have waited for the
+    // other processes longer than collective_timeout_seconds() (when > 0).
 };
+
+// The seconds environment variable `name` gives, `fallback` when it is
+// unset or empty; InvalidArgument naming the variable for anything but a
+// number >= 0 (where the callers take 0 as "no limit").
+double seconds_from_env(const char* name, double fallback);
+// How long a rank waits for work that includes collectives with other
+// ranks before it gives up with an error (NANOQ_COLLECTIVE_TIMEOUT, 1800
+// seconds by default; 0 waits for ever): a rank whose process stopped
+// without failing (stuck in I/O or a deadlock, its GPU hung) would
+// otherwise leave every other rank waiting in a collective for good. The
+// cuda backend's NCCL waits and the transports honour it.
+double collective_timeout_seconds();
+// The end of that error's message: what may have happened, and the variable.
+std::string collective_timeout_advice();
 
 }  // namespace nanoq
