@@ -16,8 +16,13 @@ Timing:
   tensors; mean time of one run, from an idle device to the device done
   (host clock around a device synchronisation).
 - PyTorch: the same on tensors made on the same device: one untimed run,
-  then --repeats runs between two CUDA events (on the CPU, for --smoke
-  without a GPU: a host clock).
+  then the call captured in a CUDA graph and --repeats replays of it
+  between two CUDA events, so that torch's per-call Python and dispatch
+  time (more than the small ops' kernels take) is not counted; a call that
+  cannot be captured runs eagerly between the events, marked "(torch
+  eager)", or "(torch eager, host-bound)" when issuing the calls took the
+  host most of that time (on the CPU, for --smoke without a GPU: a host
+  clock).
 - ratio = torch time / nanoq time (> 1: nanoq is faster). Achieved TFLOP/s
   (matmuls, attention, the classifier) or GB/s (the rest: the bytes the op
   must read and write at least, in its dtypes) are nanoq's.
@@ -758,25 +763,53 @@ CASES = {
 # --------------------------------------------------------------------------
 
 
-def time_torch(fn, repeats: int, device) -> float:
-    """Mean seconds of fn() over `repeats` runs after one untimed run: CUDA
-    events on a GPU, the host clock (after the work is done) on the CPU."""
+def time_torch(fn, repeats: int, device) -> tuple:
+    """(mean seconds of fn() over `repeats` runs after one untimed run, how
+    it ran). On a GPU: fn captured once in a CUDA graph and the graph
+    replayed between two CUDA events ("graph"), so that torch's Python and
+    dispatch time per call (tens of microseconds, more than the kernels of
+    the small ops take) is not counted as kernel time; where the capture
+    fails, fn itself between the events ("eager", or "eager, host-bound"
+    when the host took at least 80% of that time to issue the calls: the
+    figure is then the host's, not the kernels'). On the CPU: the host
+    clock after the work is done ("host")."""
     import torch
 
     fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    if device.type != "cuda":
+        begin = time.perf_counter()
         for _ in range(repeats):
             fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / repeats
-    begin = time.perf_counter()
+        return (time.perf_counter() - begin) / repeats, "host"
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph = None
+    try:
+        side = torch.cuda.Stream(device)  # warm-up on a side stream before capture, as torch asks
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        torch.cuda.synchronize(device)
+    except Exception:  # noqa: BLE001 - not capturable (a host sync inside, say): timed eagerly below
+        graph = None
+        torch.cuda.synchronize(device)
+    run = graph.replay if graph is not None else fn
+    start.record()
+    issued = time.perf_counter()
     for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - begin) / repeats
+        run()
+    issued = time.perf_counter() - issued
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1e3
+    if graph is not None:
+        return seconds / repeats, "graph"
+    return seconds / repeats, "eager, host-bound" if issued >= 0.8 * seconds else "eager"
 
 
 def rate(case: dict, seconds: float) -> str:
@@ -804,14 +837,14 @@ def run_case(case_id: str, runner, inputs, dims, args) -> list[dict]:
         if op == "attention_backward":  # the library's other algorithm: dq accumulated with atomics
             variants.insert(1, ("nondeterministic", dict(fused=True, deterministic=False)))
     rows = []
-    torch_seconds, torch_error = None, None
+    torch_seconds, torch_error, torch_timing = None, None, None
     try:
-        torch_seconds = time_torch(case["torch"], args.repeats, inputs.device)
+        torch_seconds, torch_timing = time_torch(case["torch"], args.repeats, inputs.device)
     except Exception as e:  # noqa: BLE001 - recorded; nanoq's figure still counts
         torch_error = f"{type(e).__name__}: {e}"
     for variant, extra in variants:
         row = dict(case=case_id, op=op, variant=variant, shape=case["shape"], dtype=kwargs.get("dtype", "fp32"),
-                   torch_seconds=torch_seconds, torch_error=torch_error)
+                   torch_seconds=torch_seconds, torch_error=torch_error, torch_timing=torch_timing)
         call = dict(kwargs, **extra)
         try:
             row["nanoq_seconds"] = runner.time(op, repeats=args.repeats, **call)
@@ -833,6 +866,8 @@ def format_row(row: dict) -> str:
         return f"{name:<42} FAILED: {row['error']}"
     torch_part = (f"{1e3 * row['torch_seconds']:9.3f} ms {row['torch_rate']:>15}  {row['ratio']:6.2f}x"
                   if row.get("torch_seconds") else f"torch failed: {row['torch_error']}")
+    if row.get("torch_seconds") and row.get("torch_timing") not in ("graph", "host"):
+        torch_part += f"  (torch {row['torch_timing']})"
     return f"{name:<42} {1e3 * row['nanoq_seconds']:9.3f} ms {row['nanoq_rate']:>15}  |  {torch_part}"
 
 

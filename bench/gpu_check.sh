@@ -236,7 +236,7 @@ bench_05b() { bench_model 0.5b; }
 bench_15b() { bench_model 1.5b; }
 
 # llm.q's settings (B=32 x 16 micro-batches per step), both models, bf16 and
-# fp8: the costliest figures (one warm-up and one timed step of 16
+# fp8: the costliest figures (two warm-up steps and one timed step of 16
 # micro-batches each, 80 s per trainer), so the last step; what does not fit
 # its limit is recorded as skipped.
 bench_llmq() {

@@ -29,6 +29,89 @@ def bench_ops():
     return load_bench_ops()
 
 
+class FakeCudaTorch:
+    """Enough of torch's CUDA API for time_torch, on a clock of its own: a
+    graph replay costs `replay` seconds of GPU time, an eager call `eager`
+    of host time (its GPU work then waits on the host)."""
+
+    def __init__(self, capturable=True, replay=1e-5, eager=5e-5):
+        import contextlib
+        import types
+
+        self.calls, self.clock, self.capturing = [], 0.0, False
+        fake = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.at = None
+
+            def record(self):
+                self.at = fake.clock
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, other):
+                return 1e3 * (other.at - self.at)
+
+        class CUDAGraph:
+            def replay(self):
+                fake.calls.append("replay")
+                fake.clock += replay
+
+        @contextlib.contextmanager
+        def graph(g):
+            fake.capturing = True
+            try:
+                yield
+            finally:
+                fake.capturing = False
+
+        class Stream:
+            def __init__(self, device=None):
+                pass
+
+            def wait_stream(self, other):
+                pass
+
+        self.cuda = types.SimpleNamespace(
+            Event=Event, CUDAGraph=CUDAGraph, graph=graph, Stream=Stream, synchronize=lambda device=None: None,
+            current_stream=lambda device=None: Stream(), stream=lambda s: contextlib.nullcontext())
+        self.capturable, self.eager = capturable, eager
+
+    def fn(self):
+        if self.capturing and not self.capturable:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.calls.append("capture" if self.capturing else "eager")
+        if not self.capturing:
+            self.clock += self.eager
+
+
+def test_torch_is_timed_from_a_cuda_graph_or_marked_when_it_cannot_be(bench_ops, monkeypatch):
+    import sys
+    import time
+    import types
+
+    device = types.SimpleNamespace(type="cuda")
+    fake = FakeCudaTorch()
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    seconds, how = bench_ops.time_torch(fake.fn, 20, device)
+    # Captured once after the warm-ups, then only replays are timed: the graph's time, not the calls'.
+    assert how == "graph" and seconds == pytest.approx(1e-5)
+    assert fake.calls == ["eager", "eager", "capture"] + ["replay"] * 21
+    # Not capturable: timed eagerly; a GPU time that is all the host's issuing is marked host-bound.
+    fake = FakeCudaTorch(capturable=False)
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    monkeypatch.setattr(time, "perf_counter", lambda: fake.clock)
+    seconds, how = bench_ops.time_torch(fake.fn, 20, device)
+    assert how == "eager, host-bound" and seconds == pytest.approx(5e-5)
+    assert fake.calls == ["eager", "eager"] + ["eager"] * 20
+    row = dict(case="rmsnorm_forward", variant="backend", ok=True, nanoq_seconds=1e-5, nanoq_rate="1 GB/s",
+               torch_seconds=seconds, torch_rate="1 GB/s", ratio=5.0, torch_timing=how)
+    assert bench_ops.format_row(row).endswith("(torch eager, host-bound)")
+    assert "(torch" not in bench_ops.format_row(dict(row, torch_timing="graph"))
+
+
 def test_every_op_of_the_table_has_a_case(bench_ops):
     assert {op for op, _ in bench_ops.CASES.values()} == set(op_table())
 
@@ -43,6 +126,7 @@ def smoke_report(bench_ops, tmp_path, backend):
         assert row["ok"], row
         assert row["nanoq_seconds"] > 0 and row["torch_seconds"] > 0, row
         assert row["ratio"] == pytest.approx(row["torch_seconds"] / row["nanoq_seconds"])
+        assert row["torch_timing"] == "host", row  # no GPU here: torch on the CPU
     # Every composite is also timed as its default composition.
     composites = {row["case"] for row in report["rows"] if row["variant"] == "default composition"}
     assert {"classifier", "qkv_forward", "residual_rmsnorm_forward", "swiglu_gate_up_backward"} <= composites
