@@ -65,6 +65,9 @@ QWEN25_05B = dict(batch=8, time=1024, channels=896, heads=14, kv_heads=2, head_d
 SMOKE = dict(batch=1, time=16, channels=32, heads=4, kv_heads=2, head_dim=8, intermediate=48, vocab=64)
 # The documents packed in turn into each row of the -documents attention cases (cut at the row's end).
 DOCUMENT_LENGTHS = (300, 45, 700, 12, 130, 1, 512)
+# The share of each row that is padding, one token id at the row's end as SFT pads, in the
+# embedding_backward-padded case: the longest run of one token the backward's sum meets.
+PAD_FRACTION = 0.5
 ADAMW_ELEMENTS = {"full": 1 << 24, "smoke": 256}  # one shard-sized chunk (16.8M parameters)
 CROSS_ENTROPY_ROWS = 1024  # the logits of one classifier chunk
 EPS = 1e-6
@@ -212,6 +215,19 @@ def case_embedding_backward(i, d):
     return dict(nanoq=dict(dout=i.normal(m, c), tokens=i.tokens(m), table_grad=i.normal(v, c)),
                 torch=lambda: grad.index_add_(0, tokens, dout.float()),
                 bytes=m * c * (_act(i) + 8.0), shape=f"{m} rows into [{v}, {c}] float32")
+
+
+def case_embedding_backward_padded(i, d):
+    m, c, v = _rows(d), d["channels"], d["vocab"]
+    tokens = i.tokens(d["batch"], d["time"]).copy()
+    tokens[:, d["time"] - int(d["time"] * PAD_FRACTION):] = v - 1
+    tokens = tokens.reshape(m)
+    torch_tokens = i.torch.as_tensor(tokens, device=i.device).long()
+    dout, grad = i.t(m, c), i.t(v, c, dtype=i.torch.float32)
+    return dict(nanoq=dict(dout=i.normal(m, c), tokens=tokens, table_grad=i.normal(v, c)),
+                torch=lambda: grad.index_add_(0, torch_tokens, dout.float()),
+                bytes=m * c * (_act(i) + 8.0),
+                shape=f"{m} rows into [{v}, {c}] float32, {PAD_FRACTION:.0%} of each row one padding token")
 
 
 def _rstd(x):
@@ -719,6 +735,7 @@ CASES = {
     "scale_dropout": ("scale_dropout", case_scale_dropout),
     "embedding_forward": ("embedding_forward", case_embedding_forward),
     "embedding_backward": ("embedding_backward", case_embedding_backward),
+    "embedding_backward-padded": ("embedding_backward", case_embedding_backward_padded),
     "rmsnorm_forward": ("rmsnorm_forward", case_rmsnorm_forward),
     "rmsnorm_backward": ("rmsnorm_backward", case_rmsnorm_backward),
     "rope_forward": ("rope_forward", lambda i, d: _rope_case(i, d, "rope_forward")),

@@ -36,7 +36,7 @@ def emulator():
     lib.nanoq_emu_nccl_teardowns_under_graphs.restype = ctypes.c_ulonglong
     lib.nanoq_emu_nccl_foreign_thread_calls.restype = ctypes.c_ulonglong
     lib.nanoq_emu_nccl_withhold_rank.argtypes = [ctypes.c_int]
-    lib.nanoq_emu_nccl_stall_rank.argtypes = [ctypes.c_int]
+    lib.nanoq_emu_nccl_stall_rank.argtypes = [ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -65,7 +65,7 @@ else:
     if where == "update":
         trainer.step(inputs, targets)
     if where == "stalled":
-        emulator().nanoq_emu_nccl_stall_rank(1)  # as a process of the run that stopped without failing
+        emulator().nanoq_emu_nccl_stall_rank(1, 1)  # as a process of the run that stopped without failing
     else:
         emulator().nanoq_emu_lose_device(1, kernel)  # at rank 1's kernel-th next kernel
 start = time.monotonic()
@@ -130,11 +130,13 @@ def test_a_rank_that_never_joins_fails_the_communicators_initialisation_within_i
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_rank_that_stops_without_failing_fails_the_others_waits_within_the_collective_time_limit(stage):
-    # Rank 1's collectives never come, as from a process stuck in I/O or a deadlock: without a
-    # limit the others would wait in theirs for ever (NCCL has none); with it, each gives up.
+    # Rank 1 stops, as a process stuck in I/O or a deadlock: its collectives never come and its
+    # host thread never returns to give up itself. Without a limit rank 0 would wait in its
+    # collectives for ever (NCCL has none); with it, rank 0 gives up, and its error is the one said.
     result = run_scenario("stalled", stage, NANOQ_COLLECTIVE_TIMEOUT="1.5")
     error = result["error"]
-    assert error is not None and "did not finish within 1.5 s" in error, result
+    assert error is not None and error.startswith("rank 0 of 2: "), result
+    assert "did not finish within 1.5 s" in error, result
     assert "another rank may have stopped without failing" in error and "NANOQ_COLLECTIVE_TIMEOUT" in error, result
     assert "abandoned" not in error, result  # the root cause, not a peer's abandoned wait
     assert 1.5 <= result["elapsed"] < 10, result

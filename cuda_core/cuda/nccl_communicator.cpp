@@ -123,7 +123,8 @@ private:
     // asynchronous error, or a wait has lasted `waited` seconds beyond the
     // collective time limit; called while this rank polls.
     void check(double waited = 0.0);
-    // The error of a wait on collectives beyond the time limit.
+    // The error of a wait beyond its time limit; `why_limit` null: a call
+    // on the communicator, beyond the collective time limit.
     [[noreturn]] void timed_out(const char* what, double limit_seconds, const char* why_limit) const;
     // The end of a call on the (nonblocking) communicator: ncclInProgress
     // is polled until NCCL reports the call's outcome; errors throw, and so
@@ -246,16 +247,14 @@ void NcclCommunicator::timed_out(const char* what, double limit_seconds, const c
     char seconds[32];
     std::snprintf(seconds, sizeof(seconds), "%g", limit_seconds);
     throw NanoqError("rank " + std::to_string(rank_) + " of " + std::to_string(size_) + ": " + what +
-                     " did not finish within " + seconds + " s: " + (why_limit ? why_limit : "timed out"));
+                     " did not finish within " + seconds + " s: " +
+                     (why_limit ? std::string(why_limit)
+                                : "a call on the communicator waits for every rank of the world: " +
+                                      collective_timeout_advice()));
 }
 
 void NcclCommunicator::complete(ncclResult_t status, const char* what, double limit_seconds, const char* why_limit) {
-    const std::string advice = "a call on the communicator waits for every rank of the world: " +
-                               collective_timeout_advice();
-    if (limit_seconds < 0) {
-        limit_seconds = collective_limit_;
-        if (!why_limit) why_limit = advice.c_str();
-    }
+    if (limit_seconds < 0) limit_seconds = collective_limit_;  // (why_limit null: timed_out says why)
     const auto start = std::chrono::steady_clock::now();
     for (Backoff backoff; status == ncclInProgress; backoff.pause()) {
         if (group_->aborted()) throw WorkerAborted("collective abandoned: another worker failed");

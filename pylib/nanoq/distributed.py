@@ -146,17 +146,28 @@ class MPITransport:
         self.comm.Barrier()
 
 
+# Communicators (by MPI handle) on which a wait timed out: MPI cannot take
+# back the barrier left pending, so every later collective on them would pair
+# with the wrong calls of the other processes. Each refuses at once instead.
+_timed_out: Dict[int, str] = {}
+
+
 def await_every_process(comm, what: str) -> None:
     """Returns once every process of mpi4py communicator ``comm`` has called
     it (a nonblocking barrier, polled). A process that stopped without
     failing would leave the others waiting in their next collective for
     ever: past the collective time limit (``NANOQ_COLLECTIVE_TIMEOUT``,
     nanoq._core.collective_timeout) this raises RuntimeError naming ``what``
-    instead. The collective that follows then runs between processes that
-    have all reached it; the barrier holds no buffer, so one abandoned on
-    the error can write nowhere. With the limit 0, returns at once."""
+    instead, and so does every later call on ``comm`` (the run must end).
+    The collective that follows then runs between processes that have all
+    reached it; the barrier holds no buffer, so the one abandoned on the
+    error can write nowhere. With the limit 0, returns at once."""
     from nanoq import _core
 
+    handle = comm.py2f()
+    if handle in _timed_out:
+        raise RuntimeError(f"{what} refused: an earlier wait timed out ({_timed_out[handle]}); the processes' "
+                           f"collectives are out of step since, and the run must end")
     limit = _core.collective_timeout()
     if not limit:
         return
@@ -164,9 +175,10 @@ def await_every_process(comm, what: str) -> None:
     start, pause = time.monotonic(), 20e-6
     while not request.Test():
         if time.monotonic() - start > limit:
-            raise RuntimeError(f"process {comm.Get_rank()} of {comm.Get_size()}: {what} did not finish within "
-                               f"{limit:g} s: it waits for every process of the run: "
-                               f"{_core.collective_timeout_advice()}")
+            message = (f"process {comm.Get_rank()} of {comm.Get_size()}: {what} did not finish within {limit:g} s: "
+                       f"it waits for every process of the run: {_core.collective_timeout_advice()}")
+            _timed_out[handle] = message
+            raise RuntimeError(message)
         time.sleep(pause)
         pause = min(2 * pause, 1e-3)
 
@@ -222,6 +234,7 @@ class MPIGroup(ProcessGroup):
         if self._node is None:
             from mpi4py import MPI
 
+            await_every_process(self.comm, "the processes' count of their nodes")
             node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
             self._node = (node.Get_rank(), node.Get_size())
             node.Free()

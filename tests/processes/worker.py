@@ -44,11 +44,17 @@ with nanoq.Trainer(CONFIG, options) as trainer:
                 fail_next_step(trainer, 0)
             if mode == "stall":
                 time.sleep(600)
-        trainer.step(np.ascontiguousarray(inputs[rows]), np.ascontiguousarray(targets[rows]))
-        if (index + 1) % options.grad_accum == 0:
-            stats = trainer.update(lr=1e-2)
-            losses.append(stats.loss)
-            norms.append(stats.grad_norm)
+        called = time.monotonic()
+        try:
+            trainer.step(np.ascontiguousarray(inputs[rows]), np.ascontiguousarray(targets[rows]))
+            if (index + 1) % options.grad_accum == 0:
+                stats = trainer.update(lr=1e-2)
+                losses.append(stats.loss)
+                norms.append(stats.grad_norm)
+        except Exception:
+            # How long the failing call waited (the stall tests' lower bound), before the error ends the run.
+            print(json.dumps(dict(rank=group.rank, failed_after=time.monotonic() - called)), flush=True)
+            raise
     weights = trainer.get_weights()  # collective: every process gathers the stage-3 shards
     np.savez(os.path.join(spec["out"], f"rank{group.rank}.npz"), losses=np.array(losses), norms=np.array(norms),
              topology=np.array(trainer.topology), **{f"w.{k}": v for k, v in weights.items()})

@@ -170,4 +170,11 @@ void enqueue(cudaStream_t stream, std::function<void()> work, const char* what);
 // Whether `device` was lost (nanoq_emu_lose_device in emulator.cpp): as on a
 // GPU after a fatal fault, everything on it fails from then on.
 bool device_lost(int device);
+// A stopped host (nanoq_emu_nccl_stall_rank in emu_libraries.cpp): from
+// stall_host(device) on, the stream and event queries of unfinished work
+// by threads whose current device is `device` block, as in a process that
+// stopped, until release_stalled_host() (a peer gave up: it aborted its
+// communicator).
+void stall_host(int device);
+void release_stalled_host();
 }  // namespace nanoq_emu

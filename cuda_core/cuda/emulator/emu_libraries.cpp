@@ -574,10 +574,11 @@ std::atomic<unsigned long long> teardowns_under_graphs{0};
 // reaches its initialisation, every rank's initialisation waits for ever.
 std::atomic<int> withheld_rank{-1};
 
-// A rank whose collectives, from now on, never contribute
-// (nanoq_emu_nccl_stall_rank): as a process of the run that stopped
-// without failing, its peers' collectives wait for it (up to the clique's
-// 120 s bound). Its own wait ends when it aborts.
+// A rank stopped without failing (nanoq_emu_nccl_stall_rank), as a
+// process of the run stuck in I/O or a deadlock: its collectives from now
+// on never contribute, so its peers' wait for it (up to the clique's 120 s
+// bound), and its host stops too, in its next stream or event query
+// (nanoq_emu::stall_host), until a peer aborts: it cannot give up itself.
 std::atomic<int> stalled_rank{-1};
 
 void note_thread(ncclComm_t comm, const char* what) {
@@ -802,6 +803,7 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
         comm->clique->rank_aborted[comm->rank] = 1;
         comm->clique->changed.notify_all();
     }
+    nanoq_emu::release_stalled_host();  // a peer gave up on the stopped rank
     // Its collectives in flight end now (graph launches among them); the
     // real library then waits for every graph that still holds one: for
     // ever where one is still alive. Counted, and carried on.
@@ -869,10 +871,13 @@ extern "C" __attribute__((visibility("default"))) void nanoq_emu_nccl_withhold_r
     withheld_rank = rank;
 }
 
-// From now on rank `rank`'s collectives never contribute (-1: every rank's
-// do again). Exported for tests (ctypes).
-extern "C" __attribute__((visibility("default"))) void nanoq_emu_nccl_stall_rank(int rank) {
+// From now on rank `rank`, whose host drives device `device`, is stopped:
+// its collectives and its host's queries (-1: no rank is). Exported for
+// tests (ctypes).
+extern "C" __attribute__((visibility("default"))) void nanoq_emu_nccl_stall_rank(int rank, int device) {
     stalled_rank = rank;
+    if (rank >= 0) nanoq_emu::stall_host(device);
+    else nanoq_emu::release_stalled_host();
 }
 
 // The fp8 products cublasLtMatmul has queued in this process, with

@@ -900,6 +900,32 @@ bool device_lost(int device) {
     return f && f->lost.load();
 }
 
+namespace {
+std::mutex stall_mutex;
+std::condition_variable stall_changed;
+int stalled_device = -1;
+
+// Blocks a query of unfinished work from the stopped host (as a process
+// stuck waiting) until it is released (120 s at most, so that a test
+// cannot hang the machine).
+void wait_if_stalled() {
+    std::unique_lock<std::mutex> lock(stall_mutex);
+    if (stalled_device != tl_device) return;
+    stall_changed.wait_for(lock, std::chrono::seconds(120), [] { return stalled_device != tl_device; });
+}
+}  // namespace
+
+void stall_host(int device) {
+    std::lock_guard<std::mutex> lock(stall_mutex);
+    stalled_device = device;
+}
+
+void release_stalled_host() {
+    std::lock_guard<std::mutex> lock(stall_mutex);
+    stalled_device = -1;
+    stall_changed.notify_all();
+}
+
 // ---- stream capture ------------------------------------------------------------------
 // One recorded operation of a capture: its work and the earlier nodes it
 // waits for (the stream order and the events waited on during the capture).
@@ -1650,6 +1676,7 @@ cudaError_t cudaStreamQuery(cudaStream_t stream) {
         return captured;
     std::string message;
     const cudaError_t code = nanoq_emu::resolve(stream)->query(&message);
+    if (code == cudaErrorNotReady) nanoq_emu::wait_if_stalled();
     return code == cudaSuccess || code == cudaErrorNotReady ? code : report(code, message);
 }
 
@@ -1760,8 +1787,12 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
 
 cudaError_t cudaEventQuery(cudaEvent_t event) {
     if (const cudaError_t captured = nanoq_emu::check_event_not_captured(event, "cudaEventQuery")) return captured;
-    std::lock_guard<std::mutex> lock(event->mutex);
-    return event->completed >= event->recorded ? cudaSuccess : cudaErrorNotReady;
+    {
+        std::lock_guard<std::mutex> lock(event->mutex);
+        if (event->completed >= event->recorded) return cudaSuccess;
+    }
+    nanoq_emu::wait_if_stalled();
+    return cudaErrorNotReady;
 }
 
 cudaError_t cudaEventElapsedTime(float* milliseconds, cudaEvent_t start, cudaEvent_t end) {

@@ -31,8 +31,9 @@ public:
                            const std::vector<std::int64_t>& recv_bytes) = 0;
     // Returns when every process has called it.
     virtual void barrier() = 0;
-    // Both give up, throwing NanoqError, when they have waited for the
-    // other processes longer than collective_timeout_seconds() (when > 0).
+    // Both should give up, throwing NanoqError, when they have waited for
+    // the other processes longer than collective_timeout_seconds() (when
+    // > 0), as the Python package's (nanoq.distributed.MPITransport) does.
 };
 
 // The seconds environment variable `name` gives, `fallback` when it is
