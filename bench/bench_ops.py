@@ -37,6 +37,9 @@ cases run there, as training does, and again in nanoq's native kernels
 non-deterministic algorithm (the "nondeterministic" rows,
 TrainOptions.attention_deterministic False: dq accumulated with atomics).
 PyTorch runs SDPA, with a boolean document mask for the ``-documents`` cases.
+embedding_backward-padded pads half of each row with one token, as SFT pads:
+the backward adds each token's rows in order in one block, so this is its
+longest run of one token.
 
     python bench/bench_ops.py [--out DIR] [--ops matmul,classifier] [--repeats 20]
     python bench/bench_ops.py --smoke --backend cuda_emulated   # tiny shapes, no GPU needed: the plumbing
