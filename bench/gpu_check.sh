@@ -297,10 +297,10 @@ gpu_tests() {
         echo "not collected: $path (needs $packages; $cost)"
         left_out+="$path "
     done < <(uncollectable)
-    # The files of this GPU path first (cuDNN, fp8, graphs, training), then the rest in name
+    # The files of this GPU path first (cuDNN, fp8, graphs, training, the Quickstart's `nanoq train`), then the rest in name
     # order (pytest keeps the order of the files it is given): a run its time limit stops
     # has checked what only a GPU can check.
-    local first=(test_fused_attention test_fp8 test_cuda_graphs test_gpu_training test_cublaslt test_gpu_options
+    local first=(test_fused_attention test_fp8 test_cuda_graphs test_gpu_training test_quickstart test_cublaslt test_gpu_options
                  test_build_backend test_classifier_chunks test_adamw_shard test_memory) files=() name
     for name in "${first[@]}"; do [[ ! -f tests/$name.py ]] || files+=("tests/$name.py"); done
     for path in tests/test_*.py; do
