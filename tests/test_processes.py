@@ -115,8 +115,9 @@ def test_a_process_that_stops_without_failing_ends_the_run_within_the_collective
     # Process 1 sleeps mid-run, as one stuck in I/O or a deadlock: alive, so neither its error nor
     # the launcher ends the run. Process 0's next exchange gives up after NANOQ_COLLECTIVE_TIMEOUT
     # seconds, and its error ends every process.
-    spec = dict(mode="stall", failing=1, options=dict(devices=2), steps=1000, out=str(tmp_path))
-    result, seconds = launch(2, spec, timeout=120, NANOQ_COLLECTIVE_TIMEOUT="2")
+    spec = dict(mode="stall", failing=1, options=dict(devices=2), steps=1000, out=str(tmp_path),
+                late_env=dict(NANOQ_COLLECTIVE_TIMEOUT="2"))
+    result, seconds = launch(2, spec, timeout=120)
     assert result.returncode != 0
     assert seconds < 30, f"the run took {seconds:.1f} s to end after process 1 stalled"
     # Process 0's failing call waited the limit out first (a wait that gave up at once would not).

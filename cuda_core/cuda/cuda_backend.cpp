@@ -548,6 +548,7 @@ template <typename Query>
 void poll_until_done(Query query, const char* what, const std::function<void(double)>& check) {
     const auto start = std::chrono::steady_clock::now();
     const auto waited = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
+    if (check) check(0.0);  // a wait begins (the communicator reads its time limit afresh)
     for (Backoff backoff;; backoff.pause()) {
         const cudaError_t status = query();
         if (status == cudaSuccess) return;

@@ -48,9 +48,10 @@ public:
     void host_wait(cudaStream_t stream);
     // The same wait for an event to complete.
     void host_wait(cudaEvent_t event);
-    // The check host waits call while they poll, with the seconds the wait
-    // has lasted (the communicator's: its group's abort flag, NCCL's
-    // asynchronous errors and the collective time limit); empty for none.
+    // The check host waits call as they begin (with 0) and while they poll,
+    // with the seconds the wait has lasted (the communicator's: its group's
+    // abort flag, NCCL's asynchronous errors and the collective time
+    // limit); empty for none.
     void set_host_wait_check(std::function<void(double)> check) { host_wait_check_ = std::move(check); }
 
     std::string name() const override { return NANOQ_CUDA_BACKEND_NAME; }

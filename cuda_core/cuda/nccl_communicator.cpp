@@ -121,7 +121,8 @@ private:
     CommTicket on_compute_stream();
     // Throws when the group failed (WorkerAborted), NCCL reports an
     // asynchronous error, or a wait has lasted `waited` seconds beyond the
-    // collective time limit; called while this rank polls.
+    // collective time limit; called while this rank polls (with 0 as a host
+    // wait begins: the limit is read again then).
     void check(double waited = 0.0);
     // The error of a wait beyond its time limit; `why_limit` null: a call
     // on the communicator, beyond the collective time limit.
@@ -153,8 +154,10 @@ private:
     CommTicket issued_ = 0;  // the last ticket handed out
     CommTicket waited_ = 0;  // the compute is ordered after every collective up to this one
     float* barrier_token_ = nullptr;  // 4 bytes of device memory, outside the named allocator
-    // The collective time limit in seconds (collective_timeout_seconds; 0:
-    // none, as in a group of one, where no wait depends on another rank).
+    // The collective time limit in seconds (collective_timeout_seconds, read
+    // when the communicator is made, so that a bad value refuses at once,
+    // and as each host wait begins; 0: none, as in a group of one, where no
+    // wait depends on another rank).
     double collective_limit_ = 0.0;
 };
 
@@ -236,7 +239,9 @@ void NcclCommunicator::check(double waited) {
     if (state != ncclSuccess && state != ncclInProgress)
         throw NanoqError(nccl_message(state, "an earlier call (ncclCommGetAsyncError)"));
     // A host wait: the device's work includes collectives, which wait for
-    // every rank.
+    // every rank. The limit is read as each wait begins, as the Python
+    // layer reads it for each exchange.
+    if (waited == 0.0 && size_ > 1) collective_limit_ = collective_timeout_seconds();
     if (collective_limit_ > 0 && waited > collective_limit_)
         timed_out("its GPU's work", collective_limit_,
                   ("that work includes collectives, which wait for every rank of the world: " +

@@ -6,7 +6,8 @@ tests/test_processes.py. Argument: a JSON spec with
             "stall" (this process stops mid-run without failing: it sleeps)
   failing:  the process rank that fails (modes other than train)
   options:  TrainOptions fields (devices = this process's devices)
-  steps:    optimizer steps; out: the directory for each rank's results.
+  steps:    optimizer steps; out: the directory for each rank's results;
+  late_env: environment variables set once the trainer is made (optional).
 Trains the tests' tiny model on seeded random global batches; each process
 steps over its rows and writes out/rank<r>.npz (losses, norms, weights)."""
 import json
@@ -33,6 +34,7 @@ mode, failing = spec.get("mode", "train"), spec.get("failing", 1)
 losses, norms = [], []
 with nanoq.Trainer(CONFIG, options) as trainer:
     trainer.init_weights(seed=3)
+    os.environ.update(spec.get("late_env", {}))  # from here on (the set-up, slow under load, is not held to it)
     for index, (inputs, targets) in enumerate(global_batches(spec["steps"] * options.grad_accum,
                                                               group.size * rows_per_process, options.seq_len)):
         if group.rank == failing and index == 3:
