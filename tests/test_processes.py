@@ -294,3 +294,46 @@ def test_a_collective_time_limit_that_is_not_a_number_of_seconds_is_refused(monk
     assert nanoq._core.collective_timeout() == 0
     monkeypatch.delenv("NANOQ_COLLECTIVE_TIMEOUT")
     assert nanoq._core.collective_timeout() == 1800
+
+
+class _CountingComm:
+    """An mpi4py communicator's barrier calls, counted: its nonblocking barrier
+    completes on the third test."""
+
+    def __init__(self):
+        self.calls = []
+
+    def py2f(self):
+        return id(self)
+
+    def Get_rank(self):
+        return 0
+
+    def Get_size(self):
+        return 2
+
+    def Ibarrier(self):
+        self.calls.append("Ibarrier")
+        comm = self
+
+        class Request:
+            tests = 0
+
+            def Test(self):
+                Request.tests += 1
+                comm.calls.append("Test")
+                return Request.tests >= 3
+        return Request()
+
+    def Barrier(self):
+        self.calls.append("Barrier")
+
+
+@pytest.mark.parametrize("limit, calls", [("30", ["Ibarrier", "Test", "Test", "Test"]), ("0", ["Barrier"])])
+def test_a_barrier_meets_the_other_processes_once(monkeypatch, limit, calls):
+    # Under a time limit the polled nonblocking barrier is the barrier (a blocking one after it
+    # would cost a second round for nothing); without one, MPI's blocking barrier.
+    monkeypatch.setenv("NANOQ_COLLECTIVE_TIMEOUT", limit)
+    comm = _CountingComm()
+    nanoq.distributed.MPITransport(comm).barrier()
+    assert comm.calls == calls

@@ -142,8 +142,7 @@ class MPITransport:
                             [recv, (list(recv_counts), recv_displacements), MPI.BYTE])
 
     def barrier(self) -> None:
-        await_every_process(self.comm, "the core's barrier")
-        self.comm.Barrier()
+        _barrier(self.comm, "the core's barrier")
 
 
 # Communicators (by MPI handle) on which a wait timed out: MPI cannot take
@@ -152,16 +151,17 @@ class MPITransport:
 _timed_out: Dict[int, str] = {}
 
 
-def await_every_process(comm, what: str) -> None:
+def await_every_process(comm, what: str) -> bool:
     """Returns once every process of mpi4py communicator ``comm`` has called
-    it (a nonblocking barrier, polled). A process that stopped without
+    it (a nonblocking barrier, polled): True, or False at once without
+    waiting where the limit is 0. A process that stopped without
     failing would leave the others waiting in their next collective for
     ever: past the collective time limit (``NANOQ_COLLECTIVE_TIMEOUT``,
     nanoq._core.collective_timeout) this raises RuntimeError naming ``what``
     instead, and so does every later call on ``comm`` (the run must end).
     The collective that follows then runs between processes that have all
     reached it; the barrier holds no buffer, so the one abandoned on the
-    error can write nowhere. With the limit 0, returns at once."""
+    error can write nowhere."""
     from nanoq import _core
 
     handle = comm.py2f()
@@ -170,17 +170,28 @@ def await_every_process(comm, what: str) -> None:
                            f"collectives are out of step since, and the run must end")
     limit = _core.collective_timeout()
     if not limit:
-        return
+        return False
     request = comm.Ibarrier()
+    # Polled every 100 us at most (the core's exchanges come many to a step) until a
+    # second has passed, then every 10 ms (a long wait, e.g. on a checkpoint's save).
     start, pause = time.monotonic(), 20e-6
     while not request.Test():
-        if time.monotonic() - start > limit:
+        waited = time.monotonic() - start
+        if waited > limit:
             message = (f"process {comm.Get_rank()} of {comm.Get_size()}: {what} did not finish within {limit:g} s: "
                        f"it waits for every process of the run: {_core.collective_timeout_advice()}")
             _timed_out[handle] = message
             raise RuntimeError(message)
         time.sleep(pause)
-        pause = min(2 * pause, 1e-3)
+        pause = min(2 * pause, 1e-4 if waited < 1 else 1e-2)
+    return True
+
+
+def _barrier(comm, what: str) -> None:
+    """A barrier of ``comm``'s processes under the collective time limit
+    (``await_every_process`` is one; MPI's blocking one without a limit)."""
+    if not await_every_process(comm, what):
+        comm.Barrier()
 
 
 def _displacements(counts) -> List[int]:
@@ -209,8 +220,7 @@ class MPIGroup(ProcessGroup):
         self._node = None
 
     def barrier(self) -> None:
-        await_every_process(self.comm, "a barrier of the processes")
-        self.comm.Barrier()
+        _barrier(self.comm, "a barrier of the processes")
 
     def broadcast(self, value: Any, root: int = 0) -> Any:
         _check_root(root, self.size)
