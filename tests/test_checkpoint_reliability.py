@@ -485,3 +485,51 @@ def test_mpiexec_processes_resume_past_a_damaged_checkpoint(tmp_path):
     assert f"resuming from {os.path.join(root, 'step_00000002')} at step 2" in output
     assert len([name for name in os.listdir(root) if name.startswith("step_00000004.corrupt-")]) == 1
     assert checkpoint.list_checkpoints(root) == [2, 4, 6]
+
+
+def _dead_pid():
+    """The pid of a process that has ended."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_an_export_killed_midway_leaves_no_folder_behind_after_the_next(tmp_path):
+    # A killed new_directory (a second Ctrl-C during a run's final export, say) leaves
+    # <dir>.partial-<pid>: a whole model's copy. The next one into that place removes it; a
+    # folder of a live process, and a replaced folder while the target is missing (then the
+    # only copy), stay.
+    from nanoq.durable import new_directory
+
+    target = tmp_path / "model"
+    dead = _dead_pid()
+    abandoned = [tmp_path / f"model.partial-{dead}", tmp_path / f"model.replaced-{dead}"]
+    live = tmp_path / f"model.partial-{os.getppid()}"
+    for folder in abandoned + [live]:
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"x" * 100)
+    with new_directory(target) as partial:
+        open(os.path.join(partial, "config.json"), "w").write("{}")
+    assert not abandoned[0].exists() and abandoned[1].exists() and live.exists()
+    with new_directory(target, overwrite=True) as partial:  # now the target is there: the replaced one goes too
+        open(os.path.join(partial, "config.json"), "w").write("{}")
+    assert not abandoned[1].exists() and live.exists()
+    assert sorted(os.listdir(tmp_path)) == sorted(["model", live.name])
+
+
+def test_folders_a_save_creates_are_made_durable_in_their_parents(tmp_path, monkeypatch):
+    from nanoq import durable
+
+    synced = []
+    fsync_path = durable.fsync_path
+    monkeypatch.setattr(durable, "fsync_path", lambda path: (synced.append(os.fspath(path)), fsync_path(path)))
+    durable.make_dirs(tmp_path / "run" / "checkpoints")
+    assert synced == [str(tmp_path), str(tmp_path / "run")]
+    synced.clear()
+    durable.make_dirs(tmp_path / "run" / "checkpoints", exist_ok=True)
+    assert synced == []
+    with pytest.raises(FileExistsError):
+        durable.make_dirs(tmp_path / "run")

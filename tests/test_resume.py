@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from nanoq.checkpoint import list_checkpoints, read_state, read_weights
+from nanoq.checkpoint import NewerFormatError, list_checkpoints, read_state, read_weights
 from nanoq.data import write_tokens
 from nanoq.memory import human_bytes
 from nanoq.training import TrainConfig, read_log, train
@@ -192,6 +192,7 @@ def test_resume_takes_the_newest_checkpoint_even_if_latest_was_not_updated(tmp_p
     run = train(config(tmp_path, steps=8), **QUIET).run_dir
     # A save killed between its rename and the update of `latest` leaves it naming the previous step.
     open(os.path.join(run, "checkpoints", "latest"), "w").write("step_00000004\n")
+    assert read_state(os.path.join(run, "checkpoints"))["step"] == 8  # load_checkpoint(root), generate, eval
     result = train(config(tmp_path, steps=8), resume="auto", **QUIET)
     assert result.resumed_from == os.path.join(run, "checkpoints", "step_00000008")
 
@@ -207,6 +208,61 @@ def test_resuming_a_finished_run_unchanged_exports_its_model_again(tmp_path):
     assert [r["type"] for r in log[log.index(records(first.run_dir, "resume")[0]):]] == ["resume", "eval", "end"]
     third = train(config(tmp_path, steps=8), resume="auto", **QUIET)
     assert third.model_dir == os.path.join(first.run_dir, "model-step8-2")
+
+
+def test_resuming_a_finished_run_whose_checkpoint_is_the_model_takes_that_checkpoint(tmp_path):
+    # Learned positions: transformers cannot compute the model, so the final checkpoint is the model.
+    first = train(config(tmp_path, steps=8, position_embedding="learned"), **QUIET)
+    assert first.model_dir == os.path.join(first.run_dir, "checkpoints", "step_00000008")
+    again = train(config(tmp_path, steps=8, position_embedding="learned"), resume=first.run_dir, **QUIET)
+    assert again.model_dir == first.model_dir and again.final_eval_loss == first.final_eval_loss
+
+
+def test_resuming_from_an_older_step_sets_a_damaged_later_one_aside(tmp_path):
+    run = train(config(tmp_path, steps=8), **QUIET).run_dir
+    checkpoints = os.path.join(run, "checkpoints")
+    os.truncate(os.path.join(checkpoints, "step_00000008", "part-00000-of-00001.safetensors"), 100)
+    lines = []
+    result = train(config(tmp_path, steps=12), resume=os.path.join(checkpoints, "step_00000004"),
+                   say=lines.append, progress=False)
+    # Found before training (not at step 8's save, with steps 5-8 trained and lost).
+    warning = next(line for line in lines if "setting aside the damaged later checkpoint" in line)
+    assert lines.index(warning) < lines.index(next(line for line in lines if line.startswith("resuming from")))
+    assert result.steps == 12 and list_checkpoints(checkpoints)[-1] == 12
+    assert [name for name in os.listdir(checkpoints) if name.startswith("step_00000008.corrupt-")]
+
+
+def test_a_checkpoint_of_a_newer_format_is_refused_and_never_set_aside(tmp_path):
+    run = train(config(tmp_path, steps=8), **QUIET).run_dir
+    checkpoints = os.path.join(run, "checkpoints")
+    state_file = os.path.join(checkpoints, "step_00000008", "trainer_state.json")
+    state = json.load(open(state_file))
+    json.dump(dict(state, format_version=99), open(state_file, "w"))
+    for resume in ("auto", run, os.path.join(checkpoints, "step_00000004")):
+        with pytest.raises(NewerFormatError, match="format version 99, written by a newer nanoq"):
+            train(config(tmp_path, steps=12), resume=resume, **QUIET)
+    with pytest.raises(NewerFormatError, match="upgrade nanoq"):
+        read_state(checkpoints)  # not the older step 4 in its place
+    assert sorted(name for name in os.listdir(checkpoints) if name.startswith("step_")) == \
+        ["step_00000004", "step_00000008"]
+
+
+def test_config_toml_is_replaced_whole_on_resume(tmp_path, monkeypatch):
+    run = train(config(tmp_path, steps=8), **QUIET).run_dir
+    before = open(os.path.join(run, "config.toml")).read()
+
+    fsync = os.fsync
+
+    def disk_full(fd):  # the disk fills while the new config.toml is written
+        if "config.toml" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(28, "No space left on device")
+        fsync(fd)
+    monkeypatch.setattr(os, "fsync", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        train(config(tmp_path, steps=12), resume=run, **QUIET)
+    monkeypatch.undo()
+    assert open(os.path.join(run, "config.toml")).read() == before
+    assert not [name for name in os.listdir(run) if ".partial-" in name]
 
 
 def test_checkpoints_are_logged_and_rotated_as_configured(tmp_path):

@@ -9,7 +9,9 @@ A checkpoint root holds::
                                           caller's extra state (data loader, schedule), the
                                           manifest of the parts, versions
     step_00000900.corrupt-<time>/       a damaged checkpoint that a resume set aside (never read)
-    latest                              the name of the newest complete checkpoint
+    latest                              the name of the newest complete checkpoint (for people
+                                          and other tools: nanoq itself takes the newest
+                                          valid step by number)
     .lock                               held (flock) while a save or a rotation runs
 
 Each part holds, for every trainable parameter (all of the model's, or with
@@ -95,7 +97,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from nanoq.agreement import agree, on_root
-from nanoq.durable import fsync_path, give_created_mode, read_json_object, write_json
+from nanoq.durable import fsync_path, give_created_mode, make_dirs, read_json_object, replace_text, write_json
 from nanoq.hf_io import as_float32, safetensors_file
 from nanoq.memory import human_bytes
 from nanoq.testing import hooks as testing_hooks
@@ -119,6 +121,11 @@ _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, corrupt or for another model."""
+
+
+class NewerFormatError(CheckpointError):
+    """A checkpoint written by a newer nanoq, in a format this one cannot
+    read: sound, not damaged (never set aside; a newer nanoq reads it)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -209,13 +216,14 @@ def save_checkpoint(trainer, root: str | os.PathLike, step: int, extra_state: Op
     with contextlib.ExitStack() as root_only:  # process 0's lock, held to the end
         def prepare() -> Tuple[str, str, str]:
             directory = os.path.abspath(os.fspath(root))
-            os.makedirs(directory, exist_ok=True)
+            make_dirs(directory, exist_ok=True)
             root_only.enter_context(_RootLock(directory))
             _remove_partials(directory)
             final = os.path.join(directory, step_dir_name(step))
             if os.path.exists(final):
                 raise FileExistsError(f"checkpoint {final} already exists; not overwriting it")
-            later = [saved for saved in list_checkpoints(directory) if saved > step]
+            # Incomplete ones count too: a later save of their step would find them in its way.
+            later = [saved for saved in list_step_dirs(directory) if saved > step]
             if later:  # it would be read (and kept) as the newest in place of this one
                 raise ValueError(f"cannot save checkpoint step {step} into {directory}: it holds a later "
                                  f"checkpoint (step {later[-1]}). A checkpoint root holds one run's checkpoints, "
@@ -401,13 +409,7 @@ def _write_state(trainer, directory: str, step: int, extra_state: dict, tokenize
 
 
 def _point_latest(root: str, name: str) -> None:
-    temporary = os.path.join(root, f".latest.partial-{os.getpid()}")
-    with open(temporary, "w", encoding="utf-8") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, os.path.join(root, LATEST))
-    fsync_path(root)
+    replace_text(os.path.join(root, LATEST), name + "\n")
 
 
 # -- finding and reading -------------------------------------------------------
@@ -430,7 +432,14 @@ def read_state(path: str | os.PathLike) -> dict:
     missing = [field for field in REQUIRED_FIELDS if field not in state]
     if missing:
         raise CheckpointError(f"{file} lacks {', '.join(missing)}")
-    if state["format_version"] not in READABLE_VERSIONS or isinstance(state["format_version"], bool):
+    version = state["format_version"]
+    if isinstance(version, int) and not isinstance(version, bool) and version > max(READABLE_VERSIONS):
+        import nanoq
+
+        raise NewerFormatError(f"{file} has format version {version}, written by a newer nanoq "
+                               f"({state.get('nanoq_version')!r}); this nanoq ({nanoq.__version__}) reads versions "
+                               f"{', '.join(map(str, READABLE_VERSIONS))}: upgrade nanoq to read it")
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
         raise CheckpointError(f"{file} has format version {state['format_version']!r}; this nanoq reads "
                               f"versions {', '.join(map(str, READABLE_VERSIONS))}")
     for field in ("step", "optimizer_steps"):
@@ -524,9 +533,13 @@ def set_aside(directory: str | os.PathLike) -> str:
 
 
 def _is_valid(directory: str) -> bool:
+    """Whether ``directory`` is a complete checkpoint; one of a newer nanoq's
+    format raises NewerFormatError (an older step is not what was asked)."""
     try:
         read_state(directory)
         return True
+    except NewerFormatError:
+        raise
     except CheckpointError:
         return False
 
@@ -555,19 +568,14 @@ def list_checkpoints(root: str | os.PathLike) -> List[int]:
 
 
 def resolve(path: str | os.PathLike) -> str:
-    """A step directory itself, or a root's ``latest`` (if valid) or newest
-    valid checkpoint. Raises CheckpointError when there is none."""
+    """A step directory itself, or a root's newest valid checkpoint by step
+    (not ``latest``, which a crash between a save's rename and its pointer
+    update leaves one behind). Raises CheckpointError when there is none."""
     path = os.path.abspath(os.fspath(path))
     if os.path.isfile(os.path.join(path, STATE_FILE)) or _STEP_DIR.match(os.path.basename(path)):
         return path
     if not os.path.isdir(path):
         raise CheckpointError(f"no checkpoint at {path}")
-    latest = os.path.join(path, LATEST)
-    if os.path.isfile(latest):
-        with open(latest, encoding="utf-8") as f:
-            candidate = os.path.join(path, f.read().strip())
-        if _STEP_DIR.match(os.path.basename(candidate)) and _is_valid(candidate):
-            return candidate
     steps = list_checkpoints(path)
     if not steps:
         raise CheckpointError(f"{path} holds no complete checkpoint")

@@ -23,6 +23,21 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def make_dirs(path: str | os.PathLike, exist_ok: bool = False) -> None:
+    """os.makedirs, and each folder it creates is made durable in its
+    parent (fsync of the parent), so that what is later saved inside it
+    cannot vanish with it in a power loss."""
+    path = os.path.abspath(os.fspath(path))
+    missing = []
+    at = path
+    while not os.path.isdir(at) and os.path.dirname(at) != at:
+        missing.append(at)
+        at = os.path.dirname(at)
+    os.makedirs(path, exist_ok=exist_ok)
+    for folder in reversed(missing):
+        fsync_path(os.path.dirname(folder))
+
+
 def _umask() -> int:
     """This process's umask, read without changing it where the system
     allows (os.umask can only be read by setting it, which races with
@@ -56,6 +71,27 @@ def write_json(path: str | os.PathLike, value, **dump_options) -> None:
         os.fsync(f.fileno())
 
 
+def replace_text(path: str | os.PathLike, text: str) -> None:
+    """Writes ``text`` to ``path`` whole or not at all: into
+    ``.<name>.partial-<pid>`` beside it, fsynced, renamed over ``path``
+    (an old file stays until then: a full disk or a kill mid-write leaves
+    it as it was), and the folder fsynced."""
+    path = os.path.abspath(os.fspath(path))
+    folder, name = os.path.split(path)
+    temporary = os.path.join(folder, f".{name}.partial-{os.getpid()}")
+    try:
+        with open(temporary, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+        raise
+    fsync_path(folder)
+
+
 def read_json_object(file: str | os.PathLike, error: type = ValueError) -> dict:
     """The JSON object in ``file``; ``error`` naming the file when it is not
     valid UTF-8 JSON (or too deeply nested) or not an object.
@@ -70,6 +106,36 @@ def read_json_object(file: str | os.PathLike, error: type = ValueError) -> dict:
     return value
 
 
+def _process_gone(pid: int) -> bool:
+    """Whether no process ``pid`` runs on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # it exists (another user's)
+        return False
+    return False
+
+
+def _remove_abandoned(directory: str) -> None:
+    """Removes ``<directory>.partial-<pid>`` and ``.replaced-<pid>`` folders
+    that a killed ``new_directory`` left (its process is gone): a copy of
+    a whole model otherwise stays on disk for good."""
+    parent, name = os.path.split(directory)
+    try:
+        siblings = os.listdir(parent)
+    except OSError:
+        return
+    # A replaced folder is the only copy when the kill came between the two
+    # renames of a replacement: it stays unless the folder is there again.
+    kinds = (".partial-", ".replaced-") if os.path.isdir(directory) else (".partial-",)
+    for sibling in siblings:
+        for kind in kinds:
+            pid = sibling[len(name) + len(kind):] if sibling.startswith(name + kind) else ""
+            if pid.isdigit() and int(pid) != os.getpid() and _process_gone(int(pid)):
+                shutil.rmtree(os.path.join(parent, sibling), ignore_errors=True)
+
+
 @contextlib.contextmanager
 def new_directory(directory: str | os.PathLike, *, overwrite: bool = False) -> Iterator[str]:
     """Builds ``directory`` so that it appears complete or not at all.
@@ -79,7 +145,8 @@ def new_directory(directory: str | os.PathLike, *, overwrite: bool = False) -> I
     is renamed to ``directory``, and the parent folder is fsynced. Every
     file in it gets the mode of a file the user creates (0666 less the
     umask; see give_created_mode), whoever wrote it. If the
-    block raises, the partial folder is removed. An existing ``directory``
+    block raises, the partial folder is removed; those of killed earlier
+    calls (their process gone) are removed first. An existing ``directory``
     raises FileExistsError first unless ``overwrite`` (then it is replaced:
     moved aside, the new one renamed in, the old one deleted).
     """
@@ -89,6 +156,7 @@ def new_directory(directory: str | os.PathLike, *, overwrite: bool = False) -> I
             raise FileExistsError(f"{directory} already exists; not overwriting it (choose a new directory)")
         if not os.path.isdir(directory) or os.path.islink(directory):
             raise FileExistsError(f"{directory} exists and is not a directory; not overwriting it")
+    _remove_abandoned(directory)
     partial = f"{directory}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash of a process with our pid
     os.makedirs(partial)

@@ -47,7 +47,7 @@ import re
 import shlex
 from typing import Any, Dict, List, Optional, Sequence
 
-from nanoq.durable import read_json_object
+from nanoq.durable import read_json_object, replace_text
 from nanoq.trainer_config import ModelConfig
 from nanoq.training.settings import TrainConfig, settings
 
@@ -535,12 +535,5 @@ def write_nano_toml(conversion: NanoConversion, path: str | os.PathLike, *, sour
     path = os.fspath(path)
     if os.path.exists(path) and not force:
         raise FileExistsError(f"{path} already exists; choose another output or pass --force to replace it")
-    temporary = f"{path}.partial-{os.getpid()}"
-    try:
-        with open(temporary, "w", encoding="utf-8") as f:
-            f.write(nano_toml(conversion, sources))
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
+    replace_text(path, nano_toml(conversion, sources))
     return path

@@ -49,6 +49,7 @@ from typing import Callable, List, Optional, TypeVar
 from nanoq import __version__, distributed
 from nanoq.agreement import agree, on_root
 from nanoq.checkpoint import DiskSpaceWarning, newest_finite
+from nanoq.durable import make_dirs, replace_text
 from nanoq.backends import CUDA_BACKENDS, cpu_oversubscription, idle_gpus_warning, resolve_backend
 from nanoq.trainer_config import ModelConfig
 from nanoq.hf_export import NotExportable, architecture, export_adapter
@@ -128,7 +129,7 @@ class _NoLog:
 def _make_run_dir(path: str) -> None:
     """os.makedirs(path); an OSError other than FileExistsError (a read-only out_dir) says what to do."""
     try:
-        os.makedirs(path)
+        make_dirs(path)
     except FileExistsError:
         raise
     except OSError as e:
@@ -692,8 +693,7 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
     # Named once the run is set up: a setup that fails removes a new run's directory.
     say(f"run directory: {os.path.abspath(run_dir)}")
     if group.is_root:
-        with open(os.path.join(run_dir, "config.toml"), "w", encoding="utf-8") as f:
-            f.write(config.to_toml())
+        replace_text(os.path.join(run_dir, "config.toml"), config.to_toml())
     tokens_per_step = loader.batch_rows * config.seq_len * config.grad_accum  # the global batch
     world_devices = trainer.topology[0]
     log_file = JsonlLog(os.path.join(run_dir, "log.jsonl"), tracker=tracker) if group.is_root else _NoLog()
@@ -855,7 +855,9 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
         except NotExportable as unexportable:
             # A model transformers cannot compute (learned positions,
             # bidirectional attention): the final checkpoint is the model.
-            model_dir = saved.get(done.step) or save_checkpoint()
+            # A resumed run that trained no further has it already (saving it again would fail).
+            model_dir = saved.get(done.step) or (resumed.state["path"] if resumed is not None
+                                                 and resumed.state["step"] == done.step else save_checkpoint())
             say(f"no Hugging Face export: {unexportable}")
             say("the final checkpoint holds the model: nanoq generate, nanoq eval and --resume take it")
         else:

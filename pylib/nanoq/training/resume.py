@@ -23,8 +23,8 @@ import math
 import os
 from typing import Any, Callable, Dict, List, Optional
 
-from nanoq.checkpoint import (STATE_FILE, CheckpointError, list_checkpoints, list_step_dirs, load_checkpoint,
-                              read_state, set_aside, step_dir_name, verify)
+from nanoq.checkpoint import (STATE_FILE, CheckpointError, NewerFormatError, list_checkpoints, list_step_dirs,
+                              load_checkpoint, read_state, set_aside, step_dir_name, verify)
 from nanoq.data import DataLoader
 from nanoq.memory import human_bytes
 from nanoq.trainer import Trainer
@@ -195,6 +195,8 @@ def _newest_good(root: str, say: Callable[[str], None]) -> dict:
             state = read_state(step_dir)
             _verify(state, say)
             return state
+        except NewerFormatError:
+            raise  # sound, for a newer nanoq: never set aside
         except CheckpointError as e:
             moved = set_aside(step_dir)
             say(f"warning: skipping checkpoint {step_dir}: {e}; moved it aside to {moved}")
@@ -205,8 +207,10 @@ def _newest_good(root: str, say: Callable[[str], None]) -> dict:
 def prepare_resume(config: TrainConfig, run: RunToResume, say: Callable[[str], None]) -> Resume:
     """The checkpoint to continue ``run`` (from ``find_run``) from, checked
     against ``config``. The newest good one when ``run`` names no step
-    directory: newer ones that fail verification are moved aside (call it
-    with the run locked, on one process)."""
+    directory: newer ones that fail verification are moved aside, as are
+    damaged step directories after a named one (a later complete checkpoint
+    is refused: continuing would overwrite it; one of a newer nanoq's format
+    raises NewerFormatError). Call it with the run locked, on one process."""
     root = run.root
     if run.step_dir is None:
         state = _newest_good(root, say)
@@ -219,7 +223,19 @@ def prepare_resume(config: TrainConfig, run: RunToResume, say: Callable[[str], N
     if missing:
         raise CheckpointError(f"{step_dir} was not written by nanoq train (its extra state lacks "
                               f"{', '.join(missing)}): it can be exported (nanoq export) but not resumed")
-    later = [step for step in list_checkpoints(root) if step > state["step"]]
+    later = []
+    for step in list_step_dirs(root):
+        if step > state["step"]:
+            later_dir = os.path.join(root, step_dir_name(step))
+            try:
+                read_state(later_dir)
+            except NewerFormatError:
+                raise
+            except CheckpointError as e:  # its step's save would find it in the way
+                say(f"warning: setting aside the damaged later checkpoint {later_dir}: {e}; moved it to "
+                    f"{set_aside(later_dir)}")
+                continue
+            later.append(step)
     if later:
         raise ValueError(f"cannot resume from {step_dir}: {root} holds a later checkpoint (step {later[-1]}), "
                          f"which continuing from here would have to overwrite; resume from {root}, or move "
