@@ -177,6 +177,52 @@ def test_config_flags_choose_the_architecture(flags, architecture):
                                                                          config.qk_norm)
 
 
+LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("rope", [
+    dict(rope_parameters=dict(LLAMA3, rope_theta=500000.0)),                      # transformers 5
+    dict(rope_theta=500000.0, rope_scaling=dict(LLAMA3)),                          # transformers 4
+    dict(rope_theta=500000.0, rope_parameters=dict(LLAMA3)),                       # theta beside the parameters
+    dict(rope_parameters=dict(LLAMA3)),                                            # no theta anywhere: 10000
+    dict(rope_parameters=dict(rope_type="default", rope_theta=1e6), rope_scaling=dict(LLAMA3)),  # scaling wins
+    dict(rope_scaling=dict(LLAMA3, type="llama3")),                                # 4.x's "type"
+    dict(rope_parameters={k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"}),
+    dict(rope_parameters=dict(rope_type="default", rope_theta=1e6)),
+    dict(rope_theta=1e6),
+    dict(rope_parameters=dict(full_attention=dict(rope_type="default", rope_theta=1e6))),  # per layer type
+])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_rope_settings_are_read_as_transformers_reads_them(rope, family):
+    # The same config.json, read by transformers and by nanoq: the same theta and scaling.
+    config = nanoq.ModelConfig(**dict(NANOQ_CONFIG["llama"], qkv_bias=family == "qwen2"))
+    raw = {key: value for key, value in hf_config_dict(config, 128).items()
+           if key not in ("rope_parameters", "rope_theta", "rope_scaling")}
+    raw.update(rope)
+    config_class = transformers.LlamaConfig if family == "llama" else transformers.Qwen2Config
+    theirs = config_class.from_dict(json.loads(json.dumps(raw))).rope_parameters
+    if "full_attention" in theirs and family == "qwen2":  # per layer type (Llama has none)
+        theirs = theirs["full_attention"]
+    ours = nanoq.ModelConfig.from_hf_dict(raw)
+    assert ours.rope_theta == theirs["rope_theta"]
+    if theirs["rope_type"] == "default":
+        assert ours.rope_scaling is None
+    else:
+        assert ours.rope_scaling == {key: theirs[key] for key in ["rope_type", *LLAMA3]}
+
+
+@pytest.mark.parametrize("rope", [
+    dict(rope_parameters=dict(rope_type="linear", factor=4.0)),
+    dict(rope_theta=500000.0, rope_parameters=dict(rope_type="yarn", factor=4.0)),
+    dict(rope_parameters=dict(rope_type="default", rope_theta=1e6), rope_scaling=dict(type="linear", factor=2.0)),
+])
+def test_rope_scalings_nanoq_does_not_compute_are_refused(rope):
+    raw = dict(hf_config_dict(nanoq.ModelConfig(**NANOQ_CONFIG["llama"]), 128), **rope)
+    with pytest.raises(ValueError, match="is not supported"):
+        nanoq.ModelConfig.from_hf_dict(raw, source="model/config.json")
+
+
 @pytest.mark.parametrize("flags", [dict(o_bias=True), dict(qk_norm=True, qkv_bias=True)])
 def test_config_without_hf_architecture_is_refused(flags, tmp_path):
     config = nanoq.ModelConfig(**dict(NANOQ_CONFIG["llama"], **flags))

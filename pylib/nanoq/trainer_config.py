@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
@@ -191,21 +191,7 @@ class ModelConfig:
         if raw.get("use_sliding_window"):
             raise ValueError(f"{source}: sliding-window attention is not supported")
 
-        rope = raw.get("rope_parameters")
-        if isinstance(rope, dict) and "rope_theta" in rope:  # transformers 5.x
-            theta = rope["rope_theta"]
-            scaling = rope if rope.get("rope_type", "default") != "default" else None
-        else:  # transformers 4.x
-            theta = raw.get("rope_theta", 10000.0)
-            scaling = raw.get("rope_scaling")
-        if scaling is not None and not isinstance(scaling, dict):
-            raise ValueError(f"{source}: rope scaling must be an object, got {scaling!r}")
-        if scaling is not None:
-            kind = scaling.get("rope_type", scaling.get("type"))
-            if kind == "default":
-                scaling = None
-            elif kind != "llama3":
-                raise ValueError(f"{source}: rope scaling {kind!r} is not supported (only llama3)")
+        theta, scaling = _hf_rope(raw, family, source)
 
         attention_bias = bool(raw.get("attention_bias", False))
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -247,6 +233,38 @@ class ModelConfig:
         if not self.learned_positions:
             del core["max_position_embeddings"]
         return core
+
+
+def _hf_rope(raw: dict, family: str, source: str) -> Tuple[float, Optional[dict]]:
+    """RoPE's (theta, scaling or None) of a config.json of ``family``, read
+    as transformers 5 reads it (4.x's files included): the parameters are
+    ``rope_scaling`` if set, else ``rope_parameters`` (one dict, or for
+    Qwen's families, which have layer types, one per layer type named in
+    ``layer_types``, which must then agree); theta is theirs, else the top-level
+    ``rope_theta``, else 10000; a llama3 scaling without
+    ``original_max_position_embeddings`` takes ``max_position_embeddings``.
+    Any scaling but llama3 is refused: run unscaled, the model would compute
+    other numbers than transformers does."""
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"{source}: rope scaling must be an object, got {rope!r}")
+    layer_types = raw.get("layer_types") or (() if family == "llama" else ("full_attention",))
+    nested = [rope[key] for key in rope if isinstance(layer_types, (list, tuple)) and key in layer_types]
+    if nested:  # per layer type: {"full_attention": {...}, ...}
+        if any(not isinstance(value, dict) or value != nested[0] for value in nested):
+            raise ValueError(f"{source}: RoPE parameters that differ between layer types are not supported: "
+                             f"{rope!r}")
+        rope = nested[0]
+    theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ValueError(f"{source}: rope scaling {kind!r} is not supported (only llama3)")
+    scaling = dict(rope)
+    if "original_max_position_embeddings" not in scaling and raw.get("max_position_embeddings") is not None:
+        scaling["original_max_position_embeddings"] = raw["max_position_embeddings"]
+    return theta, scaling
 
 
 def _llama3_scaling(scaling: dict) -> dict:
