@@ -249,14 +249,23 @@ def _word_tokenizer(directory):
 def test_tokenizer_files_are_copied_and_eos_detected(trained, tmp_path):
     run = trained("llama")
     tokenizer_dir = _word_tokenizer(tmp_path / "tokenizer")
+    # As transformers 5 saves a base model: its chat template in a file of its own, generation defaults.
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    open(os.path.join(tokenizer_dir, "chat_template.jinja"), "w").write(template)
+    json.dump({"eos_token_id": [2, 3], "temperature": 0.7, "do_sample": True},
+              open(os.path.join(tokenizer_dir, "generation_config.json"), "w"))
     out = write_model(tmp_path / "model", run.weights, run.config, max_position_embeddings=16,
                       tokenizer_dir=tokenizer_dir)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         assert open(os.path.join(out, name), "rb").read() == open(os.path.join(tokenizer_dir, name), "rb").read()
     assert json.load(open(os.path.join(out, "config.json")))["eos_token_id"] == 2
+    assert transformers.AutoTokenizer.from_pretrained(out).chat_template == template
+    generation = transformers.GenerationConfig.from_pretrained(out)
+    assert (generation.eos_token_id, generation.temperature, generation.do_sample) == ([2, 3], 0.7, True)
     explicit = write_model(tmp_path / "explicit", run.weights, run.config, max_position_embeddings=16,
                            tokenizer_dir=tokenizer_dir, eos_token_id=1)
     assert json.load(open(os.path.join(explicit, "config.json")))["eos_token_id"] == 1
+    assert transformers.GenerationConfig.from_pretrained(explicit).eos_token_id == 1  # generate() stops there too
 
 
 def test_an_imported_model_exports_with_its_tokenizer_and_special_ids(checkpoints, tmp_path):
@@ -377,3 +386,18 @@ def test_exported_context_is_the_declared_one_or_the_trained_seq_len(tmp_path, d
     with nanoq.Trainer(config, nanoq.TrainOptions(backend="cpu", seq_len=16)) as trainer:
         out = trainer.export_model(tmp_path / "model")
     assert json.load(open(os.path.join(out, "config.json")))["max_position_embeddings"] == written
+
+
+@pytest.mark.parametrize("index, message", [
+    ('{"weight_map": ["model.safetensors"]}', "weight_map must map tensor names to shard file names"),
+    ('{"weight_map": {"model.embed_tokens.weight": 3}}', "weight_map must map tensor names to shard file names"),
+    ('{"metadata": {}}', "not a safetensors index"),
+    ('[1, 2]', "not a safetensors index"),
+    ('{"weight_map": {"model.embed_tokens.weight": "../elsewhere.safetensors"}}', "must be a plain file name"),
+])
+def test_a_malformed_safetensors_index_is_a_clear_error(tmp_path, index, message):
+    from nanoq.hf_io import weight_files
+
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ValueError, match=message):
+        weight_files(tmp_path)

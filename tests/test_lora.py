@@ -421,6 +421,34 @@ def test_merged_and_peft_exports_give_the_same_logits_as_nanoq(checkpoints, tmp_
     np.testing.assert_allclose(logits(loaded_again, inputs), reference, atol=1e-6)
 
 
+@pytest.mark.parametrize("file", ["model.safetensors", "model.safetensors.index.json"])
+def test_a_base_imported_from_its_weights_file_exports_merged_and_as_an_adapter(checkpoints, tmp_path, file):
+    # import_weights takes a model's weights file or index too: the base it records is then a file,
+    # whose folder holds the config (merge) and is what peft loads (adapter_config.json).
+    import shutil
+
+    base = tmp_path / "base"
+    if file == "model.safetensors":
+        shutil.copytree(checkpoints.path("llama"), base)
+    else:
+        AutoModelForCausalLM.from_pretrained(checkpoints.path("llama")).save_pretrained(base, max_shard_size="20KB")
+    assert os.path.isfile(base / file)
+    rng = np.random.default_rng(5)
+    inputs, _ = random_batch(rng, rows=2)
+    options = nanoq.TrainOptions(backend="cpu", batch_size=2, seq_len=SEQ, lora=LoraConfig(rank=2, targets="q,v"))
+    with nanoq.Trainer(nanoq.ModelConfig.from_pretrained(base), options) as tr:
+        tr.import_weights(base / file)
+        set_adapters(tr, random_adapters(tr, 6))
+        adapter_dir = export_adapter(tr, tmp_path / "adapter")
+        step_dir = tr.save_checkpoint(tmp_path / "ckpt", step=0)
+    assert json.load(open(os.path.join(adapter_dir, "adapter_config.json")))["base_model_name_or_path"] == str(base)
+    reference = logits(peft.AutoPeftModelForCausalLM.from_pretrained(adapter_dir), inputs)
+    merged = AutoModelForCausalLM.from_pretrained(export_checkpoint(step_dir, tmp_path / "merged"))
+    np.testing.assert_allclose(logits(merged, inputs), reference, atol=2e-5, rtol=1e-5)
+    again = export_checkpoint(step_dir, tmp_path / "adapter2", merge_adapters=False)
+    assert json.load(open(os.path.join(again, "adapter_config.json")))["base_model_name_or_path"] == str(base)
+
+
 def test_export_checkpoint_needs_the_base_model(checkpoints, tmp_path):
     import shutil
 

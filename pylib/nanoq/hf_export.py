@@ -32,12 +32,16 @@ import numpy as np
 
 from nanoq.agreement import on_root
 from nanoq.trainer_config import ModelConfig
-from nanoq.durable import new_directory, write_json
+from nanoq.durable import new_directory, read_json_object, write_json
 from nanoq.hf_io import is_parameter, iter_weights
 from nanoq.lora import LoraConfig, merge, split_adapters, write_peft_adapter
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# Copied from tokenizer_dir (an imported base's own folder, or nanoq tokenize's
+# output): the tokenizer, its chat template (transformers 5 saves it apart
+# from tokenizer_config.json) and the base's generation defaults.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+GENERATION_CONFIG = "generation_config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -152,7 +156,9 @@ def write_model(directory: str | os.PathLike, weights: Dict[str, np.ndarray], co
     model: transformers ties it to the embedding). Above max_shard_bytes of
     tensors, the weights are split into shards with an index file.
     tokenizer_dir: a directory whose tokenizer.json (required there),
-    tokenizer_config.json and special_tokens_map.json are copied in.
+    tokenizer_config.json, special_tokens_map.json, chat_template.jinja
+    and generation_config.json (its ids made to agree with config.json's,
+    see _generation_config) are copied in.
     eos_token_id: None takes the tokenizer's, if it has one. bos_token_id:
     written as given (None: null).
     ``directory`` must not exist; it appears, complete and fsynced, by a rename
@@ -193,7 +199,28 @@ def write_model(directory: str | os.PathLike, weights: Dict[str, np.ndarray], co
             for name in TOKENIZER_FILES:
                 if os.path.isfile(os.path.join(tokenizer_dir, name)):
                     shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(partial, name))
+            if os.path.isfile(os.path.join(tokenizer_dir, GENERATION_CONFIG)):
+                write_json(os.path.join(partial, GENERATION_CONFIG),
+                           _generation_config(os.path.join(tokenizer_dir, GENERATION_CONFIG), hf_config),
+                           sort_keys=True)
     return os.path.abspath(os.fspath(directory))
+
+
+def _generation_config(file: str, hf_config: dict) -> dict:
+    """A base's generation_config.json made to agree with the exported
+    config.json (generate() stops at its eos ids, not config.json's): its
+    eos list stays when it holds config.json's eos (an instruct model's
+    end-of-turn ids beside the EOS), else config.json's ids replace it."""
+    def ids(value) -> set:
+        return set(value) if isinstance(value, list) else {value}
+
+    generation = read_json_object(file)
+    eos, bos = hf_config.get("eos_token_id"), hf_config.get("bos_token_id")
+    if eos is not None and not ids(eos) <= ids(generation.get("eos_token_id")):
+        generation["eos_token_id"] = eos
+    if bos is not None:
+        generation["bos_token_id"] = bos
+    return generation
 
 
 def _model_dir(path) -> Optional[str]:
@@ -278,7 +305,8 @@ def export_adapter(trainer, directory: str | os.PathLike, *, overwrite: bool = F
         raise ValueError("this trainer has no LoRA adapters: use export_model")
     adapters = trainer.get_weights(trainable_only=True)
     return _written_by_root(trainer, lambda: write_peft_adapter(
-        directory, adapters, trainer.lora, base_model_name_or_path=trainer.base_model or "", overwrite=overwrite),
+        directory, adapters, trainer.lora, base_model_name_or_path=_model_dir(trainer.base_model) or "",
+        overwrite=overwrite),
         f"exporting the adapters to {directory}")
 
 
@@ -338,7 +366,7 @@ def export_checkpoint(checkpoint_path: str | os.PathLike, directory: str | os.Pa
     if lora is not None and not merge_adapters:
         return write_peft_adapter(directory, _finite(read_weights(step_directory), step_directory, allow_non_finite),
                                   lora,
-                                  base_model_name_or_path=_checkpoint_base(state, base_model))
+                                  base_model_name_or_path=_model_dir(_checkpoint_base(state, base_model)))
     if max_position_embeddings is None:
         max_position_embeddings = state.get("max_position_embeddings")
         if max_position_embeddings is None:
@@ -378,9 +406,10 @@ def _finite(weights: Dict[str, np.ndarray], source: str, allow_non_finite: bool,
 
 
 def _base_weights(path: str, config: ModelConfig) -> Dict[str, np.ndarray]:
-    """The float32 parameters of the Hugging Face model directory ``path``,
+    """The float32 parameters of the Hugging Face model at ``path`` (what
+    import_weights read: its directory, model.safetensors or index file),
     which must have the architecture ``config`` (the adapters were trained on it)."""
-    theirs = ModelConfig.from_pretrained(path).to_core()
+    theirs = ModelConfig.from_pretrained(_model_dir(path) or path).to_core()
     # Dropout is a training setting: the base model has none, and needs none.
     differences = [f"{key}: {theirs.get(key)!r}, the checkpoint's {value!r}" for key, value in config.to_core().items()
                    if theirs.get(key) != value and key != "dropout"]

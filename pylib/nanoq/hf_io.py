@@ -146,8 +146,10 @@ def weight_files(path: str | os.PathLike) -> list[str]:
         with open(path, encoding="utf-8") as f:
             try:
                 weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError):
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
                 raise ValueError(f"{path}: not a safetensors index (no weight_map)") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
+            raise ValueError(f"{path}: weight_map must map tensor names to shard file names")
         base = os.path.dirname(path)
         files = sorted(set(weight_map.values()))
         for file in files:
