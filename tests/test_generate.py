@@ -314,6 +314,24 @@ def test_nanoq_generate_prints_transformers_greedy_continuation(hf_folder, tmp_p
     assert run.exit_code == 0 and json.loads(run.output)["completion_ids"] == expected
 
 
+def test_nanoq_generate_stops_at_the_models_eos_ids_as_transformers_does(hf_folder, tmp_path):
+    # An instruct model lists end-of-turn ids beside the EOS in generation_config.json (Llama 3's
+    # <|eot_id|>): generate() stops at any of them, and so does nanoq generate.
+    import shutil
+
+    path, model, tokenizer = hf_folder
+    prompt = "The quick brown"
+    greedy = hf_greedy(model, tokenizer.encode(prompt).ids, 12)
+    folder = shutil.copytree(path, tmp_path / "instruct")
+    end_of_turn = greedy[4]
+    json.dump({"eos_token_id": [tokenizer.token_to_id("<|endoftext|>"), end_of_turn]},
+              open(folder / "generation_config.json", "w"))
+    result = invoke("generate", folder, "--prompt", prompt, "--max-new-tokens", 12, "--temperature", 0,
+                    "--backend", "cpu", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["completion_ids"] == greedy[:greedy.index(end_of_turn) + 1]
+
+
 def test_nanoq_generate_refuses_what_it_cannot_run(hf_folder, tmp_path):
     path, _, _ = hf_folder
     result = invoke("generate", path, "--prompt", "The", "--max-new-tokens", 100, "--backend", "cpu")

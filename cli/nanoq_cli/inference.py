@@ -174,7 +174,7 @@ def generate(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, ste
         with open_trainer(source, backend, max(seq_len, 1)) as trainer:
             if causal:
                 completion_ids = trainer.generate(prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
-                                                  top_p=top_p, seed=seed, stop=[] if eos is None else [eos])
+                                                  top_p=top_p, seed=seed, stop=_stop_ids(source, eos))
             else:
                 completion_ids = trainer.denoise(prompt_ids, max_new_tokens, steps or max_new_tokens, mask_id,
                                                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -188,6 +188,30 @@ def generate(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, ste
                                    completion_ids=completion_ids)))
     else:
         click.echo(completion)
+
+
+def _stop_ids(source: ModelSource, eos: Optional[int]) -> list:
+    """Where a causal generation stops, as transformers' generate() would:
+    the tokenizer's EOS and the eos_token_id (an id or a list, e.g. an
+    instruct model's end-of-turn ids) of the model's config.json and
+    generation_config.json (a Hugging Face folder's own; a checkpoint's
+    tokenizer folder's, which is its base model's when it was imported)."""
+    stop = [] if eos is None else [eos]
+    folders = [source.path] if source.kind == "hf" else []
+    if source.tokenizer_dir and source.tokenizer_dir not in folders:
+        folders.append(source.tokenizer_dir)
+    for folder in folders:
+        for name in ("config.json", "generation_config.json"):
+            try:
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    ids = json.load(f).get("eos_token_id")
+            except (OSError, ValueError, AttributeError):
+                continue  # absent or not a config: the tokenizer's EOS stands
+            for token in ids if isinstance(ids, list) else [ids]:
+                if isinstance(token, int) and not isinstance(token, bool) \
+                        and 0 <= token < source.config.vocab_size and token not in stop:
+                    stop.append(token)
+    return stop
 
 
 def _run_mask_token(source: ModelSource) -> Optional[str]:
