@@ -186,6 +186,13 @@ def test_resume_errors_say_what_is_wrong(tmp_path):
         train(config(tmp_path, steps=6), resume=run, **QUIET)
     with pytest.raises(ValueError, match=r"holds a later checkpoint \(step 8\)"):
         train(config(tmp_path), resume=os.path.join(run, "checkpoints", "step_00000004"), **QUIET)
+    # A step directory copied out of its run: the folder above would be taken for the run's.
+    import shutil
+
+    copied = shutil.copytree(os.path.join(run, "checkpoints", "step_00000008"), tmp_path / "backup" / "step_00000008")
+    with pytest.raises(ValueError, match="a step directory is resumed inside its run"):
+        train(config(tmp_path), resume=str(copied), **QUIET)
+    assert sorted(os.listdir(tmp_path)) == ["backup", "data", "runs"]  # no lock, log or config put beside it
 
 
 def test_resume_takes_the_newest_checkpoint_even_if_latest_was_not_updated(tmp_path):

@@ -146,6 +146,10 @@ def _locate(path: str) -> RunToResume:
                                 f"checkpoints/ or a checkpoint step directory)")
     if os.path.isfile(os.path.join(path, STATE_FILE)):
         root = os.path.dirname(path)
+        if os.path.basename(root) != CHECKPOINTS:  # its run's folder (lock, log, config) would be a guess
+            raise ValueError(f"cannot resume from {path}: a step directory is resumed inside its run, as "
+                             f"<run>/{CHECKPOINTS}/{os.path.basename(path)}; put it back there, or export it "
+                             f"(nanoq export) and start a new run from it with model.init_from")
         return RunToResume(os.path.dirname(root), root, path)
     if os.path.isdir(os.path.join(path, CHECKPOINTS)):
         run_dir, root = path, os.path.join(path, CHECKPOINTS)
