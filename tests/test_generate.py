@@ -217,6 +217,9 @@ def test_sampler_draws_from_the_top_k_and_nucleus_with_softmax_frequencies():
     np.testing.assert_allclose(frequencies(temperature=0.5), squared / squared.sum(), atol=0.03)
     assert Sampler(temperature=0)(logits) == 1
     assert Sampler(temperature=0)(np.array([1.0, 3.0, 3.0], np.float32)) == 1  # ties: the lowest id
+    # A temperature so small that logits / temperature overflow: the greedy limit, not NaN probabilities.
+    for temperature in (1e-320, 1e-300):
+        assert Sampler(temperature=temperature, seed=3).choose(logits * 1000) == (1, 1.0)
 
 
 @pytest.mark.cuda_emulated

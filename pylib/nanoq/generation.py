@@ -83,7 +83,7 @@ class Sampler:
         if self.greedy:
             token = int(np.argmax(logits))
             return token, _probability(logits, token, self.temperature or 1.0)
-        scaled = logits.astype(np.float64) / self.temperature
+        scaled = _scaled(logits, self.temperature)
         order = np.argsort(-scaled, kind="stable")  # highest first, lower ids first among equals
         if self.top_k:
             order = order[:self.top_k]
@@ -98,11 +98,19 @@ class Sampler:
         return token, _probability(logits, token, self.temperature)
 
 
+def _scaled(logits: np.ndarray, temperature: float) -> np.ndarray:
+    """(logits - their maximum) / temperature in float64: at most 0, so a
+    tiny temperature gives -inf (probability 0), never inf - inf = NaN."""
+    shifted = logits.astype(np.float64)
+    shifted -= shifted.max()
+    with np.errstate(over="ignore"):
+        return shifted / temperature
+
+
 def _probability(logits: np.ndarray, token: int, temperature: float) -> float:
     """softmax(logits / temperature)[token], in float64."""
-    scaled = logits.astype(np.float64) / temperature
-    top = scaled.max()
-    return float(np.exp(scaled[token] - top) / np.exp(scaled - top).sum())
+    scaled = _scaled(logits, temperature)
+    return float(np.exp(scaled[token]) / np.exp(scaled).sum())
 
 
 def generate(core, prompt_ids, max_new_tokens: int, sampler: Sampler, stop=(),
