@@ -209,8 +209,9 @@ def tokenize(inputs, output, fmt, text_field, split, tokenizer, train_tokenizer,
              eval_fraction, seed, workers, shard_tokens, packing):
     """Tokenize text, JSONL, SFT JSONL or Nano line files into token files.
 
-    Documents are separated by the EOS token; the train/eval split is by
-    document. The output directory appears only once it is complete.
+    Every document ends with the EOS token, and the files record where
+    each starts; the train/eval split is by document. The output directory
+    appears only once it is complete.
     """
     from nanoq.tokenization import InputError, import_nano, tokenize_files
 

@@ -3,7 +3,9 @@
 A Document is a list of segments, each ``(text, trained)``; ``text`` None
 stands for the EOS token. ``trained`` is the mask bit its tokens get (1 =
 trained on as a target). Pretraining documents are one trained segment; SFT
-documents train only on the response.
+documents train only on the response. A Document stays one document in the
+token files (they record where each starts), whatever EOS segments it holds:
+a chat is packed whole, every turn attending to the turns before it.
 
 SFT lines (``--format sft``) are JSON objects of one of two shapes:
 
