@@ -146,11 +146,19 @@ def test_bad_document_starts_are_refused_by_the_writer_and_the_reader(tmp_path, 
         TokenFile(path)
 
 
-def test_shards_carry_their_document_starts(tmp_path):
-    paths = write_token_shards(tmp_path / "t", np.arange(10), 10, max_tokens=4, document_starts=[0, 2, 3, 9])
+def test_shards_end_between_documents_and_only_a_longer_document_is_split(tmp_path):
+    # Documents [0, 2), [2, 3), [3, 9), [9, 10) in shards of at most 4 tokens:
+    # [0, 3) two whole documents; [3, 9) is longer than a shard: [3, 7) and
+    # [7, 10), whose piece of it counts as a document of its own.
+    mask = np.arange(10) % 3 != 0
+    paths = write_token_shards(tmp_path / "t", np.arange(10), 10, mask=mask, max_tokens=4,
+                               document_starts=[0, 2, 3, 9])
     files = [TokenFile(p) for p in paths]
-    # Shards [0, 4), [4, 8), [8, 10): a document cut by a shard's end starts the next shard.
-    assert [f.document_starts.tolist() for f in files] == [[0, 2, 3], [0], [0, 1]]
+    assert [f.tokens.tolist() for f in files] == [[0, 1, 2], [3, 4, 5, 6], [7, 8, 9]]
+    assert [f.document_starts.tolist() for f in files] == [[0, 2], [0], [0, 2]]
+    assert [f.mask.tolist() for f in files] == [mask[0:3].tolist(), mask[3:7].tolist(), mask[7:].tolist()]
+    paths = write_token_shards(tmp_path / "exact", np.arange(8), 8, max_tokens=4, document_starts=[0, 4])
+    assert [TokenFile(p).document_starts.tolist() for p in paths] == [[0], [0]]
 
 
 def test_shards_split_at_max_tokens(tmp_path):

@@ -158,6 +158,21 @@ def test_worker_processes_write_the_same_tokens(tmp_path):
     assert np.array_equal(eval_one.tokens, eval_two.tokens)
 
 
+def test_shards_hold_whole_documents(tmp_path, tokenizer_dir, tokenizer):
+    records = [{"prompt": f"Q: fox {i}?\nA:", "response": f" the lazy dog {i}"} for i in range(20)]
+    data = write_lines(tmp_path / "sft.jsonl", records)
+    result = tokenize_files([data], tmp_path / "out", fmt="sft", tokenizer=tokenizer_dir, shard_tokens=50)
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    shards = [TokenFile(tmp_path / "out" / name) for name in result.train_files]
+    assert len(shards) > 1 and all(len(f) <= 50 for f in shards)
+    texts = []
+    for shard in shards:
+        assert shard.tokens[-1] == eos and tokenizer.decode(shard.tokens[:3].tolist()).startswith("Q:")
+        ends = shard.document_starts.tolist()[1:] + [len(shard)]
+        texts += [tokenizer.decode(shard.tokens[a:b].tolist()) for a, b in zip(shard.document_starts, ends)]
+    assert texts == [r["prompt"] + r["response"] for r in records]
+
+
 def test_eval_fraction_that_leaves_no_training_document_is_an_error(tmp_path, tokenizer_dir):
     (tmp_path / "a.txt").write_text("one document")
     with pytest.raises(ValueError, match="leaves none for training"):

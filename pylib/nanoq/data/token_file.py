@@ -47,7 +47,7 @@ ids against the model. Document starts are checked when the file is opened.
 from __future__ import annotations
 
 import os
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -206,17 +206,38 @@ def write_tokens(path, tokens, vocab_size: int, mask=None, document_starts=None)
                      _as_document_starts(document_starts, array.size))
 
 
+def _shard_bounds(count: int, max_tokens: int, document_starts: Optional[np.ndarray]) -> List[Tuple[int, int]]:
+    """[start, stop) of each shard: at most max_tokens tokens, ending at the
+    last document start that allows (a document longer than max_tokens is
+    split); without document starts, every max_tokens tokens."""
+    bounds = []
+    start = 0
+    while True:
+        stop = min(start + max_tokens, count)
+        if stop < count and document_starts is not None:
+            last = int(document_starts[np.searchsorted(document_starts, stop, side="right") - 1])
+            if last > start:
+                stop = last
+        bounds.append((start, stop))
+        if stop == count:
+            return bounds
+        start = stop
+
+
 def write_token_shards(prefix, tokens, vocab_size: int, mask=None,
                        max_tokens: int = MAX_TOKENS_PER_FILE, document_starts=None) -> List[str]:
     """Splits tokens into ``prefix_000000.bin, prefix_000001.bin, ...``.
 
     Each shard holds at most ``max_tokens`` tokens (and its slice of the mask,
-    packed from bit 0, and of ``document_starts``, as for write_tokens; a
-    document cut by a shard's end starts the next shard as a document of its
-    own, as windows never cross files anyway). All tokens are validated
-    before the first shard is written. Zero tokens give one empty shard.
-    Shards left by an earlier, longer write with the same prefix are not
-    deleted. Returns the paths.
+    packed from bit 0). With ``document_starts`` (as for write_tokens) shards
+    end only between documents, each holding as many whole documents as fit,
+    and record their own starts; only a document longer than max_tokens is
+    split, and its piece in the next shard starts that shard as a document
+    of its own (windows never cross files anyway). Without them shards are
+    cut every max_tokens tokens. All tokens are validated before the first
+    shard is written. Zero tokens give one empty shard. Shards left by an
+    earlier, longer write with the same prefix are not deleted. Returns the
+    paths.
     """
     prefix = os.fspath(prefix)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) \
@@ -226,8 +247,7 @@ def write_token_shards(prefix, tokens, vocab_size: int, mask=None,
     mask_array = _as_mask(mask, array.size)
     starts = _as_document_starts(document_starts, array.size)
     paths = []
-    for shard, start in enumerate(range(0, max(array.size, 1), max_tokens)):
-        stop = min(start + max_tokens, array.size)
+    for shard, (start, stop) in enumerate(_shard_bounds(array.size, int(max_tokens), starts)):
         shard_starts = None
         if starts is not None:
             shard_starts = starts[np.searchsorted(starts, start):np.searchsorted(starts, stop)] - start

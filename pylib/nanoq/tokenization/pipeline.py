@@ -3,7 +3,8 @@
 Output directory layout (written under a temporary name and renamed when
 complete, so a directory with this name is always whole):
 
-    train_000000.bin, ...   training tokens (shards of at most shard_tokens)
+    train_000000.bin, ...   training tokens (shards of at most shard_tokens, whole
+                            documents: only a longer document is split across shards)
     eval_000000.bin         held-out documents (only with eval_fraction > 0)
     tokenizer.json          the tokenizer used (absent for Nano imports without one)
     tokenizer_config.json   for transformers' AutoTokenizer: the EOS token and, for SFT
@@ -156,9 +157,9 @@ class OutputDirectory:
 
 def write_split(out: OutputDirectory, name: str, documents: Concatenated, vocab_size: int,
                 shard_tokens: int, force_mask: bool) -> List[str]:
-    """Writes ``name_000000.bin, ...`` with their document starts; a mask
-    only if some token is untrained (or ``force_mask``). Returns the file
-    names."""
+    """Writes ``name_000000.bin, ...`` (shards cut between documents) with
+    their document starts; a mask only if some token is untrained (or
+    ``force_mask``). Returns the file names."""
     tokens, mask, starts = documents
     keep_mask = force_mask or not bool(mask.all())
     paths = write_token_shards(out.file(name), tokens, vocab_size, mask if keep_mask else None,
