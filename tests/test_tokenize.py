@@ -173,6 +173,24 @@ def test_shards_hold_whole_documents(tmp_path, tokenizer_dir, tokenizer):
     assert texts == [r["prompt"] + r["response"] for r in records]
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_truncation_and_padding_saved_in_the_tokenizer_are_not_applied(tmp_path, tokenizer, workers):
+    # Many saved tokenizer.json files carry a max_length; nanoq encodes whole documents.
+    saved = train_bpe_tokenizer([CORPUS], 300)
+    saved.enable_truncation(max_length=4)
+    saved.enable_padding(length=32, pad_id=0, pad_token="<|endoftext|>")
+    (tmp_path / "tok").mkdir()
+    saved.save(str(tmp_path / "tok" / "tokenizer.json"))
+    lines = [f"the quick brown fox jumps over the lazy dog {i}" for i in range(70)]  # > 64: workers encode
+    (tmp_path / "lines.txt").write_text("\n".join(lines))
+    result = tokenize_files([tmp_path / "lines.txt"], tmp_path / "out", split="line", tokenizer=tmp_path / "tok",
+                            workers=workers, progress=False)
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    expected = [t for line in lines for t in encode(tokenizer, line) + [eos]]
+    assert TokenFile(tmp_path / "out" / "train_000000.bin").tokens.tolist() == expected
+    assert result.train_tokens == len(expected)
+
+
 def test_eval_fraction_that_leaves_no_training_document_is_an_error(tmp_path, tokenizer_dir):
     (tmp_path / "a.txt").write_text("one document")
     with pytest.raises(ValueError, match="leaves none for training"):
