@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from nanoq.data import TokenFile
-from nanoq.tokenization import InputError, decode_line, import_nano, tokenize_files, train_bpe_tokenizer
+from nanoq.tokenization import (InputError, decode_line, import_nano, read_documents, tokenize_files,
+                                train_bpe_tokenizer)
 from nanoq.tokenization.tokenizer import write_tokenizer_config
 
 CORPUS = ("The quick brown fox jumps over the lazy dog. " * 3 + "\n" +
@@ -87,6 +88,23 @@ def test_sft_messages_use_the_template_and_mask_every_assistant_turn(tmp_path, t
     assert train.mask.tolist() == mask
     # The chat markers are single special tokens of trained tokenizers.
     assert encode(tokenizer, "<|assistant|>") == [tokenizer.token_to_id("<|assistant|>")]
+
+
+def texts(path, fmt="text", split="file"):
+    return [text for document in read_documents(str(path), fmt, split=split) for text, _ in document.segments]
+
+
+def test_lines_end_at_newlines_only_paragraphs_at_whitespace_lines_and_a_bom_is_dropped(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_bytes("a form\x0cfeed and a\u2028line separator\r\nsecond\rthird\n \nfourth\n".encode())
+    assert texts(path, split="line") == ["a form\x0cfeed and a\u2028line separator", "second", "third", "fourth"]
+    path.write_bytes(b"para one\r\rpara two\n \t\npara\nthree\n\n\n\x0c\npara four\n")
+    assert texts(path, split="paragraph") == ["para one", "para two", "para\nthree", "para four"]
+    path.write_bytes("\ufeffhello\nworld".encode())
+    assert texts(path) == ["hello\nworld"]
+    assert texts(path, split="line") == ["hello", "world"]
+    path.write_bytes('\ufeff{"text": "hello"}\n'.encode())
+    assert texts(path, fmt="jsonl") == ["hello"]
 
 
 def test_jsonl_bad_lines_name_the_file_and_line(tmp_path, tokenizer_dir):

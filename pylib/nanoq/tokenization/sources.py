@@ -51,30 +51,47 @@ class InputError(ValueError):
     """Bad input data; the message names the file and line."""
 
 
+def _paragraphs(lines: List[str]) -> Iterator[str]:
+    """The runs of non-blank lines (a blank line: whitespace only), each
+    joined by newlines."""
+    run: List[str] = []
+    for line in lines + [""]:
+        if line.strip():
+            run.append(line)
+        elif run:
+            yield "\n".join(run)
+            run = []
+
+
 def read_text(path: str, split: str = "file") -> Iterator[Document]:
-    """Documents of a UTF-8 text file: the whole file, each paragraph (blocks
-    separated by blank lines) or each non-empty line, per ``split``."""
+    """Documents of a UTF-8 text file: the whole file, each paragraph (runs
+    of lines between blank, or whitespace-only, lines) or each non-blank
+    line, per ``split``. Lines end at a newline only (\\n, \\r\\n or \\r, all
+    read as \\n), not at the other line boundaries of str.splitlines (form
+    feed, U+2028, ...), which stay text. A UTF-8 byte order mark that starts
+    the file is dropped."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # newline=None: \r\n and \r are read as \n
             text = f.read()
     except UnicodeDecodeError as e:
         raise InputError(f"{path}: not UTF-8 text ({e})") from None
     if split == "file":
         pieces = [text]
     elif split == "paragraph":
-        pieces = text.replace("\r\n", "\n").split("\n\n")
+        pieces = list(_paragraphs(text.split("\n")))
     else:
-        pieces = text.splitlines()
+        pieces = text.split("\n")
     for piece in pieces:
         if piece.strip():
             yield Document([(piece, True)])
 
 
 def iter_jsonl(path: str) -> Iterator[Tuple[int, dict]]:
-    """(line number from 1, object) for every non-blank line of a JSONL file."""
-    with open(path, encoding="utf-8", errors="strict") as f:
+    """(line number from 1, object) for every non-blank line of a JSONL file
+    (a UTF-8 byte order mark that starts the file is dropped)."""
+    with open(path, encoding="utf-8-sig", errors="strict") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
