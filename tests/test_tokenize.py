@@ -120,6 +120,20 @@ def test_jsonl_bad_lines_name_the_file_and_line(tmp_path, tokenizer_dir):
     assert not os.path.exists(tmp_path / "out")
 
 
+def test_a_lone_surrogate_is_named_by_file_and_line_and_a_pair_is_text(tmp_path, tokenizer_dir):
+    data = write_lines(tmp_path / "s.jsonl", ['{"text": "an emoji \\ud83d\\ude00 pair"}',
+                                              '{"text": "a backslash then \\\\ud800"}',
+                                              '{"text": "bad \\ud800 surrogate"}'])
+    with pytest.raises(InputError, match=r"s\.jsonl:3: a string holds the lone surrogate '\\ud800'"):
+        tokenize_files([data], tmp_path / "out", train_tokenizer_vocab=300)
+    chat = write_lines(tmp_path / "chat.jsonl", ['{"messages": [{"role": "user", "content": "\\udfff"}]}'])
+    with pytest.raises(InputError, match=r"chat\.jsonl:1: .*lone surrogate"):
+        tokenize_files([chat], tmp_path / "out", fmt="sft", tokenizer=tokenizer_dir)
+    assert texts(write_lines(tmp_path / "ok.jsonl", ['{"text": "\\ud83d\\ude00 \\\\ud800"}']), "jsonl") == \
+        ["\U0001F600 \\ud800"]
+    assert not os.path.exists(tmp_path / "out")
+
+
 def test_empty_corpus_is_an_error_and_leaves_no_output(tmp_path, tokenizer_dir):
     (tmp_path / "empty.txt").write_text("  \n")
     with pytest.raises(InputError, match="the corpus is empty"):

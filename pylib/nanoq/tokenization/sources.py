@@ -31,11 +31,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from typing import Iterator, List, Optional, Tuple
 
 Segment = Tuple[Optional[str], bool]
 SPLITS = ("file", "paragraph", "line")
 ROLES = ("system", "user", "assistant")
+# A \u escape of a UTF-16 surrogate: json.loads turns one without its pair into a
+# lone surrogate, a str that is not text (it cannot be encoded, nor tokenized).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 @dataclasses.dataclass
@@ -90,7 +94,9 @@ def read_text(path: str, split: str = "file") -> Iterator[Document]:
 
 def iter_jsonl(path: str) -> Iterator[Tuple[int, dict]]:
     """(line number from 1, object) for every non-blank line of a JSONL file
-    (a UTF-8 byte order mark that starts the file is dropped)."""
+    (a UTF-8 byte order mark that starts the file is dropped). A line whose
+    strings hold a lone surrogate (an unpaired \\ud800-\\udfff escape) is an
+    InputError, as invalid JSON is."""
     with open(path, encoding="utf-8-sig", errors="strict") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -103,6 +109,13 @@ def iter_jsonl(path: str) -> Iterator[Tuple[int, dict]]:
                 raise InputError(f"{path}:{number}: JSON nested too deeply") from None
             if not isinstance(value, dict):
                 raise InputError(f"{path}:{number}: expected a JSON object, got {type(value).__name__}")
+            if _SURROGATE_ESCAPE.search(line):
+                try:
+                    json.dumps(value, ensure_ascii=False).encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise InputError(f"{path}:{number}: a string holds the lone surrogate {e.object[e.start]!r} "
+                                     f"(half of a UTF-16 pair, escaped without its other half), which is not "
+                                     f"text; fix or drop the line") from None
             yield number, value
 
 
