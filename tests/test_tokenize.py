@@ -223,6 +223,26 @@ def test_truncation_and_padding_saved_in_the_tokenizer_are_not_applied(tmp_path,
     assert result.train_tokens == len(expected)
 
 
+def test_a_tokenizer_with_unused_ids_has_its_highest_id_plus_one_as_vocab(tmp_path):
+    # Vocabularies may leave ids unused (reserved ranges): move the first token of the text past a gap.
+    from tokenizers import Tokenizer
+
+    trained = train_bpe_tokenizer([CORPUS], 300)
+    spec = json.loads(trained.to_str())
+    vocab = spec["model"]["vocab"]
+    highest = max(vocab.values())
+    vocab[trained.id_to_token(encode(trained, "the lazy dog")[0])] = highest + 100
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text(json.dumps(spec))
+    gapped = Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "c.txt").write_text("the lazy dog")
+    result = tokenize_files([tmp_path / "c.txt"], tmp_path / "out", tokenizer=tmp_path / "tok")
+    assert gapped.get_vocab_size() == highest + 1 and result.vocab_size == highest + 101  # entries, ids
+    written = TokenFile(tmp_path / "out" / "train_000000.bin")
+    assert written.vocab_size == highest + 101 and highest + 100 in written.tokens.tolist()
+    assert written.tokens.tolist() == encode(gapped, "the lazy dog") + [gapped.token_to_id("<|endoftext|>")]
+
+
 def test_eval_fraction_that_leaves_no_training_document_is_an_error(tmp_path, tokenizer_dir):
     (tmp_path / "a.txt").write_text("one document")
     with pytest.raises(ValueError, match="leaves none for training"):

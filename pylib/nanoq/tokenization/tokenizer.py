@@ -159,8 +159,10 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
 
 
 def tokenizer_vocab_size(tokenizer: Tokenizer) -> int:
-    """Number of ids the tokenizer can produce (added tokens included)."""
-    return tokenizer.get_vocab_size(with_added_tokens=True)
+    """The vocabulary a model needs for the tokenizer's ids: its highest id
+    + 1 (added tokens included), not its number of entries, which is
+    smaller when some ids are unused (a reserved range, say)."""
+    return max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
 
 def write_tokenizer_config(path: str, eos_token: str, chat_template: Optional[str] = None) -> None:
