@@ -508,6 +508,14 @@ def test_mixture_rejects_mismatched_state_and_shapes(two_sources):
         MixtureLoader([(DataLoader(a, 2, seed=0), 1.0), (DataLoader(b, 2, seed=0), 0.0)], seed=0)
 
 
+def test_mixture_weights_whose_sum_overflows_are_refused_and_large_ones_that_fit_mix(two_sources):
+    with pytest.raises(ValueError, match=r"weights \[1e\+308, 1e\+308\] of a mixture sum past the largest float"):
+        mixture(two_sources, weights=(1e308, 1e308))
+    loader = mixture(two_sources, weights=(1e307, 1e307))  # equal: half the batches from each
+    from_b = sum(int(loader.next_batch()[0][0, 0] >= 500) for _ in range(400))
+    assert 160 < from_b < 240, from_b
+
+
 def test_rejected_mixture_state_leaves_the_loaders_untouched(two_sources):
     loader = mixture(two_sources)
     take(loader, 3)
