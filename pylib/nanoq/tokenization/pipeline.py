@@ -11,10 +11,10 @@ complete, so a directory with this name is always whole):
                             data, nanoq's chat template (nanoq.tokenization.sources)
     tokenize.json           what was done: inputs, counts, vocab size, EOS id, seed
 
-Every document ends with the EOS token, and every token file records where
-its documents start (nanoq.data.token_file), so that a document holding EOS
-tokens of its own (an SFT conversation, with an EOS after each assistant
-turn) is packed whole. Files get a mask only when some token is not trained
+Every document ends with the EOS token (a Nano line only given an eos_id),
+and every token file records where its documents start (nanoq.data.token_file),
+so that a document holding EOS tokens of its own (an SFT conversation, with an
+EOS after each assistant turn) is packed whole. Files get a mask only when some token is not trained
 on (SFT data).
 """
 from __future__ import annotations
