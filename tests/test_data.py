@@ -100,6 +100,67 @@ def test_reads_a_file_built_byte_by_byte_like_llmq(tmp_path):
     assert f.vocab_size == 301 and f.version == 2 and len(f) == 10
 
 
+def test_document_starts_follow_the_mask_where_llmq_reads_nothing(tmp_path):
+    # llm.q's reader takes header words 2-6, the tokens and the mask at their
+    # offsets and never the file's size: all of that is as without starts.
+    path = tmp_path / "docs.bin"
+    write_tokens(path, [1, 2, 3], vocab_size=32000, mask=np.array([True, False, True]), document_starts=[0, 2])
+    data = path.read_bytes()
+    assert data[:28] == llmq_header(count=3, vocab=32000, has_mask=1)[:28]
+    assert data[28:36] == b"DOCS" + struct.pack("<i", 2) and data[36:1024] == bytes(988)
+    assert data[1024:1037] == struct.pack("<3i", 1, 2, 3) + bytes([0b101])
+    assert data[1037:] == struct.pack("<2i", 0, 2)
+    f = TokenFile(path)
+    assert f.document_starts.tolist() == [0, 2] and f.mask.tolist() == [True, False, True]
+    write_tokens(tmp_path / "none.bin", [], 5, document_starts=[])
+    assert TokenFile(tmp_path / "none.bin").document_starts.tolist() == []
+    write_tokens(tmp_path / "plain.bin", [1, 2, 3], vocab_size=10)
+    assert TokenFile(tmp_path / "plain.bin").document_starts is None
+
+
+def test_a_header_padded_like_llmq_tokenizer_records_no_document_starts(tmp_path):
+    # llm.q's tokenizer reserves the header as "*" * 1023 + "\n" and writes words 0-6 over it.
+    header = bytearray(b"*" * 1023 + b"\n")
+    header[:28] = llmq_header(3, 10, 0)[:28]
+    path = tmp_path / "llmq.bin"
+    path.write_bytes(bytes(header) + struct.pack("<3i", 4, 0, 5))
+    f = TokenFile(path)
+    assert f.tokens.tolist() == [4, 0, 5] and f.document_starts is None
+
+
+@pytest.mark.parametrize("starts, message", [
+    ([1, 2], "first document start must be 0"),
+    ([0, 2, 2], r"document start 2 at document_starts\[2\] does not come after 2"),
+    ([0, 4], r"document start 4 at document_starts\[1\] is past the last token \(index 3\)"),
+    ([], "first document start must be 0.*got none"),
+])
+def test_bad_document_starts_are_refused_by_the_writer_and_the_reader(tmp_path, starts, message):
+    with pytest.raises(ValueError, match=message):
+        write_tokens(tmp_path / "w.bin", [1, 2, 3, 4], vocab_size=10, document_starts=starts)
+    assert os.listdir(tmp_path) == []
+    header = bytearray(llmq_header(4, 10, 0))
+    header[28:36] = b"DOCS" + struct.pack("<i", len(starts))
+    path = tmp_path / "corrupt.bin"
+    path.write_bytes(bytes(header) + struct.pack("<4i", 1, 2, 3, 4) + struct.pack(f"<{len(starts)}i", *starts))
+    with pytest.raises(ValueError, match=f"corrupt\\.bin.*{message}.*corrupt"):
+        TokenFile(path)
+
+
+def test_shards_end_between_documents_and_only_a_longer_document_is_split(tmp_path):
+    # Documents [0, 2), [2, 3), [3, 9), [9, 10) in shards of at most 4 tokens:
+    # [0, 3) two whole documents; [3, 9) is longer than a shard: [3, 7) and
+    # [7, 10), whose piece of it counts as a document of its own.
+    mask = np.arange(10) % 3 != 0
+    paths = write_token_shards(tmp_path / "t", np.arange(10), 10, mask=mask, max_tokens=4,
+                               document_starts=[0, 2, 3, 9])
+    files = [TokenFile(p) for p in paths]
+    assert [f.tokens.tolist() for f in files] == [[0, 1, 2], [3, 4, 5, 6], [7, 8, 9]]
+    assert [f.document_starts.tolist() for f in files] == [[0, 2], [0], [0, 2]]
+    assert [f.mask.tolist() for f in files] == [mask[0:3].tolist(), mask[3:7].tolist(), mask[7:].tolist()]
+    paths = write_token_shards(tmp_path / "exact", np.arange(8), 8, max_tokens=4, document_starts=[0, 4])
+    assert [TokenFile(p).document_starts.tolist() for p in paths] == [[0], [0]]
+
+
 def test_shards_split_at_max_tokens(tmp_path):
     tokens = np.arange(10)
     mask = np.arange(10) % 3 != 0
@@ -445,6 +506,14 @@ def test_mixture_rejects_mismatched_state_and_shapes(two_sources):
         MixtureLoader([(DataLoader(a, 2, seed=0), 1.0), (DataLoader(b, 4, seed=0), 1.0)], seed=0)
     with pytest.raises(ValueError, match="weight of loader 1"):
         MixtureLoader([(DataLoader(a, 2, seed=0), 1.0), (DataLoader(b, 2, seed=0), 0.0)], seed=0)
+
+
+def test_mixture_weights_whose_sum_overflows_are_refused_and_large_ones_that_fit_mix(two_sources):
+    with pytest.raises(ValueError, match=r"weights \[1e\+308, 1e\+308\] of a mixture sum past the largest float"):
+        mixture(two_sources, weights=(1e308, 1e308))
+    loader = mixture(two_sources, weights=(1e307, 1e307))  # equal: half the batches from each
+    from_b = sum(int(loader.next_batch()[0][0, 0] >= 500) for _ in range(400))
+    assert 160 < from_b < 240, from_b
 
 
 def test_rejected_mixture_state_leaves_the_loaders_untouched(two_sources):

@@ -14,7 +14,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from nanoq.data import DataLoader, Dataset, EvalLoader, write_tokens
+from nanoq.data import DataLoader, Dataset, EvalLoader, TokenFile, write_tokens
 from nanoq.data.loader import default_packing
 
 EOS = 1
@@ -115,6 +115,50 @@ def test_resume_is_exact_and_parts_are_disjoint(tmp_path):
     streamed = DataLoader(Dataset(tmp_path / "a.bin", SEQ), batch_rows=4, seed=7)
     with pytest.raises(ValueError, match="packing 'pack'"):
         streamed.load_state_dict(state)
+
+
+def test_a_multi_turn_conversation_packs_as_one_document_and_files_without_starts_split_at_eos(tmp_path):
+    # An SFT conversation ends every assistant turn with EOS; nanoq tokenize
+    # records where each conversation starts, so the second turn continues
+    # the first one's positions and attends to it. The same tokens in a
+    # file without document starts (llm.q's, older nanoq's) split at EOS.
+    from nanoq.tokenization import tokenize_files
+    from test_sft import write_jsonl
+
+    turns = [{"role": "user", "content": "what is two plus two"}, {"role": "assistant", "content": "four"},
+             {"role": "user", "content": "and times three"}, {"role": "assistant", "content": "twelve"}]
+    corpus = write_jsonl(tmp_path / "chat.jsonl", [{"messages": turns}] * 3)
+    result = tokenize_files([corpus], tmp_path / "data", fmt="sft", train_tokenizer_vocab=300, progress=False)
+    written = TokenFile(tmp_path / "data" / "train_000000.bin")
+    conversation = len(written) // 3
+    assert written.document_starts.tolist() == [0, conversation, 2 * conversation]
+    assert int((written.tokens[:conversation] == result.eos_id).sum()) == 2  # an EOS after each assistant turn
+    seq = conversation - 1  # one conversation fills a window
+    inputs, targets, positions = Dataset(tmp_path / "data" / "train_*.bin", seq, packing="auto").read_windows([0])
+    np.testing.assert_array_equal(positions[0], np.arange(seq))
+    np.testing.assert_array_equal(inputs[0], written.tokens[:seq])
+
+    (tmp_path / "old").mkdir()
+    write_tokens(tmp_path / "old" / "train_000000.bin", written.tokens, written.vocab_size, mask=written.mask)
+    (tmp_path / "old" / "tokenize.json").write_text(json.dumps({"eos_id": result.eos_id, "packing": "pack"}))
+    old = Dataset(tmp_path / "old" / "train_*.bin", seq, packing="auto")
+    assert old.files[0].document_starts is None
+    first_turn = int(np.flatnonzero(written.tokens[:conversation] == result.eos_id)[0]) + 1
+    _, _, positions = old.read_windows([0])
+    assert positions[0].tolist()[:first_turn] == list(range(first_turn - 1)) + [0]  # turn 2 restarts
+
+
+def test_pack_takes_recorded_document_starts_and_needs_no_eos_then(tmp_path):
+    # Documents [0, 5), [5, 12), [12, 15): the EOS (1) inside the second does not end it.
+    tokens = np.array([2, 3, 4, 5, 1, 6, 7, 1, 8, 9, 10, 1, 11, 12, 1], dtype=np.int32)
+    write_tokens(tmp_path / "d.bin", tokens, VOCAB, document_starts=[0, 5, 12])
+    dataset = Dataset(tmp_path / "d.bin", SEQ, packing="pack")
+    assert dataset.eos_id is None  # no tokenize.json: not needed, every file records its documents
+    inputs, targets, positions = dataset.read_windows([0])
+    assert positions[0].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1]
+    assert inputs[0].tolist() == [2, 3, 4, 5, 6, 7, 1, 8, 9, 10, 11, 12]
+    assert targets[0].tolist() == [3, 4, 5, 1, 7, 1, 8, 9, 10, 1, 12, 1]
+    assert dataset.num_windows == 1
 
 
 def test_eval_loader_pads_packed_batches_with_ignored_rows(tmp_path):

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from nanoq.data import TokenFile
-from nanoq.tokenization import InputError, decode_line, import_nano, tokenize_files, train_bpe_tokenizer
+from nanoq.tokenization import (InputError, decode_line, import_nano, read_documents, tokenize_files,
+                                train_bpe_tokenizer)
 from nanoq.tokenization.tokenizer import write_tokenizer_config
 
 CORPUS = ("The quick brown fox jumps over the lazy dog. " * 3 + "\n" +
@@ -89,6 +90,23 @@ def test_sft_messages_use_the_template_and_mask_every_assistant_turn(tmp_path, t
     assert encode(tokenizer, "<|assistant|>") == [tokenizer.token_to_id("<|assistant|>")]
 
 
+def texts(path, fmt="text", split="file"):
+    return [text for document in read_documents(str(path), fmt, split=split) for text, _ in document.segments]
+
+
+def test_lines_end_at_newlines_only_paragraphs_at_whitespace_lines_and_a_bom_is_dropped(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_bytes("a form\x0cfeed and a\u2028line separator\r\nsecond\rthird\n \nfourth\n".encode())
+    assert texts(path, split="line") == ["a form\x0cfeed and a\u2028line separator", "second", "third", "fourth"]
+    path.write_bytes(b"para one\r\rpara two\n \t\npara\nthree\n\n\n\x0c\npara four\n")
+    assert texts(path, split="paragraph") == ["para one", "para two", "para\nthree", "para four"]
+    path.write_bytes("\ufeffhello\nworld".encode())
+    assert texts(path) == ["hello\nworld"]
+    assert texts(path, split="line") == ["hello", "world"]
+    path.write_bytes('\ufeff{"text": "hello"}\n'.encode())
+    assert texts(path, fmt="jsonl") == ["hello"]
+
+
 def test_jsonl_bad_lines_name_the_file_and_line(tmp_path, tokenizer_dir):
     data = write_lines(tmp_path / "bad.jsonl", [{"text": "ok"}, "{not json", {"text": "fine"}])
     with pytest.raises(InputError, match=r"bad\.jsonl:2: not valid JSON"):
@@ -99,6 +117,20 @@ def test_jsonl_bad_lines_name_the_file_and_line(tmp_path, tokenizer_dir):
     data = write_lines(tmp_path / "sft.jsonl", [{"prompt": "p"}])
     with pytest.raises(InputError, match=r"sft\.jsonl:1: an SFT line needs"):
         tokenize_files([data], tmp_path / "out", fmt="sft", tokenizer=tokenizer_dir)
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_lone_surrogate_is_named_by_file_and_line_and_a_pair_is_text(tmp_path, tokenizer_dir):
+    data = write_lines(tmp_path / "s.jsonl", ['{"text": "an emoji \\ud83d\\ude00 pair"}',
+                                              '{"text": "a backslash then \\\\ud800"}',
+                                              '{"text": "bad \\ud800 surrogate"}'])
+    with pytest.raises(InputError, match=r"s\.jsonl:3: a string holds the lone surrogate '\\ud800'"):
+        tokenize_files([data], tmp_path / "out", train_tokenizer_vocab=300)
+    chat = write_lines(tmp_path / "chat.jsonl", ['{"messages": [{"role": "user", "content": "\\udfff"}]}'])
+    with pytest.raises(InputError, match=r"chat\.jsonl:1: .*lone surrogate"):
+        tokenize_files([chat], tmp_path / "out", fmt="sft", tokenizer=tokenizer_dir)
+    assert texts(write_lines(tmp_path / "ok.jsonl", ['{"text": "\\ud83d\\ude00 \\\\ud800"}']), "jsonl") == \
+        ["\U0001F600 \\ud800"]
     assert not os.path.exists(tmp_path / "out")
 
 
@@ -156,6 +188,59 @@ def test_worker_processes_write_the_same_tokens(tmp_path):
     _, eval_two, train_two = held_out_lines(tmp_path, "two", seed=0, workers=2, lines=200)
     assert np.array_equal(train_one.tokens, train_two.tokens)
     assert np.array_equal(eval_one.tokens, eval_two.tokens)
+
+
+def test_shards_hold_whole_documents(tmp_path, tokenizer_dir, tokenizer):
+    records = [{"prompt": f"Q: fox {i}?\nA:", "response": f" the lazy dog {i}"} for i in range(20)]
+    data = write_lines(tmp_path / "sft.jsonl", records)
+    result = tokenize_files([data], tmp_path / "out", fmt="sft", tokenizer=tokenizer_dir, shard_tokens=50)
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    shards = [TokenFile(tmp_path / "out" / name) for name in result.train_files]
+    assert len(shards) > 1 and all(len(f) <= 50 for f in shards)
+    texts = []
+    for shard in shards:
+        assert shard.tokens[-1] == eos and tokenizer.decode(shard.tokens[:3].tolist()).startswith("Q:")
+        ends = shard.document_starts.tolist()[1:] + [len(shard)]
+        texts += [tokenizer.decode(shard.tokens[a:b].tolist()) for a, b in zip(shard.document_starts, ends)]
+    assert texts == [r["prompt"] + r["response"] for r in records]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_truncation_and_padding_saved_in_the_tokenizer_are_not_applied(tmp_path, tokenizer, workers):
+    # Many saved tokenizer.json files carry a max_length; nanoq encodes whole documents.
+    saved = train_bpe_tokenizer([CORPUS], 300)
+    saved.enable_truncation(max_length=4)
+    saved.enable_padding(length=32, pad_id=0, pad_token="<|endoftext|>")
+    (tmp_path / "tok").mkdir()
+    saved.save(str(tmp_path / "tok" / "tokenizer.json"))
+    lines = [f"the quick brown fox jumps over the lazy dog {i}" for i in range(70)]  # > 64: workers encode
+    (tmp_path / "lines.txt").write_text("\n".join(lines))
+    result = tokenize_files([tmp_path / "lines.txt"], tmp_path / "out", split="line", tokenizer=tmp_path / "tok",
+                            workers=workers, progress=False)
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    expected = [t for line in lines for t in encode(tokenizer, line) + [eos]]
+    assert TokenFile(tmp_path / "out" / "train_000000.bin").tokens.tolist() == expected
+    assert result.train_tokens == len(expected)
+
+
+def test_a_tokenizer_with_unused_ids_has_its_highest_id_plus_one_as_vocab(tmp_path):
+    # Vocabularies may leave ids unused (reserved ranges): move the first token of the text past a gap.
+    from tokenizers import Tokenizer
+
+    trained = train_bpe_tokenizer([CORPUS], 300)
+    spec = json.loads(trained.to_str())
+    vocab = spec["model"]["vocab"]
+    highest = max(vocab.values())
+    vocab[trained.id_to_token(encode(trained, "the lazy dog")[0])] = highest + 100
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text(json.dumps(spec))
+    gapped = Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "c.txt").write_text("the lazy dog")
+    result = tokenize_files([tmp_path / "c.txt"], tmp_path / "out", tokenizer=tmp_path / "tok")
+    assert gapped.get_vocab_size() == highest + 1 and result.vocab_size == highest + 101  # entries, ids
+    written = TokenFile(tmp_path / "out" / "train_000000.bin")
+    assert written.vocab_size == highest + 101 and highest + 100 in written.tokens.tolist()
+    assert written.tokens.tolist() == encode(gapped, "the lazy dog") + [gapped.token_to_id("<|endoftext|>")]
 
 
 def test_eval_fraction_that_leaves_no_training_document_is_an_error(tmp_path, tokenizer_dir):

@@ -200,7 +200,8 @@ def train(config_file, print_config, resume, **flags):
 @click.option("--seed", type=Integer(0), default=0, show_default=True, help="Seed of the eval split.")
 @click.option("--workers", type=Integer(1), default=1, show_default=True, help="Encoding processes.")
 @click.option("--shard-tokens", type=Integer(1), default=100_000_000, show_default=True,
-              help="Most tokens per .bin shard.")
+              help="Most tokens per .bin shard; shards end between documents (only a longer document is "
+              "split).")
 @click.option("--packing", type=click.Choice(["stream", "pack"]),
               help="How training serves the files (recorded in tokenize.json): pack = whole documents per "
               "window, attending only to themselves; stream = windows of the document stream. Default: pack "
@@ -209,8 +210,9 @@ def tokenize(inputs, output, fmt, text_field, split, tokenizer, train_tokenizer,
              eval_fraction, seed, workers, shard_tokens, packing):
     """Tokenize text, JSONL, SFT JSONL or Nano line files into token files.
 
-    Documents are separated by the EOS token; the train/eval split is by
-    document. The output directory appears only once it is complete.
+    Every document ends with the EOS token, and the files record where
+    each starts; the train/eval split is by document. The output directory
+    appears only once it is complete.
     """
     from nanoq.tokenization import InputError, import_nano, tokenize_files
 

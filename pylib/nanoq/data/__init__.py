@@ -3,7 +3,8 @@
 Token files (.bin) are llm.q's tokenizer output, version 2: a 1024-byte header
 (the bytes ``BIN.TOK\\n``, then int32 version 2, bytes per token 4, token count,
 vocab size, has-mask), the int32 tokens, and optionally one mask bit per token
-(LSB first; 1 = train on it). ``write_tokens`` writes one atomically,
+(LSB first; 1 = train on it), and, nanoq's addition, where each document starts
+(layout in nanoq.data.token_file). ``write_tokens`` writes one atomically,
 ``write_token_shards`` splits a long stream into numbered shards, ``TokenFile``
 memory-maps one and checks it (header, exact size, no negative token; the
 ids are checked against the model's vocabulary, which may exceed the

@@ -18,9 +18,13 @@ epoch, so every window is used exactly once per epoch and no window is dropped.
 The loader's position is a window index into that stream, which is why resuming
 is exact and even survives a change of batch_rows.
 
-With ``packing="pack"`` (token files of whole documents, each closed by
-EOS, as ``nanoq tokenize`` writes them), a window is instead whole
-documents packed in file order, never split: a document of n tokens fills
+With ``packing="pack"`` (token files of whole documents, as ``nanoq
+tokenize`` writes them), a window is instead whole documents packed in file
+order, never split. A file's documents are where it records them (its
+document starts, see nanoq.data.token_file: a document, such as an SFT
+conversation with an EOS after every assistant turn, may hold EOS tokens of
+its own); in a file without them (llm.q's, older nanoq's) each EOS closes a
+document. A document of n tokens fills
 n - 1 positions (its tokens but the last as inputs, but the first as
 targets, so its last target is its EOS), a document that does not fit the
 rest of a window starts the next one, and the rest of a window is padding
@@ -173,8 +177,9 @@ class Dataset:
     documents packed into windows, see the module docstring; then
     read_windows also returns positions). "auto" is what the files'
     tokenization chose (``default_packing``: pack for SFT files). eos_id:
-    the token that closes each document, for pack (default: the eos_id of
-    the tokenize.json beside the files).
+    the token that closes each document, for pack, where a file does not
+    record its document starts (default: the eos_id of the tokenize.json
+    beside the files; needed only then).
 
     objective: "causal" (the default), "seq2seq" or "denoise" (see the module
     docstring and nanoq.data.objectives; stream windows only): windows of
@@ -212,17 +217,36 @@ class Dataset:
             self.eos_id = None
             self._cut(window_step)
 
-    def _document_end(self, eos_id: Optional[int]) -> int:
+    def _document_end(self, eos_id: Optional[int]) -> Optional[int]:
+        """The EOS id that ends documents in files without document starts
+        (None when every file records its starts and none is known)."""
         if eos_id is None:
             ids = {tokenize_summary(f.path).get("eos_id") for f in self.files}
             if len(ids) != 1 or None in ids:
-                raise ValueError(f"packing pack needs the EOS id that closes each document: give eos_id, or "
-                                 f"tokenize the files with nanoq tokenize (its tokenize.json names it); "
-                                 f"found {sorted(map(str, ids))} for {', '.join(repr(f.path) for f in self.files)}")
+                without_starts = [f.path for f in self.files if f.document_starts is None]
+                if not without_starts:
+                    return None
+                raise ValueError(f"packing pack needs the EOS id that closes each document of "
+                                 f"{', '.join(map(repr, without_starts))} (which do not record where their "
+                                 f"documents start): give eos_id, or tokenize the files with nanoq tokenize (its "
+                                 f"tokenize.json names it); found {sorted(map(str, ids))} for "
+                                 f"{', '.join(repr(f.path) for f in self.files)}")
             eos_id = ids.pop()
         if isinstance(eos_id, bool) or not isinstance(eos_id, (int, np.integer)) or eos_id < 0:
             raise ValueError(f"eos_id must be a non-negative integer, got {eos_id!r}")
         return int(eos_id)
+
+    def _documents(self, token_file: TokenFile) -> Tuple[np.ndarray, np.ndarray]:
+        """starts, ends: int64 [documents], each document's tokens [start, end):
+        the file's recorded document starts, else the documents its EOS
+        tokens close (and a last one without its EOS)."""
+        if token_file.document_starts is not None:
+            starts = np.asarray(token_file.document_starts, dtype=np.int64)
+            return starts, np.append(starts[1:], len(token_file))
+        ends = np.flatnonzero(np.asarray(token_file.tokens) == self.eos_id) + 1
+        if len(token_file) and (ends.size == 0 or ends[-1] != len(token_file)):
+            ends = np.append(ends, len(token_file))  # a last document without its EOS
+        return np.concatenate([[0], ends[:-1]]).astype(np.int64), ends
 
     def _pack(self) -> None:
         """Packs each file's documents in order into windows of seq_len
@@ -232,10 +256,7 @@ class Dataset:
         seg_file, seg_start, seg_length, first_segment = [], [], [], [0]
         split = 0
         for file_index, token_file in enumerate(self.files):
-            ends = np.flatnonzero(np.asarray(token_file.tokens) == self.eos_id) + 1
-            if len(token_file) and (ends.size == 0 or ends[-1] != len(token_file)):
-                ends = np.append(ends, len(token_file))  # a last document without its EOS
-            starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+            starts, ends = self._documents(token_file)
             filled = 0
             for start, end in zip(starts.tolist(), ends.tolist()):
                 positions = end - start - 1  # inputs of the document (its last token is only a target)
@@ -265,7 +286,7 @@ class Dataset:
         self._first_window = np.array([0, len(first_segment) - 1], np.int64)
         if self.num_windows == 0:
             raise ValueError(f"no document of two or more tokens in {', '.join(repr(f.path) for f in self.files)} "
-                             f"(EOS id {self.eos_id})")
+                             f"(documents: as recorded in a file, else closed by EOS id {self.eos_id})")
         self.vocab_size = max(f.vocab_size for f in self.files)
         self.max_token = max(f.max_token for f in self.files)
 

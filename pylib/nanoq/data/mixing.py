@@ -42,7 +42,8 @@ class MixtureLoader:
     """Endless global batches, each drawn whole from one sub-loader.
 
     loaders_and_weights: [(loader, weight), ...]; weights are positive and
-    need not sum to 1. Every loader must serve the same batch shape
+    need not sum to 1 (only their ratios matter), but their sum must be a
+    finite float (ValueError otherwise). Every loader must serve the same batch shape
     (batch_rows, seq_len) and the same ``part`` (see DataLoader: under a
     launcher each process mixes its part of every loader). Batch k comes from loader i with probability
     weight_i / sum(weights), decided by the k-th draw of the mixture's seed;
@@ -60,6 +61,10 @@ class MixtureLoader:
                     or not math.isfinite(weight) or weight <= 0:
                 raise ValueError(f"weight of loader {index} must be a finite positive number, got {weight!r}")
             self.weights.append(float(weight))
+        total = sum(self.weights)
+        if not math.isfinite(total):
+            raise ValueError(f"the weights {self.weights} of a mixture sum past the largest float; only their "
+                             f"ratios matter: scale them down (e.g. divide each by the largest)")
         shapes = {(loader.batch_rows, loader.seq_len) for loader in self.loaders}
         if len(shapes) != 1:
             raise ValueError(f"all loaders of a mixture must serve one batch shape (batch_rows, seq_len); "
@@ -68,7 +73,7 @@ class MixtureLoader:
         self.part = _common_part(self.loaders, "all loaders of a mixture")
         self.seed = check_seed(seed)
         self.draws = 0
-        self._cumulative = np.cumsum(self.weights) / sum(self.weights)
+        self._cumulative = np.cumsum(self.weights) / total
 
     def _choose(self, draw: int) -> int:
         uniform = np.random.default_rng([self.seed, draw, _MIXTURE_STREAM]).random()

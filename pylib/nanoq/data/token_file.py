@@ -9,11 +9,28 @@ Layout, all little-endian:
                       word 4     token count
                       word 5     vocabulary size
                       word 6     has-mask (0 or 1)
-                      words 7..  zero
+                      word 7     the 4 ASCII bytes "DOCS" when document starts follow
+                      word 8     with "DOCS": the number of documents D
+                      words 9..  zero
     then            count int32 tokens
     then            if has-mask: ceil(count / 8) bytes of mask bits; bit i (byte
                     i // 8, bit i % 8, least significant first) is 1 when token i
                     is trained on as a target.
+    then            with "DOCS": D int32 document starts, the index of each
+                    document's first token, ascending, the first 0 (D is 0
+                    only for a file without tokens).
+
+Document starts are nanoq's addition (``nanoq tokenize`` writes them): they
+say where each document begins, so that a document may hold EOS tokens of
+its own (an SFT conversation ends every assistant turn with EOS) and still
+be packed whole. A file without them (llm.q's, nanoq's from before) is read
+as before, and a packer takes each EOS as a document's end. llm.q's reader
+reads header words 2-6, the tokens and the mask at their offsets and never
+checks the file's size, so it reads a file with starts as one without.
+The tag, not a zero count, says they are there: llm.q's tokenizer leaves
+words 7.. filled with the "*" bytes it reserves the header with, and nanoq
+wrote zeros. (nanoq from before document starts refuses a file that has
+them: it checks the exact size.)
 
 Writers go through a temporary file that is renamed into place only once it is
 complete and on disk, so a crash never leaves a file that looks whole.
@@ -25,12 +42,12 @@ training starts, so a bad token is reported with its file and index rather
 than as an out-of-range id somewhere later. Ids are not checked against the
 header's vocabulary size: llm.q's tokenizer writes an EOS that is an added
 token (Qwen2.5's, say) as id = header vocab, and llm.q's reader checks the
-ids against the model.
+ids against the model. Document starts are checked when the file is opened.
 """
 from __future__ import annotations
 
 import os
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -45,6 +62,8 @@ MAX_TOKENS_PER_FILE = 2**31 - 1  # the header's count is an int32
 
 # Word indices of the header fields (the magic fills words 0 and 1).
 _VERSION_WORD, _BYTES_PER_TOKEN_WORD, _COUNT_WORD, _VOCAB_WORD, _HAS_MASK_WORD = 2, 3, 4, 5, 6
+_DOCUMENTS_TAG_WORD, _DOCUMENTS_WORD = 7, 8
+DOCUMENTS_TAG = b"DOCS"  # word 7 when document starts follow the tokens (and mask)
 
 # Tokens converted, written or checked per chunk: bounds the extra memory to 64 MiB.
 _CHUNK_TOKENS = 1 << 24
@@ -87,20 +106,62 @@ def _as_mask(mask, count: int) -> Optional[np.ndarray]:
     return array
 
 
-def _header(count: int, vocab_size: int, has_mask: bool) -> bytes:
+def _document_starts_problem(starts: np.ndarray, count: int) -> Optional[str]:
+    """What makes ``starts`` wrong as the document starts of ``count`` tokens
+    (see the module docstring), or None. Checked in chunks of bounded memory."""
+    if count == 0:
+        return None if starts.size == 0 else f"{starts.size} document start(s) for no tokens"
+    if starts.size == 0 or int(starts[0]) != 0:
+        found = "none" if starts.size == 0 else f"{int(starts[0])}"
+        return f"the first document start must be 0 (every token is in a document), got {found}"
+    for begin in range(0, starts.size, _CHUNK_TOKENS):
+        chunk = np.asarray(starts[begin:begin + _CHUNK_TOKENS + 1], dtype=np.int64)
+        bad = np.diff(chunk) <= 0
+        if bad.any():
+            index = begin + int(np.argmax(bad)) + 1
+            return (f"document start {int(starts[index])} at document_starts[{index}] does not come after "
+                    f"{int(starts[index - 1])}; starts must ascend")
+    if int(starts[-1]) >= count:
+        return (f"document start {int(starts[-1])} at document_starts[{starts.size - 1}] is past the last token "
+                f"(index {count - 1})")
+    return None
+
+
+def _as_document_starts(document_starts, count: int) -> Optional[np.ndarray]:
+    """Validated 1-D int64 document starts of ``count`` tokens, or None."""
+    if document_starts is None:
+        return None
+    array = np.asarray(document_starts)
+    if array.ndim != 1:
+        raise ValueError(f"document_starts must be a 1-D array, got shape {array.shape}")
+    if array.size and array.dtype.kind not in "iu":
+        raise TypeError(f"document_starts must be an integer array, got dtype {array.dtype}")
+    array = array.astype(np.int64)
+    problem = _document_starts_problem(array, count)
+    if problem:
+        raise ValueError(f"document_starts of {count} tokens: {problem}")
+    return array
+
+
+def _header(count: int, vocab_size: int, has_mask: bool, documents: Optional[int]) -> bytes:
     words = np.zeros(HEADER_WORDS, dtype="<i4")
     words[_VERSION_WORD] = VERSION
     words[_BYTES_PER_TOKEN_WORD] = BYTES_PER_TOKEN
     words[_COUNT_WORD] = count
     words[_VOCAB_WORD] = vocab_size
     words[_HAS_MASK_WORD] = int(has_mask)
+    if documents is not None:
+        words[_DOCUMENTS_WORD] = documents
     header = bytearray(words.tobytes())
     header[:len(MAGIC)] = MAGIC
+    if documents is not None:
+        header[4 * _DOCUMENTS_TAG_WORD:4 * _DOCUMENTS_TAG_WORD + 4] = DOCUMENTS_TAG
     return bytes(header)
 
 
-def _write_validated(path: str, tokens: np.ndarray, vocab_size: int, mask: Optional[np.ndarray]) -> None:
-    """Atomic write of already validated tokens (and mask) to ``path``."""
+def _write_validated(path: str, tokens: np.ndarray, vocab_size: int, mask: Optional[np.ndarray],
+                     document_starts: Optional[np.ndarray]) -> None:
+    """Atomic write of already validated tokens (and mask, document starts) to ``path``."""
     count = tokens.size
     if count > MAX_TOKENS_PER_FILE:
         raise ValueError(f"{count} tokens do not fit one file (at most {MAX_TOKENS_PER_FILE}); "
@@ -108,11 +169,14 @@ def _write_validated(path: str, tokens: np.ndarray, vocab_size: int, mask: Optio
     temporary = f"{path}.tmp-{os.getpid()}"
     try:
         with open(temporary, "wb") as f:
-            f.write(_header(count, vocab_size, mask is not None))
+            f.write(_header(count, vocab_size, mask is not None,
+                            None if document_starts is None else document_starts.size))
             for start in range(0, count, _CHUNK_TOKENS):
                 f.write(np.ascontiguousarray(tokens[start:start + _CHUNK_TOKENS], dtype="<i4").tobytes())
             if mask is not None:
                 f.write(np.packbits(mask, bitorder="little").tobytes())
+            if document_starts is not None:
+                f.write(document_starts.astype("<i4").tobytes())
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
@@ -123,29 +187,57 @@ def _write_validated(path: str, tokens: np.ndarray, vocab_size: int, mask: Optio
     fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
-def write_tokens(path, tokens, vocab_size: int, mask=None) -> None:
+def write_tokens(path, tokens, vocab_size: int, mask=None, document_starts=None) -> None:
     """Writes one token file atomically.
 
     tokens: 1-D integer array-like, every id in [0, vocab_size) (ValueError
     naming the first bad index and value otherwise); stored as int32.
     mask: None or a 1-D bool array of the same length; True = train on the
-    token as a target. The data goes to ``path + ".tmp-<pid>"``, is flushed and
-    fsynced, then renamed onto ``path``; on any failure the temporary file is
-    removed and an existing ``path`` is left untouched.
+    token as a target. document_starts: None (documents are told apart by
+    EOS) or the index of each document's first token, a 1-D integer array,
+    ascending, the first 0 (see the module docstring). The data goes to
+    ``path + ".tmp-<pid>"``, is flushed and fsynced, then renamed onto
+    ``path``; on any failure the temporary file is removed and an existing
+    ``path`` is left untouched.
     """
     path = os.fspath(path)
     array = _as_tokens(tokens, vocab_size)
-    _write_validated(path, array, int(vocab_size), _as_mask(mask, array.size))
+    _write_validated(path, array, int(vocab_size), _as_mask(mask, array.size),
+                     _as_document_starts(document_starts, array.size))
+
+
+def _shard_bounds(count: int, max_tokens: int, document_starts: Optional[np.ndarray]) -> List[Tuple[int, int]]:
+    """[start, stop) of each shard: at most max_tokens tokens, ending at the
+    last document start that allows (a document longer than max_tokens is
+    split); without document starts, every max_tokens tokens."""
+    bounds = []
+    start = 0
+    while True:
+        stop = min(start + max_tokens, count)
+        if stop < count and document_starts is not None:
+            last = int(document_starts[np.searchsorted(document_starts, stop, side="right") - 1])
+            if last > start:
+                stop = last
+        bounds.append((start, stop))
+        if stop == count:
+            return bounds
+        start = stop
 
 
 def write_token_shards(prefix, tokens, vocab_size: int, mask=None,
-                       max_tokens: int = MAX_TOKENS_PER_FILE) -> List[str]:
+                       max_tokens: int = MAX_TOKENS_PER_FILE, document_starts=None) -> List[str]:
     """Splits tokens into ``prefix_000000.bin, prefix_000001.bin, ...``.
 
     Each shard holds at most ``max_tokens`` tokens (and its slice of the mask,
-    packed from bit 0). All tokens are validated before the first shard is
-    written. Zero tokens give one empty shard. Shards left by an earlier,
-    longer write with the same prefix are not deleted. Returns the paths.
+    packed from bit 0). With ``document_starts`` (as for write_tokens) shards
+    end only between documents, each holding as many whole documents as fit,
+    and record their own starts; only a document longer than max_tokens is
+    split, and its piece in the next shard starts that shard as a document
+    of its own (windows never cross files anyway). Without them shards are
+    cut every max_tokens tokens. All tokens are validated before the first
+    shard is written. Zero tokens give one empty shard. Shards left by an
+    earlier, longer write with the same prefix are not deleted. Returns the
+    paths.
     """
     prefix = os.fspath(prefix)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) \
@@ -153,13 +245,17 @@ def write_token_shards(prefix, tokens, vocab_size: int, mask=None,
         raise ValueError(f"max_tokens must be an integer in [1, {MAX_TOKENS_PER_FILE}], got {max_tokens!r}")
     array = _as_tokens(tokens, vocab_size)
     mask_array = _as_mask(mask, array.size)
+    starts = _as_document_starts(document_starts, array.size)
     paths = []
-    starts = range(0, max(array.size, 1), max_tokens)
-    for shard, start in enumerate(starts):
-        stop = start + max_tokens
+    for shard, (start, stop) in enumerate(_shard_bounds(array.size, int(max_tokens), starts)):
+        shard_starts = None
+        if starts is not None:
+            shard_starts = starts[np.searchsorted(starts, start):np.searchsorted(starts, stop)] - start
+            if stop > start and (shard_starts.size == 0 or shard_starts[0] != 0):
+                shard_starts = np.concatenate([[0], shard_starts])  # the rest of a split document
         path = f"{prefix}_{shard:06d}.bin"
         _write_validated(path, array[start:stop], int(vocab_size),
-                         None if mask_array is None else mask_array[start:stop])
+                         None if mask_array is None else mask_array[start:stop], shard_starts)
         paths.append(path)
     return paths
 
@@ -170,13 +266,17 @@ class TokenFile:
     tokens: int32 array [len(self)] (a view of the file, no copy).
     mask: bool array [len(self)] (True = train on the token) or None; unpacked
     on first access. ``mask_range(start, stop)`` unpacks just a slice.
+    document_starts: int32 array [documents] (a view of the file), the index
+    of each document's first token, or None when the file does not record
+    them (then EOS tokens end documents; see the module docstring).
     vocab_size, version, has_mask: from the header. max_token: the largest
     token id (-1 for an empty file); it may reach past vocab_size (see the
     module docstring).
 
-    Opening checks the header, the exact file size and that no token is
-    negative; each problem raises FileNotFoundError or ValueError naming the
-    file. ``check_vocab`` checks the ids against a model's vocabulary.
+    Opening checks the header, the exact file size, that no token is
+    negative and that document starts ascend from 0 within the file; each
+    problem raises FileNotFoundError or ValueError naming the file.
+    ``check_vocab`` checks the ids against a model's vocabulary.
     """
 
     def __init__(self, path):
@@ -215,10 +315,18 @@ class TokenFile:
         if has_mask not in (0, 1):
             raise ValueError(f"token file {self.path!r} has has-mask word {has_mask}; must be 0 or 1")
         self.has_mask = bool(has_mask)
-        expected = HEADER_BYTES + BYTES_PER_TOKEN * count + (_mask_bytes(count) if self.has_mask else 0)
+        documents = None
+        if header[4 * _DOCUMENTS_TAG_WORD:4 * _DOCUMENTS_TAG_WORD + 4] == DOCUMENTS_TAG:
+            documents = int(words[_DOCUMENTS_WORD])
+            if documents < 0:
+                raise ValueError(f"token file {self.path!r} has a negative document count {documents}")
+        starts_offset = HEADER_BYTES + BYTES_PER_TOKEN * count + (_mask_bytes(count) if self.has_mask else 0)
+        expected = starts_offset + BYTES_PER_TOKEN * (documents or 0)
         if size != expected:
+            parts = f"{'with' if self.has_mask else 'no'} mask" + \
+                ("" if documents is None else f", {documents} document starts")
             raise ValueError(f"token file {self.path!r} is {size} bytes but its header ({count} tokens, "
-                             f"{'with' if self.has_mask else 'no'} mask) needs exactly {expected} bytes; "
+                             f"{parts}) needs exactly {expected} bytes; "
                              f"the file is {'truncated' if size < expected else 'longer than its header says'}")
 
         self._count = count
@@ -232,6 +340,14 @@ class TokenFile:
                                          shape=(_mask_bytes(count),))
                                if self.has_mask else None)
         self._mask = None
+        self.document_starts = None
+        if documents is not None:
+            self.document_starts = (np.memmap(self.path, dtype="<i4", mode="r", offset=starts_offset,
+                                              shape=(documents,))
+                                    if documents else np.zeros(0, dtype=np.int32))
+            problem = _document_starts_problem(self.document_starts, count)
+            if problem:
+                raise ValueError(f"token file {self.path!r}: {problem}; the file is corrupt")
         self._check_token_range()
 
     def _check_token_range(self) -> None:
@@ -288,5 +404,6 @@ class TokenFile:
         return bits[first:first + stop - start].astype(bool)
 
     def __repr__(self) -> str:
+        documents = "" if self.document_starts is None else f", documents={self.document_starts.size}"
         return (f"TokenFile({self.path!r}, tokens={self._count}, vocab_size={self.vocab_size}, "
-                f"mask={self.has_mask})")
+                f"mask={self.has_mask}{documents})")

@@ -180,7 +180,8 @@ def import_nano(inputs: Sequence[str | os.PathLike], output: str | os.PathLike, 
                 eos_id: Optional[int] = None, eval_fraction: float = 0.0, seed: int = 0,
                 shard_tokens: int = DEFAULT_SHARD_TOKENS) -> TokenizeResult:
     """Writes Nano's base64-pickled line files (formats in
-    ``nanoq.tokenization.nano``) as token files, a line per document.
+    ``nanoq.tokenization.nano``) as token files, a line per document (the
+    files record where each starts).
 
     vocab_size: the model's vocabulary (every id must be below it).
     eos_id: a token appended after every line (None: lines are concatenated as they are).

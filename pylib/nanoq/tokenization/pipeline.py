@@ -3,15 +3,19 @@
 Output directory layout (written under a temporary name and renamed when
 complete, so a directory with this name is always whole):
 
-    train_000000.bin, ...   training tokens (shards of at most shard_tokens)
+    train_000000.bin, ...   training tokens (shards of at most shard_tokens, whole
+                            documents: only a longer document is split across shards)
     eval_000000.bin         held-out documents (only with eval_fraction > 0)
     tokenizer.json          the tokenizer used (absent for Nano imports without one)
     tokenizer_config.json   for transformers' AutoTokenizer: the EOS token and, for SFT
                             data, nanoq's chat template (nanoq.tokenization.sources)
     tokenize.json           what was done: inputs, counts, vocab size, EOS id, seed
 
-Documents are separated by the EOS token. Files get a mask only when some
-token is not trained on (SFT data).
+Every document ends with the EOS token (a Nano line only given an eos_id),
+and every token file records where its documents start (nanoq.data.token_file),
+so that a document holding EOS tokens of its own (an SFT conversation, with an
+EOS after each assistant turn) is packed whole. Files get a mask only when some token is not trained
+on (SFT data).
 """
 from __future__ import annotations
 
@@ -31,7 +35,10 @@ from nanoq.tokenization.sources import Document
 _CHUNK_DOCUMENTS = 64
 DEFAULT_SHARD_TOKENS = 100_000_000
 
-Encoded = Tuple[np.ndarray, np.ndarray]  # int32 tokens, bool mask
+Encoded = Tuple[np.ndarray, np.ndarray]  # one document: int32 tokens, bool mask
+# Documents in order: their tokens and mask concatenated, and int64 document starts
+# (the index of each one's first token).
+Concatenated = Tuple[np.ndarray, np.ndarray, np.ndarray]
 
 _worker_tokenizer = None
 _worker_eos = None
@@ -109,10 +116,14 @@ def split_documents(count: int, eval_fraction: float, seed: int) -> np.ndarray:
     return held_out
 
 
-def concatenate(encoded: Sequence[Encoded]) -> Encoded:
+def concatenate(encoded: Sequence[Encoded]) -> Concatenated:
+    """The documents one after another, with where each starts (a document
+    without tokens starts nowhere)."""
     if not encoded:
-        return np.zeros(0, np.int32), np.zeros(0, bool)
-    return np.concatenate([t for t, _ in encoded]), np.concatenate([m for _, m in encoded])
+        return np.zeros(0, np.int32), np.zeros(0, bool), np.zeros(0, np.int64)
+    lengths = np.array([t.size for t, _ in encoded], dtype=np.int64)
+    starts = (np.cumsum(lengths) - lengths)[lengths > 0]
+    return np.concatenate([t for t, _ in encoded]), np.concatenate([m for _, m in encoded]), starts
 
 
 class OutputDirectory:
@@ -144,14 +155,15 @@ class OutputDirectory:
             shutil.rmtree(self.partial)
 
 
-def write_split(out: OutputDirectory, name: str, encoded: Encoded, vocab_size: int,
+def write_split(out: OutputDirectory, name: str, documents: Concatenated, vocab_size: int,
                 shard_tokens: int, force_mask: bool) -> List[str]:
-    """Writes ``name_000000.bin, ...``; a mask only if some token is untrained
-    (or ``force_mask``). Returns the file names."""
-    tokens, mask = encoded
+    """Writes ``name_000000.bin, ...`` (shards cut between documents) with
+    their document starts; a mask only if some token is untrained (or
+    ``force_mask``). Returns the file names."""
+    tokens, mask, starts = documents
     keep_mask = force_mask or not bool(mask.all())
     paths = write_token_shards(out.file(name), tokens, vocab_size, mask if keep_mask else None,
-                               max_tokens=shard_tokens)
+                               max_tokens=shard_tokens, document_starts=starts)
     return [os.path.basename(p) for p in paths]
 
 

@@ -3,7 +3,9 @@
 A Document is a list of segments, each ``(text, trained)``; ``text`` None
 stands for the EOS token. ``trained`` is the mask bit its tokens get (1 =
 trained on as a target). Pretraining documents are one trained segment; SFT
-documents train only on the response.
+documents train only on the response. A Document stays one document in the
+token files (they record where each starts), whatever EOS segments it holds:
+a chat is packed whole, every turn attending to the turns before it.
 
 SFT lines (``--format sft``) are JSON objects of one of two shapes:
 
@@ -29,11 +31,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from typing import Iterator, List, Optional, Tuple
 
 Segment = Tuple[Optional[str], bool]
 SPLITS = ("file", "paragraph", "line")
 ROLES = ("system", "user", "assistant")
+# A \u escape of a UTF-16 surrogate: json.loads turns one without its pair into a
+# lone surrogate, a str that is not text (it cannot be encoded, nor tokenized).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 @dataclasses.dataclass
@@ -49,30 +55,49 @@ class InputError(ValueError):
     """Bad input data; the message names the file and line."""
 
 
+def _paragraphs(lines: List[str]) -> Iterator[str]:
+    """The runs of non-blank lines (a blank line: whitespace only), each
+    joined by newlines."""
+    run: List[str] = []
+    for line in lines + [""]:
+        if line.strip():
+            run.append(line)
+        elif run:
+            yield "\n".join(run)
+            run = []
+
+
 def read_text(path: str, split: str = "file") -> Iterator[Document]:
-    """Documents of a UTF-8 text file: the whole file, each paragraph (blocks
-    separated by blank lines) or each non-empty line, per ``split``."""
+    """Documents of a UTF-8 text file: the whole file, each paragraph (runs
+    of lines between blank, or whitespace-only, lines) or each non-blank
+    line, per ``split``. Lines end at a newline only (\\n, \\r\\n or \\r, all
+    read as \\n), not at the other line boundaries of str.splitlines (form
+    feed, U+2028, ...), which stay text. A UTF-8 byte order mark that starts
+    the file is dropped."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # newline=None: \r\n and \r are read as \n
             text = f.read()
     except UnicodeDecodeError as e:
         raise InputError(f"{path}: not UTF-8 text ({e})") from None
     if split == "file":
         pieces = [text]
     elif split == "paragraph":
-        pieces = text.replace("\r\n", "\n").split("\n\n")
+        pieces = list(_paragraphs(text.split("\n")))
     else:
-        pieces = text.splitlines()
+        pieces = text.split("\n")
     for piece in pieces:
         if piece.strip():
             yield Document([(piece, True)])
 
 
 def iter_jsonl(path: str) -> Iterator[Tuple[int, dict]]:
-    """(line number from 1, object) for every non-blank line of a JSONL file."""
-    with open(path, encoding="utf-8", errors="strict") as f:
+    """(line number from 1, object) for every non-blank line of a JSONL file
+    (a UTF-8 byte order mark that starts the file is dropped). A line whose
+    strings hold a lone surrogate (an unpaired \\ud800-\\udfff escape) is an
+    InputError, as invalid JSON is."""
+    with open(path, encoding="utf-8-sig", errors="strict") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -84,6 +109,13 @@ def iter_jsonl(path: str) -> Iterator[Tuple[int, dict]]:
                 raise InputError(f"{path}:{number}: JSON nested too deeply") from None
             if not isinstance(value, dict):
                 raise InputError(f"{path}:{number}: expected a JSON object, got {type(value).__name__}")
+            if _SURROGATE_ESCAPE.search(line):
+                try:
+                    json.dumps(value, ensure_ascii=False).encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise InputError(f"{path}:{number}: a string holds the lone surrogate {e.object[e.start]!r} "
+                                     f"(half of a UTF-16 pair, escaped without its other half), which is not "
+                                     f"text; fix or drop the line") from None
             yield number, value
 
 

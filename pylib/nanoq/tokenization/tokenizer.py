@@ -32,12 +32,22 @@ def tokenizer_file(path: str | os.PathLike) -> str:
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """A Hugging Face fast tokenizer from a ``tokenizer.json`` file or model directory."""
+    """A Hugging Face fast tokenizer from a ``tokenizer.json`` file or model directory.
+
+    Truncation and padding saved in the file (many carry a max_length for
+    transformers' batches) are turned off: nanoq encodes whole documents and
+    prompts, and a truncated document would silently lose its end, a padded
+    one gain tokens that are not its text. The worker processes of
+    ``nanoq tokenize`` get this tokenizer (``to_str()``), settings included.
+    """
     file = tokenizer_file(path)
     try:
-        return Tokenizer.from_file(file)
+        tokenizer = Tokenizer.from_file(file)
     except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception subclasses
         raise ValueError(f"{file} is not a tokenizer.json the tokenizers library can read: {e}") from None
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
 
 
 def _configured_token(file: str, key: str) -> Optional[str]:
@@ -149,8 +159,10 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
 
 
 def tokenizer_vocab_size(tokenizer: Tokenizer) -> int:
-    """Number of ids the tokenizer can produce (added tokens included)."""
-    return tokenizer.get_vocab_size(with_added_tokens=True)
+    """The vocabulary a model needs for the tokenizer's ids: its highest id
+    + 1 (added tokens included), not its number of entries, which is
+    smaller when some ids are unused (a reserved range, say)."""
+    return max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
 
 def write_tokenizer_config(path: str, eos_token: str, chat_template: Optional[str] = None) -> None:
