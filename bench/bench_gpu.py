@@ -535,7 +535,7 @@ def fit_nanoq(config, options: dict, run: dict) -> tuple[dict, dict | None]:
         print("--- nanoq's memory plan failed: running the setting's micro-batch unfitted", flush=True)
         return options, dict(error=f"{type(e).__name__}: {e}")
     fitting = estimate.fitting_micro_batch(limit)
-    needed = estimate.device_bytes + estimate.reserve_bytes
+    needed = estimate.needed_bytes
     if fitting is None:
         raise RuntimeError(f"B={options['batch_size']}x{options['grad_accum']} needs {human_bytes(needed)}, and not "
                            f"even one row per micro-batch fits the {human_bytes(limit)} of GPU memory: "
@@ -544,7 +544,7 @@ def fit_nanoq(config, options: dict, run: dict) -> tuple[dict, dict | None]:
     if run.get("device_memory"):
         options["memory_limit"] = limit - fitting.reserve_bytes
     fit = dict(device_memory_bytes=limit, device_memory_given=bool(run.get("device_memory")),
-               setting_needs_bytes=needed, needs_bytes=fitting.device_bytes + fitting.reserve_bytes)
+               setting_needs_bytes=needed, needs_bytes=fitting.needed_bytes)
     if fitting is not estimate:
         print(f"B={run['batch']}x{run['grad_accum']} needs {human_bytes(needed)} of the {human_bytes(limit)} "
               f"available: running B={options['batch_size']}x{options['grad_accum']} (the same tokens per step)",

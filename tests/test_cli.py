@@ -64,6 +64,29 @@ def test_demo_runs_with_no_data_settings(tmp_path):
     assert os.listdir(tmp_path) == [run] and os.path.isdir(tmp_path / run / "model-step3")
 
 
+def test_an_interrupt_says_whether_there_is_a_checkpoint_to_resume(tmp_path, monkeypatch):
+    import nanoq.training.loop as loop
+
+    args = [*TINY_MODEL, "--steps", "2", "--warmup_steps", "0", "--eval_batches", "1", "--out_dir", tmp_path,
+            "--run_name", "run"]
+    real = loop.Trainer
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(loop, "Trainer", interrupted)  # Ctrl-C while the new run is set up
+    result = CliRunner().invoke(cli, [str(a) for a in ["train", *args]])
+    assert result.exit_code == 130
+    assert "interrupted before the run's first checkpoint: nothing to resume" in result.output
+    assert "--resume continues" not in result.output and not (tmp_path / "run").exists()
+    monkeypatch.setattr(loop, "Trainer", real)
+    assert invoke("train", *args).exit_code == 0
+    monkeypatch.setattr(loop, "Trainer", interrupted)  # while a resumed run is set up: its checkpoints stay
+    result = CliRunner().invoke(cli, [str(a) for a in ["train", *args, "--steps", "3", "--resume"]])
+    assert result.exit_code == 130
+    assert (f"the log and checkpoints so far are in {tmp_path / 'run'} (the same command with --resume continues"
+            in result.output)
+
+
 def test_print_config_merges_defaults_file_and_flags(tmp_path):
     config = tmp_path / "c.toml"
     config.write_text("[train]\nsteps = 7\nlr = 1.0\n")
@@ -72,6 +95,25 @@ def test_print_config_merges_defaults_file_and_flags(tmp_path):
     merged = tomllib.loads(result.output)
     assert merged["train"]["steps"] == 7 and merged["train"]["lr"] == 0.5
     assert merged["model"]["tie_word_embeddings"] is False and merged["model"]["hidden_size"] == 256
+
+
+def test_a_file_valid_only_with_the_flags_is_taken(tmp_path):
+    # The file's settings are checked with the flags applied (flags override the file): a rule
+    # between two settings holds when a flag gives the other one.
+    config = tmp_path / "offload.toml"
+    config.write_text('[run]\nbackend = "cpu"\ndevices = 2\noffload = "gradients"\n')
+    result = invoke("train", config, "--zero_stage", "2", "--print-config")
+    assert result.exit_code == 0, result.output
+    merged = tomllib.loads(result.output)
+    assert merged["run"]["offload"] == "gradients" and merged["run"]["zero_stage"] == 2
+    # Where the file is at fault on its own, the error still names it; where the flags are, it does not.
+    result = invoke("train", config, "--print-config")
+    assert result.exit_code == 1 and f"{config}: offloading gradients needs zero_stage 2 or 3" in result.output
+    plain = tmp_path / "plain.toml"
+    plain.write_text('[run]\nbackend = "cpu"\ndevices = 2\n')
+    result = invoke("train", plain, "--offload", "gradients", "--print-config")
+    assert result.exit_code == 1 and "offloading gradients needs zero_stage 2 or 3" in result.output
+    assert str(plain) not in result.output
 
 
 def test_config_errors_name_the_key_or_file(tmp_path):

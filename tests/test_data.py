@@ -574,7 +574,28 @@ def test_curriculum_resumes_in_the_middle_of_stage_two(two_sources):
 
 def test_curriculum_state_with_other_stage_lengths_is_rejected(two_sources):
     state = build_curriculum(two_sources).state_dict()
-    with pytest.raises(ValueError, match="batches_per_step"):
-        build_curriculum(two_sources, batches_per_step=1).load_state_dict(state)
+    other = Curriculum([(DataLoader(two_sources[0], 2, seed=0), None, 2), (DataLoader(two_sources[1], 2, seed=0), None, 3)],
+                       batches_per_step=2)
+    with pytest.raises(ValueError, match=r"stage steps \[3, 2\]; this curriculum has \[2, 3\]"):
+        other.load_state_dict(state)
     with pytest.raises(ValueError, match="steps of curriculum stage 0"):
         Curriculum([(None, None, 0)])
+
+
+def test_a_curriculum_resumed_with_another_grad_accum_continues_from_the_same_step(two_sources):
+    # Two optimizer steps of stage 0 (3 steps) at 2 batches each, then the rest at 1 batch a step:
+    # stage 0's last step, then stage 1's 2 steps. The data continues where it stopped.
+    curriculum = build_curriculum(two_sources, batches_per_step=2)
+    take(curriculum, 4)
+    state = json.loads(json.dumps(curriculum.state_dict()))
+    expected = take(curriculum, 1)  # the next batch the saving run would have served
+    resumed = build_curriculum(two_sources, batches_per_step=1)
+    resumed.load_state_dict(state)
+    assert (resumed.current_stage, resumed.batches_in_stage) == (0, 2)
+    rest = list(resumed)
+    assert len(rest) == 1 + 2  # stage 0's last step, stage 1's two, one batch each
+    assert_same_batches(rest[:1], expected)
+    assert resumed.current_stage == 1 and resumed.finished
+    # The saving curriculum is mid-step now (5 batches): another batches_per_step cannot say at which step.
+    with pytest.raises(ValueError, match="only a state saved after whole optimizer steps"):
+        build_curriculum(two_sources, batches_per_step=1).load_state_dict(curriculum.state_dict())

@@ -55,8 +55,8 @@ from test_resume import config as tiny_config  # noqa: E402
 QUIET = dict(say=lambda line: None, progress=False)
 
 
-def log_records(run_dir, kind):
-    return [r for r in read_log(os.path.join(run_dir, "log.jsonl")) if r["type"] == kind]
+def log_records(run_dir, kind=None):
+    return [r for r in read_log(os.path.join(run_dir, "log.jsonl")) if kind is None or r["type"] == kind]
 
 
 def test_runaway_training_halts_after_k_skipped_updates_with_a_checkpoint(tmp_path):
@@ -71,6 +71,8 @@ def test_runaway_training_halts_after_k_skipped_updates_with_a_checkpoint(tmp_pa
     assert [r["in_a_row"] for r in skipped] == [1, 2, 3]
     (halted,) = log_records(run_dir, "halted")
     assert halted["checkpoint"] in str(error.value)
+    times = [r["time"] for r in log_records(run_dir) if "time" in r]
+    assert times == sorted(times)  # the halted record comes after its checkpoint's
     # The checkpoint holds the last good state: the weights of the last update that was applied.
     state = checkpoint.read_state(halted["checkpoint"])
     assert state["step"] == skipped[-1]["step"]
@@ -125,6 +127,8 @@ def test_a_signal_finishes_the_step_writes_a_checkpoint_and_exits_zero(tmp_path,
            f"without one)" in output
     (stopped,) = log_records(run_dir, "stopped")
     assert checkpoint.read_state(stopped["checkpoint"])["step"] == stopped["step"]
+    times = [r["time"] for r in log_records(run_dir) if "time" in r]
+    assert times == sorted(times)  # the stopped record comes after its checkpoint's
     assert log_records(run_dir, "train")[-1]["step"] == stopped["step"]  # the step in flight was finished
 
 

@@ -389,9 +389,11 @@ def test_higher_zero_stages_are_suggested_on_several_devices():
     stage2 = estimate_memory(config, dataclasses.replace(options, zero_stage=2))
     stage3 = estimate_memory(config, dataclasses.replace(options, zero_stage=3))
     assert stage3.device_bytes < stage2.device_bytes < estimate.device_bytes
-    lines = estimate.suggestions(stage2.device_bytes)
+    # On cpu the offloaded state takes the same host memory: needed_bytes counts it.
+    assert stage2.needed_bytes == stage2.device_bytes + stage2.reserve_bytes + stage2.pinned_bytes
+    lines = estimate.suggestions(stage2.needed_bytes)
     assert lines[0].startswith("zero_stage 2 (gradients sharded across the 8 devices)")
-    lines = estimate.suggestions(stage3.device_bytes)
+    lines = estimate.suggestions(stage3.needed_bytes)
     assert lines[0].startswith("zero_stage 3 (gradients and weights sharded across the 8 devices)")
 
 
@@ -590,7 +592,7 @@ def test_cli_reads_the_vocab_size_from_the_configs_token_files(tmp_path):
     assert result.exit_code == 1 and str(folder / "missing" / "train_*.bin") in result.output
 
 
-def test_the_kv_cache_counts_in_the_fit_of_a_run_that_samples_during_training():
+def test_the_kv_cache_counts_in_the_fit_of_a_run_that_samples_during_training(tmp_path):
     model = nanoq.ModelConfig(**TINY, rms_norm_eps=1e-5, tie_word_embeddings=True)  # TINY_FLAGS' model
     options = cpu_options(2, batch_size=4, seq_len=32)
     alone, sampling = estimate_memory(model, options), estimate_memory(model, options, generates=True)
@@ -604,6 +606,14 @@ def test_the_kv_cache_counts_in_the_fit_of_a_run_that_samples_during_training():
     for every, expected in (("60", sampling), ("0", alone)):
         result = invoke("memory", *flags, "--sample_every", every)
         assert re.search(rf"^total +{re.escape(human_bytes(expected.device_bytes))} ", result.output, re.M)
+    # Where training writes no samples (a bidirectional model, several processes) no KV cache counts.
+    bidirectional = estimate_memory(dataclasses.replace(model, causal=False), options)
+    (tmp_path / "bidirectional.toml").write_text('[model]\ncausal = false\n[train]\nobjective = "seq2seq"\n')
+    for extra, expected in (([tmp_path / "bidirectional.toml"], bidirectional), (["--processes", "2"], estimate_memory(model, options, processes=2))):
+        result = invoke("memory", *flags, "--sample_every", "60", *extra)
+        assert result.exit_code == 0, result.output
+        assert re.search(rf"^total +{re.escape(human_bytes(expected.device_bytes))} ", result.output, re.M)
+        assert re.search(r"^kv-cache .* not in the total$", result.output, re.M)
 
 
 def test_cli_plot_writes_a_png(tmp_path):

@@ -365,3 +365,16 @@ def test_cli_resume_auto_without_a_config_file_takes_the_runs_own_settings(tmp_p
     (tmp_path / "runs" / "empty").mkdir()
     result = invoke(["train", "--resume", "auto", "--out_dir", str(tmp_path / "runs"), "--run_name", "empty"])
     assert result.exit_code == 1 and "exists but holds no checkpoint" in result.output
+
+
+def test_the_readme_lists_the_settings_a_resume_must_keep():
+    import re
+
+    from nanoq.training.resume import FIXED_ON_RESUME
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8").read()
+    sentence = re.search(r"settings that define the model or the data stream\s*\((.*?)\) must match", readme, re.S)
+    assert sentence, "README: the resume section's list of settings that must match"
+    listed = set(re.findall(r"`([^`]+)`", sentence.group(1)))
+    expected = {f"[{key[:-2]}]" if key.endswith(".*") else key for key in FIXED_ON_RESUME}
+    assert listed == expected

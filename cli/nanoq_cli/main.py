@@ -172,9 +172,18 @@ def train(config_file, print_config, resume, **flags):
         run_training(config, resume=resume)
     except (ValueError, TypeError, OSError, nanoq.NanoqError, TrainingHalted, RunInUse) as e:
         raise _fail(e) from None
-    except KeyboardInterrupt:
-        click.echo("interrupted: no final model written; the log and checkpoints so far are in the run "
-                   "directory (the same command with --resume continues from the last checkpoint)", err=True)
+    except KeyboardInterrupt as interrupt:
+        from nanoq.checkpoint import list_checkpoints
+        from nanoq.training.resume import CHECKPOINTS
+
+        run_dir = getattr(interrupt, "run_dir", None)
+        if run_dir and list_checkpoints(os.path.join(run_dir, CHECKPOINTS)):
+            click.echo(f"interrupted: no final model written; the log and checkpoints so far are in {run_dir} "
+                       f"(the same command with --resume continues from the last checkpoint)", err=True)
+        else:  # during a new run's set-up (which removes its directory) or before its first checkpoint
+            click.echo("interrupted before the run's first checkpoint: nothing to resume"
+                       + (f" (the log so far is in {run_dir})" if run_dir and os.path.isdir(run_dir) else ""),
+                       err=True)
         sys.exit(130)
 
 
@@ -320,9 +329,10 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, processes
     a GPU run anywhere. With --processes P the world is P x devices
     devices (as under mpiexec -n P).
     """
-    from nanoq.memory import estimate_memory, human_bytes, visible_gpu_memory
+    from nanoq.memory import estimate_memory, human_bytes, planned_processes, visible_gpu_memory
     from nanoq.training import load_config
     from nanoq.training.loop import config_datasets, data_packing
+    from nanoq.training.samples import samples_off
     from nanoq.training.settings import train_options
 
     overrides = {name: value for name, value in flags.items() if value is not None}
@@ -335,9 +345,12 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, processes
         # A given device size also sizes the cuda classifier chunk as on that GPU.
         # Packed windows (data.packing pack, or auto on SFT files; training's or eval's) add cuda's
         # attention mask.
-        estimate = estimate_memory(model, train_options(config, data_packing(config, datasets)),
-                                   reserve_bytes=reserve_bytes, processes=processes,
-                                   generates=config.sample_every > 0, device_memory=device_bytes)
+        options = train_options(config, data_packing(config, datasets))
+        processes = planned_processes(processes, options)
+        samples = config.sample_every > 0 and \
+            samples_off(model.causal, processes == 1, processes, processes * options.devices) is None
+        estimate = estimate_memory(model, options, reserve_bytes=reserve_bytes, processes=processes,
+                                   generates=samples, device_memory=device_bytes)
     except (ValueError, FileNotFoundError) as e:
         raise _fail(e) from None
     from_nvml = device_bytes is None and estimate.options.backend == "cuda"

@@ -183,9 +183,16 @@ class MemoryEstimate:
         o = self.options
         return self.world_devices * o.batch_size * o.seq_len * o.grad_accum
 
+    @property
+    def needed_bytes(self) -> int:
+        """What must fit each device's memory: ``device_bytes`` and
+        ``reserve_bytes``, and on the cpu backend the pinned bytes too (its
+        devices' memory is the host's, which offloaded state also takes)."""
+        return self.device_bytes + self.reserve_bytes + (self.pinned_bytes if self.options.backend == "cpu" else 0)
+
     def fits(self, device_memory_bytes: int) -> bool:
-        """Whether allocations plus ``reserve_bytes`` fit a device of that size."""
-        return self.device_bytes + self.reserve_bytes <= device_memory_bytes
+        """Whether ``needed_bytes`` fit a device of that size."""
+        return self.needed_bytes <= device_memory_bytes
 
     def suggestions(self, device_memory_bytes: int, shared_host: bool = False) -> List[str]:
         """Changes that make the run fit, one line each, cheapest first
@@ -248,7 +255,7 @@ class MemoryEstimate:
                 lines.append("-" * (name_width + size_width + 2))
             lines.append(f"{name:<{name_width}}  {size:>{size_width}}  {meaning}")
         if device_memory_bytes is not None:
-            need = self.device_bytes + self.reserve_bytes
+            need = self.needed_bytes
             verdict = "fits" if self.fits(device_memory_bytes) else "does NOT fit"
             lines += ["", f"{verdict} in {human_bytes(device_memory_bytes)} ({device_memory_bytes / 1e9:.1f} GB) "
                           f"per device (needs {human_bytes(need)}, {100 * need / device_memory_bytes:.0f}%)"]
@@ -338,7 +345,7 @@ class MemoryEstimate:
             return None
         o = smaller.options
         return (f"batch_size {o.batch_size} with grad_accum {o.grad_accum} (same {self.tokens_per_step:,} "
-                f"tokens per step): needs {human_bytes(smaller.device_bytes + self.reserve_bytes)}")
+                f"tokens per step): needs {human_bytes(smaller.needed_bytes)}")
 
     def _recompute_levels(self) -> Iterator[tuple]:
         """Recompute settings that add names to this one, cheapest first. One
@@ -440,14 +447,14 @@ class MemoryEstimate:
         n = lighter.options
         shape = [f"batch_size {n.batch_size} with grad_accum {n.grad_accum}"] if n.batch_size != o.batch_size else []
         return (f"{', '.join(shape + self._changes(lighter))} (same {self.tokens_per_step:,} tokens per step): needs "
-                f"{human_bytes(lighter.device_bytes + self.reserve_bytes)}")
+                f"{human_bytes(lighter.needed_bytes)}")
 
     def _recompute(self, limit: int) -> Optional[str]:
         for names in self._recompute_levels():
             lighter = self._with(recompute=names)
             if lighter.fits(limit):
                 return (f"recompute {','.join(names)} (activations recomputed in backward; more compute, same "
-                        f"results): needs {human_bytes(lighter.device_bytes + self.reserve_bytes)}")
+                        f"results): needs {human_bytes(lighter.needed_bytes)}")
         return None
 
     def _offload(self, limit: int) -> Optional[str]:
@@ -456,7 +463,7 @@ class MemoryEstimate:
             if lighter.fits(limit):
                 return (f"offload {','.join(names)} (kept in host memory, streamed through the device in "
                         f"update(); {human_bytes(lighter.pinned_bytes)} of host memory per device): needs "
-                        f"{human_bytes(lighter.device_bytes + self.reserve_bytes)}")
+                        f"{human_bytes(lighter.needed_bytes)}")
         return None
 
     def _zero_stage(self, limit: int) -> Optional[str]:
@@ -468,7 +475,7 @@ class MemoryEstimate:
             if lighter.fits(limit):
                 what = "gradients" if stage == 2 else "gradients and weights"
                 return (f"zero_stage {stage} ({what} sharded across the {self.world_devices} devices): needs "
-                        f"{human_bytes(lighter.device_bytes + self.reserve_bytes)}")
+                        f"{human_bytes(lighter.needed_bytes)}")
         return None
 
     def _more_devices(self, limit: int, shrink_batch: bool) -> Optional[str]:
@@ -519,7 +526,7 @@ class MemoryEstimate:
         keep = "same" if tokens == self.tokens_per_step else f"{tokens:,} instead of {self.tokens_per_step:,}"
         shape = [f"batch_size {n.batch_size}"] if n.batch_size != o.batch_size else []
         inner = ", ".join(self._changes(other) + shape + [f"grad_accum {n.grad_accum}: {keep} tokens per step"])
-        needs = human_bytes(other.device_bytes + self.reserve_bytes)
+        needs = human_bytes(other.needed_bytes)
         return ((f"nothing else fits {self._placement()}; " if alone else "")
                 + f"{self._placement(n.devices)} ({inner}): needs {needs}"
                 + (f" per device (each device's share: {human_bytes(share)})" if share is not None else ""))
@@ -556,7 +563,7 @@ class MemoryEstimate:
         return (f"nothing fits: even {self._placement(most)} with zero_stage {stage}, batch_size 1"
                 + (f", recompute {','.join(best.options.recompute)}" if best.options.recompute else "")
                 + (f" and offload {','.join(names)}" if names else "")
-                + f" need {human_bytes(best.device_bytes + self.reserve_bytes)} per device; shorten seq_len "
+                + f" need {human_bytes(best.needed_bytes)} per device; shorten seq_len "
                 f"({self.options.seq_len}) or train a smaller model")
 
 
@@ -642,7 +649,7 @@ def estimate_memory(config: ModelConfig, options: TrainOptions, *, backend: Opti
     if device_memory is not None and (isinstance(device_memory, bool) or not isinstance(device_memory, int)
                                       or device_memory <= 0):
         raise ValueError(f"device_memory must be a positive byte count, got {device_memory!r}")
-    processes = _processes(processes, options)
+    processes = planned_processes(processes, options)
     options = _resolve(options, backend)
     plans = []
     for process in range(processes):
@@ -670,7 +677,7 @@ def estimate_memory(config: ModelConfig, options: TrainOptions, *, backend: Opti
                           classifier_rows=plans[largest]["classifier_rows"], device_memory=device_memory)
 
 
-def _processes(processes: Optional[int], options: TrainOptions) -> int:
+def planned_processes(processes: Optional[int], options: TrainOptions) -> int:
     """The number of processes to plan for: ``processes``, or the launcher's."""
     if processes is None:
         world = distributed.launcher_world()

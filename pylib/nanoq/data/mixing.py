@@ -201,16 +201,23 @@ class Curriculum:
 
     def load_state_dict(self, state: dict) -> None:
         """Continues exactly where the saving curriculum stopped; its stage
-        lengths and batches_per_step must match (ValueError)."""
+        lengths (in optimizer steps) must match (ValueError). Another
+        batches_per_step (a resume with another grad_accum) is taken: the
+        stage continues from the same optimizer step, its remaining steps
+        taking this curriculum's batches each."""
         check_state(state, "Curriculum", ("stage", "batches_in_stage", "batches_per_step", "steps", "loaders"))
         steps: List[int] = [steps for _, _, steps in self.stages]
-        if state["steps"] != steps or state["batches_per_step"] != self.batches_per_step:
-            raise ValueError(f"Curriculum state has stage steps {state['steps']} with batches_per_step "
-                             f"{state['batches_per_step']}; this curriculum has {steps} with "
-                             f"{self.batches_per_step}")
-        stage, served = state["stage"], state["batches_in_stage"]
-        if not (isinstance(stage, int) and 0 <= stage < len(self.stages) and isinstance(served, int)
-                and 0 <= served <= self._stage_batches(stage)):
+        if state["steps"] != steps:
+            raise ValueError(f"Curriculum state has stage steps {state['steps']}; this curriculum has {steps}")
+        stage, served, per_step = state["stage"], state["batches_in_stage"], state["batches_per_step"]
+        if per_step != self.batches_per_step:
+            if not (isinstance(per_step, int) and per_step >= 1 and isinstance(served, int) and served >= 0
+                    and served % per_step == 0):
+                raise ValueError(f"Curriculum state has batch count {served!r} with batches_per_step {per_step!r}: "
+                                 f"only a state saved after whole optimizer steps continues with another "
+                                 f"batches_per_step ({self.batches_per_step})")
+            served = served // per_step * self.batches_per_step
+        if not (isinstance(stage, int) and 0 <= stage < len(self.stages) and 0 <= served <= self._stage_batches(stage)):
             raise ValueError(f"Curriculum state has an invalid stage {stage!r} or batch count {served!r}")
         if len(state["loaders"]) != len(self.stages):
             raise ValueError(f"Curriculum state has {len(state['loaders'])} loader states for "

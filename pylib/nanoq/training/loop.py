@@ -657,6 +657,9 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
                               action="finding the checkpoint to resume", fallback=ValueError)
             config = resumed.config
         return _train_in(run_dir, config, resumed, start, say, progress, group)
+    except KeyboardInterrupt as interrupt:  # (a second Ctrl-C; the first stops at a step's end)
+        interrupt.run_dir = os.path.abspath(run_dir)  # for the caller to say what is there to resume
+        raise
     finally:
         if lock is not None:
             lock.release()
@@ -822,12 +825,13 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
                         path = save_checkpoint()
                         good = newest_finite(os.path.join(run_dir, CHECKPOINTS))
                         log.write(type="halted", step=done.step, checkpoint=path, last_good_checkpoint=good,
-                                  time=done.time)
+                                  time=time.time() - train_start)
                         raise TrainingHalted(_halt_message(skipped_in_a_row, done.step, path, good))
                 stopped_by = stop.agreed(group)
                 if stopped_by:
                     path = save_checkpoint()
-                    log.write(type="stopped", step=done.step, signal=stopped_by, checkpoint=path, time=done.time)
+                    log.write(type="stopped", step=done.step, signal=stopped_by, checkpoint=path,
+                              time=time.time() - train_start)
                     emit(f"{stopped_by}: stopped after step {done.step}; checkpoint {path} (the same command "
                          f"with --resume continues)")
                     break

@@ -130,11 +130,19 @@ def prepare_samples(every: int, prompts: List[str], max_new_tokens: int, seq_len
 
 
 def sampling_note(trainer) -> Optional[str]:
-    """Why ``trainer`` cannot write samples (None: it can). Generation runs in
-    a trainer that holds its whole world (see Trainer.generate)."""
-    if not trainer.config.causal:
+    """Why ``trainer`` cannot write samples (None: it can)."""
+    return samples_off(trainer.config.causal, trainer.holds_whole_world, trainer.processes.size,
+                       trainer.topology[0])
+
+
+def samples_off(causal: bool, whole_world: bool, processes: int, devices: int) -> Optional[str]:
+    """Why a run cannot write samples (None: it can): generation needs a
+    causal model, in a trainer that holds its whole world (see
+    Trainer.generate); ``devices`` of the world in all. The run's rule, and
+    ``nanoq memory``'s for counting the KV cache."""
+    if not causal:
         return "samples off: the model is bidirectional (model.causal = false); nanoq generate --steps N samples it"
-    if not trainer.holds_whole_world:
+    if not whole_world:
         return (f"samples off: generation needs a single-process run, and this one spans "
-                f"{trainer.processes.size} processes ({trainer.topology[0]} devices)")
+                f"{processes} processes ({devices} devices)")
     return None

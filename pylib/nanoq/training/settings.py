@@ -495,11 +495,17 @@ def load_config(path: Optional[str | os.PathLike] = None, overrides: Optional[Di
     values = {}
     if path is not None:
         values = resolve_paths(read_toml(path), os.path.dirname(os.path.abspath(path)))
-        try:
-            TrainConfig.from_dict(values)
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
-    return TrainConfig.from_dict({**values, **resolve_paths(overrides or {}, os.getcwd())})
+    try:
+        # Checked as a whole: a file may be valid only with the overrides (offload with the zero_stage
+        # a flag gives).
+        return TrainConfig.from_dict({**values, **resolve_paths(overrides or {}, os.getcwd())})
+    except ValueError:
+        if path is not None:
+            try:  # where the file is at fault on its own, the error names it
+                TrainConfig.from_dict(values)
+            except ValueError as e:
+                raise ValueError(f"{path}: {e}") from None
+        raise
 
 
 def resolve_paths(values: Dict[str, Any], folder: str) -> Dict[str, Any]:
