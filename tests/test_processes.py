@@ -337,3 +337,32 @@ def test_a_barrier_meets_the_other_processes_once(monkeypatch, limit, calls):
     comm = _CountingComm()
     nanoq.distributed.MPITransport(comm).barrier()
     assert comm.calls == calls
+
+
+QUEUED_STEP_THEN_INSPECT = """
+import numpy as np, nanoq
+from nanoq import distributed
+from nanoq.testing import hooks
+group = distributed.processes()
+config = nanoq.ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2)
+trainer = nanoq.Trainer(config, nanoq.TrainOptions(backend="cpu", batch_size=1, seq_len=16, threads=1))
+tokens = np.random.default_rng(0).integers(0, 128, size=(1, 17)).astype(np.int32)
+inputs, targets = np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(tokens[:, 1:])
+for inspect in ("get_allocations(0)", "get_stack_info(0)", "memory_summary()"):
+    hooks.delay_next_step(trainer, 0, 0.2)  # still queued when the inspection comes
+    trainer.step(inputs, targets)
+    eval("trainer." + inspect)
+    print(group.rank, inspect, trainer.update(lr=1e-3).loss, flush=True)
+trainer.close()
+"""
+
+
+def test_inspecting_memory_while_a_step_is_queued_does_not_hang_the_processes():
+    # The inspection waits for the queued step, whose gradient exchange between the processes
+    # (MPITransport, on a worker thread) needs the GIL: the wait must not hold it.
+    command = [mpiexec_path(), "-n", "2", sys.executable, "-c", QUEUED_STEP_THEN_INSPECT]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)  # (a hang: TimeoutExpired)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for inspect in ("get_allocations(0)", "get_stack_info(0)", "memory_summary()"):
+        assert done.stdout.count(inspect) == 2, done.stdout  # (the processes' lines may interleave)

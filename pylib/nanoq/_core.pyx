@@ -922,12 +922,18 @@ cdef class CoreTrainer:
 
     def allocations(self, int device):
         cdef CTrainer* t = self._get()
+        cdef vector[CAllocationInfo] found
+        # Without the GIL: it waits for the queued steps, whose exchanges between processes need it.
+        with nogil:
+            found = t.allocations(device)
         return [dict(context=a.context.decode(), name=a.name.decode(), bytes=a.bytes, kind=a.kind.decode())
-                for a in t.allocations(device)]
+                for a in found]
 
     def stack_info(self, int device):
         cdef CTrainer* t = self._get()
-        cdef CStackInfo s = t.stack_info(device)
+        cdef CStackInfo s
+        with nogil:  # (as allocations)
+            s = t.stack_info(device)
         return dict(capacity=s.capacity, high_water=s.high_water,
                     live_at_high_water=[(e.first.decode(), e.second) for e in s.live_at_high_water])
 
