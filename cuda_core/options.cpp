@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <iomanip>
 #include <limits>
 #include <sstream>
@@ -118,7 +119,8 @@ const std::vector<Field>& fields() {
                 [](const TrainOptions& o) { return double(o.seq_len); }),
         integer("grad_accum", "micro-batches per optimizer step (step() calls per update())", at_least(1), kNone,
                 [](const TrainOptions& o) { return double(o.grad_accum); }),
-        integer("threads", "cpu threads per device; 0 = the cores shared out", at_least(0), kNone,
+        // (a bound beyond any machine's cores: OpenMP ends the process when it cannot start them)
+        integer("threads", "cpu threads per device; 0 = the cores shared out", at_least(0), at_most(1024),
                 [](const TrainOptions& o) { return double(o.threads); }),
         number("z_loss", "z-loss coefficient", at_least(0), kNone,
                [](const TrainOptions& o) { return double(o.z_loss); }),
@@ -249,7 +251,7 @@ const std::vector<Rule>& rules() {
           {"first_rank", "devices", "world_size"},
           "first_rank + devices must not exceed the world's ranks: this trainer's devices are the global ranks "
           "first_rank .. first_rank + devices - 1"},
-         [](const TrainOptions& o) { return o.first_rank + o.devices <= world_of(o); }},
+         [](const TrainOptions& o) { return std::int64_t(o.first_rank) + o.devices <= world_of(o); }},
         {{"world_needs_comm_id",
           {"world_size", "devices", "comm_id"},
           "a world of more ranks than this trainer's devices needs comm_id, the same for every member (made once "

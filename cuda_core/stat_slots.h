@@ -19,6 +19,10 @@
 
 namespace nanoq {
 
+// A target with this id is not counted (no loss, no gradient): PyTorch's
+// ignore_index, nanoq.trainer.IGNORE_INDEX.
+constexpr int kIgnoreIndex = -100;
+
 using StatValue = double;  // statistics tensors have dtype kStatDType (backend.h)
 
 enum StatSlot : int {

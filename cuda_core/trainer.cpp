@@ -535,6 +535,19 @@ struct Trainer::Impl : TrainerSetup {
 
     // Waits for the queued work; a failure in it surfaces here (and poisons
     // the trainer). Nothing is queued once the trainer has failed.
+    // Token ids of a host batch: Python checked them, but the caller's array
+    // may have changed since (another thread); one past the vocabulary would
+    // index past the embedding table. Targets may also be kIgnoreIndex.
+    void check_batch_ids(const std::int32_t* ids, std::int64_t count, bool targets) const {
+        for (std::int64_t i = 0; i < count; ++i) {
+            const std::int32_t id = ids[i];
+            if ((id < 0 || id >= config.vocab_size) && !(targets && id == kIgnoreIndex))
+                throw InvalidArgument(std::string(targets ? "targets" : "inputs") + " hold id " + std::to_string(id) +
+                                      " at flat index " + std::to_string(i) + ", outside [0, " +
+                                      std::to_string(config.vocab_size) + ") (the array changed after its check?)");
+        }
+    }
+
     void drain() {
         if (failed) return;
         try {
@@ -1061,6 +1074,9 @@ void Trainer::step(const std::int32_t* inputs, const std::int32_t* targets, int 
             auto* staged = static_cast<std::int32_t*>(m.devices[rank].batch_staging.data) + slot * 2 * rows;
             std::memcpy(staged, inputs + rank * rows, sizeof(std::int32_t) * rows);
             std::memcpy(staged + rows, targets + rank * rows, sizeof(std::int32_t) * rows);
+            // The copies are what the step reads: checked here, nothing can change them after.
+            m.check_batch_ids(staged, rows, false);
+            m.check_batch_ids(staged + rows, rows, true);
         }
     } else {
         m.record_batch_streams(source_device, inputs_stream, targets_stream);
@@ -1164,6 +1180,11 @@ void Trainer::queue_validate(const std::int32_t* inputs, const std::int32_t* tar
     m.check_source(source_device);
     m.refuse_if_failed();
     if (m.validate_pending) throw InvalidArgument("validate() queued twice: collect the first with validate_result()");
+    if (source_device < 0) {  // (the caller's arrays, read by the workers: its call waits for them)
+        const std::int64_t count = std::int64_t(m.size()) * m.options.batch_size * m.options.seq_len;
+        m.check_batch_ids(inputs, count, false);
+        m.check_batch_ids(targets, count, true);
+    }
     const Impl::Positions packed_positions = m.take_positions(positions);
     m.record_batch_streams(source_device, inputs_stream, targets_stream);
     const std::int64_t delay_rank = m.testing_hooks.take(TestingHook::kDelayNextValidateInWorker);

@@ -129,6 +129,29 @@ def test_validate_rejects_bad_array_and_stays_usable(trainer, clean, case):
     assert_unaffected(trainer, clean)
 
 
+@pytest.mark.parametrize("which, value", [("inputs", VOCAB), ("inputs", -100), ("targets", VOCAB),
+                                          ("targets", -1)])
+def test_the_core_checks_the_ids_it_reads_itself(trainer, clean, which, value):
+    # Python checks a batch's ids, but the caller's array may change before the core copies it
+    # (another thread): the core checks what it reads, and an id past the vocabulary never
+    # reaches the embedding (it read past the table: a segmentation fault).
+    bad = _with(which, _set((1, 3), value))
+    with pytest.raises(ValueError, match=rf"{which} hold id {value} at flat index {SEQ + 3}, outside \[0, {VOCAB}\)"):
+        trainer._core.step(*bad)
+    with pytest.raises(ValueError, match=rf"{which} hold id {value} at flat index {SEQ + 3}"):
+        trainer._core.validate(*bad)
+    assert_unaffected(trainer, clean)
+
+
+def test_a_config_changed_after_the_trainer_was_built_changes_nothing(checkpoints):
+    config = nanoq.ModelConfig.from_pretrained(checkpoints.path("llama"))
+    with nanoq.Trainer(config, nanoq.TrainOptions(backend="cpu", batch_size=BATCH, seq_len=SEQ)) as tr:
+        config.vocab_size = 2**31 - 1  # the caller's object, reused for something else
+        assert tr.config.vocab_size == VOCAB
+        with pytest.raises(ValueError, match=rf"token id {2**30} outside \[0, {VOCAB}\) in inputs"):
+            tr.step(*_with("inputs", _set((0, 0), 2**30)))
+
+
 def test_bad_token_after_a_good_micro_batch_keeps_the_good_one(trainer, checkpoints):
     """The rejected micro-batch must not be half-counted: the update sees only
     the accepted micro-batches, exactly like a trainer that never saw it."""
@@ -144,6 +167,26 @@ def test_bad_token_after_a_good_micro_batch_keeps_the_good_one(trainer, checkpoi
         assert_same_tensors(trainer.get_weights(), ref.get_weights(), "weight")
     assert stats.tokens == expected.tokens == 2 * BATCH * SEQ
     assert stats.loss == expected.loss
+
+
+def test_a_refused_optimizer_state_writes_nothing(trainer):
+    trainer.step(*GOOD)
+    trainer.update(lr=1e-3)
+    state, weights = trainer.get_optimizer_state(), trainer.get_weights()
+    zeros = {kind: {name: np.zeros_like(array) for name, array in arrays.items()} for kind, arrays in state.items()}
+    trainer.step(*GOOD2)  # a micro-batch pending: refused before the state is touched (the weights were zeroed)
+    with pytest.raises(ValueError, match="cannot set the optimizer state with micro-batches pending"):
+        trainer.set_optimizer_state(zeros, 1)
+    trainer.update(lr=1e-3)
+    state, weights = trainer.get_optimizer_state(), trainer.get_weights()
+    for steps in (2**31, -1, 1.5, True):
+        with pytest.raises(ValueError, match="optimizer_steps must be an integer"):
+            trainer.set_optimizer_state(zeros, steps)
+    assert_same_tensors(trainer.get_weights(), weights, "weight")
+    for kind in state:
+        assert_same_tensors(trainer.get_optimizer_state()[kind], state[kind], kind)
+    as_lists = {kind: {name: array.tolist() for name, array in arrays.items()} for kind, arrays in state.items()}
+    trainer.set_optimizer_state(as_lists, trainer.optimizer_steps)  # array-likes are taken
 
 
 def test_ignore_index_is_the_only_accepted_negative_target(trainer):
@@ -202,6 +245,12 @@ BAD_HYPER = {
     "weight_decay-nan": dict(weight_decay=math.nan),
     "weight_decay-inf": dict(weight_decay=math.inf),
     "grad_clip-nan": dict(grad_clip=math.nan),
+    # Valid as Python floats, not as the core's float32 (before: NaN or infinite weights, unreported).
+    "beta2-rounds-to-one": dict(beta2=0.99999999),
+    "eps-rounds-to-zero": dict(eps=1e-46),
+    "eps-subnormal": dict(eps=1e-40),
+    "lr-overflows": dict(lr=1e39),
+    "weight_decay-overflows": dict(weight_decay=1e39),
 }
 
 
@@ -234,8 +283,11 @@ def test_update_rejects_bad_hyper_parameter_without_side_effects(trainer, clean,
         dict(seq_len=-1),
         dict(grad_accum=0),
         dict(backend="tpu"),
+        dict(first_rank=2**31 - 1, world_size=2, comm_id=b"x"),  # first_rank + devices overflowed an int
+        dict(threads=100_000),  # OpenMP ended the process when it could not start them
     ],
-    ids=["devices=0", "batch_size=0", "seq_len=0", "seq_len=-1", "grad_accum=0", "backend=tpu"],
+    ids=["devices=0", "batch_size=0", "seq_len=0", "seq_len=-1", "grad_accum=0", "backend=tpu", "first_rank=max",
+         "threads=100000"],
 )
 def test_trainer_rejects_bad_options(checkpoints, options):
     cfg = nanoq.ModelConfig.from_pretrained(checkpoints.path("llama"))

@@ -149,7 +149,6 @@ HostCount& host_memory() {
     return *count;
 }
 
-constexpr int kIgnoreIndex = -100;
 constexpr std::int64_t kReduceBlock = 1 << 14;  // elements per partial sum of sum_squares
 
 // ---------------------------------------------------------------------------

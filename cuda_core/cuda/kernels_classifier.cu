@@ -16,7 +16,6 @@ namespace nanoq {
 namespace cuda {
 namespace {
 
-constexpr int kIgnoreIndex = -100;
 constexpr int kRowThreads = 1024;
 constexpr int kStatsThreads = 256;
 constexpr int kFirstPositions = 1024;

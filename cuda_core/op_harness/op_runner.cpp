@@ -29,8 +29,6 @@ static_assert(std::is_same<StatValue, double>::value, "op_runner.h passes statis
 
 namespace {
 
-constexpr int kIgnoreIndex = -100;
-
 void require(bool ok, const std::string& what) {
     if (!ok) throw InvalidArgument(what);
 }

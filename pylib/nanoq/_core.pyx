@@ -52,6 +52,13 @@ cdef extern from "nanoq/testing_hooks.h" namespace "nanoq" nogil:
         void arm(const string&, int64_t) except +nanoq_raise_py_error
 
 
+cdef extern from "stat_slots.h" namespace "nanoq" nogil:
+    const int kIgnoreIndex
+
+# A target the loss skips (PyTorch's ignore_index): the core's.
+IGNORE_INDEX = kIgnoreIndex
+
+
 cdef extern from "nanoq/options.h" namespace "nanoq" nogil:
     cdef cppclass CPrecision "nanoq::Precision":
         pass

@@ -19,7 +19,7 @@ from nanoq.backends import CUDA_BACKENDS, device_count, new_comm_id, resolve_bac
 from nanoq.trainer_config import ModelConfig, TrainOptions, auto_dtype
 from nanoq.hf_io import is_parameter, iter_weights, weight_shapes
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = _core.IGNORE_INDEX  # a target the loss skips
 # Waits for the devices are cut into slices this long, so that Python runs a
 # signal's handler (Ctrl-C's KeyboardInterrupt) between them.
 _WAIT_SLICE_MS = 50
@@ -169,11 +169,16 @@ def _check_hyper(name: str, value, low: float, high: float = math.inf, low_inclu
         number = float(value)
     except OverflowError:  # an int beyond the float range
         number = math.inf
-    ok = math.isfinite(number) and (number >= low if low_inclusive else number > low) and \
-        (number <= high if high_inclusive else number < high)
-    if not ok:
+    with np.errstate(over="ignore"):
+        single = float(np.float32(number))  # what the core computes with
+
+    def ok(x: float) -> bool:
+        return math.isfinite(x) and (x >= low if low_inclusive else x > low) and \
+            (x <= high if high_inclusive else x < high)
+    if not ok(number) or not ok(single):
         lb, hb = "[" if low_inclusive else "(", "]" if high_inclusive else ")"
-        raise ValueError(f"{name} must be finite and in {lb}{low}, {high}{hb}, got {number}")
+        rounded = f" ({single!r} as the core's float32)" if ok(number) else ""
+        raise ValueError(f"{name} must be finite and in {lb}{low}, {high}{hb}, got {number}{rounded}")
     return number
 
 
@@ -254,8 +259,9 @@ class Trainer:
             raise TypeError(f"options must be a nanoq.TrainOptions, got {type(options).__name__}")
         if processes is not None and not isinstance(processes, distributed.ProcessGroup):
             raise TypeError(f"processes must be a nanoq.distributed.ProcessGroup, got {type(processes).__name__}")
-        self.config = config
-        self.options = options
+        # Copies: the caller's objects may change later, this trainer's model and options do not.
+        self.config = dataclasses.replace(config)
+        self.options = dataclasses.replace(options)
         self._core = None
         self._validated_batch = None
         # step/validate/update/wait from several threads run one at a time (validate is two core calls)
@@ -642,18 +648,30 @@ class Trainer:
     @_one_call
     def set_optimizer_state(self, state: Dict[str, Dict[str, np.ndarray]], optimizer_steps: int) -> None:
         """Restores what ``get_optimizer_state`` returned and the AdamW step
-        count. Every kind and parameter must be present with its shape."""
+        count. Every kind and parameter must be present with its shape; all
+        is checked before anything is written."""
         self._require_training("set_optimizer_state")
+        if isinstance(optimizer_steps, bool) or not isinstance(optimizer_steps, (int, np.integer)) \
+                or not 0 <= optimizer_steps <= 2**31 - 1:
+            raise ValueError(f"optimizer_steps must be an integer in [0, 2**31 - 1], got {optimizer_steps!r}")
+        if self._core.micro_steps:  # (the core refuses the step count then, after the state was written)
+            raise ValueError(f"cannot set the optimizer state with micro-batches pending ({self._core.micro_steps} "
+                             f"step() calls since the last update()): call update() first")
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict of {{kind: {{name: array}}}}, got {type(state).__name__}")
+        arrays = {}
         for kind in self.OPTIMIZER_STATE:
-            for name, shape, _ in (self._parameters[i] for i in self._trainable):
+            for i in self._trainable:
+                name, shape, _ = self._parameters[i]
                 array = state.get(kind, {}).get(name)
+                array = None if array is None else np.asarray(array)
                 if array is None or array.shape != shape:
                     found = None if array is None else array.shape
                     raise ValueError(f"optimizer state {kind}.{name}: expected shape {shape}, got {found}")
+                arrays[kind, i] = array
         for k, kind in enumerate(self.OPTIMIZER_STATE):
             for i in self._trainable:
-                name = self._parameters[i][0]
-                self._core.set_optimizer_state(i, k, np.ascontiguousarray(state[kind][name], np.float32).reshape(-1))
+                self._core.set_optimizer_state(i, k, np.ascontiguousarray(arrays[kind, i], np.float32).reshape(-1))
         self._core.set_optimizer_steps(int(optimizer_steps))
 
     @_one_call
@@ -691,7 +709,7 @@ class Trainer:
         happens here, before the core. The core orders its reads after the
         producers' streams (CUDA Array Interface v3)."""
         on_device = [hasattr(a, "__cuda_array_interface__") for a in (inputs, targets)]
-        vocab = self.config.vocab_size
+        vocab = self._core.vocab_size  # the model's, whatever self.config says now
         if not any(on_device):
             _check_host_tokens("inputs", inputs, self._batch_shape, vocab, allow_ignore=False)
             _check_host_tokens("targets", targets, self._batch_shape, vocab, allow_ignore=True)
@@ -884,7 +902,8 @@ class Trainer:
         beta2 = _check_hyper("beta2", beta2, 0.0, 1.0, high_inclusive=False)
         weight_decay = _check_hyper("weight_decay", weight_decay, 0.0)
         grad_clip = _check_hyper("grad_clip", grad_clip, 0.0)
-        eps = _check_hyper("eps", eps, 0.0, low_inclusive=False)
+        # A float32 subnormal eps is 0 where the GPU flushes them: 0 / 0 for a row without gradient.
+        eps = _check_hyper("eps", eps, float(np.finfo(np.float32).tiny))
         if self._core.micro_steps == 0:
             raise ValueError("update() called before any step(): there are no gradients to apply")
         with self._interruptible():
