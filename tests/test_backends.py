@@ -246,6 +246,7 @@ def test_device_batch_streams_reach_the_core(monkeypatch):
     class Core:
         micro_steps = 0
         world_size = 1
+        vocab_size = tiny_config().vocab_size
 
         def wait_ready(self, milliseconds, for_step):
             return True

@@ -231,7 +231,7 @@ HYPER_RANGES = {  # name: (low, high, low inclusive, high inclusive)
     "beta2": (0.0, 1.0, True, False),
     "weight_decay": (0.0, math.inf, True, True),
     "grad_clip": (0.0, math.inf, True, True),
-    "eps": (0.0, math.inf, False, True),
+    "eps": (float(np.finfo(np.float32).tiny), math.inf, True, True),  # a float32 normal: subnormals flush to 0
 }
 hyper_values = st.one_of(
     st.floats(0, 1, exclude_max=True), st.floats(0, 1, exclude_max=True), st.floats(), st.integers(-5, 5),
@@ -247,8 +247,10 @@ def valid_hyper(name, value):
     except OverflowError:
         return False
     low, high, low_inclusive, high_inclusive = HYPER_RANGES[name]
-    return math.isfinite(value) and (value >= low if low_inclusive else value > low) and \
-        (value <= high if high_inclusive else value < high)
+    with np.errstate(over="ignore"):
+        single = float(np.float32(value))  # the core computes in float32: both must hold
+    return all(math.isfinite(x) and (x >= low if low_inclusive else x > low) and
+               (x <= high if high_inclusive else x < high) for x in (value, single))
 
 
 @fuzz(120)
