@@ -18,10 +18,12 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "allocator.h"
 #include "backend.h"
@@ -688,16 +690,19 @@ struct Trainer::Impl : TrainerSetup {
             throw InvalidArgument("positions (packed documents) need a causal model; this one has causal false");
         const int T = options.seq_len;
         const std::int64_t rows = std::int64_t(size()) * options.batch_size;
+        // Copied first, then checked: the copy is what the steps read (the caller's array may change).
+        auto copy = std::make_shared<const std::vector<std::int32_t>>(positions, positions + rows * T);
+        const std::int32_t* checked = copy->data();
         for (std::int64_t r = 0; r < rows; ++r)
             for (int t = 0; t < T; ++t) {
-                const std::int32_t p = positions[r * T + t];
-                const std::int32_t before = t == 0 ? -1 : positions[r * T + t - 1];
+                const std::int32_t p = checked[r * T + t];
+                const std::int32_t before = t == 0 ? -1 : checked[r * T + t - 1];
                 if (p != 0 && p != before + 1)
                     throw InvalidArgument("positions[" + std::to_string(r) + ", " + std::to_string(t) + "] is " +
                                           std::to_string(p) + ": a position is 0 (a document starts) or one more "
                                           "than the one before it (" + std::to_string(before) + ")");
             }
-        return std::make_shared<const std::vector<std::int32_t>>(positions, positions + rows * T);
+        return copy;
     }
 
     // Gives the model this device's part of `positions` (null: none).
@@ -1180,10 +1185,17 @@ void Trainer::queue_validate(const std::int32_t* inputs, const std::int32_t* tar
     m.check_source(source_device);
     m.refuse_if_failed();
     if (m.validate_pending) throw InvalidArgument("validate() queued twice: collect the first with validate_result()");
-    if (source_device < 0) {  // (the caller's arrays, read by the workers: its call waits for them)
+    // A host batch is copied, then checked: the task reads the copy, which nothing else can change (an
+    // interrupted validate's task outlives the call, and the caller may refill its arrays).
+    std::shared_ptr<std::vector<std::int32_t>> host_batch;
+    if (source_device < 0) {
         const std::int64_t count = std::int64_t(m.size()) * m.options.batch_size * m.options.seq_len;
-        m.check_batch_ids(inputs, count, false);
-        m.check_batch_ids(targets, count, true);
+        host_batch = std::make_shared<std::vector<std::int32_t>>(inputs, inputs + count);
+        host_batch->insert(host_batch->end(), targets, targets + count);
+        m.check_batch_ids(host_batch->data(), count, false);
+        m.check_batch_ids(host_batch->data() + count, count, true);
+        inputs = host_batch->data();
+        targets = host_batch->data() + count;
     }
     const Impl::Positions packed_positions = m.take_positions(positions);
     m.record_batch_streams(source_device, inputs_stream, targets_stream);
@@ -1192,7 +1204,7 @@ void Trainer::queue_validate(const std::int32_t* inputs, const std::int32_t* tar
     // The task reads the batch and writes its result only into the trainer: it
     // may outlive this call (validate_result() collects it).
     m.pool->submit(
-        [&m, inputs, targets, source_device, delay_rank, delay, packed_positions](int rank) {
+        [&m, inputs, targets, host_batch, source_device, delay_rank, delay, packed_positions](int rank) {
             DeviceState& d = m.devices[rank];
             if (rank == delay_rank) std::this_thread::sleep_for(std::chrono::milliseconds(delay));
             m.load_batch(rank, d, inputs, targets, source_device);
@@ -1241,13 +1253,15 @@ void Trainer::forward_cached(const std::int32_t* tokens, int count, int position
     if (position + count > capacity)
         throw InvalidArgument("positions up to " + std::to_string(position + count) + " exceed seq_len " +
                               std::to_string(capacity) + ", the longest sequence this trainer runs");
+    // Copied, then checked: the workers read the copy (the caller's array may change).
+    const std::vector<std::int32_t> copied(tokens, tokens + count);
     for (int i = 0; i < count; ++i)
-        if (tokens[i] < 0 || tokens[i] >= vocab)
-            throw InvalidArgument("token id " + std::to_string(tokens[i]) + " at " + std::to_string(i) +
+        if (copied[i] < 0 || copied[i] >= vocab)
+            throw InvalidArgument("token id " + std::to_string(copied[i]) + " at " + std::to_string(i) +
                                   " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
     m.run([&](int rank, DeviceState& d) {
         if (d.kv_cache.capacity == 0) d.kv_cache = d.model->allocate_kv_cache(*d.allocator);
-        d.backend->copy_from_host(d.kv_cache.tokens.slice(position, count), tokens);
+        d.backend->copy_from_host(d.kv_cache.tokens.slice(position, count), copied.data());
         ZeroLayers layers(*m.zero, d.zero, d.weight_views, d.grad_views, *d.backend, *d.comm);
         d.model->forward_cached(d.weight_views, layers, d.kv_cache, position, count, all_positions, *d.stack,
                                 [&](const Tensor& out, int first, int /*rows*/) {

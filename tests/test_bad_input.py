@@ -143,6 +143,24 @@ def test_the_core_checks_the_ids_it_reads_itself(trainer, clean, which, value):
     assert_unaffected(trainer, clean)
 
 
+def test_validate_reads_its_own_copy_of_the_batch(trainer):
+    # The workers read a validate's batch after the call has checked it: from a copy, which a
+    # caller refilling its arrays meanwhile (another thread, or after an interrupted validate)
+    # cannot change (before: a wrong loss, or with bad ids a segmentation fault).
+    import threading
+
+    from nanoq.testing import hooks
+
+    inputs, targets = GOOD[0].copy(), GOOD[1].copy()
+    expected = trainer.validate(inputs, targets).loss
+    hooks.delay_next_validate(trainer, 0, 0.5)
+    refill = threading.Timer(0.2, lambda: (inputs.fill(1), targets.fill(2)))
+    refill.start()
+    assert trainer.validate(inputs, targets).loss == expected
+    refill.join()
+    assert (inputs == 1).all()
+
+
 def test_a_config_changed_after_the_trainer_was_built_changes_nothing(checkpoints):
     config = nanoq.ModelConfig.from_pretrained(checkpoints.path("llama"))
     with nanoq.Trainer(config, nanoq.TrainOptions(backend="cpu", batch_size=BATCH, seq_len=SEQ)) as tr:

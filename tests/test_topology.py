@@ -176,6 +176,31 @@ def test_a_member_that_never_comes_ends_the_rendezvous_with_an_error(monkeypatch
     assert time.monotonic() - start < 20
 
 
+def test_a_member_closed_while_the_others_train_fails_them_instead_of_hanging_them():
+    # A caller error closes one trainer of the world (its `with` block exits); the other's next
+    # step needs it in a collective: it fails at once, naming the closed rank (before: it waited
+    # for ever, and so did its close()).
+    first, second = world(2, 1)
+    inputs, targets = global_batches(1, 2)[0]
+
+    def a():
+        with nanoq.Trainer(CONFIG, first) as trainer:
+            time.sleep(1.0)  # the other member has closed by now
+            trainer.step(np.ascontiguousarray(inputs[:1]), np.ascontiguousarray(targets[:1]))
+            trainer.step(np.ascontiguousarray(inputs[:1]), np.ascontiguousarray(targets[:1]))
+            trainer.update(lr=1e-2)
+
+    def b():
+        with nanoq.Trainer(CONFIG, second) as trainer:
+            trainer.step(np.ascontiguousarray(inputs[1:, :SEQ // 2]), targets[1:])  # the wrong shape
+
+    start = time.monotonic()
+    _, errors = in_threads([a, b], timeout=60)
+    assert time.monotonic() - start < 30
+    assert isinstance(errors[1], ValueError), errors
+    assert isinstance(errors[0], nanoq.NanoqError) and "rank 1's trainer was closed" in str(errors[0]), errors
+
+
 def test_topology_options_are_checked():
     # The forms in Python; how they fit the devices is the core's rules (nanoq.options), which
     # TrainOptions applies when it is made and the core again when a Trainer is made.

@@ -162,6 +162,15 @@ public:
         cv_.notify_all();
     }
 
+    // Rank `rank`'s communicator is going away. In a world of several
+    // trainers the others may still run collectives that need it: they fail
+    // at once instead of waiting for it for ever.
+    void leave(int rank) {
+        if (several_trainers_)
+            abort("rank " + std::to_string(rank) + "'s trainer was closed: the other trainers of its world cannot "
+                  "meet it in a collective any more (close every trainer of a world together)");
+    }
+
     int size() const { return size_; }
     const std::string& signature() const { return signature_; }
 
@@ -191,7 +200,8 @@ public:
         } else {
             cv_.wait(lock, done);
         }
-        if (aborted_) throw WorkerAborted(reason_);
+        if (generation_ != generation) return;  // met, whatever came after (a member leaving once done)
+        throw WorkerAborted(reason_);
     }
 
     void publish(int rank, void* data) { buffers_[rank] = data; }
@@ -260,7 +270,10 @@ SharedMemoryCommunicator::~SharedMemoryCommunicator() {
         changed_.notify_all();
     }
     // Collectives left behind would keep the peers waiting for this rank.
-    if (abandoned) group_->abort();
+    if (abandoned)
+        group_->abort();
+    else
+        group_->leave(rank_);
     if (thread_.joinable()) thread_.join();
 }
 
