@@ -289,6 +289,7 @@ ScratchShapes scratch_shapes(const TrainerSetup& s, const ModelMemory& model) {
     scratch.weights_in_place = s.options.zero_stage < 3;
     scratch.packed_documents = s.options.packed_documents;
     scratch.attention_deterministic = s.options.attention_deterministic;
+    scratch.backward = !s.options.inference;
     return scratch;
 }
 

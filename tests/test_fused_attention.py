@@ -584,6 +584,30 @@ def test_generation_runs_its_prompts_natively_and_keeps_the_runs_plans(checkpoin
     assert tokens["cudnn"] == tokens["native"]
 
 
+@emulated
+def test_an_inference_trainer_builds_and_reserves_no_backward_plan(checkpoints):
+    """nanoq generate / eval trainers (inference) never run attention's
+    backward: only the forward plan is built, and its workspace reserved
+    (before: the backward's too, with the deterministic route's B*H*T^2 dP:
+    ~16 GiB for an eval at batch 4, 32 heads, T=8192)."""
+    require_cuda_emulator()
+    path = checkpoints.path("llama")
+    config = nanoq.ModelConfig.from_pretrained(path)
+    infos, workspace, built = {}, {}, {}
+    for inference in (True, False):  # a shape no other test plans (the device keeps its plans)
+        options = dataclasses.replace(emulated_options("cudnn", seq_len=56), inference=inference)
+        before = plans_built()
+        with nanoq.Trainer(config, options) as trainer:
+            infos[inference] = trainer.get_attention_info(0)
+            workspace[inference] = sum(a["bytes"] for a in trainer.get_allocations(0)
+                                       if a["name"] == "cudnn-attention-workspace")
+        built[inference] = plans_built() - before
+    assert built == {True: 1, False: 1}, built  # the forward, then the training trainer's backward
+    assert infos[False]["plans"] == 2 and infos[True]["plans"] == 1, infos
+    assert infos[True]["implementation"].startswith(STANDIN), infos
+    assert workspace[True] < workspace[False], workspace
+
+
 def plans_built():
     """The plans the emulator's stand-in for cuDNN has built in this process."""
     import ctypes

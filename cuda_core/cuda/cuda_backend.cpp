@@ -273,8 +273,8 @@ std::vector<ScratchBuffer> CudaBackend::scratch_plan(const ScratchShapes& s, boo
     choice.fused = choose_attention(s, attention, why_none, &choice.refused);
     if (choice.fused) {
         std::size_t workspace =
-            attention ? attention->prepare(s.attention, attention_dtype(s), false, s.attention_deterministic)
-                      : attention_workspace_bound(s.attention, s.attention_deterministic);
+            attention ? attention->prepare(s.attention, attention_dtype(s), false, s.attention_deterministic, s.backward)
+                      : attention_workspace_bound(s.attention, s.attention_deterministic, s.backward);
         // Packed documents: the plans with a bias, where the library builds
         // them ("cudnn" insists; "auto" runs them natively, saying why).
         if (s.packed_documents) {
@@ -292,7 +292,7 @@ std::vector<ScratchBuffer> CudaBackend::scratch_plan(const ScratchShapes& s, boo
             } else if (attention) {
                 try {
                     workspace = std::max(workspace, attention->prepare(s.attention, attention_dtype(s), true,
-                                                                          s.attention_deterministic));
+                                                                          s.attention_deterministic, s.backward));
                 } catch (const NanoqError& e) {
                     if (s.attention_impl == AttentionImpl::Cudnn)
                         throw InvalidArgument(std::string("attention=\"cudnn\" cannot run packed documents "
@@ -423,6 +423,7 @@ void CudaBackend::reserve_scratch(NamedAllocator& allocator, const ScratchShapes
     const std::vector<ScratchBuffer> plan = scratch_plan(s, true, fused_attention_, why_none, &choice);
     attention_fused_ = choice.fused;
     attention_deterministic_ = s.attention_deterministic;
+    fused_backward_ = s.backward;
     fused_shape_ = s.attention;
     fused_dtype_ = attention_dtype(s);
     fused_documents_ = choice.fused && choice.documents;
@@ -1138,8 +1139,9 @@ AttentionInfo CudaBackend::attention_info() const {
     if (attention_fused_) info.implementation = fused_attention_->engine().library();
     if (attention_fused_ && attention_mask_.data) info.documents = info.implementation;
     // Those this backend's shape runs (the device's engine may hold others'):
-    // forward and backward, and both again with the documents' mask.
-    if (attention_fused_) info.plans = fused_documents_ ? 4 : 2;
+    // forward and (but for an inference trainer) backward, and again with the
+    // documents' mask.
+    if (attention_fused_) info.plans = (fused_documents_ ? 2 : 1) * (fused_backward_ ? 2 : 1);
     info.document_masks = document_masks_;
     info.deterministic = !attention_fused_ || attention_deterministic_;
     return info;

@@ -367,6 +367,7 @@ private:
     DType fused_dtype_ = DType::BF16;
     bool fused_documents_ = false;
     bool attention_deterministic_ = true;  // ScratchShapes::attention_deterministic of the fused plans
+    bool fused_backward_ = true;           // ScratchShapes::backward: the backward plans were prepared too
     Tensor attention_workspace_;
     // Packed documents in the fused library: their mask (bf16 [B,1,T,T],
     // written from the positions once per batch, positions_changed, or by

@@ -61,7 +61,7 @@ bool choose_attention(const ScratchShapes& s, FusedAttention* engine, const std:
     if (!limits.empty()) return refuse(limits);
     if (!engine) return why_none.empty() || library_refuses(library + " could not be started: " + why_none);
     try {
-        engine->prepare(s.attention, dtype, false, s.attention_deterministic);
+        engine->prepare(s.attention, dtype, false, s.attention_deterministic, s.backward);
     } catch (const NanoqError& e) {
         return library_refuses(e.what());
     } catch (const InvalidArgument& e) {
@@ -70,7 +70,7 @@ bool choose_attention(const ScratchShapes& s, FusedAttention* engine, const std:
     return true;
 }
 
-std::size_t attention_workspace_bound(const AttentionShape& s, bool deterministic) {
+std::size_t attention_workspace_bound(const AttentionShape& s, bool deterministic, bool backward) {
     // fp32 copies of dq and of dk, dv widened to every query head, and two
     // fp32 row statistics, plus a fixed margin: meant to exceed what cuDNN's
     // flash attention backward asks for (its fp32 dq accumulator and row
@@ -85,9 +85,12 @@ std::size_t attention_workspace_bound(const AttentionShape& s, bool deterministi
     // frontend's own estimate of it is B * H * T * T * 2 bytes, T padded to
     // 64 for queries and 128 for keys. Both routes are counted, padded to
     // 128: a bound, not the size (cuDNN is asked where a device is).
+    // A forward alone (an inference trainer) is counted at the margin.
+    const std::size_t margin = std::size_t(4) << 20;
+    if (!backward) return margin;
     const std::size_t padded = (static_cast<std::size_t>(s.time) + 127) / 128 * 128;
     const std::size_t dp = deterministic ? 2 * static_cast<std::size_t>(s.batch) * s.heads * padded * padded : 0;
-    return flash + dp + (std::size_t(4) << 20);
+    return flash + dp + margin;
 }
 
 FusedAttention::FusedAttention(std::unique_ptr<AttentionEngine> engine) : engine_(std::move(engine)) {
@@ -144,10 +147,12 @@ const AttentionPlan& FusedAttention::plan(const AttentionShape& s, DType dtype, 
     return *plans_.emplace(k, std::move(built)).first->second;
 }
 
-std::size_t FusedAttention::prepare(const AttentionShape& s, DType dtype, bool bias, bool deterministic) {
+std::size_t FusedAttention::prepare(const AttentionShape& s, DType dtype, bool bias, bool deterministic,
+                                    bool backward) {
     const std::lock_guard<std::mutex> lock(mutex_);
-    return std::max(plan(s, dtype, AttentionPass::Forward, bias, deterministic).workspace_bytes,
-                    plan(s, dtype, AttentionPass::Backward, bias, deterministic).workspace_bytes);
+    const std::size_t forward = plan(s, dtype, AttentionPass::Forward, bias, deterministic).workspace_bytes;
+    return backward ? std::max(forward, plan(s, dtype, AttentionPass::Backward, bias, deterministic).workspace_bytes)
+                    : forward;
 }
 
 void FusedAttention::run(AttentionPass pass, const AttentionTensors& t, const AttentionShape& s,

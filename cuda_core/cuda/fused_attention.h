@@ -128,11 +128,12 @@ public:
     FusedAttention& operator=(const FusedAttention&) = delete;
 
     const AttentionEngine& engine() const { return *engine_; }
-    // Builds (or finds) the forward and backward plans of the shape (with
-    // `bias`: those that take a bias; the backward deterministic or not, as
-    // AttentionTensors::deterministic) and returns the workspace the larger
-    // one needs.
-    std::size_t prepare(const AttentionShape& shape, DType dtype, bool bias = false, bool deterministic = true);
+    // Builds (or finds) the forward and, with `backward`, the backward plans
+    // of the shape (with `bias`: those that take a bias; the backward
+    // deterministic or not, as AttentionTensors::deterministic) and returns
+    // the workspace the larger one needs.
+    std::size_t prepare(const AttentionShape& shape, DType dtype, bool bias = false, bool deterministic = true,
+                        bool backward = true);
     // The plan of the call has a bias where tensors.bias is given.
     void forward(const AttentionTensors& tensors, const AttentionShape& shape, const Tensor& workspace,
                  cudaStream_t stream);
@@ -157,7 +158,7 @@ private:
 // An upper bound on the workspace of the plans of `shape`, for a scratch
 // plan made where no engine can be asked (no device): with `deterministic`
 // it includes the deterministic backward's dP buffer, which grows with T^2.
-std::size_t attention_workspace_bound(const AttentionShape& shape, bool deterministic = true);
+std::size_t attention_workspace_bound(const AttentionShape& shape, bool deterministic = true, bool backward = true);
 
 // The elements of the document mask of `shape` (AttentionTensors::bias):
 // B * T * T.

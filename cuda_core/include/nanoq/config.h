@@ -237,6 +237,9 @@ struct ScratchShapes {
     bool packed_documents = false;
     // TrainOptions::attention_deterministic (the fused backward's plans and workspace).
     bool attention_deterministic = true;
+    // The run computes gradients (not TrainOptions::inference): only then are
+    // the fused attention's backward plans built and their workspace reserved.
+    bool backward = true;
 };
 
 // The parameters of a config, in flat-buffer order, with Hugging Face names.
