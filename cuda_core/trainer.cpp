@@ -944,7 +944,7 @@ AttentionInfo Trainer::attention_info(int device) {
 
 std::vector<CommEvent> Trainer::communication_trace(int device) {
     std::lock_guard<std::mutex> serial(impl_->call_mutex);
-    if (device < 0 || device >= world_size()) throw InvalidArgument("no device " + std::to_string(device));
+    if (device < 0 || device >= devices()) throw InvalidArgument("no device " + std::to_string(device));
     impl_->drain();  // the steps queued so far have recorded their events
     std::vector<CommEvent> out;
     if (const auto& trace = impl_->devices[device].trace)

@@ -185,6 +185,8 @@ def test_a_member_closed_while_the_others_train_fails_them_instead_of_hanging_th
 
     def a():
         with nanoq.Trainer(CONFIG, first) as trainer:
+            with pytest.raises(ValueError, match="no device 1"):  # a rank of the world, not a device of this trainer
+                trainer._core.communication_trace(1)
             time.sleep(1.0)  # the other member has closed by now
             trainer.step(np.ascontiguousarray(inputs[:1]), np.ascontiguousarray(targets[:1]))
             trainer.step(np.ascontiguousarray(inputs[:1]), np.ascontiguousarray(targets[:1]))
