@@ -180,6 +180,43 @@ def test_data_that_fails_to_open_on_one_process_fails_every_process(tmp_path, mo
     assert os.listdir(config.out_dir) == []  # the root removed the run it had begun
 
 
+def test_processes_that_find_different_runs_to_resume_refuse_on_every_process(tmp_path, monkeypatch):
+    # Each process looks for --resume auto's run from its own working directory and out_dir: one
+    # found the run, the other none. Before, the root resumed while the other began a new run, and
+    # their collectives paired the wrong actions.
+    import nanoq.training.loop as loop
+
+    config = tiny_config(tmp_path, devices=1, checkpoint_every=2)
+    train(config, say=lambda line: None, progress=False)
+    find_run = loop.find_run
+    monkeypatch.setattr(loop, "find_run", lambda config, resume, say: None if say is loop._silent
+                        else find_run(config, resume, say))  # the process that is not the root finds none
+    _, errors, _ = train_in_world([config, config], resume="auto")
+    for error in errors:
+        assert isinstance(error, ValueError), errors
+        assert "processes 0 found a run to resume and processes 1 found none" in str(error)
+
+
+def test_an_error_whose_message_cannot_be_read_still_reaches_every_process():
+    from nanoq.agreement import on_root
+
+    class Unprintable(ValueError):
+        def __str__(self):
+            raise RuntimeError("no message")
+
+    world = ThreadWorld(2)
+
+    def member(rank):
+        def work():
+            raise Unprintable()
+        return lambda: on_root(world.member(rank), work, action="the root's work")
+
+    _, errors = in_threads([member(0), member(1)], timeout=30)  # before: the other waited for ever
+    assert isinstance(errors[0], Unprintable), errors
+    assert isinstance(errors[1], RuntimeError) and "the root's work failed on process 0 of 2: Unprintable: " \
+        "(its message could not be read: RuntimeError)" in str(errors[1]), errors
+
+
 def test_agreement_names_every_difference_and_the_processes_holding_each_value():
     world = ThreadWorld(3)
     values = [{"a": [1, 2], "b": 1, "c": "x"}, {"a": [1, 2], "b": 2}, {"a": [1, 3], "b": 1, "c": "x"}]

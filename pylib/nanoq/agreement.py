@@ -24,7 +24,7 @@ def agree(group: ProcessGroup, error: Optional[BaseException], value: Any = None
     """Every process reports its ``error`` (None: its part succeeded) and a
     picklable ``value``; returns every process's value, in rank order, when
     none failed, else raises as the module says."""
-    report = (None, value) if error is None else ((type(error).__name__, str(error)), None)
+    report = (None, value) if error is None else (_described(error), None)
     reports = group.allgather(report)
     failures = [(rank, failure) for rank, (failure, _) in enumerate(reports) if failure is not None]
     if not failures:
@@ -45,7 +45,7 @@ def on_root(group: ProcessGroup, work: Callable[[], T], *, action: str, fallback
             result = work()
         except BaseException as e:  # noqa: BLE001 - every process must learn of it
             error = e
-    report = group.broadcast((None, result) if error is None else ((type(error).__name__, str(error)), None))
+    report = group.broadcast((None, result) if error is None else (_described(error), None))
     failure, result = report
     if failure is None:
         return result
@@ -53,6 +53,16 @@ def on_root(group: ProcessGroup, work: Callable[[], T], *, action: str, fallback
         raise error
     kind, message = failure
     raise _rebuilt(kind, f"{action} failed on process 0 of {group.size}: {kind}: {message}", fallback)
+
+
+def _described(error: BaseException) -> tuple:
+    """(class name, message) of ``error``, to send to the other processes:
+    always, even where its str() fails (the others must hear of it)."""
+    try:
+        message = str(error)
+    except Exception as e:  # noqa: BLE001 - the error itself still goes out
+        message = f"(its message could not be read: {type(e).__name__})"
+    return type(error).__name__, message
 
 
 def _rebuilt(kind: str, message: str, fallback: type) -> Exception:

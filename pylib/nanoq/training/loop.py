@@ -647,6 +647,17 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
     on_root(group, lambda: check_tracker(config.tracker), action="checking run.tracker", fallback=ImportError)
     run = None if resume is None else _on_every_process(group, lambda: find_run(config, resume, say),
                                                         "finding the run to resume")
+    if resume is not None and group.size > 1:
+        # Each process looked from its own working directory: all must have found a run, or none, and
+        # all continue the root's (the collectives below differ between the two).
+        found = group.allgather(run is not None)
+        if len(set(found)) > 1:
+            with_run = ", ".join(str(rank) for rank, found_one in enumerate(found) if found_one)
+            without = ", ".join(str(rank) for rank, found_one in enumerate(found) if not found_one)
+            raise ValueError(f"resume {resume!r}: processes {with_run} found a run to resume and processes "
+                             f"{without} found none (each looks from its own working directory and "
+                             f"run.out_dir): give every process the same run")
+        run = group.broadcast(run)
     run_dir = on_root(group, lambda: new_run_dir(config), action="making the run directory") if run is None \
         else run.run_dir
     lock = lock_run(run_dir, group)  # before anything in the run directory changes
