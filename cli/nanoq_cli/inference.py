@@ -196,6 +196,8 @@ def _stop_ids(source: ModelSource, eos: Optional[int]) -> list:
     instruct model's end-of-turn ids) of the model's config.json and
     generation_config.json (a Hugging Face folder's own; a checkpoint's
     tokenizer folder's, which is its base model's when it was imported)."""
+    from nanoq.durable import read_json_object
+
     stop = [] if eos is None else [eos]
     folders = [source.path] if source.kind == "hf" else []
     if source.tokenizer_dir and source.tokenizer_dir not in folders:
@@ -203,9 +205,8 @@ def _stop_ids(source: ModelSource, eos: Optional[int]) -> list:
     for folder in folders:
         for name in ("config.json", "generation_config.json"):
             try:
-                with open(os.path.join(folder, name), encoding="utf-8") as f:
-                    ids = json.load(f).get("eos_token_id")
-            except (OSError, ValueError, AttributeError):
+                ids = read_json_object(os.path.join(folder, name)).get("eos_token_id")
+            except (OSError, ValueError):
                 continue  # absent or not a config: the tokenizer's EOS stands
             for token in ids if isinstance(ids, list) else [ids]:
                 if isinstance(token, int) and not isinstance(token, bool) \

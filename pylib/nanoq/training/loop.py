@@ -650,14 +650,15 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
     if resume is not None and group.size > 1:
         # Each process looked from its own working directory: all must have found a run, or none, and
         # all continue the root's (the collectives below differ between the two).
-        found = group.allgather(run is not None)
+        runs = group.allgather(run)
+        found = [each is not None for each in runs]
         if len(set(found)) > 1:
             with_run = ", ".join(str(rank) for rank, found_one in enumerate(found) if found_one)
             without = ", ".join(str(rank) for rank, found_one in enumerate(found) if not found_one)
             raise ValueError(f"resume {resume!r}: processes {with_run} found a run to resume and processes "
                              f"{without} found none (each looks from its own working directory and "
                              f"run.out_dir): give every process the same run")
-        run = group.broadcast(run)
+        run = runs[0]
     run_dir = on_root(group, lambda: new_run_dir(config), action="making the run directory") if run is None \
         else run.run_dir
     lock = lock_run(run_dir, group)  # before anything in the run directory changes
