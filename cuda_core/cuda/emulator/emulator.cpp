@@ -1831,6 +1831,11 @@ cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* graph) {
     cudaStream_t s = nanoq_emu::resolve(stream);
     std::shared_ptr<nanoq_emu::Capture> c;
     std::string unjoined;
+    // A capture that ends in an error makes no graph: its work is dropped
+    // here (outside the lock), as CUDA drops the graph it was building and
+    // what that held (NCCL's hold on the communicators of its collectives).
+    // Events recorded in it still name the ended capture.
+    std::vector<nanoq_emu::GraphNode> dropped;
     {
         std::lock_guard<std::mutex> lock(nanoq_emu::capture_mutex);
         c = s->capture;
@@ -1866,6 +1871,7 @@ cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* graph) {
         c->active = false;
         auto& active = nanoq_emu::active_captures();
         active.erase(std::find(active.begin(), active.end(), c));
+        if (c->invalidated || !unjoined.empty()) dropped = std::move(c->nodes);
     }
     if (c->invalidated)
         return report(cudaErrorStreamCaptureInvalidated, "the capture was invalidated by " + c->why);

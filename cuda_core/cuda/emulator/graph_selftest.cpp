@@ -4,6 +4,7 @@
 // calls CUDA forbids during a capture, each of which must fail the call and
 // then the capture. Compiled into the emulated backend only.
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -80,20 +81,26 @@ cudaError_t replay(int* out) {
     return cudaSuccess;
 }
 
-// Begins a capture of `mode` on s.main with one kernel in it, runs
-// `illegal` (whose error is returned), then ends the capture: out[0] gets
-// the end's error and out[1] whether a graph came back.
+// Begins a capture of `mode` on s.main with one kernel and one piece of
+// work holding a token in it, runs `illegal` (whose error is returned),
+// then ends the capture: out[0] gets the end's error, out[1] whether a
+// graph came back and out[2] whether the recorded work is still held once
+// the graph is destroyed (a capture that failed must let go of it at once:
+// its collectives hold their NCCL communicator, whose abort waits for them).
 template <class Illegal>
 cudaError_t forbidden(int* out, cudaStreamCaptureMode mode, Illegal&& illegal) {
     Streams s;
     if (cudaError_t e = cudaStreamBeginCapture(s.main, mode)) return e;
     detail::launch(add_kernel, 1, kThreads, 0, s.main, s.data, 1);
+    auto token = std::make_shared<int>(0);
+    nanoq_emu::enqueue(s.main, [token] {}, "token holder");
     const cudaError_t status = illegal(s);
     forbidden_message = status == cudaSuccess ? "" : cudaGetErrorString(status);
     cudaGraph_t graph = nullptr;
     out[0] = cudaStreamEndCapture(s.main, &graph);
     out[1] = graph != nullptr;
     if (graph) cudaGraphDestroy(graph);
+    out[2] = token.use_count() > 1;
     cudaGetLastError();
     return status;
 }
