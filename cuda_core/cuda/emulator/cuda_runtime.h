@@ -170,6 +170,12 @@ void enqueue(cudaStream_t stream, std::function<void()> work, const char* what);
 // Whether `device` was lost (nanoq_emu_lose_device in emulator.cpp): as on a
 // GPU after a fatal fault, everything on it fails from then on.
 bool device_lost(int device);
+// With NANOQ_EMU_JITTER_US=N, sleeps up to N microseconds at random (in a
+// quarter of the calls), at the points where host threads and streams meet:
+// a stream's next task, stream and event queries, event records, NCCL's
+// calls and their work. Varies the interleavings a race needs, which the
+// seeded schedule of a kernel's threads does not; 0 or unset: never.
+void jitter();
 // A stopped host (nanoq_emu_nccl_stall_rank in emu_libraries.cpp): from
 // stall_host(device) on, the stream and event queries of unfinished work
 // by threads whose current device is `device` block, as in a process that

@@ -605,6 +605,7 @@ ncclResult_t issued(ncclComm_t comm) {
 }
 
 ncclResult_t enqueue_collective(ncclComm_t comm, cudaStream_t stream, Call call) {
+    nanoq_emu::jitter();
     if (!comm) return ncclInvalidArgument;
     note_thread(comm, collective_name(call.what));
     if (comm->in_progress) return ncclInvalidUsage;
@@ -629,6 +630,7 @@ ncclResult_t enqueue_collective(ncclComm_t comm, cudaStream_t stream, Call call)
         stream,
         [clique, rank, call, graph_ref] {
             (void)graph_ref;
+            nanoq_emu::jitter();
             std::unique_lock<std::mutex> lock(clique->mutex);
             const std::uint64_t seq = clique->executed[rank]++;
             const auto aborted_here = [&] {

@@ -895,6 +895,18 @@ std::atomic<unsigned long long> pageable_copies{0};
 
 }  // namespace
 
+void jitter() {
+    static const std::uint64_t most = env_u64("NANOQ_EMU_JITTER_US", 0);
+    if (most == 0) return;
+    // Per thread, from the clock (not the seed: the point is to vary the
+    // interleaving from run to run); a quarter of the calls sleep.
+    thread_local std::uint64_t state =
+        mix(std::uint64_t(std::chrono::steady_clock::now().time_since_epoch().count()) ^
+            std::hash<std::thread::id>()(std::this_thread::get_id()));
+    state = mix(state);
+    if (state % 4 == 0) std::this_thread::sleep_for(std::chrono::microseconds((state >> 8) % most));
+}
+
 bool device_lost(int device) {
     const DeviceFault* f = device_fault(device);
     return f && f->lost.load();
@@ -1071,6 +1083,7 @@ struct nanoq_emu_stream {
             }
             cudaError_t code = cudaSuccess;
             std::string text;
+            nanoq_emu::jitter();
             try {
                 task.work();
             } catch (const std::exception& e) {
@@ -1672,6 +1685,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
 }
 
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
+    nanoq_emu::jitter();
     if (const cudaError_t captured = nanoq_emu::check_not_captured(nanoq_emu::resolve(stream), "cudaStreamQuery"))
         return captured;
     std::string message;
@@ -1694,6 +1708,7 @@ cudaError_t cudaEventDestroy(cudaEvent_t event) {
 }
 
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+    nanoq_emu::jitter();
     {
         // In a capture the event stands for the stream's frontier there.
         cudaStream_t s = nanoq_emu::resolve(stream);
@@ -1786,6 +1801,7 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
 }
 
 cudaError_t cudaEventQuery(cudaEvent_t event) {
+    nanoq_emu::jitter();
     if (const cudaError_t captured = nanoq_emu::check_event_not_captured(event, "cudaEventQuery")) return captured;
     {
         std::lock_guard<std::mutex> lock(event->mutex);
