@@ -41,8 +41,11 @@ def emulator():
 
 
 SCENARIO = """
-import json, os, sys, time
+import faulthandler, json, os, sys, time
 import numpy as np
+# A hang ends the process with every thread's Python stack on stderr, which the test shows: where the
+# main thread waits names the call that hung (the emulator's own waits give up only after 120 s).
+faulthandler.dump_traceback_later({hang_after}, exit=True)
 import nanoq
 sys.path.insert(0, {tests!r})
 from test_cuda_emulated_faults import emulator
@@ -100,7 +103,8 @@ print(json.dumps(dict(error=error, elapsed=elapsed, close=time.monotonic() - sta
 
 
 def run_scenario(where, stage=1, kernel=0, timeout=120, **env):
-    script = SCENARIO.format(tests=os.path.dirname(__file__), where=where, stage=stage, kernel=kernel)
+    script = SCENARIO.format(tests=os.path.dirname(__file__), where=where, stage=stage, kernel=kernel,
+                             hang_after=timeout - 20)
     try:
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout,
                               env=dict(os.environ, NANOQ_EMU_SEED="1", **env))
