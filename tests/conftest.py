@@ -517,9 +517,26 @@ def pytest_report_header(config):
     return f"CUDA emulator seed: NANOQ_EMU_SEED={os.environ['NANOQ_EMU_SEED']} (set it to replay a schedule)"
 
 
+# The test running in this process (pytest_runtest_setup), for the marker
+# check in require_cuda_emulator.
+_running_test = None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    global _running_test
+    _running_test = item
+
+
 def require_cuda_emulator():
     """Fails (never skips) unless the emulated cuda backend is built: its
-    tests are CPU tests and run on every machine."""
+    tests are CPU tests and run on every machine. A test that runs on the
+    emulator must be marked cuda_emulated: `-m cuda_emulated` selects them
+    (the sanitizer runs give them settings of their own, and CI's second
+    test run leaves them out)."""
+    if _running_test is not None and _running_test.get_closest_marker("cuda_emulated") is None:
+        pytest.fail(f"{_running_test.nodeid} runs on the CUDA emulator but is not marked cuda_emulated "
+                    "(add @pytest.mark.cuda_emulated)", pytrace=False)
     if not nanoq._core.backend_built("cuda_emulated"):
         pytest.fail("nanoq was built without the CUDA emulator (NANOQ_CUDA_EMULATOR=OFF); "
                     "the cuda_emulated tests need it", pytrace=False)

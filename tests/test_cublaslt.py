@@ -260,6 +260,7 @@ def test_tuned_training_is_bitwise_untuned_training(monkeypatch, capfd):
         np.testing.assert_array_equal(tuned[name], plain[name], name)
 
 
+@pytest.mark.cuda_emulated
 def test_timing_an_accumulating_plan_leaves_no_memory_with_the_pool(monkeypatch, capfd):
     """An accumulating product is timed into a scratch output from the
     device's memory pool (cudaMallocAsync). Freed in stream order, it would
