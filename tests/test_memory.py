@@ -548,6 +548,10 @@ def test_cli_reads_the_model_from_a_toml_file_and_suggests_when_it_does_not_fit(
     assert human_bytes(estimate_memory(model, options, generates=True).device_bytes) in result.output
     assert "does NOT fit" in result.output
     assert "suggestion: batch_size 2 with grad_accum 4 (same 1,024 tokens per step)" in result.output
+    # --grad-accum, as `nanoq train` takes it: the suggestions keep the run's tokens per step.
+    result = invoke("memory", config, "--seq-len", 128, "--grad-accum", 3, "--device-memory", limit)
+    assert result.exit_code == 0, result.output
+    assert "suggestion: batch_size 2 with grad_accum 12 (same 3,072 tokens per step)" in result.output
 
 
 @cuda_planned

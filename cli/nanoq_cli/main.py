@@ -320,7 +320,8 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, processes
     """Estimate the memory per device of a run, without allocating.
 
     The run is read as `nanoq train` reads it (defaults, CONFIG.toml, flags;
-    the flags are the settings that change memory, CONFIG.toml may hold any),
+    the flags are the settings that change memory, and grad_accum;
+    CONFIG.toml may hold any),
     the vocab size from the token files too; --model replaces its [model].
     Prints the bytes per context (the generation KV cache counted when
     train.sample_every > 0 samples during training), whether they fit the

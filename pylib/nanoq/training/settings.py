@@ -44,8 +44,10 @@ def setting(section: str, default, help: str, choices=(), minimum=None, maximum=
             memory=False, path=False):
     """A TrainConfig field: its section, default, help and allowed values
     (``choices``, or a range: ``minimum``/``maximum`` inclusive, ``above``/``below`` exclusive).
-    memory: the setting changes the memory a run takes (``nanoq memory`` takes
-    these flags only). path: the value is made of file paths, which a TOML
+    memory: the setting changes the memory a run takes, or what ``nanoq
+    memory`` says of it (grad_accum: the tokens per step its suggestions
+    keep); ``nanoq memory`` takes these flags only. path: the value is made
+    of file paths, which a TOML
     file gives relative to its own folder (see ``load_config``).
     A list default (a list-of-strings setting) is copied for each TrainConfig."""
     initial = dict(default_factory=lambda: list(default)) if isinstance(default, list) else dict(default=default)
@@ -174,7 +176,7 @@ class TrainConfig:
     steps: int = setting("train", 240, "optimizer steps", minimum=1)
     batch_size: int = setting("train", 16, core_help("batch_size"), **core_limits("batch_size"),
                               memory=True)
-    grad_accum: int = setting("train", 1, core_help("grad_accum"), **core_limits("grad_accum"))
+    grad_accum: int = setting("train", 1, core_help("grad_accum"), **core_limits("grad_accum"), memory=True)
     lr: float = setting("train", 2e-3, "peak learning rate", above=0)
     schedule: str = setting("train", "cosine", "learning-rate schedule after warmup", choices=SCHEDULES)
     warmup_steps: int = setting("train", 20, "steps of linear warmup up to lr: update s (from 0) takes "
