@@ -55,3 +55,22 @@ def test_a_gpu_test_asking_for_more_gpus_than_the_machine_has_is_skipped():
     assert second.outcome == "skipped" and second.longrepr[2] == "Skipped: needs 2 GPUs, this machine has 1"
     assert report_of("asked for 1 cuda device(s), but 1 are available").outcome == "failed"
     assert report_of(too_few, gpu=False).outcome == "failed"
+
+
+def test_a_test_on_the_emulator_without_the_cuda_emulated_marker_fails(monkeypatch):
+    # `-m cuda_emulated` must select every test that runs on the emulator (the sanitizer runs and
+    # CI's second test run go by the marker): require_cuda_emulator fails a test that lacks it.
+    import types
+
+    import pytest
+
+    def item(marked):
+        return types.SimpleNamespace(nodeid="tests/test_x.py::test_x",
+                                     get_closest_marker=lambda name: object() if marked and name == "cuda_emulated"
+                                     else None)
+
+    monkeypatch.setattr(conftest, "_running_test", item(marked=False))
+    with pytest.raises(pytest.fail.Exception, match="test_x runs on the CUDA emulator but is not marked cuda_emulated"):
+        conftest.require_cuda_emulator()
+    monkeypatch.setattr(conftest, "_running_test", item(marked=True))
+    conftest.require_cuda_emulator()
