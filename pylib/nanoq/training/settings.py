@@ -41,19 +41,21 @@ LORA_TARGETS = option_schema.choices("lora_targets")
 
 
 def setting(section: str, default, help: str, choices=(), minimum=None, maximum=None, above=None, below=None,
-            memory=False, path=False):
+            memory=False, path=False, report=False):
     """A TrainConfig field: its section, default, help and allowed values
     (``choices``, or a range: ``minimum``/``maximum`` inclusive, ``above``/``below`` exclusive).
-    memory: the setting changes the memory a run takes, or what ``nanoq
-    memory`` says of it (grad_accum: the tokens per step its suggestions
-    keep); ``nanoq memory`` takes these flags only. path: the value is made
-    of file paths, which a TOML
-    file gives relative to its own folder (see ``load_config``).
+    memory: the setting changes the memory a run takes (``nanoq memory`` takes
+    these flags, and those marked report). report: the setting leaves the
+    memory alone but changes what ``nanoq memory`` says (grad_accum: the
+    tokens per step its suggestions keep). path: the value is made of file
+    paths, which a TOML file gives relative to its own folder (see
+    ``load_config``).
     A list default (a list-of-strings setting) is copied for each TrainConfig."""
     initial = dict(default_factory=lambda: list(default)) if isinstance(default, list) else dict(default=default)
     return dataclasses.field(**initial, metadata=dict(section=section, help=help, choices=tuple(choices),
                                                             minimum=minimum, maximum=maximum, above=above,
-                                                            below=below, memory=memory, path=path))
+                                                            below=below, memory=memory, path=path,
+                                                            report=report))
 
 
 def core_help(name: str, more: str = "", list_choices: bool = False) -> str:
@@ -101,6 +103,7 @@ class Setting:
     below: Optional[float]
     memory: bool = False
     path: bool = False
+    report: bool = False
 
     @property
     def key(self) -> str:
@@ -176,7 +179,7 @@ class TrainConfig:
     steps: int = setting("train", 240, "optimizer steps", minimum=1)
     batch_size: int = setting("train", 16, core_help("batch_size"), **core_limits("batch_size"),
                               memory=True)
-    grad_accum: int = setting("train", 1, core_help("grad_accum"), **core_limits("grad_accum"), memory=True)
+    grad_accum: int = setting("train", 1, core_help("grad_accum"), **core_limits("grad_accum"), report=True)
     lr: float = setting("train", 2e-3, "peak learning rate", above=0)
     schedule: str = setting("train", "cosine", "learning-rate schedule after warmup", choices=SCHEDULES)
     warmup_steps: int = setting("train", 20, "steps of linear warmup up to lr: update s (from 0) takes "
@@ -379,7 +382,8 @@ def settings() -> List[Setting]:
                     default=f.default_factory() if f.default is dataclasses.MISSING else f.default,
                     help=f.metadata["help"], choices=f.metadata["choices"], minimum=f.metadata["minimum"],
                     maximum=f.metadata["maximum"], above=f.metadata["above"],
-                    below=f.metadata["below"], memory=f.metadata["memory"], path=f.metadata["path"])
+                    below=f.metadata["below"], memory=f.metadata["memory"], path=f.metadata["path"],
+                    report=f.metadata["report"])
             for f in dataclasses.fields(TrainConfig)]
 
 
