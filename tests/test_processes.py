@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -284,6 +285,74 @@ def test_the_process_groups_collectives_give_up_on_a_stalled_process(call, what)
     assert float(then) - waited < 1.0, done.stdout
     assert message.startswith("a barrier of the processes refused: an earlier wait timed out (process 0 of 2: "), message
     assert message.endswith("the run must end"), message
+
+
+UNPICKLABLE_VALUE = """
+import os, sys, threading, time
+import numpy as np
+from nanoq import distributed
+group = distributed.processes()
+out = open(os.path.join(sys.argv[1], f"rank{group.rank}.txt"), "w")  # the processes' prints would interleave
+lock = threading.Lock()  # does not pickle
+for name, call in [("broadcast", lambda: group.broadcast(lock if group.rank == 0 else None)),
+                   ("allgather", lambda: group.allgather(lock if group.rank == 1 else group.rank))]:
+    began = time.monotonic()
+    try:
+        call()
+    except TypeError as e:
+        print(f"{group.rank} {name} {time.monotonic() - began:.3f} {e}", file=out, flush=True)
+# The processes are still in step: the next collectives carry values, arrays included.
+print(group.rank, "then", group.broadcast({"id": 7}, root=1), file=out, flush=True)
+parts = group.allgather(np.arange(3 + group.rank, dtype=np.float32) * (group.rank + 1))
+print(group.rank, "then", [part.tolist() for part in parts], group.allgather(b""), file=out, flush=True)
+"""
+
+
+def test_a_value_that_does_not_pickle_fails_the_collective_on_every_process_at_once(tmp_path):
+    # A broadcast or all-gather whose value does not pickle on one process fails on every process
+    # (where that process caught its error, the others used to wait in the collective for ever),
+    # and leaves the processes in step for their next collectives.
+    command = [mpiexec_path(), "-n", "2", sys.executable, "-c", UNPICKLABLE_VALUE, str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, NANOQ_COLLECTIVE_TIMEOUT="20"))
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    for rank in (0, 1):
+        lines = (tmp_path / f"rank{rank}.txt").read_text().splitlines()
+        assert len(lines) == 4, lines
+        broadcast = next(line for line in lines if line.startswith(f"{rank} broadcast "))
+        seconds, message = broadcast.split(" ", 3)[2:]
+        assert float(seconds) < 10, broadcast  # not the collective time limit
+        assert message == ("a broadcast between the processes failed: process 0's value does not pickle: "
+                           "TypeError: cannot pickle '_thread.lock' object"), message
+        allgather = next(line for line in lines if line.startswith(f"{rank} allgather "))
+        seconds, message = allgather.split(" ", 3)[2:]
+        assert float(seconds) < 10, allgather
+        assert message == ("an all-gather between the processes failed: process 1's value does not pickle: "
+                           "TypeError: cannot pickle '_thread.lock' object"), message
+        assert f"{rank} then {{'id': 7}}" in lines
+        assert f"{rank} then [[0.0, 1.0, 2.0], [0.0, 2.0, 4.0, 6.0]] [b'', b'']" in lines
+
+
+def test_a_thread_worlds_all_gather_of_a_value_that_does_not_copy_fails_on_every_member_alike():
+    # The test stand-in for processes (nanoq.testing.threads) fails as MPIGroup does.
+    from nanoq.testing.threads import ThreadWorld
+
+    world, lock, seen = ThreadWorld(2, timeout=30), threading.Lock(), {}
+
+    def member(rank):
+        group = world.member(rank)
+        with pytest.raises(TypeError) as failed:
+            group.allgather(lock if rank == 1 else rank)
+        seen[rank] = (str(failed.value), group.allgather(rank))
+
+    threads = [threading.Thread(target=member, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    message = ("an all-gather between the processes failed: process 1's value does not pickle: "
+               "TypeError: cannot pickle '_thread.lock' object")
+    assert seen == {0: (message, [0, 1]), 1: (message, [0, 1])}
 
 
 def test_a_collective_time_limit_that_is_not_a_number_of_seconds_is_refused(monkeypatch):

@@ -75,11 +75,15 @@ class ProcessGroup:
         raise NotImplementedError
 
     def broadcast(self, value: Any, root: int = 0) -> Any:
-        """Process ``root``'s ``value`` (picklable), on every process."""
+        """Process ``root``'s ``value`` (picklable), on every process. In a
+        world of several processes a value that does not pickle raises
+        TypeError on every process."""
         raise NotImplementedError
 
     def allgather(self, value: Any) -> List[Any]:
-        """Every process's ``value`` (picklable), in rank order, on every process."""
+        """Every process's ``value`` (picklable), in rank order, on every
+        process. In a world of several processes a value that does not
+        pickle, on any process, raises TypeError on every process."""
         raise NotImplementedError
 
     def any(self, flag: bool) -> bool:
@@ -202,6 +206,14 @@ def _displacements(counts) -> List[int]:
     return out
 
 
+def _pickled(MPI, value: Any) -> tuple:
+    """(the pickle of ``value`` by mpi4py's serializer, None), or (b"", why it does not pickle)."""
+    try:
+        return MPI.pickle.dumps(value), None
+    except Exception as e:  # noqa: BLE001 - every process must learn of it
+        return b"", f"does not pickle: {type(e).__name__}: {e}"
+
+
 def _check_root(root: int, size: int) -> None:
     if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < size:
         raise ValueError(f"root must be a process rank in [0, {size}), got {root!r}")
@@ -222,14 +234,42 @@ class MPIGroup(ProcessGroup):
     def barrier(self) -> None:
         _barrier(self.comm, "a barrier of the processes")
 
+    # The values are pickled here, not inside mpi4py's bcast/allgather: a
+    # value that does not pickle would raise in mpi4py on its own process
+    # before sending, and the others would wait in the collective for ever
+    # (where that process catches the error). Here each process pickles its
+    # value first (with mpi4py's serializer, MPI.pickle, the one its bcast
+    # and allgather use: what is unpickled still comes only from the run's
+    # own processes), the processes exchange (failure, size), and a failure
+    # anywhere raises TypeError on every process; then the bytes travel as
+    # a buffer (one pickled copy, as mpi4py's own would make).
     def broadcast(self, value: Any, root: int = 0) -> Any:
+        from mpi4py import MPI
+
         _check_root(root, self.size)
+        data, failure = _pickled(MPI, value) if self.rank == root else (b"", None)
         await_every_process(self.comm, "a broadcast between the processes")
-        return self.comm.bcast(value, root=root)
+        failure, size = self.comm.bcast((failure, len(data)), root=root)
+        if failure is not None:
+            raise TypeError(f"a broadcast between the processes failed: process {root}'s value {failure}")
+        buffer = data if self.rank == root else bytearray(size)
+        self.comm.Bcast([buffer, MPI.BYTE], root=root)
+        return MPI.pickle.loads(buffer)
 
     def allgather(self, value: Any) -> List[Any]:
+        from mpi4py import MPI
+
+        data, failure = _pickled(MPI, value)
         await_every_process(self.comm, "an all-gather between the processes")
-        return self.comm.allgather(value)
+        reports = self.comm.allgather((failure, len(data)))
+        failures = [f"process {rank}'s value {failure}" for rank, (failure, _) in enumerate(reports) if failure]
+        if failures:
+            raise TypeError(f"an all-gather between the processes failed: {'; '.join(failures)}")
+        sizes = [size for _, size in reports]
+        buffer = bytearray(sum(sizes))
+        self.comm.Allgatherv([data, MPI.BYTE], [buffer, (sizes, _displacements(sizes)), MPI.BYTE])
+        view = memoryview(buffer)
+        return [MPI.pickle.loads(view[begin:begin + size]) for begin, size in zip(_displacements(sizes), sizes)]
 
     def abort(self, code: int = 1) -> None:
         sys.stdout.flush()

@@ -49,10 +49,19 @@ class ThreadGroup(ProcessGroup):
         self.world._meet()
 
     def allgather(self, value: Any) -> List[Any]:
-        self.world._slots[self.rank] = copy.deepcopy(value)
+        # As MPIGroup's: a value that does not copy (pickle, there) fails the
+        # call on every member, which stay in step.
+        try:
+            self.world._slots[self.rank] = (None, copy.deepcopy(value))
+        except Exception as e:  # noqa: BLE001 - every member must learn of it
+            self.world._slots[self.rank] = (f"process {self.rank}'s value does not pickle: {type(e).__name__}: {e}",
+                                            None)
         self.world._meet()
-        out = [copy.deepcopy(v) for v in self.world._slots]
+        failures = [failure for failure, _ in self.world._slots if failure is not None]
+        out = [] if failures else [copy.deepcopy(v) for _, v in self.world._slots]
         self.world._meet()  # nobody writes a slot before everyone has read them
+        if failures:
+            raise TypeError(f"an all-gather between the processes failed: {'; '.join(failures)}")
         return out
 
     def broadcast(self, value: Any, root: int = 0) -> Any:
