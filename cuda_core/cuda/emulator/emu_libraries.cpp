@@ -369,20 +369,25 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t desc, const
             if (delay.count()) std::this_thread::sleep_for(delay);
             // The scales are read when the product runs, as on the device.
             const double scale = double(alpha) * (a_scale ? *a_scale : 1.0f) * (b_scale ? *b_scale : 1.0f);
-            std::vector<double> column(m);
+            std::vector<double> column(m), a_columns(static_cast<std::size_t>(m * k));
             auto at = [](const void* base, const nanoq_emu_lt_layout& layout, std::int32_t product) {
                 return static_cast<const char*>(base) + product * layout.batch_stride * lt_bytes(layout.type);
             };
             for (std::int32_t product = 0; product < D.batch_count; ++product) {
                 const void *pa = at(a_base, A, product), *pb = at(b_base, B, product), *pc = at(c_base, C, product);
                 void* pd = const_cast<char*>(at(d_base, D, product));
+                // op(A) once in doubles, column p at p * m (the products below
+                // then read it in order, whatever A's type and layout).
+                for (std::int64_t p = 0; p < k; ++p)
+                    for (std::int64_t i = 0; i < m; ++i)
+                        a_columns[i + p * m] = load(pa, A.type, ta ? p + i * A.ld : i + p * A.ld);
                 for (std::int64_t j = 0; j < n; ++j) {
                     std::fill(column.begin(), column.end(), 0.0);
                     for (std::int64_t p = 0; p < k; ++p) {
                         const double bv = load(pb, B.type, tb ? j + p * B.ld : p + j * B.ld);
                         if (bv == 0.0) continue;
-                        for (std::int64_t i = 0; i < m; ++i)
-                            column[i] += load(pa, A.type, ta ? p + i * A.ld : i + p * A.ld) * bv;
+                        const double* a_column = &a_columns[p * m];
+                        for (std::int64_t i = 0; i < m; ++i) column[i] += a_column[i] * bv;
                     }
                     for (std::int64_t i = 0; i < m; ++i) {
                         double value = scale * column[i];
