@@ -177,8 +177,9 @@ def memory_flags():
 
 def test_nanoq_memory_takes_only_the_settings_that_change_memory():
     # ... and those that change what it says of it (report: grad_accum, the tokens per step kept).
-    marked = {item.name for item in settings() if item.memory or item.report}
+    marked = {item.name for item in settings() if item.memory_command_flag}
     assert memory_flags() == marked
+    assert marked == {item.name for item in settings() if item.memory} | {"grad_accum"}
     assert {item.name for item in settings() if item.report} == {"grad_accum"}
     assert {"lr", "steps", "warmup_steps", "eval_every", "out_dir", "log_every"}.isdisjoint(marked)
     assert {"hidden_size", "seq_len", "batch_size", "zero_stage", "recompute", "offload", "train_data"} <= marked

@@ -74,9 +74,9 @@ def cli():
 
 def _setting_options(command, memory_only: bool = False):
     """Adds ``--name VALUE`` (also ``--name-with-dashes``) for every setting
-    (memory_only: for `nanoq memory`, those marked memory or report in the settings table)."""
+    (memory_only: for `nanoq memory`, those of Setting.memory_command_flag)."""
     for item in reversed(settings()):
-        if memory_only and not (item.memory or item.report):
+        if memory_only and not item.memory_command_flag:
             continue
         flags = [f"--{item.name}"] + ([f"--{item.name.replace('_', '-')}"] if "_" in item.name else [])
         if item.type is list:  # repeated: --name A --name B; not given: None, like the other flags

@@ -109,6 +109,11 @@ class Setting:
     def key(self) -> str:
         return f"{self.section}.{self.name}"
 
+    @property
+    def memory_command_flag(self) -> bool:
+        """Whether ``nanoq memory`` takes this setting's flag (memory or report)."""
+        return self.memory or self.report
+
 
 @dataclasses.dataclass
 class TrainConfig:
