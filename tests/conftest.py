@@ -664,3 +664,18 @@ def pytest_xdist_auto_num_workers(config):
     except (OSError, StopIteration):
         return cores
     return max(1, min(cores, available // _TEST_PROCESS_BYTES))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest -n's default distribution (load) with work stealing: a process
+    that runs out of tests takes some of another's pending ones, so the run
+    does not end on one process working through a queue of slow tests
+    while the others wait."""
+    if config.getvalue("dist") != "load":
+        return None
+    try:
+        from xdist.scheduler import WorkStealingScheduling
+    except ImportError:  # pytest-xdist before 3.2: its own load scheduling
+        return None
+    return WorkStealingScheduling(config, log)

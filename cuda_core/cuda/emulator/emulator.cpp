@@ -42,6 +42,20 @@
 #include <sanitizer/common_interface_defs.h>
 #endif
 
+// Under AddressSanitizer, every local whose address is taken (container
+// calls' arguments, iterators, a switch's fake_stack) is a stack slot with
+// redzones that ASan poisons and clears on each call of the function that
+// holds it, inlined callees' slots included: the warp exchange, inlining
+// its container work and the fiber switch, had some seventy of them. The
+// functions marked NANOQ_EMU_OUT_OF_LINE keep theirs in their own frames
+// under ASan (the exchange-heavy emulated tests took half the time); without
+// it the compiler inlines as it sees fit.
+#if NANOQ_EMU_ASAN
+#define NANOQ_EMU_OUT_OF_LINE [[gnu::noinline]]
+#else
+#define NANOQ_EMU_OUT_OF_LINE
+#endif
+
 namespace nanoq_emu {
 
 thread_local const ThreadState* tl_thread = nullptr;
@@ -203,7 +217,7 @@ inline void raw_switch(Context& from, Context& to) { swapcontext(&from.uc, &to.u
 
 // Leaves `from` for `to`; returns when something switches back to `from`.
 // `from_done`: `from` is never resumed (AddressSanitizer frees its fake stack).
-inline void swap_context(Context& from, Context& to, bool from_done = false) {
+NANOQ_EMU_OUT_OF_LINE inline void swap_context(Context& from, Context& to, bool from_done = false) {
 #if NANOQ_EMU_ASAN
     void* fake_stack = nullptr;
     __sanitizer_start_switch_fiber(from_done ? nullptr : &fake_stack, to.stack, to.bytes);
@@ -332,6 +346,9 @@ public:
     // Called from fibers:
     int barrier(int predicate, const char* what, const char* file, int line);
     const std::uint64_t* exchange(WarpOp op, unsigned mask, std::uint64_t value, const char* what);
+    [[noreturn]] void fail_exchange(const char* what, unsigned mask, const char* other);
+    Exchange* open_exchange(WarpState& warp, WarpOp op, unsigned mask, const char* what);
+    void complete_exchange(WarpState& warp, Exchange* x);
     void* static_shared(const void* tag, std::size_t bytes, std::size_t align, const char* name);
     void* dynamic_shared(std::size_t* bytes) {
         *bytes = launch_->dynamic_shared;
@@ -342,7 +359,7 @@ public:
     int lane() const { return current_->lane; }
 
 private:
-    void block_on(Status status) {
+    NANOQ_EMU_OUT_OF_LINE void block_on(Status status) {
         current_->status = status;
         switch_away(current_->context);
     }
@@ -587,63 +604,79 @@ int BlockRun::barrier(int predicate, const char* what, const char* file, int lin
     return results_[generation & 1u];
 }
 
-const std::uint64_t* BlockRun::exchange(WarpOp op, unsigned mask, std::uint64_t value, const char* what) {
-    Fiber* self = current_;
-    WarpState& warp = warps_[self->warp];
-    const unsigned bit = 1u << self->lane;
+// The misuses exchange() reports, worded out of line (their strings' slots;
+// see NANOQ_EMU_OUT_OF_LINE).
+[[noreturn, gnu::noinline, gnu::cold]] void BlockRun::fail_exchange(const char* what, unsigned mask,
+                                                                    const char* other) {
     auto hex = [](unsigned m) {
         char text[16];
         std::snprintf(text, sizeof(text), "0x%08x", m);
         return std::string(text);
     };
-    if (!(mask & bit)) fail(std::string(what) + ": mask " + hex(mask) + " leaves out the calling lane " +
-                            std::to_string(self->lane));
+    const WarpState& warp = warps_[current_->warp];
+    if (other) fail("lanes of one warp are in different intrinsics: " + std::string(what) + " and " + other);
+    if (!(mask & (1u << current_->lane)))
+        fail(std::string(what) + ": mask " + hex(mask) + " leaves out the calling lane " +
+             std::to_string(current_->lane));
     if (mask & ~warp.existing)
         fail(std::string(what) + ": mask " + hex(mask) + " names lanes " + hex(mask & ~warp.existing) +
              " that this block (" + std::to_string(threads_) + " threads) does not have");
-    if (mask & warp.exited)
-        fail(std::string(what) + ": mask " + hex(mask) + " names lanes " + hex(mask & warp.exited) +
-             " that have exited");
+    fail(std::string(what) + ": mask " + hex(mask) + " names lanes " + hex(mask & warp.exited) + " that have exited");
+}
+
+const std::uint64_t* BlockRun::exchange(WarpOp op, unsigned mask, std::uint64_t value, const char* what) {
+    Fiber* self = current_;
+    WarpState& warp = warps_[self->warp];
+    const unsigned bit = 1u << self->lane;
+    if (!(mask & bit) || (mask & ~warp.existing) || (mask & warp.exited)) fail_exchange(what, mask, nullptr);
     Exchange* x = nullptr;
     // Lanes of other masks may still wait in an earlier exchange (they join
     // this one when it completes); a cycle of such waits is a deadlock,
     // which the scheduler reports.
-    for (Exchange* p : warp.pending) {
-        if (p->mask == mask && !(p->arrived & bit)) {
-            x = p;
+    Exchange* const* pending = warp.pending.data();
+    for (std::size_t i = 0, n = warp.pending.size(); i < n; ++i) {
+        if (pending[i]->mask == mask && !(pending[i]->arrived & bit)) {
+            x = pending[i];
             break;
         }
     }
-    if (!x) {
-        if (free_exchanges_.empty()) {
-            exchange_storage_.emplace_back();
-            free_exchanges_.push_back(&exchange_storage_.back());
-        }
-        x = free_exchanges_.back();
-        free_exchanges_.pop_back();
-        x->op = op;
-        x->mask = mask;
-        x->arrived = 0;
-        x->what = what;
-        warp.pending.push_back(x);
-    }
-    if (x->op != op)
-        fail("lanes of one warp are in different intrinsics: " + std::string(what) + " and " + x->what);
+    if (!x) x = open_exchange(warp, op, mask, what);
+    if (x->op != op) fail_exchange(what, mask, x->what);
     x->values[self->lane] = value;
     x->arrived |= bit;
-    if (x->arrived == mask) {
-        x->readers = __builtin_popcount(mask);
-        warp.pending.erase(std::find(warp.pending.begin(), warp.pending.end(), x));
-        const int first = self->warp * 32;
-        for (int lane = 0; lane < 32; ++lane)
-            if ((mask >> lane & 1u) && lane != self->lane) wake(fibers_[first + lane]);
-    } else {
+    if (x->arrived == mask)
+        complete_exchange(warp, x);
+    else
         block_on(Status::InWarp);
-    }
     // The caller reads the values before any other fiber runs, so the
     // record may be handed back now; it is reused only by a later exchange.
     if (--x->readers == 0) free_exchanges_.push_back(x);
     return x->values;
+}
+
+// exchange()'s container work (out of line under ASan: NANOQ_EMU_OUT_OF_LINE).
+NANOQ_EMU_OUT_OF_LINE Exchange* BlockRun::open_exchange(WarpState& warp, WarpOp op, unsigned mask, const char* what) {
+    if (free_exchanges_.empty()) {
+        exchange_storage_.emplace_back();
+        free_exchanges_.push_back(&exchange_storage_.back());
+    }
+    Exchange* x = free_exchanges_.back();
+    free_exchanges_.pop_back();
+    x->op = op;
+    x->mask = mask;
+    x->arrived = 0;
+    x->what = what;
+    warp.pending.push_back(x);
+    return x;
+}
+
+// The last lane of `x` arrived: the others wake to read the values.
+NANOQ_EMU_OUT_OF_LINE void BlockRun::complete_exchange(WarpState& warp, Exchange* x) {
+    x->readers = __builtin_popcount(x->mask);
+    warp.pending.erase(std::find(warp.pending.begin(), warp.pending.end(), x));
+    const int first = current_->warp * 32;
+    for (int lane = 0; lane < 32; ++lane)
+        if ((x->mask >> lane & 1u) && lane != current_->lane) wake(fibers_[first + lane]);
 }
 
 void* BlockRun::static_shared(const void* tag, std::size_t bytes, std::size_t align, const char* name) {
