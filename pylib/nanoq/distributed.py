@@ -211,7 +211,18 @@ def _pickled(MPI, value: Any) -> tuple:
     try:
         return MPI.pickle.dumps(value), None
     except Exception as e:  # noqa: BLE001 - every process must learn of it
-        return b"", f"does not pickle: {type(e).__name__}: {e}"
+        return b"", unsendable(e)
+
+
+def unsendable(error: Exception) -> str:
+    """Why a process's value cannot travel to the others (``error`` from pickling or copying it)."""
+    return f"does not pickle: {type(error).__name__}: {error}"
+
+
+def allgather_failed(failures: List[str]) -> TypeError:
+    """The error every process of an all-gather raises: ``failures`` are
+    "process R's value <unsendable(...)>", in rank order."""
+    return TypeError(f"an all-gather between the processes failed: {'; '.join(failures)}")
 
 
 def _check_root(root: int, size: int) -> None:
@@ -264,12 +275,13 @@ class MPIGroup(ProcessGroup):
         reports = self.comm.allgather((failure, len(data)))
         failures = [f"process {rank}'s value {failure}" for rank, (failure, _) in enumerate(reports) if failure]
         if failures:
-            raise TypeError(f"an all-gather between the processes failed: {'; '.join(failures)}")
+            raise allgather_failed(failures)
         sizes = [size for _, size in reports]
+        begins = _displacements(sizes)
         buffer = bytearray(sum(sizes))
-        self.comm.Allgatherv([data, MPI.BYTE], [buffer, (sizes, _displacements(sizes)), MPI.BYTE])
+        self.comm.Allgatherv([data, MPI.BYTE], [buffer, (sizes, begins), MPI.BYTE])
         view = memoryview(buffer)
-        return [MPI.pickle.loads(view[begin:begin + size]) for begin, size in zip(_displacements(sizes), sizes)]
+        return [MPI.pickle.loads(view[begin:begin + size]) for begin, size in zip(begins, sizes)]
 
     def abort(self, code: int = 1) -> None:
         sys.stdout.flush()

@@ -9,7 +9,7 @@ import copy
 import threading
 from typing import Any, List
 
-from nanoq.distributed import ProcessGroup
+from nanoq.distributed import ProcessGroup, allgather_failed, unsendable
 
 
 class ThreadWorldAborted(RuntimeError):
@@ -54,14 +54,13 @@ class ThreadGroup(ProcessGroup):
         try:
             self.world._slots[self.rank] = (None, copy.deepcopy(value))
         except Exception as e:  # noqa: BLE001 - every member must learn of it
-            self.world._slots[self.rank] = (f"process {self.rank}'s value does not pickle: {type(e).__name__}: {e}",
-                                            None)
+            self.world._slots[self.rank] = (f"process {self.rank}'s value {unsendable(e)}", None)
         self.world._meet()
         failures = [failure for failure, _ in self.world._slots if failure is not None]
         out = [] if failures else [copy.deepcopy(v) for _, v in self.world._slots]
         self.world._meet()  # nobody writes a slot before everyone has read them
         if failures:
-            raise TypeError(f"an all-gather between the processes failed: {'; '.join(failures)}")
+            raise allgather_failed(failures)
         return out
 
     def broadcast(self, value: Any, root: int = 0) -> Any:
