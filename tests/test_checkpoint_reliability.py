@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -518,6 +519,90 @@ def test_an_export_killed_midway_leaves_no_folder_behind_after_the_next(tmp_path
         open(os.path.join(partial, "config.json"), "w").write("{}")
     assert not abandoned[1].exists() and live.exists()
     assert sorted(os.listdir(tmp_path)) == sorted(["model", live.name])
+
+
+
+def _folder_with(path, text):
+    path.mkdir()
+    (path / "config.json").write_text(text)
+
+
+def test_replacing_a_folder_swaps_it_in_one_step_where_the_system_can(tmp_path, monkeypatch):
+    # An overwriting export (LoRA's overwrite=True) must never leave the name empty: a kill
+    # between "move the old one aside" and "rename the new one in" left no folder there.
+    # Linux swaps the two in one step (renameat2 RENAME_EXCHANGE; ext4, xfs, btrfs, tmpfs
+    # and overlayfs have it), and then the target is never renamed away.
+    from nanoq import durable
+
+    target = tmp_path / "adapter"
+    _folder_with(target, "old")
+    renamed_away = []
+    rename = os.rename
+    monkeypatch.setattr(durable.os, "rename",
+                        lambda a, b: (renamed_away.append(a) if os.fspath(a) == str(target) else None, rename(a, b)))
+    with durable.new_directory(target, overwrite=True) as partial:
+        open(os.path.join(partial, "config.json"), "w").write("new")
+    assert (target / "config.json").read_text() == "new"
+    assert os.listdir(tmp_path) == ["adapter"]
+    if sys.platform.startswith("linux"):
+        assert renamed_away == []
+        a, b = tmp_path / "a", tmp_path / "b"
+        _folder_with(a, "a")
+        _folder_with(b, "b")
+        assert durable._exchange(str(a), str(b))
+        assert (a / "config.json").read_text() == "b" and (b / "config.json").read_text() == "a"
+
+
+def test_where_folders_cannot_be_swapped_a_failed_replacement_puts_the_old_one_back(tmp_path, monkeypatch):
+    from nanoq import durable
+
+    monkeypatch.setattr(durable, "_exchange", lambda a, b: False)
+    target = tmp_path / "adapter"
+    _folder_with(target, "old")
+    with durable.new_directory(target, overwrite=True) as partial:  # the two renames, when they work
+        open(os.path.join(partial, "config.json"), "w").write("new")
+    assert (target / "config.json").read_text() == "new" and os.listdir(tmp_path) == ["adapter"]
+    rename = os.rename
+
+    def second_fails(a, b):
+        if ".partial-" in os.fspath(a) and os.fspath(b) == str(target):
+            raise OSError(5, "Input/output error")
+        rename(a, b)
+
+    monkeypatch.setattr(durable.os, "rename", second_fails)
+    with pytest.raises(OSError, match="Input/output"):
+        with durable.new_directory(target, overwrite=True) as partial:
+            open(os.path.join(partial, "config.json"), "w").write("newer")
+    assert (target / "config.json").read_text() == "new" and os.listdir(tmp_path) == ["adapter"]
+
+
+def test_a_replacement_killed_while_deleting_the_old_folder_leaves_the_new_one(tmp_path):
+    # The process dies (os._exit, as a SIGKILL would) while the replaced folder is deleted:
+    # the new folder is in place, and what is left of the old one goes with the next export.
+    import subprocess
+
+    target = tmp_path / "adapter"
+    _folder_with(target, "old")
+    child = subprocess.run([sys.executable, "-c", f"""
+import os, shutil
+from nanoq import durable
+def dies(path, **options):
+    config = os.path.join(path, "config.json")
+    if os.path.exists(config) and open(config).read() == "old":
+        os._exit(9)
+    shutil.rmtree(path, **options)
+durable.shutil = type("shutil", (), {{"rmtree": staticmethod(dies)}})
+with durable.new_directory({str(target)!r}, overwrite=True) as partial:
+    open(os.path.join(partial, "config.json"), "w").write("new")
+"""], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 9, child.stderr
+    assert (target / "config.json").read_text() == "new"
+    assert len(os.listdir(tmp_path)) == 2  # the rest of the old one, under a name of the dead process
+    from nanoq.durable import new_directory
+
+    with new_directory(target, overwrite=True) as partial:
+        open(os.path.join(partial, "config.json"), "w").write("newer")
+    assert os.listdir(tmp_path) == ["adapter"]
 
 
 def test_folders_a_save_creates_are_made_durable_in_their_parents(tmp_path, monkeypatch):

@@ -8,6 +8,8 @@ renamed into place; the folder holding it is fsynced after the rename.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import json
 import os
 import shutil
@@ -136,6 +138,54 @@ def _remove_abandoned(directory: str) -> None:
                 shutil.rmtree(os.path.join(parent, sibling), ignore_errors=True)
 
 
+# renameat2's flag and "relative to the working directory" (Linux, <linux/fs.h>, <fcntl.h>).
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swaps the paths ``a`` and ``b`` in one step (Linux's renameat2 with
+    RENAME_EXCHANGE): True when done, False where the C library or the
+    filesystem cannot (then nothing moved); OSError for any other failure."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):  # not glibc 2.28+ / not Linux
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), a, None, b)
+
+
+def _replace_directory(new: str, target: str) -> None:
+    """Puts the folder ``new`` in place of the existing folder ``target``
+    and deletes the old one. Where the filesystem swaps two paths in one
+    step, ``target`` names the old or the new folder at every moment, and
+    the old one, swapped to ``new``'s name (``.partial-<pid>``), goes as an
+    abandoned partial folder would if the process dies deleting it.
+    Elsewhere the old folder is renamed to ``<target>.replaced-<pid>`` and
+    the new one renamed in: a kill between the two renames leaves the old
+    one there (kept by _remove_abandoned while ``target`` is missing), and
+    a failed second rename puts it back. A failure to delete the old folder
+    once the new one is in place is not an error."""
+    if _exchange(new, target):
+        shutil.rmtree(new, ignore_errors=True)
+        return
+    replaced = f"{target}.replaced-{os.getpid()}"
+    shutil.rmtree(replaced, ignore_errors=True)
+    os.rename(target, replaced)
+    try:
+        os.rename(new, target)
+    except BaseException:
+        os.rename(replaced, target)
+        raise
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def new_directory(directory: str | os.PathLike, *, overwrite: bool = False) -> Iterator[str]:
     """Builds ``directory`` so that it appears complete or not at all.
@@ -147,8 +197,8 @@ def new_directory(directory: str | os.PathLike, *, overwrite: bool = False) -> I
     umask; see give_created_mode), whoever wrote it. If the
     block raises, the partial folder is removed; those of killed earlier
     calls (their process gone) are removed first. An existing ``directory``
-    raises FileExistsError first unless ``overwrite`` (then it is replaced:
-    moved aside, the new one renamed in, the old one deleted).
+    raises FileExistsError first unless ``overwrite`` (then it is replaced,
+    see _replace_directory).
     """
     directory = os.path.abspath(os.fspath(directory))
     if os.path.lexists(directory):
@@ -169,11 +219,7 @@ def new_directory(directory: str | os.PathLike, *, overwrite: bool = False) -> I
             fsync_path(path)
         fsync_path(partial)
         if os.path.lexists(directory):
-            replaced = f"{directory}.replaced-{os.getpid()}"
-            shutil.rmtree(replaced, ignore_errors=True)
-            os.rename(directory, replaced)
-            os.rename(partial, directory)
-            shutil.rmtree(replaced)
+            _replace_directory(partial, directory)
         else:
             os.rename(partial, directory)
     except BaseException:
