@@ -154,6 +154,28 @@ def test_tokenize_reports_bad_input_and_usage(tmp_path):
     assert re.search(r"note: the trained tokenizer has \d+ tokens, fewer than --vocab-size 8192", result.output)
 
 
+
+def test_tokenize_counts_text_spelling_special_tokens_and_says_what_it_became(tmp_path):
+    from nanoq.demo import DEMO_DIR
+
+    data = tmp_path / "web.jsonl"
+    data.write_text('{"text": "a <|endoftext|> b"}\n{"text": "plain"}\n{"text": "<|user|> and <|endoftext|>"}\n')
+    result = invoke("tokenize", data, "-o", tmp_path / "tokens", "--tokenizer", DEMO_DIR)
+    assert result.exit_code == 0, result.output
+    assert ("note: 2 document(s) spell special tokens of the tokenizer in their text (documents per token: "
+            "<|endoftext|> (2), <|user|> (1)); that text became those tokens; --special-text text encodes such "
+            "text as ordinary text") in result.output
+    result = invoke("tokenize", data, "-o", tmp_path / "text", "--tokenizer", DEMO_DIR, "--special-text", "text")
+    assert result.exit_code == 0, result.output
+    assert "that text became ordinary text (--special-text text)" in result.output
+    (tmp_path / "plain.jsonl").write_text('{"text": "a < |endoftext| > b"}\n')
+    result = invoke("tokenize", tmp_path / "plain.jsonl", "-o", tmp_path / "plain", "--tokenizer", DEMO_DIR)
+    assert result.exit_code == 0 and "note" not in result.output, result.output
+    result = invoke("tokenize", data, "-o", tmp_path / "nano", "--format", "nano", "--vocab-size", "8",
+                    "--special-text", "text")
+    assert result.exit_code == 2 and "--special-text is for text" in result.output
+
+
 def test_info_lists_version_and_backends():
     result = invoke("info")
     assert result.exit_code == 0, result.output

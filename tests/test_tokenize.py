@@ -90,6 +90,93 @@ def test_sft_messages_use_the_template_and_mask_every_assistant_turn(tmp_path, t
     assert encode(tokenizer, "<|assistant|>") == [tokenizer.token_to_id("<|assistant|>")]
 
 
+
+def ordinary(tokenizer):
+    """The tokenizer, with text spelling its special tokens read as ordinary text
+    (tokenizers' own encode_special_tokens): the reference of special_text="text"."""
+    from tokenizers import Tokenizer
+
+    copy = Tokenizer.from_str(tokenizer.to_str())
+    copy.encode_special_tokens = True
+    return copy
+
+
+SPELLING = "the fox <|endoftext|> said <|user|> hi"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_text_spelling_a_special_token_becomes_it_or_ordinary_text_as_asked(tmp_path, tokenizer_dir, tokenizer,
+                                                                            workers):
+    # Web text holding "<|endoftext|>" must not silently end a document mid-way for a user who
+    # asks otherwise (tiktoken's encode_ordinary; nanoGPT's and llm.c's data scripts), and is
+    # counted either way. 70 documents: more than a worker's chunk, so workers=2 uses them.
+    records = [{"text": SPELLING if i % 7 == 0 else f"the lazy dog {i}"} for i in range(70)]
+    data = write_lines(tmp_path / "web.jsonl", records)
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    for mode, reference in (("tokens", tokenizer), ("text", ordinary(tokenizer))):
+        out = tmp_path / mode
+        result = tokenize_files([data], out, tokenizer=tokenizer_dir, special_text=mode, workers=workers,
+                                progress=False)
+        expected = [t for r in records for t in encode(reference, r["text"]) + [eos]]
+        assert TokenFile(out / "train_000000.bin").tokens.tolist() == expected
+        assert result.special_text_documents == 10
+        assert result.special_text_tokens == {"<|endoftext|>": 10, "<|user|>": 10}
+        summary = json.loads((out / "tokenize.json").read_text())
+        assert summary["special_text"] == mode and summary["special_text_documents"] == 10
+    assert encode(tokenizer, SPELLING).count(eos) == 1 and eos not in encode(ordinary(tokenizer), SPELLING)
+    with pytest.raises(ValueError, match="special_text must be one of tokens, text"):
+        tokenize_files([data], tmp_path / "bad", tokenizer=tokenizer_dir, special_text="ordinary")
+
+
+def test_sft_template_markers_stay_tokens_when_the_datas_spellings_are_text(tmp_path, tokenizer_dir, tokenizer):
+    messages = [{"role": "user", "content": "pretend <|assistant|> said <|endoftext|>"},
+                {"role": "assistant", "content": "no <|user|> here"}]
+    data = write_lines(tmp_path / "chat.jsonl", [{"messages": messages},
+                                                  {"prompt": "<|user|>\nQ?\n<|assistant|>\n", "response": "A"}])
+    result = tokenize_files([data], tmp_path / "out", fmt="sft", tokenizer=tokenizer_dir, special_text="text")
+    text = ordinary(tokenizer)
+    marker = tokenizer.token_to_id
+    eos = marker("<|endoftext|>")
+    pieces = [[marker("<|user|>")], (encode(text, "\npretend <|assistant|> said <|endoftext|>\n"), False),
+              [marker("<|assistant|>")], (encode(text, "\n"), False), (encode(text, "no <|user|> here"), True),
+              ([eos], True),
+              # The prompt is the data's own: in its text, a spelled marker is text too.
+              (encode(text, "<|user|>\nQ?\n<|assistant|>\n"), False), (encode(text, "A"), True), ([eos], True)]
+    tokens, mask = [], []
+    for piece in pieces:
+        ids, trained = (piece, False) if isinstance(piece, list) else piece
+        tokens += ids
+        mask += [trained] * len(ids)
+    train = TokenFile(tmp_path / "out" / "train_000000.bin")
+    assert train.tokens.tolist() == tokens and train.mask.tolist() == mask
+    assert result.special_text_documents == 2  # the markup is not counted; the prompt's spellings are
+    assert result.special_text_tokens == {"<|assistant|>": 2, "<|endoftext|>": 1, "<|user|>": 2}
+
+
+def test_a_marker_that_takes_the_whitespace_after_it_takes_it_in_either_mode(tmp_path, tokenizer_dir):
+    # An added token's rstrip: the tokenizer drops the whitespace after it; the markers nanoq keeps as
+    # tokens against encode_special_tokens must do the same, so that data spelling no special token
+    # encodes alike in both modes.
+    config = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    for token in config["added_tokens"]:
+        token["rstrip"] = token["content"] in ("<|user|>", "<|assistant|>")
+    directory = tmp_path / "tokenizer"
+    directory.mkdir()
+    (directory / "tokenizer.json").write_text(json.dumps(config))
+    messages = [{"role": "user", "content": " hi"}, {"role": "assistant", "content": "hello"}]
+    data = write_lines(tmp_path / "chat.jsonl", [{"messages": messages}])
+    files = {}
+    for mode in ("tokens", "text"):
+        tokenize_files([data], tmp_path / mode, fmt="sft", tokenizer=directory, special_text=mode)
+        files[mode] = TokenFile(tmp_path / mode / "train_000000.bin")
+    assert files["text"].tokens.tolist() == files["tokens"].tokens.tolist()
+    assert files["text"].mask.tolist() == files["tokens"].mask.tolist()
+    from tokenizers import Tokenizer
+
+    stripping = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    assert encode(stripping, "<|user|>\n hi") == encode(stripping, "<|user|>hi")  # the tokenizer does strip
+
+
 def texts(path, fmt="text", split="file"):
     return [text for document in read_documents(str(path), fmt, split=split) for text, _ in document.segments]
 

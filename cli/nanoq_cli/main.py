@@ -16,6 +16,7 @@ import click
 from nanoq import options as option_schema
 from nanoq_cli import inference
 from nanoq_cli.numbers import FiniteFloat, Integer
+from nanoq.tokenization.pipeline import SPECIAL_TEXT
 from nanoq.training.settings import settings
 
 
@@ -215,8 +216,13 @@ def train(config_file, print_config, resume, **flags):
               help="How training serves the files (recorded in tokenize.json): pack = whole documents per "
               "window, attending only to themselves; stream = windows of the document stream. Default: pack "
               "for --format sft, else stream.")
+@click.option("--special-text", type=click.Choice(SPECIAL_TEXT), default="tokens", show_default=True,
+              help="What text that spells a special token of the tokenizer (<|endoftext|> in a web page, a chat "
+              "marker in a message) becomes: tokens = that token (as a Hugging Face tokenizer call does), "
+              "text = ordinary text (as tiktoken's encode_ordinary does). The EOS between documents and the SFT "
+              "template's markers are tokens either way; the documents holding such text are counted.")
 def tokenize(inputs, output, fmt, text_field, split, tokenizer, train_tokenizer, vocab_size, eos_token, eos_id,
-             eval_fraction, seed, workers, shard_tokens, packing):
+             eval_fraction, seed, workers, shard_tokens, packing, special_text):
     """Tokenize text, JSONL, SFT JSONL or Nano line files into token files.
 
     Every document ends with the EOS token, and the files record where
@@ -231,6 +237,8 @@ def tokenize(inputs, output, fmt, text_field, split, tokenizer, train_tokenizer,
                 raise click.UsageError("--format nano needs --vocab-size (the model's vocabulary)")
             if packing is not None:
                 raise click.UsageError("--packing is for documents closed by EOS, not --format nano's lines")
+            if special_text != "tokens":
+                raise click.UsageError("--special-text is for text; --format nano's lines are token ids already")
             result = import_nano(inputs, output, vocab_size=vocab_size, eos_id=eos_id,
                                  eval_fraction=eval_fraction, seed=seed, shard_tokens=shard_tokens)
         else:
@@ -246,13 +254,22 @@ def tokenize(inputs, output, fmt, text_field, split, tokenizer, train_tokenizer,
             result = tokenize_files(inputs, output, fmt=fmt, text_field=text_field, split=split,
                                     tokenizer=tokenizer, train_tokenizer_vocab=vocab_size or 0,
                                     eos_token=eos_token, eval_fraction=eval_fraction, seed=seed,
-                                    workers=workers, shard_tokens=shard_tokens, **extra)
+                                    workers=workers, shard_tokens=shard_tokens, special_text=special_text,
+                                    **extra)
     except (InputError, ValueError, FileNotFoundError, FileExistsError) as e:
         raise _fail(e) from None
     files = len(result.train_files) + len(result.eval_files)
     click.echo(f"wrote {result.output}: {result.documents} documents ({result.eval_documents} held out), "
                f"{result.train_tokens:,} train + {result.eval_tokens:,} eval tokens in {files} file(s), "
                f"vocab {result.vocab_size}, EOS id {result.eos_id} ({result.seconds:.1f}s)")
+    if result.special_text_documents:
+        became = ("those tokens; --special-text text encodes such text as ordinary text" if special_text == "tokens"
+                  else "ordinary text (--special-text text)")
+        spelled = ", ".join(f"{token} ({count})" for token, count in list(result.special_text_tokens.items())[:5])
+        more = len(result.special_text_tokens) - 5
+        click.echo(f"note: {result.special_text_documents} document(s) spell special tokens of the tokenizer in "
+                   f"their text (documents per token: {spelled}{f' and {more} more' if more > 0 else ''}); "
+                   f"that text became {became}", err=True)
     if train_tokenizer and result.vocab_size < vocab_size:
         click.echo(f"note: the trained tokenizer has {result.vocab_size} tokens, fewer than --vocab-size "
                    f"{vocab_size}: the corpus had no more merges to learn", err=True)

@@ -17,17 +17,20 @@ directory appears only when complete (see ``nanoq.tokenization.pipeline``).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import shutil
 import time
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
 from nanoq.tokenization.nano import decode_line, read_nano_lines, safe_loads
 from nanoq.tokenization.pipeline import (
     DEFAULT_SHARD_TOKENS,
+    SPECIAL_TEXT,
+    Encoder,
     OutputDirectory,
     concatenate,
     encode_documents,
@@ -79,6 +82,10 @@ class TokenizeResult:
     vocab_size: int
     eos_id: Optional[int]
     seconds: float
+    # Documents whose text spells one of the tokenizer's special tokens (see special_text),
+    # and how many spell each one.
+    special_text_documents: int = 0
+    special_text_tokens: Dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def _progress_bar(total: int, enabled: Optional[bool]):
@@ -94,7 +101,8 @@ def tokenize_documents(documents: Sequence[Document], output: str | os.PathLike,
                        eos_token: Optional[str] = None, eval_fraction: float = 0.0, seed: int = 0,
                        workers: int = 1, shard_tokens: int = DEFAULT_SHARD_TOKENS,
                        progress: Optional[bool] = None, inputs: Sequence[str] = (),
-                       sft_template: bool = False, packing: str = "stream") -> TokenizeResult:
+                       sft_template: bool = False, packing: str = "stream",
+                       special_text: str = "tokens") -> TokenizeResult:
     """Tokenizes documents into ``output`` (a new or empty directory).
 
     tokenizer: a tokenizer.json file or model directory; or train_tokenizer_vocab
@@ -109,9 +117,17 @@ def tokenize_documents(documents: Sequence[Document], output: str | os.PathLike,
     tokenize.json: "stream" (windows of the concatenated documents) or
     "pack" (whole documents per window, attention inside each; see
     nanoq.data.loader).
+    special_text: what text spelling one of the tokenizer's special tokens
+    (``<|endoftext|>``, a chat marker) becomes: "tokens" (that token, as a
+    Hugging Face tokenizer call does) or "text" (ordinary text, as tiktoken's
+    encode_ordinary does); the EOS nanoq writes between documents and the SFT
+    template's markers are tokens either way. The documents holding such text
+    are counted (``special_text_documents``) whichever is chosen.
     """
     if packing not in ("stream", "pack"):
         raise ValueError(f"packing must be stream or pack, got {packing!r}")
+    if special_text not in SPECIAL_TEXT:
+        raise ValueError(f"special_text must be one of {', '.join(SPECIAL_TEXT)}, got {special_text!r}")
     start = time.time()
     if not documents:
         raise InputError(f"no documents in {', '.join(inputs) or 'the input'}: the corpus is empty")
@@ -143,19 +159,24 @@ def tokenize_documents(documents: Sequence[Document], output: str | os.PathLike,
                 write_tokenizer_config(config, model.id_to_token(eos))
             set_chat_template(config, chat_template(model.id_to_token(eos)))
         vocab = tokenizer_vocab_size(model)
+        encoder = Encoder(model, eos, special_text)
+        spelled = [encoder.spelled_specials(d) for d in documents]
+        spelled_tokens = collections.Counter(token for tokens in spelled for token in tokens)
 
         with _progress_bar(len(documents), progress) as bar:
-            train_encoded = concatenate(encode_documents(model, eos, train_docs, workers, bar.update))
-            eval_encoded = concatenate(encode_documents(model, eos, eval_docs, workers, bar.update))
+            train_encoded = concatenate(encode_documents(encoder, train_docs, workers, bar.update))
+            eval_encoded = concatenate(encode_documents(encoder, eval_docs, workers, bar.update))
         force_mask = not (train_encoded[1].all() and eval_encoded[1].all())
         train_files = write_split(out, "train", train_encoded, vocab, shard_tokens, force_mask)
         eval_files = write_split(out, "eval", eval_encoded, vocab, shard_tokens, force_mask) if eval_docs else []
         result = TokenizeResult(output=out.path, train_files=train_files, eval_files=eval_files,
                                 documents=len(documents), eval_documents=len(eval_docs),
                                 train_tokens=int(train_encoded[0].size), eval_tokens=int(eval_encoded[0].size),
-                                vocab_size=vocab, eos_id=eos, seconds=time.time() - start)
+                                vocab_size=vocab, eos_id=eos, seconds=time.time() - start,
+                                special_text_documents=sum(map(bool, spelled)),
+                                special_text_tokens=dict(spelled_tokens.most_common()))
         write_summary(out, result, inputs=list(inputs), eval_fraction=eval_fraction, seed=seed, masked=force_mask,
-                      packing=packing)
+                      packing=packing, special_text=special_text)
         out.commit()
     return result
 

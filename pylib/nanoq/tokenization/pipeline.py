@@ -23,6 +23,7 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import re
 import shutil
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -40,38 +41,107 @@ Encoded = Tuple[np.ndarray, np.ndarray]  # one document: int32 tokens, bool mask
 # (the index of each one's first token).
 Concatenated = Tuple[np.ndarray, np.ndarray, np.ndarray]
 
-_worker_tokenizer = None
-_worker_eos = None
+# What text that spells one of the tokenizer's special tokens becomes (Encoder).
+SPECIAL_TEXT = ("tokens", "text")
+
+_worker_encoder = None
 
 
-def encode_document(tokenizer, eos: int, document: Document) -> Encoded:
-    """tokens int32 [n], mask bool [n] of one document, its closing EOS included."""
-    tokens: List[int] = []
-    mask: List[bool] = []
-    for text, trained in document.segments:
-        ids = [eos] if text is None else tokenizer.encode(text, add_special_tokens=False).ids
-        tokens += ids
-        mask += [trained] * len(ids)
-    if document.segments[-1][0] is not None:
-        tokens.append(eos)
-        mask.append(document.eos_trained)
-    return np.asarray(tokens, dtype=np.int32), np.asarray(mask, dtype=bool)
+def special_tokens(tokenizer) -> dict:
+    """{text: id} of the tokenizer's special tokens (its added tokens marked
+    special: EOS, chat markers, reserved control tokens)."""
+    return {token.content: index for index, token in tokenizer.get_added_tokens_decoder().items() if token.special}
+
+
+class Encoder:
+    """Encodes Documents with one tokenizer (a ``tokenizers.Tokenizer``).
+
+    special_text: what the data's text spelling one of the tokenizer's
+    special tokens (``<|endoftext|>`` in a web page, say) becomes: "tokens"
+    (that token, as a Hugging Face tokenizer call and chat template do) or
+    "text" (ordinary text, as tiktoken's encode_ordinary does; the tokenizer's
+    ``encode_special_tokens``). Either way the EOS nanoq writes and a
+    template's own markers (Document.markup) are tokens. ``spelled_specials``
+    says which special tokens a document's text spells.
+    """
+
+    def __init__(self, tokenizer, eos: int, special_text: str = "tokens"):
+        if special_text not in SPECIAL_TEXT:
+            raise ValueError(f"special_text must be one of {', '.join(SPECIAL_TEXT)}, got {special_text!r}")
+        self.eos, self.special_text = eos, special_text
+        self.specials = special_tokens(tokenizer)
+        # Markers that take the whitespace after them with them (an added token's rstrip).
+        self._rstrip = {token.content for token in tokenizer.get_added_tokens_decoder().values() if token.rstrip}
+        self._spelling = re.compile("|".join(re.escape(t) for t in sorted(self.specials, key=len, reverse=True))) \
+            if self.specials else None
+        if special_text == "text":
+            if not hasattr(tokenizer, "encode_special_tokens"):
+                import tokenizers
+
+                raise ValueError(f"special_text 'text' needs tokenizers 0.19 or newer (its encode_special_tokens); "
+                                 f"this is {tokenizers.__version__}")
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_str(tokenizer.to_str())  # its own: the caller's keeps its setting
+            tokenizer.encode_special_tokens = True
+        self.tokenizer = tokenizer
+
+    def _markup(self, document: Document) -> dict:
+        """{segment index: markup length} of the document's markers that stay
+        tokens against the tokenizer's setting: those spelling a special token
+        where the data's spellings are text."""
+        if self.special_text == "tokens":
+            return {}
+        return {index: length for index, length in document.markup
+                if document.segments[index][0][:length] in self.specials}
+
+    def encode(self, document: Document) -> Encoded:
+        """tokens int32 [n], mask bool [n] of one document, its closing EOS included."""
+        markup = self._markup(document)
+        tokens: List[int] = []
+        mask: List[bool] = []
+        for index, (text, trained) in enumerate(document.segments):
+            if text is None:
+                ids = [self.eos]
+            else:
+                length = markup.get(index, 0)
+                rest = text[length:]
+                ids = []
+                if length:
+                    ids.append(self.specials[text[:length]])
+                    if text[:length] in self._rstrip:
+                        rest = rest.lstrip()
+                ids += self.tokenizer.encode(rest, add_special_tokens=False).ids
+            tokens += ids
+            mask += [trained] * len(ids)
+        if document.segments[-1][0] is not None:
+            tokens.append(self.eos)
+            mask.append(document.eos_trained)
+        return np.asarray(tokens, dtype=np.int32), np.asarray(mask, dtype=bool)
+
+    def spelled_specials(self, document: Document) -> set:
+        """The special tokens that the document's text (its markup aside) spells."""
+        if self._spelling is None:
+            return set()
+        markup = dict(document.markup)
+        return {match.group() for index, (text, _) in enumerate(document.segments) if text is not None
+                for match in self._spelling.finditer(text, markup.get(index, 0))}
 
 
 def _encode_chunk(documents: Sequence[Document]) -> List[Encoded]:
-    return [encode_document(_worker_tokenizer, _worker_eos, d) for d in documents]
+    return [_worker_encoder.encode(d) for d in documents]
 
 
-def _init_worker(tokenizer_json: str, eos: int) -> None:
+def _init_worker(tokenizer_json: str, eos: int, special_text: str) -> None:
     # The worker's own tokenizer; its Rust thread pool stays off, the processes are the parallelism.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
 
-    global _worker_tokenizer, _worker_eos
-    _worker_tokenizer, _worker_eos = Tokenizer.from_str(tokenizer_json), eos
+    global _worker_encoder
+    _worker_encoder = Encoder(Tokenizer.from_str(tokenizer_json), eos, special_text)
 
 
-def encode_documents(tokenizer, eos: int, documents: Sequence[Document], workers: int = 1,
+def encode_documents(encoder: Encoder, documents: Sequence[Document], workers: int = 1,
                      progress: Optional[Callable[[int], None]] = None) -> List[Encoded]:
     """Encodes documents in order, in ``workers`` processes (1: in this process).
 
@@ -80,7 +150,7 @@ def encode_documents(tokenizer, eos: int, documents: Sequence[Document], workers
     if workers <= 1 or len(documents) <= _CHUNK_DOCUMENTS:
         encoded = []
         for document in documents:
-            encoded.append(encode_document(tokenizer, eos, document))
+            encoded.append(encoder.encode(document))
             if progress:
                 progress(1)
         return encoded
@@ -88,7 +158,7 @@ def encode_documents(tokenizer, eos: int, documents: Sequence[Document], workers
     encoded = []
     # spawn: safe after the tokenizers library has started its threads, and the same on every OS.
     context = multiprocessing.get_context("spawn")
-    with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer.to_str(), eos)) as pool:
+    with context.Pool(workers, initializer=_init_worker, initargs=(encoder.tokenizer.to_str(), encoder.eos, encoder.special_text)) as pool:
         for chunk, result in zip(chunks, pool.imap(_encode_chunk, chunks)):
             encoded += result
             if progress:

@@ -45,10 +45,16 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 @dataclasses.dataclass
 class Document:
     """segments: [(text or None for EOS, trained)]; eos_trained: the mask bit
-    of the EOS that ends the document (added unless the last segment is EOS)."""
+    of the EOS that ends the document (added unless the last segment is EOS).
+    markup: (segment index, length) of each segment that starts with a
+    template's own marker (the chat template's ``<|role|>``): those first
+    ``length`` characters are nanoq's markup, not the data's text, and stay
+    a special token where the data's spelling of one does not
+    (``special_text="text"``, see nanoq.tokenization.pipeline.Encoder)."""
 
     segments: List[Segment]
     eos_trained: bool = True
+    markup: Tuple[Tuple[int, int], ...] = ()
 
 
 class InputError(ValueError):
@@ -141,17 +147,20 @@ def sft_document(record: dict, where: str) -> Document:
         if not isinstance(messages, list) or not messages:
             raise InputError(f"{where}: 'messages' must be a non-empty list")
         segments: List[Segment] = []
+        markup: List[Tuple[int, int]] = []
         for index, message in enumerate(messages):
             if not isinstance(message, dict) or message.get("role") not in ROLES \
                     or not isinstance(message.get("content"), str):
                 raise InputError(f"{where}: messages[{index}] must be an object with role "
                                  f"({'/'.join(ROLES)}) and string content, got {message!r:.80}")
             role, content = message["role"], message["content"]
+            marker = f"<|{role}|>"
+            markup.append((len(segments), len(marker)))
             if role == "assistant":
-                segments += [(f"<|assistant|>\n", False), (content, True), (None, True)]
+                segments += [(f"{marker}\n", False), (content, True), (None, True)]
             else:
-                segments.append((f"<|{role}|>\n{content}\n", False))
-        return Document(segments, eos_trained=False)
+                segments.append((f"{marker}\n{content}\n", False))
+        return Document(segments, eos_trained=False, markup=tuple(markup))
     prompt, response = record.get("prompt"), record.get("response")
     if not isinstance(prompt, str) or not isinstance(response, str):
         raise InputError(f"{where}: an SFT line needs string fields 'prompt' and 'response', or "
