@@ -78,7 +78,7 @@ class Encoder:
             if not hasattr(tokenizer, "encode_special_tokens"):
                 import tokenizers
 
-                raise ValueError(f"special_text 'text' needs tokenizers 0.19 or newer (its encode_special_tokens); "
+                raise ValueError(f"special_text 'text' needs tokenizers 0.15.1 or newer (its encode_special_tokens); "
                                  f"this is {tokenizers.__version__}")
             from tokenizers import Tokenizer
 
