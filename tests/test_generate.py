@@ -7,6 +7,8 @@ transformers' greedy `generate` token for token, and the logits of every
 position those of the model's forward.
 """
 import json
+import os
+import shutil
 
 import numpy as np
 import peft
@@ -315,6 +317,46 @@ def test_nanoq_generate_prints_transformers_greedy_continuation(hf_folder, tmp_p
     run = invoke("generate", tmp_path, "--prompt", prompt, "--max-new-tokens", 12, "--temperature", 0,
                  "--backend", "cpu", "--json")
     assert run.exit_code == 0 and json.loads(run.output)["completion_ids"] == expected
+
+
+
+def test_a_moved_run_still_finds_its_tokenizer_and_generate_takes_one_given(hf_folder, tmp_path):
+    # Checkpoints record the tokenizer folder's absolute path; a run moved or copied with its
+    # data finds it by its place relative to the checkpoints.
+    path, model, tokenizer = hf_folder
+    run = tmp_path / "run"
+    (run / "data").mkdir(parents=True)
+    shutil.copyfile(os.path.join(path, "tokenizer.json"), run / "data" / "tokenizer.json")
+    config = nanoq.ModelConfig.from_pretrained(path)
+    with nanoq.Trainer(config, nanoq.TrainOptions(backend="cpu", batch_size=1, seq_len=16)) as tr:
+        tr.import_weights(path)
+        tr.save_checkpoint(run / "checkpoints", 7, tokenizer_dir=str(run / "data"))
+    moved = tmp_path / "moved"
+    os.rename(run, moved)
+    prompt = "The quick brown"
+    expected = hf_greedy(model, tokenizer.encode(prompt).ids, 12)
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    expected = expected[:expected.index(eos) + 1] if eos in expected else expected
+    args = ("--prompt", prompt, "--max-new-tokens", 12, "--temperature", 0, "--backend", "cpu", "--json")
+    result = invoke("generate", moved, *args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["completion_ids"] == expected
+    result = invoke("export", moved / "checkpoints", "-o", tmp_path / "exported")
+    assert result.exit_code == 0 and "warning" not in result.output, result.output
+    assert (tmp_path / "exported" / "tokenizer.json").read_bytes() == (moved / "data" / "tokenizer.json").read_bytes()
+    # Gone from both places: generate says how to give one, and --tokenizer does; export warns in a line.
+    os.remove(moved / "data" / "tokenizer.json")
+    result = invoke("generate", moved, *args)
+    assert result.exit_code == 1 and "pass --tokenizer FOLDER" in result.output
+    result = invoke("generate", moved, "--tokenizer", path, *args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["completion_ids"] == expected
+    result = invoke("export", moved / "checkpoints", "-o", tmp_path / "untokenized")
+    assert result.exit_code == 0, result.output
+    assert (f"warning: the checkpoint's tokenizer directory {run / 'data'} holds no tokenizer.json any more; "
+            f"exporting without a tokenizer (pass tokenizer_dir, or nanoq export --tokenizer, to include one)\n"
+            ) in result.output
+    assert "UserWarning" not in result.output
 
 
 def test_nanoq_generate_stops_at_the_models_eos_ids_as_transformers_does(hf_folder, tmp_path):

@@ -133,3 +133,48 @@ def test_the_mask_token_comes_from_the_tokenizer_or_is_asked_for(tmp_path):
 def test_objective_settings_are_checked(fields, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(seq_len=8, **fields)
+
+
+@pytest.mark.parametrize("objective", ["seq2seq", "denoise"])
+def test_nanoq_eval_scores_a_bidirectional_model_by_its_runs_objective(tmp_path, objective):
+    # nanoq eval of a seq2seq or denoise run must give the loss the run's own evaluation gave
+    # (its windows, targets and, for denoise, masks drawn from the run's seed), not next-token
+    # targets, which such a model was never trained for.
+    import shutil
+
+    from click.testing import CliRunner
+
+    from nanoq_cli.main import cli
+
+    sorting_windows(tmp_path / "train.bin", 64)
+    sorting_windows(tmp_path / "eval.bin", 8, seed=3)
+    more = dict(mask_token=str(MASK)) if objective == "denoise" else {}
+    result = train(config(tmp_path, objective, steps=6, eval_every=6, seq_len=2 * T, seed=5, **more),
+                   say=lambda line: None, progress=False)
+    (trained,) = [r["loss"] for r in read_log(result.log_path) if r["type"] == "eval" and r["step"] == 6]
+
+    def evaluate(model, *args):
+        output = CliRunner().invoke(cli, ["eval", str(model), "--data", str(tmp_path / "eval.bin"), "--backend", "cpu",
+                                          "--batch-size", "16", "--json", *map(str, args)])
+        return output.exit_code, output.output
+
+    for model in (result.run_dir, result.model_dir, f"{result.run_dir}/checkpoints"):
+        code, output = evaluate(model)
+        assert code == 0, output
+        assert json.loads(output)["loss"] == pytest.approx(trained, rel=1e-5)
+    # A copy outside the run is told what it was trained for.
+    shutil.copytree(result.model_dir, tmp_path / "elsewhere")
+    code, output = evaluate(tmp_path / "elsewhere")
+    assert code == 1 and "bidirectional (denoising) model from no nanoq run: give --objective" in output
+    code, output = evaluate(tmp_path / "elsewhere", "--objective", "causal")
+    assert code == 1 and "--objective causal does not fit" in output
+    given = ["--objective", objective] + (["--mask-token", MASK, "--seed", 5] if objective == "denoise" else [])
+    code, output = evaluate(tmp_path / "elsewhere", *given)
+    assert code == 0, output
+    assert json.loads(output)["loss"] == pytest.approx(trained, rel=1e-5)
+    if objective == "denoise":  # the masks drawn matter: another seed scores other windows
+        code, output = evaluate(tmp_path / "elsewhere", *given[:-1], 6)
+        assert code == 0 and json.loads(output)["loss"] != pytest.approx(trained, rel=1e-5)
+    else:
+        code, output = evaluate(result.run_dir, "--seed", 1)
+        assert code == 1 and "--mask-token and --seed are for --objective denoise" in output

@@ -95,6 +95,41 @@ def test_a_run_killed_after_a_checkpoint_resumes_bit_for_bit(tmp_path):
     assert all(np.array_equal(final[name], reference[name]) for name in reference)
 
 
+
+def test_a_resumed_runs_folder_means_its_newest_model_to_generate_and_eval(tmp_path):
+    # After a finished run is resumed for more steps, its final model goes to model-step<N>/
+    # and model/ keeps the first finish's: `nanoq eval RUN` (and generate, which resolves
+    # MODEL alike) must take the newest, and say which when the folder holds several.
+    train(config(tmp_path, steps=8, schedule="constant"), **QUIET)
+    result = train(config(tmp_path, steps=12, schedule="constant"), resume="auto", **QUIET)
+    run = result.run_dir
+    eval_data = str(tmp_path / "data" / "eval_000000.bin")
+
+    def loss(model):
+        output = CliRunner().invoke(cli, ["eval", model, "--data", eval_data, "--backend", "cpu", "--json"])
+        assert output.exit_code == 0, output.output
+        return json.loads(output.output.splitlines()[-1])["loss"], output.output
+
+    newest, first = loss(os.path.join(run, "model-step12"))[0], loss(os.path.join(run, "model"))[0]
+    assert newest != first
+    got, output = loss(run)
+    assert got == newest
+    assert f"model: {os.path.join(run, 'model-step12')}, the model of the run's last finish (step 12)" in output
+    # A checkpoint newer than the last finish (a resumed run stopped before its end: here its
+    # end record is gone) is the newest model.
+    lines = open(os.path.join(run, "log.jsonl")).readlines()
+    last_end = max(i for i, line in enumerate(lines) if json.loads(line)["type"] == "end")
+    with open(os.path.join(run, "log.jsonl"), "w") as f:
+        f.writelines(lines[:last_end] + lines[last_end + 1:])
+    got, output = loss(run)
+    assert got == newest  # step 12's checkpoint holds the weights model-step12 has
+    assert "the newest checkpoint (step 12), newer than the run's last exported model" in output
+    # A finished run never resumed holds one model (and its checkpoints of the same step): no note.
+    single = train(config(tmp_path, steps=4, schedule="constant", run_name="single"), **QUIET)
+    got, output = loss(single.run_dir)
+    assert got == loss(os.path.join(single.run_dir, "model"))[0] and "model:" not in output
+
+
 def test_more_steps_after_a_finished_run_continue_it_exactly(tmp_path):
     # A constant schedule does not depend on train.steps, so 8 then 4 more equals 12 at once.
     _, expected = straight_run(tmp_path, schedule="constant")

@@ -1,26 +1,31 @@
 """`nanoq generate` and `nanoq eval`: a trained model's text and loss.
 
 MODEL is a Hugging Face model folder (config.json + safetensors), a nanoq
-run folder (its final model/ if there is one, else its newest checkpoint)
-or a checkpoint (a step directory or a checkpoint root). A LoRA checkpoint
-runs its adapters unmerged on the base model it recorded.
+run folder or a checkpoint (a step directory or a checkpoint root). A run
+folder means the model of its newest step: the model its last finish
+exported (model/, or model-step<N>/ after a resumed run's finish) unless a
+checkpoint is newer, then that checkpoint. A LoRA checkpoint runs its
+adapters unmerged on the base model it recorded.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Optional
 
 import click
 
+from nanoq.data.objectives import OBJECTIVES
 from nanoq_cli.numbers import FiniteFloat, Integer
 
 BACKENDS = ("auto", "cpu", "cuda", "cuda_emulated")
 DEFAULT_NEW_TOKENS = 64  # nanoq generate's --max-new-tokens
 RUN_MODEL = "model"          # the final model a finished run exports
 RUN_CHECKPOINTS = "checkpoints"
+RUN_LOG = "log.jsonl"
 
 
 @dataclass
@@ -34,6 +39,7 @@ class ModelSource:
     trained_seq_len: Optional[int] = None
     lora: object = None         # nanoq.lora.LoraConfig of a LoRA checkpoint
     base_model: Optional[str] = None
+    note: Optional[str] = None  # which of a run folder's models this is, when it held several
 
 
 def checkpoint_root(path: str) -> str:
@@ -41,19 +47,85 @@ def checkpoint_root(path: str) -> str:
     return os.path.join(path, RUN_CHECKPOINTS) if os.path.isdir(os.path.join(path, RUN_CHECKPOINTS)) else path
 
 
+def _last_finish(run: str) -> Optional[tuple]:
+    """(step, model folder) of the last finish of the run folder `run`, from
+    its log.jsonl's last "end" record: None without one, or when that finish
+    exported no model that is still there. The folder is looked up in `run`
+    by name (the record holds the path the run had then)."""
+    try:
+        with open(os.path.join(run, RUN_LOG), encoding="utf-8", errors="replace") as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if '"end"' not in line:
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(record, dict) or record.get("type") != "end":
+            continue
+        step, model_dir = record.get("step"), record.get("model_dir")
+        if not isinstance(step, int) or not isinstance(model_dir, str) or not model_dir:
+            return None
+        folder = os.path.join(run, os.path.basename(os.path.normpath(model_dir)))
+        return (step, folder) if os.path.isfile(os.path.join(folder, "config.json")) else None
+    return None
+
+
+def _exports(run: str) -> list:
+    """The run folder's exported models, oldest first: model/, then the
+    model-step<N>[-k]/ of later finishes (by N, then k)."""
+    found = []
+    for name in os.listdir(run):
+        match = re.fullmatch(rf"{RUN_MODEL}(?:-step(\d+)(?:-(\d+))?)?", name)
+        if match and os.path.isfile(os.path.join(run, name, "config.json")):
+            found.append(((int(match[1] or -1), int(match[2] or 1)), name))
+    return [os.path.join(run, name) for _, name in sorted(found)]
+
+
+def _run_model(run: str) -> Optional[tuple]:
+    """(path, note) of the model a run folder means (see the module
+    docstring), note None when the folder held no other; None when it holds
+    neither an exported model nor checkpoints."""
+    from nanoq.checkpoint import CheckpointError, read_state
+
+    exports = _exports(run)
+    try:
+        newest = read_state(checkpoint_root(run)) if os.path.isdir(os.path.join(run, RUN_CHECKPOINTS)) else None
+    except CheckpointError:
+        newest = None
+    finish = _last_finish(run)
+    if newest is not None and (finish is None and not exports or finish is not None and newest["step"] > finish[0]):
+        note = (f"{newest['path']}, the newest checkpoint (step {newest['step']}), newer than the run's last "
+                f"exported model" if finish is not None or exports else None)
+        return newest["path"], note
+    if finish is not None:  # the newest step's model (a checkpoint of its step holds the same)
+        path, what, others = finish[1], f"the model of the run's last finish (step {finish[0]})", len(exports) - 1
+    elif exports:  # no log to date them by: the last export, which a checkpoint may postdate
+        path, what, others = exports[-1], "the run's latest exported model", len(exports) - 1 + (newest is not None)
+    else:
+        return None
+    return path, (f"{path}, {what}" if others > 0 else None)
+
+
 def find_model(path: str) -> ModelSource:
     """The ModelSource of MODEL (see the module docstring); ValueError when
     `path` is none of those."""
     from nanoq import ModelConfig
-    from nanoq.checkpoint import CheckpointError, read_state
+    from nanoq.checkpoint import CheckpointError, read_state, recorded_tokenizer_dir
     from nanoq.lora import LoraConfig
 
     if os.path.isfile(os.path.join(path, "config.json")):
         config = ModelConfig.from_pretrained(path)
         tokenizer = path if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
         return ModelSource("hf", path, config, tokenizer, config.max_position_embeddings)
-    if os.path.isfile(os.path.join(path, RUN_MODEL, "config.json")):
-        return find_model(os.path.join(path, RUN_MODEL))
+    run = _run_model(path) if os.path.isdir(path) else None
+    if run is not None:
+        source = find_model(run[0])
+        source.note = run[1]
+        return source
     root = checkpoint_root(path)
     try:
         state = read_state(root)
@@ -61,12 +133,15 @@ def find_model(path: str) -> ModelSource:
         raise ValueError(f"{path} is not a Hugging Face model folder (no config.json), a run folder or a "
                          f"checkpoint: {e}") from None
     lora = LoraConfig(**state["lora"]) if state.get("lora") else None
-    tokenizer = state.get("tokenizer_dir")
-    if tokenizer and not os.path.isfile(os.path.join(tokenizer, "tokenizer.json")):
-        tokenizer = None
-    return ModelSource("checkpoint", state["path"], ModelConfig(**state["model_config"]), tokenizer,
-                       state.get("max_position_embeddings"),
+    return ModelSource("checkpoint", state["path"], ModelConfig(**state["model_config"]),
+                       recorded_tokenizer_dir(state), state.get("max_position_embeddings"),
                        trained_seq_len=state["options"].get("seq_len"), lora=lora, base_model=state.get("base_model"))
+
+
+def say_which(source: ModelSource) -> None:
+    """Names, on stderr, which of a run folder's models `source` is, when it held several."""
+    if source.note:
+        click.echo(f"model: {source.note}", err=True)
 
 
 def open_trainer(source: ModelSource, backend: str, seq_len: int, batch_size: int = 1):
@@ -99,8 +174,8 @@ def _load_tokenizer(source: ModelSource, what: str):
     from nanoq.tokenization.tokenizer import load_tokenizer
 
     if source.tokenizer_dir is None:
-        raise ValueError(f"{source.path} has no tokenizer (tokenizer.json) for {what}; give a model folder that "
-                         f"holds one, or a checkpoint whose run recorded one")
+        raise ValueError(f"{source.path} has no tokenizer (tokenizer.json) for {what}: pass --tokenizer FOLDER, "
+                         f"or give a model folder that holds one, or a checkpoint whose run recorded one")
     return load_tokenizer(source.tokenizer_dir)
 
 
@@ -124,10 +199,14 @@ def _load_tokenizer(source: ModelSource, what: str):
               help="Bidirectional models only: the mask token, an id or the token's text (default: the run's "
               "data.mask_token for a run's checkpoint, else the tokenizer's: its tokenizer_config.json "
               "mask_token, else <mask>, [MASK] or <|mask|>).")
+@click.option("--tokenizer", "tokenizer_dir", type=click.Path(exists=True, file_okay=False),
+              help="A folder holding the tokenizer.json to use (default: the model's: a Hugging Face folder's "
+              "own, or the one a checkpoint's run recorded).")
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
 @click.option("--json", "as_json", is_flag=True,
               help="Print an object {prompt, completion, prompt_ids, completion_ids} instead of the text.")
-def generate(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, steps, mask_token, backend, as_json):
+def generate(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, steps, mask_token, tokenizer_dir,
+             backend, as_json):
     """Continue PROMPT with MODEL (a Hugging Face model folder with its
     tokenizer, a run folder or a checkpoint) and print the continuation.
     A bidirectional model (model.causal false) fills --max-new-tokens
@@ -137,6 +216,11 @@ def generate(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, ste
 
     try:
         source = find_model(model)
+        say_which(source)
+        if tokenizer_dir is not None:
+            if not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
+                raise ValueError(f"--tokenizer {tokenizer_dir} holds no tokenizer.json")
+            source.tokenizer_dir = tokenizer_dir
         tokenizer = _load_tokenizer(source, "--prompt")
         tokenizer_json = os.path.join(source.tokenizer_dir, "tokenizer.json")
         prompt_ids = tokenizer.encode(prompt).ids
@@ -215,17 +299,41 @@ def _stop_ids(source: ModelSource, eos: Optional[int]) -> list:
     return stop
 
 
-def _run_mask_token(source: ModelSource) -> Optional[str]:
-    """The data.mask_token of the run a checkpoint belongs to (its
-    <run>/config.toml, two folders above the step directory), or None."""
-    if source.kind != "checkpoint":
-        return None
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(source.path))), "config.toml")
-    if not os.path.isfile(path):
+def _run_config(source: ModelSource):
+    """The TrainConfig of the run `source` belongs to (its config.toml: two
+    folders above a checkpoint's step directory; beside an exported model,
+    in a folder that also holds the run's log), or None."""
+    path = os.path.abspath(source.path)
+    run = os.path.dirname(os.path.dirname(path) if source.kind == "checkpoint" else path)
+    if not os.path.isfile(os.path.join(run, "config.toml")) or \
+            source.kind == "hf" and not os.path.isfile(os.path.join(run, RUN_LOG)):
         return None
     from nanoq.training import load_config
 
-    return load_config(path).mask_token or None
+    return load_config(os.path.join(run, "config.toml"))
+
+
+def _run_mask_token(source: ModelSource) -> Optional[str]:
+    """The data.mask_token of the run `source` belongs to, or None."""
+    config = _run_config(source)
+    return config.mask_token or None if config is not None else None
+
+
+def _eval_objective(source: ModelSource, objective: Optional[str], model: str) -> str:
+    """The objective nanoq eval scores `source` by: --objective, else its
+    run's train.objective, else causal for a causal model; ValueError for a
+    bidirectional model without either, and for one that does not fit."""
+    if objective is None:
+        config = _run_config(source)
+        objective = config.objective if config is not None else "causal" if source.config.causal else None
+    if objective is None:
+        raise ValueError(f"{model} is a bidirectional (denoising) model from no nanoq run: give --objective "
+                         f"seq2seq or denoise, what it was trained for")
+    if (objective == "causal") != source.config.causal:
+        raise ValueError(f"--objective {objective} does not fit {model}, a "
+                         f"{'causal' if source.config.causal else 'bidirectional'} model (causal is for causal "
+                         f"models; seq2seq and denoise for bidirectional ones)")
+    return objective
 
 
 def _mask_id(mask_token: Optional[str], tokenizer_dir: str, vocab_size: int) -> int:
@@ -238,13 +346,14 @@ def _mask_id(mask_token: Optional[str], tokenizer_dir: str, vocab_size: int) -> 
         raise ValueError(f"{e}; for nanoq generate: pass --mask-token ID|TEXT") from None
 
 
-def evaluate(trainer, dataset, max_batches: int = 0) -> dict:
+def evaluate(trainer, dataset, max_batches: int = 0, seed: int = 0) -> dict:
     """Mean loss (over every counted target token) and perplexity of
     `trainer` on the windows of `dataset` (nanoq.data.Dataset), in batches of
-    the trainer's rows; at most `max_batches` batches (0: all)."""
+    the trainer's rows; at most `max_batches` batches (0: all). seed: the
+    denoise objective's draws (nanoq.data.EvalLoader)."""
     from nanoq.data import EvalLoader
 
-    loader = EvalLoader(dataset, batch_rows=trainer.options.devices * trainer.options.batch_size)
+    loader = EvalLoader(dataset, batch_rows=trainer.options.devices * trainer.options.batch_size, seed=seed)
     loss_sum, tokens, batches = 0.0, 0, 0
     for batch in loader:  # (inputs, targets), and positions when the dataset packs documents
         if max_batches and batches == max_batches:
@@ -274,26 +383,50 @@ def evaluate(trainer, dataset, max_batches: int = 0) -> dict:
               help="stream: windows of the token stream; pack: whole documents per window, each attending "
               "only to itself (nanoq.data.loader); auto: what the files' tokenize.json says (pack for "
               "nanoq tokenize --format sft), as training's eval does.")
+@click.option("--objective", type=click.Choice(OBJECTIVES),
+              help="What the targets are (nanoq.data.objectives): causal = the next token; seq2seq and denoise "
+              "for bidirectional models (default: the model's run's train.objective, else causal).")
+@click.option("--mask-token", metavar="ID|TEXT",
+              help="--objective denoise: the mask token, an id or the token's text (default: the run's "
+              "data.mask_token, else the tokenizer's).")
+@click.option("--seed", type=Integer(0),
+              help="--objective denoise: the seed of the masks drawn per window (default: the run's "
+              "train.seed, as its evaluations drew them, else 0).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
-def eval_command(model, data, seq_len, batches, batch_size, backend, packing, as_json):
+def eval_command(model, data, seq_len, batches, batch_size, backend, packing, objective, mask_token, seed, as_json):
     """Mean loss and perplexity of MODEL (a Hugging Face model folder, a run
-    folder or a checkpoint) on the windows of seq_len + 1 tokens of token
-    files, as training evaluates them."""
+    folder or a checkpoint) on the windows of token files, as training
+    evaluates them: seq_len + 1 tokens per window for the causal objective,
+    and the windows of a bidirectional model's objective (its run's unless
+    --objective says)."""
     from nanoq.data import Dataset
 
     try:
         source = find_model(model)
+        say_which(source)
         if seq_len is None:
             seq_len = source.trained_seq_len or min(source.max_positions or 1024, 1024)
         if source.max_positions and seq_len > source.max_positions:
             raise ValueError(f"--seq-len {seq_len} exceeds the model's {source.max_positions} positions")
-        dataset = Dataset(data, seq_len, packing=packing)
+        objective = _eval_objective(source, objective, model)
+        run_config = _run_config(source)
+        mask_id = None
+        if objective == "denoise":
+            mask_id = _mask_id(mask_token if mask_token is not None else _run_mask_token(source),
+                               source.tokenizer_dir, source.config.vocab_size)
+        elif mask_token is not None or seed is not None:
+            raise ValueError("--mask-token and --seed are for --objective denoise")
+        if seed is None:
+            seed = run_config.seed if run_config is not None else 0
+        if objective != "causal" and packing == "auto":
+            packing = "stream"  # their windows are cut from the stream, whatever the files were tokenized for
+        dataset = Dataset(data, seq_len, packing=packing, objective=objective, mask_token=mask_id)
         if dataset.vocab_size > source.config.vocab_size:
             raise ValueError(f"the token files have vocab size {dataset.vocab_size}, more than the model's "
                              f"{source.config.vocab_size}: they were tokenized for another model")
         dataset.check_vocab(source.config.vocab_size)  # ids may pass the header's vocab (llm.q's added EOS)
         with open_trainer(source, backend, seq_len, batch_size) as trainer:
-            result = evaluate(trainer, dataset, batches)
+            result = evaluate(trainer, dataset, batches, seed)
     except (ValueError, TypeError, OSError) as e:
         raise click.ClickException(str(e)) from None
     result = dict(model=model, data=data, seq_len=seq_len, **result)

@@ -10,6 +10,7 @@ import functools
 import math
 import os
 import sys
+import warnings
 
 import click
 
@@ -71,6 +72,13 @@ def _fail(error: Exception) -> click.ClickException:
 def cli():
     """Train Llama-family language models. `nanoq train` alone trains a small
     demo model on a bundled Shakespeare corpus."""
+    warnings.showwarning = _warning_line
+
+
+def _warning_line(message, category, filename, lineno, file=None, line=None):
+    """A Python warning as one "warning: ..." line on stderr: the file and
+    source line Python shows mean nothing to someone running a command."""
+    click.echo(f"warning: {message}", err=True)
 
 
 def _setting_options(command, memory_only: bool = False):

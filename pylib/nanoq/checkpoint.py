@@ -394,6 +394,9 @@ def _write_state(trainer, directory: str, step: int, extra_state: dict, tokenize
         model_config=trainer.config.to_core(),
         max_position_embeddings=max(trainer.config.max_position_embeddings or 0, trainer.options.seq_len),
         tokenizer_dir=None if tokenizer_dir is None else os.path.abspath(tokenizer_dir),
+        # The same from the checkpoint root, for a run that is moved or copied with its data.
+        tokenizer_dir_from_root=None if tokenizer_dir is None
+        else os.path.relpath(os.path.abspath(tokenizer_dir), os.path.dirname(os.path.abspath(directory))),
         options=options,
         devices=world,
         lora=None if trainer.lora is None else dataclasses.asdict(trainer.lora),
@@ -406,6 +409,21 @@ def _write_state(trainer, directory: str, step: int, extra_state: dict, tokenize
         non_finite=[key for part in parts for key in part["non_finite"]][:8],
         saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     ))
+
+
+def recorded_tokenizer_dir(state: dict) -> Optional[str]:
+    """The tokenizer directory a checkpoint's run recorded (``state`` from
+    read_state), if it still holds a tokenizer.json: where it was, else, for
+    a run moved or copied with its data, the same place from the root the
+    checkpoint is in now. None when neither holds one."""
+    recorded = state.get("tokenizer_dir")
+    if not isinstance(recorded, str):
+        return None
+    candidates = [recorded]
+    relative = state.get("tokenizer_dir_from_root")
+    if isinstance(relative, str) and isinstance(state.get("path"), str):
+        candidates.append(os.path.normpath(os.path.join(os.path.dirname(state["path"]), relative)))
+    return next((c for c in candidates if os.path.isfile(os.path.join(c, "tokenizer.json"))), None)
 
 
 def _point_latest(root: str, name: str) -> None:

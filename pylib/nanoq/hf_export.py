@@ -353,7 +353,7 @@ def export_checkpoint(checkpoint_path: str | os.PathLike, directory: str | os.Pa
     says. Weights with a NaN or an infinity are refused
     (ValueError naming the tensors) unless ``allow_non_finite``.
     """
-    from nanoq.checkpoint import read_state, read_weights
+    from nanoq.checkpoint import read_state, read_weights, recorded_tokenizer_dir
 
     state = read_state(checkpoint_path)
     step_directory = state.get("path", checkpoint_path)  # weights of the very step whose state this is
@@ -373,12 +373,11 @@ def export_checkpoint(checkpoint_path: str | os.PathLike, directory: str | os.Pa
             raise ValueError(f"{step_directory}: the checkpoint records no max_position_embeddings; "
                              f"pass max_position_embeddings (nanoq export --max-position-embeddings)")
     if tokenizer_dir is None and state.get("tokenizer_dir"):
-        tokenizer_dir = state["tokenizer_dir"]
-        if not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
-            warnings.warn(f"the checkpoint's tokenizer directory {tokenizer_dir} holds no tokenizer.json any "
-                          f"more; exporting without a tokenizer (pass tokenizer_dir to include one)",
-                          stacklevel=2)
-            tokenizer_dir = None
+        tokenizer_dir = recorded_tokenizer_dir(state)
+        if tokenizer_dir is None:
+            warnings.warn(f"the checkpoint's tokenizer directory {state['tokenizer_dir']} holds no tokenizer.json "
+                          f"any more; exporting without a tokenizer (pass tokenizer_dir, or nanoq export "
+                          f"--tokenizer, to include one)", stacklevel=2)
     weights = _finite(read_weights(step_directory), step_directory, allow_non_finite)
     base = state.get("base_model")  # the weights' origin (import_weights), for any checkpoint
     if lora is not None:
