@@ -351,6 +351,21 @@ def test_bad_dataset_arguments_are_rejected(tmp_path):
 # --------------------------------------------------------------------------
 
 
+def test_loaders_refuse_files_or_anything_but_a_dataset_with_a_type_error_saying_how_to_make_one(tmp_path):
+    ascending_file(tmp_path, "train_0.bin", 0, 20)
+    glob_ = str(tmp_path / "train_*.bin")
+    for loader, arguments in ((DataLoader, dict(batch_rows=2, seed=0)), (EvalLoader, dict(batch_rows=2))):
+        name = loader.__name__
+        with pytest.raises(TypeError, match=rf"^{name} takes a nanoq\.data\.Dataset as its dataset, got str; make "
+                                            rf"one from the files: {name}\(Dataset\('.*train_\*\.bin', seq_len="
+                                            rf"\.\.\.\), \.\.\.\)$"):
+            loader(glob_, **arguments)
+        with pytest.raises(TypeError, match=rf"^{name} takes a nanoq\.data\.Dataset as its dataset, got dict "
+                                            rf"\(nanoq\.data\.Dataset\(paths_or_globs, seq_len\) makes one"):
+            loader({"seq_len": 4}, **arguments)
+        assert loader(Dataset(glob_, seq_len=4), **arguments).seq_len == 4
+
+
 @pytest.fixture
 def two_files(tmp_path):
     """13 windows of seq_len 4 (5 tokens, stepping by 4) in two files, 8 and 5 of

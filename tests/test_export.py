@@ -148,6 +148,34 @@ def test_export_into_existing_directory_is_refused(trained, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["model"]
 
 
+
+def test_overwrite_replaces_a_model_directory_and_refuses_anything_else(trained, tmp_path):
+    run = trained("llama")
+    first = {name: array + 1 for name, array in run.weights.items()}
+    target = tmp_path / "model"
+    write_model(target, first, run.config, max_position_embeddings=16)
+    with pytest.raises(FileExistsError, match="already exists"):  # the default still refuses
+        write_model(target, run.weights, run.config, max_position_embeddings=16)
+    write_model(target, run.weights, run.config, max_position_embeddings=16, overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == ["model"]
+    from safetensors.numpy import load_file
+
+    again = load_file(str(target / "model.safetensors"))
+    assert again and all(np.array_equal(again[name], run.weights[name]) for name in again)
+    # A folder that is not a model (a home directory passed by mistake, say) is never replaced.
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="holds no config.json: overwrite replaces only a model directory"):
+        write_model(other, run.weights, run.config, max_position_embeddings=16, overwrite=True)
+    assert os.listdir(other) == ["keep.txt"]
+    (tmp_path / "empty").mkdir()
+    write_model(tmp_path / "empty", run.weights, run.config, max_position_embeddings=16, overwrite=True)
+    assert "config.json" in os.listdir(tmp_path / "empty")
+    with pytest.raises(TypeError, match="overwrite must be True or False"):
+        write_model(tmp_path / "x", run.weights, run.config, max_position_embeddings=16, overwrite="yes")
+
+
 def test_failed_export_leaves_nothing_behind(trained, tmp_path, monkeypatch):
     import safetensors.numpy
 

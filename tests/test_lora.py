@@ -9,6 +9,7 @@ resume bit for bit, and both exports (merged model, PEFT adapter).
 """
 import json
 import os
+import re
 
 import numpy as np
 import peft
@@ -383,6 +384,22 @@ def test_set_weights_refuses_names_that_are_not_parameters_and_non_numeric_value
             tr.set_weights(list(weights.values()))
         tr.set_weights({n: w.tolist() for n, w in weights.items()})  # nested lists are arrays too
         assert all(np.array_equal(tr.get_weights()[n], w) for n, w in weights.items())
+
+
+def test_set_weights_names_a_wrong_shape_it_was_given_and_counts_the_missing_weights(checkpoints):
+    config = nanoq.ModelConfig.from_pretrained(checkpoints.path("llama"))
+    with nanoq.Trainer(config, nanoq.TrainOptions(backend="cpu", batch_size=2, seq_len=SEQ)) as tr:
+        weights = tr.get_weights()
+        names, norm = list(weights), "model.norm.weight"
+        with pytest.raises(ValueError, match=rf"^1 weight\(s\) have the wrong shape: model\.norm\.weight has shape "
+                                             rf"\(3,\), expected \({config.hidden_size},\)$"):
+            tr.set_weights({norm: np.zeros(3, np.float32)})  # the one given is named, not a missing one
+        missing = [name for name in names if name != norm]
+        with pytest.raises(ValueError, match=rf"^{len(missing)} of the model's {len(names)} parameters are missing "
+                                             rf"from weights, e\.g\. {re.escape(repr(missing[:3])[1:-1])}; "
+                                             rf"set_weights sets them all at once"):
+            tr.set_weights({norm: np.zeros_like(weights[norm])})
+        assert all(np.array_equal(tr.get_weights()[n], w) for n, w in weights.items())  # nothing was set
 
 
 def logits(model, inputs):

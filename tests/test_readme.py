@@ -208,6 +208,55 @@ def test_the_readmes_python_example_runs_as_written(tmp_path):
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "my-model")
 
 
+def test_prepare_reuses_its_own_demo_tokenization_so_the_python_example_can_run_again(tmp_path):
+    from nanoq.demo import prepare
+
+    first = prepare(tmp_path / "demo-data")
+    files = {name: (tmp_path / "demo-data" / name).read_bytes() for name in os.listdir(tmp_path / "demo-data")}
+    again = prepare(tmp_path / "demo-data")  # as the README's example does when it runs a second time
+    assert again == first and first.output == str(tmp_path / "demo-data")
+    assert {name: (tmp_path / "demo-data" / name).read_bytes() for name in files} == files
+    assert sorted(os.listdir(tmp_path / "demo-data")) == sorted(files)
+    assert prepare(tmp_path / "empty") is not None and (tmp_path / "empty" / "tokenize.json").is_file()
+
+
+def test_prepare_refuses_a_directory_that_does_not_hold_its_demo_tokenization(tmp_path):
+    from nanoq.demo import prepare
+
+    prepare(tmp_path / "demo")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"does not hold the demo's tokenization \(it has no tokenize\.json\)"):
+        prepare(tmp_path / "other")
+    assert os.listdir(tmp_path / "other") == ["notes.txt"]  # never overwritten
+
+    def changed(name, edit):
+        copy = tmp_path / name
+        shutil.copytree(tmp_path / "demo", copy)
+        edit(copy)
+        return copy
+
+    def summary_with(**fields):
+        def edit(copy):
+            summary = json.loads((copy / "tokenize.json").read_text())
+            (copy / "tokenize.json").write_text(json.dumps({**summary, **fields}))
+        return edit
+
+    cases = {
+        "seed": (summary_with(seed=1), r"tokenize\.json has seed 1, the demo's is 0"),
+        "inputs": (summary_with(inputs=["books.txt"]), r"inputs are \['books\.txt'\], not the demo corpus"),
+        "tokenizer": (lambda copy: (copy / "tokenizer.json").write_text("{}"), r"tokenizer\.json is missing or "
+                                                                             r"not the demo's"),
+        "extra shard": (lambda copy: shutil.copyfile(copy / "train_000000.bin", copy / "train_000001.bin"),
+                        r"train_\*\.bin files \['train_000000\.bin', 'train_000001\.bin'\] are not the ones"),
+        "truncated": (lambda copy: os.truncate(copy / "eval_000000.bin", 2048), r"eval_000000\.bin.*truncated"),
+        "tokens": (summary_with(train_tokens=5), r"its train files hold \d+ tokens, tokenize\.json says 5"),
+    }
+    for name, (edit, message) in cases.items():
+        with pytest.raises(FileExistsError, match=message):
+            prepare(changed(name, edit))
+
+
 def test_submodules_the_docs_name_work_after_a_plain_import():
     import subprocess
     import sys

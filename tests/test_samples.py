@@ -113,6 +113,53 @@ def test_document_start_skips_leading_eos_and_stops_at_the_next():
     assert document_start(np.array([0, 0]), 0, 3) == []
 
 
+def test_document_start_with_a_mask_stops_before_the_first_trained_token():
+    tokens = np.array([0, 5, 6, 7, 8, 0, 9])
+    sft = np.array([1, 0, 0, 1, 1, 1, 0], bool)  # prompt 5 6, reply 7 8
+    assert document_start(tokens, 0, 10, sft) == [5, 6]
+    assert document_start(tokens, 0, 1, sft) == [5]  # still capped
+    assert document_start(tokens[1:], None, 10, sft[1:]) == [5, 6]  # without an EOS id
+    assert document_start(tokens, 0, 10, np.ones(7, bool)) == [5, 6, 7, 8]  # trained from its first token
+    assert document_start(tokens, 0, 10, np.zeros(7, bool)) == [5, 6, 7, 8]  # nothing trained
+
+
+def sft_data(directory):
+    """SFT token files of sums, each document a question (mask 0) then its answer and EOS (mask 1), with a
+    byte-level BPE tokenizer.json beside them; (train glob, eval path, tokenizer, the first eval question)."""
+    from nanoq.tokenization.tokenizer import tokenizer_vocab_size, train_bpe_tokenizer
+
+    pairs = [(f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}.") for a in range(13, 19) for b in range(21, 27)]
+    tokenizer = train_bpe_tokenizer([q + r for q, r in pairs] * 4, 300)
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    vocab = tokenizer_vocab_size(tokenizer)
+    directory.mkdir()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    for name, split in (("train_000000.bin", pairs), ("eval_000000.bin", pairs[-6:])):
+        tokens, mask = [], []
+        for question, answer in split:
+            asked, answered = tokenizer.encode(question).ids, tokenizer.encode(answer).ids + [eos]
+            tokens += asked + answered
+            mask += [False] * len(asked) + [True] * len(answered)
+        write_tokens(directory / name, np.array(tokens), vocab, mask=np.array(mask))
+    return str(directory / "train_*.bin"), str(directory / "eval_000000.bin"), tokenizer, pairs[-6][0]
+
+
+def test_on_sft_data_the_default_prompt_is_the_first_eval_question_without_its_answer(tmp_path):
+    train_data, eval_data, tokenizer, question = sft_data(tmp_path / "data")
+    asked = tokenizer.encode(question).ids
+    assert len(asked) < 16  # the whole question fits the 16-token cap, so the answer's tokens would follow it
+    settings = dict(TINY, train_data=train_data, eval_data=eval_data, steps=4, checkpoint_every=0, sample_every=4,
+                    sample_tokens=6, seq_len=64, batch_size=2, out_dir=str(tmp_path / "runs"), run_name="run")
+    lines = []
+    result = train(TrainConfig(**settings), say=lines.append, progress=False)
+    (sample,) = records(result.run_dir, "sample")
+    assert sample["prompt"] == question
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    expected = hf_greedy(result.model_dir, asked, 6, eos=eos)
+    assert sample["completion"] == tokenizer.decode(expected, skip_special_tokens=True)
+    assert f"sample @ step 4: {question!r} -> {sample['completion']!r}" in lines
+
+
 def test_bad_sample_prompts_fail_before_training_naming_the_setting(tmp_path):
     lines = []
     with pytest.raises(ValueError, match=r"train\.sample_prompts needs the data's tokenizer"):

@@ -208,6 +208,25 @@ def test_inconsistent_settings_fail_before_training(tmp_path):
     assert not os.path.exists(tmp_path / "runs" / "small")  # a run that never started leaves nothing
 
 
+def test_train_refuses_arguments_of_the_wrong_type_naming_the_argument_before_anything_else(tmp_path):
+    quiet = lambda line: None  # noqa: E731
+    with pytest.raises(TypeError, match=r"^config must be a nanoq\.training\.TrainConfig, got dict: "
+                                        r"nanoq\.training\.TrainConfig\(\*\*settings\) makes one"):
+        train({"steps": 3}, say=quiet)
+    config = tiny_config(tmp_path, steps=1, warmup_steps=0, eval_every=0)
+    bad = {"resume": (dict(resume=3), r"^resume must be None, \"auto\" or the path of a run directory to continue, "
+                                      r"got int$"),
+           "say": (dict(say="quiet"), r"^say must be a callable that receives each console line \(a str\), got str$"),
+           "progress": (dict(say=quiet, progress="no"), r"^progress must be True, False or None .*got str$"),
+           "processes": (dict(say=quiet, processes=2), r"^processes must be a nanoq\.distributed\.ProcessGroup, "
+                                                       r"got int$")}
+    for arguments, message in bad.values():
+        with pytest.raises(TypeError, match=message):
+            train(config, **arguments)
+    assert not os.path.exists(tmp_path / "runs")  # refused before a run directory was made
+    train(config, resume=None, say=quiet, progress=False, processes=None)  # the right types still train
+
+
 def test_jsonl_log_lines_are_on_disk_as_soon_as_written(tmp_path):
     log = JsonlLog(tmp_path / "log.jsonl")
     log.write(type="train", step=1, loss=float("nan"))

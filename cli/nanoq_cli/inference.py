@@ -49,9 +49,12 @@ def checkpoint_root(path: str) -> str:
 
 def _last_finish(run: str) -> Optional[tuple]:
     """(step, model folder) of the last finish of the run folder `run`, from
-    its log.jsonl's last "end" record: None without one, or when that finish
-    exported no model that is still there. The folder is looked up in `run`
-    by name (the record holds the path the run had then)."""
+    its log.jsonl's last "end" record: None without one, or when the model
+    of that finish is not there any more. The folder (an export, or for a
+    model transformers cannot load the final checkpoint) is looked up in
+    `run` by name: the record holds the path the run had then."""
+    from nanoq.checkpoint import STATE_FILE
+
     try:
         with open(os.path.join(run, RUN_LOG), encoding="utf-8", errors="replace") as f:
             lines = f.readlines()
@@ -69,8 +72,12 @@ def _last_finish(run: str) -> Optional[tuple]:
         step, model_dir = record.get("step"), record.get("model_dir")
         if not isinstance(step, int) or not isinstance(model_dir, str) or not model_dir:
             return None
-        folder = os.path.join(run, os.path.basename(os.path.normpath(model_dir)))
-        return (step, folder) if os.path.isfile(os.path.join(folder, "config.json")) else None
+        parent, name = os.path.split(os.path.normpath(model_dir))
+        if os.path.basename(parent) == RUN_CHECKPOINTS:
+            folder, marker = os.path.join(run, RUN_CHECKPOINTS, name), STATE_FILE
+        else:
+            folder, marker = os.path.join(run, name), "config.json"
+        return (step, folder) if os.path.isfile(os.path.join(folder, marker)) else None
     return None
 
 

@@ -148,7 +148,7 @@ def _tokenizer_eos_id(tokenizer_dir: str) -> Optional[int]:
 def write_model(directory: str | os.PathLike, weights: Dict[str, np.ndarray], config: ModelConfig, *,
                 max_position_embeddings: int, tokenizer_dir: str | os.PathLike | None = None,
                 eos_token_id: Optional[int] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                bos_token_id: Optional[int] = None) -> str:
+                bos_token_id: Optional[int] = None, overwrite: bool = False) -> str:
     """Writes a Hugging Face model directory; returns its absolute path.
 
     weights: ``{Hugging Face name: array}`` as ``Trainer.get_weights()``
@@ -161,13 +161,23 @@ def write_model(directory: str | os.PathLike, weights: Dict[str, np.ndarray], co
     see _generation_config) are copied in.
     eos_token_id: None takes the tokenizer's, if it has one. bos_token_id:
     written as given (None: null).
-    ``directory`` must not exist; it appears, complete and fsynced, by a rename
-    of ``<directory>.partial-<pid>``.
+    ``directory`` must not exist (FileExistsError), unless ``overwrite``: then
+    an empty directory or a model directory (one holding a config.json) there
+    is replaced, anything else is refused (FileExistsError). It appears,
+    complete and fsynced, by a rename of ``<directory>.partial-<pid>`` (see
+    nanoq.durable.new_directory).
     """
     from safetensors.numpy import save_file
 
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
+    directory = os.path.abspath(os.fspath(directory))
+    if overwrite and os.path.isdir(directory) and os.listdir(directory) \
+            and not os.path.isfile(os.path.join(directory, "config.json")):
+        raise FileExistsError(f"{directory} is not empty and holds no config.json: overwrite replaces only a "
+                              f"model directory; choose another directory")
     if tokenizer_dir is not None:
         tokenizer_dir = os.fspath(tokenizer_dir)
         if not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
@@ -181,7 +191,7 @@ def write_model(directory: str | os.PathLike, weights: Dict[str, np.ndarray], co
         raise ValueError("weights lack model.embed_tokens.weight: pass every parameter of the model "
                          "(Trainer.get_weights())")
 
-    with new_directory(directory) as partial:
+    with new_directory(directory, overwrite=overwrite) as partial:
         write_json(os.path.join(partial, "config.json"), hf_config, sort_keys=True)
         shards = _shards(tensors, max_shard_bytes)
         if len(shards) == 1:
@@ -262,9 +272,11 @@ def _special_ids(model_dir: str) -> tuple:
 
 def export_model(trainer, directory: str | os.PathLike, *, max_position_embeddings: Optional[int] = None,
                  tokenizer_dir: str | os.PathLike | None = None, eos_token_id: Optional[int] = None,
-                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, allow_non_finite: bool = False) -> str:
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, allow_non_finite: bool = False,
+                 overwrite: bool = False) -> str:
     """Writes a ``nanoq.Trainer``'s current weights as a Hugging Face model
-    directory (see ``write_model``); returns its absolute path. With LoRA
+    directory (see ``write_model``, also for ``overwrite``); returns its
+    absolute path. With LoRA
     the adapters are merged into the frozen weights (``nanoq.lora.merge``);
     ``export_adapter`` writes them unmerged. Collective in a world of
     several processes: every process calls it (the weights are gathered
@@ -292,7 +304,7 @@ def export_model(trainer, directory: str | os.PathLike, *, max_position_embeddin
         merged = merge(*split_adapters(weights), trainer.lora) if trainer.lora is not None else weights
         return write_model(directory, merged, config, max_position_embeddings=max_position_embeddings,
                            tokenizer_dir=tokenizer_dir, eos_token_id=eos_token_id, max_shard_bytes=max_shard_bytes,
-                           bos_token_id=bos_token_id)
+                           bos_token_id=bos_token_id, overwrite=overwrite)
 
     return _written_by_root(trainer, write, f"exporting the model to {directory}")
 

@@ -679,7 +679,13 @@ class Trainer:
         """Sets every parameter (or every trainable one) from ``{Hugging Face
         name: array}`` (all must be present with their shapes, and every name
         must be a parameter of the model; checked before any is set; with
-        ``trainable_only`` the frozen ones given are left as they are)."""
+        ``trainable_only`` the frozen ones given are left as they are).
+
+        Errors, in this order: TypeError when ``weights`` is not a dict;
+        ValueError naming the names that are not parameters; TypeError for a
+        given weight that is not numeric and ValueError for one with another
+        shape than its parameter's (named, with both shapes); ValueError
+        counting the parameters that are missing, naming a few."""
         if not isinstance(weights, dict):
             raise TypeError(f"weights must be a dict of {{name: array}}, got {type(weights).__name__}")
         unknown = sorted(name for name in weights if name not in self._index)
@@ -687,16 +693,26 @@ class Trainer:
             raise ValueError(f"{len(unknown)} weight(s) are not parameters of this model, e.g. "
                              f"{', '.join(map(repr, unknown[:3]))} (parameter_names lists them)")
         indices = list(self._trainable if trainable_only else range(len(self._parameters)))
-        arrays = {}
+        arrays, wrong_shapes = {}, []
         for name, shape, _ in (self._parameters[i] for i in indices):
-            value = weights.get(name)
-            array = None if value is None else np.asarray(value)
-            if array is not None and not (np.issubdtype(array.dtype, np.floating) or
-                                          np.issubdtype(array.dtype, np.integer)):
+            if name not in weights:
+                continue
+            array = np.asarray(weights[name])
+            if not (np.issubdtype(array.dtype, np.floating) or np.issubdtype(array.dtype, np.integer)):
                 raise TypeError(f"weight {name}: expected a numeric array, got dtype {array.dtype}")
-            if array is None or array.shape != shape:
-                raise ValueError(f"weight {name}: expected shape {shape}, got {None if array is None else array.shape}")
+            if array.shape != shape:
+                wrong_shapes.append(f"{name} has shape {array.shape}, expected {shape}")
             arrays[name] = array
+        if wrong_shapes:
+            raise ValueError(f"{len(wrong_shapes)} weight(s) have the wrong shape: {'; '.join(wrong_shapes[:3])}"
+                             f"{'; ...' if len(wrong_shapes) > 3 else ''}")
+        missing = [self._parameters[i][0] for i in indices if self._parameters[i][0] not in arrays]
+        if missing:
+            which = "trainable parameters" if trainable_only else "parameters"
+            raise ValueError(f"{len(missing)} of the model's {len(indices)} {which} are missing from weights, "
+                             f"e.g. {', '.join(map(repr, missing[:3]))}; set_weights sets them all at once "
+                             f"(get_weights() gives every one to start from"
+                             f"{'' if trainable_only else '; trainable_only=True sets only the trainable ones'})")
         for i in indices:
             self._core.set_parameter(i, np.ascontiguousarray(arrays[self._parameters[i][0]], np.float32).reshape(-1))
         if not trainable_only or self.lora is None:

@@ -86,6 +86,17 @@ def check_seed(seed) -> int:
     return int(seed)
 
 
+def check_dataset(dataset, loader: str) -> Dataset:
+    """``dataset``, when it is a Dataset; else TypeError saying how to make
+    one (``loader``: the class taking it, for the message)."""
+    if not isinstance(dataset, Dataset):
+        hint = (f"; make one from the files: {loader}(Dataset({dataset!r}, seq_len=...), ...)"
+                if isinstance(dataset, (str, os.PathLike, list, tuple)) else
+                " (nanoq.data.Dataset(paths_or_globs, seq_len) makes one from token files)")
+        raise TypeError(f"{loader} takes a nanoq.data.Dataset as its dataset, got {type(dataset).__name__}{hint}")
+    return dataset
+
+
 def check_part(part, batch_rows: int) -> Tuple[int, int]:
     """(index, count) of a loader's ``part`` argument: part ``index`` of
     ``count`` equal parts of each batch of ``batch_rows`` rows."""
@@ -420,7 +431,9 @@ class Dataset:
 class DataLoader:
     """Endless shuffled global batches: (inputs, targets), int32 [batch_rows, seq_len].
 
-    batch_rows is the global batch: devices * per-device batch. The trainer
+    dataset: a Dataset (TypeError otherwise; ``Dataset(paths_or_globs,
+    seq_len)`` makes one from token files). batch_rows is the global
+    batch: devices * per-device batch. The trainer
     gives device d rows [d * rows_per_device, (d + 1) * rows_per_device); the
     loader itself never looks at devices, so one seed gives the same global
     batches for any device count.
@@ -440,7 +453,7 @@ class DataLoader:
 
     def __init__(self, dataset: Dataset, batch_rows: int, seed: int, devices: int = 1,
                  part: Tuple[int, int] = (0, 1)):
-        self.dataset = dataset
+        self.dataset = check_dataset(dataset, "DataLoader")
         self.batch_rows = positive_int("batch_rows", batch_rows)
         devices = positive_int("devices", devices)
         if self.batch_rows % devices:
@@ -543,8 +556,8 @@ class DataLoader:
 class EvalLoader:
     """One in-order pass over a dataset in batches of batch_rows rows.
 
-    Yields inputs, targets int32 [batch_rows, seq_len] (and positions with a
-    packed dataset). The last batch is padded to full size with rows of
+    dataset: a Dataset (TypeError otherwise). Yields inputs, targets int32
+    [batch_rows, seq_len] (and positions with a packed dataset). The last batch is padded to full size with rows of
     inputs 0 and targets -100 (positions 0), so every batch has the
     trainer's shape and the padding counts for nothing in the loss.
     Each iteration starts again from the first window; len() is the number of
@@ -556,7 +569,7 @@ class EvalLoader:
     """
 
     def __init__(self, dataset: Dataset, batch_rows: int, part: Tuple[int, int] = (0, 1), seed: int = 0):
-        self.dataset = dataset
+        self.dataset = check_dataset(dataset, "EvalLoader")
         self.batch_rows = positive_int("batch_rows", batch_rows)
         self.part = check_part(part, self.batch_rows)
         self.part_rows = self.batch_rows // self.part[1]

@@ -612,6 +612,27 @@ def _halt_message(skipped: int, step: int, path: str, good: Optional[str]) -> st
 
 # -- the loop -----------------------------------------------------------------------
 
+def _check_train_arguments(config, resume, say, progress, processes) -> None:
+    """TypeError, naming the argument and the type it must have, for an
+    argument of ``train`` of another type."""
+    if not isinstance(config, TrainConfig):
+        hint = (": nanoq.training.TrainConfig(**settings) makes one from flat settings such as {'steps': 3}, "
+                "nanoq.training.load_config(path, overrides=settings) from a TOML file"
+                if isinstance(config, dict) else
+                " (nanoq.training.load_config(path) reads one from a TOML file)")
+        raise TypeError(f"config must be a nanoq.training.TrainConfig, got {type(config).__name__}{hint}")
+    if resume is not None and not isinstance(resume, (str, os.PathLike)):
+        raise TypeError(f"resume must be None, \"auto\" or the path of a run directory to continue, "
+                        f"got {type(resume).__name__}")
+    if not callable(say):
+        raise TypeError(f"say must be a callable that receives each console line (a str), got {type(say).__name__}")
+    if progress is not None and not isinstance(progress, bool):
+        raise TypeError(f"progress must be True, False or None (a bar only on a terminal), "
+                        f"got {type(progress).__name__}")
+    if processes is not None and not isinstance(processes, distributed.ProcessGroup):
+        raise TypeError(f"processes must be a nanoq.distributed.ProcessGroup, got {type(processes).__name__}")
+
+
 def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, say: Callable[[str], None] = _print,
           progress: Optional[bool] = None, processes: Optional[distributed.ProcessGroup] = None) -> TrainResult:
     """Trains a model as ``config`` says and writes the run directory (see the
@@ -627,15 +648,16 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
     ProcessGroup of the run (default nanoq.distributed.processes(): the
     launcher's processes, or this one alone); every member calls ``train``.
 
-    Raises ValueError for inconsistent settings and data, for processes
+    Raises TypeError, naming the argument, for an argument of another type
+    than these (a dict of settings for ``config``, say) before anything
+    else; ValueError for inconsistent settings and data, for processes
     that disagree on them, and for a resume whose config changes a setting
     in FIXED_ON_RESUME, before any step; RunInUse when another trainer is
     running in the run directory (the run holds a lock on it until it
     returns, see nanoq.training.run_lock).
     """
+    _check_train_arguments(config, resume, say, progress, processes)
     group = distributed.processes() if processes is None else processes
-    if not isinstance(group, distributed.ProcessGroup):
-        raise TypeError(f"processes must be a nanoq.distributed.ProcessGroup, got {type(group).__name__}")
     if not group.is_root:
         say, progress = _silent, False
     if config.warmup_steps > config.steps:

@@ -15,9 +15,13 @@ tokenizer.json beside the train files, or the demo's); by default the start
 of the first document of the eval data (of the train data without eval data):
 its first DEFAULT_PROMPT_TOKENS tokens (at most half of data.seq_len), after
 any leading end-of-sequence tokens and before the next one, shown decoded,
-or as token ids when the data has no tokenizer. A sample has at most
-``train.sample_tokens`` new tokens, fewer when the end-of-sequence token
-comes first or the prompt and sample would pass data.seq_len.
+or as token ids when the data has no tokenizer. In data with a mask (SFT)
+the prompt also stops before the document's first trained token, so it is
+the document's prompt without its reply and the sample is the model's
+reply (a document whose first token is trained gives its start, as without
+a mask). A sample has at most ``train.sample_tokens`` new tokens, fewer
+when the end-of-sequence token comes first or the prompt and sample would
+pass data.seq_len.
 """
 from __future__ import annotations
 
@@ -78,24 +82,39 @@ class Samples:
             emit(f"sample @ step {step}: {prompt.text!r} -> {completion!r}")
 
 
-def document_start(tokens: np.ndarray, eos: Optional[int], limit: int) -> List[int]:
+def document_start(tokens: np.ndarray, eos: Optional[int], limit: int,
+                   mask: Optional[np.ndarray] = None) -> List[int]:
     """The first ``limit`` tokens of the first document of ``tokens``: after
-    any leading ``eos`` tokens, up to (not including) the next one."""
+    any leading ``eos`` tokens, up to (not including) the next one.
+
+    ``mask``: None, or bool [len(tokens)], True = trained on (an SFT mask).
+    With it the tokens also stop before the document's first trained token,
+    so an SFT document gives its prompt without the reply; when the
+    document's first token is already trained (no prompt part), or none is,
+    the mask changes nothing."""
     tokens = np.asarray(tokens)
+    begin = 0
     if eos is not None:
         others = np.flatnonzero(tokens != eos)
-        tokens = tokens[others[0]:] if others.size else tokens[:0]
+        begin = int(others[0]) if others.size else tokens.size
+        tokens = tokens[begin:]
         ends = np.flatnonzero(tokens[:limit] == eos)
         tokens = tokens[:ends[0]] if ends.size else tokens
-    return [int(token) for token in tokens[:limit]]
+    tokens = tokens[:limit]
+    if mask is not None:
+        trained = np.flatnonzero(np.asarray(mask, dtype=bool)[begin:begin + tokens.size])
+        if trained.size and trained[0] > 0:
+            tokens = tokens[:trained[0]]
+    return [int(token) for token in tokens]
 
 
 def prepare_samples(every: int, prompts: List[str], max_new_tokens: int, seq_len: int, dataset,
                     tokenizer_dir: Optional[str], last: int = 0) -> Optional[Samples]:
     """The Samples of a run (None when ``every`` is 0): ``last`` is its last
     step (train.steps), ``prompts`` are train.sample_prompts, ``dataset`` the nanoq.data.Dataset whose first
-    document is the default prompt, ``tokenizer_dir`` the directory of the
-    data's tokenizer.json (None: none). ValueError, naming the setting, for
+    document is the default prompt (with a mask, its untrained start: see
+    document_start), ``tokenizer_dir`` the directory of the data's
+    tokenizer.json (None: none). ValueError, naming the setting, for
     prompts without a tokenizer, prompts that encode to nothing and prompts
     that leave no room in data.seq_len."""
     if not every:
@@ -108,9 +127,11 @@ def prepare_samples(every: int, prompts: List[str], max_new_tokens: int, seq_len
         eos = eos_id_or_none(tokenizer, os.path.join(tokenizer_dir, "tokenizer.json"))
     samples = Samples(every, [], max_new_tokens, seq_len, tokenizer, eos, last)
     if not prompts:
-        ids = document_start(dataset.files[0].tokens, eos, min(DEFAULT_PROMPT_TOKENS, max(seq_len // 2, 1)))
+        first = dataset.files[0]
+        mask = first.mask_range(0, len(first)) if first.has_mask else None  # not kept: read once here
+        ids = document_start(first.tokens, eos, min(DEFAULT_PROMPT_TOKENS, max(seq_len // 2, 1)), mask)
         if not ids:
-            raise ValueError(f"{dataset.files[0].path} starts with no document to take a sample prompt from; "
+            raise ValueError(f"{first.path} starts with no document to take a sample prompt from; "
                              f"give train.sample_prompts or set train.sample_every = 0")
         samples.prompts.append(Prompt(samples.decode(ids), ids))
         return samples
