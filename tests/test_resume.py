@@ -413,3 +413,84 @@ def test_the_readme_lists_the_settings_a_resume_must_keep():
     listed = set(re.findall(r"`([^`]+)`", sentence.group(1)))
     expected = {f"[{key[:-2]}]" if key.endswith(".*") else key for key in FIXED_ON_RESUME}
     assert listed == expected
+
+
+def base_model(directory, seed):
+    """A Hugging Face folder of TINY's architecture (vocab 64), weights drawn from ``seed``."""
+    import nanoq
+
+    model = nanoq.ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2)
+    with nanoq.Trainer(model, nanoq.TrainOptions(backend="cpu", batch_size=1, seq_len=16, seed=seed)) as trainer:
+        return trainer.export_model(directory)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_moved_init_from_model_is_taken_on_resume_when_it_holds_the_same_weights(tmp_path, lora):
+    # The model a run started from moved: resuming named only the missing folder, and the
+    # new place was refused as a change of model.init_from, a dead end. Now the new place
+    # is taken when it holds the same model (architecture, and weights by the fingerprint
+    # the checkpoint recorded); another model is refused.
+    base = base_model(tmp_path / "base", seed=1)
+    more = dict(lora_rank=4, lora_alpha=8.0, schedule="constant") if lora else dict(schedule="constant")
+    train(config(tmp_path, steps=4, init_from=base, **more), **QUIET)
+    moved = str(tmp_path / "base.moved")
+    os.rename(base, moved)
+    with pytest.raises(ValueError, match=r"model\.init_from .*/base holds no config\.json \(moved or deleted\?\); "
+                                         r"if the model moved, resume with its new place"):
+        train(config(tmp_path, steps=6, init_from=base, **more), resume="auto", **QUIET)
+    other = base_model(tmp_path / "other", seed=2)  # the same architecture, other weights
+    with pytest.raises(ValueError, match="its weights are not the ones .*/base held when the checkpoint was saved"):
+        train(config(tmp_path, steps=6, init_from=other, **more), resume="auto", **QUIET)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "adapters trained on another base" warning for a moved base
+        result = train(config(tmp_path, steps=6, init_from=moved, **more), resume="auto", **QUIET)
+    resumes = records(result.run_dir, "resume")
+    assert resumes[-1]["changes"] == {"model.init_from": [base, moved], "train.steps": [4, 6]}
+    # Straight through from the moved base: the same losses (LoRA's frozen weights are the base's).
+    straight = train(config(tmp_path, steps=6, init_from=moved, run_name="straight", **more), **QUIET)
+    assert [r["loss"] for r in records(result.run_dir, "train")] == \
+        [r["loss"] for r in records(straight.run_dir, "train")]
+    # A checkpoint of an older nanoq records no fingerprint: full weights still resume from the
+    # moved base (the checkpoint holds them all), LoRA adapters do not (their base is unproven).
+    os.rename(moved, str(tmp_path / "base.again"))
+    state_file = os.path.join(result.run_dir, "checkpoints", "step_00000006", "trainer_state.json")
+    state = json.load(open(state_file))
+    del state["base_model_fingerprint"]
+    json.dump(state, open(state_file, "w"))
+    resume = lambda: train(config(tmp_path, steps=8, init_from=str(tmp_path / "base.again"), **more),  # noqa: E731
+                           resume="auto", **QUIET)
+    if lora:
+        with pytest.raises(ValueError, match="records no fingerprint of the base model"):
+            resume()
+    else:
+        assert resume().steps == 8
+
+
+def test_a_warmup_cut_short_and_done_is_not_started_again_by_more_steps(tmp_path):
+    # 5 steps with the default 20-step warmup warm up over all 5 (with a warning). Resumed to 15
+    # steps, the warmup would become 15: the rate fell from the peak reached back to 8e-4 and
+    # warmed up again. The warmup done is kept; the schedule then decays over the new steps.
+    from nanoq.training.lr_schedule import learning_rate
+
+    settings = dict(steps=5, warmup_steps=20, lr=2e-3, schedule="cosine", checkpoint_every=5)
+    lines = []
+    train(config(tmp_path, **settings), say=lines.append, progress=False)
+    assert any("train.warmup_steps (20) is longer than the run's train.steps (5)" in line for line in lines)
+    lines.clear()
+    result = train(config(tmp_path, **dict(settings, steps=15)), resume="auto", say=lines.append, progress=False)
+    rates = [r["lr"] for r in records(result.run_dir, "train")]
+    expected = [learning_rate(s, kind="cosine", peak=2e-3, total_steps=5, warmup_steps=5) for s in range(5)] + \
+        [learning_rate(s, kind="cosine", peak=2e-3, total_steps=15, warmup_steps=5) for s in range(5, 15)]
+    assert rates == pytest.approx(expected, rel=1e-12)
+    assert rates[5] == pytest.approx(2e-3) and all(a >= b for a, b in zip(rates[5:], rates[6:]))
+    assert any("train.warmup_steps (20) was cut to the run's first 5 steps, and that warmup is done" in line
+               for line in lines)
+    assert not any("is longer than the run's" in line for line in lines)
+    # A warmup_steps given anew on resume is taken as asked.
+    again = train(config(tmp_path, **dict(settings, steps=20, warmup_steps=18)), resume="auto", **QUIET)
+    rates = [r["lr"] for r in records(again.run_dir, "train")][-5:]
+    assert rates == pytest.approx([learning_rate(s, kind="cosine", peak=2e-3, total_steps=20, warmup_steps=18)
+                                   for s in range(15, 20)], rel=1e-12)

@@ -401,6 +401,8 @@ def _write_state(trainer, directory: str, step: int, extra_state: dict, tokenize
         devices=world,
         lora=None if trainer.lora is None else dataclasses.asdict(trainer.lora),
         base_model=trainer.base_model,
+        # What base_model held when saved (nanoq.hf_io.model_fingerprint): a resume may find it moved.
+        base_model_fingerprint=_fingerprint(trainer.base_model),
         extra_state=extra_state,
         parts=dict(processes=len(parts), world_size=world),
         files={part["file"]: part["size"] for part in parts},
@@ -409,6 +411,19 @@ def _write_state(trainer, directory: str, step: int, extra_state: dict, tokenize
         non_finite=[key for part in parts for key in part["non_finite"]][:8],
         saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     ))
+
+
+def _fingerprint(base_model: Optional[str]) -> Optional[str]:
+    """model_fingerprint of the folder weights were imported from, or None
+    (none, or not readable any more)."""
+    from nanoq.hf_io import model_fingerprint
+
+    if not base_model:
+        return None
+    try:
+        return model_fingerprint(base_model)
+    except (OSError, ValueError):
+        return None
 
 
 def recorded_tokenizer_dir(state: dict) -> Optional[str]:
@@ -758,17 +773,22 @@ def load_checkpoint(trainer, path: str | os.PathLike, *, checksums: bool = True)
     return state
 
 
+def model_differences(state: dict, config, what: str) -> List[str]:
+    """How the ModelConfig ``config`` (``what``'s) differs from the model a
+    checkpoint's ``state`` holds, as "key: checkpoint A, <what> B" lines
+    (empty: the same model). Dropout changes no parameter: a run may resume
+    with another (as Nano's can)."""
+    ours = config.to_core()
+    theirs = dict(_NEWER_MODEL_FIELDS, **state["model_config"])  # options newer than its format: the defaults
+    return [f"{key}: checkpoint {theirs.get(key)!r}, {what} {ours[key]!r}" for key in ours
+            if theirs.get(key) != ours[key] and key != "dropout"]
+
+
 def _check_loadable(trainer, path, checksums: bool = True) -> Tuple[dict, _Slices]:
     """The state and the slices of the checkpoint at ``path``, checked against ``trainer``."""
     state = read_state(path)
     directory = state["path"]
-    ours = trainer.config.to_core()
-    theirs = state["model_config"]
-    # Options newer than the checkpoint's format are at their defaults there.
-    theirs = dict(_NEWER_MODEL_FIELDS, **theirs)
-    # Dropout changes no parameter: a run may resume with another (as Nano's can).
-    differences = [f"{key}: checkpoint {theirs.get(key)!r}, trainer {ours[key]!r}" for key in ours
-                   if theirs.get(key) != ours[key] and key != "dropout"]
+    differences = model_differences(state, trainer.config, "trainer")
     if differences:
         raise CheckpointError(f"{directory} is for another model: {'; '.join(differences)}")
     trainer_lora = None if trainer.lora is None else dataclasses.asdict(trainer.lora)
@@ -784,9 +804,16 @@ def _check_loadable(trainer, path, checksums: bool = True) -> Tuple[dict, _Slice
         raise CheckpointError(f"{directory} holds LoRA adapters trained on {base}, but this trainer's frozen "
                               f"weights are its initial random ones: import the base model first "
                               f"(trainer.import_weights({base!r}))")
-    if saved_lora and base and trainer.base_model and os.path.realpath(base) != os.path.realpath(trainer.base_model):
-        warnings.warn(f"{directory} trained its adapters on {base}, but the trainer's frozen weights come from "
-                      f"{trainer.base_model}", stacklevel=_caller())
+    if saved_lora and base and trainer.base_model:
+        # The same weights: the fingerprint saved matches (a moved base), else the same folder.
+        recorded = state.get("base_model_fingerprint")
+        same = recorded == _fingerprint(trainer.base_model) if recorded else \
+            os.path.realpath(base) == os.path.realpath(trainer.base_model)
+        if not same:
+            held = (f" ({trainer.base_model}) are not the weights {base} held then (nanoq.hf_io.model_fingerprint "
+                    f"differs)" if recorded else f" come from {trainer.base_model}")
+            warnings.warn(f"{directory} trained its adapters on {base}, but the trainer's frozen weights{held}",
+                          stacklevel=_caller())
     if trainer._core.micro_steps:
         raise ValueError("cannot load a checkpoint with micro-batches pending: call update() first")
     slices = _Slices(state)

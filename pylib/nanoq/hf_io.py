@@ -6,6 +6,7 @@ before any data is touched.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -159,6 +160,28 @@ def weight_files(path: str | os.PathLike) -> list[str]:
     if not os.path.exists(path):
         raise FileNotFoundError(f"no such weights file: {path}")
     return [path]
+
+
+# Bytes read from each end of each weight file for model_fingerprint.
+_FINGERPRINT_BYTES = 1 << 20
+
+
+def model_fingerprint(path: str | os.PathLike) -> str:
+    """A fingerprint of a model's weights (a folder, file or index, as
+    weight_files takes): sha256 over each weight file's name, size, and first
+    and last MiB (the header and the first and last tensors' bytes). Equal
+    for a moved or copied model; a fine-tune of the same architecture
+    differs in those bytes. Reads at most 2 MiB per file."""
+    digest = hashlib.sha256()
+    for file in weight_files(path):
+        size = os.path.getsize(file)
+        digest.update(f"{os.path.basename(file)}\0{size}\0".encode())
+        with open(file, "rb") as f:
+            digest.update(f.read(_FINGERPRINT_BYTES))
+            if size > _FINGERPRINT_BYTES:
+                f.seek(max(size - _FINGERPRINT_BYTES, _FINGERPRINT_BYTES))
+                digest.update(f.read(_FINGERPRINT_BYTES))
+    return digest.hexdigest()
 
 
 def weight_shapes(path: str | os.PathLike) -> Dict[str, Tuple[int, ...]]:

@@ -408,10 +408,34 @@ def model_config(config: TrainConfig, data_vocab_size: int, token_vocab_size: in
                        dropout=config.dropout, causal=config.causal)
 
 
-def warmup_steps(config: TrainConfig) -> int:
+def warmup_steps(config: TrainConfig, resumed: Optional[Resume] = None) -> int:
     """The warmup the schedule uses: train.warmup_steps, clamped to the
-    run's train.steps (``train`` warns when it clamps)."""
-    return min(config.warmup_steps, config.steps)
+    run's train.steps (``train`` warns when it clamps). A resumed run whose
+    checkpoint had finished a warmup clamped shorter by the train.steps of
+    its time keeps that warmup when train.warmup_steps is unchanged: a
+    longer one would drop the rate back below the peak it had reached and
+    warm up again."""
+    warmup = min(config.warmup_steps, config.steps)
+    if resumed is not None:
+        saved = resumed.state["extra_state"]["config"].get("train", {})
+        if saved.get("warmup_steps") == config.warmup_steps and isinstance(saved.get("steps"), int):
+            earlier = min(config.warmup_steps, saved["steps"])
+            if earlier < warmup and resumed.state["extra_state"]["step"] >= earlier:
+                return earlier
+    return warmup
+
+
+def _warmup_note(config: TrainConfig, resumed: Optional[Resume], say: Callable[[str], None]) -> None:
+    """Says when the warmup is not train.warmup_steps (see warmup_steps)."""
+    warmup = warmup_steps(config, resumed)
+    if warmup < min(config.warmup_steps, config.steps):
+        say(f"train.warmup_steps ({config.warmup_steps}) was cut to the run's first {warmup} steps, and that warmup "
+            f"is done: the resumed run keeps it (a longer one would lower the rate again; start a new run to warm "
+            f"up otherwise)")
+    elif config.warmup_steps > config.steps:
+        say(f"warning: train.warmup_steps ({config.warmup_steps}) is longer than the run's train.steps "
+            f"({config.steps}): warming up over all {config.steps} steps (set --warmup_steps N, N <= "
+            f"{config.steps}, to choose)")
 
 
 def evaluate(trainer: Trainer, loader: EvalLoader, max_batches: int = 0) -> tuple:
@@ -660,10 +684,6 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
     group = distributed.processes() if processes is None else processes
     if not group.is_root:
         say, progress = _silent, False
-    if config.warmup_steps > config.steps:
-        say(f"warning: train.warmup_steps ({config.warmup_steps}) is longer than the run's train.steps "
-            f"({config.steps}): warming up over all {config.steps} steps (set --warmup_steps N, N <= "
-            f"{config.steps}, to choose)")
     start = time.time()
     _agreed_settings(group, config)
     on_root(group, lambda: check_tracker(config.tracker), action="checking run.tracker", fallback=ImportError)
@@ -681,6 +701,8 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
                              f"{without} found none (each looks from its own working directory and "
                              f"run.out_dir): give every process the same run")
         run = runs[0]
+    if run is None:  # (a resumed run says so once it knows its warmup: see _warmup_note)
+        _warmup_note(config, None, say)
     run_dir = on_root(group, lambda: new_run_dir(config), action="making the run directory") if run is None \
         else run.run_dir
     lock = lock_run(run_dir, group)  # before anything in the run directory changes
@@ -766,6 +788,7 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
             say(f"resuming from {resumed.state['path']} at step {done.step}")
             for key, (old, new) in resumed.changes.items():
                 say(f"  changed since the checkpoint: {key} {old!r} -> {new!r}")
+            _warmup_note(config, resumed, say)
             log.write(type="resume", step=done.step, time=done.time, checkpoint=resumed.state["path"],
                       changes=resumed.changes, **about)
         train_start = time.time() - done.time
@@ -815,11 +838,12 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
         stopped_by = None
         first_step, step_seconds = done.step, 0.0  # this call's steps and their time (for the ETA: no evals)
         try:
+            warmup = warmup_steps(config, resumed)
             for step in range(done.step, config.steps):
                 if config.eval_every and step % config.eval_every == 0:
                     run_eval(step)
                 lr = learning_rate(step, kind=config.schedule, peak=config.lr, total_steps=config.steps,
-                                   warmup_steps=warmup_steps(config), final_lr_fraction=config.final_lr_fraction,
+                                   warmup_steps=warmup, final_lr_fraction=config.final_lr_fraction,
                                    cooldown_fraction=config.cooldown_fraction)
                 began = time.time()
                 for _ in range(config.grad_accum):

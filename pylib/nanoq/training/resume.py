@@ -247,6 +247,13 @@ def prepare_resume(config: TrainConfig, run: RunToResume, say: Callable[[str], N
     changes = config_changes(extra["config"], config)
     schema = {item.key: item for item in settings()}
     refused = {key: values for key, values in changes.items() if _is_fixed(schema[key])}
+    if config.init_from and not os.path.isfile(os.path.join(config.init_from, "config.json")):
+        raise ValueError(f"cannot resume from {step_dir}: model.init_from {config.init_from} holds no config.json "
+                         f"(moved or deleted?); if the model moved, resume with its new place (nanoq train "
+                         f"--resume {run_dir} --init-from PATH, or model.init_from): a folder holding the same "
+                         f"model is taken")
+    if "model.init_from" in refused:
+        _check_moved_base(state, *refused.pop("model.init_from"))
     if refused:
         lines = "\n".join(f"  {key}: checkpoint {old!r}, now {new!r}" for key, (old, new) in refused.items())
         raise ValueError(f"cannot resume from {step_dir}: these settings define the model or the data stream "
@@ -258,6 +265,33 @@ def prepare_resume(config: TrainConfig, run: RunToResume, say: Callable[[str], N
                          f"{config.steps}; give train.steps >= {extra['step']}")
     location = {name: extra["config"].get("run", {}).get(name, getattr(config, name)) for name in _LOCATION}
     return Resume(run_dir=run_dir, state=state, config=dataclasses.replace(config, **location), changes=changes)
+
+
+def _check_moved_base(state: dict, old: str, new: str) -> None:
+    """A resume may take model.init_from from another place (the model was
+    moved) when that folder holds the model the checkpoint was saved with:
+    the same architecture, and the same weights by the fingerprint the
+    checkpoint recorded (nanoq.hf_io.model_fingerprint). Without a
+    fingerprint (an older nanoq's checkpoint) the architecture is enough for
+    full weights, which the checkpoint holds, but not for LoRA adapters,
+    whose frozen base it does not. ValueError saying what differs."""
+    from nanoq import ModelConfig
+    from nanoq.checkpoint import model_differences
+    from nanoq.hf_io import model_fingerprint
+
+    step_dir = state["path"]
+    refused = f"cannot resume from {step_dir} with model.init_from {new} (the checkpoint's: {old})"
+    differences = model_differences(state, ModelConfig.from_pretrained(new), "now")
+    if differences:
+        raise ValueError(f"{refused}: it is another model: {'; '.join(differences)}")
+    recorded = state.get("base_model_fingerprint")
+    if recorded is not None and model_fingerprint(new) != recorded:
+        raise ValueError(f"{refused}: its weights are not the ones {old} held when the checkpoint was saved "
+                         f"(their fingerprints differ): give the folder holding that model")
+    if recorded is None and state.get("lora"):
+        raise ValueError(f"{refused}: the checkpoint holds LoRA adapters and records no fingerprint of the base "
+                         f"model they were trained on (saved by an older nanoq), so nothing shows {new} holds the "
+                         f"same frozen weights: put the model back at {old}, or resume with it there")
 
 
 def restore(trainer: Trainer, loader: DataLoader, resumed: Resume) -> Progress:
