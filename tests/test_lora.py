@@ -479,6 +479,13 @@ def test_export_checkpoint_needs_the_base_model(checkpoints, tmp_path):
                                        "config.json"))
     with pytest.raises(ValueError, match="not the model the adapters were trained on"):
         export_checkpoint(step_dir, tmp_path / "other", base_model=checkpoints.path("qwen3"))
+    # Unmerged, the adapters need no base weights: the moved base is named as recorded, with a warning.
+    with pytest.warns(UserWarning, match=r"its base model .*/base is not there any more; the adapter's "
+                                         r"adapter_config.json names it as recorded"):
+        adapter = export_checkpoint(step_dir, tmp_path / "adapter", merge_adapters=False)
+    assert json.load(open(os.path.join(adapter, "adapter_config.json")))["base_model_name_or_path"] == str(base)
+    again = export_checkpoint(step_dir, tmp_path / "adapter-named", merge_adapters=False, base_model=moved)
+    assert json.load(open(os.path.join(again, "adapter_config.json")))["base_model_name_or_path"] == str(moved)
 
 
 def test_bad_lora_settings_are_refused_before_the_core():

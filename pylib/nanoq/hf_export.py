@@ -376,9 +376,17 @@ def export_checkpoint(checkpoint_path: str | os.PathLike, directory: str | os.Pa
         raise ValueError(f"{step_directory} is not a LoRA checkpoint: it holds every weight, so it takes no "
                          f"base model")
     if lora is not None and not merge_adapters:
+        # The adapters need no base weights: a base that moved is only named (as recorded, with a warning).
+        recorded = state.get("base_model")
+        if base_model is None and recorded and not os.path.exists(recorded):
+            warnings.warn(f"{step_directory}: its base model {recorded} is not there any more; the adapter's "
+                          f"adapter_config.json names it as recorded (pass base_model, or nanoq export "
+                          f"--base-model, to name its new place)", stacklevel=2)
+            base_name = recorded
+        else:
+            base_name = _model_dir(_checkpoint_base(state, base_model))
         return write_peft_adapter(directory, _finite(read_weights(step_directory), step_directory, allow_non_finite),
-                                  lora,
-                                  base_model_name_or_path=_model_dir(_checkpoint_base(state, base_model)))
+                                  lora, base_model_name_or_path=base_name)
     if max_position_embeddings is None:
         max_position_embeddings = state.get("max_position_embeddings")
         if max_position_embeddings is None:
