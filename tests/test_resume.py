@@ -494,3 +494,35 @@ def test_a_warmup_cut_short_and_done_is_not_started_again_by_more_steps(tmp_path
     rates = [r["lr"] for r in records(again.run_dir, "train")][-5:]
     assert rates == pytest.approx([learning_rate(s, kind="cosine", peak=2e-3, total_steps=20, warmup_steps=18)
                                    for s in range(15, 20)], rel=1e-12)
+
+
+def test_a_signal_during_an_evaluation_stops_before_the_next_step_and_the_resume_does_not_repeat_it(
+        tmp_path, monkeypatch):
+    # A Ctrl-C during the evaluation before step 1 let the evaluation finish and then trained a
+    # step before stopping. Now it stops there, with a checkpoint of step 0 holding that
+    # evaluation, which the resumed run does not run again.
+    import signal
+
+    from nanoq.training import loop
+
+    straight, _ = straight_run(tmp_path, steps=8)
+    evaluate = loop.evaluate
+    calls = []
+
+    def interrupted_evaluate(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # handled in this thread before evaluate returns
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "evaluate", interrupted_evaluate)
+    stopped = train(config(tmp_path, steps=8), **QUIET)
+    assert stopped.stopped_by == "SIGINT" and stopped.steps == 0
+    assert records(stopped.run_dir, "train") == []
+    (record,) = records(stopped.run_dir, "stopped")
+    assert record["step"] == 0 and read_state(record["checkpoint"])["step"] == 0
+    monkeypatch.setattr(loop, "evaluate", evaluate)
+    result = train(config(tmp_path, steps=8), resume="auto", **QUIET)
+    assert result.evals == straight.evals  # step 0's once, then 4 and 8
+    assert [r["loss"] for r in records(result.run_dir, "train")] == \
+        [r["loss"] for r in records(straight.run_dir, "train")]

@@ -834,14 +834,36 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
             saved[done.step] = path
             return path
 
+        def this_steps_checkpoint() -> str:
+            """The checkpoint of done.step: the one this call or the resumed run saved, else a new one
+            (a step's directory is saved once)."""
+            if done.step in saved:
+                return saved[done.step]
+            if resumed is not None and resumed.state["step"] == done.step:
+                return resumed.state["path"]
+            return save_checkpoint()
+
+        def stop_here(signal_name: str) -> None:
+            path = this_steps_checkpoint()
+            log.write(type="stopped", step=done.step, signal=signal_name, checkpoint=path,
+                      time=time.time() - train_start)
+            emit(f"{signal_name}: stopped after step {done.step}; checkpoint {path} (the same command "
+                 f"with --resume continues)")
+
         skipped_in_a_row = 0
         stopped_by = None
         first_step, step_seconds = done.step, 0.0  # this call's steps and their time (for the ETA: no evals)
         try:
             warmup = warmup_steps(config, resumed)
             for step in range(done.step, config.steps):
-                if config.eval_every and step % config.eval_every == 0:
+                # (A checkpoint saved by a stop during step's evaluation holds it: not evaluated again.)
+                if config.eval_every and step % config.eval_every == 0 and \
+                        not (done.evals and done.evals[-1][0] == step):
                     run_eval(step)
+                    stopped_by = stop.agreed(group)  # a signal during the evaluation stops before the step
+                    if stopped_by:
+                        stop_here(stopped_by)
+                        break
                 lr = learning_rate(step, kind=config.schedule, peak=config.lr, total_steps=config.steps,
                                    warmup_steps=warmup, final_lr_fraction=config.final_lr_fraction,
                                    cooldown_fraction=config.cooldown_fraction)
@@ -887,11 +909,7 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
                         raise TrainingHalted(_halt_message(skipped_in_a_row, done.step, path, good))
                 stopped_by = stop.agreed(group)
                 if stopped_by:
-                    path = save_checkpoint()
-                    log.write(type="stopped", step=done.step, signal=stopped_by, checkpoint=path,
-                              time=time.time() - train_start)
-                    emit(f"{stopped_by}: stopped after step {done.step}; checkpoint {path} (the same command "
-                         f"with --resume continues)")
+                    stop_here(stopped_by)
                     break
                 if config.checkpoint_every and ((step + 1) % config.checkpoint_every == 0
                                                 or step + 1 == config.steps):
@@ -918,8 +936,7 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
             # A model transformers cannot compute (learned positions,
             # bidirectional attention): the final checkpoint is the model.
             # A resumed run that trained no further has it already (saving it again would fail).
-            model_dir = saved.get(done.step) or (resumed.state["path"] if resumed is not None
-                                                 and resumed.state["step"] == done.step else save_checkpoint())
+            model_dir = this_steps_checkpoint()
             say(f"no Hugging Face export: {unexportable}")
             say("the final checkpoint holds the model: nanoq generate, nanoq eval and --resume take it")
         else:

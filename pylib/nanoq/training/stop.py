@@ -1,7 +1,8 @@
 """Stopping a run cleanly: SIGINT/SIGTERM and runs of non-finite steps.
 
 The first SIGINT or SIGTERM only asks the loop to stop: it finishes the step
-in flight (the core call is not interrupted), writes a checkpoint and returns.
+(or the evaluation) in flight (the core call is not interrupted), writes a
+checkpoint and returns.
 The handler also restores the default action for both signals, so a second
 one ends the process at once, even inside a core call. That is safe: every
 checkpoint is written to a temporary directory and renamed into place, so the
