@@ -172,3 +172,40 @@ def test_import_with_a_bad_shard_loads_nothing(tmp_path):
             trainer.import_weights(tmp_path / "model")
         for name, value in trainer.get_weights().items():
             assert np.array_equal(value, before[name]), name
+
+
+TWO_SIGNALS = """
+import hashlib, sys, time
+from nanoq.training.stop import StopRequest
+began = time.perf_counter()
+hashlib.pbkdf2_hmac("sha256", b"x", b"salt", 20000)
+rounds = int(20000 * 3.0 / max(time.perf_counter() - began, 1e-6))  # about three seconds in one C call
+with StopRequest() as stop:
+    print("ready", flush=True)
+    hashlib.pbkdf2_hmac("sha256", b"x", b"salt", rounds)  # signals arriving now run the handler once, after it
+    print("survived", stop.signal_name, flush=True)
+"""
+
+
+def test_two_signals_within_one_long_call_still_end_the_process():
+    # Python runs a handler between bytecodes: two SIGINTs during one long C call (a core step)
+    # ran it once, and the second, meant to end the process at once, was lost. The deliveries
+    # are counted (a wakeup fd), so the second one ends the process as documented.
+    process = subprocess.Popen([sys.executable, "-c", TWO_SIGNALS], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    assert process.stdout.readline().strip() == "ready"
+    time.sleep(0.3)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.1)
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGINT, output
+    assert "survived" not in output
+    # One signal: the stop is asked for, and the process goes on to stop cleanly.
+    process = subprocess.Popen([sys.executable, "-c", TWO_SIGNALS], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    assert process.stdout.readline().strip() == "ready"
+    time.sleep(0.3)
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 0 and "survived SIGINT" in output, output

@@ -11,6 +11,7 @@ after every step whether any of them was asked to stop (``agreed``).
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -31,9 +32,11 @@ class StopRequest:
     def __init__(self):
         self.signal_name: Optional[str] = None
         self._previous = {}
+        self._wakeup = None  # (read end, write end) of the pipe counting deliveries, or None
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():
+            self._count_deliveries()
             for number in self.SIGNALS:
                 self._previous[number] = signal.signal(number, self._handle)
         return self
@@ -41,8 +44,49 @@ class StopRequest:
     def __exit__(self, *exc) -> None:
         for number, handler in self._previous.items():
             signal.signal(number, handler)
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(-1)
+            for fd in self._wakeup:
+                os.close(fd)
+            self._wakeup = None
+
+    def _count_deliveries(self) -> None:
+        """Python runs a signal's handler only between bytecodes of the main
+        thread: two signals that arrive within one long C call run it once,
+        and the second would be lost. The interpreter writes one byte per
+        delivery to a wakeup fd, which the handler reads to count them. Left
+        alone when the program has a wakeup fd of its own (asyncio's)."""
+        read, write = os.pipe()
+        for fd in (read, write):
+            os.set_blocking(fd, False)
+        try:
+            previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            previous = None
+        if previous is None or previous != -1:
+            if previous is not None:
+                signal.set_wakeup_fd(previous)
+            os.close(read)
+            os.close(write)
+            return
+        self._wakeup = (read, write)
+
+    def _deliveries(self) -> int:
+        """How many stop signals arrived since the last call (1 without a count)."""
+        if self._wakeup is None:
+            return 1
+        try:
+            data = os.read(self._wakeup[0], 4096)
+        except BlockingIOError:
+            return 1
+        return max(sum(byte in self.SIGNALS for byte in data), 1)
 
     def _handle(self, number, frame) -> None:
+        if self._deliveries() > 1 or self.signal_name is not None:  # a second one: as if handled by default
+            for other in self.SIGNALS:
+                signal.signal(other, signal.SIG_DFL)
+            os.kill(os.getpid(), number)
+            return
         self.signal_name = signal.Signals(number).name
         for other in self.SIGNALS:
             signal.signal(other, signal.SIG_DFL)  # a second signal ends the process now
