@@ -128,6 +128,10 @@ def test_a_resumed_runs_folder_means_its_newest_model_to_generate_and_eval(tmp_p
     single = train(config(tmp_path, steps=4, schedule="constant", run_name="single"), **QUIET)
     got, output = loss(single.run_dir)
     assert got == loss(os.path.join(single.run_dir, "model"))[0] and "model:" not in output
+    # A causal model is scored causally without reading its run's config.toml (an older nanoq's may not parse).
+    with open(os.path.join(single.run_dir, "config.toml"), "w") as f:
+        f.write("[train]\nno_such_setting = 1\n")
+    assert loss(single.run_dir)[0] == got
 
 
 def test_more_steps_after_a_finished_run_continue_it_exactly(tmp_path):

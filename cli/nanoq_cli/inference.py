@@ -330,9 +330,11 @@ def _eval_objective(source: ModelSource, objective: Optional[str], model: str) -
     """The objective nanoq eval scores `source` by: --objective, else its
     run's train.objective, else causal for a causal model; ValueError for a
     bidirectional model without either, and for one that does not fit."""
-    if objective is None:
+    if objective is None and source.config.causal:
+        objective = "causal"  # the only objective a causal model trains for
+    elif objective is None:
         config = _run_config(source)
-        objective = config.objective if config is not None else "causal" if source.config.causal else None
+        objective = config.objective if config is not None else None
     if objective is None:
         raise ValueError(f"{model} is a bidirectional (denoising) model from no nanoq run: give --objective "
                          f"seq2seq or denoise, what it was trained for")
@@ -416,15 +418,15 @@ def eval_command(model, data, seq_len, batches, batch_size, backend, packing, ob
         if source.max_positions and seq_len > source.max_positions:
             raise ValueError(f"--seq-len {seq_len} exceeds the model's {source.max_positions} positions")
         objective = _eval_objective(source, objective, model)
-        run_config = _run_config(source)
         mask_id = None
         if objective == "denoise":
             mask_id = _mask_id(mask_token if mask_token is not None else _run_mask_token(source),
                                source.tokenizer_dir, source.config.vocab_size)
+            if seed is None:
+                run_config = _run_config(source)
+                seed = run_config.seed if run_config is not None else 0
         elif mask_token is not None or seed is not None:
             raise ValueError("--mask-token and --seed are for --objective denoise")
-        if seed is None:
-            seed = run_config.seed if run_config is not None else 0
         if objective != "causal" and packing == "auto":
             packing = "stream"  # their windows are cut from the stream, whatever the files were tokenized for
         dataset = Dataset(data, seq_len, packing=packing, objective=objective, mask_token=mask_id)
@@ -433,7 +435,7 @@ def eval_command(model, data, seq_len, batches, batch_size, backend, packing, ob
                              f"{source.config.vocab_size}: they were tokenized for another model")
         dataset.check_vocab(source.config.vocab_size)  # ids may pass the header's vocab (llm.q's added EOS)
         with open_trainer(source, backend, seq_len, batch_size) as trainer:
-            result = evaluate(trainer, dataset, batches, seed)
+            result = evaluate(trainer, dataset, batches, seed or 0)
     except (ValueError, TypeError, OSError) as e:
         raise click.ClickException(str(e)) from None
     result = dict(model=model, data=data, seq_len=seq_len, **result)
