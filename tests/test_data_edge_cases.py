@@ -137,6 +137,43 @@ def test_eval_files_of_another_vocab_are_refused_naming_both(tmp_path):
     assert result.final_eval_loss is not None
 
 
+
+def test_file_sets_of_two_tokenizers_of_one_vocab_size_are_refused(tmp_path):
+    # Two byte-level BPEs of 300 tokens, trained on other text: the vocab-size check passes them,
+    # but the same id is other text in each. Train vs eval, and curriculum stages, are compared.
+    from nanoq.tokenization import tokenize_files
+
+    rng = np.random.default_rng(0)
+    corpora = []
+    for name, letters in (("a", "abcdefghijklm"), ("b", "nopqrstuvwxyz")):  # words of other letters: other merges
+        words = ["".join(rng.choice(list(letters), rng.integers(2, 7))) for _ in range(3000)]
+        corpus = tmp_path / f"{name}.txt"
+        corpus.write_text("\n".join(" ".join(words[i:i + 10]) for i in range(0, 3000, 10)) + "\n")
+        corpora.append((name, corpus))
+    for name, corpus in corpora:
+        tokenize_files([corpus], tmp_path / name, split="line", train_tokenizer_vocab=300, eval_fraction=0.1,
+                       progress=False)
+    assert json.load(open(tmp_path / "a" / "tokenize.json"))["vocab_size"] == \
+        json.load(open(tmp_path / "b" / "tokenize.json"))["vocab_size"]
+    a, b = (str(tmp_path / name / "train_*.bin") for name in "ab")
+    settings = dict(MODEL, vocab_size=300, seq_len=8)
+    with pytest.raises(ValueError, match=r"data\.eval_data was tokenized with .*/b/tokenizer\.json, "
+                                         r"data\.train_data with .*/a/tokenizer\.json, and their vocabularies "
+                                         r"differ"):
+        train(run_config(tmp_path, train_data=a, eval_data=str(tmp_path / "b" / "eval_*.bin"), **settings),
+              **QUIET)
+    assert not os.path.exists(tmp_path / "runs" / "run")
+    with pytest.raises(ValueError, match=r"data\.curriculum stage 2 train_data was tokenized with .*/b/"):
+        train(run_config(tmp_path, curriculum=f"{a}@1; {b}@1", run_name="stages", **settings), **QUIET)
+    # The same tokenizer in another folder is one tokenizer.
+    import shutil
+
+    shutil.copytree(tmp_path / "a", tmp_path / "a-copy")
+    result = train(run_config(tmp_path, train_data=a, eval_data=str(tmp_path / "a-copy" / "eval_*.bin"),
+                              run_name="same", **settings), **QUIET)
+    assert result.final_eval_loss is not None
+
+
 @pytest.fixture(scope="module")
 def model_of_vocab_64(tmp_path_factory):
     """A Hugging Face model directory (vocab 64) to start runs from."""

@@ -199,6 +199,34 @@ def _check_init_from_tokenizer(init_from: str, tokenizer_dir: Optional[str]) -> 
                          f"... --tokenizer {init_from}")
 
 
+def _check_one_tokenizer(datasets: List[tuple]) -> None:
+    """ValueError when two of the run's file sets ([(role, Dataset)]: train,
+    eval, curriculum stages) have tokenizer.json files beside them whose
+    vocabularies differ: the same ids would stand for other text in them
+    (a vocab size that happens to be equal hides it), and the model would be
+    exported with the first one's tokenizer. Sets without a tokenizer.json
+    are not compared."""
+    import filecmp
+
+    from nanoq.tokenization.tokenizer import load_tokenizer
+
+    reference = None  # (role, tokenizer file, vocabulary)
+    for role, dataset in datasets:
+        file = os.path.join(os.path.dirname(os.path.abspath(dataset.files[0].path)), "tokenizer.json")
+        if not os.path.isfile(file):
+            continue
+        if reference is None:
+            reference = (role, file, load_tokenizer(file).get_vocab(with_added_tokens=True))
+            continue
+        if file == reference[1] or filecmp.cmp(file, reference[1], shallow=False):
+            continue
+        if load_tokenizer(file).get_vocab(with_added_tokens=True) != reference[2]:
+            raise ValueError(f"{role} was tokenized with {file}, {reference[0]} with {reference[1]}, and their "
+                             f"vocabularies differ: the same ids stand for other text in them. Tokenize every "
+                             f"file set with one tokenizer: nanoq tokenize ... --tokenizer "
+                             f"{os.path.dirname(reference[1])}")
+
+
 def _tokenizer_dir(train_spec: str) -> Optional[str]:
     """The directory of the first training file when it holds a tokenizer.json, else None."""
     first = sorted(glob.glob(train_spec)) or [train_spec]
@@ -535,6 +563,7 @@ def _setup(config: TrainConfig, run_dir: str, say: Callable[[str], None], group:
         say(f"warning: {warning}")
 
     def checked_model() -> ModelConfig:
+        _check_one_tokenizer(datasets)
         model = _model_for_data(config, [dataset for _, dataset in datasets])
         check_data_vocab(config, model, datasets, evaluated)
         return model
