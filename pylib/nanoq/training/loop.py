@@ -2,7 +2,7 @@
 
 A run lives in its own directory ``<out_dir>/<run_name>``:
 
-    config.toml     the merged configuration (``nanoq train config.toml`` repeats the run)
+    config.toml     the merged configuration (``nanoq train config.toml --run_name NEW`` repeats the run)
     run.lock        while a trainer runs here: its lock and process id (see nanoq.training.run_lock)
     log.jsonl       one JSON object per line (see nanoq.training.log)
     data/           the tokenized demo corpus (demo runs only)
