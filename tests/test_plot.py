@@ -63,3 +63,38 @@ def test_plot_errors_name_the_file_once_and_a_folder_without_a_log(tmp_path):
     assert result.exit_code == 1 and f"{tmp_path} holds no log.jsonl: give a run directory" in result.output
     result = CliRunner().invoke(cli, ["plot", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "x.png")])
     assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def test_a_log_cut_off_mid_line_is_plotted_with_a_warning_naming_it(tmp_path):
+    from click.testing import CliRunner
+
+    from nanoq.training import read_log
+    from nanoq_cli.main import cli
+
+    # What a run killed while writing its sixth line leaves: five whole lines and part of one, no newline.
+    whole = [dict(type="train", step=s, loss=4.0 - 0.1 * s, lr=1e-3) for s in range(1, 6)]
+    path = tmp_path / "log.jsonl"
+    with JsonlLog(path) as log:
+        for record in whole:
+            log.write(**record)
+    with open(path, "a") as f:
+        f.write('{"type": "train", "step": 6, "lo')
+    with pytest.warns(UserWarning) as caught:
+        assert read_log(path) == whole
+    (warning,) = caught
+    assert str(warning.message) == (f"{path}: skipped its last line 6, cut off before its newline (a run killed, or "
+                                    f"still writing, mid-line)")
+    result = CliRunner().invoke(cli, ["plot", str(tmp_path), "-o", str(tmp_path / "loss.png")])
+    assert result.exit_code == 0, result.output
+    assert f"warning: {path}: skipped its last line 6" in result.output
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_bad_line_that_a_newline_ends_is_an_error_even_last(tmp_path):
+    # A killed write never ends in a newline: a bad line with one, last or not, was not written by nanoq.
+    for text, number in (('{"type": "start"}\n{"type": "train", "step": 1, "lo\n', 2),
+                         ('{"type": "start"}\n{"type": "train", "step": 1, "lo\n{"type": "end"}', 2)):
+        (tmp_path / "log.jsonl").write_text(text)
+        with pytest.raises(ValueError) as caught:
+            plot_losses(tmp_path / "log.jsonl", tmp_path / "loss.png")
+        assert str(caught.value) == f"{tmp_path / 'log.jsonl'}:{number}: not a JSON line"

@@ -118,6 +118,7 @@ def test_processes_that_disagree_on_a_setting_refuse_on_every_process(tmp_path):
         assert isinstance(error, ValueError)
         message = str(error)
         assert "the 3 processes of this run disagree on the nanoq version and settings" in message
+        assert message.endswith("\nthe nanoq version and settings must be the same on every process")
         assert "train.lr: 0.01 on processes 0, 2; 0.02 on process 1" in message
         assert "data.seq_len: 16 on processes 0, 2; 8 on process 1" in message
         assert "train.steps" not in message
@@ -220,13 +221,14 @@ def test_an_error_whose_message_cannot_be_read_still_reaches_every_process():
 def test_agreement_names_every_difference_and_the_processes_holding_each_value():
     world = ThreadWorld(3)
     values = [{"a": [1, 2], "b": 1, "c": "x"}, {"a": [1, 2], "b": 2}, {"a": [1, 3], "b": 1, "c": "x"}]
-    _, errors = in_threads([lambda r=r: distributed.check_agreement(world.member(r), values[r], "things")
+    # ``what`` comes with its article, as the training loop's "the nanoq version and settings" does.
+    _, errors = in_threads([lambda r=r: distributed.check_agreement(world.member(r), values[r], "the things")
                             for r in range(3)])
-    expected = ("the 3 processes of this run disagree on things:\n"
+    expected = ("the 3 processes of this run disagree on the things:\n"
                 "  a: [1, 2] on processes 0, 1; [1, 3] on process 2\n"
                 "  b: 1 on processes 0, 2; 2 on process 1\n"
                 "  c: 'x' on processes 0, 2; absent on process 1\n"
-                "every process must run with the same things")
+                "the things must be the same on every process")
     assert [str(e) for e in errors] == [expected] * 3
     same, errors = in_threads([lambda r=r: distributed.check_agreement(world.member(r), values[0], "things")
                                for r in range(3)])

@@ -388,3 +388,46 @@ def test_nano_bad_lines_are_named(tmp_path):
     data.write_text(nano_line([1, 99]) + "\n")
     with pytest.raises(InputError, match=r"nano\.txt:1: token id 99 is outside"):
         import_nano([data], tmp_path / "out", vocab_size=16)
+
+
+def test_an_eos_token_other_than_a_trained_tokenizers_is_refused_and_says_whose_it_is(tmp_path):
+    from click.testing import CliRunner
+
+    from nanoq_cli.main import cli
+
+    data = write_lines(tmp_path / "tiny.jsonl", [{"content": f"line {i} of the quick brown fox"} for i in range(20)])
+    command = ["tokenize", data, "-o", str(tmp_path / "x"), "--train-tokenizer", "--vocab-size", "300",
+               "--text-field", "content"]
+    # A trained tokenizer's EOS is <|endoftext|>: any other --eos-token is refused before training, by name.
+    result = CliRunner().invoke(cli, command + ["--eos-token", "</s>"])
+    assert result.exit_code == 1
+    assert result.output == ("Error: EOS token '</s>' (--eos-token) does not go with a trained tokenizer "
+                             "(--train-tokenizer), whose EOS is always <|endoftext|>: leave it out, or give a "
+                             "tokenizer (--tokenizer) whose vocabulary has '</s>'\n")
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(ValueError, match=r"EOS token '</s>' \(--eos-token\) does not go with a trained tokenizer"):
+        tokenize_files([data], tmp_path / "y", text_field="content", train_tokenizer_vocab=300, eos_token="</s>")
+    # Its own EOS, given, is that EOS.
+    result = CliRunner().invoke(cli, command + ["--eos-token", "<|endoftext|>"])
+    assert result.exit_code == 0, result.output
+    from tokenizers import Tokenizer
+
+    eos = Tokenizer.from_file(str(tmp_path / "x" / "tokenizer.json")).token_to_id("<|endoftext|>")
+    assert f"EOS id {eos} " in result.output
+    # The option's help says which tokenizer it is for.
+    help_text = " ".join(CliRunner().invoke(cli, ["tokenize", "--help"]).output.split())
+    assert ("--eos-token TEXT --tokenizer's end-of-sequence token, written between documents (default: detected). "
+            "A --train-tokenizer's is always <|endoftext|>.") in help_text
+
+
+def test_an_eos_token_missing_from_a_tokenizer_names_the_tokenizer(tmp_path, tokenizer_dir, tokenizer):
+    from nanoq.tokenization.tokenizer import find_eos_id
+
+    with pytest.raises(ValueError) as caught:
+        find_eos_id(tokenizer, "</s>")
+    assert str(caught.value) == "EOS token '</s>' is not in the vocabulary of the tokenizer"
+    data = tmp_path / "a.txt"
+    data.write_text("the lazy dog")
+    with pytest.raises(ValueError) as caught:
+        tokenize_files([data], tmp_path / "out", tokenizer=tokenizer_dir, eos_token="</s>")
+    assert str(caught.value) == f"EOS token '</s>' is not in the vocabulary of tokenizer {str(tokenizer_dir)!r}"

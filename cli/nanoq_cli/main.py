@@ -211,7 +211,8 @@ def train(config_file, print_config, resume, **flags):
               help="A Hugging Face tokenizer.json, or a model directory holding one.")
 @click.option("--train-tokenizer", is_flag=True, help="Train a byte-level BPE on the training documents.")
 @click.option("--vocab-size", type=Integer(1), help="Vocabulary of --train-tokenizer; nano: the model's vocabulary.")
-@click.option("--eos-token", help="The end-of-sequence token written between documents (default: detected).")
+@click.option("--eos-token", help="--tokenizer's end-of-sequence token, written between documents (default: "
+              "detected). A --train-tokenizer's is always <|endoftext|>.")
 @click.option("--eos-id", type=Integer(), help="nano: a token id appended after every line (default: none).")
 @click.option("--eval-fraction", type=FiniteFloat(0.0, 1.0, max_open=True), default=0.0, show_default=True,
               help="Share of documents held out as eval_*.bin.")

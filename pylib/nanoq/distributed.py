@@ -311,7 +311,8 @@ def check_agreement(group: ProcessGroup, values: Dict[str, Any], what: str) -> N
     ``values`` ({name: value}, picklable, compared with ==; a name one
     process lacks counts as "absent" there). The message names each name
     that differs and which processes hold which value; ``what`` says what
-    the names are ("settings", "data files"). Collective."""
+    the names are, a noun phrase with its article ("the settings", "the
+    data files"). Collective."""
     gathered = group.allgather(dict(values))
     names = list(dict.fromkeys(name for entry in gathered for name in entry))
     lines = []
@@ -331,7 +332,7 @@ def check_agreement(group: ProcessGroup, values: Dict[str, Any], what: str) -> N
             lines.append(f"  {name}: {held}")
     if lines:
         raise ValueError(f"the {group.size} processes of this run disagree on {what}:\n" + "\n".join(lines)
-                         + f"\nevery process must run with the same {what}")
+                         + f"\n{what} must be the same on every process")
 
 
 def _short_repr(value: Any, limit: int = 120) -> str:

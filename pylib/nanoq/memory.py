@@ -549,22 +549,30 @@ class MemoryEstimate:
         return None
 
     def _nothing_fits(self, offload: bool = True, more_devices: bool = True) -> str:
-        """The line when nothing fits: what the lightest of the heaviest
-        settings (the highest stage, batch_size 1, each recompute level,
-        everything offloaded) needs on the most devices."""
+        """The line when nothing fits: the lightest setting the searches
+        consider, as the estimator finds it (which neither a higher stage,
+        more offload, more recompute nor more devices always is: on one
+        device a higher stage only adds buffers), and what it needs: the
+        least ``needed_bytes`` of batch_size 1 with each of
+        ``_combinations`` (stage, offload, recompute), on this run's devices
+        and, with ``more_devices``, on the most devices the searches try
+        (the counts between never need less than the most: the devices
+        search bisects on that)."""
         o = self.options
-        stage = self._highest_stage()
-        names = tuple(n for n in OFFLOAD if n in set(o.offload) | set(self._offloadable(stage) if offload and
-                                                                        not o.inference else ()))
-        most = max(1, MAX_SUGGESTED_DEVICES // self.processes) if more_devices else o.devices  # per process
-        best = min((self._with(devices=most, zero_stage=stage, batch_size=1, grad_accum=1, recompute=recompute,
-                               offload=names) for recompute in [o.recompute] + list(self._recompute_levels())),
-                   key=lambda estimate: estimate.device_bytes)
-        return (f"nothing fits: even {self._placement(most)} with zero_stage {stage}, batch_size 1"
-                + (f", recompute {','.join(best.options.recompute)}" if best.options.recompute else "")
-                + (f" and offload {','.join(names)}" if names else "")
-                + f" need {human_bytes(best.needed_bytes)} per device; shorten seq_len "
-                f"({self.options.seq_len}) or train a smaller model")
+        devices = [o.devices]
+        if more_devices:
+            most = max(1, MAX_SUGGESTED_DEVICES // self.processes)  # per process
+            devices += [most] if most > o.devices else []
+        candidates = (self._with(devices=count, zero_stage=stage, batch_size=1, recompute=recompute, offload=names)
+                      for count in devices for stage, names, recompute in self._combinations(offload))
+        best = min(candidates, key=lambda estimate: estimate.needed_bytes)  # the first of the lightest
+        n = best.options
+        return (f"nothing fits: even the lightest setting, {self._placement(n.devices)} with zero_stage "
+                f"{n.zero_stage}, batch_size 1"
+                + (f", recompute {','.join(n.recompute)}" if n.recompute else "")
+                + (f" and offload {','.join(n.offload)}" if n.offload else "")
+                + f", needs {human_bytes(best.needed_bytes)} per device; shorten seq_len "
+                f"({o.seq_len}) or train a smaller model")
 
 
 def _devices(count: int) -> str:

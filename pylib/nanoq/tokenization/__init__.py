@@ -107,7 +107,10 @@ def tokenize_documents(documents: Sequence[Document], output: str | os.PathLike,
 
     tokenizer: a tokenizer.json file or model directory; or train_tokenizer_vocab
     > 0 to train a byte-level BPE of that size on the training documents
-    (exactly one of the two). eos_token: overrides the EOS token's detection.
+    (exactly one of the two). eos_token: overrides the EOS token's detection
+    in ``tokenizer``; a trained tokenizer's EOS is always ``EOS_TOKEN``
+    (``<|endoftext|>``), so with train_tokenizer_vocab any other is a
+    ValueError.
     eval_fraction: share of documents held out as eval_*.bin. workers:
     encoding processes. progress: bar on/off (None: on a terminal only).
     sft_template: write nanoq's SFT chat template (``chat_template``, with
@@ -134,6 +137,10 @@ def tokenize_documents(documents: Sequence[Document], output: str | os.PathLike,
     if (tokenizer is None) == (not train_tokenizer_vocab):
         raise ValueError("give a tokenizer (tokenizer.json or model directory) or a vocab size to train one, "
                          "not both and not neither")
+    if train_tokenizer_vocab and eos_token and eos_token != EOS_TOKEN:
+        raise ValueError(f"EOS token {eos_token!r} (--eos-token) does not go with a trained tokenizer "
+                         f"(--train-tokenizer), whose EOS is always {EOS_TOKEN}: leave it out, or give a "
+                         f"tokenizer (--tokenizer) whose vocabulary has {eos_token!r}")
     held_out = split_documents(len(documents), eval_fraction, seed)
     train_docs = [d for d, h in zip(documents, held_out) if not h]
     eval_docs = [d for d, h in zip(documents, held_out) if h]

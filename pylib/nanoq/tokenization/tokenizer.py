@@ -120,10 +120,10 @@ def find_eos_id(tokenizer: Tokenizer, eos_token: Optional[str] = None, source: s
         token_id = tokenizer.token_to_id(token)
         if token_id is not None:
             return token_id
-    where = f" {source!r}" if source else ""
+    named = f"tokenizer {source!r}" if source else "the tokenizer"
     if eos_token:
-        raise ValueError(f"EOS token {eos_token!r} is not in the vocabulary of tokenizer{where}")
-    raise ValueError(f"cannot tell the end-of-sequence token of tokenizer{where}: none of "
+        raise ValueError(f"EOS token {eos_token!r} is not in the vocabulary of {named}")
+    raise ValueError(f"cannot tell the end-of-sequence token of {named}: none of "
                      f"{', '.join(_KNOWN_EOS)} is in its vocabulary; pass --eos-token")
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from typing import IO, List, Optional
 
 from nanoq.memory import human_bytes
@@ -100,9 +101,11 @@ def _drop_torn_line(path: str) -> None:
 
 
 def read_log(path: str | os.PathLike) -> list:
-    """The records of a log.jsonl; a torn last line (the writer was killed
-    mid-line; a run that resumes cuts it off before it writes) is skipped,
-    any other bad line is a ValueError naming it."""
+    """The records of a log.jsonl. A torn last line (no newline ends it and
+    it does not parse: the writer was killed mid-line, or is still writing
+    it; a run that resumes cuts it off before it writes) is skipped with a
+    warning naming the file; any other bad line, the last one included when
+    a newline ends it, is a ValueError naming the file and line."""
     with open(path, encoding="utf-8") as f:
         lines = f.read().split("\n")
     records = []
@@ -112,7 +115,9 @@ def read_log(path: str | os.PathLike) -> list:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
-            if number == len(lines):
+            if number == len(lines):  # after the last newline: written only in part
+                warnings.warn(f"{path}: skipped its last line {number}, cut off before its newline (a run killed, "
+                              f"or still writing, mid-line)", stacklevel=2)
                 break
             raise ValueError(f"{path}:{number}: not a JSON line") from None
     return records
