@@ -262,3 +262,29 @@ def test_help_describes_only_real_bounds(command):
     assert "None]" not in result.output and "x<=None" not in result.output
     if command == "memory":
         assert "[x>=1]" in result.output  # --processes
+
+
+def test_sigterm_ends_a_command_as_ctrl_c_does_leaving_no_partial_output(tmp_path):
+    # A scheduler cancelling `nanoq tokenize` (SIGTERM) killed it at once and left its
+    # <out>.partial-<pid> staging folder behind; now SIGTERM unwinds like Ctrl-C.
+    import signal
+    import subprocess
+    import time
+
+    from nanoq.demo import DEMO_DIR
+
+    corpus = tmp_path / "big.txt"
+    corpus.write_text("".join(f"paragraph {i} of the quick brown fox, who jumps over the lazy dog again.\n\n"
+                              for i in range(300_000)))
+    command = [sys.executable, "-c", "from nanoq_cli.main import main; main()", "tokenize", str(corpus), "-o",
+               str(tmp_path / "out"), "--tokenizer", DEMO_DIR, "--split", "paragraph"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not any(name.startswith("out.partial-") for name in os.listdir(tmp_path)):
+        assert process.poll() is None, process.stdout.read()
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode != 0 and process.returncode != -signal.SIGTERM, output
+    assert sorted(os.listdir(tmp_path)) == ["big.txt"], output

@@ -218,6 +218,15 @@ def test_a_missing_tracker_library_fails_before_training_naming_the_extra(tmp_pa
                                           rf'"nanoq\[{kind}\]"'):
         train(config(tmp_path, tracker=kind), **QUIET)
     assert not os.path.exists(tmp_path / "runs")
+    # The command line says it in one line, as any bad setting (it printed a traceback).
+    from click.testing import CliRunner
+
+    from nanoq_cli.main import cli
+
+    result = CliRunner().invoke(cli, ["train", "--steps", "1", "--tracker", kind, "--out_dir", str(tmp_path / "cli")])
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith(f'Error: run.tracker = "{kind}" needs the {kind} package') and \
+        "Traceback" not in result.output, result.output
 
 
 def test_tracker_setting_refuses_unknown_trackers():

@@ -179,8 +179,8 @@ def train(config_file, print_config, resume, **flags):
 
     try:
         run_training(config, resume=resume)
-    except (ValueError, TypeError, OSError, nanoq.NanoqError, TrainingHalted, RunInUse) as e:
-        raise _fail(e) from None
+    except (ValueError, TypeError, OSError, ImportError, nanoq.NanoqError, TrainingHalted, RunInUse) as e:
+        raise _fail(e) from None  # (ImportError: an optional package a setting needs, say run.tracker's)
     except KeyboardInterrupt as interrupt:
         from nanoq.checkpoint import list_checkpoints
         from nanoq.training.resume import CHECKPOINTS
@@ -574,10 +574,21 @@ cli.add_command(inference.eval_command)
 def main():
     """The `nanoq` command: under a launcher, an error that ends one process
     (click's usage errors and `Error:` exits included) ends every process of
-    the run, so that none waits for a process that is gone."""
+    the run, so that none waits for a process that is gone. SIGTERM (a
+    scheduler cancelling the job) unwinds as Ctrl-C does, so that what a
+    command was writing is removed rather than left half made (the training
+    loop stops at a step's end with a checkpoint instead, see
+    nanoq.training.stop)."""
+    import signal
+
     from nanoq.distributed import abort_on_failure
 
+    signal.signal(signal.SIGTERM, _terminated)
     return abort_on_failure(cli)
+
+
+def _terminated(number, frame):
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":
