@@ -271,6 +271,18 @@ def test_cli_device_memory_sizes_the_classifier_chunk_as_on_that_gpu():
     assert "fits in 131.32 GiB (141.0 GB)" in result.output
 
 
+
+@cuda_planned
+def test_cli_without_a_gpu_or_device_memory_says_how_to_get_a_verdict():
+    result = invoke("memory", "--model", QWEN_0_5B, "--backend", "cuda", "--batch-size", 8, "--seq-len", 1024)
+    assert result.exit_code == 0, result.output
+    if gpu_visible():
+        assert "(the device memory is that of the smallest GPU nvidia-ml-py sees here)" in result.output
+    else:  # before, the table ended without a word on the fit
+        assert "(no GPU that nvidia-ml-py sees here to check the fit against: give --device-memory SIZE" in \
+            result.output
+
+
 @cuda_planned
 def test_cuda_sort_storage_that_cub_cannot_size_is_bounded_and_said_to_be():
     # 8192 rows on a narrow model: the embedding backward's CUB sort has the largest op scratch. CUB sizes its

@@ -405,6 +405,9 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, processes
         # Shares of one host memory: offloading to it or more devices (smaller shares) would not help.
         for line in estimate.suggestions(device_bytes, shared_host=host_note is not None):
             click.echo(f"  suggestion: {line}")
+    elif from_nvml:
+        click.echo("(no GPU that nvidia-ml-py sees here to check the fit against: give --device-memory SIZE, "
+                   "e.g. 80GB, for a verdict and suggestions)")
     if plot_path:
         from nanoq.plot import plot_memory
 
