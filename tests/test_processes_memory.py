@@ -83,3 +83,12 @@ def test_nanoq_memory_takes_the_number_of_processes(monkeypatch):
     assert world.output.splitlines()[1:] == alone.output.splitlines()[1:]  # the same table per device
     bad = CliRunner().invoke(cli, ["memory", *flags, "--processes", "0"])
     assert bad.exit_code == 2 and "--processes" in bad.output
+    # Under mpiexec -n 2 each process estimates the launcher's world; the first one alone prints it
+    # (the table came twice). (The launcher's variables as MPICH's mpiexec sets them.)
+    for rank, printed in (("0", True), ("1", False)):
+        monkeypatch.setenv("PMI_RANK", rank)
+        monkeypatch.setenv("PMI_SIZE", "2")
+        launched = CliRunner().invoke(cli, ["memory", *flags, "--devices", "2"], catch_exceptions=False)
+        assert launched.exit_code == 0, launched.output
+        assert (launched.output.splitlines()[1:] == alone.output.splitlines()[1:]) if printed else \
+            launched.output == "", launched.output

@@ -380,6 +380,11 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, processes
                                    generates=samples, device_memory=device_bytes)
     except (ValueError, FileNotFoundError) as e:
         raise _fail(e) from None
+    from nanoq.distributed import launcher_world
+
+    world = launcher_world()
+    if world is not None and world[0] != 0:  # under mpiexec every process estimates; the first one says it
+        return
     from_nvml = device_bytes is None and estimate.options.backend == "cuda"
     from_host = device_bytes is None and estimate.options.backend == "cpu"
     if from_nvml:
