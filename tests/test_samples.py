@@ -13,7 +13,7 @@ import nanoq
 from nanoq.data import write_tokens
 from nanoq.testing.threads import ThreadWorld
 from nanoq.training import TrainConfig, load_config, read_log, train
-from nanoq.training.samples import Samples, document_start
+from nanoq.training.samples import Samples, document_start, prepare_samples
 from nanoq_cli.main import cli
 from test_resume import QUIET, TINY, config, records
 from test_topology import in_threads
@@ -263,3 +263,28 @@ def test_init_from_refuses_data_tokenized_with_another_tokenizer(tmp_path):
         train(TrainConfig(**dict(settings, init_from=str(other / "model"), run_name="other")), **QUIET)
     result = train(TrainConfig(**dict(settings, init_from=str(same / "model"), run_name="same")), **QUIET)
     assert result.steps == 1
+
+
+def test_the_default_prompt_reads_the_start_of_the_file_only(tmp_path):
+    # A token file of many GB: the prompt comes from its first document, so only its start is read
+    # (the whole file was scanned for its first token that is not EOS, and its whole mask unpacked).
+    from nanoq.data import Dataset
+    from nanoq.training.samples import _leading
+
+    eos = 0
+    tokens = np.concatenate([[eos] * 5000, [7, 8, 9, eos, 4], np.full(200_000, 5)])
+    mask = np.concatenate([np.zeros(5001, bool), np.ones(tokens.size - 5001, bool)])  # 7: prompt; 8 on: trained
+    write_tokens(tmp_path / "eval_000000.bin", tokens, 16, mask=mask)
+    assert _leading(tokens, eos, chunk=64) == 5000 and _leading(tokens, None) == 0
+    assert _leading(np.zeros(10, int), eos, chunk=4) == 10
+    from tokenizers import Tokenizer, models
+
+    vocab = {"<|endoftext|>": 0} | {f"t{i}": i for i in range(1, 16)}
+    Tokenizer(models.WordLevel(vocab, unk_token="t1")).save(str(tmp_path / "tokenizer.json"))
+    dataset = Dataset(str(tmp_path / "eval_000000.bin"), 8)
+    reads = []
+    mask_range = dataset.files[0].mask_range
+    dataset.files[0].mask_range = lambda start, stop: (reads.append((start, stop)), mask_range(start, stop))[1]
+    samples = prepare_samples(4, [], 4, 64, dataset, str(tmp_path))
+    assert samples.stop == eos and samples.prompts[0].ids == [7]
+    assert reads == [(5000, 5016)]

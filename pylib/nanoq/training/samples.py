@@ -108,6 +108,18 @@ def document_start(tokens: np.ndarray, eos: Optional[int], limit: int,
     return [int(token) for token in tokens]
 
 
+def _leading(tokens: np.ndarray, eos: Optional[int], chunk: int = 4096) -> int:
+    """How many ``eos`` tokens start ``tokens`` (a memory-mapped file's:
+    read a chunk at a time, so that a long file is not read whole)."""
+    if eos is None:
+        return 0
+    for start in range(0, len(tokens), chunk):
+        others = np.flatnonzero(np.asarray(tokens[start:start + chunk]) != eos)
+        if others.size:
+            return start + int(others[0])
+    return len(tokens)
+
+
 def prepare_samples(every: int, prompts: List[str], max_new_tokens: int, seq_len: int, dataset,
                     tokenizer_dir: Optional[str], last: int = 0) -> Optional[Samples]:
     """The Samples of a run (None when ``every`` is 0): ``last`` is its last
@@ -128,8 +140,11 @@ def prepare_samples(every: int, prompts: List[str], max_new_tokens: int, seq_len
     samples = Samples(every, [], max_new_tokens, seq_len, tokenizer, eos, last)
     if not prompts:
         first = dataset.files[0]
-        mask = first.mask_range(0, len(first)) if first.has_mask else None  # not kept: read once here
-        ids = document_start(first.tokens, eos, min(DEFAULT_PROMPT_TOKENS, max(seq_len // 2, 1)), mask)
+        limit = min(DEFAULT_PROMPT_TOKENS, max(seq_len // 2, 1))
+        begin = _leading(first.tokens, eos)  # reads the file's start only, not the whole file
+        window = np.asarray(first.tokens[begin:begin + limit])
+        mask = first.mask_range(begin, begin + window.size) if first.has_mask else None
+        ids = document_start(window, eos, limit, mask)
         if not ids:
             raise ValueError(f"{first.path} starts with no document to take a sample prompt from; "
                              f"give train.sample_prompts or set train.sample_every = 0")
