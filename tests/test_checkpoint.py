@@ -120,6 +120,25 @@ def test_saving_an_existing_step_or_unserialisable_state_is_refused(tmp_path):
     assert checkpoint.list_checkpoints(tmp_path) == [1]
 
 
+
+@pytest.mark.parametrize("argument,value", [("keep_last", -1), ("keep_last", 1.5), ("keep_last", "2"),
+                                            ("keep_last", True), ("keep_every", -2), ("keep_every", 2.0)])
+def test_a_bad_rotation_count_is_refused_before_anything_is_written_or_deleted(tmp_path, argument, value):
+    # keep_last=-1 deleted every earlier checkpoint; 1.5 or "2" wrote the step, then raised a TypeError from
+    # inside the rotation (and the retry found the step written); keep_every=-2 was used as a modulus.
+    with make_trainer() as trainer:
+        for step in (1, 2, 3):
+            train(trainer, step - 1, step)
+            trainer.save_checkpoint(tmp_path, step)
+        with pytest.raises(ValueError, match=f"{argument} must be a non-negative integer .*, got {value!r}"):
+            trainer.save_checkpoint(tmp_path, 4, **{argument: value, "keep_last": 1} if argument == "keep_every"
+                                    else {argument: value})
+        with pytest.raises(ValueError, match=f"{argument} must be a non-negative integer"):
+            checkpoint.rotate(tmp_path, **({argument: value, "keep_last": 1} if argument == "keep_every"
+                                           else {argument: value}))
+    assert checkpoint.list_checkpoints(tmp_path) == [1, 2, 3]
+
+
 def test_saving_with_micro_batches_pending_is_refused(tmp_path):
     # Before, it saved without their gradients (and load_checkpoint refused the same state).
     with make_trainer(grad_accum=2) as trainer:

@@ -203,6 +203,7 @@ def save_checkpoint(trainer, root: str | os.PathLike, step: int, extra_state: Op
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
     step = int(step)
+    keep_last, keep_every = _rotation_count("keep_last", keep_last), _rotation_count("keep_every", keep_every)
     if trainer._core.micro_steps:  # their gradients are in no file: a resume would not be this run
         raise ValueError(f"cannot save a checkpoint with micro-batches pending ({trainer._core.micro_steps} "
                          f"step() calls since the last update()): call update() first")
@@ -826,11 +827,22 @@ def _check_loadable(trainer, path, checksums: bool = True) -> Tuple[dict, _Slice
 
 # -- rotation ------------------------------------------------------------------
 
+def _rotation_count(name: str, value) -> int:
+    """``value`` of keep_last / keep_every as an int: ValueError, before
+    anything is written or deleted, for anything but a non-negative integer
+    (a negative keep_last would keep nothing but the new step)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        zero = "no rotation" if name == "keep_last" else "none"
+        raise ValueError(f"{name} must be a non-negative integer (0: {zero}), got {value!r}")
+    return int(value)
+
+
 def rotate(root: str | os.PathLike, keep_last: int, keep_every: int = 0) -> List[int]:
     """Deletes complete checkpoints except the newest ``keep_last``, every
     step divisible by ``keep_every`` and the newest one whose state is
     finite (``is_finite``); never the newest one, never while a save holds
     the root's lock. Returns the deleted steps."""
+    keep_last, keep_every = _rotation_count("keep_last", keep_last), _rotation_count("keep_every", keep_every)
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
     root = os.path.abspath(os.fspath(root))
