@@ -101,6 +101,31 @@ def test_tied_export_has_no_lm_head(trained):
     assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
 
 
+
+def test_a_tied_model_refuses_a_file_whose_lm_head_is_not_its_embedding(trained, tmp_path):
+    # An untied export imported into a tied config: its lm_head was dropped without a word (logits off by
+    # up to 0.9). A file holding an lm_head equal to the embedding (some tied exports carry both) loads.
+    import dataclasses
+
+    from safetensors.numpy import save_file
+
+    untied = trained("llama")
+    tied_config = dataclasses.replace(untied.config, tie_word_embeddings=True)
+    with nanoq.Trainer(tied_config, nanoq.TrainOptions(backend="cpu", seq_len=16)) as trainer:
+        before = trainer.get_weights()
+        with pytest.raises(ValueError, match="its lm_head.weight differs from its model.embed_tokens.weight, but "
+                                             "this model config ties them"):
+            trainer.import_weights(untied.directory)
+        assert_same_tensors(trainer.get_weights(), before, "weight after a refused import")  # nothing loaded
+        both = {name: array for name, array in untied.weights.items()}
+        both["lm_head.weight"] = both["model.embed_tokens.weight"].copy()
+        (tmp_path / "both").mkdir()
+        save_file(both, str(tmp_path / "both" / "model.safetensors"))
+        trainer.import_weights(tmp_path / "both")
+        got = trainer.get_weights()
+        assert np.array_equal(got["model.embed_tokens.weight"], both["model.embed_tokens.weight"])
+
+
 def test_config_json_uses_4x_rope_keys_and_declared_context(trained):
     llama3 = json.load(open(os.path.join(trained("llama3_rope").directory, "config.json")))
     assert llama3["rope_theta"] == 10000.0

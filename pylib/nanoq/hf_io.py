@@ -196,6 +196,17 @@ def weight_shapes(path: str | os.PathLike) -> Dict[str, Tuple[int, ...]]:
     return shapes
 
 
+def read_weights_named(path: str | os.PathLike, names) -> Dict[str, np.ndarray]:
+    """{name: float32 array} of the tensors of a model named in ``names``
+    (those it has), reading only their data."""
+    wanted, found = set(names), {}
+    for file in weight_files(path):
+        for name, dtype_name, view in safetensors_views(file):
+            if name in wanted:
+                found[name] = as_float32(view, dtype_name)
+    return found
+
+
 def iter_weights(path: str | os.PathLike) -> Iterator[Tuple[str, np.ndarray]]:
     """Yields (name, float32 array) for every tensor of a model, one at a time."""
     seen = set()

@@ -17,7 +17,7 @@ from nanoq import generation
 from nanoq import options as option_schema
 from nanoq.backends import CUDA_BACKENDS, device_count, new_comm_id, resolve_backend
 from nanoq.trainer_config import ModelConfig, TrainOptions, auto_dtype
-from nanoq.hf_io import is_parameter, iter_weights, weight_shapes
+from nanoq.hf_io import is_parameter, iter_weights, read_weights_named, weight_shapes
 
 IGNORE_INDEX = _core.IGNORE_INDEX  # a target the loss skips
 # Waits for the devices are cut into slices this long, so that Python runs a
@@ -463,11 +463,14 @@ class Trainer:
         or ``model.safetensors.index.json`` (sharded). Every parameter must be
         present with the config's shape; bf16/fp16 tensors are widened to fp32.
         Every file's header is checked first: on any error nothing is loaded.
+        A tied model (tie_word_embeddings) takes a file's lm_head.weight only
+        when it equals its embedding (ValueError otherwise: another model).
         With LoRA these are the frozen weights; the adapters are untouched."""
         def wanted(name: str) -> bool:
             return is_parameter(name, self.config.tie_word_embeddings)
 
-        shapes = {name: shape for name, shape in weight_shapes(path).items() if wanted(name)}
+        in_file = weight_shapes(path)
+        shapes = {name: shape for name, shape in in_file.items() if wanted(name)}
         for name, shape in shapes.items():
             index = self._index.get(name)
             if index is None:
@@ -478,6 +481,14 @@ class Trainer:
         missing = [name for name in self._index if name not in shapes and ".lora_" not in name]
         if missing:
             raise ValueError(f"{path}: missing {len(missing)} parameter(s), e.g. {', '.join(missing[:3])}")
+        if self.config.tie_word_embeddings and "lm_head.weight" in in_file:
+            # A tied model's output matrix is its embedding: a file whose lm_head differs is another model.
+            pair = read_weights_named(path, ("lm_head.weight", "model.embed_tokens.weight"))
+            if not np.array_equal(pair["lm_head.weight"], pair["model.embed_tokens.weight"]):
+                raise ValueError(f"{path}: its lm_head.weight differs from its model.embed_tokens.weight, but this "
+                                 f"model config ties them (tie_word_embeddings): load it with "
+                                 f"tie_word_embeddings=False (its config.json's tie_word_embeddings is what "
+                                 f"ModelConfig.from_pretrained reads)")
         for name, array in iter_weights(path):
             if wanted(name):
                 self._core.set_parameter(self._index[name], array.reshape(-1))
