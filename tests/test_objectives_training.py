@@ -129,6 +129,10 @@ def test_the_mask_token_comes_from_the_tokenizer_or_is_asked_for(tmp_path):
     (dict(objective="causal", causal=True, mask_token="3"), "data.mask_token is for train.objective denoise"),
     (dict(objective="seq2seq", causal=False, window_step=9), r"data.window_step must be 0 or 16"),
     (dict(objective="denoise", causal=False, packing="pack"), "data.packing pack is for causal models"),
+    # (Not an objective's rule, but one of TrainConfig's: run_name="../../escape" made a run outside out_dir.)
+    (dict(run_name="../../escape"), r"run\.run_name must be a folder name, .* got '\.\./\.\./escape'"),
+    (dict(run_name="a/b"), r"run\.run_name must be a folder name"),
+    (dict(run_name=".."), r"run\.run_name must be a folder name"),
 ])
 def test_objective_settings_are_checked(fields, message):
     with pytest.raises(ValueError, match=message):

@@ -262,8 +262,8 @@ class TrainConfig:
     matmul_dtype: str = setting("run", "auto", core_help("matmul_dtype", list_choices=True),
                                 choices=option_schema.choices("matmul_dtype"), memory=True)
     out_dir: str = setting("run", "nanoq-out", "runs go to <out_dir>/<run_name>")
-    run_name: str = setting("run", "", "name of this run's directory; \"\" = a timestamp (an existing "
-                                       "run is never overwritten)")
+    run_name: str = setting("run", "", "name of this run's directory in out_dir (a folder name, no path); \"\" = a "
+                                       "timestamp (an existing run is never overwritten)")
     log_every: int = setting("run", 1, "print a console line every N steps", minimum=1)
     tracker: str = setting("run", "", "also log the run's figures and samples to TensorBoard (<run>/tensorboard; "
                                       "extra nanoq[tensorboard]) or Weights & Biases (<run>/wandb, offline with "
@@ -275,6 +275,9 @@ class TrainConfig:
     def __post_init__(self):
         for item in settings():
             setattr(self, item.name, _checked(item, getattr(self, item.name)))
+        if self.run_name in (".", "..") or any(sep and sep in self.run_name for sep in (os.sep, os.altsep, "/")):
+            raise ValueError(f"run.run_name must be a folder name, the run's directory in run.out_dir, not a path; "
+                             f"got {self.run_name!r} (put the folder it goes in into run.out_dir)")
         if self.objective != "causal" and self.causal:
             raise ValueError(f"train.objective {self.objective} trains a bidirectional model: set model.causal = "
                              f"false")
