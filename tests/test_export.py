@@ -202,16 +202,35 @@ def test_overwrite_replaces_a_model_directory_and_refuses_anything_else(trained,
 
 
 def test_failed_export_leaves_nothing_behind(trained, tmp_path, monkeypatch):
+    import safetensors
     import safetensors.numpy
 
     def fail(*args, **kwargs):
         raise OSError("disk full")
 
+    run = trained("llama")  # (made before save_file fails)
     monkeypatch.setattr(safetensors.numpy, "save_file", fail)
-    run = trained("llama")
     with pytest.raises(OSError, match="disk full"):
         write_model(tmp_path / "model", run.weights, run.config, max_position_embeddings=16)
     assert os.listdir(tmp_path) == []
+
+    # A full disk as safetensors reports it (its own SafetensorError, not an OSError; what it raised on a
+    # full tmpfs): an OSError with its errno, as every other write nanoq makes.
+    def full(*args, **kwargs):
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", full)
+    with pytest.raises(OSError, match="No space left on device") as raised:
+        write_model(tmp_path / "model", run.weights, run.config, max_position_embeddings=16)
+    assert raised.value.errno == 28 and raised.value.filename.endswith("model.safetensors")
+    assert os.listdir(tmp_path) == []
+    with nanoq.Trainer(run.config, nanoq.TrainOptions(backend="cpu", seq_len=16)) as trainer:
+        with pytest.raises(OSError, match="No space left on device"):
+            trainer.save_checkpoint(tmp_path / "checkpoints", 1)
+    monkeypatch.setattr(safetensors.numpy, "save_file", lambda *a, **k: (_ for _ in ()).throw(
+        safetensors.SafetensorError("some other failure")))
+    with pytest.raises(safetensors.SafetensorError, match="some other failure"):  # not a write: as it was
+        write_model(tmp_path / "model", run.weights, run.config, max_position_embeddings=16)
 
 
 @pytest.mark.parametrize("flags, architecture", [

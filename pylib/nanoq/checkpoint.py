@@ -97,7 +97,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from nanoq.agreement import agree, on_root
-from nanoq.durable import fsync_path, give_created_mode, make_dirs, read_json_object, replace_text, write_json
+from nanoq.durable import (fsync_path, give_created_mode, make_dirs, read_json_object, replace_text, save_safetensors,
+                           write_json)
 from nanoq.hf_io import as_float32, safetensors_file
 from nanoq.memory import human_bytes
 from nanoq.testing import hooks as testing_hooks
@@ -167,9 +168,8 @@ def _remove_partials(root: str) -> None:
 
 
 def _save_tensors(path: str, tensors: Dict[str, np.ndarray], metadata: Dict[str, str]) -> None:
-    from safetensors.numpy import save_file
-
-    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}, path, metadata=metadata)
+    save_safetensors({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}, path,
+                     metadata=metadata)
     give_created_mode(path)  # safetensors writes 0600; readable as the JSON beside it is
     fsync_path(path)
 

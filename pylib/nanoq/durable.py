@@ -12,6 +12,7 @@ import ctypes
 import errno
 import json
 import os
+import re
 import shutil
 from typing import Iterator
 
@@ -62,6 +63,22 @@ def give_created_mode(path: str | os.PathLike) -> None:
     (safetensors' save_file makes its files 0600) would otherwise leave
     files others cannot read beside JSON files they can."""
     os.chmod(path, 0o666 & ~_umask())
+
+
+def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | None = None) -> None:
+    """safetensors' save_file, with its failures to write (a full disk: its
+    own SafetensorError, "os error 28") raised as the OSError every other
+    write of nanoq raises, errno included."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import save_file
+
+    try:
+        save_file(tensors, os.fspath(path), metadata=metadata)
+    except SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), f"{os.strerror(int(code[1]))} (safetensors: {e})", os.fspath(path)) from None
 
 
 def write_json(path: str | os.PathLike, value, **dump_options) -> None:

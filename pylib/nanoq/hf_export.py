@@ -32,7 +32,7 @@ import numpy as np
 
 from nanoq.agreement import on_root
 from nanoq.trainer_config import ModelConfig
-from nanoq.durable import new_directory, read_json_object, write_json
+from nanoq.durable import new_directory, read_json_object, save_safetensors, write_json
 from nanoq.hf_io import is_parameter, iter_weights
 from nanoq.lora import LoraConfig, merge, split_adapters, write_peft_adapter
 
@@ -167,8 +167,6 @@ def write_model(directory: str | os.PathLike, weights: Dict[str, np.ndarray], co
     complete and fsynced, by a rename of ``<directory>.partial-<pid>`` (see
     nanoq.durable.new_directory).
     """
-    from safetensors.numpy import save_file
-
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
     if not isinstance(overwrite, bool):
@@ -195,12 +193,12 @@ def write_model(directory: str | os.PathLike, weights: Dict[str, np.ndarray], co
         write_json(os.path.join(partial, "config.json"), hf_config, sort_keys=True)
         shards = _shards(tensors, max_shard_bytes)
         if len(shards) == 1:
-            save_file(tensors, os.path.join(partial, SINGLE_FILE), metadata={"format": "pt"})
+            save_safetensors(tensors, os.path.join(partial, SINGLE_FILE), metadata={"format": "pt"})
         else:
             weight_map = {}
             for number, shard in enumerate(shards, start=1):
                 file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, os.path.join(partial, file), metadata={"format": "pt"})
+                save_safetensors(shard, os.path.join(partial, file), metadata={"format": "pt"})
                 weight_map.update(dict.fromkeys(shard, file))
             total = sum(array.nbytes for array in tensors.values())
             write_json(os.path.join(partial, INDEX_FILE), {"metadata": {"total_size": total},

@@ -37,7 +37,7 @@ import numpy as np
 
 from nanoq import options as option_schema
 from nanoq.trainer_config import MAX_SIZE, ModelConfig, _number, _plain
-from nanoq.durable import new_directory, read_json_object, write_json
+from nanoq.durable import new_directory, read_json_object, save_safetensors, write_json
 from nanoq.hf_io import read_safetensors
 
 TARGETS = option_schema.choices("lora_targets")
@@ -308,8 +308,6 @@ def write_peft_adapter(directory: str | os.PathLike, adapters: Dict[str, np.ndar
     fsynced and renamed. An existing non-empty directory raises
     FileExistsError unless ``overwrite``, which replaces it.
     """
-    from safetensors.numpy import save_file
-
     _check_adapters(adapters, lora, "adapters")
     tensors = {PEFT_PREFIX + name: np.ascontiguousarray(array, dtype=np.float32) for name, array in adapters.items()}
     directory = os.path.abspath(os.fspath(directory))
@@ -320,7 +318,7 @@ def write_peft_adapter(directory: str | os.PathLike, adapters: Dict[str, np.ndar
     with new_directory(directory, overwrite=overwrite or empty) as partial:
         write_json(os.path.join(partial, CONFIG_FILE), peft_config_dict(lora, base_model_name_or_path),
                    sort_keys=True)
-        save_file(tensors, os.path.join(partial, WEIGHTS_FILE), metadata={"format": "pt"})
+        save_safetensors(tensors, os.path.join(partial, WEIGHTS_FILE), metadata={"format": "pt"})
     return directory
 
 
