@@ -255,7 +255,7 @@ const std::vector<Rule>& rules() {
         {{"world_needs_comm_id",
           {"world_size", "devices", "comm_id"},
           "a world of more ranks than this trainer's devices needs comm_id, the same for every member (made once "
-          "with nanoq.backends.new_comm_id)"},
+          "with nanoq.new_comm_id)"},
          [](const TrainOptions& o) { return world_of(o) == o.devices || !o.comm_id.empty(); }},
     };
     return table;

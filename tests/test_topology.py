@@ -257,3 +257,16 @@ def test_the_memory_estimate_of_a_world_member_equals_its_allocations():
     for o, real in zip(opts, results):
         estimate = estimate_memory(CONFIG, o)
         assert [(a.context, a.name, a.bytes, a.kind) for a in estimate.allocations] == real
+
+
+def test_the_documented_spelling_makes_a_world_id():
+    # The README, the options' rule and TrainOptions' errors name nanoq.new_comm_id; they said
+    # nanoq.backends.new_comm_id, which is the backends() function's attribute lookup and failed.
+    comm_id = nanoq.new_comm_id("cpu")
+    assert isinstance(comm_id, bytes) and comm_id != nanoq.new_comm_id("cpu")
+    options = nanoq.TrainOptions(backend="cpu", devices=1, world_size=2, first_rank=1, comm_id=comm_id)
+    assert options.comm_id == comm_id
+    with pytest.raises(TypeError, match=r"comm_id must be bytes \(from nanoq\.new_comm_id\)"):
+        nanoq.TrainOptions(backend="cpu", devices=1, world_size=2, comm_id="text")
+    with pytest.raises(ValueError, match=r"made once with nanoq\.new_comm_id"):
+        nanoq.TrainOptions(backend="cpu", devices=1, world_size=2)

@@ -28,7 +28,7 @@ else:
     _ctypes.CDLL(_os.path.join(_openblas.get_lib_dir(), "libscipy_openblas.so"), mode=_ctypes.RTLD_GLOBAL)
 
 from nanoq._core import NanoqError, OutOfMemoryError  # noqa: E402
-from nanoq.backends import backends  # noqa: E402
+from nanoq.backends import backends, new_comm_id  # noqa: E402
 from nanoq.trainer_config import ModelConfig, TrainOptions  # noqa: E402
 from nanoq.memory import MemoryEstimate, estimate_memory  # noqa: E402
 from nanoq.trainer import StepStats, Trainer  # noqa: E402
@@ -58,4 +58,5 @@ __all__ = [
     "Trainer",
     "backends",
     "estimate_memory",
+    "new_comm_id",
 ]

@@ -360,7 +360,7 @@ class TrainOptions:
     process, each driven from its own thread): they are global ranks
     ``first_rank .. first_rank + devices - 1`` of ``world_size`` (0: the
     devices are the whole world), and ``comm_id`` (bytes from
-    ``nanoq.backends.new_comm_id(backend)``, the same for every member) names
+    ``nanoq.new_comm_id(backend)``, the same for every member) names
     the world. Sharding, statistics and the optimizer then span the world.
     ``first_device`` is the machine's index of the first device this trainer
     drives (cuda: GPUs first_device .. first_device + devices - 1), for
@@ -426,7 +426,7 @@ class TrainOptions:
         for name in ("world_size", "first_rank", "first_device"):
             setattr(self, name, _integer(name, getattr(self, name)))
         if not isinstance(self.comm_id, bytes):
-            raise TypeError(f"comm_id must be bytes (from nanoq.backends.new_comm_id), got "
+            raise TypeError(f"comm_id must be bytes (from nanoq.new_comm_id), got "
                             f"{type(self.comm_id).__name__}")
 
     def __post_init__(self):
