@@ -330,3 +330,20 @@ def test_checkpoint_of_another_model_shape_is_rejected(saved):
 def test_root_without_checkpoints_is_a_clear_error(tmp_path):
     with make_trainer() as trainer, pytest.raises(CheckpointError, match="no complete checkpoint"):
         trainer.load_checkpoint(tmp_path)
+
+
+def test_a_file_named_like_a_step_directory_is_passed_over(tmp_path):
+    # A stray file in a checkpoint root (`step_00000002`, say) made loading raise NotADirectoryError; an
+    # incomplete step directory was passed over for the newest valid one, and so is a file now.
+    with make_trainer() as trainer:
+        train(trainer, 0, 1)
+        trainer.save_checkpoint(tmp_path, 1)
+        weights = trainer.get_weights()
+    (tmp_path / "step_00000002").write_text("not a checkpoint")
+    assert checkpoint.list_checkpoints(tmp_path) == [1]
+    assert checkpoint.resolve(tmp_path) == str(tmp_path / "step_00000001")
+    with make_trainer() as other:
+        other.load_checkpoint(tmp_path)
+        assert all(np.array_equal(other.get_weights()[name], weights[name]) for name in weights)
+    with pytest.raises(checkpoint.CheckpointError, match="is not a checkpoint: a file, not a step directory"):
+        checkpoint.read_state(tmp_path / "step_00000002")

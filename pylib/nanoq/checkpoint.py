@@ -463,6 +463,8 @@ def read_state(path: str | os.PathLike) -> dict:
         state = read_json_object(file, CheckpointError)
     except FileNotFoundError:
         raise CheckpointError(f"{directory} is not a checkpoint: no {STATE_FILE}") from None
+    except NotADirectoryError:  # a stray file named like a step directory
+        raise CheckpointError(f"{directory} is not a checkpoint: a file, not a step directory") from None
     missing = [field for field in REQUIRED_FIELDS if field not in state]
     if missing:
         raise CheckpointError(f"{file} lacks {', '.join(missing)}")
