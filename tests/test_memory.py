@@ -260,6 +260,10 @@ def test_a_cuda_estimate_without_a_device_size_keeps_the_least_classifier_chunk_
     for bad in (0, -1, 1.5e9, True, "80GB"):
         with pytest.raises(ValueError, match="device_memory must be a positive byte count"):
             estimate_memory(config, options, backend="cuda", device_memory=bad)
+    for bad in (-1, 1.5e9, True, "1GB"):  # (-1 was taken: a fit judged on a byte less than planned)
+        with pytest.raises(ValueError, match="reserve_bytes must be a byte count"):
+            estimate_memory(config, options, backend="cuda", reserve_bytes=bad)
+    assert estimate_memory(config, options, backend="cuda", reserve_bytes=0).reserve_bytes == 0
 
 
 @cuda_planned

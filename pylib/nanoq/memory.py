@@ -657,6 +657,9 @@ def estimate_memory(config: ModelConfig, options: TrainOptions, *, backend: Opti
     if device_memory is not None and (isinstance(device_memory, bool) or not isinstance(device_memory, int)
                                       or device_memory <= 0):
         raise ValueError(f"device_memory must be a positive byte count, got {device_memory!r}")
+    if reserve_bytes is not None and (isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int)
+                                      or reserve_bytes < 0):
+        raise ValueError(f"reserve_bytes must be a byte count (0 or more), got {reserve_bytes!r}")
     processes = planned_processes(processes, options)
     options = _resolve(options, backend)
     plans = []
