@@ -443,6 +443,8 @@ def test_a_moved_init_from_model_is_taken_on_resume_when_it_holds_the_same_weigh
     with pytest.raises(ValueError, match=r"model\.init_from .*/base holds no config\.json \(moved or deleted\?\); "
                                          r"if the model moved, resume with its new place"):
         train(config(tmp_path, steps=6, init_from=base, **more), resume="auto", **QUIET)
+    with pytest.raises(ValueError, match=r"model\.init_from: checkpoint '.*/base', now ''"):  # dropped: refused
+        train(config(tmp_path, steps=6, **more), resume="auto", **QUIET)
     other = base_model(tmp_path / "other", seed=2)  # the same architecture, other weights
     with pytest.raises(ValueError, match="its weights are not the ones .*/base held when the checkpoint was saved"):
         train(config(tmp_path, steps=6, init_from=other, **more), resume="auto", **QUIET)
@@ -471,6 +473,11 @@ def test_a_moved_init_from_model_is_taken_on_resume_when_it_holds_the_same_weigh
             resume()
     else:
         assert resume().steps == 8
+    # A run from random weights given a model.init_from on resume: not a move, refused as before.
+    train(config(tmp_path, steps=2, run_name="scratch", **more), **QUIET)
+    with pytest.raises(ValueError, match=r"model\.init_from: checkpoint '', now '.*base\.again'"):
+        train(config(tmp_path, steps=4, run_name="scratch", init_from=str(tmp_path / "base.again"), **more),
+              resume="auto", **QUIET)
 
 
 def test_a_warmup_cut_short_and_done_is_not_started_again_by_more_steps(tmp_path):

@@ -252,7 +252,7 @@ def prepare_resume(config: TrainConfig, run: RunToResume, say: Callable[[str], N
                          f"(moved or deleted?); if the model moved, resume with its new place (nanoq train "
                          f"--resume {run_dir} --init-from PATH, or model.init_from): a folder holding the same "
                          f"model is taken")
-    if "model.init_from" in refused:
+    if "model.init_from" in refused and all(refused["model.init_from"]):  # moved, not added or dropped
         _check_moved_base(state, *refused.pop("model.init_from"))
     if refused:
         lines = "\n".join(f"  {key}: checkpoint {old!r}, now {new!r}" for key, (old, new) in refused.items())
