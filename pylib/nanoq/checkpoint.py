@@ -402,8 +402,8 @@ def _write_state(trainer, directory: str, step: int, extra_state: dict, tokenize
         devices=world,
         lora=None if trainer.lora is None else dataclasses.asdict(trainer.lora),
         base_model=trainer.base_model,
-        # What base_model held when saved (nanoq.hf_io.model_fingerprint): a resume may find it moved.
-        base_model_fingerprint=_fingerprint(trainer.base_model),
+        # What import_weights read from base_model (nanoq.hf_io.model_fingerprint): a resume may find it moved.
+        base_model_fingerprint=trainer.base_model_fingerprint,
         extra_state=extra_state,
         parts=dict(processes=len(parts), world_size=world),
         files={part["file"]: part["size"] for part in parts},
@@ -412,19 +412,6 @@ def _write_state(trainer, directory: str, step: int, extra_state: dict, tokenize
         non_finite=[key for part in parts for key in part["non_finite"]][:8],
         saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     ))
-
-
-def _fingerprint(base_model: Optional[str]) -> Optional[str]:
-    """model_fingerprint of the folder weights were imported from, or None
-    (none, or not readable any more)."""
-    from nanoq.hf_io import model_fingerprint
-
-    if not base_model:
-        return None
-    try:
-        return model_fingerprint(base_model)
-    except (OSError, ValueError):
-        return None
 
 
 def recorded_tokenizer_dir(state: dict) -> Optional[str]:
@@ -810,7 +797,7 @@ def _check_loadable(trainer, path, checksums: bool = True) -> Tuple[dict, _Slice
     if saved_lora and base and trainer.base_model:
         # The same weights: the fingerprint saved matches (a moved base), else the same folder.
         recorded = state.get("base_model_fingerprint")
-        same = recorded == _fingerprint(trainer.base_model) if recorded else \
+        same = recorded == trainer.base_model_fingerprint if recorded else \
             os.path.realpath(base) == os.path.realpath(trainer.base_model)
         if not same:
             held = (f" ({trainer.base_model}) are not the weights {base} held then (nanoq.hf_io.model_fingerprint "

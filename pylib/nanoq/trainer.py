@@ -17,7 +17,7 @@ from nanoq import generation
 from nanoq import options as option_schema
 from nanoq.backends import CUDA_BACKENDS, device_count, new_comm_id, resolve_backend
 from nanoq.trainer_config import ModelConfig, TrainOptions, auto_dtype
-from nanoq.hf_io import is_parameter, iter_weights, read_weights_named, weight_shapes
+from nanoq.hf_io import is_parameter, iter_weights, model_fingerprint, read_weights_named, weight_shapes
 
 IGNORE_INDEX = _core.IGNORE_INDEX  # a target the loss skips
 # Waits for the devices are cut into slices this long, so that Python runs a
@@ -289,6 +289,8 @@ class Trainer:
         self._index = {name: i for i, (name, _, _) in enumerate(self._parameters)}
         self.lora = options.lora
         self.base_model: str | None = None  # the directory import_weights read (LoRA checkpoints refer to it)
+        # nanoq.hf_io.model_fingerprint of what import_weights read there (checkpoints record it)
+        self.base_model_fingerprint: str | None = None
         # Where the weights (with LoRA: the frozen ones) came from: None (init_weights), "import_weights"
         # or "set_weights"; a LoRA checkpoint of a base model is refused on initial weights.
         self.weights_from: str | None = None
@@ -432,7 +434,7 @@ class Trainer:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         rng = np.random.default_rng(int(seed))
         residual_scale = 1.0 / math.sqrt(2 * self.config.num_hidden_layers)
-        self.base_model = self.weights_from = None
+        self.base_model = self.weights_from = self.base_model_fingerprint = None
         if self.lora is not None:
             self.init_adapters(seed)
         for index, (name, shape, _) in enumerate(self._parameters):
@@ -493,6 +495,7 @@ class Trainer:
             if wanted(name):
                 self._core.set_parameter(self._index[name], array.reshape(-1))
         self.base_model, self.weights_from = os.path.abspath(os.fspath(path)), "import_weights"
+        self.base_model_fingerprint = model_fingerprint(path)  # once, of what was read: each save records it
 
     @_one_call
     def get_weights(self, trainable_only: bool = False) -> Dict[str, np.ndarray]:
