@@ -91,19 +91,42 @@ case "$kind" in
       test_planning_builds_each_shapes_plans_once_per_process test_packed_training_runs_fused_with_packed_documents
       test_tuned_training_is_bitwise_untuned_training test_cuda_steps_are_queued_and_match_waiting_after_every_step
       test_wide_mlp_bias_gradients_match_cpu)
+    # And the runs of the training loop or the CLI on the emulator whose point is what they report (the
+    # attention or the packing they name, the demo's command, the op benchmark's table): their calls into the
+    # core are those of the training tests above (together 61 of the emulated tests' 830 process-seconds
+    # under ASan).
+    long_runs+=(test_training_run_says_which_attention_it_uses test_a_packed_training_run_runs_its_documents_fused_and_says_so
+      test_nanoq_train_on_the_demo_runs_on_the_cuda_backend test_smoke_on_the_emulated_cuda_backend_times_every_case)
     skipped_runs="(test_captured_steps_train_bitwise_like_uncaptured_ones and (1-device-recompute or zero1-lora))"
     for name in "${long_runs[@]}"; do skipped_runs+=" or $name"; done
     emulated_tests=(tests -k "not ($skipped_runs)")
     # The emulator's canary test: ASan reports that overrun itself (checked below).
     deselect=(--deselect "tests/test_cuda_emulated.py::test_faults_are_launch_errors_naming_the_problem[global_overrun]")
     # The benchmark script's end-to-end runs (torch beside nanoq, in
-    # subprocesses): what they check is the script's report, and the nanoq
-    # calls they make are the training tests' (under ASan they took 94 of the
-    # CPU tests' 610 process-seconds; the rest of their file still runs).
+    # subprocesses) and gpu_check.sh's summary: what they check is the
+    # scripts' reports, and the nanoq calls they make are the training tests'
+    # (under ASan the three runs took 94 of the CPU tests' 610
+    # process-seconds; the rest of their file still runs).
     cpu_deselect=()
     for name in test_smoke_run_end_to_end_on_the_cpu test_a_setting_that_does_not_fit_runs_in_smaller_micro_batches \
-                test_profiled_smoke_run_reports_profiles_and_keeps_traces; do
+                test_profiled_smoke_run_reports_profiles_and_keeps_traces test_gpu_check_summary_lists_every_step; do
       cpu_deselect+=(--deselect "tests/test_bench_gpu.py::$name")
+    done
+    # Tests of what the Python layer and the CLI say and do, whose calls into
+    # the core the other tests make too: the suite's own setup (a pytest run
+    # in a subprocess), the README's Python example and the demo's
+    # preparation, the CLI's interrupt message and its settings' plumbing,
+    # the demo's samples, and the memory estimator's search of every lightest
+    # setting (under ASan, together 150 of these tests' 625 process-seconds).
+    for test in test_suite_setup.py::test_the_suite_loads_without_pytest_xdist \
+                test_readme.py::test_the_readmes_python_example_runs_as_written \
+                test_readme.py::test_prepare_reuses_its_own_demo_tokenization_so_the_python_example_can_run_again \
+                test_readme.py::test_prepare_refuses_a_directory_that_does_not_hold_its_demo_tokenization \
+                test_cli.py::test_an_interrupt_says_whether_there_is_a_checkpoint_to_resume \
+                test_cli.py::test_recompute_and_offload_settings_reach_the_trainer_and_change_nothing_but_memory \
+                test_samples.py::test_the_demo_shows_samples_of_text_from_an_eval_play \
+                test_memory.py::test_nothing_fits_names_the_lightest_setting_the_estimator_finds; do
+      cpu_deselect+=(--deselect "tests/$test")
     done
     ;;
   thread)
