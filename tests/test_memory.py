@@ -647,6 +647,17 @@ def test_cli_plot_writes_a_png(tmp_path):
     assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_cli_plot_refuses_a_path_it_cannot_write_before_estimating(tmp_path):
+    for output, expected in ((tmp_path / "missing" / "mem.png", f"the folder {tmp_path / 'missing'} does not exist"),
+                             (tmp_path / "mem", "name an image file ending in one of "),
+                             (tmp_path / "mem.txt", "name an image file ending in one of ")):
+        result = invoke("memory", *TINY_FLAGS, "--plot", output)
+        assert result.exit_code == 1 and not isinstance(result.exception, (OSError, ValueError)), result.output
+        assert f"Error: cannot write {output}: " in result.output and expected in result.output, result.output
+        assert "total" not in result.output  # refused before the estimate
+        assert not output.exists()
+
+
 # -- the cuda backend's code: on the CPU emulator, and on a GPU ------------------------
 
 

@@ -63,6 +63,16 @@ def test_plot_errors_name_the_file_once_and_a_folder_without_a_log(tmp_path):
     assert result.exit_code == 1 and f"{tmp_path} holds no log.jsonl: give a run directory" in result.output
     result = CliRunner().invoke(cli, ["plot", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "x.png")])
     assert result.exit_code == 2 and "does not exist" in result.output
+    # An image it cannot write: refused before drawing, as an error line.
+    with JsonlLog(tmp_path / "log.jsonl") as log:
+        for record in resumed_log():
+            log.write(**record)
+    for output, expected in ((tmp_path / "no" / "x.png", f"the folder {tmp_path / 'no'} does not exist"),
+                             (tmp_path / "x.bmpx", "name an image file ending in one of ")):
+        result = CliRunner().invoke(cli, ["plot", str(tmp_path), "-o", str(output)])
+        assert result.exit_code == 1 and f"Error: cannot write {output}: {expected}" in result.output, result.output
+        assert not output.exists()
+    assert all(f".{name}," in result.output for name in ("pdf", "png", "svg")), result.output
 
 
 def test_a_log_cut_off_mid_line_is_plotted_with_a_warning_naming_it(tmp_path):

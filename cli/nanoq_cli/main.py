@@ -298,7 +298,7 @@ def plot(log, output):
                                    f"its log.jsonl")
     try:
         plot_losses(path, output)
-    except (ImportError, ValueError, FileNotFoundError) as e:
+    except (ImportError, ValueError, OSError) as e:
         raise _fail(e) from None
     click.echo(f"wrote {output}")
 
@@ -362,6 +362,13 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, processes
     from nanoq.training.samples import samples_off
     from nanoq.training.settings import train_options
 
+    if plot_path:  # before the estimate: a path that cannot be written fails at once
+        from nanoq.plot import check_image_path
+
+        try:
+            check_image_path(plot_path, "nanoq memory --plot")
+        except (ImportError, ValueError, OSError) as e:
+            raise _fail(e) from None
     overrides = {name: value for name, value in flags.items() if value is not None}
     device_bytes, reserve_bytes = device_memory, reserve
     try:
@@ -418,7 +425,7 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, processes
 
         try:
             plot_memory(estimate, plot_path, device_bytes)
-        except ImportError as e:
+        except (ImportError, ValueError, OSError) as e:
             raise _fail(e) from None
         click.echo(f"wrote {plot_path}")
 

@@ -26,6 +26,24 @@ def _pyplot(command: str):
     return plt
 
 
+def check_image_path(output: str | os.PathLike, command: str) -> None:
+    """Refuses, before anything is drawn, an image path that cannot be
+    written: FileNotFoundError when its folder does not exist, ValueError
+    when its suffix is not an image format matplotlib writes (it would
+    otherwise write a .png beside a name without one)."""
+    plt = _pyplot(command)
+    path = os.fspath(output)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"cannot write {path}: the folder {folder} does not exist")
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    formats = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    if suffix not in formats:
+        raise ValueError(f"cannot write {path}: name an image file ending in one of "
+                         f"{', '.join('.' + name for name in sorted(formats))}")
+
+
 def _by_step(records, kind: str, field: str) -> list:
     """[(step, value)] of the ``kind`` records' ``field``, sorted by step; a
     step logged twice (a resumed run repeats the steps after its checkpoint)
@@ -74,6 +92,7 @@ def plot_losses(log_path: str | os.PathLike, output: str | os.PathLike) -> None:
     """Draws ``loss_figure`` of a log.jsonl (titled by its run directory)
     and saves it to ``output``."""
     plt = _pyplot("nanoq plot")
+    check_image_path(output, "nanoq plot")
     title = os.path.basename(os.path.dirname(os.path.abspath(log_path))) or "loss"
     try:
         figure = loss_figure(read_log(log_path), title)
@@ -91,6 +110,7 @@ def plot_memory(estimate, output: str | os.PathLike, device_memory_bytes=None) -
     from nanoq.memory import CONTEXTS, parameter_count_text
 
     plt = _pyplot("nanoq memory --plot")
+    check_image_path(output, "nanoq memory --plot")
     devices = list(range(estimate.options.devices))
     gib = float(1 << 30)
     figure, axes = plt.subplots(figsize=(max(5.0, 1.0 + 0.8 * len(devices)), 5))
