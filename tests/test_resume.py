@@ -96,6 +96,32 @@ def test_a_run_killed_after_a_checkpoint_resumes_bit_for_bit(tmp_path):
 
 
 
+def test_nanoq_eval_of_a_run_cuts_the_windows_its_evaluations_did(tmp_path):
+    # A run of disjoint windows (data.window_step = seq_len + 1, as a Nano import's one window per
+    # line): nanoq eval of its model takes the run's windows and so its final evaluation's figures.
+    result = train(config(tmp_path, steps=4, window_step=17), **QUIET)
+    final = records(result.run_dir, "eval")[-1]
+    eval_data = str(tmp_path / "data" / "eval_000000.bin")
+    for model in (result.run_dir, os.path.join(result.run_dir, "model"), final_checkpoint := os.path.join(
+            result.run_dir, "checkpoints", "step_00000004")):
+        output = CliRunner().invoke(cli, ["eval", model, "--data", eval_data, "--backend", "cpu", "--json"])
+        assert output.exit_code == 0, output.output
+        got = json.loads(output.output.splitlines()[-1])
+        assert got["window_step"] == 17 and got["tokens"] == final["tokens"], (model, got, final)
+        np.testing.assert_allclose(got["loss"], final["loss"], rtol=1e-5)
+    # --window-step says otherwise; another seq_len than the run's takes the default step.
+    output = CliRunner().invoke(cli, ["eval", final_checkpoint, "--data", eval_data, "--backend", "cpu", "--json",
+                                      "--window-step", "16"])
+    assert json.loads(output.output.splitlines()[-1])["tokens"] == 699 // 16 * 16, output.output
+    output = CliRunner().invoke(cli, ["eval", final_checkpoint, "--data", eval_data, "--backend", "cpu", "--json",
+                                      "--seq-len", "8"])
+    assert json.loads(output.output.splitlines()[-1])["window_step"] == 8, output.output
+    output = CliRunner().invoke(cli, ["eval", final_checkpoint, "--data", eval_data, "--backend", "cpu",
+                                      "--window-step", "5"])
+    assert output.exit_code == 1 and "Error: window_step must be seq_len (16: windows sharing a token) or " \
+        "seq_len + 1 (17: disjoint windows); got 5" in output.output, output.output
+
+
 def test_a_resumed_runs_folder_means_its_newest_model_to_generate_and_eval(tmp_path):
     # After a finished run is resumed for more steps, its final model goes to model-step<N>/
     # and model/ keeps the first finish's: `nanoq eval RUN` (and generate, which resolves
@@ -128,10 +154,13 @@ def test_a_resumed_runs_folder_means_its_newest_model_to_generate_and_eval(tmp_p
     single = train(config(tmp_path, steps=4, schedule="constant", run_name="single"), **QUIET)
     got, output = loss(single.run_dir)
     assert got == loss(os.path.join(single.run_dir, "model"))[0] and "model:" not in output
-    # A causal model is scored causally without reading its run's config.toml (an older nanoq's may not parse).
+    # A run config.toml that does not parse (another nanoq version's, say) is passed over with a warning: a
+    # causal model is scored causally, in windows of the defaults.
     with open(os.path.join(single.run_dir, "config.toml"), "w") as f:
         f.write("[train]\nno_such_setting = 1\n")
-    assert loss(single.run_dir)[0] == got
+    again, output = loss(single.run_dir)
+    assert again == got and "warning: the windows are cut by the options and defaults, not by the model's run: " \
+        f"{os.path.join(single.run_dir, 'config.toml')}: unknown key 'train.no_such_setting'" in output, output
 
 
 def test_more_steps_after_a_finished_run_continue_it_exactly(tmp_path):

@@ -388,10 +388,14 @@ def evaluate(trainer, dataset, max_batches: int = 0, seed: int = 0) -> dict:
               help="Evaluate at most this many batches (0: every window).")
 @click.option("--batch-size", type=Integer(1), default=4, show_default=True, help="Windows per batch.")
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
-@click.option("--packing", type=click.Choice(["stream", "pack", "auto"]), default="auto", show_default=True,
+@click.option("--window-step", type=Integer(1), metavar="N",
+              help="Tokens from one window's start to the next: seq_len (windows sharing a token) or seq_len + 1 "
+              "(disjoint) for the causal objective (default: the model's run's data.window_step when it "
+              "evaluates at the run's seq_len, as the run's evaluations did, else seq_len).")
+@click.option("--packing", type=click.Choice(["stream", "pack", "auto"]),
               help="stream: windows of the token stream; pack: whole documents per window, each attending "
               "only to itself (nanoq.data.loader); auto: what the files' tokenize.json says (pack for "
-              "nanoq tokenize --format sft), as training's eval does.")
+              "nanoq tokenize --format sft). Default: the model's run's data.packing, else auto.")
 @click.option("--objective", type=click.Choice(OBJECTIVES),
               help="What the targets are (nanoq.data.objectives): causal = the next token; seq2seq and denoise "
               "for bidirectional models (default: the model's run's train.objective, else causal).")
@@ -402,12 +406,13 @@ def evaluate(trainer, dataset, max_batches: int = 0, seed: int = 0) -> dict:
               help="--objective denoise: the seed of the masks drawn per window (default: the run's "
               "train.seed, as its evaluations drew them, else 0).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
-def eval_command(model, data, seq_len, batches, batch_size, backend, packing, objective, mask_token, seed, as_json):
+def eval_command(model, data, seq_len, batches, batch_size, backend, window_step, packing, objective, mask_token, seed,
+                 as_json):
     """Mean loss and perplexity of MODEL (a Hugging Face model folder, a run
     folder or a checkpoint) on the windows of token files, as training
     evaluates them: seq_len + 1 tokens per window for the causal objective,
-    and the windows of a bidirectional model's objective (its run's unless
-    --objective says)."""
+    and the windows of a bidirectional model's objective; the windows' step,
+    packing and objective are its run's unless the options say."""
     from nanoq.data import Dataset
 
     try:
@@ -427,9 +432,21 @@ def eval_command(model, data, seq_len, batches, batch_size, backend, packing, ob
                 seed = run_config.seed if run_config is not None else 0
         elif mask_token is not None or seed is not None:
             raise ValueError("--mask-token and --seed are for --objective denoise")
+        try:
+            run_config = _run_config(source)
+        except ValueError as e:  # a config.toml of another nanoq version, say: the defaults stand
+            click.echo(f"warning: the windows are cut by the options and defaults, not by the model's run: {e}",
+                       err=True)
+            run_config = None
+        if run_config is not None and run_config.seq_len == seq_len and run_config.objective == objective:
+            # The windows the run's own evaluations had (a Nano import's one window per line, say).
+            window_step = window_step or run_config.window_step or None
+            packing = packing or run_config.packing
+        packing = packing or "auto"
         if objective != "causal" and packing == "auto":
             packing = "stream"  # their windows are cut from the stream, whatever the files were tokenized for
-        dataset = Dataset(data, seq_len, packing=packing, objective=objective, mask_token=mask_id)
+        dataset = Dataset(data, seq_len, window_step=window_step, packing=packing, objective=objective,
+                          mask_token=mask_id)
         if dataset.vocab_size > source.config.vocab_size:
             raise ValueError(f"the token files have vocab size {dataset.vocab_size}, more than the model's "
                              f"{source.config.vocab_size}: they were tokenized for another model")
@@ -438,7 +455,7 @@ def eval_command(model, data, seq_len, batches, batch_size, backend, packing, ob
             result = evaluate(trainer, dataset, batches, seed or 0)
     except (ValueError, TypeError, OSError) as e:
         raise click.ClickException(str(e)) from None
-    result = dict(model=model, data=data, seq_len=seq_len, **result)
+    result = dict(model=model, data=data, seq_len=seq_len, window_step=dataset.window_step, **result)
     if as_json:
         click.echo(json.dumps(result))
     else:
