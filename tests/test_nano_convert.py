@@ -141,6 +141,54 @@ def test_every_nano_key_is_mapped_or_reported_never_both():
     assert set(MODEL_KEYS) <= set(NANO_MODEL) | {"bias"} and set(TRAIN_KEYS) == set(NANO_LORA)
 
 
+def test_nanos_cuda_and_bfloat16_become_auto_and_other_choices_stay_explicit():
+    # Nano's stock device cuda, dtype bfloat16: nanoq's auto is cuda/bf16 on a GPU and cpu/fp32 without one.
+    stock = convert_nano_config(NANO_MODEL, NANO_LORA, stage_steps=[10])
+    assert (stock.config.backend, stock.config.dtype) == ("auto", "auto")
+    assert stock.mapped["train.device"] == ("run.backend = 'auto' (cuda where a GPU is usable, as Nano's cuda; cpu "
+                                            "where none is)")
+    assert stock.mapped["train.dtype"].startswith("run.dtype = 'auto' (bf16 on cuda")
+    settings = {(device, dtype, use_amp): convert_nano_config(NANO_MODEL, nano_train(device=device, dtype=dtype,
+                                                                                     use_amp=use_amp),
+                                                              stage_steps=[10]).config
+                for device in ("cuda", "cpu") for dtype in ("bfloat16", "float32") for use_amp in (True, False)}
+    assert {key: (config.backend, config.dtype) for key, config in settings.items()} == {
+        ("cuda", "bfloat16", True): ("auto", "auto"), ("cuda", "float32", True): ("auto", "fp32"),
+        ("cuda", "bfloat16", False): ("auto", "fp32"), ("cuda", "float32", False): ("auto", "fp32"),
+        ("cpu", "bfloat16", True): ("cpu", "fp32"), ("cpu", "float32", True): ("cpu", "fp32"),
+        ("cpu", "bfloat16", False): ("cpu", "fp32"), ("cpu", "float32", False): ("cpu", "fp32")}
+    one_gpu = convert_nano_config(NANO_MODEL, nano_train(device="cuda:1"), stage_steps=[10])
+    assert one_gpu.config.backend == "auto" and "CUDA_VISIBLE_DEVICES=1" in one_gpu.unmapped[-1]
+
+
+def test_a_model_nanoq_cannot_build_is_refused_with_the_model_configs_message():
+    with pytest.raises(ValueError, match=r"the Nano model config is not a valid nanoq model: hidden_size \(64\) is "
+                                         r"not divisible by num_attention_heads \(5\)"):
+        convert_nano_config(dict(NANO_MODEL, n_embd=64, n_head=5, n_kv_head=None), NANO_LORA, stage_steps=[10])
+
+
+def test_stage_steps_of_the_wrong_count_say_how_many():
+    with pytest.raises(ValueError, match=r"stage steps must be one positive integer \(dataset_path has one pair\), "
+                                         r"got \[5, 5\]"):
+        convert_nano_config(NANO_MODEL, NANO_LORA, stage_steps=[5, 5])
+    pairs = [["/nano/a.base64", "/nano/a_val.base64"], ["/nano/b.base64", "/nano/b_val.base64"]]
+    with pytest.raises(ValueError, match=r"stage steps must be 2 positive integers \(one per dataset_path pair\), "
+                                         r"got \[5\]"):
+        convert_nano_config(NANO_MODEL, nano_train(dataset_path=pairs), stage_steps=[5])
+
+
+def test_a_train_file_shorter_than_one_step_is_a_caveat(tmp_path):
+    train_file = tmp_path / "t.base64"
+    train_file.write_text("line\n" * 3)
+    nano = nano_train(dataset_path=[[str(train_file), str(train_file)]], batch_size=4, gradient_accumulation_steps=2)
+    conversion = convert_nano_config(NANO_MODEL, nano)
+    assert conversion.config.steps == 1
+    assert conversion.caveats == [f"train.batch_size = 4: {train_file} has 3 lines, fewer than one optimizer step "
+                                  f"takes (8: batch_size x gradient_accumulation_steps), so its stage trains 1 step, "
+                                  f"which repeats lines; lower batch_size or give the steps of each stage"]
+    assert convert_nano_config(NANO_MODEL, dict(nano, batch_size=1)).caveats == []
+
+
 def test_bad_nano_values_name_the_key(tmp_path):
     with pytest.raises(ValueError, match=r"Nano model.n_layer must be an integer, got '24'"):
         convert_nano_config(dict(NANO_MODEL, n_layer="24"), NANO_LORA, stage_steps=[1])
@@ -186,6 +234,18 @@ def test_written_toml_loads_and_round_trips(tmp_path):
         write_nano_toml(conversion, path)
     write_nano_toml(conversion, path, force=True)
     assert not [name for name in os.listdir(tmp_path) if "partial" in name]
+
+
+def test_an_output_in_a_missing_folder_is_refused_naming_the_folder(tmp_path):
+    conversion = convert_nano_config(NANO_MODEL, NANO_LORA, stage_steps=[10])
+    with pytest.raises(FileNotFoundError, match=f"cannot write {tmp_path}/missing/o.toml: its folder "
+                                                f"{tmp_path}/missing does not exist; create it or choose another "
+                                                f"output$"):
+        write_nano_toml(conversion, tmp_path / "missing" / "o.toml")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(NotADirectoryError, match=f"{tmp_path}/file is not a folder"):
+        write_nano_toml(conversion, tmp_path / "file" / "o.toml")
+    assert sorted(os.listdir(tmp_path)) == ["file"]
 
 
 # -- data.curriculum -------------------------------------------------------------------------
@@ -259,6 +319,7 @@ def test_cli_writes_the_config_warns_and_refuses_to_overwrite(nano_project):
     result = convert_with_cli(nano_project)
     assert result.exit_code == 0, result.output
     assert "warning: not mapped: train.tokenizer_path" in result.stderr
+    assert "mapped with a caveat" not in result.stderr
     assert f"nanoq tokenize --format nano {nano_project}/pt_train.base64 -o {nano_project}/data/pt_train " \
            f"--vocab-size 16" in result.stdout
     config = load_config(nano_project / "nanoq.toml")
@@ -271,6 +332,18 @@ def test_cli_writes_the_config_warns_and_refuses_to_overwrite(nano_project):
     assert bad.exit_code == 2 and "expected comma-separated integers" in bad.output
     missing = CliRunner().invoke(cli, ["convert", "nano-config", "nope.json", "nope.json", "-o", "x.toml"])
     assert missing.exit_code == 1 and "Nano config nope.json does not exist" in missing.output
+
+
+def test_cli_shows_the_caveats_of_what_it_mapped(nano_project):
+    model = json.loads((nano_project / "model.json").read_text())
+    (nano_project / "model.json").write_text(json.dumps(dict(model, dropout=0.1)))
+    result = convert_with_cli(nano_project)
+    assert result.exit_code == 0, result.output
+    caveat = ("model.dropout = 0.1: nanoq drops the embedding and the two block outputs, as Nano does; Nano's "
+              "attention also drops attention probabilities, nanoq's does not")
+    assert f"warning: mapped with a caveat: {caveat}\n" in result.stderr
+    assert "(1 with a caveat)" in result.stdout
+    assert f"# Mapped with a caveat:\n#   {caveat}\n" in (nano_project / "nanoq.toml").read_text()
 
 
 @pytest.fixture
@@ -406,8 +479,9 @@ def test_nano_model_options_map_to_model_settings():
     assert config.objective == "seq2seq"
     assert {"model.use_rope", "model.bias", "model.is_causal", "model.dropout"} <= set(conversion.mapped)
     assert not [entry for entry in conversion.unmapped if entry.startswith("model.")]
-    # Mapped, saying what it does not reproduce: Nano's attention-probability dropout.
-    assert conversion.mapped["model.dropout"] == (
-        "model.dropout = 0.1 (the embedding and the two block outputs, as Nano; Nano's attention also drops "
-        "attention probabilities, nanoq's does not)")
+    # Mapped, with a caveat saying what it does not reproduce: Nano's attention-probability dropout.
+    assert conversion.mapped["model.dropout"] == "model.dropout = 0.1"
+    assert conversion.caveats == [
+        "model.dropout = 0.1: nanoq drops the embedding and the two block outputs, as Nano does; Nano's attention "
+        "also drops attention probabilities, nanoq's does not"]
     assert "train.dropout" in conversion.mapped  # the model's dropout is the one Nano applies

@@ -544,7 +544,9 @@ def nano_config(model_config, train_config, output, force, data_dir, stage_steps
 
     MODEL_CONFIG and TRAIN_CONFIG are the JSON files Nano's train.py takes
     with -m and -t. Every Nano key is mapped or named on stderr with the
-    reason it is not (also as comments in OUTPUT); see docs/nano-migration.md.
+    reason it is not, and a mapping that still differs from Nano is named
+    with its caveat (both also as comments in OUTPUT); see
+    docs/nano-migration.md.
     """
     from nanoq.nano_config import convert_nano_config, read_nano_configs, write_nano_toml
 
@@ -559,8 +561,10 @@ def nano_config(model_config, train_config, output, force, data_dir, stage_steps
         raise _fail(e) from None
     for entry in conversion.unmapped:
         click.echo(f"warning: not mapped: {entry}", err=True)
-    click.echo(f"wrote {output}: {len(conversion.mapped)} Nano keys mapped, {len(conversion.unmapped)} not "
-               f"(see the warnings above and the comments in {output})")
+    for entry in conversion.caveats:
+        click.echo(f"warning: mapped with a caveat: {entry}", err=True)
+    click.echo(f"wrote {output}: {len(conversion.mapped)} Nano keys mapped ({len(conversion.caveats)} with a "
+               f"caveat), {len(conversion.unmapped)} not (see the warnings above and the comments in {output})")
     vocab = conversion.config.vocab_size
     if import_data:
         from nanoq.tokenization import import_nano

@@ -27,7 +27,9 @@ from its train.py, dataloader.py, data.py and export.py.
 
 Every key present in either file ends up in ``NanoConversion.mapped`` (with
 the nanoq setting it became, or why none is needed) or in ``unmapped`` (why
-nanoq cannot do the same, or only approximately); none is dropped. Keys a
+nanoq cannot do the same, or only approximately); none is dropped. A mapped
+key that still differs from Nano in a way worth knowing (model.dropout: no
+dropout on attention probabilities) is also in ``caveats``. Keys a
 file leaves out keep nanoq's defaults, except the architecture keys and
 dataset_path, which are required.
 
@@ -88,13 +90,16 @@ class NanoConversion:
 
     config: the nanoq TrainConfig. mapped: {"model.n_layer": what it became}
     for every Nano key that nanoq reproduces. unmapped: "train.dropout: why"
-    for every key nanoq cannot reproduce (or only approximately). imports:
-    the Nano data files to import, in curriculum order, each once.
+    for every key nanoq cannot reproduce (or only approximately). caveats:
+    "model.dropout = 0.1: what differs" for mapped keys that still differ
+    from Nano in a way the user should hear about. imports: the Nano data
+    files to import, in curriculum order, each once.
     """
 
     config: TrainConfig
     mapped: Dict[str, str]
     unmapped: List[str]
+    caveats: List[str]
     imports: List[NanoImport]
 
 
@@ -185,17 +190,21 @@ def _imports(pairs: List[tuple], data_dir: str) -> Dict[str, NanoImport]:
 
 class _Mapping:
     """What the conversion builds: the nanoq settings, and for each Nano key
-    what it became (``mapped``) or why it could not (``unmapped``)."""
+    what it became (``mapped``) or why it could not (``unmapped``), and the
+    differences a mapped key keeps (``caveats``)."""
 
     def __init__(self):
         self.values: Dict[str, Any] = {}
         self.mapped: Dict[str, str] = {}
         self.unmapped: List[str] = []
+        self.caveats: List[str] = []
 
-    def put(self, nano_key: str, **settings) -> None:
-        """Nano's ``nano_key`` becomes these nanoq settings."""
+    def put(self, nano_key: str, why: str = "", **settings) -> None:
+        """Nano's ``nano_key`` becomes these nanoq settings (``why``: a note on the choice)."""
         self.values.update(settings)
         self.mapped[nano_key] = ", ".join(f"{SECTION_OF[name]}.{name} = {value!r}" for name, value in settings.items())
+        if why:
+            self.mapped[nano_key] += f" ({why})"
 
     def same(self, nano_key: str, why: str) -> None:
         """Nano's ``nano_key`` needs no nanoq setting."""
@@ -204,6 +213,10 @@ class _Mapping:
     def report(self, entry: str) -> None:
         """A key nanoq cannot reproduce, or only approximately: "train.x = 1: why"."""
         self.unmapped.append(entry)
+
+    def caveat(self, entry: str) -> None:
+        """A mapped key that still differs from Nano: "model.x = 1: what differs"."""
+        self.caveats.append(entry)
 
     def get(self, name: str):
         """A nanoq setting as converted so far, else its default."""
@@ -268,8 +281,8 @@ def _map_nano_options(model: _Fields, train: _Fields, out: _Mapping) -> None:
         out.same(model.key("dropout"), "no dropout, as nanoq's default")
     elif model.has("dropout"):
         out.put(model.key("dropout"), dropout=dropout)
-        out.mapped[model.key("dropout")] += (" (the embedding and the two block outputs, as Nano; Nano's attention "
-                                             "also drops attention probabilities, nanoq's does not)")
+        out.caveat(f"{model.key('dropout')} = {dropout}: nanoq drops the embedding and the two block outputs, as "
+                   f"Nano does; Nano's attention also drops attention probabilities, nanoq's does not")
     if train.has("dropout"):
         # Nano's train.py builds the model from the model config alone.
         ignored = train.get("dropout", "number")
@@ -346,12 +359,18 @@ def _map_data(train: _Fields, out: _Mapping, data_dir: str, stage_steps: Optiona
                 raise ValueError(f"Nano train.dataset_path[{index}][0] {source} cannot be read here ({e.strerror}), "
                                  f"so one pass over it has no known length: convert where the data is, or give "
                                  f"the steps of each stage") from None
+            if lines < per_step:
+                out.caveat(f"train.batch_size = {out.get('batch_size')}: {source} has {lines} "
+                           f"line{'' if lines == 1 else 's'}, fewer than one optimizer step takes ({per_step}: "
+                           f"batch_size x gradient_accumulation_steps), so its stage trains 1 step, which repeats "
+                           f"lines; lower batch_size or give the steps of each stage")
             stage_steps.append(max(1, lines // per_step))
     stage_steps = list(stage_steps)
     if len(stage_steps) != len(pairs) or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0
                                                  for s in stage_steps):
-        raise ValueError(f"stage steps must be {len(pairs)} positive integers (one per dataset_path pair), got "
-                         f"{stage_steps!r}")
+        wanted = ("one positive integer (dataset_path has one pair)" if len(pairs) == 1 else
+                  f"{len(pairs)} positive integers (one per dataset_path pair)")
+        raise ValueError(f"stage steps must be {wanted}, got {stage_steps!r}")
     steps = sum(stage_steps)
     if len(pairs) == 1:
         out.put("train.dataset_path", train_data=imports[pairs[0][0]].token_files,
@@ -436,25 +455,33 @@ def _map_run(train: _Fields, out: _Mapping, init_from: str) -> None:
         out.report(f"train.tokenizer_path = {train.get('tokenizer_path', 'str')!r}: Nano's tokenizer has a format "
                    f"of its own, not a Hugging Face tokenizer.json; nanoq trains on the token ids as they are and "
                    f"the exported model has no tokenizer")
+    # Nano's cuda and bfloat16 are what nanoq's "auto" picks on a GPU; "auto"
+    # also lets the converted config run on a machine without one (a cpu run
+    # computes in fp32 only). Only a choice "auto" would not make is written.
     device = train.get("device", "str", default=None)
     if device is not None and device.startswith("cuda:"):
-        out.values["backend"] = "cuda"
-        out.report(f"train.device = {device!r}: run.backend = 'cuda', but nanoq uses the first run.devices GPUs it "
-                   f"sees; pick GPU {device[5:]} with CUDA_VISIBLE_DEVICES={device[5:]}")
-    elif device in ("cpu", "cuda"):
-        out.put("train.device", backend=device)
+        out.report(f"train.device = {device!r}: run.backend stays 'auto' (cuda where a GPU is usable), and nanoq "
+                   f"uses the first run.devices GPUs it sees; pick GPU {device[5:]} with "
+                   f"CUDA_VISIBLE_DEVICES={device[5:]}")
+    elif device == "cuda":
+        out.put("train.device", why="cuda where a GPU is usable, as Nano's cuda; cpu where none is", backend="auto")
+    elif device == "cpu":
+        out.put("train.device", backend="cpu")
     elif device is not None:
-        out.report(f"train.device = {device!r}: nanoq runs on cpu or cuda; run.backend stays auto")
+        out.report(f"train.device = {device!r}: nanoq runs on cpu or cuda; run.backend stays 'auto'")
     use_amp = train.get("use_amp", "bool", default=True)
     if train.has("dtype"):
         dtype = train.get("dtype", "str")
         if out.get("backend") == "cpu" or not use_amp:
             out.put("train.dtype", dtype="fp32")  # Nano computes in fp32 without autocast (off on the cpu)
-        elif dtype in ("bfloat16", "float32"):
-            out.put("train.dtype", dtype="bf16" if dtype == "bfloat16" else "fp32")
+        elif dtype == "bfloat16":
+            out.put("train.dtype", why="bf16 on cuda, as Nano's bfloat16; fp32 on cpu, which computes in fp32 only",
+                    dtype="auto")
+        elif dtype == "float32":
+            out.put("train.dtype", dtype="fp32")
         else:
-            out.report(f"train.dtype = {dtype!r}: nanoq computes in bf16 or fp32; run.dtype stays auto (bf16 on "
-                       f"cuda)")
+            out.report(f"train.dtype = {dtype!r}: nanoq computes in bf16 or fp32; run.dtype stays 'auto' (bf16 on "
+                       f"cuda, fp32 on cpu)")
     if train.has("use_amp"):
         out.same("train.use_amp", "nanoq's bf16 keeps fp32 master weights and fp32 accumulation, as AMP does"
                  if use_amp else "run.dtype = 'fp32': without AMP Nano computes in fp32")
@@ -493,7 +520,10 @@ def convert_nano_config(model_config: Dict[str, Any], train_config: Dict[str, An
         config = TrainConfig.from_dict(out.values)
     except ValueError as e:
         raise ValueError(f"the converted config is not valid: {e}") from None
-    return NanoConversion(config=config, mapped=out.mapped, unmapped=out.unmapped, imports=imports)
+    # The model's own checks (heads dividing the width, ...), which TrainConfig leaves to training.
+    nano_model_config(model_config, intermediate_size=config.intermediate_size)
+    return NanoConversion(config=config, mapped=out.mapped, unmapped=out.unmapped, caveats=out.caveats,
+                          imports=imports)
 
 
 def read_nano_configs(model_path: str | os.PathLike, train_path: str | os.PathLike) -> tuple:
@@ -516,7 +546,8 @@ def _printable(text: str) -> str:
 
 def nano_toml(conversion: NanoConversion, sources: Sequence[str] = ()) -> str:
     """The converted config as TOML, headed by comments: where it came from,
-    the data imports it expects and what could not be mapped."""
+    the data imports it expects, what could not be mapped and the caveats
+    of what was."""
     vocab = conversion.config.vocab_size
     lines = ["nanoq config converted from Nano's " + (" and ".join(sources) if sources else "configs"), "",
              "Import Nano's data first:"]
@@ -524,6 +555,9 @@ def nano_toml(conversion: NanoConversion, sources: Sequence[str] = ()) -> str:
     if conversion.unmapped:
         lines += ["", "Not mapped (or only approximately):"]
         lines += [f"  {entry}" for entry in conversion.unmapped]
+    if conversion.caveats:
+        lines += ["", "Mapped with a caveat:"]
+        lines += [f"  {entry}" for entry in conversion.caveats]
     comments = [f"# {_printable(line)}".rstrip() for line in lines]
     return "\n".join(comments) + "\n\n" + conversion.config.to_toml()
 
@@ -531,8 +565,15 @@ def nano_toml(conversion: NanoConversion, sources: Sequence[str] = ()) -> str:
 def write_nano_toml(conversion: NanoConversion, path: str | os.PathLike, *, sources: Sequence[str] = (),
                     force: bool = False) -> str:
     """Writes ``nano_toml`` to ``path`` (whole or not at all); an existing file
-    is a FileExistsError unless ``force``. Returns the path."""
+    is a FileExistsError unless ``force``; a folder that is missing (or a
+    file) is an OSError naming it. Returns the path."""
     path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise NotADirectoryError(f"cannot write {path}: {folder} is not a folder; choose another output")
+    if not os.path.exists(folder):
+        raise FileNotFoundError(f"cannot write {path}: its folder {folder} does not exist; create it or choose "
+                                f"another output")
     if os.path.exists(path) and not force:
         raise FileExistsError(f"{path} already exists; choose another output or pass --force to replace it")
     replace_text(path, nano_toml(conversion, sources))
