@@ -486,6 +486,23 @@ def test_export_checkpoint_needs_the_base_model(checkpoints, tmp_path):
     assert json.load(open(os.path.join(adapter, "adapter_config.json")))["base_model_name_or_path"] == str(base)
     again = export_checkpoint(step_dir, tmp_path / "adapter-named", merge_adapters=False, base_model=moved)
     assert json.load(open(os.path.join(again, "adapter_config.json")))["base_model_name_or_path"] == str(moved)
+    # A base given for the adapter is checked as for merging (the adapter names it as its model): another
+    # architecture, the same architecture with other weights, a folder that is no model.
+    from safetensors.numpy import load_file, save_file
+
+    tuned = shutil.copytree(moved, tmp_path / "tuned")
+    weights = load_file(os.path.join(tuned, "model.safetensors"))
+    weights["model.norm.weight"] = weights["model.norm.weight"] * np.float32(1.5)
+    save_file(weights, os.path.join(tuned, "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "empty").mkdir()
+    for merge_adapters in (True, False):
+        for other, reason in ((checkpoints.path("qwen3"), "is not the model the adapters were trained on: "),
+                              (tuned, "is not the model the adapters were trained on: its weights are not those the "
+                                      f"run imported from {base} "),
+                              (tmp_path / "empty", "cannot be read as a Hugging Face model")):
+            with pytest.raises(ValueError, match=re.escape(f"the base model {other} {reason}")):
+                export_checkpoint(step_dir, tmp_path / "refused", base_model=other, merge_adapters=merge_adapters)
+            assert not os.path.exists(tmp_path / "refused")
 
 
 def test_bad_lora_settings_are_refused_before_the_core():

@@ -445,8 +445,8 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, processes
               help="LoRA checkpoints: merge the adapters into the base model and write the full model "
               "(default: write the adapters as a PEFT adapter directory).")
 @click.option("--base-model", type=click.Path(exists=True),
-              help="LoRA checkpoints: the base model the adapters were trained on (default: the one the "
-              "checkpoint recorded).")
+              help="LoRA checkpoints: the base model the adapters were trained on, if it has moved (default: "
+              "the one the checkpoint recorded); another architecture or other weights are refused.")
 @click.option("--allow-non-finite", is_flag=True,
               help="Write the weights even if some are NaN or infinite (refused by default).")
 def export(checkpoint, output, max_shard_size, tokenizer, max_position_embeddings, merge, base_model,

@@ -33,7 +33,7 @@ import numpy as np
 from nanoq.agreement import on_root
 from nanoq.trainer_config import ModelConfig
 from nanoq.durable import new_directory, read_json_object, save_safetensors, write_json
-from nanoq.hf_io import is_parameter, iter_weights
+from nanoq.hf_io import is_parameter, iter_weights, model_fingerprint
 from nanoq.lora import LoraConfig, merge, split_adapters, write_peft_adapter
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
@@ -355,7 +355,8 @@ def export_checkpoint(checkpoint_path: str | os.PathLike, directory: str | os.Pa
     A LoRA checkpoint holds only adapters: with ``merge_adapters`` they are
     merged into its base model (``base_model``, default the one it
     recorded) and the result written as a full model; without, they are
-    written as a PEFT adapter directory. max_position_embeddings and
+    written as a PEFT adapter directory. Either way the base (when there)
+    must be the model they were trained on (``_check_base``: ValueError). max_position_embeddings and
     tokenizer_dir default to what the checkpoint recorded; a recorded
     tokenizer directory that no longer holds a tokenizer.json is skipped
     with a warning. Weights imported from a Hugging Face model (the base
@@ -382,7 +383,9 @@ def export_checkpoint(checkpoint_path: str | os.PathLike, directory: str | os.Pa
                           f"--base-model, to name its new place)", stacklevel=2)
             base_name = recorded
         else:
-            base_name = _model_dir(_checkpoint_base(state, base_model))
+            base = _checkpoint_base(state, base_model)
+            _check_base(base, state)  # the adapter names it: it must be the model they adapt
+            base_name = _model_dir(base)
         return write_peft_adapter(directory, _finite(read_weights(step_directory), step_directory, allow_non_finite),
                                   lora, base_model_name_or_path=base_name)
     if max_position_embeddings is None:
@@ -400,7 +403,7 @@ def export_checkpoint(checkpoint_path: str | os.PathLike, directory: str | os.Pa
     base = state.get("base_model")  # the weights' origin (import_weights), for any checkpoint
     if lora is not None:
         base = _checkpoint_base(state, base_model)
-        weights = merge(_base_weights(base, config), weights, lora)
+        weights = merge(_base_weights(base, state), weights, lora)
     tokenizer_dir, eos_token_id, bos_token_id = _from_base(base, tokenizer_dir, eos_token_id)
     return write_model(directory, weights, config,
                        max_position_embeddings=max_position_embeddings, tokenizer_dir=tokenizer_dir,
@@ -422,15 +425,31 @@ def _finite(weights: Dict[str, np.ndarray], source: str, allow_non_finite: bool,
     return weights
 
 
-def _base_weights(path: str, config: ModelConfig) -> Dict[str, np.ndarray]:
-    """The float32 parameters of the Hugging Face model at ``path`` (what
-    import_weights read: its directory, model.safetensors or index file),
-    which must have the architecture ``config`` (the adapters were trained on it)."""
-    theirs = ModelConfig.from_pretrained(_model_dir(path) or path).to_core()
+def _check_base(path: str, state: dict) -> None:
+    """ValueError unless the Hugging Face model at ``path`` (what
+    import_weights read: its directory, model.safetensors or index file) is
+    the base the LoRA checkpoint of ``state`` was trained on: its
+    architecture, and its weights by the fingerprint the checkpoint recorded
+    (nanoq.hf_io.model_fingerprint; a moved or copied base passes)."""
+    try:
+        theirs = ModelConfig.from_pretrained(_model_dir(path) or path).to_core()
+    except (OSError, ValueError) as e:
+        raise ValueError(f"the base model {path} cannot be read as a Hugging Face model: {e}") from None
     # Dropout is a training setting: the base model has none, and needs none.
-    differences = [f"{key}: {theirs.get(key)!r}, the checkpoint's {value!r}" for key, value in config.to_core().items()
+    differences = [f"{key}: {theirs.get(key)!r}, the checkpoint's {value!r}"
+                   for key, value in ModelConfig(**state["model_config"]).to_core().items()
                    if theirs.get(key) != value and key != "dropout"]
+    recorded = state.get("base_model_fingerprint")
+    if not differences and recorded and model_fingerprint(path) != recorded:
+        differences = [f"its weights are not those the run imported from {state.get('base_model')} (their "
+                       f"fingerprint, nanoq.hf_io.model_fingerprint, differs)"]
     if differences:
         raise ValueError(f"the base model {path} is not the model the adapters were trained on: "
                          f"{'; '.join(differences[:3])}")
-    return {name: array for name, array in iter_weights(path) if is_parameter(name, config.tie_word_embeddings)}
+
+
+def _base_weights(path: str, state: dict) -> Dict[str, np.ndarray]:
+    """The float32 parameters of the base model at ``path`` (``_check_base``)."""
+    _check_base(path, state)
+    tied = ModelConfig(**state["model_config"]).tie_word_embeddings
+    return {name: array for name, array in iter_weights(path) if is_parameter(name, tied)}
