@@ -320,6 +320,38 @@ def test_nanoq_generate_prints_transformers_greedy_continuation(hf_folder, tmp_p
 
 
 
+def test_nanoq_generate_continues_token_ids_of_a_model_without_a_tokenizer(hf_folder, tmp_path):
+    # A Nano import's model has no tokenizer.json: --prompt-ids gives the ids and the completion's are printed.
+    import shutil
+
+    path, model, tokenizer = hf_folder
+    bare = shutil.copytree(path, tmp_path / "bare", ignore=shutil.ignore_patterns("tokenizer*"))
+    ids = tokenizer.encode("The quick brown").ids
+    expected = hf_greedy(model, ids, 12)[:12]
+    args = ("--max-new-tokens", 12, "--temperature", 0, "--backend", "cpu")
+    result = invoke("generate", bare, "--prompt-ids", ",".join(map(str, ids)), *args)
+    assert result.exit_code == 0 and result.output == " ".join(map(str, expected)) + "\n", result.output
+    result = invoke("generate", bare, "--prompt-ids", " ".join(map(str, ids)), *args, "--json")
+    assert json.loads(result.output) == dict(prompt_ids=ids, completion_ids=expected), result.output
+    # With a tokenizer the ids are decoded in --json too, and generation stops at its end-of-sequence token.
+    result = invoke("generate", path, "--prompt-ids", " ".join(map(str, ids)), *args, "--json")
+    out = json.loads(result.output)
+    assert out["prompt"] == "The quick brown" and out["prompt_ids"] == ids
+    plain = json.loads(invoke("generate", path, "--prompt", "The quick brown", *args, "--json").output)
+    assert out["completion_ids"] == plain["completion_ids"] and out["completion"] == plain["completion"]
+    for extra, message in ((("--prompt", "The"), "model without a tokenizer"),
+                           ((), "give the prompt as --prompt TEXT or as --prompt-ids IDS (one of them)"),
+                           (("--prompt-ids", "1 2", "--prompt", "x"), "(one of them)"),
+                           (("--prompt-ids", " , "), "--prompt-ids holds no token ids"),
+                           (("--prompt-ids", "1 -2"), "non-negative integers) separated by spaces or commas; got '-2'"),
+                           (("--prompt-ids", f"1 {model.config.vocab_size}"),
+                            f"token id {model.config.vocab_size} is not below the model's vocab size")):
+        result = invoke("generate", bare, *extra, "--backend", "cpu")
+        if message == "model without a tokenizer":
+            message = f"{bare} has no tokenizer (tokenizer.json) for --prompt (give --prompt-ids"
+        assert result.exit_code == 1 and message in result.output, (extra, result.output)
+
+
 def test_a_moved_run_still_finds_its_tokenizer_and_generate_takes_one_given(hf_folder, tmp_path):
     # Checkpoints record the tokenizer folder's absolute path; a run moved or copied with its
     # data finds it by its place relative to the checkpoints.

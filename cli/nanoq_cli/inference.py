@@ -188,7 +188,10 @@ def _load_tokenizer(source: ModelSource, what: str):
 
 @click.command("generate")
 @click.argument("model", type=click.Path(exists=True, file_okay=False))
-@click.option("--prompt", required=True, help="The text to continue.")
+@click.option("--prompt", help="The text to continue (encoded with the model's tokenizer).")
+@click.option("--prompt-ids", metavar="IDS",
+              help="Instead of --prompt: the token ids to continue, separated by spaces or commas (e.g. \"5 17 "
+              "3\"), for a model without a tokenizer.json (a Nano import's); prints the completion's ids.")
 @click.option("--max-new-tokens", type=Integer(0),
               help=f"Most tokens to generate (fewer when the tokenizer's end-of-sequence token comes first); "
               f"default {DEFAULT_NEW_TOKENS}, or fewer where the model's positions leave less after the prompt.")
@@ -211,9 +214,10 @@ def _load_tokenizer(source: ModelSource, what: str):
               "own, or the one a checkpoint's run recorded).")
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True)
 @click.option("--json", "as_json", is_flag=True,
-              help="Print an object {prompt, completion, prompt_ids, completion_ids} instead of the text.")
-def generate(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, steps, mask_token, tokenizer_dir,
-             backend, as_json):
+              help="Print an object {prompt, completion, prompt_ids, completion_ids} instead of the text (with "
+              "--prompt-ids, the texts only where the model has a tokenizer).")
+def generate(model, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, steps, mask_token,
+             tokenizer_dir, backend, as_json):
     """Continue PROMPT with MODEL (a Hugging Face model folder with its
     tokenizer, a run folder or a checkpoint) and print the continuation.
     A bidirectional model (model.causal false) fills --max-new-tokens
@@ -222,22 +226,30 @@ def generate(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, ste
     from nanoq.tokenization.tokenizer import eos_id_or_none
 
     try:
+        if (prompt is None) == (prompt_ids is None):
+            raise ValueError("give the prompt as --prompt TEXT or as --prompt-ids IDS (one of them)")
+        prompt_ids_given = prompt_ids is not None
         source = find_model(model)
         say_which(source)
         if tokenizer_dir is not None:
             if not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
                 raise ValueError(f"--tokenizer {tokenizer_dir} holds no tokenizer.json")
             source.tokenizer_dir = tokenizer_dir
-        tokenizer = _load_tokenizer(source, "--prompt")
-        tokenizer_json = os.path.join(source.tokenizer_dir, "tokenizer.json")
-        prompt_ids = tokenizer.encode(prompt).ids
+        tokenizer = eos = None
+        if prompt is not None or source.tokenizer_dir is not None:
+            tokenizer = _load_tokenizer(source, "--prompt (give --prompt-ids to continue token ids)")
+            eos = eos_id_or_none(tokenizer, os.path.join(source.tokenizer_dir, "tokenizer.json"))
+        if prompt is not None:
+            prompt_ids = tokenizer.encode(prompt).ids
+        else:
+            prompt_ids = _token_ids(prompt_ids, source.config.vocab_size)
+            prompt = tokenizer.decode(prompt_ids, skip_special_tokens=False) if tokenizer is not None else None
         causal = source.config.causal
         if causal and not prompt_ids:
             raise ValueError("--prompt encodes to no tokens: give some text")
         if causal and (steps is not None or mask_token is not None):
             raise ValueError(f"--steps and --mask-token are for bidirectional (denoising) models; {model} is "
                              f"causal")
-        eos = eos_id_or_none(tokenizer, tokenizer_json)
         max_new_tokens_given = max_new_tokens is not None
         if max_new_tokens is None:  # the default, within what the model's positions leave
             positions = source.max_positions if causal else (source.trained_seq_len or source.max_positions)
@@ -273,12 +285,29 @@ def generate(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, ste
                     completion_ids = completion_ids[:completion_ids.index(eos) + 1]
     except (ValueError, TypeError, OSError) as e:
         raise click.ClickException(str(e)) from None
-    completion = tokenizer.decode(completion_ids, skip_special_tokens=True)
+    completion = tokenizer.decode(completion_ids, skip_special_tokens=True) if tokenizer is not None else None
     if as_json:
-        click.echo(json.dumps(dict(prompt=prompt, completion=completion, prompt_ids=prompt_ids,
-                                   completion_ids=completion_ids)))
+        texts = dict(prompt=prompt, completion=completion) if tokenizer is not None else {}
+        click.echo(json.dumps(dict(**texts, prompt_ids=prompt_ids, completion_ids=completion_ids)))
+    elif prompt_ids_given:
+        click.echo(" ".join(map(str, completion_ids)))
     else:
         click.echo(completion)
+
+
+def _token_ids(text: str, vocab_size: int) -> list:
+    """The ids of --prompt-ids (separated by spaces or commas), each below ``vocab_size``."""
+    words = text.replace(",", " ").split()
+    if not words:
+        raise ValueError("--prompt-ids holds no token ids: give some, e.g. \"5 17 3\"")
+    bad = [word for word in words if not word.isdigit()]
+    if bad:
+        raise ValueError(f"--prompt-ids must be token ids (non-negative integers) separated by spaces or commas; "
+                         f"got {bad[0]!r}")
+    ids = [int(word) for word in words]
+    if max(ids) >= vocab_size:
+        raise ValueError(f"--prompt-ids: token id {max(ids)} is not below the model's vocab size {vocab_size}")
+    return ids
 
 
 def _stop_ids(source: ModelSource, eos: Optional[int]) -> list:
