@@ -264,6 +264,20 @@ def test_help_describes_only_real_bounds(command):
         assert "[x>=1]" in result.output  # --processes
 
 
+def test_help_lists_the_choices_of_every_setting_that_has_them():
+    # The settings' flags took the type's name as metavar ("--schedule STR"), hiding the choices.
+    from nanoq.training.settings import settings
+
+    with_choices = [item for item in settings() if item.choices]
+    assert len(with_choices) >= 5
+    for command in ("train", "memory"):
+        text = " ".join(invoke(command, "--help").output.split())
+        for item in with_choices:
+            if command == "train" or item.memory_command_flag:
+                flags = f"--{item.name}" + (f", --{item.name.replace('_', '-')}" if "_" in item.name else "")
+                assert f"{flags} [{'|'.join(item.choices)}]" in text, (command, item.name)
+
+
 def test_sigterm_ends_a_command_as_ctrl_c_does_leaving_no_partial_output(tmp_path):
     # A scheduler cancelling `nanoq tokenize` (SIGTERM) killed it at once and left its
     # <out>.partial-<pid> staging folder behind; now SIGTERM unwinds like Ctrl-C.

@@ -197,7 +197,9 @@ def test_exported_model_loads_in_transformers_with_the_same_loss(tmp_path):
 def test_a_named_run_is_never_overwritten(tmp_path):
     config = tiny_config(tmp_path, steps=1, warmup_steps=0, eval_every=0)
     train(config, say=lambda line: None, progress=False)
-    with pytest.raises(FileExistsError, match="already exists"):
+    with pytest.raises(FileExistsError, match="already exists: to continue that run, resume it \\(nanoq train "
+                                              "--resume, or train\\(config, resume=\"auto\"\\)\\); else choose "
+                                              "another run_name or remove it"):
         train(config, say=lambda line: None, progress=False)
 
 

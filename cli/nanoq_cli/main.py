@@ -18,6 +18,7 @@ from nanoq import options as option_schema
 from nanoq_cli import inference
 from nanoq_cli.numbers import FiniteFloat, Integer
 from nanoq.tokenization.pipeline import SPECIAL_TEXT
+from nanoq.tokenization.tokenizer import MIN_TRAINED_VOCAB
 from nanoq.training.settings import settings
 
 
@@ -97,7 +98,8 @@ def _setting_options(command, memory_only: bool = False):
         kind = click.Choice(item.choices) if item.choices else _CLICK_TYPES[item.type]
         default = str(item.default).lower() if item.type is bool else repr(item.default) \
             if item.type is str else item.default
-        command = click.option(*flags, item.name, type=kind, default=None, metavar=item.type.__name__.upper(),
+        metavar = f"[{'|'.join(item.choices)}]" if item.choices else item.type.__name__.upper()
+        command = click.option(*flags, item.name, type=kind, default=None, metavar=metavar,
                                help=f"[{item.section}] {item.help} (default {default})")(command)
     return command
 
@@ -210,7 +212,9 @@ def train(config_file, print_config, resume, **flags):
 @click.option("--tokenizer", type=click.Path(exists=True),
               help="A Hugging Face tokenizer.json, or a model directory holding one.")
 @click.option("--train-tokenizer", is_flag=True, help="Train a byte-level BPE on the training documents.")
-@click.option("--vocab-size", type=Integer(1), help="Vocabulary of --train-tokenizer; nano: the model's vocabulary.")
+@click.option("--vocab-size", type=Integer(1), metavar="N",
+              help=f"Vocabulary of --train-tokenizer (at least {MIN_TRAINED_VOCAB}: the 256 bytes and the special "
+              f"tokens); nano: the model's vocabulary.")
 @click.option("--eos-token", help="--tokenizer's end-of-sequence token, written between documents (default: "
               "detected). A --train-tokenizer's is always <|endoftext|>.")
 @click.option("--eos-id", type=Integer(), help="nano: a token id appended after every line (default: none).")

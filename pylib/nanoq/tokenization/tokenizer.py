@@ -18,7 +18,7 @@ CHAT_MARKERS = ("<|system|>", "<|user|>", "<|assistant|>")
 SPECIAL_TOKENS = (EOS_TOKEN,) + CHAT_MARKERS
 # Tried in order when neither the user nor tokenizer_config.json names the EOS token.
 _KNOWN_EOS = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>", "<|eot_id|>")
-_MIN_TRAINED_VOCAB = 256 + len(SPECIAL_TOKENS)
+MIN_TRAINED_VOCAB = 256 + len(SPECIAL_TOKENS)
 _MAX_TRAINED_VOCAB = 2**24  # far beyond any released model (~256k); the trainer allocates ~70 bytes per entry
 
 
@@ -143,8 +143,8 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     (``<|endoftext|>`` = 0, ``<|system|>``, ``<|user|>``, ``<|assistant|>``)
     and merges up to ``vocab_size`` entries; a small corpus may yield fewer.
     """
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < _MIN_TRAINED_VOCAB:
-        raise ValueError(f"vocab size must be an integer >= {_MIN_TRAINED_VOCAB} (256 bytes + "
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_TRAINED_VOCAB:
+        raise ValueError(f"vocab size must be an integer >= {MIN_TRAINED_VOCAB} (256 bytes + "
                          f"{len(SPECIAL_TOKENS)} special tokens), got {vocab_size!r}")
     if vocab_size > _MAX_TRAINED_VOCAB:
         raise ValueError(f"vocab size must be at most {_MAX_TRAINED_VOCAB} to train a tokenizer (the BPE "

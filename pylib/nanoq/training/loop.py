@@ -146,8 +146,9 @@ def new_run_dir(config: TrainConfig) -> str:
             _make_run_dir(path)
         except FileExistsError:
             require_not_in_use(path)  # busy, not merely taken: say by whom
-            raise FileExistsError(f"run directory {path} already exists; choose another run_name "
-                                  f"or remove it") from None
+            raise FileExistsError(f"run directory {path} already exists: to continue that run, resume it "
+                                  f"(nanoq train --resume, or train(config, resume=\"auto\")); else choose another "
+                                  f"run_name or remove it") from None
         return path
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for suffix in range(1000):
