@@ -504,6 +504,12 @@ def test_when_nothing_fits_it_says_so():
     # On a model this small the stages' buffers outweigh their shards: stage 1 is the lightest.
     assert line.startswith("nothing fits: even the lightest setting, 64 devices with zero_stage 1, batch_size 1, ")
     assert line.endswith("per device; shorten seq_len (8) or train a smaller model")
+    # Where a reserve counts (cuda's 1 GiB by default), the line says how much of the need it is: on a
+    # small model it is most of it, and the user's own figure may be smaller.
+    (line,) = estimate_memory(config, options, backend="cuda").suggestions(1 << 30)
+    assert line.startswith("nothing fits: ") and line.endswith(
+        "or train a smaller model (1.00 GiB of that is the reserve for memory outside nanoq's allocator: CUDA "
+        "context, libraries; reserve_bytes, nanoq memory --reserve)"), line
 
 
 def test_table_has_a_row_per_context_and_a_verdict():

@@ -572,7 +572,10 @@ class MemoryEstimate:
                 + (f", recompute {','.join(n.recompute)}" if n.recompute else "")
                 + (f" and offload {','.join(n.offload)}" if n.offload else "")
                 + f", needs {human_bytes(best.needed_bytes)} per device; shorten seq_len "
-                f"({o.seq_len}) or train a smaller model")
+                f"({o.seq_len}) or train a smaller model"
+                + (f" ({human_bytes(self.reserve_bytes)} of that is the reserve for memory outside nanoq's "
+                   f"allocator: CUDA context, libraries; reserve_bytes, nanoq memory --reserve)"
+                   if self.reserve_bytes else ""))
 
 
 def _devices(count: int) -> str:
