@@ -197,6 +197,25 @@ def test_init_from_takes_model_dropout_and_refuses_settings_of_another_architect
             model_config(run_config(tmp_path, init_from=model_of_vocab_64, **settings), 64)
 
 
+def test_init_from_warns_of_model_sizes_it_sets_otherwise(tmp_path, model_of_vocab_64):
+    # The model.init_from folder's config.json sets the sizes: [model] sizes that differ (a converted
+    # Nano config's, say) are named rather than dropped in silence; those that agree are not.
+    data = tmp_path / "data"
+    data.mkdir()
+    write_tokens(data / "train_000000.bin", pattern(400, 64), 64)
+    lines = []
+    result = train(run_config(tmp_path, init_from=model_of_vocab_64, train_data=str(data / "train_*.bin"), steps=1,
+                              vocab_size=48, hidden_size=48), say=lines.append, progress=False)
+    assert result.final_train_loss is not None
+    assert f"warning: model.vocab_size = 48 (its 64), model.hidden_size = 48 (its 32) are not what trains: " \
+           f"model.init_from {model_of_vocab_64}'s config.json sets the architecture; leave them out of [model]" \
+           in lines, lines
+    lines.clear()
+    train(run_config(tmp_path, init_from=model_of_vocab_64, train_data=str(data / "train_*.bin"), steps=1,
+                     run_name="agreeing"), say=lines.append, progress=False)
+    assert not any("not what trains" in line for line in lines), lines
+
+
 def test_with_init_from_eval_files_may_have_the_models_vocab(tmp_path, model_of_vocab_64):
     data = tmp_path / "data"
     data.mkdir()

@@ -437,6 +437,26 @@ def model_config(config: TrainConfig, data_vocab_size: int, token_vocab_size: in
                        dropout=config.dropout, causal=config.causal)
 
 
+# The [model] settings that model.init_from's config.json replaces (model_config).
+_INIT_FROM_SETS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "rope_theta", "rms_norm_eps", "tie_word_embeddings")
+
+
+def ignored_model_settings(config: TrainConfig, model: ModelConfig) -> List[str]:
+    """The [model] sizes ``config`` sets (to other than their defaults)
+    that model.init_from's config.json, which ``model`` is, sets otherwise:
+    "model.hidden_size = 128 (its 64)", for a warning."""
+    defaults = {item.name: item.default for item in settings()}
+    ignored = []
+    for name in _INIT_FROM_SETS:
+        value, theirs = getattr(config, name), getattr(model, name)
+        if name == "num_key_value_heads":
+            theirs = theirs or model.num_attention_heads
+        if value != defaults[name] and value != theirs:
+            ignored.append(f"model.{name} = {value!r} (its {theirs!r})")
+    return ignored
+
+
 def warmup_steps(config: TrainConfig, resumed: Optional[Resume] = None) -> int:
     """The warmup the schedule uses: train.warmup_steps, clamped to the
     run's train.steps (``train`` warns when it clamps). A resumed run whose
@@ -575,6 +595,11 @@ def _setup(config: TrainConfig, run_dir: str, say: Callable[[str], None], group:
         if model.max_position_embeddings and config.seq_len > model.max_position_embeddings:
             say(f"warning: data.seq_len {config.seq_len} passes model.init_from's max_position_embeddings "
                 f"{model.max_position_embeddings}: the model was not trained on positions that far")
+        ignored = ignored_model_settings(config, model)
+        if ignored:
+            say(f"warning: {', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} not what trains: "
+                f"model.init_from {config.init_from}'s config.json sets the architecture; leave "
+                f"{'it' if len(ignored) == 1 else 'them'} out of [model]")
     # Packed windows (data.packing as the files resolved it) come with positions.
     options = train_options(config, run_packing(dataset for _, dataset in datasets))
     return model, options, loader, eval_loader, tokenizer_dir

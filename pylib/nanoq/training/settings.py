@@ -145,7 +145,8 @@ class TrainConfig:
                                           "bidirectional (Nano's is_causal = false), for train.objective seq2seq "
                                           "or denoise; not exportable to transformers")
     init_from: str = setting("model", "", "a Hugging Face model directory to start from (its config.json sets the "
-                                          "architecture and the [model] sizes are ignored; model.dropout applies, "
+                                          "architecture and the [model] sizes are ignored, with a warning naming those "
+                                          "set otherwise; model.dropout applies, "
                                           "and model.causal, position_embedding and linear_bias may not ask for "
                                           "another architecture); \"\" = random weights",
                             memory=True, path=True)
