@@ -373,12 +373,18 @@ def converted_run(project, **overrides):
 def test_two_stage_curriculum_switches_data_and_eval_at_the_stage_boundary(nano_project, batch_stages):
     config = converted_run(nano_project)
     assert [stage.steps for stage in parse_curriculum(config.curriculum)] == [6, 4]
-    result = train(config, **QUIET)
+    lines = []
+    result = train(config, say=lines.append, progress=False)
     assert batch_stages == [1] * 6 + [2] * 4
     # Eval after a stage's last step still uses its eval set (6 windows), then stage 2's (3 windows).
-    evals = {r["step"]: r["tokens"] for r in read_log(result.log_path) if r["type"] == "eval"}
+    records = [r for r in read_log(result.log_path) if r["type"] == "eval"]
+    evals = {r["step"]: r["tokens"] for r in records}
     assert evals == {0: 6 * SEQ, 2: 6 * SEQ, 4: 6 * SEQ, 6: 6 * SEQ, 8: 3 * (SEQ - 1), 10: 3 * (SEQ - 1)}
     assert np.isfinite(result.final_eval_loss)
+    # The summary compares evaluations on one eval set: stage 2's first (step 8) with the last.
+    (summary,) = [line for line in lines if line.startswith("done in ")]
+    losses = {r["step"]: r["loss"] for r in records}
+    assert summary.endswith(f", eval loss {losses[8]:.4f} (step 8) -> {losses[10]:.4f} (step 10)"), summary
 
 
 def test_resume_in_the_second_stage_continues_exactly(nano_project, batch_stages):

@@ -437,6 +437,20 @@ def model_config(config: TrainConfig, data_vocab_size: int, token_vocab_size: in
                        dropout=config.dropout, causal=config.causal)
 
 
+def _eval_data_at(config: TrainConfig, step: int) -> str:
+    """The eval files of the evaluation after ``step``: data.eval_data, or
+    with data.curriculum the eval files of the stage ``step`` is in (a
+    stage's last step still its own; step 0 the first stage's)."""
+    if not config.curriculum:
+        return config.eval_data
+    end = 0
+    for stage in parse_curriculum(config.curriculum):
+        end += stage.steps
+        if step <= end:
+            return stage.eval_data
+    return stage.eval_data
+
+
 # The [model] settings that model.init_from's config.json replaces (model_config).
 _INIT_FROM_SETS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                    "num_key_value_heads", "rope_theta", "rms_norm_eps", "tie_word_embeddings")
@@ -1004,8 +1018,11 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
     final_eval = evals[-1][1] if evals else None
     summary = f"done in {format_duration(seconds)}: train loss {done.train_loss:.4f}"
     if evals:
-        summary += f", eval loss {evals[0][1]:.4f} (step 0) -> {final_eval:.4f} (step {config.steps})" \
-            if evals[0][0] == 0 and len(evals) > 1 else f", eval loss {final_eval:.4f}"
+        # From the first evaluation on the final one's eval data (a curriculum's stages have their own).
+        first = next((step, loss) for step, loss in evals
+                     if _eval_data_at(config, step) == _eval_data_at(config, evals[-1][0]))
+        summary += f", eval loss {first[1]:.4f} (step {first[0]}) -> {final_eval:.4f} (step {evals[-1][0]})" \
+            if first[0] != evals[-1][0] else f", eval loss {final_eval:.4f}"
     say(summary)
     say(f"model: {model_dir}")
     return TrainResult(run_dir=os.path.abspath(run_dir), model_dir=model_dir,
