@@ -132,6 +132,26 @@ def test_a_signal_finishes_the_step_writes_a_checkpoint_and_exits_zero(tmp_path,
     assert log_records(run_dir, "train")[-1]["step"] == stopped["step"]  # the step in flight was finished
 
 
+def test_a_console_whose_reader_went_away_stops_the_run_with_a_checkpoint(tmp_path):
+    # `nanoq train | head`: once head exits, writing a line raised BrokenPipeError, which ended the run
+    # without a checkpoint. Now it stops after the step, as a signal does (SIGPIPE), and exits 0.
+    script = tmp_path / "run.py"
+    script.write_text(SIGNAL_RUN.format(tests=os.path.dirname(__file__), tmp=str(tmp_path), every=0))
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=stderr)
+        run_dir = tmp_path / "runs" / "run"
+        wait_for(lambda: (run_dir / "log.jsonl").exists() and len(log_records(run_dir, "train")) >= 3, process,
+                 "three steps")
+        process.stdout.close()  # the reader goes away
+        assert process.wait(timeout=120) == 0
+    errors = (tmp_path / "stderr.txt").read_text()
+    assert "nanoq: SIGPIPE: stopping after the current step, with a checkpoint" in errors and "Error" not in errors
+    (stopped,) = log_records(run_dir, "stopped")
+    assert stopped["signal"] == "SIGPIPE"
+    assert checkpoint.read_state(stopped["checkpoint"])["step"] == stopped["step"]
+    assert log_records(run_dir, "train")[-1]["step"] == stopped["step"]
+
+
 def test_a_second_sigint_aborts_at_once_and_the_last_checkpoint_survives(tmp_path):
     # A first run leaves complete checkpoints; the resumed run pauses inside its
     # next save (test hook), where the two signals arrive.

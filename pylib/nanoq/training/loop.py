@@ -63,7 +63,7 @@ from nanoq.training.samples import Samples, prepare_samples, sampling_note
 from nanoq.training.tracking import check_tracker, open_tracker
 from nanoq.training.log import JsonlLog, eval_line, format_duration, gpu_summary, memory_lines, train_line
 from nanoq.training.lr_schedule import learning_rate
-from nanoq.training.stop import StopRequest, TrainingHalted
+from nanoq.training.stop import StopRequest, TrainingHalted, ask_to_stop
 
 
 @dataclasses.dataclass
@@ -86,11 +86,22 @@ class TrainResult:
     evals: List[tuple]
     seconds: float
     resumed_from: Optional[str] = None
-    stopped_by: Optional[str] = None  # "SIGINT"/"SIGTERM" when a signal stopped the run early (model_dir is then "")
+    # "SIGINT"/"SIGTERM" when a signal stopped the run early, "SIGPIPE" when its console's reader went
+    # away (model_dir is then "")
+    stopped_by: Optional[str] = None
 
 
 def _print(line: str) -> None:
-    print(line, flush=True)
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        # Whoever read the console went away (`nanoq train | head`): later lines go nowhere, and the run
+        # stops after its step with a checkpoint, as on a signal (SIGPIPE, which Python turns into this).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        if not ask_to_stop("SIGPIPE"):
+            raise
 
 
 def _silent(line: str) -> None:

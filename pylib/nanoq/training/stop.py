@@ -8,6 +8,10 @@ one ends the process at once, even inside a core call. That is safe: every
 checkpoint is written to a temporary directory and renamed into place, so the
 last complete one is never damaged. Under a launcher the processes agree
 after every step whether any of them was asked to stop (``agreed``).
+
+A console whose reader went away (``nanoq train | head``: writing to it
+raises BrokenPipeError, Python's form of SIGPIPE) stops the run the same way,
+as "SIGPIPE" (``ask_to_stop``), instead of ending it without a checkpoint.
 """
 from __future__ import annotations
 
@@ -23,6 +27,19 @@ class TrainingHalted(RuntimeError):
     loss or gradient; the message names the checkpoint of the last good state."""
 
 
+_active: Optional["StopRequest"] = None  # the StopRequest of the run in progress (main thread), if any
+
+
+def ask_to_stop(name: str) -> bool:
+    """Asks the run in progress to stop after its current step as a first
+    signal does, ``name`` standing for the signal; False when no run is in
+    progress (nothing to stop, so nothing to save)."""
+    if _active is None:
+        return False
+    _active.ask(name)
+    return True
+
+
 class StopRequest:
     """Installs the handlers while active (main thread only; elsewhere it is
     inert). ``signal_name`` is set once a stop was asked for."""
@@ -35,13 +52,18 @@ class StopRequest:
         self._wakeup = None  # (read end, write end) of the pipe counting deliveries, or None
 
     def __enter__(self) -> "StopRequest":
+        global _active
         if threading.current_thread() is threading.main_thread():
             self._count_deliveries()
             for number in self.SIGNALS:
                 self._previous[number] = signal.signal(number, self._handle)
+            _active = self
         return self
 
     def __exit__(self, *exc) -> None:
+        global _active
+        if _active is self:
+            _active = None
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         if self._wakeup is not None:
@@ -87,13 +109,22 @@ class StopRequest:
                 signal.signal(other, signal.SIG_DFL)
             os.kill(os.getpid(), number)
             return
-        self.signal_name = signal.Signals(number).name
+        self.ask(signal.Signals(number).name)
+
+    def ask(self, name: str) -> None:
+        """The stop a first signal asks for (``name``: the signal's)."""
+        if self.signal_name is not None:
+            return
+        self.signal_name = name
         for other in self.SIGNALS:
             signal.signal(other, signal.SIG_DFL)  # a second signal ends the process now
         # Said at once: the step in flight (and a save) may take a while.
-        sys.stderr.write(f"nanoq: {self.signal_name}: stopping after the current step, with a checkpoint (a "
-                         f"second signal stops at once, without one)\n")
-        sys.stderr.flush()
+        try:
+            sys.stderr.write(f"nanoq: {name}: stopping after the current step, with a checkpoint (a second "
+                             f"signal stops at once, without one)\n")
+            sys.stderr.flush()
+        except OSError:
+            pass  # a console that is gone: the run's log.jsonl records the stop
 
     @property
     def requested(self) -> bool:
