@@ -322,6 +322,7 @@ def test_a_signal_to_mpiexec_stops_every_process_after_one_step_with_a_checkpoin
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 0, output
     assert output.count(f"{signal_name}: stopped after step") == 1, output
+    assert output.count(f"nanoq: {signal_name}: stopping after the current step") == 1, output  # the root's
     (stopped,) = [r for r in read_log(log) if r["type"] == "stopped"]
     from nanoq import checkpoint
 

@@ -839,7 +839,7 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
     # Under a launcher the root samples its own GPUs, which it logs.
     sampler = _telemetry(config, trainer) if group.is_root else GpuTelemetry(devices=0)
 
-    with trainer, log_file as log, sampler as telemetry, StopRequest() as stop:
+    with trainer, log_file as log, sampler as telemetry, StopRequest(say=group.is_root) as stop:
         shapes = trainer.parameter_shapes
         parameters = sum(math.prod(shape) for shape in shapes.values())
         placement = f" ({group.size} processes x {trainer.world_size})" if group.size > 1 else ""

@@ -42,11 +42,14 @@ def ask_to_stop(name: str) -> bool:
 
 class StopRequest:
     """Installs the handlers while active (main thread only; elsewhere it is
-    inert). ``signal_name`` is set once a stop was asked for."""
+    inert). ``signal_name`` is set once a stop was asked for. ``say``: write
+    that a stop was asked for on stderr (under a launcher only the root
+    process does: a launcher passes Ctrl-C to every process)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self):
+    def __init__(self, say: bool = True):
+        self.say = say
         self.signal_name: Optional[str] = None
         self._previous = {}
         self._wakeup = None  # (read end, write end) of the pipe counting deliveries, or None
@@ -118,6 +121,8 @@ class StopRequest:
         self.signal_name = name
         for other in self.SIGNALS:
             signal.signal(other, signal.SIG_DFL)  # a second signal ends the process now
+        if not self.say:
+            return
         # Said at once: the step in flight (and a save) may take a while.
         try:
             sys.stderr.write(f"nanoq: {name}: stopping after the current step, with a checkpoint (a second "
