@@ -16,8 +16,11 @@ import pickle
 import re
 import shlex
 import shutil
+import subprocess
+import sys
 
 import click
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -208,6 +211,32 @@ def test_the_readmes_python_example_runs_as_written(tmp_path):
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "my-model")
 
 
+def test_the_readmes_python_example_under_mpiexec_trains_like_one_process_of_two_devices(tmp_path):
+    """As the README says, the same script under mpiexec -n 2: each process feeds its rows of
+    every global batch (it fed the same rows to both and prepared the data twice at once)."""
+    from test_processes import mpiexec_path
+
+    text = open(README, encoding="utf-8").read()
+    section = text[text.index("## Using it from Python"):]
+    code = section[section.index("```python\n") + len("```python\n"):section.index("```\n", 10)]
+    assert "devices=1" in code
+    (tmp_path / "mpi").mkdir()
+    (tmp_path / "one").mkdir()
+    (tmp_path / "mpi" / "example.py").write_text(code)
+    (tmp_path / "one" / "example.py").write_text(code.replace("devices=1", "devices=2"))
+
+    def losses(command, folder):
+        done = subprocess.run(command + [sys.executable, "example.py"], capture_output=True, text=True, timeout=600,
+                              cwd=tmp_path / folder)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return [float(line.split()[1]) for line in done.stdout.splitlines()]
+
+    two_processes = losses([mpiexec_path(), "-n", "2"], "mpi")
+    assert len(two_processes) == 20  # printed by the root process only
+    # (Equal to fp32 rounding: each process takes the cores as its threads, the two devices of one share them.)
+    np.testing.assert_allclose(two_processes, losses([], "one"), rtol=1e-4)
+
+
 def test_prepare_reuses_its_own_demo_tokenization_so_the_python_example_can_run_again(tmp_path):
     from nanoq.demo import prepare
 
@@ -218,6 +247,30 @@ def test_prepare_reuses_its_own_demo_tokenization_so_the_python_example_can_run_
     assert {name: (tmp_path / "demo-data" / name).read_bytes() for name in files} == files
     assert sorted(os.listdir(tmp_path / "demo-data")) == sorted(files)
     assert prepare(tmp_path / "empty") is not None and (tmp_path / "empty" / "tokenize.json").is_file()
+
+
+@pytest.mark.parametrize("when", ["__init__", "commit"])
+def test_prepare_in_processes_at_once_takes_the_output_of_the_first_to_finish(tmp_path, monkeypatch, when):
+    # The README's script under mpiexec: every process calls prepare() on one folder. The one that
+    # finishes second found the folder taken, when it began writing or when it moved its own in, and
+    # failed (OSError: Directory not empty); it now takes the first one's output.
+    from nanoq import demo
+    from nanoq.tokenization import pipeline
+
+    target = tmp_path / "demo-data"
+    original = getattr(pipeline.OutputDirectory, when)
+
+    def the_other_process_first(self, *args):
+        if not target.exists() or not os.listdir(target):
+            subprocess.run([sys.executable, "-c", f"from nanoq.demo import prepare; prepare({str(target)!r})"],
+                           check=True)
+        return original(self, *args)
+
+    monkeypatch.setattr(pipeline.OutputDirectory, when, the_other_process_first)
+    result = demo.prepare(target)
+    monkeypatch.undo()
+    assert result == demo.prepare(target)  # the other process's output, complete
+    assert os.listdir(tmp_path) == ["demo-data"]  # this process's own folder is gone
 
 
 def test_prepare_refuses_a_directory_that_does_not_hold_its_demo_tokenization(tmp_path):

@@ -120,6 +120,7 @@ case "$kind" in
     # setting (under ASan, together 150 of these tests' 625 process-seconds).
     for test in test_suite_setup.py::test_the_suite_loads_without_pytest_xdist \
                 test_readme.py::test_the_readmes_python_example_runs_as_written \
+                test_readme.py::test_the_readmes_python_example_under_mpiexec_trains_like_one_process_of_two_devices \
                 test_readme.py::test_prepare_reuses_its_own_demo_tokenization_so_the_python_example_can_run_again \
                 test_readme.py::test_prepare_refuses_a_directory_that_does_not_hold_its_demo_tokenization \
                 test_cli.py::test_an_interrupt_says_whether_there_is_a_checkpoint_to_resume \

@@ -15,6 +15,7 @@ this tokenization is used as it is.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import filecmp
 import fnmatch
 import json
@@ -53,12 +54,26 @@ def prepare(directory: str | os.PathLike) -> TokenizeResult:
     token counts and vocabulary size). Any other non-empty directory raises
     FileExistsError saying what does not match; nothing is ever
     overwritten: remove the directory or choose another.
+
+    Processes that call it at once (a script under mpiexec) each tokenize
+    into a folder of their own; the first to finish moves its folder into
+    place, and the others take that one.
     """
     existing = _existing(directory)
     if existing is not None:
         return existing
-    return tokenize_documents(documents(), directory, tokenizer=DEMO_DIR, eval_fraction=EVAL_FRACTION,
-                              seed=SEED, progress=False, inputs=[CORPUS])
+    try:
+        return tokenize_documents(documents(), directory, tokenizer=DEMO_DIR, eval_fraction=EVAL_FRACTION,
+                                  seed=SEED, progress=False, inputs=[CORPUS])
+    except OSError as e:
+        # Another process's output got there first: the directory was no longer empty when this one
+        # began writing (FileExistsError) or moved its own in (ENOTEMPTY); use it if it is complete.
+        if not isinstance(e, FileExistsError) and e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        existing = _existing(directory)
+        if existing is None:
+            raise
+        return existing
 
 
 def _existing(directory: str | os.PathLike) -> Optional[TokenizeResult]:
