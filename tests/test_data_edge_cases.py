@@ -391,3 +391,26 @@ def test_exported_and_checkpoint_files_get_the_mode_the_umask_gives_a_new_file(t
     assert parts and "trainer_state.json" in os.listdir(step_dir)
     for name in parts + ["trainer_state.json"]:  # the tensors as readable as the JSON beside them
         assert os.stat(os.path.join(step_dir, name)).st_mode & 0o777 == 0o666 & ~umask, name
+
+
+def test_a_token_file_write_that_fails_names_the_file_and_leaves_nothing(tmp_path):
+    # A file-size limit (or a full disk) fails a write() whose OSError names no file: the message was
+    # "[Errno 27] File too large" alone.
+    import subprocess
+    import sys
+
+    script = f"""
+import errno, os, resource, signal
+import numpy as np
+from nanoq.data import write_tokens
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+try:
+    write_tokens({str(tmp_path / "big.bin")!r}, np.arange(10000) % 50, 64)
+except OSError as e:
+    print(e.errno == errno.EFBIG, e)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == f"True [Errno {__import__('errno').EFBIG}] File too large (writing " \
+                                  f"{tmp_path / 'big.bin'})", done.stdout + done.stderr
+    assert os.listdir(tmp_path) == []  # the temporary file is gone, and no token file was made

@@ -180,9 +180,11 @@ def _write_validated(path: str, tokens: np.ndarray, vocab_size: int, mask: Optio
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(temporary):
             os.remove(temporary)
+        if isinstance(e, OSError) and e.filename is None:  # a write's error ("File too large") names no file
+            raise OSError(e.errno, f"{e.strerror} (writing {path})") from e
         raise
     fsync_path(os.path.dirname(os.path.abspath(path)))
 
