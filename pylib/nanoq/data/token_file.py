@@ -183,7 +183,7 @@ def _write_validated(path: str, tokens: np.ndarray, vocab_size: int, mask: Optio
     except BaseException as e:
         if os.path.exists(temporary):
             os.remove(temporary)
-        if isinstance(e, OSError) and e.filename is None:  # a write's error ("File too large") names no file
+        if isinstance(e, OSError) and e.errno is not None and e.filename is None:  # a write's names no file
             raise OSError(e.errno, f"{e.strerror} (writing {path})") from e
         raise
     fsync_path(os.path.dirname(os.path.abspath(path)))
