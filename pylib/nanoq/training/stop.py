@@ -119,8 +119,9 @@ class StopRequest:
         if self.signal_name is not None:
             return
         self.signal_name = name
-        for other in self.SIGNALS:
-            signal.signal(other, signal.SIG_DFL)  # a second signal ends the process now
+        if threading.current_thread() is threading.main_thread():  # (else _handle sees signal_name set)
+            for other in self.SIGNALS:
+                signal.signal(other, signal.SIG_DFL)  # a second signal ends the process now
         if not self.say:
             return
         # Said at once: the step in flight (and a save) may take a while.
