@@ -43,8 +43,13 @@ def test_plot_writes_the_figure_of_a_log_file(tmp_path):
     with JsonlLog(tmp_path / "log.jsonl") as log:
         for record in resumed_log():
             log.write(**record)
+    import matplotlib.pyplot as plt
+
+    mine = plt.figure()  # a caller's own figure stays open
     plot_losses(tmp_path / "log.jsonl", tmp_path / "loss.png")
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plt.get_fignums() == [mine.number]
+    plt.close(mine)
     (tmp_path / "empty.jsonl").write_text('{"type": "start"}\n')
     with pytest.raises(ValueError, match=r"empty\.jsonl: no train or eval losses to plot"):
         plot_losses(tmp_path / "empty.jsonl", tmp_path / "none.png")

@@ -37,8 +37,9 @@ def check_image_path(output: str | os.PathLike, command: str) -> None:
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"cannot write {path}: the folder {folder} does not exist")
     suffix = os.path.splitext(path)[1].lstrip(".").lower()
-    formats = plt.figure().canvas.get_supported_filetypes()
-    plt.close("all")
+    figure = plt.figure()
+    formats = figure.canvas.get_supported_filetypes()
+    plt.close(figure)  # (only this one: the caller's own figures stay open)
     if suffix not in formats:
         raise ValueError(f"cannot write {path}: name an image file ending in one of "
                          f"{', '.join('.' + name for name in sorted(formats))}")
