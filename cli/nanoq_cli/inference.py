@@ -452,21 +452,24 @@ def eval_command(model, data, seq_len, batches, batch_size, backend, window_step
         if source.max_positions and seq_len > source.max_positions:
             raise ValueError(f"--seq-len {seq_len} exceeds the model's {source.max_positions} positions")
         objective = _eval_objective(source, objective, model)
+        try:
+            run_config, unreadable = _run_config(source), None
+        except ValueError as e:  # a config.toml of another nanoq version, say
+            run_config, unreadable = None, e
         mask_id = None
         if objective == "denoise":
-            mask_id = _mask_id(mask_token if mask_token is not None else _run_mask_token(source),
-                               source.tokenizer_dir, source.config.vocab_size)
+            if unreadable is not None:  # its masks are the run's: no defaults stand in for them
+                raise unreadable
+            run_mask = run_config.mask_token or None if run_config is not None else None
+            mask_id = _mask_id(mask_token if mask_token is not None else run_mask, source.tokenizer_dir,
+                               source.config.vocab_size)
             if seed is None:
-                run_config = _run_config(source)
                 seed = run_config.seed if run_config is not None else 0
         elif mask_token is not None or seed is not None:
             raise ValueError("--mask-token and --seed are for --objective denoise")
-        try:
-            run_config = _run_config(source)
-        except ValueError as e:  # a config.toml of another nanoq version, say: the defaults stand
-            click.echo(f"warning: the windows are cut by the options and defaults, not by the model's run: {e}",
-                       err=True)
-            run_config = None
+        if unreadable is not None:  # the windows' defaults stand
+            click.echo(f"warning: the windows are cut by the options and defaults, not by the model's run: "
+                       f"{unreadable}", err=True)
         if run_config is not None and run_config.seq_len == seq_len and run_config.objective == objective:
             # The windows the run's own evaluations had (a Nano import's one window per line, say).
             window_step = window_step or run_config.window_step or None

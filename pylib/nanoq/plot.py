@@ -31,15 +31,15 @@ def check_image_path(output: str | os.PathLike, command: str) -> None:
     written: FileNotFoundError when its folder does not exist, ValueError
     when its suffix is not an image format matplotlib writes (it would
     otherwise write a .png beside a name without one)."""
-    plt = _pyplot(command)
+    _pyplot(command)  # (matplotlib, or the ImportError saying how to get it)
+    from matplotlib.backend_bases import FigureCanvasBase
+
     path = os.fspath(output)
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"cannot write {path}: the folder {folder} does not exist")
     suffix = os.path.splitext(path)[1].lstrip(".").lower()
-    figure = plt.figure()
-    formats = figure.canvas.get_supported_filetypes()
-    plt.close(figure)  # (only this one: the caller's own figures stay open)
+    formats = FigureCanvasBase.get_supported_filetypes()
     if suffix not in formats:
         raise ValueError(f"cannot write {path}: name an image file ending in one of "
                          f"{', '.join('.' + name for name in sorted(formats))}")

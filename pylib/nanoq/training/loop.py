@@ -1030,8 +1030,8 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
     summary = f"done in {format_duration(seconds)}: train loss {done.train_loss:.4f}"
     if evals:
         # From the first evaluation on the final one's eval data (a curriculum's stages have their own).
-        first = next((step, loss) for step, loss in evals
-                     if _eval_data_at(config, step) == _eval_data_at(config, evals[-1][0]))
+        final_data = _eval_data_at(config, evals[-1][0])
+        first = next((step, loss) for step, loss in evals if _eval_data_at(config, step) == final_data)
         summary += f", eval loss {first[1]:.4f} (step {first[0]}) -> {final_eval:.4f} (step {evals[-1][0]})" \
             if first[0] != evals[-1][0] else f", eval loss {final_eval:.4f}"
     say(summary)
