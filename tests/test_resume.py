@@ -272,17 +272,45 @@ def test_resume_takes_the_newest_checkpoint_even_if_latest_was_not_updated(tmp_p
     assert result.resumed_from == os.path.join(run, "checkpoints", "step_00000008")
 
 
-def test_resuming_a_finished_run_unchanged_exports_its_model_again(tmp_path):
+def _tree(directory):
+    """{relative path: bytes} of every file under ``directory``."""
+    files = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            files[os.path.relpath(path, directory)] = open(path, "rb").read()
+    return files
+
+
+def test_resuming_a_finished_run_unchanged_does_nothing_and_names_its_model(tmp_path):
     first = train(config(tmp_path, steps=8), **QUIET)
-    again = train(config(tmp_path, steps=8), resume=os.path.join(first.run_dir, "checkpoints"), **QUIET)
-    assert again.model_dir == os.path.join(first.run_dir, "model-step8")
+    before = _tree(first.run_dir)
+    lines = []
+    again = train(config(tmp_path, steps=8, lr=5e-3), resume=os.path.join(first.run_dir, "checkpoints"),
+                  say=lines.append, progress=False)
+    # Nothing trained, evaluated or written: the run directory is byte for byte as the finish left it
+    # (a requeued job's `nanoq train --resume auto` must not pile up copies of the model).
+    assert _tree(first.run_dir) == before
+    assert f"{first.run_dir} finished at step 8 already: nothing to train (give train.steps above 8, --steps N, " \
+           f"to train on)" in lines and f"model: {first.model_dir}" in lines
+    assert again.model_dir == first.model_dir and again.steps == 8 and again.parameters == first.parameters
     assert again.final_eval_loss == first.final_eval_loss and again.final_train_loss == first.final_train_loss
-    assert open(os.path.join(again.model_dir, "model.safetensors"), "rb").read() == \
-        open(os.path.join(first.model_dir, "model.safetensors"), "rb").read()
+    assert again.evals == first.evals and again.resumed_from == os.path.join(first.run_dir, "checkpoints",
+                                                                               "step_00000008")
+    # Its model gone, the resume writes it again (after evaluating the step once more).
+    import shutil
+
+    shutil.rmtree(first.model_dir)
+    third = train(config(tmp_path, steps=8), resume="auto", **QUIET)
+    assert third.model_dir == first.model_dir and os.path.isfile(os.path.join(third.model_dir, "model.safetensors"))
+    assert third.final_eval_loss == first.final_eval_loss
     log = records(first.run_dir)
     assert [r["type"] for r in log[log.index(records(first.run_dir, "resume")[0]):]] == ["resume", "eval", "end"]
-    third = train(config(tmp_path, steps=8), resume="auto", **QUIET)
-    assert third.model_dir == os.path.join(first.run_dir, "model-step8-2")
+    # Moved with its model, the run is still found finished there; with more steps it trains on.
+    moved = shutil.move(first.run_dir, tmp_path / "elsewhere")
+    assert train(config(tmp_path, steps=8), resume=moved, **QUIET).model_dir == os.path.join(moved, "model")
+    longer = train(config(tmp_path, steps=10), resume=moved, **QUIET)
+    assert longer.model_dir == os.path.join(moved, "model-step10") and longer.steps == 10
 
 
 def test_resuming_a_finished_run_whose_checkpoint_is_the_model_takes_that_checkpoint(tmp_path):

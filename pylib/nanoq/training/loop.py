@@ -792,6 +792,8 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
             resumed = on_root(group, lambda: prepare_resume(config, run, say),
                               action="finding the checkpoint to resume", fallback=ValueError)
             config = resumed.config
+            if resumed.finished is not None:
+                return _finished(run_dir, config, resumed, start, say)
         return _train_in(run_dir, config, resumed, start, say, progress, group)
     except KeyboardInterrupt as interrupt:  # (a second Ctrl-C; the first stops at a step's end)
         interrupt.run_dir = os.path.abspath(run_dir)  # for the caller to say what is there to resume
@@ -799,6 +801,22 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
     finally:
         if lock is not None:
             lock.release()
+
+
+def _finished(run_dir: str, config: TrainConfig, resumed: Resume, start: float,
+              say: Callable[[str], None]) -> TrainResult:
+    """The result of resuming a run that finished at train.steps already
+    (``resumed.finished``): it trains, evaluates and writes nothing."""
+    finished = resumed.finished
+    say(f"{os.path.abspath(run_dir)} finished at step {config.steps} already: nothing to train (give train.steps "
+        f"above {config.steps}, --steps N, to train on)")
+    say(f"model: {finished['model_dir']}")
+    evals = finished["evals"]
+    return TrainResult(run_dir=os.path.abspath(run_dir), model_dir=finished["model_dir"],
+                       log_path=os.path.abspath(os.path.join(run_dir, "log.jsonl")), steps=config.steps,
+                       parameters=finished["parameters"], final_train_loss=finished["train_loss"],
+                       final_eval_loss=evals[-1][1] if evals else None, evals=evals,
+                       seconds=time.time() - start, resumed_from=resumed.state["path"])
 
 
 def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], start: float,

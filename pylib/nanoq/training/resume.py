@@ -28,6 +28,7 @@ from nanoq.checkpoint import (STATE_FILE, CheckpointError, NewerFormatError, lis
 from nanoq.data import DataLoader
 from nanoq.memory import human_bytes
 from nanoq.trainer import Trainer
+from nanoq.training.log import read_log
 from nanoq.training.settings import Setting, TrainConfig, resolve_paths, settings
 from nanoq.training.run_lock import require_not_in_use
 
@@ -76,6 +77,9 @@ class Resume:
     state: dict                 # nanoq.checkpoint.read_state of the step directory
     config: TrainConfig         # the new config, with the run's own out_dir and run_name
     changes: Dict[str, list]    # {"train.lr": [checkpoint value, new value]}: the applied changes
+    # When the run finished at this checkpoint's step, which is train.steps, and its model is still there
+    # (nothing is left to do): finished_run's account of that finish
+    finished: Optional[dict] = None
 
 
 def _is_fixed(item: Setting) -> bool:
@@ -264,7 +268,47 @@ def prepare_resume(config: TrainConfig, run: RunToResume, say: Callable[[str], N
         raise ValueError(f"cannot resume from {step_dir}: it is at step {extra['step']}, past train.steps "
                          f"{config.steps}; give train.steps >= {extra['step']}")
     location = {name: extra["config"].get("run", {}).get(name, getattr(config, name)) for name in _LOCATION}
-    return Resume(run_dir=run_dir, state=state, config=dataclasses.replace(config, **location), changes=changes)
+    return Resume(run_dir=run_dir, state=state, config=dataclasses.replace(config, **location), changes=changes,
+                  finished=finished_run(run_dir, state) if extra["step"] == config.steps else None)
+
+
+def finished_run(run_dir: str, state: dict) -> Optional[dict]:
+    """How the run finished, when the last "end" record of its log.jsonl
+    is at the step of checkpoint ``state`` (from read_state) and the model
+    that record names (its export, or the final checkpoint of a model
+    transformers cannot load) is still there, in the run directory if the
+    run was moved: a dict of ``model_dir``, ``parameters`` (None if the log
+    lacks them), ``evals`` ([(step, loss)]: the checkpoint's, then the
+    final evaluation the log holds) and ``train_loss``. Else None. A run resumed at that
+    step has nothing left to do: training again would only evaluate that
+    step again and write another copy of the model. Without that model
+    (moved, deleted) or a readable log the resume goes on, and writes the
+    model again."""
+    try:
+        records = [record for record in read_log(os.path.join(run_dir, "log.jsonl")) if isinstance(record, dict)]
+    except (OSError, ValueError):
+        return None
+    steps, extra = state["step"], state["extra_state"]
+    ends = [index for index, record in enumerate(records) if record.get("type") == "end"]
+    if not ends or records[ends[-1]].get("step") != steps:
+        return None
+    before = records[:ends[-1]]
+    model_dir = records[ends[-1]].get("model_dir")
+    began = next((record for record in reversed(before) if record.get("type") in ("start", "resume")), {})
+    if not isinstance(model_dir, str) or not model_dir:
+        return None
+    old_run_dir = began.get("run_dir")
+    if not os.path.isdir(model_dir) and isinstance(old_run_dir, str) and \
+            model_dir.startswith(old_run_dir.rstrip(os.sep) + os.sep):  # the run moved since
+        model_dir = os.path.join(run_dir, os.path.relpath(model_dir, old_run_dir))
+    if not os.path.isdir(model_dir):
+        return None
+    evals = [(step, _float(loss)) for step, loss in extra["evals"]]
+    final = [record for record in before if record.get("type") == "eval" and record.get("step") == steps]
+    if final and not (evals and evals[-1][0] == steps):
+        evals.append((steps, _float(final[-1].get("loss"))))
+    return dict(model_dir=os.path.abspath(model_dir), parameters=began.get("parameters"), evals=evals,
+                train_loss=_float(extra["train_loss"]))
 
 
 def _check_moved_base(state: dict, old: str, new: str) -> None:
