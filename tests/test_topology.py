@@ -175,6 +175,18 @@ def test_a_member_that_never_comes_ends_the_rendezvous_with_an_error(monkeypatch
         nanoq.Trainer(CONFIG, options(1, world_size=2, comm_id=new_comm_id("cpu")))
     assert time.monotonic() - start < 20
 
+@pytest.mark.parametrize("comm_id", [b"my-world", b"", b"\x00" * 128], ids=["own-name", "empty", "nccl-sized"])
+def test_a_comm_id_not_made_for_the_cpu_backend_is_refused_at_once(monkeypatch, comm_id):
+    # A name of the caller's own (or another backend's id) named a world of its own: the trainer waited
+    # out the rendezvous time limit for partners that never came.
+    monkeypatch.setenv("NANOQ_RENDEZVOUS_TIMEOUT", "60")
+    start = time.monotonic()
+    expected = "needs comm_id" if not comm_id else r"comm_id is not a cpu communicator id .*new_comm_id\(\"cpu\"\)"
+    with pytest.raises(ValueError, match=expected):
+        nanoq.Trainer(CONFIG, options(1, world_size=2, comm_id=comm_id))
+    assert time.monotonic() - start < 20
+
+
 
 def test_a_member_closed_while_the_others_train_fails_them_instead_of_hanging_them():
     # A caller error closes one trainer of the world (its `with` block exits); the other's next

@@ -248,7 +248,9 @@ private:
     int first_rank_;
 };
 
-// The worlds of this process with an id, while a member lives.
+// The worlds of this process with an id, while a member lives; new_comm_id's
+// ids (new_shared_memory_id) start with this.
+constexpr const char* kSharedMemoryIdPrefix = "shm:";
 std::mutex worlds_mutex;
 std::map<std::string, std::weak_ptr<SharedMemoryGroup>>& worlds() {
     static std::map<std::string, std::weak_ptr<SharedMemoryGroup>> by_id;
@@ -620,6 +622,12 @@ std::shared_ptr<CommGroup> make_shared_memory_group(const Topology& t) {
         world->join(t);
         return std::make_shared<SharedMemoryMembers>(std::move(world), t.first_rank);
     }
+    // Any other string would name a world of its own, whose members would wait
+    // out the rendezvous time limit for partners that never come.
+    if (t.id.compare(0, std::strlen(kSharedMemoryIdPrefix), kSharedMemoryIdPrefix) != 0)
+        throw InvalidArgument("comm_id is not a cpu communicator id (one starts with \"" +
+                              std::string(kSharedMemoryIdPrefix) + "\"): make it with nanoq.new_comm_id(\"cpu\") "
+                              "and give the same one to every trainer of the world");
     std::shared_ptr<SharedMemoryGroup> world;
     {
         std::lock_guard<std::mutex> lock(worlds_mutex);
@@ -650,7 +658,7 @@ std::shared_ptr<CommGroup> make_shared_memory_group(const Topology& t) {
 std::string new_shared_memory_id() {
     static std::atomic<unsigned long long> next{0};
     std::random_device random;
-    return "shm:" + std::to_string(random()) + ":" + std::to_string(++next);
+    return kSharedMemoryIdPrefix + std::to_string(random()) + ":" + std::to_string(++next);
 }
 
 }  // namespace nanoq
