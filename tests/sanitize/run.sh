@@ -14,8 +14,8 @@
 #   tests/sanitize/run.sh thread [PYTEST ARGS...]
 #       ThreadSanitizer on the worker pool, the shared-memory communicator and
 #       the trainer's hand-offs; by default test_worker_pool, test_equivalence
-#       (1, 2 and 4 devices), test_zero and the other defaults below, also
-#       under pytest -n auto.
+#       (1, 2 and 4 devices; not its float32 counting test, below), test_zero
+#       and the other defaults below, also under pytest -n auto.
 #
 # PYTEST ARGS, when given, replace the default test selection (under
 # address, its cuda_emulated tests still run apart, as in the default run,
@@ -136,7 +136,10 @@ case "$kind" in
     # The CUDA emulator switches stacks by hand (fibers) and does not tell
     # ThreadSanitizer: the TSan build leaves it out, and its tests go.
     deselect=(-m "not cuda_emulated")
-    cpu_deselect=()
+    # The float32 counting test (17 micro-batches of 2^20 tokens on one device, one thread: nothing of
+    # the pool's or the communicator's hand-offs that the other tests do not make) took 99 of the
+    # selection's 150 process-seconds under TSan.
+    cpu_deselect=(--deselect tests/test_equivalence.py::test_token_count_and_mean_loss_stay_exact_past_2_pow_24_tokens_per_step)
     emulated_tests=()
     default_tests=(tests/test_worker_pool.py tests/test_equivalence.py tests/test_zero.py tests/test_async_steps.py
                    tests/test_comm_overlap.py tests/test_topology.py)
