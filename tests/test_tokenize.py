@@ -250,6 +250,29 @@ def test_existing_output_is_never_overwritten(tmp_path, tokenizer_dir):
     assert os.listdir(tmp_path / "out") == ["keep.bin"]
 
 
+def test_an_output_that_cannot_be_made_is_refused_before_any_work(tmp_path, tokenizer_dir, monkeypatch):
+    from click.testing import CliRunner
+    from nanoq import tokenization
+    from nanoq_cli.main import cli
+
+    (tmp_path / "a.txt").write_text("the lazy dog")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    monkeypatch.setattr(tokenization, "read_documents", lambda *a, **k: pytest.fail("read before checking the output"))
+    for output, expected in ((tmp_path / "a.txt" / "sub", f"{tmp_path / 'a.txt'} is a file, not a directory"),
+                             (tmp_path / "a.txt" / "x" / "y", f"{tmp_path / 'a.txt'} is a file, not a directory"),
+                             (tmp_path / "dangling", f"is a symbolic link to {tmp_path / 'nowhere'}, which does not")):
+        with pytest.raises(FileExistsError, match=expected):
+            tokenize_files([tmp_path / "a.txt"], output, tokenizer=tokenizer_dir)
+        with pytest.raises(FileExistsError, match=expected):  # (not the InputError of reading a.txt as Nano's)
+            import_nano([tmp_path / "a.txt"], output, vocab_size=10)
+        # The command says it in one line (it printed a traceback, after the work for the link).
+        result = CliRunner().invoke(cli, ["tokenize", str(tmp_path / "a.txt"), "-o", str(output),
+                                          "--tokenizer", str(tokenizer_dir)])
+        assert result.exit_code == 1 and result.output.startswith("Error: output ") and expected in result.output
+        assert not isinstance(result.exception, FileExistsError), result.exception
+    assert sorted(os.listdir(tmp_path)) == ["a.txt", "dangling"]
+
+
 def held_out_lines(tmp_path, name, seed, workers=1, lines=10):
     data = tmp_path / "lines.txt"
     data.write_text("".join(f"line {i} of the quick brown fox\n" for i in range(lines)))

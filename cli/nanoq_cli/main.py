@@ -269,7 +269,7 @@ def tokenize(inputs, output, fmt, text_field, split, tokenizer, train_tokenizer,
                                     eos_token=eos_token, eval_fraction=eval_fraction, seed=seed,
                                     workers=workers, shard_tokens=shard_tokens, special_text=special_text,
                                     **extra)
-    except (InputError, ValueError, FileNotFoundError, FileExistsError) as e:
+    except (InputError, ValueError, OSError) as e:  # (OSError: a write that failed, say a full disk)
         raise _fail(e) from None
     files = len(result.train_files) + len(result.eval_files)
     click.echo(f"wrote {result.output}: {result.documents} documents ({result.eval_documents} held out), "

@@ -32,6 +32,7 @@ from nanoq.tokenization.pipeline import (
     SPECIAL_TEXT,
     Encoder,
     OutputDirectory,
+    check_output,
     concatenate,
     encode_documents,
     split_documents,
@@ -198,6 +199,7 @@ def tokenize_files(inputs: Sequence[str | os.PathLike], output: str | os.PathLik
     paths = [os.fspath(p) for p in inputs]
     if not paths:
         raise ValueError("no input files given")
+    check_output(output)  # before the work (and again when it is written)
     documents: List[Document] = []
     for path in paths:
         documents += read_documents(path, fmt, text_field, split)
@@ -221,6 +223,7 @@ def import_nano(inputs: Sequence[str | os.PathLike], output: str | os.PathLike, 
                                or not 0 <= eos_id < vocab_size):
         raise ValueError(f"eos id must be an integer in [0, {vocab_size}), got {eos_id!r}")
     paths = [os.fspath(p) for p in inputs]
+    check_output(output)  # before the work (and again when it is written)
     sequences = []
     for path in paths:
         if not os.path.isfile(path):

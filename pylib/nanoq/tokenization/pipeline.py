@@ -196,16 +196,36 @@ def concatenate(encoded: Sequence[Encoded]) -> Concatenated:
     return np.concatenate([t for t, _ in encoded]), np.concatenate([m for _, m in encoded]), starts
 
 
+def check_output(path: str | os.PathLike) -> str:
+    """The absolute path of ``path`` as a tokenization's output folder, which
+    must not exist (or be an empty directory) and can be made: a folder
+    above it that is a file, a dangling symbolic link or a folder this
+    process may not write in raises FileExistsError or PermissionError, so
+    that the command says so before any work."""
+    path = os.path.abspath(os.fspath(path))
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise FileExistsError(f"output {path} already exists and is not an empty directory; "
+                              f"remove it or choose another")
+    if os.path.islink(path) and not os.path.exists(path):  # (the rename at the end would fail)
+        raise FileExistsError(f"output {path} is a symbolic link to {os.readlink(path)}, which does "
+                              f"not exist; remove the link or choose another output")
+    above = os.path.dirname(path)
+    while not os.path.exists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise FileExistsError(f"output {path} cannot be made: {above} is a file, not a directory")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise PermissionError(f"output {path} cannot be made: no permission to write in {above}")
+    return path
+
+
 class OutputDirectory:
     """A directory built under ``<path>.partial-<pid>`` and renamed to ``path``
     by ``commit()``; on failure (or without commit) the partial one is removed.
     ``path`` must not exist or be an empty directory (never overwritten)."""
 
     def __init__(self, path: str | os.PathLike):
-        self.path = os.path.abspath(os.fspath(path))
-        if os.path.exists(self.path) and (not os.path.isdir(self.path) or os.listdir(self.path)):
-            raise FileExistsError(f"output {self.path} already exists and is not an empty directory; "
-                                  f"remove it or choose another")
+        self.path = check_output(path)
         self.partial = f"{self.path}.partial-{os.getpid()}"
 
     def __enter__(self) -> "OutputDirectory":
