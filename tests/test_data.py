@@ -334,6 +334,11 @@ def test_dataset_without_a_full_window_is_rejected(tmp_path):
     path = ascending_file(tmp_path, "short.bin", 0, 4)
     with pytest.raises(ValueError, match=r"no complete window of seq_len \+ 1 = 5 tokens in .*short\.bin.*4 tokens"):
         Dataset(path, seq_len=4)
+    # Many short files (tiny shards): windows do not span files; the error names a few and counts the rest.
+    paths = [ascending_file(tmp_path, f"s{i}.bin", 0, 4) for i in range(5)]
+    with pytest.raises(ValueError, match=r"in '.*s0\.bin', '.*s1\.bin', '.*s2\.bin' and 2 more files \(20 tokens "
+                                         r"in all; windows do not span files\)$"):
+        Dataset(paths, seq_len=4)
 
 
 def test_bad_dataset_arguments_are_rejected(tmp_path):

@@ -201,6 +201,14 @@ def test_jsonl_bad_lines_name_the_file_and_line(tmp_path, tokenizer_dir):
     data = write_lines(tmp_path / "field.jsonl", [{"text": "ok"}, "", {"body": "no text"}])
     with pytest.raises(InputError, match=r"field\.jsonl:3: has no field 'text' \(keys: body\)"):
         tokenize_files([data], tmp_path / "out", tokenizer=tokenizer_dir)
+    # A field that is there but holds no text: not a --text-field problem (that was the hint).
+    data = write_lines(tmp_path / "typed.jsonl", [{"text": 123}])
+    with pytest.raises(InputError, match=r"typed\.jsonl:1: field 'text' holds int 123, not a string of text$"):
+        tokenize_files([data], tmp_path / "out", tokenizer=tokenizer_dir)
+    # (json's own message ends in "at": it was doubled)
+    data = write_lines(tmp_path / "control.jsonl", ['{"text": "a\tb"}'])
+    with pytest.raises(InputError, match=r"control\.jsonl:1: not valid JSON \(Invalid control character at column"):
+        tokenize_files([data], tmp_path / "out", tokenizer=tokenizer_dir)
     data = write_lines(tmp_path / "sft.jsonl", [{"prompt": "p"}])
     with pytest.raises(InputError, match=r"sft\.jsonl:1: an SFT line needs"):
         tokenize_files([data], tmp_path / "out", fmt="sft", tokenizer=tokenizer_dir)

@@ -224,7 +224,7 @@ def train(config_file, print_config, resume, **flags):
 @click.option("--workers", type=Integer(1), default=1, show_default=True, help="Encoding processes.")
 @click.option("--shard-tokens", type=Integer(1), default=100_000_000, show_default=True,
               help="Most tokens per .bin shard; shards end between documents (only a longer document is "
-              "split).")
+              "split). Training windows do not span shards: keep shards far longer than a window.")
 @click.option("--packing", type=click.Choice(["stream", "pack"]),
               help="How training serves the files (recorded in tokenize.json): pack = whole documents per "
               "window, attending only to themselves; stream = windows of the document stream. Default: pack "

@@ -319,8 +319,11 @@ class Dataset:
         if self.num_windows == 0:
             tokens = sum(len(f) for f in self.files)
             size = {"causal": "seq_len + 1", "seq2seq": "2 * seq_len", "denoise": "seq_len"}[self.objective]
-            raise ValueError(f"no complete window of {size} = {window} tokens in "
-                             f"{', '.join(repr(f.path) for f in self.files)} ({tokens} tokens in all)")
+            names = ", ".join(repr(f.path) for f in self.files[:3])
+            if len(self.files) > 3:
+                names += f" and {len(self.files) - 3} more files"
+            raise ValueError(f"no complete window of {size} = {window} tokens in {names} ({tokens} tokens in all; "
+                             f"windows do not span files)")
         self.vocab_size = max(f.vocab_size for f in self.files)
         self.max_token = max(f.max_token for f in self.files)
 

@@ -110,7 +110,7 @@ def iter_jsonl(path: str) -> Iterator[Tuple[int, dict]]:
             try:
                 value = json.loads(line)
             except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno})") from None
+                raise InputError(f"{path}:{number}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})") from None
             except RecursionError:
                 raise InputError(f"{path}:{number}: JSON nested too deeply") from None
             if not isinstance(value, dict):
@@ -130,11 +130,13 @@ def read_jsonl(path: str, text_field: str = "text") -> Iterator[Document]:
     for number, record in iter_jsonl(path):
         text = record.get(text_field)
         if not isinstance(text, str):
+            if text_field in record:  # (the field is there: --text-field is not what is wrong)
+                raise InputError(f"{path}:{number}: field {text_field!r} holds {type(text).__name__} "
+                                 f"{json.dumps(text)[:40]}, not a string of text")
             keys = ", ".join(sorted(record)) or "none"
-            problem = "has no field" if text_field not in record else "has a non-string field"
             hint = " (prompt/response or messages data needs --format sft)" \
                 if {"prompt", "messages"} & set(record) else ""
-            raise InputError(f"{path}:{number}: {problem} {text_field!r} (keys: {keys}); "
+            raise InputError(f"{path}:{number}: has no field {text_field!r} (keys: {keys}); "
                              f"set --text-field{hint}")
         if text:
             yield Document([(text, True)])

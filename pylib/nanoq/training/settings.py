@@ -161,11 +161,15 @@ class TrainConfig:
                                           "\"TRAIN[|EVAL]@STEPS; ...\" (token-file paths or globs; the STEPS add "
                                           "up to train.steps); \"\" = none", memory=True, path=True)
     seq_len: int = setting("data", 128, core_help("seq_len", "windows of seq_len + 1 tokens step by seq_len, so "
-                                                          "every token is a target once per epoch"),
+                                                          "every token is a target once per epoch (windows do not "
+                                                          "span token files: a file's tokens after its last whole "
+                                                          "window are not trained)"),
                            **core_limits("seq_len"), memory=True)
     window_step: int = setting("data", 0, "tokens from one window's start to the next: 0 = seq_len (consecutive "
                                           "windows share a token, as in llm.q); seq_len + 1 = disjoint windows "
-                                          "(one per Nano line)", minimum=0)
+                                          "(one per Nano line); train.objective seq2seq and denoise take only 0 "
+                                          "(their disjoint windows of 2 * seq_len and seq_len tokens) or that "
+                                          "size", minimum=0)
     packing: str = setting("data", "auto", "\"stream\": windows cut from the concatenated documents; \"pack\": "
                                            "whole documents packed into windows, attention and positions restarting "
                                            "at each (SFT); \"auto\" = what the files' tokenization chose (pack for "
