@@ -619,3 +619,33 @@ def test_a_curriculum_resumed_with_another_grad_accum_continues_from_the_same_st
     # The saving curriculum is mid-step now (5 batches): another batches_per_step cannot say at which step.
     with pytest.raises(ValueError, match="only a state saved after whole optimizer steps"):
         build_curriculum(two_sources, batches_per_step=1).load_state_dict(curriculum.state_dict())
+
+
+def test_a_set_of_many_shards_holds_at_most_one_descriptor_per_file(tmp_path):
+    # Each file held three mappings (tokens, mask, document starts), each its own descriptor: some
+    # 15,000 tiny shards (`nanoq tokenize --shard-tokens 1`) ended training in "Too many open files".
+    def open_descriptors():
+        return len(os.listdir("/proc/self/fd"))
+
+    rng = np.random.default_rng(0)
+    small, large = [], []
+    for i in range(40):
+        small.append(str(tmp_path / f"small_{i}.bin"))
+        tokens = rng.integers(0, 50, 40)
+        write_tokens(small[-1], tokens, 50, mask=tokens % 3 > 0, document_starts=[0, 10, 30])
+    for i in range(3):  # above the size read into memory: mapped
+        large.append(str(tmp_path / f"large_{i}.bin"))
+        tokens = rng.integers(0, 50, 400_000)
+        write_tokens(large[-1], tokens, 50, mask=tokens % 3 > 0, document_starts=[0, 1000, 300_000])
+    before = open_descriptors()
+    files = [TokenFile(path) for path in small + large]
+    assert open_descriptors() - before == len(large)
+    for file, path in zip(files, small + large):  # the views read what was written
+        written = np.fromfile(path, dtype="<i4", offset=1024, count=len(file))
+        np.testing.assert_array_equal(file.tokens, written)
+        np.testing.assert_array_equal(file.mask, written % 3 > 0)
+        assert list(file.document_starts) == ([0, 10, 30] if path in small else [0, 1000, 300_000])
+        assert not file.tokens.flags.writeable
+    dataset = Dataset(small + large, seq_len=8)
+    assert open_descriptors() - before <= 2 * len(large)  # (Dataset's own TokenFiles)
+    del files, dataset

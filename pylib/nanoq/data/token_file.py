@@ -67,6 +67,7 @@ DOCUMENTS_TAG = b"DOCS"  # word 7 when document starts follow the tokens (and ma
 
 # Tokens converted, written or checked per chunk: bounds the extra memory to 64 MiB.
 _CHUNK_TOKENS = 1 << 24
+_READ_BYTES = 1 << 20  # a token file up to this size is read into memory instead of mapped
 
 
 def _mask_bytes(count: int) -> int:
@@ -332,21 +333,22 @@ class TokenFile:
                              f"the file is {'truncated' if size < expected else 'longer than its header says'}")
 
         self._count = count
-        if count == 0:  # numpy cannot map zero bytes
-            self.tokens = np.zeros(0, dtype=np.int32)
-            self._mask_bits = np.zeros(0, dtype=np.uint8) if self.has_mask else None
+        # The file's bytes, mapped once (a mapping holds a file descriptor: one per file, so that a
+        # set of many shards stays far below the process's limit), or read when small (then none).
+        if size <= _READ_BYTES:
+            with open(self.path, "rb") as f:
+                data = np.frombuffer(f.read(), dtype=np.uint8)
+            if data.size != size:
+                raise ValueError(f"token file {self.path!r} changed while it was read")
         else:
-            self.tokens = np.memmap(self.path, dtype="<i4", mode="r", offset=HEADER_BYTES, shape=(count,))
-            self._mask_bits = (np.memmap(self.path, dtype=np.uint8, mode="r",
-                                         offset=HEADER_BYTES + BYTES_PER_TOKEN * count,
-                                         shape=(_mask_bytes(count),))
-                               if self.has_mask else None)
+            data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self.tokens = data[HEADER_BYTES:HEADER_BYTES + BYTES_PER_TOKEN * count].view("<i4")
+        mask_offset = HEADER_BYTES + BYTES_PER_TOKEN * count
+        self._mask_bits = data[mask_offset:mask_offset + _mask_bytes(count)] if self.has_mask else None
         self._mask = None
         self.document_starts = None
         if documents is not None:
-            self.document_starts = (np.memmap(self.path, dtype="<i4", mode="r", offset=starts_offset,
-                                              shape=(documents,))
-                                    if documents else np.zeros(0, dtype=np.int32))
+            self.document_starts = data[starts_offset:starts_offset + BYTES_PER_TOKEN * documents].view("<i4")
             problem = _document_starts_problem(self.document_starts, count)
             if problem:
                 raise ValueError(f"token file {self.path!r}: {problem}; the file is corrupt")
