@@ -135,6 +135,18 @@ def test_eval_files_of_another_vocab_are_refused_naming_both(tmp_path):
     result = train(run_config(tmp_path, train_data=str(data / "train_*.bin"), eval_data=str(data / "same_*.bin"),
                               run_name="same"), **QUIET)
     assert result.final_eval_loss is not None
+    # Nor may a stage's train files, or the files of one set, differ (they trained, the model taking the larger).
+    stages = f"{data / 'train_*.bin'}@1; {data / 'eval_*.bin'}@1"
+    with pytest.raises(ValueError, match=r"data\.curriculum stage 2 train_data has vocab size 80 but "
+                                         r"data\.curriculum stage 1 train_data has 64: the stages' files come from"):
+        train(run_config(tmp_path, curriculum=stages, run_name="mixed-stages"), **QUIET)
+    (tmp_path / "mixed").mkdir()
+    write_tokens(tmp_path / "mixed" / "a.bin", pattern(400, 64), 64)
+    write_tokens(tmp_path / "mixed" / "b.bin", pattern(400, 80), 80)
+    with pytest.raises(ValueError, match=r"the files of data\.train_data give different vocab sizes in their "
+                                         r"headers: 64 \(.*a\.bin\), 80 \(.*b\.bin\); they come from"):
+        train(run_config(tmp_path, train_data=str(tmp_path / "mixed" / "*.bin"), run_name="mixed"), **QUIET)
+    assert sorted(os.listdir(tmp_path / "runs")) == ["same"]
 
 
 

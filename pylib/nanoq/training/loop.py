@@ -389,7 +389,25 @@ def check_data_vocab(config: TrainConfig, model: ModelConfig, datasets, evaluate
     every eval file set (``evaluated``: [(train role, train Dataset, eval
     role, eval Dataset)]) must have its train files' header vocab, or with
     model.init_from the model's: eval data from another tokenizer would
-    measure nothing."""
+    measure nothing. So must the files of one set, and every training set
+    (a curriculum's stages) the first's: mixed, the same ids would stand for
+    other text."""
+    for role, dataset in datasets:
+        sizes = {}  # header vocab -> the first file with it
+        for file in dataset.files:
+            sizes.setdefault(file.vocab_size, file.path)
+        if len(sizes) > 1:
+            named = ", ".join(f"{size} ({path})" for size, path in sizes.items())
+            raise ValueError(f"the files of {role} give different vocab sizes in their headers: {named}; they "
+                             f"come from different tokenizers: tokenize them all with one")
+    trains = [(role, dataset) for role, dataset in datasets if role.endswith("train_data")]
+    for role, dataset in trains[1:]:
+        first_role, first = trains[0]
+        if dataset.vocab_size not in {first.vocab_size} | ({model.vocab_size} if config.init_from else set()):
+            model_part = f" nor model.init_from's ({model.vocab_size})" if config.init_from else ""
+            raise ValueError(f"{role} has vocab size {dataset.vocab_size} but {first_role} has {first.vocab_size}"
+                             f"{model_part}: the stages' files come from different tokenizers; tokenize them "
+                             f"with one")
     for train_role, train_set, eval_role, eval_set in evaluated:
         allowed = {train_set.vocab_size} | ({model.vocab_size} if config.init_from else set())
         if eval_set.vocab_size not in allowed:
