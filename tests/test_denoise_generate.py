@@ -288,7 +288,15 @@ def test_nanoq_generate_refuses_what_denoising_cannot_run(denoise_run, tmp_path)
     train_bpe_tokenizer(CLI_TEXT, 300).save(str(plain / "tokenizer.json"))
     trainer.save_checkpoint(tmp_path / "plain-run" / "checkpoints", 1, tokenizer_dir=str(plain))
     output = fails(tmp_path / "plain-run", "--steps", 2)
-    assert "has no mask token" in output and "pass --mask-token" in output
+    assert "has no mask token" in output and "for nanoq generate: pass --mask-token" in output
+    assert "(data.mask_token)" not in output  # (a training setting: not what this command takes)
+    # nanoq eval names itself (it named generate's option).
+    data = tmp_path / "eval.bin"
+    from nanoq.data import write_tokens
+
+    write_tokens(data, np.arange(200) % 50, 300)
+    result = invoke("eval", tmp_path / "plain-run", "--data", data, "--objective", "denoise", "--backend", "cpu")
+    assert result.exit_code != 0 and "for nanoq eval: pass --mask-token" in result.output, result.output
     # ... unless the run names one (data.mask_token in its config.toml), which it trained with.
     (tmp_path / "plain-run" / "config.toml").write_text('[model]\ncausal = false\n[data]\nmask_token = "7"\n'
                                                         '[train]\nobjective = "denoise"\n')
@@ -298,6 +306,10 @@ def test_nanoq_generate_refuses_what_denoising_cannot_run(denoise_run, tmp_path)
     assert result.exit_code == 0, result.output
     expected = trainer.denoise(ids, 8, 2, 7, temperature=0)
     assert json.loads(result.output)["completion_ids"] == expected[:len(json.loads(result.output)["completion_ids"])]
+    # A run trained for seq2seq never saw masks to fill: refused (it filled them with tokens of noise).
+    (tmp_path / "plain-run" / "config.toml").write_text('[model]\ncausal = false\n[train]\nobjective = "seq2seq"\n')
+    output = fails(tmp_path / "plain-run", "--steps", 2, "--mask-token", 3)
+    assert "was trained for train.objective seq2seq; nanoq generate fills masked positions" in output
     # A causal model takes neither option.
     config = dataclasses.replace(trainer.config, causal=True)
     with nanoq.Trainer(config, nanoq.TrainOptions(backend="cpu", batch_size=1, seq_len=32)) as causal:

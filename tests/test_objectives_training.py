@@ -118,6 +118,18 @@ def test_the_mask_token_comes_from_the_tokenizer_or_is_asked_for(tmp_path):
     assert find_mask_id(None, "7") == 7 and dataset.mask_token == 29
     with pytest.raises(ValueError, match="not in the vocabulary"):
         find_mask_id(str(tmp_path), "<nope>")
+    # Files tokenized for packing (SFT's tokenize.json): the objective's windows are the stream's under
+    # data.packing auto, as its help says (it was "packing pack is for the causal objective").
+    (tmp_path / "tokenize.json").write_text(json.dumps({"packing": "pack"}))
+    assert Dataset(str(tmp_path / "train.bin"), T, objective="causal", packing="auto", eos_id=0).packing == "pack"
+    assert Dataset(str(tmp_path / "train.bin"), T, objective="denoise", mask_token=29, packing="auto").packing == \
+        "stream"
+    assert train(config(tmp_path, "denoise", eval_data="", steps=1, run_name="sft-files"), say=lambda line: None,
+                 progress=False).steps == 1
+    # A token's text is taken as written (" t5" was taken for "t5"); an id may have spaces around it.
+    with pytest.raises(ValueError, match="mask token ' t5' is not in the vocabulary"):
+        find_mask_id(str(tmp_path), " t5")
+    assert find_mask_id(str(tmp_path), " 7 ") == 7 and find_mask_id(str(tmp_path), "  ") == 29
     with pytest.raises(ValueError, match=r"mask token .*id 40.* outside the model's vocabulary \[0, 32\)"):
         train(config(tmp_path, "denoise", eval_data="", steps=1, mask_token="40", run_name="big"),
               say=lambda line: None, progress=False)

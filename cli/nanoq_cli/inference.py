@@ -262,8 +262,14 @@ def generate(model, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_
             raise ValueError(f"the prompt ({len(prompt_ids)} tokens){asked} the model's {source.max_positions} "
                              f"positions")
         if not causal:
-            mask_token = mask_token if mask_token is not None else _run_mask_token(source)
-            mask_id = _mask_id(mask_token, source.tokenizer_dir, source.config.vocab_size)
+            run_config = _run_config(source)
+            if run_config is not None and run_config.objective == "seq2seq":
+                raise ValueError(f"{model} was trained for train.objective seq2seq; nanoq generate fills masked "
+                                 f"positions as a denoise-trained model learned to, which this one never saw "
+                                 f"(nanoq eval scores it on its objective)")
+            if mask_token is None and run_config is not None:
+                mask_token = run_config.mask_token or None
+            mask_id = _mask_id(mask_token, source.tokenizer_dir, source.config.vocab_size, "generate")
             if steps is not None and steps > max_new_tokens:
                 raise ValueError(f"--steps {steps} is more than --max-new-tokens {max_new_tokens}: each pass fills "
                                  f"at least one position")
@@ -349,12 +355,6 @@ def _run_config(source: ModelSource):
     return load_config(os.path.join(run, "config.toml"))
 
 
-def _run_mask_token(source: ModelSource) -> Optional[str]:
-    """The data.mask_token of the run `source` belongs to, or None."""
-    config = _run_config(source)
-    return config.mask_token or None if config is not None else None
-
-
 def _eval_objective(source: ModelSource, objective: Optional[str], model: str) -> str:
     """The objective nanoq eval scores `source` by: --objective, else its
     run's train.objective, else causal for a causal model; ValueError for a
@@ -374,14 +374,16 @@ def _eval_objective(source: ModelSource, objective: Optional[str], model: str) -
     return objective
 
 
-def _mask_id(mask_token: Optional[str], tokenizer_dir: str, vocab_size: int) -> int:
-    """The id --mask-token names (digits: an id; else a token's text), or the tokenizer's mask token."""
+def _mask_id(mask_token: Optional[str], tokenizer_dir: str, vocab_size: int, command: str) -> int:
+    """The id --mask-token names (digits: an id; else a token's text), or the tokenizer's mask token;
+    a ValueError names nanoq ``command``'s option."""
     from nanoq.tokenization.tokenizer import find_mask_id
 
     try:
         return find_mask_id(tokenizer_dir, mask_token or "", vocab_size)
     except ValueError as e:
-        raise ValueError(f"{e}; for nanoq generate: pass --mask-token ID|TEXT") from None
+        raise ValueError(f"{str(e).removesuffix(' (data.mask_token)')}; for nanoq {command}: pass --mask-token "
+                         f"ID|TEXT") from None
 
 
 def evaluate(trainer, dataset, max_batches: int = 0, seed: int = 0) -> dict:
@@ -462,7 +464,7 @@ def eval_command(model, data, seq_len, batches, batch_size, backend, window_step
                 raise unreadable
             run_mask = run_config.mask_token or None if run_config is not None else None
             mask_id = _mask_id(mask_token if mask_token is not None else run_mask, source.tokenizer_dir,
-                               source.config.vocab_size)
+                               source.config.vocab_size, "eval")
             if seed is None:
                 seed = run_config.seed if run_config is not None else 0
         elif mask_token is not None or seed is not None:
@@ -474,9 +476,7 @@ def eval_command(model, data, seq_len, batches, batch_size, backend, window_step
             # The windows the run's own evaluations had (a Nano import's one window per line, say).
             window_step = window_step or run_config.window_step or None
             packing = packing or run_config.packing
-        packing = packing or "auto"
-        if objective != "causal" and packing == "auto":
-            packing = "stream"  # their windows are cut from the stream, whatever the files were tokenized for
+        packing = packing or "auto"  # (for seq2seq and denoise: the stream, whatever the files were tokenized for)
         dataset = Dataset(data, seq_len, window_step=window_step, packing=packing, objective=objective,
                           mask_token=mask_id)
         if dataset.vocab_size > source.config.vocab_size:

@@ -202,8 +202,8 @@ class Dataset:
                  packing: str = "stream", eos_id: Optional[int] = None, objective: str = "causal",
                  mask_token: Optional[int] = None):
         self.seq_len = positive_int("seq_len", seq_len)
-        if packing == "auto":
-            packing = default_packing(paths_or_globs)
+        if packing == "auto":  # what the files were tokenized for; the other objectives' windows are the stream's
+            packing = default_packing(paths_or_globs) if objective == "causal" else "stream"
         if packing not in PACKINGS:
             raise ValueError(f"packing must be one of {', '.join(PACKINGS)} or auto, got {packing!r}")
         self.packing = packing

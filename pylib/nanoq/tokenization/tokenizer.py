@@ -80,8 +80,9 @@ def find_mask_id(tokenizer_dir: Optional[str], mask_token: str = "", vocab_size:
     tokenizer_dir: the directory of the tokenizer.json (None: there is none,
     so only an id will do). vocab_size > 0: the id must be below it.
     ValueError saying what was looked for."""
-    text = mask_token.strip()
-    if text.isdigit():
+    # An id may come with spaces around it; a token's text is taken as written (" the" is not "the").
+    text = mask_token if mask_token.strip() else ""
+    if text.strip().isdigit():
         token_id = int(text)
     else:
         if tokenizer_dir is None:
