@@ -462,3 +462,45 @@ def test_an_eos_token_missing_from_a_tokenizer_names_the_tokenizer(tmp_path, tok
     with pytest.raises(ValueError) as caught:
         tokenize_files([data], tmp_path / "out", tokenizer=tokenizer_dir, eos_token="</s>")
     assert str(caught.value) == f"EOS token '</s>' is not in the vocabulary of tokenizer {str(tokenizer_dir)!r}"
+
+
+def test_options_and_inputs_that_would_be_ignored_or_doubled_are_refused_and_odd_ones_named(tmp_path, tokenizer_dir):
+    from click.testing import CliRunner
+
+    from nanoq_cli.main import cli
+
+    text = tmp_path / "a.txt"
+    text.write_text("the lazy dog\n\nthe quick fox")
+    lines = write_lines(tmp_path / "b.jsonl", [{"text": "the lazy dog"}])
+
+    def run(*args):
+        return CliRunner().invoke(cli, ["tokenize", *map(str, args), "--tokenizer", str(tokenizer_dir)])
+
+    # Options for another format than the inputs' were taken without a word.
+    result = run(text, "-o", tmp_path / "o1", "--text-field", "body")
+    assert result.exit_code == 2 and "--text-field is for JSONL inputs" in result.output and "read as text" in \
+        result.output
+    result = run(lines, "-o", tmp_path / "o2", "--split", "line")
+    assert result.exit_code == 2 and "--split is for text inputs" in result.output
+    # The same file twice (also by another name) tokenized its documents twice.
+    (tmp_path / "link.txt").symlink_to(text)
+    result = run(text, tmp_path / "link.txt", "-o", tmp_path / "o3")
+    assert result.exit_code == 2 and f"input {tmp_path / 'link.txt'} is given twice (as {text})" in result.output
+    assert run(text, lines, "-o", tmp_path / "o4", "--split", "paragraph").exit_code == 0  # (one of them is text)
+    # More workers than cores: said (it ran 150 times slower than one worker, silently).
+    cores = len(os.sched_getaffinity(0))
+    result = run(text, "-o", tmp_path / "o5", "--workers", cores + 1)
+    assert result.exit_code == 0 and f"note: --workers {cores + 1} is more than the {cores} cores" in result.output
+    # An ordinary token as the EOS: every place the text holds it ends a document too.
+    result = run(text, "-o", tmp_path / "o6", "--eos-token", "a")
+    assert result.exit_code == 0 and "warning: the EOS token 'a'" in result.output and \
+        "is an ordinary token of the tokenizer" in result.output
+    assert "warning" not in run(text, "-o", tmp_path / "o7").output
+    # A .json file is JSON Lines here, and a JSON file that is no tokenizer is named as such.
+    (tmp_path / "array.json").write_text('[{"text": "a"}]')
+    with pytest.raises(InputError, match=r"array\.json:1: expected a JSON object, got list; a \.json file is read "
+                                         r"as JSON Lines"):
+        tokenize_files([tmp_path / "array.json"], tmp_path / "o8", tokenizer=tokenizer_dir)
+    (tmp_path / "other.json").write_text('{"x": 1}')
+    with pytest.raises(ValueError, match=r"other\.json is JSON but not a tokenizer\.json \(it has no \"model\"\)"):
+        tokenize_files([text], tmp_path / "o9", tokenizer=tmp_path / "other.json")

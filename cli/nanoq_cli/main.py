@@ -242,8 +242,33 @@ def tokenize(inputs, output, fmt, text_field, split, tokenizer, train_tokenizer,
     each starts; the train/eval split is by document. The output directory
     appears only once it is complete.
     """
-    from nanoq.tokenization import InputError, import_nano, tokenize_files
+    from click.core import ParameterSource
 
+    from nanoq.tokenization import InputError, import_nano, tokenize_files
+    from nanoq.tokenization.sources import detect_format
+
+    given = {name for name in ("text_field", "split")
+             if click.get_current_context().get_parameter_source(name) != ParameterSource.DEFAULT}
+    formats = {fmt} if fmt != "auto" else {detect_format(os.fspath(path)) for path in inputs}
+    if "text_field" in given and "jsonl" not in formats:
+        raise click.UsageError(f"--text-field is for JSONL inputs (--format jsonl, or .jsonl/.json files); these "
+                               f"are read as {', '.join(sorted(formats))}")
+    if "split" in given and "text" not in formats:
+        raise click.UsageError(f"--split is for text inputs (--format text, or files other than .jsonl/.json); "
+                               f"these are read as {', '.join(sorted(formats))}")
+    from nanoq.backends import usable_cores
+
+    cores, source = usable_cores()
+    if workers > cores:
+        click.echo(f"note: --workers {workers} is more than the {cores} cores this process may use ({source}): "
+                   f"slower than --workers {cores}", err=True)
+    seen = {}
+    for path in inputs:
+        first = seen.get(os.path.realpath(path))
+        if first is not None:
+            raise click.UsageError(f"input {path} is given twice{f' (as {first})' if first != path else ''}: its "
+                                   f"documents would be tokenized twice")
+        seen[os.path.realpath(path)] = path
     try:
         if fmt == "nano":
             if vocab_size is None:

@@ -22,6 +22,7 @@ import dataclasses
 import os
 import shutil
 import time
+import warnings
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -156,6 +157,11 @@ def tokenize_documents(documents: Sequence[Document], output: str | os.PathLike,
         else:
             model = load_tokenizer(tokenizer)
             eos = find_eos_id(model, eos_token, source=os.fspath(tokenizer))
+            added = model.get_added_tokens_decoder().get(eos)
+            if eos_token and not (added is not None and added.special):
+                warnings.warn(f"the EOS token {eos_token!r} (id {eos}) is an ordinary token of the tokenizer, not "
+                              f"a special one: wherever the text holds it, it reads as the end of a document too",
+                              stacklevel=2)
             source_file = tokenizer_file(tokenizer)
             shutil.copyfile(source_file, out.file("tokenizer.json"))
             config = os.path.join(os.path.dirname(source_file), "tokenizer_config.json")

@@ -103,18 +103,22 @@ def iter_jsonl(path: str) -> Iterator[Tuple[int, dict]]:
     (a UTF-8 byte order mark that starts the file is dropped). A line whose
     strings hold a lone surrogate (an unpaired \\ud800-\\udfff escape) is an
     InputError, as invalid JSON is."""
+    # A .json file (one document spread over lines, or an array) is read as JSON Lines too: say so.
+    lines_hint = "; a .json file is read as JSON Lines, one object per line (--format text reads it as text)" \
+        if path.lower().endswith(".json") else ""
     with open(path, encoding="utf-8-sig", errors="strict") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 value = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{number}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})") from None
+            except json.JSONDecodeError as e:  # (json's message may end in "at")
+                raise InputError(f"{path}:{number}: not valid JSON ({e.msg.removesuffix(' at')} at column "
+                                 f"{e.colno}){lines_hint}") from None
             except RecursionError:
                 raise InputError(f"{path}:{number}: JSON nested too deeply") from None
             if not isinstance(value, dict):
-                raise InputError(f"{path}:{number}: expected a JSON object, got {type(value).__name__}")
+                raise InputError(f"{path}:{number}: expected a JSON object, got {type(value).__name__}{lines_hint}")
             if _SURROGATE_ESCAPE.search(line):
                 try:
                     json.dumps(value, ensure_ascii=False).encode("utf-8")

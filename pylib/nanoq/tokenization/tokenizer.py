@@ -44,6 +44,15 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     try:
         tokenizer = Tokenizer.from_file(file)
     except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception subclasses
+        # Its message places a field it misses as a JSON error ("expected `,` or `}` at line 1 column 5").
+        try:
+            with open(file, encoding="utf-8") as f:
+                fields = json.load(f)
+        except (OSError, ValueError):
+            fields = None
+        if isinstance(fields, dict) and "model" not in fields or isinstance(fields, list):
+            raise ValueError(f"{file} is JSON but not a tokenizer.json (it has no \"model\"): give the "
+                             f"tokenizer.json of a Hugging Face tokenizer, or a model directory holding one") from None
         raise ValueError(f"{file} is not a tokenizer.json the tokenizers library can read: {e}") from None
     tokenizer.no_truncation()
     tokenizer.no_padding()
