@@ -428,3 +428,30 @@ resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))  # (for what the process
     assert done.stdout.strip() == f"True [Errno {__import__('errno').EFBIG}] File too large (writing " \
                                   f"{tmp_path / 'big.bin'})", done.stdout + done.stderr
     assert os.listdir(tmp_path) == []  # the temporary file is gone, and no token file was made
+
+
+def test_tokens_that_no_window_holds_are_counted_and_said_when_they_are_many(tmp_path):
+    # Windows do not span files: each file's tokens after its last whole window train nothing, which
+    # tiny shards (nanoq tokenize --shard-tokens) made a quarter of the data, silently.
+    from nanoq.data import Dataset
+
+    window = SEQ + 1
+    (tmp_path / "short").mkdir()
+    for i in range(6):  # one whole window and half of another in each
+        write_tokens(tmp_path / "short" / f"train_{i:06d}.bin", pattern(window + SEQ // 2, 64, seed=i), 64)
+    write_tokens(tmp_path / "long.bin", pattern(100 * SEQ + 1 + 3, 64), 64)
+    short = Dataset(str(tmp_path / "short" / "*.bin"), SEQ)
+    assert short.num_windows == 6 and short.tail_tokens == 6 * (SEQ // 2)
+    disjoint = Dataset(str(tmp_path / "short" / "*.bin"), SEQ, window_step=window)
+    assert disjoint.tail_tokens == 6 * (SEQ // 2)
+    assert Dataset(str(tmp_path / "long.bin"), SEQ).tail_tokens == 3
+    lines = []
+    train(run_config(tmp_path, train_data=str(tmp_path / "short" / "*.bin")), say=lines.append, progress=False)
+    tokens = 6 * (window + SEQ // 2)
+    assert f"warning: {6 * (SEQ // 2):,} of data.train_data's {tokens:,} tokens " \
+           f"({100 * 6 * (SEQ // 2) / tokens:.0f}%) are never trained: windows do not span its 6 files" in \
+           "\n".join(lines)
+    lines.clear()
+    train(run_config(tmp_path, train_data=str(tmp_path / "long.bin"), run_name="long"), say=lines.append,
+          progress=False)
+    assert not [line for line in lines if "never trained" in line]  # 3 of 6,404 tokens: not worth a word

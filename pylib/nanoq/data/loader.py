@@ -294,6 +294,7 @@ class Dataset:
                           np.array(seg_length, np.int64))
         self._first_segment = np.array(first_segment, np.int64)
         self.window_step = T
+        self.tail_tokens = 0  # (every document is in a window)
         self._first_window = np.array([0, len(first_segment) - 1], np.int64)
         if self.num_windows == 0:
             raise ValueError(f"no document of two or more tokens in {', '.join(repr(f.path) for f in self.files)} "
@@ -316,6 +317,9 @@ class Dataset:
                                      for f in self.files], dtype=np.int64)
         # _first_window[i] = global index of file i's first window; last entry = total.
         self._first_window = np.concatenate([[0], np.cumsum(windows_per_file)])
+        # Windows do not span files: the tokens after each file's last whole window are in none.
+        self.tail_tokens = sum(len(f) - ((n - 1) * step + window if n else 0)
+                               for f, n in zip(self.files, windows_per_file.tolist()))
         if self.num_windows == 0:
             tokens = sum(len(f) for f in self.files)
             size = {"causal": "seq_len + 1", "seq2seq": "2 * seq_len", "denoise": "seq_len"}[self.objective]

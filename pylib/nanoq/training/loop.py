@@ -372,9 +372,17 @@ def _model_for_data(config: TrainConfig, datasets) -> ModelConfig:
 def small_data_warnings(datasets, rows_per_step: int) -> List[str]:
     """A warning for each training Dataset (role ending in train_data) with
     fewer windows than the ``rows_per_step`` sequences of one optimizer step,
-    saying how many times each step repeats its data."""
+    saying how many times each step repeats its data, and for each whose
+    files' tails, which no window holds, are over 1% of its tokens."""
     out = []
     for role, dataset in datasets:
+        tokens = sum(len(file) for file in dataset.files)
+        if role.endswith("train_data") and dataset.tail_tokens > tokens / 100:
+            out.append(f"{dataset.tail_tokens:,} of {role}'s {tokens:,} tokens "
+                       f"({100 * dataset.tail_tokens / tokens:.0f}%) are never trained: windows do not span its "
+                       f"{len(dataset.files)} files, and each file's tokens after its last whole window of seq_len "
+                       f"{dataset.seq_len} are in none (tokenize into fewer, longer files: nanoq tokenize "
+                       f"--shard-tokens)")
         if role.endswith("train_data") and dataset.num_windows < rows_per_step:
             out.append(f"{role} has {dataset.num_windows} window(s) of seq_len {dataset.seq_len}, fewer "
                        f"than the {rows_per_step} sequences of one step: each step repeats that data "
