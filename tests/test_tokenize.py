@@ -504,3 +504,26 @@ def test_options_and_inputs_that_would_be_ignored_or_doubled_are_refused_and_odd
     (tmp_path / "other.json").write_text('{"x": 1}')
     with pytest.raises(ValueError, match=r"other\.json is JSON but not a tokenizer\.json \(it has no \"model\"\)"):
         tokenize_files([text], tmp_path / "o9", tokenizer=tmp_path / "other.json")
+
+
+def test_sft_lines_that_train_nothing_are_counted_and_ambiguous_ones_refused(tmp_path, tokenizer_dir):
+    from click.testing import CliRunner
+
+    from nanoq_cli.main import cli
+
+    data = write_lines(tmp_path / "chat.jsonl", [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        {"messages": [{"role": "user", "content": "anyone there?"}]},  # no assistant turn: nothing trains
+        {"prompt": "the lazy", "response": " dog"}])
+    result = tokenize_files([data], tmp_path / "out", fmt="sft", tokenizer=tokenizer_dir)
+    assert result.untrained_documents == 1
+    output = CliRunner().invoke(cli, ["tokenize", data, "-o", str(tmp_path / "cli"), "--format", "sft",
+                                      "--tokenizer", str(tokenizer_dir)]).output
+    assert "note: 1 document(s) hold nothing to train on (SFT conversations without an assistant turn)" in output
+    assert tokenize_files([write_lines(tmp_path / "text.jsonl", [{"text": "the dog"}])], tmp_path / "text",
+                          tokenizer=tokenizer_dir).untrained_documents == 0
+    # Both forms in one line: 'messages' was taken and the prompt/response dropped without a word.
+    both = write_lines(tmp_path / "both.jsonl", [{"prompt": "p", "response": "r",
+                                                   "messages": [{"role": "assistant", "content": "m"}]}])
+    with pytest.raises(InputError, match=r"both\.jsonl:1: an SFT line has 'messages' and 'prompt'/'response'"):
+        tokenize_files([both], tmp_path / "both", fmt="sft", tokenizer=tokenizer_dir)

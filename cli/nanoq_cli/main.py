@@ -308,6 +308,9 @@ def tokenize(inputs, output, fmt, text_field, split, tokenizer, train_tokenizer,
         click.echo(f"note: {result.special_text_documents} document(s) spell special tokens of the tokenizer in "
                    f"their text (documents per token: {spelled}{f' and {more} more' if more > 0 else ''}); "
                    f"that text became {became}", err=True)
+    if result.untrained_documents:
+        click.echo(f"note: {result.untrained_documents} document(s) hold nothing to train on (SFT conversations "
+                   f"without an assistant turn): they only take room in the windows", err=True)
     if train_tokenizer and result.vocab_size < vocab_size:
         click.echo(f"note: the trained tokenizer has {result.vocab_size} tokens, fewer than --vocab-size "
                    f"{vocab_size}: the corpus had no more merges to learn", err=True)

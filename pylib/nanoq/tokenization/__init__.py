@@ -88,6 +88,8 @@ class TokenizeResult:
     # and how many spell each one.
     special_text_documents: int = 0
     special_text_tokens: Dict[str, int] = dataclasses.field(default_factory=dict)
+    # Documents with no token to train on (an SFT conversation without an assistant turn).
+    untrained_documents: int = 0
 
 
 def _progress_bar(total: int, enabled: Optional[bool]):
@@ -188,7 +190,10 @@ def tokenize_documents(documents: Sequence[Document], output: str | os.PathLike,
                                 train_tokens=int(train_encoded[0].size), eval_tokens=int(eval_encoded[0].size),
                                 vocab_size=vocab, eos_id=eos, seconds=time.time() - start,
                                 special_text_documents=sum(map(bool, spelled)),
-                                special_text_tokens=dict(spelled_tokens.most_common()))
+                                special_text_tokens=dict(spelled_tokens.most_common()),
+                                untrained_documents=sum(not (document.eos_trained or any(trained for _, trained in
+                                                                                        document.segments))
+                                                        for document in documents))
         write_summary(out, result, inputs=list(inputs), eval_fraction=eval_fraction, seed=seed, masked=force_mask,
                       packing=packing, special_text=special_text)
         out.commit()

@@ -148,6 +148,8 @@ def read_jsonl(path: str, text_field: str = "text") -> Iterator[Document]:
 
 def sft_document(record: dict, where: str) -> Document:
     """The Document of one SFT record (see the module docstring)."""
+    if "messages" in record and ("prompt" in record or "response" in record):
+        raise InputError(f"{where}: an SFT line has 'messages' and 'prompt'/'response': give one of the two forms")
     if "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list) or not messages:
