@@ -312,7 +312,9 @@ def test_nanoq_eval_checks_the_ids_against_the_models_vocab(tmp_path, model_of_v
     refused = evaluate(llmq_file(tmp_path / "past.bin", tokens, header_vocab=64))
     assert refused.exit_code == 1
     assert f"token id 64 at index {int(np.flatnonzero(tokens == 64)[0])} is outside the vocabulary of the model " \
-           f"(64 ids" in refused.output
+           f"{model_of_vocab_64} (64 ids" in refused.output
+    # A trained model's vocabulary is what it is: only training may take a larger one.
+    assert "Tokenize with the model's tokenizer\n" in refused.output and "at least" not in refused.output
 
 
 # --------------------------------------------------------------------------

@@ -482,7 +482,8 @@ def eval_command(model, data, seq_len, batches, batch_size, backend, window_step
         if dataset.vocab_size > source.config.vocab_size:
             raise ValueError(f"the token files have vocab size {dataset.vocab_size}, more than the model's "
                              f"{source.config.vocab_size}: they were tokenized for another model")
-        dataset.check_vocab(source.config.vocab_size)  # ids may pass the header's vocab (llm.q's added EOS)
+        # (ids may pass the header's vocab: llm.q's added EOS)
+        dataset.check_vocab(source.config.vocab_size, f"the model {model}", trained=False)
         with open_trainer(source, backend, seq_len, batch_size) as trainer:
             result = evaluate(trainer, dataset, batches, seed or 0)
     except (ValueError, TypeError, OSError) as e:

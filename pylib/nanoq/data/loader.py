@@ -344,11 +344,11 @@ class Dataset:
         other._cut(window_step)
         return other
 
-    def check_vocab(self, model_vocab: int, what: str = "the model") -> None:
+    def check_vocab(self, model_vocab: int, what: str = "the model", trained: bool = True) -> None:
         """ValueError naming the file, the index and ``model_vocab`` when a
         token id is >= model_vocab (an embedding row the model lacks)."""
         for token_file in self.files:
-            token_file.check_vocab(model_vocab, what)
+            token_file.check_vocab(model_vocab, what, trained)
 
     @property
     def num_windows(self) -> int:

@@ -375,15 +375,17 @@ class TokenFile:
                 return start + int(np.argmax(bad))
         return None
 
-    def check_vocab(self, model_vocab: int, what: str = "the model") -> None:
+    def check_vocab(self, model_vocab: int, what: str = "the model", trained: bool = True) -> None:
         """ValueError naming this file, the first index of an id >= model_vocab
-        and ``what`` has that vocabulary (``what``: e.g. "the model")."""
+        and ``what`` has that vocabulary (``what``: e.g. "the model"); for a
+        model to be ``trained`` it suggests a larger vocabulary too."""
         index = self.first_id_from(model_vocab)
         if index is not None:
+            grow = f" or give the model a vocabulary of at least {self.max_token + 1}" if trained else ""
             raise ValueError(f"token file {self.path!r}: token id {int(self.tokens[index])} at index {index} "
                              f"is outside the vocabulary of {what} ({model_vocab} ids, [0, {model_vocab})); "
                              f"the file's header says vocab {self.vocab_size}. Tokenize with the model's "
-                             f"tokenizer or give the model a vocabulary of at least {self.max_token + 1}")
+                             f"tokenizer{grow}")
 
     def __len__(self) -> int:
         return self._count
