@@ -272,25 +272,15 @@ def test_resume_takes_the_newest_checkpoint_even_if_latest_was_not_updated(tmp_p
     assert result.resumed_from == os.path.join(run, "checkpoints", "step_00000008")
 
 
-def _tree(directory):
-    """{relative path: bytes} of every file under ``directory``."""
-    files = {}
-    for root, _, names in os.walk(directory):
-        for name in names:
-            path = os.path.join(root, name)
-            files[os.path.relpath(path, directory)] = open(path, "rb").read()
-    return files
-
-
 def test_resuming_a_finished_run_unchanged_does_nothing_and_names_its_model(tmp_path):
     first = train(config(tmp_path, steps=8), **QUIET)
-    before = _tree(first.run_dir)
+    before = snapshot(first.run_dir)
     lines = []
     again = train(config(tmp_path, steps=8, lr=5e-3), resume=os.path.join(first.run_dir, "checkpoints"),
                   say=lines.append, progress=False)
     # Nothing trained, evaluated or written: the run directory is byte for byte as the finish left it
     # (a requeued job's `nanoq train --resume auto` must not pile up copies of the model).
-    assert _tree(first.run_dir) == before
+    assert snapshot(first.run_dir) == before
     assert f"{first.run_dir} finished at step 8 already: nothing to train (give train.steps above 8, --steps N, " \
            f"to train on)" in lines and f"model: {first.model_dir}" in lines
     assert again.model_dir == first.model_dir and again.steps == 8 and again.parameters == first.parameters
