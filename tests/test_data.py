@@ -635,8 +635,8 @@ def test_a_set_of_many_shards_holds_at_most_one_descriptor_per_file(tmp_path):
         write_tokens(small[-1], tokens, 50, mask=tokens % 3 > 0, document_starts=[0, 10, 30])
     for i in range(3):  # above the size read into memory: mapped
         large.append(str(tmp_path / f"large_{i}.bin"))
-        tokens = rng.integers(0, 50, 400_000)
-        write_tokens(large[-1], tokens, 50, mask=tokens % 3 > 0, document_starts=[0, 1000, 300_000])
+        tokens = rng.integers(0, 50, 40_000)
+        write_tokens(large[-1], tokens, 50, mask=tokens % 3 > 0, document_starts=[0, 1000, 30_000])
     before = open_descriptors()
     files = [TokenFile(path) for path in small + large]
     assert open_descriptors() - before == len(large)
@@ -644,8 +644,42 @@ def test_a_set_of_many_shards_holds_at_most_one_descriptor_per_file(tmp_path):
         written = np.fromfile(path, dtype="<i4", offset=1024, count=len(file))
         np.testing.assert_array_equal(file.tokens, written)
         np.testing.assert_array_equal(file.mask, written % 3 > 0)
-        assert list(file.document_starts) == ([0, 10, 30] if path in small else [0, 1000, 300_000])
+        assert list(file.document_starts) == ([0, 10, 30] if path in small else [0, 1000, 30_000])
         assert not file.tokens.flags.writeable
     dataset = Dataset(small + large, seq_len=8)
     assert open_descriptors() - before <= 2 * len(large)  # (Dataset's own TokenFiles)
     del files, dataset
+
+
+def test_more_mapped_files_than_the_descriptor_limit_leaves_raise_it_or_say_so(tmp_path):
+    # In a child process: a lowered hard limit cannot be raised again.
+    import subprocess
+    import sys
+
+    paths = []
+    for i in range(40):
+        paths.append(str(tmp_path / f"shard_{i}.bin"))
+        write_tokens(paths[-1], np.arange(20_000) % 50, 50)  # 80 KB: mapped
+    child = f"""
+import os, resource
+from nanoq.data import Dataset
+paths = {paths!r}
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+in_use = len(os.listdir("/proc/self/fd"))
+# A soft limit the files would pass is raised (towards the hard one) instead of failing mid-way.
+resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 10, hard))
+dataset = Dataset(paths, seq_len=8)
+assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= in_use + 40 and dataset.num_windows > 0
+del dataset
+# A hard limit they would pass: an error saying so, before any file is opened.
+resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 10, in_use + 20))
+try:
+    Dataset(paths, seq_len=8)
+except ValueError as e:
+    print(str(e).replace(str(in_use + 20), "LIMIT"))
+"""
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == ("40 token files over 64 KiB, each mapped with a file descriptor, need more than this "
+                           "process may open (LIMIT, the hard limit of ulimit -n): tokenize the data into fewer, "
+                           "larger files (nanoq tokenize --shard-tokens), or raise the limit\n")

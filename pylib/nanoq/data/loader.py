@@ -66,7 +66,7 @@ import numpy as np
 
 from nanoq.data import objectives
 from nanoq.data.objectives import IGNORE_INDEX
-from nanoq.data.token_file import TokenFile
+from nanoq.data.token_file import TokenFile, open_token_files
 
 PACKINGS = ("stream", "pack")
 
@@ -217,7 +217,7 @@ class Dataset:
         elif mask_token is not None:
             raise ValueError(f"mask_token is for objective denoise, not {objective}")
         self.mask_token = mask_token
-        self.files = [TokenFile(path) for path in _expand(paths_or_globs)]
+        self.files = open_token_files(_expand(paths_or_globs))
         if packing == "pack":
             if window_step not in (None, self.seq_len):
                 raise ValueError(f"packing pack fills windows with whole documents: window_step must be unset "

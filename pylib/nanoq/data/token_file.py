@@ -47,7 +47,7 @@ ids against the model. Document starts are checked when the file is opened.
 from __future__ import annotations
 
 import os
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -67,7 +67,32 @@ DOCUMENTS_TAG = b"DOCS"  # word 7 when document starts follow the tokens (and ma
 
 # Tokens converted, written or checked per chunk: bounds the extra memory to 64 MiB.
 _CHUNK_TOKENS = 1 << 24
-_READ_BYTES = 1 << 20  # a token file up to this size is read into memory instead of mapped
+_READ_BYTES = 64 << 10  # a token file up to this size is read into memory instead of mapped (it holds no descriptor)
+
+
+def open_token_files(paths: Sequence[str]) -> List["TokenFile"]:
+    """TokenFile of each path. A mapped file holds a file descriptor while
+    it is open: when the files above _READ_BYTES outnumber what the
+    process's soft limit (``ulimit -n``) leaves, it is raised towards the
+    hard limit; past that, a ValueError says how many files there are and
+    how to have fewer, before any is opened."""
+    mapped = sum(1 for path in paths if os.path.isfile(path) and os.path.getsize(path) > _READ_BYTES)
+    try:
+        import resource
+    except ImportError:  # (not on this platform: nothing to raise)
+        resource = None
+    if resource is not None and mapped:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        needed = len(os.listdir("/proc/self/fd")) + mapped + 64 if os.path.isdir("/proc/self/fd") else mapped + 1024
+        if soft != resource.RLIM_INFINITY and needed > soft:
+            if hard == resource.RLIM_INFINITY or needed <= hard:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+            else:
+                raise ValueError(f"{mapped} token files over {_READ_BYTES >> 10} KiB, each mapped with a file "
+                                 f"descriptor, need more than this process may open ({hard}, the hard limit of "
+                                 f"ulimit -n): tokenize the data into fewer, larger files (nanoq tokenize "
+                                 f"--shard-tokens), or raise the limit")
+    return [TokenFile(path) for path in paths]
 
 
 def _mask_bytes(count: int) -> int:
