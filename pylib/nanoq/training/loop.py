@@ -372,12 +372,13 @@ def _model_for_data(config: TrainConfig, datasets) -> ModelConfig:
 def small_data_warnings(datasets, rows_per_step: int) -> List[str]:
     """A warning for each training Dataset (role ending in train_data) with
     fewer windows than the ``rows_per_step`` sequences of one optimizer step,
-    saying how many times each step repeats its data, and for each whose
-    files' tails, which no window holds, are over 1% of its tokens."""
+    saying how many times each step repeats its data, and for each of
+    several files whose tails, which no window holds, are over 1% of its
+    tokens (fewer, longer files would lose less)."""
     out = []
     for role, dataset in datasets:
         tokens = sum(len(file) for file in dataset.files)
-        if role.endswith("train_data") and dataset.tail_tokens > tokens / 100:
+        if role.endswith("train_data") and len(dataset.files) > 1 and dataset.tail_tokens > tokens / 100:
             out.append(f"{dataset.tail_tokens:,} of {role}'s {tokens:,} tokens "
                        f"({100 * dataset.tail_tokens / tokens:.0f}%) are never trained: windows do not span its "
                        f"{len(dataset.files)} files, and each file's tokens after its last whole window of seq_len "
