@@ -476,3 +476,22 @@ def test_import_rejects_checkpoint_of_another_shape(checkpoints):
     with nanoq.Trainer(cfg, train_options()) as tr:
         with pytest.raises((ValueError, RuntimeError)):
             tr.import_weights(checkpoints.path("llama3_rope"))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_fields_a_config_json_leaves_out_take_transformers_defaults(family):
+    # A Qwen3 config.json without head_dim means transformers' 128 (nanoq took hidden / heads, and then
+    # refused the weights naming a tensor's shape); Qwen2's and Qwen3's key/value heads default to 32.
+    import transformers
+
+    config_class, architecture = {"llama": (transformers.LlamaConfig, "LlamaForCausalLM"),
+                                  "qwen2": (transformers.Qwen2Config, "Qwen2ForCausalLM"),
+                                  "qwen3": (transformers.Qwen3Config, "Qwen3ForCausalLM")}[family]
+    sizes = dict(vocab_size=256, hidden_size=1024, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=64)
+    reference = config_class(**sizes)
+    ours = nanoq.ModelConfig.from_hf_dict(dict(sizes, architectures=[architecture], model_type=family))
+    assert ours.num_key_value_heads == reference.num_key_value_heads
+    assert ours.head_dim == (getattr(reference, "head_dim", None) or sizes["hidden_size"] // 64)
+    assert ours.rms_norm_eps == reference.rms_norm_eps
+    assert ours.tie_word_embeddings == reference.tie_word_embeddings

@@ -13,6 +13,11 @@ from nanoq.backends import BACKENDS as _CORE_BACKENDS
 from nanoq.backends import CUDA_BACKENDS
 from nanoq.durable import read_json_object
 
+# What transformers' config class of each family takes for a field its config.json leaves out, where that
+# differs from nanoq's own default (num_key_value_heads = num_attention_heads, head_dim = hidden / heads):
+# Qwen2Config and Qwen3Config default to 32 key/value heads, Qwen3Config to head_dim 128.
+_HF_DEFAULTS = {"llama": {}, "qwen2": {"num_key_value_heads": 32},
+                "qwen3": {"num_key_value_heads": 32, "head_dim": 128}}
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -205,8 +210,8 @@ class ModelConfig:
                 intermediate_size=raw["intermediate_size"],
                 num_hidden_layers=raw["num_hidden_layers"],
                 num_attention_heads=raw["num_attention_heads"],
-                num_key_value_heads=raw.get("num_key_value_heads"),
-                head_dim=raw.get("head_dim"),
+                num_key_value_heads=raw.get("num_key_value_heads", _HF_DEFAULTS[family].get("num_key_value_heads")),
+                head_dim=raw.get("head_dim", _HF_DEFAULTS[family].get("head_dim")),
                 rope_theta=theta,
                 rope_scaling=scaling,
                 rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
