@@ -363,13 +363,24 @@ def test_an_imported_model_exports_with_its_tokenizer_and_special_ids(checkpoint
         assert open(os.path.join(out, "tokenizer.json"), "rb").read() == open(base / "tokenizer.json", "rb").read()
         other = trainer.export_model(tmp_path / "other", eos_token_id=7)
         assert ids(other) == (7, 4)  # what the caller says
-        # A tokenizer given (as `nanoq train --init_from` gives the data's): its files, the base's ids.
+        # A tokenizer given (as `nanoq train --init_from` gives the data's): its files, the base's ids, and
+        # the base's generation_config.json with an instruct model's end-of-turn id (it was left behind,
+        # so generate() ran past the end of a turn).
+        json.dump({"eos_token_id": [5, 6, 9], "temperature": 0.6}, open(base / "generation_config.json", "w"))
         named = trainer.export_model(tmp_path / "named", tokenizer_dir=_word_tokenizer(tmp_path / "tokenizer"))
         assert ids(named) == ([5, 6], 4)
+        generation = transformers.GenerationConfig.from_pretrained(named)
+        assert (generation.eos_token_id, generation.temperature) == ([5, 6, 9], 0.6)
         # nanoq export of a checkpoint of these weights says the same (it recorded the base).
         step = trainer.save_checkpoint(tmp_path / "ckpt", 1)
         assert ids(export_checkpoint(step, tmp_path / "from-checkpoint", max_position_embeddings=64)) == ([5, 6], 4)
         assert os.path.isfile(tmp_path / "from-checkpoint" / "tokenizer.json")
+        assert transformers.GenerationConfig.from_pretrained(tmp_path / "from-checkpoint").eos_token_id == [5, 6, 9]
+        checkpoint_with_data_tokenizer = trainer.save_checkpoint(tmp_path / "ckpt2", 1,
+                                                                 tokenizer_dir=str(tmp_path / "tokenizer"))
+        export_checkpoint(checkpoint_with_data_tokenizer, tmp_path / "data-tokenizer", max_position_embeddings=64)
+        assert transformers.GenerationConfig.from_pretrained(tmp_path / "data-tokenizer").eos_token_id == [5, 6, 9]
+        os.remove(base / "generation_config.json")
         shutil.move(base, tmp_path / "moved")  # a base gone: nothing of it (nor of the folder it was in)
         assert ids(trainer.export_model(tmp_path / "gone")) == (None, None)
         shutil.move(tmp_path / "moved", base)

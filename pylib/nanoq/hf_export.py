@@ -148,7 +148,8 @@ def _tokenizer_eos_id(tokenizer_dir: str) -> Optional[int]:
 def write_model(directory: str | os.PathLike, weights: Dict[str, np.ndarray], config: ModelConfig, *,
                 max_position_embeddings: int, tokenizer_dir: str | os.PathLike | None = None,
                 eos_token_id: Optional[int] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                bos_token_id: Optional[int] = None, overwrite: bool = False) -> str:
+                bos_token_id: Optional[int] = None, overwrite: bool = False,
+                generation_config: str | os.PathLike | None = None) -> str:
     """Writes a Hugging Face model directory; returns its absolute path.
 
     weights: ``{Hugging Face name: array}`` as ``Trainer.get_weights()``
@@ -158,7 +159,8 @@ def write_model(directory: str | os.PathLike, weights: Dict[str, np.ndarray], co
     tokenizer_dir: a directory whose tokenizer.json (required there),
     tokenizer_config.json, special_tokens_map.json, chat_template.jinja
     and generation_config.json (its ids made to agree with config.json's,
-    see _generation_config) are copied in.
+    see _generation_config) are copied in; ``generation_config``, a path,
+    names another generation_config.json to carry (an imported base's).
     eos_token_id: None takes the tokenizer's, if it has one. bos_token_id:
     written as given (None: null).
     ``directory`` must not exist (FileExistsError), unless ``overwrite``: then
@@ -207,10 +209,11 @@ def write_model(directory: str | os.PathLike, weights: Dict[str, np.ndarray], co
             for name in TOKENIZER_FILES:
                 if os.path.isfile(os.path.join(tokenizer_dir, name)):
                     shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(partial, name))
-            if os.path.isfile(os.path.join(tokenizer_dir, GENERATION_CONFIG)):
-                write_json(os.path.join(partial, GENERATION_CONFIG),
-                           _generation_config(os.path.join(tokenizer_dir, GENERATION_CONFIG), hf_config),
-                           sort_keys=True)
+        if generation_config is None and tokenizer_dir is not None:
+            generation_config = os.path.join(tokenizer_dir, GENERATION_CONFIG)
+        if generation_config is not None and os.path.isfile(generation_config):
+            write_json(os.path.join(partial, GENERATION_CONFIG), _generation_config(generation_config, hf_config),
+                       sort_keys=True)
     return os.path.abspath(os.fspath(directory))
 
 
@@ -243,19 +246,26 @@ def _model_dir(path) -> Optional[str]:
 
 
 def _from_base(base, tokenizer_dir, eos_token_id) -> tuple:
-    """(tokenizer_dir, eos_token_id, bos_token_id) of an export of weights
-    imported from the Hugging Face model ``base`` (None: none): the
-    caller's tokenizer_dir and eos_token_id where given, else the base's
-    tokenizer files and config.json's eos_token_id (a list too); its
-    bos_token_id. The base's ids come before a given tokenizer's eos (which
+    """(tokenizer_dir, eos_token_id, bos_token_id, generation_config) of an
+    export of weights imported from the Hugging Face model ``base`` (None:
+    none): the caller's tokenizer_dir and eos_token_id where given, else the
+    base's tokenizer files and config.json's eos_token_id (a list too); its
+    bos_token_id; the generation_config.json to carry: the tokenizer_dir's,
+    else the base's (an instruct model's end-of-turn ids, which a fine-tune
+    on data tokenized elsewhere keeps), None for write_model's default.
+    The base's ids come before a given tokenizer's eos (which
     ``write_model`` finds when there is none)."""
     base = _model_dir(base)
     if base is None:
-        return tokenizer_dir, eos_token_id, None
+        return tokenizer_dir, eos_token_id, None, None
     eos, bos = _special_ids(base)
     if tokenizer_dir is None and os.path.isfile(os.path.join(base, "tokenizer.json")):
         tokenizer_dir = base
-    return tokenizer_dir, eos if eos_token_id is None else eos_token_id, bos
+    generation = None
+    if not (tokenizer_dir is not None and os.path.isfile(os.path.join(tokenizer_dir, GENERATION_CONFIG))) and \
+            os.path.isfile(os.path.join(base, GENERATION_CONFIG)):
+        generation = os.path.join(base, GENERATION_CONFIG)
+    return tokenizer_dir, eos if eos_token_id is None else eos_token_id, bos, generation
 
 
 def _special_ids(model_dir: str) -> tuple:
@@ -294,7 +304,8 @@ def export_model(trainer, directory: str | os.PathLike, *, max_position_embeddin
     architecture(config)  # refuses a model transformers cannot compute before gathering anything
     if max_position_embeddings is None:
         max_position_embeddings = max(config.max_position_embeddings or 0, trainer.options.seq_len)
-    tokenizer_dir, eos_token_id, bos_token_id = _from_base(trainer.base_model, tokenizer_dir, eos_token_id)
+    tokenizer_dir, eos_token_id, bos_token_id, generation = _from_base(trainer.base_model, tokenizer_dir,
+                                                                       eos_token_id)
     weights = _finite(trainer.get_weights(), "the trainer", allow_non_finite, "export_model(..., "
                       "allow_non_finite=True)")
 
@@ -302,7 +313,7 @@ def export_model(trainer, directory: str | os.PathLike, *, max_position_embeddin
         merged = merge(*split_adapters(weights), trainer.lora) if trainer.lora is not None else weights
         return write_model(directory, merged, config, max_position_embeddings=max_position_embeddings,
                            tokenizer_dir=tokenizer_dir, eos_token_id=eos_token_id, max_shard_bytes=max_shard_bytes,
-                           bos_token_id=bos_token_id, overwrite=overwrite)
+                           bos_token_id=bos_token_id, overwrite=overwrite, generation_config=generation)
 
     return _written_by_root(trainer, write, f"exporting the model to {directory}")
 
@@ -404,10 +415,11 @@ def export_checkpoint(checkpoint_path: str | os.PathLike, directory: str | os.Pa
     if lora is not None:
         base = _checkpoint_base(state, base_model)
         weights = merge(_base_weights(base, state), weights, lora)
-    tokenizer_dir, eos_token_id, bos_token_id = _from_base(base, tokenizer_dir, eos_token_id)
+    tokenizer_dir, eos_token_id, bos_token_id, generation = _from_base(base, tokenizer_dir, eos_token_id)
     return write_model(directory, weights, config,
                        max_position_embeddings=max_position_embeddings, tokenizer_dir=tokenizer_dir,
-                       eos_token_id=eos_token_id, max_shard_bytes=max_shard_bytes, bos_token_id=bos_token_id)
+                       eos_token_id=eos_token_id, max_shard_bytes=max_shard_bytes, bos_token_id=bos_token_id,
+                       generation_config=generation)
 
 
 def _finite(weights: Dict[str, np.ndarray], source: str, allow_non_finite: bool,
