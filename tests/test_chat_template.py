@@ -101,3 +101,34 @@ def test_a_given_tokenizers_template_is_replaced_by_nanoqs(tmp_path):
     saved = json.loads((output / "tokenizer_config.json").read_text())
     assert saved["chat_template"] != "{{ 'other' }}" and "<|assistant|>" in saved["chat_template"]
     assert templated(output) == trained_on(output)
+
+
+def test_a_tokenizer_that_adds_a_bos_starts_every_document_with_it_as_transformers_does(tmp_path):
+    # A Llama tokenizer's post-processor puts <s> before a text: transformers' tokenizer(text), its chat
+    # templates and nanoq generate's prompts start with it; nanoq tokenize's documents lacked it.
+    from tokenizers import Tokenizer, processors
+
+    source = tmp_path / "model"
+    source.mkdir()
+    tokenizer = Tokenizer.from_file(f"{DEMO_DIR}/tokenizer.json")
+    tokenizer.add_special_tokens(["<s>"])
+    bos = tokenizer.token_to_id("<s>")
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tokenizer.save(str(source / "tokenizer.json"))
+    shutil.copyfile(f"{DEMO_DIR}/tokenizer_config.json", source / "tokenizer_config.json")
+    hf = AutoTokenizer.from_pretrained(source)
+    texts = ["the lazy dog sleeps", "a brown bird sings"]
+    (tmp_path / "a.txt").write_text("\n\n".join(texts))
+    result = CliRunner().invoke(cli, ["tokenize", str(tmp_path / "a.txt"), "-o", str(tmp_path / "text"),
+                                      "--split", "paragraph", "--tokenizer", str(source)], catch_exceptions=False)
+    assert result.exit_code == 0 and f"each document opening with BOS id(s) [{bos}]" in result.output
+    eos = hf.convert_tokens_to_ids("<|endoftext|>")
+    tokens, mask = trained_on(tmp_path / "text")
+    expected = [i for text in texts for i in hf(text)["input_ids"] + [eos]]
+    assert tokens == expected and expected[0] == bos
+    assert [m for t, m in zip(tokens, mask) if t == bos] == [0, 0]  # the BOS is no target
+    assert json.loads((tmp_path / "text" / "tokenize.json").read_text())["bos_ids"] == [bos]
+    # SFT: the template writes the BOS first, so apply_chat_template still gives what nanoq trained on.
+    output = tokenize(tmp_path, "--tokenizer", str(source))
+    tokens, mask = trained_on(output)
+    assert tokens[0] == bos and templated(output) == (tokens, mask)

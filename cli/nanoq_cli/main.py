@@ -299,7 +299,9 @@ def tokenize(inputs, output, fmt, text_field, split, tokenizer, train_tokenizer,
     files = len(result.train_files) + len(result.eval_files)
     click.echo(f"wrote {result.output}: {result.documents} documents ({result.eval_documents} held out), "
                f"{result.train_tokens:,} train + {result.eval_tokens:,} eval tokens in {files} file(s), "
-               f"vocab {result.vocab_size}, EOS id {result.eos_id} ({result.seconds:.1f}s)")
+               f"vocab {result.vocab_size}, EOS id {result.eos_id}"
+               f"{f', each document opening with BOS id(s) {result.bos_ids}' if result.bos_ids else ''} "
+               f"({result.seconds:.1f}s)")
     if result.special_text_documents:
         became = ("those tokens; --special-text text encodes such text as ordinary text" if special_text == "tokens"
                   else "ordinary text (--special-text text)")

@@ -43,6 +43,7 @@ from nanoq.tokenization.pipeline import (
 from nanoq.tokenization.sources import Document, InputError, chat_template, read_documents
 from nanoq.tokenization.tokenizer import (
     EOS_TOKEN,
+    bos_prefix,
     find_eos_id,
     load_tokenizer,
     set_chat_template,
@@ -90,6 +91,8 @@ class TokenizeResult:
     special_text_tokens: Dict[str, int] = dataclasses.field(default_factory=dict)
     # Documents with no token to train on (an SFT conversation without an assistant turn).
     untrained_documents: int = 0
+    # The ids that start each document: the tokenizer's BOS where its post-processor adds one.
+    bos_ids: List[int] = dataclasses.field(default_factory=list)
 
 
 def _progress_bar(total: int, enabled: Optional[bool]):
@@ -169,13 +172,15 @@ def tokenize_documents(documents: Sequence[Document], output: str | os.PathLike,
             config = os.path.join(os.path.dirname(source_file), "tokenizer_config.json")
             if os.path.isfile(config):
                 shutil.copyfile(config, out.file("tokenizer_config.json"))
+        bos = bos_prefix(model)
         if sft_template:
             config = out.file("tokenizer_config.json")
             if not os.path.isfile(config):
                 write_tokenizer_config(config, model.id_to_token(eos))
-            set_chat_template(config, chat_template(model.id_to_token(eos)))
+            set_chat_template(config, chat_template(model.id_to_token(eos),
+                                                    "".join(model.id_to_token(i) for i in bos)))
         vocab = tokenizer_vocab_size(model)
-        encoder = Encoder(model, eos, special_text)
+        encoder = Encoder(model, eos, special_text, bos)
         spelled = [encoder.spelled_specials(d) for d in documents]
         spelled_tokens = collections.Counter(token for tokens in spelled for token in tokens)
 
@@ -191,6 +196,7 @@ def tokenize_documents(documents: Sequence[Document], output: str | os.PathLike,
                                 vocab_size=vocab, eos_id=eos, seconds=time.time() - start,
                                 special_text_documents=sum(map(bool, spelled)),
                                 special_text_tokens=dict(spelled_tokens.most_common()),
+                                bos_ids=list(bos),
                                 untrained_documents=sum(not (document.eos_trained or any(trained for _, trained in
                                                                                         document.segments))
                                                         for document in documents))

@@ -62,13 +62,14 @@ class Encoder:
     "text" (ordinary text, as tiktoken's encode_ordinary does; the tokenizer's
     ``encode_special_tokens``). Either way the EOS nanoq writes and a
     template's own markers (Document.markup) are tokens. ``spelled_specials``
-    says which special tokens a document's text spells.
+    says which special tokens a document's text spells. bos: the ids that
+    start each document (the tokenizer's BOS, see bos_prefix), not targets.
     """
 
-    def __init__(self, tokenizer, eos: int, special_text: str = "tokens"):
+    def __init__(self, tokenizer, eos: int, special_text: str = "tokens", bos: Sequence[int] = ()):
         if special_text not in SPECIAL_TEXT:
             raise ValueError(f"special_text must be one of {', '.join(SPECIAL_TEXT)}, got {special_text!r}")
-        self.eos, self.special_text = eos, special_text
+        self.eos, self.special_text, self.bos = eos, special_text, tuple(bos)
         self.specials = special_tokens(tokenizer)
         # Markers that take the whitespace after them with them (an added token's rstrip).
         self._rstrip = {token.content for token in tokenizer.get_added_tokens_decoder().values() if token.rstrip}
@@ -98,8 +99,8 @@ class Encoder:
     def encode(self, document: Document) -> Encoded:
         """tokens int32 [n], mask bool [n] of one document, its closing EOS included."""
         markup = self._markup(document)
-        tokens: List[int] = []
-        mask: List[bool] = []
+        tokens: List[int] = list(self.bos)
+        mask: List[bool] = [False] * len(self.bos)
         for index, (text, trained) in enumerate(document.segments):
             if text is None:
                 ids = [self.eos]
@@ -132,13 +133,13 @@ def _encode_chunk(documents: Sequence[Document]) -> List[Encoded]:
     return [_worker_encoder.encode(d) for d in documents]
 
 
-def _init_worker(tokenizer_json: str, eos: int, special_text: str) -> None:
+def _init_worker(tokenizer_json: str, eos: int, special_text: str, bos: Sequence[int]) -> None:
     # The worker's own tokenizer; its Rust thread pool stays off, the processes are the parallelism.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
 
     global _worker_encoder
-    _worker_encoder = Encoder(Tokenizer.from_str(tokenizer_json), eos, special_text)
+    _worker_encoder = Encoder(Tokenizer.from_str(tokenizer_json), eos, special_text, bos)
 
 
 def encode_documents(encoder: Encoder, documents: Sequence[Document], workers: int = 1,
@@ -158,7 +159,8 @@ def encode_documents(encoder: Encoder, documents: Sequence[Document], workers: i
     encoded = []
     # spawn: safe after the tokenizers library has started its threads, and the same on every OS.
     context = multiprocessing.get_context("spawn")
-    with context.Pool(workers, initializer=_init_worker, initargs=(encoder.tokenizer.to_str(), encoder.eos, encoder.special_text)) as pool:
+    initargs = (encoder.tokenizer.to_str(), encoder.eos, encoder.special_text, encoder.bos)
+    with context.Pool(workers, initializer=_init_worker, initargs=initargs) as pool:
         for chunk, result in zip(chunks, pool.imap(_encode_chunk, chunks)):
             encoded += result
             if progress:

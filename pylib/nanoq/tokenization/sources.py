@@ -195,7 +195,7 @@ _CHAT_TEMPLATE = """\
 {%- endif -%}"""
 
 
-def chat_template(eos_token: str) -> str:
+def chat_template(eos_token: str, bos_text: str = "") -> str:
     """The template of ``messages`` SFT lines (module docstring) as a Jinja
     chat template with ``eos_token`` (the EOS token's text) written in:
     ``apply_chat_template(messages)`` renders the text nanoq tokenizes, its
@@ -206,8 +206,11 @@ def chat_template(eos_token: str) -> str:
     made with add_generation_prompt=True is encoded), transformers the whole
     text at once: the ids agree for a tokenizer whose markers are single
     tokens (as those nanoq trains), except where a reply starts with
-    whitespace that the tokenizer's merges join to the marker's newline."""
-    return "{%- set EOS = " + json.dumps(eos_token) + " -%}\n" + _CHAT_TEMPLATE
+    whitespace that the tokenizer's merges join to the marker's newline.
+    bos_text: the text of the ids that start each document (the tokenizer's
+    BOS, see bos_prefix), which the template writes first."""
+    start = "{{- " + json.dumps(bos_text) + " -}}\n" if bos_text else ""
+    return "{%- set EOS = " + json.dumps(eos_token) + " -%}\n" + start + _CHAT_TEMPLATE
 
 
 def read_sft(path: str) -> Iterator[Document]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterable, Optional
+from typing import Iterable, List, Optional
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -114,6 +114,19 @@ def find_mask_id(tokenizer_dir: Optional[str], mask_token: str = "", vocab_size:
     if vocab_size and token_id >= vocab_size:
         raise ValueError(f"mask token id {token_id} is outside the model's vocabulary [0, {vocab_size})")
     return token_id
+
+
+def bos_prefix(tokenizer: Tokenizer) -> List[int]:
+    """The ids the tokenizer's post-processor puts before a text when it
+    adds its special tokens (a Llama tokenizer's BOS; none for most), as
+    ``tokenizer(text)`` in transformers does: nanoq tokenize starts each
+    document with them, as generate's prompts start."""
+    plain = tokenizer.encode("a", add_special_tokens=False).ids
+    full = tokenizer.encode("a", add_special_tokens=True).ids
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return full[:start]
+    return []
 
 
 def find_eos_id(tokenizer: Tokenizer, eos_token: Optional[str] = None, source: str = "") -> int:
