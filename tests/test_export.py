@@ -484,3 +484,25 @@ def test_a_malformed_safetensors_index_is_a_clear_error(tmp_path, index, message
     (tmp_path / "model.safetensors.index.json").write_text(index)
     with pytest.raises(ValueError, match=message):
         weight_files(tmp_path)
+
+
+def test_a_pickled_model_or_a_peft_adapter_given_as_a_model_is_named_for_what_it_is(checkpoints, tmp_path):
+    import shutil
+
+    from nanoq_cli.main import cli
+
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    shutil.copyfile(os.path.join(checkpoints.path("llama"), "config.json"), pickled / "config.json")
+    torch.save({"model.norm.weight": torch.ones(4)}, pickled / "pytorch_model.bin")
+    with open_trainer(checkpoints.path("llama")) as trainer:
+        with pytest.raises(FileNotFoundError, match=r"holds neither model\.safetensors nor model\.safetensors\."
+                                                    r"index\.json \(its pytorch_model\.bin is a pickle, which nanoq "
+                                                    r"does not read: save the model as safetensors"):
+            trainer.import_weights(str(pickled))
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    result = CliRunner().invoke(cli, ["generate", str(adapter), "--prompt-ids", "1 2", "--backend", "cpu"])
+    assert result.exit_code == 1 and f"{adapter} is a PEFT adapter (adapter_config.json), not a model" in \
+        result.output, result.output

@@ -137,6 +137,10 @@ def find_model(path: str) -> ModelSource:
     try:
         state = read_state(root)
     except CheckpointError as e:
+        if os.path.isfile(os.path.join(path, "adapter_config.json")):
+            raise ValueError(f"{path} is a PEFT adapter (adapter_config.json), not a model: give the run or "
+                             f"checkpoint it came from (its adapters run on the base it recorded), or a model "
+                             f"exported with them merged (nanoq export CHECKPOINT --merge)") from None
         raise ValueError(f"{path} is not a Hugging Face model folder (no config.json), a run folder or a "
                          f"checkpoint: {e}") from None
     lora = LoraConfig(**state["lora"]) if state.get("lora") else None

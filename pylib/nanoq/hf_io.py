@@ -142,7 +142,12 @@ def weight_files(path: str | os.PathLike) -> list[str]:
         elif os.path.exists(single):
             return [single]
         else:
-            raise FileNotFoundError(f"{path} holds neither model.safetensors nor model.safetensors.index.json")
+            pickled = [name for name in ("pytorch_model.bin", "pytorch_model.bin.index.json")
+                       if os.path.exists(os.path.join(path, name))]
+            hint = f" (its {pickled[0]} is a pickle, which nanoq does not read: save the model as safetensors, " \
+                   f"e.g. transformers' save_pretrained(folder, safe_serialization=True))" if pickled else ""
+            raise FileNotFoundError(f"{path} holds neither model.safetensors nor model.safetensors.index.json"
+                                    f"{hint}")
     if path.endswith(".json"):
         with open(path, encoding="utf-8") as f:
             try:
