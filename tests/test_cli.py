@@ -302,3 +302,33 @@ def test_sigterm_ends_a_command_as_ctrl_c_does_leaving_no_partial_output(tmp_pat
     output, _ = process.communicate(timeout=120)
     assert process.returncode != 0 and process.returncode != -signal.SIGTERM, output
     assert sorted(os.listdir(tmp_path)) == ["big.txt"], output
+
+
+def test_settings_audit_mends(tmp_path):
+    import tomllib
+
+    # An empty bool flag was taken for false (`--causal "$UNSET"` changed the model); a file's "" is refused.
+    result = invoke("train", "--print-config", "--tie-word-embeddings", "")
+    assert result.exit_code == 2 and "an empty value is not true or false" in result.output
+    assert 'tie_word_embeddings = false' in invoke("train", "--print-config", "--tie-word-embeddings", "no").output
+    # LoRA targets are names to check even without lora_rank (the value goes into config.toml).
+    result = invoke("train", "--print-config", "--lora-targets", "xyz")
+    assert result.exit_code == 1 and "lora.lora_targets: unknown LoRA target 'xyz'" in result.output
+    assert invoke("train", "--print-config", "--lora-targets", "q,gate").exit_code == 0
+    # A model.init_from that is not there says so, naming the setting.
+    result = invoke("train", *TINY_MODEL, "--steps", "1", "--init-from", tmp_path / "nowhere", "--out_dir", tmp_path)
+    assert result.exit_code == 1 and f"model.init_from {tmp_path / 'nowhere'} does not exist" in result.output
+    # A wsd decay the warmup cuts short, or one shorter than a step, is said.
+    args = [*TINY_MODEL, "--steps", "10", "--schedule", "wsd", "--eval_every", "0", "--checkpoint_every", "0",
+            "--sample_every", "0", "--out_dir", tmp_path]
+    output = invoke("train", *args, "--warmup_steps", "5", "--cooldown_fraction", "0.8", "--run_name", "a").output
+    assert "warning: the wsd decay runs over the last 5 steps, not the 8 that train.cooldown_fraction 0.8 asks " \
+           "for: the warmup takes the first 5" in output
+    output = invoke("train", *args, "--warmup_steps", "2", "--cooldown_fraction", "0.05", "--run_name", "b").output
+    assert "warning: train.cooldown_fraction 0.05 of 10 steps is less than one step: no update decays" in output
+    output = invoke("train", *args, "--warmup_steps", "2", "--cooldown_fraction", "0.2", "--run_name", "c").output
+    assert "wsd decay" not in output and "cooldown_fraction" not in output
+    # --print-config of a resumed run's settings is TOML on stdout alone (the "settings:" line went there).
+    result = CliRunner().invoke(cli, ["train", "--resume", str(tmp_path / "c"), "--print-config"])
+    assert result.exit_code == 0 and tomllib.loads(result.stdout)["train"]["steps"] == 10
+    assert "settings: " in result.stderr

@@ -16,7 +16,7 @@ import click
 
 from nanoq import options as option_schema
 from nanoq_cli import inference
-from nanoq_cli.numbers import FiniteFloat, Integer
+from nanoq_cli.numbers import Boolean, FiniteFloat, Integer
 from nanoq.tokenization.pipeline import SPECIAL_TEXT
 from nanoq.tokenization.tokenizer import MIN_TRAINED_VOCAB
 from nanoq.training.settings import settings
@@ -61,7 +61,7 @@ class Size(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
-_CLICK_TYPES = {int: Integer(), float: FiniteFloat(), str: click.STRING, bool: click.BOOL}
+_CLICK_TYPES = {int: Integer(), float: FiniteFloat(), str: click.STRING, bool: Boolean()}
 
 
 def _fail(error: Exception) -> click.ClickException:
@@ -164,7 +164,8 @@ def train(config_file, print_config, resume, **flags):
     if config_file is None and resume not in (None, "auto"):
         config_file = _run_config_file(resume)
         if config_file is not None:
-            click.echo(f"settings: {config_file} (the run's own; flags change them)")
+            # (on stderr: --print-config's TOML goes to stdout)
+            click.echo(f"settings: {config_file} (the run's own; flags change them)", err=True)
     try:
         config = load_config(config_file, overrides)
     except (ValueError, FileNotFoundError) as e:

@@ -48,3 +48,14 @@ class FiniteFloat(click.FloatRange):
 
     def _describe_range(self):
         return _describe_bounds(self, click.FloatRange)
+
+
+class Boolean(click.types.BoolParamType):
+    """true/false (and click's other spellings: 1/0, yes/no, on/off), but not
+    an empty value, which click takes for false: `--causal "$UNSET"` would
+    change the model silently (a config file's "" is an error too)."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value.strip():
+            self.fail("an empty value is not true or false", param, ctx)
+        return super().convert(value, param, ctx)

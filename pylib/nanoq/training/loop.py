@@ -62,7 +62,7 @@ from nanoq.training.run_lock import lock_run, require_not_in_use
 from nanoq.training.samples import Samples, prepare_samples, sampling_note
 from nanoq.training.tracking import check_tracker, open_tracker
 from nanoq.training.log import JsonlLog, eval_line, format_duration, gpu_summary, memory_lines, train_line
-from nanoq.training.lr_schedule import learning_rate
+from nanoq.training.lr_schedule import cooldown_note, learning_rate
 from nanoq.training.stop import StopRequest, TrainingHalted, ask_to_stop
 
 
@@ -440,7 +440,13 @@ def model_config(config: TrainConfig, data_vocab_size: int, token_vocab_size: in
     writes an added EOS token as id = header vocab). [model] vocab_size 0
     takes the larger of the two."""
     if config.init_from:
-        model = ModelConfig.from_pretrained(config.init_from)
+        if not os.path.exists(config.init_from):
+            raise FileNotFoundError(f"model.init_from {config.init_from} does not exist (give a Hugging Face model "
+                                    f"folder: config.json and safetensors weights)")
+        try:
+            model = ModelConfig.from_pretrained(config.init_from)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"model.init_from: {e}") from None
         if model.vocab_size < data_vocab_size:
             raise ValueError(f"model.init_from {config.init_from} has a vocabulary of {model.vocab_size}, smaller "
                              f"than the token files' vocab size {data_vocab_size}: tokenize with its tokenizer")
@@ -527,8 +533,13 @@ def warmup_steps(config: TrainConfig, resumed: Optional[Resume] = None) -> int:
 
 
 def _warmup_note(config: TrainConfig, resumed: Optional[Resume], say: Callable[[str], None]) -> None:
-    """Says when the warmup is not train.warmup_steps (see warmup_steps)."""
+    """Says when the warmup is not train.warmup_steps (see warmup_steps), and
+    when the wsd schedule's decay is not its cooldown_fraction's."""
     warmup = warmup_steps(config, resumed)
+    if config.schedule == "wsd":
+        note = cooldown_note(config.steps, warmup, config.cooldown_fraction)
+        if note:
+            say(f"warning: {note}")
     if warmup < min(config.warmup_steps, config.steps):
         say(f"train.warmup_steps ({config.warmup_steps}) was cut to the run's first {warmup} steps, and that warmup "
             f"is done: the resumed run keeps it (a longer one would lower the rate again; start a new run to warm "

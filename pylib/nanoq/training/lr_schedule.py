@@ -47,3 +47,21 @@ def learning_rate(step: int, *, kind: str, peak: float, total_steps: int, warmup
     if kind == "linear":
         return peak + (final - peak) * progress
     return final + (peak - final) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def cooldown_note(total_steps: int, warmup_steps: int, cooldown_fraction: float) -> str | None:
+    """A warning, in words, when the wsd schedule's decay is not the last
+    ``cooldown_fraction`` of the steps: the warmup overlaps it (the decay
+    then starts after the warmup), or it is shorter than one step (then no
+    update decays). None when it is as asked."""
+    asked = cooldown_fraction * total_steps
+    decay_start = max(warmup_steps, total_steps - asked)
+    decaying = total_steps - math.ceil(decay_start)  # updates whose step >= decay_start
+    if asked and decaying == 0:
+        return (f"train.cooldown_fraction {cooldown_fraction:g} of {total_steps} steps is less than one step: no "
+                f"update decays and train.final_lr_fraction is never reached (raise it, or use more steps)")
+    if warmup_steps > total_steps - asked:
+        return (f"the wsd decay runs over the last {total_steps - warmup_steps} steps, not the {asked:g} that "
+                f"train.cooldown_fraction {cooldown_fraction:g} asks for: the warmup takes the first {warmup_steps}")
+    return None
+

@@ -29,7 +29,7 @@ import numpy as np
 
 from nanoq import options as option_schema
 from nanoq.trainer_config import BACKENDS, DTYPES, POSITION_EMBEDDINGS, STATE_DTYPES, TrainOptions
-from nanoq.lora import LoraConfig
+from nanoq.lora import LoraConfig, parse_targets
 from nanoq.data.loader import PACKINGS
 from nanoq.data.objectives import OBJECTIVES, window_steps
 from nanoq.training.tracking import TRACKER_PACKAGES
@@ -283,6 +283,11 @@ class TrainConfig:
         if self.run_name in (".", "..") or any(sep and sep in self.run_name for sep in (os.sep, os.altsep, "/")):
             raise ValueError(f"run.run_name must be a folder name, the run's directory in run.out_dir, not a path; "
                              f"got {self.run_name!r} (put the folder it goes in into run.out_dir)")
+        try:  # names checked without lora_rank too: the value goes into config.toml, which a resume matches
+            if self.lora_targets.strip():
+                parse_targets(self.lora_targets)
+        except ValueError as e:
+            raise ValueError(f"lora.lora_targets: {e}") from None
         if self.objective != "causal" and self.causal:
             raise ValueError(f"train.objective {self.objective} trains a bidirectional model: set model.causal = "
                              f"false")
