@@ -248,3 +248,33 @@ def test_only_the_root_process_tracks(tmp_path):
     assert len(glob.glob(os.path.join(run_dir, "tensorboard", "events.out.tfevents.*"))) == 1
     events = tensorboard_events(run_dir)
     assert tb_scalars(events, "train/loss") == [(r["step"], f32(r["loss"])) for r in records(run_dir, "train")]
+
+
+def test_a_wandb_run_that_cannot_start_is_one_error_naming_the_setting_and_the_way_without_an_account(
+        tmp_path, monkeypatch):
+    import wandb  # (the test extra's)
+
+    def refuse(**kwargs):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    with pytest.raises(ValueError, match=r"run\.tracker wandb could not start its run: No API key configured\. "
+                                         r"Use `wandb login` to log in\. \(WANDB_MODE=offline logs into the run "
+                                         r"directory without an account"):
+        train(config(tmp_path, steps=2, tracker="wandb"), **QUIET)
+    assert not os.path.exists(tmp_path / "runs" / "run")  # nothing ran: no half-made run
+
+
+def test_the_logged_z_loss_and_the_config_tomls_out_dir(tmp_path, monkeypatch):
+    # The z-loss acts on the gradient only: train records now hold its mean (it was logged nowhere).
+    monkeypatch.chdir(tmp_path)
+    run = train(config(tmp_path, steps=2, z_loss=0.5, out_dir="relative"), **QUIET)
+    logged = [r["z_loss"] for r in records(run.run_dir, "train")]
+    assert len(logged) == 2 and all(value > 0 for value in logged)
+    assert "z_loss" not in records(train(config(tmp_path, steps=1, run_name="plain"), **QUIET).run_dir, "train")[0]
+    # The run's config.toml names its out_dir absolute, so that `nanoq train RUN/config.toml --run_name NEW`
+    # puts NEW beside this run from any working directory (a relative one was taken from the working directory).
+    import tomllib
+
+    saved = tomllib.load(open(os.path.join(run.run_dir, "config.toml"), "rb"))
+    assert saved["run"]["out_dir"] == str(tmp_path / "relative")

@@ -887,8 +887,9 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
         raise
     # Named once the run is set up: a setup that fails removes a new run's directory.
     say(f"run directory: {os.path.abspath(run_dir)}")
-    if group.is_root:
-        replace_text(os.path.join(run_dir, "config.toml"), config.to_toml())
+    if group.is_root:  # (out_dir absolute: `nanoq train RUN/config.toml --run_name NEW` goes beside this run)
+        replace_text(os.path.join(run_dir, "config.toml"),
+                     dataclasses.replace(config, out_dir=os.path.abspath(config.out_dir)).to_toml())
     tokens_per_step = loader.batch_rows * config.seq_len * config.grad_accum  # the global batch
     world_devices = trainer.topology[0]
     log_file = JsonlLog(os.path.join(run_dir, "log.jsonl"), tracker=tracker) if group.is_root else _NoLog()
@@ -1014,9 +1015,10 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
                 step_seconds += now - began
                 tokens_per_s = tokens_per_step / max(now - began, 1e-9)
                 trained_per_s = stats.tokens / max(now - began, 1e-9)
+                extra = dict(z_loss=stats.z_loss) if config.z_loss else {}  # (in the gradient, not in loss)
                 log.write(type="train", step=step + 1, loss=stats.loss, lr=lr, grad_norm=stats.grad_norm,
                           tokens=done.tokens, trained_tokens=stats.tokens, tokens_per_s=tokens_per_s,
-                          time=done.time)
+                          time=done.time, **extra)
                 bar.update(1)
                 gpus = []
                 if telemetry.available and (step + 1) % config.telemetry_every == 0:

@@ -202,7 +202,9 @@ class TrainConfig:
     beta1: float = setting("train", 0.9, "AdamW beta1", minimum=0, maximum=0.999999)
     beta2: float = setting("train", 0.95, "AdamW beta2", minimum=0, maximum=0.999999)
     grad_clip: float = setting("train", 1.0, "clip the global gradient norm to this; 0 = off", minimum=0)
-    z_loss: float = setting("train", 0.0, core_help("z_loss"), **core_limits("z_loss"))
+    z_loss: float = setting("train", 0.0, core_help("z_loss", "adds z_loss * lse^2 per token to the gradient, not "
+                                                              "to the logged loss; log.jsonl's train records hold "
+                                                              "its mean as z_loss"), **core_limits("z_loss"))
     eval_every: int = setting("train", 40, "evaluate every N steps (and at step 0 and the end); 0 = only at "
                                            "the end", minimum=0)
     max_skipped_steps: int = setting("train", 5, "stop (with a checkpoint of the last good state) after this "
@@ -216,7 +218,7 @@ class TrainConfig:
                                                      "[] = the start of the first eval document (of the train data "
                                                      "without eval data)")
     sample_tokens: int = setting("train", 32, "most new tokens per sample (fewer when the end-of-sequence token "
-                                              "comes first); prompt and sample must fit in data.seq_len",
+                                              "comes first, or where prompt and sample would pass data.seq_len)",
                                  minimum=1)
 
     # -- lora: low-rank adapters on a frozen base (usually model.init_from) ----

@@ -197,11 +197,15 @@ class WandbTracker(Tracker):
             with open(id_file, "w", encoding="utf-8") as f:
                 f.write(run_id + "\n")
         self.run_id = run_id
-        self._run = wandb.init(id=run_id, resume="must" if continuing else "allow", dir=run_dir,
-                               project=os.environ.get("WANDB_PROJECT") or "nanoq",
-                               name=os.path.basename(os.path.abspath(run_dir)),
-                               settings=wandb.Settings(console="off", silent=True, x_disable_stats=True,
-                                                       disable_git=True, save_code=False))
+        try:
+            self._run = wandb.init(id=run_id, resume="must" if continuing else "allow", dir=run_dir,
+                                   project=os.environ.get("WANDB_PROJECT") or "nanoq",
+                                   name=os.path.basename(os.path.abspath(run_dir)),
+                                   settings=wandb.Settings(console="off", silent=True, x_disable_stats=True,
+                                                           disable_git=True, save_code=False))
+        except Exception as e:  # noqa: BLE001 - wandb's errors (no API key, no network, ...) have no common base
+            raise ValueError(f"run.tracker wandb could not start its run: {e} (WANDB_MODE=offline logs into the "
+                             f"run directory without an account; wandb sync uploads it later)") from None
         self._run.define_metric("step")
         self._run.define_metric("*", step_metric="step")
 
