@@ -160,7 +160,8 @@ def write_model(directory: str | os.PathLike, weights: Dict[str, np.ndarray], co
     tokenizer_config.json, special_tokens_map.json, chat_template.jinja
     and generation_config.json (its ids made to agree with config.json's,
     see _generation_config) are copied in; ``generation_config``, a path,
-    names another generation_config.json to carry (an imported base's).
+    names the generation_config.json to carry when tokenizer_dir holds none
+    (an imported base's).
     eos_token_id: None takes the tokenizer's, if it has one. bos_token_id:
     written as given (None: null).
     ``directory`` must not exist (FileExistsError), unless ``overwrite``: then
@@ -209,7 +210,7 @@ def write_model(directory: str | os.PathLike, weights: Dict[str, np.ndarray], co
             for name in TOKENIZER_FILES:
                 if os.path.isfile(os.path.join(tokenizer_dir, name)):
                     shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(partial, name))
-        if generation_config is None and tokenizer_dir is not None:
+        if tokenizer_dir is not None and os.path.isfile(os.path.join(tokenizer_dir, GENERATION_CONFIG)):
             generation_config = os.path.join(tokenizer_dir, GENERATION_CONFIG)
         if generation_config is not None and os.path.isfile(generation_config):
             write_json(os.path.join(partial, GENERATION_CONFIG), _generation_config(generation_config, hf_config),
@@ -250,9 +251,9 @@ def _from_base(base, tokenizer_dir, eos_token_id) -> tuple:
     export of weights imported from the Hugging Face model ``base`` (None:
     none): the caller's tokenizer_dir and eos_token_id where given, else the
     base's tokenizer files and config.json's eos_token_id (a list too); its
-    bos_token_id; the generation_config.json to carry: the tokenizer_dir's,
-    else the base's (an instruct model's end-of-turn ids, which a fine-tune
-    on data tokenized elsewhere keeps), None for write_model's default.
+    bos_token_id; its generation_config.json (None without one), which
+    write_model carries where tokenizer_dir holds none (an instruct model's
+    end-of-turn ids, which a fine-tune on data tokenized elsewhere keeps).
     The base's ids come before a given tokenizer's eos (which
     ``write_model`` finds when there is none)."""
     base = _model_dir(base)
@@ -261,11 +262,9 @@ def _from_base(base, tokenizer_dir, eos_token_id) -> tuple:
     eos, bos = _special_ids(base)
     if tokenizer_dir is None and os.path.isfile(os.path.join(base, "tokenizer.json")):
         tokenizer_dir = base
-    generation = None
-    if not (tokenizer_dir is not None and os.path.isfile(os.path.join(tokenizer_dir, GENERATION_CONFIG))) and \
-            os.path.isfile(os.path.join(base, GENERATION_CONFIG)):
-        generation = os.path.join(base, GENERATION_CONFIG)
-    return tokenizer_dir, eos if eos_token_id is None else eos_token_id, bos, generation
+    generation = os.path.join(base, GENERATION_CONFIG)
+    return (tokenizer_dir, eos if eos_token_id is None else eos_token_id, bos,
+            generation if os.path.isfile(generation) else None)
 
 
 def _special_ids(model_dir: str) -> tuple:

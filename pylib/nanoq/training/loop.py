@@ -410,8 +410,8 @@ def check_data_vocab(config: TrainConfig, model: ModelConfig, datasets, evaluate
             raise ValueError(f"the files of {role} give different vocab sizes in their headers: {named}; they "
                              f"come from different tokenizers: tokenize them all with one")
     trains = [(role, dataset) for role, dataset in datasets if role.endswith("train_data")]
+    first_role, first = trains[0] if trains else (None, None)
     for role, dataset in trains[1:]:
-        first_role, first = trains[0]
         if dataset.vocab_size not in {first.vocab_size} | ({model.vocab_size} if config.init_from else set()):
             model_part = f" nor model.init_from's ({model.vocab_size})" if config.init_from else ""
             raise ValueError(f"{role} has vocab size {dataset.vocab_size} but {first_role} has {first.vocab_size}"

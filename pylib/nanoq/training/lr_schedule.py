@@ -38,7 +38,7 @@ def learning_rate(step: int, *, kind: str, peak: float, total_steps: int, warmup
     if kind == "constant":
         return peak
     if kind == "wsd":
-        decay_start = max(warmup_steps, total_steps - cooldown_fraction * total_steps)
+        decay_start = _wsd_decay_start(total_steps, warmup_steps, cooldown_fraction)
         if step < decay_start:
             return peak
         progress = (step - decay_start) / max(total_steps - decay_start, 1e-12)
@@ -49,14 +49,18 @@ def learning_rate(step: int, *, kind: str, peak: float, total_steps: int, warmup
     return final + (peak - final) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def _wsd_decay_start(total_steps: int, warmup_steps: int, cooldown_fraction: float) -> float:
+    """The step from which wsd decays: the last cooldown_fraction of the steps, after the warmup."""
+    return max(warmup_steps, total_steps - cooldown_fraction * total_steps)
+
+
 def cooldown_note(total_steps: int, warmup_steps: int, cooldown_fraction: float) -> str | None:
     """A warning, in words, when the wsd schedule's decay is not the last
     ``cooldown_fraction`` of the steps: the warmup overlaps it (the decay
     then starts after the warmup), or it is shorter than one step (then no
     update decays). None when it is as asked."""
     asked = cooldown_fraction * total_steps
-    decay_start = max(warmup_steps, total_steps - asked)
-    decaying = total_steps - math.ceil(decay_start)  # updates whose step >= decay_start
+    decaying = total_steps - math.ceil(_wsd_decay_start(total_steps, warmup_steps, cooldown_fraction))
     if asked and decaying == 0:
         return (f"train.cooldown_fraction {cooldown_fraction:g} of {total_steps} steps is less than one step: no "
                 f"update decays and train.final_lr_fraction is never reached (raise it, or use more steps)")
