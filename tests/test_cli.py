@@ -318,6 +318,10 @@ def test_settings_audit_mends(tmp_path):
     # A model.init_from that is not there says so, naming the setting.
     result = invoke("train", *TINY_MODEL, "--steps", "1", "--init-from", tmp_path / "nowhere", "--out_dir", tmp_path)
     assert result.exit_code == 1 and f"model.init_from {tmp_path / 'nowhere'} does not exist" in result.output
+    # Warnings about the schedule come once the run is set up, not before a refusal of something else.
+    result = invoke("train", *TINY_MODEL, "--steps", "2", "--warmup_steps", "5", "--init-from", tmp_path / "nowhere",
+                    "--out_dir", tmp_path)
+    assert result.exit_code == 1 and "does not exist" in result.output and "warmup" not in result.output
     # A wsd decay the warmup cuts short, or one shorter than a step, is said.
     args = [*TINY_MODEL, "--steps", "10", "--schedule", "wsd", "--eval_every", "0", "--checkpoint_every", "0",
             "--sample_every", "0", "--out_dir", tmp_path]

@@ -819,8 +819,6 @@ def train(config: TrainConfig, *, resume: Optional[str | os.PathLike] = None, sa
                              f"{without} found none (each looks from its own working directory and "
                              f"run.out_dir): give every process the same run")
         run = runs[0]
-    if run is None:  # (a resumed run says so once it knows its warmup: see _warmup_note)
-        _warmup_note(config, None, say)
     run_dir = on_root(group, lambda: new_run_dir(config), action="making the run directory") if run is None \
         else run.run_dir
     lock = lock_run(run_dir, group)  # before anything in the run directory changes
@@ -902,7 +900,7 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
         placement = f" ({group.size} processes x {trainer.world_size})" if group.size > 1 else ""
         say(f"model: {parameters / 1e6:.2f}M parameters ({model.num_hidden_layers} layers, hidden "
             f"{model.hidden_size}, vocab {model.vocab_size}) on {trainer.backend} x{world_devices}{placement} "
-            f"({trainer.dtype}); {config.steps} steps of {tokens_per_step:,} tokens")
+            f"({trainer.dtype}); {config.steps} step{'s' * (config.steps != 1)} of {tokens_per_step:,} tokens")
         if trainer.backend in CUDA_BACKENDS:
             info = trainer.get_attention_info(0)
             packed = f"; packed documents: {info['documents']}" if options.packed_documents else ""
@@ -919,13 +917,14 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
             say(f"gpu telemetry off: {telemetry.reason}")
         about = dict(parameters=parameters, backend=trainer.backend, devices=world_devices, processes=group.size,
                      run_dir=os.path.abspath(run_dir), config=config.sections(), memory=memory)
-        if resumed is None:
-            log.write(type="start", time=0.0, **about)
-        else:
+        if resumed is not None:
             say(f"resuming from {resumed.state['path']} at step {done.step}")
             for key, (old, new) in resumed.changes.items():
                 say(f"  changed since the checkpoint: {key} {old!r} -> {new!r}")
-            _warmup_note(config, resumed, say)
+        _warmup_note(config, resumed, say)  # (once the run is set up: not before a refusal of something else)
+        if resumed is None:
+            log.write(type="start", time=0.0, **about)
+        else:
             log.write(type="resume", step=done.step, time=done.time, checkpoint=resumed.state["path"],
                       changes=resumed.changes, **about)
         train_start = time.time() - done.time
