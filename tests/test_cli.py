@@ -304,6 +304,33 @@ def test_sigterm_ends_a_command_as_ctrl_c_does_leaving_no_partial_output(tmp_pat
     assert sorted(os.listdir(tmp_path)) == ["big.txt"], output
 
 
+@pytest.mark.parametrize("sizes, python_error, train_error", [
+    ((100, 3, 3), r"hidden_size \(100\) is not divisible by num_attention_heads \(3\): choose a head count that "
+                  r"divides it, or give head_dim explicitly \(ModelConfig.head_dim",
+     "model.hidden_size (100) is not divisible by model.num_attention_heads (3): choose a head count that divides "
+     "it\n"),
+    ((96, 3, 2), r"num_attention_heads \(3\) must be a multiple of num_key_value_heads \(2\)",
+     "model.num_attention_heads (3) must be a multiple of model.num_key_value_heads (2)"),
+    ((120, 8, 8), r"head_dim \(hidden_size / num_attention_heads = 15\) must be even",
+     "head_dim (model.hidden_size / model.num_attention_heads = 15) must be even for rotary embeddings")],
+    ids=["indivisible", "kv_heads", "odd_head_dim"])
+def test_heads_that_do_not_fit_are_named_in_each_interface_s_words(tmp_path, sizes, python_error, train_error):
+    # nanoq train has no head_dim setting: its errors named ModelConfig.head_dim and unprefixed sizes.
+    import nanoq
+    hidden, heads, kv_heads = sizes
+    with pytest.raises(ValueError, match=python_error):
+        nanoq.ModelConfig(vocab_size=64, hidden_size=hidden, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=heads, num_key_value_heads=kv_heads)
+    result = invoke("train", "--hidden_size", hidden, "--num_attention_heads", heads, "--num_key_value_heads",
+                    kv_heads, "--steps", "1", "--out_dir", tmp_path)
+    assert result.exit_code == 1 and train_error in result.output and "ModelConfig" not in result.output
+    assert not os.listdir(tmp_path)  # refused before a run directory was made
+    # An explicit odd head_dim is named as given.
+    with pytest.raises(ValueError, match=r"head_dim \(7\) must be even"):
+        nanoq.ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=4, head_dim=7)
+
+
 def test_settings_audit_mends(tmp_path):
     import tomllib
 

@@ -46,6 +46,34 @@ def _positive_int(name: str, value) -> int:
     return value
 
 
+def head_shape(hidden_size: int, num_attention_heads: int, num_key_value_heads: int,
+               head_dim: Optional[int] = None, prefix: str = "") -> int:
+    """The head_dim of a model of these sizes (hidden_size /
+    num_attention_heads where ``head_dim`` is None), or ValueError for
+    heads that do not fit: query heads not a multiple of the key/value
+    heads, a hidden size the heads do not divide (without head_dim), an odd
+    head_dim (rotary embeddings rotate pairs). ``prefix`` goes before each
+    name in the errors ("model." for nanoq train's settings, which have no
+    head_dim of their own)."""
+    if num_attention_heads % num_key_value_heads:
+        raise ValueError(f"{prefix}num_attention_heads ({num_attention_heads}) must be a multiple of "
+                         f"{prefix}num_key_value_heads ({num_key_value_heads})")
+    derived = head_dim is None
+    if derived:
+        if hidden_size % num_attention_heads:
+            explicit = "" if prefix else (", or give head_dim explicitly (ModelConfig.head_dim, or head_dim in a "
+                                          "Hugging Face config.json)")
+            raise ValueError(f"{prefix}hidden_size ({hidden_size}) is not divisible by {prefix}num_attention_heads "
+                             f"({num_attention_heads}): choose a head count that divides it{explicit}")
+        head_dim = hidden_size // num_attention_heads
+    head_dim = _positive_int("head_dim", head_dim)
+    if head_dim % 2:
+        size = (f"head_dim ({prefix}hidden_size / {prefix}num_attention_heads = {head_dim})" if derived
+                else f"head_dim ({head_dim})")
+        raise ValueError(f"{size} must be even for rotary embeddings: choose sizes that give an even one")
+    return head_dim
+
+
 def _is_finite(value) -> bool:
     """math.isfinite, also for ints too large for a float (which are not)."""
     try:
@@ -117,20 +145,8 @@ class ModelConfig:
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         self.num_key_value_heads = _positive_int("num_key_value_heads", self.num_key_value_heads)
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})")
-        if self.head_dim is None:
-            if self.hidden_size % self.num_attention_heads:
-                raise ValueError(
-                    f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
-                    f"({self.num_attention_heads}): choose a head count that divides it, or give head_dim "
-                    f"explicitly (ModelConfig.head_dim, or head_dim in a Hugging Face config.json)")
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        self.head_dim = _positive_int("head_dim", self.head_dim)
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        self.head_dim = head_shape(self.hidden_size, self.num_attention_heads, self.num_key_value_heads,
+                                   self.head_dim)
         for name in ("rope_theta", "rms_norm_eps"):  # (an int stays an int: config.json writes it as given)
             setattr(self, name, _plain(getattr(self, name)))
             _finite_positive(name, getattr(self, name))

@@ -51,7 +51,7 @@ from nanoq.agreement import agree, on_root
 from nanoq.checkpoint import DiskSpaceWarning, newest_finite
 from nanoq.durable import make_dirs, replace_text
 from nanoq.backends import CUDA_BACKENDS, cpu_oversubscription, idle_gpus_warning, resolve_backend
-from nanoq.trainer_config import ModelConfig
+from nanoq.trainer_config import ModelConfig, head_shape
 from nanoq.hf_export import NotExportable, architecture, export_adapter
 from nanoq.data import Curriculum, DataLoader, Dataset, EvalLoader
 from nanoq.telemetry import GpuTelemetry
@@ -470,6 +470,8 @@ def model_config(config: TrainConfig, data_vocab_size: int, token_vocab_size: in
     if vocab < data_vocab_size:
         raise ValueError(f"model.vocab_size {vocab} is smaller than the token files' vocab size "
                          f"{data_vocab_size}")
+    head_shape(config.hidden_size, config.num_attention_heads, config.num_key_value_heads or
+               config.num_attention_heads, prefix="model.")  # (errors in [model]'s names)
     return ModelConfig(vocab_size=vocab, hidden_size=config.hidden_size,
                        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
                        num_attention_heads=config.num_attention_heads,
