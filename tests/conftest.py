@@ -513,6 +513,11 @@ def require_cuda_backend():
         )
 
 
+def pytest_configure(config):
+    # Tests run several cpu devices on few cores on purpose; the warning is tested where it is made.
+    config.addinivalue_line("filterwarnings", "ignore::nanoq.backends.OversubscriptionWarning")
+
+
 def pytest_report_header(config):
     return f"CUDA emulator seed: NANOQ_EMU_SEED={os.environ['NANOQ_EMU_SEED']} (set it to replay a schedule)"
 

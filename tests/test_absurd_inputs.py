@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+import nanoq
 from nanoq.data import write_tokens
 from nanoq.training import TrainConfig, settings, train
 from nanoq_cli.main import cli
@@ -134,6 +135,45 @@ def test_cpu_oversubscription_is_named_with_the_cores(monkeypatch, devices, thre
         assert warning.startswith(expected)
 
 
+@pytest.mark.parametrize("devices, cores, machine_cores, expected", [
+    (1, 4, 4, None), (2, 4, 4, None),
+    (3, 4, 4, "run.devices 3 in each of the 2 processes on this node asks for 6 cpu threads but this process may "
+              "use 4 cores (os.sched_getaffinity): the run is oversubscribed and much slower; use at most 4 in all"),
+    (2, 2, 8, None),  # each process bound to 2 cores of its own: counted alone
+    (3, 2, 8, "run.devices 3 asks for 3 cpu threads but this process may use 2 cores"),
+])
+def test_processes_sharing_a_node_s_cores_are_counted_together(monkeypatch, devices, cores, machine_cores,
+                                                                expected):
+    # Two processes of 2 devices on a 2-core node asked for 4 threads unwarned; two single-process nodes of
+    # 2 devices and 2 cores each were warned about (the world's 4 devices were counted against one node).
+    monkeypatch.setattr(backends, "usable_cores", lambda: (cores, "os.sched_getaffinity"))
+    monkeypatch.setattr(backends.os, "cpu_count", lambda: machine_cores)
+    warning = backends.cpu_oversubscription(devices, 0, processes=2)
+    if expected is None:
+        assert warning is None
+    else:
+        assert warning.startswith(expected)
+
+
+def test_a_trainer_of_more_cpu_devices_than_cores_warns_from_python(monkeypatch):
+    # Only nanoq train warned; Trainer(devices=64) on 2 cores trained slowly without a word.
+    import warnings
+
+    from nanoq.backends import OversubscriptionWarning
+
+    monkeypatch.setattr(backends, "usable_cores", lambda: (1, "os.sched_getaffinity"))
+    config = nanoq.ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                               num_attention_heads=2)
+    with pytest.warns(OversubscriptionWarning, match=r"^TrainOptions.devices 2 asks for 2 cpu threads but this "
+                                                     r"process may use 1 core \(os.sched_getaffinity\).*"
+                                                     r"\(TrainOptions.threads 0 shares the cores out\)$"):
+        nanoq.Trainer(config, nanoq.TrainOptions(backend="cpu", devices=2, batch_size=1, seq_len=8)).close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nanoq.Trainer(config, nanoq.TrainOptions(backend="cpu", devices=1, threads=1, batch_size=1,
+                                                 seq_len=8)).close()
+
+
 def tiny_run(tmp_path, **overrides):
     pattern = np.tile(np.arange(1, 17), 40)
     write_tokens(tmp_path / "train_000000.bin", pattern, 64)
@@ -149,7 +189,7 @@ def test_training_warns_when_cpu_devices_or_threads_exceed_the_cores(tmp_path, m
     monkeypatch.setattr(backends, "usable_cores", lambda: (1, "os.sched_getaffinity"))
     assert tiny_run(tmp_path, devices=1, threads=1) == []
     (warning,) = tiny_run(tmp_path, devices=2, threads=0)
-    assert warning.startswith("warning: run.devices 2 asks for 2 cpu threads but this process may use 1 cores")
+    assert warning.startswith("warning: run.devices 2 asks for 2 cpu threads but this process may use 1 core ")
     (warning,) = tiny_run(tmp_path, devices=1, threads=3)
     assert warning.startswith("warning: run.devices 1 x run.threads 3 asks for 3 cpu threads")
 

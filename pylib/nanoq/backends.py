@@ -233,18 +233,33 @@ def usable_cores() -> tuple[int, str]:
     return os.cpu_count() or 1, "os.cpu_count"
 
 
-def cpu_oversubscription(devices: int, threads: int) -> Optional[str]:
+class OversubscriptionWarning(UserWarning):
+    """A cpu trainer asks for more threads than its cores (cpu_oversubscription)."""
+
+
+def cpu_oversubscription(devices: int, threads: int, processes: int = 1,
+                         names: tuple = ("run.devices", "run.threads")) -> Optional[str]:
     """A warning, in words, when a cpu run of ``devices`` worker threads with
     ``threads`` compute threads each (0: the cores shared out, at least one
     each) asks for more threads than this process has cores; None when it
-    fits. Such a run is correct, only much slower."""
+    fits. ``processes``: the run's processes on this node, which share its
+    cores where this process may use all of them (where a launcher bound
+    each to cores of its own, each is counted alone). ``names``: those of
+    the devices and threads settings in the words of the caller. Such a run
+    is correct, only much slower."""
     cores, source = usable_cores()
-    wanted = devices * max(threads, 1)
+    sharing = processes > 1 and cores >= (os.cpu_count() or 1)
+    wanted = devices * max(threads, 1) * (processes if sharing else 1)
     if wanted <= cores:
         return None
-    asked = f"run.devices {devices}" if threads == 0 else f"run.devices {devices} x run.threads {threads}"
-    return (f"{asked} asks for {wanted} cpu threads but this process may use {cores} cores ({source}): the run "
-            f"is oversubscribed and much slower; use at most {cores} (run.threads 0 shares the cores out)")
+    devices_name, threads_name = names
+    asked = f"{devices_name} {devices}" if threads == 0 else f"{devices_name} {devices} x {threads_name} {threads}"
+    if sharing:
+        asked += f" in each of the {processes} processes on this node"
+    return (f"{asked} asks for {wanted} cpu threads but this process may use {cores} core{'s' * (cores != 1)} "
+            f"({source}): the run "
+            f"is oversubscribed and much slower; use at most {cores}{' in all' if sharing else ''} ({threads_name} 0 "
+            f"shares the cores out)")
 
 
 def resolve_backend(name: str) -> str:

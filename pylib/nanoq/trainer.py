@@ -7,6 +7,7 @@ import functools
 import math
 import os
 import threading
+import warnings
 from typing import Dict
 
 import numpy as np
@@ -15,7 +16,8 @@ from nanoq import _core
 from nanoq import distributed
 from nanoq import generation
 from nanoq import options as option_schema
-from nanoq.backends import CUDA_BACKENDS, device_count, new_comm_id, resolve_backend
+from nanoq.backends import (CUDA_BACKENDS, OversubscriptionWarning, cpu_oversubscription, device_count, new_comm_id,
+                            resolve_backend)
 from nanoq.trainer_config import ModelConfig, TrainOptions, auto_dtype
 from nanoq.hf_io import is_parameter, iter_weights, model_fingerprint, read_weights_named, weight_shapes
 
@@ -297,6 +299,12 @@ class Trainer:
         self._alone_in_world = self.topology[0] == self.world_size
         self._batch_shape = (options.devices * options.batch_size, options.seq_len)
         self.init_weights(options.seed)
+        if self.backend == "cpu":  # (nanoq train says this in its settings' words instead)
+            node_processes = self.processes.node_local()[1] if self._joined else 1
+            warning = cpu_oversubscription(options.devices, options.threads, node_processes,
+                                           names=("TrainOptions.devices", "TrainOptions.threads"))
+            if warning:
+                warnings.warn(warning, OversubscriptionWarning, stacklevel=2)
 
     def _place_in_world(self, options: TrainOptions) -> TrainOptions:
         """``options`` placed in the world of this trainer's processes: every

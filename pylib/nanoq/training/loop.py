@@ -50,7 +50,8 @@ from nanoq import __version__, distributed
 from nanoq.agreement import agree, on_root
 from nanoq.checkpoint import DiskSpaceWarning, newest_finite
 from nanoq.durable import make_dirs, replace_text
-from nanoq.backends import CUDA_BACKENDS, cpu_oversubscription, idle_gpus_warning, resolve_backend
+from nanoq.backends import (CUDA_BACKENDS, OversubscriptionWarning, cpu_oversubscription, idle_gpus_warning,
+                            resolve_backend)
 from nanoq.trainer_config import ModelConfig, head_shape
 from nanoq.hf_export import NotExportable, architecture, export_adapter
 from nanoq.data import Curriculum, DataLoader, Dataset, EvalLoader
@@ -863,10 +864,12 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
     trainer = None
     try:
         model, options, loader, eval_loader, tokenizer_dir = _setup(config, run_dir, say, group)
-        trainer = Trainer(model, options, processes=group)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", OversubscriptionWarning)  # (said below in run.* words)
+            trainer = Trainer(model, options, processes=group)
         if trainer.backend == "cpu":
             for warning in (idle_gpus_warning(config.backend, trainer.backend),
-                            cpu_oversubscription(trainer.world_size, options.threads)):
+                            cpu_oversubscription(options.devices, options.threads, group.node_local()[1])):
                 if warning:
                     say(f"warning: {warning}")
         if config.init_from:
