@@ -4,8 +4,8 @@
 #
 #   tests/sanitize/run.sh address [PYTEST ARGS...]
 #       AddressSanitizer + UndefinedBehaviorSanitizer (+ LeakSanitizer for
-#       nanoq's own allocations); by default the whole suite (but three
-#       end-to-end runs of the benchmark script, below), in one test
+#       nanoq's own allocations); by default the whole suite (but the
+#       end-to-end runs and reports deselected below), in one test
 #       process per core (pytest -n auto): first the tests not marked
 #       cuda_emulated, then those (the cuda backend's host code and every
 #       kernel on the CUDA emulator, whose fiber switches it announces to
