@@ -302,6 +302,7 @@ def corrupt_json(step_dir):
     path = os.path.join(step_dir, "trainer_state.json")
     state = json.load(open(path))
     del state["optimizer_steps"]
+    state["state_checksum"] = checkpoint.state_checksum(state)  # (else the checksum tells first)
     json.dump(state, open(path, "w"))
     return "trainer_state.json", "optimizer_steps"
 

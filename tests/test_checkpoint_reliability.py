@@ -8,6 +8,7 @@ import dataclasses
 import errno
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -71,6 +72,41 @@ def test_a_flipped_byte_in_tensor_data_is_refused_naming_the_file(tmp_path):
         checkpoint.read_weights(saved)
 
 
+@pytest.mark.parametrize("field, value", [("step", 3), ("optimizer_steps", 12), ("extra_state", {"loader": 1})])
+def test_a_changed_value_in_the_state_file_is_refused_though_the_json_is_valid(tmp_path, field, value):
+    # The state file had no checksum of its own: a digit flipped in the step (or in the data
+    # loader's position) left valid JSON that every field check passed, and the run resumed at
+    # another step or data position.
+    with make_trainer() as trainer:
+        train_steps(trainer, 0, 2)
+        saved = trainer.save_checkpoint(tmp_path, 2)
+    state_file = os.path.join(saved, checkpoint.STATE_FILE)
+    text = open(state_file).read()
+    state = json.loads(text)
+    assert state["state_checksum"] == checkpoint.state_checksum(state)
+    state[field] = value
+    damaged = json.dumps(state, indent=2)
+    open(state_file, "w").write(damaged)
+    with pytest.raises(CheckpointError, match=f"{re.escape(state_file)} is corrupt: its values give the "
+                                              f"checksum crc32:[0-9a-f]{{8}}, it was saved with 'crc32:"):
+        checkpoint.read_state(saved)
+    with make_trainer() as trainer:
+        with pytest.raises(CheckpointError, match="is corrupt"):
+            trainer.load_checkpoint(saved)
+        assert trainer.optimizer_steps == 0
+    # Only the values count: the same state written otherwise (no indent, other key order) reads.
+    open(state_file, "w").write(json.dumps(dict(reversed(list(json.loads(text).items())))))
+    assert checkpoint.read_state(saved)["step"] == 2
+
+
+def test_a_state_checksum_is_crc32_of_the_canonical_json_of_the_other_fields():
+    import zlib
+
+    state = {"b": [1, 2.5, "é"], "a": {"y": None, "x": True}, "state_checksum": "anything"}
+    canonical = '{"a":{"x":true,"y":null},"b":[1,2.5,"\\u00e9"]}'
+    assert checkpoint.state_checksum(state) == f"crc32:{zlib.crc32(canonical.encode()):08x}"
+
+
 def test_the_checksum_is_zlibs_crc32_of_the_whole_file(tmp_path):
     import zlib
 
@@ -92,7 +128,7 @@ def test_a_checkpoint_without_checksums_still_loads(tmp_path):
         expected = trainer.get_weights()
     state_file = os.path.join(saved, checkpoint.STATE_FILE)
     state = json.load(open(state_file))
-    for key in ("checksums", "finite", "non_finite"):  # as written before these existed
+    for key in ("checksums", "finite", "non_finite", "state_checksum"):  # as written before these existed
         del state[key]
     json.dump(state, open(state_file, "w"))
     with make_trainer(seed=5) as trainer:

@@ -38,8 +38,12 @@ times faster than a cryptographic hash such as BLAKE2 (it guards against
 accidents, not against someone forging a checkpoint). Loading verifies
 every recorded checksum before the trainer is touched; checkpoints written
 before checksums existed (format 1, and format 2 without ``checksums``)
-load without that check. ``trainer_state.json`` carries no checksum of its
-own: it is parsed and checked field by field instead.
+load without that check. ``trainer_state.json`` holds a checksum of its own
+values, ``state_checksum`` (the CRC-32 of the other fields written as
+canonical JSON: sorted keys, no spaces), so that damage which leaves valid
+JSON (a digit of the step or of the data loader's position) is found too;
+its fields are also checked one by one. A state without one (written before
+it existed) is read without that check.
 
 Rotation (``keep_last``, ``keep_every``) never deletes the newest
 checkpoint whose state is finite, however many newer ones are not. Before
@@ -112,6 +116,7 @@ PART_METADATA = "nanoq_part"
 TENSOR_KINDS = ("weights", "master", "adam_m", "adam_v")  # the tensors of a part, per parameter
 LATEST = "latest"
 CHECKSUM_CHUNK = 16 << 20  # bytes read at a time to checksum a file
+STATE_CHECKSUM = "state_checksum"  # trainer_state.json's checksum of its other fields
 # Model options added after checkpoints were first written, and the value a
 # checkpoint without them had.
 _NEWER_MODEL_FIELDS = {"position_embedding": "rope", "mlp_bias": False, "dropout": 0.0, "causal": True}
@@ -387,7 +392,7 @@ def _write_state(trainer, directory: str, step: int, extra_state: dict, tokenize
     options = dict(dataclasses.asdict(trainer.options), backend=trainer.backend, dtype=trainer.dtype)
     del options["comm_id"]  # names this run's communicator world only (bytes, no JSON)
     world = trainer.topology[0]
-    write_json(os.path.join(directory, STATE_FILE), dict(
+    state = dict(
         format_version=FORMAT_VERSION,
         nanoq_version=nanoq.__version__,
         step=step,
@@ -411,7 +416,17 @@ def _write_state(trainer, directory: str, step: int, extra_state: dict, tokenize
         finite=not any(part["non_finite"] for part in parts),
         non_finite=[key for part in parts for key in part["non_finite"]][:8],
         saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    ))
+    )
+    write_json(os.path.join(directory, STATE_FILE), dict(state, **{STATE_CHECKSUM: state_checksum(state)}))
+
+
+def state_checksum(state: dict) -> str:
+    """``"crc32:<8 hex digits>"`` of ``state``'s fields but STATE_CHECKSUM,
+    written as canonical JSON (sorted keys, no spaces, ASCII): what
+    trainer_state.json records and read_state checks."""
+    values = {key: value for key, value in state.items() if key != STATE_CHECKSUM}
+    text = json.dumps(values, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
+    return f"crc32:{zlib.crc32(text.encode('ascii')):08x}"
 
 
 def recorded_tokenizer_dir(state: dict) -> Optional[str]:
@@ -465,6 +480,12 @@ def read_state(path: str | os.PathLike) -> dict:
     if version not in READABLE_VERSIONS or isinstance(version, bool):
         raise CheckpointError(f"{file} has format version {state['format_version']!r}; this nanoq reads "
                               f"versions {', '.join(map(str, READABLE_VERSIONS))}")
+    if STATE_CHECKSUM in state:
+        recorded = state.pop(STATE_CHECKSUM)
+        actual = state_checksum(state)
+        if recorded != actual:
+            raise CheckpointError(f"{file} is corrupt: its values give the checksum {actual}, it was saved with "
+                                  f"{recorded!r}")
     for field in ("step", "optimizer_steps"):
         if not _is_count(state[field]):
             raise CheckpointError(f"{file}: {field} must be a non-negative integer, got {state[field]!r}")
