@@ -230,6 +230,16 @@ def test_a_checkpoint_with_a_bad_checksum_is_set_aside_on_resume(tmp_path):
     assert any(name.startswith("step_00000008.corrupt-") for name in os.listdir(root))
 
 
+def test_a_state_file_whose_values_changed_is_set_aside_on_resume(tmp_path):
+    cfg, run_dir = interrupted_run(tmp_path)
+    root = run_dir / "checkpoints"
+    state_file = root / "step_00000008" / checkpoint.STATE_FILE
+    state_file.write_text(state_file.read_text().replace('"optimizer_steps": 8', '"optimizer_steps": 9'))
+    result = train(cfg, resume=str(run_dir), **QUIET)
+    assert result.resumed_from == str(root / "step_00000004")
+    assert any(name.startswith("step_00000008.corrupt-") for name in os.listdir(root))
+
+
 def test_a_resume_reads_each_checksum_once(tmp_path, monkeypatch):
     """Choosing the checkpoint verifies its files; loading it then does not
     read them all again (for a large model's optimizer state, minutes)."""
