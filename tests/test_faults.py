@@ -94,11 +94,21 @@ print("stopped_by", result.stopped_by, flush=True)
 """
 
 
-def start_run(tmp_path, every=0, env=None, resume=False):
+def start_run(tmp_path, every=0, env=None, resume=False, cli_signals=False, catch=False):
+    """A run of nanoq.training.train in a subprocess; cli_signals: a second
+    signal ends the process, as in nanoq train; catch: the script catches a
+    KeyboardInterrupt out of train and says so."""
     script = tmp_path / "run.py"
     source = SIGNAL_RUN.format(tests=os.path.dirname(__file__), tmp=str(tmp_path), every=every)
     if resume:
         source = source.replace("train(cfg, progress=False)", "train(cfg, progress=False, resume='auto')")
+    if cli_signals:
+        source = "from nanoq.training.stop import end_process_on_second_signal\nend_process_on_second_signal()\n" \
+            + source
+    if catch:
+        source = source.replace("result = train(", "try:\n    result = train(").replace(
+            "print(\"stopped_by\"", "except KeyboardInterrupt as e:\n    print(\"KeyboardInterrupt; run_dir\", "
+            "e.run_dir, flush=True)\n    raise SystemExit(0)\nprint(\"stopped_by\"")
     script.write_text(source)
     return subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=dict(os.environ, **(env or {})))
@@ -152,9 +162,12 @@ def test_a_console_whose_reader_went_away_stops_the_run_with_a_checkpoint(tmp_pa
     assert log_records(run_dir, "train")[-1]["step"] == stopped["step"]
 
 
-def test_a_second_sigint_aborts_at_once_and_the_last_checkpoint_survives(tmp_path):
+@pytest.mark.parametrize("cli_signals", [True, False], ids=["nanoq-train", "python"])
+def test_a_second_sigint_aborts_at_once_and_the_last_checkpoint_survives(tmp_path, cli_signals):
     # A first run leaves complete checkpoints; the resumed run pauses inside its
-    # next save (test hook), where the two signals arrive.
+    # next save (test hook), where the two signals arrive. nanoq train ends there and then; train()
+    # called from Python raised KeyboardInterrupt, where the second signal ended the interpreter
+    # too (a notebook's kernel, with all else it held).
     first = start_run(tmp_path, every=2)
     run_dir = tmp_path / "runs" / "run"
     wait_for(lambda: len(checkpoint.list_checkpoints(run_dir / "checkpoints")) >= 1, first, "a checkpoint")
@@ -162,13 +175,18 @@ def test_a_second_sigint_aborts_at_once_and_the_last_checkpoint_survives(tmp_pat
     first.communicate(timeout=120)
     complete = checkpoint.list_checkpoints(run_dir / "checkpoints")
     marker = tmp_path / "paused"
-    second = start_run(tmp_path, every=2, env={testing.PAUSE_IN_SAVE_ENV: str(marker)}, resume=True)
+    second = start_run(tmp_path, every=2, env={testing.PAUSE_IN_SAVE_ENV: str(marker)}, resume=True,
+                       cli_signals=cli_signals, catch=not cli_signals)
     wait_for(marker.exists, second, "the paused save")
     second.send_signal(signal.SIGINT)  # asks to stop: the save in flight would finish first...
     time.sleep(0.5)
-    second.send_signal(signal.SIGINT)  # ...but the second one ends the process there and then
-    second.communicate(timeout=60)
-    assert second.returncode == -signal.SIGINT
+    second.send_signal(signal.SIGINT)  # ...but the second one stops there and then
+    output, _ = second.communicate(timeout=60)
+    if cli_signals:
+        assert second.returncode == -signal.SIGINT
+    else:
+        assert second.returncode == 0 and f"KeyboardInterrupt; run_dir {run_dir}" in output, output
+        assert not [name for name in os.listdir(run_dir / "checkpoints") if ".partial" in name]
     assert checkpoint.list_checkpoints(run_dir / "checkpoints") == complete
     latest = checkpoint.resolve(run_dir / "checkpoints")
     assert checkpoint.read_state(latest)["step"] == complete[-1]
@@ -207,11 +225,19 @@ with StopRequest() as stop:
 """
 
 
-def test_two_signals_within_one_long_call_still_end_the_process():
+@pytest.mark.parametrize("cli_signals", [True, False], ids=["nanoq-train", "python"])
+def test_two_signals_within_one_long_call_still_stop_at_once(cli_signals):
     # Python runs a handler between bytecodes: two SIGINTs during one long C call (a core step)
-    # ran it once, and the second, meant to end the process at once, was lost. The deliveries
-    # are counted (a wakeup fd), so the second one ends the process as documented.
-    process = subprocess.Popen([sys.executable, "-c", TWO_SIGNALS], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    # ran it once, and the second, meant to stop at once, was lost. The deliveries are counted
+    # (a wakeup fd), so the second one ends the process (nanoq train) or raises KeyboardInterrupt.
+    script = TWO_SIGNALS
+    if cli_signals:
+        script = "from nanoq.training.stop import end_process_on_second_signal\nend_process_on_second_signal()\n" + \
+            script
+    else:
+        script = script.replace("with StopRequest() as stop:", "try:\n  with StopRequest() as stop:").replace(
+            "\n    ", "\n      ") + "except KeyboardInterrupt:\n  print('KeyboardInterrupt', flush=True)\n"
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
     assert process.stdout.readline().strip() == "ready"
     time.sleep(0.3)
@@ -219,8 +245,11 @@ def test_two_signals_within_one_long_call_still_end_the_process():
     time.sleep(0.1)
     process.send_signal(signal.SIGINT)
     output, _ = process.communicate(timeout=60)
-    assert process.returncode == -signal.SIGINT, output
     assert "survived" not in output
+    if cli_signals:
+        assert process.returncode == -signal.SIGINT, output
+    else:
+        assert process.returncode == 0 and "KeyboardInterrupt" in output, output
     # One signal: the stop is asked for, and the process goes on to stop cleanly.
     process = subprocess.Popen([sys.executable, "-c", TWO_SIGNALS], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)

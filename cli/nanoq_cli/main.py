@@ -631,13 +631,15 @@ def main():
     the run, so that none waits for a process that is gone. SIGTERM (a
     scheduler cancelling the job) unwinds as Ctrl-C does, so that what a
     command was writing is removed rather than left half made (the training
-    loop stops at a step's end with a checkpoint instead, see
-    nanoq.training.stop)."""
+    loop stops at a step's end with a checkpoint instead, and a second
+    signal ends the process at once, see nanoq.training.stop)."""
     import signal
 
     from nanoq.distributed import abort_on_failure
+    from nanoq.training.stop import end_process_on_second_signal
 
     signal.signal(signal.SIGTERM, _terminated)
+    end_process_on_second_signal()
     return abort_on_failure(cli)
 
 

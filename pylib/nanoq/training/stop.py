@@ -3,10 +3,14 @@
 The first SIGINT or SIGTERM only asks the loop to stop: it finishes the step
 (or the evaluation) in flight (the core call is not interrupted), writes a
 checkpoint and returns.
-The handler also restores the default action for both signals, so a second
-one ends the process at once, even inside a core call. That is safe: every
-checkpoint is written to a temporary directory and renamed into place, so the
-last complete one is never damaged. Under a launcher the processes agree
+The handler also hands both signals back, so a second one stops at once,
+without that checkpoint. In ``nanoq train`` (``end_process_on_second_signal``)
+it ends the process, even inside a core call. Called from Python, the
+handlers the program had before the run take it: Python's own raises
+KeyboardInterrupt for SIGINT (at the Trainer's next wait, within 50 ms), so
+that a notebook or a script calling ``train`` lives on; SIGTERM's default
+ends the process. Either is safe: every checkpoint is written to a temporary
+directory and renamed into place, so the last complete one is never damaged. Under a launcher the processes agree
 after every step whether any of them was asked to stop (``agreed``).
 
 A console whose reader went away (``nanoq train | head``: writing to it
@@ -28,6 +32,15 @@ class TrainingHalted(RuntimeError):
 
 
 _active: Optional["StopRequest"] = None  # the StopRequest of the run in progress (main thread), if any
+_second_signal_ends_process = False  # (end_process_on_second_signal)
+
+
+def end_process_on_second_signal() -> None:
+    """From now on, a second stop signal during a run ends the process at
+    once (the signal's default action), as ``nanoq train`` documents,
+    instead of going to the program's handler from before the run."""
+    global _second_signal_ends_process
+    _second_signal_ends_process = True
 
 
 def ask_to_stop(name: str) -> bool:
@@ -107,21 +120,31 @@ class StopRequest:
         return max(sum(byte in self.SIGNALS for byte in data), 1)
 
     def _handle(self, number, frame) -> None:
-        if self._deliveries() > 1 or self.signal_name is not None:  # a second one: as if handled by default
-            for other in self.SIGNALS:
-                signal.signal(other, signal.SIG_DFL)
-            os.kill(os.getpid(), number)
-            return
+        if self._deliveries() > 1 or self.signal_name is not None:  # a second one
+            self._hand_back()
+            handler = signal.getsignal(number)
+            if callable(handler):
+                handler(number, frame)  # Python's default_int_handler raises KeyboardInterrupt
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), number)
+            return  # (SIG_IGN: ignored, as the program asked)
         self.ask(signal.Signals(number).name)
+
+    def _hand_back(self) -> None:
+        """After the first signal: the second goes to the signal's default
+        action (end_process_on_second_signal) or to the program's handler."""
+        for number in self.SIGNALS:
+            previous = self._previous.get(number)
+            ends = _second_signal_ends_process or previous is None
+            signal.signal(number, signal.SIG_DFL if ends else previous)
 
     def ask(self, name: str) -> None:
         """The stop a first signal asks for (``name``: the signal's)."""
         if self.signal_name is not None:
             return
         self.signal_name = name
-        if threading.current_thread() is threading.main_thread():  # (else _handle sees signal_name set)
-            for other in self.SIGNALS:
-                signal.signal(other, signal.SIG_DFL)  # a second signal ends the process now
+        if threading.current_thread() is threading.main_thread() and self._previous:  # (else _handle sees
+            self._hand_back()  # signal_name set)
         if not self.say:
             return
         # Said at once: the step in flight (and a save) may take a while.
