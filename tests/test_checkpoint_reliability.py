@@ -664,3 +664,42 @@ def test_folders_a_save_creates_are_made_durable_in_their_parents(tmp_path, monk
     assert synced == []
     with pytest.raises(FileExistsError):
         durable.make_dirs(tmp_path / "run")
+
+
+# -- a failed call leaves no cycle that keeps the trainer ----------------------------------------------
+
+
+@pytest.mark.parametrize("call", ["load_missing", "load_corrupt", "save_again"])
+def test_a_failed_checkpoint_call_does_not_keep_the_trainer_alive_after_del(tmp_path, call):
+    # The error was kept in a local of the frame that raised it (error = e ... raise error): the
+    # traceback held the frame and the frame the error, a cycle through the trainer, so `del trainer`
+    # after a failed load_checkpoint/save_checkpoint kept its memory, threads and share of the memory
+    # budget until the garbage collector ran (a notebook's next Trainer was refused for memory).
+    import gc
+    import weakref
+
+    saved = None
+    if call == "load_corrupt":
+        with make_trainer() as trainer:
+            saved = trainer.save_checkpoint(tmp_path / "saved", 1)
+        flip_data_byte(saved)
+
+    def fail():
+        trainer = make_trainer(devices=2)
+        with pytest.raises((CheckpointError, FileExistsError)):
+            if call == "load_missing":
+                trainer.load_checkpoint(tmp_path / "missing")
+            elif call == "load_corrupt":
+                trainer.load_checkpoint(saved)
+            else:
+                trainer.save_checkpoint(tmp_path / "again", 1)
+                trainer.save_checkpoint(tmp_path / "again", 1)
+        return weakref.ref(trainer)
+
+    gc.collect()
+    gc.disable()
+    try:
+        alive = fail()
+        assert alive() is None, "the trainer outlived its last reference"
+    finally:
+        gc.enable()

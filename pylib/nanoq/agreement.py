@@ -8,6 +8,13 @@ class (``fallback`` for other classes) whose message names the failing
 process and repeats its error. No process returns while another one failed,
 and none waits for ever on a process that raised: the failure travels in
 the same collective as success would have.
+
+A frame that raises an exception it holds in a variable (``raise error``)
+must drop that variable (``finally: error = None``): the exception's
+traceback holds the frame, and the frame would hold the exception, a cycle
+that keeps every object the frames refer to (a Trainer, its memory and
+threads) alive after the caller's ``del`` until the garbage collector runs.
+The functions here do, and so must their callers that keep the error.
 """
 from __future__ import annotations
 
@@ -30,7 +37,10 @@ def agree(group: ProcessGroup, error: Optional[BaseException], value: Any = None
     if not failures:
         return [value for _, value in reports]
     if error is not None:
-        raise error
+        try:
+            raise error
+        finally:
+            error = None  # (no cycle: see the module docstring)
     rank, (kind, message) = failures[0]
     others = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
     raise _rebuilt(kind, f"{action} failed on process {rank} of {group.size}{others}: {kind}: {message}", fallback)
@@ -50,7 +60,10 @@ def on_root(group: ProcessGroup, work: Callable[[], T], *, action: str, fallback
     if failure is None:
         return result
     if error is not None:
-        raise error
+        try:
+            raise error
+        finally:
+            error = None  # (no cycle: see the module docstring)
     kind, message = failure
     raise _rebuilt(kind, f"{action} failed on process 0 of {group.size}: {kind}: {message}", fallback)
 

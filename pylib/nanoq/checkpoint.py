@@ -254,6 +254,8 @@ def save_checkpoint(trainer, root: str | os.PathLike, step: int, extra_state: Op
             if group.is_root:
                 shutil.rmtree(partial, ignore_errors=True)
             raise
+        finally:
+            error = None  # (no cycle: see nanoq.agreement)
 
         def finish() -> str:
             try:
@@ -766,14 +768,17 @@ def load_checkpoint(trainer, path: str | os.PathLike, *, checksums: bool = True)
     except Exception as e:  # noqa: BLE001 - the other processes must learn of it
         error, state = e, None
     group = trainer.world_group
-    if group is not None and group.size > 1:
-        directories = agree(group, error, None if state is None else state["path"], action="loading a checkpoint",
-                            fallback=CheckpointError)
-        if len(set(directories)) > 1:
-            raise CheckpointError(f"the processes found different checkpoints at {path}: "
-                                  f"{', '.join(f'process {p}: {d}' for p, d in enumerate(directories))}")
-    elif error is not None:
-        raise error
+    try:
+        if group is not None and group.size > 1:
+            directories = agree(group, error, None if state is None else state["path"],
+                                action="loading a checkpoint", fallback=CheckpointError)
+            if len(set(directories)) > 1:
+                raise CheckpointError(f"the processes found different checkpoints at {path}: "
+                                      f"{', '.join(f'process {p}: {d}' for p, d in enumerate(directories))}")
+        elif error is not None:
+            raise error
+    finally:
+        error = None  # (no cycle: see nanoq.agreement)
     for i in trainer._trainable:
         name, shape, _ = trainer._parameters[i]
         trainer._core.set_parameter(i, slices.read("weights", name, 0, math.prod(shape)))

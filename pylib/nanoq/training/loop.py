@@ -121,7 +121,10 @@ def _on_every_process(group: distributed.ProcessGroup, work: Callable[[], T], ac
         result = work()
     except Exception as e:  # noqa: BLE001 - raised by agree, after every process heard of it
         error = e
-    agree(group, error, action=action)
+    try:
+        agree(group, error, action=action)
+    finally:
+        error = None  # (no cycle: see nanoq.agreement)
     return result
 
 
