@@ -527,3 +527,20 @@ def test_sft_lines_that_train_nothing_are_counted_and_ambiguous_ones_refused(tmp
                                                    "messages": [{"role": "assistant", "content": "m"}]}])
     with pytest.raises(InputError, match=r"both\.jsonl:1: an SFT line has 'messages' and 'prompt'/'response'"):
         tokenize_files([both], tmp_path / "both", fmt="sft", tokenizer=tokenizer_dir)
+
+
+def test_a_tokenizer_file_loaded_again_gives_the_same_tokenizer_until_it_changes(tmp_path):
+    # Each fresh Tokenizer that encodes keeps a few MB the tokenizers library never frees: a notebook
+    # training on the demo again and again grew ~6 MB per run. An unchanged file is loaded once.
+    from nanoq.tokenization.tokenizer import load_tokenizer
+
+    train_bpe_tokenizer([CORPUS], 300).save(str(tmp_path / "tokenizer.json"))
+    first = load_tokenizer(tmp_path)
+    assert load_tokenizer(tmp_path / "tokenizer.json") is first
+    assert first.get_vocab_size() == 300
+    train_bpe_tokenizer([CORPUS], 280).save(str(tmp_path / "tokenizer.json"))  # rewritten: read anew
+    again = load_tokenizer(tmp_path)
+    assert again is not first and again.get_vocab_size() == 280
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match="is JSON but not a tokenizer.json"):
+        load_tokenizer(tmp_path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import OrderedDict
 from typing import Iterable, List, Optional
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -31,6 +32,15 @@ def tokenizer_file(path: str | os.PathLike) -> str:
     return file
 
 
+# The tokenizers of the files loaded last, by (path, size, mtime): each
+# Tokenizer object that encodes keeps a few MB that the tokenizers library
+# never gives back (measured with 0.23: about 6 MB per fresh tokenizer over
+# the demo plays, nothing for the same one again), so a process that trains
+# on the demo many times (a notebook) grew by that much per run.
+_LOADED: "OrderedDict[tuple, Tokenizer]" = OrderedDict()
+_LOADED_MOST = 8
+
+
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """A Hugging Face fast tokenizer from a ``tokenizer.json`` file or model directory.
 
@@ -39,8 +49,24 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     prompts, and a truncated document would silently lose its end, a padded
     one gain tokens that are not its text. The worker processes of
     ``nanoq tokenize`` get this tokenizer (``to_str()``), settings included.
+    A file loaded before (unchanged: same size and modification time) gives
+    the same Tokenizer object again: callers use it as it is (encode,
+    decode), never change its settings.
     """
     file = tokenizer_file(path)
+    stat = os.stat(file)
+    key = (os.path.realpath(file), stat.st_size, stat.st_mtime_ns)
+    if key in _LOADED:
+        _LOADED.move_to_end(key)
+        return _LOADED[key]
+    tokenizer = _read_tokenizer(file)
+    _LOADED[key] = tokenizer
+    while len(_LOADED) > _LOADED_MOST:
+        _LOADED.popitem(last=False)
+    return tokenizer
+
+
+def _read_tokenizer(file: str) -> Tokenizer:
     try:
         tokenizer = Tokenizer.from_file(file)
     except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception subclasses
