@@ -76,6 +76,15 @@ Tensor NamedAllocator::allocate(Context context, const std::string& name, DType 
     return tensor;
 }
 
+void NamedAllocator::release_after(std::size_t mark) {
+    while (segments_.size() > mark) {
+        const Segment& s = segments_.back();
+        if (backend_) backend_->raw_free(s.data, s.kind);
+        if (s.kind == MemoryKind::Device) device_bytes_ -= s.bytes;
+        segments_.pop_back();
+    }
+}
+
 void NamedAllocator::out_of_memory(Context context, const std::string& name, const Tensor& tensor,
                                    const std::string& reason, const std::string& state_advice) const {
     std::string table;

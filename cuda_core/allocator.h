@@ -72,6 +72,12 @@ public:
                     std::initializer_list<std::int64_t> dims, MemoryKind kind = MemoryKind::Device,
                     bool exact = true);
 
+    // A group of allocations undone: mark() before it, release_after(mark)
+    // frees every tensor allocated since, newest first. Only for tensors
+    // nobody holds (a group that failed part way, say).
+    std::size_t mark() const { return segments_.size(); }
+    void release_after(std::size_t mark);
+
     bool planning() const { return backend_ == nullptr; }
     const std::vector<Segment>& segments() const { return segments_; }
     std::size_t total_bytes(Context context) const;

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -534,6 +535,33 @@ struct Trainer::Impl : TrainerSetup {
             failed = true;
             throw;
         }
+    }
+
+    // Generation's KV caches, on their first use, on every device or on
+    // none: a device that cannot hold its cache fails the call, not the
+    // trainer (nothing else was touched: training goes on), and what the
+    // other devices allocated is freed again.
+    void allocate_kv_caches() {
+        std::vector<std::exception_ptr> refused(devices.size());
+        std::vector<std::size_t> marks(devices.size());
+        const std::int64_t refusing = testing_hooks.take(TestingHook::kRefuseKvCacheInWorker);
+        run([&](int rank, DeviceState& d) {
+            marks[rank] = d.allocator->mark();
+            try {
+                d.kv_cache = d.model->allocate_kv_cache(*d.allocator);
+                if (rank == refusing) throw OutOfMemory("out of memory allocating the KV cache (testing hook)");
+            } catch (const OutOfMemory&) {
+                refused[rank] = std::current_exception();
+                d.allocator->release_after(marks[rank]);
+            }
+        });
+        const auto first = std::find_if(refused.begin(), refused.end(), [](const auto& e) { return bool(e); });
+        if (first == refused.end()) return;
+        run([&](int rank, DeviceState& d) {
+            d.kv_cache = KvCache{};
+            d.allocator->release_after(marks[rank]);
+        });
+        std::rethrow_exception(*first);
     }
 
     // Waits for the queued work; a failure in it surfaces here (and poisons
@@ -1260,8 +1288,8 @@ void Trainer::forward_cached(const std::int32_t* tokens, int count, int position
         if (copied[i] < 0 || copied[i] >= vocab)
             throw InvalidArgument("token id " + std::to_string(copied[i]) + " at " + std::to_string(i) +
                                   " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+    if (m.devices[0].kv_cache.capacity == 0) m.allocate_kv_caches();
     m.run([&](int rank, DeviceState& d) {
-        if (d.kv_cache.capacity == 0) d.kv_cache = d.model->allocate_kv_cache(*d.allocator);
         d.backend->copy_from_host(d.kv_cache.tokens.slice(position, count), copied.data());
         ZeroLayers layers(*m.zero, d.zero, d.weight_views, d.grad_views, *d.backend, *d.comm);
         d.model->forward_cached(d.weight_views, layers, d.kv_cache, position, count, all_positions, *d.stack,

@@ -227,3 +227,36 @@ def test_the_memory_cgroups_of_the_process_bound_the_host_memory(tmp_path):
     write(root / "memory" / "jobs" / "memory.stat", "cache 300\ntotal_inactive_file 200\n")
     assert cgroup_memory_available(str(tmp_path / "self1"), str(root)) == 1700
     assert cgroup_memory_available(str(tmp_path / "missing"), str(root)) is None
+
+
+def test_a_kv_cache_that_does_not_fit_fails_generate_but_not_the_training():
+    # Generation's first call allocates its KV cache; one that did not fit failed a worker, and a
+    # trainer in the middle of training refused all further work (its steps since the last
+    # checkpoint lost). Now only generate() fails: nothing else was touched, and training goes on.
+    from nanoq.testing import arm_hook
+
+    need = allocated_bytes()
+    tokens = np.random.default_rng(0).integers(0, 4096, (4, 64), dtype=np.int32)
+
+    def losses(trainer, provoke):
+        out = []
+        before = [trainer.get_allocations(device) for device in (0, 1)]
+        for step in range(3):
+            trainer.step(tokens, tokens)
+            if step == 1 and provoke:
+                with pytest.raises(nanoq.OutOfMemoryError, match=provoke):
+                    trainer.generate([1, 2, 3], 4)
+                # All or none: what a device allocated before the refusal is freed again.
+                assert [trainer.get_allocations(device) for device in (0, 1)] == before
+            out.append(trainer.update(lr=1e-3).loss)
+        return out
+
+    with nanoq.Trainer(CONFIG, options()) as trainer:
+        expected = losses(trainer, None)
+    with nanoq.Trainer(CONFIG, options(memory_limit=need)) as trainer:  # no room for the cache on either
+        assert losses(trainer, r"allocating 'kv-cache\.") == expected
+    with nanoq.Trainer(CONFIG, options()) as trainer:  # device 1 refused after device 0's cache was made
+        arm_hook(trainer, "refuse_kv_cache_in_worker", 1)
+        assert losses(trainer, "KV cache") == expected
+        assert len(trainer.generate([1, 2, 3], 4)) == 4  # and a later call that fits allocates it
+        assert {s["context"] for s in trainer.get_allocations(1)} >= {"kv-cache"}

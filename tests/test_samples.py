@@ -71,6 +71,35 @@ def test_a_run_with_samples_trains_bitwise_as_one_without(tmp_path, lora):
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
+def test_a_kv_cache_that_does_not_fit_turns_samples_off_and_the_run_trains_on(tmp_path, monkeypatch):
+    # The first sample allocates generation's KV cache; one that did not fit beside training failed
+    # the trainer, and the run died there, losing its steps since the last checkpoint.
+    import nanoq.training.loop as loop
+    from nanoq.testing import arm_hook
+
+    class Refusing(loop.Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            arm_hook(self, "refuse_kv_cache_in_worker", 0)
+
+    monkeypatch.setattr(loop, "Trainer", Refusing)
+    base = dict(steps=4, checkpoint_every=0, eval_every=2)
+    lines = []
+    refused = train(config(tmp_path, run_name="refused", sample_every=1, **base), say=lines.append, progress=False)
+    monkeypatch.undo()
+    plain = train(config(tmp_path, run_name="plain", sample_every=0, **base), **QUIET)
+    assert not records(refused.run_dir, "sample")
+    (warning,) = records(refused.run_dir, "warning")
+    assert warning["step"] == 1 and warning["message"].startswith(
+        "samples off for the rest of the run: generation's KV cache does not fit beside training (out of memory")
+    assert [line for line in lines if "samples off" in line] == [f"warning: {warning['message']}"]
+
+    def figures(run_dir):
+        return [(r["type"], r["step"], r["loss"]) for r in records(run_dir) if r["type"] in ("train", "eval")]
+
+    assert figures(refused.run_dir) == figures(plain.run_dir) and refused.steps == 4
+
+
 def tokenized_data(directory):
     """Token files of TEXT with a byte-level BPE tokenizer.json beside them; (train glob, eval path, tokenizer)."""
     from nanoq.tokenization.tokenizer import tokenizer_vocab_size, train_bpe_tokenizer

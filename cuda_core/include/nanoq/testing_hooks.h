@@ -33,7 +33,10 @@
       "backward (ZeRO stage 1: all in update())")                                               \
     X(kTraceCommunication, "trace_communication", 0,                                            \
       "nonzero: each step() records, per device, the order of the layers' backward and the "    \
-      "gradient reductions (Trainer::communication_trace)")
+      "gradient reductions (Trainer::communication_trace)")                                      \
+    X(kRefuseKvCacheInWorker, "refuse_kv_cache_in_worker", -1,                                  \
+      "the next KV-cache allocation (generation's first call) on worker <value> is refused as "  \
+      "out of memory after it allocated, as a device short of memory part way would")
 
 namespace nanoq {
 

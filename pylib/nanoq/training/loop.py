@@ -46,7 +46,7 @@ import time
 import warnings
 from typing import Callable, List, Optional, TypeVar
 
-from nanoq import __version__, distributed
+from nanoq import OutOfMemoryError, __version__, distributed
 from nanoq.agreement import agree, on_root
 from nanoq.checkpoint import DiskSpaceWarning, newest_finite
 from nanoq.durable import make_dirs, replace_text
@@ -1059,9 +1059,17 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
                 if config.checkpoint_every and ((step + 1) % config.checkpoint_every == 0
                                                 or step + 1 == config.steps):
                     save_checkpoint()
-                # After the checkpoint: generating allocates the KV cache, which may fail.
+                # After the checkpoint: generating allocates the KV cache, which may not fit.
                 if samples is not None and samples.due(step + 1):
-                    samples.write(trainer, step + 1, log, emit, time.time() - train_start)
+                    try:
+                        samples.write(trainer, step + 1, log, emit, time.time() - train_start)
+                    except OutOfMemoryError as e:  # (the trainer trains on: only the cache was refused)
+                        samples = None
+                        message = (f"samples off for the rest of the run: generation's KV cache does not fit "
+                                   f"beside training ({str(e).splitlines()[0]}); nanoq memory counts it, and "
+                                   f"train.sample_every 0 leaves samples out")
+                        log.write(type="warning", step=step + 1, message=message, time=time.time() - train_start)
+                        emit(f"warning: {message}")
         finally:
             bar.close()
         if stopped_by:
