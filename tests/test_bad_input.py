@@ -97,6 +97,9 @@ BAD_ARRAYS = {
     "inputs-strided": ("inputs", _non_contiguous, ValueError, ["contiguous"]),
     "targets-strided": ("targets", _non_contiguous, ValueError, ["contiguous"]),
     "inputs-fortran": ("inputs", _fortran, ValueError, ["contiguous"]),
+    # A masked array's mask was silently ignored (the core reads the data beneath it).
+    "targets-masked": ("targets", lambda a: np.ma.masked_array(a, mask=a % 2 == 0), TypeError,
+                       ["masked array", "targets.filled(-100)"]),
     "inputs-id-vocab": ("inputs", _set((1, 3), VOCAB), ValueError, ["[1, 3]", str(VOCAB)]),
     "inputs-id-negative": ("inputs", _set((0, 7), -1), ValueError, ["[0, 7]", "-1"]),
     "inputs-id-minus-100": ("inputs", _set((1, 0), -100), ValueError, ["[1, 0]", "-100"]),

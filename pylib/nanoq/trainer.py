@@ -75,6 +75,9 @@ def _check_host_batch_array(name: str, array, shape, kinds: str) -> None:
     (TypeError/ValueError naming it; ``kinds`` says what else it may be)."""
     if not isinstance(array, np.ndarray):
         raise TypeError(f"{name} must be a numpy int32 array{kinds}, got {type(array).__name__}")
+    if isinstance(array, np.ma.MaskedArray):  # (its mask would be ignored: the core reads the data)
+        raise TypeError(f"{name} is a numpy masked array, whose mask nanoq would not see: give a plain array "
+                        f"(targets -100 are not trained on), e.g. {name}.filled(-100) for targets")
     if array.dtype != np.int32:
         raise TypeError(f"{name} must have dtype int32, got {array.dtype}")
     if array.shape != shape:
