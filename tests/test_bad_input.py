@@ -366,3 +366,19 @@ def test_device_index_out_of_range_raises(trainer, device):
     for call in (trainer.get_allocations, trainer.get_stack_info):
         with pytest.raises(ValueError, match="device"):
             call(device)
+
+
+def test_a_closed_trainer_says_so_before_looking_at_the_arguments(trainer, tmp_path):
+    # set_weights, load_checkpoint and import_weights checked their dict or files first: a closed
+    # trainer reported missing parameters or a checkpoint of another model instead of being closed.
+    trainer.close()
+    calls = {"set_weights": lambda: trainer.set_weights({}),
+             "load_checkpoint": lambda: trainer.load_checkpoint(tmp_path / "missing"),
+             "import_weights": lambda: trainer.import_weights(tmp_path / "missing"),
+             "step": lambda: trainer.step(*GOOD), "get_weights": trainer.get_weights,
+             "save_checkpoint": lambda: trainer.save_checkpoint(tmp_path / "ckpt", 1),
+             "export_model": lambda: trainer.export_model(tmp_path / "model")}
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match="^this Trainer is closed$"):
+            call()
+    assert not os.listdir(tmp_path)

@@ -479,6 +479,8 @@ class Trainer:
         A tied model (tie_word_embeddings) takes a file's lm_head.weight only
         when it equals its embedding (ValueError otherwise: another model).
         With LoRA these are the frozen weights; the adapters are untouched."""
+        self._require_open()
+
         def wanted(name: str) -> bool:
             return is_parameter(name, self.config.tie_word_embeddings)
 
@@ -570,6 +572,12 @@ class Trainer:
         return out
 
     # -- checkpoints and export ---------------------------------------------
+    def _require_open(self) -> None:
+        """RuntimeError("this Trainer is closed") after close(), as every core
+        call then raises, for the calls that look at their arguments (files,
+        dicts) first: that a closed trainer can do nothing is the news."""
+        self._core.world_size  # noqa: B018 - the core's closed check
+
     def _require_training(self, what: str, hint: str = "") -> None:
         """ValueError for a call that trains (or keeps training state) on an inference trainer."""
         if self.options.inference:
@@ -602,6 +610,7 @@ class Trainer:
         Returns the checkpoint's JSON state (``step``, ``extra_state``, ...).
         Everything is checked before the trainer is touched. In a world of
         several processes every process calls it."""
+        self._require_open()
         self._require_training("load_checkpoint", "; it takes a checkpoint's weights with "
                                "set_weights(nanoq.checkpoint.read_weights(step_dir), trainable_only=True)")
         from nanoq.checkpoint import load_checkpoint
@@ -711,6 +720,7 @@ class Trainer:
         given weight that is not numeric and ValueError for one with another
         shape than its parameter's (named, with both shapes); ValueError
         counting the parameters that are missing, naming a few."""
+        self._require_open()
         if not isinstance(weights, dict):
             raise TypeError(f"weights must be a dict of {{name: array}}, got {type(weights).__name__}")
         unknown = sorted(name for name in weights if name not in self._index)
