@@ -256,10 +256,10 @@ def cpu_oversubscription(devices: int, threads: int, processes: int = 1,
     asked = f"{devices_name} {devices}" if threads == 0 else f"{devices_name} {devices} x {threads_name} {threads}"
     if sharing:
         asked += f" in each of the {processes} processes on this node"
+    in_all = " in all" if sharing else ""
     return (f"{asked} asks for {wanted} cpu threads but this process may use {cores} core{'s' * (cores != 1)} "
-            f"({source}): the run "
-            f"is oversubscribed and much slower; use at most {cores}{' in all' if sharing else ''} ({threads_name} 0 "
-            f"shares the cores out)")
+            f"({source}): the run is oversubscribed and much slower; use at most {cores}{in_all} "
+            f"({threads_name} 0 shares the cores out)")
 
 
 def resolve_backend(name: str) -> str:

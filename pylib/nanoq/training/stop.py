@@ -10,8 +10,9 @@ handlers the program had before the run take it: Python's own raises
 KeyboardInterrupt for SIGINT (at the Trainer's next wait, within 50 ms), so
 that a notebook or a script calling ``train`` lives on; SIGTERM's default
 ends the process. Either is safe: every checkpoint is written to a temporary
-directory and renamed into place, so the last complete one is never damaged. Under a launcher the processes agree
-after every step whether any of them was asked to stop (``agreed``).
+directory and renamed into place, so the last complete one is never damaged.
+Under a launcher the processes agree after every step whether any of them
+was asked to stop (``agreed``).
 
 A console whose reader went away (``nanoq train | head``: writing to it
 raises BrokenPipeError, Python's form of SIGPIPE) stops the run the same way,
@@ -143,8 +144,9 @@ class StopRequest:
         if self.signal_name is not None:
             return
         self.signal_name = name
-        if threading.current_thread() is threading.main_thread() and self._previous:  # (else _handle sees
-            self._hand_back()  # signal_name set)
+        # (Elsewhere than in the main thread, _handle sees signal_name set and hands them back.)
+        if threading.current_thread() is threading.main_thread() and self._previous:
+            self._hand_back()
         if not self.say:
             return
         # Said at once: the step in flight (and a save) may take a while.
