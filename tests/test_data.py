@@ -258,7 +258,8 @@ def test_truncated_mask_is_detected(tmp_path):
         (llmq_header(2, 10, 0, magic=b"BIN.TOX\n"), r"wrong magic b'BIN\.TOX\\n'.*not a token file: `nanoq "
                                                      r"tokenize` makes them.*nanoq\.data\.write_tokens\(path, "
                                                      r"tokens, vocab_size\) from a token array"),
-        (llmq_header(2, 10, 0, version=1), "format version 1; only version 2"),
+        (llmq_header(2, 10, 0, version=1), r"format version 1; only version 2 is supported \(an older llm.q's, "
+                                           r"with no vocabulary size in its header: tokenize its text again"),
         (llmq_header(2, 10, 0, bytes_per_token=2), "2 bytes per token; only 4"),
         (llmq_header(2, 10, 2), "has-mask word 2"),
         (llmq_header(2, 0, 0), "vocab size 0"),

@@ -35,9 +35,9 @@ SMALL_TRAIN = {"--hidden_size": "32", "--intermediate_size": "64", "--num_hidden
                "--backend": "cpu", "--steps": "2", "--eval_batches": "1"}
 
 
-def shell_blocks():
-    """(line number, run?, text) of every ```bash block of the README."""
-    with open(README, encoding="utf-8") as f:
+def shell_blocks(path=README):
+    """(line number, run?, text) of every ```bash block of the README (or of the page at ``path``)."""
+    with open(path, encoding="utf-8") as f:
         lines = f.read().split("\n")
     blocks, index = [], 0
     while index < len(lines):
@@ -104,13 +104,31 @@ def test_the_readme_has_shell_examples_to_run():
     assert sum(len(nanoq_commands(text)) for _, _, text in blocks) > 20
 
 
-def test_every_nanoq_command_in_the_readme_parses():
-    for line, _, text in shell_blocks():
+@pytest.mark.parametrize("page", ["README.md", "docs/nano-migration.md", "docs/llmq-migration.md"])
+def test_every_nanoq_command_in_the_readme_and_the_guides_parses(page):
+    path = os.path.join(os.path.dirname(README), page)
+    commands = 0
+    for line, _, text in shell_blocks(path):
         for args in nanoq_commands(text):
+            commands += 1
             try:
                 parsed_command(args)
             except (click.UsageError, AssertionError) as e:
-                pytest.fail(f"README.md line {line}: nanoq {shlex.join(args)}: {e}")
+                pytest.fail(f"{page} line {line}: nanoq {shlex.join(args)}: {e}")
+    assert commands, f"{page} has no nanoq command in a bash block"
+
+
+def test_the_llmq_guide_names_nanoq_train_flags_that_exist():
+    # Its flag table's nanoq column: each --flag must be one of nanoq train's options.
+    with open(os.path.join(os.path.dirname(README), "docs", "llmq-migration.md"), encoding="utf-8") as f:
+        text = f.read()
+    table = text[text.index("## The flags"):text.index("Without a nanoq counterpart")]
+    rows = [line.split("|") for line in table.splitlines() if line.startswith("| `")]
+    flags = {flag for row in rows for flag in re.findall(r"--[a-z][a-z0-9-]*", row[2])}
+    assert len(rows) > 25 and len(flags) > 30
+    train = cli.get_command(click.Context(cli), "train")
+    known = {option for param in train.params for option in param.opts}
+    assert sorted(flags - known) == []
 
 
 def with_small_training(args):

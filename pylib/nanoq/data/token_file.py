@@ -327,8 +327,10 @@ class TokenFile:
         words = np.frombuffer(header, dtype="<i4")
         self.version = int(words[_VERSION_WORD])
         if self.version != VERSION:
+            older = (" (an older llm.q's, with no vocabulary size in its header: tokenize its text again, with "
+                     "nanoq tokenize or llm.q's current scripts/tokenize_data.py)" if self.version == 1 else "")
             raise ValueError(f"token file {self.path!r} has format version {self.version}; "
-                             f"only version {VERSION} is supported")
+                             f"only version {VERSION} is supported{older}")
         bytes_per_token = int(words[_BYTES_PER_TOKEN_WORD])
         if bytes_per_token != BYTES_PER_TOKEN:
             raise ValueError(f"token file {self.path!r} has {bytes_per_token} bytes per token; "
