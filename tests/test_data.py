@@ -118,6 +118,14 @@ def test_document_starts_follow_the_mask_where_llmq_reads_nothing(tmp_path):
     assert TokenFile(tmp_path / "plain.bin").document_starts is None
 
 
+def test_a_token_file_into_a_folder_that_is_not_there_names_the_folder(tmp_path):
+    # The error named the temporary file ("No such file or directory: 'data/train.bin.tmp-8428'").
+    with pytest.raises(FileNotFoundError, match=r"no folder '.*missing' to write the token file into \(make it "
+                                                r"first: os\.makedirs\)"):
+        write_tokens(tmp_path / "missing" / "train.bin", [1, 2, 3], 10)
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_header_padded_like_llmq_tokenizer_records_no_document_starts(tmp_path):
     # llm.q's tokenizer reserves the header as "*" * 1023 + "\n" and writes words 0-6 over it.
     header = bytearray(b"*" * 1023 + b"\n")

@@ -209,6 +209,35 @@ def test_the_python_version_the_readme_names_is_the_one_pyproject_requires_and_t
                 assert since is None or since <= lowest, f"{path} imports {name} (Python {since}), below {required}"
 
 
+def test_the_readmes_token_id_import_runs_and_trains(tmp_path):
+    """The snippet that turns nanoGPT's uint16 train.bin/val.bin into token files, run as it
+    is on small stand-ins: every id survives, and nanoq train takes the files."""
+    import subprocess
+    import sys
+
+    text = open(README, encoding="utf-8").read()
+    section = text[text.index("Token ids you already have"):]
+    code = section[section.index("```python\n") + len("```python\n"):section.index("```\n", 10)]
+    rng = np.random.default_rng(0)
+    ids = {name: rng.integers(0, 50257, size, dtype=np.uint16) for name, size in (("train.bin", 5000),
+                                                                                    ("val.bin", 700))}
+    for name, array in ids.items():
+        array.tofile(tmp_path / name)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    from nanoq.data import TokenFile
+
+    for split, name in (("train", "train.bin"), ("eval", "val.bin")):
+        (written,) = sorted((tmp_path / "gpt2-data").glob(f"{split}_*.bin"))
+        file = TokenFile(written)
+        assert file.vocab_size == 50257 and np.array_equal(file.tokens, ids[name].astype(np.int32))
+    args = ["train", "--train-data", str(tmp_path / "gpt2-data" / "train_*.bin"), "--eval-data",
+            str(tmp_path / "gpt2-data" / "eval_*.bin"), "--out-dir", str(tmp_path / "runs"), "--sample-every", "0"]
+    result = CliRunner().invoke(cli, with_small_training(args), catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "vocab 50257" in result.output
+
+
 def test_the_readmes_python_example_runs_as_written(tmp_path):
     """The "Using it from Python" example, run as it is (in a scratch folder, the
     cpu backend): it trains, the loss falls, and its export loads in transformers."""

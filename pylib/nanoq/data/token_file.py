@@ -46,6 +46,7 @@ ids against the model. Document starts are checked when the file is opened.
 """
 from __future__ import annotations
 
+import errno
 import os
 from typing import List, Optional, Sequence, Tuple
 
@@ -192,6 +193,10 @@ def _write_validated(path: str, tokens: np.ndarray, vocab_size: int, mask: Optio
     if count > MAX_TOKENS_PER_FILE:
         raise ValueError(f"{count} tokens do not fit one file (at most {MAX_TOKENS_PER_FILE}); "
                          f"use write_token_shards")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):  # (else the error names the temporary file)
+        raise FileNotFoundError(errno.ENOENT, f"no folder {os.path.dirname(path) or '.'!r} to write the token "
+                                f"file into (make it first: os.makedirs)", path)
     temporary = f"{path}.tmp-{os.getpid()}"
     try:
         with open(temporary, "wb") as f:
