@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import nanoq
+from conftest import cuda_cases, use_cuda_backend
 
 CONFIG = nanoq.ModelConfig(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                            num_attention_heads=4)
@@ -240,10 +241,10 @@ def test_a_kv_cache_that_does_not_fit_fails_generate_but_not_the_training():
 
     def losses(trainer, provoke):
         out = []
-        before = [trainer.get_allocations(device) for device in (0, 1)]
         for step in range(3):
             trainer.step(tokens, tokens)
             if step == 1 and provoke:
+                before = [trainer.get_allocations(device) for device in (0, 1)]
                 with pytest.raises(nanoq.OutOfMemoryError, match=provoke):
                     trainer.generate([1, 2, 3], 4)
                 # All or none: what a device allocated before the refusal is freed again.
@@ -260,3 +261,27 @@ def test_a_kv_cache_that_does_not_fit_fails_generate_but_not_the_training():
         assert losses(trainer, "KV cache") == expected
         assert len(trainer.generate([1, 2, 3], 4)) == 4  # and a later call that fits allocates it
         assert {s["context"] for s in trainer.get_allocations(1)} >= {"kv-cache"}
+
+
+@pytest.mark.parametrize("backend", cuda_cases())
+def test_a_refused_kv_cache_leaves_a_cuda_trainer_training_and_generating_later(backend, request):
+    # The cuda backend frees a device's part-made cache (device memory) as the cpu backend does.
+    from nanoq.testing import arm_hook
+
+    use_cuda_backend(backend, request)
+    config = nanoq.ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                               num_attention_heads=2)
+    tokens = np.random.default_rng(1).integers(0, 256, (4, 32), dtype=np.int32)
+    runs = []
+    for provoke in (False, True):
+        with nanoq.Trainer(config, options(backend=backend, dtype="fp32", seq_len=32, cuda_graphs=False)) as trainer:
+            trainer.step(tokens, tokens)
+            before = [trainer.get_allocations(device) for device in (0, 1)]  # (after any first-use workspace)
+            if provoke:
+                arm_hook(trainer, "refuse_kv_cache_in_worker", 1)
+                with pytest.raises(nanoq.OutOfMemoryError, match="KV cache"):
+                    trainer.generate([1, 2, 3], 4, temperature=0.0)
+                assert [trainer.get_allocations(device) for device in (0, 1)] == before
+            loss = trainer.update(lr=1e-3).loss
+            runs.append((loss, trainer.generate([1, 2, 3], 4, temperature=0.0)))
+    assert runs[1] == runs[0]
