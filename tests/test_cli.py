@@ -5,6 +5,7 @@ import re
 import sys
 import tomllib
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -363,3 +364,17 @@ def test_settings_audit_mends(tmp_path):
     result = CliRunner().invoke(cli, ["train", "--resume", str(tmp_path / "c"), "--print-config"])
     assert result.exit_code == 0 and tomllib.loads(result.stdout)["train"]["steps"] == 10
     assert "settings: " in result.stderr
+
+
+def test_the_model_line_says_how_much_of_the_data_the_run_reads(tmp_path):
+    # A user choosing train.steps (llm.q's default is one epoch) saw no epoch figure anywhere.
+    from nanoq.data import write_tokens
+
+    write_tokens(tmp_path / "train_000000.bin", np.arange(1, 32 * 50 + 2) % 60, 64)  # 50 windows of 32
+    args = [*TINY_MODEL, "--train_data", tmp_path / "train_*.bin", "--eval_every", "0", "--checkpoint_every", "0",
+            "--sample_every", "0", "--seq_len", "32", "--out_dir", tmp_path / "runs", "--warmup_steps", "0"]
+    lines = invoke("train", *args, "--steps", "5").output.splitlines()  # 5 steps x 2 rows: 10 of 50 windows
+    assert next(line for line in lines if line.startswith("model: ")).endswith(
+        "(1 layer, hidden 32, vocab 64) on cpu x1 (fp32); 5 steps of 64 tokens (20% of an epoch)")
+    lines = invoke("train", *args, "--steps", "50", "--grad_accum", "2").output.splitlines()
+    assert next(line for line in lines if line.startswith("model: ")).endswith("(4.0 epochs)")

@@ -373,6 +373,13 @@ def _model_for_data(config: TrainConfig, datasets) -> ModelConfig:
     return model_config(config, header_vocab, max(dataset.max_token for dataset in datasets) + 1)
 
 
+def epochs_in_words(windows: int, dataset: Dataset) -> str:
+    """How much of ``dataset`` a run of ``windows`` training windows reads:
+    "2.5 epochs", or "3.2% of an epoch" below one."""
+    epochs = windows / dataset.num_windows
+    return f"{epochs:.1f} epochs" if epochs >= 1 else f"{100 * epochs:.2g}% of an epoch"
+
+
 def small_data_warnings(datasets, rows_per_step: int) -> List[str]:
     """A warning for each training Dataset (role ending in train_data) with
     fewer windows than the ``rows_per_step`` sequences of one optimizer step,
@@ -906,9 +913,12 @@ def _train_in(run_dir: str, config: TrainConfig, resumed: Optional[Resume], star
         shapes = trainer.parameter_shapes
         parameters = sum(math.prod(shape) for shape in shapes.values())
         placement = f" ({group.size} processes x {trainer.world_size})" if group.size > 1 else ""
-        say(f"model: {parameters / 1e6:.2f}M parameters ({model.num_hidden_layers} layers, hidden "
+        layers = model.num_hidden_layers
+        say(f"model: {parameters / 1e6:.2f}M parameters ({layers} layer{'s' * (layers != 1)}, hidden "
             f"{model.hidden_size}, vocab {model.vocab_size}) on {trainer.backend} x{world_devices}{placement} "
-            f"({trainer.dtype}); {config.steps} step{'s' * (config.steps != 1)} of {tokens_per_step:,} tokens")
+            f"({trainer.dtype}); {config.steps} step{'s' * (config.steps != 1)} of {tokens_per_step:,} tokens"
+            + (f" ({epochs_in_words(config.steps * loader.batch_rows * config.grad_accum, loader.dataset)})"
+               if isinstance(loader, DataLoader) else ""))
         if trainer.backend in CUDA_BACKENDS:
             info = trainer.get_attention_info(0)
             packed = f"; packed documents: {info['documents']}" if options.packed_documents else ""
