@@ -45,8 +45,11 @@ KvCache ModelMemory::allocate_kv_cache(NamedAllocator& alloc) const {
     cache.up = make("up", dtype_, T * I);
     cache.swiglu = make("swiglu", dtype_, T * I);
     cache.decode_workspace = make("decode-workspace", dtype_, 2 * T * HD);
-    // As many rows of logits as the classifier's chunk holds (at least one).
-    cache.logit_rows = std::clamp(classifier_chunk_rows(), 1, T_);
+    // As many rows of logits as the backend's least classifier chunk holds
+    // (at least one): not the chunk training grew into the free memory, which
+    // generation does not need (sampling reads one row; logits() takes all
+    // rows a chunk at a time) and which made this cache gigabytes of fp32.
+    cache.logit_rows = std::clamp(least_classifier_rows_, 1, T_);
     cache.logits = make("logits", DType::F32, std::int64_t(cache.logit_rows) * c.vocab_size);
     return cache;
 }

@@ -76,6 +76,7 @@ ModelMemory::ModelMemory(const ModelConfig& config, int batch, int time, DType d
       dtype_(dtype),
       classifier_rows_(static_cast<int>(std::clamp<std::int64_t>(classifier_chunk_elements / config.vocab_size, 1,
                                                                   std::int64_t(batch) * time))),
+      least_classifier_rows_(classifier_rows_),
       lora_(lora) {
     const ModelConfig& c = config_;
     const std::int64_t rows = rows_, C = c.hidden_size, I = c.intermediate_size;

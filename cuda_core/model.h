@@ -128,6 +128,7 @@ protected:
     int B_, T_, rows_;
     DType dtype_;
     int classifier_rows_;
+    int least_classifier_rows_;  // the backend's chunk, before use_classifier_rows
     AttentionShape attention_shape_;
     QkvShape qkv_shape_;
     Tensor cos_sin_;                   // [T, D/2, 2] (the identity with learned positions)

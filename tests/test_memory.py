@@ -248,13 +248,17 @@ def test_a_cuda_estimate_without_a_device_size_keeps_the_least_classifier_chunk_
     if not gpu_visible():  # a GPU here would be asked for its memory
         assert plain.classifier_rows == 441
         assert "(the least chunk: on a GPU it grows into the memory left" in plain.table()
-    # Only the stack differs (all rows of logits where it held the MLP frame), and generation's fp32 logits of
-    # one sequence: 1024 rows instead of 441.
+    # Only the stack differs (all rows of logits where it held the MLP frame). Generation's fp32 logits stay
+    # at the least chunk's 441 rows: they followed the grown chunk (all 1024 rows here, up to gigabytes of
+    # fp32 at long sequences), which generation does not need.
     V = 151936
     small = estimate_memory(config, options, backend="cuda", device_memory=16 << 30)
     assert [(a.name, a.bytes) for a in small.allocations if a.name != "activation-stack"] == \
         [(a.name, a.bytes) for a in sized.allocations if a.name != "activation-stack"]
-    assert sized.kv_cache_bytes - small.kv_cache_bytes == 4 * (1024 - 441) * V
+    assert sized.classifier_rows == 8192 and small.classifier_rows == 441
+    assert sized.generation == small.generation
+    (logits,) = [a for a in sized.generation if a.name == "kv-cache.logits"]
+    assert logits.bytes == 4 * 441 * V
     # Suggestions re-plan on the same device size.
     assert sized._with(batch_size=4).device_memory == sized.device_memory
     for bad in (0, -1, 1.5e9, True, "80GB"):

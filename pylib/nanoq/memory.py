@@ -63,7 +63,7 @@ CONTEXTS = ("weights", "master", "gradients", "adam-m", "adam-v", "activations",
 CONTEXT_MEANING = {
     "weights": "the weights: a full copy (stages 1-2) or a shard, embedding, head and two layers (3)",
     "master": "this device's shard of the master weights (none when they are the weights or offloaded)",
-    "gradients": "float32 gradients: a full copy (stage 1) or a shard, embedding, head and one layer (2-3)",
+    "gradients": "float32 gradients: a full copy (stage 1) or a shard, embedding, head and two layers (2-3)",
     "adam-m": "this device's shard of the AdamW first moment (none when offloaded)",
     "adam-v": "this device's shard of the AdamW second moment (none when offloaded)",
     "activations": "kept for backward: residual stream and each layer's (not recomputed) ones",
