@@ -226,7 +226,8 @@ def test_cuda_estimate_of_qwen_0_5b_matches_hand_computation(device_memory):
         # d-residual plus the MLP frame (d-gate, d-up, d-post-norm), all bf16, more than 441 rows of logits.
         assert estimate.classifier_rows == (1 << 26) // V == 441
         assert sizes["activation-stack"] == 2 * rows * C + 2 * (2 * rows * I) + 2 * rows * C
-        assert "logits in chunks of 441 of the 8,192 rows (as many as fit a 16.00 GiB device)" in estimate.table()
+        assert "logits in chunks of 441 of the 8,192 rows (as many as fit in 7/8 of a 16.00 GiB device" in \
+            estimate.table()
     else:
         # An H200: all rows' bf16 logits in one chunk (one pass, one head-gradient matmul), with d-residual
         # and the classifier's d-norm beside them on the stack.
@@ -743,3 +744,15 @@ def test_nothing_fits_names_the_lightest_setting_the_estimator_finds(shared_host
     assert estimate_memory(config, named_options).needed_bytes == lightest
     if shared_host:
         assert line.startswith("nothing fits: even the lightest setting, 1 device with zero_stage 1, "), line
+
+
+def test_the_model_given_twice_and_a_negative_reserve_are_usage_errors(tmp_path):
+    # --model with --init-from estimated --model's and dropped --init-from without a word; a negative
+    # --reserve was said to need a positive size, though 0 is taken.
+    result = invoke("memory", "--model", QWEN_0_5B, "--init-from", tmp_path, "--backend", "cpu")
+    assert result.exit_code == 2 and "give the model once: --model or --init-from, not both" in result.output
+    result = invoke("memory", *TINY_FLAGS, "--reserve", "-1")
+    assert result.exit_code == 2 and "'-1': the size must be zero or more" in result.output
+    assert invoke("memory", *TINY_FLAGS, "--reserve", "0").exit_code == 0
+    result = invoke("memory", *TINY_FLAGS, "--device-memory", "0")
+    assert result.exit_code == 2 and "'0': the size must be positive" in result.output

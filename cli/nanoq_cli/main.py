@@ -40,7 +40,7 @@ def _parse_size(text: str, allow_zero: bool = False) -> int:
         raise ValueError(f"{text!r} is not a finite size of at most {_SIZE_LIMIT} bytes")
     size = int(number)
     if size < 0 or (size == 0 and not allow_zero):
-        raise ValueError(f"{text!r}: the size must be positive")
+        raise ValueError(f"{text!r}: the size must be {'zero or more' if allow_zero else 'positive'}")
     return size
 
 
@@ -364,7 +364,8 @@ def _memory_model(config, model_path, datasets):
 @click.option("--model", "model_path", type=click.Path(exists=True), metavar="HF_DIR_OR_CONFIG_JSON",
               help="Estimate this Hugging Face model (a directory or its config.json) instead of [model].")
 @click.option("--device-memory", type=Size(), metavar="SIZE",
-              help="Memory of one device to check the fit against (80GB = 80*10^9 bytes, 80GiB = 80*2^30), "
+              help="Memory of one device to check the fit against (80GB = 80*10^9 bytes, 80GiB = 80*2^30; "
+              "what the GPU reports is best: an H100 80GB has 81559MiB, an H200 143771MiB), "
               "and on cuda to size the classifier's logits chunk as on such a GPU; default: the smallest GPU "
               "that nvidia-ml-py sees, on the cuda backend; on cpu, each device's share of the host memory "
               "available here.")
@@ -405,6 +406,8 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, processes
         except (ImportError, ValueError, OSError) as e:
             raise _fail(e) from None
     overrides = {name: value for name, value in flags.items() if value is not None}
+    if model_path is not None and overrides.get("init_from"):  # (--model would win silently)
+        raise click.UsageError("give the model once: --model or --init-from, not both")
     device_bytes, reserve_bytes = device_memory, reserve
     try:
         config = load_config(config_file, overrides)
@@ -454,7 +457,7 @@ def memory(config_file, model_path, device_memory, reserve, plot_path, processes
             click.echo(f"  suggestion: {line}")
     elif from_nvml:
         click.echo("(no GPU that nvidia-ml-py sees here to check the fit against: give --device-memory SIZE, "
-                   "e.g. 80GB, for a verdict and suggestions)")
+                   "e.g. 81559MiB for an H100 80GB, for a verdict and suggestions)")
     if plot_path:
         from nanoq.plot import plot_memory
 

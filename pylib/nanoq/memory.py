@@ -276,7 +276,8 @@ class MemoryEstimate:
                 line += (" (the least chunk: on a GPU it grows into the memory left, up to one chunk; give "
                          "device_memory, nanoq memory --device-memory, to plan a device of that size)")
             else:
-                line += f" (as many as fit a {human_bytes(self.device_memory)} device)"
+                line += (f" (as many as fit in 7/8 of a {human_bytes(self.device_memory)} device, the rest left to "
+                         f"what the allocator does not see)")
         return line
 
     def describe(self) -> str:
